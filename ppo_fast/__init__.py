@@ -1,0 +1,45 @@
+"""ppo_fast: a kernel-accelerated PPO core for RLHF of language models.
+
+Drop-in ops (all inputs ``[B, T]`` with a 1/True response mask unless said otherwise)::
+
+    import ppo_fast as pf
+    logp, ent = pf.token_logprobs(logits, labels, temperature=0.7, return_entropy=True)
+    rewards, kl = pf.kl_penalized_rewards(scores, logp, ref_logp, mask, kl_coef=0.05)
+    adv, ret = pf.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    loss, stats = pf.clipped_policy_loss(logp, old_logp, pf.masked_whiten(adv, mask), mask)
+
+Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
+(``reference``, ``triton``, ``native`` or ``auto``); see ``pf.available_backends()``.
+"""
+
+from .backends import BackendUnavailableError, available_backends, current_backend, use_backend
+from .kl_control import AdaptiveKLController, FixedKLController
+from .ops import (
+    clipped_policy_loss,
+    gae,
+    kl_estimate,
+    kl_penalized_rewards,
+    masked_mean,
+    masked_whiten,
+    token_logprobs,
+    value_loss,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "token_logprobs",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "gae",
+    "masked_mean",
+    "masked_whiten",
+    "clipped_policy_loss",
+    "value_loss",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "available_backends",
+    "current_backend",
+    "use_backend",
+    "BackendUnavailableError",
+]

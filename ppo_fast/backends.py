@@ -1,0 +1,152 @@
+"""Backend registry and selection.
+
+Every public op has one implementation per backend:
+
+* ``reference`` -- plain PyTorch (``ppo_fast.reference``), always available, the oracle;
+* ``triton``    -- Triton kernels (``ppo_fast.kernels``, wrapped with autograd in
+  ``ppo_fast.ops.triton_backend``), CUDA tensors (CPU tensors only under
+  ``TRITON_INTERPRET=1``, for testing);
+* ``native``    -- the C++/CUDA extension ``ppo_fast._C`` (``ppo_fast.ops.native_backend``).
+
+The backend used by an op is chosen by ``with use_backend(name):``, else by the
+environment variable ``PPO_FAST_BACKEND``, else ``auto``.  ``auto`` walks the op's
+preference list for the tensors' device and takes the first backend that is
+*available* (imported, compiled, kernels registered for that device) and that
+serves the op there; it never picks a backend whose import or build failed.
+An explicit backend that cannot serve an op raises :class:`BackendUnavailableError`
+saying why, instead of falling back silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+BACKENDS = ("reference", "triton", "native")
+_CHOICES = BACKENDS + ("auto",)
+
+# Module holding each backend's implementations.  A backend module exposes
+# ``availability() -> (bool, str)`` and ``SUPPORTED: dict[op, set[device_type]]``
+# and one function per supported op, with the reference's signature.
+_MODULES = {
+    "reference": "ppo_fast.reference",
+    "triton": "ppo_fast.ops.triton_backend",
+    "native": "ppo_fast.ops.native_backend",
+}
+
+# ``auto`` preference per op and device type: fastest correct path first.
+_AUTO_ORDER = {
+    "cuda": {
+        "token_logprobs": ("triton", "native", "reference"),
+        "kl_estimate": ("triton", "native", "reference"),
+        "kl_penalized_rewards": ("triton", "native", "reference"),
+        "gae": ("triton", "native", "reference"),
+        "clipped_policy_loss": ("native", "triton", "reference"),
+        "value_loss": ("native", "triton", "reference"),
+    },
+    # The Triton interpreter is a correctness tool, never a fast path on CPU.
+    "cpu": {},
+}
+_DEFAULT_ORDER = ("native", "reference")
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot serve an op on the given device."""
+
+
+def _validate_name(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in _CHOICES:
+        raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
+    return name.lower()
+
+
+_requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("ppo_fast_backend", default=None)
+
+
+def current_backend() -> str:
+    """The backend name in force: ``use_backend`` > ``$PPO_FAST_BACKEND`` > ``auto``."""
+    name = _requested.get()
+    if name is None:
+        name = os.environ.get("PPO_FAST_BACKEND", "auto") or "auto"
+        try:
+            name = _validate_name(name)
+        except ValueError as err:
+            raise ValueError(f"PPO_FAST_BACKEND: {err}") from None
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the ops inside the ``with`` block on backend ``name`` (or ``"auto"``)."""
+    token = _requested.set(_validate_name(name))
+    try:
+        yield
+    finally:
+        _requested.reset(token)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    available: bool
+    detail: str
+    module: object | None
+
+
+_INFO: dict[str, BackendInfo] = {}
+
+
+def backend_info(name: str) -> BackendInfo:
+    """Import backend ``name`` once and report whether it works, and why not."""
+    if name not in _INFO:
+        try:
+            module = importlib.import_module(_MODULES[name])
+            ok, detail = module.availability()
+        except Exception as err:  # an import error is the reason, not a crash
+            module, ok, detail = None, False, f"import of {_MODULES[name]} failed: {type(err).__name__}: {err}"
+        _INFO[name] = BackendInfo(ok, detail, module if ok else None)
+    return _INFO[name]
+
+
+def available_backends() -> dict[str, str]:
+    """Each backend with ``"available: ..."`` or the reason it is unavailable."""
+    return {
+        name: ("available: " if info.available else "unavailable: ") + info.detail
+        for name in BACKENDS
+        for info in [backend_info(name)]
+    }
+
+
+def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
+    info = backend_info(name)
+    if not info.available:
+        return False, f"backend {name!r} is unavailable: {info.detail}"
+    devices = info.module.SUPPORTED.get(op, set())
+    if device_type not in devices:
+        where = ", ".join(sorted(devices)) or "no device"
+        return False, f"backend {name!r} serves {op} on {where}, not on {device_type} tensors"
+    return True, ""
+
+
+def resolve(op: str, device_type: str) -> Callable:
+    """The implementation of ``op`` for tensors on ``device_type`` under the current choice."""
+    name = current_backend()
+    if name != "auto":
+        ok, why = _serves(name, op, device_type)
+        if not ok:
+            raise BackendUnavailableError(f"{op}: {why}")
+        return getattr(backend_info(name).module, op)
+    order = _AUTO_ORDER.get(device_type, {}).get(op, _DEFAULT_ORDER)
+    for candidate in order:
+        if _serves(candidate, op, device_type)[0]:
+            return getattr(backend_info(candidate).module, op)
+    return getattr(backend_info("reference").module, op)
+
+
+def resolved_backend_name(op: str, device_type: str) -> str:
+    """Which backend ``resolve`` would use (for logging and benchmarks)."""
+    fn = resolve(op, device_type)
+    return next(n for n in BACKENDS if backend_info(n).module is not None and getattr(backend_info(n).module, op, None) is fn)

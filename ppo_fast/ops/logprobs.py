@@ -1,0 +1,70 @@
+"""Public op: log-probs (and entropy) of chosen tokens, fused with the log-softmax."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validation as check
+from ..backends import resolve
+
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _rows_view(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as ``[N, V]`` or ``[B, T, V]`` with a unit last stride, without copying when possible.
+
+    A slice such as ``logits[:, :-1]`` cannot be viewed as ``[N, V]``; it stays 3-D
+    so that no backend needs an ``[N, V]`` copy of it.
+    """
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if logits.dim() in (2, 3):
+        return logits
+    vocab = logits.shape[-1]
+    if logits.dim() == 1:
+        return logits.view(1, vocab)
+    try:
+        return logits.view(-1, vocab)
+    except RuntimeError:
+        return logits.reshape(-1, logits.shape[-2], vocab)
+
+
+def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100):
+    """Log-probability of ``labels`` under ``log_softmax(logits / temperature)``.
+
+    Args:
+        logits: ``[..., V]`` float32, bfloat16 or float16 (float64 for gradcheck).
+        labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
+        temperature: the sampling temperature (> 0), folded into the softmax.
+        return_entropy: also return the entropy of ``softmax(logits / temperature)``.
+        ignore_index: label value whose positions give 0 log-prob and 0 entropy and
+            pass no gradient.
+
+    Returns:
+        ``logprobs [...]`` float32, or ``(logprobs, entropy)`` with ``return_entropy``.
+        A row whose chosen logit is ``-inf`` gives log-prob ``-inf``; NaN anywhere in
+        a row gives NaN for that row only.  Differentiable w.r.t. ``logits``.
+    """
+    check.tensor("logits", logits, dtypes=_LOGIT_DTYPES, min_ndim=1)
+    check.tensor("labels", labels, dtypes=check.INT_DTYPES)
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+    check.same_device(logits=logits, labels=labels)
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dim, got V = 0")
+    temperature = check.real("temperature", temperature, low=0.0, low_open=True)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
+    vocab = logits.shape[-1]
+    labels = labels.long()
+    if check.data_checks_enabled() and labels.numel():
+        bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+        if bool(bad.any()):
+            raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")
+    rows = _rows_view(logits)
+    flat_labels = labels.reshape(rows.shape[:-1])
+    logp, entropy = resolve("token_logprobs", logits.device.type)(rows, flat_labels, temperature, return_entropy, ignore_index)
+    logp = logp.view(labels.shape)
+    return (logp, entropy.view(labels.shape)) if return_entropy else logp

@@ -1,0 +1,54 @@
+"""Public ops: per-token KL estimates and the KL-penalised per-token reward."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validation as check
+from ..backends import resolve
+from ..reference import KL_ESTIMATORS
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.
+
+    ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``;
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` clamped to [-10, 10] (the log-ratio is
+    first clamped to [-20, 20] so that +-inf inputs stay finite); ``abs = |logp - ref|``.
+    Any shape, float32 output.
+    """
+    check.tensor("logprobs", logprobs)
+    check.tensor("ref_logprobs", ref_logprobs)
+    check.same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
+    check.same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    check.choice("estimator", estimator, KL_ESTIMATORS)
+    return resolve("kl_estimate", logprobs.device.type)(logprobs, ref_logprobs, estimator)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, estimator="k1"):
+    """Per-token reward ``r_t = -kl_coef * kl_t + score * [t is the row's last valid token]``.
+
+    Args:
+        scores: ``[B]`` sequence-level reward (e.g. the reward model's score).
+        logprobs, ref_logprobs: ``[B, T]`` log-probs of the sampled tokens under the
+            policy and the frozen reference.
+        mask: ``[B, T]`` 1/True at valid response tokens.
+        kl_coef: the KL penalty coefficient beta (>= 0).
+        estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (see :func:`kl_estimate`).
+
+    Returns:
+        ``(rewards, kl)``, both ``[B, T]`` float32 and 0 at masked positions.  A row
+        with no valid token gets no score.
+    """
+    check.tensor("logprobs", logprobs, ndim=2)
+    check.tensor("ref_logprobs", ref_logprobs, ndim=2)
+    check.same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
+    check.tensor("scores", scores, ndim=1)
+    if scores.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"scores must have shape [B] = ({logprobs.shape[0]},), got {tuple(scores.shape)}")
+    check.same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores, mask=mask if isinstance(mask, torch.Tensor) else None)
+    mask = check.mask("mask", mask, logprobs.shape)
+    kl_coef = check.real("kl_coef", kl_coef, low=0.0)
+    check.choice("estimator", estimator, KL_ESTIMATORS)
+    fn = resolve("kl_penalized_rewards", logprobs.device.type)
+    return fn(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)

@@ -1,0 +1,218 @@
+"""Plain-PyTorch reference implementations: readable, differentiable, the oracle.
+
+Every function here takes inputs already validated and normalised by
+``ppo_fast.ops`` (masks are bool, shapes agree) and returns float32 results.
+The fast backends implement exactly these signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED = {
+    op: {"cpu", "cuda"}
+    for op in ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
+}
+
+# Rows per chunk in token_logprobs: at most this many float32 logits live at once,
+# so a bf16 [N, V] input never gets a float32 [N, V] copy.
+_CHUNK_ELEMENTS = 1 << 24
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def availability() -> tuple[bool, str]:
+    return True, "plain PyTorch, every op on every device"
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def _logprobs_rows(logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int):
+    """log-prob (and entropy) of rows ``logits [n, V]`` at ``labels [n]``, computed in float32."""
+    valid = labels != ignore_index
+    z = logits.float() / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    chosen = logp_all.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(valid, chosen, 0.0)
+    if not return_entropy:
+        return logp, None
+    p = logp_all.exp()
+    # p·log p is 0 where p == 0 (a -inf logit); the where keeps its gradient finite too.
+    safe_logp = torch.where(p > 0, logp_all, 0.0)
+    entropy = -(p * safe_logp).sum(-1)
+    return logp, torch.where(valid, entropy, 0.0)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int):
+    """``log_softmax(logits / temperature)`` at ``labels`` (and the entropy), float32.
+
+    ``logits`` is ``[N, V]`` or ``[B, T, V]`` with a contiguous last dim; ``labels``
+    has the leading shape.  Processed in row chunks so that a bf16 input never has a
+    float32 copy of all of it (without autograd; with autograd the chunks' softmax is
+    kept for backward, as eager PyTorch does).
+    """
+    if logits.dim() == 3:
+        parts = [token_logprobs(logits[b], labels[b], temperature, return_entropy, ignore_index) for b in range(logits.shape[0])]
+        logp = torch.stack([p[0] for p in parts]) if parts else logits.new_zeros(labels.shape, dtype=torch.float32)
+        ent = (torch.stack([p[1] for p in parts]) if parts else torch.zeros_like(logp)) if return_entropy else None
+        return logp, ent
+    n, vocab = logits.shape
+    rows = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    outs = [_logprobs_rows(logits[i : i + rows], labels[i : i + rows], temperature, return_entropy, ignore_index) for i in range(0, n, rows)]
+    if not outs:
+        empty = logits.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty.clone() if return_entropy else None)
+    logp = torch.cat([o[0] for o in outs])
+    ent = torch.cat([o[1] for o in outs]) if return_entropy else None
+    return logp, ent
+
+
+# --------------------------------------------------------------------------- KL and rewards
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs."""
+    log_ratio = logprobs.float() - ref_logprobs.float()
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "abs":
+        return log_ratio.abs()
+    # k3 (Schulman's low-variance estimator).  The inner clamp only keeps exp finite
+    # for +-inf inputs; the outer clamp to [-10, 10] is the estimator's definition.
+    d = (-log_ratio).clamp(-20.0, 20.0)
+    return (d.exp() - d - 1.0).clamp(-10.0, 10.0)
+
+
+def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: index of the last True in ``mask [B, T]`` and whether the row has any."""
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    last = (mask * positions).argmax(dim=-1)
+    return last, mask.any(dim=-1)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
+    """``r_t = -kl_coef * kl_t`` at valid tokens, plus the score at each row's last valid token."""
+    kl = torch.where(mask, kl_estimate(logprobs, ref_logprobs, estimator), 0.0)
+    rewards = -kl_coef * kl
+    last, has_valid = last_valid_index(mask)
+    bonus = torch.where(has_valid, scores.float(), 0.0)
+    rewards = rewards.scatter_add(-1, last.unsqueeze(-1), bonus.unsqueeze(-1))
+    return rewards, kl
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalised advantage estimation, one reverse step per token over the batch.
+
+    The valid tokens of a row form its episode: a masked token is skipped (the next
+    valid value and the running advantage pass through it) and the value after the
+    last valid token is 0.  Outputs are 0 at masked positions.
+    """
+    rewards, values = rewards.float(), values.float()
+    batch, length = rewards.shape
+    next_value = rewards.new_zeros(batch)
+    running = rewards.new_zeros(batch)
+    advantages = torch.zeros_like(rewards)
+    for t in range(length - 1, -1, -1):
+        valid = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * running
+        running = torch.where(valid, step, running)
+        next_value = torch.where(valid, values[:, t], next_value)
+        advantages[:, t] = torch.where(valid, step, 0.0)
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of ``x`` over ``mask``; 0 where nothing is valid."""
+    m = mask.to(torch.float32)
+    total = (x.float() * m).sum() if dim is None else (x.float() * m).sum(dim)
+    count = m.sum() if dim is None else m.sum(dim)
+    return total / count.clamp_min(1.0)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the valid entries (Bessel-corrected variance).
+
+    With ``shift_mean=False`` the mean is added back (scale only).  Masked entries are 0.
+    """
+    m = mask.to(torch.float32)
+    x32 = x.float()
+    count = m.sum()
+    mean = (x32 * m).sum() / count.clamp_min(1.0)
+    var = ((x32 - mean).square() * m).sum() / (count - 1.0).clamp_min(1.0)
+    whitened = (x32 - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, 0.0)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss over ``mask`` the way verl's ``agg_loss`` does.
+
+    Empty selections give 0 rather than NaN (a batch of padding has no loss).
+    """
+    m = mask.to(per_token.dtype)
+    masked = per_token * m
+    if agg == "token-sum":
+        return masked.sum()
+    if agg == "token-mean":
+        return masked.sum() / m.sum().clamp_min(1.0)
+    row_tokens = m.sum(-1)
+    row_has_tokens = (row_tokens > 0).to(per_token.dtype)
+    row_sum = masked.sum(-1)
+    if agg == "seq-mean-token-mean":
+        row_loss = row_sum / row_tokens.clamp_min(1.0)
+    else:  # seq-mean-token-sum and its -norm variant
+        row_loss = row_sum
+    loss = (row_loss * row_has_tokens).sum() / row_has_tokens.sum().clamp_min(1.0)
+    if agg == "seq-mean-token-sum-norm":
+        loss = loss / per_token.shape[-1]
+    return loss
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low: float, clip_high: float, dual_clip, agg: str):
+    """PPO clipped surrogate (to minimise) and its stats ``(loss, clipfrac, clipfrac_lower, approx_kl)``."""
+    logp = logprobs.float()
+    old = old_logprobs.float()
+    adv = advantages.float()
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(unclipped, clipped)
+    clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        capped = (adv < 0) & (cap < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+        clipfrac_lower = masked_mean(capped.float(), mask)
+    else:
+        clipfrac_lower = torch.zeros((), device=logp.device)
+    if weights is not None:
+        pg = pg * weights.float()
+    loss = aggregate(pg, mask, agg)
+    approx_kl = masked_mean(old - logp, mask)
+    return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
+
+
+def value_loss(values, old_values, returns, mask, clip: float, agg: str):
+    """Clipped value loss ``0.5 * max((V - R)^2, (clip(V) - R)^2)`` and its clip fraction."""
+    v = values.float()
+    old = old_values.float()
+    ret = returns.float()
+    v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)
+    unclipped = (v - ret).square()
+    clipped = (v_clipped - ret).square()
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
+    clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    return aggregate(per_token, mask, agg), clipfrac.detach()
