@@ -45,8 +45,13 @@ def _logprobs_rows(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return logp, torch.where(valid, entropy, 0.0)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int):
+def token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False
+):
     """``log_softmax(logits / temperature)`` at ``labels`` (and the entropy), float32.
+
+    ``inplace_backward`` is a memory hint for the fast backends; the reference never
+    overwrites its input.
 
     ``logits`` is ``[N, V]`` or ``[B, T, V]`` with a contiguous last dim; ``labels``
     has the leading shape.  Processed in row chunks so that a bf16 input never has a

@@ -29,7 +29,7 @@ def _rows_view(logits: torch.Tensor) -> torch.Tensor:
         return logits.reshape(-1, logits.shape[-2], vocab)
 
 
-def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100):
+def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100, inplace_backward=False):
     """Log-probability of ``labels`` under ``log_softmax(logits / temperature)``.
 
     Args:
@@ -39,6 +39,10 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
         return_entropy: also return the entropy of ``softmax(logits / temperature)``.
         ignore_index: label value whose positions give 0 log-prob and 0 entropy and
             pass no gradient.
+        inplace_backward: let the backward write the gradient into the logits'
+            buffer instead of a new ``[N, V]`` tensor (saves memory; the logits are
+            destroyed by the backward).  Honoured by the Triton backend; others
+            allocate as usual.  Off by default.
 
     Returns:
         ``logprobs [...]`` float32, or ``(logprobs, entropy)`` with ``return_entropy``.
@@ -55,8 +59,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     temperature = check.real("temperature", temperature, low=0.0, low_open=True)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
+    for flag_name, flag in (("return_entropy", return_entropy), ("inplace_backward", inplace_backward)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
     vocab = logits.shape[-1]
     labels = labels.long()
     if check.data_checks_enabled() and labels.numel():
@@ -65,6 +70,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
             raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")
     rows = _rows_view(logits)
     flat_labels = labels.reshape(rows.shape[:-1])
-    logp, entropy = resolve("token_logprobs", logits.device.type)(rows, flat_labels, temperature, return_entropy, ignore_index)
+    logp, entropy = resolve("token_logprobs", logits.device.type)(
+        rows, flat_labels, temperature, return_entropy, ignore_index, inplace_backward
+    )
     logp = logp.view(labels.shape)
     return (logp, entropy.view(labels.shape)) if return_entropy else logp
