@@ -1,7 +1,8 @@
 """Plain-PyTorch reference implementations: readable, differentiable, the oracle.
 
 Every function here takes inputs already validated and normalised by
-``ppo_fast.ops`` (masks are bool, shapes agree) and returns float32 results.
+``ppo_fast.ops`` (masks are bool, shapes agree) and returns float32 results
+(float64 for float64 inputs, so that gradients can be checked numerically).
 The fast backends implement exactly these signatures.
 """
 
@@ -22,6 +23,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """float32 for float32/bf16/fp16 inputs; float64 stays float64 (for gradcheck)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def availability() -> tuple[bool, str]:
     return True, "plain PyTorch, every op on every device"
 
@@ -32,7 +38,7 @@ def availability() -> tuple[bool, str]:
 def _logprobs_rows(logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int):
     """log-prob (and entropy) of rows ``logits [n, V]`` at ``labels [n]``, computed in float32."""
     valid = labels != ignore_index
-    z = logits.float() / temperature
+    z = _upcast(logits) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     chosen = logp_all.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(valid, chosen, 0.0)
@@ -79,7 +85,7 @@ def token_logprobs(
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs."""
-    log_ratio = logprobs.float() - ref_logprobs.float()
+    log_ratio = _upcast(logprobs) - _upcast(ref_logprobs)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -104,7 +110,7 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, e
     kl = torch.where(mask, kl_estimate(logprobs, ref_logprobs, estimator), 0.0)
     rewards = -kl_coef * kl
     last, has_valid = last_valid_index(mask)
-    bonus = torch.where(has_valid, scores.float(), 0.0)
+    bonus = torch.where(has_valid, scores.to(rewards.dtype), 0.0)
     rewards = rewards.scatter_add(-1, last.unsqueeze(-1), bonus.unsqueeze(-1))
     return rewards, kl
 
@@ -119,7 +125,7 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     valid value and the running advantage pass through it) and the value after the
     last valid token is 0.  Outputs are 0 at masked positions.
     """
-    rewards, values = rewards.float(), values.float()
+    rewards, values = _upcast(rewards), _upcast(values)
     batch, length = rewards.shape
     next_value = rewards.new_zeros(batch)
     running = rewards.new_zeros(batch)
@@ -137,8 +143,9 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of ``x`` over ``mask``; 0 where nothing is valid."""
-    m = mask.to(torch.float32)
-    total = (x.float() * m).sum() if dim is None else (x.float() * m).sum(dim)
+    x = _upcast(x)
+    m = mask.to(x.dtype)
+    total = (x * m).sum() if dim is None else (x * m).sum(dim)
     count = m.sum() if dim is None else m.sum(dim)
     return total / count.clamp_min(1.0)
 
@@ -146,10 +153,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the valid entries (Bessel-corrected variance).
 
-    With ``shift_mean=False`` the mean is added back (scale only).  Masked entries are 0.
+    With ``shift_mean=False`` the mean is added back after scaling, as TRL and verl do.  Masked entries are 0.
     """
-    m = mask.to(torch.float32)
-    x32 = x.float()
+    x32 = _upcast(x)
+    m = mask.to(x32.dtype)
     count = m.sum()
     mean = (x32 * m).sum() / count.clamp_min(1.0)
     var = ((x32 - mean).square() * m).sum() / (count - 1.0).clamp_min(1.0)
@@ -188,9 +195,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Te
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low: float, clip_high: float, dual_clip, agg: str):
     """PPO clipped surrogate (to minimise) and its stats ``(loss, clipfrac, clipfrac_lower, approx_kl)``."""
-    logp = logprobs.float()
-    old = old_logprobs.float()
-    adv = advantages.float()
+    logp = _upcast(logprobs)
+    old = _upcast(old_logprobs)
+    adv = _upcast(advantages)
     ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -204,7 +211,7 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_
     else:
         clipfrac_lower = torch.zeros((), device=logp.device)
     if weights is not None:
-        pg = pg * weights.float()
+        pg = pg * _upcast(weights)
     loss = aggregate(pg, mask, agg)
     approx_kl = masked_mean(old - logp, mask)
     return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
@@ -212,9 +219,9 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_
 
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
     """Clipped value loss ``0.5 * max((V - R)^2, (clip(V) - R)^2)`` and its clip fraction."""
-    v = values.float()
-    old = old_values.float()
-    ret = returns.float()
+    v = _upcast(values)
+    old = _upcast(old_values)
+    ret = _upcast(returns)
     v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)
     unclipped = (v - ret).square()
     clipped = (v_clipped - ret).square()

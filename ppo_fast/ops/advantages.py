@@ -47,8 +47,8 @@ def masked_mean(x, mask, dim=None):
 def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8):
     """Normalise ``x`` to zero mean and unit variance over the valid entries.
 
-    The variance is Bessel-corrected (as in TRL and verl); with ``shift_mean=False``
-    only the scale changes.  Masked entries are 0 in the output.  At least one valid
+    The variance is Bessel-corrected; with ``shift_mean=False`` the mean is added
+    back after scaling (both as in TRL and verl).  Masked entries are 0 in the output.  At least one valid
     entry is required (a batch of padding has nothing to whiten).
     """
     check.tensor("x", x)
