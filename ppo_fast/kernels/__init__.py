@@ -1,0 +1,20 @@
+"""Triton kernels and their launchers (no autograd; see ``ppo_fast.ops.triton_backend``).
+
+Every kernel loads its inputs, converts them to float32 at once and computes in
+float32 (bf16 arithmetic is also wrong under the Triton interpreter).  Float
+hyper-parameters are cast to float32 inside the kernels because torch.compile
+passes Python floats as float64.
+"""
+
+from .gae import gae_forward
+from .kl_reward import kl_backward, kl_estimate_forward, kl_penalized_rewards_forward
+from .logprobs import token_logprobs_backward, token_logprobs_forward
+
+__all__ = [
+    "token_logprobs_forward",
+    "token_logprobs_backward",
+    "kl_estimate_forward",
+    "kl_backward",
+    "kl_penalized_rewards_forward",
+    "gae_forward",
+]

@@ -1,0 +1,231 @@
+"""The Triton backend: ``ppo_fast.kernels`` wrapped as torch.library custom ops with autograd.
+
+Each op is a ``torch.library.custom_op`` (with a fake implementation), so that
+``torch.compile(fullgraph=True)`` treats it as one opaque node without graph
+breaks.  Differentiable: ``token_logprobs`` (w.r.t. logits), ``kl_estimate`` and
+``kl_penalized_rewards`` (w.r.t. the log-probs and scores).  ``gae`` is not: its
+outputs are regression/policy targets, computed without gradient, and a backward
+through it raises.
+
+Served on CUDA tensors; on CPU tensors only under ``TRITON_INTERPRET=1`` (the
+interpreter, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+OPS = ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae")
+_DEVICES = {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"}
+SUPPORTED = {op: set(_DEVICES) for op in OPS}
+
+try:
+    from .. import kernels
+except ImportError as err:  # triton missing or broken: availability() says so
+    kernels = None
+    _IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+
+def availability() -> tuple[bool, str]:
+    if kernels is None:
+        return False, f"triton cannot be imported ({_IMPORT_ERROR})"
+    if "cpu" in _DEVICES:
+        return True, "Triton interpreter (TRITON_INTERPRET=1): CPU tensors, for testing"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
+    return True, "Triton kernels on CUDA"
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+@torch.library.custom_op("ppo_fast_triton::token_logprobs", mutates_args=())
+def _token_logprobs_op(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)``; entropy is empty without ``return_entropy``.  ``inplace_backward`` is read by the backward."""
+    logp, entropy, lse = kernels.token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index)
+    return logp, (entropy if return_entropy else logp.new_empty(0)), lse
+
+
+@_token_logprobs_op.register_fake
+def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward):
+    logp = labels.new_empty(labels.shape, dtype=torch.float32)
+    return logp, logp.new_empty(labels.shape if return_entropy else (0,)), torch.empty_like(logp)
+
+
+@torch.library.custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
+def _token_logprobs_backward_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    return kernels.token_logprobs_backward(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index)
+
+
+@_token_logprobs_backward_op.register_fake
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("ppo_fast_triton::token_logprobs_backward_inplace", mutates_args=("logits",))
+def _token_logprobs_backward_inplace_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> None:
+    kernels.token_logprobs_backward(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits)
+
+
+@_token_logprobs_backward_inplace_op.register_fake
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+    return None
+
+
+def _token_logprobs_setup(ctx, inputs, output):
+    logits, labels, ctx.temperature, _, ctx.ignore_index, ctx.inplace_backward = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused entropy needs no entropy term in the backward
+
+
+def _token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    args = (logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
+    if ctx.inplace_backward:
+        _token_logprobs_backward_inplace_op(*args)
+        grad_logits = logits
+    else:
+        grad_logits = _token_logprobs_backward_op(*args)
+    return grad_logits, None, None, None, None, None
+
+
+_token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
+
+
+def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False):
+    logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)
+    return logp, (entropy if return_entropy else None)
+
+
+# --------------------------------------------------------------------------- KL and rewards
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_estimate", mutates_args=())
+def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    return kernels.kl_estimate_forward(logprobs, ref_logprobs, estimator)
+
+
+@_kl_estimate_op.register_fake
+def _(logprobs, ref_logprobs, estimator):
+    return logprobs.new_empty(logprobs.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_backward", mutates_args=())
+def _kl_backward_op(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, estimator: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.kl_backward(logprobs, ref_logprobs, grad_kl, estimator)
+
+
+@_kl_backward_op.register_fake
+def _(logprobs, ref_logprobs, grad_kl, estimator):
+    return torch.empty_like(logprobs), torch.empty_like(ref_logprobs)
+
+
+def _kl_estimate_setup(ctx, inputs, output):
+    logprobs, ref_logprobs, ctx.estimator = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs)
+
+
+def _kl_estimate_backward(ctx, grad_kl):
+    logprobs, ref_logprobs = ctx.saved_tensors
+    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, grad_kl, ctx.estimator)
+    return grad_logp, grad_ref, None
+
+
+_kl_estimate_op.register_autograd(_kl_estimate_backward, setup_context=_kl_estimate_setup)
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator):
+    return _kl_estimate_op(logprobs, ref_logprobs, estimator)
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards", mutates_args=())
+def _kl_penalized_rewards_op(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, estimator: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rewards, kl, last)``: ``last [B]`` int32 is each row's last valid index (-1 if none), for the backward."""
+    return kernels.kl_penalized_rewards_forward(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+
+
+@_kl_penalized_rewards_op.register_fake
+def _(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+    rewards = logprobs.new_empty(logprobs.shape, dtype=torch.float32)
+    return rewards, torch.empty_like(rewards), scores.new_empty(scores.shape, dtype=torch.int32)
+
+
+def _kl_penalized_rewards_setup(ctx, inputs, output):
+    scores, logprobs, ref_logprobs, mask, ctx.kl_coef, ctx.estimator = inputs
+    ctx.scores_dtype = scores.dtype
+    last = output[2]
+    ctx.save_for_backward(logprobs, ref_logprobs, mask, last)
+    ctx.mark_non_differentiable(last)
+    ctx.set_materialize_grads(False)
+
+
+def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
+    logprobs, ref_logprobs, mask, last = ctx.saved_tensors
+    # rewards = -kl_coef * kl + score at the last valid token, kl = 0 at masked tokens.
+    grad_through_kl = torch.zeros_like(logprobs, dtype=torch.float32)
+    if grad_kl is not None:
+        grad_through_kl = grad_through_kl + grad_kl
+    if grad_rewards is not None:
+        grad_through_kl = grad_through_kl - ctx.kl_coef * grad_rewards
+    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, torch.where(mask, grad_through_kl, 0.0), ctx.estimator)
+    grad_scores = None
+    if grad_rewards is not None:
+        at_last = grad_rewards.gather(-1, last.long().clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        grad_scores = torch.where(last >= 0, at_last, 0.0).to(ctx.scores_dtype)
+    return grad_scores, grad_logp, grad_ref, None, None, None
+
+
+_kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup_context=_kl_penalized_rewards_setup)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+    rewards, kl, _ = _kl_penalized_rewards_op(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+    return rewards, kl
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+@torch.library.custom_op("ppo_fast_triton::gae", mutates_args=())
+def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.gae_forward(rewards, values, mask, gamma, lam)
+
+
+@_gae_op.register_fake
+def _(rewards, values, mask, gamma, lam):
+    advantages = rewards.new_empty(rewards.shape, dtype=torch.float32)
+    return advantages, torch.empty_like(advantages)
+
+
+def gae(rewards, values, mask, gamma, lam):
+    return _gae_op(rewards, values, mask, gamma, lam)
