@@ -1,0 +1,29 @@
+"""The README's two commands are the ones CI runs, and its API example runs."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _quick_start_commands():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", section, flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
+    commands = _quick_start_commands()
+    assert len(commands) == 2, commands
+    train, test = commands
+    assert train.endswith("ppo-fast train")
+    assert test.endswith("-m pytest")
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test in ci_lines
+
+
+def test_readme_api_example_runs():
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("## API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "README.md example", "exec"), {})
