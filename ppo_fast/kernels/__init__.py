@@ -1,8 +1,9 @@
 """Triton kernels and their launchers (no autograd; see ``ppo_fast.ops.triton_backend``).
 
 Every kernel loads its inputs, converts them to float32 at once and computes in
-float32 (bf16 arithmetic is also wrong under the Triton interpreter).  Float
-hyper-parameters are cast to float32 inside the kernels because torch.compile
+float32 (bf16 arithmetic is also wrong under the Triton interpreter); float64
+inputs are computed and returned in float64, as the reference does.  Float
+hyper-parameters are cast to the compute type inside the kernels because torch.compile
 passes Python floats as float64.
 """
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dtypes import compute_dtype, result_dtype
+
 MAX_BLOCK_T = 1024
 
 
@@ -44,15 +46,16 @@ def _gae_kernel(
     mask_stride1,
     gamma,
     lam,
+    ACC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    gamma = tl.cast(gamma, tl.float32)
-    gamma_lam = gamma * tl.cast(lam, tl.float32)
+    gamma = tl.cast(gamma, ACC)
+    gamma_lam = gamma * tl.cast(lam, ACC)
     offs = tl.arange(0, BLOCK_T)
     is_chunk_start = offs == BLOCK_T - 1  # reversed order: the last scan slot is the earliest token
-    carry_advantage = tl.zeros([], tl.float32)
-    carry_next_value = tl.zeros([], tl.float32)  # the value after the last valid token is 0
+    carry_advantage = tl.zeros([], ACC)
+    carry_next_value = tl.zeros([], ACC)  # the value after the last valid token is 0
     rewards_row = rewards_ptr + row * rewards_stride0
     values_row = values_ptr + row * values_stride0
     mask_row = mask_ptr + row * mask_stride0
@@ -62,9 +65,9 @@ def _gae_kernel(
         following_inside = inside & (t + 1 < length)
         valid = tl.load(mask_row + t * mask_stride1, mask=inside, other=0) != 0
         following_valid = tl.load(mask_row + (t + 1) * mask_stride1, mask=following_inside, other=0) != 0
-        following_value = tl.load(values_row + (t + 1) * values_stride1, mask=following_valid, other=0.0).to(tl.float32)
-        value = tl.load(values_row + t * values_stride1, mask=valid, other=0.0).to(tl.float32)
-        reward = tl.load(rewards_row + t * rewards_stride1, mask=valid, other=0.0).to(tl.float32)
+        following_value = tl.load(values_row + (t + 1) * values_stride1, mask=following_valid, other=0.0).to(ACC)
+        value = tl.load(values_row + t * values_stride1, mask=valid, other=0.0).to(ACC)
+        reward = tl.load(rewards_row + t * rewards_stride1, mask=valid, other=0.0).to(ACC)
 
         nv_coef, nv_offset = tl.associative_scan(
             (tl.where(following_valid, 0.0, 1.0), tl.where(following_valid, following_value, 0.0)), 0, _compose_affine
@@ -87,12 +90,12 @@ def _gae_kernel(
 def gae_forward(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, block_t: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` float32 ``[B, T]``; inputs ``[B, T]`` with any strides, ``mask`` bool.
+    """``(advantages, returns)`` ``[B, T]`` float32 (float64 for float64 inputs); inputs ``[B, T]`` with any strides, ``mask`` bool.
 
     ``block_t`` overrides the chunk size (tests use a small one to cross chunks).
     """
     batch, length = rewards.shape
-    advantages = torch.empty((batch, length), dtype=torch.float32, device=rewards.device)
+    advantages = torch.empty((batch, length), dtype=result_dtype(rewards, values), device=rewards.device)
     returns = torch.empty_like(advantages)
     if batch == 0 or length == 0:
         return advantages, returns
@@ -100,6 +103,6 @@ def gae_forward(
     _gae_kernel[(batch,)](
         rewards, values, mask, advantages, returns, length,
         *rewards.stride(), *values.stride(), *mask.stride(), gamma, lam,
-        BLOCK_T=block, num_warps=4 if block <= 512 else 8,
+        ACC=compute_dtype(advantages.dtype), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
     )
     return advantages, returns

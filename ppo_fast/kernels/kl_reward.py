@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..reference import KL_ESTIMATORS
+from ._dtypes import compute_dtype, result_dtype
 
 _ELEMENTWISE_BLOCK = 1024
 MAX_BLOCK_T = 1024
@@ -47,7 +48,7 @@ def _kl_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
 def _kl_grad_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
     """d kl / d log_ratio, with torch's conventions: clamp passes gradient on its closed range, sign(0) = 0."""
     if ESTIMATOR == _K1:
-        grad = tl.full(log_ratio.shape, 1.0, tl.float32)
+        grad = tl.full(log_ratio.shape, 1.0, log_ratio.dtype)
     elif ESTIMATOR == _K2:
         grad = log_ratio
     elif ESTIMATOR == _K3:
@@ -61,21 +62,21 @@ def _kl_grad_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
 
 
 @triton.jit
-def _kl_estimate_kernel(logp_ptr, ref_ptr, kl_ptr, numel, ESTIMATOR: tl.constexpr, BLOCK: tl.constexpr):
+def _kl_estimate_kernel(logp_ptr, ref_ptr, kl_ptr, numel, ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < numel
-    log_ratio = tl.load(logp_ptr + offs, mask=inside).to(tl.float32) - tl.load(ref_ptr + offs, mask=inside).to(tl.float32)
+    log_ratio = tl.load(logp_ptr + offs, mask=inside).to(ACC) - tl.load(ref_ptr + offs, mask=inside).to(ACC)
     tl.store(kl_ptr + offs, _kl_from_log_ratio(log_ratio, ESTIMATOR), mask=inside)
 
 
 @triton.jit
 def _kl_backward_kernel(
-    logp_ptr, ref_ptr, grad_kl_ptr, grad_logp_ptr, grad_ref_ptr, numel, ESTIMATOR: tl.constexpr, BLOCK: tl.constexpr
+    logp_ptr, ref_ptr, grad_kl_ptr, grad_logp_ptr, grad_ref_ptr, numel, ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < numel
-    log_ratio = tl.load(logp_ptr + offs, mask=inside).to(tl.float32) - tl.load(ref_ptr + offs, mask=inside).to(tl.float32)
-    grad = tl.load(grad_kl_ptr + offs, mask=inside).to(tl.float32) * _kl_grad_from_log_ratio(log_ratio, ESTIMATOR)
+    log_ratio = tl.load(logp_ptr + offs, mask=inside).to(ACC) - tl.load(ref_ptr + offs, mask=inside).to(ACC)
+    grad = tl.load(grad_kl_ptr + offs, mask=inside).to(ACC) * _kl_grad_from_log_ratio(log_ratio, ESTIMATOR)
     tl.store(grad_logp_ptr + offs, grad.to(grad_logp_ptr.dtype.element_ty), mask=inside)
     tl.store(grad_ref_ptr + offs, (-grad).to(grad_ref_ptr.dtype.element_ty), mask=inside)
 
@@ -99,11 +100,12 @@ def _kl_rewards_kernel(
     mask_stride1,
     kl_coef,
     ESTIMATOR: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    neg_coef = -tl.cast(kl_coef, tl.float32)
-    score = tl.load(scores_ptr + row * scores_stride).to(tl.float32)
+    neg_coef = -tl.cast(kl_coef, ACC)
+    score = tl.load(scores_ptr + row * scores_stride).to(ACC)
     offs = tl.arange(0, BLOCK_T)
     last = tl.full([], -1, tl.int32)
     # Chunks from the end of the row: the first chunk with a valid token holds the
@@ -112,8 +114,8 @@ def _kl_rewards_kernel(
         t = length - (chunk + 1) * BLOCK_T + offs
         inside = t >= 0
         valid = tl.load(mask_ptr + row * mask_stride0 + t * mask_stride1, mask=inside, other=0) != 0
-        logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(tl.float32)
-        ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(tl.float32)
+        logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
+        ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
         kl = tl.where(valid, _kl_from_log_ratio(logp - ref, ESTIMATOR), 0.0)
         last = tl.where(last < 0, tl.max(tl.where(valid, t, -1), 0), last)
         rewards = neg_coef * kl + tl.where(t == last, score, 0.0)
@@ -128,12 +130,12 @@ def _elementwise_grid(numel: int) -> tuple[int]:
 
 
 def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL estimate, float32, any shape (non-contiguous inputs are copied)."""
-    kl = torch.empty(logprobs.shape, dtype=torch.float32, device=logprobs.device)
+    """Per-token KL estimate, any shape (non-contiguous inputs are copied); float32, float64 for float64 inputs."""
+    kl = torch.empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs), device=logprobs.device)
     if kl.numel():
         _kl_estimate_kernel[_elementwise_grid(kl.numel())](
             logprobs.reshape(-1), ref_logprobs.reshape(-1), kl, kl.numel(),
-            ESTIMATOR=estimator_code(estimator), BLOCK=_ELEMENTWISE_BLOCK,
+            ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(kl.dtype), BLOCK=_ELEMENTWISE_BLOCK,
         )
     return kl
 
@@ -147,7 +149,8 @@ def kl_backward(
     if grad_logp.numel():
         _kl_backward_kernel[_elementwise_grid(grad_logp.numel())](
             logprobs.reshape(-1), ref_logprobs.reshape(-1), grad_kl.reshape(-1).contiguous(), grad_logp, grad_ref,
-            grad_logp.numel(), ESTIMATOR=estimator_code(estimator), BLOCK=_ELEMENTWISE_BLOCK,
+            grad_logp.numel(), ESTIMATOR=estimator_code(estimator),
+            ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)), BLOCK=_ELEMENTWISE_BLOCK,
         )
     return grad_logp, grad_ref
 
@@ -161,10 +164,10 @@ def kl_penalized_rewards_forward(
     estimator: str,
     block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rewards, kl, last)``: rewards and kl float32 ``[B, T]``; ``last [B]`` int32 is each
+    """``(rewards, kl, last)``: rewards and kl ``[B, T]`` float32 (float64 for float64 log-probs); ``last [B]`` int32 is each
     row's last valid index, -1 for a row without one.  Any strides; ``block_t`` overrides the chunk size."""
     batch, length = logprobs.shape
-    rewards = torch.empty((batch, length), dtype=torch.float32, device=logprobs.device)
+    rewards = torch.empty((batch, length), dtype=result_dtype(logprobs, ref_logprobs), device=logprobs.device)
     kl = torch.empty_like(rewards)
     last = torch.empty(batch, dtype=torch.int32, device=logprobs.device)
     if batch == 0:
@@ -175,6 +178,6 @@ def kl_penalized_rewards_forward(
     _kl_rewards_kernel[(batch,)](
         scores, logprobs, ref_logprobs, mask, rewards, kl, last, length,
         scores.stride(0), *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(), kl_coef,
-        ESTIMATOR=estimator_code(estimator), BLOCK_T=block,
+        ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(rewards.dtype), BLOCK_T=block,
     )
     return rewards, kl, last

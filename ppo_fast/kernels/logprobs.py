@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dtypes import compute_dtype, result_dtype
+
 # Widest vocabulary block; a larger V loops over blocks.
 MAX_BLOCK_V = 4096
 
@@ -55,20 +57,21 @@ def _token_logprobs_fwd_kernel(
     inv_temperature,
     ignore_index,
     RETURN_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, rows_per_outer, outer_stride, inner_stride)
-    inv_t = tl.cast(inv_temperature, tl.float32)
+    inv_t = tl.cast(inv_temperature, ACC)
     cols = tl.arange(0, BLOCK_V)
 
-    run_max = tl.full([], float("-inf"), tl.float32)
+    run_max = tl.full([], float("-inf"), ACC)
     # sum exp(z - run_max) and, for the entropy, sum exp(z - run_max) * (z - run_max).
-    sum_exp = tl.zeros([], tl.float32)
-    weighted = tl.zeros([], tl.float32)
+    sum_exp = tl.zeros([], ACC)
+    weighted = tl.zeros([], ACC)
     for start in range(0, vocab, BLOCK_V):
         idx = start + cols
-        z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC) * inv_t
         new_max = tl.maximum(run_max, tl.max(z, 0))
         # While every z so far is -inf, shift by 0 so that -inf - -inf never appears.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -87,7 +90,7 @@ def _token_logprobs_fwd_kernel(
     lse = shift + log_sum
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
-    chosen = tl.load(row_ptr + tl.where(valid, label, 0)).to(tl.float32) * inv_t
+    chosen = tl.load(row_ptr + tl.where(valid, label, 0)).to(ACC) * inv_t
     tl.store(logp_ptr + row, tl.where(valid, chosen - lse, 0.0))
     tl.store(lse_ptr + row, lse)
     if RETURN_ENTROPY:
@@ -114,24 +117,25 @@ def _token_logprobs_bwd_kernel(
     inv_temperature,
     ignore_index,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, rows_per_outer, outer_stride, inner_stride)
     grad_row_ptr = _row_pointer(grad_ptr, row, rows_per_outer, grad_outer_stride, grad_inner_stride)
-    inv_t = tl.cast(inv_temperature, tl.float32)
+    inv_t = tl.cast(inv_temperature, ACC)
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
-    lse = tl.load(lse_ptr + row)
-    g_logp = tl.load(grad_logp_ptr + row).to(tl.float32)
+    lse = tl.load(lse_ptr + row).to(ACC)
+    g_logp = tl.load(grad_logp_ptr + row).to(ACC)
     if HAS_GRAD_ENTROPY:
-        g_entropy = tl.load(grad_entropy_ptr + row).to(tl.float32)
-        entropy = tl.load(entropy_ptr + row)
+        g_entropy = tl.load(grad_entropy_ptr + row).to(ACC)
+        entropy = tl.load(entropy_ptr + row).to(ACC)
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, vocab, BLOCK_V):
         idx = start + cols
         in_vocab = idx < vocab
-        z = tl.load(row_ptr + idx, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_t
+        z = tl.load(row_ptr + idx, mask=in_vocab, other=float("-inf")).to(ACC) * inv_t
         log_p = z - lse
         p = tl.exp(log_p)
         grad_z = tl.where(idx == label, g_logp, 0.0) - p * g_logp
@@ -151,7 +155,9 @@ def token_logprobs_forward(
     ignore_index: int,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(logp, entropy or None, lse)``, float32 with ``labels``' shape; ``lse`` is that of ``z`` (for backward).
+    """``(logp, entropy or None, lse)`` with ``labels``' shape; ``lse`` is that of ``z`` (for backward).
+
+    float32 (float64 for float64 logits, computed in float64).
 
     ``logits`` is ``[N, V]`` or ``[B, T, V]`` with ``stride(-1) == 1``; ``labels``
     has the leading shape.  ``block_v`` overrides the heuristic (tests use it to
@@ -160,7 +166,7 @@ def token_logprobs_forward(
     rows, rows_per_outer, outer_stride, inner_stride = _row_layout(logits)
     vocab = logits.shape[-1]
     flat_labels = labels.reshape(-1)
-    logp = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+    logp = torch.empty(labels.shape, dtype=result_dtype(logits), device=logits.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else None
     if rows == 0:
@@ -179,6 +185,7 @@ def token_logprobs_forward(
         1.0 / temperature,
         ignore_index,
         RETURN_ENTROPY=return_entropy,
+        ACC=compute_dtype(logp.dtype),
         BLOCK_V=block,
         num_warps=num_warps,
     )
@@ -227,6 +234,7 @@ def token_logprobs_backward(
         1.0 / temperature,
         ignore_index,
         HAS_GRAD_ENTROPY=has_grad_entropy,
+        ACC=compute_dtype(lse.dtype),
         BLOCK_V=block,
         num_warps=num_warps,
     )

@@ -23,6 +23,7 @@ SUPPORTED = {op: set(_DEVICES) for op in OPS}
 
 try:
     from .. import kernels
+    from ..kernels._dtypes import result_dtype
 except ImportError as err:  # triton missing or broken: availability() says so
     kernels = None
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
@@ -52,7 +53,7 @@ def _token_logprobs_op(
 
 @_token_logprobs_op.register_fake
 def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward):
-    logp = labels.new_empty(labels.shape, dtype=torch.float32)
+    logp = labels.new_empty(labels.shape, dtype=result_dtype(logits))
     return logp, logp.new_empty(labels.shape if return_entropy else (0,)), torch.empty_like(logp)
 
 
@@ -133,7 +134,7 @@ def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimato
 
 @_kl_estimate_op.register_fake
 def _(logprobs, ref_logprobs, estimator):
-    return logprobs.new_empty(logprobs.shape, dtype=torch.float32)
+    return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
 
 
 @torch.library.custom_op("ppo_fast_triton::kl_backward", mutates_args=())
@@ -176,7 +177,7 @@ def _kl_penalized_rewards_op(
 
 @_kl_penalized_rewards_op.register_fake
 def _(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
-    rewards = logprobs.new_empty(logprobs.shape, dtype=torch.float32)
+    rewards = logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
     return rewards, torch.empty_like(rewards), scores.new_empty(scores.shape, dtype=torch.int32)
 
 
@@ -192,7 +193,7 @@ def _kl_penalized_rewards_setup(ctx, inputs, output):
 def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
     logprobs, ref_logprobs, mask, last = ctx.saved_tensors
     # rewards = -kl_coef * kl + score at the last valid token, kl = 0 at masked tokens.
-    grad_through_kl = torch.zeros_like(logprobs, dtype=torch.float32)
+    grad_through_kl = torch.zeros_like(logprobs, dtype=result_dtype(logprobs, ref_logprobs))
     if grad_kl is not None:
         grad_through_kl = grad_through_kl + grad_kl
     if grad_rewards is not None:
@@ -223,7 +224,7 @@ def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gam
 
 @_gae_op.register_fake
 def _(rewards, values, mask, gamma, lam):
-    advantages = rewards.new_empty(rewards.shape, dtype=torch.float32)
+    advantages = rewards.new_empty(rewards.shape, dtype=result_dtype(rewards, values))
     return advantages, torch.empty_like(advantages)
 
 

@@ -1,0 +1,16 @@
+"""The dtype a kernel computes and writes in, following ``ppo_fast.reference``."""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+
+def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64 (so gradients can be checked numerically), else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def compute_dtype(dtype: torch.dtype):
+    """The Triton compute type for a result dtype."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
