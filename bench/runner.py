@@ -1,0 +1,213 @@
+"""Measure one case: every available ppo_fast backend and every baseline, each mode.
+
+Before it is timed, each implementation's output is compared with the reference
+backend's, so a timing is never reported for a wrong answer: a mismatch, an error or
+an out-of-memory is recorded in place of the timing (and ours make ``python -m bench``
+exit non-zero, see ``__main__``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+import ppo_fast as pf
+from ppo_fast.backends import BACKENDS, backend_info
+
+from .cases import Case, primary_output
+from .timing import cuda_copy_bandwidth_gbps, peak_extra_bytes, time_cpu, time_cuda
+
+# |ours - reference| <= ATOL + RTOL * |reference| on the op's first output.
+ATOL, RTOL = 1e-3, 1e-3
+# A call faster than this (warm, wall clock) is timed as a CUDA graph replay.
+GRAPH_BELOW_S = 1e-3
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    compile: bool
+    measure_memory: bool
+    cpu_min_run_time: float
+    cuda_rep_ms: int
+
+
+def serving_backends(op: str, device_type: str) -> list[str]:
+    """Our backends that are available and serve ``op`` on ``device_type``, in registry order."""
+    names = []
+    for name in BACKENDS:
+        info = backend_info(name)
+        if info.available and device_type in info.module.SUPPORTED.get(op, set()):
+            names.append(name)
+    return names
+
+
+def _with_backend(name: str, call_op: Callable[[dict], object]) -> Callable[[dict], object]:
+    def run(inputs):
+        with pf.use_backend(name):
+            return call_op(inputs)
+
+    return run
+
+
+def implementations(case: Case, device_type: str, compile_enabled: bool) -> tuple[list[tuple[str, str, Callable]], list[str]]:
+    """``(name, kind, fn)`` for our backends and the baselines, plus notes on what is left out."""
+    impls = [(name, "ppo_fast", _with_backend(name, case.call_op)) for name in serving_backends(case.op, device_type)]
+    impls += [(name, "baseline", fn) for name, fn in case.baselines.items()]
+    notes = list(case.notes)
+    if case.op == "token_logprobs":
+        from .baselines import optional_logprob_kernels
+
+        found, skipped = optional_logprob_kernels(device_type)
+        impls += [(name, "baseline", _logits_labels_call(fn)) for name, fn in found.items()]
+        notes += [f"{name}: {why}" for name, why in skipped.items()]
+    if compile_enabled:
+        impls += [(name, "baseline", torch.compile(fn)) for name, fn in case.compile_targets.items()]
+    elif case.compile_targets:
+        notes.append("torch.compile baselines not measured (off with --quick or --no-compile; --compile turns them on)")
+    return impls, notes
+
+
+def _logits_labels_call(fn):
+    from .cases import TEMPERATURE
+
+    return lambda x: fn(x["logits"], x["labels"], TEMPERATURE)
+
+
+def _runner(case: Case, fn: Callable, mode: str, inputs: dict) -> Callable[[], object]:
+    """A no-argument call of ``fn`` in ``mode``: forward without autograd, or forward + backward."""
+    if mode == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                return fn(inputs)
+
+        return forward
+    leaf = inputs[case.grad_input]
+
+    def forward_backward():
+        leaf.grad = None
+        out = fn(inputs)
+        first = primary_output(out)
+        first.backward(None if first.dim() == 0 else inputs["grad_out"])
+        return out
+
+    return forward_backward
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mismatch(out, expected: torch.Tensor) -> tuple[float, bool]:
+    got = primary_output(out).detach().double()
+    want = expected.double()
+    if got.shape != want.shape:
+        return float("inf"), True
+    err = (got - want).abs()
+    bad = ~(err <= ATOL + RTOL * want.abs()) & ~(got == want)  # equal infinities are fine
+    finite = err[torch.isfinite(err)]
+    return (float(finite.max()) if finite.numel() else 0.0), bool(bad.any())
+
+
+def measure(case: Case, name: str, kind: str, fn: Callable, mode: str, inputs: dict, expected: torch.Tensor, settings: Settings) -> dict:
+    device = settings.device
+    result = {"impl": name, "kind": kind, "mode": mode, "status": "ok"}
+    run = _runner(case, fn, mode, inputs)
+    leaf = inputs.get(case.grad_input) if mode != "fwd" else None
+    if leaf is not None:
+        leaf.requires_grad_(True)
+    try:
+        start = time.perf_counter()
+        out = run()  # first call: compilation, autotuning, the answer to check
+        _sync(device)
+        result["first_call_s"] = time.perf_counter() - start
+        result["max_abs_err"], wrong = _mismatch(out, expected)
+        del out
+        if wrong:
+            result["status"] = "mismatch"
+            result["detail"] = f"differs from the reference backend by up to {result['max_abs_err']:.3g}"
+            return result
+        if settings.measure_memory:
+            result["peak_extra_bytes"] = peak_extra_bytes(run, device.type)
+        if device.type == "cuda":
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            small = time.perf_counter() - start < GRAPH_BELOW_S and mode == "fwd"
+            timing, note = time_cuda(run, use_graph=small, rep_ms=settings.cuda_rep_ms)
+            if note:
+                result["detail"] = note
+        else:
+            timing = time_cpu(run, settings.cpu_min_run_time)
+        result.update(asdict(timing))
+        seconds = timing.median_ms * 1e-3
+        if device.type == "cuda" and seconds > 0:
+            moved = case.fwd_bytes + (case.bwd_bytes if mode != "fwd" else 0)
+            result["gbps"] = moved / seconds / 1e9
+    except torch.OutOfMemoryError:
+        result["status"] = "oom"
+    except Exception as err:  # recorded and reported, never hidden; ours fail the run
+        result["status"] = "error"
+        result["detail"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    finally:
+        if leaf is not None:
+            leaf.grad = None
+            leaf.requires_grad_(False)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.stderr) -> dict:
+    device = settings.device
+    record = {
+        "op": case.op,
+        "shape": case.shape,
+        "size": case.size,
+        "params": case.params,
+        "eager_baseline": case.eager_baseline,
+        "results": [],
+    }
+    try:
+        inputs = case.make_inputs(device)
+    except torch.OutOfMemoryError:
+        record["skipped"] = "inputs do not fit in memory"
+        return record
+    impls, record["notes"] = implementations(case, device.type, settings.compile)
+    with torch.no_grad(), pf.use_backend("reference"):
+        expected = primary_output(case.call_op(inputs)).detach()
+    if settings.compile:
+        torch._dynamo.reset()  # each case gets its own static-shape compilation, as a user's fixed shapes would
+    for mode in case.modes:
+        rows = []
+        for name, kind, fn in impls:
+            row = measure(case, name, kind, fn, mode, inputs, expected, settings)
+            rows.append(row)
+            print(f"  {case.op} {case.shape} {mode:8s} {name:22s} {_short(row)}", file=log, flush=True)
+        baseline = next((r for r in rows if r["impl"] == case.eager_baseline and r["status"] == "ok"), None)
+        for row in rows:
+            if baseline and row["status"] == "ok":
+                row["speedup"] = baseline["median_ms"] / row["median_ms"]
+            if copy_gbps and "gbps" in row:
+                row["copy_fraction"] = row["gbps"] / copy_gbps
+        record["results"] += rows
+    del inputs, expected
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def _short(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['status'].upper()} {row.get('detail', '')}"
+    return f"{row['median_ms']:.4g} ms"
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    return cuda_copy_bandwidth_gbps() if device.type == "cuda" else None

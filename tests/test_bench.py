@@ -1,0 +1,129 @@
+"""The benchmark suite's plumbing: baselines are correct, memory probe and mismatch check work, a tiny run end to end."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from bench import baselines, cases, report, runner, timing
+from bench.__main__ import main as bench_main
+from ppo_fast import reference
+
+IGNORE = baselines.IGNORE_INDEX
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, baselines.TRL_SEQUENCE_TOKENS + 37])  # one and two TRL sequences
+def test_logprob_baselines_match_reference(dtype, n):
+    logits = (torch.randn(n, 53) * 3).to(dtype)
+    labels = torch.randint(0, 53, (n,))
+    labels[torch.rand(n) < 0.3] = IGNORE
+    want = reference.token_logprobs(logits, labels, 0.7, False, IGNORE)[0]
+    for fn in (baselines.eager_logprobs, baselines.trl_chunked_logprobs):
+        got = fn(logits, labels, 0.7)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=fn.__name__)
+        assert (got[labels == IGNORE] == 0).all()
+
+
+def _right_padded(batch, length, empty_row=True):
+    lengths = torch.randint(1, length + 1, (batch, 1))
+    if empty_row:
+        lengths[0] = 0
+    return torch.arange(length) < lengths
+
+
+def test_gae_loop_matches_reference_with_gaps_inside_rows():
+    rewards, values = torch.randn(5, 23), torch.randn(5, 23)
+    mask = torch.rand(5, 23) > 0.3  # masked tokens inside rows are skipped, not terminal
+    for got, want in zip(baselines.loop_gae(rewards, values, mask, 0.99, 0.9), reference.gae(rewards, values, mask, 0.99, 0.9)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kl_reward_baseline_matches_reference_on_right_padded_rows():
+    mask = _right_padded(6, 17)
+    logp, ref = -torch.rand(6, 17) * 4, -torch.rand(6, 17) * 4
+    scores = torch.randn(6)
+    got = baselines.eager_kl_rewards(scores, logp, ref, mask, 0.05)
+    want = reference.kl_penalized_rewards(scores, logp, ref, mask, 0.05, "k3")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("agg", reference.AGG_MODES)
+def test_loss_baselines_match_reference(agg):
+    mask = _right_padded(4, 19)
+    logp, old, adv = -torch.rand(4, 19) * 3, -torch.rand(4, 19) * 3, torch.randn(4, 19)
+    got = baselines.eager_policy_loss(logp, old, adv, mask, 0.2, 3.0, agg)
+    want = reference.clipped_policy_loss(logp, old, adv, mask, None, 0.2, 0.2, 3.0, agg)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    values, old_values, returns = torch.randn(4, 19), torch.randn(4, 19), torch.randn(4, 19)
+    got = baselines.eager_value_loss(values, old_values, returns, mask, 0.3, agg)
+    want = reference.value_loss(values, old_values, returns, mask, 0.3, agg)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_peak_memory_sees_a_known_allocation():
+    supported, why = timing.cpu_memory_supported()
+    if not supported:
+        pytest.skip(why)
+    mib = 1 << 20
+
+    def allocate_48_mib():
+        return torch.ones(48 * mib, dtype=torch.uint8)
+
+    assert 46 * mib <= timing.peak_extra_bytes(allocate_48_mib, "cpu") <= 56 * mib
+    assert timing.peak_extra_bytes(lambda: torch.ones(16), "cpu") < 4 * mib
+
+
+def _settings():
+    return runner.Settings(torch.device("cpu"), compile=False, measure_memory=False, cpu_min_run_time=0.01, cuda_rep_ms=10)
+
+
+def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
+    case = cases.value_loss_case(2, 8)
+    inputs = case.make_inputs(torch.device("cpu"))
+    expected = reference.value_loss(inputs["values"], inputs["old_values"], inputs["returns"], inputs["mask"], 0.2, "token-mean")[0]
+
+    def off_by_one_percent(x):
+        return baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0] * 1.01
+
+    row = runner.measure(case, "wrong", "ppo_fast", off_by_one_percent, "fwd", inputs, expected, _settings())
+    assert row["status"] == "mismatch" and "median_ms" not in row
+    good = runner.measure(case, "eager", "baseline", case.baselines["eager"], "fwd+bwd", inputs, expected, _settings())
+    assert good["status"] == "ok" and good["median_ms"] > 0
+    assert not inputs["values"].requires_grad  # the fwd+bwd mode leaves the inputs as it found them
+
+
+def test_every_serving_backend_is_measured():
+    case = cases.value_loss_case(2, 8)
+    names = [name for name, kind, _ in runner.implementations(case, "cpu", compile_enabled=False)[0] if kind == "ppo_fast"]
+    assert names == runner.serving_backends("value_loss", "cpu") and "reference" in names
+
+
+def test_quick_run_writes_json_table_and_plot(tmp_path, capsys):
+    status = bench_main(["--quick", "--device", "cpu", "--ops", "value_loss,kl_penalized_rewards", "--out", str(tmp_path)])
+    assert status == 0
+    with open(tmp_path / "cpu-quick.json") as f:
+        results = json.load(f)
+    assert [c["op"] for c in results["cases"]] == ["kl_penalized_rewards", "value_loss"]
+    value_rows = {(r["impl"], r["mode"]): r for r in results["cases"][1]["results"]}
+    assert set(value_rows) >= {("reference", "fwd"), ("reference", "fwd+bwd"), ("eager", "fwd"), ("eager", "fwd+bwd")}
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in value_rows.values())
+    assert value_rows[("eager", "fwd")]["speedup"] == 1.0
+    ref_fwd = value_rows[("reference", "fwd")]
+    assert ref_fwd["speedup"] == pytest.approx(value_rows[("eager", "fwd")]["median_ms"] / ref_fwd["median_ms"])
+    assert results["versions"]["torch"] == torch.__version__ and results["machine"]["cores"] == os.cpu_count()
+    assert os.path.getsize(tmp_path / "cpu-quick-speedup.png") > 0
+    assert "value_loss" in capsys.readouterr().out
+    md = report.markdown(results)
+    assert "#### value_loss" in md and "python -m bench --quick" in md and "| reference * |" in md
+
+
+def test_budget_skips_cases_and_says_so(tmp_path):
+    assert bench_main(["--quick", "--device", "cpu", "--ops", "gae", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "cpu-quick.json") as f:
+        results = json.load(f)
+    assert results["cases"] and all("time budget" in c["skipped"] for c in results["cases"])
