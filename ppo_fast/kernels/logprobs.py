@@ -49,7 +49,7 @@ def _token_logprobs_fwd_kernel(
     labels_ptr,
     logp_ptr,
     entropy_ptr,
-    lse_ptr,
+    stats_ptr,
     rows_per_outer,
     outer_stride,
     inner_stride,
@@ -79,22 +79,24 @@ def _token_logprobs_fwd_kernel(
         rescale = tl.exp(run_max - shift)
         if RETURN_ENTROPY:
             # -inf logits have e == 0 and contribute nothing (0 * -inf would be NaN).
-            block_weighted = tl.sum(tl.where(e > 0, e * (z - shift), 0.0), 0)
-            rebase = tl.where(sum_exp > 0, (run_max - shift) * sum_exp, 0.0)
+            block_weighted = tl.sum(e * tl.where(e > 0, z - shift, 0.0), 0)
+            # Re-base the old terms to the new shift (nothing to re-base while run_max is -inf).
+            rebase = (tl.where(sum_exp > 0, run_max, shift) - shift) * sum_exp
             weighted = rescale * (weighted + rebase) + block_weighted
         sum_exp = sum_exp * rescale + tl.sum(e, 0)
         run_max = new_max
 
     shift = tl.where(run_max == float("-inf"), 0.0, run_max)
     log_sum = tl.log(sum_exp)
-    lse = shift + log_sum
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
     chosen = tl.load(row_ptr + tl.where(valid, label, 0)).to(ACC) * inv_t
-    tl.store(logp_ptr + row, tl.where(valid, chosen - lse, 0.0))
-    tl.store(lse_ptr + row, lse)
+    # (z - shift) - log_sum, not z - logsumexp: the logsumexp rounds at the logits' magnitude.
+    tl.store(logp_ptr + row, tl.where(valid, (chosen - shift) - log_sum, 0.0))
+    tl.store(stats_ptr + 2 * row, shift)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
     if RETURN_ENTROPY:
-        # H = lse - E[z] = log(sum_exp) - E[z - shift]
+        # H = logsumexp - E[z] = log(sum_exp) - E[z - shift]
         entropy = log_sum - weighted / sum_exp
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
 
@@ -104,7 +106,7 @@ def _token_logprobs_bwd_kernel(
     logits_ptr,
     grad_ptr,
     labels_ptr,
-    lse_ptr,
+    stats_ptr,
     entropy_ptr,
     grad_logp_ptr,
     grad_entropy_ptr,
@@ -126,7 +128,8 @@ def _token_logprobs_bwd_kernel(
     inv_t = tl.cast(inv_temperature, ACC)
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
-    lse = tl.load(lse_ptr + row).to(ACC)
+    shift = tl.load(stats_ptr + 2 * row).to(ACC)
+    log_sum = tl.load(stats_ptr + 2 * row + 1).to(ACC)
     g_logp = tl.load(grad_logp_ptr + row).to(ACC)
     if HAS_GRAD_ENTROPY:
         g_entropy = tl.load(grad_entropy_ptr + row).to(ACC)
@@ -136,12 +139,12 @@ def _token_logprobs_bwd_kernel(
         idx = start + cols
         in_vocab = idx < vocab
         z = tl.load(row_ptr + idx, mask=in_vocab, other=float("-inf")).to(ACC) * inv_t
-        log_p = z - lse
+        log_p = (z - shift) - log_sum
         p = tl.exp(log_p)
         grad_z = tl.where(idx == label, g_logp, 0.0) - p * g_logp
         if HAS_GRAD_ENTROPY:
-            # dH/dz_j = -p_j (log p_j + H), 0 where p_j == 0.
-            grad_z += tl.where(p > 0, -p * (log_p + entropy), 0.0) * g_entropy
+            # dH/dz_j = -p_j (log p_j + H), 0 where p_j == 0 (log p_j = -inf).
+            grad_z -= p * (tl.where(p > 0, log_p, 0.0) + entropy) * g_entropy
         # Ignored rows pass no gradient, whatever their logits hold.
         grad_z = tl.where(valid, grad_z * inv_t, 0.0)
         tl.store(grad_row_ptr + idx, grad_z.to(grad_ptr.dtype.element_ty), mask=in_vocab)
@@ -155,9 +158,12 @@ def token_logprobs_forward(
     ignore_index: int,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(logp, entropy or None, lse)`` with ``labels``' shape; ``lse`` is that of ``z`` (for backward).
+    """``(logp, entropy or None, stats)``; logp and entropy have ``labels``' shape.
 
-    float32 (float64 for float64 logits, computed in float64).
+    float32 (float64 for float64 logits, computed in float64).  ``stats``
+    (``labels.shape + (2,)``) holds each row's max of ``z = logits / temperature``
+    and ``log(sum(exp(z - max)))``, whose sum is the logsumexp; the backward needs
+    them apart to keep ``z - logsumexp`` exact when the logits are large.
 
     ``logits`` is ``[N, V]`` or ``[B, T, V]`` with ``stride(-1) == 1``; ``labels``
     has the leading shape.  ``block_v`` overrides the heuristic (tests use it to
@@ -165,19 +171,18 @@ def token_logprobs_forward(
     """
     rows, rows_per_outer, outer_stride, inner_stride = _row_layout(logits)
     vocab = logits.shape[-1]
-    flat_labels = labels.reshape(-1)
     logp = torch.empty(labels.shape, dtype=result_dtype(logits), device=logits.device)
-    lse = torch.empty_like(logp)
+    stats = logp.new_empty(labels.shape + (2,))
     entropy = torch.empty_like(logp) if return_entropy else None
     if rows == 0:
-        return logp, entropy, lse
+        return logp, entropy, stats
     block, num_warps = _launch_config(vocab, block_v)
     _token_logprobs_fwd_kernel[(rows,)](
         logits,
-        flat_labels,
+        labels.reshape(-1),
         logp,
         entropy if return_entropy else logp,  # unused when not RETURN_ENTROPY
-        lse,
+        stats,
         rows_per_outer,
         outer_stride,
         inner_stride,
@@ -189,13 +194,13 @@ def token_logprobs_forward(
         BLOCK_V=block,
         num_warps=num_warps,
     )
-    return logp, entropy, lse
+    return logp, entropy, stats
 
 
 def token_logprobs_backward(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor | None,
@@ -204,7 +209,7 @@ def token_logprobs_backward(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """Gradient w.r.t. ``logits`` (in their dtype), softmax recomputed from ``lse``.
+    """Gradient w.r.t. ``logits`` (in their dtype), the softmax recomputed from the forward's ``stats``.
 
     ``grad_entropy`` may be None (no entropy gradient).  The gradient is written
     into ``out`` when given (it may be ``logits`` itself: each block is read
@@ -221,10 +226,10 @@ def token_logprobs_backward(
         logits,
         grad,
         labels.reshape(-1),
-        lse.reshape(-1),
-        entropy.reshape(-1) if has_grad_entropy else lse,
+        stats,
+        entropy.reshape(-1) if has_grad_entropy else stats,
         grad_logp.reshape(-1).contiguous(),
-        grad_entropy.reshape(-1).contiguous() if has_grad_entropy else lse,
+        grad_entropy.reshape(-1).contiguous() if has_grad_entropy else stats,  # unused without HAS_GRAD_ENTROPY
         rows_per_outer,
         outer_stride,
         inner_stride,
@@ -234,7 +239,7 @@ def token_logprobs_backward(
         1.0 / temperature,
         ignore_index,
         HAS_GRAD_ENTROPY=has_grad_entropy,
-        ACC=compute_dtype(lse.dtype),
+        ACC=compute_dtype(stats.dtype),
         BLOCK_V=block,
         num_warps=num_warps,
     )

@@ -46,33 +46,34 @@ def availability() -> tuple[bool, str]:
 def _token_logprobs_op(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)``; entropy is empty without ``return_entropy``.  ``inplace_backward`` is read by the backward."""
-    logp, entropy, lse = kernels.token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index)
-    return logp, (entropy if return_entropy else logp.new_empty(0)), lse
+    """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` are for the backward,
+    which reads ``inplace_backward``."""
+    logp, entropy, stats = kernels.token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index)
+    return logp, (entropy if return_entropy else logp.new_empty(0)), stats
 
 
 @_token_logprobs_op.register_fake
 def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward):
     logp = labels.new_empty(labels.shape, dtype=result_dtype(logits))
-    return logp, logp.new_empty(labels.shape if return_entropy else (0,)), torch.empty_like(logp)
+    return logp, logp.new_empty(labels.shape if return_entropy else (0,)), logp.new_empty(labels.shape + (2,))
 
 
 @torch.library.custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
 def _token_logprobs_backward_op(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
 ) -> torch.Tensor:
-    return kernels.token_logprobs_backward(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index)
+    return kernels.token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index)
 
 
 @_token_logprobs_backward_op.register_fake
-def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -80,34 +81,34 @@ def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore
 def _token_logprobs_backward_inplace_op(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
 ) -> None:
-    kernels.token_logprobs_backward(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits)
+    kernels.token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits)
 
 
 @_token_logprobs_backward_inplace_op.register_fake
-def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index):
     return None
 
 
 def _token_logprobs_setup(ctx, inputs, output):
     logits, labels, ctx.temperature, _, ctx.ignore_index, ctx.inplace_backward = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(logits, labels, lse, entropy)
-    ctx.mark_non_differentiable(lse)
+    _, entropy, stats = output
+    ctx.save_for_backward(logits, labels, stats, entropy)
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused entropy needs no entropy term in the backward
 
 
-def _token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
-    logits, labels, lse, entropy = ctx.saved_tensors
+def _token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_stats):
+    logits, labels, stats, entropy = ctx.saved_tensors
     if grad_logp is None:
-        grad_logp = torch.zeros_like(lse)
-    args = (logits, labels, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
+        grad_logp = torch.zeros_like(labels, dtype=stats.dtype)
+    args = (logits, labels, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
     if ctx.inplace_backward:
         _token_logprobs_backward_inplace_op(*args)
         grad_logits = logits
