@@ -1,0 +1,62 @@
+"""Policy, frozen reference and critic (a value head on a backbone)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class ValueHead(nn.Module):
+    """A linear layer from the last hidden state to one scalar per position (zero-initialised)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.summary.weight)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+
+
+class Critic(nn.Module):
+    """A value head on its own backbone, or (``backbone=None``) on the policy's last hidden state."""
+
+    def __init__(self, hidden_size: int, backbone: nn.Module | None):
+        super().__init__()
+        self.backbone = backbone
+        self.head = ValueHead(hidden_size)
+
+    @property
+    def shared(self) -> bool:
+        return self.backbone is None
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(hidden)
+
+
+def hidden_size(model: nn.Module) -> int:
+    config = model.config
+    return getattr(config, "hidden_size", None) or config.n_embd
+
+
+def frozen_reference(policy: nn.Module) -> nn.Module:
+    """A frozen copy of the initial policy (eval mode, no gradients)."""
+    reference = copy.deepcopy(policy).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def build_critic(policy: nn.Module, mode: str) -> Critic:
+    """``separate``: value head on a copy of the policy's backbone; ``shared``: head only."""
+    backbone = None if mode == "shared" else copy.deepcopy(policy.base_model)
+    return Critic(hidden_size(policy), backbone).to(next(policy.parameters()).device)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
