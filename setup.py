@@ -58,7 +58,7 @@ if build_cuda and not (torch_has_cuda and cuda_home):
 
 here = os.path.dirname(os.path.abspath(__file__))
 cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-cxx_flags = ["-O3", "-std=c++17"]
+cxx_flags = ["-O3", "-std=c++20"]
 if sys.platform != "win32":
     cxx_flags += ["-fopenmp"]
 define_macros = []
@@ -72,7 +72,7 @@ if build_cuda:
         sources,
         include_dirs=[os.path.join(here, "csrc")],
         define_macros=define_macros,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo"]},
         extra_link_args=["-fopenmp"],
     )
 else:

@@ -1,0 +1,48 @@
+// Moving data of any floating dtype in and out of scratch buffers of the compute type
+// (float32, or float64 when an input is float64, as ppo_fast.reference computes), so
+// that each CPU kernel has one code path for every mix of input dtypes.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#include <initializer_list>
+
+namespace ppo_fast {
+
+// dst[i] = acc_t(t.flat[offset + i]) for a contiguous tensor t.
+template <typename acc_t>
+void load_as(const at::Tensor& t, int64_t offset, int64_t n, acc_t* dst) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "load_as", [&] {
+    const scalar_t* src = t.const_data_ptr<scalar_t>() + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
+  });
+}
+
+// t.flat[offset + i] = src[i] rounded to t's dtype, for a contiguous tensor t.
+template <typename acc_t>
+void store_as(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* src) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "store_as", [&] {
+    scalar_t* dst = t.mutable_data_ptr<scalar_t>() + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
+  });
+}
+
+// The compute (and result) dtype: float64 if any defined input is float64, else float32.
+inline at::ScalarType compute_dtype(std::initializer_list<const at::Tensor*> inputs) {
+  for (const at::Tensor* t : inputs)
+    if (t->defined() && t->scalar_type() == at::kDouble) return at::kDouble;
+  return at::kFloat;
+}
+
+// body(acc_t{}) with acc_t = double for kDouble, else float; body is a generic lambda.
+template <typename Body>
+decltype(auto) with_compute_type(at::ScalarType dtype, const Body& body) {
+  if (dtype == at::kDouble) return body(double{});
+  return body(float{});
+}
+
+// Rows per parallel task so that a task has at least ~32k elements of work.
+inline int64_t row_grain(int64_t row_length) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_length, 1)); }
+
+}  // namespace ppo_fast

@@ -1,0 +1,229 @@
+// CPU kernel of token_logprobs: log_softmax(logits / temperature) at the labels (and the
+// entropy) in one pass over each row with an online max / sum-exp, rows in parallel, no
+// [N, V] intermediate.  The backward recomputes the softmax from the saved logsumexp.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+
+#include "cpu/float_io.h"
+
+namespace ppo_fast {
+namespace {
+
+constexpr int64_t kChunk = 1024;  // logits converted to the compute type at a time (stays in L1)
+
+// exp(x) for float32 in a branch-free form that the compiler vectorizes (std::exp is a
+// library call it cannot): Cody-Waite reduction x = k ln2 + r, Cephes' degree-6
+// polynomial for exp(r) (about 1 ulp), 2^k built in the exponent bits.  Gives 0 below
+// -87.3 (where the exact result is subnormal, < 1.2e-38) and for -inf, saturates at
+// exp(88) (callers only pass x <= 0 up to rounding); NaN stays NaN.
+#pragma omp declare simd notinbranch
+inline float exp_f32(float x) {
+  const float clamped = x < -87.5f ? -87.5f : (x > 88.0f ? 88.0f : x);
+  const float k = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const float exp_r = poly * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // k >= -126 after the clamp
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof(two_k));
+  return x != x ? x : (x < -87.3f ? 0.0f : exp_r * two_k);
+}
+
+// float64 logits (for gradcheck) are computed in float64, like the reference.
+inline double exp_f32(double x) { return std::exp(x); }
+
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Where row r of the [N, V] or [B, T, V] logits starts (unit last stride, any leading strides).
+struct RowLayout {
+  int64_t inner_rows;  // T for [B, T, V]; N for [N, V]
+  int64_t outer_stride;
+  int64_t inner_stride;
+  int64_t offset(int64_t row) const { return (row / inner_rows) * outer_stride + (row % inner_rows) * inner_stride; }
+};
+
+RowLayout row_layout(const at::Tensor& logits) {
+  if (logits.dim() == 3) return {std::max<int64_t>(logits.size(1), 1), logits.stride(0), logits.stride(1)};
+  return {std::max<int64_t>(logits.size(0), 1), 0, logits.stride(0)};
+}
+
+template <typename acc_t>
+struct RowStats {
+  acc_t lse;      // logsumexp of the row / temperature
+  acc_t entropy;  // of softmax(row / temperature)
+};
+
+// One pass: per chunk, its max updates the running max m (rescaling the running sums),
+// then sum_exp += exp(z - m) and weighted += exp(z - m) (z - m), so that
+// lse = m + log(sum_exp) and entropy = log(sum_exp) - weighted / sum_exp.
+template <typename scalar_t, typename acc_t = acc_type<scalar_t>>
+RowStats<acc_t> row_stats(const scalar_t* row, int64_t vocab, acc_t inv_temp, bool want_entropy) {
+  constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  alignas(64) acc_t z[kChunk];
+  acc_t m = neg_inf, sum_exp = 0, weighted = 0;
+  for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - c0);
+    acc_t chunk_max = neg_inf;
+#pragma omp simd reduction(max : chunk_max)
+    for (int64_t i = 0; i < n; ++i) {
+      z[i] = static_cast<acc_t>(row[c0 + i]) * inv_temp;
+      chunk_max = z[i] > chunk_max ? z[i] : chunk_max;  // NaN never becomes the max; it poisons the sums below
+    }
+    if (chunk_max > m) {
+      if (m != neg_inf) {
+        const acc_t shift = m - chunk_max;
+        const acc_t factor = std::exp(shift);
+        weighted = (weighted + sum_exp * shift) * factor;
+        sum_exp *= factor;
+      }
+      m = chunk_max;
+    }
+    if (m == neg_inf) continue;  // every logit so far is -inf: nothing to add yet
+    acc_t chunk_sum = 0, chunk_weighted = 0;
+    if (want_entropy) {
+#pragma omp simd reduction(+ : chunk_sum, chunk_weighted)
+      for (int64_t i = 0; i < n; ++i) {
+        const acc_t shifted = z[i] - m;
+        const acc_t e = exp_f32(shifted);
+        chunk_sum += e;
+        chunk_weighted += e == 0 ? acc_t(0) : e * shifted;  // p log p is 0 where p is 0
+      }
+    } else {
+#pragma omp simd reduction(+ : chunk_sum)
+      for (int64_t i = 0; i < n; ++i) chunk_sum += exp_f32(z[i] - m);
+    }
+    sum_exp += chunk_sum;
+    weighted += chunk_weighted;
+  }
+  const acc_t log_sum = std::log(sum_exp);
+  return {m + log_sum, log_sum - weighted / sum_exp};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tensor& logits, const at::Tensor& labels,
+                                                                  double temperature, bool return_entropy,
+                                                                  int64_t ignore_index) {
+  TORCH_CHECK((logits.dim() == 2 || logits.dim() == 3) && logits.stride(-1) == 1,
+              "token_logprobs: logits must be [N, V] or [B, T, V] with a unit last stride");
+  const int64_t vocab = logits.size(-1);
+  const at::Tensor label = labels.to(at::kLong).contiguous();
+  const int64_t rows = label.numel();
+  const auto options = logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  at::Tensor logp = at::empty(label.sizes(), options);
+  at::Tensor entropy = at::empty(return_entropy ? label.sizes() : at::IntArrayRef{0}, options);
+  at::Tensor lse = at::empty(label.sizes(), options);
+  const RowLayout layout = row_layout(logits);
+  const int64_t* label_data = label.const_data_ptr<int64_t>();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "token_logprobs_cpu", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const scalar_t* base = logits.const_data_ptr<scalar_t>();
+    const acc_t inv_temp = static_cast<acc_t>(1.0 / temperature);
+    acc_t* logp_data = logp.mutable_data_ptr<acc_t>();
+    acc_t* entropy_data = return_entropy ? entropy.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* lse_data = lse.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t target = label_data[r];
+        if (target == ignore_index) {  // no log-prob, no entropy, no gradient
+          logp_data[r] = 0;
+          lse_data[r] = 0;
+          if (return_entropy) entropy_data[r] = 0;
+          continue;
+        }
+        const scalar_t* row = base + layout.offset(r);
+        const RowStats<acc_t> stats = row_stats(row, vocab, inv_temp, return_entropy);
+        lse_data[r] = stats.lse;
+        logp_data[r] = static_cast<acc_t>(row[target]) * inv_temp - stats.lse;
+        if (return_entropy) entropy_data[r] = stats.entropy;
+      }
+    });
+  });
+  return {logp, entropy, lse};
+}
+
+// d/dz of g * logp[label] + h * entropy, with z = logits / temperature and p = softmax(z):
+// g (onehot - p) - h p (log p + entropy).  g and h arrive already divided by the
+// temperature (the chain rule through z).
+template <typename scalar_t, typename acc_t>
+void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t lse, acc_t g,
+              acc_t h, acc_t entropy) {
+  alignas(64) acc_t out[kChunk];
+  for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - c0);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t log_p = static_cast<acc_t>(row[c0 + i]) * inv_temp - lse;
+      const acc_t p = exp_f32(log_p);
+      const acc_t entropy_term = p == 0 ? acc_t(0) : h * p * (log_p + entropy);
+      const acc_t onehot = c0 + i == target ? g : acc_t(0);
+      out[i] = onehot - g * p - entropy_term;
+    }
+    for (int64_t i = 0; i < n; ++i) grad_row[c0 + i] = static_cast<scalar_t>(out[i]);
+  }
+}
+
+at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_logprobs,
+                                       const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                                       const at::Tensor& labels, const at::Tensor& lse_in, const at::Tensor& entropy_in,
+                                       double temperature, int64_t ignore_index) {
+  const int64_t vocab = logits.size(-1);
+  const at::Tensor label = labels.to(at::kLong).contiguous();
+  const int64_t rows = label.numel();
+  const at::ScalarType acc_dtype = lse_in.scalar_type();
+  const at::Tensor lse = lse_in.contiguous();
+  const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
+  const at::Tensor grad_logp = has_logp_grad ? grad_logprobs->to(acc_dtype).contiguous() : at::Tensor();
+  const at::Tensor grad_ent = has_entropy_grad ? grad_entropy->to(acc_dtype).contiguous() : at::Tensor();
+  const at::Tensor entropy = has_entropy_grad ? entropy_in.contiguous() : at::Tensor();
+  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  const RowLayout layout = row_layout(logits);
+  const int64_t* label_data = label.const_data_ptr<int64_t>();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "token_logprobs_backward_cpu", [&] {
+    using acc_t = acc_type<scalar_t>;
+    TORCH_CHECK(acc_dtype == c10::CppTypeToScalarType<acc_t>::value, "token_logprobs_backward: lse has the wrong dtype");
+    const scalar_t* base = logits.const_data_ptr<scalar_t>();
+    scalar_t* grad_base = grad.mutable_data_ptr<scalar_t>();
+    const acc_t inv_temp = static_cast<acc_t>(1.0 / temperature);
+    const acc_t* lse_data = lse.const_data_ptr<acc_t>();
+    const acc_t* grad_logp_data = has_logp_grad ? grad_logp.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* grad_ent_data = has_entropy_grad ? grad_ent.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* entropy_data = has_entropy_grad ? entropy.const_data_ptr<acc_t>() : nullptr;
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* grad_row = grad_base + r * vocab;
+        const int64_t target = label_data[r];
+        if (target == ignore_index) {
+          std::fill(grad_row, grad_row + vocab, static_cast<scalar_t>(0));
+          continue;
+        }
+        const acc_t g = has_logp_grad ? grad_logp_data[r] * inv_temp : acc_t(0);
+        const acc_t h = has_entropy_grad ? grad_ent_data[r] * inv_temp : acc_t(0);
+        row_grad(base + layout.offset(r), grad_row, vocab, target, inv_temp, lse_data[r], g, h,
+                 has_entropy_grad ? entropy_data[r] : acc_t(0));
+      }
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
+  m.impl("token_logprobs", &token_logprobs_cpu);
+  m.impl("token_logprobs_backward", &token_logprobs_backward_cpu);
+}
+
+}  // namespace ppo_fast

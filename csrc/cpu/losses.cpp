@@ -1,0 +1,240 @@
+// CPU kernels of the PPO losses: one pass over the tokens of each row (rows in
+// parallel) into per-row partial sums, then a fixed-order reduction over the rows, so
+// the result does not depend on the number of threads.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "cpu/float_io.h"
+#include "loss_math.h"
+
+namespace ppo_fast {
+namespace {
+
+constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
+
+PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
+  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.has_value(), dual_clip.value_or(0.0)};
+}
+
+double column_total(const double* partials, int64_t rows, int64_t width, int64_t column) {
+  double total = 0.0;
+  for (int64_t b = 0; b < rows; ++b) total += partials[b * width + column];
+  return total;
+}
+
+// The aggregated loss sum_b row_scale_b * row_sum_b; writes row_scale.
+template <typename acc_t>
+double aggregate_rows(const double* partials, int64_t rows, int64_t width, int64_t sum_column, int64_t count_column,
+                      int64_t agg, int64_t length, acc_t* row_scale_out) {
+  double total_count = 0.0, nonempty_rows = 0.0;
+  for (int64_t b = 0; b < rows; ++b) {
+    const double count = partials[b * width + count_column];
+    total_count += count;
+    nonempty_rows += count > 0.0 ? 1.0 : 0.0;
+  }
+  double loss = 0.0;
+  for (int64_t b = 0; b < rows; ++b) {
+    const double scale = row_scale(agg, partials[b * width + count_column], total_count, nonempty_rows, length);
+    row_scale_out[b] = static_cast<acc_t>(scale);
+    loss += scale * partials[b * width + sum_column];
+  }
+  return loss;
+}
+
+at::Tensor scalar(double value, const at::Tensor& like, at::ScalarType dtype) {
+  return at::scalar_tensor(value, like.options().dtype(dtype));
+}
+
+// Calls body(b, t0, n) for every chunk of n <= kChunk tokens of every row b, rows in parallel.
+template <typename Body>
+void for_each_row_chunk(int64_t rows, int64_t length, const Body& body) {
+  at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t t0 = 0; t0 < length; t0 += kChunk) body(b, t0, std::min(kChunk, length - t0));
+  });
+}
+
+struct PolicyBuffers {
+  at::Tensor logp, old, adv, weights, valid;
+  at::ScalarType dtype;  // compute and result dtype
+};
+
+PolicyBuffers policy_buffers(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                             const at::Tensor& mask, const std::optional<at::Tensor>& weights) {
+  TORCH_CHECK(logprobs.dim() == 2 && mask.scalar_type() == at::kBool, "clipped_policy_loss: expects [B, T] inputs and a bool mask");
+  PolicyBuffers b{logprobs.contiguous(), old_logprobs.contiguous(), advantages.contiguous(),
+                  weights.has_value() ? weights->contiguous() : at::Tensor(), mask.contiguous(), at::kFloat};
+  b.dtype = compute_dtype({&b.logp, &b.old, &b.adv, &b.weights});
+  return b;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_cpu(
+    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& weights, double clip_low, double clip_high, std::optional<double> dual_clip,
+    int64_t agg) {
+  const PolicyBuffers in = policy_buffers(logprobs, old_logprobs, advantages, mask, weights);
+  const int64_t rows = logprobs.size(0), length = logprobs.size(1);
+  const PolicyParams params = policy_params(clip_low, clip_high, dual_clip);
+  const bool weighted = in.weights.defined();
+  const bool* valid = in.valid.const_data_ptr<bool>();
+  std::vector<double> partials(rows * kPolicyPartials, 0.0);
+  at::Tensor row_scale_out = at::empty({rows}, logprobs.options().dtype(in.dtype));
+
+  const double loss = with_compute_type(in.dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
+      acc_t lp[kChunk], od[kChunk], ad[kChunk], w[kChunk];
+      const int64_t offset = b * length + t0;
+      load_as(in.logp, offset, n, lp);
+      load_as(in.old, offset, n, od);
+      load_as(in.adv, offset, n, ad);
+      if (weighted) load_as(in.weights, offset, n, w);
+      double* acc = &partials[b * kPolicyPartials];
+      for (int64_t i = 0; i < n; ++i) {
+        if (!valid[offset + i]) continue;
+        const PolicyTerm<acc_t> term = policy_term(lp[i], od[i], ad[i], params);
+        acc[kPgSum] += weighted ? term.pg * w[i] : term.pg;
+        acc[kCount] += 1.0;
+        acc[kClipped] += term.clipped ? 1.0 : 0.0;
+        acc[kCapped] += term.capped ? 1.0 : 0.0;
+        acc[kKlSum] += od[i] - lp[i];
+      }
+    });
+    return aggregate_rows(partials.data(), rows, kPolicyPartials, kPgSum, kCount, agg, length,
+                          row_scale_out.mutable_data_ptr<acc_t>());
+  });
+
+  const double* p = partials.data();
+  const double count = column_total(p, rows, kPolicyPartials, kCount);
+  const auto mean_of = [&](int64_t column, at::ScalarType dtype) {
+    return scalar(safe_mean(column_total(p, rows, kPolicyPartials, column), count), logprobs, dtype);
+  };
+  // As in the reference, the clip fractions are float32 and approx_kl has the compute dtype.
+  return {scalar(loss, logprobs, in.dtype), mean_of(kClipped, at::kFloat), mean_of(kCapped, at::kFloat),
+          mean_of(kKlSum, in.dtype), row_scale_out};
+}
+
+at::Tensor clipped_policy_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
+                                            const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                                            const at::Tensor& mask, const std::optional<at::Tensor>& weights,
+                                            const at::Tensor& row_scale_in, double clip_low, double clip_high,
+                                            std::optional<double> dual_clip) {
+  const PolicyBuffers in = policy_buffers(logprobs, old_logprobs, advantages, mask, weights);
+  const int64_t rows = logprobs.size(0), length = logprobs.size(1);
+  const PolicyParams params = policy_params(clip_low, clip_high, dual_clip);
+  const bool weighted = in.weights.defined();
+  const bool* valid = in.valid.const_data_ptr<bool>();
+  const at::Tensor scales = row_scale_in.to(in.dtype).contiguous();
+  const double upstream = grad_loss.item<double>();
+  at::Tensor grad = at::empty_like(in.logp);
+
+  with_compute_type(in.dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    const acc_t* scale_data = scales.const_data_ptr<acc_t>();
+    for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
+      acc_t lp[kChunk], od[kChunk], ad[kChunk], w[kChunk], out[kChunk];
+      const int64_t offset = b * length + t0;
+      load_as(in.logp, offset, n, lp);
+      load_as(in.old, offset, n, od);
+      load_as(in.adv, offset, n, ad);
+      if (weighted) load_as(in.weights, offset, n, w);
+      const acc_t row_upstream = static_cast<acc_t>(upstream) * scale_data[b];
+      for (int64_t i = 0; i < n; ++i) {
+        const acc_t g = valid[offset + i] ? row_upstream * policy_term(lp[i], od[i], ad[i], params).grad : acc_t(0);
+        out[i] = weighted ? g * w[i] : g;
+      }
+      store_as(grad, offset, n, out);
+    });
+  });
+  return grad;
+}
+
+struct ValueBuffers {
+  at::Tensor v, old, ret, valid;
+  at::ScalarType dtype;
+};
+
+ValueBuffers value_buffers(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+                           const at::Tensor& mask) {
+  TORCH_CHECK(values.dim() == 2 && mask.scalar_type() == at::kBool, "value_loss: expects [B, T] inputs and a bool mask");
+  ValueBuffers b{values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(), at::kFloat};
+  b.dtype = compute_dtype({&b.v, &b.old, &b.ret});
+  return b;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(const at::Tensor& values, const at::Tensor& old_values,
+                                                              const at::Tensor& returns, const at::Tensor& mask,
+                                                              double clip, int64_t agg) {
+  const ValueBuffers in = value_buffers(values, old_values, returns, mask);
+  const int64_t rows = values.size(0), length = values.size(1);
+  const bool* valid = in.valid.const_data_ptr<bool>();
+  std::vector<double> partials(rows * kValuePartials, 0.0);
+  at::Tensor row_scale_out = at::empty({rows}, values.options().dtype(in.dtype));
+
+  const double loss = with_compute_type(in.dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
+      acc_t vs[kChunk], od[kChunk], rs[kChunk];
+      const int64_t offset = b * length + t0;
+      load_as(in.v, offset, n, vs);
+      load_as(in.old, offset, n, od);
+      load_as(in.ret, offset, n, rs);
+      double* acc = &partials[b * kValuePartials];
+      for (int64_t i = 0; i < n; ++i) {
+        if (!valid[offset + i]) continue;
+        const ValueTerm<acc_t> term = value_term(vs[i], od[i], rs[i], clip);
+        acc[kValueLossSum] += term.loss;
+        acc[kValueCount] += 1.0;
+        acc[kValueClipped] += term.clipped ? 1.0 : 0.0;
+      }
+    });
+    return aggregate_rows(partials.data(), rows, kValuePartials, kValueLossSum, kValueCount, agg, length,
+                          row_scale_out.mutable_data_ptr<acc_t>());
+  });
+
+  const double* p = partials.data();
+  const double clipfrac =
+      safe_mean(column_total(p, rows, kValuePartials, kValueClipped), column_total(p, rows, kValuePartials, kValueCount));
+  return {scalar(loss, values, in.dtype), scalar(clipfrac, values, at::kFloat), row_scale_out};
+}
+
+at::Tensor value_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& values, const at::Tensor& old_values,
+                                   const at::Tensor& returns, const at::Tensor& mask, const at::Tensor& row_scale_in,
+                                   double clip) {
+  const ValueBuffers in = value_buffers(values, old_values, returns, mask);
+  const int64_t rows = values.size(0), length = values.size(1);
+  const bool* valid = in.valid.const_data_ptr<bool>();
+  const at::Tensor scales = row_scale_in.to(in.dtype).contiguous();
+  const double upstream = grad_loss.item<double>();
+  at::Tensor grad = at::empty_like(in.v);
+
+  with_compute_type(in.dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    const acc_t* scale_data = scales.const_data_ptr<acc_t>();
+    for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
+      acc_t vs[kChunk], od[kChunk], rs[kChunk], out[kChunk];
+      const int64_t offset = b * length + t0;
+      load_as(in.v, offset, n, vs);
+      load_as(in.old, offset, n, od);
+      load_as(in.ret, offset, n, rs);
+      const acc_t row_upstream = static_cast<acc_t>(upstream) * scale_data[b];
+      for (int64_t i = 0; i < n; ++i)
+        out[i] = valid[offset + i] ? row_upstream * value_term(vs[i], od[i], rs[i], clip).grad : acc_t(0);
+      store_as(grad, offset, n, out);
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
+  m.impl("clipped_policy_loss", &clipped_policy_loss_cpu);
+  m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cpu);
+  m.impl("value_loss", &value_loss_cpu);
+  m.impl("value_loss_backward", &value_loss_backward_cpu);
+}
+
+}  // namespace ppo_fast

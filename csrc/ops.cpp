@@ -1,0 +1,59 @@
+// The ppo_fast operator library: schemas (implementations are registered per device in
+// csrc/cpu/*.cpp and csrc/cuda/*.cpp; fake kernels and autograd in
+// ppo_fast/ops/native_backend.py) and the Python module ppo_fast._C that loads them.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(ppo_fast, m) {
+  // Losses.  `agg` is the index in ppo_fast.reference.AGG_MODES.  `row_scale` [B] is
+  // d loss / d row sum, kept for the backward.
+  m.def(
+      "clipped_policy_loss(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, Tensor? weights, "
+      "float clip_low, float clip_high, float? dual_clip, int agg) "
+      "-> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor approx_kl, Tensor row_scale)");
+  m.def(
+      "clipped_policy_loss_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, "
+      "Tensor mask, Tensor? weights, Tensor row_scale, float clip_low, float clip_high, float? dual_clip) -> Tensor");
+  m.def(
+      "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, int agg) "
+      "-> (Tensor loss, Tensor clipfrac, Tensor row_scale)");
+  m.def(
+      "value_loss_backward(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
+      "Tensor row_scale, float clip) -> Tensor");
+  // Rewards and advantages.  `estimator` is the index in ppo_fast.reference.KL_ESTIMATORS.
+  m.def("kl_estimate(Tensor logprobs, Tensor ref_logprobs, int estimator) -> Tensor");
+  m.def(
+      "kl_penalized_rewards(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor mask, float kl_coef, "
+      "int estimator) -> (Tensor rewards, Tensor kl)");
+  m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor advantages, Tensor returns)");
+  // Log-probs.  `entropy` is empty unless return_entropy; `lse` is the per-row
+  // logsumexp of logits / temperature, kept for the backward.
+  m.def(
+      "token_logprobs(Tensor logits, Tensor labels, float temperature, bool return_entropy, int ignore_index) "
+      "-> (Tensor logprobs, Tensor entropy, Tensor lse)");
+  m.def(
+      "token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
+      "Tensor lse, Tensor entropy, float temperature, int ignore_index) -> Tensor");
+}
+
+namespace {
+
+PyObject* built_with_cuda(PyObject*, PyObject*) {
+#ifdef PPO_FAST_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+PyMethodDef methods[] = {
+    {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "ppo_fast native kernels (registered as torch.ops.ppo_fast.*)", -1, methods};
+
+}  // namespace
+
+// Importing the module runs the static registrations above.
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,73 @@
+"""The native backend's registration, and pieces shared by the other test_native_* files
+(the skip when the extension is missing, input makers)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppo_fast.backends import backend_info
+
+NATIVE = backend_info("native")
+requires_native = pytest.mark.skipif(not NATIVE.available, reason=f"native backend unavailable: {NATIVE.detail}")
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ALL_FLOATS = FLOAT_DTYPES + (torch.float64,)  # float64 is computed in float64 (for gradcheck)
+
+
+def random_mask(shape, device="cpu"):
+    """A random mask with interior holes, one all-masked row and (if there are 3+ rows) one full row."""
+    mask = torch.rand(shape, device=device) < 0.7
+    mask[0] = False
+    if shape[0] > 2:
+        mask[2] = True
+    return mask
+
+
+def policy_inputs(shape, dtype, device="cpu"):
+    """log-probs, old log-probs and advantages of ``dtype``; some log-ratios beyond the +-20 clamp."""
+    logprobs = -torch.rand(shape, device=device) * 3
+    old = logprobs + 0.4 * torch.randn(shape, device=device)
+    far = torch.rand(shape, device=device) < 0.05
+    old = torch.where(far, logprobs + 25.0 * torch.sign(torch.randn(shape, device=device)), old)
+    advantages = torch.randn(shape, device=device)
+    return logprobs.to(dtype), old.to(dtype), advantages.to(dtype)
+
+
+# --------------------------------------------------------------------------- registration
+
+LOSS_OPS = ("clipped_policy_loss", "clipped_policy_loss_backward", "value_loss", "value_loss_backward")
+CPU_OPS = LOSS_OPS + ("gae", "kl_estimate", "kl_penalized_rewards", "token_logprobs", "token_logprobs_backward")
+
+
+@requires_native
+def test_cpu_kernels_registered():
+    for op in CPU_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{op}", "CPU"), op
+
+
+@requires_native
+def test_cuda_kernels_registered_iff_built_with_cuda():
+    from ppo_fast.ops import native_backend
+
+    built = native_backend.built_with_cuda()
+    for op in LOSS_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{op}", "CUDA") == built, op
+    assert ("cuda" in native_backend.SUPPORTED["clipped_policy_loss"]) == built
+    assert native_backend.SUPPORTED["gae"] == {"cpu"}
+
+
+def test_unavailable_with_the_import_error_when_the_extension_is_missing():
+    # A fresh interpreter in which importing ppo_fast._C fails (a None entry in sys.modules).
+    script = (
+        "import sys; sys.modules['ppo_fast._C'] = None\n"
+        "from ppo_fast.backends import backend_info\n"
+        "info = backend_info('native'); print(info.available); print(info.detail)\n"
+    )
+    repo_root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=repo_root)
+    available, detail = run.stdout.splitlines()
+    assert available == "False"
+    assert "ppo_fast._C could not be imported" in detail and "None in sys.modules" in detail
