@@ -1,0 +1,265 @@
+"""Triton KL estimate, KL-penalised rewards and GAE scan against the reference, forward and backward."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import ppo_fast as pf  # noqa: E402
+from ppo_fast import kernels, reference  # noqa: E402
+from ppo_fast.reference import KL_ESTIMATORS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# Float hyper-parameters reach the kernels as float32: the float64 comparisons at
+# 1e-12 use values exactly representable in float32.
+KL_COEF = 0.0625
+
+
+def _tolerance(dtype):
+    """Computed in float32 (float64) from the same inputs as the reference: only rounding differs.
+
+    Gradients in bf16/fp16 may differ by one unit in the last place (the Triton
+    interpreter truncates float32 -> bf16 where torch rounds to nearest): torch's
+    default tolerances for those dtypes.
+    """
+    if dtype == torch.float64:
+        return dict(rtol=1e-12, atol=1e-12)
+    if dtype in (torch.bfloat16, torch.float16):
+        return {}
+    return dict(rtol=1e-5, atol=1e-5)
+
+
+def _mask(batch, length, keep=0.7):
+    """Random mask with an all-masked row, a single valid token row and interior holes."""
+    mask = torch.rand(batch, length, device=DEVICE) < keep
+    mask[0] = False
+    if batch > 1:
+        mask[1] = False
+        mask[1, length // 2] = True
+    return mask
+
+
+def _run(backend, fn, leaves, *rest):
+    """``fn(*leaves, *rest)`` on ``backend`` and the gradients of a random weighting of its outputs."""
+    leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    with pf.use_backend(backend):
+        outputs = fn(*leaves, *rest)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    gen = torch.Generator(device=DEVICE).manual_seed(1234)
+    loss = sum((out * torch.randn(out.shape, generator=gen, device=DEVICE, dtype=out.dtype)).sum() for out in outputs)
+    loss.backward()
+    return [out.detach() for out in outputs], [x.grad for x in leaves]
+
+
+def _assert_matches_reference(fn, leaves, *rest, equal_nan=False):
+    (outs, grads), (ref_outs, ref_grads) = _run("triton", fn, leaves, *rest), _run("reference", fn, leaves, *rest)
+    for out, ref in zip(outs, ref_outs):
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, equal_nan=equal_nan, **_tolerance(ref.dtype))
+    for grad, ref, leaf in zip(grads, ref_grads, leaves):
+        assert grad.dtype == leaf.dtype
+        torch.testing.assert_close(grad, ref, equal_nan=equal_nan, **_tolerance(leaf.dtype))
+
+
+# --------------------------------------------------------------------------- kl_estimate
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kl_estimate_matches_reference(estimator, dtype):
+    logp = (-3 * torch.rand(4, 7, 3, device=DEVICE)).to(dtype)
+    ref = (logp.float() + torch.randn(4, 7, 3, device=DEVICE)).to(dtype)
+    # Non-contiguous inputs and a log-ratio beyond the k3 clamps.
+    logp, ref = logp.transpose(0, 1), ref.transpose(0, 1)
+    ref[0, 0, 0] = logp[0, 0, 0] + 30.0
+    ref[0, 0, 1] = logp[0, 0, 1] - 30.0
+    ref[0, 0, 2] = logp[0, 0, 2]  # log-ratio 0: abs' gradient is 0 there, as in torch
+    _assert_matches_reference(lambda a, b: pf.kl_estimate(a, b, estimator), [logp, ref])
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_estimate_infinite_log_probs(estimator):
+    logp = torch.tensor([-math.inf, -1.0, -math.inf, math.nan, -2.0], device=DEVICE)
+    ref = torch.tensor([-1.0, -math.inf, -math.inf, -1.0, -2.0], device=DEVICE)
+    with pf.use_backend("triton"):
+        out = pf.kl_estimate(logp, ref, estimator)
+    with pf.use_backend("reference"):
+        expected = pf.kl_estimate(logp, ref, estimator)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+def test_kl_estimate_mixed_dtypes_and_empty():
+    logp = torch.randn(6, device=DEVICE, dtype=torch.bfloat16)
+    ref = torch.randn(6, device=DEVICE, dtype=torch.float64)
+    _assert_matches_reference(lambda a, b: pf.kl_estimate(a, b, "k3"), [logp, ref])
+    with pf.use_backend("triton"):
+        assert pf.kl_estimate(torch.empty(0, 3, device=DEVICE), torch.empty(0, 3, device=DEVICE)).shape == (0, 3)
+
+
+# --------------------------------------------------------------------------- kl_penalized_rewards
+
+
+@pytest.mark.parametrize(
+    "estimator,dtype,length",
+    [(est, dtype, length) for est in KL_ESTIMATORS for dtype in (torch.float32, torch.bfloat16, torch.float64) for length in (1, 37)]
+    # 1500 tokens: more than one chunk of the default size.
+    + [(est, torch.float32, 1500) for est in KL_ESTIMATORS],
+)
+def test_kl_penalized_rewards_match_reference(estimator, dtype, length):
+    batch = 4
+    logp = (-2 * torch.rand(batch, length, device=DEVICE)).to(dtype)
+    ref = (logp.float() + 0.5 * torch.randn(batch, length, device=DEVICE)).to(dtype)
+    scores = torch.randn(batch, device=DEVICE, dtype=dtype)
+    mask = _mask(batch, length)
+
+    def fn(scores, logp, ref):
+        return pf.kl_penalized_rewards(scores, logp, ref, mask, kl_coef=KL_COEF, estimator=estimator)
+
+    _assert_matches_reference(fn, [scores, logp, ref])
+
+
+def test_kl_penalized_rewards_strided_inputs_and_int_mask():
+    batch, length = 3, 11
+    full_logp = torch.randn(batch, length + 1, device=DEVICE)
+    full_ref = torch.randn(length + 1, batch, device=DEVICE)
+    scores = torch.randn(batch, 2, device=DEVICE)[:, 1]
+    mask = (torch.rand(batch, length, device=DEVICE) < 0.6).to(torch.int64)
+
+    def fn(scores, full_logp, full_ref):
+        return pf.kl_penalized_rewards(scores, full_logp[:, 1:], full_ref[1:].t(), mask, kl_coef=0.2, estimator="k2")
+
+    _assert_matches_reference(fn, [scores, full_logp, full_ref])
+
+
+@pytest.mark.parametrize("block_t", [4, 8])
+def test_kl_rewards_kernel_chunks(block_t):
+    """Small chunks: the last valid token is found in the first chunk from the end that has one."""
+    batch, length = 6, 29
+    logp, ref, scores = torch.randn(batch, length), torch.randn(batch, length), torch.randn(batch)
+    mask = _mask(batch, length)
+    mask[2, :] = False
+    mask[2, :3] = True  # last valid token in the last chunk processed
+    mask[3, :] = True
+    rewards, kl, last = kernels.kl_penalized_rewards_forward(scores, logp, ref, mask, 0.1, "k3", block_t=block_t)
+    expected_rewards, expected_kl = reference.kl_penalized_rewards(scores, logp, ref, mask, 0.1, "k3")
+    torch.testing.assert_close(rewards, expected_rewards, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl, expected_kl, rtol=1e-6, atol=1e-6)
+    expected_last, has_valid = reference.last_valid_index(mask)
+    assert last.tolist() == torch.where(has_valid, expected_last, -1).tolist()
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+@pytest.mark.parametrize(
+    "dtype,length,gamma,lam",
+    [
+        (dtype, length, gamma, lam)
+        for dtype in DTYPES
+        for length in (1, 2, 37)
+        for gamma, lam in ((1.0, 0.9375), (0.984375, 1.0), (0.5, 0.0), (0.0, 0.75))
+    ]
+    # 2100 tokens: three chunks of the default size (the reference loop is slow, so fewer cases).
+    + [(torch.float32, 2100, 1.0, 0.9375), (torch.bfloat16, 2100, 0.984375, 1.0), (torch.float64, 2100, 0.5, 0.75)],
+)
+def test_gae_matches_reference(dtype, length, gamma, lam):
+    batch = 3
+    rewards = torch.randn(batch, length, device=DEVICE).to(dtype)
+    values = torch.randn(batch, length, device=DEVICE).to(dtype)
+    mask = _mask(batch, length, keep=0.8)
+    with pf.use_backend("triton"):
+        advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
+    with pf.use_backend("reference"):
+        expected_adv, expected_ret = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
+    # A scan sums in another order than the loop: errors grow with the discounted length.
+    tol = dict(rtol=1e-12, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5 * max(1.0, math.sqrt(length)))
+    assert advantages.dtype == expected_adv.dtype
+    torch.testing.assert_close(advantages, expected_adv, **tol)
+    torch.testing.assert_close(returns, expected_ret, **tol)
+
+
+@pytest.mark.parametrize("block_t", [2, 4, 16])
+def test_gae_kernel_carries_across_chunks(block_t):
+    """Small chunks: masked runs that span chunk borders pass the advantage and the next valid value through."""
+    batch, length = 5, 41
+    rewards, values = torch.randn(batch, length), torch.randn(batch, length)
+    mask = _mask(batch, length, keep=0.5)
+    mask[2, 5:30] = False  # a masked run wider than several chunks
+    mask[3] = True
+    mask[4, -7:] = False  # masked tail
+    advantages, returns = kernels.gae_forward(rewards, values, mask, 0.97, 0.9, block_t=block_t)
+    expected_adv, expected_ret = reference.gae(rewards, values, mask, 0.97, 0.9)
+    torch.testing.assert_close(advantages, expected_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns, expected_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_strided_inputs_and_garbage_at_masked_tokens():
+    batch, length = 4, 23
+    mask = _mask(batch, length, keep=0.6)
+    rewards = torch.randn(length, batch, device=DEVICE).t()  # column-major
+    values = torch.randn(batch, length + 1, device=DEVICE)[:, :-1]  # values of a shifted slice
+    with pf.use_backend("reference"):
+        expected = pf.gae(rewards, values, mask)
+    garbage_rewards = torch.where(mask, rewards, math.nan)
+    garbage_values = torch.where(mask, values, math.inf)
+    with pf.use_backend("triton"):
+        clean = pf.gae(rewards, values, mask)
+        dirty = pf.gae(garbage_rewards, garbage_values, mask)
+    torch.testing.assert_close(clean, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+
+
+def test_gae_has_no_backward_and_says_so():
+    rewards = torch.randn(2, 5, device=DEVICE, requires_grad=True)
+    with pf.use_backend("triton"):
+        advantages, _ = pf.gae(rewards, torch.randn(2, 5, device=DEVICE), torch.ones(2, 5, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        advantages.sum().backward()
+
+
+def test_gae_empty_batch():
+    with pf.use_backend("triton"):
+        advantages, returns = pf.gae(torch.empty(0, 4), torch.empty(0, 4), torch.ones(0, 4, dtype=torch.bool))
+    assert advantages.shape == returns.shape == (0, 4)
+
+
+# --------------------------------------------------------------------------- float64 gradcheck and torch.compile
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_gradcheck_float64(estimator):
+    logp = -torch.rand(3, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    ref = (logp.detach() + 0.3 * torch.randn(3, 6, dtype=torch.float64, device=DEVICE)).requires_grad_()
+    scores = torch.randn(3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    mask = _mask(3, 6)
+    with pf.use_backend("triton"):
+        assert torch.autograd.gradcheck(lambda a, b: pf.kl_estimate(a, b, estimator), (logp, ref))
+        assert torch.autograd.gradcheck(
+            lambda s, a, b: pf.kl_penalized_rewards(s, a, b, mask, kl_coef=0.3, estimator=estimator), (scores, logp, ref)
+        )
+
+
+def test_torch_compile_fullgraph():
+    """KL reward -> GAE -> loss traces as one graph of custom ops; values and gradients as in eager."""
+    pf.available_backends()  # import the backends outside the trace (dynamo cannot trace importlib)
+
+    def step(logp, ref, scores, values, mask):
+        rewards, kl = pf.kl_penalized_rewards(scores, logp, ref, mask, kl_coef=0.05, estimator="k3")
+        advantages, returns = pf.gae(rewards.detach(), values, mask, gamma=0.99, lam=0.95)
+        return (advantages * logp).sum() + pf.kl_estimate(logp, ref, "k2").sum() + returns.sum()
+
+    batch, length = 3, 9
+    logp = -torch.rand(batch, length, device=DEVICE)
+    args = (torch.randn(batch, length, device=DEVICE), torch.randn(batch, device=DEVICE), torch.randn(batch, length, device=DEVICE), _mask(batch, length))
+    results = {}
+    with pf.use_backend("triton"):
+        torch._dynamo.reset()
+        for name, fn in (("eager", step), ("compiled", torch.compile(step, fullgraph=True, backend="aot_eager"))):
+            leaf = logp.clone().requires_grad_()
+            loss = fn(leaf, *args)
+            loss.backward()
+            results[name] = (loss.detach(), leaf.grad)
+    torch.testing.assert_close(results["compiled"], results["eager"], rtol=0, atol=0)
