@@ -1,0 +1,334 @@
+"""The PPO trainer and the ppo-fast CLI, on tiny models for a few steps on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ppo_fast.cli import main
+from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig
+from ppo_fast.trainer import checkpoint, default_task
+from ppo_fast.trainer.estimate import group_advantages
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.rollout import Batch, forward, generate, response_mask_until_eos
+from ppo_fast.trainer.scoring import RewardModelScorer
+from ppo_fast.trainer.trainer import lr_lambda
+from ppo_fast.trainer.update import Experience, ppo_update
+
+TRL_KEYS = {
+    "objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "policy/approxkl_avg",
+    "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/explained_variance", "lr",
+    "time/rollout", "time/score", "time/estimate", "time/optimize", "throughput/tokens_per_s",
+}
+
+
+def tiny(tmp_path, name="run", **overrides) -> TrainerConfig:
+    values = dict(output_dir=str(tmp_path / name), steps=2, batch_size=8, num_mini_batches=2, num_ppo_epochs=1,
+                  sft_steps=10, eval_size=16, sample_every=0, save_every=0, learning_rate=1e-3)
+    values.update(overrides)
+    return TrainerConfig(**values)
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+def rows(cfg: TrainerConfig) -> list[dict]:
+    return read_metrics(checkpoint.Path(cfg.output_dir) / METRICS_FILE)
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def test_smoke_run_writes_metrics_checkpoint_and_plot(tmp_path):
+    cfg = tiny(tmp_path, steps=3, save_every=2)
+    summary = PPOTrainer(cfg, log=quiet).train()
+    assert summary["stop_reason"] == "done" and summary["steps_done"] == 3
+    assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
+    metrics = rows(cfg)
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    for row in metrics:
+        assert TRL_KEYS <= row.keys(), TRL_KEYS - row.keys()
+        assert all(math.isfinite(v) for v in row.values())
+    out = checkpoint.Path(cfg.output_dir)
+    assert (out / "curves.png").stat().st_size > 0
+    assert json.loads((out / "summary.json").read_text())["steps_done"] == 3
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved == ["step-000002", "step-000003"]
+    final = out / "checkpoints" / "step-000003"
+    model = AutoModelForCausalLM.from_pretrained(final / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(final / "policy")
+    assert tokenizer.decode(tokenizer("12+34=").input_ids) == "12+34="
+    state = checkpoint.load_state(final)
+    assert state.step == 3 and state.config["steps"] == 3
+    critic_state = torch.load(final / "critic.pt")
+    assert "head.summary.weight" in critic_state and any(k.startswith("backbone.") for k in critic_state)
+    # The warm-up is cached: a second trainer on the same directory reuses it.
+    messages = []
+    PPOTrainer(cfg, log=messages.append)
+    assert any("reusing the warm-up model" in m for m in messages)
+    del model
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    straight = tiny(tmp_path, "straight", steps=4)
+    PPOTrainer(straight, log=quiet).train()
+    interrupted = tiny(tmp_path, "resumed", steps=2)
+    # Same warm-up model (and so the same reference) for both runs.
+    shutil.copytree(tmp_path / "straight" / "warmup", tmp_path / "resumed" / "warmup")
+    PPOTrainer(interrupted, log=quiet).train()
+    resumed = tiny(tmp_path, "resumed", steps=4, resume=True)
+    summary = PPOTrainer(resumed, log=quiet).train()
+    assert summary["steps_done"] == 4
+    expected, got = rows(straight), rows(resumed)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for want, have in zip(expected[2:], got[2:]):
+        want, have = _comparable(want), _comparable(have)
+        assert want.keys() == have.keys()
+        for key in want:
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_shared_critic_trains_a_value_head_only(tmp_path):
+    cfg = tiny(tmp_path, critic="shared", steps=1)
+    # A constant reward of 1 gives value targets away from the zero-initialised head.
+    trainer = PPOTrainer(cfg, reward_fn=lambda prompts, responses: [1.0] * len(responses), log=quiet)
+    assert trainer.critic.shared and [n for n, _ in trainer.critic.named_parameters()] == ["head.summary.weight", "head.summary.bias"]
+    head_before = trainer.critic.head.summary.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(head_before, trainer.critic.head.summary.weight)
+    assert "loss/value_avg" in rows(cfg)[0]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_estimators_run_without_a_critic(tmp_path, estimator):
+    cfg = tiny(tmp_path, advantage_estimator=estimator, num_samples_per_prompt=4, batch_size=4, steps=1)
+    trainer = PPOTrainer(cfg, log=quiet)
+    assert trainer.critic is None
+    trainer.train()
+    row = rows(cfg)[0]
+    assert "loss/value_avg" not in row and "val/explained_variance" not in row
+    assert not (checkpoint.Path(cfg.output_dir) / "checkpoints" / "step-000001" / "critic.pt").exists()
+
+
+def test_custom_model_path_reward_fn_spec_and_prompts_file(tmp_path):
+    PPOTrainer(tiny(tmp_path, "base"), log=quiet)  # writes the warm-up model to base/warmup
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(10, 30)))
+    code = main([
+        "train", "--model-name-or-path", str(tmp_path / "base" / "warmup"), "--prompts-file", str(prompts),
+        "--reward-fn", "ppo_fast.trainer.default_task:addition_reward", "--output-dir", str(tmp_path / "custom"),
+        "--steps", "1", "--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
+    ])
+    assert code == 0
+    assert rows(tiny(tmp_path, "custom"))[0]["step"] == 1
+
+
+# ---------------------------------------------------------------------- the PPO update itself
+
+
+def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(tmp_path):
+    tokenizer = default_task.build_tokenizer()
+    policy = default_task.build_model(tokenizer, seed=1).eval()
+    cfg = TrainerConfig(num_ppo_epochs=1, num_mini_batches=1, learning_rate=1e-3, max_grad_norm=0.0, cliprange=0.2)
+    prompts = [default_task.prompt(a, 90 - a) for a in range(11, 23)]
+    batch = generate(policy, tokenizer, prompts, max_new_tokens=3, temperature=1.0, top_p=1.0, greedy=False)
+    mask = batch.response_mask
+    with torch.no_grad():
+        old, _, _ = forward(policy, None, batch, temperature=1.0)
+    sign = torch.tensor([1.0, -1.0]).repeat(len(prompts) // 2)
+    advantages = torch.where(mask, sign.unsqueeze(-1), 0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, 1))
+    stats = ppo_update(policy, None, optimizer, scheduler, Experience(batch, old, advantages, None, None), cfg, step=1)
+    assert stats["policy/approxkl_avg"] == 0.0  # the first minibatch sees the rollout policy itself
+    with torch.no_grad():
+        new, _, _ = forward(policy, None, batch, temperature=1.0)
+    # Rows share parameters, so one row may move against its sign; the totals may not.
+    change = ((new - old) * mask).sum(-1)
+    assert change[sign > 0].sum() > 0, change
+    assert change[sign < 0].sum() < 0, change
+    assert (change * sign).gt(0).float().mean() >= 0.75, change
+
+
+def test_response_mask_covers_tokens_up_to_the_first_eos():
+    eos = 1
+    ids = torch.tensor([[5, 6, 1, 0], [5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0]])
+    expected = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(response_mask_until_eos(ids, eos), expected)
+
+
+def test_generate_pads_after_eos_and_positions_skip_left_padding():
+    tokenizer = default_task.build_tokenizer()
+    policy = default_task.build_model(tokenizer, seed=2).eval()
+    batch = generate(policy, tokenizer, ["1+2=", "12+34="], max_new_tokens=5, temperature=1.0, top_p=0.9, greedy=False)
+    assert batch.prompt_width == 6
+    assert torch.equal(batch.attention_mask[0, :2], torch.tensor([False, False]))
+    assert batch.position_ids[0, 2] == 0 and batch.position_ids[1, 0] == 0
+    after = ~batch.response_mask
+    assert (batch.response_ids[after] == tokenizer.pad_token_id).all()
+
+
+def test_lr_schedules():
+    base = dict(steps=1, warmup_steps=2)
+    const = lr_lambda(TrainerConfig(**base, lr_scheduler_type="constant"), 10)
+    linear = lr_lambda(TrainerConfig(**base, lr_scheduler_type="linear"), 10)
+    cosine = lr_lambda(TrainerConfig(**base, lr_scheduler_type="cosine"), 10)
+    assert [const(i) for i in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert linear(6) == pytest.approx(0.5) and linear(10) == 0.0
+    assert cosine(6) == pytest.approx(0.5) and cosine(2) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------- group estimators by hand
+
+
+def test_grpo_advantages_match_a_hand_computation():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    # Group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735; group 2 has equal rewards.
+    a = 0.5 / (0.5773503 + 1e-4)
+    expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(group_advantages(scores, 4, "grpo"), expected)
+
+
+def test_rloo_advantages_match_a_hand_computation():
+    scores = torch.tensor([3.0, 0.0, 1.0, 2.0, 5.0, 1.0])
+    # Each reward minus the mean of the other responses to the same prompt (groups of 3).
+    expected = torch.tensor([3 - 0.5, 0 - 2.0, 1 - 1.5, 2 - 3.0, 5 - 1.5, 1 - 3.5])
+    torch.testing.assert_close(group_advantages(scores, 3, "rloo"), expected)
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("kl_coef", -0.1), ("cliprange", 1.5), ("gamma", 1.2), ("steps", 0), ("top_p", 0.0), ("temperature", 0.0),
+     ("advantage_estimator", "ppo2"), ("critic", "tied"), ("num_mini_batches", 3), ("loss_agg", "mean")],
+)
+def test_bad_config_values_fail_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"invalid config: {field} "):
+        TrainerConfig(**{field: value}).validate()
+
+
+def test_group_estimators_need_several_samples():
+    with pytest.raises(ValueError, match="num_samples_per_prompt must be >= 2 for advantage_estimator=grpo"):
+        TrainerConfig(advantage_estimator="grpo").validate()
+
+
+def test_cli_rejects_bad_values_at_start(tmp_path, capsys):
+    assert main(["train", "--kl-coef", "-1", "--output-dir", str(tmp_path / "x")]) == 1
+    assert "kl_coef must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "three"])
+
+
+def test_config_file_with_cli_overrides(tmp_path):
+    from ppo_fast.cli import _parsers
+    from ppo_fast.trainer.config import config_from_args
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kl_coef: 0.2\nsteps: 7\nwhiten_advantages: false\n")
+    _, train = _parsers()
+    cfg = config_from_args(train.parse_args(["--config", str(path), "--steps", "9"]))
+    assert (cfg.kl_coef, cfg.steps, cfg.whiten_advantages) == (0.2, 9, False)
+    path.write_text('{"kl_coeff": 0.2}')
+    with pytest.raises(ValueError, match="unknown option.*kl_coeff"):
+        TrainerConfig.from_file(path)
+    path.write_text('{"steps": "many"}')
+    with pytest.raises(ValueError, match="steps must be int"):
+        TrainerConfig.from_file(path)
+
+
+def test_help_and_markdown_list_every_option(capsys):
+    import dataclasses
+
+    assert main(["options", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert f"`{flag}`" in table and flag in help_text
+    assert "PPO policy ratio clip epsilon" in help_text
+
+
+# ---------------------------------------------------------------------- rewards and stops
+
+
+def test_reward_fn_that_raises_is_named(tmp_path):
+    def broken_reward(prompts, responses):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardError, match="broken_reward raised KeyError"):
+        PPOTrainer(tiny(tmp_path, eval_size=0), reward_fn=broken_reward, log=quiet).train()
+
+
+@pytest.mark.parametrize("bad", [lambda p, r: [1.0] * (len(r) - 1), lambda p, r: [[1.0]] * len(r), lambda p, r: "1"])
+def test_reward_fn_with_wrong_output_is_rejected(tmp_path, bad):
+    with pytest.raises(RewardError, match="must return"):
+        PPOTrainer(tiny(tmp_path, eval_size=0), reward_fn=bad, log=quiet).train()
+
+
+def test_non_finite_reward_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    calls = []
+
+    def reward(prompts, responses):
+        calls.append(1)
+        return [float("nan") if len(calls) == 2 else 1.0] * len(responses)
+
+    cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
+    with pytest.raises(NonFiniteError, match="step 2: reward .* is not finite"):
+        PPOTrainer(cfg, reward_fn=reward, log=quiet).train()
+    assert checkpoint.latest(checkpoint.Path(cfg.output_dir)).name == "step-000001"
+
+
+def test_keyboard_interrupt_saves_a_checkpoint_and_resume_finishes(tmp_path):
+    calls = []
+
+    def reward(prompts, responses):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return default_task.addition_reward(prompts, responses)
+
+    cfg = tiny(tmp_path, steps=3, eval_size=0)
+    summary = PPOTrainer(cfg, reward_fn=reward, log=quiet).train()
+    assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
+    assert checkpoint.latest(checkpoint.Path(cfg.output_dir)).name == "step-000001"
+    resumed = PPOTrainer(tiny(tmp_path, steps=3, eval_size=0, resume=True), log=quiet)
+    assert resumed.step == 1
+    assert resumed.train()["steps_done"] == 3
+    assert [r["step"] for r in rows(cfg)] == [1, 2, 3]
+
+
+def test_reward_model_scores_one_number_per_response(tmp_path):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    tokenizer = default_task.build_tokenizer()
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=16, num_labels=1,
+                        pad_token_id=tokenizer.pad_token_id)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    scorer = RewardModelScorer(str(tmp_path / "rm"), torch.device("cpu"))
+    scores = scorer(["1+2=", "12+34="], ["3", "46"], torch.device("cpu"))
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+    # The same text scores the same whatever the padding around it.
+    alone = scorer(["12+34="], ["46"], torch.device("cpu"))
+    torch.testing.assert_close(scores[1:], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_rows_keep_the_prompt_width():
+    batch = Batch(torch.arange(12).view(3, 4), torch.ones(3, 4, dtype=torch.bool), prompt_width=2)
+    part = batch.rows(torch.tensor([2, 0]))
+    assert part.prompt_width == 2 and torch.equal(part.response_ids, torch.tensor([[10, 11], [2, 3]]))
