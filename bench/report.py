@@ -18,13 +18,17 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _times(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def result_rows(results: dict) -> list[dict]:
     """One flat row per (case, mode, implementation), with display strings."""
     rows = []
     for case in results["cases"]:
         if case.get("skipped"):
             rows.append({"op": case["op"], "shape": case["shape"], "mode": "", "impl": "", "time": "", "spread": "",
-                         "speedup": "", "memory": "", "gbps": "", "copy": "", "note": f"skipped: {case['skipped']}"})
+                         "speedup": "", "vs_reference": "", "memory": "", "gbps": "", "copy": "", "note": f"skipped: {case['skipped']}"})
             continue
         for r in case["results"]:
             ok = r["status"] == "ok"
@@ -35,7 +39,8 @@ def result_rows(results: dict) -> list[dict]:
                 "impl": r["impl"] + (" *" if r["kind"] == "ppo_fast" else ""),
                 "time": _fmt(r.get("median_ms"), ".4g") if ok else r["status"].upper(),
                 "spread": f"{r['q25_ms']:.4g}-{r['q75_ms']:.4g}" if ok else "",
-                "speedup": _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
+                "speedup": _times(r.get("speedup")),
+                "vs_reference": _times(r.get("speedup_vs_reference")),
                 "memory": _fmt(r["peak_extra_bytes"] / MIB if "peak_extra_bytes" in r else None, ".1f"),
                 "gbps": _fmt(r.get("gbps"), ".0f"),
                 "copy": _fmt(100 * r["copy_fraction"] if "copy_fraction" in r else None, ".0f"),
@@ -46,7 +51,8 @@ def result_rows(results: dict) -> list[dict]:
 
 _COLUMNS = [
     ("op", "op"), ("shape", "shape"), ("mode", "mode"), ("impl", "implementation"), ("time", "median ms"),
-    ("spread", "IQR ms"), ("speedup", "vs eager"), ("memory", "peak extra MiB"), ("gbps", "GB/s"),
+    ("spread", "IQR ms"), ("speedup", "vs eager"), ("vs_reference", "vs reference"),
+    ("memory", "peak extra MiB"), ("gbps", "GB/s"),
     ("copy", "% copy BW"), ("note", "note"),
 ]
 
@@ -65,7 +71,8 @@ def header_lines(results: dict) -> list[str]:
         f"command: {results['command']}",
         "backends: " + "; ".join(f"{k} {v}" for k, v in results["backends"].items()),
         f"peak memory method: {results['memory_method']}",
-        "speedup is against the eager baseline of the same case and mode (baseline named per op); * marks ppo_fast backends",
+        "vs eager: speedup over the eager baseline of the same case and mode (python-loop for gae); "
+        "vs reference: over our reference backend; * marks ppo_fast backends",
     ]
     if results.get("copy_bandwidth_gbps"):
         lines.append(f"device-to-device copy bandwidth: {results['copy_bandwidth_gbps']:.0f} GB/s (read + write)")
@@ -112,8 +119,21 @@ def markdown(results: dict) -> str:
     for op in dict.fromkeys(row["op"] for row in rows):
         out += ["", f"#### {op}", "", "| " + " | ".join(t for _, t in columns) + " |", "|" + "---|" * len(columns)]
         out += ["| " + " | ".join(row[k].replace("|", "/") for k, _ in columns) + " |" for row in rows if row["op"] == op]
-    out += e2e_lines(results)
+    out += e2e_markdown(results)
     return "\n".join(out)
+
+
+def e2e_markdown(results: dict) -> list[str]:
+    e2e = results.get("e2e")
+    if not e2e or "runs" not in e2e:
+        return e2e_lines(results)
+    auto = ", ".join(f"{op} -> {name}" for op, name in results.get("auto", {}).items())
+    phases = list(next(iter(e2e["runs"].values()))["phase_s"])
+    out = ["", "#### end to end", "", f"{e2e['description']}. `auto` picks: {auto}.", "",
+           "| ops | response tokens/s | " + " | ".join(f"{p} ms" for p in phases) + " |", "|" + "---|" * (len(phases) + 2)]
+    for name, run in e2e["runs"].items():
+        out.append(f"| {name} | {run['tokens_per_s']:.0f} | " + " | ".join(f"{run['phase_s'][p] * 1e3:.1f}" for p in phases) + " |")
+    return out
 
 
 def plot(results: dict, out_dir: str, stem: str) -> list[str]:
@@ -164,11 +184,16 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="result JSON files written by python -m bench")
+    parser.add_argument("--plots", action="store_true", help="also (re)draw each file's PNG plots beside it")
     args = parser.parse_args(argv)
     sections = []
     for path in args.results:
         with open(path) as f:
-            sections.append(markdown(json.load(f)))
+            results = json.load(f)
+        sections.append(markdown(results))
+        if args.plots:
+            stem = os.path.splitext(os.path.basename(path))[0]
+            plot(results, os.path.dirname(os.path.abspath(path)), stem)
     print("## Performance\n\n" + "\n\n".join(sections))
     return 0
 

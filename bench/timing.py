@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,11 +39,15 @@ class Timing:
     timer: str
 
 
-def time_cpu(fn: Callable[[], object], min_run_time: float) -> Timing:
+def time_cpu(fn: Callable[[], object], min_run_time: float, min_runs: int = 3) -> Timing:
+    """Blocked autorange over at least ``min_run_time`` seconds and ``min_runs`` calls (so slow calls get a spread)."""
     from torch.utils import benchmark
 
+    start = time.perf_counter()
+    fn()
+    one_call = time.perf_counter() - start
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    measurement = timer.blocked_autorange(min_run_time=max(min_run_time, min_runs * one_call))
     times = torch.tensor(measurement.times, dtype=torch.float64) * 1e3
     q25, median, q75 = torch.quantile(times, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
     return Timing(median, q25, q75, len(measurement.times) * measurement.number_per_run, "torch.utils.benchmark")
