@@ -31,7 +31,7 @@ def _opt(default, help_text: str, group: str):
 class TrainerConfig:
     # --- run
     output_dir: str = _opt("ppo_fast_run", "Directory for metrics, plots, checkpoints and the warm-up cache.", "run")
-    steps: int = _opt(250, "Number of PPO iterations (rollout, score, estimate, optimize).", "run")
+    steps: int = _opt(150, "Number of PPO iterations (rollout, score, estimate, optimize).", "run")
     seed: int = _opt(0, "Random seed (sampling, shuffling, initialisation).", "run")
     device: str = _opt("auto", "Device: auto (cuda if available), cpu or cuda.", "run")
     backend: str = _opt("auto", "ppo_fast kernel backend: auto, reference, triton or native.", "run")

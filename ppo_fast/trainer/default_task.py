@@ -9,6 +9,7 @@ has something real to learn.  The warm-up model is cached in ``output_dir/warmup
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -93,12 +94,25 @@ def warm_up(model, tokenizer, train_pairs, cfg: TrainerConfig, device: torch.dev
     model.eval()
 
 
+def warm_up_settings(cfg: TrainerConfig) -> dict:
+    """Everything the cached warm-up model depends on (the held-out split included)."""
+    names = ("seed", "sft_steps", "sft_batch_size", "sft_learning_rate", "demo_carry_error_rate", "eval_size")
+    return {**{name: getattr(cfg, name) for name in names}, "model_shape": MODEL_SHAPE}
+
+
 def load_or_warm_up(cfg: TrainerConfig, device: torch.device, log=print):
-    """The warm-up policy and tokenizer, trained once and reused from ``output_dir/warmup``."""
+    """The warm-up policy and tokenizer, trained once and reused from ``output_dir/warmup``.
+
+    The cache is reused only if it was made with the same warm-up settings.
+    """
     cache = Path(cfg.output_dir) / "warmup"
-    if (cache / "config.json").exists():
-        log(f"reusing the warm-up model in {cache}")
-        return AutoModelForCausalLM.from_pretrained(cache).to(device), AutoTokenizer.from_pretrained(cache)
+    settings_file = cache / "warmup_settings.json"
+    settings = warm_up_settings(cfg)
+    if settings_file.exists():
+        if json.loads(settings_file.read_text()) == settings:
+            log(f"reusing the warm-up model in {cache}")
+            return AutoModelForCausalLM.from_pretrained(cache).to(device), AutoTokenizer.from_pretrained(cache)
+        log(f"the warm-up model in {cache} was made with other settings: training it again")
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, cfg.seed).to(device)
     train_pairs, _ = split_problems(cfg.eval_size, cfg.seed)
@@ -107,6 +121,7 @@ def load_or_warm_up(cfg: TrainerConfig, device: torch.device, log=print):
     log(f"warm-up took {time.perf_counter() - start:.1f}s")
     model.save_pretrained(cache)
     tokenizer.save_pretrained(cache)
+    settings_file.write_text(json.dumps(settings))
     return model, tokenizer
 
 
