@@ -9,7 +9,7 @@ float64 result matches the reference to ~1e-7 relative in them unless they are
 exactly representable in float32.
 """
 
-from .gae import gae_forward
+from .gae import gae_backward, gae_forward
 from .kl_reward import kl_backward, kl_estimate_forward, kl_penalized_rewards_forward
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 
@@ -20,4 +20,5 @@ __all__ = [
     "kl_backward",
     "kl_penalized_rewards_forward",
     "gae_forward",
+    "gae_backward",
 ]

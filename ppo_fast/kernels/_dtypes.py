@@ -1,8 +1,9 @@
-"""The dtype a kernel computes and writes in, following ``ppo_fast.reference``."""
+"""The dtypes a kernel computes and writes in, following ``ppo_fast.reference``."""
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 
@@ -14,3 +15,12 @@ def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def compute_dtype(dtype: torch.dtype):
     """The Triton compute type for a result dtype."""
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+@triton.jit
+def cast_for_store(x, ptr):
+    """``x`` in ``ptr``'s element type, through float32 unless that is float64
+    (the Triton interpreter converts float64 -> bfloat16 wrongly)."""
+    if ptr.dtype.element_ty != tl.float64:
+        x = x.to(tl.float32)
+    return x.to(ptr.dtype.element_ty)

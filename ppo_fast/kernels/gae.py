@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dtypes import compute_dtype, result_dtype
+from ._dtypes import cast_for_store, compute_dtype, result_dtype
 
 MAX_BLOCK_T = 1024
 
@@ -106,3 +106,104 @@ def gae_forward(
         ACC=compute_dtype(advantages.dtype), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
     )
     return advantages, returns
+
+
+@triton.jit
+def _gae_bwd_kernel(
+    grad_adv_ptr,
+    grad_ret_ptr,
+    mask_ptr,
+    grad_rewards_ptr,
+    grad_values_ptr,
+    length,
+    mask_stride0,
+    mask_stride1,
+    gamma,
+    lam,
+    HAS_GRAD_ADV: tl.constexpr,
+    HAS_GRAD_RET: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # A_t = sum over later valid j of (gamma*lam)^k delta_j, so the gradient of delta_t is
+    # S_t = g_t + gamma*lam * S_(previous valid token), a scan forward in time, with
+    # g = grad_advantages + grad_returns.  Then grad r_t = S_t and, as v_t enters
+    # delta_t with -1 and the previous valid token's delta with gamma,
+    # grad v_t = -S_t + gamma * S_(previous valid) + grad_returns_t.
+    row = tl.program_id(0).to(tl.int64)
+    gamma = tl.cast(gamma, ACC)
+    gamma_lam = gamma * tl.cast(lam, ACC)
+    offs = tl.arange(0, BLOCK_T)
+    is_chunk_end = offs == BLOCK_T - 1
+    carry = tl.zeros([], ACC)  # S at the last token before the chunk
+    carry_previous = tl.zeros([], ACC)  # S at the last valid token before the one before the chunk
+    mask_row = mask_ptr + row * mask_stride0
+    out_row = row * length
+    for chunk in range(0, tl.cdiv(length, BLOCK_T)):
+        t = chunk * BLOCK_T + offs
+        inside = t < length
+        preceding_inside = inside & (t >= 1)
+        valid = tl.load(mask_row + t * mask_stride1, mask=inside, other=0) != 0
+        preceding_valid = tl.load(mask_row + (t - 1) * mask_stride1, mask=preceding_inside, other=0) != 0
+        grad = tl.zeros([BLOCK_T], ACC)
+        preceding_grad = tl.zeros([BLOCK_T], ACC)
+        grad_ret = tl.zeros([BLOCK_T], ACC)
+        if HAS_GRAD_ADV:
+            grad += tl.load(grad_adv_ptr + out_row + t, mask=valid, other=0.0).to(ACC)
+            preceding_grad += tl.load(grad_adv_ptr + out_row + t - 1, mask=preceding_valid, other=0.0).to(ACC)
+        if HAS_GRAD_RET:
+            grad_ret = tl.load(grad_ret_ptr + out_row + t, mask=valid, other=0.0).to(ACC)
+            grad += grad_ret
+            preceding_grad += tl.load(grad_ret_ptr + out_row + t - 1, mask=preceding_valid, other=0.0).to(ACC)
+
+        s_coef, s_offset = tl.associative_scan(
+            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
+        )
+        delta_grad = s_coef * carry + s_offset
+        # The same scan shifted by one token: S at the previous valid token.
+        p_coef, p_offset = tl.associative_scan(
+            (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)), 0, _compose_affine
+        )
+        previous_delta_grad = p_coef * carry_previous + p_offset
+
+        tl.store(grad_rewards_ptr + out_row + t, cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_ptr), mask=inside)
+        grad_values = tl.where(valid, gamma * previous_delta_grad - delta_grad + grad_ret, 0.0)
+        tl.store(grad_values_ptr + out_row + t, cast_for_store(grad_values, grad_values_ptr), mask=inside)
+        # Slots past the row's end are identity maps, so the last slot holds the chunk-end state.
+        carry = tl.sum(tl.where(is_chunk_end, delta_grad, 0.0), 0)
+        carry_previous = tl.sum(tl.where(is_chunk_end, previous_delta_grad, 0.0), 0)
+
+
+def gae_backward(
+    grad_advantages: torch.Tensor | None,
+    grad_returns: torch.Tensor | None,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    rewards_dtype: torch.dtype,
+    values_dtype: torch.dtype,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients w.r.t. rewards and values (in their dtypes) from those of ``gae_forward``'s outputs.
+
+    Either output gradient may be None (unused); ``block_t`` overrides the chunk size.
+    """
+    batch, length = mask.shape
+    grad_rewards = torch.empty((batch, length), dtype=rewards_dtype, device=mask.device)
+    grad_values = torch.empty((batch, length), dtype=values_dtype, device=mask.device)
+    if batch == 0 or length == 0:
+        return grad_rewards, grad_values
+    given = [g for g in (grad_advantages, grad_returns) if g is not None]
+    if not given:
+        return grad_rewards.zero_(), grad_values.zero_()
+    block = block_t or min(triton.next_power_of_2(length), MAX_BLOCK_T)
+    grad_advantages = None if grad_advantages is None else grad_advantages.contiguous()
+    grad_returns = None if grad_returns is None else grad_returns.contiguous()
+    _gae_bwd_kernel[(batch,)](
+        given[0] if grad_advantages is None else grad_advantages,  # unused without HAS_GRAD_ADV
+        given[0] if grad_returns is None else grad_returns,  # unused without HAS_GRAD_RET
+        mask, grad_rewards, grad_values, length, *mask.stride(), gamma, lam,
+        HAS_GRAD_ADV=grad_advantages is not None, HAS_GRAD_RET=grad_returns is not None,
+        ACC=compute_dtype(result_dtype(*given)), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
+    )
+    return grad_rewards, grad_values

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..reference import KL_ESTIMATORS
-from ._dtypes import compute_dtype, result_dtype
+from ._dtypes import cast_for_store, compute_dtype, result_dtype
 
 _ELEMENTWISE_BLOCK = 1024
 MAX_BLOCK_T = 1024
@@ -62,15 +62,6 @@ def _kl_grad_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
 
 
 @triton.jit
-def _cast_for_store(x, ptr):
-    """``x`` in ``ptr``'s element type, through float32 unless that is float64
-    (the Triton interpreter converts float64 -> bfloat16 wrongly)."""
-    if ptr.dtype.element_ty != tl.float64:
-        x = x.to(tl.float32)
-    return x.to(ptr.dtype.element_ty)
-
-
-@triton.jit
 def _kl_estimate_kernel(logp_ptr, ref_ptr, kl_ptr, numel, ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < numel
@@ -86,8 +77,8 @@ def _kl_backward_kernel(
     inside = offs < numel
     log_ratio = tl.load(logp_ptr + offs, mask=inside).to(ACC) - tl.load(ref_ptr + offs, mask=inside).to(ACC)
     grad = tl.load(grad_kl_ptr + offs, mask=inside).to(ACC) * _kl_grad_from_log_ratio(log_ratio, ESTIMATOR)
-    tl.store(grad_logp_ptr + offs, _cast_for_store(grad, grad_logp_ptr), mask=inside)
-    tl.store(grad_ref_ptr + offs, _cast_for_store(-grad, grad_ref_ptr), mask=inside)
+    tl.store(grad_logp_ptr + offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
+    tl.store(grad_ref_ptr + offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
 
 
 @triton.jit

@@ -2,10 +2,9 @@
 
 Each op is a ``torch.library.custom_op`` (with a fake implementation), so that
 ``torch.compile(fullgraph=True)`` treats it as one opaque node without graph
-breaks.  Differentiable: ``token_logprobs`` (w.r.t. logits), ``kl_estimate`` and
-``kl_penalized_rewards`` (w.r.t. the log-probs and scores).  ``gae`` is not: its
-outputs are regression/policy targets, computed without gradient, and a backward
-through it raises.
+breaks.  All are differentiable as the reference is: ``token_logprobs`` w.r.t. the
+logits, ``kl_estimate`` and ``kl_penalized_rewards`` w.r.t. the log-probs and
+scores, ``gae`` w.r.t. rewards and values.
 
 Served on CUDA tensors; on CPU tensors only under ``TRITON_INTERPRET=1`` (the
 interpreter, for tests).
@@ -227,6 +226,42 @@ def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gam
 def _(rewards, values, mask, gamma, lam):
     advantages = rewards.new_empty(rewards.shape, dtype=result_dtype(rewards, values))
     return advantages, torch.empty_like(advantages)
+
+
+@torch.library.custom_op("ppo_fast_triton::gae_backward", mutates_args=())
+def _gae_backward_op(
+    grad_advantages: torch.Tensor | None,
+    grad_returns: torch.Tensor | None,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    rewards_dtype: torch.dtype,
+    values_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype)
+
+
+@_gae_backward_op.register_fake
+def _(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype):
+    return mask.new_empty(mask.shape, dtype=rewards_dtype), mask.new_empty(mask.shape, dtype=values_dtype)
+
+
+def _gae_setup(ctx, inputs, output):
+    rewards, values, mask, ctx.gamma, ctx.lam = inputs
+    ctx.rewards_dtype, ctx.values_dtype = rewards.dtype, values.dtype
+    ctx.save_for_backward(mask)
+    ctx.set_materialize_grads(False)
+
+
+def _gae_backward(ctx, grad_advantages, grad_returns):
+    (mask,) = ctx.saved_tensors
+    grad_rewards, grad_values = _gae_backward_op(
+        grad_advantages, grad_returns, mask, ctx.gamma, ctx.lam, ctx.rewards_dtype, ctx.values_dtype
+    )
+    return grad_rewards, grad_values, None, None, None
+
+
+_gae_op.register_autograd(_gae_backward, setup_context=_gae_setup)
 
 
 def gae(rewards, values, mask, gamma, lam):
