@@ -114,7 +114,8 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
         fwd_bytes=logits_bytes + n * per_row,
         bwd_bytes=2 * logits_bytes + n * (8 + 4),
         grad_input="logits",
-        params={"temperature": TEMPERATURE, "masked_rows": MASKED_ROW_FRACTION, "return_entropy": False},
+        params={"dtype": str(dtype).replace("torch.", ""), "temperature": TEMPERATURE, "masked_rows": MASKED_ROW_FRACTION,
+                "return_entropy": False},
     )
 
 

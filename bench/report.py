@@ -142,33 +142,42 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     metrics = [("speedup", "speedup vs eager (x)")]
     if results["device"] == "cuda":
         metrics.append(("gbps", "achieved GB/s"))
     ops = list(dict.fromkeys(case["op"] for case in results["cases"]))
+    columns = min(3, max(1, len(ops)))
+    grid_rows = (len(ops) + columns - 1) // columns or 1
     written = []
     for metric, label in metrics:
-        fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(4.5 * max(1, len(ops)), 3.8), squeeze=False)
-        for ax, op in zip(axes[0], ops):
+        fig, axes = plt.subplots(grid_rows, columns, figsize=(5 * columns, 3.8 * grid_rows), squeeze=False)
+        for ax in list(axes.flat)[len(ops):]:
+            ax.axis("off")
+        for ax, op in zip(axes.flat, ops):
             series = {}
             for case in results["cases"]:
                 if case["op"] != op:
                     continue
+                dtype = case.get("params", {}).get("dtype")  # one line per input dtype
                 for r in case["results"]:
                     if r["status"] == "ok" and r.get(metric) is not None and r["impl"] != case["eager_baseline"]:
-                        series.setdefault(f"{r['impl']} {r['mode']}", []).append((case["size"], r[metric]))
+                        name = " ".join(part for part in (r["impl"], r["mode"], dtype) if part)
+                        series.setdefault(name, []).append((case["size"], r[metric]))
             for name, points in sorted(series.items()):
                 points.sort()
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+                style = "--" if "fwd+bwd" in name else "-"
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
             if metric == "gbps" and results.get("copy_bandwidth_gbps"):
                 ax.axhline(results["copy_bandwidth_gbps"], color="grey", linestyle="--", label="copy bandwidth")
             if metric == "speedup":
                 ax.axhline(1.0, color="grey", linewidth=0.8)
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_title(op, fontsize=9)
-            ax.set_xlabel("logit elements" if op == "token_logprobs" else "tokens")
+            ax.set_xlabel("logit elements (N x V)" if op == "token_logprobs" else "tokens (B x T)")
             ax.set_ylabel(label)
             if series:
                 ax.legend(fontsize=6)
