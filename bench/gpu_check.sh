@@ -103,11 +103,12 @@ else
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
     run_stage "bench (python -m bench --device cuda, case budget ${budget}s)" "$left" "$BENCH_LOG" \
         "$PY" -m bench --device cuda --out "$OUT" --budget-s "$budget" $BENCH_ARGS
-    if [ -f "$OUT/cuda.json" ]; then
-        # Also after a timeout: render what was measured.
-        "$PY" -m bench.report "$OUT/cuda.json" --plots >"$OUT/cuda.md" 2>>"$BENCH_LOG" \
-            || RESULTS+=("report: FAILED (see bench.log)")
-    fi
+    # Also after a timeout: render what was measured (cuda.json, or cuda-quick.json with --quick).
+    for json in "$OUT"/cuda*.json; do
+        [ -f "$json" ] || continue
+        "$PY" -m bench.report "$json" --plots >"${json%.json}.md" 2>>"$BENCH_LOG" \
+            || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
+    done
     grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
 
