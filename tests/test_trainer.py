@@ -46,12 +46,13 @@ def rows(cfg: TrainerConfig) -> list[dict]:
 
 
 def test_smoke_run_writes_metrics_checkpoint_and_plot(tmp_path):
-    cfg = tiny(tmp_path, steps=3, save_every=2)
+    cfg = tiny(tmp_path, steps=3, save_every=2, eval_every=2)
     summary = PPOTrainer(cfg, log=quiet).train()
     assert summary["stop_reason"] == "done" and summary["steps_done"] == 3
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
     metrics = rows(cfg)
     assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert [("eval/score" in r) for r in metrics] == [False, True, False]  # the final evaluation is in the summary
     for row in metrics:
         assert TRL_KEYS <= row.keys(), TRL_KEYS - row.keys()
         assert all(math.isfinite(v) for v in row.values())

@@ -43,7 +43,7 @@ class TrainerConfig:
     save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run")
     sample_every: int = _opt(25, "Print a few sample completions every this many steps (0: never).", "run")
     num_samples_to_print: int = _opt(3, "How many sample completions to print each time.", "run")
-    eval_every: int = _opt(0, "Evaluate held-out greedy reward every this many steps (0: only before and after).", "run")
+    eval_every: int = _opt(25, "Evaluate held-out greedy reward every this many steps (0: only before and after).", "run")
 
     # --- models and rewards
     model_name_or_path: str | None = _opt(

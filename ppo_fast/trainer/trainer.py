@@ -98,6 +98,7 @@ class PPOTrainer:
 
     def __init__(self, cfg: TrainerConfig, *, policy=None, tokenizer=None, reward_fn: Callable | None = None,
                  prompts: list[str] | None = None, eval_prompts: list[str] | None = None, log: Callable[[str], None] | None = None):
+        self.created = time.perf_counter()
         self.cfg = cfg.validate()
         self.log = log or tqdm.write
         self.output_dir = Path(cfg.output_dir)
@@ -282,9 +283,11 @@ class PPOTrainer:
     # ------------------------------------------------------------------ the run
 
     def train(self) -> dict:
-        """Run up to ``cfg.steps`` iterations; return a summary (also written to ``summary.json``)."""
+        """Run up to ``cfg.steps`` iterations; return a summary (also written to ``summary.json``).
+
+        The summary's wall time counts from the trainer's creation, so it includes the warm-up.
+        """
         cfg = self.cfg
-        run_start = time.perf_counter()
         with pf.use_backend(cfg.backend):
             before = self.evaluate(self.reference)
             if before is not None:
@@ -325,7 +328,7 @@ class PPOTrainer:
             "steps_done": self.step,
             "eval_before": before,
             "eval_after": after,
-            "wall_time_s": time.perf_counter() - run_start,
+            "wall_time_s": time.perf_counter() - self.created,  # warm-up and loading included
             "phase_time_s": dict(self.timer.total),
             "plot": str(plot) if plot else None,
         }
