@@ -30,7 +30,9 @@ ALL_OPS = case_defs.OPS + ("e2e",)
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="Time ppo_fast's backends against the eager baselines; write JSON, a table and plots."
+    )
     parser.add_argument("--ops", default=",".join(ALL_OPS), help=f"comma-separated subset of {','.join(ALL_OPS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes, short timings: a smoke run")
