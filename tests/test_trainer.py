@@ -310,8 +310,10 @@ def test_keyboard_interrupt_saves_a_checkpoint_and_resume_finishes(tmp_path):
     summary = PPOTrainer(cfg, reward_fn=reward, log=quiet).train()
     assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
     assert checkpoint.latest(checkpoint.Path(cfg.output_dir)).name == "step-000001"
-    resumed = PPOTrainer(tiny(tmp_path, steps=3, eval_size=0, resume=True), log=quiet)
+    messages = []
+    resumed = PPOTrainer(tiny(tmp_path, steps=3, eval_size=0, resume=True, kl_coef=0.1), log=messages.append)
     assert resumed.step == 1
+    assert "resuming with changed options: kl_coef 0.05 -> 0.1" in messages
     assert resumed.train()["steps_done"] == 3
     assert [r["step"] for r in rows(cfg)] == [1, 2, 3]
 

@@ -175,6 +175,10 @@ class PPOTrainer:
             self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
             return
         state = checkpoint.load_state(found)
+        changed = [f"{name} {old!r} -> {getattr(self.cfg, name)!r}" for name, old in state.config.items()
+                   if name not in ("steps", "resume") and getattr(self.cfg, name, old) != old]
+        if changed:
+            self.log("resuming with changed options: " + ", ".join(changed))
         checkpoint.load_weights(found, self.policy, self.critic)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
