@@ -16,8 +16,8 @@ from ._dtypes import cast_for_store, compute_dtype, result_dtype
 _ELEMENTWISE_BLOCK = 1024
 MAX_BLOCK_T = 1024
 
-# Indices into KL_ESTIMATORS, as kernel constants.
-_K1, _K2, _K3, _ABS = (KL_ESTIMATORS.index(name) for name in ("k1", "k2", "k3", "abs"))
+# Indices into KL_ESTIMATORS, as kernel constants (compiled kernels only see constexpr globals).
+_K1, _K2, _K3, _ABS = (tl.constexpr(KL_ESTIMATORS.index(name)) for name in ("k1", "k2", "k3", "abs"))
 
 
 def estimator_code(estimator: str) -> int:
