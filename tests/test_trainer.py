@@ -15,6 +15,7 @@ from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerCon
 from ppo_fast.trainer import checkpoint, default_task
 from ppo_fast.trainer.estimate import group_advantages
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.models import activation_checkpointing_on
 from ppo_fast.trainer.rollout import Batch, forward, generate, response_mask_until_eos
 from ppo_fast.trainer.scoring import RewardModelScorer
 from ppo_fast.trainer.trainer import lr_lambda
@@ -111,6 +112,15 @@ def test_shared_critic_trains_a_value_head_only(tmp_path):
     trainer.train()
     assert not torch.equal(head_before, trainer.critic.head.summary.weight)
     assert "loss/value_avg" in rows(cfg)[0]
+
+
+def test_gradient_checkpointing_run(tmp_path):
+    cfg = tiny(tmp_path, gradient_checkpointing=True, steps=1, gradient_accumulation_steps=2)
+    trainer = PPOTrainer(cfg, reward_fn=lambda prompts, responses: [float(len(r)) for r in responses], log=quiet)
+    assert activation_checkpointing_on(trainer.policy) and activation_checkpointing_on(trainer.critic.backbone)
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.policy.parameters()))
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

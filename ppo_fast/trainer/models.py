@@ -60,3 +60,14 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward (named ``activation_checkpointing_enable`` since transformers 5.x)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def activation_checkpointing_on(model: nn.Module) -> bool:
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, flag))

@@ -20,7 +20,7 @@ from . import checkpoint, default_task
 from .config import TrainerConfig
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
-from .models import build_critic, disable_dropout, frozen_reference
+from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference
 from .rollout import decode_responses, generate, score_old_and_ref
 from .scoring import FunctionScorer, RewardModelScorer, check_finite, load_reward_fn
 from .update import Experience, ppo_update
@@ -147,9 +147,9 @@ class PPOTrainer:
         self.reference = frozen_reference(self.policy)
         self.critic = build_critic(self.policy, cfg.critic) if cfg.advantage_estimator == "gae" else None
         if cfg.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            enable_activation_checkpointing(self.policy)
             if self.critic is not None and not self.critic.shared:
-                self.critic.backbone.gradient_checkpointing_enable()
+                enable_activation_checkpointing(self.critic.backbone)
         params = list(self.policy.parameters()) + (list(self.critic.parameters()) if self.critic is not None else [])
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         total_updates = cfg.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
