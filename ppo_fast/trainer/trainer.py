@@ -311,6 +311,7 @@ class PPOTrainer:
                             break
                         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                             row["eval/score"] = self.evaluate(self.policy)
+                            self.log(f"step {self.step}: held-out greedy score {row['eval/score']:.3f}")
                         writer.write(row)
                         self._report(bar, row)
                         if interrupt.requested:
