@@ -48,6 +48,10 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _masked_variance(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return pf.masked_mean((x - pf.masked_mean(x, mask)).square(), mask)
+
+
 def lr_lambda(cfg: TrainerConfig, total_updates: int) -> Callable[[int], float]:
     """Linear warm-up over ``warmup_steps`` optimizer steps, then constant, linear or cosine decay."""
 
@@ -274,9 +278,8 @@ class PPOTrainer:
             **stats,
         }
         if values is not None:
-            residual_var = pf.masked_mean((est.returns - values - pf.masked_mean(est.returns - values, mask)).square(), mask)
-            returns_var = pf.masked_mean((est.returns - pf.masked_mean(est.returns, mask)).square(), mask)
-            row["val/explained_variance"] = (1.0 - residual_var / returns_var.clamp_min(1e-8)).item()
+            explained = 1.0 - _masked_variance(est.returns - values, mask) / _masked_variance(est.returns, mask).clamp_min(1e-8)
+            row["val/explained_variance"] = explained.item()
             row["val/mean"] = pf.masked_mean(values, mask).item()
         row.update({f"time/{name}": secs for name, secs in times.items()})
         row["time/step"] = elapsed
