@@ -12,7 +12,7 @@ Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
 (``reference``, ``triton``, ``native`` or ``auto``); see ``pf.available_backends()``.
 """
 
-from .backends import BackendUnavailableError, available_backends, current_backend, use_backend
+from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import (
     clipped_policy_loss,
@@ -26,6 +26,8 @@ from .ops import (
 )
 
 __version__ = "0.1.0"
+
+load_all()
 
 __all__ = [
     "token_logprobs",

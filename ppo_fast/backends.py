@@ -111,6 +111,13 @@ def backend_info(name: str) -> BackendInfo:
     return _INFO[name]
 
 
+def load_all() -> None:
+    """Import every backend now.  Called when ``ppo_fast`` is imported, so that no import
+    happens inside a ``torch.compile`` trace (Dynamo cannot trace ``importlib``)."""
+    for name in BACKENDS:
+        backend_info(name)
+
+
 def available_backends() -> dict[str, str]:
     """Each backend with ``"available: ..."`` or the reason it is unavailable."""
     return {

@@ -15,19 +15,21 @@ import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
 
 
-def _cpu_backends():
-    names = []
-    for name in BACKENDS:
-        info = backend_info(name)
-        if info.available and "cpu" in info.module.SUPPORTED.get("gae", set()):
-            names.append(name)
-    return names
+def cpu_backends(*ops):
+    """The backends that serve all of ``ops`` on CPU tensors here."""
+    return [
+        name
+        for name in BACKENDS
+        if backend_info(name).available and all("cpu" in backend_info(name).module.SUPPORTED.get(op, set()) for op in ops)
+    ]
 
 
-CPU_BACKENDS = _cpu_backends()
+def on_backends(*ops):
+    """Run the test once per CPU backend that serves ``ops``, inside ``use_backend``."""
+    return pytest.mark.parametrize("backend", cpu_backends(*ops), indirect=True)
 
 
-@pytest.fixture(params=CPU_BACKENDS)
+@pytest.fixture
 def backend(request):
     with pf.use_backend(request.param):
         yield request.param
@@ -36,7 +38,8 @@ def backend(request):
 # --------------------------------------------------------------------------- the seeds' example
 
 
-def test_seed_example_end_to_end(backend):
+@on_backends("kl_penalized_rewards", "gae")
+def test_seed_example_rewards_and_advantages(backend):
     """beta=0.1, gamma=1, lambda=0.95, r_RM=1.5, log-ratios +0.2/-0.2, V=[0.8, 1.0]."""
     mask = torch.ones(1, 2, dtype=torch.bool)
     logprobs = torch.tensor([[-1.0, -2.0]])
@@ -49,15 +52,19 @@ def test_seed_example_end_to_end(backend):
     torch.testing.assert_close(advantages, torch.tensor([[0.674, 0.52]]))
     torch.testing.assert_close(returns, torch.tensor([[1.474, 1.52]]))
 
-    # Token 1 at ratio 1.3 with A = 0.674: the clip holds the objective at 1.2 * 0.674 = 0.809.
+
+@on_backends("clipped_policy_loss")
+def test_seed_example_clipped_objective(backend):
+    """Token 1 at ratio 1.3 with A = 0.674: the clip holds the objective at 1.2 * 0.674 = 0.809."""
     old = torch.tensor([[-1.0]])
     new = old + math.log(1.3)
-    loss, stats = pf.clipped_policy_loss(new, old, advantages[:, :1], mask[:, :1], clip_eps=0.2)
+    loss, stats = pf.clipped_policy_loss(new, old, torch.tensor([[0.674]]), torch.ones(1, 1), clip_eps=0.2)
     assert loss.item() == pytest.approx(-0.8088, abs=1e-4)
     assert round(-loss.item(), 3) == 0.809
     assert stats["clipfrac"].item() == 1.0
 
 
+@on_backends("value_loss")
 def test_seed_example_value_loss(backend):
     """The critic regresses toward R = [1.474, 1.52]: 0.5 * mean squared error when nothing clips."""
     values = torch.tensor([[0.8, 1.0]])
@@ -104,7 +111,7 @@ def gae_batch(draw):
     return rewards, values, mask, gamma, lam
 
 
-@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+@pytest.mark.parametrize("backend_name", cpu_backends("gae"))
 @settings(max_examples=60, deadline=None)
 @given(case=gae_batch())
 def test_gae_matches_naive_loop(backend_name, case):
@@ -116,6 +123,7 @@ def test_gae_matches_naive_loop(backend_name, case):
     torch.testing.assert_close(returns.double(), expected_ret, rtol=1e-5, atol=1e-5)
 
 
+@on_backends("gae")
 def test_gae_ignores_masked_inputs(backend):
     rewards = torch.randn(3, 9)
     values = torch.randn(3, 9)
@@ -128,6 +136,7 @@ def test_gae_ignores_masked_inputs(backend):
     assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
 
 
+@on_backends("gae")
 def test_gae_length_one_row(backend):
     advantages, returns = pf.gae(torch.tensor([[2.0]]), torch.tensor([[0.5]]), torch.ones(1, 1), gamma=0.9, lam=0.9)
     torch.testing.assert_close(advantages, torch.tensor([[1.5]]))
@@ -137,6 +146,7 @@ def test_gae_length_one_row(backend):
 # --------------------------------------------------------------------------- KL and rewards
 
 
+@on_backends("kl_estimate")
 def test_kl_estimators_match_their_formulas(backend):
     logp = torch.randn(4, 7)
     ref = torch.randn(4, 7)
@@ -151,6 +161,7 @@ def test_kl_estimators_match_their_formulas(backend):
     assert far.item() == 10.0
 
 
+@on_backends("kl_penalized_rewards")
 def test_kl_penalized_rewards_place_score_at_last_valid_token(backend):
     mask = torch.tensor([[1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
     logp = torch.randn(3, 6)
@@ -168,6 +179,7 @@ def test_kl_penalized_rewards_place_score_at_last_valid_token(backend):
 # --------------------------------------------------------------------------- log-probs
 
 
+@on_backends("token_logprobs")
 def test_logprobs_of_all_labels_normalise(backend):
     vocab = 13
     logits = torch.randn(5, vocab) * 3
@@ -176,6 +188,7 @@ def test_logprobs_of_all_labels_normalise(backend):
     assert torch.logsumexp(logp, dim=-1).abs().max() < 1e-5
 
 
+@on_backends("token_logprobs")
 def test_logprobs_shift_invariant_and_match_log_softmax(backend):
     logits = torch.randn(3, 4, 11)
     labels = torch.randint(0, 11, (3, 4))
@@ -188,6 +201,7 @@ def test_logprobs_shift_invariant_and_match_log_softmax(backend):
     torch.testing.assert_close(ent.double(), -(full.exp() * full).sum(-1), atol=1e-5, rtol=1e-5)
 
 
+@on_backends("token_logprobs")
 def test_logprobs_ignore_index_gives_zero_and_no_gradient(backend):
     logits = torch.randn(6, 9, requires_grad=True)
     labels = torch.tensor([1, -100, 3, -100, 8, 0])
@@ -198,6 +212,7 @@ def test_logprobs_ignore_index_gives_zero_and_no_gradient(backend):
     assert (logits.grad[labels != -100] != 0).any()
 
 
+@on_backends("token_logprobs")
 def test_logprobs_extreme_rows(backend):
     """-inf elsewhere in a row is harmless; a -inf chosen logit gives -inf; NaN stays in its row."""
     logits = torch.randn(4, 6)
@@ -242,6 +257,7 @@ def _policy_loss_by_formula(logp, old, adv, mask, clip_low, clip_high, dual_clip
     return seq_sum / length if agg == "seq-mean-token-sum-norm" else seq_sum
 
 
+@on_backends("clipped_policy_loss")
 @pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("variant", ["plain", "asymmetric", "dual", "weighted"])
 def test_clipped_policy_loss_matches_formula(backend, agg, variant):
@@ -272,6 +288,7 @@ def test_clipped_policy_loss_matches_formula(backend, agg, variant):
         assert stats["clipfrac_lower"].item() == pytest.approx(capped.sum().item() / mask.sum().item())
 
 
+@on_backends("value_loss")
 def test_value_loss_clip(backend):
     values = torch.tensor([[1.0, 0.0, 2.0]])
     old = torch.tensor([[0.0, 0.0, 0.0]])
@@ -286,6 +303,7 @@ def test_value_loss_clip(backend):
     assert stats["clipfrac"].item() == pytest.approx(2 / 3)
 
 
+@on_backends("clipped_policy_loss")
 def test_loss_gradients_point_the_right_way(backend):
     old = torch.zeros(2, 3)
     logp = torch.zeros(2, 3, requires_grad=True)
