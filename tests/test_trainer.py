@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def quiet(_message: str) -> None:
 
 
 def rows(cfg: TrainerConfig) -> list[dict]:
-    return read_metrics(checkpoint.Path(cfg.output_dir) / METRICS_FILE)
+    return read_metrics(Path(cfg.output_dir) / METRICS_FILE)
 
 
 # ---------------------------------------------------------------------- end to end
@@ -57,7 +58,7 @@ def test_smoke_run_writes_metrics_checkpoint_and_plot(tmp_path):
     for row in metrics:
         assert TRL_KEYS <= row.keys(), TRL_KEYS - row.keys()
         assert all(math.isfinite(v) for v in row.values())
-    out = checkpoint.Path(cfg.output_dir)
+    out = Path(cfg.output_dir)
     assert (out / "curves.png").stat().st_size > 0
     assert json.loads((out / "summary.json").read_text())["steps_done"] == 3
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -131,7 +132,7 @@ def test_group_estimators_run_without_a_critic(tmp_path, estimator):
     trainer.train()
     row = rows(cfg)[0]
     assert "loss/value_avg" not in row and "val/explained_variance" not in row
-    assert not (checkpoint.Path(cfg.output_dir) / "checkpoints" / "step-000001" / "critic.pt").exists()
+    assert not (Path(cfg.output_dir) / "checkpoints" / "step-000001" / "critic.pt").exists()
 
 
 def test_custom_model_path_reward_fn_spec_and_prompts_file(tmp_path):
@@ -304,7 +305,7 @@ def test_non_finite_reward_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
     with pytest.raises(NonFiniteError, match="step 2: reward .* is not finite"):
         PPOTrainer(cfg, reward_fn=reward, log=quiet).train()
-    assert checkpoint.latest(checkpoint.Path(cfg.output_dir)).name == "step-000001"
+    assert checkpoint.latest(Path(cfg.output_dir)).name == "step-000001"
 
 
 def test_keyboard_interrupt_saves_a_checkpoint_and_resume_finishes(tmp_path):
@@ -319,7 +320,7 @@ def test_keyboard_interrupt_saves_a_checkpoint_and_resume_finishes(tmp_path):
     cfg = tiny(tmp_path, steps=3, eval_size=0)
     summary = PPOTrainer(cfg, reward_fn=reward, log=quiet).train()
     assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
-    assert checkpoint.latest(checkpoint.Path(cfg.output_dir)).name == "step-000001"
+    assert checkpoint.latest(Path(cfg.output_dir)).name == "step-000001"
     messages = []
     resumed = PPOTrainer(tiny(tmp_path, steps=3, eval_size=0, resume=True, kl_coef=0.1), log=messages.append)
     assert resumed.step == 1
