@@ -308,6 +308,24 @@ def test_non_finite_reward_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert checkpoint.latest(Path(cfg.output_dir)).name == "step-000001"
 
 
+def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
+    import ppo_fast as pf
+
+    real_loss = pf.clipped_policy_loss
+    calls = []
+
+    def nan_on_second_step(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), stats) if len(calls) > 2 else (loss, stats)  # 2 minibatches per step
+
+    monkeypatch.setattr(pf, "clipped_policy_loss", nan_on_second_step)
+    cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
+    with pytest.raises(NonFiniteError, match="step 2: loss is not finite"):
+        PPOTrainer(cfg, log=quiet).train()
+    assert checkpoint.latest(Path(cfg.output_dir)).name == "step-000001"
+
+
 def test_keyboard_interrupt_saves_a_checkpoint_and_resume_finishes(tmp_path):
     calls = []
 
