@@ -65,7 +65,11 @@ def implementations(case: Case, device_type: str, compile_enabled: bool) -> tupl
         impls += [(name, "baseline", _logits_labels_call(fn)) for name, fn in found.items()]
         notes += [f"{name}: {why}" for name, why in skipped.items()]
     if compile_enabled:
+        # Default settings, as a user would call it: the first shape compiles static, the next
+        # recompiles once with symbolic sizes that later shapes reuse (first_call_s shows the cost).
         impls += [(name, "baseline", torch.compile(fn)) for name, fn in case.compile_targets.items()]
+        if case.compile_targets:
+            notes.append("torch.compile with default settings (automatic dynamic shapes after the first shape)")
     elif case.compile_targets:
         notes.append("torch.compile baselines not measured (off with --quick or --no-compile; --compile turns them on)")
     return impls, notes
@@ -181,8 +185,6 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
     impls, record["notes"] = implementations(case, device.type, settings.compile)
     with torch.no_grad(), pf.use_backend("reference"):
         expected = primary_output(case.call_op(inputs)).detach()
-    if settings.compile:
-        torch._dynamo.reset()  # each case gets its own static-shape compilation, as a user's fixed shapes would
     for mode in case.modes:
         rows = []
         for name, kind, fn in impls:
