@@ -27,3 +27,9 @@ def test_readme_api_example_runs():
     readme = (ROOT / "README.md").read_text()
     example = readme.split("## API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "README.md example", "exec"), {})
+
+
+def test_readme_trainer_options_table_is_current():
+    from ppo_fast.trainer.config import options_markdown
+
+    assert options_markdown().strip() in (ROOT / "README.md").read_text()
