@@ -6,8 +6,16 @@
 #include <cmath>
 #include <cstdint>
 
+#if !defined(__CUDACC__)
+#include "fast_exp.h"
+#endif
+
 #if defined(__CUDACC__)
 #define PPO_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// Forced: in the -fPIC build GCC otherwise calls these through the PLT, and the CPU
+// loops calling them do not vectorize.
+#define PPO_HD inline __attribute__((always_inline))
 #else
 #define PPO_HD inline
 #endif
@@ -27,9 +35,15 @@ enum Agg : int64_t {
 enum PolicyPartial : int { kPgSum = 0, kCount = 1, kClipped = 2, kCapped = 3, kKlSum = 4, kPolicyPartials = 5 };
 enum ValuePartial : int { kValueLossSum = 0, kValueCount = 1, kValueClipped = 2, kValuePartials = 3 };
 
-// exp and |x| in the compute type T (float, or double for float64 inputs).
+// exp and |x| in the compute type T (float, or double for float64 inputs).  On the CPU
+// exp is a polynomial that vectorizes; on the GPU expf (the fast-math intrinsic).
+#if defined(__CUDACC__)
 PPO_HD float exp_of(float x) { return expf(x); }
 PPO_HD double exp_of(double x) { return exp(x); }
+#else
+PPO_HD float exp_of(float x) { return fast_exp(x); }
+PPO_HD double exp_of(double x) { return fast_exp(x); }
+#endif
 PPO_HD float abs_of(float x) { return fabsf(x); }
 PPO_HD double abs_of(double x) { return fabs(x); }
 
@@ -38,9 +52,19 @@ PPO_HD double abs_of(double x) { return fabs(x); }
 struct PolicyParams {
   double ratio_low;   // 1 - clip_low
   double ratio_high;  // 1 + clip_high
-  bool use_dual;
-  double dual_clip;
+  double dual_clip;   // +inf without dual clip: the cap -A * inf never undercuts pg
 };
+
+// The bounds in the compute type, read once per chunk rather than per token.
+template <typename T>
+struct PolicyBounds {
+  T low, high, dual;
+};
+
+template <typename T>
+PPO_HD PolicyBounds<T> policy_bounds(const PolicyParams& p) {
+  return {static_cast<T>(p.ratio_low), static_cast<T>(p.ratio_high), static_cast<T>(p.dual_clip)};
+}
 
 template <typename T>
 struct PolicyTerm {
@@ -53,29 +77,22 @@ struct PolicyTerm {
 // max(-A * ratio, -A * clip(ratio)) with the dual clip; ternaries (not fmin/fmax)
 // so that NaN propagates as in torch.
 template <typename T>
-PPO_HD PolicyTerm<T> policy_term(T logp, T old, T adv, const PolicyParams& p) {
-  const T low = static_cast<T>(p.ratio_low), high = static_cast<T>(p.ratio_high);
+PPO_HD PolicyTerm<T> policy_term(T logp, T old, T adv, PolicyBounds<T> bounds) {
+  const T low = bounds.low, high = bounds.high;
   const T diff = logp - old;
   const T clamped = diff < T(-20) ? T(-20) : (diff > T(20) ? T(20) : diff);
   const T ratio = exp_of(clamped);
   const T ratio_clipped = ratio < low ? low : (ratio > high ? high : ratio);
   const T unclipped = -adv * ratio;
   const T clipped = -adv * ratio_clipped;
-  PolicyTerm<T> t;
-  t.clipped = clipped > unclipped;
-  t.pg = t.clipped ? clipped : unclipped;
+  // Selects rather than branches, and locals rather than fields, so that the CPU loops vectorize.
+  const bool is_clipped = clipped > unclipped;
+  const T pg = is_clipped ? clipped : unclipped;
+  const T cap = -adv * bounds.dual;
+  const bool is_capped = (adv < T(0)) & (cap < pg);
   // The clamp of the log-ratio passes no gradient outside [-20, 20].
-  t.grad = (t.clipped || abs_of(diff) > T(20)) ? T(0) : -adv * ratio;
-  t.capped = false;
-  if (p.use_dual && adv < T(0)) {
-    const T cap = -adv * static_cast<T>(p.dual_clip);
-    if (cap < t.pg) {
-      t.capped = true;
-      t.pg = cap;
-      t.grad = T(0);
-    }
-  }
-  return t;
+  const T grad = (is_clipped | is_capped | (abs_of(diff) > T(20))) ? T(0) : -adv * ratio;
+  return {is_capped ? cap : pg, grad, is_clipped, is_capped};
 }
 
 template <typename T>
@@ -93,12 +110,9 @@ PPO_HD ValueTerm<T> value_term(T v, T old, T ret, double clip) {
   v_clipped = v_clipped > low ? v_clipped : low;
   const T unclipped = (v - ret) * (v - ret);
   const T clipped = (v_clipped - ret) * (v_clipped - ret);
-  ValueTerm<T> t;
-  t.clipped = clipped > unclipped;
-  t.loss = T(0.5) * (t.clipped ? clipped : unclipped);
+  const bool is_clipped = clipped > unclipped;
   // The clipped term only wins when V lies outside the clip range, where clip(V) is constant.
-  t.grad = t.clipped ? T(0) : v - ret;
-  return t;
+  return {T(0.5) * (is_clipped ? clipped : unclipped), is_clipped ? T(0) : v - ret, is_clipped};
 }
 
 // d loss / d (sum of row b's masked per-token losses): the loss of every agg mode is

@@ -29,6 +29,15 @@ def _run(backend, fn, tensor, *args, **kwargs):
     return loss, stats, grad
 
 
+def _near_kinks(logprobs, old, ratio_bounds, margin=1e-5):
+    """Tokens whose ratio lies within a relative ``margin`` of one of ``ratio_bounds``."""
+    ratio = torch.exp(logprobs.double() - old.double())
+    near = torch.zeros_like(ratio, dtype=torch.bool)
+    for bound in ratio_bounds:
+        near |= (ratio / bound - 1).abs() < margin
+    return near
+
+
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("dtype", ALL_FLOATS)
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
@@ -41,12 +50,18 @@ def test_policy_loss_cuda_matches_reference(agg, dtype, dual_clip, weighted, sha
     kwargs = dict(clip_eps=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=weights)
     loss, stats, grad = _run("native", pf.clipped_policy_loss, logprobs, old, adv, mask, **kwargs)
     ref_loss, ref_stats, ref_grad = _run("reference", pf.clipped_policy_loss, logprobs, old, adv, mask, **kwargs)
-    # Sums over up to 262k tokens in another order, and the fast exp of --use_fast_math.
+    # The kernels use the fast exp of --use_fast_math (a few ulp): a ratio within a hair
+    # of a clip bound may land on the other side of it than in the reference.
+    kinks = _near_kinks(logprobs, old, (0.8, 1.28) + ((dual_clip,) if dual_clip else ())) & mask
+    flips_allowed = kinks.sum().item() / max(mask.sum().item(), 1)
+    # Sums over up to 262k tokens in another order.
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
-    for name in ("clipfrac", "clipfrac_lower", "approx_kl"):
-        torch.testing.assert_close(stats[name], ref_stats[name], rtol=1e-4, atol=1e-5)
+    for name in ("clipfrac", "clipfrac_lower"):
+        torch.testing.assert_close(stats[name], ref_stats[name], rtol=0, atol=flips_allowed + 1e-6)
+    torch.testing.assert_close(stats["approx_kl"], ref_stats["approx_kl"], rtol=1e-4, atol=1e-5)
     assert grad.dtype == dtype
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-4 if dtype in (torch.float32, torch.float64) else None, atol=1e-6 if dtype in (torch.float32, torch.float64) else None)
+    exact = {"rtol": 1e-4, "atol": 1e-6} if dtype in (torch.float32, torch.float64) else {}
+    torch.testing.assert_close(grad[~kinks], ref_grad[~kinks], **exact)
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)

@@ -5,43 +5,17 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
 
 #include "cpu/float_io.h"
+#include "fast_exp.h"
 
 namespace ppo_fast {
 namespace {
 
 constexpr int64_t kChunk = 1024;  // logits converted to the compute type at a time (stays in L1)
-
-// exp(x) for float32 in a branch-free form that the compiler vectorizes (std::exp is a
-// library call it cannot): Cody-Waite reduction x = k ln2 + r, Cephes' degree-6
-// polynomial for exp(r) (about 1 ulp), 2^k built in the exponent bits.  Gives 0 below
-// -87.3 (where the exact result is subnormal, < 1.2e-38) and for -inf, saturates at
-// exp(88) (callers only pass x <= 0 up to rounding); NaN stays NaN.
-#pragma omp declare simd notinbranch
-inline float exp_f32(float x) {
-  const float clamped = x < -87.5f ? -87.5f : (x > 88.0f ? 88.0f : x);
-  const float k = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;
-  float poly = 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  const float exp_r = poly * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // k >= -126 after the clamp
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof(two_k));
-  return x != x ? x : (x < -87.3f ? 0.0f : exp_r * two_k);
-}
-
-// float64 logits (for gradcheck) are computed in float64, like the reference.
-inline double exp_f32(double x) { return std::exp(x); }
 
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -65,6 +39,70 @@ struct RowStats {
   acc_t entropy;  // of softmax(row / temperature)
 };
 
+// The hot loops over a chunk of scaled logits z (float32, or float64 for float64 logits).
+template <typename acc_t>
+PPO_INLINE acc_t chunk_max_impl(const acc_t* z, int64_t n) {
+  acc_t result = -std::numeric_limits<acc_t>::infinity();
+#pragma omp simd reduction(max : result)
+  for (int64_t i = 0; i < n; ++i) result = z[i] > result ? z[i] : result;  // NaN never wins; it poisons the sums
+  return result;
+}
+
+// sum exp(z - m) and, for the entropy, sum exp(z - m) (z - m).
+template <typename acc_t>
+PPO_INLINE void chunk_sum_exp_impl(const acc_t* z, int64_t n, acc_t m, bool want_entropy, acc_t* sum, acc_t* weighted) {
+  acc_t chunk_sum = 0, chunk_weighted = 0;
+  if (want_entropy) {
+#pragma omp simd reduction(+ : chunk_sum, chunk_weighted)
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t shifted = z[i] - m;
+      const acc_t e = fast_exp(shifted);
+      chunk_sum += e;
+      chunk_weighted += e == 0 ? acc_t(0) : e * shifted;  // p log p is 0 where p is 0
+    }
+  } else {
+#pragma omp simd reduction(+ : chunk_sum)
+    for (int64_t i = 0; i < n; ++i) chunk_sum += fast_exp(z[i] - m);
+  }
+  *sum = chunk_sum;
+  *weighted = chunk_weighted;
+}
+
+// out = -g p - h p (log p + entropy) with log p = z - lse: the gradient w.r.t. z of
+// g * logp[label] + h * entropy, except the g * onehot term the caller adds.
+template <typename acc_t>
+PPO_INLINE void chunk_grad_impl(const acc_t* z, int64_t n, acc_t lse, acc_t g, acc_t h, acc_t entropy, acc_t* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t log_p = z[i] - lse;
+    const acc_t p = fast_exp(log_p);
+    const acc_t entropy_term = p == 0 ? acc_t(0) : h * p * (log_p + entropy);
+    out[i] = -g * p - entropy_term;
+  }
+}
+
+PPO_CPU_CLONES float chunk_max(const float* z, int64_t n) { return chunk_max_impl(z, n); }
+double chunk_max(const double* z, int64_t n) { return chunk_max_impl(z, n); }
+PPO_CPU_CLONES void chunk_sum_exp(const float* z, int64_t n, float m, bool want_entropy, float* sum, float* weighted) {
+  chunk_sum_exp_impl(z, n, m, want_entropy, sum, weighted);
+}
+void chunk_sum_exp(const double* z, int64_t n, double m, bool want_entropy, double* sum, double* weighted) {
+  chunk_sum_exp_impl(z, n, m, want_entropy, sum, weighted);
+}
+PPO_CPU_CLONES void chunk_grad(const float* z, int64_t n, float lse, float g, float h, float entropy, float* out) {
+  chunk_grad_impl(z, n, lse, g, h, entropy, out);
+}
+void chunk_grad(const double* z, int64_t n, double lse, double g, double h, double entropy, double* out) {
+  chunk_grad_impl(z, n, lse, g, h, entropy, out);
+}
+
+// z[i] = row[i] / temperature in the compute type.
+template <typename scalar_t, typename acc_t>
+void scale_chunk(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t* z) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) z[i] = static_cast<acc_t>(row[i]) * inv_temp;
+}
+
 // One pass: per chunk, its max updates the running max m (rescaling the running sums),
 // then sum_exp += exp(z - m) and weighted += exp(z - m) (z - m), so that
 // lse = m + log(sum_exp) and entropy = log(sum_exp) - weighted / sum_exp.
@@ -75,35 +113,20 @@ RowStats<acc_t> row_stats(const scalar_t* row, int64_t vocab, acc_t inv_temp, bo
   acc_t m = neg_inf, sum_exp = 0, weighted = 0;
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-    acc_t chunk_max = neg_inf;
-#pragma omp simd reduction(max : chunk_max)
-    for (int64_t i = 0; i < n; ++i) {
-      z[i] = static_cast<acc_t>(row[c0 + i]) * inv_temp;
-      chunk_max = z[i] > chunk_max ? z[i] : chunk_max;  // NaN never becomes the max; it poisons the sums below
-    }
-    if (chunk_max > m) {
+    scale_chunk(row + c0, n, inv_temp, z);
+    const acc_t chunk_top = chunk_max(z, n);
+    if (chunk_top > m) {
       if (m != neg_inf) {
-        const acc_t shift = m - chunk_max;
+        const acc_t shift = m - chunk_top;
         const acc_t factor = std::exp(shift);
         weighted = (weighted + sum_exp * shift) * factor;
         sum_exp *= factor;
       }
-      m = chunk_max;
+      m = chunk_top;
     }
     if (m == neg_inf) continue;  // every logit so far is -inf: nothing to add yet
-    acc_t chunk_sum = 0, chunk_weighted = 0;
-    if (want_entropy) {
-#pragma omp simd reduction(+ : chunk_sum, chunk_weighted)
-      for (int64_t i = 0; i < n; ++i) {
-        const acc_t shifted = z[i] - m;
-        const acc_t e = exp_f32(shifted);
-        chunk_sum += e;
-        chunk_weighted += e == 0 ? acc_t(0) : e * shifted;  // p log p is 0 where p is 0
-      }
-    } else {
-#pragma omp simd reduction(+ : chunk_sum)
-      for (int64_t i = 0; i < n; ++i) chunk_sum += exp_f32(z[i] - m);
-    }
+    acc_t chunk_sum, chunk_weighted;
+    chunk_sum_exp(z, n, m, want_entropy, &chunk_sum, &chunk_weighted);
     sum_exp += chunk_sum;
     weighted += chunk_weighted;
   }
@@ -159,17 +182,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
 template <typename scalar_t, typename acc_t>
 void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t lse, acc_t g,
               acc_t h, acc_t entropy) {
+  alignas(64) acc_t z[kChunk];
   alignas(64) acc_t out[kChunk];
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const acc_t log_p = static_cast<acc_t>(row[c0 + i]) * inv_temp - lse;
-      const acc_t p = exp_f32(log_p);
-      const acc_t entropy_term = p == 0 ? acc_t(0) : h * p * (log_p + entropy);
-      const acc_t onehot = c0 + i == target ? g : acc_t(0);
-      out[i] = onehot - g * p - entropy_term;
-    }
+    scale_chunk(row + c0, n, inv_temp, z);
+    chunk_grad(z, n, lse, g, h, entropy, out);
+    if (target >= c0 && target < c0 + n) out[target - c0] += g;
     for (int64_t i = 0; i < n; ++i) grad_row[c0 + i] = static_cast<scalar_t>(out[i]);
   }
 }

@@ -4,9 +4,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <optional>
 
 #include "cpu/float_io.h"
+#include "fast_exp.h"
 #include "loss_math.h"
 
 namespace ppo_fast {
@@ -15,7 +17,7 @@ namespace {
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
 
 PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
-  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.has_value(), dual_clip.value_or(0.0)};
+  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.value_or(std::numeric_limits<double>::infinity())};
 }
 
 double column_total(const double* partials, int64_t rows, int64_t width, int64_t column) {
@@ -47,6 +49,100 @@ at::Tensor scalar(double value, const at::Tensor& like, at::ScalarType dtype) {
   return at::scalar_tensor(value, like.options().dtype(dtype));
 }
 
+// The hot loops over a chunk of n tokens, in the compute type (float, or double for
+// float64 inputs).  Masked tokens are selected away (not skipped) so that they vectorize.
+template <typename acc_t>
+PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const bool* on,
+                                 int64_t n, const PolicyParams& params, double* acc) {
+  const PolicyBounds<acc_t> bounds = policy_bounds<acc_t>(params);
+  acc_t pg_sum = 0, count = 0, clipped = 0, capped = 0, kl_sum = 0;
+#pragma omp simd reduction(+ : pg_sum, count, clipped, capped, kl_sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const PolicyTerm<acc_t> term = policy_term(lp[i], od[i], ad[i], bounds);
+    const acc_t weighted_pg = term.pg * w[i];  // computed for every token, then selected: no masked loads
+    pg_sum += on[i] ? weighted_pg : acc_t(0);
+    count += on[i] ? acc_t(1) : acc_t(0);
+    clipped += (on[i] & term.clipped) ? acc_t(1) : acc_t(0);
+    capped += (on[i] & term.capped) ? acc_t(1) : acc_t(0);
+    kl_sum += on[i] ? od[i] - lp[i] : acc_t(0);
+  }
+  acc[kPgSum] += pg_sum;
+  acc[kCount] += count;
+  acc[kClipped] += clipped;
+  acc[kCapped] += capped;
+  acc[kKlSum] += kl_sum;
+}
+
+template <typename acc_t>
+PPO_INLINE void policy_grads_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const bool* on,
+                                  int64_t n, const PolicyParams& params, acc_t upstream, acc_t* out) {
+  const PolicyBounds<acc_t> bounds = policy_bounds<acc_t>(params);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t grad = upstream * policy_term(lp[i], od[i], ad[i], bounds).grad * w[i];
+    out[i] = on[i] ? grad : acc_t(0);
+  }
+}
+
+template <typename acc_t>
+PPO_INLINE void value_sums_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const bool* on, int64_t n, double clip,
+                                double* acc) {
+  acc_t loss_sum = 0, count = 0, clipped = 0;
+#pragma omp simd reduction(+ : loss_sum, count, clipped)
+  for (int64_t i = 0; i < n; ++i) {
+    const ValueTerm<acc_t> term = value_term(vs[i], od[i], rs[i], clip);
+    loss_sum += on[i] ? term.loss : acc_t(0);
+    count += on[i] ? acc_t(1) : acc_t(0);
+    clipped += (on[i] & term.clipped) ? acc_t(1) : acc_t(0);
+  }
+  acc[kValueLossSum] += loss_sum;
+  acc[kValueCount] += count;
+  acc[kValueClipped] += clipped;
+}
+
+template <typename acc_t>
+PPO_INLINE void value_grads_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const bool* on, int64_t n, double clip,
+                                 acc_t upstream, acc_t* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t grad = upstream * value_term(vs[i], od[i], rs[i], clip).grad;
+    out[i] = on[i] ? grad : acc_t(0);
+  }
+}
+
+// float32: one clone per CPU kind; float64 (gradcheck) once.
+PPO_CPU_CLONES void policy_sums(const float* lp, const float* od, const float* ad, const float* w, const bool* on, int64_t n,
+                                const PolicyParams& params, double* acc) {
+  policy_sums_impl(lp, od, ad, w, on, n, params, acc);
+}
+void policy_sums(const double* lp, const double* od, const double* ad, const double* w, const bool* on, int64_t n,
+                 const PolicyParams& params, double* acc) {
+  policy_sums_impl(lp, od, ad, w, on, n, params, acc);
+}
+PPO_CPU_CLONES void policy_grads(const float* lp, const float* od, const float* ad, const float* w, const bool* on,
+                                 int64_t n, const PolicyParams& params, float upstream, float* out) {
+  policy_grads_impl(lp, od, ad, w, on, n, params, upstream, out);
+}
+void policy_grads(const double* lp, const double* od, const double* ad, const double* w, const bool* on, int64_t n,
+                  const PolicyParams& params, double upstream, double* out) {
+  policy_grads_impl(lp, od, ad, w, on, n, params, upstream, out);
+}
+PPO_CPU_CLONES void value_sums(const float* vs, const float* od, const float* rs, const bool* on, int64_t n, double clip,
+                               double* acc) {
+  value_sums_impl(vs, od, rs, on, n, clip, acc);
+}
+void value_sums(const double* vs, const double* od, const double* rs, const bool* on, int64_t n, double clip, double* acc) {
+  value_sums_impl(vs, od, rs, on, n, clip, acc);
+}
+PPO_CPU_CLONES void value_grads(const float* vs, const float* od, const float* rs, const bool* on, int64_t n, double clip,
+                                float upstream, float* out) {
+  value_grads_impl(vs, od, rs, on, n, clip, upstream, out);
+}
+void value_grads(const double* vs, const double* od, const double* rs, const bool* on, int64_t n, double clip,
+                 double upstream, double* out) {
+  value_grads_impl(vs, od, rs, on, n, clip, upstream, out);
+}
+
 // Calls body(b, t0, n) for every chunk of n <= kChunk tokens of every row b, rows in parallel.
 template <typename Body>
 void for_each_row_chunk(int64_t rows, int64_t length, const Body& body) {
@@ -70,6 +166,18 @@ PolicyBuffers policy_buffers(const at::Tensor& logprobs, const at::Tensor& old_l
   return b;
 }
 
+// The chunk's inputs in the compute type; weights 1 when there are none.
+template <typename acc_t>
+void load_chunk(const PolicyBuffers& in, int64_t offset, int64_t n, acc_t* lp, acc_t* od, acc_t* ad, acc_t* w) {
+  load_as(in.logp, offset, n, lp);
+  load_as(in.old, offset, n, od);
+  load_as(in.adv, offset, n, ad);
+  if (in.weights.defined())
+    load_as(in.weights, offset, n, w);
+  else
+    std::fill(w, w + n, acc_t(1));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& weights, double clip_low, double clip_high, std::optional<double> dual_clip,
@@ -77,7 +185,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
   const PolicyBuffers in = policy_buffers(logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = logprobs.size(0), length = logprobs.size(1);
   const PolicyParams params = policy_params(clip_low, clip_high, dual_clip);
-  const bool weighted = in.weights.defined();
   const bool* valid = in.valid.const_data_ptr<bool>();
   std::vector<double> partials(rows * kPolicyPartials, 0.0);
   at::Tensor row_scale_out = at::empty({rows}, logprobs.options().dtype(in.dtype));
@@ -87,20 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
     for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
       acc_t lp[kChunk], od[kChunk], ad[kChunk], w[kChunk];
       const int64_t offset = b * length + t0;
-      load_as(in.logp, offset, n, lp);
-      load_as(in.old, offset, n, od);
-      load_as(in.adv, offset, n, ad);
-      if (weighted) load_as(in.weights, offset, n, w);
-      double* acc = &partials[b * kPolicyPartials];
-      for (int64_t i = 0; i < n; ++i) {
-        if (!valid[offset + i]) continue;
-        const PolicyTerm<acc_t> term = policy_term(lp[i], od[i], ad[i], params);
-        acc[kPgSum] += weighted ? term.pg * w[i] : term.pg;
-        acc[kCount] += 1.0;
-        acc[kClipped] += term.clipped ? 1.0 : 0.0;
-        acc[kCapped] += term.capped ? 1.0 : 0.0;
-        acc[kKlSum] += od[i] - lp[i];
-      }
+      load_chunk(in, offset, n, lp, od, ad, w);
+      policy_sums(lp, od, ad, w, valid + offset, n, params, &partials[b * kPolicyPartials]);
     });
     return aggregate_rows(partials.data(), rows, kPolicyPartials, kPgSum, kCount, agg, length,
                           row_scale_out.mutable_data_ptr<acc_t>());
@@ -124,7 +219,6 @@ at::Tensor clipped_policy_loss_backward_cpu(const at::Tensor& grad_loss, const a
   const PolicyBuffers in = policy_buffers(logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = logprobs.size(0), length = logprobs.size(1);
   const PolicyParams params = policy_params(clip_low, clip_high, dual_clip);
-  const bool weighted = in.weights.defined();
   const bool* valid = in.valid.const_data_ptr<bool>();
   const at::Tensor scales = row_scale_in.to(in.dtype).contiguous();
   const double upstream = grad_loss.item<double>();
@@ -136,15 +230,8 @@ at::Tensor clipped_policy_loss_backward_cpu(const at::Tensor& grad_loss, const a
     for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
       acc_t lp[kChunk], od[kChunk], ad[kChunk], w[kChunk], out[kChunk];
       const int64_t offset = b * length + t0;
-      load_as(in.logp, offset, n, lp);
-      load_as(in.old, offset, n, od);
-      load_as(in.adv, offset, n, ad);
-      if (weighted) load_as(in.weights, offset, n, w);
-      const acc_t row_upstream = static_cast<acc_t>(upstream) * scale_data[b];
-      for (int64_t i = 0; i < n; ++i) {
-        const acc_t g = valid[offset + i] ? row_upstream * policy_term(lp[i], od[i], ad[i], params).grad : acc_t(0);
-        out[i] = weighted ? g * w[i] : g;
-      }
+      load_chunk(in, offset, n, lp, od, ad, w);
+      policy_grads(lp, od, ad, w, valid + offset, n, params, static_cast<acc_t>(upstream) * scale_data[b], out);
       store_as(grad, offset, n, out);
     });
   });
@@ -181,14 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(const at::Tensor& 
       load_as(in.v, offset, n, vs);
       load_as(in.old, offset, n, od);
       load_as(in.ret, offset, n, rs);
-      double* acc = &partials[b * kValuePartials];
-      for (int64_t i = 0; i < n; ++i) {
-        if (!valid[offset + i]) continue;
-        const ValueTerm<acc_t> term = value_term(vs[i], od[i], rs[i], clip);
-        acc[kValueLossSum] += term.loss;
-        acc[kValueCount] += 1.0;
-        acc[kValueClipped] += term.clipped ? 1.0 : 0.0;
-      }
+      value_sums(vs, od, rs, valid + offset, n, clip, &partials[b * kValuePartials]);
     });
     return aggregate_rows(partials.data(), rows, kValuePartials, kValueLossSum, kValueCount, agg, length,
                           row_scale_out.mutable_data_ptr<acc_t>());
@@ -219,9 +299,7 @@ at::Tensor value_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor
       load_as(in.v, offset, n, vs);
       load_as(in.old, offset, n, od);
       load_as(in.ret, offset, n, rs);
-      const acc_t row_upstream = static_cast<acc_t>(upstream) * scale_data[b];
-      for (int64_t i = 0; i < n; ++i)
-        out[i] = valid[offset + i] ? row_upstream * value_term(vs[i], od[i], rs[i], clip).grad : acc_t(0);
+      value_grads(vs, od, rs, valid + offset, n, clip, static_cast<acc_t>(upstream) * scale_data[b], out);
       store_as(grad, offset, n, out);
     });
   });

@@ -70,7 +70,7 @@ struct PolicyToken {
   static constexpr int kParts = kPolicyPartials;
   __device__ void accumulate(int64_t i, T (&acc)[kParts]) const {
     const T logp = load<T>(in.logprobs, i), old = load<T>(in.old_logprobs, i);
-    const PolicyTerm<T> term = policy_term(logp, old, load<T>(in.advantages, i), in.params);
+    const PolicyTerm<T> term = policy_term(logp, old, load<T>(in.advantages, i), policy_bounds<T>(in.params));
     acc[kPgSum] += in.weights.data ? term.pg * load<T>(in.weights, i) : term.pg;
     acc[kCount] += T(1);
     acc[kClipped] += term.clipped ? T(1) : T(0);
@@ -78,7 +78,8 @@ struct PolicyToken {
     acc[kKlSum] += old - logp;
   }
   __device__ T grad(int64_t i) const {
-    const T g = policy_term(load<T>(in.logprobs, i), load<T>(in.old_logprobs, i), load<T>(in.advantages, i), in.params).grad;
+    const T g = policy_term(load<T>(in.logprobs, i), load<T>(in.old_logprobs, i), load<T>(in.advantages, i),
+                            policy_bounds<T>(in.params)).grad;
     return in.weights.data ? g * load<T>(in.weights, i) : g;
   }
 };

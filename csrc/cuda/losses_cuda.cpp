@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <initializer_list>
+#include <limits>
 #include <optional>
 
 #include "cpu/float_io.h"  // compute_dtype, shared with the CPU kernels
@@ -48,7 +49,7 @@ void check_launch(const char* op) {
 }
 
 PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
-  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.has_value(), dual_clip.value_or(0.0)};
+  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.value_or(std::numeric_limits<double>::infinity())};
 }
 
 struct Results {
