@@ -50,9 +50,10 @@ at::Tensor scalar(double value, const at::Tensor& like, at::ScalarType dtype) {
 }
 
 // The hot loops over a chunk of n tokens, in the compute type (float, or double for
-// float64 inputs).  Masked tokens are selected away (not skipped) so that they vectorize.
+// float64 inputs).  Masked tokens are selected away (not skipped), and the bool mask is
+// read as bytes (GCC does not vectorize selects on bool loads), so that they vectorize.
 template <typename acc_t>
-PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const bool* on,
+PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const uint8_t* on,
                                  int64_t n, const PolicyParams& params, double* acc) {
   const PolicyBounds<acc_t> bounds = policy_bounds<acc_t>(params);
   acc_t pg_sum = 0, count = 0, clipped = 0, capped = 0, kl_sum = 0;
@@ -60,11 +61,11 @@ PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* 
   for (int64_t i = 0; i < n; ++i) {
     const PolicyTerm<acc_t> term = policy_term(lp[i], od[i], ad[i], bounds);
     const acc_t weighted_pg = term.pg * w[i];  // computed for every token, then selected: no masked loads
-    pg_sum += on[i] ? weighted_pg : acc_t(0);
-    count += on[i] ? acc_t(1) : acc_t(0);
-    clipped += (on[i] & term.clipped) ? acc_t(1) : acc_t(0);
-    capped += (on[i] & term.capped) ? acc_t(1) : acc_t(0);
-    kl_sum += on[i] ? od[i] - lp[i] : acc_t(0);
+    pg_sum += on[i] != 0 ? weighted_pg : acc_t(0);
+    count += on[i] != 0 ? acc_t(1) : acc_t(0);
+    clipped += (on[i] != 0) & term.clipped ? acc_t(1) : acc_t(0);
+    capped += (on[i] != 0) & term.capped ? acc_t(1) : acc_t(0);
+    kl_sum += on[i] != 0 ? od[i] - lp[i] : acc_t(0);
   }
   acc[kPgSum] += pg_sum;
   acc[kCount] += count;
@@ -74,26 +75,26 @@ PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* 
 }
 
 template <typename acc_t>
-PPO_INLINE void policy_grads_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const bool* on,
+PPO_INLINE void policy_grads_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const uint8_t* on,
                                   int64_t n, const PolicyParams& params, acc_t upstream, acc_t* out) {
   const PolicyBounds<acc_t> bounds = policy_bounds<acc_t>(params);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const acc_t grad = upstream * policy_term(lp[i], od[i], ad[i], bounds).grad * w[i];
-    out[i] = on[i] ? grad : acc_t(0);
+    out[i] = on[i] != 0 ? grad : acc_t(0);
   }
 }
 
 template <typename acc_t>
-PPO_INLINE void value_sums_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const bool* on, int64_t n, double clip,
+PPO_INLINE void value_sums_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const uint8_t* on, int64_t n, double clip,
                                 double* acc) {
   acc_t loss_sum = 0, count = 0, clipped = 0;
 #pragma omp simd reduction(+ : loss_sum, count, clipped)
   for (int64_t i = 0; i < n; ++i) {
     const ValueTerm<acc_t> term = value_term(vs[i], od[i], rs[i], clip);
-    loss_sum += on[i] ? term.loss : acc_t(0);
-    count += on[i] ? acc_t(1) : acc_t(0);
-    clipped += (on[i] & term.clipped) ? acc_t(1) : acc_t(0);
+    loss_sum += on[i] != 0 ? term.loss : acc_t(0);
+    count += on[i] != 0 ? acc_t(1) : acc_t(0);
+    clipped += (on[i] != 0) & term.clipped ? acc_t(1) : acc_t(0);
   }
   acc[kValueLossSum] += loss_sum;
   acc[kValueCount] += count;
@@ -101,44 +102,44 @@ PPO_INLINE void value_sums_impl(const acc_t* vs, const acc_t* od, const acc_t* r
 }
 
 template <typename acc_t>
-PPO_INLINE void value_grads_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const bool* on, int64_t n, double clip,
+PPO_INLINE void value_grads_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const uint8_t* on, int64_t n, double clip,
                                  acc_t upstream, acc_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const acc_t grad = upstream * value_term(vs[i], od[i], rs[i], clip).grad;
-    out[i] = on[i] ? grad : acc_t(0);
+    out[i] = on[i] != 0 ? grad : acc_t(0);
   }
 }
 
 // float32: one clone per CPU kind; float64 (gradcheck) once.
-PPO_CPU_CLONES void policy_sums(const float* lp, const float* od, const float* ad, const float* w, const bool* on, int64_t n,
+PPO_CPU_CLONES void policy_sums(const float* lp, const float* od, const float* ad, const float* w, const uint8_t* on, int64_t n,
                                 const PolicyParams& params, double* acc) {
   policy_sums_impl(lp, od, ad, w, on, n, params, acc);
 }
-void policy_sums(const double* lp, const double* od, const double* ad, const double* w, const bool* on, int64_t n,
+void policy_sums(const double* lp, const double* od, const double* ad, const double* w, const uint8_t* on, int64_t n,
                  const PolicyParams& params, double* acc) {
   policy_sums_impl(lp, od, ad, w, on, n, params, acc);
 }
-PPO_CPU_CLONES void policy_grads(const float* lp, const float* od, const float* ad, const float* w, const bool* on,
+PPO_CPU_CLONES void policy_grads(const float* lp, const float* od, const float* ad, const float* w, const uint8_t* on,
                                  int64_t n, const PolicyParams& params, float upstream, float* out) {
   policy_grads_impl(lp, od, ad, w, on, n, params, upstream, out);
 }
-void policy_grads(const double* lp, const double* od, const double* ad, const double* w, const bool* on, int64_t n,
+void policy_grads(const double* lp, const double* od, const double* ad, const double* w, const uint8_t* on, int64_t n,
                   const PolicyParams& params, double upstream, double* out) {
   policy_grads_impl(lp, od, ad, w, on, n, params, upstream, out);
 }
-PPO_CPU_CLONES void value_sums(const float* vs, const float* od, const float* rs, const bool* on, int64_t n, double clip,
+PPO_CPU_CLONES void value_sums(const float* vs, const float* od, const float* rs, const uint8_t* on, int64_t n, double clip,
                                double* acc) {
   value_sums_impl(vs, od, rs, on, n, clip, acc);
 }
-void value_sums(const double* vs, const double* od, const double* rs, const bool* on, int64_t n, double clip, double* acc) {
+void value_sums(const double* vs, const double* od, const double* rs, const uint8_t* on, int64_t n, double clip, double* acc) {
   value_sums_impl(vs, od, rs, on, n, clip, acc);
 }
-PPO_CPU_CLONES void value_grads(const float* vs, const float* od, const float* rs, const bool* on, int64_t n, double clip,
+PPO_CPU_CLONES void value_grads(const float* vs, const float* od, const float* rs, const uint8_t* on, int64_t n, double clip,
                                 float upstream, float* out) {
   value_grads_impl(vs, od, rs, on, n, clip, upstream, out);
 }
-void value_grads(const double* vs, const double* od, const double* rs, const bool* on, int64_t n, double clip,
+void value_grads(const double* vs, const double* od, const double* rs, const uint8_t* on, int64_t n, double clip,
                  double upstream, double* out) {
   value_grads_impl(vs, od, rs, on, n, clip, upstream, out);
 }
@@ -185,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
   const PolicyBuffers in = policy_buffers(logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = logprobs.size(0), length = logprobs.size(1);
   const PolicyParams params = policy_params(clip_low, clip_high, dual_clip);
-  const bool* valid = in.valid.const_data_ptr<bool>();
+  const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   std::vector<double> partials(rows * kPolicyPartials, 0.0);
   at::Tensor row_scale_out = at::empty({rows}, logprobs.options().dtype(in.dtype));
 
@@ -219,7 +220,7 @@ at::Tensor clipped_policy_loss_backward_cpu(const at::Tensor& grad_loss, const a
   const PolicyBuffers in = policy_buffers(logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = logprobs.size(0), length = logprobs.size(1);
   const PolicyParams params = policy_params(clip_low, clip_high, dual_clip);
-  const bool* valid = in.valid.const_data_ptr<bool>();
+  const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   const at::Tensor scales = row_scale_in.to(in.dtype).contiguous();
   const double upstream = grad_loss.item<double>();
   at::Tensor grad = at::empty_like(in.logp);
@@ -256,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(const at::Tensor& 
                                                               double clip, int64_t agg) {
   const ValueBuffers in = value_buffers(values, old_values, returns, mask);
   const int64_t rows = values.size(0), length = values.size(1);
-  const bool* valid = in.valid.const_data_ptr<bool>();
+  const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   std::vector<double> partials(rows * kValuePartials, 0.0);
   at::Tensor row_scale_out = at::empty({rows}, values.options().dtype(in.dtype));
 
@@ -285,7 +286,7 @@ at::Tensor value_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor
                                    double clip) {
   const ValueBuffers in = value_buffers(values, old_values, returns, mask);
   const int64_t rows = values.size(0), length = values.size(1);
-  const bool* valid = in.valid.const_data_ptr<bool>();
+  const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   const at::Tensor scales = row_scale_in.to(in.dtype).contiguous();
   const double upstream = grad_loss.item<double>();
   at::Tensor grad = at::empty_like(in.v);
