@@ -68,10 +68,10 @@ PPO_HD PolicyBounds<T> policy_bounds(const PolicyParams& p) {
 
 template <typename T>
 struct PolicyTerm {
-  T pg;          // the unweighted per-token loss
-  T grad;        // d pg / d logprob
-  bool clipped;  // the clipped term is strictly larger
-  bool capped;   // the dual clip caps pg
+  T pg;       // the unweighted per-token loss
+  T grad;     // d pg / d logprob
+  T clipped;  // 1 where the clipped term is strictly larger, else 0
+  T capped;   // 1 where the dual clip caps pg, else 0
 };
 
 // max(-A * ratio, -A * clip(ratio)) with the dual clip; ternaries (not fmin/fmax)
@@ -85,21 +85,23 @@ PPO_HD PolicyTerm<T> policy_term(T logp, T old, T adv, PolicyBounds<T> bounds) {
   const T ratio_clipped = ratio < low ? low : (ratio > high ? high : ratio);
   const T unclipped = -adv * ratio;
   const T clipped = -adv * ratio_clipped;
-  // Selects rather than branches, and locals rather than fields, so that the CPU loops vectorize.
-  const bool is_clipped = clipped > unclipped;
-  const T pg = is_clipped ? clipped : unclipped;
+  // Selects on float compares only (no branches, no bools), so that the CPU loops vectorize.
+  const T is_clipped = clipped > unclipped ? T(1) : T(0);
+  const T pg = clipped > unclipped ? clipped : unclipped;
   const T cap = -adv * bounds.dual;
-  const bool is_capped = (adv < T(0)) & (cap < pg);
+  const T is_capped = adv < T(0) ? (cap < pg ? T(1) : T(0)) : T(0);
   // The clamp of the log-ratio passes no gradient outside [-20, 20].
-  const T grad = (is_clipped | is_capped | (abs_of(diff) > T(20))) ? T(0) : -adv * ratio;
-  return {is_capped ? cap : pg, grad, is_clipped, is_capped};
+  T grad = abs_of(diff) > T(20) ? T(0) : -adv * ratio;
+  grad = is_clipped != T(0) ? T(0) : grad;
+  grad = is_capped != T(0) ? T(0) : grad;
+  return {is_capped != T(0) ? cap : pg, grad, is_clipped, is_capped};
 }
 
 template <typename T>
 struct ValueTerm {
-  T loss;  // 0.5 * max((V - R)^2, (clip(V) - R)^2)
-  T grad;  // d loss / d V
-  bool clipped;
+  T loss;     // 0.5 * max((V - R)^2, (clip(V) - R)^2)
+  T grad;     // d loss / d V
+  T clipped;  // 1 where the clipped term is strictly larger, else 0
 };
 
 template <typename T>
@@ -110,9 +112,9 @@ PPO_HD ValueTerm<T> value_term(T v, T old, T ret, double clip) {
   v_clipped = v_clipped > low ? v_clipped : low;
   const T unclipped = (v - ret) * (v - ret);
   const T clipped = (v_clipped - ret) * (v_clipped - ret);
-  const bool is_clipped = clipped > unclipped;
   // The clipped term only wins when V lies outside the clip range, where clip(V) is constant.
-  return {T(0.5) * (is_clipped ? clipped : unclipped), is_clipped ? T(0) : v - ret, is_clipped};
+  return {T(0.5) * (clipped > unclipped ? clipped : unclipped), clipped > unclipped ? T(0) : v - ret,
+          clipped > unclipped ? T(1) : T(0)};
 }
 
 // d loss / d (sum of row b's masked per-token losses): the loss of every agg mode is

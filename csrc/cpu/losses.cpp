@@ -63,8 +63,8 @@ PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* 
     const acc_t weighted_pg = term.pg * w[i];  // computed for every token, then selected: no masked loads
     pg_sum += on[i] != 0 ? weighted_pg : acc_t(0);
     count += on[i] != 0 ? acc_t(1) : acc_t(0);
-    clipped += (on[i] != 0) & term.clipped ? acc_t(1) : acc_t(0);
-    capped += (on[i] != 0) & term.capped ? acc_t(1) : acc_t(0);
+    clipped += on[i] != 0 ? term.clipped : acc_t(0);
+    capped += on[i] != 0 ? term.capped : acc_t(0);
     kl_sum += on[i] != 0 ? od[i] - lp[i] : acc_t(0);
   }
   acc[kPgSum] += pg_sum;
@@ -94,7 +94,7 @@ PPO_INLINE void value_sums_impl(const acc_t* vs, const acc_t* od, const acc_t* r
     const ValueTerm<acc_t> term = value_term(vs[i], od[i], rs[i], clip);
     loss_sum += on[i] != 0 ? term.loss : acc_t(0);
     count += on[i] != 0 ? acc_t(1) : acc_t(0);
-    clipped += (on[i] != 0) & term.clipped ? acc_t(1) : acc_t(0);
+    clipped += on[i] != 0 ? term.clipped : acc_t(0);
   }
   acc[kValueLossSum] += loss_sum;
   acc[kValueCount] += count;

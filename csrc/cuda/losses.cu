@@ -73,8 +73,8 @@ struct PolicyToken {
     const PolicyTerm<T> term = policy_term(logp, old, load<T>(in.advantages, i), policy_bounds<T>(in.params));
     acc[kPgSum] += in.weights.data ? term.pg * load<T>(in.weights, i) : term.pg;
     acc[kCount] += T(1);
-    acc[kClipped] += term.clipped ? T(1) : T(0);
-    acc[kCapped] += term.capped ? T(1) : T(0);
+    acc[kClipped] += term.clipped;
+    acc[kCapped] += term.capped;
     acc[kKlSum] += old - logp;
   }
   __device__ T grad(int64_t i) const {
@@ -92,7 +92,7 @@ struct ValueToken {
     const ValueTerm<T> term = value_term(load<T>(in.values, i), load<T>(in.old_values, i), load<T>(in.returns, i), in.clip);
     acc[kValueLossSum] += term.loss;
     acc[kValueCount] += T(1);
-    acc[kValueClipped] += term.clipped ? T(1) : T(0);
+    acc[kValueClipped] += term.clipped;
   }
   __device__ T grad(int64_t i) const {
     return value_term(load<T>(in.values, i), load<T>(in.old_values, i), load<T>(in.returns, i), in.clip).grad;
