@@ -80,12 +80,14 @@ if ! PPO_FAST_BUILD_CUDA=1 run_stage "build (with CUDA, arch ${TORCH_CUDA_ARCH_L
 fi
 "$PY" -c "import ppo_fast as pf; [print(f'backend {k}: {v}') for k, v in pf.available_backends().items()]" 2>&1 | tee -a "$SUMMARY"
 
-# --- 2. CUDA tests (transformers may be missing here; the ops tests do not need it).
+# --- 2. GPU tests (transformers may be missing here; the ops tests do not need it).
 TESTS_LOG="$OUT/tests.log"
 : >"$TESTS_LOG"
 if "$PY" -c "import pytest" 2>/dev/null; then
-    run_stage "tests (pytest -m cuda)" "$TESTS_S" "$TESTS_LOG" \
-        "$PY" -m pytest -m cuda -q -rfEs --continue-on-collection-errors -p no:cacheprovider tests
+    # The CUDA-marked tests, and the Triton tests, which run on the GPU when there is one.
+    run_stage "tests (pytest -m cuda; Triton tests on cuda)" "$TESTS_S" "$TESTS_LOG" \
+        "$PY" -m pytest -q -rfEs --continue-on-collection-errors -p no:cacheprovider \
+        -m "cuda or triton_on_gpu" tests
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$TESTS_LOG" | tail -25 | sed 's/^/  /' | tee -a "$SUMMARY"
 else
     RESULTS+=("tests: NOT RUN (pytest is not installed)")

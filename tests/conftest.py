@@ -14,6 +14,14 @@ import pytest  # noqa: E402
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The Triton tests run on CUDA tensors when a GPU is present (else in the interpreter):
+    mark them so that the GPU check (bench/gpu_check.sh) selects them with the CUDA tests."""
+    for item in items:
+        if item.module.__name__.startswith("test_triton_"):
+            item.add_marker(pytest.mark.triton_on_gpu)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything(request):
     """A fresh but reproducible seed per test (printed on failure through the test id)."""
