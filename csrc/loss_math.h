@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 
 #if !defined(__CUDACC__)
 #include "fast_exp.h"
@@ -54,6 +56,11 @@ struct PolicyParams {
   double ratio_high;  // 1 + clip_high
   double dual_clip;   // +inf without dual clip: the cap -A * inf never undercuts pg
 };
+
+// From the op's arguments (host side).
+inline PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
+  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.value_or(std::numeric_limits<double>::infinity())};
+}
 
 // The bounds in the compute type, read once per chunk rather than per token.
 template <typename T>

@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <limits>
 #include <optional>
 
 #include "cpu/float_io.h"
@@ -15,10 +14,6 @@ namespace ppo_fast {
 namespace {
 
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
-
-PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
-  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.value_or(std::numeric_limits<double>::infinity())};
-}
 
 double column_total(const double* partials, int64_t rows, int64_t width, int64_t column) {
   double total = 0.0;

@@ -5,7 +5,6 @@
 #include <torch/library.h>
 
 #include <initializer_list>
-#include <limits>
 #include <optional>
 
 #include "cpu/float_io.h"  // compute_dtype, shared with the CPU kernels
@@ -46,10 +45,6 @@ void check_inputs(const char* op, std::initializer_list<const at::Tensor*> tenso
 void check_launch(const char* op) {
   const cudaError_t err = cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
-PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
-  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.value_or(std::numeric_limits<double>::infinity())};
 }
 
 struct Results {
