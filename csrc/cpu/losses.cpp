@@ -40,6 +40,27 @@ double aggregate_rows(const double* partials, int64_t rows, int64_t width, int64
   return loss;
 }
 
+// t's tokens [offset, offset + n) in the compute type: t's own data when t has that
+// dtype (no copy), else converted into scratch.
+template <typename acc_t>
+const acc_t* chunk_in(const at::Tensor& t, int64_t offset, int64_t n, acc_t* scratch) {
+  if (t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value) return t.const_data_ptr<acc_t>() + offset;
+  load_as(t, offset, n, scratch);
+  return scratch;
+}
+
+// Where to write t's tokens [offset, ...) in the compute type: into t when t has that
+// dtype, else into scratch, which store_chunk then converts into t.
+template <typename acc_t>
+acc_t* chunk_out(const at::Tensor& t, int64_t offset, acc_t* scratch) {
+  return t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value ? t.mutable_data_ptr<acc_t>() + offset : scratch;
+}
+
+template <typename acc_t>
+void store_chunk(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* out, const acc_t* scratch) {
+  if (out == scratch) store_as(t, offset, n, out);
+}
+
 at::Tensor scalar(double value, const at::Tensor& like, at::ScalarType dtype) {
   return at::scalar_tensor(value, like.options().dtype(dtype));
 }
@@ -47,26 +68,45 @@ at::Tensor scalar(double value, const at::Tensor& like, at::ScalarType dtype) {
 // The hot loops over a chunk of n tokens, in the compute type (float, or double for
 // float64 inputs).  Masked tokens are selected away (not skipped), and the bool mask is
 // read as bytes (GCC does not vectorize selects on bool loads), so that they vectorize.
+// The forward writes each chunk's masked per-token terms to a buffer (a loop that
+// vectorizes as the gradient loops do), then sums each term with lane_sum.
+
+// The sum of x[0, n) in kLanes independent partial sums (x[i] adds to lane i % kLanes),
+// so that it vectorizes: GCC does not reorder float adds, and left the `omp simd
+// reduction` form of these sums scalar in the baseline clone.  The lanes are added in a
+// fixed order, so a row's sums do not depend on the thread count.
+constexpr int64_t kLanes = 8;
+
+template <typename acc_t>
+PPO_INLINE double lane_sum(const acc_t* x, int64_t n) {
+  acc_t lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t lane = 0; lane < kLanes; ++lane) lanes[lane] += x[i + lane];
+  for (int64_t lane = 0; i < n; ++i, ++lane) lanes[lane] += x[i];
+  double total = 0.0;
+  for (int64_t lane = 0; lane < kLanes; ++lane) total += lanes[lane];
+  return total;
+}
+
+// n <= kChunk.
 template <typename acc_t>
 PPO_INLINE void policy_sums_impl(const acc_t* lp, const acc_t* od, const acc_t* ad, const acc_t* w, const uint8_t* on,
                                  int64_t n, const PolicyParams& params, double* acc) {
   const PolicyBounds<acc_t> bounds = policy_bounds<acc_t>(params);
-  acc_t pg_sum = 0, count = 0, clipped = 0, capped = 0, kl_sum = 0;
-#pragma omp simd reduction(+ : pg_sum, count, clipped, capped, kl_sum)
+  acc_t terms[kPolicyPartials][kChunk];
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const PolicyTerm<acc_t> term = policy_term(lp[i], od[i], ad[i], bounds);
-    const acc_t weighted_pg = term.pg * w[i];  // computed for every token, then selected: no masked loads
-    pg_sum += on[i] != 0 ? weighted_pg : acc_t(0);
-    count += on[i] != 0 ? acc_t(1) : acc_t(0);
-    clipped += on[i] != 0 ? term.clipped : acc_t(0);
-    capped += on[i] != 0 ? term.capped : acc_t(0);
-    kl_sum += on[i] != 0 ? od[i] - lp[i] : acc_t(0);
+    // Weighted after the select, so that w[i] is read for every token: GCC moved a
+    // selected-away product, and so the load, under a branch that blocks vectorization.
+    terms[kPgSum][i] = (on[i] != 0 ? term.pg : acc_t(0)) * w[i];
+    terms[kCount][i] = on[i] != 0 ? acc_t(1) : acc_t(0);
+    terms[kClipped][i] = on[i] != 0 ? term.clipped : acc_t(0);
+    terms[kCapped][i] = on[i] != 0 ? term.capped : acc_t(0);
+    terms[kKlSum][i] = on[i] != 0 ? od[i] - lp[i] : acc_t(0);
   }
-  acc[kPgSum] += pg_sum;
-  acc[kCount] += count;
-  acc[kClipped] += clipped;
-  acc[kCapped] += capped;
-  acc[kKlSum] += kl_sum;
+  for (int64_t k = 0; k < kPolicyPartials; ++k) acc[k] += lane_sum(terms[k], n);
 }
 
 template <typename acc_t>
@@ -80,20 +120,19 @@ PPO_INLINE void policy_grads_impl(const acc_t* lp, const acc_t* od, const acc_t*
   }
 }
 
+// n <= kChunk.
 template <typename acc_t>
 PPO_INLINE void value_sums_impl(const acc_t* vs, const acc_t* od, const acc_t* rs, const uint8_t* on, int64_t n, double clip,
                                 double* acc) {
-  acc_t loss_sum = 0, count = 0, clipped = 0;
-#pragma omp simd reduction(+ : loss_sum, count, clipped)
+  acc_t terms[kValuePartials][kChunk];
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const ValueTerm<acc_t> term = value_term(vs[i], od[i], rs[i], clip);
-    loss_sum += on[i] != 0 ? term.loss : acc_t(0);
-    count += on[i] != 0 ? acc_t(1) : acc_t(0);
-    clipped += on[i] != 0 ? term.clipped : acc_t(0);
+    terms[kValueLossSum][i] = on[i] != 0 ? term.loss : acc_t(0);
+    terms[kValueCount][i] = on[i] != 0 ? acc_t(1) : acc_t(0);
+    terms[kValueClipped][i] = on[i] != 0 ? term.clipped : acc_t(0);
   }
-  acc[kValueLossSum] += loss_sum;
-  acc[kValueCount] += count;
-  acc[kValueClipped] += clipped;
+  for (int64_t k = 0; k < kValuePartials; ++k) acc[k] += lane_sum(terms[k], n);
 }
 
 template <typename acc_t>
@@ -164,15 +203,22 @@ PolicyBuffers policy_buffers(const at::Tensor& logprobs, const at::Tensor& old_l
 
 // The chunk's inputs in the compute type; weights 1 when there are none.
 template <typename acc_t>
-void load_chunk(const PolicyBuffers& in, int64_t offset, int64_t n, acc_t* lp, acc_t* od, acc_t* ad, acc_t* w) {
-  load_as(in.logp, offset, n, lp);
-  load_as(in.old, offset, n, od);
-  load_as(in.adv, offset, n, ad);
-  if (in.weights.defined())
-    load_as(in.weights, offset, n, w);
-  else
-    std::fill(w, w + n, acc_t(1));
-}
+struct PolicyChunk {
+  acc_t scratch[4][kChunk];
+  const acc_t *lp, *od, *ad, *w;
+
+  PolicyChunk(const PolicyBuffers& in, int64_t offset, int64_t n)
+      : lp(chunk_in(in.logp, offset, n, scratch[0])),
+        od(chunk_in(in.old, offset, n, scratch[1])),
+        ad(chunk_in(in.adv, offset, n, scratch[2])),
+        w(in.weights.defined() ? chunk_in(in.weights, offset, n, scratch[3]) : ones(n)) {}
+
+ private:
+  const acc_t* ones(int64_t n) {
+    std::fill(scratch[3], scratch[3] + n, acc_t(1));
+    return scratch[3];
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
@@ -188,10 +234,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
   const double loss = with_compute_type(in.dtype, [&](auto tag) {
     using acc_t = decltype(tag);
     for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
-      acc_t lp[kChunk], od[kChunk], ad[kChunk], w[kChunk];
       const int64_t offset = b * length + t0;
-      load_chunk(in, offset, n, lp, od, ad, w);
-      policy_sums(lp, od, ad, w, valid + offset, n, params, &partials[b * kPolicyPartials]);
+      const PolicyChunk<acc_t> c(in, offset, n);
+      policy_sums(c.lp, c.od, c.ad, c.w, valid + offset, n, params, &partials[b * kPolicyPartials]);
     });
     return aggregate_rows(partials.data(), rows, kPolicyPartials, kPgSum, kCount, agg, length,
                           row_scale_out.mutable_data_ptr<acc_t>());
@@ -224,11 +269,12 @@ at::Tensor clipped_policy_loss_backward_cpu(const at::Tensor& grad_loss, const a
     using acc_t = decltype(tag);
     const acc_t* scale_data = scales.const_data_ptr<acc_t>();
     for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
-      acc_t lp[kChunk], od[kChunk], ad[kChunk], w[kChunk], out[kChunk];
       const int64_t offset = b * length + t0;
-      load_chunk(in, offset, n, lp, od, ad, w);
-      policy_grads(lp, od, ad, w, valid + offset, n, params, static_cast<acc_t>(upstream) * scale_data[b], out);
-      store_as(grad, offset, n, out);
+      const PolicyChunk<acc_t> c(in, offset, n);
+      acc_t scratch[kChunk];
+      acc_t* out = chunk_out(grad, offset, scratch);
+      policy_grads(c.lp, c.od, c.ad, c.w, valid + offset, n, params, static_cast<acc_t>(upstream) * scale_data[b], out);
+      store_chunk(grad, offset, n, out, scratch);
     });
   });
   return grad;
@@ -259,12 +305,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(const at::Tensor& 
   const double loss = with_compute_type(in.dtype, [&](auto tag) {
     using acc_t = decltype(tag);
     for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
-      acc_t vs[kChunk], od[kChunk], rs[kChunk];
+      acc_t scratch[3][kChunk];
       const int64_t offset = b * length + t0;
-      load_as(in.v, offset, n, vs);
-      load_as(in.old, offset, n, od);
-      load_as(in.ret, offset, n, rs);
-      value_sums(vs, od, rs, valid + offset, n, clip, &partials[b * kValuePartials]);
+      value_sums(chunk_in(in.v, offset, n, scratch[0]), chunk_in(in.old, offset, n, scratch[1]),
+                 chunk_in(in.ret, offset, n, scratch[2]), valid + offset, n, clip, &partials[b * kValuePartials]);
     });
     return aggregate_rows(partials.data(), rows, kValuePartials, kValueLossSum, kValueCount, agg, length,
                           row_scale_out.mutable_data_ptr<acc_t>());
@@ -290,13 +334,13 @@ at::Tensor value_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor
     using acc_t = decltype(tag);
     const acc_t* scale_data = scales.const_data_ptr<acc_t>();
     for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
-      acc_t vs[kChunk], od[kChunk], rs[kChunk], out[kChunk];
+      acc_t scratch[4][kChunk];
       const int64_t offset = b * length + t0;
-      load_as(in.v, offset, n, vs);
-      load_as(in.old, offset, n, od);
-      load_as(in.ret, offset, n, rs);
-      value_grads(vs, od, rs, valid + offset, n, clip, static_cast<acc_t>(upstream) * scale_data[b], out);
-      store_as(grad, offset, n, out);
+      acc_t* out = chunk_out(grad, offset, scratch[3]);
+      value_grads(chunk_in(in.v, offset, n, scratch[0]), chunk_in(in.old, offset, n, scratch[1]),
+                  chunk_in(in.ret, offset, n, scratch[2]), valid + offset, n, clip,
+                  static_cast<acc_t>(upstream) * scale_data[b], out);
+      store_chunk(grad, offset, n, out, scratch[3]);
     });
   });
   return grad;
