@@ -9,11 +9,12 @@
 
 // The CPU kernels' hot loops are compiled twice on x86-64 with GCC/Clang: for AVX2 + FMA
 // (8 floats a vector) and for the baseline (SSE2); the loader picks one for the running
-// CPU.  The loops themselves are templates marked PPO_INLINE, so that each clone gets
+// CPU.  "arch=x86-64-v3" is chosen by feature bits; "arch=haswell" would be chosen by CPU
+// model, so AMD and later Intel CPUs would run the baseline.  The loops themselves are templates marked PPO_INLINE, so that each clone gets
 // its own vectorized copy (in the -fPIC build GCC would otherwise call even small inline
 // functions through the PLT, which blocks vectorization).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
-#define PPO_CPU_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#define PPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define PPO_CPU_CLONES
 #endif
