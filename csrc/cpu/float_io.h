@@ -19,6 +19,15 @@ void load_as(const at::Tensor& t, int64_t offset, int64_t n, acc_t* dst) {
   });
 }
 
+// t's elements [offset, offset + n) in the compute type: t's own data when t has that
+// dtype (no copy), else converted into scratch.
+template <typename acc_t>
+const acc_t* chunk_in(const at::Tensor& t, int64_t offset, int64_t n, acc_t* scratch) {
+  if (t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value) return t.const_data_ptr<acc_t>() + offset;
+  load_as(t, offset, n, scratch);
+  return scratch;
+}
+
 // t.flat[offset + i] = src[i] rounded to t's dtype, for a contiguous tensor t.
 template <typename acc_t>
 void store_as(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* src) {

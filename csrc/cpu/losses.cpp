@@ -40,15 +40,6 @@ double aggregate_rows(const double* partials, int64_t rows, int64_t width, int64
   return loss;
 }
 
-// t's tokens [offset, offset + n) in the compute type: t's own data when t has that
-// dtype (no copy), else converted into scratch.
-template <typename acc_t>
-const acc_t* chunk_in(const at::Tensor& t, int64_t offset, int64_t n, acc_t* scratch) {
-  if (t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value) return t.const_data_ptr<acc_t>() + offset;
-  load_as(t, offset, n, scratch);
-  return scratch;
-}
-
 // Where to write t's tokens [offset, ...) in the compute type: into t when t has that
 // dtype, else into scratch, which store_chunk then converts into t.
 template <typename acc_t>

@@ -86,15 +86,6 @@ void penalized_kl_chunk(const double* lp, const double* rf, const uint8_t* on, i
   kl_chunk_impl<true>(lp, rf, on, n, estimator, neg_coef, kl, reward);
 }
 
-// t's elements [offset, offset + n) in the compute type: t's own data when t has that
-// dtype (no copy), else converted into scratch.
-template <typename acc_t>
-const acc_t* chunk_in(const at::Tensor& t, int64_t offset, int64_t n, acc_t* scratch) {
-  if (t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value) return t.const_data_ptr<acc_t>() + offset;
-  load_as(t, offset, n, scratch);
-  return scratch;
-}
-
 at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, int64_t estimator) {
   const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous();
   const at::ScalarType dtype = compute_dtype({&logp, &ref});
