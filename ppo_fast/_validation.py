@@ -35,8 +35,10 @@ def same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Ten
             raise ValueError(f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(x.shape)}")
 
 
-def same_device(**tensors: torch.Tensor | None) -> None:
-    items = [(n, t) for n, t in tensors.items() if t is not None]
+def same_device(**tensors) -> None:
+    """All tensors among the arguments on one device (others, e.g. a None weight or a
+    mask of the wrong type, are left to their own checks)."""
+    items = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
     first_name, first = items[0]
     for name, x in items[1:]:
         if x.device != first.device:

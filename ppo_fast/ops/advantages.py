@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .. import _validation as check
 from .. import reference
 from ..backends import resolve
@@ -28,7 +26,7 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=0.95):
     check.tensor("rewards", rewards, ndim=2)
     check.tensor("values", values, ndim=2)
     check.same_shape("rewards", rewards, values=values)
-    check.same_device(rewards=rewards, values=values, mask=mask if isinstance(mask, torch.Tensor) else None)
+    check.same_device(rewards=rewards, values=values, mask=mask)
     mask = check.mask("mask", mask, rewards.shape)
     gamma = check.real("gamma", gamma, low=0.0, high=1.0)
     lam = check.real("lam", lam, low=0.0, high=1.0)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .. import _validation as check
 from ..backends import resolve
 from ..reference import AGG_MODES
@@ -15,7 +13,7 @@ def _loss_inputs(names_and_tensors: dict, mask):
         if x is not None:
             check.tensor(name, x, ndim=2)
     check.same_shape(first_name, first, **{n: x for n, x in list(names_and_tensors.items())[1:]})
-    check.same_device(**names_and_tensors, mask=mask if isinstance(mask, torch.Tensor) else None)
+    check.same_device(**names_and_tensors, mask=mask)
     return check.mask("mask", mask, first.shape)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .. import _validation as check
 from ..backends import resolve
 from ..reference import KL_ESTIMATORS
@@ -46,7 +44,7 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, estim
     check.tensor("scores", scores, ndim=1)
     if scores.shape[0] != logprobs.shape[0]:
         raise ValueError(f"scores must have shape [B] = ({logprobs.shape[0]},), got {tuple(scores.shape)}")
-    check.same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores, mask=mask if isinstance(mask, torch.Tensor) else None)
+    check.same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores, mask=mask)
     mask = check.mask("mask", mask, logprobs.shape)
     kl_coef = check.real("kl_coef", kl_coef, low=0.0)
     check.choice("estimator", estimator, KL_ESTIMATORS)
