@@ -23,9 +23,14 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def result_dtype(*inputs: torch.Tensor | None) -> torch.dtype:
+    """The dtype every backend computes and returns in: float64 if any input is float64
+    (so that gradients can be checked numerically), else float32."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in inputs) else torch.float32
+
+
 def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """float32 for float32/bf16/fp16 inputs; float64 stays float64 (for gradcheck)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x.to(result_dtype(x))
 
 
 def availability() -> tuple[bool, str]:

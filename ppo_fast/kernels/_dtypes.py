@@ -6,10 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64 (so gradients can be checked numerically), else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+from ..reference import result_dtype  # noqa: F401  (re-exported for the launchers)
 
 
 def compute_dtype(dtype: torch.dtype):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import AGG_MODES, KL_ESTIMATORS
+from ..reference import AGG_MODES, KL_ESTIMATORS, result_dtype
 
 try:
     from .. import _C
@@ -46,13 +46,8 @@ def availability() -> tuple[bool, str]:
 # --------------------------------------------------------------------------- fake kernels
 
 
-def _result_dtype(*inputs) -> torch.dtype:
-    """float64 if any input is float64, else float32 (the reference's compute dtype)."""
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in inputs) else torch.float32
-
-
 def _fake_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg):
-    dtype = _result_dtype(logprobs, old_logprobs, advantages, weights)
+    dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
     # As in the reference, the clip fractions are float32 and approx_kl has the compute dtype.
     loss, clipfrac, clipfrac_lower, approx_kl = (logprobs.new_empty((), dtype=d) for d in (dtype, torch.float32, torch.float32, dtype))
     return loss, clipfrac, clipfrac_lower, approx_kl, logprobs.new_empty((logprobs.shape[0],), dtype=dtype)
@@ -63,7 +58,7 @@ def _fake_clipped_policy_loss_backward(grad_loss, logprobs, *rest):
 
 
 def _fake_value_loss(values, old_values, returns, mask, clip, agg):
-    dtype = _result_dtype(values, old_values, returns)
+    dtype = result_dtype(values, old_values, returns)
     return values.new_empty((), dtype=dtype), values.new_empty((), dtype=torch.float32), values.new_empty((values.shape[0],), dtype=dtype)
 
 
@@ -72,21 +67,21 @@ def _fake_value_loss_backward(grad_loss, values, *rest):
 
 
 def _fake_kl_estimate(logprobs, ref_logprobs, estimator):
-    return logprobs.new_empty(logprobs.shape, dtype=_result_dtype(logprobs, ref_logprobs))
+    return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
 
 
 def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
-    dtype = _result_dtype(logprobs, ref_logprobs)
+    dtype = result_dtype(logprobs, ref_logprobs)
     return logprobs.new_empty(logprobs.shape, dtype=dtype), logprobs.new_empty(logprobs.shape, dtype=dtype)
 
 
 def _fake_gae(rewards, values, mask, gamma, lam):
-    dtype = _result_dtype(rewards, values)
+    dtype = result_dtype(rewards, values)
     return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
 
 
 def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_index):
-    dtype = _result_dtype(logits)
+    dtype = result_dtype(logits)
     entropy = logits.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
     return logits.new_empty(labels.shape, dtype=dtype), entropy, logits.new_empty(labels.shape, dtype=dtype)
 
