@@ -11,9 +11,18 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def data_checks_enabled() -> bool:
-    """Checks that read tensor values (one host sync) are skipped while tracing for torch.compile."""
-    return not torch.compiler.is_compiling()
+FLOAT32_MAX = torch.finfo(torch.float32).max
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def host_checks_free(*tensors) -> bool:
+    """Whether checks that read tensor values can run on the host at no cost: eager mode and
+    CPU tensors only.  On CUDA such a check would synchronise the host with the device on
+    every call, and under torch.compile it would break the graph, so there the kernels'
+    documented results for bad values apply instead (``ppo_fast.contract``)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
 
 
 def tensor(name: str, x, *, dtypes=FLOAT_DTYPES, ndim: int | None = None, min_ndim: int | None = None) -> torch.Tensor:
@@ -35,10 +44,19 @@ def same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Ten
             raise ValueError(f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(x.shape)}")
 
 
+def required(**values) -> None:
+    """Arguments that may not be None (a None would otherwise fail later, deep inside a backend)."""
+    for name, value in values.items():
+        if value is None:
+            raise TypeError(f"{name} must be a torch.Tensor, got None")
+
+
 def same_device(**tensors) -> None:
     """All tensors among the arguments on one device (others, e.g. a None weight or a
     mask of the wrong type, are left to their own checks)."""
     items = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+    if not items:
+        return
     first_name, first = items[0]
     for name, x in items[1:]:
         if x.device != first.device:
@@ -52,18 +70,26 @@ def mask(name: str, m, shape: torch.Size) -> torch.Tensor:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(m.shape)}")
     if m.dtype == torch.bool:
         return m
-    if data_checks_enabled() and m.numel() and not bool(((m == 0) | (m == 1)).all()):
-        raise ValueError(f"{name} must hold only 0 and 1 (or be bool)")
+    if m.numel() and m.device.type != "meta":
+        zero_or_one = ((m == 0) | (m == 1)).all()
+        if host_checks_free(m):
+            if not bool(zero_or_one):
+                raise ValueError(f"{name} must hold only 0 and 1 (or be bool)")
+        else:  # checked on the device, without a host sync
+            torch._assert_async(zero_or_one, f"{name} must hold only 0 and 1 (or be bool)")
     return m != 0
 
 
 def real(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False) -> float:
-    """A finite Python float within [low, high] (open ends where asked)."""
+    """A finite Python float within [low, high] (open ends where asked) and within float32's
+    range, since the kernels compute in float32."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must lie within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), got {value}")
     if low is not None and (value < low or (low_open and value == low)):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and (value > high or (high_open and value == high)):
@@ -74,4 +100,19 @@ def real(name: str, value, *, low: float | None = None, high: float | None = Non
 def choice(name: str, value, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def integer(name: str, value, *, low: int = INT64_RANGE[0], high: int = INT64_RANGE[1]) -> int:
+    """A Python int within [low, high] (by default int64's range, as the kernels read it)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value

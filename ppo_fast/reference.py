@@ -1,36 +1,38 @@
 """Plain-PyTorch reference implementations: readable, differentiable, the oracle.
 
 Every function here takes inputs already validated and normalised by
-``ppo_fast.ops`` (masks are bool, shapes agree) and returns float32 results
-(float64 for float64 inputs, so that gradients can be checked numerically).
-The fast backends implement exactly these signatures.
+``ppo_fast.ops`` (masks are bool, shapes agree) and computes and returns in
+``contract.result_dtype`` of all its floating inputs (float32, float64 if any is
+float64).  The fast backends implement exactly these signatures and the rules in
+``ppo_fast.contract``: values at masked positions are replaced by 0 before any
+arithmetic (so NaN/inf there reaches neither a result nor a gradient), and an
+out-of-range label gives a NaN log-prob and no gradient.
 """
 
 from __future__ import annotations
 
 import torch
 
-SUPPORTED = {
-    op: {"cpu", "cuda"}
-    for op in ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
-}
+from .contract import OPS, result_dtype
+
+SUPPORTED = {op: {"cpu", "cuda"} for op in OPS}
 
 # Rows per chunk in token_logprobs: at most this many float32 logits live at once,
 # so a bf16 [N, V] input never gets a float32 [N, V] copy.
 _CHUNK_ELEMENTS = 1 << 24
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+def _common(*inputs: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The inputs in their common compute dtype (one dtype for all, so mixed float32 and
+    float64 inputs are all computed in float64)."""
+    dtype = result_dtype(*inputs)
+    return [None if x is None else x.to(dtype) for x in inputs]
 
 
-def result_dtype(*inputs: torch.Tensor | None) -> torch.dtype:
-    """The dtype every backend computes and returns in: float64 if any input is float64
-    (so that gradients can be checked numerically), else float32."""
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in inputs) else torch.float32
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(result_dtype(x))
+def _masked(mask: torch.Tensor, *inputs: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The inputs in their common compute dtype with 0 at masked positions: whatever a
+    masked position holds (NaN, inf) reaches no result and no gradient."""
+    return [None if x is None else torch.where(mask, x, 0.0) for x in _common(*inputs)]
 
 
 def availability() -> tuple[bool, str]:
@@ -41,19 +43,26 @@ def availability() -> tuple[bool, str]:
 
 
 def _logprobs_rows(logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int):
-    """log-prob (and entropy) of rows ``logits [n, V]`` at ``labels [n]``, computed in float32."""
-    valid = labels != ignore_index
-    z = _upcast(logits) / temperature
+    """log-prob (and entropy) of rows ``logits [n, V]`` at ``labels [n]``, computed in float32.
+
+    Ignored rows give 0; a label outside ``[0, V)`` gives NaN (the contract).  Both rows
+    are zeroed before the softmax, so that they pass no gradient whatever they hold.
+    """
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < logits.shape[-1])
+    used = in_range & ~ignored
+    (z,) = _common(logits)
+    z = torch.where(used.unsqueeze(-1), z / temperature, 0.0)
     logp_all = torch.log_softmax(z, dim=-1)
-    chosen = logp_all.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(valid, chosen, 0.0)
+    chosen = logp_all.gather(-1, torch.where(used, labels, 0).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(used, chosen, torch.where(ignored, 0.0, torch.nan))
     if not return_entropy:
         return logp, None
     p = logp_all.exp()
     # p·log p is 0 where p == 0 (a -inf logit); the where keeps its gradient finite too.
     safe_logp = torch.where(p > 0, logp_all, 0.0)
     entropy = -(p * safe_logp).sum(-1)
-    return logp, torch.where(valid, entropy, 0.0)
+    return logp, torch.where(used, entropy, torch.where(ignored, 0.0, torch.nan))
 
 
 def token_logprobs(
@@ -90,7 +99,8 @@ def token_logprobs(
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs."""
-    log_ratio = _upcast(logprobs) - _upcast(ref_logprobs)
+    logprobs, ref_logprobs = _common(logprobs, ref_logprobs)
+    log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -104,7 +114,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 
 def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: index of the last True in ``mask [B, T]`` and whether the row has any."""
+    """Per row: index of the last True in ``mask [B, T]`` (T >= 1) and whether the row has any."""
     positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
     last = (mask * positions).argmax(dim=-1)
     return last, mask.any(dim=-1)
@@ -112,8 +122,11 @@ def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
     """``r_t = -kl_coef * kl_t`` at valid tokens, plus the score at each row's last valid token."""
+    logprobs, ref_logprobs = _masked(mask, logprobs, ref_logprobs)
     kl = torch.where(mask, kl_estimate(logprobs, ref_logprobs, estimator), 0.0)
     rewards = -kl_coef * kl
+    if mask.shape[-1] == 0:  # no token to carry a score
+        return rewards, kl
     last, has_valid = last_valid_index(mask)
     bonus = torch.where(has_valid, scores.to(rewards.dtype), 0.0)
     rewards = rewards.scatter_add(-1, last.unsqueeze(-1), bonus.unsqueeze(-1))
@@ -130,7 +143,7 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     valid value and the running advantage pass through it) and the value after the
     last valid token is 0.  Outputs are 0 at masked positions.
     """
-    rewards, values = _upcast(rewards), _upcast(values)
+    rewards, values = _masked(mask, rewards, values)
     batch, length = rewards.shape
     next_value = rewards.new_zeros(batch)
     running = rewards.new_zeros(batch)
@@ -148,9 +161,9 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of ``x`` over ``mask``; 0 where nothing is valid."""
-    x = _upcast(x)
+    (x,) = _masked(mask, x)
     m = mask.to(x.dtype)
-    total = (x * m).sum() if dim is None else (x * m).sum(dim)
+    total = x.sum() if dim is None else x.sum(dim)
     count = m.sum() if dim is None else m.sum(dim)
     return total / count.clamp_min(1.0)
 
@@ -158,14 +171,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the valid entries (Bessel-corrected variance).
 
-    With ``shift_mean=False`` the mean is added back after scaling, as TRL and verl do.  Masked entries are 0.
+    With ``shift_mean=False`` the mean is added back after scaling, as TRL and verl do.
+    Masked entries are 0 (all of them when nothing is valid).
     """
-    x32 = _upcast(x)
-    m = mask.to(x32.dtype)
+    (x,) = _masked(mask, x)
+    m = mask.to(x.dtype)
     count = m.sum()
-    mean = (x32 * m).sum() / count.clamp_min(1.0)
-    var = ((x32 - mean).square() * m).sum() / (count - 1.0).clamp_min(1.0)
-    whitened = (x32 - mean) * torch.rsqrt(var + eps)
+    mean = x.sum() / count.clamp_min(1.0)
+    var = torch.where(mask, (x - mean).square(), 0.0).sum() / (count - 1.0).clamp_min(1.0)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0.0)
@@ -180,7 +194,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Te
     Empty selections give 0 rather than NaN (a batch of padding has no loss).
     """
     m = mask.to(per_token.dtype)
-    masked = per_token * m
+    masked = torch.where(mask, per_token, 0.0)
     if agg == "token-sum":
         return masked.sum()
     if agg == "token-mean":
@@ -194,15 +208,13 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Te
         row_loss = row_sum
     loss = (row_loss * row_has_tokens).sum() / row_has_tokens.sum().clamp_min(1.0)
     if agg == "seq-mean-token-sum-norm":
-        loss = loss / per_token.shape[-1]
+        loss = loss / max(per_token.shape[-1], 1)
     return loss
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low: float, clip_high: float, dual_clip, agg: str):
     """PPO clipped surrogate (to minimise) and its stats ``(loss, clipfrac, clipfrac_lower, approx_kl)``."""
-    logp = _upcast(logprobs)
-    old = _upcast(old_logprobs)
-    adv = _upcast(advantages)
+    logp, old, adv, weights = _masked(mask, logprobs, old_logprobs, advantages, weights)
     ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -216,17 +228,18 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_
     else:
         clipfrac_lower = torch.zeros((), device=logp.device)
     if weights is not None:
-        pg = pg * _upcast(weights)
+        pg = pg * weights
     loss = aggregate(pg, mask, agg)
     approx_kl = masked_mean(old - logp, mask)
     return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
 
 
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
-    """Clipped value loss ``0.5 * max((V - R)^2, (clip(V) - R)^2)`` and its clip fraction."""
-    v = _upcast(values)
-    old = _upcast(old_values)
-    ret = _upcast(returns)
+    """Clipped value loss ``0.5 * max((V - R)^2, (clip(V) - R)^2)`` and its clip fraction.
+
+    ``clip = inf`` turns clipping off (the public op's ``clip=None``).
+    """
+    v, old, ret = _masked(mask, values, old_values, returns)
     v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)
     unclipped = (v - ret).square()
     clipped = (v_clipped - ret).square()

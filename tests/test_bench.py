@@ -8,7 +8,7 @@ import torch
 
 from bench import baselines, cases, report, runner, timing
 from bench.__main__ import main as bench_main
-from ppo_fast import reference
+from ppo_fast import contract, reference
 
 IGNORE = baselines.IGNORE_INDEX
 
@@ -50,7 +50,7 @@ def test_kl_reward_baseline_matches_reference_on_right_padded_rows():
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("agg", reference.AGG_MODES)
+@pytest.mark.parametrize("agg", contract.AGG_MODES)
 def test_loss_baselines_match_reference(agg):
     mask = _right_padded(4, 19)
     logp, old, adv = -torch.rand(4, 19) * 3, -torch.rand(4, 19) * 3, torch.randn(4, 19)

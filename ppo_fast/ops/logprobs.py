@@ -9,6 +9,10 @@ from ..backends import resolve
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+# 1 / temperature scales the logits in float32: below this the scaled logits of a real
+# model overflow, and no sampler uses such a temperature (vLLM treats < 1e-5 as greedy).
+MIN_TEMPERATURE = 1e-5
+
 
 def _rows_view(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` as ``[N, V]`` or ``[B, T, V]`` with a unit last stride, without copying when possible.
@@ -34,8 +38,11 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
 
     Args:
         logits: ``[..., V]`` float32, bfloat16 or float16 (float64 for gradcheck).
-        labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
-        temperature: the sampling temperature (> 0), folded into the softmax.
+        labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.  Others
+            raise ``ValueError`` on CPU in eager mode; on CUDA and under torch.compile
+            (where checking would cost a host sync) their rows give a NaN log-prob and
+            entropy and no gradient, and no kernel reads outside the logits.
+        temperature: the sampling temperature (>= 1e-5), folded into the softmax.
         return_entropy: also return the entropy of ``softmax(logits / temperature)``.
         ignore_index: label value whose positions give 0 log-prob and 0 entropy and
             pass no gradient.
@@ -47,7 +54,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     Returns:
         ``logprobs [...]`` float32, or ``(logprobs, entropy)`` with ``return_entropy``.
         A row whose chosen logit is ``-inf`` gives log-prob ``-inf``; NaN anywhere in
-        a row gives NaN for that row only.  Differentiable w.r.t. ``logits``.
+        a row gives NaN for that row only; an ignored row's logits are never read into
+        a result.  Differentiable w.r.t. ``logits``.
     """
     check.tensor("logits", logits, dtypes=_LOGIT_DTYPES, min_ndim=1)
     check.tensor("labels", labels, dtypes=check.INT_DTYPES)
@@ -56,15 +64,13 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     check.same_device(logits=logits, labels=labels)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dim, got V = 0")
-    temperature = check.real("temperature", temperature, low=0.0, low_open=True)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    for flag_name, flag in (("return_entropy", return_entropy), ("inplace_backward", inplace_backward)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+    temperature = check.real("temperature", temperature, low=MIN_TEMPERATURE)
+    ignore_index = check.integer("ignore_index", ignore_index)
+    check.flag("return_entropy", return_entropy)
+    check.flag("inplace_backward", inplace_backward)
     vocab = logits.shape[-1]
     labels = labels.long()
-    if check.data_checks_enabled() and labels.numel():
+    if labels.numel() and check.host_checks_free(labels):
         bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
         if bool(bad.any()):
             raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from .. import _validation as check
 from ..backends import resolve
-from ..reference import AGG_MODES
+from ..contract import AGG_MODES
 
 
-def _loss_inputs(names_and_tensors: dict, mask):
+def _loss_inputs(names_and_tensors: dict, mask, optional=("weights",)):
+    """Validates ``[B, T]`` inputs of one shape and device (None only for the ``optional``
+    names) and returns the mask as bool."""
+    check.required(**{n: x for n, x in names_and_tensors.items() if n not in optional})
     first_name, first = next(iter(names_and_tensors.items()))
     for name, x in names_and_tensors.items():
         if x is not None:
@@ -40,7 +47,8 @@ def clipped_policy_loss(
 
     Returns:
         ``(loss, stats)``: a 0-dim float32 loss, differentiable w.r.t. ``logprobs``,
-        and 0-dim tensors ``clipfrac``, ``clipfrac_lower`` and ``approx_kl``.
+        ``old_logprobs``, ``advantages`` and ``weights``, and 0-dim tensors ``clipfrac``,
+        ``clipfrac_lower`` and ``approx_kl``.
     """
     mask = _loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
@@ -60,11 +68,19 @@ def clipped_policy_loss(
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
     """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)``.
 
-    Aggregated like :func:`clipped_policy_loss`.  Returns ``(loss, {"clipfrac": ...})``,
-    the loss differentiable w.r.t. ``values``.
+    ``clip=None`` turns clipping off: ``0.5 * (V - R)^2``, and ``old_values`` is not read
+    (it may be None).  Aggregated like :func:`clipped_policy_loss`.  Returns
+    ``(loss, {"clipfrac": ...})``, the loss differentiable w.r.t. ``values``,
+    ``old_values`` and ``returns``.
     """
+    if clip is None:
+        if old_values is not None:
+            _loss_inputs({"values": values, "old_values": old_values}, mask)
+        # Clipping to +-inf around the values themselves is no clipping, on every backend.
+        old_values, clip = (values.detach() if isinstance(values, torch.Tensor) else values), math.inf
+    else:
+        clip = check.real("clip", clip, low=0.0, low_open=True)
     mask = _loss_inputs({"values": values, "old_values": old_values, "returns": returns}, mask)
-    clip = check.real("clip", clip, low=0.0, low_open=True)
     check.choice("agg", agg, AGG_MODES)
     loss, clipfrac = resolve("value_loss", values.device.type)(values, old_values, returns, mask, clip, agg)
     return loss, {"clipfrac": clipfrac}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import _validation as check
 from ..backends import resolve
-from ..reference import KL_ESTIMATORS
+from ..contract import KL_ESTIMATORS
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator="k1"):

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..reference import AGG_MODES, KL_ESTIMATORS
+from ..contract import AGG_MODES, KL_ESTIMATORS
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
 CRITIC_MODES = ("separate", "shared")

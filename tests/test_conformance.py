@@ -1,0 +1,596 @@
+"""The conformance matrix: every backend against the reference, generated from what each
+backend declares it serves.
+
+op x backend x device x dtype x layout x poison, forward and backward: the same random
+inputs go through the public op under ``use_backend(name)`` and under the reference, and
+every output and every input gradient must agree.  Layouts are contiguous, sliced (the
+gaps of the storage hold NaN, so a kernel that reads them is caught), transposed and
+expanded (stride 0).  Poison puts NaN/inf at masked positions (and in ignored rows),
+which must reach no result and no gradient, or NaN at valid positions, which must
+propagate exactly as in the reference (``ppo_fast.contract``).
+
+Then the bad inputs: each raises the documented error, or gives the documented result,
+on every backend, eagerly and under ``torch.compile(fullgraph=True)``; and Hypothesis
+properties of the ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ppo_fast as pf
+from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.contract import AGG_MODES, KL_ESTIMATORS, OPS
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
+LAYOUTS = ("contiguous", "sliced", "transposed", "expanded")
+POISONS = ("clean", "masked", "valid")
+B, T, V = 3, 6, 37
+
+
+def serving(op: str, device: str) -> list[str]:
+    """The fast backends that declare ``op`` on ``device`` and are available here."""
+    return [
+        name
+        for name in FAST_BACKENDS
+        if backend_info(name).available and device in backend_info(name).module.SUPPORTED.get(op, set())
+    ]
+
+
+def test_every_backend_declares_only_contract_ops():
+    for name in BACKENDS:
+        info = backend_info(name)
+        if info.available:
+            assert set(info.module.SUPPORTED) <= set(OPS), name
+    assert set(backend_info("reference").module.SUPPORTED) == set(OPS)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def laid_out(values: torch.Tensor, layout: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """``(leaf, view, grad_of_view)``: ``view`` holds ``values`` (for ``expanded``, its
+    first row repeated) in ``layout``; ``grad_of_view`` maps ``leaf.grad`` to the view's shape."""
+    if layout == "contiguous":
+        leaf = values.clone()
+        view_of = lambda t: t  # noqa: E731
+    elif layout == "sliced":  # every other column of a wider storage whose gaps hold NaN
+        wide = torch.full((values.shape[0], 2 * values.shape[1]) + values.shape[2:], math.nan, dtype=values.dtype, device=values.device)
+        if not values.is_floating_point():
+            wide = torch.full_like(wide, -(2**40) if values.dtype == torch.int64 else 0, dtype=values.dtype)
+        wide[:, 1::2] = values
+        leaf = wide
+        view_of = lambda t: t[:, 1::2]  # noqa: E731
+    elif layout == "transposed":
+        leaf = values.transpose(0, 1).contiguous()
+        view_of = lambda t: t.transpose(0, 1)  # noqa: E731
+    elif layout == "expanded":
+        leaf = values[:1].clone()
+        view_of = lambda t: t.expand(values.shape)  # noqa: E731
+    else:
+        raise AssertionError(layout)
+    if grad:
+        leaf.requires_grad_(True)
+    return leaf, view_of(leaf), view_of
+
+
+def random_mask(gen: torch.Generator, shape, device) -> torch.Tensor:
+    """Interior holes, one all-masked row and one full row."""
+    mask = torch.rand(shape, generator=gen) < 0.65
+    mask[0] = False
+    mask[-1] = True
+    return mask.to(device)
+
+
+@dataclasses.dataclass
+class Built:
+    leaves: dict[str, torch.Tensor]  # name -> leaf (requires grad)
+    views: dict[str, Callable]  # name -> leaf.grad to the op's input shape
+    call: Callable[[], tuple[torch.Tensor, ...]]  # the public op on the laid-out inputs
+    differentiable: tuple[int, ...]  # which outputs carry gradient
+
+
+def _poisoned(x: torch.Tensor, mask: torch.Tensor, poison: str, gen: torch.Generator) -> torch.Tensor:
+    """NaN/inf at masked positions (``masked``) or NaN at one valid position (``valid``)."""
+    x = x.clone()
+    if poison == "masked":
+        junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+        pick = torch.randint(0, 3, x.shape, generator=gen).to(x.device)
+        x = torch.where(mask, x, junk[pick])
+    elif poison == "valid":
+        index = mask.flatten().nonzero()[0, 0]
+        x.view(-1)[index] = math.nan
+    return x
+
+
+def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True):
+    logits = (torch.randn(B, T, V, generator=gen) * 3).to(device, dtype)
+    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
+    ignored = torch.rand(B, T, generator=gen).to(device) < 0.25
+    labels = torch.where(ignored, -100, labels)
+    if layout == "expanded":
+        labels = labels[:1].expand(B, T).clone()
+        ignored = labels == -100
+    if poison == "masked":  # ignored rows hold NaN/inf logits
+        logits = torch.where(ignored.unsqueeze(-1), torch.tensor(math.nan, dtype=dtype, device=device), logits)
+        logits[..., 0] = torch.where(ignored, torch.tensor(math.inf, dtype=dtype, device=device), logits[..., 0])
+    elif poison == "valid":
+        row = (~ignored).flatten().nonzero()[0, 0]
+        logits.view(-1, V)[row, 3] = math.nan
+    leaf, view, grad_view = laid_out(logits, layout, grad=True)
+    _, label_view, _ = laid_out(labels, layout, grad=False)
+
+    def call():
+        out = pf.token_logprobs(view, label_view, temperature=0.7, return_entropy=entropy)
+        return out if entropy else (out,)
+
+    return Built({"logits": leaf}, {"logits": grad_view}, call, (0, 1) if entropy else (0,))
+
+
+def _pair_inputs(gen, device, dtype, layout, poison, names, mask=None, scale=1.0):
+    leaves, views, tensors = {}, {}, {}
+    check_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+    for name in names:
+        x = (torch.randn(B, T, generator=gen) * scale).to(device, dtype)
+        if layout == "expanded":
+            x = x[:1].expand(B, T)
+        x = _poisoned(x, check_mask, poison, gen)
+        leaves[name], tensors[name], views[name] = laid_out(x, layout, grad=True)
+    return leaves, views, tensors
+
+
+def build_kl_estimate(gen, device, dtype, layout, poison, *, estimator):
+    if poison == "masked":
+        pytest.skip("kl_estimate has no mask")
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"))
+    return Built(leaves, views, lambda: (pf.kl_estimate(t["logprobs"], t["ref_logprobs"], estimator),), (0,))
+
+
+def _mask_for(gen, device, layout):
+    mask = random_mask(gen, (B, T), device)
+    if layout == "expanded":
+        mask = mask[1:2].expand(B, T)
+    return mask
+
+
+def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, estimator):
+    mask = _mask_for(gen, device, layout)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), mask)
+    scores = torch.randn(B, generator=gen).to(device, dtype).requires_grad_(True)
+    leaves["scores"], views["scores"] = scores, lambda g: g
+
+    def call():
+        return pf.kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask, kl_coef=0.3, estimator=estimator)
+
+    return Built(leaves, views, call, (0, 1))
+
+
+def build_gae(gen, device, dtype, layout, poison, *, gamma=0.99, lam=0.95):
+    mask = _mask_for(gen, device, layout)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("rewards", "values"), mask)
+    return Built(leaves, views, lambda: pf.gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam), (0, 1))
+
+
+def build_clipped_policy_loss(gen, device, dtype, layout, poison, *, agg, dual_clip=None, weighted=False):
+    mask = _mask_for(gen, device, layout)
+    names = ("logprobs", "old_logprobs", "advantages") + (("weights",) if weighted else ())
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, names, mask, scale=0.5)
+
+    def call():
+        loss, stats = pf.clipped_policy_loss(
+            t["logprobs"], t["old_logprobs"], t["advantages"], mask,
+            clip_eps=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=t.get("weights"),
+        )
+        return loss, stats["clipfrac"], stats["clipfrac_lower"], stats["approx_kl"]
+
+    return Built(leaves, views, call, (0,))
+
+
+def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2):
+    mask = _mask_for(gen, device, layout)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("values", "old_values", "returns"), mask)
+
+    def call():
+        loss, stats = pf.value_loss(t["values"], t["old_values"], t["returns"], mask, clip=clip, agg=agg)
+        return loss, stats["clipfrac"]
+
+    return Built(leaves, views, call, (0,))
+
+
+# op -> (builder, its variants, the input dtypes it takes)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+VARIANTS = {
+    "token_logprobs": (build_logprobs, [{"entropy": True}, {"entropy": False}]),
+    "kl_estimate": (build_kl_estimate, [{"estimator": e} for e in KL_ESTIMATORS]),
+    "kl_penalized_rewards": (build_kl_penalized_rewards, [{"estimator": e} for e in KL_ESTIMATORS]),
+    "gae": (build_gae, [{}, {"gamma": 1.0, "lam": 1.0}]),
+    "clipped_policy_loss": (
+        build_clipped_policy_loss,
+        [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "dual_clip": 3.0, "weighted": True}],
+    ),
+    "value_loss": (build_value_loss, [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "clip": None}]),
+}
+assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
+
+
+def _matrix():
+    for op in OPS:
+        _, variants = VARIANTS[op]
+        for device in DEVICES:
+            for backend in serving(op, device):
+                for dtype in FLOATS:
+                    for layout in LAYOUTS:
+                        for poison in POISONS:
+                            # Every variant on the contiguous clean float32 case; one per other cell.
+                            chosen = variants if (layout, poison, dtype) == ("contiguous", "clean", torch.float32) else variants[:1]
+                            for variant in chosen:
+                                label = "-".join(f"{k}={v}" for k, v in variant.items())
+                                yield pytest.param(
+                                    op, backend, device, dtype, layout, poison, variant,
+                                    id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}" + (f"-{label}" if label else ""),
+                                )
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    """Outputs are computed in float32 (float64 for float64 inputs) by every backend from
+    the same inputs; gradients are rounded to the input dtype."""
+    if dtype == torch.float64:
+        return {"rtol": 1e-9, "atol": 1e-11}
+    return {"rtol": 2e-5, "atol": 2e-5}
+
+
+def _grad_tolerance(dtype: torch.dtype) -> dict:
+    return {torch.float64: {"rtol": 1e-9, "atol": 1e-11}, torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+            torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-4}, torch.float16: {"rtol": 2e-3, "atol": 1e-5}}[dtype]
+
+
+def run_case(backend, op, device, dtype, layout, poison, variant, seed):
+    """Outputs and input gradients of the op on ``backend``, from inputs made with ``seed``."""
+    builder, _ = VARIANTS[op]
+    built = builder(torch.Generator().manual_seed(seed), device, dtype, layout, poison, **variant)
+    with pf.use_backend(backend):
+        outputs = built.call()
+    weights_gen = torch.Generator().manual_seed(seed + 1)
+    total = 0.0
+    for i in built.differentiable:
+        w = torch.randn(outputs[i].shape, generator=weights_gen, dtype=torch.float64).to(device, outputs[i].dtype)
+        total = total + torch.where(torch.isfinite(outputs[i]), outputs[i] * w, 0.0).sum()
+    leaves = list(built.leaves.values())
+    grads = torch.autograd.grad(total, leaves, allow_unused=True)
+    for name, g in zip(built.leaves, grads):
+        assert g is not None, f"{backend}: no gradient for {name} (the reference has one)"
+    return [o.detach() for o in outputs], {name: g for name, g in zip(built.leaves, grads)}
+
+
+@pytest.mark.parametrize("op, backend, device, dtype, layout, poison, variant", list(_matrix()))
+def test_backend_matches_reference(op, backend, device, dtype, layout, poison, variant, request):
+    seed = zlib.crc32(request.node.nodeid.encode())
+    expected_out, expected_grads = run_case("reference", op, device, dtype, layout, poison, variant, seed)
+    got_out, got_grads = run_case(backend, op, device, dtype, layout, poison, variant, seed)
+    for i, (got, want) in enumerate(zip(got_out, expected_out)):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"output {i}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+        torch.testing.assert_close(got, want, equal_nan=True, **_tolerance(dtype), msg=lambda m: f"output {i}: {m}")
+    for name, want in expected_grads.items():
+        got = got_grads[name]
+        assert got.dtype == want.dtype, f"grad {name}: {got.dtype} vs {want.dtype}"
+        if poison == "valid":  # the gradient at a NaN input itself is unspecified; the rest must agree
+            keep = torch.isfinite(want)
+            got, want = got[keep], want[keep]
+        torch.testing.assert_close(got, want, equal_nan=True, **_grad_tolerance(dtype), msg=lambda m: f"grad of {name}: {m}")
+    if poison == "masked":  # masked NaN/inf reaches nothing
+        for i, out in enumerate(got_out):
+            assert torch.isfinite(out).all(), f"output {i} is not finite: masked values leaked"
+        for name, g in got_grads.items():
+            assert torch.isfinite(g).all(), f"grad of {name} is not finite: masked values leaked"
+
+
+# --------------------------------------------------------------------------- compiled
+
+
+def _compiled_cases():
+    for op in OPS:
+        for device in DEVICES:
+            for backend in ["reference"] + serving(op, device):
+                yield pytest.param(op, backend, device, id=f"{op}-{backend}-{device}")
+
+
+@pytest.mark.parametrize("op, backend, device", list(_compiled_cases()))
+def test_compiled_fullgraph_matches_eager(op, backend, device):
+    """One graph (fullgraph=True) through the public op, forward and backward, equal to eager."""
+    builder, variants = VARIANTS[op]
+
+    def outputs_and_grads(compile_it):
+        built = builder(torch.Generator().manual_seed(7), device, torch.float32, "contiguous", "clean", **variants[0])
+        call = torch.compile(built.call, fullgraph=True, backend="aot_eager") if compile_it else built.call
+        with pf.use_backend(backend):
+            outs = call()
+        total = sum(outs[i].sum() for i in built.differentiable)
+        return [o.detach() for o in outs], torch.autograd.grad(total, list(built.leaves.values()))
+
+    torch._dynamo.reset()
+    eager_out, eager_grads = outputs_and_grads(False)
+    compiled_out, compiled_grads = outputs_and_grads(True)
+    for got, want in zip(compiled_out + list(compiled_grads), eager_out + list(eager_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- out-of-range labels
+
+
+def _logprobs_backends(device="cpu"):
+    return ["reference"] + serving("token_logprobs", device)
+
+
+@pytest.mark.parametrize("backend", _logprobs_backends())
+@pytest.mark.parametrize("bad_label", [1000, -5, 10**11, -(10**11)])
+def test_out_of_range_label_compiled_gives_nan_and_no_gradient(backend, bad_label):
+    """Under torch.compile the label check (a host sync) is skipped: the row's log-prob and
+    entropy are NaN, its gradient is 0, and the other rows are exact.  Never a read or a
+    write outside the logits."""
+    logits = torch.randn(4, 1000, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, bad_label])
+
+    def fn(l, y):
+        return pf.token_logprobs(l, y, return_entropy=True)
+
+    with pf.use_backend(backend):
+        torch._dynamo.reset()
+        logp, entropy = torch.compile(fn, fullgraph=True, backend="aot_eager")(logits, labels)
+        (logp[:3].sum() + entropy[:3].sum()).backward()
+        grad_compiled = logits.grad.clone()
+        logits.grad = None
+        # The same result from the eager op on the good rows.
+        good_logp, good_entropy = fn(logits[:3], labels[:3])
+    assert torch.isnan(logp[3]) and torch.isnan(entropy[3])
+    torch.testing.assert_close(logp[:3], good_logp.detach())
+    torch.testing.assert_close(entropy[:3], good_entropy.detach())
+    assert (grad_compiled[3] == 0).all()
+    (good_logp.sum() + good_entropy.sum()).backward()
+    torch.testing.assert_close(grad_compiled[:3], logits.grad[:3])
+
+
+@pytest.mark.parametrize("backend", _logprobs_backends())
+def test_out_of_range_label_backward_of_the_nan_row_writes_nothing(backend):
+    """Even a gradient flowing into the NaN row itself leaves the logits' gradient 0 there."""
+    logits = torch.randn(3, 50, requires_grad=True)
+    labels = torch.tensor([0, 50, 7])
+    with pf.use_backend(backend):
+        logp = torch.compile(lambda l, y: pf.token_logprobs(l, y), fullgraph=True, backend="aot_eager")(logits, labels)
+        logp.backward(torch.ones(3))
+    assert (logits.grad[1] == 0).all() and torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("backend", _logprobs_backends())
+def test_out_of_range_label_eager_on_cpu_raises(backend):
+    with pf.use_backend(backend), pytest.raises(ValueError, match=r"labels must lie in \[0, 1000\).*1000"):
+        pf.token_logprobs(torch.randn(4, 1000), torch.tensor([1, 2, 3, 1000]))
+
+
+@pytest.mark.parametrize("backend", _logprobs_backends())
+def test_inplace_backward_on_expanded_logits_gives_the_right_gradient(backend):
+    """Three rows share each row of memory (stride 0): an in-place gradient would clobber
+    them, so the backends must not write it in place."""
+    base = torch.randn(1, 4, 29, requires_grad=True)
+    labels = torch.randint(0, 29, (3, 4))
+    grads = []
+    for name, inplace in ((backend, True), ("reference", False)):
+        base.grad = None
+        with pf.use_backend(name):
+            logp = pf.token_logprobs((base * 1.0).expand(3, 4, 29), labels, inplace_backward=inplace)
+        logp.sum().backward()
+        grads.append(base.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- bad inputs, every backend
+
+
+def _batch(t=3):
+    return torch.randn(2, t), torch.randn(2, t), torch.randn(2, t), torch.ones(2, t, dtype=torch.bool)
+
+
+BAD_INPUTS = {
+    "token_logprobs": [
+        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1, 2])), ValueError, "labels must have shape"),
+        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), ignore_index=2**70), ValueError, "ignore_index"),
+        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e-300), ValueError, "temperature"),
+        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e300), ValueError, "temperature"),
+        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1.0])), TypeError, "labels"),
+    ],
+    "kl_estimate": [
+        (lambda: pf.kl_estimate(torch.randn(2), torch.randn(3)), ValueError, "ref_logprobs"),
+        (lambda: pf.kl_estimate(torch.randn(2), None), TypeError, "ref_logprobs"),
+        (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "estimator"),
+    ],
+    "kl_penalized_rewards": [
+        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=1e300), ValueError, "kl_coef"),
+        (lambda: pf.kl_penalized_rewards(torch.randn(2), torch.randn(2, 3), torch.randn(2, 4), _batch()[3], kl_coef=0.1), ValueError, "ref_logprobs"),
+        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.ones(2, 4), kl_coef=0.1), ValueError, "mask"),
+        # A value check: on the device (torch._assert_async, no host sync) when compiled.
+        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.full((2, 3), 0.5), kl_coef=0.1), ValueError, "0 and 1", RuntimeError),
+    ],
+    "gae": [
+        (lambda: pf.gae(torch.randn(2, 3), torch.randn(2, 4), torch.ones(2, 3)), ValueError, "values"),
+        (lambda: pf.gae(torch.randn(2, 3), None, torch.ones(2, 3)), TypeError, "values"),
+        (lambda: pf.gae(*_batch()[:2], torch.ones(2, 3, device="meta")), ValueError, "mask is on meta"),
+    ],
+    "clipped_policy_loss": [
+        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), None, torch.randn(2, 3), torch.ones(2, 3)), TypeError, "old_logprobs"),
+        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(2, 3)), TypeError, "advantages"),
+        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3)), ValueError, "old_logprobs"),
+        (lambda: pf.clipped_policy_loss(*_batch(), dual_clip=1e300), ValueError, "dual_clip"),
+    ],
+    "value_loss": [
+        (lambda: pf.value_loss(torch.randn(2, 3), None, torch.randn(2, 3), torch.ones(2, 3)), TypeError, "old_values"),
+        (lambda: pf.value_loss(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(2, 3)), TypeError, "returns"),
+        (lambda: pf.value_loss(*_batch(), clip=float("inf")), ValueError, "clip"),
+    ],
+}
+assert set(BAD_INPUTS) == set(OPS)
+
+
+def _bad_input_cases():
+    for op, cases in BAD_INPUTS.items():
+        for backend in ["reference"] + serving(op, "cpu"):
+            for i, case in enumerate(cases):
+                for mode in ("eager", "compiled", "fullgraph"):
+                    yield pytest.param(backend, mode, *case[:3], case[3] if len(case) > 3 else None, id=f"{op}-{i}-{backend}-{mode}")
+
+
+@pytest.mark.parametrize("backend, mode, call, error, match, traced_error", list(_bad_input_cases()))
+def test_bad_inputs_raise_the_documented_error(backend, mode, call, error, match, traced_error):
+    """Checks of shapes, dtypes, devices and arguments need no tensor values, so they run
+    under torch.compile too: the same error (at trace time); with fullgraph=True Dynamo
+    reports the raise as an unsupported graph break that quotes our message.  A check of
+    values runs on the device when compiled (``traced_error``)."""
+    if mode != "eager":
+        call = torch.compile(call, fullgraph=mode == "fullgraph", backend="aot_eager")
+        error = traced_error or (torch._dynamo.exc.Unsupported if mode == "fullgraph" else error)
+    with pf.use_backend(backend), pytest.raises(error, match=match):
+        torch._dynamo.reset()
+        call()
+
+
+def test_masked_stats_check_the_device():
+    with pytest.raises(ValueError, match="mask is on meta"):
+        pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3, device="meta"))
+    with pytest.raises(ValueError, match="mask is on meta"):
+        pf.masked_whiten(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool, device="meta"))
+
+
+def test_masked_stats_on_meta_tensors_give_meta_results():
+    """Shape inference (meta tensors) needs no values: no data check runs on them."""
+    x, mask = torch.empty(2, 3, device="meta"), torch.empty(2, 3, dtype=torch.bool, device="meta")
+    assert pf.masked_mean(x, mask).device.type == "meta"
+    assert pf.masked_whiten(x, mask).shape == (2, 3)
+    assert pf.masked_mean(x, torch.empty(2, 3, device="meta")).device.type == "meta"
+
+
+# --------------------------------------------------------------------------- edge cases, every backend
+
+
+def _all_cpu(op):
+    return pytest.mark.parametrize("backend", ["reference"] + serving(op, "cpu"))
+
+
+@_all_cpu("value_loss")
+def test_value_loss_without_clipping(backend):
+    values, old, returns, mask = _batch(5)
+    old = torch.full_like(old, math.nan)  # not read without clipping
+    values.requires_grad_(True)
+    with pf.use_backend(backend):
+        loss, stats = pf.value_loss(values, old, returns, mask, clip=None, agg="token-sum")
+        loss_no_old, _ = pf.value_loss(values, None, returns, mask, clip=None, agg="token-sum")
+    torch.testing.assert_close(loss, 0.5 * (values - returns).square().sum())
+    torch.testing.assert_close(loss_no_old, loss)
+    assert stats["clipfrac"] == 0
+
+
+@_all_cpu("kl_penalized_rewards")
+def test_kl_penalized_rewards_of_empty_responses(backend):
+    with pf.use_backend(backend):
+        rewards, kl = pf.kl_penalized_rewards(torch.randn(3), torch.randn(3, 0), torch.randn(3, 0), torch.ones(3, 0), kl_coef=0.1)
+    assert rewards.shape == kl.shape == (3, 0)
+
+
+@_all_cpu("clipped_policy_loss")
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_losses_of_empty_responses_are_zero(backend, agg):
+    empty = torch.randn(3, 0, requires_grad=True)
+    with pf.use_backend(backend):
+        loss, stats = pf.clipped_policy_loss(empty, empty.detach(), empty.detach(), torch.ones(3, 0), agg=agg)
+    assert loss.item() == 0.0 and not math.isnan(stats["clipfrac"].item())
+    loss.backward()
+    assert empty.grad.shape == (3, 0)
+
+
+@_all_cpu("clipped_policy_loss")
+def test_mixed_float64_and_float32_inputs_are_computed_in_float64(backend):
+    """One compute dtype for all inputs: the clip fraction of a float32 log-prob with float64
+    advantages is that of the float64 computation."""
+    logp = torch.tensor([[math.log(1.2) + 1e-9, math.log(0.8) - 1e-9]], dtype=torch.float64)
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    with pf.use_backend(backend):
+        loss, stats = pf.clipped_policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    assert loss.dtype == torch.float64 and stats["approx_kl"].dtype == torch.float64
+    assert stats["clipfrac"].item() == 1.0  # both ratios lie just outside [0.8, 1.2] in float64
+
+
+# --------------------------------------------------------------------------- properties (Hypothesis)
+
+
+def _loss_backends():
+    return ["reference"] + serving("clipped_policy_loss", "cpu")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 4), length=st.integers(1, 7), pad_rows=st.integers(0, 2), pad_cols=st.integers(1, 4),
+    agg=st.sampled_from([a for a in AGG_MODES if a != "seq-mean-token-sum-norm"]), seed=st.integers(0, 2**31 - 1),
+    backend=st.sampled_from(_loss_backends()),
+)
+def test_aggregation_unchanged_by_padding(batch, length, pad_rows, pad_cols, agg, seed, backend):
+    """Masked columns and all-masked rows, holding anything at all, change no loss (the
+    -norm mode divides by the padded length by definition, so it is left out)."""
+    gen = torch.Generator().manual_seed(seed)
+    logp, old, adv = (torch.randn(batch, length, generator=gen) for _ in range(3))
+    mask = torch.rand(batch, length, generator=gen) < 0.7
+    padded = [torch.full((batch + pad_rows, length + pad_cols), math.nan) for _ in range(3)]
+    for big, small in zip(padded, (logp, old, adv)):
+        big[:batch, :length] = small
+    padded_mask = torch.zeros(batch + pad_rows, length + pad_cols, dtype=torch.bool)
+    padded_mask[:batch, :length] = mask
+    with pf.use_backend(backend):
+        loss, stats = pf.clipped_policy_loss(logp, old, adv, mask, agg=agg)
+        padded_loss, padded_stats = pf.clipped_policy_loss(*padded, padded_mask, agg=agg)
+        vloss, _ = pf.value_loss(logp, old, adv, mask, agg=agg)
+        padded_vloss, _ = pf.value_loss(*padded, padded_mask, agg=agg)
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded_vloss, vloss, rtol=1e-5, atol=1e-6)
+    for name in stats:
+        torch.testing.assert_close(padded_stats[name], stats[name], rtol=1e-5, atol=1e-6)
+    assert 0.0 <= stats["clipfrac"].item() <= 1.0 and 0.0 <= stats["clipfrac_lower"].item() <= 1.0
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 5), vocab=st.integers(1, 40), shift=st.floats(-1e3, 1e3), seed=st.integers(0, 2**31 - 1),
+    backend=st.sampled_from(_logprobs_backends()),
+)
+def test_logprobs_invariant_to_a_per_row_shift(rows, vocab, shift, seed, backend):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 4
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    with pf.use_backend(backend):
+        logp, ent = pf.token_logprobs(logits, labels, return_entropy=True)
+        shifted_logp, shifted_ent = pf.token_logprobs(logits + shift, labels, return_entropy=True)
+    torch.testing.assert_close(shifted_logp, logp, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(shifted_ent, ent, rtol=1e-9, atol=1e-9)
+    assert (logp <= 0).all() and (ent >= -1e-12).all() and (ent <= math.log(vocab) + 1e-9).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.integers(1, 4), length=st.integers(1, 9), dual=st.sampled_from([None, 2.0, 3.0]),
+    scale=st.floats(0.01, 30.0), seed=st.integers(0, 2**31 - 1), backend=st.sampled_from(_loss_backends()),
+)
+def test_clip_fractions_lie_in_unit_interval(batch, length, dual, scale, seed, backend):
+    gen = torch.Generator().manual_seed(seed)
+    logp, old, adv = (torch.randn(batch, length, generator=gen) * scale for _ in range(3))
+    mask = torch.rand(batch, length, generator=gen) < 0.6
+    with pf.use_backend(backend):
+        _, stats = pf.clipped_policy_loss(logp, old, adv, mask, dual_clip=dual)
+        _, vstats = pf.value_loss(logp, old, adv, mask, clip=0.1)
+    for value in (stats["clipfrac"], stats["clipfrac_lower"], vstats["clipfrac"]):
+        assert 0.0 <= value.item() <= 1.0
