@@ -5,29 +5,49 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_fast, m) {
-  // Losses.  `agg` is the index in ppo_fast.reference.AGG_MODES.  `row_scale` [B] is
-  // d loss / d row sum, kept for the backward.
+  // Every op checks its arguments (ranks, shapes, dtypes, devices; csrc/checks.h) and
+  // raises RuntimeError on a mismatch.  `agg` is a name in ppo_fast.contract.AGG_MODES
+  // and `estimator` one in KL_ESTIMATORS (parsed in csrc/contract.h).  A backward op
+  // returns the gradient of each input whose `output_mask` entry is true (in that
+  // input's dtype) and an empty tensor for the others.
+
+  // Losses.  `row_scale` [B] is d loss / d row sum, kept for the backward.
   m.def(
       "clipped_policy_loss(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, Tensor? weights, "
-      "float clip_low, float clip_high, float? dual_clip, int agg) "
+      "float clip_low, float clip_high, float? dual_clip, str agg) "
       "-> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor approx_kl, Tensor row_scale)");
   m.def(
       "clipped_policy_loss_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, "
-      "Tensor mask, Tensor? weights, Tensor row_scale, float clip_low, float clip_high, float? dual_clip) -> Tensor");
+      "Tensor mask, Tensor? weights, Tensor row_scale, float clip_low, float clip_high, float? dual_clip, "
+      "bool[4] output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_old_logprobs, Tensor grad_advantages, Tensor grad_weights)");
   m.def(
-      "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, int agg) "
+      "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str agg) "
       "-> (Tensor loss, Tensor clipfrac, Tensor row_scale)");
   m.def(
       "value_loss_backward(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
-      "Tensor row_scale, float clip) -> Tensor");
-  // Rewards and advantages.  `estimator` is the index in ppo_fast.reference.KL_ESTIMATORS.
-  m.def("kl_estimate(Tensor logprobs, Tensor ref_logprobs, int estimator) -> Tensor");
+      "Tensor row_scale, float clip, bool[3] output_mask) "
+      "-> (Tensor grad_values, Tensor grad_old_values, Tensor grad_returns)");
+  // Rewards and advantages.  The backwards of kl_penalized_rewards and gae take the
+  // upstream gradients as optional (an unused output has none) and the inputs' dtypes.
+  m.def("kl_estimate(Tensor logprobs, Tensor ref_logprobs, str estimator) -> Tensor");
+  m.def(
+      "kl_estimate_backward(Tensor grad_kl, Tensor logprobs, Tensor ref_logprobs, str estimator, bool[2] output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_ref_logprobs)");
   m.def(
       "kl_penalized_rewards(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor mask, float kl_coef, "
-      "int estimator) -> (Tensor rewards, Tensor kl)");
+      "str estimator) -> (Tensor rewards, Tensor kl)");
+  m.def(
+      "kl_penalized_rewards_backward(Tensor? grad_rewards, Tensor? grad_kl, Tensor logprobs, Tensor ref_logprobs, "
+      "Tensor mask, float kl_coef, str estimator, ScalarType scores_dtype, bool[3] output_mask) "
+      "-> (Tensor grad_scores, Tensor grad_logprobs, Tensor grad_ref_logprobs)");
   m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor advantages, Tensor returns)");
+  m.def(
+      "gae_backward(Tensor? grad_advantages, Tensor? grad_returns, Tensor mask, float gamma, float lam, "
+      "ScalarType rewards_dtype, ScalarType values_dtype, bool[2] output_mask) -> (Tensor grad_rewards, Tensor grad_values)");
   // Log-probs.  `entropy` is empty unless return_entropy; `lse` is the per-row
-  // logsumexp of logits / temperature, kept for the backward.
+  // logsumexp of logits / temperature, kept for the backward.  A label outside [0, V)
+  // that is not ignore_index gives its row NaN log-prob and entropy and no gradient.
   m.def(
       "token_logprobs(Tensor logits, Tensor labels, float temperature, bool return_entropy, int ignore_index) "
       "-> (Tensor logprobs, Tensor entropy, Tensor lse)");

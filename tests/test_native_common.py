@@ -26,6 +26,16 @@ def random_mask(shape, device="cpu"):
     return mask
 
 
+def random_holes_mask(shape, device="cpu"):
+    """random_mask plus, in every row with 3+ valid tokens, one interior hole and a
+    masked last position (so the last valid token is not the last position)."""
+    mask = random_mask(shape, device)
+    if shape[1] >= 4:
+        mask[1:, shape[1] // 2] = False
+        mask[1:, -1] = False
+    return mask
+
+
 def policy_inputs(shape, dtype, device="cpu"):
     """log-probs, old log-probs and advantages of ``dtype``; some log-ratios beyond the +-20 clamp."""
     logprobs = -torch.rand(shape, device=device) * 3
@@ -39,7 +49,27 @@ def policy_inputs(shape, dtype, device="cpu"):
 # --------------------------------------------------------------------------- registration
 
 LOSS_OPS = ("clipped_policy_loss", "clipped_policy_loss_backward", "value_loss", "value_loss_backward")
-CPU_OPS = LOSS_OPS + ("gae", "kl_estimate", "kl_penalized_rewards", "token_logprobs", "token_logprobs_backward")
+CPU_OPS = LOSS_OPS + (
+    "gae",
+    "gae_backward",
+    "kl_estimate",
+    "kl_estimate_backward",
+    "kl_penalized_rewards",
+    "kl_penalized_rewards_backward",
+    "token_logprobs",
+    "token_logprobs_backward",
+)
+
+
+def grads_of(outputs, inputs, weights):
+    """d (sum_k (outputs[k] * weights[k]).sum()) / d inputs, None for an input that gets no gradient."""
+    loss = sum((o.double() * w).sum() for o, w in zip(outputs, weights) if o is not None)
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def leaves(*tensors):
+    """Fresh leaves that require grad (floating tensors) or the tensors themselves."""
+    return [t.detach().clone().requires_grad_(True) if t is not None and t.is_floating_point() else t for t in tensors]
 
 
 @requires_native

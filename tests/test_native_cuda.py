@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.reference import AGG_MODES
+from ppo_fast.contract import AGG_MODES
 from test_native_common import ALL_FLOATS, NATIVE, policy_inputs, random_mask, requires_native
 
 pytestmark = [
@@ -117,3 +117,110 @@ def test_losses_cuda_torch_compile(monkeypatch):
     x_ref = logprobs.clone().requires_grad_(True)
     step(x_ref).backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- every input's gradient, checks, no host sync
+
+
+def _all_grads(impl, inputs, mask, *args):
+    xs = [x.detach().clone().requires_grad_(True) if x is not None else None for x in inputs]
+    fn = impl.clipped_policy_loss if len(inputs) == 4 else impl.value_loss
+    call = (*xs[:3], mask, xs[3], *args) if len(inputs) == 4 else (*xs, mask, *args)
+    loss = fn(*call)[0]
+    return loss, torch.autograd.grad(loss, [x for x in xs if x is not None])
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_policy_loss_cuda_gradients_to_every_input(agg, dual_clip):
+    from ppo_fast import reference
+    from ppo_fast.ops import native_backend
+
+    shape = (7, 1000)
+    logprobs, old, adv = policy_inputs(shape, torch.float64, device="cuda")
+    inputs = (logprobs, old, adv, torch.rand(shape, device="cuda", dtype=torch.float64))
+    mask = random_mask(shape, device="cuda")
+    args = (0.2, 0.28, dual_clip, agg)
+    loss, grads = _all_grads(native_backend, inputs, mask, *args)
+    ref_loss, ref_grads = _all_grads(reference, inputs, mask, *args)
+    torch.testing.assert_close(loss, ref_loss)
+    for g, e in zip(grads, ref_grads):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_value_loss_cuda_gradients_to_every_input(agg):
+    from ppo_fast import reference
+    from ppo_fast.ops import native_backend
+
+    shape = (7, 1000)
+    values = torch.randn(shape, device="cuda", dtype=torch.float64)
+    inputs = (values, values + 0.3 * torch.randn_like(values), torch.randn_like(values))
+    mask = random_mask(shape, device="cuda")
+    loss, grads = _all_grads(native_backend, inputs, mask, 0.2, agg)
+    ref_loss, ref_grads = _all_grads(reference, inputs, mask, 0.2, agg)
+    torch.testing.assert_close(loss, ref_loss)
+    for g, e in zip(grads, ref_grads):
+        torch.testing.assert_close(g, e)
+
+
+def test_losses_cuda_ignore_nonfinite_at_masked_positions():
+    from ppo_fast.ops import native_backend
+
+    shape = (16, 300)
+    logprobs, old, adv = policy_inputs(shape, torch.float32, device="cuda")
+    weights = torch.rand(shape, device="cuda")
+    mask = random_mask(shape, device="cuda")
+    clean = _all_grads(native_backend, (logprobs, old, adv, weights), mask, 0.2, 0.2, 3.0, "token-mean")
+    for i in range(4):
+        for value in (float("nan"), float("inf")):
+            inputs = [logprobs, old, adv, weights]
+            inputs[i] = torch.where(mask, inputs[i], value)
+            loss, grads = _all_grads(native_backend, inputs, mask, 0.2, 0.2, 3.0, "token-mean")
+            assert torch.equal(loss, clean[0])
+            for g, e in zip(grads, clean[1]):
+                assert torch.equal(g, e)
+    values = torch.randn(shape, device="cuda")
+    old_values = torch.where(mask, values + 0.3, float("nan"))
+    old_values[2, 0] = float("nan")  # row 2 is all valid: NaN propagates
+    assert mask[2, 0]
+    loss, _ = native_backend.value_loss(values, old_values, torch.randn_like(values), mask, 0.2, "token-mean")
+    assert torch.isnan(loss)
+
+
+def test_losses_cuda_backward_without_host_sync():
+    from ppo_fast.ops import native_backend
+
+    shape = (64, 513)
+    logprobs, old, adv = policy_inputs(shape, torch.bfloat16, device="cuda")
+    inputs = [x.clone().requires_grad_(True) for x in (logprobs, old, adv)]
+    mask = random_mask(shape, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, *_ = native_backend.clipped_policy_loss(*inputs, mask, None, 0.2, 0.2, 3.0, "seq-mean-token-mean")
+        value, _ = native_backend.value_loss(inputs[0], inputs[1], inputs[2], mask, 0.2, "token-mean")
+        torch.autograd.grad(loss + value, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_losses_cuda_check_devices_and_shapes():
+    shape = (4, 9)
+    logprobs, old, adv = policy_inputs(shape, torch.float32, device="cuda")
+    mask = random_mask(shape, device="cuda")
+    with pytest.raises(RuntimeError, match="all inputs must be on one device"):
+        torch.ops.ppo_fast.clipped_policy_loss(logprobs, old.cpu(), adv, mask, None, 0.2, 0.2, None, "token-mean")
+    with pytest.raises(RuntimeError, match="all inputs must be on one device"):
+        torch.ops.ppo_fast.value_loss(logprobs, old, adv, mask.cpu(), 0.2, "token-mean")
+    with pytest.raises(RuntimeError, match="old_logprobs must have the shape of logprobs"):
+        torch.ops.ppo_fast.clipped_policy_loss(logprobs, old[:, :-1], adv, mask, None, 0.2, 0.2, None, "token-mean")
+    row_scale = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError, match="grad_loss is on cpu"):  # a CPU scalar would be read on the device
+        torch.ops.ppo_fast.clipped_policy_loss_backward(
+            torch.tensor(1.0), logprobs, old, adv, mask, None, row_scale, 0.2, 0.2, None, [True, False, False, False]
+        )
+    with pytest.raises(RuntimeError, match="row_scale must have shape"):
+        torch.ops.ppo_fast.value_loss_backward(
+            torch.tensor(1.0, device="cuda"), logprobs, old, adv, mask, row_scale[:2], 0.2, [True, True, True]
+        )

@@ -1,14 +1,16 @@
-"""Native (C++) PPO losses on CPU against ppo_fast.reference: forward, stats, backward,
-every agg mode, dtypes, masks, weights, dual and asymmetric clip; gradcheck, opcheck,
-torch.compile and bitwise determinism."""
+"""Native (C++) PPO losses on CPU against ppo_fast.reference: forward, stats, backward
+(w.r.t. every input that requires grad, with the reference's autograd conventions at
+ties), every agg mode, dtypes, masks, weights, dual and asymmetric clip; gradcheck,
+opcheck of the forward and backward ops, torch.compile and bitwise determinism."""
 
 import pytest
 import torch
 
 import ppo_fast as pf
 from ppo_fast import reference
-from ppo_fast.reference import AGG_MODES
-from test_native_common import ALL_FLOATS, policy_inputs, random_mask, requires_native
+from ppo_fast.contract import AGG_MODES
+from ppo_fast.ops import native_backend
+from test_native_common import ALL_FLOATS, grads_of, leaves, policy_inputs, random_holes_mask, random_mask, requires_native
 
 pytestmark = requires_native
 
@@ -183,15 +185,252 @@ def test_opcheck_policy_loss():
     mask = random_mask(shape)
     weights = torch.rand(shape)
     for w, dual in ((None, None), (weights, 3.0)):
-        args = (logprobs.clone().requires_grad_(True), old, adv, mask, w, 0.2, 0.28, dual, AGG_MODES.index("seq-mean-token-mean"))
-        torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss, args)
+        for agg in AGG_MODES:
+            args = (logprobs.clone().requires_grad_(True), old, adv, mask, w, 0.2, 0.28, dual, agg)
+            torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss, args)
+    args = leaves(logprobs, old, adv) + [mask, weights.clone().requires_grad_(True), 0.2, 0.28, 3.0, "token-sum"]
+    torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss, tuple(args))
+
+
+def test_opcheck_policy_loss_backward():
+    shape = (4, 9)
+    logprobs, old, adv = policy_inputs(shape, torch.float32)
+    mask, weights = random_mask(shape), torch.rand(shape, dtype=torch.float16)
+    row_scale = torch.rand(4)
+    for w, output_mask in ((None, [True, False, False, False]), (weights, [True, True, True, True]), (weights, [False, False, True, False])):
+        args = (torch.tensor(1.5), logprobs, old.bfloat16(), adv, mask, w, row_scale, 0.2, 0.28, 3.0, output_mask)
+        torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss_backward, args)
 
 
 def test_opcheck_value_loss():
     shape = (4, 9)
     values, old, returns = torch.randn(shape), torch.randn(shape), torch.randn(shape)
-    args = (values.requires_grad_(True), old, returns, random_mask(shape), 0.2, AGG_MODES.index("token-mean"))
+    for agg in AGG_MODES:
+        args = (values.requires_grad_(True), old, returns, random_mask(shape), 0.2, agg)
+        torch.library.opcheck(torch.ops.ppo_fast.value_loss, args)
+    args = (*leaves(values, old, returns), random_mask(shape), 0.2, "seq-mean-token-sum-norm")
     torch.library.opcheck(torch.ops.ppo_fast.value_loss, args)
+
+
+def test_opcheck_value_loss_backward():
+    shape = (4, 9)
+    values, old, returns = torch.randn(shape), torch.randn(shape, dtype=torch.float64), torch.randn(shape)
+    for output_mask in ([True, False, False], [True, True, True], [False, True, False]):
+        args = (torch.tensor([2.0]), values, old, returns, random_mask(shape), torch.rand(4), 0.2, output_mask)
+        torch.library.opcheck(torch.ops.ppo_fast.value_loss_backward, args)
+
+
+def test_unknown_agg_names_the_valid_ones():
+    x = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match="agg must be one of 'token-mean', 'token-sum', .* got 'mean'"):
+        torch.ops.ppo_fast.clipped_policy_loss(x, x, x, x > 0, None, 0.2, 0.2, None, "mean")
+    with pytest.raises(RuntimeError, match="agg must be one of"):
+        torch.ops.ppo_fast.value_loss(x, x, x, x > 0, 0.2, "token_mean")
+
+
+# --------------------------------------------------------------------------- gradients w.r.t. every input
+
+
+def _policy_grads(impl, inputs, mask, clip_low, clip_high, dual_clip, agg, requires=(True, True, True, True)):
+    """(loss, stats, grads) of impl.clipped_policy_loss with the inputs (logprobs, old,
+    advantages, weights) that `requires` selects as leaves."""
+    leaves_ = [x.detach().clone().requires_grad_(r) if x is not None else None for x, r in zip(inputs, requires)]
+    logp, old, adv, w = leaves_
+    loss, clipfrac, clipfrac_lower, approx_kl = impl.clipped_policy_loss(logp, old, adv, mask, w, clip_low, clip_high, dual_clip, agg)
+    wrt = [x for x, r in zip(leaves_, requires) if x is not None and r]
+    grads = torch.autograd.grad(loss, wrt) if wrt else ()
+    return loss, (clipfrac, clipfrac_lower, approx_kl), grads
+
+
+def _assert_grads_close(grads, ref_grads, inputs):
+    for g, e, x in zip(grads, ref_grads, inputs):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        tol = {"rtol": 1e-5, "atol": 1e-6} if x.dtype in (torch.float32, torch.float64) else {}
+        torch.testing.assert_close(g, e, **tol)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_policy_loss_gradients_to_every_input_match_reference(agg, dual_clip, dtype):
+    shape = (5, 37)
+    logprobs, old, adv = policy_inputs(shape, dtype)
+    adv[1, :4] = 0.0  # ties of the two clip terms where A = 0 (the reference splits the gradient)
+    inputs = (logprobs, old, adv, torch.rand(shape).to(dtype))
+    mask = random_holes_mask(shape)
+    loss, stats, grads = _policy_grads(native_backend, inputs, mask, 0.2, 0.28, dual_clip, agg)
+    ref_loss, ref_stats, ref_grads = _policy_grads(reference, inputs, mask, 0.2, 0.28, dual_clip, agg)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for stat, ref_stat in zip(stats, ref_stats):
+        torch.testing.assert_close(stat, ref_stat, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(grads, ref_grads, inputs)
+    for g in grads:
+        assert torch.count_nonzero(g[~mask]) == 0
+
+
+@pytest.mark.parametrize(
+    "requires",
+    [(False, True, False, False), (False, False, True, False), (False, False, False, True), (True, False, True, False), (False, True, True, True)],
+)
+def test_policy_loss_gradients_only_where_asked(requires):
+    shape = (3, 11)
+    inputs = (*policy_inputs(shape, torch.float32), torch.rand(shape, dtype=torch.float16))
+    mask = random_holes_mask(shape)
+    _, _, grads = _policy_grads(native_backend, inputs, mask, 0.2, 0.2, 2.0, "seq-mean-token-mean", requires)
+    _, _, ref_grads = _policy_grads(reference, inputs, mask, 0.2, 0.2, 2.0, "seq-mean-token-mean", requires)
+    assert len(grads) == sum(requires)
+    _assert_grads_close(grads, ref_grads, [x for x, r in zip(inputs, requires) if r])
+
+
+def test_policy_loss_mixed_dtypes_give_each_gradient_its_dtype():
+    shape = (4, 19)
+    logprobs, old, adv = policy_inputs(shape, torch.float32)
+    inputs = (logprobs.bfloat16(), old, adv.half(), torch.rand(shape, dtype=torch.float64))
+    mask = random_holes_mask(shape)
+    loss, _, grads = _policy_grads(native_backend, inputs, mask, 0.1, 0.3, 2.0, "token-mean")
+    _, _, ref_grads = _policy_grads(reference, inputs, mask, 0.1, 0.3, 2.0, "token-mean")
+    assert loss.dtype == torch.float64
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float16, torch.float64]
+    _assert_grads_close(grads, ref_grads, inputs)
+
+
+def test_policy_loss_tie_conventions_match_reference():
+    # Row 0: A = 0 with the ratio clipped (unclipped == clipped: the A gradient is split).
+    # Row 1: the dual-clip cap equals pg (ratio 1, dual_clip 1): minimum splits the gradient.
+    # Row 2: ratio inside the clip range (unclipped == clipped).
+    logprobs = torch.tensor([[1.0], [0.0], [0.1]], dtype=torch.float64)
+    old = torch.zeros(3, 1, dtype=torch.float64)
+    adv = torch.tensor([[0.0], [-1.0], [0.7]], dtype=torch.float64)
+    inputs = (logprobs, old, adv, torch.full((3, 1), 0.5, dtype=torch.float64))
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    _, _, grads = _policy_grads(native_backend, inputs, mask, 0.2, 0.2, 1.0, "token-sum")
+    _, _, ref_grads = _policy_grads(reference, inputs, mask, 0.2, 0.2, 1.0, "token-sum")
+    for g, e in zip(grads, ref_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=0)
+    e = torch.exp(torch.tensor(1.0, dtype=torch.float64))
+    torch.testing.assert_close(grads[2][0, 0], -0.5 * (e + 1.2) * 0.5)  # weight 0.5
+    torch.testing.assert_close(grads[0][1, 0], torch.tensor(0.25, dtype=torch.float64))  # half of w * -A * ratio
+
+
+def test_policy_loss_log_ratio_clamp_passes_gradient_on_its_closed_range():
+    # clamp(logp - old, -20, 20) passes the gradient at exactly +-20 (and not beyond).
+    logprobs = torch.tensor([[20.0], [-20.0], [20.5]], dtype=torch.float64)
+    old = torch.zeros(3, 1, dtype=torch.float64)
+    adv = torch.tensor([[-1.0], [1.0], [-1.0]], dtype=torch.float64)  # the unclipped term wins
+    inputs = (logprobs, old, adv, None)
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    _, _, (grad_logp, grad_old, grad_adv) = _policy_grads(native_backend, inputs, mask, 0.2, 0.2, None, "token-sum", (True, True, True, False))
+    ratio = torch.exp(torch.tensor([20.0, -20.0, 20.0], dtype=torch.float64))
+    torch.testing.assert_close(grad_logp[:, 0], -adv[:, 0] * ratio * torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(grad_old, -grad_logp)
+    torch.testing.assert_close(grad_adv[:, 0], -ratio)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_policy_loss_gradcheck_every_input_float64(agg):
+    shape = (3, 6)
+    old = -torch.rand(shape, dtype=torch.float64)
+    logprobs = _away_from_kinks(old + 0.3 * torch.randn(shape, dtype=torch.float64), old, 0.2, 3.0)
+    adv = torch.randn(shape, dtype=torch.float64)
+    mask = random_holes_mask(shape)
+    weights = torch.rand(shape, dtype=torch.float64)
+    for dual_clip in (None, 3.0):
+
+        def loss_of(logp, old_, adv_, w):
+            return torch.ops.ppo_fast.clipped_policy_loss(logp, old_, adv_, mask, w, 0.2, 0.2, dual_clip, agg)[0]
+
+        assert torch.autograd.gradcheck(loss_of, tuple(leaves(logprobs, old, adv, weights)))
+
+
+def _value_grads(impl, inputs, mask, clip, agg, requires=(True, True, True)):
+    leaves_ = [x.detach().clone().requires_grad_(r) for x, r in zip(inputs, requires)]
+    loss, clipfrac = impl.value_loss(*leaves_, mask, clip, agg)
+    wrt = [x for x, r in zip(leaves_, requires) if r]
+    return loss, clipfrac, torch.autograd.grad(loss, wrt)
+
+
+def _value_inputs(shape, dtype=torch.float32):
+    values = torch.randn(shape)
+    old = values + 0.3 * torch.randn(shape)
+    returns = torch.randn(shape)
+    return values.to(dtype), old.to(dtype), returns.to(dtype)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_value_loss_gradients_to_every_input_match_reference(agg, dtype):
+    shape = (5, 37)
+    values, old, returns = _value_inputs(shape, dtype)
+    old[1, :3] = values[1, :3]  # V == V_old: inside the clip range
+    returns[2, :3] = values[2, :3]  # V == R
+    inputs = (values, old, returns)
+    mask = random_holes_mask(shape)
+    loss, clipfrac, grads = _value_grads(native_backend, inputs, mask, 0.2, agg)
+    ref_loss, ref_clipfrac, ref_grads = _value_grads(reference, inputs, mask, 0.2, agg)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(clipfrac, ref_clipfrac)
+    _assert_grads_close(grads, ref_grads, inputs)
+    for g in grads:
+        assert torch.count_nonzero(g[~mask]) == 0
+
+
+@pytest.mark.parametrize("requires", [(False, True, False), (False, False, True), (True, False, True), (False, True, True)])
+def test_value_loss_gradients_only_where_asked(requires):
+    shape = (3, 11)
+    inputs = _value_inputs(shape)
+    mask = random_holes_mask(shape)
+    _, _, grads = _value_grads(native_backend, inputs, mask, 0.2, "token-mean", requires)
+    _, _, ref_grads = _value_grads(reference, inputs, mask, 0.2, "token-mean", requires)
+    assert len(grads) == sum(requires)
+    _assert_grads_close(grads, ref_grads, [x for x, r in zip(inputs, requires) if r])
+
+
+def test_value_loss_tie_conventions_match_reference():
+    # V exactly at V_old + clip and at V_old - clip (minimum / maximum ties), V == R, V inside the range.
+    values = torch.tensor([[0.5], [-0.5], [0.25], [1.0]], dtype=torch.float64)
+    old = torch.tensor([[0.0], [0.0], [0.0], [0.5]], dtype=torch.float64)
+    returns = torch.tensor([[2.0], [-2.0], [0.25], [3.0]], dtype=torch.float64)
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    _, _, grads = _value_grads(native_backend, (values, old, returns), mask, 0.5, "token-sum")
+    _, _, ref_grads = _value_grads(reference, (values, old, returns), mask, 0.5, "token-sum")
+    for g, e in zip(grads, ref_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=0)
+
+
+def test_value_loss_gradcheck_every_input_float64():
+    shape = (3, 6)
+    old = torch.randn(shape, dtype=torch.float64)
+    step = 0.5 * torch.randn(shape, dtype=torch.float64)
+    values = old + torch.where((step.abs() - 0.2).abs() < 0.02, step + 0.05, step)  # away from the clip bounds
+    returns = torch.randn(shape, dtype=torch.float64)
+    mask = random_holes_mask(shape)
+    for agg in AGG_MODES:
+
+        def loss_of(v, o, r):
+            return torch.ops.ppo_fast.value_loss(v, o, r, mask, 0.2, agg)[0]
+
+        assert torch.autograd.gradcheck(loss_of, tuple(leaves(values, old, returns)))
+
+
+def test_loss_backward_ops_return_empty_tensors_for_unrequested_gradients():
+    shape = (3, 5)
+    logprobs, old, adv = policy_inputs(shape, torch.float32)
+    mask, row_scale = random_mask(shape), torch.ones(3)
+    grads = torch.ops.ppo_fast.clipped_policy_loss_backward(
+        torch.tensor(1.0), logprobs, old, adv, mask, None, row_scale, 0.2, 0.2, None, [False, True, False, True]
+    )
+    assert [g.numel() for g in grads] == [0, 15, 0, 0]  # no weights: no weight gradient either
+    grads = torch.ops.ppo_fast.value_loss_backward(torch.tensor(1.0), logprobs, old, adv, mask, row_scale, 0.2, [False, False, True])
+    assert [g.numel() for g in grads] == [0, 0, 15]
+
+
+def test_loss_stats_are_not_differentiable():
+    shape = (3, 5)
+    logprobs, old, adv = leaves(*policy_inputs(shape, torch.float32))
+    outputs = torch.ops.ppo_fast.clipped_policy_loss(logprobs, old, adv, random_mask(shape), None, 0.2, 0.2, None, "token-mean")
+    assert outputs[0].requires_grad and not any(o.requires_grad for o in outputs[1:])
+    outputs = torch.ops.ppo_fast.value_loss(logprobs, old, adv, random_mask(shape), 0.2, "token-mean")
+    assert outputs[0].requires_grad and not any(o.requires_grad for o in outputs[1:])
 
 
 def test_torch_compile_fullgraph(monkeypatch):

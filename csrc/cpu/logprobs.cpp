@@ -1,6 +1,9 @@
 // CPU kernel of token_logprobs: log_softmax(logits / temperature) at the labels (and the
 // entropy) in one pass over each row with an online max / sum-exp, rows in parallel, no
 // [N, V] intermediate.  The backward recomputes the softmax from the saved logsumexp.
+// A label outside [0, V) that is not ignore_index is never read or written: its row gets
+// log-prob NaN, entropy NaN and a zero gradient (the contract's rule where labels are
+// not checked on the host, e.g. under torch.compile or in a direct op call).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -9,6 +12,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "checks.h"
 #include "cpu/float_io.h"
 #include "fast_exp.h"
 
@@ -134,11 +138,29 @@ RowStats<acc_t> row_stats(const scalar_t* row, int64_t vocab, acc_t inv_temp, bo
   return {m + log_sum, log_sum - weighted / sum_exp};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tensor& logits, const at::Tensor& labels,
+// logits [N, V] or [B, T, V] (made unit-last-stride if it is not) and integer labels of
+// its leading shape, on one device.
+at::Tensor checked_logits(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
+  check_float(op, "logits", logits);
+  TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3, op, ": logits must be [N, V] or [B, T, V], got shape ", logits.sizes());
+  TORCH_CHECK(at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), op, ": labels must be an integer tensor, got ",
+              labels.scalar_type());
+  const at::IntArrayRef leading = logits.sizes().slice(0, logits.dim() - 1);
+  TORCH_CHECK(labels.sizes() == leading, op, ": labels must have the shape of logits.shape[:-1] ", leading, ", got ",
+              labels.sizes());
+  check_same_device(op, {{"logits", &logits}, {"labels", &labels}});
+  return logits.stride(-1) == 1 ? logits : logits.contiguous();
+}
+
+// Whether row r's label is neither ignore_index nor a vocabulary index.
+inline bool out_of_range(int64_t target, int64_t vocab) { return target < 0 || target >= vocab; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tensor& logits_in, const at::Tensor& labels,
                                                                   double temperature, bool return_entropy,
                                                                   int64_t ignore_index) {
-  TORCH_CHECK((logits.dim() == 2 || logits.dim() == 3) && logits.stride(-1) == 1,
-              "token_logprobs: logits must be [N, V] or [B, T, V] with a unit last stride");
+  const at::Tensor logits = checked_logits("token_logprobs", logits_in, labels);
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "token_logprobs: temperature must be finite and > 0, got ",
+              temperature);
   const int64_t vocab = logits.size(-1);
   const at::Tensor label = labels.to(at::kLong).contiguous();
   const int64_t rows = label.numel();
@@ -163,6 +185,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
           logp_data[r] = 0;
           lse_data[r] = 0;
           if (return_entropy) entropy_data[r] = 0;
+          continue;
+        }
+        if (out_of_range(target, vocab)) {  // never read: NaN log-prob and entropy, zero gradient
+          logp_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
+          lse_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
+          if (return_entropy) entropy_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
           continue;
         }
         const scalar_t* row = base + layout.offset(r);
@@ -194,15 +222,36 @@ void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t ta
 }
 
 at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_logprobs,
-                                       const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                                       const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits_in,
                                        const at::Tensor& labels, const at::Tensor& lse_in, const at::Tensor& entropy_in,
                                        double temperature, int64_t ignore_index) {
+  constexpr const char* op = "token_logprobs_backward";
+  const at::Tensor logits = checked_logits(op, logits_in, labels);
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), op, ": temperature must be finite and > 0, got ", temperature);
+  const at::ScalarType acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lse_in.scalar_type() == acc_dtype, op, ": lse must have dtype ", acc_dtype, " (as token_logprobs returns it), got ",
+              lse_in.scalar_type());
+  check_same_shape(op, "lse", lse_in, "labels", labels);
+  check_same_device(op, {{"logits", &logits}, {"lse", &lse_in}});
+  const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
+  if (has_logp_grad) {
+    check_float(op, "grad_logprobs", *grad_logprobs);
+    check_same_shape(op, "grad_logprobs", *grad_logprobs, "labels", labels);
+    check_same_device(op, {{"logits", &logits}, {"grad_logprobs", &*grad_logprobs}});
+  }
+  if (has_entropy_grad) {
+    check_float(op, "grad_entropy", *grad_entropy);
+    check_same_shape(op, "grad_entropy", *grad_entropy, "labels", labels);
+    check_same_device(op, {{"logits", &logits}, {"grad_entropy", &*grad_entropy}});
+    TORCH_CHECK(entropy_in.scalar_type() == acc_dtype, op, ": entropy must have dtype ", acc_dtype, ", got ",
+                entropy_in.scalar_type());
+    check_same_shape(op, "entropy", entropy_in, "labels", labels);
+    check_same_device(op, {{"logits", &logits}, {"entropy", &entropy_in}});
+  }
   const int64_t vocab = logits.size(-1);
   const at::Tensor label = labels.to(at::kLong).contiguous();
   const int64_t rows = label.numel();
-  const at::ScalarType acc_dtype = lse_in.scalar_type();
   const at::Tensor lse = lse_in.contiguous();
-  const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   const at::Tensor grad_logp = has_logp_grad ? grad_logprobs->to(acc_dtype).contiguous() : at::Tensor();
   const at::Tensor grad_ent = has_entropy_grad ? grad_entropy->to(acc_dtype).contiguous() : at::Tensor();
   const at::Tensor entropy = has_entropy_grad ? entropy_in.contiguous() : at::Tensor();
@@ -212,7 +261,6 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "token_logprobs_backward_cpu", [&] {
     using acc_t = acc_type<scalar_t>;
-    TORCH_CHECK(acc_dtype == c10::CppTypeToScalarType<acc_t>::value, "token_logprobs_backward: lse has the wrong dtype");
     const scalar_t* base = logits.const_data_ptr<scalar_t>();
     scalar_t* grad_base = grad.mutable_data_ptr<scalar_t>();
     const acc_t inv_temp = static_cast<acc_t>(1.0 / temperature);
@@ -224,7 +272,7 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* grad_row = grad_base + r * vocab;
         const int64_t target = label_data[r];
-        if (target == ignore_index) {
+        if (target == ignore_index || out_of_range(target, vocab)) {
           std::fill(grad_row, grad_row + vocab, static_cast<scalar_t>(0));
           continue;
         }

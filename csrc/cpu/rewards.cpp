@@ -1,32 +1,30 @@
-// CPU kernels of the per-token KL estimate, the KL-penalised rewards and GAE: rows in
-// parallel, arithmetic in the reference's dtype (float32, float64 for float64 inputs).
-// The KL loops run over chunks of tokens in the compute type and vectorize (fast_exp,
-// selects instead of branches, the mask read as bytes); GAE is a sequential scan per row.
+// CPU kernels of the per-token KL estimate, the KL-penalised rewards and GAE, and their
+// backwards: rows in parallel, arithmetic in the reference's dtype (float32, float64 for
+// float64 inputs), each gradient in its input's dtype.  The KL loops run over chunks of
+// tokens in the compute type and vectorize (fast_exp, selects instead of branches, the
+// mask read as bytes); GAE and its backward are sequential scans per row.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "checks.h"
+#include "contract.h"
 #include "cpu/float_io.h"
 #include "fast_exp.h"
+#include "loss_math.h"  // clamp_of, clamp_grad: torch.clamp and its gradient
 
 namespace ppo_fast {
 namespace {
 
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
 
-// The order of ppo_fast.reference.KL_ESTIMATORS.
-enum KlEstimator : int64_t { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3 };
-
-// Clamp that keeps NaN (as torch.clamp does).
-template <typename T>
-PPO_INLINE T clamp_nan(T x, T low, T high) {
-  return x < low ? low : (x > high ? high : x);
-}
-
+// reference.kl_estimate of one token.
 template <KlEstimator estimator, typename T>
 PPO_INLINE T kl_value(T logp, T ref) {
   const T log_ratio = logp - ref;
@@ -34,8 +32,27 @@ PPO_INLINE T kl_value(T logp, T ref) {
   if constexpr (estimator == kK2) return T(0.5) * (log_ratio * log_ratio);
   if constexpr (estimator == kAbs) return std::abs(log_ratio);
   // k3; the inner clamp only keeps exp finite for +-inf inputs
-  const T d = clamp_nan(-log_ratio, T(-20), T(20));
-  return clamp_nan(fast_exp(d) - d - T(1), T(-10), T(10));
+  const T d = clamp_of(-log_ratio, T(-20), T(20));
+  return clamp_of(fast_exp(d) - d - T(1), T(-10), T(10));
+}
+
+// g * d kl / d log_ratio (d / d logp; d / d ref is its negation), in the order the
+// reference's autograd takes it: abs passes g * sign(x) with sign(0) = sign(NaN) = 0,
+// clamps pass gradient on their closed range.
+template <KlEstimator estimator, typename T>
+PPO_INLINE T kl_grad(T logp, T ref, T g) {
+  const T log_ratio = logp - ref;
+  if constexpr (estimator == kK1) return g;
+  if constexpr (estimator == kK2) return (g * T(0.5)) * (T(2) * log_ratio);
+  if constexpr (estimator == kAbs) {
+    const T positive = log_ratio > T(0) ? T(1) : T(0);
+    return g * (log_ratio < T(0) ? T(-1) : positive);
+  }
+  const T neg = -log_ratio;
+  const T d = clamp_of(neg, T(-20), T(20));
+  const T exp_d = fast_exp(d);
+  const T g_inner = clamp_grad(exp_d - d - T(1), T(-10), T(10), g);
+  return -clamp_grad(neg, T(-20), T(20), g_inner * exp_d - g_inner);
 }
 
 // kl[i] = kl_value(lp[i], rf[i]); when penalized, also 0 at masked tokens (on[i] == 0,
@@ -54,21 +71,51 @@ PPO_INLINE void kl_loop(const acc_t* lp, const acc_t* rf, const uint8_t* on, int
   }
 }
 
+// out[i] = the gradient w.r.t. logp of the KL given upstream g_kl[i] (plus
+// neg_coef * g_reward[i] when penalized), 0 at masked tokens when penalized.
+template <KlEstimator estimator, bool penalized, typename acc_t>
+PPO_INLINE void kl_grad_loop(const acc_t* lp, const acc_t* rf, const acc_t* g_kl, const acc_t* g_reward, const uint8_t* on,
+                             int64_t n, acc_t neg_coef, acc_t* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (penalized) {
+      const acc_t grad = kl_grad<estimator>(lp[i], rf[i], g_kl[i] + g_reward[i] * neg_coef);
+      out[i] = on[i] != 0 ? grad : acc_t(0);
+    } else {
+      out[i] = kl_grad<estimator>(lp[i], rf[i], g_kl[i]);
+    }
+  }
+}
+
 // One loop per estimator, so that the per-token code has no switch.
+#define PPO_KL_SWITCH(estimator, CALL) \
+  switch (estimator) {                 \
+    case kK1:                          \
+      return CALL(kK1);                \
+    case kK2:                          \
+      return CALL(kK2);                \
+    case kAbs:                         \
+      return CALL(kAbs);               \
+    default:                           \
+      return CALL(kK3);                \
+  }
+
 template <bool penalized, typename acc_t>
 PPO_INLINE void kl_chunk_impl(const acc_t* lp, const acc_t* rf, const uint8_t* on, int64_t n, int64_t estimator,
                               acc_t neg_coef, acc_t* kl, acc_t* reward) {
-  switch (estimator) {
-    case kK1:
-      return kl_loop<kK1, penalized>(lp, rf, on, n, neg_coef, kl, reward);
-    case kK2:
-      return kl_loop<kK2, penalized>(lp, rf, on, n, neg_coef, kl, reward);
-    case kAbs:
-      return kl_loop<kAbs, penalized>(lp, rf, on, n, neg_coef, kl, reward);
-    default:
-      return kl_loop<kK3, penalized>(lp, rf, on, n, neg_coef, kl, reward);
-  }
+#define PPO_KL_CALL(e) kl_loop<e, penalized>(lp, rf, on, n, neg_coef, kl, reward)
+  PPO_KL_SWITCH(estimator, PPO_KL_CALL)
+#undef PPO_KL_CALL
 }
+
+template <bool penalized, typename acc_t>
+PPO_INLINE void kl_grad_chunk_impl(const acc_t* lp, const acc_t* rf, const acc_t* g_kl, const acc_t* g_reward,
+                                   const uint8_t* on, int64_t n, int64_t estimator, acc_t neg_coef, acc_t* out) {
+#define PPO_KL_CALL(e) kl_grad_loop<e, penalized>(lp, rf, g_kl, g_reward, on, n, neg_coef, out)
+  PPO_KL_SWITCH(estimator, PPO_KL_CALL)
+#undef PPO_KL_CALL
+}
+#undef PPO_KL_SWITCH
 
 // float32: one clone per CPU kind; float64 (gradcheck) once.
 PPO_CPU_CLONES void kl_chunk(const float* lp, const float* rf, int64_t n, int64_t estimator, float* kl) {
@@ -85,8 +132,60 @@ void penalized_kl_chunk(const double* lp, const double* rf, const uint8_t* on, i
                         double neg_coef, double* kl, double* reward) {
   kl_chunk_impl<true>(lp, rf, on, n, estimator, neg_coef, kl, reward);
 }
+PPO_CPU_CLONES void kl_grad_chunk(const float* lp, const float* rf, const float* g_kl, int64_t n, int64_t estimator,
+                                  float* out) {
+  kl_grad_chunk_impl<false, float>(lp, rf, g_kl, nullptr, nullptr, n, estimator, 0.0f, out);
+}
+void kl_grad_chunk(const double* lp, const double* rf, const double* g_kl, int64_t n, int64_t estimator, double* out) {
+  kl_grad_chunk_impl<false, double>(lp, rf, g_kl, nullptr, nullptr, n, estimator, 0.0, out);
+}
+PPO_CPU_CLONES void penalized_kl_grad_chunk(const float* lp, const float* rf, const float* g_kl, const float* g_reward,
+                                            const uint8_t* on, int64_t n, int64_t estimator, float neg_coef, float* out) {
+  kl_grad_chunk_impl<true>(lp, rf, g_kl, g_reward, on, n, estimator, neg_coef, out);
+}
+void penalized_kl_grad_chunk(const double* lp, const double* rf, const double* g_kl, const double* g_reward, const uint8_t* on,
+                             int64_t n, int64_t estimator, double neg_coef, double* out) {
+  kl_grad_chunk_impl<true>(lp, rf, g_kl, g_reward, on, n, estimator, neg_coef, out);
+}
 
-at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, int64_t estimator) {
+// Where to write t's elements [offset, ...) in the compute type: into t when t has that
+// dtype, else into scratch, which store_chunk then converts into t.
+template <typename acc_t>
+acc_t* chunk_out(const at::Tensor& t, int64_t offset, acc_t* scratch) {
+  return t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value ? t.mutable_data_ptr<acc_t>() + offset : scratch;
+}
+
+template <typename acc_t>
+void store_chunk(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* out, const acc_t* scratch) {
+  if (out == scratch) store_as(t, offset, n, out);
+}
+
+// The gradient of `input` (its shape and dtype, contiguous) when wanted, else an empty tensor.
+at::Tensor grad_like(const at::Tensor& input, bool wanted) {
+  return wanted ? at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous))
+                : at::empty({0}, input.options());
+}
+
+// dst = -src into t (t's dtype) at offset, through scratch when t is not in the compute type.
+template <typename acc_t>
+void store_negated(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* src, acc_t* scratch) {
+  acc_t* out = chunk_out(t, offset, scratch);
+  for (int64_t i = 0; i < n; ++i) out[i] = -src[i];
+  store_chunk(t, offset, n, out, scratch);
+}
+
+// ----------------------------------------------------------------------------- kl_estimate
+
+void check_kl_inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& ref_logprobs) {
+  check_float(op, "logprobs", logprobs);
+  check_float(op, "ref_logprobs", ref_logprobs);
+  check_same_shape(op, "ref_logprobs", ref_logprobs, "logprobs", logprobs);
+  check_same_device(op, {{"logprobs", &logprobs}, {"ref_logprobs", &ref_logprobs}});
+}
+
+at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator_name) {
+  const KlEstimator estimator = parse_estimator("kl_estimate", estimator_name);
+  check_kl_inputs("kl_estimate", logprobs, ref_logprobs);
   const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous();
   const at::ScalarType dtype = compute_dtype({&logp, &ref});
   at::Tensor kl = at::empty(logp.sizes(), logp.options().dtype(dtype));
@@ -104,10 +203,66 @@ at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_log
   return kl;
 }
 
+std::tuple<at::Tensor, at::Tensor> kl_estimate_backward_cpu(const at::Tensor& grad_kl, const at::Tensor& logprobs,
+                                                            const at::Tensor& ref_logprobs, c10::string_view estimator_name,
+                                                            std::array<bool, 2> output_mask) {
+  constexpr const char* op = "kl_estimate_backward";
+  const KlEstimator estimator = parse_estimator(op, estimator_name);
+  check_kl_inputs(op, logprobs, ref_logprobs);
+  check_float(op, "grad_kl", grad_kl);
+  check_same_shape(op, "grad_kl", grad_kl, "logprobs", logprobs);
+  check_same_device(op, {{"logprobs", &logprobs}, {"grad_kl", &grad_kl}});
+  const auto [need_logp, need_ref] = output_mask;
+  at::Tensor grad_logp = grad_like(logprobs, need_logp), grad_ref = grad_like(ref_logprobs, need_ref);
+  if (!need_logp && !need_ref) return {grad_logp, grad_ref};
+  const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous();
+  const at::ScalarType dtype = compute_dtype({&logp, &ref});
+  const at::Tensor grad = grad_kl.contiguous();
+  with_compute_type(dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    at::parallel_for(0, logp.numel(), int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+      acc_t scratch[5][kChunk];
+      for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, end - c0);
+        acc_t* out = need_logp ? chunk_out(grad_logp, c0, scratch[3]) : scratch[3];
+        kl_grad_chunk(chunk_in(logp, c0, n, scratch[0]), chunk_in(ref, c0, n, scratch[1]), chunk_in(grad, c0, n, scratch[2]),
+                      n, estimator, out);
+        if (need_logp) store_chunk(grad_logp, c0, n, out, scratch[3]);
+        if (need_ref) store_negated(grad_ref, c0, n, out, scratch[4]);
+      }
+    });
+  });
+  return {grad_logp, grad_ref};
+}
+
+// ----------------------------------------------------------------------------- kl_penalized_rewards
+
+void check_penalized_inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& ref_logprobs,
+                            const at::Tensor& mask) {
+  check_float(op, "logprobs", logprobs);
+  check_dim(op, "logprobs", logprobs, 2);
+  check_float(op, "ref_logprobs", ref_logprobs);
+  check_same_shape(op, "ref_logprobs", ref_logprobs, "logprobs", logprobs);
+  check_mask(op, mask, "logprobs", logprobs);
+  check_same_device(op, {{"logprobs", &logprobs}, {"ref_logprobs", &ref_logprobs}, {"mask", &mask}});
+}
+
+// Index of the last valid token of a row of `length` mask bytes; -1 if none.
+int64_t last_valid(const uint8_t* valid, int64_t length) {
+  int64_t t = length - 1;
+  while (t >= 0 && valid[t] == 0) --t;
+  return t;
+}
+
 std::tuple<at::Tensor, at::Tensor> kl_penalized_rewards_cpu(const at::Tensor& scores, const at::Tensor& logprobs,
                                                             const at::Tensor& ref_logprobs, const at::Tensor& mask,
-                                                            double kl_coef, int64_t estimator) {
-  TORCH_CHECK(logprobs.dim() == 2 && mask.scalar_type() == at::kBool, "kl_penalized_rewards: expects [B, T] inputs and a bool mask");
+                                                            double kl_coef, c10::string_view estimator_name) {
+  constexpr const char* op = "kl_penalized_rewards";
+  const KlEstimator estimator = parse_estimator(op, estimator_name);
+  check_penalized_inputs(op, logprobs, ref_logprobs, mask);
+  check_float(op, "scores", scores);
+  check_shape(op, "scores", scores, {logprobs.size(0)});
+  check_same_device(op, {{"logprobs", &logprobs}, {"scores", &scores}});
   const int64_t rows = logprobs.size(0), length = logprobs.size(1);
   const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous(), valid = mask.contiguous();
   const at::ScalarType dtype = compute_dtype({&logp, &ref});
@@ -132,19 +287,90 @@ std::tuple<at::Tensor, at::Tensor> kl_penalized_rewards_cpu(const at::Tensor& sc
           penalized_kl_chunk(chunk_in(logp, offset, n, scratch[0]), chunk_in(ref, offset, n, scratch[1]),
                              valid_data + offset, n, estimator, neg_coef, kl_data + offset, reward_data + offset);
         }
-        // The score goes to the row's last valid token (none: no score).
-        int64_t last_valid = length - 1;
-        while (last_valid >= 0 && valid_data[row + last_valid] == 0) --last_valid;
-        if (last_valid >= 0) reward_data[row + last_valid] += score_data[b];
+        // The score goes to the row's last valid token (none: no score, and the score is not read).
+        const int64_t last = last_valid(valid_data + row, length);
+        if (last >= 0) reward_data[row + last] += score_data[b];
       }
     });
   });
   return {rewards, kl};
 }
 
-std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards_in, const at::Tensor& values_in,
-                                           const at::Tensor& mask, double gamma, double lam) {
-  TORCH_CHECK(rewards_in.dim() == 2 && mask.scalar_type() == at::kBool, "gae: expects [B, T] inputs and a bool mask");
+// rewards = -kl_coef * kl + score at the last valid token, kl = 0 at masked tokens:
+// d / d kl_t = grad_kl_t - kl_coef * grad_rewards_t at valid tokens (0 at masked ones),
+// d / d score_b = grad_rewards at row b's last valid token (0 for a row with none).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_penalized_rewards_backward_cpu(
+    const std::optional<at::Tensor>& grad_rewards_in, const std::optional<at::Tensor>& grad_kl_in,
+    const at::Tensor& logprobs, const at::Tensor& ref_logprobs, const at::Tensor& mask, double kl_coef,
+    c10::string_view estimator_name, at::ScalarType scores_dtype, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "kl_penalized_rewards_backward";
+  const KlEstimator estimator = parse_estimator(op, estimator_name);
+  check_penalized_inputs(op, logprobs, ref_logprobs, mask);
+  TORCH_CHECK(is_float_dtype(scores_dtype), op, ": scores_dtype must be a floating dtype, got ", scores_dtype);
+  for (const auto& [name, grad] : {std::pair{"grad_rewards", &grad_rewards_in}, std::pair{"grad_kl", &grad_kl_in}}) {
+    if (!grad->has_value()) continue;
+    check_float(op, name, **grad);
+    check_same_shape(op, name, **grad, "logprobs", logprobs);
+    check_same_device(op, {{"logprobs", &logprobs}, {name, &**grad}});
+  }
+  const int64_t rows = logprobs.size(0), length = logprobs.size(1);
+  const auto [need_scores, need_logp, need_ref] = output_mask;
+  at::Tensor grad_scores = at::empty({need_scores ? rows : 0}, logprobs.options().dtype(scores_dtype));
+  at::Tensor grad_logp = grad_like(logprobs, need_logp), grad_ref = grad_like(ref_logprobs, need_ref);
+  const bool has_reward_grad = grad_rewards_in.has_value(), has_kl_grad = grad_kl_in.has_value();
+  if (!has_reward_grad && !has_kl_grad) {
+    grad_scores.zero_(), grad_logp.zero_(), grad_ref.zero_();
+    return {grad_scores, grad_logp, grad_ref};
+  }
+  const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous(), valid = mask.contiguous();
+  const at::ScalarType dtype = compute_dtype({&logp, &ref});
+  const at::Tensor grad_rewards = has_reward_grad ? grad_rewards_in->to(dtype).contiguous() : at::Tensor();
+  const at::Tensor grad_kl = has_kl_grad ? grad_kl_in->contiguous() : at::Tensor();
+  const uint8_t* valid_data = reinterpret_cast<const uint8_t*>(valid.const_data_ptr<bool>());
+
+  with_compute_type(dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    const acc_t* grad_rewards_data = has_reward_grad ? grad_rewards.const_data_ptr<acc_t>() : nullptr;
+    std::vector<acc_t> score_grads(need_scores ? rows : 0);
+    const acc_t neg_coef = static_cast<acc_t>(-kl_coef);
+    at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
+      acc_t scratch[5][kChunk];
+      acc_t zeros[kChunk] = {};
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t row = b * length;
+        if (need_scores) {
+          const int64_t last = last_valid(valid_data + row, length);
+          score_grads[b] = last >= 0 && has_reward_grad ? grad_rewards_data[row + last] : acc_t(0);
+        }
+        if (!need_logp && !need_ref) continue;
+        for (int64_t t0 = 0; t0 < length; t0 += kChunk) {
+          const int64_t n = std::min(kChunk, length - t0), offset = row + t0;
+          const acc_t* g_kl = has_kl_grad ? chunk_in(grad_kl, offset, n, scratch[2]) : zeros;
+          const acc_t* g_reward = has_reward_grad ? grad_rewards_data + offset : zeros;
+          acc_t* out = need_logp ? chunk_out(grad_logp, offset, scratch[3]) : scratch[3];
+          penalized_kl_grad_chunk(chunk_in(logp, offset, n, scratch[0]), chunk_in(ref, offset, n, scratch[1]), g_kl, g_reward,
+                                  valid_data + offset, n, estimator, neg_coef, out);
+          if (need_logp) store_chunk(grad_logp, offset, n, out, scratch[3]);
+          if (need_ref) store_negated(grad_ref, offset, n, out, scratch[4]);
+        }
+      }
+    });
+    if (need_scores) store_as(grad_scores, 0, rows, score_grads.data());
+  });
+  return {grad_scores, grad_logp, grad_ref};
+}
+
+// ----------------------------------------------------------------------------- GAE
+
+std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards_in, const at::Tensor& values_in, const at::Tensor& mask,
+                                           double gamma, double lam) {
+  constexpr const char* op = "gae";
+  check_float(op, "rewards", rewards_in);
+  check_dim(op, "rewards", rewards_in, 2);
+  check_float(op, "values", values_in);
+  check_same_shape(op, "values", values_in, "rewards", rewards_in);
+  check_mask(op, mask, "rewards", rewards_in);
+  check_same_device(op, {{"rewards", &rewards_in}, {"values", &values_in}, {"mask", &mask}});
   const int64_t rows = rewards_in.size(0), length = rewards_in.size(1);
   const at::Tensor rewards = rewards_in.contiguous(), values = values_in.contiguous(), valid = mask.contiguous();
   const at::ScalarType dtype = compute_dtype({&rewards, &values});
@@ -164,7 +390,8 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards_in, const a
         const int64_t offset = b * length;
         load_as(rewards, offset, length, r.data());
         load_as(values, offset, length, v.data());
-        // A masked token is skipped: the next valid value and the running advantage pass through it.
+        // A masked token is skipped (its reward and value are not read): the next valid
+        // value and the running advantage pass through it.
         acc_t next_value = 0, running = 0;
         for (int64_t t = length - 1; t >= 0; --t) {
           if (!valid_data[offset + t]) {
@@ -184,12 +411,82 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards_in, const a
   return {advantages, returns};
 }
 
+// The reverse of GAE's reverse scan: one forward scan per row over its valid tokens.
+// With A_t the advantage of valid token t and p the previous valid token,
+//   dL/dA_t = grad_adv_t + grad_ret_t + gamma lam dL/dA_p,
+//   dL/dr_t = dL/dA_t,  dL/dV_t = grad_ret_t - dL/dA_t + gamma dL/dA_p,
+// and 0 at masked tokens.  Linear in the upstream gradients: rewards and values are not read.
+std::tuple<at::Tensor, at::Tensor> gae_backward_cpu(const std::optional<at::Tensor>& grad_advantages_in,
+                                                    const std::optional<at::Tensor>& grad_returns_in, const at::Tensor& mask,
+                                                    double gamma, double lam, at::ScalarType rewards_dtype,
+                                                    at::ScalarType values_dtype, std::array<bool, 2> output_mask) {
+  constexpr const char* op = "gae_backward";
+  TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be a bool tensor, got ", mask.scalar_type());
+  check_dim(op, "mask", mask, 2);
+  TORCH_CHECK(is_float_dtype(rewards_dtype), op, ": rewards_dtype must be a floating dtype, got ", rewards_dtype);
+  TORCH_CHECK(is_float_dtype(values_dtype), op, ": values_dtype must be a floating dtype, got ", values_dtype);
+  for (const auto& [name, grad] :
+       {std::pair{"grad_advantages", &grad_advantages_in}, std::pair{"grad_returns", &grad_returns_in}}) {
+    if (!grad->has_value()) continue;
+    check_float(op, name, **grad);
+    check_same_shape(op, name, **grad, "mask", mask);
+    check_same_device(op, {{"mask", &mask}, {name, &**grad}});
+  }
+  const int64_t rows = mask.size(0), length = mask.size(1);
+  const auto [need_rewards, need_values] = output_mask;
+  const auto grad_of = [&](at::ScalarType dtype, bool wanted) {
+    return at::empty(wanted ? at::IntArrayRef{rows, length} : at::IntArrayRef{0}, mask.options().dtype(dtype));
+  };
+  at::Tensor grad_rewards = grad_of(rewards_dtype, need_rewards), grad_values = grad_of(values_dtype, need_values);
+  if (!need_rewards && !need_values) return {grad_rewards, grad_values};
+  const at::ScalarType dtype = rewards_dtype == at::kDouble || values_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const bool has_adv = grad_advantages_in.has_value(), has_ret = grad_returns_in.has_value();
+  const at::Tensor grad_adv = has_adv ? grad_advantages_in->to(dtype).contiguous() : at::Tensor();
+  const at::Tensor grad_ret = has_ret ? grad_returns_in->to(dtype).contiguous() : at::Tensor();
+  const at::Tensor valid = mask.contiguous();
+  const bool* valid_data = valid.const_data_ptr<bool>();
+
+  with_compute_type(dtype, [&](auto tag) {
+    using acc_t = decltype(tag);
+    const acc_t* grad_adv_data = has_adv ? grad_adv.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* grad_ret_data = has_ret ? grad_ret.const_data_ptr<acc_t>() : nullptr;
+    const acc_t gamma_t = static_cast<acc_t>(gamma);
+    const acc_t gamma_lam = static_cast<acc_t>(gamma * lam);
+    at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> g_r(length), g_v(length);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t offset = b * length;
+        acc_t previous = 0;  // dL/dA at the previous valid token
+        for (int64_t t = 0; t < length; ++t) {
+          if (!valid_data[offset + t]) {
+            g_r[t] = 0;
+            g_v[t] = 0;
+            continue;
+          }
+          const acc_t g_ret = has_ret ? grad_ret_data[offset + t] : acc_t(0);
+          const acc_t g_adv = has_adv ? grad_adv_data[offset + t] : acc_t(0);
+          const acc_t total = g_adv + g_ret + gamma_lam * previous;
+          g_r[t] = total;
+          g_v[t] = g_ret - total + gamma_t * previous;
+          previous = total;
+        }
+        if (need_rewards) store_as(grad_rewards, offset, length, g_r.data());
+        if (need_values) store_as(grad_values, offset, length, g_v.data());
+      }
+    });
+  });
+  return {grad_rewards, grad_values};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("kl_estimate", &kl_estimate_cpu);
+  m.impl("kl_estimate_backward", &kl_estimate_backward_cpu);
   m.impl("kl_penalized_rewards", &kl_penalized_rewards_cpu);
+  m.impl("kl_penalized_rewards_backward", &kl_penalized_rewards_backward_cpu);
   m.impl("gae", &gae_cpu);
+  m.impl("gae_backward", &gae_backward_cpu);
 }
 
 }  // namespace ppo_fast

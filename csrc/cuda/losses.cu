@@ -1,7 +1,8 @@
 // CUDA kernels of the PPO losses.  Forward: one block per row sums the row's tokens
 // (per-thread partials, then a fixed shared-memory tree), then a single block reduces the
 // row partials in a fixed order: no atomics, so the same inputs give bitwise the same
-// loss.  Backward: one elementwise pass using the per-row scale saved by the forward.
+// loss.  Backward: one elementwise pass using the per-row scale saved by the forward,
+// writing the gradient of each input that asked for one.  Masked tokens are never read.
 // T is the compute type: float, or double when an input is float64.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -64,23 +65,32 @@ __device__ void block_sum(double (&values)[kParts]) {
   __syncthreads();  // shared may be reused by the next call
 }
 
+// A token's terms (accumulate) and gradients (grads, given the upstream gradient
+// grad_loss * row_scale of its row); only valid tokens are read.
 template <typename T>
 struct PolicyToken {
   PolicyInputs in;
   static constexpr int kParts = kPolicyPartials;
+  static constexpr int kGrads = 4;  // logprobs, old_logprobs, advantages, weights
   __device__ void accumulate(int64_t i, T (&acc)[kParts]) const {
     const T logp = load<T>(in.logprobs, i), old = load<T>(in.old_logprobs, i);
     const PolicyTerm<T> term = policy_term(logp, old, load<T>(in.advantages, i), policy_bounds<T>(in.params));
     acc[kPgSum] += in.weights.data ? term.pg * load<T>(in.weights, i) : term.pg;
     acc[kCount] += T(1);
-    acc[kClipped] += term.clipped;
-    acc[kCapped] += term.capped;
+    acc[kClipped] += term.is_clipped;
+    acc[kCapped] += term.is_capped;
     acc[kKlSum] += old - logp;
   }
-  __device__ T grad(int64_t i) const {
-    const T g = policy_term(load<T>(in.logprobs, i), load<T>(in.old_logprobs, i), load<T>(in.advantages, i),
-                            policy_bounds<T>(in.params)).grad;
-    return in.weights.data ? g * load<T>(in.weights, i) : g;
+  __device__ void grads(int64_t i, T upstream, T (&g)[kGrads]) const {
+    const PolicyBounds<T> bounds = policy_bounds<T>(in.params);
+    const PolicyTerm<T> term =
+        policy_term(load<T>(in.logprobs, i), load<T>(in.old_logprobs, i), load<T>(in.advantages, i), bounds);
+    const T w = in.weights.data ? load<T>(in.weights, i) : T(1);
+    const PolicyGrad<T> grad = policy_grad(term, bounds, upstream * w);
+    g[0] = grad.logp;
+    g[1] = -grad.logp;
+    g[2] = grad.adv;
+    g[3] = upstream * term.pg;
   }
 };
 
@@ -88,14 +98,21 @@ template <typename T>
 struct ValueToken {
   ValueInputs in;
   static constexpr int kParts = kValuePartials;
+  static constexpr int kGrads = 3;  // values, old_values, returns
   __device__ void accumulate(int64_t i, T (&acc)[kParts]) const {
-    const ValueTerm<T> term = value_term(load<T>(in.values, i), load<T>(in.old_values, i), load<T>(in.returns, i), in.clip);
+    const ValueTerm<T> term =
+        value_term(load<T>(in.values, i), load<T>(in.old_values, i), load<T>(in.returns, i), static_cast<T>(in.clip));
     acc[kValueLossSum] += term.loss;
     acc[kValueCount] += T(1);
-    acc[kValueClipped] += term.clipped;
+    acc[kValueClipped] += term.is_clipped;
   }
-  __device__ T grad(int64_t i) const {
-    return value_term(load<T>(in.values, i), load<T>(in.old_values, i), load<T>(in.returns, i), in.clip).grad;
+  __device__ void grads(int64_t i, T upstream, T (&g)[kGrads]) const {
+    const T v = load<T>(in.values, i);
+    const ValueGrad<T> grad =
+        value_grad(value_term(v, load<T>(in.old_values, i), load<T>(in.returns, i), static_cast<T>(in.clip)), v, upstream);
+    g[0] = grad.v;
+    g[1] = grad.old;
+    g[2] = grad.ret;
   }
 };
 
@@ -150,15 +167,22 @@ __global__ void finalize_kernel(const double* partials, FinalizeArgs args) {
   }
 }
 
+// Every requested gradient of every token; 0 at masked tokens (whose inputs are not read).
 template <typename T, typename Token>
 __global__ void backward_kernel(Token token, const bool* mask, int64_t rows, int64_t length, const T* grad_loss,
-                                const T* row_scale, void* grad, int grad_dtype) {
+                                const T* row_scale, GradOutputs out) {
   const T upstream = *grad_loss;
   const int64_t total = rows * length;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const T g = mask[i] ? upstream * row_scale[i / length] * token.grad(i) : T(0);
-    store(grad, grad_dtype, i, g);
+    T g[Token::kGrads];
+    if (mask[i]) {
+      token.grads(i, upstream * row_scale[i / length], g);
+    } else {
+      for (int k = 0; k < Token::kGrads; ++k) g[k] = T(0);
+    }
+    for (int k = 0; k < Token::kGrads; ++k)
+      if (out.data[k]) store(out.data[k], out.dtypes[k], i, g[k]);
   }
 }
 
@@ -172,12 +196,12 @@ void forward(const Token& token, const bool* mask, int64_t rows, const FinalizeA
 
 template <typename T, typename Token>
 void backward(const Token& token, const bool* mask, int64_t rows, int64_t length, const void* grad_loss,
-              const void* row_scale, void* grad, int grad_dtype, cudaStream_t stream) {
+              const void* row_scale, const GradOutputs& grads, cudaStream_t stream) {
   const int64_t total = rows * length;
   if (total == 0) return;
   const int64_t blocks = std::min<int64_t>((total + kElementwiseThreads - 1) / kElementwiseThreads, 65535);
   backward_kernel<T><<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(
-      token, mask, rows, length, static_cast<const T*>(grad_loss), static_cast<const T*>(row_scale), grad, grad_dtype);
+      token, mask, rows, length, static_cast<const T*>(grad_loss), static_cast<const T*>(row_scale), grads);
 }
 
 }  // namespace
@@ -191,12 +215,12 @@ void policy_loss_forward(const PolicyInputs& in, int64_t agg, bool use_double, d
     forward<float>(PolicyToken<float>{in}, in.mask, in.rows, args, partials, stream);
 }
 
-void policy_loss_backward(const PolicyInputs& in, bool use_double, const void* grad_loss, const void* row_scale, void* grad,
-                          int grad_dtype, cudaStream_t stream) {
+void policy_loss_backward(const PolicyInputs& in, bool use_double, const void* grad_loss, const void* row_scale,
+                          const GradOutputs& grads, cudaStream_t stream) {
   if (use_double)
-    backward<double>(PolicyToken<double>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grad, grad_dtype, stream);
+    backward<double>(PolicyToken<double>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
   else
-    backward<float>(PolicyToken<float>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grad, grad_dtype, stream);
+    backward<float>(PolicyToken<float>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
 }
 
 void value_loss_forward(const ValueInputs& in, int64_t agg, bool use_double, double* partials, const LossOutputs& out,
@@ -208,12 +232,12 @@ void value_loss_forward(const ValueInputs& in, int64_t agg, bool use_double, dou
     forward<float>(ValueToken<float>{in}, in.mask, in.rows, args, partials, stream);
 }
 
-void value_loss_backward(const ValueInputs& in, bool use_double, const void* grad_loss, const void* row_scale, void* grad,
-                         int grad_dtype, cudaStream_t stream) {
+void value_loss_backward(const ValueInputs& in, bool use_double, const void* grad_loss, const void* row_scale,
+                         const GradOutputs& grads, cudaStream_t stream) {
   if (use_double)
-    backward<double>(ValueToken<double>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grad, grad_dtype, stream);
+    backward<double>(ValueToken<double>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
   else
-    backward<float>(ValueToken<float>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grad, grad_dtype, stream);
+    backward<float>(ValueToken<float>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
 }
 
 }  // namespace cuda

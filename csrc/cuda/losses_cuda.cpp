@@ -1,12 +1,16 @@
 // Torch glue of the CUDA loss kernels: checks, allocation, the current stream, launch
-// error checks.  The kernels are in csrc/cuda/losses.cu.
+// error checks.  The kernels are in csrc/cuda/losses.cu.  Nothing here reads tensor
+// values on the host (no device sync): grad_loss and row_scale stay on the device.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <initializer_list>
+#include <array>
+#include <limits>
 #include <optional>
 
+#include "checks.h"
+#include "contract.h"
 #include "cpu/float_io.h"  // compute_dtype, shared with the CPU kernels
 #include "cuda/losses_cuda.h"
 
@@ -30,21 +34,49 @@ cuda::FloatPtr float_ptr(const at::Tensor& t) {
 
 int dtype_code(const at::Tensor& t) { return float_ptr(t).dtype; }
 
-// Contiguous [B, T] inputs on one CUDA device and a bool mask.
-void check_inputs(const char* op, std::initializer_list<const at::Tensor*> tensors, const at::Tensor& mask) {
-  const at::Tensor& first = **tensors.begin();
-  TORCH_CHECK(first.dim() == 2, op, ": expects [B, T] inputs, got ", first.sizes());
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.sizes() == first.sizes() && mask.device() == first.device(), op,
-              ": mask must be a bool tensor of the inputs' shape and device");
-  for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->is_cuda() && t->device() == first.device(), op, ": all inputs must be on ", first.device());
-    TORCH_CHECK(t->sizes() == first.sizes(), op, ": shape mismatch ", t->sizes(), " vs ", first.sizes());
-  }
+void check_cuda(const char* op, const at::Tensor& first) {
+  TORCH_CHECK(first.is_cuda(), op, ": expects CUDA tensors, got one on ", first.device());
+  // One block per row in the forward.
+  TORCH_CHECK(first.size(0) <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 rows, got ", first.size(0));
 }
 
 void check_launch(const char* op) {
   const cudaError_t err = cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// row_scale [B] as the forward returned it, in the compute dtype, on the inputs' device.
+at::Tensor checked_row_scale(const char* op, const at::Tensor& row_scale, const at::Tensor& like, at::ScalarType dtype) {
+  check_float(op, "row_scale", row_scale);
+  check_shape(op, "row_scale", row_scale, {like.size(0)});
+  check_same_device(op, {{"row_scale", &row_scale}, {"inputs", &like}});
+  return row_scale.to(dtype).contiguous();
+}
+
+// grad_loss (one element, on the inputs' device) in the compute dtype: read by the kernel.
+at::Tensor checked_upstream(const char* op, const at::Tensor& grad_loss, const at::Tensor& like, at::ScalarType dtype) {
+  check_grad_loss(op, grad_loss);
+  check_same_device(op, {{"grad_loss", &grad_loss}, {"inputs", &like}});
+  return grad_loss.reshape({}).to(dtype).contiguous();
+}
+
+// The gradient of `input` when wanted (its dtype, contiguous), else an empty tensor.
+at::Tensor grad_like(const at::Tensor& input, bool wanted) {
+  return wanted ? at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous))
+                : at::empty({0}, input.options());
+}
+
+cuda::GradOutputs grad_outputs(std::initializer_list<std::pair<const at::Tensor*, bool>> grads) {
+  cuda::GradOutputs out{{nullptr, nullptr, nullptr, nullptr}, {0, 0, 0, 0}};
+  int k = 0;
+  for (const auto& [t, wanted] : grads) {
+    if (wanted) {
+      out.data[k] = t->mutable_data_ptr();
+      out.dtypes[k] = dtype_code(*t);
+    }
+    ++k;
+  }
+  return out;
 }
 
 struct Results {
@@ -81,12 +113,23 @@ cuda::PolicyInputs policy_inputs(const PolicyBuffers& b, double clip_low, double
           b.mask.const_data_ptr<bool>(), b.logp.size(0), b.logp.size(1), policy_params(clip_low, clip_high, dual_clip)};
 }
 
+// Checked, contiguous inputs (the same checks as the CPU kernels').
 PolicyBuffers policy_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
                              const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights) {
-  if (weights.has_value())
-    check_inputs(op, {&logprobs, &old_logprobs, &advantages, &*weights}, mask);
-  else
-    check_inputs(op, {&logprobs, &old_logprobs, &advantages}, mask);
+  check_float(op, "logprobs", logprobs);
+  check_dim(op, "logprobs", logprobs, 2);
+  check_float(op, "old_logprobs", old_logprobs);
+  check_same_shape(op, "old_logprobs", old_logprobs, "logprobs", logprobs);
+  check_float(op, "advantages", advantages);
+  check_same_shape(op, "advantages", advantages, "logprobs", logprobs);
+  check_mask(op, mask, "logprobs", logprobs);
+  check_same_device(op, {{"logprobs", &logprobs}, {"old_logprobs", &old_logprobs}, {"advantages", &advantages}, {"mask", &mask}});
+  if (weights.has_value()) {
+    check_float(op, "weights", *weights);
+    check_same_shape(op, "weights", *weights, "logprobs", logprobs);
+    check_same_device(op, {{"logprobs", &logprobs}, {"weights", &*weights}});
+  }
+  check_cuda(op, logprobs);
   PolicyBuffers b{logprobs.contiguous(), old_logprobs.contiguous(), advantages.contiguous(),
                   weights.has_value() ? weights->contiguous() : at::Tensor(), mask.contiguous(), at::kFloat};
   b.dtype = compute_dtype({&b.logp, &b.old, &b.adv, &b.weights});
@@ -96,7 +139,8 @@ PolicyBuffers policy_buffers(const char* op, const at::Tensor& logprobs, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_cuda(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& weights, double clip_low, double clip_high, std::optional<double> dual_clip,
-    int64_t agg) {
+    c10::string_view agg_name) {
+  const Agg agg = parse_agg("clipped_policy_loss", agg_name);
   const PolicyBuffers b = policy_buffers("clipped_policy_loss", logprobs, old_logprobs, advantages, mask, weights);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   at::Tensor partials = at::empty({logprobs.size(0), kPolicyPartials}, logprobs.options().dtype(at::kDouble));
@@ -107,21 +151,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
   return {r.loss, r.stats[0], r.stats[1], r.stats[2], r.row_scale};
 }
 
-at::Tensor clipped_policy_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs,
-                                             const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                                             const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-                                             const at::Tensor& row_scale, double clip_low, double clip_high,
-                                             std::optional<double> dual_clip) {
-  const PolicyBuffers b = policy_buffers("clipped_policy_loss_backward", logprobs, old_logprobs, advantages, mask, weights);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_backward_cuda(
+    const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+    const at::Tensor& mask, const std::optional<at::Tensor>& weights, const at::Tensor& row_scale, double clip_low,
+    double clip_high, std::optional<double> dual_clip, std::array<bool, 4> output_mask) {
+  constexpr const char* op = "clipped_policy_loss_backward";
+  const PolicyBuffers b = policy_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
   const c10::cuda::CUDAGuard guard(logprobs.device());
-  const at::Tensor upstream = grad_loss.to(b.dtype).contiguous();
-  const at::Tensor scale = row_scale.to(b.dtype).contiguous();
-  at::Tensor grad = at::empty_like(b.logp);
-  cuda::policy_loss_backward(policy_inputs(b, clip_low, clip_high, dual_clip), b.dtype == at::kDouble,
-                             upstream.const_data_ptr(), scale.const_data_ptr(), grad.mutable_data_ptr(), dtype_code(grad),
-                             c10::cuda::getCurrentCUDAStream());
-  check_launch("clipped_policy_loss_backward");
-  return grad;
+  const at::Tensor upstream = checked_upstream(op, grad_loss, logprobs, b.dtype);
+  const at::Tensor scale = checked_row_scale(op, row_scale, logprobs, b.dtype);
+  const auto [need_logp, need_old, need_adv, need_w_asked] = output_mask;
+  const bool need_w = need_w_asked && weights.has_value();
+  at::Tensor grad_logp = grad_like(logprobs, need_logp), grad_old = grad_like(old_logprobs, need_old);
+  at::Tensor grad_adv = grad_like(advantages, need_adv);
+  at::Tensor grad_w = weights.has_value() ? grad_like(*weights, need_w) : at::empty({0}, logprobs.options());
+  if (need_logp || need_old || need_adv || need_w) {
+    const cuda::GradOutputs grads =
+        grad_outputs({{&grad_logp, need_logp}, {&grad_old, need_old}, {&grad_adv, need_adv}, {&grad_w, need_w}});
+    cuda::policy_loss_backward(policy_inputs(b, clip_low, clip_high, dual_clip), b.dtype == at::kDouble,
+                               upstream.const_data_ptr(), scale.const_data_ptr(), grads, c10::cuda::getCurrentCUDAStream());
+    check_launch(op);
+  }
+  return {grad_logp, grad_old, grad_adv, grad_w};
 }
 
 struct ValueBuffers {
@@ -131,7 +182,15 @@ struct ValueBuffers {
 
 ValueBuffers value_buffers(const char* op, const at::Tensor& values, const at::Tensor& old_values,
                            const at::Tensor& returns, const at::Tensor& mask) {
-  check_inputs(op, {&values, &old_values, &returns}, mask);
+  check_float(op, "values", values);
+  check_dim(op, "values", values, 2);
+  check_float(op, "old_values", old_values);
+  check_same_shape(op, "old_values", old_values, "values", values);
+  check_float(op, "returns", returns);
+  check_same_shape(op, "returns", returns, "values", values);
+  check_mask(op, mask, "values", values);
+  check_same_device(op, {{"values", &values}, {"old_values", &old_values}, {"returns", &returns}, {"mask", &mask}});
+  check_cuda(op, values);
   ValueBuffers b{values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(), at::kFloat};
   b.dtype = compute_dtype({&b.v, &b.old, &b.ret});
   return b;
@@ -143,7 +202,8 @@ cuda::ValueInputs value_inputs(const ValueBuffers& b, double clip) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(const at::Tensor& values, const at::Tensor& old_values,
                                                                const at::Tensor& returns, const at::Tensor& mask,
-                                                               double clip, int64_t agg) {
+                                                               double clip, c10::string_view agg_name) {
+  const Agg agg = parse_agg("value_loss", agg_name);
   const ValueBuffers b = value_buffers("value_loss", values, old_values, returns, mask);
   const c10::cuda::CUDAGuard guard(values.device());
   at::Tensor partials = at::empty({values.size(0), kValuePartials}, values.options().dtype(at::kDouble));
@@ -154,19 +214,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(const at::Tensor&
   return {r.loss, r.stats[0], r.row_scale};
 }
 
-at::Tensor value_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& values, const at::Tensor& old_values,
-                                    const at::Tensor& returns, const at::Tensor& mask, const at::Tensor& row_scale,
-                                    double clip) {
-  const ValueBuffers b = value_buffers("value_loss_backward", values, old_values, returns, mask);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& values,
+                                                                        const at::Tensor& old_values, const at::Tensor& returns,
+                                                                        const at::Tensor& mask, const at::Tensor& row_scale,
+                                                                        double clip, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "value_loss_backward";
+  const ValueBuffers b = value_buffers(op, values, old_values, returns, mask);
   const c10::cuda::CUDAGuard guard(values.device());
-  const at::Tensor upstream = grad_loss.to(b.dtype).contiguous();
-  const at::Tensor scale = row_scale.to(b.dtype).contiguous();
-  at::Tensor grad = at::empty_like(b.v);
-  cuda::value_loss_backward(value_inputs(b, clip), b.dtype == at::kDouble, upstream.const_data_ptr(),
-                            scale.const_data_ptr(), grad.mutable_data_ptr(), dtype_code(grad),
-                            c10::cuda::getCurrentCUDAStream());
-  check_launch("value_loss_backward");
-  return grad;
+  const at::Tensor upstream = checked_upstream(op, grad_loss, values, b.dtype);
+  const at::Tensor scale = checked_row_scale(op, row_scale, values, b.dtype);
+  const auto [need_v, need_old, need_ret] = output_mask;
+  at::Tensor grad_v = grad_like(values, need_v), grad_old = grad_like(old_values, need_old);
+  at::Tensor grad_ret = grad_like(returns, need_ret);
+  if (need_v || need_old || need_ret) {
+    const cuda::GradOutputs grads = grad_outputs({{&grad_v, need_v}, {&grad_old, need_old}, {&grad_ret, need_ret}});
+    cuda::value_loss_backward(value_inputs(b, clip), b.dtype == at::kDouble, upstream.const_data_ptr(),
+                              scale.const_data_ptr(), grads, c10::cuda::getCurrentCUDAStream());
+    check_launch(op);
+  }
+  return {grad_v, grad_old, grad_ret};
 }
 
 }  // namespace

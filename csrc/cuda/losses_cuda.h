@@ -11,7 +11,7 @@
 namespace ppo_fast {
 namespace cuda {
 
-// Each input is read in its own dtype and upcast to float32 on load.
+// Each input is read in its own dtype and converted to the compute type on load.
 enum FloatDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
 struct FloatPtr {
@@ -42,16 +42,24 @@ struct LossOutputs {
   void* row_scale;
 };
 
+// Gradients of the backward, one per input in the order of the op's schema
+// (policy: logprobs, old_logprobs, advantages, weights; value: values, old_values,
+// returns); data is nullptr for a gradient nobody asked for, which is not computed.
+struct GradOutputs {
+  void* data[4];
+  int dtypes[4];  // FloatDtype of each
+};
+
 // `partials` is scratch of rows * kPolicyPartials (or kValuePartials) doubles.
-// grad_loss and row_scale are in the compute dtype, grad in grad_dtype.
+// grad_loss and row_scale are in the compute dtype.
 void policy_loss_forward(const PolicyInputs& in, int64_t agg, bool use_double, double* partials, const LossOutputs& out,
                          cudaStream_t stream);
-void policy_loss_backward(const PolicyInputs& in, bool use_double, const void* grad_loss, const void* row_scale, void* grad,
-                          int grad_dtype, cudaStream_t stream);
+void policy_loss_backward(const PolicyInputs& in, bool use_double, const void* grad_loss, const void* row_scale,
+                          const GradOutputs& grads, cudaStream_t stream);
 void value_loss_forward(const ValueInputs& in, int64_t agg, bool use_double, double* partials, const LossOutputs& out,
                         cudaStream_t stream);
-void value_loss_backward(const ValueInputs& in, bool use_double, const void* grad_loss, const void* row_scale, void* grad,
-                         int grad_dtype, cudaStream_t stream);
+void value_loss_backward(const ValueInputs& in, bool use_double, const void* grad_loss, const void* row_scale,
+                         const GradOutputs& grads, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace ppo_fast

@@ -2,16 +2,28 @@
 
 The extension registers the operators ``torch.ops.ppo_fast.*`` (schemas in
 ``csrc/ops.cpp``; C++ CPU kernels for every op, CUDA kernels for the losses when the
-build had CUDA).  This module adds what torch needs around them -- fake kernels (for
-``torch.compile`` and meta tensors) and autograd formulas that call the backward
-operators -- and exposes one function per op with the reference's signature.
+build had CUDA).  This module adds what torch needs around them, grouped by op: a fake
+kernel (for ``torch.compile`` and meta tensors) that checks the shape relations as the
+C++ kernels do, the autograd formula that calls the op's backward operator, and one
+function per op with the reference's signature.
+
+Every op is differentiable as the reference is: ``token_logprobs`` w.r.t. the logits,
+``kl_estimate`` w.r.t. both log-probs, ``kl_penalized_rewards`` w.r.t. the scores and
+both log-probs, ``gae`` w.r.t. rewards and values, ``clipped_policy_loss`` w.r.t.
+logprobs, old_logprobs, advantages and weights, ``value_loss`` w.r.t. values,
+old_values and returns.  A backward operator computes only the gradients that autograd
+asks for (its ``output_mask``) and returns an empty tensor for the others.
+
+The estimator and ``agg`` names pass straight through to the C++ ops, which parse them.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..reference import AGG_MODES, KL_ESTIMATORS, result_dtype
+from ..contract import AGG_MODES, KL_ESTIMATORS, result_dtype
 
 try:
     from .. import _C
@@ -43,121 +55,130 @@ def availability() -> tuple[bool, str]:
     return True, kernels
 
 
-# --------------------------------------------------------------------------- fake kernels
+# --------------------------------------------------------------------------- shared pieces
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _fake_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg):
-    dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
-    # As in the reference, the clip fractions are float32 and approx_kl has the compute dtype.
-    loss, clipfrac, clipfrac_lower, approx_kl = (logprobs.new_empty((), dtype=d) for d in (dtype, torch.float32, torch.float32, dtype))
-    return loss, clipfrac, clipfrac_lower, approx_kl, logprobs.new_empty((logprobs.shape[0],), dtype=dtype)
+# The checks of csrc/checks.h on metadata, for the fake kernels: under torch.compile a
+# mismatch fails at trace time with the C++ kernels' message (RuntimeError).
+def _check_float(op, name, x):
+    torch._check(x.dtype in _FLOATS, lambda: f"{op}: {name} must be float32, float64, float16 or bfloat16, got {x.dtype}")
 
 
-def _fake_clipped_policy_loss_backward(grad_loss, logprobs, *rest):
-    return torch.empty_like(logprobs, memory_format=torch.contiguous_format)
+def _check_dtype_arg(op, name, dtype):
+    torch._check(dtype in _FLOATS, lambda: f"{op}: {name} must be a floating dtype, got {dtype}")
 
 
-def _fake_value_loss(values, old_values, returns, mask, clip, agg):
-    dtype = result_dtype(values, old_values, returns)
-    return values.new_empty((), dtype=dtype), values.new_empty((), dtype=torch.float32), values.new_empty((values.shape[0],), dtype=dtype)
+def _check_dim(op, name, x, dim):
+    torch._check(x.dim() == dim, lambda: f"{op}: {name} must be {dim}-D, got shape {list(x.shape)}")
 
 
-def _fake_value_loss_backward(grad_loss, values, *rest):
-    return torch.empty_like(values, memory_format=torch.contiguous_format)
+def _check_shape(op, name, x, shape, shape_name=None):
+    what = f"the shape of {shape_name} {list(shape)}" if shape_name else f"shape {list(shape)}"
+    message = lambda: f"{op}: {name} must have {what}, got {list(x.shape)}"  # noqa: E731
+    torch._check(x.dim() == len(shape), message)
+    for size, expected in zip(x.shape, shape):
+        torch._check(size == expected, message)
 
 
-def _fake_kl_estimate(logprobs, ref_logprobs, estimator):
-    return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
+def _check_mask(op, mask, ref_name, ref):
+    torch._check(mask.dtype == torch.bool, lambda: f"{op}: mask must be a bool tensor, got {mask.dtype}")
+    _check_shape(op, "mask", mask, ref.shape, ref_name)
 
 
-def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
-    dtype = result_dtype(logprobs, ref_logprobs)
-    return logprobs.new_empty(logprobs.shape, dtype=dtype), logprobs.new_empty(logprobs.shape, dtype=dtype)
+def _check_same_device(op, **tensors):
+    (first_name, first), *rest = tensors.items()
+    for name, x in rest:
+        torch._check(
+            x.device == first.device,
+            lambda: f"{op}: {name} is on {x.device} but {first_name} is on {first.device}; all inputs must be on one device",
+        )
 
 
-def _fake_gae(rewards, values, mask, gamma, lam):
-    dtype = result_dtype(rewards, values)
-    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+def _check_choice(op, name, value, choices):
+    valid = ", ".join(f"'{c}'" for c in choices)
+    torch._check(value in choices, lambda: f"{op}: {name} must be one of {valid}, got '{value}'")
+
+
+def _grad_or_empty(x, wanted, dtype=None):
+    """The fake of a backward op's output: x's shape (contiguous) when wanted, else empty."""
+    dtype = x.dtype if dtype is None else dtype
+    return x.new_empty(x.shape if wanted else (0,), dtype=dtype)
+
+
+def _wanted(grads, needed):
+    """A backward op's outputs as autograd wants them: None where no gradient was asked for."""
+    return tuple(g if need else None for g, need in zip(grads, needed))
+
+
+def _register(name, fake, backward=None, setup_context=None):
+    if _C is None:
+        return
+    torch.library.register_fake(f"ppo_fast::{name}", fake)
+    if backward is not None:
+        torch.library.register_autograd(f"ppo_fast::{name}", backward, setup_context=setup_context)
+
+
+# --------------------------------------------------------------------------- token_logprobs
+
+
+def _check_logits(op, logits, labels, temperature):
+    _check_float(op, "logits", logits)
+    torch._check(logits.dim() in (2, 3), lambda: f"{op}: logits must be [N, V] or [B, T, V], got shape {list(logits.shape)}")
+    torch._check(
+        not labels.dtype.is_floating_point and not labels.dtype.is_complex and labels.dtype != torch.bool,
+        lambda: f"{op}: labels must be an integer tensor, got {labels.dtype}",
+    )
+    _check_shape(op, "labels", labels, logits.shape[:-1], "logits.shape[:-1]")
+    _check_same_device(op, logits=logits, labels=labels)
+    torch._check(0 < temperature < math.inf, lambda: f"{op}: temperature must be finite and > 0, got {temperature}")
 
 
 def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_index):
+    _check_logits("token_logprobs", logits, labels, temperature)
     dtype = result_dtype(logits)
     entropy = logits.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
     return logits.new_empty(labels.shape, dtype=dtype), entropy, logits.new_empty(labels.shape, dtype=dtype)
 
 
 def _fake_token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    op = "token_logprobs_backward"
+    _check_logits(op, logits, labels, temperature)
+    dtype = result_dtype(logits)
+    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as token_logprobs returns it), got {lse.dtype}")
+    _check_shape(op, "lse", lse, labels.shape, "labels")
+    for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
+        if grad is not None:
+            _check_float(op, name, grad)
+            _check_shape(op, name, grad, labels.shape, "labels")
+    if grad_entropy is not None:
+        torch._check(entropy.dtype == dtype, lambda: f"{op}: entropy must have dtype {dtype}, got {entropy.dtype}")
+        _check_shape(op, "entropy", entropy, labels.shape, "labels")
     return logits.new_empty(logits.shape)
 
 
-# --------------------------------------------------------------------------- autograd
-
-
-def _setup_policy(ctx, inputs, output):
-    logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, _agg = inputs
-    ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, output[4])
-    ctx.clip = (clip_low, clip_high, dual_clip)
-
-
-def _backward_policy(ctx, grad_loss, *_stats_grads):
-    logprobs, old_logprobs, advantages, mask, weights, row_scale = ctx.saved_tensors
-    grad = torch.ops.ppo_fast.clipped_policy_loss_backward(
-        grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, *ctx.clip
-    )
-    return (grad,) + (None,) * 8
-
-
-def _setup_value(ctx, inputs, output):
-    values, old_values, returns, mask, clip, _agg = inputs
-    ctx.save_for_backward(values, old_values, returns, mask, output[2])
-    ctx.clip = clip
-
-
-def _backward_value(ctx, grad_loss, *_stats_grads):
-    values, old_values, returns, mask, row_scale = ctx.saved_tensors
-    grad = torch.ops.ppo_fast.value_loss_backward(grad_loss, values, old_values, returns, mask, row_scale, ctx.clip)
-    return (grad,) + (None,) * 5
-
-
-def _setup_logprobs(ctx, inputs, output):
+def _setup_token_logprobs(ctx, inputs, output):
     logits, labels, temperature, return_entropy, ignore_index = inputs
     _logp, entropy, lse = output
     ctx.save_for_backward(logits, labels, lse, entropy)
     ctx.args = (temperature, ignore_index)
     ctx.return_entropy = return_entropy
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _backward_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
-    logits, labels, lse, entropy = ctx.saved_tensors
+def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
     grad_entropy = grad_entropy if ctx.return_entropy else None
+    if grad_logprobs is None and grad_entropy is None:
+        return None, None, None, None, None
+    logits, labels, lse, entropy = ctx.saved_tensors
     grad = torch.ops.ppo_fast.token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, *ctx.args)
     return grad, None, None, None, None
 
 
-def _register() -> None:
-    fakes = {
-        "clipped_policy_loss": _fake_clipped_policy_loss,
-        "clipped_policy_loss_backward": _fake_clipped_policy_loss_backward,
-        "value_loss": _fake_value_loss,
-        "value_loss_backward": _fake_value_loss_backward,
-        "kl_estimate": _fake_kl_estimate,
-        "kl_penalized_rewards": _fake_kl_penalized_rewards,
-        "gae": _fake_gae,
-        "token_logprobs": _fake_token_logprobs,
-        "token_logprobs_backward": _fake_token_logprobs_backward,
-    }
-    for name, fake in fakes.items():
-        torch.library.register_fake(f"ppo_fast::{name}", fake)
-    torch.library.register_autograd("ppo_fast::clipped_policy_loss", _backward_policy, setup_context=_setup_policy)
-    torch.library.register_autograd("ppo_fast::value_loss", _backward_value, setup_context=_setup_value)
-    torch.library.register_autograd("ppo_fast::token_logprobs", _backward_logprobs, setup_context=_setup_logprobs)
-
-
-if _C is not None:
-    _register()
-
-
-# --------------------------------------------------------------------------- the ops (reference signatures)
+_register("token_logprobs", _fake_token_logprobs, _backward_token_logprobs, _setup_token_logprobs)
+_register("token_logprobs_backward", _fake_token_logprobs_backward)
 
 
 def token_logprobs(logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False):
@@ -166,25 +187,280 @@ def token_logprobs(logits, labels, temperature: float, return_entropy: bool, ign
     return logp, (entropy if return_entropy else None)
 
 
+# --------------------------------------------------------------------------- kl_estimate
+
+
+def _check_kl_inputs(op, logprobs, ref_logprobs, estimator):
+    _check_float(op, "logprobs", logprobs)
+    _check_float(op, "ref_logprobs", ref_logprobs)
+    _check_shape(op, "ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
+    _check_same_device(op, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    _check_choice(op, "estimator", estimator, KL_ESTIMATORS)
+
+
+def _fake_kl_estimate(logprobs, ref_logprobs, estimator):
+    _check_kl_inputs("kl_estimate", logprobs, ref_logprobs, estimator)
+    return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
+
+
+def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, estimator, output_mask):
+    op = "kl_estimate_backward"
+    _check_kl_inputs(op, logprobs, ref_logprobs, estimator)
+    _check_float(op, "grad_kl", grad_kl)
+    _check_shape(op, "grad_kl", grad_kl, logprobs.shape, "logprobs")
+    return _grad_or_empty(logprobs, output_mask[0]), _grad_or_empty(ref_logprobs, output_mask[1])
+
+
+def _setup_kl_estimate(ctx, inputs, output):
+    logprobs, ref_logprobs, ctx.estimator = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs)
+
+
+def _backward_kl_estimate(ctx, grad_kl):
+    logprobs, ref_logprobs = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.ppo_fast.kl_estimate_backward(grad_kl, logprobs, ref_logprobs, ctx.estimator, needed)
+    return *_wanted(grads, needed), None
+
+
+_register("kl_estimate", _fake_kl_estimate, _backward_kl_estimate, _setup_kl_estimate)
+_register("kl_estimate_backward", _fake_kl_estimate_backward)
+
+
 def kl_estimate(logprobs, ref_logprobs, estimator: str):
-    return torch.ops.ppo_fast.kl_estimate(logprobs, ref_logprobs, KL_ESTIMATORS.index(estimator))
+    return torch.ops.ppo_fast.kl_estimate(logprobs, ref_logprobs, estimator)
+
+
+# --------------------------------------------------------------------------- kl_penalized_rewards
+
+
+def _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator):
+    _check_float(op, "logprobs", logprobs)
+    _check_dim(op, "logprobs", logprobs, 2)
+    _check_float(op, "ref_logprobs", ref_logprobs)
+    _check_shape(op, "ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
+    _check_mask(op, mask, "logprobs", logprobs)
+    _check_same_device(op, logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    _check_choice(op, "estimator", estimator, KL_ESTIMATORS)
+
+
+def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+    op = "kl_penalized_rewards"
+    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator)
+    _check_float(op, "scores", scores)
+    _check_shape(op, "scores", scores, logprobs.shape[:1])
+    _check_same_device(op, logprobs=logprobs, scores=scores)
+    dtype = result_dtype(logprobs, ref_logprobs)
+    return logprobs.new_empty(logprobs.shape, dtype=dtype), logprobs.new_empty(logprobs.shape, dtype=dtype)
+
+
+def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, kl_coef, estimator, scores_dtype, output_mask):
+    op = "kl_penalized_rewards_backward"
+    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator)
+    _check_dtype_arg(op, "scores_dtype", scores_dtype)
+    for name, grad in (("grad_rewards", grad_rewards), ("grad_kl", grad_kl)):
+        if grad is not None:
+            _check_float(op, name, grad)
+            _check_shape(op, name, grad, logprobs.shape, "logprobs")
+    grad_scores = logprobs.new_empty(logprobs.shape[:1] if output_mask[0] else (0,), dtype=scores_dtype)
+    return grad_scores, _grad_or_empty(logprobs, output_mask[1]), _grad_or_empty(ref_logprobs, output_mask[2])
+
+
+def _setup_kl_penalized_rewards(ctx, inputs, output):
+    scores, logprobs, ref_logprobs, mask, kl_coef, estimator = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs, mask)
+    ctx.args = (kl_coef, estimator, scores.dtype)
+    ctx.set_materialize_grads(False)  # kl is often only a statistic: no gradient through it
+
+
+def _backward_kl_penalized_rewards(ctx, grad_rewards, grad_kl):
+    logprobs, ref_logprobs, mask = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, *ctx.args, needed)
+    return *_wanted(grads, needed), None, None, None
+
+
+_register("kl_penalized_rewards", _fake_kl_penalized_rewards, _backward_kl_penalized_rewards, _setup_kl_penalized_rewards)
+_register("kl_penalized_rewards_backward", _fake_kl_penalized_rewards_backward)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
-    return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, KL_ESTIMATORS.index(estimator))
+    return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+
+
+# --------------------------------------------------------------------------- gae
+
+
+def _fake_gae(rewards, values, mask, gamma, lam):
+    op = "gae"
+    _check_float(op, "rewards", rewards)
+    _check_dim(op, "rewards", rewards, 2)
+    _check_float(op, "values", values)
+    _check_shape(op, "values", values, rewards.shape, "rewards")
+    _check_mask(op, mask, "rewards", rewards)
+    _check_same_device(op, rewards=rewards, values=values, mask=mask)
+    dtype = result_dtype(rewards, values)
+    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+
+
+def _fake_gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype, output_mask):
+    op = "gae_backward"
+    torch._check(mask.dtype == torch.bool, lambda: f"{op}: mask must be a bool tensor, got {mask.dtype}")
+    _check_dim(op, "mask", mask, 2)
+    _check_dtype_arg(op, "rewards_dtype", rewards_dtype)
+    _check_dtype_arg(op, "values_dtype", values_dtype)
+    for name, grad in (("grad_advantages", grad_advantages), ("grad_returns", grad_returns)):
+        if grad is not None:
+            _check_float(op, name, grad)
+            _check_shape(op, name, grad, mask.shape, "mask")
+    return _grad_or_empty(mask, output_mask[0], rewards_dtype), _grad_or_empty(mask, output_mask[1], values_dtype)
+
+
+def _setup_gae(ctx, inputs, output):
+    rewards, values, mask, gamma, lam = inputs
+    ctx.save_for_backward(mask)
+    ctx.args = (gamma, lam, rewards.dtype, values.dtype)
+    ctx.set_materialize_grads(False)  # often only the advantages are used
+
+
+def _backward_gae(ctx, grad_advantages, grad_returns):
+    (mask,) = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.ppo_fast.gae_backward(grad_advantages, grad_returns, mask, *ctx.args, needed)
+    return *_wanted(grads, needed), None, None, None
+
+
+_register("gae", _fake_gae, _backward_gae, _setup_gae)
+_register("gae_backward", _fake_gae_backward)
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     return torch.ops.ppo_fast.gae(rewards, values, mask, gamma, lam)
 
 
+# --------------------------------------------------------------------------- clipped_policy_loss
+
+
+def _check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights):
+    _check_float(op, "logprobs", logprobs)
+    _check_dim(op, "logprobs", logprobs, 2)
+    for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages), ("weights", weights)):
+        if x is not None:
+            _check_float(op, name, x)
+            _check_shape(op, name, x, logprobs.shape, "logprobs")
+            _check_same_device(op, logprobs=logprobs, **{name: x})
+    _check_mask(op, mask, "logprobs", logprobs)
+    _check_same_device(op, logprobs=logprobs, mask=mask)
+
+
+def _check_loss_backward_inputs(op, grad_loss, row_scale, like):
+    _check_float(op, "grad_loss", grad_loss)
+    torch._check(grad_loss.numel() == 1, lambda: f"{op}: grad_loss must have one element, got shape {list(grad_loss.shape)}")
+    _check_float(op, "row_scale", row_scale)
+    _check_shape(op, "row_scale", row_scale, like.shape[:1])
+    _check_same_device(op, inputs=like, grad_loss=grad_loss, row_scale=row_scale)
+
+
+def _fake_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg):
+    _check_policy_inputs("clipped_policy_loss", logprobs, old_logprobs, advantages, mask, weights)
+    _check_choice("clipped_policy_loss", "agg", agg, AGG_MODES)
+    dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
+    # As in the reference, the clip fractions are float32 and approx_kl has the compute dtype.
+    loss, clipfrac, clipfrac_lower, approx_kl = (logprobs.new_empty((), dtype=d) for d in (dtype, torch.float32, torch.float32, dtype))
+    return loss, clipfrac, clipfrac_lower, approx_kl, logprobs.new_empty((logprobs.shape[0],), dtype=dtype)
+
+
+def _fake_clipped_policy_loss_backward(
+    grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, clip_low, clip_high, dual_clip, output_mask
+):
+    op = "clipped_policy_loss_backward"
+    _check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights)
+    _check_loss_backward_inputs(op, grad_loss, row_scale, logprobs)
+    grad_weights = _grad_or_empty(weights, output_mask[3]) if weights is not None else logprobs.new_empty((0,))
+    return (
+        _grad_or_empty(logprobs, output_mask[0]),
+        _grad_or_empty(old_logprobs, output_mask[1]),
+        _grad_or_empty(advantages, output_mask[2]),
+        grad_weights,
+    )
+
+
+def _setup_clipped_policy_loss(ctx, inputs, output):
+    logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, _agg = inputs
+    _loss, clipfrac, clipfrac_lower, approx_kl, row_scale = output
+    ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale)
+    ctx.clip = (clip_low, clip_high, dual_clip)
+    ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale)  # detached in the reference
+
+
+def _backward_clipped_policy_loss(ctx, grad_loss, *_stats_grads):
+    logprobs, old_logprobs, advantages, mask, weights, row_scale = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    needed = [need[0], need[1], need[2], weights is not None and need[4]]
+    grads = torch.ops.ppo_fast.clipped_policy_loss_backward(
+        grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, *ctx.clip, needed
+    )
+    grad_logprobs, grad_old, grad_advantages, grad_weights = _wanted(grads, needed)
+    return grad_logprobs, grad_old, grad_advantages, None, grad_weights, None, None, None, None
+
+
+_register("clipped_policy_loss", _fake_clipped_policy_loss, _backward_clipped_policy_loss, _setup_clipped_policy_loss)
+_register("clipped_policy_loss_backward", _fake_clipped_policy_loss_backward)
+
+
 def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low: float, clip_high: float, dual_clip, agg: str):
     loss, clipfrac, clipfrac_lower, approx_kl, _row_scale = torch.ops.ppo_fast.clipped_policy_loss(
-        logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, AGG_MODES.index(agg)
+        logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg
     )
     return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
 
 
+# --------------------------------------------------------------------------- value_loss
+
+
+def _check_value_inputs(op, values, old_values, returns, mask):
+    _check_float(op, "values", values)
+    _check_dim(op, "values", values, 2)
+    for name, x in (("old_values", old_values), ("returns", returns)):
+        _check_float(op, name, x)
+        _check_shape(op, name, x, values.shape, "values")
+    _check_mask(op, mask, "values", values)
+    _check_same_device(op, values=values, old_values=old_values, returns=returns, mask=mask)
+
+
+def _fake_value_loss(values, old_values, returns, mask, clip, agg):
+    _check_value_inputs("value_loss", values, old_values, returns, mask)
+    _check_choice("value_loss", "agg", agg, AGG_MODES)
+    dtype = result_dtype(values, old_values, returns)
+    return values.new_empty((), dtype=dtype), values.new_empty((), dtype=torch.float32), values.new_empty((values.shape[0],), dtype=dtype)
+
+
+def _fake_value_loss_backward(grad_loss, values, old_values, returns, mask, row_scale, clip, output_mask):
+    op = "value_loss_backward"
+    _check_value_inputs(op, values, old_values, returns, mask)
+    _check_loss_backward_inputs(op, grad_loss, row_scale, values)
+    return tuple(_grad_or_empty(x, wanted) for x, wanted in zip((values, old_values, returns), output_mask))
+
+
+def _setup_value_loss(ctx, inputs, output):
+    values, old_values, returns, mask, clip, _agg = inputs
+    _loss, clipfrac, row_scale = output
+    ctx.save_for_backward(values, old_values, returns, mask, row_scale)
+    ctx.clip = clip
+    ctx.mark_non_differentiable(clipfrac, row_scale)
+
+
+def _backward_value_loss(ctx, grad_loss, *_stats_grads):
+    values, old_values, returns, mask, row_scale = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.ppo_fast.value_loss_backward(grad_loss, values, old_values, returns, mask, row_scale, ctx.clip, needed)
+    return *_wanted(grads, needed), None, None, None
+
+
+_register("value_loss", _fake_value_loss, _backward_value_loss, _setup_value_loss)
+_register("value_loss_backward", _fake_value_loss_backward)
+
+
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
-    loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss(values, old_values, returns, mask, clip, AGG_MODES.index(agg))
+    loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss(values, old_values, returns, mask, clip, agg)
     return loss, clipfrac.detach()

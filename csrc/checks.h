@@ -1,0 +1,60 @@
+// Argument checks shared by every op (CPU and CUDA glue): the ops are public
+// (torch.ops.ppo_fast.*, also reached from C++ and under torch.compile, where the Python
+// validation of ppo_fast.ops does not run), so each checks ranks, shapes, dtypes and
+// devices itself before touching data.  A failed check raises RuntimeError naming the op
+// and the argument.  Metadata only: no check reads tensor values (no host sync).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <initializer_list>
+#include <utility>
+
+namespace ppo_fast {
+
+inline bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// A floating tensor (float32, float64, float16 or bfloat16).
+inline void check_float(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(is_float_dtype(t.scalar_type()), op, ": ", name, " must be float32, float64, float16 or bfloat16, got ",
+              t.scalar_type());
+}
+
+inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+inline void check_same_shape(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                             const at::Tensor& ref) {
+  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ", ref.sizes(), ", got ",
+              t.sizes());
+}
+
+inline void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+// A bool mask of ref's shape.
+inline void check_mask(const char* op, const at::Tensor& mask, const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be a bool tensor, got ", mask.scalar_type());
+  check_same_shape(op, "mask", mask, ref_name, ref);
+}
+
+// Every tensor on the device of the first one.
+inline void check_same_device(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  const auto& [first_name, first] = *tensors.begin();
+  for (const auto& [name, t] : tensors)
+    TORCH_CHECK(t->device() == first->device(), op, ": ", name, " is on ", t->device(), " but ", first_name, " is on ",
+                first->device(), "; all inputs must be on one device");
+}
+
+// The upstream gradient of a scalar loss: one floating element.
+inline void check_grad_loss(const char* op, const at::Tensor& grad_loss) {
+  check_float(op, "grad_loss", grad_loss);
+  TORCH_CHECK(grad_loss.numel() == 1, op, ": grad_loss must have one element, got shape ", grad_loss.sizes());
+}
+
+}  // namespace ppo_fast
