@@ -20,11 +20,13 @@ saying why, instead of falling back silently.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
+
+from .contract import OPS
 
 BACKENDS = ("reference", "triton", "native")
 _CHOICES = BACKENDS + ("auto",)
@@ -38,20 +40,19 @@ _MODULES = {
     "native": "ppo_fast.ops.native_backend",
 }
 
-# ``auto`` preference per op and device type: fastest correct path first.
-_AUTO_ORDER = {
-    "cuda": {
-        "token_logprobs": ("triton", "native", "reference"),
-        "kl_estimate": ("triton", "native", "reference"),
-        "kl_penalized_rewards": ("triton", "native", "reference"),
-        "gae": ("triton", "native", "reference"),
-        "clipped_policy_loss": ("native", "triton", "reference"),
-        "value_loss": ("native", "triton", "reference"),
-    },
+# ``auto`` preference per device type: fastest correct path first, per op where it
+# differs.  A backend that does not serve an op there is skipped; the reference serves all.
+_DEFAULT_ORDER = {
+    "cuda": ("triton", "native", "reference"),
     # The Triton interpreter is a correctness tool, never a fast path on CPU.
-    "cpu": {},
+    "cpu": ("native", "reference"),
 }
-_DEFAULT_ORDER = ("native", "reference")
+_OP_ORDER = {
+    # The CUDA losses are one-pass deterministic reductions; no Triton loss kernels.
+    ("cuda", "clipped_policy_loss"): ("native", "triton", "reference"),
+    ("cuda", "value_loss"): ("native", "triton", "reference"),
+}
+assert {op for _, op in _OP_ORDER} <= set(OPS)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -64,12 +65,15 @@ def _validate_name(name: str) -> str:
     return name.lower()
 
 
-_requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("ppo_fast_backend", default=None)
+# The name set by ``use_backend``, per thread.  A thread-local rather than a ContextVar:
+# Dynamo traces (and guards on) a thread-local attribute under torch.compile(fullgraph=True)
+# in every torch we support, but cannot trace ContextVar.get in torch 2.11.
+_requested = threading.local()
 
 
 def current_backend() -> str:
     """The backend name in force: ``use_backend`` > ``$PPO_FAST_BACKEND`` > ``auto``."""
-    name = _requested.get()
+    name = getattr(_requested, "name", None)
     if name is None:
         name = os.environ.get("PPO_FAST_BACKEND", "auto") or "auto"
         try:
@@ -82,11 +86,12 @@ def current_backend() -> str:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the ops inside the ``with`` block on backend ``name`` (or ``"auto"``)."""
-    token = _requested.set(_validate_name(name))
+    previous = getattr(_requested, "name", None)
+    _requested.name = _validate_name(name)
     try:
         yield
     finally:
-        _requested.reset(token)
+        _requested.name = previous
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ def resolve(op: str, device_type: str) -> Callable:
         if not ok:
             raise BackendUnavailableError(f"{op}: {why}")
         return getattr(backend_info(name).module, op)
-    order = _AUTO_ORDER.get(device_type, {}).get(op, _DEFAULT_ORDER)
+    order = _OP_ORDER.get((device_type, op), _DEFAULT_ORDER.get(device_type, ("native", "reference")))
     for candidate in order:
         if _serves(candidate, op, device_type)[0]:
             return getattr(backend_info(candidate).module, op)

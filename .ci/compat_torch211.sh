@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Compatibility check against torch 2.11 + triton 3.6 (what the GPU machine we are lent has).
+#
+# Runs, in a second venv, the Triton interpreter tests (tests/test_triton_*) and every test
+# whose name contains "compile", with TRITON_INTERPRET=1 on CPU tensors.  Tests that need a
+# GPU are deselected (-m "not cuda") or skip themselves.
+#
+# The main venv's editable install keeps its extension (ppo_fast/_C*.so, built against the
+# main torch) in the source tree, so this script never builds in the tree: it copies the
+# working tree (tracked files + untracked, not ignored ones) into $COMPAT_VENV/src and makes
+# the editable install and the test run there, with an extension built against torch 2.11.
+#
+# Call from anywhere (cd's to the repo root):  bash .ci/compat_torch211.sh
+# Environment (all optional):
+#   COMPAT_VENV        venv folder (default: <repo>/.venv211, git-ignored)
+#   COMPAT_BUILD_CUDA  PPO_FAST_BUILD_CUDA for the 2.11 build (default 0: CPU kernels only;
+#                      "auto" also compiles the CUDA kernels against torch 2.11, +4-6 min on 2 cores)
+#   COMPAT_PYTEST_ARGS extra pytest arguments
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PYTHONUNBUFFERED=1
+
+TORCH_SPEC="torch==2.11.0"
+TRITON_PREFIX="3.6."
+NUMPY_SPEC="numpy<2.4"  # the triton 3.6 interpreter breaks with numpy 2.4
+VENV=${COMPAT_VENV:-$ROOT/.venv211}
+case "$VENV" in /*) ;; *) VENV=$ROOT/$VENV ;; esac
+SRC=$VENV/src
+PY=$VENV/bin/python
+
+t0=$SECONDS
+echo "== compat: torch 2.11 venv at $VENV"
+if [ ! -x "$PY" ]; then
+    python3 -m venv "$VENV"
+fi
+"$PY" -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC" setuptools wheel ninja pybind11
+"$PY" - "$TRITON_PREFIX" <<'EOF'
+import sys, numpy, torch, triton
+print(f"compat: torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, numpy {numpy.__version__}")
+assert torch.__version__.startswith("2.11."), torch.__version__
+assert triton.__version__.startswith(sys.argv[1]), f"triton {triton.__version__}, want {sys.argv[1]}x"
+EOF
+echo "compat: venv ready in $((SECONDS - t0)) s"
+
+# A fresh copy of the working tree (never the venv itself, nor build outputs: ignored files
+# are not copied, and the venv folder is excluded even if .gitignore does not list it).
+t1=$SECONDS
+rm -rf "$SRC"
+mkdir -p "$SRC"
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    rel=${VENV#"$ROOT"/}
+    exclude=()
+    [ "$rel" != "$VENV" ] && exclude=(":(exclude)$rel")
+    git -C "$ROOT" ls-files -z --cached --others --exclude-standard -- . "${exclude[@]}" |
+        while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done |
+        tar --null -T - -cf - | tar -xf - -C "$SRC"
+else  # not a git checkout: copy all but venvs, build outputs and caches
+    tar --exclude='./.venv*' --exclude='./build' --exclude='./dist' --exclude='*.so' \
+        --exclude='*.egg-info' --exclude='__pycache__' --exclude='./.git' -cf - . | tar -xf - -C "$SRC"
+fi
+[ -f "$SRC/setup.py" ] || { echo "compat: copy of the tree into $SRC failed" >&2; exit 1; }
+
+echo "== compat: building ppo_fast against torch 2.11 in $SRC (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0})"
+(cd "$SRC" && PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0} \
+    "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
+(cd "$SRC" && "$PY" -c "import ppo_fast, ppo_fast._C as C, torch; assert ppo_fast.__file__.startswith('$SRC'), ppo_fast.__file__; print('compat: ppo_fast from', ppo_fast.__file__, '| CUDA kernels:', C.built_with_cuda())")
+echo "compat: build in $((SECONDS - t1)) s"
+
+# The Triton interpreter tests and the compile tests, in one run, from the copy.
+echo "== compat: pytest (TRITON_INTERPRET=1): -k 'compile or test_triton_' -m 'not cuda'"
+t2=$SECONDS
+rc=0
+(cd "$SRC" && TRITON_INTERPRET=1 "$PY" -m pytest tests -p no:cacheprovider -q -rfE --tb=short \
+    --log-level=WARNING -W ignore::DeprecationWarning \
+    -k "compile or test_triton_" -m "not cuda" ${COMPAT_PYTEST_ARGS:-}) || rc=$?
+echo "compat: pytest in $((SECONDS - t2)) s, total $((SECONDS - t0)) s, exit status $rc"
+if [ "$rc" -ne 0 ]; then
+    echo "compat: FAILED against torch 2.11 + triton 3.6 (see the summary above)" >&2
+fi
+exit "$rc"

@@ -1,0 +1,72 @@
+"""On CUDA no public op synchronises the host: every op, forward and backward, on every
+backend that serves CUDA, under ``torch.cuda.set_sync_debug_mode("error")`` (which raises
+on any synchronising CUDA call).  Needs a GPU: skipped here, run by bench/gpu_check.sh."""
+
+import pytest
+import torch
+
+import ppo_fast as pf
+from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.contract import OPS
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _cuda_backends(op):
+    return [n for n in BACKENDS if backend_info(n).available and "cuda" in backend_info(n).module.SUPPORTED.get(op, set())]
+
+
+def _inputs(device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    b, t, v = 4, 33, 1000
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    mask = (torch.rand(b, t, generator=gen) < 0.8).to(device)
+    float_mask = mask.float()
+    labels = torch.randint(0, v, (b, t), generator=gen).to(device)
+    return rand, mask, float_mask, labels, (b, t, v)
+
+
+CALLS = {
+    "token_logprobs": lambda r, m, fm, y, s: pf.token_logprobs(r(*s).requires_grad_(), y, return_entropy=True, temperature=0.8),
+    "kl_estimate": lambda r, m, fm, y, s: (pf.kl_estimate(r(*s[:2]).requires_grad_(), r(*s[:2]), "k3"),),
+    "kl_penalized_rewards": lambda r, m, fm, y, s: pf.kl_penalized_rewards(
+        r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, estimator="k3"),
+    "gae": lambda r, m, fm, y, s: pf.gae(r(*s[:2]).requires_grad_(), r(*s[:2]).requires_grad_(), m, gamma=0.99, lam=0.95),
+    "clipped_policy_loss": lambda r, m, fm, y, s: pf.clipped_policy_loss(
+        r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]).requires_grad_(), fm, dual_clip=3.0, agg="seq-mean-token-mean")[:1],
+    "value_loss": lambda r, m, fm, y, s: pf.value_loss(r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]), m)[:1],
+}
+assert set(CALLS) == set(OPS)
+
+
+@pytest.mark.parametrize("op, backend", [(op, b) for op in OPS for b in _cuda_backends(op)] if torch.cuda.is_available() else [])
+def test_op_forward_and_backward_never_sync_the_host(op, backend):
+    rand, mask, float_mask, labels, shape = _inputs("cuda")
+    with pf.use_backend(backend):
+        CALLS[op](rand, mask, float_mask, labels, shape)  # warm-up: Triton compiles, caches fill
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = CALLS[op](rand, mask, float_mask, labels, shape)
+            total = sum(o.float().sum() for o in outputs if o.requires_grad)
+            total.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("op, backend", [(op, b) for op in OPS for b in _cuda_backends(op)] if torch.cuda.device_count() > 1 else [])
+def test_ops_on_a_device_other_than_the_current_one(op, backend):
+    rand, mask, float_mask, labels, shape = _inputs("cuda:1")
+    torch.cuda.set_device(0)
+    with pf.use_backend(backend):
+        got = CALLS[op](rand, mask, float_mask, labels, shape)
+    rand, mask, float_mask, labels, shape = _inputs("cuda:1")
+    with pf.use_backend("reference"):
+        want = CALLS[op](rand, mask, float_mask, labels, shape)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
