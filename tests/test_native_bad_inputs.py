@@ -497,3 +497,15 @@ def test_bad_shapes_raise_under_torch_compile():
     compiled = torch.compile(lambda r, v, m: torch.ops.ppo_fast.gae(r, v, m, 1.0, 0.95), backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match="values must have the shape of rewards"):
         compiled(torch.randn(B, T), torch.randn(B, T - 1), torch.ones(B, T, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("op", list(_GOOD))
+def test_mixed_devices_raise(op):
+    # One tensor argument on another device (meta: no GPU needed) must be refused by name.
+    args = list(_GOOD[op]())
+    tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for i in tensor_positions:
+        mixed = list(args)
+        mixed[i] = mixed[i].to("meta")
+        with pytest.raises(RuntimeError, match=f"^{_escape(op)}: .*all inputs must be on one device"):
+            getattr(torch.ops.ppo_fast, op)(*mixed)

@@ -148,13 +148,16 @@ def _fake_token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, l
     dtype = result_dtype(logits)
     torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as token_logprobs returns it), got {lse.dtype}")
     _check_shape(op, "lse", lse, labels.shape, "labels")
+    _check_same_device(op, logits=logits, lse=lse)
     for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         if grad is not None:
             _check_float(op, name, grad)
             _check_shape(op, name, grad, labels.shape, "labels")
+            _check_same_device(op, logits=logits, **{name: grad})
     if grad_entropy is not None:
         torch._check(entropy.dtype == dtype, lambda: f"{op}: entropy must have dtype {dtype}, got {entropy.dtype}")
         _check_shape(op, "entropy", entropy, labels.shape, "labels")
+        _check_same_device(op, logits=logits, entropy=entropy)
     return logits.new_empty(logits.shape)
 
 
@@ -208,6 +211,7 @@ def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, estimator, outpu
     _check_kl_inputs(op, logprobs, ref_logprobs, estimator)
     _check_float(op, "grad_kl", grad_kl)
     _check_shape(op, "grad_kl", grad_kl, logprobs.shape, "logprobs")
+    _check_same_device(op, logprobs=logprobs, grad_kl=grad_kl)
     return _grad_or_empty(logprobs, output_mask[0]), _grad_or_empty(ref_logprobs, output_mask[1])
 
 
@@ -262,6 +266,7 @@ def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_log
         if grad is not None:
             _check_float(op, name, grad)
             _check_shape(op, name, grad, logprobs.shape, "logprobs")
+            _check_same_device(op, logprobs=logprobs, **{name: grad})
     grad_scores = logprobs.new_empty(logprobs.shape[:1] if output_mask[0] else (0,), dtype=scores_dtype)
     return grad_scores, _grad_or_empty(logprobs, output_mask[1]), _grad_or_empty(ref_logprobs, output_mask[2])
 
@@ -313,6 +318,7 @@ def _fake_gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_
         if grad is not None:
             _check_float(op, name, grad)
             _check_shape(op, name, grad, mask.shape, "mask")
+            _check_same_device(op, mask=mask, **{name: grad})
     return _grad_or_empty(mask, output_mask[0], rewards_dtype), _grad_or_empty(mask, output_mask[1], values_dtype)
 
 
