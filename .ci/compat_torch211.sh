@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compatibility check against torch 2.11 + triton 3.6 (what the GPU machine we are lent has).
 #
-# Runs, in a second venv, the Triton interpreter tests (tests/test_triton_*) and every test
+# Runs, in a second venv, the Triton interpreter tests (tests/test_triton_*), the conformance
+# matrix (tests/test_conformance.py, every backend against the reference) and every test
 # whose name contains "compile", with TRITON_INTERPRET=1 on CPU tensors.  Tests that need a
 # GPU are deselected (-m "not cuda") or skip themselves.
 #
@@ -68,12 +69,12 @@ echo "== compat: building ppo_fast against torch 2.11 in $SRC (PPO_FAST_BUILD_CU
 echo "compat: build in $((SECONDS - t1)) s"
 
 # The Triton interpreter tests and the compile tests, in one run, from the copy.
-echo "== compat: pytest (TRITON_INTERPRET=1): -k 'compile or test_triton_' -m 'not cuda'"
+echo "== compat: pytest (TRITON_INTERPRET=1): -k 'compile or test_triton_ or test_conformance' -m 'not cuda'"
 t2=$SECONDS
 rc=0
 (cd "$SRC" && TRITON_INTERPRET=1 "$PY" -m pytest tests -p no:cacheprovider -q -rfE --tb=short \
     --log-level=WARNING -W ignore::DeprecationWarning \
-    -k "compile or test_triton_" -m "not cuda" ${COMPAT_PYTEST_ARGS:-}) || rc=$?
+    -k "compile or test_triton_ or test_conformance" -m "not cuda" ${COMPAT_PYTEST_ARGS:-}) || rc=$?
 echo "compat: pytest in $((SECONDS - t2)) s, total $((SECONDS - t0)) s, exit status $rc"
 if [ "$rc" -ne 0 ]; then
     echo "compat: FAILED against torch 2.11 + triton 3.6 (see the summary above)" >&2
