@@ -34,7 +34,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
 LAYOUTS = ("contiguous", "sliced", "transposed", "expanded")
 POISONS = ("clean", "masked", "valid")
-B, T, V = 3, 6, 37
+DIMS = (3, 6, 37)  # B, T, V of most cases
+# Long rows: past the native CPU kernels' chunks (1024 logits, 256 tokens), so that the
+# carries between chunks are compared too (the Triton tests cross their blocks with small
+# block sizes of their own).
+LONG_DIMS = {"token_logprobs": (2, 3, 1500), "default": (2, 600, 0)}
 
 
 def serving(op: str, device: str) -> list[str]:
@@ -112,7 +116,8 @@ def _poisoned(x: torch.Tensor, mask: torch.Tensor, poison: str, gen: torch.Gener
     return x
 
 
-def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True):
+def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True, dims=DIMS):
+    B, T, V = dims
     logits = (torch.randn(B, T, V, generator=gen) * 3).to(device, dtype)
     labels = torch.randint(0, V, (B, T), generator=gen).to(device)
     ignored = torch.rand(B, T, generator=gen).to(device) < 0.25
@@ -136,7 +141,8 @@ def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True):
     return Built({"logits": leaf}, {"logits": grad_view}, call, (0, 1) if entropy else (0,))
 
 
-def _pair_inputs(gen, device, dtype, layout, poison, names, mask=None, scale=1.0):
+def _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask=None, scale=1.0):
+    B, T, _ = dims
     leaves, views, tensors = {}, {}, {}
     check_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
     for name in names:
@@ -148,24 +154,25 @@ def _pair_inputs(gen, device, dtype, layout, poison, names, mask=None, scale=1.0
     return leaves, views, tensors
 
 
-def build_kl_estimate(gen, device, dtype, layout, poison, *, estimator):
+def build_kl_estimate(gen, device, dtype, layout, poison, *, estimator, dims=DIMS):
     if poison == "masked":
         pytest.skip("kl_estimate has no mask")
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"))
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), dims)
     return Built(leaves, views, lambda: (pf.kl_estimate(t["logprobs"], t["ref_logprobs"], estimator),), (0,))
 
 
-def _mask_for(gen, device, layout):
+def _mask_for(gen, device, layout, dims):
+    B, T, _ = dims
     mask = random_mask(gen, (B, T), device)
     if layout == "expanded":
         mask = mask[1:2].expand(B, T)
     return mask
 
 
-def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, estimator):
-    mask = _mask_for(gen, device, layout)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), mask)
-    scores = torch.randn(B, generator=gen).to(device, dtype).requires_grad_(True)
+def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, estimator, dims=DIMS):
+    mask = _mask_for(gen, device, layout, dims)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), dims, mask)
+    scores = torch.randn(dims[0], generator=gen).to(device, dtype).requires_grad_(True)
     leaves["scores"], views["scores"] = scores, lambda g: g
 
     def call():
@@ -174,16 +181,16 @@ def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, estimator)
     return Built(leaves, views, call, (0, 1))
 
 
-def build_gae(gen, device, dtype, layout, poison, *, gamma=0.99, lam=0.95):
-    mask = _mask_for(gen, device, layout)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("rewards", "values"), mask)
+def build_gae(gen, device, dtype, layout, poison, *, gamma=0.99, lam=0.95, dims=DIMS):
+    mask = _mask_for(gen, device, layout, dims)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("rewards", "values"), dims, mask)
     return Built(leaves, views, lambda: pf.gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam), (0, 1))
 
 
-def build_clipped_policy_loss(gen, device, dtype, layout, poison, *, agg, dual_clip=None, weighted=False):
-    mask = _mask_for(gen, device, layout)
+def build_clipped_policy_loss(gen, device, dtype, layout, poison, *, agg, dual_clip=None, weighted=False, dims=DIMS):
+    mask = _mask_for(gen, device, layout, dims)
     names = ("logprobs", "old_logprobs", "advantages") + (("weights",) if weighted else ())
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, names, mask, scale=0.5)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask, scale=0.5)
 
     def call():
         loss, stats = pf.clipped_policy_loss(
@@ -195,9 +202,9 @@ def build_clipped_policy_loss(gen, device, dtype, layout, poison, *, agg, dual_c
     return Built(leaves, views, call, (0,))
 
 
-def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2):
-    mask = _mask_for(gen, device, layout)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("values", "old_values", "returns"), mask)
+def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2, dims=DIMS):
+    mask = _mask_for(gen, device, layout, dims)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("values", "old_values", "returns"), dims, mask)
 
     def call():
         loss, stats = pf.value_loss(t["values"], t["old_values"], t["returns"], mask, clip=clip, agg=agg)
@@ -219,6 +226,8 @@ VARIANTS = {
     ),
     "value_loss": (build_value_loss, [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "clip": None}]),
 }
+for _op, (_, _variants) in VARIANTS.items():
+    _variants.append({**_variants[0], "dims": LONG_DIMS.get(_op, LONG_DIMS["default"])})
 assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
 
 
