@@ -11,6 +11,11 @@ Scanning a row from its end, each token is an affine map ``x -> coef * x + offse
 Each chunk of ``BLOCK_T`` tokens is loaded in reversed order, so a forward
 ``tl.associative_scan`` runs backwards in time; the value of both recurrences at
 the chunk's first token is the carry into the next chunk, so any T works.
+
+Every input (rewards, values, mask, the output gradients) is read through its
+strides, so sliced, transposed and expanded inputs are read in place; addresses
+are int64.  Masked positions are never read (NaN/inf there is ignored) and get
+exactly 0 in every output and gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dtypes import cast_for_store, compute_dtype, result_dtype
+from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
+from ._launch import check_same_device, check_shape, device_guard
 
 MAX_BLOCK_T = 1024
 
@@ -45,14 +51,16 @@ def _gae_kernel(
     mask_stride0,
     mask_stride1,
     gamma,
+    gamma_lo,
     lam,
+    lam_lo,
     ACC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    gamma = tl.cast(gamma, ACC)
-    gamma_lam = gamma * tl.cast(lam, ACC)
-    offs = tl.arange(0, BLOCK_T)
+    gamma = scalar(gamma, gamma_lo, ACC)
+    gamma_lam = gamma * scalar(lam, lam_lo, ACC)
+    offs = tl.arange(0, BLOCK_T).to(tl.int64)  # so that t * stride is int64 whatever the strides' type
     is_chunk_start = offs == BLOCK_T - 1  # reversed order: the last scan slot is the earliest token
     carry_advantage = tl.zeros([], ACC)
     carry_next_value = tl.zeros([], ACC)  # the value after the last valid token is 0
@@ -90,21 +98,28 @@ def _gae_kernel(
 def gae_forward(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, block_t: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` ``[B, T]`` float32 (float64 for float64 inputs); inputs ``[B, T]`` with any strides, ``mask`` bool.
+    """``(advantages, returns)`` ``[B, T]`` float32 (float64 for float64 inputs); inputs ``[B, T]`` with any strides
+    (expanded included), ``mask`` bool or 0/1 of any dtype.
 
     ``block_t`` overrides the chunk size (tests use a small one to cross chunks).
     """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, T], got shape {tuple(rewards.shape)}")
+    check_shape("values", values, rewards.shape)
+    check_shape("mask", mask, rewards.shape)
+    check_same_device(rewards=rewards, values=values, mask=mask)
     batch, length = rewards.shape
     advantages = torch.empty((batch, length), dtype=result_dtype(rewards, values), device=rewards.device)
     returns = torch.empty_like(advantages)
     if batch == 0 or length == 0:
         return advantages, returns
     block = block_t or min(triton.next_power_of_2(length), MAX_BLOCK_T)
-    _gae_kernel[(batch,)](
-        rewards, values, mask, advantages, returns, length,
-        *rewards.stride(), *values.stride(), *mask.stride(), gamma, lam,
-        ACC=compute_dtype(advantages.dtype), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
-    )
+    with device_guard(advantages):
+        _gae_kernel[(batch,)](
+            rewards, values, mask, advantages, returns, length,
+            *rewards.stride(), *values.stride(), *mask.stride(), *split_scalar(gamma), *split_scalar(lam),
+            ACC=compute_dtype(advantages.dtype), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
+        )
     return advantages, returns
 
 
@@ -118,8 +133,14 @@ def _gae_bwd_kernel(
     length,
     mask_stride0,
     mask_stride1,
+    grad_adv_stride0,
+    grad_adv_stride1,
+    grad_ret_stride0,
+    grad_ret_stride1,
     gamma,
+    gamma_lo,
     lam,
+    lam_lo,
     HAS_GRAD_ADV: tl.constexpr,
     HAS_GRAD_RET: tl.constexpr,
     ACC: tl.constexpr,
@@ -131,13 +152,15 @@ def _gae_bwd_kernel(
     # delta_t with -1 and the previous valid token's delta with gamma,
     # grad v_t = -S_t + gamma * S_(previous valid) + grad_returns_t.
     row = tl.program_id(0).to(tl.int64)
-    gamma = tl.cast(gamma, ACC)
-    gamma_lam = gamma * tl.cast(lam, ACC)
-    offs = tl.arange(0, BLOCK_T)
+    gamma = scalar(gamma, gamma_lo, ACC)
+    gamma_lam = gamma * scalar(lam, lam_lo, ACC)
+    offs = tl.arange(0, BLOCK_T).to(tl.int64)
     is_chunk_end = offs == BLOCK_T - 1
     carry = tl.zeros([], ACC)  # S at the last token before the chunk
     carry_previous = tl.zeros([], ACC)  # S at the last valid token before the one before the chunk
     mask_row = mask_ptr + row * mask_stride0
+    grad_adv_row = grad_adv_ptr + row * grad_adv_stride0
+    grad_ret_row = grad_ret_ptr + row * grad_ret_stride0
     out_row = row * length
     for chunk in range(0, tl.cdiv(length, BLOCK_T)):
         t = chunk * BLOCK_T + offs
@@ -149,12 +172,12 @@ def _gae_bwd_kernel(
         preceding_grad = tl.zeros([BLOCK_T], ACC)
         grad_ret = tl.zeros([BLOCK_T], ACC)
         if HAS_GRAD_ADV:
-            grad += tl.load(grad_adv_ptr + out_row + t, mask=valid, other=0.0).to(ACC)
-            preceding_grad += tl.load(grad_adv_ptr + out_row + t - 1, mask=preceding_valid, other=0.0).to(ACC)
+            grad += tl.load(grad_adv_row + t * grad_adv_stride1, mask=valid, other=0.0).to(ACC)
+            preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride1, mask=preceding_valid, other=0.0).to(ACC)
         if HAS_GRAD_RET:
-            grad_ret = tl.load(grad_ret_ptr + out_row + t, mask=valid, other=0.0).to(ACC)
+            grad_ret = tl.load(grad_ret_row + t * grad_ret_stride1, mask=valid, other=0.0).to(ACC)
             grad += grad_ret
-            preceding_grad += tl.load(grad_ret_ptr + out_row + t - 1, mask=preceding_valid, other=0.0).to(ACC)
+            preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride1, mask=preceding_valid, other=0.0).to(ACC)
 
         s_coef, s_offset = tl.associative_scan(
             (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
@@ -186,8 +209,14 @@ def gae_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. rewards and values (in their dtypes) from those of ``gae_forward``'s outputs.
 
-    Either output gradient may be None (unused); ``block_t`` overrides the chunk size.
+    Either output gradient may be None (unused); both may have any strides (a gradient
+    expanded from a sum has stride 0).  ``block_t`` overrides the chunk size.
     """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    check_shape("grad_advantages", grad_advantages, mask.shape)
+    check_shape("grad_returns", grad_returns, mask.shape)
+    check_same_device(mask=mask, grad_advantages=grad_advantages, grad_returns=grad_returns)
     batch, length = mask.shape
     grad_rewards = torch.empty((batch, length), dtype=rewards_dtype, device=mask.device)
     grad_values = torch.empty((batch, length), dtype=values_dtype, device=mask.device)
@@ -197,13 +226,15 @@ def gae_backward(
     if not given:
         return grad_rewards.zero_(), grad_values.zero_()
     block = block_t or min(triton.next_power_of_2(length), MAX_BLOCK_T)
-    grad_advantages = None if grad_advantages is None else grad_advantages.contiguous()
-    grad_returns = None if grad_returns is None else grad_returns.contiguous()
-    _gae_bwd_kernel[(batch,)](
-        given[0] if grad_advantages is None else grad_advantages,  # unused without HAS_GRAD_ADV
-        given[0] if grad_returns is None else grad_returns,  # unused without HAS_GRAD_RET
-        mask, grad_rewards, grad_values, length, *mask.stride(), gamma, lam,
-        HAS_GRAD_ADV=grad_advantages is not None, HAS_GRAD_RET=grad_returns is not None,
-        ACC=compute_dtype(result_dtype(*given)), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
-    )
+    with device_guard(grad_rewards):
+        _gae_bwd_kernel[(batch,)](
+            given[0] if grad_advantages is None else grad_advantages,  # unused without HAS_GRAD_ADV
+            given[0] if grad_returns is None else grad_returns,  # unused without HAS_GRAD_RET
+            mask, grad_rewards, grad_values, length, *mask.stride(),
+            *(given[0] if grad_advantages is None else grad_advantages).stride(),
+            *(given[0] if grad_returns is None else grad_returns).stride(),
+            *split_scalar(gamma), *split_scalar(lam),
+            HAS_GRAD_ADV=grad_advantages is not None, HAS_GRAD_RET=grad_returns is not None,
+            ACC=compute_dtype(result_dtype(*given)), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
+        )
     return grad_rewards, grad_values

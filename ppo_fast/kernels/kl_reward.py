@@ -1,7 +1,12 @@
-"""Per-token KL estimates and the KL-penalised reward, with the KL's gradient.
+"""Per-token KL estimates and the KL-penalised reward, with their gradients.
 
 The estimators and their clamps are those of ``ppo_fast.reference.kl_estimate``;
-``ESTIMATOR`` is the index of the name in ``reference.KL_ESTIMATORS``.
+``ESTIMATOR`` is the index of the name in ``ppo_fast.contract.KL_ESTIMATORS``.
+
+Every input is read through its strides (sliced, transposed and expanded inputs
+in place); outputs are new contiguous tensors; addresses are int64.  The
+KL-penalised reward kernels never read a masked position's log-probs or
+gradients, so NaN/inf there cannot reach a result or a gradient.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import KL_ESTIMATORS
-from ._dtypes import cast_for_store, compute_dtype, result_dtype
+from ..contract import KL_ESTIMATORS
+from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
+from ._launch import as_rows, check_same_device, check_shape, device_guard
 
 _ELEMENTWISE_BLOCK = 1024
 MAX_BLOCK_T = 1024
@@ -62,21 +68,45 @@ def _kl_grad_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
 
 
 @triton.jit
-def _kl_estimate_kernel(logp_ptr, ref_ptr, kl_ptr, numel, ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < numel
-    log_ratio = tl.load(logp_ptr + offs, mask=inside).to(ACC) - tl.load(ref_ptr + offs, mask=inside).to(ACC)
-    tl.store(kl_ptr + offs, _kl_from_log_ratio(log_ratio, ESTIMATOR), mask=inside)
+def _elementwise_offsets(pid, numel, cols, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+    """This block's flat int64 indices, whether each is inside, and (when STRIDED) its row and column."""
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if STRIDED:
+        row, col = offs // cols, offs % cols
+    else:
+        row, col = offs, offs
+    return offs, offs < numel, row, col
+
+
+@triton.jit
+def _strided(row, col, offs, stride0, stride1, STRIDED: tl.constexpr):
+    if STRIDED:
+        return row * stride0 + col * stride1
+    return offs
+
+
+@triton.jit
+def _kl_estimate_kernel(
+    logp_ptr, ref_ptr, kl_ptr, numel, cols, logp_stride0, logp_stride1, ref_stride0, ref_stride1,
+    ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+):
+    offs, inside, row, col = _elementwise_offsets(tl.program_id(0), numel, cols, BLOCK, STRIDED)
+    logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
+    ref = tl.load(ref_ptr + _strided(row, col, offs, ref_stride0, ref_stride1, STRIDED), mask=inside).to(ACC)
+    tl.store(kl_ptr + offs, _kl_from_log_ratio(logp - ref, ESTIMATOR), mask=inside)
 
 
 @triton.jit
 def _kl_backward_kernel(
-    logp_ptr, ref_ptr, grad_kl_ptr, grad_logp_ptr, grad_ref_ptr, numel, ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
+    logp_ptr, ref_ptr, grad_kl_ptr, grad_logp_ptr, grad_ref_ptr, numel, cols,
+    logp_stride0, logp_stride1, ref_stride0, ref_stride1, grad_kl_stride0, grad_kl_stride1,
+    ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < numel
-    log_ratio = tl.load(logp_ptr + offs, mask=inside).to(ACC) - tl.load(ref_ptr + offs, mask=inside).to(ACC)
-    grad = tl.load(grad_kl_ptr + offs, mask=inside).to(ACC) * _kl_grad_from_log_ratio(log_ratio, ESTIMATOR)
+    offs, inside, row, col = _elementwise_offsets(tl.program_id(0), numel, cols, BLOCK, STRIDED)
+    logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
+    ref = tl.load(ref_ptr + _strided(row, col, offs, ref_stride0, ref_stride1, STRIDED), mask=inside).to(ACC)
+    grad_kl = tl.load(grad_kl_ptr + _strided(row, col, offs, grad_kl_stride0, grad_kl_stride1, STRIDED), mask=inside).to(ACC)
+    grad = grad_kl * _kl_grad_from_log_ratio(logp - ref, ESTIMATOR)
     tl.store(grad_logp_ptr + offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
     tl.store(grad_ref_ptr + offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
 
@@ -99,60 +129,155 @@ def _kl_rewards_kernel(
     mask_stride0,
     mask_stride1,
     kl_coef,
+    kl_coef_lo,
     ESTIMATOR: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    neg_coef = -tl.cast(kl_coef, ACC)
-    score = tl.load(scores_ptr + row * scores_stride).to(ACC)
-    offs = tl.arange(0, BLOCK_T)
-    last = tl.full([], -1, tl.int32)
+    neg_coef = -scalar(kl_coef, kl_coef_lo, ACC)
+    offs = tl.arange(0, BLOCK_T).to(tl.int64)
+    last = tl.full([], -1, tl.int64)
     # Chunks from the end of the row: the first chunk with a valid token holds the
     # row's last valid token, so the score lands in the same single pass.
     for chunk in range(0, tl.cdiv(length, BLOCK_T)):
-        t = length - (chunk + 1) * BLOCK_T + offs
+        t = length - (chunk + 1) * BLOCK_T + offs  # int64: t * stride cannot wrap
         inside = t >= 0
         valid = tl.load(mask_ptr + row * mask_stride0 + t * mask_stride1, mask=inside, other=0) != 0
         logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
         ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
         kl = tl.where(valid, _kl_from_log_ratio(logp - ref, ESTIMATOR), 0.0)
         last = tl.where(last < 0, tl.max(tl.where(valid, t, -1), 0), last)
+        # A row without a valid token never reads its score.
+        score = tl.load(scores_ptr + row * scores_stride, mask=last >= 0, other=0.0).to(ACC)
         rewards = neg_coef * kl + tl.where(t == last, score, 0.0)
         out_offs = row * length + t
         tl.store(kl_ptr + out_offs, kl, mask=inside)
         tl.store(rewards_ptr + out_offs, rewards, mask=inside)
-    tl.store(last_ptr + row, last)
+    tl.store(last_ptr + row, last.to(tl.int32))
+
+
+@triton.jit
+def _kl_rewards_bwd_kernel(
+    logp_ptr,
+    ref_ptr,
+    mask_ptr,
+    last_ptr,
+    grad_rewards_ptr,
+    grad_kl_ptr,
+    grad_scores_ptr,
+    grad_logp_ptr,
+    grad_ref_ptr,
+    length,
+    logp_stride0,
+    logp_stride1,
+    ref_stride0,
+    ref_stride1,
+    mask_stride0,
+    mask_stride1,
+    grad_rewards_stride0,
+    grad_rewards_stride1,
+    grad_kl_stride0,
+    grad_kl_stride1,
+    kl_coef,
+    kl_coef_lo,
+    HAS_GRAD_REWARDS: tl.constexpr,
+    HAS_GRAD_KL: tl.constexpr,
+    ESTIMATOR: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # rewards = -kl_coef * kl + score at the row's last valid token, kl = 0 at masked tokens:
+    # the gradient of kl_t is grad_kl_t - kl_coef * grad_rewards_t at a valid token, and
+    # nothing (not even a NaN gradient or log-prob there) passes at a masked one.
+    row = tl.program_id(0).to(tl.int64)
+    neg_coef = -scalar(kl_coef, kl_coef_lo, ACC)
+    offs = tl.arange(0, BLOCK_T).to(tl.int64)
+    for chunk in range(0, tl.cdiv(length, BLOCK_T)):
+        t = chunk * BLOCK_T + offs
+        inside = t < length
+        valid = tl.load(mask_ptr + row * mask_stride0 + t * mask_stride1, mask=inside, other=0) != 0
+        grad_kl = tl.zeros([BLOCK_T], ACC)
+        if HAS_GRAD_KL:
+            grad_kl += tl.load(grad_kl_ptr + row * grad_kl_stride0 + t * grad_kl_stride1, mask=valid, other=0.0).to(ACC)
+        if HAS_GRAD_REWARDS:
+            grad_rewards = tl.load(grad_rewards_ptr + row * grad_rewards_stride0 + t * grad_rewards_stride1, mask=valid, other=0.0)
+            grad_kl += neg_coef * grad_rewards.to(ACC)
+        logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
+        ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
+        grad = tl.where(valid, grad_kl * _kl_grad_from_log_ratio(logp - ref, ESTIMATOR), 0.0)
+        out_offs = row * length + t
+        tl.store(grad_logp_ptr + out_offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
+        tl.store(grad_ref_ptr + out_offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
+    if HAS_GRAD_REWARDS:
+        last = tl.load(last_ptr + row).to(tl.int64)
+        has_last = (last >= 0) & (last < length)
+        grad_score = tl.load(
+            grad_rewards_ptr + row * grad_rewards_stride0 + tl.where(has_last, last, 0) * grad_rewards_stride1, mask=has_last, other=0.0
+        ).to(ACC)
+        tl.store(grad_scores_ptr + row, cast_for_store(grad_score, grad_scores_ptr))
 
 
 def _elementwise_grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _ELEMENTWISE_BLOCK),)
 
 
+def _rows_and_strides(*tensors: torch.Tensor) -> tuple[int, list[int], bool]:
+    """2-D views of same-shaped tensors: ``(cols, [stride0, stride1] of each, strided)``,
+    ``strided`` False when all are contiguous (then the kernel indexes them flat)."""
+    views = [as_rows(x) for x in tensors]
+    strides = [s for v in views for s in v.stride()]
+    return views[0].shape[1], strides, not all(x.is_contiguous() for x in tensors)
+
+
 def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL estimate, any shape (non-contiguous inputs are copied); float32, float64 for float64 inputs."""
+    """Per-token KL estimate, any shape and strides; a new contiguous float32 tensor (float64 for float64 inputs)."""
+    check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
     kl = torch.empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs), device=logprobs.device)
     if kl.numel():
-        _kl_estimate_kernel[_elementwise_grid(kl.numel())](
-            logprobs.reshape(-1), ref_logprobs.reshape(-1), kl, kl.numel(),
-            ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(kl.dtype), BLOCK=_ELEMENTWISE_BLOCK,
-        )
+        logp_rows, ref_rows = as_rows(logprobs), as_rows(ref_logprobs)
+        cols, strides, strided = _rows_and_strides(logp_rows, ref_rows)
+        with device_guard(kl):
+            _kl_estimate_kernel[_elementwise_grid(kl.numel())](
+                logp_rows, ref_rows, kl, kl.numel(), cols, *strides,
+                ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(kl.dtype), BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
+            )
     return kl
 
 
 def kl_backward(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``sum(grad_kl * kl)`` w.r.t. ``logprobs`` and ``ref_logprobs``, in their dtypes."""
+    """Gradients of ``sum(grad_kl * kl)`` w.r.t. ``logprobs`` and ``ref_logprobs``, in their dtypes (any strides in)."""
+    check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    check_shape("grad_kl", grad_kl, logprobs.shape)
+    check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, grad_kl=grad_kl)
     grad_logp = torch.empty(logprobs.shape, dtype=logprobs.dtype, device=logprobs.device)
     grad_ref = torch.empty(ref_logprobs.shape, dtype=ref_logprobs.dtype, device=ref_logprobs.device)
     if grad_logp.numel():
-        _kl_backward_kernel[_elementwise_grid(grad_logp.numel())](
-            logprobs.reshape(-1), ref_logprobs.reshape(-1), grad_kl.reshape(-1).contiguous(), grad_logp, grad_ref,
-            grad_logp.numel(), ESTIMATOR=estimator_code(estimator),
-            ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)), BLOCK=_ELEMENTWISE_BLOCK,
-        )
+        views = [as_rows(x) for x in (logprobs, ref_logprobs, grad_kl)]
+        cols, strides, strided = _rows_and_strides(*views)
+        with device_guard(grad_logp):
+            _kl_backward_kernel[_elementwise_grid(grad_logp.numel())](
+                *views, grad_logp, grad_ref, grad_logp.numel(), cols, *strides,
+                ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
+                BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
+            )
     return grad_logp, grad_ref
+
+
+def _check_rewards_inputs(scores, logprobs, ref_logprobs, mask) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    check_shape("mask", mask, logprobs.shape)
+    check_shape("scores", scores, logprobs.shape[:1])
+    check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, scores=scores)
+
+
+def _block_t(length: int, block_t: int | None) -> int:
+    return block_t or min(triton.next_power_of_2(length), MAX_BLOCK_T)
 
 
 def kl_penalized_rewards_forward(
@@ -165,7 +290,9 @@ def kl_penalized_rewards_forward(
     block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rewards, kl, last)``: rewards and kl ``[B, T]`` float32 (float64 for float64 log-probs); ``last [B]`` int32 is each
-    row's last valid index, -1 for a row without one.  Any strides; ``block_t`` overrides the chunk size."""
+    row's last valid index, -1 for a row without one.  Any strides (expanded included), ``mask`` bool or 0/1 of any
+    dtype; ``block_t`` overrides the chunk size."""
+    _check_rewards_inputs(scores, logprobs, ref_logprobs, mask)
     batch, length = logprobs.shape
     rewards = torch.empty((batch, length), dtype=result_dtype(logprobs, ref_logprobs), device=logprobs.device)
     kl = torch.empty_like(rewards)
@@ -174,10 +301,58 @@ def kl_penalized_rewards_forward(
         return rewards, kl, last
     if length == 0:
         return rewards, kl, last.fill_(-1)
-    block = block_t or min(triton.next_power_of_2(length), MAX_BLOCK_T)
-    _kl_rewards_kernel[(batch,)](
-        scores, logprobs, ref_logprobs, mask, rewards, kl, last, length,
-        scores.stride(0), *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(), kl_coef,
-        ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(rewards.dtype), BLOCK_T=block,
-    )
+    with device_guard(rewards):
+        _kl_rewards_kernel[(batch,)](
+            scores, logprobs, ref_logprobs, mask, rewards, kl, last, length,
+            scores.stride(0), *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(), *split_scalar(kl_coef),
+            ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(rewards.dtype), BLOCK_T=_block_t(length, block_t),
+        )
     return rewards, kl, last
+
+
+def kl_penalized_rewards_backward(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    last: torch.Tensor,
+    grad_rewards: torch.Tensor | None,
+    grad_kl: torch.Tensor | None,
+    kl_coef: float,
+    estimator: str,
+    scores_dtype: torch.dtype,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(grad_scores, grad_logprobs, grad_ref_logprobs)`` from the gradients of ``kl_penalized_rewards_forward``'s
+    rewards and kl (either may be None: unused), each in its input's dtype (``scores_dtype`` for the scores).
+
+    ``grad_scores`` is None without ``grad_rewards`` (the scores reach only the rewards).  Masked positions get
+    exactly 0, whatever their log-probs or incoming gradients hold.  ``last`` is the forward's."""
+    batch, length = logprobs.shape
+    check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    check_shape("mask", mask, logprobs.shape)
+    check_shape("last", last, (batch,))
+    check_shape("grad_rewards", grad_rewards, logprobs.shape)
+    check_shape("grad_kl", grad_kl, logprobs.shape)
+    check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, last=last, grad_rewards=grad_rewards, grad_kl=grad_kl)
+    grad_logp = torch.empty((batch, length), dtype=logprobs.dtype, device=logprobs.device)
+    grad_ref = torch.empty((batch, length), dtype=ref_logprobs.dtype, device=logprobs.device)
+    has_rewards, has_kl = grad_rewards is not None, grad_kl is not None
+    grad_scores = torch.empty(batch, dtype=scores_dtype, device=logprobs.device) if has_rewards else None
+    if batch == 0:
+        return grad_scores, grad_logp, grad_ref
+    if length == 0 or not (has_rewards or has_kl):
+        return (None if grad_scores is None else grad_scores.zero_()), grad_logp.zero_(), grad_ref.zero_()
+    some_grad = grad_rewards if has_rewards else grad_kl
+    with device_guard(grad_logp):
+        _kl_rewards_bwd_kernel[(batch,)](
+            logprobs, ref_logprobs, mask, last,
+            some_grad if grad_rewards is None else grad_rewards,  # unused without HAS_GRAD_REWARDS
+            some_grad if grad_kl is None else grad_kl,  # unused without HAS_GRAD_KL
+            grad_logp if grad_scores is None else grad_scores,  # unused without HAS_GRAD_REWARDS
+            grad_logp, grad_ref, length,
+            *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(),
+            *(grad_rewards.stride() if has_rewards else (0, 0)), *(grad_kl.stride() if has_kl else (0, 0)), *split_scalar(kl_coef),
+            HAS_GRAD_REWARDS=has_rewards, HAS_GRAD_KL=has_kl, ESTIMATOR=estimator_code(estimator),
+            ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)), BLOCK_T=_block_t(length, block_t),
+        )
+    return grad_scores, grad_logp, grad_ref

@@ -6,18 +6,30 @@ logits are read once in the forward and once in the backward, and nothing of
 size ``[N, V]`` is allocated except the gradient (not even that with
 ``inplace``).  Temperature is folded in: ``z = logits / temperature``.
 
-Rows are addressed as ``[B, T, V]`` with arbitrary strides on the leading dims
-(a ``[N, V]`` input is ``B = N, T = 1``), so slices such as ``logits[:, :-1]``
-are read in place.
+Rows are addressed as ``[B, T, V]`` with arbitrary strides on every dim (a
+``[N, V]`` input is ``B = N, T = 1``), so slices such as ``logits[:, :-1]``, a
+transposed or an expanded (stride-0) tensor are read in place; a unit vocabulary
+stride is specialised by Triton, so the usual layout pays nothing for it.  The
+labels and the per-row gradients are read through their own strides too.  All
+address arithmetic is int64.
+
+Rows whose label is ``ignore_index`` or out of ``[0, V)`` read no logits at all:
+an ignored row gives log-prob 0 and entropy 0, an out-of-range label (possible
+where the host does not check it: CUDA, ``torch.compile``) log-prob NaN and
+entropy NaN; both give a zero gradient row, whatever the logits or the incoming
+gradients hold there.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._dtypes import compute_dtype, result_dtype
+from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
+from ._launch import check_same_device, device_guard, lead_view
 
 # Widest vocabulary block; a larger V loops over blocks.
 MAX_BLOCK_V = 4096
@@ -30,17 +42,22 @@ def _launch_config(vocab: int, block_v: int | None) -> tuple[int, int]:
     return block, num_warps
 
 
-def _row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(rows, rows_per_outer, outer_stride, inner_stride)`` of a ``[N, V]`` or ``[B, T, V]`` tensor."""
+def _row_layout(x: torch.Tensor) -> tuple[tuple[int, ...], int, int, int, int]:
+    """``(lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride)`` of a ``[N, V]`` or ``[B, T, V]`` tensor."""
     if x.dim() == 2:
-        return x.shape[0], 1, x.stride(0), 0
-    return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+        return (x.shape[0],), 1, x.stride(0), 0, x.stride(1)
+    if x.dim() == 3:
+        return (x.shape[0], x.shape[1]), x.shape[1], x.stride(0), x.stride(1), x.stride(2)
+    raise ValueError(f"logits must be [N, V] or [B, T, V], got shape {tuple(x.shape)}")
 
 
 @triton.jit
-def _row_pointer(base_ptr, row, rows_per_outer, outer_stride, inner_stride):
-    # int64: row * stride exceeds 2**31 for large N * V.
-    return base_ptr + (row // rows_per_outer) * outer_stride + (row % rows_per_outer) * inner_stride
+def _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index):
+    """The row's label (int64) and whether it is valid (not ignore_index) and in [0, vocab)."""
+    label = tl.load(labels_ptr + outer * labels_outer_stride + inner * labels_inner_stride).to(tl.int64)
+    valid = label != ignore_index
+    in_vocab = (label >= 0) & (label < vocab)
+    return label, valid, in_vocab
 
 
 @triton.jit
@@ -53,25 +70,35 @@ def _token_logprobs_fwd_kernel(
     rows_per_outer,
     outer_stride,
     inner_stride,
+    vocab_stride,
+    labels_outer_stride,
+    labels_inner_stride,
     vocab,
     inv_temperature,
+    inv_temperature_lo,
     ignore_index,
     RETURN_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = _row_pointer(logits_ptr, row, rows_per_outer, outer_stride, inner_stride)
-    inv_t = tl.cast(inv_temperature, ACC)
-    cols = tl.arange(0, BLOCK_V)
+    # int64 row: every product below (row index * stride) is int64, whatever the strides' type.
+    outer = row // rows_per_outer
+    inner = row % rows_per_outer
+    row_ptr = logits_ptr + outer * outer_stride + inner * inner_stride
+    label, valid, in_vocab = _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index)
+    # Ignored and out-of-range rows read no logits: their loop is empty.
+    row_vocab = tl.where(valid & in_vocab, vocab, 0)
+    inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
+    cols = tl.arange(0, BLOCK_V).to(tl.int64)
 
     run_max = tl.full([], float("-inf"), ACC)
     # sum exp(z - run_max) and, for the entropy, sum exp(z - run_max) * (z - run_max).
     sum_exp = tl.zeros([], ACC)
     weighted = tl.zeros([], ACC)
-    for start in range(0, vocab, BLOCK_V):
+    for start in range(0, row_vocab, BLOCK_V):
         idx = start + cols
-        z = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC) * inv_t
+        z = tl.load(row_ptr + idx * vocab_stride, mask=idx < vocab, other=float("-inf")).to(ACC) * inv_t
         new_max = tl.maximum(run_max, tl.max(z, 0))
         # While every z so far is -inf, shift by 0 so that -inf - -inf never appears.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -88,16 +115,16 @@ def _token_logprobs_fwd_kernel(
 
     shift = tl.where(run_max == float("-inf"), 0.0, run_max)
     log_sum = tl.log(sum_exp)
-    label = tl.load(labels_ptr + row)
-    valid = label != ignore_index
-    chosen = tl.load(row_ptr + tl.where(valid, label, 0)).to(ACC) * inv_t
+    # Row 0's address for a row whose label is not a column (never a read outside the row).
+    chosen = tl.load(row_ptr + tl.where(in_vocab, label, 0) * vocab_stride, mask=valid & in_vocab, other=0.0).to(ACC) * inv_t
     # (z - shift) - log_sum, not z - logsumexp: the logsumexp rounds at the logits' magnitude.
-    tl.store(logp_ptr + row, tl.where(valid, (chosen - shift) - log_sum, 0.0))
+    logp = tl.where(in_vocab, (chosen - shift) - log_sum, float("nan"))
+    tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
     tl.store(stats_ptr + 2 * row, shift)
-    tl.store(stats_ptr + 2 * row + 1, log_sum)
+    tl.store(stats_ptr + (2 * row + 1), log_sum)
     if RETURN_ENTROPY:
         # H = logsumexp - E[z] = log(sum_exp) - E[z - shift]
-        entropy = log_sum - weighted / sum_exp
+        entropy = tl.where(in_vocab, log_sum - weighted / sum_exp, float("nan"))
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
 
 
@@ -113,41 +140,57 @@ def _token_logprobs_bwd_kernel(
     rows_per_outer,
     outer_stride,
     inner_stride,
+    vocab_stride,
     grad_outer_stride,
     grad_inner_stride,
+    grad_vocab_stride,
+    labels_outer_stride,
+    labels_inner_stride,
+    grad_logp_outer_stride,
+    grad_logp_inner_stride,
+    grad_entropy_outer_stride,
+    grad_entropy_inner_stride,
     vocab,
     inv_temperature,
+    inv_temperature_lo,
     ignore_index,
+    HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = _row_pointer(logits_ptr, row, rows_per_outer, outer_stride, inner_stride)
-    grad_row_ptr = _row_pointer(grad_ptr, row, rows_per_outer, grad_outer_stride, grad_inner_stride)
-    inv_t = tl.cast(inv_temperature, ACC)
-    label = tl.load(labels_ptr + row)
-    valid = label != ignore_index
-    shift = tl.load(stats_ptr + 2 * row).to(ACC)
-    log_sum = tl.load(stats_ptr + 2 * row + 1).to(ACC)
-    g_logp = tl.load(grad_logp_ptr + row).to(ACC)
+    outer = row // rows_per_outer
+    inner = row % rows_per_outer
+    row_ptr = logits_ptr + outer * outer_stride + inner * inner_stride
+    grad_row_ptr = grad_ptr + outer * grad_outer_stride + inner * grad_inner_stride
+    label, valid, in_vocab = _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index)
+    # Ignored and out-of-range rows pass no gradient: nothing of theirs is read, zeros are written.
+    row_ok = valid & in_vocab
+    inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
+    shift = tl.load(stats_ptr + 2 * row, mask=row_ok, other=0.0).to(ACC)
+    log_sum = tl.load(stats_ptr + (2 * row + 1), mask=row_ok, other=0.0).to(ACC)
+    g_logp = tl.zeros([], ACC)
+    if HAS_GRAD_LOGP:
+        g_logp = tl.load(grad_logp_ptr + outer * grad_logp_outer_stride + inner * grad_logp_inner_stride, mask=row_ok, other=0.0).to(ACC)
     if HAS_GRAD_ENTROPY:
-        g_entropy = tl.load(grad_entropy_ptr + row).to(ACC)
-        entropy = tl.load(entropy_ptr + row).to(ACC)
-    cols = tl.arange(0, BLOCK_V)
+        g_entropy = tl.load(
+            grad_entropy_ptr + outer * grad_entropy_outer_stride + inner * grad_entropy_inner_stride, mask=row_ok, other=0.0
+        ).to(ACC)
+        entropy = tl.load(entropy_ptr + row, mask=row_ok, other=0.0).to(ACC)
+    cols = tl.arange(0, BLOCK_V).to(tl.int64)
     for start in range(0, vocab, BLOCK_V):
         idx = start + cols
-        in_vocab = idx < vocab
-        z = tl.load(row_ptr + idx, mask=in_vocab, other=float("-inf")).to(ACC) * inv_t
+        in_row = idx < vocab
+        z = tl.load(row_ptr + idx * vocab_stride, mask=in_row & row_ok, other=float("-inf")).to(ACC) * inv_t
         log_p = (z - shift) - log_sum
         p = tl.exp(log_p)
         grad_z = tl.where(idx == label, g_logp, 0.0) - p * g_logp
         if HAS_GRAD_ENTROPY:
             # dH/dz_j = -p_j (log p_j + H), 0 where p_j == 0 (log p_j = -inf).
             grad_z -= p * (tl.where(p > 0, log_p, 0.0) + entropy) * g_entropy
-        # Ignored rows pass no gradient, whatever their logits hold.
-        grad_z = tl.where(valid, grad_z * inv_t, 0.0)
-        tl.store(grad_row_ptr + idx, grad_z.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+        grad_z = tl.where(row_ok, grad_z * inv_t, 0.0)
+        tl.store(grad_row_ptr + idx * grad_vocab_stride, cast_for_store(grad_z, grad_ptr), mask=in_row)
 
 
 def token_logprobs_forward(
@@ -163,37 +206,50 @@ def token_logprobs_forward(
     float32 (float64 for float64 logits, computed in float64).  ``stats``
     (``labels.shape + (2,)``) holds each row's max of ``z = logits / temperature``
     and ``log(sum(exp(z - max)))``, whose sum is the logsumexp; the backward needs
-    them apart to keep ``z - logsumexp`` exact when the logits are large.
+    them apart to keep ``z - logsumexp`` exact when the logits are large (rows with
+    an ignored or out-of-range label have none: they read no logits).
 
-    ``logits`` is ``[N, V]`` or ``[B, T, V]`` with ``stride(-1) == 1``; ``labels``
-    has the leading shape.  ``block_v`` overrides the heuristic (tests use it to
-    cross block boundaries with a small V).
+    ``logits`` is ``[N, V]`` or ``[B, T, V]`` with any strides (never copied);
+    ``labels`` (any integer dtype, any strides, expanded included) has as many
+    elements as there are rows, normally the leading shape.  A label that is
+    neither ``ignore_index`` nor in ``[0, V)`` gives NaN log-prob and entropy and
+    is never used as an address.  ``block_v`` overrides the heuristic (tests use it
+    to cross block boundaries with a small V).
     """
-    rows, rows_per_outer, outer_stride, inner_stride = _row_layout(logits)
+    lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
+    check_same_device(logits=logits, labels=labels)
+    labels_view, labels_outer_stride, labels_inner_stride = lead_view("labels", labels, lead_shape)
     vocab = logits.shape[-1]
     logp = torch.empty(labels.shape, dtype=result_dtype(logits), device=logits.device)
     stats = logp.new_empty(labels.shape + (2,))
     entropy = torch.empty_like(logp) if return_entropy else None
+    rows = logp.numel()
     if rows == 0:
         return logp, entropy, stats
+    if vocab == 0:
+        raise ValueError("logits must have a non-empty vocabulary dim")
     block, num_warps = _launch_config(vocab, block_v)
-    _token_logprobs_fwd_kernel[(rows,)](
-        logits,
-        labels.reshape(-1),
-        logp,
-        entropy if return_entropy else logp,  # unused when not RETURN_ENTROPY
-        stats,
-        rows_per_outer,
-        outer_stride,
-        inner_stride,
-        vocab,
-        1.0 / temperature,
-        ignore_index,
-        RETURN_ENTROPY=return_entropy,
-        ACC=compute_dtype(logp.dtype),
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
+    with device_guard(logits):
+        _token_logprobs_fwd_kernel[(rows,)](
+            logits,
+            labels_view,
+            logp,
+            entropy if return_entropy else logp,  # unused when not RETURN_ENTROPY
+            stats,
+            rows_per_outer,
+            outer_stride,
+            inner_stride,
+            vocab_stride,
+            labels_outer_stride,
+            labels_inner_stride,
+            vocab,
+            *split_scalar(1.0 / temperature),
+            ignore_index,
+            RETURN_ENTROPY=return_entropy,
+            ACC=compute_dtype(logp.dtype),
+            BLOCK_V=block,
+            num_warps=num_warps,
+        )
     return logp, entropy, stats
 
 
@@ -202,7 +258,7 @@ def token_logprobs_backward(
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor | None,
-    grad_logp: torch.Tensor,
+    grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
@@ -211,36 +267,69 @@ def token_logprobs_backward(
 ) -> torch.Tensor:
     """Gradient w.r.t. ``logits`` (in their dtype), the softmax recomputed from the forward's ``stats``.
 
-    ``grad_entropy`` may be None (no entropy gradient).  The gradient is written
-    into ``out`` when given (it may be ``logits`` itself: each block is read
-    before it is overwritten), else into a new contiguous tensor.
+    ``grad_logp`` or ``grad_entropy`` may be None (that output unused; ``entropy``
+    is needed only with ``grad_entropy``).  All may have any strides (a gradient
+    expanded from a sum has stride 0).  The gradient is written into ``out`` when
+    given (it may be ``logits`` itself: each block is read before it is
+    overwritten, so ``out`` must then not overlap itself: the caller checks
+    that), else into a new contiguous tensor.
     """
+    lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
+    check_same_device(logits=logits, labels=labels, stats=stats, entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy, out=out)
+    if out is not None and (out.shape != logits.shape or out.dtype != logits.dtype):
+        raise ValueError(f"out must have the logits' shape {tuple(logits.shape)} and dtype {logits.dtype}")
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out
-    rows, rows_per_outer, outer_stride, inner_stride = _row_layout(logits)
-    if rows == 0:
+    rows = math.prod(lead_shape)
+    if rows == 0 or logits.shape[-1] == 0:
         return grad
-    _, _, grad_outer_stride, grad_inner_stride = _row_layout(grad)
-    has_grad_entropy = grad_entropy is not None
+    labels_view, labels_outer_stride, labels_inner_stride = lead_view("labels", labels, lead_shape)
+    # stats and entropy come from the forward: [rows]-sized, contiguous unless a caller made them otherwise.
+    if stats.numel() != 2 * rows:
+        raise ValueError(f"stats must have {2 * rows} elements (2 per row), got shape {tuple(stats.shape)}")
+    stats = stats.reshape(rows, 2).contiguous()
+    has_grad_logp, has_grad_entropy = grad_logp is not None, grad_entropy is not None
+    if has_grad_entropy:
+        if entropy is None:
+            raise ValueError("the entropy gradient needs the forward's entropy")
+        entropy = lead_view("entropy", entropy, lead_shape)[0].reshape(-1).contiguous()
+        grad_entropy, grad_entropy_outer_stride, grad_entropy_inner_stride = lead_view("grad_entropy", grad_entropy, lead_shape)
+    else:
+        entropy, grad_entropy, grad_entropy_outer_stride, grad_entropy_inner_stride = stats, stats, 0, 0  # unused
+    if has_grad_logp:
+        grad_logp, grad_logp_outer_stride, grad_logp_inner_stride = lead_view("grad_logp", grad_logp, lead_shape)
+    else:
+        grad_logp, grad_logp_outer_stride, grad_logp_inner_stride = stats, 0, 0  # unused
+    _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
     block, num_warps = _launch_config(logits.shape[-1], block_v)
-    _token_logprobs_bwd_kernel[(rows,)](
-        logits,
-        grad,
-        labels.reshape(-1),
-        stats,
-        entropy.reshape(-1) if has_grad_entropy else stats,
-        grad_logp.reshape(-1).contiguous(),
-        grad_entropy.reshape(-1).contiguous() if has_grad_entropy else stats,  # unused without HAS_GRAD_ENTROPY
-        rows_per_outer,
-        outer_stride,
-        inner_stride,
-        grad_outer_stride,
-        grad_inner_stride,
-        logits.shape[-1],
-        1.0 / temperature,
-        ignore_index,
-        HAS_GRAD_ENTROPY=has_grad_entropy,
-        ACC=compute_dtype(stats.dtype),
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
+    with device_guard(logits):
+        _token_logprobs_bwd_kernel[(rows,)](
+            logits,
+            grad,
+            labels_view,
+            stats,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            rows_per_outer,
+            outer_stride,
+            inner_stride,
+            vocab_stride,
+            grad_outer_stride,
+            grad_inner_stride,
+            grad_vocab_stride,
+            labels_outer_stride,
+            labels_inner_stride,
+            grad_logp_outer_stride,
+            grad_logp_inner_stride,
+            grad_entropy_outer_stride,
+            grad_entropy_inner_stride,
+            logits.shape[-1],
+            *split_scalar(1.0 / temperature),
+            ignore_index,
+            HAS_GRAD_LOGP=has_grad_logp,
+            HAS_GRAD_ENTROPY=has_grad_entropy,
+            ACC=compute_dtype(result_dtype(logits)),
+            BLOCK_V=block,
+            num_warps=num_warps,
+        )
     return grad

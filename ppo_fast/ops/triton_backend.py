@@ -3,8 +3,16 @@
 Each op is a ``torch.library.custom_op`` (with a fake implementation), so that
 ``torch.compile(fullgraph=True)`` treats it as one opaque node without graph
 breaks.  All are differentiable as the reference is: ``token_logprobs`` w.r.t. the
-logits, ``kl_estimate`` and ``kl_penalized_rewards`` w.r.t. the log-probs and
-scores, ``gae`` w.r.t. rewards and values.
+logits, ``kl_estimate`` w.r.t. both log-probs, ``kl_penalized_rewards`` w.r.t. the
+scores and both log-probs, ``gae`` w.r.t. rewards and values; each gradient in its
+input's dtype, whichever outputs are used.  A tensor input they are not
+differentiable in (labels, mask) raises in the backward if it requires grad,
+rather than getting a silent ``None``.  The backward ops themselves have no
+autograd (no double backward).
+
+The kernels read any strides, check shapes, run on the inputs' device and never
+sync with the host, so these ops behave the same whether or not the public ops'
+value checks ran (they are skipped under ``torch.compile``).
 
 Served on CUDA tensors; on CPU tensors only under ``TRITON_INTERPRET=1`` (the
 interpreter, for tests).
@@ -16,13 +24,14 @@ import os
 
 import torch
 
-OPS = ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae")
+OPS = ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae")  # of contract.OPS
 _DEVICES = {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"}
 SUPPORTED = {op: set(_DEVICES) for op in OPS}
 
 try:
     from .. import kernels
     from ..kernels._dtypes import result_dtype
+    from ..kernels._launch import is_non_overlapping_and_dense
 except ImportError as err:  # triton missing or broken: availability() says so
     kernels = None
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
@@ -63,7 +72,7 @@ def _token_logprobs_backward_op(
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor,
-    grad_logp: torch.Tensor,
+    grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
@@ -82,11 +91,14 @@ def _token_logprobs_backward_inplace_op(
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor,
-    grad_logp: torch.Tensor,
+    grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
 ) -> None:
+    """Writes the gradient into ``logits``; only for logits whose memory is non-overlapping and dense."""
+    if not is_non_overlapping_and_dense(logits):
+        raise ValueError("an in-place backward needs logits whose memory is non-overlapping and dense")
     kernels.token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits)
 
 
@@ -95,18 +107,31 @@ def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, igno
     return None
 
 
+def _not_differentiable(ctx, **indices: int) -> None:
+    """Raise for a tensor input that requires grad although the op has no gradient for it
+    (returning None for it would silently drop that gradient)."""
+    for name, index in indices.items():
+        if ctx.needs_input_grad[index]:
+            raise RuntimeError(f"the Triton backend is not differentiable w.r.t. {name} (as the reference is not)")
+
+
 def _token_logprobs_setup(ctx, inputs, output):
-    logits, labels, ctx.temperature, _, ctx.ignore_index, ctx.inplace_backward = inputs
+    logits, labels, ctx.temperature, ctx.return_entropy, ctx.ignore_index, inplace_backward = inputs
+    # In place only where every element of the logits has its own address: an expanded
+    # (stride-0) or otherwise overlapping tensor would have its rows' gradients written
+    # over one another.  Else the backward allocates the gradient, as without the flag.
+    ctx.inplace_backward = inplace_backward and is_non_overlapping_and_dense(logits)
     _, entropy, stats = output
     ctx.save_for_backward(logits, labels, stats, entropy)
     ctx.mark_non_differentiable(stats)
-    ctx.set_materialize_grads(False)  # an unused entropy needs no entropy term in the backward
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
 def _token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_stats):
+    _not_differentiable(ctx, labels=1)
     logits, labels, stats, entropy = ctx.saved_tensors
-    if grad_logp is None:
-        grad_logp = torch.zeros_like(labels, dtype=stats.dtype)
+    if not ctx.return_entropy:
+        grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     args = (logits, labels, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
     if ctx.inplace_backward:
         _token_logprobs_backward_inplace_op(*args)
@@ -120,6 +145,8 @@ _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_to
 
 
 def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False):
+    """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
+    their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one)."""
     logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)
     return logp, (entropy if return_entropy else None)
 
@@ -146,7 +173,8 @@ def _kl_backward_op(
 
 @_kl_backward_op.register_fake
 def _(logprobs, ref_logprobs, grad_kl, estimator):
-    return torch.empty_like(logprobs), torch.empty_like(ref_logprobs)
+    # Contiguous, as the kernels' outputs are (empty_like would keep a transposed input's strides).
+    return logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
 
 
 def _kl_estimate_setup(ctx, inputs, output):
@@ -181,6 +209,31 @@ def _(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
     return rewards, torch.empty_like(rewards), scores.new_empty(scores.shape, dtype=torch.int32)
 
 
+@torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards_backward", mutates_args=())
+def _kl_penalized_rewards_backward_op(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    last: torch.Tensor,
+    grad_rewards: torch.Tensor | None,
+    grad_kl: torch.Tensor | None,
+    kl_coef: float,
+    estimator: str,
+    scores_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_scores, grad_logprobs, grad_ref_logprobs)``; ``grad_scores`` is empty without ``grad_rewards``."""
+    grad_scores, grad_logp, grad_ref = kernels.kl_penalized_rewards_backward(
+        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, estimator, scores_dtype
+    )
+    return (grad_logp.new_empty(0, dtype=scores_dtype) if grad_scores is None else grad_scores), grad_logp, grad_ref
+
+
+@_kl_penalized_rewards_backward_op.register_fake
+def _(logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, estimator, scores_dtype):
+    grad_scores = last.new_empty(last.shape if grad_rewards is not None else (0,), dtype=scores_dtype)
+    return grad_scores, logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
+
+
 def _kl_penalized_rewards_setup(ctx, inputs, output):
     scores, logprobs, ref_logprobs, mask, ctx.kl_coef, ctx.estimator = inputs
     ctx.scores_dtype = scores.dtype
@@ -191,19 +244,13 @@ def _kl_penalized_rewards_setup(ctx, inputs, output):
 
 
 def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
+    _not_differentiable(ctx, mask=3)
     logprobs, ref_logprobs, mask, last = ctx.saved_tensors
-    # rewards = -kl_coef * kl + score at the last valid token, kl = 0 at masked tokens.
-    grad_through_kl = torch.zeros_like(logprobs, dtype=result_dtype(logprobs, ref_logprobs))
-    if grad_kl is not None:
-        grad_through_kl = grad_through_kl + grad_kl
-    if grad_rewards is not None:
-        grad_through_kl = grad_through_kl - ctx.kl_coef * grad_rewards
-    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, torch.where(mask, grad_through_kl, 0.0), ctx.estimator)
-    grad_scores = None
-    if grad_rewards is not None:
-        at_last = grad_rewards.gather(-1, last.long().clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        grad_scores = torch.where(last >= 0, at_last, 0.0).to(ctx.scores_dtype)
-    return grad_scores, grad_logp, grad_ref, None, None, None
+    grad_scores, grad_logp, grad_ref = _kl_penalized_rewards_backward_op(
+        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, ctx.kl_coef, ctx.estimator, ctx.scores_dtype
+    )
+    # The scores reach only the rewards: no rewards gradient, no scores gradient.
+    return (grad_scores if grad_rewards is not None else None), grad_logp, grad_ref, None, None, None
 
 
 _kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup_context=_kl_penalized_rewards_setup)
@@ -254,6 +301,7 @@ def _gae_setup(ctx, inputs, output):
 
 
 def _gae_backward(ctx, grad_advantages, grad_returns):
+    _not_differentiable(ctx, mask=2)
     (mask,) = ctx.saved_tensors
     grad_rewards, grad_values = _gae_backward_op(
         grad_advantages, grad_returns, mask, ctx.gamma, ctx.lam, ctx.rewards_dtype, ctx.values_dtype
