@@ -15,6 +15,7 @@ import torch
 import ppo_fast as pf
 
 from . import baselines
+from .peers import trl_logprob_baseline
 
 OPS = ("token_logprobs", "gae", "kl_penalized_rewards", "clipped_policy_loss", "value_loss")
 
@@ -104,7 +105,7 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
         call_op=lambda x: pf.token_logprobs(x["logits"], x["labels"], temperature=TEMPERATURE),
         baselines={
             "eager": eager,
-            "trl-chunked": lambda x: baselines.trl_chunked_logprobs(x["logits"], x["labels"], TEMPERATURE),
+            **trl_logprob_baseline(TEMPERATURE, dtype),  # TRL's own selective_log_softmax where installed, else trl-chunked
         },
         eager_baseline="eager",
         # The reference's own row-chunk loop would be unrolled by dynamo (N·V / 2^24 chunks,

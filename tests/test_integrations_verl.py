@@ -1,0 +1,347 @@
+"""ppo_fast.integrations.verl against verl's own functions (the oracle), on each backend.
+
+Skipped when verl is not installed (.ci/peers.sh installs it; verl's own tests run patched there too).
+"""
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+import torch
+
+core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed")
+verl_F = pytest.importorskip("verl.utils.torch_functional", reason="verl is not installed")
+
+import ppo_fast.integrations.verl as pv  # noqa: E402
+from ppo_fast.integrations import counts  # noqa: E402
+
+BACKENDS = ["native", "triton"]
+AGG = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    pv.unpatch()
+    yield
+    pv.unpatch()
+
+
+def _originals():
+    """verl's own functions, taken while nothing is patched."""
+    assert not pv.is_patched()
+    return {**{n: getattr(core, n) for n in pv._CORE_FUNCTIONS}, **{n: getattr(verl_F, n) for n in pv._FUNCTIONAL_FUNCTIONS}}
+
+
+def _mask(b, t, gaps=True):
+    """0/1 float masks with right padding, gaps inside rows (observation tokens) and an empty row."""
+    lengths = torch.randint(2, t + 1, (b, 1))
+    m = (torch.arange(t) < lengths).float()
+    if gaps:
+        m = m * (torch.rand(b, t) > 0.2).float()
+        m[:, 0] = 1.0
+    m[-1] = 0.0
+    return m
+
+
+def _config(clip_low=0.2, clip_high=0.28, clip_c=3.0, global_info=None, loss_mode="vanilla"):
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2, clip_ratio_low=clip_low,
+                      clip_ratio_high=clip_high, clip_ratio_c=clip_c, loss_agg_mode="token-mean",
+                      policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+    if global_info:
+        cfg.global_batch_info.update(global_info)
+    return cfg
+
+
+def close(a, b, **kw):
+    kw.setdefault("atol", 1e-5)
+    kw.setdefault("rtol", 1e-5)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    torch.testing.assert_close(a, b, **kw)
+
+
+# --------------------------------------------------------------------------- the handle
+
+
+def test_patch_replaces_everything_listed_and_unpatch_restores():
+    orig = _originals()
+    vanilla, estimators = core.POLICY_LOSS_REGISTRY["vanilla"], dict(core.ADV_ESTIMATOR_REGISTRY)
+    handle = pv.patch()
+    for name in pv._CORE_FUNCTIONS:
+        assert getattr(core, name) is getattr(pv, name), name
+    for name in pv._FUNCTIONAL_FUNCTIONS:
+        assert getattr(verl_F, name) is getattr(pv, name), name
+    assert core.get_policy_loss_fn("vanilla") is pv.compute_policy_loss_vanilla
+    assert core.get_policy_loss_fn(pv.POLICY_LOSS_NAME) is pv.compute_policy_loss_vanilla
+    assert core.get_adv_estimator_fn("gae") is pv.compute_gae_advantage_return
+    assert core.get_adv_estimator_fn("grpo") is pv.compute_grpo_outcome_advantage
+    assert core.get_kl_controller(type("C", (), {"type": "fixed", "kl_coef": 0.1})()).__class__ is pv.FixedKLController
+    handle.unpatch()
+    assert all(getattr(core, n) is orig[n] for n in pv._CORE_FUNCTIONS)
+    assert all(getattr(verl_F, n) is orig[n] for n in pv._FUNCTIONAL_FUNCTIONS)
+    assert core.POLICY_LOSS_REGISTRY["vanilla"] is vanilla and pv.POLICY_LOSS_NAME not in core.POLICY_LOSS_REGISTRY
+    assert dict(core.ADV_ESTIMATOR_REGISTRY) == estimators
+
+
+def test_patch_twice_is_harmless_and_handles_nest():
+    orig = _originals()
+    with pv.patch(backend="native") as outer:
+        with pv.patch(backend="triton") as inner:
+            assert core.agg_loss is pv.agg_loss and inner.backend == "triton"
+        assert core.agg_loss is pv.agg_loss, "closing the inner handle keeps the outer patch"
+        assert outer.active and not inner.active
+    assert core.agg_loss is orig["agg_loss"]
+    pv.patch()
+    pv.patch()
+    pv.unpatch()  # the module-level unpatch restores whatever is open
+    assert core.agg_loss is orig["agg_loss"] and not pv.is_patched()
+
+
+def test_aliases_in_loaded_verl_modules_are_patched_and_restored():
+    import verl.trainer.ppo.core_algos as ca  # noqa: F401  (a module that did `from ... import` binds names)
+    import verl.workers.utils.losses as losses
+
+    names = [n for n in ("agg_loss", "kl_penalty", "compute_value_loss") if hasattr(losses, n)]
+    assert names, "verl.workers.utils.losses imports core_algos names directly"
+    before = {n: getattr(losses, n) for n in names}
+    with pv.patch():
+        for n in names:
+            assert getattr(losses, n) is getattr(pv, n)
+    assert {n: getattr(losses, n) for n in names} == before
+
+
+def test_unsupported_version_names_the_supported_ones(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.8.5" if d == "verl" else real(d))
+    with pytest.raises(pv.UnsupportedPeerVersion, match=r"supports verl 0\.9\.x; the installed verl is 0\.8\.5"):
+        pv.patch()
+    assert not pv.is_patched()
+
+
+def test_bad_backend_is_refused():
+    with pytest.raises(ValueError, match="backend"):
+        pv.patch(backend="cuda")
+
+
+# --------------------------------------------------------------------------- each function against verl's
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gae_matches_verl(backend):
+    orig = _originals()
+    rewards, values, mask = torch.randn(5, 17), torch.randn(5, 17), _mask(5, 17)
+    mask[-1, :3] = 1.0  # verl's whitening needs two valid tokens overall; keep the last row non-empty here
+    want = orig["compute_gae_advantage_return"](rewards, values, mask, 0.97, 0.9)
+    with pv.patch(backend=backend):
+        got = core.compute_gae_advantage_return(rewards, values, mask, 0.97, 0.9)
+    for g, w in zip(got, want):  # verl leaves carried values at masked positions; ours are 0 (listed deviation)
+        close(g * mask, w * mask)
+    assert counts("verl")["verl.compute_gae_advantage_return"] >= 1
+
+
+def test_whitening_errors_are_verls():
+    with pv.patch():
+        with pytest.raises(ValueError, match="sum of the mask is one"):
+            verl_F.masked_whiten(torch.randn(2, 3), torch.tensor([[1.0, 0, 0], [0, 0, 0]]))
+        with pytest.raises(ValueError, match="At least one element"):
+            core.compute_gae_advantage_return(torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), 1.0, 0.95)
+
+
+@pytest.mark.parametrize("name", ["compute_grpo_outcome_advantage", "compute_grpo_vectorized_outcome_advantage",
+                                  "compute_rloo_outcome_advantage", "compute_rloo_vectorized_outcome_advantage"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_outcome_estimators_match_verl(name, norm):
+    orig = _originals()
+    mask = _mask(11, 6)
+    rewards = torch.randn(11, 6) * mask
+    index = np.array(["a", "b", "a", "c", "b", "a", "d", "c", "b", "e", "a"], dtype=object)  # d, e: groups of one
+    kwargs = {"norm_adv_by_std_in_grpo": norm} if "grpo" in name else {}
+    if "rloo" in name and not norm:
+        pytest.skip("RLOO has no std normalisation")
+    want = orig[name](token_level_rewards=rewards, response_mask=mask, index=index, **kwargs)
+    with pv.patch():
+        got = core.get_adv_estimator_fn(name.replace("compute_", "").replace("_outcome_advantage", ""))(
+            token_level_rewards=rewards, response_mask=mask, index=index, **kwargs)
+    for g, w in zip(got, want):
+        close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_grpo_epsilon_is_verls():
+    rewards = torch.tensor([[1.0], [1.0], [3.0], [3.0]])  # zero-std groups: 0 / (0 + eps)
+    mask = torch.ones(4, 1)
+    with pv.patch():
+        adv, _ = core.compute_grpo_outcome_advantage(rewards, mask, np.array([0, 0, 1, 1]), epsilon=1e-6)
+    assert torch.equal(adv, torch.zeros(4, 1))
+    rewards = torch.tensor([[1.0], [1.0 + 2e-6]])
+    with pv.patch():
+        adv, _ = core.compute_grpo_outcome_advantage(rewards, torch.ones(2, 1), np.array([0, 0]))
+    std = 2e-6 / 2**0.5
+    assert adv[1, 0].item() == pytest.approx(1e-6 / (std + 1e-6), rel=0.05)  # verl's 1e-6, not ppo_fast's 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", AGG)
+@pytest.mark.parametrize("global_info", [None, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9,
+                                                "loss_scale_factor": 13}])
+def test_policy_loss_matches_verl(backend, agg, global_info):
+    orig = _originals()
+    mask = _mask(6, 9)
+    old = -torch.rand(6, 9) * 3
+    logp = (old + 0.4 * torch.randn(6, 9)).requires_grad_(True)
+    adv = torch.randn(6, 9) * 2
+    weights = torch.rand(6, 9) + 0.5
+    cfg = _config(global_info=global_info)
+    want, want_metrics = orig["compute_policy_loss_vanilla"](old, logp, adv, mask, agg, cfg, weights)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    with pv.patch(backend=backend):
+        fn = core.get_policy_loss_fn("vanilla")
+        got, got_metrics = fn(old, logp, adv, mask, agg, cfg, weights)
+    (got_grad,) = torch.autograd.grad(got, logp)
+    close(got, want)
+    close(got_grad, want_grad)
+    assert got_metrics.keys() == want_metrics.keys()
+    for k in want_metrics:
+        assert got_metrics[k] == pytest.approx(want_metrics[k], abs=1e-6), k
+
+
+def test_policy_loss_applies_verls_dual_clip_by_default():
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[3.0, 0.0]])  # ratio e^3 ~ 20 on a negative advantage: verl caps the loss at 3 * |A|
+    adv = torch.tensor([[-1.0, 1.0]])
+    mask = torch.ones(1, 2)
+    with pv.patch():
+        loss, metrics = core.compute_policy_loss_vanilla(old, logp, adv, mask, "token-sum", _config())
+    assert loss.item() == pytest.approx(3.0 - 1.0)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.5)
+
+
+def test_policy_loss_outside_our_domain_runs_verls_own():
+    orig = _originals()
+    args = (torch.zeros(2, 3), -torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3), "token-mean", _config(clip_low=1.0))
+    want, _ = orig["compute_policy_loss_vanilla"](*args)
+    with pv.patch():
+        got, _ = core.compute_policy_loss_vanilla(*args)
+    close(got, want)
+    assert counts("verl")["verl.compute_policy_loss_vanilla:fallback"] >= 1
+    with pv.patch(), pytest.raises(AssertionError, match="clip_ratio_c"):
+        core.compute_policy_loss_vanilla(*args[:5], _config(clip_c=1.0))
+    with pv.patch(), pytest.raises(ValueError, match="Invalid loss_agg_mode"):
+        core.compute_policy_loss_vanilla(*args[:4], "sum", _config())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", AGG)
+@pytest.mark.parametrize("global_info", [{}, {"dp_size": 4, "batch_num_tokens": 33, "global_batch_size": 7,
+                                              "loss_scale_factor": 5}])
+def test_value_loss_and_agg_loss_match_verl(backend, agg, global_info):
+    orig = _originals()
+    mask = _mask(5, 8)
+    vpreds = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    values, returns = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    want = orig["compute_value_loss"](vpreds, returns, values, mask, 0.3, agg, **global_info)
+    want_grad = torch.autograd.grad(want[0], vpreds)[0]
+    with pv.patch(backend=backend):
+        got = core.compute_value_loss(vpreds, returns, values, mask, 0.3, agg, **global_info)
+        loss_mat = torch.randn(5, 8, requires_grad=True)
+        agg_got = core.agg_loss(loss_mat, mask, agg, **global_info)
+    got_grad = torch.autograd.grad(got[0], vpreds)[0]
+    close(got[0], want[0])
+    close(got[1], want[1])
+    close(got_grad, want_grad)
+    agg_want = orig["agg_loss"](loss_mat, mask, agg, **global_info)
+    close(agg_got, agg_want)
+    close(torch.autograd.grad(agg_got, loss_mat)[0], torch.autograd.grad(agg_want, loss_mat)[0])
+
+
+def test_global_normalisation_errors_are_verls():
+    with pv.patch():
+        with pytest.raises(ValueError, match="batch_num_tokens is required"):
+            core.agg_loss(torch.randn(2, 3), torch.ones(2, 3), "token-mean", dp_size=2)
+        with pytest.raises(ValueError, match="global_batch_size is required"):
+            core.compute_value_loss(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3), 0.2,
+                                    "seq-mean-token-mean", dp_size=2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+"])
+def test_kl_penalty_matches_verl_value_and_gradient(backend, name):
+    orig = _originals()
+    logp = (torch.randn(4, 6) * 2).requires_grad_(True)
+    ref = torch.randn(4, 6) * 2
+    want = orig["kl_penalty"](logp, ref, name)
+    want_grad = torch.autograd.grad(want.sum(), logp)[0]
+    with pv.patch(backend=backend):
+        got = core.kl_penalty(logp, ref, name)
+        with pytest.raises(NotImplementedError):
+            core.kl_penalty_forward(logp, ref, "full")
+    close(got, want)
+    close(torch.autograd.grad(got.sum(), logp)[0], want_grad)
+
+
+def test_kl_controllers_follow_verls():
+    orig = _originals()
+    theirs = orig["AdaptiveKLController"](init_kl_coef=0.2, target_kl=6.0, horizon=10000)
+    with pv.patch():
+        ours = core.get_kl_controller(type("C", (), {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000})())
+    for kl, n in [(3.0, 256), (np.float32(9.5), np.int64(256)), (torch.tensor(6.5), 64)]:
+        theirs.update(kl, n)
+        ours.update(kl, n)
+        assert ours.value == pytest.approx(float(theirs.value), rel=1e-7)  # verl: float32 arithmetic for a tensor KL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_match_verl(backend, dtype):
+    orig = _originals()
+    logits = (torch.randn(3, 5, 41) * 3).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 41, (3, 5))
+    want_lp, want_ent = orig["logprobs_from_logits"](logits, labels), orig["entropy_from_logits"](logits)
+    want_grad = torch.autograd.grad(want_lp.float().sum() + want_ent.float().sum(), logits)[0]
+    with pv.patch(backend=backend):
+        got_lp, got_ent = verl_F.logprobs_from_logits(logits, labels), verl_F.entropy_from_logits(logits)
+        with pytest.raises(ValueError, match="labels"):
+            verl_F.logprobs_from_logits(logits, torch.full((3, 5), -100))  # verl ignores no label
+    got_grad = torch.autograd.grad(got_lp.float().sum() + got_ent.float().sum(), logits)[0]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}  # verl: bf16 softmax
+    close(got_lp, want_lp, **tol)
+    close(got_ent, want_ent, **tol)
+    close(got_grad, want_grad, **tol)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+@pytest.mark.parametrize("axis", [None, -1])
+def test_masked_mean_and_whiten_match_verl(mask_dtype, axis):
+    orig = _originals()
+    x, mask = torch.randn(4, 7), _mask(4, 7).to(mask_dtype)
+    with pv.patch():
+        got_mean = verl_F.masked_mean(x, mask, axis)
+        got_white = [verl_F.masked_whiten(x, mask, shift_mean=s) for s in (True, False)]
+    close(got_mean, orig["masked_mean"](x, mask, axis))
+    m = mask.float()
+    for s, got in zip((True, False), got_white):
+        close(got * m, orig["masked_whiten"](x, mask, shift_mean=s) * m)
+
+
+# --------------------------------------------------------------------------- verl driving our ops
+
+
+def test_verl_registry_drives_our_ops_from_a_config():
+    """actor.policy_loss.loss_mode=ppo_fast selects our loss; agg_loss is ours; the profiler shows ppo_fast:: ops."""
+    cfg = _config(loss_mode=pv.POLICY_LOSS_NAME, global_info={"dp_size": 1, "batch_num_tokens": 30, "global_batch_size": 4})
+    mask = _mask(4, 10, gaps=False)
+    old = -torch.rand(4, 10)
+    logp = (old + 0.1 * torch.randn(4, 10)).requires_grad_(True)
+    adv = torch.randn(4, 10)
+    before = counts("verl")
+    with pv.patch(backend="native"), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_fn = core.get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        loss, metrics = loss_fn(old, logp, adv, mask, cfg.loss_agg_mode, cfg)
+        entropy = core.agg_loss(torch.rand(4, 10), mask, cfg.loss_agg_mode, **cfg.global_batch_info)
+        (loss - 0.01 * entropy).backward()
+    after = counts("verl")
+    assert after["verl.compute_policy_loss_vanilla"] == before.get("verl.compute_policy_loss_vanilla", 0) + 1
+    assert after["verl.agg_loss"] == before.get("verl.agg_loss", 0) + 1
+    assert any(e.name.startswith("ppo_fast::") for e in prof.events()), "no ppo_fast op in the profile"
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
