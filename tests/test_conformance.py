@@ -35,10 +35,10 @@ FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
 LAYOUTS = ("contiguous", "sliced", "transposed", "expanded")
 POISONS = ("clean", "masked", "valid")
 DIMS = (3, 6, 37)  # B, T, V of most cases
-# Long rows: past the native CPU kernels' chunks (1024 logits, 256 tokens), so that the
-# carries between chunks are compared too (the Triton tests cross their blocks with small
-# block sizes of their own).
-LONG_DIMS = {"token_logprobs": (2, 3, 1500), "default": (2, 600, 0)}
+# Long rows: past the native CPU kernels' chunks (1024 logits, 256 tokens) and the Triton
+# kernels' widest blocks (4096 logits, 1024 tokens), so that the carries between chunks
+# are compared too.
+LONG_DIMS = {"token_logprobs": (2, 3, 4099), "default": (2, 1100, 0)}
 
 
 def serving(op: str, device: str) -> list[str]:
