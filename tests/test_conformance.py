@@ -245,6 +245,7 @@ def _matrix():
                                 label = "-".join(f"{k}={v}" for k, v in variant.items())
                                 yield pytest.param(
                                     op, backend, device, dtype, layout, poison, variant,
+                                    marks=[pytest.mark.cuda] if device == "cuda" else [],
                                     id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}" + (f"-{label}" if label else ""),
                                 )
 
@@ -311,7 +312,7 @@ def _compiled_cases():
     for op in OPS:
         for device in DEVICES:
             for backend in ["reference"] + serving(op, device):
-                yield pytest.param(op, backend, device, id=f"{op}-{backend}-{device}")
+                yield pytest.param(op, backend, device, marks=[pytest.mark.cuda] if device == "cuda" else [], id=f"{op}-{backend}-{device}")
 
 
 @pytest.mark.parametrize("op, backend, device", list(_compiled_cases()))
