@@ -1,4 +1,11 @@
-"""The ``ppo-fast`` command: ``ppo-fast train [options]`` and ``ppo-fast options [--markdown]``."""
+"""The ``ppo-fast`` command: ``ppo-fast train [options]`` and ``ppo-fast options [--markdown]``.
+
+The console script starts in ``ppo_fast_cli`` (top level), which parses the command line
+without importing torch and calls :func:`run`; ``python -m ppo_fast`` and tests call
+:func:`main`.  A user error (a bad option, a missing file or model, a reward function
+that cannot be imported, ...) is reported as one ``ppo-fast: error: ...`` line and exit
+status 1 (2 for a bad command line); a bug still shows its traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +13,38 @@ import argparse
 import sys
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """(the top-level parser, the ``train`` sub-command's parser)."""
-    from .trainer.config import add_arguments
-
-    parser = argparse.ArgumentParser(prog="ppo-fast", description="Kernel-accelerated PPO for language models.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser(
-        "train", help="run PPO (with no options: the built-in offline addition task)",
-        description="Run PPO. With no options, trains the built-in addition task offline (CPU or GPU).",
-    )
-    train.add_argument("--config", metavar="FILE", help="YAML or JSON file of options; flags given here override it")
-    add_arguments(train)
-    options = commands.add_parser("options", help="list the training options")
-    options.add_argument("--markdown", action="store_true", help="as a Markdown table (for the README)")
-    return parser, train
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser, train_parser = _parsers()
-    args = parser.parse_args(argv)
-    from .trainer.config import config_from_args, options_markdown
+    from .trainer.config import build_parser, options_markdown
 
+    parser, train_parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "options":
         print(options_markdown() if args.markdown else train_parser.format_help())
         return 0
+    return run(args)
 
+
+def _fail(message: str) -> int:
+    print(f"ppo-fast: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``train`` command; returns the exit status."""
+    from .trainer.config import ConfigError, config_from_args
+
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as err:
+        return _fail(str(err))
+
+    from . import BackendUnavailableError
     from .trainer import NonFiniteError, PPOTrainer, RewardError
 
     try:
-        summary = PPOTrainer(config_from_args(args)).train()
-    except (ValueError, RewardError, NonFiniteError, FileNotFoundError) as err:
-        print(f"ppo-fast: error: {err}", file=sys.stderr)
-        return 1
+        summary = PPOTrainer(cfg).train()
+    except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError) as err:
+        return _fail(str(err))
     # 130: the conventional exit status after Ctrl-C.
     return 0 if summary["stop_reason"] == "done" else 130
 

@@ -235,32 +235,31 @@ def test_bad_config_values_fail_naming_the_field(field, value):
 
 
 def test_group_estimators_need_several_samples():
-    with pytest.raises(ValueError, match="num_samples_per_prompt must be >= 2 for advantage_estimator=grpo"):
+    with pytest.raises(ValueError, match=r"num_samples_per_prompt \(--num-samples-per-prompt\) must be >= 2 for advantage_estimator=grpo"):
         TrainerConfig(advantage_estimator="grpo").validate()
 
 
 def test_cli_rejects_bad_values_at_start(tmp_path, capsys):
     assert main(["train", "--kl-coef", "-1", "--output-dir", str(tmp_path / "x")]) == 1
-    assert "kl_coef must be >= 0" in capsys.readouterr().err
+    assert "kl_coef (--kl-coef) must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     with pytest.raises(SystemExit):
         main(["train", "--steps", "three"])
 
 
 def test_config_file_with_cli_overrides(tmp_path):
-    from ppo_fast.cli import _parsers
-    from ppo_fast.trainer.config import config_from_args
+    from ppo_fast.trainer.config import build_parser, config_from_args
 
     path = tmp_path / "c.yaml"
     path.write_text("kl_coef: 0.2\nsteps: 7\nwhiten_advantages: false\n")
-    _, train = _parsers()
+    _, train = build_parser()
     cfg = config_from_args(train.parse_args(["--config", str(path), "--steps", "9"]))
     assert (cfg.kl_coef, cfg.steps, cfg.whiten_advantages) == (0.2, 9, False)
     path.write_text('{"kl_coeff": 0.2}')
     with pytest.raises(ValueError, match="unknown option.*kl_coeff"):
         TrainerConfig.from_file(path)
     path.write_text('{"steps": "many"}')
-    with pytest.raises(ValueError, match="steps must be int"):
+    with pytest.raises(ValueError, match="steps must be an integer"):
         TrainerConfig.from_file(path)
 
 

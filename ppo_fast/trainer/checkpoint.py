@@ -4,7 +4,8 @@ Layout of ``output_dir/checkpoints/step-000042/``: ``policy/`` (model and tokeni
 ``save_pretrained``), ``critic.pt`` (value head and, unless shared, its backbone) and
 ``trainer_state.pt`` (step, optimizer, scheduler, KL coefficient, RNG states, config).
 A checkpoint is written to a temporary folder and renamed, so a crash never leaves a
-half-written one behind.
+half-written one behind.  Only the latest ``keep`` checkpoints are kept
+(``--keep-checkpoints``, 2 by default; 0 keeps all).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
-KEEP_LAST = 2
+KEEP_LAST = 2  # the default of --keep-checkpoints
 
 
 def rng_state() -> dict:
@@ -50,7 +51,7 @@ class TrainerState:
     config: dict
 
 
-def save(output_dir: Path, policy, tokenizer, critic, state: TrainerState) -> Path:
+def save(output_dir: Path, policy, tokenizer, critic, state: TrainerState, keep: int = KEEP_LAST) -> Path:
     root = output_dir / CHECKPOINTS
     final = root / f"step-{state.step:06d}"
     tmp = root / f".tmp-step-{state.step:06d}"
@@ -62,8 +63,9 @@ def save(output_dir: Path, policy, tokenizer, critic, state: TrainerState) -> Pa
     torch.save(vars(state), tmp / STATE_FILE)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    for old in sorted(root.glob("step-*"))[:-KEEP_LAST]:
-        shutil.rmtree(old)
+    if keep > 0:
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old)
     return final
 
 

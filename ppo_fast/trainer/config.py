@@ -3,24 +3,49 @@
 Every field becomes a command-line flag (``--kl-coef 0.05``), can be set in a YAML or
 JSON file (``kl_coef: 0.05``) and is checked by :meth:`TrainerConfig.validate` before
 anything is loaded, so a bad value fails at start with a message naming the field.
+
+This module imports only the standard library (PyYAML only to read a YAML file): the
+``ppo-fast`` launcher (``ppo_fast_cli.py``) loads it on its own to answer ``--help``
+and to parse the command line without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..contract import AGG_MODES, KL_ESTIMATORS
+# The same tuples as ppo_fast.contract's (tests/test_cli.py checks it); repeated here so
+# that this module does not import torch.
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
 CRITIC_MODES = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "reference", "triton", "native")
+
+# --response-length when it is not given: the built-in task's answers are at most 3
+# digits and an EOS; a custom model gets a length that fits a short answer.
+BUILTIN_RESPONSE_LENGTH = 4
+CUSTOM_RESPONSE_LENGTH = 64
+
+
+class ConfigError(ValueError):
+    """A user error: a bad option value, or an input file or path that cannot be used.
+
+    The ``ppo-fast`` command prints it as one ``ppo-fast: error: ...`` line."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field: ``kl_coef`` -> ``--kl-coef``."""
+    return "--" + name.replace("_", "-")
 
 
 def _opt(default, help_text: str, group: str):
@@ -41,19 +66,31 @@ class TrainerConfig:
     )
     resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run")
     save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run")
+    keep_checkpoints: int = _opt(2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run")
     sample_every: int = _opt(25, "Print a few sample completions every this many steps (0: never).", "run")
     num_samples_to_print: int = _opt(3, "How many sample completions to print each time.", "run")
-    eval_every: int = _opt(25, "Evaluate held-out greedy reward every this many steps (0: only before and after).", "run")
+    eval_every: int = _opt(
+        25, "Evaluate the held-out prompts (the built-in task's, or --eval-prompts-file) with greedy decoding every this "
+        "many steps; always before and after PPO (0: only before and after).", "run"
+    )
 
     # --- models and rewards
     model_name_or_path: str | None = _opt(
         None, "Policy: a local AutoModelForCausalLM path/name. Unset: the built-in addition task's small GPT-2.", "model"
     )
     critic: str = _opt("separate", "Value head on a separate copy of the backbone, or 'shared' with the policy.", "model")
-    reward_fn: str | None = _opt(None, "Reward function 'module:function' called as fn(prompts, responses) -> scores.", "model")
+    reward_fn: str | None = _opt(
+        None, "Reward function 'module:function' (found in the working directory too) or 'path/to/file.py:function', "
+        "called as fn(prompts, responses) or fn(prompts, responses, answers) -> one score per response.", "model"
+    )
     reward_model: str | None = _opt(None, "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score).", "model")
     prompts_file: str | None = _opt(
-        None, "Prompts for a custom model: a .txt file (one per line) or .jsonl with a 'prompt' field.", "model"
+        None, "Training prompts for a custom model: .txt (one per line), .jsonl (one {\"prompt\": ..., \"answer\": ...} "
+        "object per line; answer optional) or .json (a list of strings or of such objects).", "model"
+    )
+    eval_prompts_file: str | None = _opt(
+        None, "Held-out prompts, same formats as --prompts-file, scored by the run's reward with greedy decoding before, "
+        "during and after PPO; with an 'answer' per prompt also eval/exact_match.", "model"
     )
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
     bf16: bool = _opt(True, "bfloat16 autocast on CUDA (ignored on CPU).", "model")
@@ -62,7 +99,10 @@ class TrainerConfig:
     # --- rollout
     batch_size: int = _opt(64, "Prompts per PPO iteration.", "rollout")
     num_samples_per_prompt: int = _opt(1, "Responses sampled per prompt (>= 2 for grpo and rloo).", "rollout")
-    response_length: int = _opt(4, "Maximum new tokens per response (generation stops at EOS).", "rollout")
+    response_length: int | None = _opt(
+        None, f"Maximum new tokens per response (generation stops at EOS). Unset: {BUILTIN_RESPONSE_LENGTH} for the "
+        f"built-in task, {CUSTOM_RESPONSE_LENGTH} for a custom model.", "rollout"
+    )
     temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
 
@@ -99,15 +139,18 @@ class TrainerConfig:
     demo_carry_error_rate: float = _opt(
         0.7, "Fraction of warm-up demonstrations needing a carry whose teacher forgot it (a wrong digit).", "builtin"
     )
-    eval_size: int = _opt(400, "Held-out problems for greedy accuracy before and after PPO.", "builtin")
+    eval_size: int = _opt(400, "Held-out problems of the built-in task for greedy accuracy before and after PPO.", "builtin")
 
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
-        positive = ("steps", "batch_size", "num_samples_per_prompt", "response_length", "num_ppo_epochs",
+        positive = ("steps", "batch_size", "num_samples_per_prompt", "num_ppo_epochs",
                     "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print")
-        non_negative = ("cpu_threads", "save_every", "sample_every", "eval_every", "warmup_steps", "sft_steps", "eval_size", "seed")
+        non_negative = ("cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
+                        "sft_steps", "eval_size", "seed")
+        if self.response_length is not None:
+            _require("response_length", self.response_length >= 1, "must be >= 1")
         for name in positive:
             _require(name, getattr(self, name) >= 1, "must be >= 1")
         for name in non_negative:
@@ -120,9 +163,7 @@ class TrainerConfig:
             _require(name, 0 <= getattr(self, name) <= 1, "must lie in [0, 1]")
         _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
         _require("cliprange", 0 < self.cliprange < 1, "must lie in (0, 1)")
-        for name, choices in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("critic", CRITIC_MODES),
-                              ("kl_estimator", KL_ESTIMATORS), ("loss_agg", AGG_MODES),
-                              ("lr_scheduler_type", LR_SCHEDULES), ("device", DEVICES), ("backend", BACKEND_CHOICES)):
+        for name, choices in CHOICES.items():
             _require(name, getattr(self, name) in choices, f"must be one of {', '.join(choices)}")
         rows = self.batch_size * self.num_samples_per_prompt
         _require("num_mini_batches", rows % self.num_mini_batches == 0,
@@ -132,13 +173,15 @@ class TrainerConfig:
         if self.advantage_estimator in ("grpo", "rloo"):
             _require("num_samples_per_prompt", self.num_samples_per_prompt >= 2,
                      f"must be >= 2 for advantage_estimator={self.advantage_estimator}")
-        _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with reward_fn; choose one")
+        _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with --reward-fn; choose one")
         if self.model_name_or_path is not None:
-            _require("prompts_file", self.prompts_file is not None, "is required with model_name_or_path")
+            _require("prompts_file", self.prompts_file is not None, "is required with --model-name-or-path")
             _require("reward_fn", bool(self.reward_fn or self.reward_model),
-                     "(or reward_model) is required with model_name_or_path")
+                     "(or --reward-model) is required with --model-name-or-path")
         if self.reward_fn is not None:
-            _require("reward_fn", ":" in self.reward_fn, "must look like 'module:function'")
+            module, _, function = self.reward_fn.rpartition(":")
+            _require("reward_fn", bool(module and function),
+                     f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}")
         return self
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -148,34 +191,60 @@ class TrainerConfig:
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> TrainerConfig:
+        """Build a config from ``{field: value}``; numbers written as strings (YAML reads
+        ``1e-4`` as a string) are converted, anything else of the wrong type is an error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown option(s) {', '.join(unknown)}")
-        hints = typing.get_type_hints(cls)
-        for name, value in values.items():
-            _check_type(name, value, hints[name], source)
-        return cls(**values)
+            hint = "; `ppo-fast options` lists them" if source != "config" else ""
+            raise ConfigError(f"{source}: unknown option(s) {', '.join(map(str, unknown))}{hint}")
+        hints = _type_hints()
+        return cls(**{name: _coerce(name, value, hints[name], source) for name, value in values.items()})
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainerConfig:
         """Read a YAML (``.yaml``/``.yml``) or JSON file of ``field: value`` pairs."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+        return cls.from_dict(read_config_file(path), source=str(path))
 
-            values = yaml.safe_load(text) or {}
-        else:
+
+def read_config_file(path: str | Path) -> dict:
+    """The ``{field: value}`` mapping of a YAML or JSON config file; ``ConfigError`` if unreadable."""
+    path = Path(path)
+    where = f"--config {path}"
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such file")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from None
+    else:
+        try:
             values = json.loads(text)
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: expected a mapping of option names to values")
-        return cls.from_dict(values, source=str(path))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: not valid JSON ({err}); YAML files must end in .yaml or .yml") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping of option names to values (like `kl_coef: 0.05`)")
+    return values
 
 
 def _require(name: str, ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(f"invalid config: {name} {message}")
+        raise ConfigError(f"invalid config: {name} ({flag(name)}) {message}")
+
+
+_HINTS: dict = {}
+
+
+def _type_hints() -> dict:
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(TrainerConfig, globalns=vars(sys.modules[__name__])))
+    return _HINTS
 
 
 def _base_type(hint):
@@ -184,52 +253,128 @@ def _base_type(hint):
     return args[0] if args else hint
 
 
-def _check_type(name: str, value, hint, source: str) -> None:
+def _coerce(name: str, value, hint, source: str):
+    """``value`` as the field's type: ints for float fields, and numbers written as
+    strings ('1e-4', '100') for int and float fields; else ``ConfigError``."""
     base = _base_type(hint)
     if value is None and base is not hint:
-        return
-    ok = isinstance(value, base) and not (base is not bool and isinstance(value, bool))
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        raise ValueError(f"{source}: {name} must be {base.__name__}, got {value!r}")
+        return None
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if base is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if base in (int, float) and isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+        else:
+            if base is float:
+                return number
+            if number.is_integer():
+                return int(number)
+    if isinstance(value, base) and not (base is not bool and isinstance(value, bool)):
+        return value
+    kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[base]
+    raise ConfigError(f"{source}: {name} must be {kind} ({base.__name__}), got {value!r}")
+
+
+# The fields with a fixed set of values (checked by validate, offered by --help).
+CHOICES = {
+    "device": DEVICES,
+    "backend": BACKEND_CHOICES,
+    "critic": CRITIC_MODES,
+    "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "kl_estimator": KL_ESTIMATORS,
+    "loss_agg": AGG_MODES,
+    "lr_scheduler_type": LR_SCHEDULES,
+}
 
 
 # ---------------------------------------------------------------------- command line
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line as one ``ppo-fast: error: ...`` line (exit status 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        command = self.prog.split(" ", 1)
+        sub = command[1] if len(command) > 1 else next((a for a in getattr(self, "_argv", []) if a in ("train", "options")), "")
+        if message.startswith("unrecognized arguments:"):
+            known = [flag(f.name) for f in dataclasses.fields(TrainerConfig)] + ["--config", "--markdown", "--help"]
+            guesses = []
+            for word in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(word.split("=")[0], known, n=1)
+                if close:
+                    guesses.append(f"{word.split('=')[0]} -> {close[0]}?")
+            if guesses:
+                message += f" (did you mean: {', '.join(guesses)})"
+        where = f" {sub}" if sub else ""
+        self.exit(2, f"ppo-fast: error: {message}; `ppo-fast{where} --help` lists the options\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field, grouped, defaulting to None so that only given flags override."""
-    hints = typing.get_type_hints(TrainerConfig)
+    hints = _type_hints()
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(TrainerConfig):
         group_name = f.metadata["group"]
         group = groups.setdefault(group_name, parser.add_argument_group(f"{group_name} options"))
         base = _base_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        help_text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")
         if base is bool:
-            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.name in CHOICES:
+            group.add_argument(flag(f.name), choices=CHOICES[f.name], default=None, help=help_text)
         else:
-            group.add_argument(_flag(f.name), type=base, default=None, metavar=base.__name__.upper(), help=help_text)
+            group.add_argument(flag(f.name), type=_flag_type(base), default=None, metavar=base.__name__.upper(), help=help_text)
+
+
+def _flag_type(base):
+    if base is str:
+        return str
+
+    def parse(text: str):
+        return _coerce("value", text, base, "flag")
+
+    parse.__name__ = base.__name__  # argparse's message: "invalid int value: 'three'"
+    return parse
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(the ``ppo-fast`` parser, its ``train`` sub-command's parser)."""
+    parser = _Parser(prog="ppo-fast", description="Kernel-accelerated PPO for language models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train", help="run PPO (with no options: the built-in offline addition task)",
+        description="Run PPO. With no options, trains the built-in addition task offline (CPU or GPU).",
+    )
+    train.add_argument("--config", metavar="FILE", help="YAML or JSON file of options; flags given here override it")
+    add_arguments(train)
+    options = commands.add_parser("options", help="list the training options")
+    options.add_argument("--markdown", action="store_true", help="as a Markdown table (for the README)")
+    return parser, train
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """File values (``--config``) first, then every flag given on the command line."""
-    values = TrainerConfig.from_file(args.config).to_dict() if getattr(args, "config", None) else {}
+    values = read_config_file(args.config) if getattr(args, "config", None) else {}
+    source = f"--config {args.config}" if getattr(args, "config", None) else "config"
+    config = TrainerConfig.from_dict(values, source=source)
     for f in dataclasses.fields(TrainerConfig):
         given = getattr(args, f.name, None)
         if given is not None:
-            values[f.name] = given
-    return TrainerConfig.from_dict(values).validate()
+            setattr(config, f.name, given)
+    return config.validate()
 
 
 def options_markdown() -> str:
     """The options as a Markdown table (for the README), generated from the dataclass."""
     lines = ["| Option | Default | Description |", "| --- | --- | --- |"]
     for f in dataclasses.fields(TrainerConfig):
-        lines.append(f"| `{_flag(f.name)}` | `{f.default}` | {f.metadata['help']} |")
+        lines.append(f"| `{flag(f.name)}` | `{f.default}` | {f.metadata['help']} |")
     return "\n".join(lines)

@@ -10,8 +10,6 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
-PLOT_KEYS = ("objective/scores", "objective/kl", "policy/entropy_avg", "loss/policy_avg", "loss/value_avg",
-             "policy/clipfrac_avg", "objective/kl_coef", "eval/score")
 
 
 class PhaseTimer:
@@ -36,6 +34,9 @@ class PhaseTimer:
         return times
 
     def breakdown(self) -> str:
+        """``time per phase: rollout 7.7s (16%), ...``; empty when no phase ran."""
+        if not self.total:
+            return ""
         overall = sum(self.total.values()) or 1.0
         parts = [f"{name} {secs:.1f}s ({100 * secs / overall:.0f}%)" for name, secs in self.total.items()]
         return "time per phase: " + ", ".join(parts)
@@ -84,28 +85,127 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_curves(output_dir: Path) -> Path | None:
-    """Draw the main curves of ``metrics.jsonl`` into ``curves.png``; None if there is nothing to draw."""
-    rows = read_metrics(output_dir / METRICS_FILE)
-    keys = [k for k in PLOT_KEYS if any(k in row for row in rows)]
-    if not keys:
+# Panels of curves.png, most telling first: (metric, title).  A metric that is absent or
+# constant over the run (a fixed KL coefficient, say) gets no panel, and at most
+# MAX_PANELS are drawn (the held-out evaluation included).
+PANELS = (
+    ("objective/scores", "training reward (sampled responses)"),
+    ("objective/kl", "KL to the reference (summed over a response)"),
+    ("policy/entropy_avg", "policy entropy (per token)"),
+    ("loss/policy_avg", "policy loss"),
+    ("loss/value_avg", "value loss"),
+    ("policy/clipfrac_avg", "policy clip fraction"),
+    ("val/explained_variance", "value explained variance"),
+    ("objective/kl_coef", "KL coefficient"),
+    ("objective/response_length", "response length (tokens)"),
+)
+EVAL_KEYS = (("eval/score", "score (reward)"), ("eval/exact_match", "exact match"))
+MAX_PANELS = 8
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average with TensorBoard's debiasing (the first points are not pulled to 0)."""
+    out, last, norm = [], 0.0, 0.0
+    for value in values:
+        last = weight * last + (1 - weight) * value
+        norm = weight * norm + (1 - weight)
+        out.append(last / norm)
+    return out
+
+
+def smoothing_weight(n: int) -> float:
+    """0 (no smoothing) for a few points, up to 0.9 for a long run."""
+    return 0.0 if n < 10 else min(0.9, 1.0 - 5.0 / n)
+
+
+def _informative(values: list[float]) -> bool:
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    return len(finite) > 0 and max(finite) - min(finite) > 1e-9 * max(1.0, abs(finite[0]))
+
+
+def plot_panels(rows: list[dict], before: dict | None = None, after: dict | None = None,
+                after_step: int | None = None) -> tuple[dict, list]:
+    """What ``curves.png`` shows: ``(evals, panels)``.
+
+    ``evals``: ``{metric: (name, [(step, value), ...])}`` for the held-out evaluation, the
+    score before PPO at step 0, the periodic ones, the final one at ``after_step``.
+    ``panels``: ``[(metric, title, [(step, value), ...]), ...]``, the informative training
+    curves (not absent, not constant), most telling first, at most ``MAX_PANELS`` in all.
+    """
+    before, after = before or {}, after or {}
+    evals = {}
+    for key, name in EVAL_KEYS:
+        points = ([(0, before[key])] if key in before else [])
+        points += [(row["step"], row[key]) for row in rows if key in row]
+        if key in after and after_step is not None:
+            points.append((after_step, after[key]))
+        if points:
+            evals[key] = (name, sorted(dict(points).items()))
+    panels = []
+    for key, name in PANELS:
+        points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float))]
+        if points and _informative([v for _, v in points]):
+            panels.append((key, name, points))
+    return evals, panels[: MAX_PANELS - (1 if evals else 0)]
+
+
+def plot_curves(output_dir: Path, *, before: dict | None = None, after: dict | None = None,
+                after_step: int | None = None, title: str = "") -> Path | None:
+    """Draw ``curves.png`` (see :func:`plot_panels`): the held-out evaluation with its
+    before and final points, and the informative training curves, raw (faint) and
+    smoothed, under a title with the run's settings.  None if there is nothing to draw."""
+    evals, panels = plot_panels(read_metrics(output_dir / METRICS_FILE), before, after, after_step)
+    if not panels and not evals:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = 2
-    lines = (len(keys) + columns - 1) // columns
-    fig, axes = plt.subplots(lines, columns, figsize=(5 * columns, 2.6 * lines), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        points = [(row["step"], row[key]) for row in rows if key in row]
-        ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(keys):]:
+    count = len(panels) + (1 if evals else 0)
+    columns = 2 if count > 1 else 1
+    lines = (count + columns - 1) // columns
+    heading_lines = (title.count("\n") + 1 if title else 0) + 1
+    head = 0.17 * heading_lines + 0.1  # inches for the title
+    fig, axes = plt.subplots(lines, columns, figsize=(6 * columns, 2.9 * lines + head), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[count:]:
         ax.axis("off")
-    fig.tight_layout()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if evals:
+        ax = flat.pop(0)
+        summary = []
+        for (key, (name, points)), color in zip(evals.items(), ("tab:green", "tab:purple")):
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o", color=color, label=name)
+            for step, value, align in ((steps[0], values[0], "left"), (steps[-1], values[-1], "right"))[: len(points)]:
+                ax.annotate(f"{value:.3f}", (step, value), textcoords="offset points", xytext=(0, 7), ha=align,
+                            fontsize=8, color=color, fontweight="bold")
+            summary.append(f"{name.split(' (')[0]} {values[0]:.3f} -> {values[-1]:.3f}")
+        ax.set_title(f"held-out eval, greedy: {', '.join(summary)}", fontsize=10)
+        ax.margins(y=0.15)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("step")
+    weights = set()
+    for ax, (key, name, points), color in zip(flat, panels, colors * 3):
+        steps, values = zip(*points)
+        weight = smoothing_weight(len(values))
+        if weight:
+            weights.add(weight)
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, smooth(list(values), weight), color=color, linewidth=1.8)
+        else:
+            ax.plot(steps, values, color=color, marker=".")
+        ax.set_title(f"{name}  [{key}]", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("step")
+    heading = title
+    if weights:
+        heading += ("\n" if heading else "") + f"faint: per step; solid: moving average (EMA, weight {max(weights):.2f})"
+    if heading:
+        fig.suptitle(heading, fontsize=9, y=0.995, va="top")
+    fig.tight_layout()  # leaves room for the suptitle
     path = output_dir / PLOT_FILE
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -3,9 +3,67 @@
 from __future__ import annotations
 
 import copy
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
+
+from .config import ConfigError
+
+
+def check_pretrained(option: str, name: str) -> None:
+    """Fail early (before any model is loaded) when ``name`` is neither a saved model
+    folder nor a Hugging Face hub id that can be resolved (cached or downloadable)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{option} {name}: is a file; give the folder written by save_pretrained()")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{option} {name}: no config.json in this folder; give the folder written by save_pretrained()")
+        return
+    # A hub id is "name" or "org/name"; anything else is meant as a local folder.
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_local:
+        raise ConfigError(f"{option} {name}: no such directory (relative paths start from {os.getcwd()})")
+    from transformers import AutoConfig
+
+    try:  # a hub id already in the local cache
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return
+    except (OSError, ValueError):
+        pass
+    if not _hub_reachable():  # not a folder, not cached, no hub: say so now (not after minutes of retries)
+        raise ConfigError(f"{option} {name}: no such directory (relative paths start from {os.getcwd()}), and no "
+                          "Hugging Face hub model of that name in the local cache (the hub cannot be reached from here)")
+    load_pretrained(option, name, AutoConfig)  # a hub id: resolving its config.json is cheap
+
+
+def _hub_reachable() -> bool:
+    """False when offline mode is set or the hub's host name does not resolve."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
+def load_pretrained(option: str, name: str, loader, **kwargs):
+    """``loader.from_pretrained(name)`` with a failure to find or read the model as ``ConfigError``."""
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(err).split())
+        if len(reason) > 300:
+            reason = reason[:300] + "..."
+        local = Path(name).expanduser().exists()
+        where = "" if local else f"no local folder {name!r} (relative to {os.getcwd()}), and as a Hugging Face hub id: "
+        raise ConfigError(f"{option} {name}: cannot load it: {where}{reason}") from err
 
 
 class ValueHead(nn.Module):

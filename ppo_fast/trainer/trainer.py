@@ -17,10 +17,14 @@ from tqdm.auto import tqdm
 import ppo_fast as pf
 
 from . import checkpoint, default_task
-from .config import TrainerConfig
+from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
-from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference
+from .models import (
+    build_critic, check_pretrained, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained,
+)
+from .prompts import Prompts, exact_match
+from .prompts import read_prompts as _read_prompt_file
 from .rollout import decode_responses, generate, score_old_and_ref
 from .scoring import FunctionScorer, RewardModelScorer, check_finite, load_reward_fn
 from .update import Experience, ppo_update
@@ -28,24 +32,36 @@ from .update import Experience, ppo_update
 SUMMARY_FILE = "summary.json"
 
 
+# The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
+TRAINER_OPS = ("token_logprobs", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("invalid config: device cuda was asked for but no CUDA GPU is available")
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
     return torch.device(name)
 
 
-def read_prompts(path: str) -> list[str]:
-    """Prompts from a ``.txt`` file (one per line) or a ``.jsonl`` file with a ``prompt`` field."""
-    text = Path(path).read_text()
-    if path.endswith(".jsonl"):
-        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
-    else:
-        prompts = [line for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"prompts_file {path} holds no prompts")
-    return prompts
+def check_backend(name: str, device: torch.device, ops=TRAINER_OPS) -> None:
+    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``."""
+    if name == "auto":
+        return
+    from ppo_fast.backends import resolve
+
+    with pf.use_backend(name):
+        for op in ops:
+            try:
+                resolve(op, device.type)
+            except pf.BackendUnavailableError as err:
+                raise ConfigError(f"--backend {name} cannot run this job on {device.type}: {err}; "
+                                  "use --backend auto (the fastest available backend per op)") from None
+
+
+def read_prompts(path: str, option: str = "--prompts-file") -> list[str]:
+    """The prompts of a ``.txt``, ``.jsonl`` or ``.json`` file (see ``ppo_fast.trainer.prompts``)."""
+    return _read_prompt_file(path, option).texts
 
 
 def _masked_variance(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,6 +82,16 @@ def lr_lambda(cfg: TrainerConfig, total_updates: int) -> Callable[[int], float]:
         return 1.0
 
     return factor
+
+
+def _eval_text(first: dict, second: dict | None = None) -> str:
+    """``score 0.605 -> 0.913, exact match 0.600 -> 0.910`` (or one value each without ``second``)."""
+    parts = []
+    for key, name in (("eval/score", "score"), ("eval/exact_match", "exact match")):
+        if key in first:
+            value = f"{first[key]:.3f}" + (f" -> {second[key]:.3f}" if second and key in second else "")
+            parts.append(f"{name} {value}")
+    return ", ".join(parts)
 
 
 class _DeferredInterrupt:
@@ -101,49 +127,77 @@ class PPOTrainer:
     """
 
     def __init__(self, cfg: TrainerConfig, *, policy=None, tokenizer=None, reward_fn: Callable | None = None,
-                 prompts: list[str] | None = None, eval_prompts: list[str] | None = None, log: Callable[[str], None] | None = None):
+                 prompts: list[str] | None = None, eval_prompts: list[str] | None = None,
+                 answers: list[str | None] | None = None, eval_answers: list[str | None] | None = None,
+                 log: Callable[[str], None] | None = None):
         self.created = time.perf_counter()
         self.cfg = cfg.validate()
         self.log = log or tqdm.write
         self.output_dir = Path(cfg.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+
+        # Everything a user can get wrong is checked here, before any model is loaded.
         self.device = resolve_device(cfg.device)
+        check_backend(cfg.backend, self.device,
+                      TRAINER_OPS if cfg.advantage_estimator == "gae" else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")))
+        builtin = policy is None and cfg.model_name_or_path is None
+        self.builtin = builtin
+        self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
+        if policy is None and not builtin:
+            check_pretrained("--model-name-or-path", cfg.model_name_or_path)
+        if reward_fn is None and cfg.reward_model is not None:
+            check_pretrained("--reward-model", cfg.reward_model)
+        if prompts is not None:
+            train_set = Prompts(list(prompts), list(answers) if answers is not None else [])
+        elif cfg.prompts_file is not None:
+            train_set = _read_prompt_file(cfg.prompts_file, "--prompts-file")
+        elif builtin:
+            train_set = None  # the built-in task's, below
+        else:
+            raise ConfigError("--prompts-file is required with a custom model (or pass prompts= from Python)")
+        if eval_prompts is not None:
+            eval_set = Prompts(list(eval_prompts), list(eval_answers) if eval_answers is not None else [])
+        elif cfg.eval_prompts_file is not None:
+            eval_set = _read_prompt_file(cfg.eval_prompts_file, "--eval-prompts-file")
+        else:
+            eval_set = None
+        if reward_fn is None and cfg.reward_fn is not None:
+            reward_fn = load_reward_fn(cfg.reward_fn)
+        if reward_fn is None and cfg.reward_model is None:
+            if not builtin:
+                raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
+            reward_fn = default_task.addition_reward
+        resume_from = self._check_resume() if cfg.resume else None
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)
-
-        builtin = policy is None and cfg.model_name_or_path is None
         if builtin:
             policy, tokenizer = default_task.load_or_warm_up(cfg, self.device, self.log)
             builtin_train, builtin_eval = default_task.prompts(cfg)
-            prompts = prompts or builtin_train
-            eval_prompts = builtin_eval if eval_prompts is None else eval_prompts
-            if reward_fn is None and cfg.reward_fn is None and cfg.reward_model is None:
-                reward_fn = default_task.addition_reward
+            train_set = train_set or Prompts(builtin_train)
+            eval_set = Prompts(builtin_eval) if eval_set is None else eval_set
         elif policy is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            policy = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path).to(self.device)
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
+            policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM).to(self.device)
+            tokenizer = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoTokenizer)
         if tokenizer is None:
-            raise ValueError("tokenizer is required when a policy model object is passed")
+            raise ConfigError("tokenizer= is required when a policy model object is passed")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if prompts is None:
-            if cfg.prompts_file is None:
-                raise ValueError("prompts (or prompts_file) are required for a custom policy")
-            prompts = read_prompts(cfg.prompts_file)
-        self.prompts, self.eval_prompts = list(prompts), list(eval_prompts or [])
+        self.train_set, self.eval_set = train_set, eval_set or Prompts([])
+        self.prompts, self.eval_prompts = self.train_set.texts, self.eval_set.texts
         self.tokenizer = tokenizer
+        if not builtin:
+            self._fit_response_length(policy)
+        if not self.eval_prompts:
+            self.log("no held-out prompts (--eval-prompts-file): no evaluation before, during or after PPO")
 
-        if reward_fn is None and cfg.reward_fn is not None:
-            reward_fn = load_reward_fn(cfg.reward_fn)
         if reward_fn is not None:
             self.scorer = FunctionScorer(reward_fn)
-        elif cfg.reward_model is not None:
-            self.scorer = RewardModelScorer(cfg.reward_model, self.device)
         else:
-            raise ValueError("a reward is required: pass reward_fn, or set reward_fn or reward_model in the config")
+            self.scorer = RewardModelScorer(cfg.reward_model, self.device)
 
         self.policy = policy.to(self.device).eval()
         if cfg.disable_dropout:
@@ -168,23 +222,68 @@ class PPOTrainer:
         # The PPO phase's random streams start from the seed, whether or not the
         # warm-up above was trained (consuming random numbers) or loaded from cache.
         checkpoint.seed_all(cfg.seed)
-        if cfg.resume:
-            self._resume()
+        if resume_from is not None:
+            self._resume(*resume_from)
+
+    def _fit_response_length(self, policy) -> None:
+        """Keep prompt + response within the model's positions: the default response length
+        is shortened to fit; a given one that does not fit is reported."""
+        config = getattr(policy, "config", None)
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if not positions:
+            return
+        longest = max(len(ids) for ids in self.tokenizer(self.prompts + self.eval_prompts).input_ids)
+        room = positions - longest
+        if self.cfg.response_length is None:
+            if room < 1:
+                raise ConfigError(f"the longest prompt has {longest} tokens, the model only {positions} positions; "
+                                  "shorten the prompts")
+            if room < self.response_length:
+                self.log(f"response length {room}: the model has {positions} positions, the longest prompt {longest} tokens")
+                self.response_length = room
+        elif self.response_length > room:
+            raise ConfigError(f"--response-length {self.response_length} does not fit: the longest prompt has {longest} tokens "
+                              f"and the model {positions} positions; use --response-length {max(room, 1)} or less")
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _resume(self) -> None:
+    def _check_resume(self) -> tuple[Path, checkpoint.TrainerState] | None:
+        """The checkpoint to resume from and its state; ``ConfigError`` if this run's options
+        cannot continue it (checked before any model is loaded)."""
+        cfg = self.cfg
         found = checkpoint.latest(self.output_dir)
         if found is None:
             self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
-            return
+            return None
         state = checkpoint.load_state(found)
+        saved = state.config
+        where = f"--resume: the checkpoint {found}"
+        has_critic = (found / "critic.pt").exists()
+        if has_critic != (cfg.advantage_estimator == "gae"):  # the optimizer's state includes the critic or not
+            raise ConfigError(f"{where} was trained with --advantage-estimator {saved.get('advantage_estimator')} "
+                              f"({'with' if has_critic else 'without'} a critic); resume with --advantage-estimator "
+                              f"{saved.get('advantage_estimator')}, or start a new run in another --output-dir")
+        if cfg.advantage_estimator == "gae":
+            if saved.get("critic", "separate") != cfg.critic:
+                raise ConfigError(f"{where} was trained with --critic {saved.get('critic', 'separate')}; resume with "
+                                  f"--critic {saved.get('critic', 'separate')}, or start a new run in another --output-dir")
+        if saved.get("model_name_or_path") != cfg.model_name_or_path:
+            raise ConfigError(f"{where} was trained from --model-name-or-path {saved.get('model_name_or_path')}; resume with "
+                              "the same model, or start a new run in another --output-dir")
+        return found, state
+
+    def _resume(self, found: Path, state: checkpoint.TrainerState) -> None:
         changed = [f"{name} {old!r} -> {getattr(self.cfg, name)!r}" for name, old in state.config.items()
-                   if name not in ("steps", "resume") and getattr(self.cfg, name, old) != old]
+                   if name not in ("steps", "resume", "output_dir") and getattr(self.cfg, name, old) != old]
         if changed:
             self.log("resuming with changed options: " + ", ".join(changed))
-        checkpoint.load_weights(found, self.policy, self.critic)
-        self.optimizer.load_state_dict(state.optimizer)
+        try:
+            checkpoint.load_weights(found, self.policy, self.critic)
+            self.optimizer.load_state_dict(state.optimizer)
+        except (RuntimeError, ValueError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
+            reason = " ".join(str(err).split())[:300]
+            raise ConfigError(f"--resume: the checkpoint {found} does not fit this run's model ({reason}); "
+                              "resume with the options the run was started with, or use another --output-dir") from err
         self.scheduler.load_state_dict(state.scheduler)
         self.kl_control.value = state.kl_coef
         checkpoint.set_rng_state(state.rng)
@@ -196,23 +295,34 @@ class PPOTrainer:
             step=self.step, optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
             kl_coef=self.kl_control.value, rng=rng or checkpoint.rng_state(), config=self.cfg.to_dict(),
         )
-        return checkpoint.save(self.output_dir, self.policy, self.tokenizer, self.critic, state)
+        return checkpoint.save(self.output_dir, self.policy, self.tokenizer, self.critic, state, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
     def evaluate(self, model) -> float | None:
         """Mean reward of greedy responses on the held-out prompts (the accuracy for the built-in task)."""
+        return self.evaluate_all(model).get("eval/score")
+
+    @torch.no_grad()
+    def evaluate_all(self, model) -> dict[str, float]:
+        """Greedy responses to the held-out prompts: ``eval/score`` (the run's reward), and
+        ``eval/exact_match`` when every held-out prompt has a reference answer.  Empty without held-out prompts."""
         if not self.eval_prompts:
-            return None
+            return {}
         chunk = 256
-        scores = []
+        scores, matches = [], []
         for i in range(0, len(self.eval_prompts), chunk):
-            part = self.eval_prompts[i : i + chunk]
-            batch = generate(model, self.tokenizer, part, max_new_tokens=self.cfg.response_length,
+            part, answers = self.eval_set.texts[i : i + chunk], self.eval_set.answers[i : i + chunk]
+            batch = generate(model, self.tokenizer, part, max_new_tokens=self.response_length,
                              temperature=1.0, top_p=1.0, greedy=True)
-            scores.append(self.scorer(part, decode_responses(self.tokenizer, batch), self.device))
-        return torch.cat(scores).mean().item()
+            responses = decode_responses(self.tokenizer, batch)
+            scores.append(self.scorer(part, responses, self.device, answers))
+            matches += exact_match(responses, answers)
+        result = {"eval/score": torch.cat(scores).mean().item()}
+        if self.eval_set.all_answered:
+            result["eval/exact_match"] = sum(matches) / len(matches)
+        return result
 
     # ------------------------------------------------------------------ one iteration
 
@@ -221,9 +331,10 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _sample_prompts(self) -> list[str]:
+    def _sample_prompts(self) -> tuple[list[str], list[str | None]]:
         picks = torch.randint(len(self.prompts), (self.cfg.batch_size,)).tolist()
-        return [self.prompts[i] for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
+        rows = [i for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
+        return [self.train_set.texts[i] for i in rows], [self.train_set.answers[i] for i in rows]
 
     def train_step(self) -> dict:
         """One PPO iteration; returns its metrics row.  ``self.step`` counts completed iterations."""
@@ -233,8 +344,8 @@ class PPOTrainer:
         micro = rows // cfg.num_mini_batches // cfg.gradient_accumulation_steps
         start = time.perf_counter()
         with timer.phase("rollout"), self._autocast():
-            prompts = self._sample_prompts()
-            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=cfg.response_length,
+            prompts, answers = self._sample_prompts()
+            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
                              temperature=cfg.temperature, top_p=cfg.top_p, greedy=False)
             old_logprobs, ref_logprobs, values = score_old_and_ref(
                 self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
@@ -242,7 +353,7 @@ class PPOTrainer:
         mask = batch.response_mask
         with timer.phase("score"):
             responses = decode_responses(self.tokenizer, batch)
-            scores = self.scorer(prompts, responses, self.device)
+            scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
         with timer.phase("estimate"):
             est = estimate(
@@ -295,10 +406,12 @@ class PPOTrainer:
         The summary's wall time counts from the trainer's creation, so it includes the warm-up.
         """
         cfg = self.cfg
+        if self.step >= cfg.steps:  # --resume of a run that already did its steps
+            return self._nothing_to_do()
         with pf.use_backend(cfg.backend):
-            before = self.evaluate(self.reference)
-            if before is not None:
-                self.log(f"held-out greedy score before PPO (warm-up/reference model): {before:.3f}")
+            before = self.evaluate_all(self.reference)
+            if before:
+                self.log(f"held-out greedy {_eval_text(before)} before PPO ({len(self.eval_prompts)} prompts)")
             writer = MetricsWriter(self.output_dir, self.resumed_from, self.log)
             bar = tqdm(total=cfg.steps, initial=self.step, desc="PPO", dynamic_ncols=True)
             stop_reason = "done"
@@ -312,9 +425,9 @@ class PPOTrainer:
                             stop_reason = "interrupted"
                             self._save_after_interrupt(rng_at_step_start)
                             break
-                        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                            row["eval/score"] = self.evaluate(self.policy)
-                            self.log(f"step {self.step}: held-out greedy score {row['eval/score']:.3f}")
+                        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps and self.eval_prompts:
+                            row.update(self.evaluate_all(self.policy))
+                            self.log(f"step {self.step}: held-out greedy {_eval_text(row)}")
                         writer.write(row)
                         self._report(bar, row)
                         if interrupt.requested:
@@ -329,22 +442,45 @@ class PPOTrainer:
             if stop_reason == "done":
                 path = self.save_checkpoint()
                 self.log(f"saved {path}")
-            after = self.evaluate(self.policy)
-        plot = plot_curves(self.output_dir)
+            after = self.evaluate_all(self.policy)
+        plot = plot_curves(self.output_dir, before=before, after=after, after_step=self.step, title=self._plot_title())
         summary = {
             "stop_reason": stop_reason,
             "steps_done": self.step,
-            "eval_before": before,
-            "eval_after": after,
+            "eval_before": before.get("eval/score"),
+            "eval_after": after.get("eval/score"),
             "wall_time_s": time.perf_counter() - self.created,  # warm-up and loading included
             "phase_time_s": dict(self.timer.total),
             "plot": str(plot) if plot else None,
         }
+        if "eval/exact_match" in before:
+            summary["exact_match_before"] = before["eval/exact_match"]
+            summary["exact_match_after"] = after.get("eval/exact_match")
         (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        self.log(self.timer.breakdown())
-        if after is not None:
-            self.log(f"held-out greedy score: before {before:.3f} -> after {after:.3f} (wall time {summary['wall_time_s']:.0f}s)")
+        if self.timer.total:
+            self.log(self.timer.breakdown())
+        if after:
+            self.log(f"held-out greedy {_eval_text(before, after)} (wall time {summary['wall_time_s']:.0f}s)")
         return summary
+
+    def _nothing_to_do(self) -> dict:
+        """The run in output_dir already did ``cfg.steps`` steps: report it, change nothing."""
+        self.log(f"--resume: the run in {self.output_dir} already did {self.step} steps (--steps {self.cfg.steps}); "
+                 f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run.")
+        summary_file = self.output_dir / SUMMARY_FILE
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        summary.update(stop_reason="done", steps_done=self.step)
+        return summary
+
+    def _plot_title(self) -> str:
+        cfg = self.cfg
+        model = "built-in addition task (GPT-2 64x2)" if self.builtin else (cfg.model_name_or_path or type(self.policy).__name__)
+        reward = (f"reward {cfg.reward_fn}" if cfg.reward_fn else f"reward model {cfg.reward_model}" if cfg.reward_model
+                  else f"reward {self.scorer.name}")
+        kl = f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "") + f" ({cfg.kl_estimator})"
+        critic = f", critic {cfg.critic}" if cfg.advantage_estimator == "gae" else ""
+        return (f"{model}; {reward}\n{cfg.advantage_estimator}{critic}, {kl}, lr {cfg.learning_rate:g}, "
+                f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}")
 
     def _save_after_interrupt(self, rng_at_step_start: dict) -> None:
         """Ctrl-C inside a step: the partial step is dropped and the last completed one saved.
