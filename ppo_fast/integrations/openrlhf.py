@@ -134,12 +134,11 @@ def _openrlhf_scale(loss, mask, token_level, dp_size, batch_num_tokens, global_b
     """OpenRLHF's ``aggregate_loss`` normalisation on top of our local aggregate: the
     same sums divided by the global token (or sample) count times ``dp_size`` when given,
     else by the local count (0/0 is NaN, as in OpenRLHF)."""
-    m = mask if mask.dtype == torch.bool else mask != 0
     if token_level:
-        local = m.sum().to(loss.dtype)
+        local = mask.sum().to(loss.dtype)  # a 0/1 mask (checked by the op): its sum counts the tokens
         denominator = local if batch_num_tokens is None else batch_num_tokens / dp_size
     else:
-        local = m.any(dim=-1).sum().to(loss.dtype)
+        local = (mask.sum(dim=-1) > 0).sum().to(loss.dtype)
         denominator = local if global_batch_size is None else global_batch_size / dp_size
     return loss * local / denominator
 

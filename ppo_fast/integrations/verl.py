@@ -120,11 +120,10 @@ def _global_scale(loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, g
     dp_size``.  Without a global count verl divides by the local one, and 0/0 is NaN as
     in verl.  Tensor arithmetic only: no host sync.
     """
-    m = mask if mask.dtype == torch.bool else mask != 0
     if loss_agg_mode == "token-sum":
         return loss * dp_size
     if loss_agg_mode == "token-mean":
-        local = m.sum().to(loss.dtype)
+        local = mask.sum().to(loss.dtype)  # a 0/1 mask (checked by the op): its sum counts the tokens
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
@@ -132,7 +131,7 @@ def _global_scale(loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, g
         else:
             denominator = batch_num_tokens
         return loss * local / denominator * dp_size
-    local = m.any(dim=-1).sum().to(loss.dtype)
+    local = (mask.sum(dim=-1) > 0).sum().to(loss.dtype)
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
@@ -325,8 +324,9 @@ def compute_gae_advantage_return(
     with torch.no_grad():
         with _backend("gae", values):
             advantages, returns = pf.gae(token_level_rewards, values, response_mask, gamma=gamma_f, lam=lam_f)
-        _whiten_checks(response_mask)
-        advantages = pf.masked_whiten(advantages, response_mask, eps=1e-8)
+        valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0  # checked 0/1 by pf.gae
+        _whiten_checks(valid)
+        advantages = pf.masked_whiten(advantages, valid, eps=1e-8)
         dtype = _promote(token_level_rewards, values, response_mask)
     return advantages.to(dtype), returns.to(dtype)
 
