@@ -19,7 +19,7 @@ step() { echo "== [$(( $(date +%s) - started ))s] $*"; }
 
 # torch, transformers and the rest of what ppo_fast's suite runs on must not move: pin them
 # to what is installed (verl's metadata asks for older transformers/tensordict; its core runs
-# on these, see docs/integrations.md).
+# on these, see the README's "Drop-in integrations" section).
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$PY" -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|triton|numpy|tokenizers|safetensors|huggingface[-_]hub)==' > "$work/constraints.txt" || true
