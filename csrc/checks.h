@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <initializer_list>
+#include <optional>
 #include <utility>
 
 namespace ppo_fast {
@@ -55,6 +56,38 @@ inline void check_same_device(const char* op, std::initializer_list<std::pair<co
 inline void check_grad_loss(const char* op, const at::Tensor& grad_loss) {
   check_float(op, "grad_loss", grad_loss);
   TORCH_CHECK(grad_loss.numel() == 1, op, ": grad_loss must have one element, got shape ", grad_loss.sizes());
+}
+
+// The policy loss's [B, T] inputs (forward and backward, CPU and CUDA).
+inline void check_policy_inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                                const at::Tensor& advantages, const at::Tensor& mask,
+                                const std::optional<at::Tensor>& weights) {
+  check_float(op, "logprobs", logprobs);
+  check_dim(op, "logprobs", logprobs, 2);
+  check_float(op, "old_logprobs", old_logprobs);
+  check_same_shape(op, "old_logprobs", old_logprobs, "logprobs", logprobs);
+  check_float(op, "advantages", advantages);
+  check_same_shape(op, "advantages", advantages, "logprobs", logprobs);
+  check_mask(op, mask, "logprobs", logprobs);
+  check_same_device(op, {{"logprobs", &logprobs}, {"old_logprobs", &old_logprobs}, {"advantages", &advantages}, {"mask", &mask}});
+  if (weights.has_value()) {
+    check_float(op, "weights", *weights);
+    check_same_shape(op, "weights", *weights, "logprobs", logprobs);
+    check_same_device(op, {{"logprobs", &logprobs}, {"weights", &*weights}});
+  }
+}
+
+// The value loss's [B, T] inputs (forward and backward, CPU and CUDA).
+inline void check_value_inputs(const char* op, const at::Tensor& values, const at::Tensor& old_values,
+                               const at::Tensor& returns, const at::Tensor& mask) {
+  check_float(op, "values", values);
+  check_dim(op, "values", values, 2);
+  check_float(op, "old_values", old_values);
+  check_same_shape(op, "old_values", old_values, "values", values);
+  check_float(op, "returns", returns);
+  check_same_shape(op, "returns", returns, "values", values);
+  check_mask(op, mask, "values", values);
+  check_same_device(op, {{"values", &values}, {"old_values", &old_values}, {"returns", &returns}, {"mask", &mask}});
 }
 
 }  // namespace ppo_fast

@@ -116,19 +116,7 @@ cuda::PolicyInputs policy_inputs(const PolicyBuffers& b, double clip_low, double
 // Checked, contiguous inputs (the same checks as the CPU kernels').
 PolicyBuffers policy_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
                              const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights) {
-  check_float(op, "logprobs", logprobs);
-  check_dim(op, "logprobs", logprobs, 2);
-  check_float(op, "old_logprobs", old_logprobs);
-  check_same_shape(op, "old_logprobs", old_logprobs, "logprobs", logprobs);
-  check_float(op, "advantages", advantages);
-  check_same_shape(op, "advantages", advantages, "logprobs", logprobs);
-  check_mask(op, mask, "logprobs", logprobs);
-  check_same_device(op, {{"logprobs", &logprobs}, {"old_logprobs", &old_logprobs}, {"advantages", &advantages}, {"mask", &mask}});
-  if (weights.has_value()) {
-    check_float(op, "weights", *weights);
-    check_same_shape(op, "weights", *weights, "logprobs", logprobs);
-    check_same_device(op, {{"logprobs", &logprobs}, {"weights", &*weights}});
-  }
+  check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
   check_cuda(op, logprobs);
   PolicyBuffers b{logprobs.contiguous(), old_logprobs.contiguous(), advantages.contiguous(),
                   weights.has_value() ? weights->contiguous() : at::Tensor(), mask.contiguous(), at::kFloat};
@@ -182,14 +170,7 @@ struct ValueBuffers {
 
 ValueBuffers value_buffers(const char* op, const at::Tensor& values, const at::Tensor& old_values,
                            const at::Tensor& returns, const at::Tensor& mask) {
-  check_float(op, "values", values);
-  check_dim(op, "values", values, 2);
-  check_float(op, "old_values", old_values);
-  check_same_shape(op, "old_values", old_values, "values", values);
-  check_float(op, "returns", returns);
-  check_same_shape(op, "returns", returns, "values", values);
-  check_mask(op, mask, "values", values);
-  check_same_device(op, {{"values", &values}, {"old_values", &old_values}, {"returns", &returns}, {"mask", &mask}});
+  check_value_inputs(op, values, old_values, returns, mask);
   check_cuda(op, values);
   ValueBuffers b{values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(), at::kFloat};
   b.dtype = compute_dtype({&b.v, &b.old, &b.ret});
