@@ -267,9 +267,6 @@ class PPOTrainer:
             if saved.get("critic", "separate") != cfg.critic:
                 raise ConfigError(f"{where} was trained with --critic {saved.get('critic', 'separate')}; resume with "
                                   f"--critic {saved.get('critic', 'separate')}, or start a new run in another --output-dir")
-        if saved.get("model_name_or_path") != cfg.model_name_or_path:
-            raise ConfigError(f"{where} was trained from --model-name-or-path {saved.get('model_name_or_path')}; resume with "
-                              "the same model, or start a new run in another --output-dir")
         return found, state
 
     def _resume(self, found: Path, state: checkpoint.TrainerState) -> None:

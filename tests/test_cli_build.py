@@ -1,0 +1,50 @@
+"""setup.py: CUDA kernels only when a GPU is visible (or PPO_FAST_BUILD_CUDA=1), a fast C++ build."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup_py() -> dict:
+    """setup.py's functions (run under another name: it decides, but calls setup() only as __main__)."""
+    return runpy.run_path(str(ROOT / "setup.py"), run_name="ppo_fast_setup_under_test")
+
+
+@pytest.mark.parametrize(
+    "mode, gpu, torch_cuda, cuda_home, build, why",
+    [
+        ("auto", None, True, "/usr/local/cuda", False, "no GPU visible"),
+        ("auto", "nvidia-smi -L", True, "/usr/local/cuda", True, "GPU visible (nvidia-smi -L)"),
+        ("auto", "/dev/nvidia0", False, "/usr/local/cuda", False, "torch is a CPU-only build"),
+        ("auto", "/dev/nvidia0", True, None, False, "no CUDA toolkit (nvcc) found"),
+        ("1", None, True, "/usr/local/cuda", True, "PPO_FAST_BUILD_CUDA=1"),
+        ("0", "/dev/nvidia0", True, "/usr/local/cuda", False, "PPO_FAST_BUILD_CUDA=0"),
+    ],
+)
+def test_cuda_kernels_only_when_a_gpu_is_visible_or_asked_for(setup_py, mode, gpu, torch_cuda, cuda_home, build, why):
+    planned, reason = setup_py["cuda_plan"](mode, gpu, torch_cuda, cuda_home)
+    assert planned is build and why in reason
+
+
+def test_a_gpu_is_seen_through_nvidia_smi(setup_py, tmp_path, monkeypatch):
+    visible = setup_py["_visible_gpu"]
+    smi = tmp_path / "nvidia-smi"
+    monkeypatch.setattr("glob.glob", lambda pattern: [])  # no /dev/nvidia<N> here
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert visible() is None  # no nvidia-smi at all
+    smi.write_text("#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    assert visible() == "nvidia-smi -L"
+    smi.write_text("#!/bin/sh\necho 'No devices were found'; exit 6\n")
+    assert visible() is None
+
+
+def test_build_flags_drop_debug_info_and_use_a_precompiled_header(setup_py):
+    assert "-g0" in setup_py["cxx_flags"] and "-O3" in setup_py["cxx_flags"]
+    assert "ATen/ATen.h" in setup_py["PCH_HEADERS"] and "torch/library.h" in setup_py["PCH_HEADERS"]
