@@ -159,6 +159,7 @@ IMPL_COLORS = {
     "auto": "#d62728",
     "eager": "#7f7f7f",
     "python-loop": "#7f7f7f",
+    "trl": "#c49c94",
     "trl-chunked": "#8c564b",
     "compile(eager)": "#9467bd",
     "liger-ce": "#e377c2",
@@ -218,7 +219,7 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
         if not per_op:
             continue
         bars = {op: len({p["size"] for p in pts}) < LINE_MIN_SIZES for op, pts in per_op.items()}
-        heights = [max(2.4, 0.16 * len(pts) + 1.2) if bars[op] else 3.4 for op, pts in per_op.items()]
+        heights = [max(1.9, 0.16 * len(pts) + 1.2) if bars[op] else 3.4 for op, pts in per_op.items()]
         fig, axes = plt.subplots(len(per_op), 1, figsize=(9, sum(heights) + 1.4), squeeze=False,
                                  gridspec_kw={"height_ratios": heights})
         assigned: dict[str, str] = {}
