@@ -25,7 +25,9 @@ from . import report
 from .runner import Settings, copy_bandwidth, run_case
 from .timing import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, cpu_memory_supported
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Not bench/results: that folder holds the committed results, written only when asked for
+# with --out bench/results.
+DEFAULT_OUT = "bench_out"
 ALL_OPS = case_defs.OPS + ("e2e",)
 
 
