@@ -80,7 +80,7 @@ def token_logprobs(
     """
     if logits.dim() == 3:
         parts = [token_logprobs(logits[b], labels[b], temperature, return_entropy, ignore_index) for b in range(logits.shape[0])]
-        logp = torch.stack([p[0] for p in parts]) if parts else logits.new_zeros(labels.shape, dtype=torch.float32)
+        logp = torch.stack([p[0] for p in parts]) if parts else logits.new_zeros(labels.shape, dtype=result_dtype(logits))
         ent = (torch.stack([p[1] for p in parts]) if parts else torch.zeros_like(logp)) if return_entropy else None
         return logp, ent
     n, vocab = logits.shape

@@ -262,8 +262,8 @@ _KL_NAMES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low
 def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_penalty) -> torch.FloatTensor:
     """verl's per-token KL estimate on ``pf.kl_estimate`` (differentiable; ``full`` is not implemented, as in verl)."""
     estimator = _KL_NAMES.get(kl_penalty)
-    if estimator is None:
-        raise NotImplementedError
+    if estimator is None:  # verl raises NotImplementedError for "full" and unknown names too
+        raise NotImplementedError(f"kl_penalty={kl_penalty!r} is not implemented (verl implements {sorted(_KL_NAMES)})")
     if logprob.shape != ref_logprob.shape:
         return _fallback("kl_penalty_forward", logprob, ref_logprob, kl_penalty)
     _count("kl_penalty_forward")
