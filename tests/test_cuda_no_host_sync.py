@@ -31,6 +31,8 @@ def _inputs(device):
 
 CALLS = {
     "token_logprobs": lambda r, m, fm, y, s: pf.token_logprobs(r(*s).requires_grad_(), y, return_entropy=True, temperature=0.8),
+    "linear_token_logprobs": lambda r, m, fm, y, s: pf.linear_token_logprobs(
+        r(*s[:2], 64).requires_grad_(), r(s[2], 64).requires_grad_(), y, bias=r(s[2]).requires_grad_(), return_entropy=True, logit_softcap=30.0),
     "kl_estimate": lambda r, m, fm, y, s: (pf.kl_estimate(r(*s[:2]).requires_grad_(), r(*s[:2]), "k3"),),
     "kl_penalized_rewards": lambda r, m, fm, y, s: pf.kl_penalized_rewards(
         r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, estimator="k3"),

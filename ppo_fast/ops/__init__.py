@@ -1,12 +1,14 @@
 """The public ops: validation and backend dispatch in front of reference/Triton/native implementations."""
 
 from .advantages import gae, masked_mean, masked_whiten
+from .linear_logprobs import linear_token_logprobs
 from .logprobs import token_logprobs
 from .losses import clipped_policy_loss, value_loss
 from .rewards import kl_estimate, kl_penalized_rewards
 
 __all__ = [
     "token_logprobs",
+    "linear_token_logprobs",
     "kl_estimate",
     "kl_penalized_rewards",
     "gae",
