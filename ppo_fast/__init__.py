@@ -21,6 +21,7 @@ from .ops import (
     kl_penalized_rewards,
     masked_mean,
     masked_whiten,
+    rollout_correction_weights,
     token_logprobs,
     value_loss,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "masked_whiten",
     "clipped_policy_loss",
     "value_loss",
+    "rollout_correction_weights",
     "AdaptiveKLController",
     "FixedKLController",
     "available_backends",

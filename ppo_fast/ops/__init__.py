@@ -4,6 +4,7 @@ from .advantages import gae, masked_mean, masked_whiten
 from .logprobs import token_logprobs
 from .losses import clipped_policy_loss, value_loss
 from .rewards import kl_estimate, kl_penalized_rewards
+from .rollout_correction import rollout_correction_weights
 
 __all__ = [
     "token_logprobs",
@@ -14,4 +15,5 @@ __all__ = [
     "masked_whiten",
     "clipped_policy_loss",
     "value_loss",
+    "rollout_correction_weights",
 ]
