@@ -23,6 +23,7 @@ from .ops import (
     linear_token_logprobs,
     masked_mean,
     masked_whiten,
+    rollout_correction_weights,
     token_logprobs,
     value_loss,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "masked_whiten",
     "clipped_policy_loss",
     "value_loss",
+    "rollout_correction_weights",
     "AdaptiveKLController",
     "FixedKLController",
     "available_backends",

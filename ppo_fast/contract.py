@@ -40,6 +40,10 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 # How a [B, T] per-token loss is reduced over the mask (verl's ``agg_loss`` names).
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
+# Rollout-correction weights (importance sampling between the rollout engine's and the
+# trainer's log-probs): per token or per sequence, truncated (TIS) or masked (MIS, IcePop).
+ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+
 
 def result_dtype(*inputs: torch.Tensor | None) -> torch.dtype:
     """The dtype every backend computes and returns in: float64 if any input is float64

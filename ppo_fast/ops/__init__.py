@@ -5,6 +5,7 @@ from .linear_logprobs import linear_token_logprobs
 from .logprobs import token_logprobs
 from .losses import clipped_policy_loss, value_loss
 from .rewards import kl_estimate, kl_penalized_rewards
+from .rollout_correction import rollout_correction_weights
 
 __all__ = [
     "token_logprobs",
@@ -16,4 +17,5 @@ __all__ = [
     "masked_whiten",
     "clipped_policy_loss",
     "value_loss",
+    "rollout_correction_weights",
 ]
