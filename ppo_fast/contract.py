@@ -26,9 +26,16 @@ import torch
 from .policy_loss_modes import POLICY_LOSS_OPS
 
 # The public ops that have one implementation per backend.
-OPS = ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss",
-       # the reduction of the group advantage estimators (ppo_fast.advantage_estimators)
-       "group_sum")
+OPS = (
+    "token_logprobs",
+    "linear_token_logprobs",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "gae",
+    "clipped_policy_loss",
+    "value_loss",
+    "group_sum",  # the reduction of the group advantage estimators (ppo_fast.advantage_estimators)
+)
 # Each policy-loss mode of the registry (ppo_fast.policy_loss_modes) is an op of its own, so
 # that a backend declares the modes it serves one by one (vanilla is clipped_policy_loss).
 OPS = OPS + tuple(op for op in POLICY_LOSS_OPS if op not in OPS)

@@ -2,6 +2,7 @@
 
 from .advantages import gae, masked_mean, masked_whiten
 from .group_advantages import advantage_methods, group_advantages
+from .linear_logprobs import linear_token_logprobs
 from .logprobs import token_logprobs
 from .losses import clipped_policy_loss, value_loss
 from .policy_loss import policy_loss, policy_loss_modes
@@ -10,6 +11,7 @@ from .rollout_correction import rollout_correction_weights
 
 __all__ = [
     "token_logprobs",
+    "linear_token_logprobs",
     "kl_estimate",
     "kl_penalized_rewards",
     "gae",

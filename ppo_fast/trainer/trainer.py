@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, default_task
+from . import checkpoint, default_task, resume
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
@@ -44,19 +45,40 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_backend(name: str, device: torch.device, ops=TRAINER_OPS) -> None:
-    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``."""
+def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_estimator: str | None = None) -> None:
+    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``
+    (and implements the critic-free ``advantage_estimator``, if given)."""
     if name == "auto":
         return
     from ppo_fast.backends import resolve
 
+    method = pf.advantage_methods().get(advantage_estimator)
+    wanted = [(op, None, None) for op in ops]
+    if method is not None and method.fn is not None:
+        wanted.append(("group_sum", method.backends, f"--advantage-estimator {advantage_estimator}"))
     with pf.use_backend(name):
-        for op in ops:
+        for op, implemented_by, label in wanted:
             try:
-                resolve(op, device.type)
+                resolve(op, device.type, implemented_by, label)
             except pf.BackendUnavailableError as err:
                 raise ConfigError(f"--backend {name} cannot run this job on {device.type}: {err}; "
                                   "use --backend auto (the fastest available backend per op)") from None
+
+
+def check_writable(output_dir: Path) -> None:
+    """Create ``output_dir`` and make sure a file can be written there (``ConfigError`` if not),
+    before any model is loaded; leftovers of an unfinished checkpoint are removed."""
+    probe = output_dir / ".ppo-fast-write-test"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({err.strerror or err}); "
+                          "choose a writable --output-dir") from None
+    checkpoint.remove_stale(output_dir)
 
 
 def read_prompts(path: str, option: str = "--prompts-file") -> list[str]:
@@ -95,27 +117,30 @@ def _eval_text(first: dict, second: dict | None = None) -> str:
 
 
 class _DeferredInterrupt:
-    """Turns the first Ctrl-C into a request to stop after the current step; a second one interrupts at once."""
+    """Turns the first Ctrl-C (SIGINT) or SIGTERM (what schedulers send) into a request to stop
+    after the current step; a second one interrupts at once."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self, log):
         self.requested = False
         self.log = log
-        self.previous = None
+        self.previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self.log("Ctrl-C: stopping after this step (press again to stop at once)")
+        self.log(f"{self.SIGNALS[signum]}: stopping after this step (again to stop at once)")
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
 
 
 class PPOTrainer:
@@ -138,7 +163,8 @@ class PPOTrainer:
         # Everything a user can get wrong is checked here, before any model is loaded.
         self.device = resolve_device(cfg.device)
         check_backend(cfg.backend, self.device,
-                      TRAINER_OPS if cfg.advantage_estimator == "gae" else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")))
+                      TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")),
+                      cfg.advantage_estimator)
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -166,9 +192,9 @@ class PPOTrainer:
             if not builtin:
                 raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
             reward_fn = default_task.addition_reward
-        resume_from = self._check_resume() if cfg.resume else None
+        resume_from = self._check_resume(builtin) if cfg.resume else None
 
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.output_dir)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)
@@ -203,7 +229,7 @@ class PPOTrainer:
         if cfg.disable_dropout:
             disable_dropout(self.policy)
         self.reference = frozen_reference(self.policy)
-        self.critic = build_critic(self.policy, cfg.critic) if cfg.advantage_estimator == "gae" else None
+        self.critic = build_critic(self.policy, cfg.critic) if cfg.uses_critic else None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.policy)
             if self.critic is not None and not self.critic.shared:
@@ -223,7 +249,7 @@ class PPOTrainer:
         # warm-up above was trained (consuming random numbers) or loaded from cache.
         checkpoint.seed_all(cfg.seed)
         if resume_from is not None:
-            self._resume(*resume_from)
+            self._resume(resume_from)
 
     def _fit_response_length(self, policy) -> None:
         """Keep prompt + response within the model's positions: the default response length
@@ -247,52 +273,57 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _check_resume(self) -> tuple[Path, checkpoint.TrainerState] | None:
-        """The checkpoint to resume from and its state; ``ConfigError`` if this run's options
+    def _check_resume(self, builtin: bool) -> checkpoint.Loaded | None:
+        """The newest usable checkpoint, read whole; ``ConfigError`` if this run's options
         cannot continue it (checked before any model is loaded)."""
         cfg = self.cfg
-        found = checkpoint.latest(self.output_dir)
-        if found is None:
-            self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
-            return None
-        state = checkpoint.load_state(found)
-        saved = state.config
-        where = f"--resume: the checkpoint {found}"
-        has_critic = (found / "critic.pt").exists()
-        if has_critic != (cfg.advantage_estimator == "gae"):  # the optimizer's state includes the critic or not
-            raise ConfigError(f"{where} was trained with --advantage-estimator {saved.get('advantage_estimator')} "
-                              f"({'with' if has_critic else 'without'} a critic); resume with --advantage-estimator "
-                              f"{saved.get('advantage_estimator')}, or start a new run in another --output-dir")
-        if cfg.advantage_estimator == "gae":
-            if saved.get("critic", "separate") != cfg.critic:
-                raise ConfigError(f"{where} was trained with --critic {saved.get('critic', 'separate')}; resume with "
-                                  f"--critic {saved.get('critic', 'separate')}, or start a new run in another --output-dir")
-        return found, state
 
-    def _resume(self, found: Path, state: checkpoint.TrainerState) -> None:
-        changed = [f"{name} {old!r} -> {getattr(self.cfg, name)!r}" for name, old in state.config.items()
-                   if name not in ("steps", "resume", "output_dir") and getattr(self.cfg, name, old) != old]
+        def check_state(path: Path, state: checkpoint.TrainerState) -> None:
+            resume.check(state.config, cfg, builtin, f"--resume: the checkpoint {path}")
+
+        loaded = checkpoint.load_latest_usable(self.output_dir, self.log, check_state=check_state)
+        if loaded is None:
+            self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
+        return loaded
+
+    def _resume(self, loaded: checkpoint.Loaded) -> None:
+        state = loaded.state
+        changed = resume.check(state.config, self.cfg, self.builtin, f"--resume: the checkpoint {loaded.path}")
         if changed:
             self.log("resuming with changed options: " + ", ".join(changed))
         try:
-            checkpoint.load_weights(found, self.policy, self.critic)
+            self.policy.load_state_dict(loaded.policy)
+            if self.critic is not None:
+                self.critic.load_state_dict(loaded.critic)
             self.optimizer.load_state_dict(state.optimizer)
-        except (RuntimeError, ValueError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
+        except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
             reason = " ".join(str(err).split())[:300]
-            raise ConfigError(f"--resume: the checkpoint {found} does not fit this run's model ({reason}); "
+            raise ConfigError(f"--resume: the checkpoint {loaded.path} does not fit this run's model ({reason}); "
                               "resume with the options the run was started with, or use another --output-dir") from err
         self.scheduler.load_state_dict(state.scheduler)
-        self.kl_control.value = state.kl_coef
+        total_updates = self.cfg.steps * self.cfg.num_ppo_epochs * self.cfg.num_mini_batches
+        resume.apply_optimizer_options(self.optimizer, self.scheduler, self.cfg, lr_lambda(self.cfg, total_updates))
+        # A --kl-coef given anew replaces the current (possibly adapted) coefficient.
+        kl_changed = state.config.get("kl_coef", self.cfg.kl_coef) != self.cfg.kl_coef
+        self.kl_control.value = self.cfg.kl_coef if kl_changed else state.kl_coef
         checkpoint.set_rng_state(state.rng)
         self.step = self.resumed_from = state.step
-        self.log(f"resumed from {found} (step {state.step})")
+        self.log(f"resumed from {loaded.path} (step {state.step})")
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:
         state = checkpoint.TrainerState(
             step=self.step, optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
             kl_coef=self.kl_control.value, rng=rng or checkpoint.rng_state(), config=self.cfg.to_dict(),
         )
-        return checkpoint.save(self.output_dir, self.policy, self.tokenizer, self.critic, state, keep=self.cfg.keep_checkpoints)
+
+        def write(folder: Path) -> None:
+            self.policy.save_pretrained(folder / checkpoint.POLICY_DIR)
+            self.tokenizer.save_pretrained(folder / checkpoint.POLICY_DIR)
+            if self.critic is not None:
+                torch.save(self.critic.state_dict(), folder / checkpoint.CRITIC_FILE)
+            torch.save(vars(state), folder / checkpoint.STATE_FILE)
+
+        return checkpoint.save(self.output_dir, self.step, write, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -328,6 +359,14 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @torch.no_grad()
+    def _greedy_scores(self, prompts: list[str], answers: list[str | None]) -> torch.Tensor:
+        """remax's baselines: the reward of the policy's greedy response to each row's prompt."""
+        with self._autocast():
+            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
+                             temperature=1.0, top_p=1.0, greedy=True)
+        return self.scorer(prompts, decode_responses(self.tokenizer, batch), self.device, answers)
+
     def _sample_prompts(self) -> tuple[list[str], list[str | None]]:
         picks = torch.randint(len(self.prompts), (self.cfg.batch_size,)).tolist()
         rows = [i for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
@@ -353,15 +392,20 @@ class PPOTrainer:
             scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
         with timer.phase("estimate"):
+            needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_estimator].params
+            baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
             est = estimate(
                 scores, old_logprobs, ref_logprobs, values, mask, estimator=cfg.advantage_estimator,
-                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam,
-                whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
+                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator_used, kl_in_reward=cfg.kl_in_reward,
+                gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
+                grpo_norm_by_std=cfg.grpo_norm_by_std, baselines=baselines,
             )
         self._in_update = True
         with timer.phase("optimize"):
             stats = ppo_update(self.policy, self.critic, self.optimizer, self.scheduler,
-                               Experience(batch, old_logprobs, est.advantages, values, est.returns), cfg, step, self._autocast)
+                               Experience(batch, old_logprobs, est.advantages, values, est.returns,
+                                          None if cfg.kl_in_reward else ref_logprobs, self.kl_control.value),
+                               cfg, step, self._autocast)
         self._in_update = False
         sequence_kl = est.kl.sum(-1).mean().item()
         kl_coef_used = self.kl_control.value
@@ -371,7 +415,7 @@ class PPOTrainer:
         times = timer.pop_step()
         elapsed = time.perf_counter() - start
         response_tokens = int(mask.sum())
-        non_score = (-kl_coef_used * est.kl).sum(-1).mean().item()
+        non_score = (-kl_coef_used * est.kl).sum(-1).mean().item() if cfg.kl_in_reward else 0.0
         row = {
             "step": step,
             "episode": step * rows,
@@ -474,8 +518,9 @@ class PPOTrainer:
         model = "built-in addition task (GPT-2 64x2)" if self.builtin else (cfg.model_name_or_path or type(self.policy).__name__)
         reward = (f"reward {cfg.reward_fn}" if cfg.reward_fn else f"reward model {cfg.reward_model}" if cfg.reward_model
                   else f"reward {self.scorer.name}")
-        kl = f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "") + f" ({cfg.kl_estimator})"
-        critic = f", critic {cfg.critic}" if cfg.advantage_estimator == "gae" else ""
+        kl = (f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
+              + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})")
+        critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
         return (f"{model}; {reward}\n{cfg.advantage_estimator}{critic}, {kl}, lr {cfg.learning_rate:g}, "
                 f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}")
 
