@@ -40,22 +40,23 @@ def group_advantages(sequence_rewards: torch.Tensor, group_size: int, estimator:
 
 def estimate(
     scores, logprobs, ref_logprobs, values, mask, *, estimator: str, kl_coef: float, kl_estimator: str,
-    gamma: float, lam: float, whiten: bool, group_size: int,
+    gamma: float, lam: float, whiten: bool, group_size: int, whitener=pf.masked_whiten,
 ) -> Estimate:
     """Per-token KL-penalised rewards, then advantages (and value targets for GAE).
 
     For the group estimators a response's reward is its score minus ``kl_coef`` times
     its summed KL (the KL penalty sits in the reward, as in TRL's RLOO), and that one
-    advantage applies to every token of the response.
+    advantage applies to every token of the response.  ``whitener(x, mask)`` whitens (with
+    statistics over all ranks in a distributed run).
     """
     rewards, kl = pf.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef, estimator=kl_estimator)
     if estimator == "gae":
         advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
         if whiten:
-            advantages = pf.masked_whiten(advantages, mask)
+            advantages = whitener(advantages, mask)
         return Estimate(advantages, returns, rewards, kl)
     per_response = group_advantages(rewards.sum(dim=-1), group_size, estimator)
     advantages = torch.where(mask, per_response.unsqueeze(-1), 0.0)
     if whiten and estimator == "rloo":
-        advantages = pf.masked_whiten(advantages, mask)
+        advantages = whitener(advantages, mask)
     return Estimate(advantages, None, rewards, kl)
