@@ -125,3 +125,16 @@ def test_a_dead_rank_makes_the_other_exit_with_one_line(tmp_path):
     assert len(errors) == 1 and "rank 0: another rank stopped answering" in errors[0], logs[0]
     assert "Traceback" not in logs[0]
     assert time.monotonic() - start < 60  # well before --dist-timeout: gloo sees the closed connection
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_under_torchrun_runs_the_same_command(tmp_path):
+    """The GPU check's run of the same command on one GPU (one process: no process group)."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "ppo_fast", "train",
+               "--output-dir", str(out), "--steps", "2", "--device", "cuda", *TINY]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1, 2]
+    assert checkpoint.load_state(checkpoint.latest(out)).world_size == 1
