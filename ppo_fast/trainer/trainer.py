@@ -45,16 +45,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_backend(name: str, device: torch.device, ops=TRAINER_OPS) -> None:
-    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``."""
+def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_estimator: str | None = None) -> None:
+    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``
+    (and implements the critic-free ``advantage_estimator``, if given)."""
     if name == "auto":
         return
     from ppo_fast.backends import resolve
 
+    method = pf.advantage_methods().get(advantage_estimator)
+    wanted = [(op, None, None) for op in ops]
+    if method is not None and method.fn is not None:
+        wanted.append(("group_sum", method.backends, f"--advantage-estimator {advantage_estimator}"))
     with pf.use_backend(name):
-        for op in ops:
+        for op, implemented_by, label in wanted:
             try:
-                resolve(op, device.type)
+                resolve(op, device.type, implemented_by, label)
             except pf.BackendUnavailableError as err:
                 raise ConfigError(f"--backend {name} cannot run this job on {device.type}: {err}; "
                                   "use --backend auto (the fastest available backend per op)") from None
@@ -158,7 +163,8 @@ class PPOTrainer:
         # Everything a user can get wrong is checked here, before any model is loaded.
         self.device = resolve_device(cfg.device)
         check_backend(cfg.backend, self.device,
-                      TRAINER_OPS if cfg.advantage_estimator == "gae" else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")))
+                      TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")),
+                      cfg.advantage_estimator)
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -223,7 +229,7 @@ class PPOTrainer:
         if cfg.disable_dropout:
             disable_dropout(self.policy)
         self.reference = frozen_reference(self.policy)
-        self.critic = build_critic(self.policy, cfg.critic) if cfg.advantage_estimator == "gae" else None
+        self.critic = build_critic(self.policy, cfg.critic) if cfg.uses_critic else None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.policy)
             if self.critic is not None and not self.critic.shared:
@@ -353,6 +359,14 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @torch.no_grad()
+    def _greedy_scores(self, prompts: list[str], answers: list[str | None]) -> torch.Tensor:
+        """remax's baselines: the reward of the policy's greedy response to each row's prompt."""
+        with self._autocast():
+            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
+                             temperature=1.0, top_p=1.0, greedy=True)
+        return self.scorer(prompts, decode_responses(self.tokenizer, batch), self.device, answers)
+
     def _sample_prompts(self) -> tuple[list[str], list[str | None]]:
         picks = torch.randint(len(self.prompts), (self.cfg.batch_size,)).tolist()
         rows = [i for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
@@ -378,15 +392,20 @@ class PPOTrainer:
             scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
         with timer.phase("estimate"):
+            needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_estimator].params
+            baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
             est = estimate(
                 scores, old_logprobs, ref_logprobs, values, mask, estimator=cfg.advantage_estimator,
-                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam,
-                whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
+                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator_used, kl_in_reward=cfg.kl_in_reward,
+                gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
+                grpo_norm_by_std=cfg.grpo_norm_by_std, baselines=baselines,
             )
         self._in_update = True
         with timer.phase("optimize"):
             stats = ppo_update(self.policy, self.critic, self.optimizer, self.scheduler,
-                               Experience(batch, old_logprobs, est.advantages, values, est.returns), cfg, step, self._autocast)
+                               Experience(batch, old_logprobs, est.advantages, values, est.returns,
+                                          None if cfg.kl_in_reward else ref_logprobs, self.kl_control.value),
+                               cfg, step, self._autocast)
         self._in_update = False
         sequence_kl = est.kl.sum(-1).mean().item()
         kl_coef_used = self.kl_control.value
@@ -396,7 +415,7 @@ class PPOTrainer:
         times = timer.pop_step()
         elapsed = time.perf_counter() - start
         response_tokens = int(mask.sum())
-        non_score = (-kl_coef_used * est.kl).sum(-1).mean().item()
+        non_score = (-kl_coef_used * est.kl).sum(-1).mean().item() if cfg.kl_in_reward else 0.0
         row = {
             "step": step,
             "episode": step * rows,
@@ -499,8 +518,9 @@ class PPOTrainer:
         model = "built-in addition task (GPT-2 64x2)" if self.builtin else (cfg.model_name_or_path or type(self.policy).__name__)
         reward = (f"reward {cfg.reward_fn}" if cfg.reward_fn else f"reward model {cfg.reward_model}" if cfg.reward_model
                   else f"reward {self.scorer.name}")
-        kl = f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "") + f" ({cfg.kl_estimator})"
-        critic = f", critic {cfg.critic}" if cfg.advantage_estimator == "gae" else ""
+        kl = (f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
+              + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})")
+        critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
         return (f"{model}; {reward}\n{cfg.advantage_estimator}{critic}, {kl}, lr {cfg.learning_rate:g}, "
                 f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}")
 

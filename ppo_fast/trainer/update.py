@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import ppo_fast as pf
+from ppo_fast.reference import aggregate
 
 from .rollout import Batch, forward
 from .scoring import check_finite
@@ -23,17 +24,21 @@ class Experience:
     advantages: torch.Tensor
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
+    # The KL loss term (cfg.kl_in_reward False): the reference's log-probs and the coefficient.
+    ref_logprobs: torch.Tensor | None = None
+    kl_coef: float = 0.0
 
     def rows(self, index: torch.Tensor) -> Experience:
         def pick(x):
             return None if x is None else x[index]
 
         return Experience(self.batch.rows(index), self.old_logprobs[index], self.advantages[index],
-                          pick(self.old_values), pick(self.returns))
+                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef)
 
 
 def ppo_losses(policy, critic, exp: Experience, cfg):
-    """``(total loss, stats)`` for one micro-batch: clipped policy loss + vf_coef * value loss - ent_coef * entropy."""
+    """``(total loss, stats)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss when the KL is not in
+    the reward) + vf_coef * value loss - ent_coef * entropy."""
     mask = exp.batch.response_mask
     logprobs, entropy, values = forward(
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
@@ -42,12 +47,17 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
                                                clip_eps=cfg.cliprange, agg=cfg.loss_agg)
     mean_entropy = pf.masked_mean(entropy, mask)
     loss = pg_loss - cfg.ent_coef * mean_entropy
+    if exp.ref_logprobs is not None:  # the KL to the reference as a loss term, aggregated as the policy loss
+        kl_loss = aggregate(pf.kl_estimate(logprobs, exp.ref_logprobs, cfg.kl_estimator_used), mask, cfg.loss_agg)
+        loss = loss + exp.kl_coef * kl_loss
     stats = {
         "loss/policy_avg": pg_loss.detach(),
         "policy/clipfrac_avg": pg_stats["clipfrac"],
         "policy/approxkl_avg": pg_stats["approx_kl"],
         "policy/entropy_avg": mean_entropy.detach(),
     }
+    if exp.ref_logprobs is not None:
+        stats["loss/kl_avg"] = kl_loss.detach()
     if values is not None:
         v_loss, v_stats = pf.value_loss(values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg)
         loss = loss + cfg.vf_coef * v_loss
