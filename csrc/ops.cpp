@@ -21,6 +21,25 @@ TORCH_LIBRARY(ppo_fast, m) {
       "Tensor mask, Tensor? weights, Tensor row_scale, float clip_low, float clip_high, float? dual_clip, "
       "bool[4] output_mask) "
       "-> (Tensor grad_logprobs, Tensor grad_old_logprobs, Tensor grad_advantages, Tensor grad_weights)");
+  // The sequence-level policy-loss modes (ppo_fast.policy_loss_modes: a per-row reduction
+  // before the ratio), with clipped_policy_loss's inputs and stats.  `row_state` [B, 2] keeps
+  // per-row values for the backward (csrc/seq_loss_math.h); GSPO gives old_logprobs no gradient.
+  m.def(
+      "policy_loss_gspo(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, Tensor? weights, "
+      "float clip_eps_low, float clip_eps_high, str agg) "
+      "-> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor approx_kl, Tensor row_scale, Tensor row_state)");
+  m.def(
+      "policy_loss_gspo_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+      "Tensor? weights, Tensor row_scale, Tensor row_state, float clip_eps_low, float clip_eps_high, bool[4] output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_old_logprobs, Tensor grad_advantages, Tensor grad_weights)");
+  m.def(
+      "policy_loss_geo_mean(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, Tensor? weights, "
+      "float clip_eps_low, float clip_eps_high, str agg) "
+      "-> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor approx_kl, Tensor row_scale, Tensor row_state)");
+  m.def(
+      "policy_loss_geo_mean_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+      "Tensor? weights, Tensor row_scale, Tensor row_state, float clip_eps_low, float clip_eps_high, bool[4] output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_old_logprobs, Tensor grad_advantages, Tensor grad_weights)");
   m.def(
       "value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str agg) "
       "-> (Tensor loss, Tensor clipfrac, Tensor row_scale)");

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ppo_fast as pf
+from ppo_fast.backends import backend_info
 from ppo_fast.contract import AGG_MODES
 
 
@@ -326,3 +327,31 @@ def test_bad_tensors():
         pf.policy_loss(lp, old, adv[:, 1:], mask, loss_mode="gspo")
     with pytest.raises(TypeError, match="old_logprobs must be a torch.Tensor, got None"):
         pf.policy_loss(lp, None, adv, mask, loss_mode="geo_mean")
+
+
+def _native_cpu_modes():
+    native = backend_info("native")
+    return [m.name for m in pf.policy_loss_modes().values() if native.available and "cpu" in native.module.SUPPORTED.get(m.op, ())]
+
+
+@pytest.mark.parametrize("mode", _native_cpu_modes())
+def test_native_cpu_is_deterministic_and_matches_verl(mode):
+    """Bitwise the same result and gradient with 1 and 2 threads; equal to verl's function
+    (the conformance matrix compares it with the reference on every dtype and layout)."""
+    core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed")
+    leaves, mask = _inputs(29, b=64, t=300, empty_row=mode != "geo_mean")
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with pf.use_backend("native"):
+                loss, stats, grads = _ours(mode, leaves, mask, "seq-mean-token-mean", True)
+            results.append((loss, grads))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    lp, old, adv, w = leaves
+    want, _ = core.get_policy_loss_fn(mode)(old, lp, adv, mask.double(), loss_agg_mode="seq-mean-token-mean",
+                                           config=_verl_config(CASES[mode].params), rollout_is_weights=w)
+    torch.testing.assert_close(loss, want, rtol=1e-7, atol=1e-10)

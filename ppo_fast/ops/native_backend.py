@@ -40,6 +40,8 @@ def built_with_cuda() -> bool:
 _LOSS_DEVICES = {"cpu", "cuda"} if built_with_cuda() else {"cpu"}
 SUPPORTED = {
     "clipped_policy_loss": _LOSS_DEVICES,
+    "policy_loss_gspo": _LOSS_DEVICES,
+    "policy_loss_geo_mean": _LOSS_DEVICES,
     "value_loss": _LOSS_DEVICES,
     "gae": {"cpu"},
     "kl_estimate": {"cpu"},
@@ -500,3 +502,68 @@ _register("group_sum", _fake_group_sum, _backward_group_sum, _setup_group_sum)
 
 def group_sum(values, group_index):
     return torch.ops.ppo_fast.group_sum(values.to(result_dtype(values)), group_index)
+
+
+# --------------------------------------------------------------------------- sequence-level policy losses
+# policy_loss_gspo and policy_loss_geo_mean (csrc/cpu/seq_losses.cpp, csrc/cuda/seq_losses.cu):
+# clipped_policy_loss's inputs and stats, plus a per-row state [B, 2] for the backward.
+
+_ROW_STATE = 2  # csrc/seq_loss_math.h kRowState
+
+
+def _seq_loss_ops(mode):
+    op = f"policy_loss_{mode}"
+
+    def fake(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, agg):
+        _check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights)
+        _check_choice(op, "agg", agg, AGG_MODES)
+        dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
+        rows = logprobs.shape[0]
+        return (logprobs.new_empty((), dtype=dtype), logprobs.new_empty((), dtype=torch.float32),
+                logprobs.new_empty((), dtype=torch.float32), logprobs.new_empty((), dtype=dtype),
+                logprobs.new_empty((rows,), dtype=dtype), logprobs.new_empty((rows, _ROW_STATE), dtype=dtype))
+
+    def fake_backward(grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state,
+                      clip_eps_low, clip_eps_high, output_mask):
+        name = f"{op}_backward"
+        _check_policy_inputs(name, logprobs, old_logprobs, advantages, mask, weights)
+        _check_loss_backward_inputs(name, grad_loss, row_scale, logprobs)
+        _check_float(name, "row_state", row_state)
+        _check_shape(name, "row_state", row_state, (logprobs.shape[0], _ROW_STATE))
+        grad_weights = _grad_or_empty(weights, output_mask[3]) if weights is not None else logprobs.new_empty((0,))
+        # GSPO's sequence ratio is detached: old_logprobs gets no gradient.
+        grad_old = _grad_or_empty(old_logprobs, output_mask[1] and mode != "gspo")
+        return _grad_or_empty(logprobs, output_mask[0]), grad_old, _grad_or_empty(advantages, output_mask[2]), grad_weights
+
+    def setup(ctx, inputs, output):
+        logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, _agg = inputs
+        _loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state = output
+        ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state)
+        ctx.clip = (clip_eps_low, clip_eps_high)
+        ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale, row_state)
+
+    def backward(ctx, grad_loss, *_stats_grads):
+        logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        needed = [need[0], need[1] and mode != "gspo", need[2], weights is not None and need[4]]
+        grads = getattr(torch.ops.ppo_fast, f"{op}_backward")(
+            grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state, *ctx.clip, needed
+        )
+        grad_logprobs, grad_old, grad_advantages, grad_weights = _wanted(grads, needed)
+        return grad_logprobs, grad_old, grad_advantages, None, grad_weights, None, None, None
+
+    _register(op, fake, backward, setup)
+    _register(f"{op}_backward", fake_backward)
+
+    def run(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str):
+        loss, clipfrac, clipfrac_lower, approx_kl, _row_scale, _row_state = getattr(torch.ops.ppo_fast, op)(
+            logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, agg
+        )
+        return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
+
+    run.__name__ = run.__qualname__ = op
+    return run
+
+
+policy_loss_gspo = _seq_loss_ops("gspo")
+policy_loss_geo_mean = _seq_loss_ops("geo_mean")

@@ -1,0 +1,181 @@
+// CUDA kernels of the sequence-level policy losses (GSPO, GMPO), following
+// csrc/cpu/seq_losses.cpp: one block per row reduces the row's sums in a fixed order (each
+// thread a fixed stride, then a fixed tree), one block reduces over the rows, so results are
+// deterministic; the backward is elementwise.  No host sync: grad_loss stays on the device.
+#include "cuda/seq_losses_cuda.h"
+#include "seq_loss_math.h"
+
+namespace ppo_fast {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kParts = 5;  // pg_sum, count, clip_high, clip_low, kl_sum (as the CPU kernels)
+
+// Sums `values[k]` of every thread of the block, in a fixed tree order, into totals[k];
+// `shared` holds K * kThreads doubles.
+template <int K>
+__device__ void block_sum(const double (&values)[K], double* shared, double (&totals)[K]) {
+  for (int k = 0; k < K; ++k) shared[k * kThreads + threadIdx.x] = values[k];
+  __syncthreads();
+  for (int width = kThreads / 2; width > 0; width /= 2) {
+    if (threadIdx.x < width)
+      for (int k = 0; k < K; ++k) shared[k * kThreads + threadIdx.x] += shared[k * kThreads + threadIdx.x + width];
+    __syncthreads();
+  }
+  for (int k = 0; k < K; ++k) totals[k] = shared[k * kThreads];
+  __syncthreads();
+}
+
+template <typename T, SeqLoss mode>
+__global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
+  __shared__ double shared[7 * kThreads];
+  const int64_t row = blockIdx.x, start = row * in.length;
+  const T low = static_cast<T>(in.eps_low), high = static_cast<T>(in.eps_high);
+  const T* lp = in.logprobs + start;
+  const T* od = in.old_logprobs + start;
+  const T* ad = in.advantages + start;
+  const T* w = in.weights ? in.weights + start : nullptr;
+  const bool* on = in.mask + start;
+  double* acc = partials + row * kParts;
+  if constexpr (mode == SeqLoss::kGspo) {
+    double sums[2] = {0, 0}, totals[2];
+    for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
+      sums[0] += on[i] ? static_cast<double>(lp[i] - od[i]) : 0.0;
+      sums[1] += on[i] ? 1.0 : 0.0;
+    }
+    block_sum<2>(sums, shared, totals);
+    const T count = static_cast<T>(totals[1]);
+    const T s = static_cast<T>(totals[0]) / (count > T(1) ? count : T(1));
+    double terms[2] = {0, 0}, term_totals[2];
+    for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
+      const GspoTerm<T> t = gspo_term(s, ad[i], T(1) - low, T(1) + high);
+      const T weighted = t.pg * (w ? w[i] : T(1));
+      terms[0] += on[i] ? static_cast<double>(weighted) : 0.0;
+      terms[1] += on[i] ? static_cast<double>(t.is_clipped) : 0.0;
+    }
+    block_sum<2>(terms, shared, term_totals);
+    if (threadIdx.x == 0) {
+      row_state[row * kRowState] = s;
+      row_state[row * kRowState + 1] = T(0);
+      acc[0] = term_totals[0], acc[1] = totals[1], acc[2] = term_totals[1], acc[3] = 0.0, acc[4] = -totals[0];
+    }
+  } else {
+    double sums[7] = {0, 0, 0, 0, 0, 0, 0}, totals[7];  // kept, adv, log w, count, clip high, clip low, kl
+    for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
+      const GeoTerm<T> t = geo_term(lp[i], od[i], ad[i], low, high);
+      sums[0] += on[i] ? static_cast<double>(t.kept) : 0.0;
+      sums[1] += on[i] ? static_cast<double>(ad[i]) : 0.0;
+      if (w) sums[2] += on[i] ? static_cast<double>(log(w[i] + T(1e-10))) : 0.0;
+      sums[3] += on[i] ? 1.0 : 0.0;
+      sums[4] += on[i] && ad[i] > T(0) ? static_cast<double>(t.is_clipped) : 0.0;
+      sums[5] += on[i] && ad[i] < T(0) ? static_cast<double>(t.is_clipped) : 0.0;
+      sums[6] += on[i] ? static_cast<double>(od[i] - lp[i]) : 0.0;
+    }
+    block_sum<7>(sums, shared, totals);
+    if (threadIdx.x == 0) {
+      const T count = static_cast<T>(totals[3]);
+      const T row_loss = geo_row(static_cast<T>(totals[0]), static_cast<T>(totals[1]), static_cast<T>(totals[2]), count,
+                                 row_state + row * kRowState);
+      acc[0] = static_cast<double>(row_loss * count), acc[1] = totals[3], acc[2] = totals[4], acc[3] = totals[5];
+      acc[4] = totals[6];
+    }
+  }
+}
+
+// One block: the aggregation over the rows (reference.aggregate) and the stats.
+template <typename T, SeqLoss mode>
+__global__ void finish_kernel(const double* partials, int64_t rows, int64_t length, int64_t agg, SeqOutputs<T> out) {
+  __shared__ double shared[(kParts + 1) * kThreads];
+  double counts[2] = {0, 0}, count_totals[2];  // tokens, rows with tokens
+  for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
+    counts[0] += partials[b * kParts + 1];
+    counts[1] += partials[b * kParts + 1] > 0.0 ? 1.0 : 0.0;
+  }
+  block_sum<2>(counts, shared, count_totals);
+  double sums[kParts + 1] = {0, 0, 0, 0, 0, 0}, totals[kParts + 1];  // loss, then the partials' columns
+  for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
+    const double count = partials[b * kParts + 1];
+    const double scale = row_scale(agg, count, count_totals[0], count_totals[1], length);
+    out.row_scale[b] = static_cast<T>(mode == SeqLoss::kGeoMean ? scale * count : scale);
+    sums[0] += scale * partials[b * kParts];
+    for (int k = 1; k < kParts; ++k) sums[k + 1] += partials[b * kParts + k];
+  }
+  block_sum<kParts + 1>(sums, shared, totals);
+  if (threadIdx.x == 0) {
+    *out.loss = static_cast<T>(totals[0]);
+    *out.clipfrac = static_cast<float>(safe_mean(totals[3], totals[2]));
+    *out.clipfrac_lower = static_cast<float>(safe_mean(totals[4], totals[2]));
+    *out.approx_kl = static_cast<T>(safe_mean(totals[5], totals[2]));
+  }
+}
+
+template <typename T, SeqLoss mode>
+__global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* row_scale, const T* row_state, SeqGrads<T> grads) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= in.rows * in.length) return;
+  const int64_t row = i / in.length;
+  const T low = static_cast<T>(in.eps_low), high = static_cast<T>(in.eps_high);
+  const T g_row = *grad_loss * row_scale[row];
+  const T* st = row_state + row * kRowState;
+  const T wi = in.weights ? in.weights[i] : T(1);
+  const bool on = in.mask[i];
+  T d_lp, d_ad, d_w;
+  if constexpr (mode == SeqLoss::kGspo) {
+    const GspoTerm<T> t = gspo_term(st[0], in.advantages[i], T(1) - low, T(1) + high);
+    const PolicyGrad<T> g = gspo_grad(t, st[0], T(1) - low, T(1) + high, g_row * wi);
+    d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
+  } else {
+    const GeoTerm<T> t = geo_term(in.logprobs[i], in.old_logprobs[i], in.advantages[i], low, high);
+    d_lp = geo_kept_grad(t, low, high, g_row * st[0]);
+    d_ad = g_row * st[1];
+    d_w = g_row * st[0] / (wi + T(1e-10));
+  }
+  if (grads.logprobs) grads.logprobs[i] = on ? d_lp : T(0);
+  if (grads.advantages) grads.advantages[i] = on ? d_ad : T(0);
+  if (grads.weights) grads.weights[i] = on ? d_w : T(0);
+}
+
+template <typename T, SeqLoss mode>
+void forward(const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out, cudaStream_t stream) {
+  if (in.rows > 0) rows_kernel<T, mode><<<static_cast<unsigned>(in.rows), kThreads, 0, stream>>>(in, out.partials, out.row_state);
+  finish_kernel<T, mode><<<1, kThreads, 0, stream>>>(out.partials, in.rows, in.length, agg, out);
+}
+
+template <typename T, SeqLoss mode>
+void backward(const SeqInputs<T>& in, const T* grad_loss, const T* row_scale, const T* row_state, const SeqGrads<T>& grads,
+              cudaStream_t stream) {
+  const int64_t n = in.rows * in.length;
+  if (n == 0) return;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  backward_kernel<T, mode><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(in, grad_loss, row_scale, row_state, grads);
+}
+
+}  // namespace
+
+template <typename T>
+void seq_loss_forward(SeqLoss mode, const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out, cudaStream_t stream) {
+  if (mode == SeqLoss::kGspo)
+    forward<T, SeqLoss::kGspo>(in, agg, out, stream);
+  else
+    forward<T, SeqLoss::kGeoMean>(in, agg, out, stream);
+}
+
+template <typename T>
+void seq_loss_backward(SeqLoss mode, const SeqInputs<T>& in, const T* grad_loss, const T* row_scale, const T* row_state,
+                       const SeqGrads<T>& grads, cudaStream_t stream) {
+  if (mode == SeqLoss::kGspo)
+    backward<T, SeqLoss::kGspo>(in, grad_loss, row_scale, row_state, grads, stream);
+  else
+    backward<T, SeqLoss::kGeoMean>(in, grad_loss, row_scale, row_state, grads, stream);
+}
+
+template void seq_loss_forward<float>(SeqLoss, const SeqInputs<float>&, int64_t, const SeqOutputs<float>&, cudaStream_t);
+template void seq_loss_forward<double>(SeqLoss, const SeqInputs<double>&, int64_t, const SeqOutputs<double>&, cudaStream_t);
+template void seq_loss_backward<float>(SeqLoss, const SeqInputs<float>&, const float*, const float*, const float*,
+                                       const SeqGrads<float>&, cudaStream_t);
+template void seq_loss_backward<double>(SeqLoss, const SeqInputs<double>&, const double*, const double*, const double*,
+                                        const SeqGrads<double>&, cudaStream_t);
+
+}  // namespace cuda
+}  // namespace ppo_fast
