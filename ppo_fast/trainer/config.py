@@ -37,6 +37,7 @@ CRITIC_MODES = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "reference", "triton", "native")
+PARALLEL_MODES = ("ddp", "fsdp")
 
 # --response-length when it is not given: the built-in task's answers are at most 3
 # digits and an EOS; a custom model gets a length that fits a short answer.
@@ -168,12 +169,27 @@ class TrainerConfig:
     )
     eval_size: int = _opt(400, "Held-out problems of the built-in task for greedy accuracy before and after PPO.", "builtin")
 
+    # --- several processes (torchrun --nproc-per-node N -m ppo_fast train ...)
+    parallel: str = _opt(
+        "ddp", "With several processes: ddp (a full copy of the policy, critic and optimizer per rank, gradients "
+        "all-reduced) or fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded, sharded checkpoints).",
+        "distributed"
+    )
+    shard_reference: bool = _opt(
+        False, "With several processes: shard the frozen reference with FSDP2 (1/N of its memory per rank, an "
+        "all-gather per forward) instead of a full copy per rank.", "distributed"
+    )
+    dist_timeout: int = _opt(
+        600, "With several processes: seconds a rank waits for the others before it stops with an error (a dead or "
+        "stuck rank ends the run instead of hanging it).", "distributed"
+    )
+
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
         positive = ("steps", "batch_size", "num_samples_per_prompt", "num_ppo_epochs",
-                    "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print")
+                    "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print", "dist_timeout")
         non_negative = ("cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
                         "sft_steps", "eval_size", "seed")
         if self.response_length is not None:
@@ -331,6 +347,7 @@ CHOICES = {
     "kl_placement": KL_PLACEMENTS,
     "loss_agg": AGG_MODES,
     "lr_scheduler_type": LR_SCHEDULES,
+    "parallel": PARALLEL_MODES,
 }
 
 

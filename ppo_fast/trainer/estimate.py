@@ -26,13 +26,14 @@ def group_ids(rows: int, group_size: int, device) -> torch.Tensor:
 def estimate(
     scores, logprobs, ref_logprobs, values, mask, *, estimator: str, kl_coef: float, kl_estimator: str,
     kl_in_reward: bool, gamma: float, lam: float, whiten: bool, group_size: int, grpo_norm_by_std: bool = True,
-    baselines: torch.Tensor | None = None,
+    baselines: torch.Tensor | None = None, whitener=pf.masked_whiten,
 ) -> Estimate:
     """Per-token rewards, then advantages (and value targets for GAE).
 
     With ``kl_in_reward`` the reward is ``score - kl_coef * KL`` per token (the critic-free
     estimators then see the score minus the summed KL); otherwise it is the score alone and
-    the KL goes into the loss (``update.ppo_losses``).  ``baselines`` are remax's greedy rewards.
+    the KL goes into the loss (``update.ppo_losses``).  ``baselines`` are remax's greedy rewards.  ``whitener(x, mask)`` whitens
+    (with statistics over all ranks in a distributed run).
     """
     rewards, kl = pf.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask,
                                           kl_coef=kl_coef if kl_in_reward else 0.0, estimator=kl_estimator)
@@ -40,12 +41,12 @@ def estimate(
     if method.needs_critic:
         advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
         if whiten:
-            advantages = pf.masked_whiten(advantages, mask)
+            advantages = whitener(advantages, mask)
         return Estimate(advantages, returns, rewards, kl)
     offered = {"gamma": gamma, "norm_by_std": grpo_norm_by_std, "baselines": baselines}
     params = {name: value for name, value in offered.items() if name in method.params}
     ids = group_ids(rewards.shape[0], group_size, rewards.device) if method.needs_groups else None
     advantages = pf.group_advantages(rewards, ids, mask, method=estimator, **params)
     if whiten and not method.normalized:
-        advantages = pf.masked_whiten(advantages, mask)
+        advantages = whitener(advantages, mask)
     return Estimate(advantages, None, rewards, kl)

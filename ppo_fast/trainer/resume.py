@@ -13,6 +13,7 @@ from .config import CRITIC_ESTIMATORS, ConfigError, TrainerConfig, flag
 REFUSED = {
     "seed": "the run's random streams continue from the checkpoint",
     "critic": "the critic's weights and optimizer state have that layout",
+    "parallel": "fsdp checkpoints are sharded, ddp ones are not",
 }
 # Refused for the built-in task: they make another warm-up model, and so another KL reference
 # (and, for the seed and eval_size, another held-out split).

@@ -11,6 +11,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.reference import aggregate
 
+from .distributed import SINGLE
 from .rollout import Batch, forward
 from .scoring import check_finite
 
@@ -66,12 +67,15 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
     return loss, stats
 
 
-def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step: int, autocast=contextlib.nullcontext) -> dict:
+def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step: int, autocast=contextlib.nullcontext,
+               parallel=SINGLE) -> dict:
     """Run ``num_ppo_epochs`` over ``num_mini_batches`` shuffled minibatches; return the mean stats.
 
     Each minibatch is one optimizer step, accumulated over ``gradient_accumulation_steps``
-    micro-batches.  A non-finite loss raises before it reaches the weights; the
-    caller then keeps the last good checkpoint instead of saving these weights.
+    micro-batches, each weighted so that the loss is aggregated over the whole minibatch
+    of every rank (``token-mean``: divided by the global token count; see
+    ``Parallel.micro_batch_weights``).  A non-finite loss raises before it reaches the
+    weights; the caller then keeps the last good checkpoint instead of saving these weights.
     """
     rows = exp.old_logprobs.shape[0]
     minibatch = rows // cfg.num_mini_batches
@@ -85,11 +89,14 @@ def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step:
         order = torch.randperm(rows, device=exp.old_logprobs.device)
         for mb_start in range(0, rows, minibatch):
             optimizer.zero_grad(set_to_none=True)
-            for start in range(mb_start, mb_start + minibatch, micro):
-                with autocast():
-                    loss, stats = ppo_losses(policy, critic, exp.rows(order[start : start + micro]), cfg)
-                check_finite("loss", loss.detach(), step)
-                (loss / cfg.gradient_accumulation_steps).backward()
+            micro_rows = [order[start : start + micro] for start in range(mb_start, mb_start + minibatch, micro)]
+            weights = parallel.micro_batch_weights([exp.batch.response_mask[index] for index in micro_rows], cfg.loss_agg)
+            for number, (index, weight) in enumerate(zip(micro_rows, weights), 1):
+                with parallel.accumulating(sync=number == len(micro_rows)):
+                    with autocast():
+                        loss, stats = ppo_losses(policy, critic, exp.rows(index), cfg)
+                    check_finite("loss", loss.detach(), step)
+                    (loss * weight).backward()
                 for name, value in stats.items():
                     totals[name].append(value)
             if cfg.max_grad_norm > 0:
