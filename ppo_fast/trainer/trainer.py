@@ -26,6 +26,7 @@ from .models import (
 from .prompts import Prompts, exact_match
 from .prompts import read_prompts as _read_prompt_file
 from .rollout import decode_responses, generate, score_old_and_ref
+from .rollout_vllm import VLLMEngine, check_installed, mismatch_metrics
 from .scoring import FunctionScorer, RewardModelScorer, check_finite, load_reward_fn
 from .update import Experience, ppo_update
 
@@ -139,6 +140,10 @@ class PPOTrainer:
         self.device = resolve_device(cfg.device)
         check_backend(cfg.backend, self.device,
                       TRAINER_OPS if cfg.advantage_estimator == "gae" else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")))
+        if cfg.rollout_engine == "vllm":
+            check_installed()
+            if cfg.vllm_sleep and self.device.type != "cuda":
+                raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -219,11 +224,28 @@ class PPOTrainer:
         self.resumed_from = None
         self._in_update = False
         self.timer = PhaseTimer()
+        self.engine = self._start_engine() if cfg.rollout_engine == "vllm" else None
         # The PPO phase's random streams start from the seed, whether or not the
         # warm-up above was trained (consuming random numbers) or loaded from cache.
         checkpoint.seed_all(cfg.seed)
         if resume_from is not None:
             self._resume(*resume_from)
+            if self.engine is not None:
+                self.engine.sync_weights(self.policy)
+
+    def _start_engine(self) -> VLLMEngine:
+        """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
+        vLLM seeds torch's generator when it starts)."""
+        cfg = self.cfg
+        longest = max(len(ids) for ids in self.tokenizer(self.prompts).input_ids)
+        dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else next(self.policy.parameters()).dtype
+        engine = VLLMEngine(
+            self.policy, model_dir=self.output_dir / "vllm_model", max_model_len=longest + self.response_length,
+            max_num_seqs=cfg.batch_size * cfg.num_samples_per_prompt, dtype=dtype, seed=cfg.seed,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep=cfg.vllm_sleep,
+        )
+        self.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
+        return engine
 
     def _fit_response_length(self, policy) -> None:
         """Keep prompt + response within the model's positions: the default response length
@@ -328,6 +350,16 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _generate(self, prompts: list[str]):
+        """``(batch, the engine's log-probs of the response tokens, or None for hf)``."""
+        cfg = self.cfg
+        sampling = dict(max_new_tokens=self.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        top_k=cfg.top_k, greedy=False)
+        if self.engine is not None:
+            return self.engine.generate(self.tokenizer, prompts, device=self.device, **sampling)
+        with self._autocast():
+            return generate(self.policy, self.tokenizer, prompts, **sampling), None
+
     def _sample_prompts(self) -> tuple[list[str], list[str | None]]:
         picks = torch.randint(len(self.prompts), (self.cfg.batch_size,)).tolist()
         rows = [i for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
@@ -340,14 +372,18 @@ class PPOTrainer:
         rows = cfg.batch_size * cfg.num_samples_per_prompt
         micro = rows // cfg.num_mini_batches // cfg.gradient_accumulation_steps
         start = time.perf_counter()
-        with timer.phase("rollout"), self._autocast():
+        with timer.phase("rollout"):
             prompts, answers = self._sample_prompts()
-            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
-                             temperature=cfg.temperature, top_p=cfg.top_p, greedy=False)
-            old_logprobs, ref_logprobs, values = score_old_and_ref(
-                self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
-            )
+            batch, rollout_logprobs = self._generate(prompts)
+            with self._autocast():
+                old_logprobs, ref_logprobs, values = score_old_and_ref(
+                    self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
+                )
         mask = batch.response_mask
+        loss_weights = None
+        if cfg.rollout_correction != "none":
+            loss_weights = pf.rollout_correction_weights(old_logprobs, rollout_logprobs, mask, mode=cfg.rollout_correction,
+                                                         threshold=cfg.rollout_correction_threshold)
         with timer.phase("score"):
             responses = decode_responses(self.tokenizer, batch)
             scores = self.scorer(prompts, responses, self.device, answers)
@@ -361,8 +397,12 @@ class PPOTrainer:
         self._in_update = True
         with timer.phase("optimize"):
             stats = ppo_update(self.policy, self.critic, self.optimizer, self.scheduler,
-                               Experience(batch, old_logprobs, est.advantages, values, est.returns), cfg, step, self._autocast)
+                               Experience(batch, old_logprobs, est.advantages, values, est.returns, loss_weights), cfg, step,
+                               self._autocast)
         self._in_update = False
+        if self.engine is not None:
+            with timer.phase("weight_sync"):
+                self.engine.sync_weights(self.policy)
         sequence_kl = est.kl.sum(-1).mean().item()
         kl_coef_used = self.kl_control.value
         self.kl_control.update(sequence_kl, rows)
@@ -385,6 +425,10 @@ class PPOTrainer:
             "objective/response_length": mask.sum(-1).float().mean().item(),
             **stats,
         }
+        if rollout_logprobs is not None:
+            row.update(mismatch_metrics(old_logprobs, rollout_logprobs, mask))
+        if loss_weights is not None:
+            row["rollout/correction_weight_mean"] = pf.masked_mean(loss_weights, mask).item()
         if values is not None:
             explained = 1.0 - _masked_variance(est.returns - values, mask) / _masked_variance(est.returns, mask).clamp_min(1e-8)
             row["val/explained_variance"] = explained.item()

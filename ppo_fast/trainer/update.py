@@ -23,13 +23,14 @@ class Experience:
     advantages: torch.Tensor
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
+    weights: torch.Tensor | None = None  # per-token policy-loss weights (rollout correction)
 
     def rows(self, index: torch.Tensor) -> Experience:
         def pick(x):
             return None if x is None else x[index]
 
         return Experience(self.batch.rows(index), self.old_logprobs[index], self.advantages[index],
-                          pick(self.old_values), pick(self.returns))
+                          pick(self.old_values), pick(self.returns), pick(self.weights))
 
 
 def ppo_losses(policy, critic, exp: Experience, cfg):
@@ -39,7 +40,7 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
     )
     pg_loss, pg_stats = pf.clipped_policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask,
-                                               clip_eps=cfg.cliprange, agg=cfg.loss_agg)
+                                               clip_eps=cfg.cliprange, agg=cfg.loss_agg, weights=exp.weights)
     mean_entropy = pf.masked_mean(entropy, mask)
     loss = pg_loss - cfg.ent_coef * mean_entropy
     stats = {
