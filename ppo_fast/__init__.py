@@ -4,6 +4,7 @@ Drop-in ops (all inputs ``[B, T]`` with a 1/True response mask unless said other
 
     import ppo_fast as pf
     logp, ent = pf.token_logprobs(logits, labels, temperature=0.7, return_entropy=True)
+    logp, ent = pf.linear_token_logprobs(hidden, lm_head.weight, labels, return_entropy=True)  # no [N, V] logits
     rewards, kl = pf.kl_penalized_rewards(scores, logp, ref_logp, mask, kl_coef=0.05)
     adv, ret = pf.gae(rewards, values, mask, gamma=1.0, lam=0.95)
     loss, stats = pf.clipped_policy_loss(logp, old_logp, pf.masked_whiten(adv, mask), mask)
@@ -15,10 +16,13 @@ Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
 from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import (
+    advantage_methods,
     clipped_policy_loss,
     gae,
+    group_advantages,
     kl_estimate,
     kl_penalized_rewards,
+    linear_token_logprobs,
     masked_mean,
     masked_whiten,
     rollout_correction_weights,
@@ -32,9 +36,12 @@ load_all()
 
 __all__ = [
     "token_logprobs",
+    "linear_token_logprobs",
     "kl_estimate",
     "kl_penalized_rewards",
     "gae",
+    "group_advantages",
+    "advantage_methods",
     "masked_mean",
     "masked_whiten",
     "clipped_policy_loss",

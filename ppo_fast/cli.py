@@ -10,7 +10,11 @@ status 1 (2 for a bad command line); a bug still shows its traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+
+# A full disk (or quota) or an output directory that cannot be written: a user's problem, one line.
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
         summary = PPOTrainer(cfg).train()
     except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError) as err:
         return _fail(str(err))
+    except OSError as err:
+        if err.errno not in _DISK_ERRORS:
+            raise
+        return _fail(f"cannot write {err.filename or cfg.output_dir}: {err.strerror}; the last complete checkpoint "
+                     f"in {cfg.output_dir} is kept (free space, or choose another --output-dir, and --resume)")
     # 130: the conventional exit status after Ctrl-C.
     return 0 if summary["stop_reason"] == "done" else 130
 

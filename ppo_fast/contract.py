@@ -24,7 +24,16 @@ from __future__ import annotations
 import torch
 
 # The public ops that have one implementation per backend.
-OPS = ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
+OPS = (
+    "token_logprobs",
+    "linear_token_logprobs",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "gae",
+    "clipped_policy_loss",
+    "value_loss",
+    "group_sum",  # the reduction of the group advantage estimators (ppo_fast.advantage_estimators)
+)
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")

@@ -303,7 +303,7 @@ def test_resume_with_another_critic_mode_is_one_line(finished_run, tmp_path, cap
     shutil.copytree(finished_run, run)
     assert main(["train", "--output-dir", str(run), "--resume", "--critic", "shared", "--steps", "2"]) == 1
     line = error_line(capsys)
-    assert "--resume: the checkpoint" in line and "was trained with --critic separate; resume with --critic separate" in line
+    assert "--resume: the checkpoint" in line and "was trained with --critic separate (" in line and "resume with --critic separate" in line
     assert main(["train", "--output-dir", str(run), "--resume", "--advantage-estimator", "grpo", "--num-samples-per-prompt", "2",
                  "--steps", "2"]) == 1
     assert "was trained with --advantage-estimator gae (with a critic); resume with --advantage-estimator gae" in error_line(capsys)

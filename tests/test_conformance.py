@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.advantage_estimators import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.contract import AGG_MODES, KL_ESTIMATORS, OPS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -38,7 +39,8 @@ DIMS = (3, 6, 37)  # B, T, V of most cases
 # Long rows: past the native CPU kernels' chunks (1024 logits, 256 tokens) and the Triton
 # kernels' widest blocks (4096 logits, 1024 tokens), so that the carries between chunks
 # are compared too.
-LONG_DIMS = {"token_logprobs": (2, 3, 4099), "default": (2, 1100, 0)}
+LONG_DIMS = {"token_logprobs": (2, 3, 4099), "linear_token_logprobs": (2, 3, 4099), "default": (2, 1100, 0)}
+HIDDEN = 11  # H of linear_token_logprobs: odd, not a multiple of any tile
 
 
 def serving(op: str, device: str) -> list[str]:
@@ -141,6 +143,38 @@ def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True, dims=DIM
     return Built({"logits": leaf}, {"logits": grad_view}, call, (0, 1) if entropy else (0,))
 
 
+def build_linear_logprobs(gen, device, dtype, layout, poison, *, entropy=True, bias=True, softcap=None, dims=DIMS):
+    """``hidden [B, T, H]`` in ``layout`` (poison in its rows), a ``[V, H]`` head and a ``[V]`` bias."""
+    B, T, V = dims
+    hidden = torch.randn(B, T, HIDDEN, generator=gen).to(device, dtype)
+    weight = (torch.randn(V, HIDDEN, generator=gen) / HIDDEN**0.25).to(device, dtype).requires_grad_(True)
+    head_bias = torch.randn(V, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
+    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
+    labels = torch.where(torch.rand(B, T, generator=gen).to(device) < 0.25, -100, labels)
+    if layout == "expanded":
+        labels = labels[:1].expand(B, T).clone()
+    ignored = labels == -100
+    if poison == "masked":  # ignored rows hold NaN/inf hidden states
+        hidden = torch.where(ignored.unsqueeze(-1), torch.tensor(math.nan, dtype=dtype, device=device), hidden)
+        hidden[..., 0] = torch.where(ignored, torch.tensor(math.inf, dtype=dtype, device=device), hidden[..., 0])
+    elif poison == "valid":
+        row = (~ignored).flatten().nonzero()[0, 0]
+        hidden.view(-1, HIDDEN)[row, 3] = math.nan
+    leaf, view, grad_view = laid_out(hidden, layout, grad=True)
+    _, label_view, _ = laid_out(labels, layout, grad=False)
+
+    def call():
+        out = pf.linear_token_logprobs(
+            view, weight, label_view, bias=head_bias, temperature=0.7, logit_scale=0.8, logit_softcap=softcap, return_entropy=entropy
+        )
+        return out if entropy else (out,)
+
+    leaves, views = {"hidden": leaf, "weight": weight}, {"hidden": grad_view, "weight": lambda g: g}
+    if bias:
+        leaves["bias"], views["bias"] = head_bias, lambda g: g
+    return Built(leaves, views, call, (0, 1) if entropy else (0,))
+
+
 def _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask=None, scale=1.0):
     B, T, _ = dims
     leaves, views, tensors = {}, {}, {}
@@ -213,10 +247,25 @@ def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2, dims=
     return Built(leaves, views, call, (0,))
 
 
+def build_group_sum(gen, device, dtype, layout, poison, *, method, dims=DIMS):
+    """group_sum through the public op of each advantage method that runs on the fast backends."""
+    mask = _mask_for(gen, device, layout, dims)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("scores",), dims, mask)
+    ids = (torch.randint(0, 3, (dims[0],), generator=gen) * 5 - 2).to(device)  # uneven groups, singletons
+    if layout == "expanded":  # equal rows: in a group of them d advantage / d score ~ 1/epsilon overflows float16
+        ids = torch.arange(dims[0], device=device)
+
+    return Built(leaves, views, lambda: (pf.group_advantages(t["scores"], ids, mask, method=method),), (0,))
+
+
 # op -> (builder, its variants, the input dtypes it takes)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 VARIANTS = {
     "token_logprobs": (build_logprobs, [{"entropy": True}, {"entropy": False}]),
+    "linear_token_logprobs": (
+        build_linear_logprobs,
+        [{"entropy": True}, {"entropy": False, "bias": False}, {"entropy": True, "softcap": 2.5}],
+    ),
     "kl_estimate": (build_kl_estimate, [{"estimator": e} for e in KL_ESTIMATORS]),
     "kl_penalized_rewards": (build_kl_penalized_rewards, [{"estimator": e} for e in KL_ESTIMATORS]),
     "gae": (build_gae, [{}, {"gamma": 1.0, "lam": 1.0}]),
@@ -225,6 +274,8 @@ VARIANTS = {
         [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "dual_clip": 3.0, "weighted": True}],
     ),
     "value_loss": (build_value_loss, [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "clip": None}]),
+    "group_sum": (build_group_sum, [{"method": name} for name, entry in ADVANTAGE_METHODS.items()
+                                    if entry.fn is not None and set(FAST_BACKENDS) <= set(entry.backends)]),
 }
 for _op, (_, _variants) in VARIANTS.items():
     _variants.append({**_variants[0], "dims": LONG_DIMS.get(_op, LONG_DIMS["default"])})
@@ -297,7 +348,12 @@ def test_backend_matches_reference(op, backend, device, dtype, layout, poison, v
         if poison == "valid":  # the gradient at a NaN input itself is unspecified; the rest must agree
             keep = torch.isfinite(want)
             got, want = got[keep], want[keep]
-        torch.testing.assert_close(got, want, equal_nan=True, **_grad_tolerance(dtype), msg=lambda m: f"grad of {name}: {m}")
+        tolerance = _grad_tolerance(dtype)
+        if op == "linear_token_logprobs" and dtype in (torch.bfloat16, torch.float16) and want.numel():
+            # A fused head may round d_logits to the input dtype before its products (as
+            # tensor cores need): an error of that precision times the gradient's scale.
+            tolerance["atol"] = max(tolerance["atol"], tolerance["rtol"] * float(want.abs().max()))
+        torch.testing.assert_close(got, want, equal_nan=True, **tolerance, msg=lambda m: f"grad of {name}: {m}")
     if poison == "masked":  # masked NaN/inf reaches nothing
         for i, out in enumerate(got_out):
             assert torch.isfinite(out).all(), f"output {i} is not finite: masked values leaked"
@@ -418,6 +474,14 @@ BAD_INPUTS = {
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e300), ValueError, "temperature"),
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1.0])), TypeError, "labels"),
     ],
+    "linear_token_logprobs": [
+        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 3), torch.tensor([0, 1])), ValueError, "hidden's last dim"),
+        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])), ValueError, "labels must have shape"),
+        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), bias=torch.randn(4)), ValueError, "bias"),
+        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4).double(), torch.tensor([0, 1])), TypeError, "weight"),
+        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), logit_softcap=0.0), ValueError, "logit_softcap"),
+        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), temperature=1e-300), ValueError, "temperature"),
+    ],
     "kl_estimate": [
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(3)), ValueError, "ref_logprobs"),
         (lambda: pf.kl_estimate(torch.randn(2), None), TypeError, "ref_logprobs"),
@@ -445,6 +509,11 @@ BAD_INPUTS = {
         (lambda: pf.value_loss(torch.randn(2, 3), None, torch.randn(2, 3), torch.ones(2, 3)), TypeError, "old_values"),
         (lambda: pf.value_loss(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(2, 3)), TypeError, "returns"),
         (lambda: pf.value_loss(*_batch(), clip=float("inf")), ValueError, "clip"),
+    ],
+    "group_sum": [
+        (lambda: pf.group_advantages(torch.randn(2), torch.tensor([0, 1, 2]), torch.ones(2, 3)), ValueError, "group_ids must have shape"),
+        (lambda: pf.group_advantages(torch.randn(2), torch.tensor([0.0, 1.0]), torch.ones(2, 3)), TypeError, "group_ids"),
+        (lambda: pf.group_advantages(torch.randn(2, 4), torch.tensor([0, 1]), torch.ones(2, 3)), ValueError, "scores must have shape"),
     ],
 }
 assert set(BAD_INPUTS) == set(OPS)

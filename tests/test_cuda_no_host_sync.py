@@ -31,6 +31,8 @@ def _inputs(device):
 
 CALLS = {
     "token_logprobs": lambda r, m, fm, y, s: pf.token_logprobs(r(*s).requires_grad_(), y, return_entropy=True, temperature=0.8),
+    "linear_token_logprobs": lambda r, m, fm, y, s: pf.linear_token_logprobs(
+        r(*s[:2], 64).requires_grad_(), r(s[2], 64).requires_grad_(), y, bias=r(s[2]).requires_grad_(), return_entropy=True, logit_softcap=30.0),
     "kl_estimate": lambda r, m, fm, y, s: (pf.kl_estimate(r(*s[:2]).requires_grad_(), r(*s[:2]), "k3"),),
     "kl_penalized_rewards": lambda r, m, fm, y, s: pf.kl_penalized_rewards(
         r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, estimator="k3"),
@@ -38,6 +40,8 @@ CALLS = {
     "clipped_policy_loss": lambda r, m, fm, y, s: pf.clipped_policy_loss(
         r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]).requires_grad_(), fm, dual_clip=3.0, agg="seq-mean-token-mean")[:1],
     "value_loss": lambda r, m, fm, y, s: pf.value_loss(r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]), m)[:1],
+    "group_sum": lambda r, m, fm, y, s: (pf.group_advantages(
+        r(s[0]).requires_grad_(), torch.arange(s[0], device=m.device) // 3 * 7, m, method="grpo"),),
 }
 assert set(CALLS) == set(OPS)
 

@@ -80,9 +80,18 @@ def _tensorboard_writer(log_dir: Path, log):
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl``; a torn last line (a full disk, a kill mid-write) is dropped."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise
+    return rows
 
 
 # Panels of curves.png, most telling first: (metric, title).  A metric that is absent or

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, default_task
+from . import checkpoint, default_task, resume
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
@@ -60,6 +61,22 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS) -> None:
                                   "use --backend auto (the fastest available backend per op)") from None
 
 
+def check_writable(output_dir: Path) -> None:
+    """Create ``output_dir`` and make sure a file can be written there (``ConfigError`` if not),
+    before any model is loaded; leftovers of an unfinished checkpoint are removed."""
+    probe = output_dir / ".ppo-fast-write-test"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({err.strerror or err}); "
+                          "choose a writable --output-dir") from None
+    checkpoint.remove_stale(output_dir)
+
+
 def read_prompts(path: str, option: str = "--prompts-file") -> list[str]:
     """The prompts of a ``.txt``, ``.jsonl`` or ``.json`` file (see ``ppo_fast.trainer.prompts``)."""
     return _read_prompt_file(path, option).texts
@@ -96,27 +113,30 @@ def _eval_text(first: dict, second: dict | None = None) -> str:
 
 
 class _DeferredInterrupt:
-    """Turns the first Ctrl-C into a request to stop after the current step; a second one interrupts at once."""
+    """Turns the first Ctrl-C (SIGINT) or SIGTERM (what schedulers send) into a request to stop
+    after the current step; a second one interrupts at once."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self, log):
         self.requested = False
         self.log = log
-        self.previous = None
+        self.previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self.log("Ctrl-C: stopping after this step (press again to stop at once)")
+        self.log(f"{self.SIGNALS[signum]}: stopping after this step (again to stop at once)")
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
 
 
 class PPOTrainer:
@@ -171,9 +191,9 @@ class PPOTrainer:
             if not builtin:
                 raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
             reward_fn = default_task.addition_reward
-        resume_from = self._check_resume() if cfg.resume else None
+        resume_from = self._check_resume(builtin) if cfg.resume else None
 
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.output_dir)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)
@@ -229,7 +249,7 @@ class PPOTrainer:
         # warm-up above was trained (consuming random numbers) or loaded from cache.
         checkpoint.seed_all(cfg.seed)
         if resume_from is not None:
-            self._resume(*resume_from)
+            self._resume(resume_from)
             if self.engine is not None:
                 self.engine.sync_weights(self.policy)
 
@@ -269,52 +289,57 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _check_resume(self) -> tuple[Path, checkpoint.TrainerState] | None:
-        """The checkpoint to resume from and its state; ``ConfigError`` if this run's options
+    def _check_resume(self, builtin: bool) -> checkpoint.Loaded | None:
+        """The newest usable checkpoint, read whole; ``ConfigError`` if this run's options
         cannot continue it (checked before any model is loaded)."""
         cfg = self.cfg
-        found = checkpoint.latest(self.output_dir)
-        if found is None:
-            self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
-            return None
-        state = checkpoint.load_state(found)
-        saved = state.config
-        where = f"--resume: the checkpoint {found}"
-        has_critic = (found / "critic.pt").exists()
-        if has_critic != (cfg.advantage_estimator == "gae"):  # the optimizer's state includes the critic or not
-            raise ConfigError(f"{where} was trained with --advantage-estimator {saved.get('advantage_estimator')} "
-                              f"({'with' if has_critic else 'without'} a critic); resume with --advantage-estimator "
-                              f"{saved.get('advantage_estimator')}, or start a new run in another --output-dir")
-        if cfg.advantage_estimator == "gae":
-            if saved.get("critic", "separate") != cfg.critic:
-                raise ConfigError(f"{where} was trained with --critic {saved.get('critic', 'separate')}; resume with "
-                                  f"--critic {saved.get('critic', 'separate')}, or start a new run in another --output-dir")
-        return found, state
 
-    def _resume(self, found: Path, state: checkpoint.TrainerState) -> None:
-        changed = [f"{name} {old!r} -> {getattr(self.cfg, name)!r}" for name, old in state.config.items()
-                   if name not in ("steps", "resume", "output_dir") and getattr(self.cfg, name, old) != old]
+        def check_state(path: Path, state: checkpoint.TrainerState) -> None:
+            resume.check(state.config, cfg, builtin, f"--resume: the checkpoint {path}")
+
+        loaded = checkpoint.load_latest_usable(self.output_dir, self.log, check_state=check_state)
+        if loaded is None:
+            self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
+        return loaded
+
+    def _resume(self, loaded: checkpoint.Loaded) -> None:
+        state = loaded.state
+        changed = resume.check(state.config, self.cfg, self.builtin, f"--resume: the checkpoint {loaded.path}")
         if changed:
             self.log("resuming with changed options: " + ", ".join(changed))
         try:
-            checkpoint.load_weights(found, self.policy, self.critic)
+            self.policy.load_state_dict(loaded.policy)
+            if self.critic is not None:
+                self.critic.load_state_dict(loaded.critic)
             self.optimizer.load_state_dict(state.optimizer)
-        except (RuntimeError, ValueError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
+        except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
             reason = " ".join(str(err).split())[:300]
-            raise ConfigError(f"--resume: the checkpoint {found} does not fit this run's model ({reason}); "
+            raise ConfigError(f"--resume: the checkpoint {loaded.path} does not fit this run's model ({reason}); "
                               "resume with the options the run was started with, or use another --output-dir") from err
         self.scheduler.load_state_dict(state.scheduler)
-        self.kl_control.value = state.kl_coef
+        total_updates = self.cfg.steps * self.cfg.num_ppo_epochs * self.cfg.num_mini_batches
+        resume.apply_optimizer_options(self.optimizer, self.scheduler, self.cfg, lr_lambda(self.cfg, total_updates))
+        # A --kl-coef given anew replaces the current (possibly adapted) coefficient.
+        kl_changed = state.config.get("kl_coef", self.cfg.kl_coef) != self.cfg.kl_coef
+        self.kl_control.value = self.cfg.kl_coef if kl_changed else state.kl_coef
         checkpoint.set_rng_state(state.rng)
         self.step = self.resumed_from = state.step
-        self.log(f"resumed from {found} (step {state.step})")
+        self.log(f"resumed from {loaded.path} (step {state.step})")
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:
         state = checkpoint.TrainerState(
             step=self.step, optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
             kl_coef=self.kl_control.value, rng=rng or checkpoint.rng_state(), config=self.cfg.to_dict(),
         )
-        return checkpoint.save(self.output_dir, self.policy, self.tokenizer, self.critic, state, keep=self.cfg.keep_checkpoints)
+
+        def write(folder: Path) -> None:
+            self.policy.save_pretrained(folder / checkpoint.POLICY_DIR)
+            self.tokenizer.save_pretrained(folder / checkpoint.POLICY_DIR)
+            if self.critic is not None:
+                torch.save(self.critic.state_dict(), folder / checkpoint.CRITIC_FILE)
+            torch.save(vars(state), folder / checkpoint.STATE_FILE)
+
+        return checkpoint.save(self.output_dir, self.step, write, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------ evaluation
 

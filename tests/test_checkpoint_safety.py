@@ -1,0 +1,247 @@
+"""Checkpoints and --resume under faults: a poisoned pickle cannot run code, a damaged checkpoint
+falls back to the previous one (naming the bad file), a torn metrics line is tolerated, writes are
+fsynced and leave no temporary folder, every changed option is applied or refused in one line, a
+full disk or an unwritable output directory is one line, and SIGTERM stops after the step."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppo_fast.cli import main
+from ppo_fast.trainer import PPOTrainer, TrainerConfig
+from ppo_fast.trainer import checkpoint
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.resume import REFUSED_BUILTIN
+from ppo_fast.trainer.trainer import lr_lambda
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(batch_size=4, num_mini_batches=1, num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=16,
+            save_every=1, keep_checkpoints=0)
+TINY_FLAGS = ["--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
+              "--sft-steps", "10", "--eval-size", "16"]
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """A built-in run of two steps with a checkpoint after each (made once)."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    PPOTrainer(TrainerConfig(output_dir=str(out), steps=2, **TINY), log=quiet).train()
+    assert [p.name for p in checkpoint.candidates(out)] == ["step-000002", "step-000001"]
+    return out
+
+
+@pytest.fixture
+def run(two_checkpoints, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(two_checkpoints, copy)
+    return copy
+
+
+def resumed(run: Path, messages: list | None = None, **overrides) -> PPOTrainer:
+    values = dict(TINY, output_dir=str(run), steps=3, resume=True)
+    values.update(overrides)
+    return PPOTrainer(TrainerConfig(**values), log=(messages.append if messages is not None else quiet))
+
+
+def error_line(capsys) -> str:
+    """The one error line (progress bars may come before it; no traceback)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ppo-fast: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err and err.rstrip().endswith(lines[0]), err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------- unsafe or damaged files
+
+
+class _Poison:
+    """Unpickling this creates ``path``: what an attacker's code would do."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_poisoned_trainer_state_cannot_run_code(run, tmp_path):
+    marker = tmp_path / "pwned"
+    state_file = run / "checkpoints" / "step-000002" / checkpoint.STATE_FILE
+    torch.save({"step": 2, "optimizer": {}, "config": {}, "payload": _Poison(marker)}, state_file)
+    # The poison is real: a full unpickle runs it.
+    torch.load(state_file, weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    messages = []
+    trainer = resumed(run, messages)
+    assert not marker.exists()
+    assert trainer.step == 1
+    assert any("skipping the damaged checkpoint" in m and "step-000002" in m and checkpoint.STATE_FILE in m for m in messages)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garble(path: Path) -> None:
+    path.write_bytes(b"\x00{not json" + os.urandom(16))
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("policy/model.safetensors", _truncate), ("policy/config.json", _garble),
+    (checkpoint.CRITIC_FILE, _truncate), (checkpoint.STATE_FILE, _truncate), (checkpoint.CRITIC_FILE, Path.unlink),
+])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(run, name, damage):
+    damage(run / "checkpoints" / "step-000002" / name)
+    messages = []
+    trainer = resumed(run, messages)
+    assert trainer.step == 1 and trainer.resumed_from == 1
+    skipped = [m for m in messages if "skipping the damaged checkpoint" in m]
+    assert len(skipped) == 1 and "step-000002" in skipped[0] and name in skipped[0], messages
+    assert any("resumed from" in m and "step-000001" in m for m in messages)
+
+
+def test_no_usable_checkpoint_is_one_line_naming_each_bad_file(run, capsys):
+    _truncate(run / "checkpoints" / "step-000002" / checkpoint.STATE_FILE)
+    _garble(run / "checkpoints" / "step-000001" / "policy" / "config.json")
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS]) == 1
+    line = error_line(capsys)
+    assert "no usable checkpoint" in line
+    assert f"step-000002/{checkpoint.STATE_FILE}" in line and "step-000001/policy/config.json" in line
+
+
+def test_a_torn_last_metrics_line_is_tolerated_on_resume(run):
+    metrics = run / METRICS_FILE
+    with metrics.open("a") as f:
+        f.write('{"step": 3, "objective/sco')  # the disk filled up mid-line
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2]
+    assert resumed(run).train()["steps_done"] == 3
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+    metrics.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')  # damage inside the file is not hidden
+    with pytest.raises(ValueError):
+        read_metrics(metrics)
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def test_checkpoints_are_fsynced_and_stale_temporary_folders_removed(run, monkeypatch):
+    stale = run / "checkpoints" / ".tmp-step-000007"
+    (stale / "policy").mkdir(parents=True)
+    synced = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    trainer = resumed(run)
+    assert not stale.exists()  # removed when the run starts
+    trainer.step = 3
+    saved = trainer.save_checkpoint()
+    tmp = saved.parent / ".tmp-step-000003"  # written there, then renamed
+    written = {p.relative_to(saved) for p in saved.rglob("*")}
+    assert written and written <= {p.relative_to(tmp) for p in synced if tmp in p.parents}
+    assert saved.parent in synced  # the rename is on disk too
+    assert not list((run / "checkpoints").glob(".tmp-step-*"))
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monkeypatch):
+    real_save = torch.save
+
+    def no_space(obj, path, *args, **kwargs):
+        if str(path).endswith(checkpoint.CRITIC_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", no_space)
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS]) == 1
+    line = error_line(capsys)
+    assert "No space left on device" in line and "the last complete checkpoint" in line
+    assert [p.name for p in checkpoint.candidates(run)] == ["step-000002", "step-000001"]
+    assert not list((run / "checkpoints").glob(".tmp-step-*"))
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line(capsys):
+    # /sys refuses new folders even to root (chmod does not stop root).
+    assert main(["train", "--output-dir", "/sys/ppo_fast_run", "--steps", "1"]) == 1
+    assert "--output-dir /sys/ppo_fast_run: cannot write there" in error_line(capsys)
+
+
+# ---------------------------------------------------------------------- changed options
+
+
+@pytest.mark.parametrize("name, value", [
+    ("seed", 1), ("critic", "shared"), *((n, v) for n, v in zip(REFUSED_BUILTIN, (11, 64, 1e-3, 0.5, 8))),
+    ("advantage_estimator", "grpo"),
+])
+def test_a_refused_option_change_is_one_line(run, capsys, name, value):
+    flag = "--" + name.replace("_", "-")
+    extra = ["--num-samples-per-prompt", "2"] if name == "advantage_estimator" else []
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS, flag, str(value), *extra]) == 1
+    old = TrainerConfig(**TINY).to_dict()[name]
+    line = error_line(capsys)
+    assert f"was trained with {flag} {old}" in line and f"resume with {flag} {old}" in line, line
+
+
+def test_applied_option_changes_take_effect(run):
+    messages = []
+    trainer = resumed(run, messages, learning_rate=5e-4, weight_decay=0.01, kl_coef=0.2, warmup_steps=10,
+                      lr_scheduler_type="linear", cliprange=0.1)
+    assert any(m.startswith("resuming with changed options: ") and "learning_rate" in m and "kl_coef" in m for m in messages)
+    updates_done = trainer.scheduler.last_epoch
+    assert updates_done == 2
+    factor = lr_lambda(trainer.cfg, 3 * 1 * 1)(updates_done)
+    for group in trainer.optimizer.param_groups:
+        assert group["lr"] == pytest.approx(5e-4 * factor) and group["weight_decay"] == 0.01
+    assert trainer.kl_control.value == 0.2 and trainer.cfg.cliprange == 0.1
+    trainer.train()
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(5e-4 * lr_lambda(trainer.cfg, 3)(3))
+
+
+def test_grpo_and_rloo_may_swap_on_resume(tmp_path):
+    cfg = TrainerConfig(output_dir=str(tmp_path / "g"), steps=1, advantage_estimator="grpo", num_samples_per_prompt=2,
+                        **dict(TINY, batch_size=2))
+    PPOTrainer(cfg, log=quiet).train()
+    trainer = PPOTrainer(TrainerConfig(**dict(cfg.to_dict(), advantage_estimator="rloo", resume=True, steps=2)), log=quiet)
+    assert trainer.step == 1
+
+
+# ---------------------------------------------------------------------- signals
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), "--steps", "500", "--save-every", "0",
+               *TINY_FLAGS[:-2], "--eval-size", "0"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not read_metrics(out / METRICS_FILE):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, output
+    assert "SIGTERM: stopping after this step" in output and "Traceback" not in output
+    done = read_metrics(out / METRICS_FILE)[-1]["step"]
+    assert [p.name for p in checkpoint.candidates(out)] == [f"step-{done:06d}"]
+    assert checkpoint.load_state(checkpoint.latest(out)).step == done

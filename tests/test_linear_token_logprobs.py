@@ -1,0 +1,269 @@
+"""``linear_token_logprobs`` (the fused LM head) on every CPU backend against the plain
+formula ``token_logprobs(transform(hidden @ weight.T + bias), labels)`` computed with the
+whole logits in float32 (float64 for float64 inputs), forward and backward w.r.t.
+hidden, weight and bias.  The backends' agreement with the reference over layouts and
+poisons is in test_conformance.py; this file checks the op's meaning, its chunking
+(several chunks on every backend) and its memory bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ppo_fast as pf
+from ppo_fast import reference
+from ppo_fast.backends import backend_info
+
+IGNORE = -100
+
+
+def _cpu_backends():
+    names = ["reference"]
+    for name in ("native", "triton"):
+        info = backend_info(name)
+        if info.available and "cpu" in info.module.SUPPORTED.get("linear_token_logprobs", set()):
+            names.append(name)
+    return names
+
+
+on_backends = pytest.mark.parametrize("backend", _cpu_backends())
+
+# forward (rtol, atol) on the float32 outputs; gradient (rtol, atol) in the input dtype,
+# atol relative to the gradient's largest entry: a kernel may round d_logits to the
+# input dtype before its products with the head or the hidden states (as tensor cores
+# need), an error of that dtype's precision times the gradient's scale.
+TOLERANCES = {
+    torch.float64: ((1e-10, 1e-10), (1e-9, 1e-10)),
+    torch.float32: ((2e-5, 2e-5), (2e-5, 2e-5)),
+    torch.bfloat16: ((2e-5, 2e-5), (1.6e-2, 1e-2)),
+    torch.float16: ((2e-5, 2e-5), (2e-3, 2e-3)),
+}
+
+
+def plain(hidden, weight, labels, bias=None, *, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False):
+    """The unfused formula: the whole [N, V] logits, then token_logprobs on the reference."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    z = hidden.to(dtype) @ weight.to(dtype).T
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z * logit_scale
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    with pf.use_backend("reference"):
+        out = pf.token_logprobs(z, labels, temperature=temperature, return_entropy=return_entropy)
+    return out if return_entropy else (out,)
+
+
+def make(gen, n, h, v, dtype, *, bias=True, ignored=0.2):
+    hidden = torch.randn(n, h, generator=gen).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=gen) / h**0.25).to(dtype).requires_grad_(True)
+    b = torch.randn(v, generator=gen).to(dtype).requires_grad_(True) if bias else None
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels = torch.where(torch.rand(n, generator=gen) < ignored, IGNORE, labels)
+    return hidden, weight, b, labels
+
+
+def outputs_and_grads(fn, leaves, seed):
+    outs = fn()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
+    grads = torch.autograd.grad(total, [x for x in leaves if x is not None])
+    return [o.detach() for o in outs], grads
+
+
+def assert_matches_plain(backend, hidden, weight, b, labels, seed, **kwargs):
+    leaves = [hidden, weight, b]
+    with pf.use_backend(backend):
+        got, got_grads = outputs_and_grads(lambda: pf.linear_token_logprobs(hidden, weight, labels, bias=b, **kwargs), leaves, seed)
+    want, want_grads = outputs_and_grads(lambda: plain(hidden, weight, labels, b, **kwargs), leaves, seed)
+    (fwd_rtol, fwd_atol), (grad_rtol, grad_atol) = TOLERANCES[hidden.dtype]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=fwd_rtol, atol=fwd_atol, equal_nan=True)
+    for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads):
+        assert g.dtype == w.dtype, name
+        atol = grad_atol * float(w.abs().max()) if w.numel() else 0.0
+        torch.testing.assert_close(g, w, rtol=grad_rtol, atol=atol, equal_nan=True, msg=lambda m: f"grad of {name}: {m}")
+
+
+@on_backends
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0.7, "return_entropy": True},
+        {"logit_softcap": 3.0, "logit_scale": 0.5, "return_entropy": True, "temperature": 1.3},  # Gemma/Cohere-style head
+    ],
+    ids=["plain", "temperature-entropy", "scale-softcap"],
+)
+def test_matches_the_plain_formula(backend, dtype, kwargs):
+    gen = torch.Generator().manual_seed(hash((backend, str(dtype), tuple(kwargs))) % 2**31)
+    hidden, weight, b, labels = make(gen, 29, 13, 203, dtype)  # odd H and V
+    assert_matches_plain(backend, hidden, weight, b, labels, 1, **kwargs)
+
+
+@on_backends
+def test_without_bias_and_with_every_row_ignored(backend):
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight, _, labels = make(gen, 17, 7, 61, torch.float32, bias=False)
+    assert_matches_plain(backend, hidden, weight, None, labels, 2, return_entropy=True)
+    labels = torch.full((17,), IGNORE)
+    with pf.use_backend(backend):
+        logp, ent = pf.linear_token_logprobs(hidden, weight, labels, return_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+    assert (logp == 0).all() and (ent == 0).all()
+    assert (hidden.grad == 0).all() and (weight.grad == 0).all()
+
+
+@on_backends
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_chunks(backend, dtype, monkeypatch):
+    """Enough rows for several chunks on every backend (the reference's chunk made small;
+    the native kernel's is 2**20 logits), a vocabulary past its 1024-logit blocks."""
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 37 * 4099)
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight, b, labels = make(gen, 300, 16, 4099, dtype)
+    assert_matches_plain(backend, hidden, weight, b, labels, 3, return_entropy=True, temperature=0.9)
+
+
+@on_backends
+def test_strided_and_batched_hidden(backend):
+    """hidden [B, T, H] sliced along T (no [N, H] view exists) and with a non-unit last stride."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(3, 10, 2 * 9, generator=gen, requires_grad=True)
+    weight = torch.randn(31, 9, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 31, (3, 5), generator=gen)
+    hidden = base[:, ::2, ::2]
+    with pf.use_backend(backend):
+        got, got_grads = outputs_and_grads(lambda: pf.linear_token_logprobs(hidden, weight, labels, return_entropy=True), [base, weight], 4)
+    want, want_grads = outputs_and_grads(
+        lambda: plain(hidden.reshape(-1, 9), weight, labels.reshape(-1), return_entropy=True), [base, weight], 4
+    )
+    for g, w in zip(got, want):
+        assert g.shape == (3, 5)
+        torch.testing.assert_close(g.reshape(-1), w)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+@on_backends
+def test_tied_weights_accumulate_both_gradients(backend):
+    """The head is the input embedding (tied): its gradient is the lookup's plus the head's."""
+    gen = torch.Generator().manual_seed(6)
+    embedding = torch.nn.Embedding(41, 12)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(41, 12, generator=gen))
+    ids = torch.randint(0, 41, (2, 9), generator=gen)
+    labels = torch.roll(ids, -1, dims=1)
+    grads = []
+    for name in (backend, None):
+        embedding.weight.grad = None
+        hidden = torch.tanh(embedding(ids))
+        if name is None:
+            logp = plain(hidden.reshape(-1, 12), embedding.weight, labels.reshape(-1))[0]
+        else:
+            with pf.use_backend(name):
+                logp = pf.linear_token_logprobs(hidden, embedding.weight, labels)
+        logp.sum().backward()
+        grads.append(embedding.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@on_backends
+def test_nan_rules(backend):
+    """NaN/inf in an ignored row reaches nothing; NaN in a valid row is that row's NaN only
+    (and the head's gradient's, which every valid row feeds); a NaN in the head reaches
+    every valid row."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight, b, labels = make(gen, 6, 5, 23, torch.float32, ignored=0.0)
+    labels[2] = IGNORE
+    with torch.no_grad():
+        hidden[2] = math.nan
+        hidden[2, 0] = math.inf
+    with pf.use_backend(backend):
+        logp, ent = pf.linear_token_logprobs(hidden, weight, labels, bias=b, return_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and logp[2] == 0 and ent[2] == 0
+    assert all(torch.isfinite(x.grad).all() for x in (hidden, weight, b)) and (hidden.grad[2] == 0).all()
+
+    poisoned = hidden.detach().clone()
+    poisoned[2] = 0.0
+    poisoned[4, 1] = math.nan
+    with pf.use_backend(backend):
+        logp = pf.linear_token_logprobs(poisoned, weight.detach(), labels, bias=b.detach())
+    assert torch.isnan(logp[4]) and torch.isfinite(logp[[0, 1, 3, 5]]).all()
+
+    head = weight.detach().clone()
+    head[9, 0] = math.nan
+    with pf.use_backend(backend):
+        logp = pf.linear_token_logprobs(poisoned[:2], head, labels[:2])
+    assert torch.isnan(logp).all()
+
+
+@on_backends
+def test_out_of_range_label_eager_raises_and_compiled_gives_nan_without_gradient(backend):
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, b, _ = make(gen, 4, 6, 50, torch.float32)
+    labels = torch.tensor([1, 2, 3, 50])
+    with pf.use_backend(backend), pytest.raises(ValueError, match=r"labels must lie in \[0, 50\).*50"):
+        pf.linear_token_logprobs(hidden, weight, labels)
+
+    def fn(h, w, y, bias):
+        return pf.linear_token_logprobs(h, w, y, bias=bias, return_entropy=True)
+
+    with pf.use_backend(backend):
+        torch._dynamo.reset()
+        logp, ent = torch.compile(fn, fullgraph=True, backend="aot_eager")(hidden, weight, labels, b)
+        (logp.sum() + ent[:3].sum()).backward()  # a gradient into the NaN row, too
+        good_logp, good_ent = fn(hidden[:3], weight, labels[:3], b)
+    assert torch.isnan(logp[3]) and torch.isnan(ent[3])
+    torch.testing.assert_close(logp[:3], good_logp.detach())
+    torch.testing.assert_close(ent[:3], good_ent.detach())
+    assert (hidden.grad[3] == 0).all() and torch.isfinite(weight.grad).all() and torch.isfinite(b.grad).all()
+
+
+@on_backends
+def test_shapes_empty_and_one_row(backend):
+    weight = torch.randn(9, 4, requires_grad=True)
+    with pf.use_backend(backend):
+        logp, ent = pf.linear_token_logprobs(torch.randn(0, 4), weight, torch.zeros(0, dtype=torch.long), return_entropy=True)
+        assert logp.shape == ent.shape == (0,) and logp.dtype == torch.float32
+        one = pf.linear_token_logprobs(torch.randn(4), weight, torch.tensor(3))
+        assert one.shape == ()
+        batched = pf.linear_token_logprobs(torch.randn(2, 0, 4), weight, torch.zeros(2, 0, dtype=torch.long))
+        assert batched.shape == (2, 0)
+
+
+def test_gradcheck_reference():
+    gen = torch.Generator().manual_seed(9)
+    hidden, weight, b, labels = make(gen, 5, 3, 7, torch.float64)
+    with pf.use_backend("reference"):
+        torch.autograd.gradcheck(
+            lambda h, w, bias: pf.linear_token_logprobs(
+                h, w, labels, bias=bias, temperature=0.8, logit_softcap=2.0, logit_scale=1.5, return_entropy=True
+            ),
+            (hidden, weight, b),
+        )
+
+
+def test_reference_never_keeps_the_logits_for_backward():
+    """Under autograd the reference saves no tensor of the logits' size (each chunk is
+    recomputed in the backward): the [N, V] logits never all live at once."""
+    n, h, v = 64, 8, 5000
+    gen = torch.Generator().manual_seed(10)
+    hidden, weight, b, labels = make(gen, n, h, v, torch.float32)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), pf.use_backend("reference"):
+        logp, ent = pf.linear_token_logprobs(hidden, weight, labels, bias=b, return_entropy=True)
+    assert max(sizes) <= v * h, f"a saved tensor of {max(sizes)} elements (logits: {n * v})"
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(weight.grad).all()
