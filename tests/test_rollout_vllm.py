@@ -127,3 +127,17 @@ def test_two_ppo_steps_log_the_mismatch_and_the_sync_time(vllm_run):
         assert row["rollout/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert row["time/weight_sync"] > 0
         assert torch.isfinite(torch.tensor(row["loss/policy_avg"]))
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_each_torchrun_rank_drives_its_own_engine(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_ranks.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank ")) == ["rank 0: ok", "rank 1: ok"]

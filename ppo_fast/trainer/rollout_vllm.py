@@ -93,7 +93,8 @@ class VLLMEngine:
         start = time.perf_counter()
         if self.sleep:
             self.llm.wake_up(tags=["weights"])
-        weights = list(policy.state_dict().items())  # checkpoint names: what vLLM's loaders map
+        # Checkpoint names, which vLLM's loaders map; sharded (DTensor) weights are gathered on every rank.
+        weights = [(name, w.full_tensor() if hasattr(w, "full_tensor") else w) for name, w in policy.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         if self.sleep:
