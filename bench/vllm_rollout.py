@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -110,8 +111,10 @@ def main(argv=None) -> int:
     import vllm
 
     device = torch.device(args.device)
+    load_before = os.getloadavg()[0]
     result = run(device, args.model, args.batch, args.response_length, args.repeats)
-    result.update(machine=_machine(device), versions={**_versions(), "vllm": vllm.__version__})
+    result.update(machine=_machine(device), versions={**_versions(), "vllm": vllm.__version__},
+                  load_average_1m=[load_before, os.getloadavg()[0]])  # before, after: the machine may be shared
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"vllm-rollout-{device.type}.json"
