@@ -386,3 +386,13 @@ def test_clear_errors():
         pf.group_advantages(rewards, ids, mask, method="grpo", norm_by_std=1)
     with pytest.raises(ValueError, match="at least 2 responses in every group"):
         pf.group_advantages(rewards, ids, mask, method="grpo_passk")  # this batch has singletons
+
+
+def test_trainer_config_names_agree_with_the_registry():
+    """trainer/config.py repeats the registry's names without importing torch (for the launcher)."""
+    from ppo_fast.trainer import config
+
+    assert config.ADVANTAGE_ESTIMATORS == tuple(REGISTRY)
+    assert config.CRITIC_ESTIMATORS == tuple(n for n, m in REGISTRY.items() if m.needs_critic)
+    assert config.GROUP_ESTIMATORS == tuple(n for n, m in REGISTRY.items() if m.needs_groups and m.fn is not None)
+    assert config.CHOICES["advantage_estimator"] == tuple(REGISTRY)

@@ -23,6 +23,7 @@ import pytest
 
 # The float scalar arguments (hyper-parameters); every other non-pointer argument is an int.
 _FLOAT_ARGS = {"inv_temperature", "inv_temperature_lo", "kl_coef", "kl_coef_lo", "gamma", "gamma_lo", "lam", "lam_lo"}
+_FLOAT_ARGS |= {"logit_scale", "logit_scale_lo", "logit_softcap", "logit_softcap_lo"}  # linear_logprobs
 
 
 def _check_int64_addressing(name: str, ttir: str, int_args: list[str]) -> None:
@@ -42,7 +43,7 @@ def _compile_all() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ppo_fast.kernels import gae, kl_reward, logprobs
+    from ppo_fast.kernels import gae, kl_reward, linear_logprobs, logprobs
 
     target = GPUTarget("cuda", 90, 32)
     compiled = 0
@@ -118,6 +119,27 @@ def _compile_all() -> int:
                   dict(grad_adv_ptr="*" + out_type, grad_ret_ptr="*" + out_type, mask_ptr="*i1", grad_rewards_ptr="*" + in_type,
                        grad_values_ptr="*" + in_type),
                   dict(HAS_GRAD_ADV=has_adv, HAS_GRAD_RET=has_ret, ACC=acc, BLOCK_T=1024), float_type="fp64")
+    # The fused LM head at its launch configurations (tl.dot on tensor cores; fp32 as TF32 and IEEE).
+    import torch
+
+    for dtype, in_type, precision in ((torch.bfloat16, "bf16", "ieee"), (torch.float16, "fp16", "ieee"),
+                                      (torch.float32, "fp32", "tf32"), (torch.float32, "fp32", "ieee"), (torch.float64, "fp64", "ieee")):
+        acc, out_type = (tl.float64, "fp64") if dtype == torch.float64 else (tl.float32, "fp32")
+        inputs = dict(hidden_ptr="*" + in_type, weight_ptr="*" + in_type, bias_ptr="*" + in_type, labels_ptr="*i64", ignore_index="i64")
+        for flag in (False, True):
+            block_n, block_v, block_h, num_warps = linear_logprobs._FORWARD_CONFIG[dtype]
+            build(linear_logprobs._linear_logprobs_fwd_kernel,
+                  dict(inputs, logp_ptr="*" + out_type, entropy_ptr="*" + out_type, lse_ptr="*" + out_type),
+                  dict(HAS_BIAS=flag, HAS_SOFTCAP=flag, RETURN_ENTROPY=flag, ACC=acc, DOT_PRECISION=precision,
+                       BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, **({"hidden_col_stride": 1, "weight_col_stride": 1} if flag else {})),
+                  num_warps=num_warps)
+            block_n, block_v, block_h, num_warps = linear_logprobs._BACKWARD_CONFIG[dtype]
+            build(linear_logprobs._linear_logprobs_bwd_kernel,
+                  dict(inputs, lse_ptr="*" + out_type, entropy_ptr="*" + out_type, grad_logp_ptr="*" + out_type,
+                       grad_entropy_ptr="*" + out_type, d_hidden_ptr="*" + out_type, d_weight_ptr="*" + out_type, d_bias_ptr="*" + out_type),
+                  dict(HAS_BIAS=flag, HAS_SOFTCAP=flag, HAS_GRAD_LOGP=True, HAS_GRAD_ENTROPY=flag, NEEDS_HIDDEN=True, NEEDS_WEIGHT=True,
+                       NEEDS_BIAS=flag, ACC=acc, DOT_PRECISION=precision, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h),
+                  num_warps=num_warps, float_type="fp64" if flag else "fp32")
     return compiled
 
 

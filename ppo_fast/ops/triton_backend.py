@@ -3,7 +3,8 @@
 Each op is a ``torch.library.custom_op`` (with a fake implementation), so that
 ``torch.compile(fullgraph=True)`` treats it as one opaque node without graph
 breaks.  All are differentiable as the reference is: ``token_logprobs`` w.r.t. the
-logits, ``kl_estimate`` w.r.t. both log-probs, ``kl_penalized_rewards`` w.r.t. the
+logits, ``linear_token_logprobs`` w.r.t. the hidden states and the head's weight and
+bias, ``kl_estimate`` w.r.t. both log-probs, ``kl_penalized_rewards`` w.r.t. the
 scores and both log-probs, ``gae`` w.r.t. rewards and values; each gradient in its
 input's dtype, whichever outputs are used.  A tensor input they are not
 differentiable in (labels, mask) raises in the backward if it requires grad,
@@ -24,7 +25,7 @@ import os
 
 import torch
 
-OPS = ("token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "group_sum")  # of contract.OPS
+OPS = ("token_logprobs", "linear_token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "group_sum")  # of contract.OPS
 _DEVICES = {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"}
 SUPPORTED = {op: set(_DEVICES) for op in OPS}
 
@@ -148,6 +149,111 @@ def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, in
     """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
     their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one)."""
     logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)
+    return logp, (entropy if return_entropy else None)
+
+
+# --------------------------------------------------------------------------- fused LM head
+
+
+@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs", mutates_args=())
+def _linear_token_logprobs_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    return_entropy: bool,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)``; entropy is empty without ``return_entropy``; ``lse`` is for the backward."""
+    logp, entropy, lse = kernels.linear_logprobs_forward(
+        hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+        ignore_index=ignore_index, return_entropy=return_entropy,
+    )  # fmt: skip
+    return logp, (entropy if return_entropy else logp.new_empty(0)), lse
+
+
+@_linear_token_logprobs_op.register_fake
+def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
+    logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
+    return logp, logp.new_empty(logp.shape if return_entropy else (0,)), torch.empty_like(logp)
+
+
+@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
+def _linear_token_logprobs_backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    ignore_index: int,
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
+    grads = kernels.linear_logprobs_backward(
+        hidden, weight, labels, bias, lse, entropy if grad_entropy is not None else None, grad_logp, grad_entropy,
+        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
+        needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias,
+    )  # fmt: skip
+    return tuple(lse.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight)))
+
+
+@_linear_token_logprobs_backward_op.register_fake
+def _(hidden, weight, labels, bias, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap, ignore_index,
+      needs_hidden, needs_weight, needs_bias):  # fmt: skip
+    needs_bias = needs_bias and bias is not None
+    return (
+        hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+        weight.new_empty(weight.shape if needs_weight else (0,)),
+        weight.new_empty(weight.shape[:1] if needs_bias else (0,)),
+    )
+
+
+def _linear_token_logprobs_setup(ctx, inputs, output):
+    hidden, weight, labels, bias, ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
+
+
+def _linear_token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    _not_differentiable(ctx, labels=2)
+    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    if not ctx.return_entropy:
+        grad_entropy = None  # the placeholder output (empty) has no gradient to pass
+    needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
+    if grad_logp is None and grad_entropy is None:
+        return None, None, None, None, None, None, None, None, None
+    d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
+        hidden, weight, labels, bias, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.logit_scale,
+        ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias,
+    )  # fmt: skip
+    pick = lambda grad, needed: grad if needed else None  # noqa: E731
+    return pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias), None, None, None, None, None
+
+
+_linear_token_logprobs_op.register_autograd(_linear_token_logprobs_backward, setup_context=_linear_token_logprobs_setup)
+
+
+def linear_token_logprobs(
+    hidden, weight, labels, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False, ignore_index=-100
+):
+    """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
+    kernels of ``ppo_fast.kernels.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
+    logp, entropy, _ = _linear_token_logprobs_op(
+        hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+    )
     return logp, (entropy if return_entropy else None)
 
 

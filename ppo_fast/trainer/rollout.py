@@ -58,12 +58,14 @@ def batch_from_responses(enc, response: torch.Tensor, mask: torch.Tensor, pad_to
 
 @torch.no_grad()
 def generate(policy, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float, greedy: bool,
-             top_k: int = 0) -> Batch:
-    """Sample (or greedily decode) responses; tokens after the first EOS become padding."""
+             top_k: int = 0, synced_gpus: bool = False) -> Batch:
+    """Sample (or greedily decode) responses; tokens after the first EOS become padding.
+    ``synced_gpus``: every rank runs the same number of forward passes (sharded weights)."""
     enc = encode_prompts(tokenizer, prompts, policy.device)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     out = policy.generate(
-        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling
+        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced_gpus, **sampling
     )
     response = out[:, enc["input_ids"].shape[1] :]
     return batch_from_responses(enc, response, response_mask_until_eos(response, tokenizer.eos_token_id), tokenizer.pad_token_id)

@@ -1,0 +1,431 @@
+"""Fused LM head: log-probs (and entropy) of the chosen tokens straight from the last
+hidden states, never materialising the ``[N, V]`` logits (the Cut Cross-Entropy approach).
+
+Per row ``n``: ``z = softcap(logit_scale * (hidden[n] @ weight.T + bias)) / temperature``
+with ``softcap(x) = c * tanh(x / c)`` (none when ``logit_softcap`` is None), then
+``logp = z[label] - logsumexp(z)`` and ``entropy = -sum softmax(z) * log_softmax(z)``.
+
+Forward: one program per block of ``BLOCK_N`` rows loops over ``BLOCK_V`` vocabulary
+tiles; each tile of ``hidden @ weight.T`` is a ``tl.dot`` over ``BLOCK_H`` steps of
+the hidden dim (float32 accumulate, tensor cores for bf16/fp16), transformed in
+registers and folded into an online logsumexp (and an online ``sum p * z`` for the
+entropy): the logits only ever exist one ``[BLOCK_N, BLOCK_V]`` tile at a time.
+
+Backward (CCE's split): one program per ``(row block, vocabulary block)`` tile
+recomputes that tile's logits from the forward's logsumexp, forms
+``dz = g_logp * (onehot - p) - g_entropy * p * (log p + entropy)`` times the
+transform's derivative, and adds ``dz @ weight_tile`` into ``d_hidden`` and
+``dz.T @ hidden_tile`` into ``d_weight`` with float32 atomics, ``BLOCK_H`` columns at
+a time.  Why this split rather than deterministic row-block / vocabulary-block
+kernels: it is four matrix products in all (forward, recompute, two gradients)
+against five for two kernels that each recompute the logits, and neither
+``d_hidden``'s ``[BLOCK_N, H]`` nor ``d_weight``'s ``[BLOCK_V, H]`` accumulator
+fits in registers for a real ``H``.  The price: float32 atomics make the summation
+order (so the last bits of the gradients) vary between runs, and the gradients
+need float32 scratch when the inputs are bf16/fp16: ``d_hidden`` ``[N, H]`` whole,
+``d_weight`` in vocabulary chunks of at most ``WEIGHT_SCRATCH_BYTES`` (so the
+scratch stays bounded), each cast into the result when its chunk is done.  Tiles
+are not skipped on a small softmax (CCE's optional filter): every gradient is the
+exact formula.  Row blocks with no row to compute (all ignored or out of range)
+skip their tiles entirely.
+
+The matrix products use the inputs' dtype on tensor cores (the gradient tile
+``dz`` is rounded to it, as eager autograd's logits gradient would be); float32
+inputs follow ``torch.backends.cuda.matmul.allow_tf32``, as ``hidden @ weight.T``
+does.  Rows whose label is ``ignore_index`` or out of ``[0, V)`` read no hidden
+state (an ignored row gives 0 log-prob and entropy, an out-of-range one NaN) and
+pass no gradient; a label is never an address.  Any strides for ``hidden`` and
+``weight`` (a tied embedding, a transposed or sliced tensor is read in place), int64
+addressing throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
+from ._launch import check_same_device, check_shape, device_guard
+
+# (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
+# compile for sm_90 without register spills (checked in the SASS); not timed on a GPU yet.
+_FORWARD_CONFIG = {
+    torch.bfloat16: (128, 128, 32, 8),
+    torch.float16: (128, 128, 32, 8),
+    torch.float32: (64, 128, 32, 8),
+    torch.float64: (32, 64, 16, 4),
+}
+_BACKWARD_CONFIG = {
+    torch.bfloat16: (64, 128, 32, 8),
+    torch.float16: (64, 128, 32, 8),
+    torch.float32: (64, 128, 16, 8),
+    torch.float64: (32, 64, 16, 4),
+}
+_NUM_STAGES = 3
+# At most this much float32 scratch for a bf16/fp16 ``d_weight``: larger heads run the backward in vocabulary chunks.
+WEIGHT_SCRATCH_BYTES = 32 << 20
+
+
+@triton.jit
+def _operand(x):
+    """A loaded tile as a ``tl.dot`` operand: as is, except bf16 under the interpreter,
+    whose bf16 products are wrong (it is exactly widened to float32 there)."""
+    if _INTERPRETED and x.dtype == tl.bfloat16:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rounded_operand(x, dtype: tl.constexpr):
+    """A computed float32 tile rounded to ``dtype`` (the inputs' type) for ``tl.dot``;
+    under the interpreter bf16 is rounded by hand and kept as float32 (see ``_operand``)."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        out = _bf16_round_to_nearest_even(x).to(tl.float32)
+    else:
+        out = x.to(dtype)
+    return out
+
+
+@triton.jit
+def _tanh(x):
+    """tanh through exp (no libdevice under the interpreter): exact at +-inf, NaN stays NaN;
+    absolute error a few float32 ulps of 1 near 0, which is what the logsumexp sees."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index):
+    """Each row's label (int64), whether it is a row not ignored, and whether it is one to compute."""
+    in_rows = rows < n_rows
+    label = tl.load(labels_ptr + rows * labels_stride, mask=in_rows, other=0).to(tl.int64)
+    valid = in_rows & (label != ignore_index)
+    return label, valid, valid & (label >= 0) & (label < vocab)
+
+
+@triton.jit
+def _raw_logits(
+    hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_ok, col_ok, hidden_size,
+    hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride,
+    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """``hidden[rows] @ weight[cols].T + bias[cols]`` as a ``[BLOCK_N, BLOCK_V]`` tile in ``ACC``
+    (rows not to compute read nothing and hold the bias alone)."""
+    ks = tl.arange(0, BLOCK_H).to(tl.int64)
+    hidden_ptrs = hidden_ptr + rows[:, None] * hidden_row_stride + ks[None, :] * hidden_col_stride
+    weight_ptrs = weight_ptr + cols[None, :] * weight_row_stride + ks[:, None] * weight_col_stride
+    hidden_step = tl.full([], BLOCK_H, tl.int64) * hidden_col_stride
+    weight_step = tl.full([], BLOCK_H, tl.int64) * weight_col_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_V], ACC)
+    for k in range(0, hidden_size, BLOCK_H):
+        k_ok = (k + ks) < hidden_size
+        h = tl.load(hidden_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(weight_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(_operand(h), _operand(w), acc, input_precision=DOT_PRECISION, out_dtype=ACC)
+        hidden_ptrs += hidden_step
+        weight_ptrs += weight_step
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols * bias_stride, mask=col_ok, other=0.0).to(ACC)[None, :]
+    return acc
+
+
+@triton.jit
+def _linear_logprobs_fwd_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    n_rows, vocab, hidden_size,
+    hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
+    logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, inv_temperature, inv_temperature_lo, ignore_index,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, RETURN_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
+    inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
+    cap = scalar(logit_softcap, logit_softcap_lo, ACC)
+    # z = cap * tanh(raw * scale / cap) / T, or raw * scale / T: one multiply per element after the product.
+    if HAS_SOFTCAP:
+        pre = scalar(logit_scale, logit_scale_lo, ACC) / cap
+        post = cap * inv_t
+    else:
+        post = scalar(logit_scale, logit_scale_lo, ACC) * inv_t
+    cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
+
+    run_max = tl.full([BLOCK_N], float("-inf"), ACC)
+    sum_exp = tl.zeros([BLOCK_N], ACC)  # sum exp(z - run_max)
+    weighted = tl.zeros([BLOCK_N], ACC)  # sum exp(z - run_max) * (z - run_max), for the entropy
+    chosen = tl.zeros([BLOCK_N], ACC)
+    # A block with no row to compute reads nothing: its loop is empty.
+    vocab_end = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, vocab, 0)
+    for start in range(0, vocab_end, BLOCK_V):
+        cols = start + cols0
+        col_ok = cols < vocab
+        raw = _raw_logits(
+            hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_ok, col_ok, hidden_size,
+            hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride,
+            HAS_BIAS, ACC, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+        )  # fmt: skip
+        z = post * _tanh(raw * pre) if HAS_SOFTCAP else raw * post
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        chosen += tl.sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+        new_max = tl.maximum(run_max, tl.max(z, 1))
+        # While every z so far is -inf, shift by 0 so that -inf - -inf never appears.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        e = tl.exp(z - shift[:, None])
+        rescale = tl.exp(run_max - shift)
+        if RETURN_ENTROPY:
+            # -inf logits have e == 0 and contribute nothing (0 * -inf would be NaN).
+            tile_weighted = tl.sum(e * tl.where(e > 0, z - shift[:, None], 0.0), 1)
+            rebase = (tl.where(sum_exp > 0, run_max, shift) - shift) * sum_exp
+            weighted = rescale * (weighted + rebase) + tile_weighted
+        sum_exp = sum_exp * rescale + tl.sum(e, 1)
+        run_max = new_max
+
+    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
+    sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
+    log_sum = tl.log(sum_exp)
+    in_rows = rows < n_rows
+    logp = tl.where(row_ok, (chosen - shift) - log_sum, float("nan"))
+    tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
+    tl.store(lse_ptr + rows, tl.where(row_ok, shift + log_sum, 0.0), mask=in_rows)
+    if RETURN_ENTROPY:
+        entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
+        tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
+
+
+@triton.jit
+def _linear_logprobs_bwd_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    d_hidden_ptr, d_weight_ptr, d_bias_ptr,
+    n_rows, vocab, hidden_size, vocab_start, vocab_stop,
+    hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
+    grad_logp_stride, grad_entropy_stride,
+    logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, inv_temperature, inv_temperature_lo, ignore_index,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    NEEDS_HIDDEN: tl.constexpr, NEEDS_WEIGHT: tl.constexpr, NEEDS_BIAS: tl.constexpr,
+    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_N, BLOCK_V]`` tile of the logits' gradient, added into the float32 (or
+    float64) ``d_hidden [N, H]``, ``d_weight [vocab_stop - vocab_start, H]`` (this launch's
+    vocabulary chunk) and ``d_bias [V]``, all contiguous."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    cols = vocab_start + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = cols < vocab_stop
+    label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
+    # Ignored and out-of-range rows pass no gradient; a tile with none to compute does nothing.
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
+        scale = scalar(logit_scale, logit_scale_lo, ACC)
+        raw = _raw_logits(
+            hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_ok, col_ok, hidden_size,
+            hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride,
+            HAS_BIAS, ACC, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+        )  # fmt: skip
+        if HAS_SOFTCAP:
+            cap = scalar(logit_softcap, logit_softcap_lo, ACC)
+            t = _tanh(raw * (scale / cap))
+            z = t * (cap * inv_t)
+            dz_draw = (1.0 - t * t) * (scale * inv_t)  # d z / d raw
+        else:
+            z = raw * (scale * inv_t)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(ACC)
+        # Rows not to compute have no lse: p = 0 there (no overflow to mask afterwards).
+        log_p = tl.where(row_ok[:, None], z - lse[:, None], float("-inf"))
+        p = tl.exp(log_p)
+        dz = tl.zeros([BLOCK_N, BLOCK_V], ACC)
+        if HAS_GRAD_LOGP:
+            g_logp = tl.load(grad_logp_ptr + rows * grad_logp_stride, mask=row_ok, other=0.0).to(ACC)
+            dz += g_logp[:, None] * (tl.where(cols[None, :] == label[:, None], 1.0, 0.0) - p)
+        if HAS_GRAD_ENTROPY:
+            g_entropy = tl.load(grad_entropy_ptr + rows * grad_entropy_stride, mask=row_ok, other=0.0).to(ACC)
+            entropy = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0).to(ACC)
+            # dH/dz_j = -p_j (log p_j + H), 0 where p_j == 0 (log p_j = -inf).
+            dz -= g_entropy[:, None] * p * (tl.where(p > 0, log_p, 0.0) + entropy[:, None])
+        if HAS_SOFTCAP:
+            dz = dz * dz_draw
+        else:
+            dz = dz * (scale * inv_t)
+        draw = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
+        if NEEDS_BIAS:
+            tl.atomic_add(d_bias_ptr + cols, tl.sum(draw, 0), mask=col_ok)
+        draw_op = _rounded_operand(draw, weight_ptr.dtype.element_ty)
+        ks = tl.arange(0, BLOCK_H).to(tl.int64)
+        for k in range(0, hidden_size, BLOCK_H):
+            kk = k + ks
+            k_ok = kk < hidden_size
+            if NEEDS_HIDDEN:
+                w = tl.load(
+                    weight_ptr + cols[:, None] * weight_row_stride + kk[None, :] * weight_col_stride,
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                )  # fmt: skip
+                d_h = tl.dot(draw_op, _operand(w), input_precision=DOT_PRECISION, out_dtype=ACC)
+                tl.atomic_add(d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :], d_h, mask=row_ok[:, None] & k_ok[None, :])
+            if NEEDS_WEIGHT:
+                h = tl.load(
+                    hidden_ptr + rows[:, None] * hidden_row_stride + kk[None, :] * hidden_col_stride,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                )  # fmt: skip
+                d_w = tl.dot(tl.trans(draw_op), _operand(h), input_precision=DOT_PRECISION, out_dtype=ACC)
+                tl.atomic_add(
+                    d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :], d_w, mask=col_ok[:, None] & k_ok[None, :]
+                )
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 products as ``hidden @ weight.T`` would do them (TF32 only when torch allows it)."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _check_inputs(hidden, weight, labels, bias) -> tuple[int, int, int]:
+    """``(N, V, H)``, after the checks that keep every read inside the tensors."""
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got shapes {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.dtype not in _FORWARD_CONFIG:
+        raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    (n_rows, hidden_size), vocab = hidden.shape, weight.shape[0]
+    check_shape("weight", weight, (vocab, hidden_size))
+    check_shape("bias", bias, (vocab,))
+    if labels.dim() != 1 or labels.shape[0] != n_rows:
+        raise ValueError(f"labels must have shape ({n_rows},) (hidden's rows), got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must have an integer dtype, got {labels.dtype}")
+    for name, x in (("weight", weight), ("bias", bias)):
+        if x is not None and x.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have hidden's dtype {hidden.dtype}, got {x.dtype}")
+    check_same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    return n_rows, vocab, hidden_size
+
+
+def _scalars(temperature: float, logit_scale: float, logit_softcap: float | None) -> tuple[float, ...]:
+    """The float hyper-parameters as the kernels' ``(hi, lo)`` pairs (see ``_dtypes.split_scalar``)."""
+    return (*split_scalar(logit_scale), *split_scalar(logit_softcap or 1.0), *split_scalar(1.0 / temperature))
+
+
+def linear_logprobs_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    ignore_index: int,
+    return_entropy: bool,
+    blocks: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(logp [N], entropy [N] or None, lse [N])`` for ``hidden [N, H]``, ``weight [V, H]``,
+    ``labels [N]`` (any integer dtype), ``bias [V]`` or None, all of any strides.
+
+    float32 (float64 for float64 inputs, computed in float64).  ``lse`` is each row's
+    logsumexp of ``z``, for the backward (0 for rows that are ignored or out of range:
+    they read nothing).  ``blocks = (BLOCK_N, BLOCK_V, BLOCK_H)`` overrides the tile
+    sizes (each >= 16; tests use small ones to cross tile boundaries).
+    """
+    n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
+    dtype = result_dtype(hidden, weight, bias)
+    logp = torch.empty(n_rows, dtype=dtype, device=hidden.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if return_entropy else None
+    if n_rows == 0:
+        return logp, entropy, lse
+    if vocab == 0:
+        raise ValueError("weight must have a non-empty vocabulary dim")
+    acc = compute_dtype(dtype)
+    block_n, block_v, block_h, num_warps = _FORWARD_CONFIG[hidden.dtype] if blocks is None else (*blocks, 4)
+    with device_guard(hidden):
+        _linear_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
+            hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, lse,
+            n_rows, vocab, hidden_size,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
+            *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None, RETURN_ENTROPY=return_entropy,
+            ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype),
+            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
+        )  # fmt: skip
+    return logp, entropy, lse
+
+
+def linear_logprobs_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    ignore_index: int,
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+    blocks: tuple[int, int, int] | None = None,
+    weight_scratch_bytes: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
+
+    ``lse`` (and ``entropy``, needed with ``grad_entropy``) come from the forward;
+    ``grad_logprobs`` / ``grad_entropy`` ``[N]`` of any strides (a gradient expanded
+    from a sum has stride 0), either None for an unused output.  ``weight_scratch_bytes``
+    bounds the float32 scratch of a bf16/fp16 ``d_weight`` (default ``WEIGHT_SCRATCH_BYTES``;
+    tests make it small to cross vocabulary chunks).
+    """
+    n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
+    needs_bias = needs_bias and bias is not None
+    dtype = result_dtype(hidden, weight, bias)
+    check_same_device(hidden=hidden, lse=lse, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
+    for name, x in (("lse", lse), ("entropy", entropy), ("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
+        check_shape(name, x, (n_rows,))
+    if grad_entropy is not None and entropy is None:
+        raise ValueError("the entropy gradient needs the forward's entropy")
+    acc = compute_dtype(dtype)
+    acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
+    device = hidden.device
+    # Accumulated in the compute dtype; bf16/fp16 results are cast from float32 scratch.
+    d_hidden = torch.zeros((n_rows, hidden_size), dtype=acc_dtype, device=device) if needs_hidden else None
+    d_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if needs_bias else None
+    d_weight = None
+    if needs_weight:
+        d_weight = torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=device) if weight.dtype == acc_dtype else weight.new_empty((vocab, hidden_size))
+    has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
+    if has_work and (needs_hidden or needs_weight or needs_bias):
+        block_n, block_v, block_h, num_warps = _BACKWARD_CONFIG[hidden.dtype] if blocks is None else (*blocks, 4)
+        chunk = vocab
+        if needs_weight and weight.dtype != acc_dtype:
+            chunk = max(block_v, (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * hidden_size) // block_v * block_v)
+        lse = lse.contiguous()
+        entropy = lse if entropy is None else entropy.contiguous()
+        with device_guard(hidden):
+            for start in range(0, vocab, chunk):
+                stop = min(vocab, start + chunk)
+                d_weight_chunk = d_weight
+                if needs_weight and weight.dtype != acc_dtype:
+                    d_weight_chunk = torch.zeros((stop - start, hidden_size), dtype=acc_dtype, device=device)
+                _linear_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
+                    hidden, weight, weight if bias is None else bias, labels, lse, entropy,
+                    lse if grad_logprobs is None else grad_logprobs, lse if grad_entropy is None else grad_entropy,
+                    lse if d_hidden is None else d_hidden, lse if d_weight_chunk is None else d_weight_chunk, lse if d_bias is None else d_bias,
+                    n_rows, vocab, hidden_size, start, stop,
+                    hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
+                    labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
+                    *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
+                    HAS_GRAD_LOGP=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+                    NEEDS_HIDDEN=needs_hidden, NEEDS_WEIGHT=needs_weight, NEEDS_BIAS=needs_bias,
+                    ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype),
+                    BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
+                )  # fmt: skip
+                if d_weight_chunk is not d_weight:
+                    d_weight[start:stop].copy_(d_weight_chunk)
+    elif needs_weight and weight.dtype != acc_dtype:
+        d_weight.zero_()
+    cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
+    return cast(d_hidden, hidden), cast(d_weight, weight), cast(d_bias, bias)
