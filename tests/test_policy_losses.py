@@ -355,3 +355,13 @@ def test_native_cpu_is_deterministic_and_matches_verl(mode):
     want, _ = core.get_policy_loss_fn(mode)(old, lp, adv, mask.double(), loss_agg_mode="seq-mean-token-mean",
                                            config=_verl_config(CASES[mode].params), rollout_is_weights=w)
     torch.testing.assert_close(loss, want, rtol=1e-7, atol=1e-10)
+
+
+def test_native_serves_a_mode_only_where_its_kernels_are_registered():
+    native = backend_info("native")
+    if not native.available:
+        pytest.skip("the native extension is not built")
+    for mode in pf.policy_loss_modes().values():
+        for device in native.module.SUPPORTED.get(mode.op, ()):
+            for op in (mode.op, f"{mode.op}_backward"):
+                assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{op}", device.upper()), (op, device)
