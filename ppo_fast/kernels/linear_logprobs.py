@@ -233,7 +233,8 @@ def _linear_logprobs_bwd_kernel(
         else:
             z = raw * (scale * inv_t)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-        log_p = z - lse[:, None]
+        # Rows not to compute have no lse: p = 0 there (no overflow to mask afterwards).
+        log_p = tl.where(row_ok[:, None], z - lse[:, None], float("-inf"))
         p = tl.exp(log_p)
         dz = tl.zeros([BLOCK_N, BLOCK_V], ACC)
         if HAS_GRAD_LOGP:
