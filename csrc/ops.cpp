@@ -42,6 +42,9 @@ TORCH_LIBRARY(ppo_fast, m) {
       "Tensor mask, float kl_coef, str estimator, ScalarType scores_dtype, bool[3] output_mask) "
       "-> (Tensor grad_scores, Tensor grad_logprobs, Tensor grad_ref_logprobs)");
   m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor advantages, Tensor returns)");
+  // Group advantages' reduction: values [B, C] float32/float64, group_index [B] int64 in
+  // [0, B); row i of the result is the sum of the rows of i's group.  Its own backward.
+  m.def("group_sum(Tensor values, Tensor group_index) -> Tensor");
   m.def(
       "gae_backward(Tensor? grad_advantages, Tensor? grad_returns, Tensor mask, float gamma, float lam, "
       "ScalarType rewards_dtype, ScalarType values_dtype, bool[2] output_mask) -> (Tensor grad_rewards, Tensor grad_values)");

@@ -16,8 +16,10 @@ Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
 from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import (
+    advantage_methods,
     clipped_policy_loss,
     gae,
+    group_advantages,
     kl_estimate,
     kl_penalized_rewards,
     linear_token_logprobs,
@@ -38,6 +40,8 @@ __all__ = [
     "kl_estimate",
     "kl_penalized_rewards",
     "gae",
+    "group_advantages",
+    "advantage_methods",
     "masked_mean",
     "masked_whiten",
     "clipped_policy_loss",

@@ -143,17 +143,26 @@ def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
     return True, ""
 
 
-def resolve(op: str, device_type: str) -> Callable:
-    """The implementation of ``op`` for tensors on ``device_type`` under the current choice."""
+def resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None = None, label: str | None = None) -> Callable:
+    """The implementation of ``op`` for tensors on ``device_type`` under the current choice.
+
+    ``implemented_by``: for an op used by a registered variant (an advantage method...), the
+    backends the variant's registry entry declares; ``auto`` skips the others (so a variant
+    that landed in the reference alone falls back to it, for that variant only) and an
+    explicit other backend raises, naming ``label`` (the variant)."""
     name = current_backend()
     if name != "auto":
+        if implemented_by is not None and name not in implemented_by:
+            raise BackendUnavailableError(
+                f"{label or op}: backend {name!r} does not implement it (implemented by: {', '.join(implemented_by)})"
+            )
         ok, why = _serves(name, op, device_type)
         if not ok:
-            raise BackendUnavailableError(f"{op}: {why}")
+            raise BackendUnavailableError(f"{label or op}: {why}")
         return getattr(backend_info(name).module, op)
     order = _OP_ORDER.get((device_type, op), _DEFAULT_ORDER.get(device_type, ("native", "reference")))
     for candidate in order:
-        if _serves(candidate, op, device_type)[0]:
+        if (implemented_by is None or candidate in implemented_by) and _serves(candidate, op, device_type)[0]:
             return getattr(backend_info(candidate).module, op)
     return getattr(backend_info("reference").module, op)
 

@@ -44,16 +44,19 @@ def run(args: argparse.Namespace) -> int:
 
     from . import BackendUnavailableError
     from .trainer import NonFiniteError, PPOTrainer, RewardError
+    from .trainer.distributed import RankLost, shutdown
 
     try:
         summary = PPOTrainer(cfg).train()
-    except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError) as err:
+    except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError, RankLost) as err:
         return _fail(str(err))
     except OSError as err:
         if err.errno not in _DISK_ERRORS:
             raise
         return _fail(f"cannot write {err.filename or cfg.output_dir}: {err.strerror}; the last complete checkpoint "
                      f"in {cfg.output_dir} is kept (free space, or choose another --output-dir, and --resume)")
+    finally:
+        shutdown()
     # 130: the conventional exit status after Ctrl-C.
     return 0 if summary["stop_reason"] == "done" else 130
 

@@ -32,6 +32,7 @@ OPS = (
     "gae",
     "clipped_policy_loss",
     "value_loss",
+    "group_sum",  # the reduction of the group advantage estimators (ppo_fast.advantage_estimators)
 )
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.

@@ -220,6 +220,14 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, returns
 
 
+def group_sum(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of ``values [B, C]`` replaced by the sum of the rows of its group
+    (``group_index [B]`` int64 in ``[0, B)``): the group advantages' one reduction.  Linear
+    and symmetric, so its gradient is itself applied to the output's gradient."""
+    (values,) = _common(values)
+    return values.new_zeros(values.shape).index_add(0, group_index, values)[group_index]
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of ``x`` over ``mask``; 0 where nothing is valid."""
     (x,) = _masked(mask, x)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.advantage_estimators import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.contract import AGG_MODES, KL_ESTIMATORS, OPS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -246,6 +247,17 @@ def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2, dims=
     return Built(leaves, views, call, (0,))
 
 
+def build_group_sum(gen, device, dtype, layout, poison, *, method, dims=DIMS):
+    """group_sum through the public op of each advantage method that runs on the fast backends."""
+    mask = _mask_for(gen, device, layout, dims)
+    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("scores",), dims, mask)
+    ids = (torch.randint(0, 3, (dims[0],), generator=gen) * 5 - 2).to(device)  # uneven groups, singletons
+    if layout == "expanded":  # equal rows: in a group of them d advantage / d score ~ 1/epsilon overflows float16
+        ids = torch.arange(dims[0], device=device)
+
+    return Built(leaves, views, lambda: (pf.group_advantages(t["scores"], ids, mask, method=method),), (0,))
+
+
 # op -> (builder, its variants, the input dtypes it takes)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 VARIANTS = {
@@ -262,6 +274,8 @@ VARIANTS = {
         [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "dual_clip": 3.0, "weighted": True}],
     ),
     "value_loss": (build_value_loss, [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "clip": None}]),
+    "group_sum": (build_group_sum, [{"method": name} for name, entry in ADVANTAGE_METHODS.items()
+                                    if entry.fn is not None and set(FAST_BACKENDS) <= set(entry.backends)]),
 }
 for _op, (_, _variants) in VARIANTS.items():
     _variants.append({**_variants[0], "dims": LONG_DIMS.get(_op, LONG_DIMS["default"])})
@@ -495,6 +509,11 @@ BAD_INPUTS = {
         (lambda: pf.value_loss(torch.randn(2, 3), None, torch.randn(2, 3), torch.ones(2, 3)), TypeError, "old_values"),
         (lambda: pf.value_loss(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(2, 3)), TypeError, "returns"),
         (lambda: pf.value_loss(*_batch(), clip=float("inf")), ValueError, "clip"),
+    ],
+    "group_sum": [
+        (lambda: pf.group_advantages(torch.randn(2), torch.tensor([0, 1, 2]), torch.ones(2, 3)), ValueError, "group_ids must have shape"),
+        (lambda: pf.group_advantages(torch.randn(2), torch.tensor([0.0, 1.0]), torch.ones(2, 3)), TypeError, "group_ids"),
+        (lambda: pf.group_advantages(torch.randn(2, 4), torch.tensor([0, 1]), torch.ones(2, 3)), ValueError, "scores must have shape"),
     ],
 }
 assert set(BAD_INPUTS) == set(OPS)

@@ -40,6 +40,8 @@ CALLS = {
     "clipped_policy_loss": lambda r, m, fm, y, s: pf.clipped_policy_loss(
         r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]).requires_grad_(), fm, dual_clip=3.0, agg="seq-mean-token-mean")[:1],
     "value_loss": lambda r, m, fm, y, s: pf.value_loss(r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]), m)[:1],
+    "group_sum": lambda r, m, fm, y, s: (pf.group_advantages(
+        r(s[0]).requires_grad_(), torch.arange(s[0], device=m.device) // 3 * 7, m, method="grpo"),),
 }
 assert set(CALLS) == set(OPS)
 

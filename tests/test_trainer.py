@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import ppo_fast as pf
 from ppo_fast.cli import main
 from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig
 from ppo_fast.trainer import checkpoint, default_task
-from ppo_fast.trainer.estimate import group_advantages
+from ppo_fast.trainer.estimate import estimate
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.models import activation_checkpointing_on
 from ppo_fast.trainer.rollout import Batch, forward, generate, response_mask_until_eos
@@ -124,15 +125,19 @@ def test_gradient_checkpointing_run(tmp_path):
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.policy.parameters()))
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
-def test_group_estimators_run_without_a_critic(tmp_path, estimator):
-    cfg = tiny(tmp_path, advantage_estimator=estimator, num_samples_per_prompt=4, batch_size=4, steps=1)
+@pytest.mark.parametrize("estimator", [name for name, m in pf.advantage_methods().items() if not m.needs_critic])
+def test_critic_free_estimators_run_without_a_critic(tmp_path, estimator):
+    """Every registered critic-free estimator, two steps, with the KL in the loss (their default)."""
+    cfg = tiny(tmp_path, advantage_estimator=estimator, num_samples_per_prompt=4, batch_size=4, steps=2, sft_steps=2,
+               eval_size=4)
     trainer = PPOTrainer(cfg, log=quiet)
     assert trainer.critic is None
     trainer.train()
-    row = rows(cfg)[0]
-    assert "loss/value_avg" not in row and "val/explained_variance" not in row
-    assert not (Path(cfg.output_dir) / "checkpoints" / "step-000001" / "critic.pt").exists()
+    for row in rows(cfg):
+        assert "loss/value_avg" not in row and "val/explained_variance" not in row
+        assert "loss/kl_avg" in row and row["objective/non_score_reward"] == 0.0
+        assert all(math.isfinite(v) for v in row.values())
+    assert not (Path(cfg.output_dir) / "checkpoints" / "step-000002" / "critic.pt").exists()
 
 
 def test_custom_model_path_reward_fn_spec_and_prompts_file(tmp_path):
@@ -206,19 +211,57 @@ def test_lr_schedules():
 # ---------------------------------------------------------------------- group estimators by hand
 
 
+def _estimate(scores, kl_per_response, estimator, kl_in_reward, group_size):
+    """The trainer's estimate() on one-token responses whose k1 KL is ``kl_per_response``."""
+    logprobs = torch.tensor(kl_per_response).unsqueeze(-1)
+    mask = torch.ones_like(logprobs, dtype=torch.bool)
+    return estimate(torch.tensor(scores), logprobs, torch.zeros_like(logprobs), None, mask, estimator=estimator,
+                    kl_coef=1.0, kl_estimator="k1", kl_in_reward=kl_in_reward, gamma=1.0, lam=1.0, whiten=False,
+                    group_size=group_size).advantages[:, 0]
+
+
 def test_grpo_advantages_match_a_hand_computation():
-    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
     # Group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735; group 2 has equal rewards.
-    a = 0.5 / (0.5773503 + 1e-4)
+    a = 0.5 / (0.5773503 + 1e-6)
     expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
-    torch.testing.assert_close(group_advantages(scores, 4, "grpo"), expected)
+    torch.testing.assert_close(_estimate([1.0, 0, 0, 1, 2, 2, 2, 2], [0.0] * 8, "grpo", False, 4), expected)
 
 
 def test_rloo_advantages_match_a_hand_computation():
-    scores = torch.tensor([3.0, 0.0, 1.0, 2.0, 5.0, 1.0])
     # Each reward minus the mean of the other responses to the same prompt (groups of 3).
     expected = torch.tensor([3 - 0.5, 0 - 2.0, 1 - 1.5, 2 - 3.0, 5 - 1.5, 1 - 3.5])
-    torch.testing.assert_close(group_advantages(scores, 3, "rloo"), expected)
+    torch.testing.assert_close(_estimate([3.0, 0, 1, 2, 5, 1], [0.0] * 6, "rloo", False, 3), expected)
+
+
+def test_kl_in_the_loss_leaves_equal_score_groups_at_exactly_zero():
+    """The issue's example: scores [1, 1, 1, 1] with summed KL [.3, .5, .2, .4].  With the KL in
+    the reward GRPO's group normalisation turns KL noise into advantages of about +-1; with
+    the KL in the loss (the default for critic-free estimators) the group has nothing to learn."""
+    kl = [0.3, 0.5, 0.2, 0.4]
+    in_reward = _estimate([1.0] * 4, kl, "grpo", True, 4)
+    torch.testing.assert_close(in_reward, torch.tensor([0.3873, -1.1619, 1.1619, -0.3873]), atol=1e-4, rtol=0)
+    for estimator in ("grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline"):
+        assert torch.equal(_estimate([1.0] * 4, kl, estimator, False, 4), torch.zeros(4)), estimator
+    assert not TrainerConfig(advantage_estimator="grpo", num_samples_per_prompt=2).validate().kl_in_reward
+    assert TrainerConfig(advantage_estimator="gae").validate().kl_in_reward
+
+
+def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
+    cfg = tiny(tmp_path, advantage_estimator="grpo", num_samples_per_prompt=2, batch_size=2, kl_coef=0.5)
+    trainer = PPOTrainer(cfg, log=quiet)
+    batch = generate(trainer.policy, trainer.tokenizer, ["1+2=", "3+4="] * 2, max_new_tokens=3, temperature=1.0, top_p=1.0, greedy=False)
+    mask = batch.response_mask
+    old, _, _ = forward(trainer.policy, None, batch, temperature=1.0, entropy=False, values=False)
+    old = old.detach()
+    ref = old - 0.3 * torch.rand_like(old)
+    exp = Experience(batch, old, torch.zeros_like(old), None, None)
+    from ppo_fast.trainer.update import ppo_losses
+
+    base, _ = ppo_losses(trainer.policy, None, exp, cfg)
+    with_kl, stats = ppo_losses(trainer.policy, None, Experience(batch, old, torch.zeros_like(old), None, None, ref, 0.5), cfg)
+    kl = pf.masked_mean(pf.kl_estimate(old, ref, "k3"), mask)  # k3: auto in the loss; token-mean: the default agg
+    torch.testing.assert_close(stats["loss/kl_avg"], kl)
+    torch.testing.assert_close(with_kl - base, 0.5 * kl)
 
 
 # ---------------------------------------------------------------------- configuration

@@ -16,6 +16,7 @@ result or a gradient (the non-finite rule of ``ppo_fast.contract``).
 """
 
 from .gae import gae_backward, gae_forward
+from .group_sum import group_sum_forward
 from .kl_reward import kl_backward, kl_estimate_forward, kl_penalized_rewards_backward, kl_penalized_rewards_forward
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_forward
 from .logprobs import token_logprobs_backward, token_logprobs_forward
@@ -31,4 +32,5 @@ __all__ = [
     "kl_penalized_rewards_backward",
     "gae_forward",
     "gae_backward",
+    "group_sum_forward",
 ]

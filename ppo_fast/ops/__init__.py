@@ -1,6 +1,7 @@
 """The public ops: validation and backend dispatch in front of reference/Triton/native implementations."""
 
 from .advantages import gae, masked_mean, masked_whiten
+from .group_advantages import advantage_methods, group_advantages
 from .linear_logprobs import linear_token_logprobs
 from .logprobs import token_logprobs
 from .losses import clipped_policy_loss, value_loss
@@ -13,6 +14,8 @@ __all__ = [
     "kl_estimate",
     "kl_penalized_rewards",
     "gae",
+    "group_advantages",
+    "advantage_methods",
     "masked_mean",
     "masked_whiten",
     "clipped_policy_loss",

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-OPS = ("token_logprobs", "linear_token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae")  # of contract.OPS
+OPS = ("token_logprobs", "linear_token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "group_sum")  # of contract.OPS
 _DEVICES = {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"}
 SUPPORTED = {op: set(_DEVICES) for op in OPS}
 
@@ -420,3 +420,32 @@ _gae_op.register_autograd(_gae_backward, setup_context=_gae_setup)
 
 def gae(rewards, values, mask, gamma, lam):
     return _gae_op(rewards, values, mask, gamma, lam)
+
+
+# --------------------------------------------------------------------------- group_sum
+
+
+@torch.library.custom_op("ppo_fast_triton::group_sum", mutates_args=())
+def _group_sum_op(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    return kernels.group_sum_forward(values, group_index)
+
+
+@_group_sum_op.register_fake
+def _(values, group_index):
+    return values.new_empty(values.shape)
+
+
+def _group_sum_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _group_sum_backward(ctx, grad):
+    (group_index,) = ctx.saved_tensors
+    return _group_sum_op(grad, group_index), None  # linear and symmetric: its own adjoint
+
+
+_group_sum_op.register_autograd(_group_sum_backward, setup_context=_group_sum_setup)
+
+
+def group_sum(values, group_index):
+    return _group_sum_op(values.to(result_dtype(values)), group_index)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .config import ConfigError
+from .config import CRITIC_ESTIMATORS, ConfigError
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -189,7 +189,7 @@ def read(checkpoint: Path, *, sharded: bool, check_state: Callable[[Path, Traine
     except Exception as err:
         raise DamagedCheckpoint(f"{POLICY_DIR}/{', '.join(weights)}", _one_line(err)) from None
     critic = None
-    if state.config.get("advantage_estimator") == "gae":
+    if state.config.get("advantage_estimator") in CRITIC_ESTIMATORS:
         try:
             critic = torch.load(checkpoint / CRITIC_FILE, map_location="cpu", weights_only=True)
         except Exception as err:

@@ -25,11 +25,19 @@ from pathlib import Path
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
+# The names of ppo_fast.advantage_estimators' registry and what each needs (repeated here so
+# that this module does not import torch; tests/test_group_advantages.py checks they agree).
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                        "remax", "opo", "gpg")
+CRITIC_ESTIMATORS = ("gae",)
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
+# Where the KL to the reference goes: subtracted from the reward, or a term of the policy loss.
+KL_PLACEMENTS = ("auto", "reward", "loss")
 CRITIC_MODES = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "reference", "triton", "native")
+PARALLEL_MODES = ("ddp", "fsdp")
 
 # --response-length when it is not given: the built-in task's answers are at most 3
 # digits and an EOS; a custom model gets a length that fits a short answer.
@@ -107,15 +115,35 @@ class TrainerConfig:
     top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
 
     # --- estimate
-    advantage_estimator: str = _opt("gae", "gae (with the critic), or critic-free grpo or rloo.", "estimate")
-    kl_coef: float = _opt(0.05, "KL penalty coefficient (initial value when adaptive_kl).", "estimate")
-    kl_estimator: str = _opt("k1", "Per-token KL estimator: k1, k2, k3 or abs.", "estimate")
+    advantage_estimator: str = _opt(
+        "gae", f"Advantage estimator (ppo_fast.advantage_methods()): gae uses the critic; "
+        f"{', '.join(GROUP_ESTIMATORS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
+        "reinforce_plus_plus (returns whitened over the batch) and remax (minus the greedy response's reward) need neither.",
+        "estimate",
+    )
+    grpo_norm_by_std: bool = _opt(
+        True, "grpo and grpo_passk: divide by the group's std (--no-grpo-norm-by-std: Dr. GRPO, mean-centred only).", "estimate"
+    )
+    kl_placement: str = _opt(
+        "auto", "Where the KL to the reference goes: 'reward' (kl_coef * KL subtracted from the reward, as in PPO-RLHF), "
+        "'loss' (kl_coef * KL aggregated like the policy loss and added to it, as GRPO, TRL's beta, verl's use_kl_loss); "
+        "auto: reward for gae, loss for the critic-free estimators (where a KL in the reward would enter the group "
+        "normalisation: equal scores would get advantages from KL noise).", "estimate"
+    )
+    kl_coef: float = _opt(0.05, "KL coefficient, in the reward or the loss (initial value when adaptive_kl).", "estimate")
+    kl_estimator: str = _opt(
+        "auto", "Per-token KL estimator: k1, k2, k3 (verl's low_var_kl) or abs; auto: k1 in the reward, k3 in the loss.",
+        "estimate",
+    )
     adaptive_kl: bool = _opt(False, "Adapt kl_coef so that the KL tracks target_kl (Ziegler et al.).", "estimate")
     target_kl: float = _opt(6.0, "Target KL (summed over a response) for adaptive_kl.", "estimate")
     kl_horizon: float = _opt(10000.0, "Horizon (in samples) of the adaptive KL controller.", "estimate")
     gamma: float = _opt(1.0, "Discount factor.", "estimate")
     lam: float = _opt(0.95, "GAE lambda.", "estimate")
-    whiten_advantages: bool = _opt(True, "Whiten advantages over the batch (gae and rloo; grpo is already normalised).", "estimate")
+    whiten_advantages: bool = _opt(
+        True, "Whiten advantages over the batch, for the estimators that do not normalise them (gae, rloo, remax, opo, gpg).",
+        "estimate",
+    )
 
     # --- optimize
     num_ppo_epochs: int = _opt(4, "Passes over each batch of rollouts.", "optimize")
@@ -141,12 +169,27 @@ class TrainerConfig:
     )
     eval_size: int = _opt(400, "Held-out problems of the built-in task for greedy accuracy before and after PPO.", "builtin")
 
+    # --- several processes (torchrun --nproc-per-node N -m ppo_fast train ...)
+    parallel: str = _opt(
+        "ddp", "With several processes: ddp (a full copy of the policy, critic and optimizer per rank, gradients "
+        "all-reduced) or fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded, sharded checkpoints).",
+        "distributed"
+    )
+    shard_reference: bool = _opt(
+        False, "With several processes: shard the frozen reference with FSDP2 (1/N of its memory per rank, an "
+        "all-gather per forward) instead of a full copy per rank.", "distributed"
+    )
+    dist_timeout: int = _opt(
+        600, "With several processes: seconds a rank waits for the others before it stops with an error (a dead or "
+        "stuck rank ends the run instead of hanging it).", "distributed"
+    )
+
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
         positive = ("steps", "batch_size", "num_samples_per_prompt", "num_ppo_epochs",
-                    "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print")
+                    "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print", "dist_timeout")
         non_negative = ("cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
                         "sft_steps", "eval_size", "seed")
         if self.response_length is not None:
@@ -170,7 +213,7 @@ class TrainerConfig:
                  f"must divide batch_size * num_samples_per_prompt = {rows}")
         _require("gradient_accumulation_steps", (rows // self.num_mini_batches) % self.gradient_accumulation_steps == 0,
                  f"must divide the minibatch size {rows // self.num_mini_batches}")
-        if self.advantage_estimator in ("grpo", "rloo"):
+        if self.advantage_estimator in GROUP_ESTIMATORS:
             _require("num_samples_per_prompt", self.num_samples_per_prompt >= 2,
                      f"must be >= 2 for advantage_estimator={self.advantage_estimator}")
         _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with --reward-fn; choose one")
@@ -183,6 +226,21 @@ class TrainerConfig:
             _require("reward_fn", bool(module and function),
                      f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}")
         return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator in CRITIC_ESTIMATORS
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL is subtracted from the reward (else it is a term of the policy loss)."""
+        return self.kl_placement == "reward" or (self.kl_placement == "auto" and self.uses_critic)
+
+    @property
+    def kl_estimator_used(self) -> str:
+        if self.kl_estimator != "auto":
+            return self.kl_estimator
+        return "k1" if self.kl_in_reward else "k3"
 
     # ------------------------------------------------------------------ (de)serialisation
 
@@ -285,9 +343,11 @@ CHOICES = {
     "backend": BACKEND_CHOICES,
     "critic": CRITIC_MODES,
     "advantage_estimator": ADVANTAGE_ESTIMATORS,
-    "kl_estimator": KL_ESTIMATORS,
+    "kl_estimator": ("auto",) + KL_ESTIMATORS,
+    "kl_placement": KL_PLACEMENTS,
     "loss_agg": AGG_MODES,
     "lr_scheduler_type": LR_SCHEDULES,
+    "parallel": PARALLEL_MODES,
 }
 
 

@@ -1,4 +1,4 @@
-"""Advantages: GAE with the critic, or the critic-free group estimators GRPO and RLOO."""
+"""Advantages: GAE with the critic, or any critic-free estimator of the registry (pf.advantage_methods())."""
 
 from __future__ import annotations
 
@@ -8,54 +8,45 @@ import torch
 
 import ppo_fast as pf
 
-# GRPO's guard against a zero standard deviation (a group whose rewards are all equal), as in TRL.
-GRPO_STD_EPS = 1e-4
-
 
 @dataclass
 class Estimate:
     advantages: torch.Tensor  # [B, T], 0 at masked tokens
     returns: torch.Tensor | None  # [B, T] value targets (gae only)
-    rewards: torch.Tensor  # [B, T] KL-penalised per-token rewards
+    rewards: torch.Tensor  # [B, T] per-token rewards (KL-penalised when the KL is in the reward)
     kl: torch.Tensor  # [B, T] per-token KL estimate
 
 
-def group_advantages(sequence_rewards: torch.Tensor, group_size: int, estimator: str) -> torch.Tensor:
-    """One advantage per response from the other responses to the same prompt.
-
-    Responses to one prompt are consecutive, ``group_size`` at a time.
-    ``grpo``: ``(r_i - mean(group)) / (std(group) + 1e-4)`` (unbiased std, as DeepSeekMath/TRL);
-    ``rloo``: ``r_i - mean(others)`` = ``G / (G - 1) * (r_i - mean(group))``.
-    """
-    grouped = sequence_rewards.float().view(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
-        advantages = (grouped - mean) / (grouped.std(dim=1, keepdim=True) + GRPO_STD_EPS)
-    elif estimator == "rloo":
-        advantages = grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    else:
-        raise ValueError(f"group estimator must be grpo or rloo, got {estimator!r}")
-    return advantages.reshape(-1)
+def group_ids(rows: int, group_size: int, device) -> torch.Tensor:
+    """The responses to one prompt are consecutive, ``group_size`` at a time (one group per
+    sampled prompt, even when a prompt is drawn twice in a batch)."""
+    return torch.arange(rows // group_size, device=device).repeat_interleave(group_size)
 
 
 def estimate(
     scores, logprobs, ref_logprobs, values, mask, *, estimator: str, kl_coef: float, kl_estimator: str,
-    gamma: float, lam: float, whiten: bool, group_size: int,
+    kl_in_reward: bool, gamma: float, lam: float, whiten: bool, group_size: int, grpo_norm_by_std: bool = True,
+    baselines: torch.Tensor | None = None, whitener=pf.masked_whiten,
 ) -> Estimate:
-    """Per-token KL-penalised rewards, then advantages (and value targets for GAE).
+    """Per-token rewards, then advantages (and value targets for GAE).
 
-    For the group estimators a response's reward is its score minus ``kl_coef`` times
-    its summed KL (the KL penalty sits in the reward, as in TRL's RLOO), and that one
-    advantage applies to every token of the response.
+    With ``kl_in_reward`` the reward is ``score - kl_coef * KL`` per token (the critic-free
+    estimators then see the score minus the summed KL); otherwise it is the score alone and
+    the KL goes into the loss (``update.ppo_losses``).  ``baselines`` are remax's greedy rewards.  ``whitener(x, mask)`` whitens
+    (with statistics over all ranks in a distributed run).
     """
-    rewards, kl = pf.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef, estimator=kl_estimator)
-    if estimator == "gae":
+    rewards, kl = pf.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask,
+                                          kl_coef=kl_coef if kl_in_reward else 0.0, estimator=kl_estimator)
+    method = pf.advantage_methods()[estimator]
+    if method.needs_critic:
         advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
         if whiten:
-            advantages = pf.masked_whiten(advantages, mask)
+            advantages = whitener(advantages, mask)
         return Estimate(advantages, returns, rewards, kl)
-    per_response = group_advantages(rewards.sum(dim=-1), group_size, estimator)
-    advantages = torch.where(mask, per_response.unsqueeze(-1), 0.0)
-    if whiten and estimator == "rloo":
-        advantages = pf.masked_whiten(advantages, mask)
+    offered = {"gamma": gamma, "norm_by_std": grpo_norm_by_std, "baselines": baselines}
+    params = {name: value for name, value in offered.items() if name in method.params}
+    ids = group_ids(rewards.shape[0], group_size, rewards.device) if method.needs_groups else None
+    advantages = pf.group_advantages(rewards, ids, mask, method=estimator, **params)
+    if whiten and not method.normalized:
+        advantages = whitener(advantages, mask)
     return Estimate(advantages, None, rewards, kl)

@@ -45,12 +45,15 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_token_id: int) -> to
 
 
 @torch.no_grad()
-def generate(policy, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float, greedy: bool) -> Batch:
-    """Sample (or greedily decode) responses; tokens after the first EOS become padding."""
+def generate(policy, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float, greedy: bool,
+             synced_gpus: bool = False) -> Batch:
+    """Sample (or greedily decode) responses; tokens after the first EOS become padding.
+    ``synced_gpus``: every rank runs the same number of forward passes (sharded weights)."""
     enc = tokenizer(prompts, padding=True, return_tensors="pt", padding_side="left").to(policy.device)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     out = policy.generate(
-        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling
+        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced_gpus, **sampling
     )
     prompt_width = enc.input_ids.shape[1]
     response = out[:, prompt_width:]

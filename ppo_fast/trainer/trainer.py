@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, default_task, resume
+from . import checkpoint, default_task, distributed, resume
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
@@ -45,16 +45,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_backend(name: str, device: torch.device, ops=TRAINER_OPS) -> None:
-    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``."""
+def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_estimator: str | None = None) -> None:
+    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``
+    (and implements the critic-free ``advantage_estimator``, if given)."""
     if name == "auto":
         return
     from ppo_fast.backends import resolve
 
+    method = pf.advantage_methods().get(advantage_estimator)
+    wanted = [(op, None, None) for op in ops]
+    if method is not None and method.fn is not None:
+        wanted.append(("group_sum", method.backends, f"--advantage-estimator {advantage_estimator}"))
     with pf.use_backend(name):
-        for op in ops:
+        for op, implemented_by, label in wanted:
             try:
-                resolve(op, device.type)
+                resolve(op, device.type, implemented_by, label)
             except pf.BackendUnavailableError as err:
                 raise ConfigError(f"--backend {name} cannot run this job on {device.type}: {err}; "
                                   "use --backend auto (the fastest available backend per op)") from None
@@ -63,7 +68,7 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS) -> None:
 def check_writable(output_dir: Path) -> None:
     """Create ``output_dir`` and make sure a file can be written there (``ConfigError`` if not),
     before any model is loaded; leftovers of an unfinished checkpoint are removed."""
-    probe = output_dir / ".ppo-fast-write-test"
+    probe = output_dir / f".ppo-fast-write-test-{os.getpid()}"
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as f:
@@ -74,6 +79,10 @@ def check_writable(output_dir: Path) -> None:
         raise ConfigError(f"--output-dir {output_dir}: cannot write there ({err.strerror or err}); "
                           "choose a writable --output-dir") from None
     checkpoint.remove_stale(output_dir)
+
+
+def _silent(_message: str) -> None:
+    pass
 
 
 def read_prompts(path: str, option: str = "--prompts-file") -> list[str]:
@@ -156,9 +165,12 @@ class PPOTrainer:
         self.output_dir = Path(cfg.output_dir)
 
         # Everything a user can get wrong is checked here, before any model is loaded.
-        self.device = resolve_device(cfg.device)
+        self.parallel, self.device = distributed.init(cfg, resolve_device(cfg.device))
+        if not self.parallel.main:  # rank 0 speaks for the run
+            self.log = _silent
         check_backend(cfg.backend, self.device,
-                      TRAINER_OPS if cfg.advantage_estimator == "gae" else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")))
+                      TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")),
+                      cfg.advantage_estimator)
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -193,7 +205,8 @@ class PPOTrainer:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)
         if builtin:
-            policy, tokenizer = default_task.load_or_warm_up(cfg, self.device, self.log)
+            with self.parallel.main_first():  # one rank trains and caches the warm-up model, the others load it
+                policy, tokenizer = default_task.load_or_warm_up(cfg, self.device, self.log)
             builtin_train, builtin_eval = default_task.prompts(cfg)
             train_set = train_set or Prompts(builtin_train)
             eval_set = Prompts(builtin_eval) if eval_set is None else eval_set
@@ -223,11 +236,13 @@ class PPOTrainer:
         if cfg.disable_dropout:
             disable_dropout(self.policy)
         self.reference = frozen_reference(self.policy)
-        self.critic = build_critic(self.policy, cfg.critic) if cfg.advantage_estimator == "gae" else None
+        self.critic = build_critic(self.policy, cfg.critic) if cfg.uses_critic else None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.policy)
             if self.critic is not None and not self.critic.shared:
                 enable_activation_checkpointing(self.critic.backbone)
+        # What the update calls: the models themselves, or their DDP wrappers (FSDP2 shards in place).
+        self.train_policy, self.train_critic = self.parallel.prepare(self.policy, self.critic, self.reference)
         params = list(self.policy.parameters()) + (list(self.critic.parameters()) if self.critic is not None else [])
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         total_updates = cfg.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
@@ -240,8 +255,8 @@ class PPOTrainer:
         self._in_update = False
         self.timer = PhaseTimer()
         # The PPO phase's random streams start from the seed, whether or not the
-        # warm-up above was trained (consuming random numbers) or loaded from cache.
-        checkpoint.seed_all(cfg.seed)
+        # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
+        checkpoint.seed_all(cfg.seed + self.parallel.rank)
         if resume_from is not None:
             self._resume(resume_from)
 
@@ -275,7 +290,8 @@ class PPOTrainer:
         def check_state(path: Path, state: checkpoint.TrainerState) -> None:
             resume.check(state.config, cfg, builtin, f"--resume: the checkpoint {path}")
 
-        loaded = checkpoint.load_latest_usable(self.output_dir, self.log, check_state=check_state)
+        loaded = checkpoint.load_latest_usable(self.output_dir, self.log, sharded=self.sharded_checkpoints,
+                                               check_state=check_state)
         if loaded is None:
             self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
         return loaded
@@ -286,10 +302,13 @@ class PPOTrainer:
         if changed:
             self.log("resuming with changed options: " + ", ".join(changed))
         try:
-            self.policy.load_state_dict(loaded.policy)
-            if self.critic is not None:
-                self.critic.load_state_dict(loaded.critic)
-            self.optimizer.load_state_dict(state.optimizer)
+            if self.sharded_checkpoints:  # resharded to this world size by torch.distributed.checkpoint
+                distributed.load_sharded(loaded.path / checkpoint.SHARDED_DIR, self.policy, self.critic, self.optimizer)
+            else:
+                self.policy.load_state_dict(loaded.policy)
+                if self.critic is not None:
+                    self.critic.load_state_dict(loaded.critic)
+                self.optimizer.load_state_dict(state.optimizer)
         except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
             reason = " ".join(str(err).split())[:300]
             raise ConfigError(f"--resume: the checkpoint {loaded.path} does not fit this run's model ({reason}); "
@@ -300,24 +319,44 @@ class PPOTrainer:
         # A --kl-coef given anew replaces the current (possibly adapted) coefficient.
         kl_changed = state.config.get("kl_coef", self.cfg.kl_coef) != self.cfg.kl_coef
         self.kl_control.value = self.cfg.kl_coef if kl_changed else state.kl_coef
-        checkpoint.set_rng_state(state.rng)
+        rngs = state.rng_per_rank or [state.rng]
+        if len(rngs) == self.parallel.world_size:
+            checkpoint.set_rng_state(rngs[self.parallel.rank])
+        else:  # weights, optimizer, schedule and KL continue exactly; the random streams start anew
+            checkpoint.seed_all(self.cfg.seed + self.parallel.rank + self.parallel.world_size * state.step)
+            self.log(f"--resume: the checkpoint was saved by {len(rngs)} process(es), this run has "
+                     f"{self.parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)")
         self.step = self.resumed_from = state.step
         self.log(f"resumed from {loaded.path} (step {state.step})")
 
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return self.cfg.parallel == "fsdp"
+
     def save_checkpoint(self, rng: dict | None = None) -> Path:
+        """Every rank calls this (the sharded state and the RNG states are gathered)."""
+        parallel, sharded = self.parallel, self.sharded_checkpoints
+        rng = rng or checkpoint.rng_state()
         state = checkpoint.TrainerState(
-            step=self.step, optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
-            kl_coef=self.kl_control.value, rng=rng or checkpoint.rng_state(), config=self.cfg.to_dict(),
+            step=self.step, optimizer={} if sharded else self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
+            kl_coef=self.kl_control.value, rng=rng, config=self.cfg.to_dict(), world_size=parallel.world_size,
+            rng_per_rank=parallel.gather_objects(rng) if parallel.active else None,
         )
 
         def write(folder: Path) -> None:
-            self.policy.save_pretrained(folder / checkpoint.POLICY_DIR)
+            full_policy = distributed.full_state_dict(self.policy) if sharded else None  # gathered on rank 0
+            if sharded:
+                distributed.save_sharded(folder / checkpoint.SHARDED_DIR, self.policy, self.critic, self.optimizer)
+            if not parallel.main:
+                return
+            distributed.save_pretrained(self.policy, folder / checkpoint.POLICY_DIR, full_policy)
             self.tokenizer.save_pretrained(folder / checkpoint.POLICY_DIR)
-            if self.critic is not None:
+            if self.critic is not None and not sharded:
                 torch.save(self.critic.state_dict(), folder / checkpoint.CRITIC_FILE)
             torch.save(vars(state), folder / checkpoint.STATE_FILE)
 
-        return checkpoint.save(self.output_dir, self.step, write, keep=self.cfg.keep_checkpoints)
+        return checkpoint.save(self.output_dir, self.step, write, keep=self.cfg.keep_checkpoints,
+                               main=parallel.main, barrier=parallel.barrier)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -337,7 +376,7 @@ class PPOTrainer:
         for i in range(0, len(self.eval_prompts), chunk):
             part, answers = self.eval_set.texts[i : i + chunk], self.eval_set.answers[i : i + chunk]
             batch = generate(model, self.tokenizer, part, max_new_tokens=self.response_length,
-                             temperature=1.0, top_p=1.0, greedy=True)
+                             temperature=1.0, top_p=1.0, greedy=True, synced_gpus=self.parallel.synced_generation)
             responses = decode_responses(self.tokenizer, batch)
             scores.append(self.scorer(part, responses, self.device, answers))
             matches += exact_match(responses, answers)
@@ -353,8 +392,17 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @torch.no_grad()
+    def _greedy_scores(self, prompts: list[str], answers: list[str | None]) -> torch.Tensor:
+        """remax's baselines: the reward of the policy's greedy response to each row's prompt."""
+        with self._autocast():
+            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
+                             temperature=1.0, top_p=1.0, greedy=True)
+        return self.scorer(prompts, decode_responses(self.tokenizer, batch), self.device, answers)
+
     def _sample_prompts(self) -> tuple[list[str], list[str | None]]:
-        picks = torch.randint(len(self.prompts), (self.cfg.batch_size,)).tolist()
+        shard = self.parallel.shard(len(self.prompts))
+        picks = [shard[i] for i in torch.randint(len(shard), (self.parallel.per_rank(self.cfg.batch_size),)).tolist()]
         rows = [i for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
         return [self.train_set.texts[i] for i in rows], [self.train_set.answers[i] for i in rows]
 
@@ -362,13 +410,14 @@ class PPOTrainer:
         """One PPO iteration; returns its metrics row.  ``self.step`` counts completed iterations."""
         cfg, timer = self.cfg, self.timer
         step = self.step + 1
-        rows = cfg.batch_size * cfg.num_samples_per_prompt
+        rows = self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt
         micro = rows // cfg.num_mini_batches // cfg.gradient_accumulation_steps
         start = time.perf_counter()
         with timer.phase("rollout"), self._autocast():
             prompts, answers = self._sample_prompts()
             batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
-                             temperature=cfg.temperature, top_p=cfg.top_p, greedy=False)
+                             temperature=cfg.temperature, top_p=cfg.top_p, greedy=False,
+                             synced_gpus=self.parallel.synced_generation)
             old_logprobs, ref_logprobs, values = score_old_and_ref(
                 self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
             )
@@ -378,28 +427,33 @@ class PPOTrainer:
             scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
         with timer.phase("estimate"):
+            needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_estimator].params
+            baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
             est = estimate(
                 scores, old_logprobs, ref_logprobs, values, mask, estimator=cfg.advantage_estimator,
-                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam,
-                whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
+                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator_used, kl_in_reward=cfg.kl_in_reward,
+                gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
+                grpo_norm_by_std=cfg.grpo_norm_by_std, baselines=baselines, whitener=self.parallel.masked_whiten,
             )
         self._in_update = True
         with timer.phase("optimize"):
-            stats = ppo_update(self.policy, self.critic, self.optimizer, self.scheduler,
-                               Experience(batch, old_logprobs, est.advantages, values, est.returns), cfg, step, self._autocast)
+            stats = ppo_update(self.train_policy, self.train_critic, self.optimizer, self.scheduler,
+                               Experience(batch, old_logprobs, est.advantages, values, est.returns,
+                                          None if cfg.kl_in_reward else ref_logprobs, self.kl_control.value),
+                               cfg, step, self._autocast, self.parallel)
         self._in_update = False
-        sequence_kl = est.kl.sum(-1).mean().item()
+        sequence_kl = self.parallel.mean(est.kl.sum(-1).mean())
         kl_coef_used = self.kl_control.value
-        self.kl_control.update(sequence_kl, rows)
+        self.kl_control.update(sequence_kl, rows * self.parallel.world_size)
         self.step = step
 
         times = timer.pop_step()
         elapsed = time.perf_counter() - start
         response_tokens = int(mask.sum())
-        non_score = (-kl_coef_used * est.kl).sum(-1).mean().item()
+        non_score = (-kl_coef_used * est.kl).sum(-1).mean().item() if cfg.kl_in_reward else 0.0
         row = {
             "step": step,
-            "episode": step * rows,
+            "episode": step * rows * self.parallel.world_size,
             "lr": self.scheduler.get_last_lr()[0],
             "objective/scores": scores.mean().item(),
             "objective/kl": sequence_kl,
@@ -418,7 +472,7 @@ class PPOTrainer:
         row["time/step"] = elapsed
         row["throughput/tokens_per_s"] = response_tokens / elapsed
         self._last_samples = list(zip(prompts, responses, scores.tolist()))
-        return row
+        return self.parallel.reduce_row(row)
 
     # ------------------------------------------------------------------ the run
 
@@ -434,8 +488,9 @@ class PPOTrainer:
             before = self.evaluate_all(self.reference)
             if before:
                 self.log(f"held-out greedy {_eval_text(before)} before PPO ({len(self.eval_prompts)} prompts)")
-            writer = MetricsWriter(self.output_dir, self.resumed_from, self.log)
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="PPO", dynamic_ncols=True)
+            main = self.parallel.main
+            writer = MetricsWriter(self.output_dir, self.resumed_from, self.log) if main else distributed.NO_METRICS
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="PPO", dynamic_ncols=True, disable=not main)
             stop_reason = "done"
             try:
                 with _DeferredInterrupt(self.log) as interrupt:
@@ -452,7 +507,7 @@ class PPOTrainer:
                             self.log(f"step {self.step}: held-out greedy {_eval_text(row)}")
                         writer.write(row)
                         self._report(bar, row)
-                        if interrupt.requested:
+                        if self.parallel.any(interrupt.requested):  # a Ctrl-C on rank 0 stops every rank
                             stop_reason = "interrupted"
                             self.log(f"saved {self.save_checkpoint()}")
                             break
@@ -465,6 +520,8 @@ class PPOTrainer:
                 path = self.save_checkpoint()
                 self.log(f"saved {path}")
             after = self.evaluate_all(self.policy)
+        if not self.parallel.main:
+            return {"stop_reason": stop_reason, "steps_done": self.step}
         plot = plot_curves(self.output_dir, before=before, after=after, after_step=self.step, title=self._plot_title())
         summary = {
             "stop_reason": stop_reason,
@@ -499,8 +556,9 @@ class PPOTrainer:
         model = "built-in addition task (GPT-2 64x2)" if self.builtin else (cfg.model_name_or_path or type(self.policy).__name__)
         reward = (f"reward {cfg.reward_fn}" if cfg.reward_fn else f"reward model {cfg.reward_model}" if cfg.reward_model
                   else f"reward {self.scorer.name}")
-        kl = f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "") + f" ({cfg.kl_estimator})"
-        critic = f", critic {cfg.critic}" if cfg.advantage_estimator == "gae" else ""
+        kl = (f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
+              + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})")
+        critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
         return (f"{model}; {reward}\n{cfg.advantage_estimator}{critic}, {kl}, lr {cfg.learning_rate:g}, "
                 f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}")
 
@@ -512,6 +570,9 @@ class PPOTrainer:
         Inside the update phase they are half-updated; then only the last checkpoint is kept.
         """
         self.timer.pop_step()
+        if self.parallel.active:  # the other ranks are inside the step: no collective save is possible
+            self.log(f"interrupted during step {self.step + 1}: keeping the last saved checkpoint")
+            return
         if self._in_update:
             self.log(f"interrupted during the update of step {self.step + 1}: keeping the last saved checkpoint")
             return

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 
 import ppo_fast as pf
+from ppo_fast.reference import aggregate
 
+from .distributed import SINGLE
 from .rollout import Batch, forward
 from .scoring import check_finite
 
@@ -23,17 +25,21 @@ class Experience:
     advantages: torch.Tensor
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
+    # The KL loss term (cfg.kl_in_reward False): the reference's log-probs and the coefficient.
+    ref_logprobs: torch.Tensor | None = None
+    kl_coef: float = 0.0
 
     def rows(self, index: torch.Tensor) -> Experience:
         def pick(x):
             return None if x is None else x[index]
 
         return Experience(self.batch.rows(index), self.old_logprobs[index], self.advantages[index],
-                          pick(self.old_values), pick(self.returns))
+                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef)
 
 
 def ppo_losses(policy, critic, exp: Experience, cfg):
-    """``(total loss, stats)`` for one micro-batch: clipped policy loss + vf_coef * value loss - ent_coef * entropy."""
+    """``(total loss, stats)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss when the KL is not in
+    the reward) + vf_coef * value loss - ent_coef * entropy."""
     mask = exp.batch.response_mask
     logprobs, entropy, values = forward(
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
@@ -42,12 +48,17 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
                                                clip_eps=cfg.cliprange, agg=cfg.loss_agg)
     mean_entropy = pf.masked_mean(entropy, mask)
     loss = pg_loss - cfg.ent_coef * mean_entropy
+    if exp.ref_logprobs is not None:  # the KL to the reference as a loss term, aggregated as the policy loss
+        kl_loss = aggregate(pf.kl_estimate(logprobs, exp.ref_logprobs, cfg.kl_estimator_used), mask, cfg.loss_agg)
+        loss = loss + exp.kl_coef * kl_loss
     stats = {
         "loss/policy_avg": pg_loss.detach(),
         "policy/clipfrac_avg": pg_stats["clipfrac"],
         "policy/approxkl_avg": pg_stats["approx_kl"],
         "policy/entropy_avg": mean_entropy.detach(),
     }
+    if exp.ref_logprobs is not None:
+        stats["loss/kl_avg"] = kl_loss.detach()
     if values is not None:
         v_loss, v_stats = pf.value_loss(values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg)
         loss = loss + cfg.vf_coef * v_loss
@@ -56,12 +67,15 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
     return loss, stats
 
 
-def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step: int, autocast=contextlib.nullcontext) -> dict:
+def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step: int, autocast=contextlib.nullcontext,
+               parallel=SINGLE) -> dict:
     """Run ``num_ppo_epochs`` over ``num_mini_batches`` shuffled minibatches; return the mean stats.
 
     Each minibatch is one optimizer step, accumulated over ``gradient_accumulation_steps``
-    micro-batches.  A non-finite loss raises before it reaches the weights; the
-    caller then keeps the last good checkpoint instead of saving these weights.
+    micro-batches, each weighted so that the loss is aggregated over the whole minibatch
+    of every rank (``token-mean``: divided by the global token count; see
+    ``Parallel.micro_batch_weights``).  A non-finite loss raises before it reaches the
+    weights; the caller then keeps the last good checkpoint instead of saving these weights.
     """
     rows = exp.old_logprobs.shape[0]
     minibatch = rows // cfg.num_mini_batches
@@ -75,11 +89,14 @@ def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step:
         order = torch.randperm(rows, device=exp.old_logprobs.device)
         for mb_start in range(0, rows, minibatch):
             optimizer.zero_grad(set_to_none=True)
-            for start in range(mb_start, mb_start + minibatch, micro):
-                with autocast():
-                    loss, stats = ppo_losses(policy, critic, exp.rows(order[start : start + micro]), cfg)
-                check_finite("loss", loss.detach(), step)
-                (loss / cfg.gradient_accumulation_steps).backward()
+            micro_rows = [order[start : start + micro] for start in range(mb_start, mb_start + minibatch, micro)]
+            weights = parallel.micro_batch_weights([exp.batch.response_mask[index] for index in micro_rows], cfg.loss_agg)
+            for number, (index, weight) in enumerate(zip(micro_rows, weights), 1):
+                with parallel.accumulating(sync=number == len(micro_rows)):
+                    with autocast():
+                        loss, stats = ppo_losses(policy, critic, exp.rows(index), cfg)
+                    check_finite("loss", loss.detach(), step)
+                    (loss * weight).backward()
                 for name, value in stats.items():
                     totals[name].append(value)
             if cfg.max_grad_norm > 0:

@@ -1,0 +1,334 @@
+"""Data-parallel PPO on ``torch.distributed``: one process per device, started by ``torchrun``.
+
+Each rank samples its share of the prompts (``--batch-size`` is the global number, split
+evenly) from its own shard of the prompt list, generates, scores and estimates them; the
+advantage whitening statistics, the loss normaliser and the metrics are all-reduced, so a
+run means the same at any world size.  Gradients are synchronised by DDP (replicated
+weights and optimizer) or FSDP2 (``fully_shard``: weights, gradients and optimizer state
+sharded), ``--parallel``; the frozen reference is a full copy per rank or sharded
+(``--shard-reference``).  Rank 0 logs, shows the progress bar and writes the metrics.
+
+Without ``torchrun`` (no ``WORLD_SIZE`` above 1 in the environment) :data:`SINGLE` stands in:
+every method is then the single-process identity, so the trainer has one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ppo_fast as pf
+
+from .config import ConfigError, TrainerConfig
+
+
+class RankLost(RuntimeError):
+    """Another rank died or stopped answering (the collective failed or timed out)."""
+
+
+@dataclass
+class Parallel:
+    """This process's place in the run and the collectives the trainer needs."""
+
+    rank: int = 0
+    world_size: int = 1
+    mode: str = "single"  # single, ddp or fsdp
+    shard_reference: bool = False
+    _wrapped: list = field(default_factory=list)  # the DDP wrappers (for no_sync)
+    _sharded: list = field(default_factory=list)  # the fully_shard roots (for gradient sync)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    # ------------------------------------------------------------------ collectives
+
+    def barrier(self) -> None:
+        if self.active:
+            _collective(dist.barrier)
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (a new tensor; ``tensor`` itself when single)."""
+        if not self.active:
+            return tensor
+        total = tensor.detach().clone()
+        _collective(dist.all_reduce, total)
+        return total
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any (a stop request from rank 0's Ctrl-C)."""
+        if not self.active:
+            return flag
+        return bool(self.all_sum(torch.tensor([float(flag)], device=_collective_device())).item() > 0)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj``, by rank."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size
+        _collective(dist.all_gather_object, out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        _collective(dist.broadcast_object_list, box, 0)
+        return box[0]
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Rank 0 runs the block (a warm-up that writes a cache) before the others do."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
+    # ------------------------------------------------------------------ data
+
+    def shard(self, count: int) -> range:
+        """This rank's indices of a list of ``count`` prompts."""
+        return range(self.rank, count, self.world_size)
+
+    def per_rank(self, count: int) -> int:
+        return count // self.world_size
+
+    def masked_whiten(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``pf.masked_whiten`` with the mean and (Bessel-corrected) variance over all ranks' tokens."""
+        if not self.active:
+            return pf.masked_whiten(x, mask)
+        valid = mask.to(x.dtype)
+        sums = self.all_sum(torch.stack([(x * valid).sum(), valid.sum()]))
+        mean = sums[0] / sums[1].clamp_min(1.0)
+        square = self.all_sum(torch.where(mask, (x - mean).square(), 0.0).sum())
+        var = square / (sums[1] - 1.0).clamp_min(1.0)
+        return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean over ranks of a per-rank scalar (ranks hold equal numbers of rollouts)."""
+        return (self.all_sum(value.detach().float()) / self.world_size).item()
+
+    def micro_batch_weights(self, masks: list[torch.Tensor], agg: str) -> list[torch.Tensor]:
+        """What each micro-batch's loss is multiplied by before ``backward`` so that the
+        accumulated gradient, averaged over ranks by DDP/FSDP, is the gradient of the loss
+        aggregated over the whole minibatch of every rank: ``token-mean`` divides by the
+        global number of tokens, the ``seq-mean-*`` modes by the global number of responses,
+        ``token-sum`` sums.  Single process with one micro-batch: exactly 1."""
+        if agg == "token-sum":
+            return [torch.tensor(float(self.world_size))] * len(masks)
+        if agg == "token-mean":
+            counts = torch.stack([m.sum() for m in masks]).float()
+        else:
+            counts = torch.stack([m.any(-1).sum() for m in masks]).float()
+        total = self.all_sum(counts.sum())
+        return list(counts * self.world_size / total.clamp_min(1.0))
+
+    def reduce_row(self, row: dict) -> dict:
+        """A metrics row's per-rank measurements averaged over ranks (throughput summed); integers
+        (the step, the episode count) are already global."""
+        if not self.active:
+            return row
+        names = [k for k, v in row.items() if isinstance(v, float)]
+        values = self.all_sum(torch.tensor([float(row[k]) for k in names], dtype=torch.float64,
+                                           device=_collective_device())) / self.world_size
+        out = dict(row)
+        for name, value in zip(names, values.tolist()):
+            out[name] = value * self.world_size if name.startswith("throughput/") else value
+        return out
+
+    # ------------------------------------------------------------------ models
+
+    def prepare(self, policy: nn.Module, critic: nn.Module | None, reference: nn.Module):
+        """Shard (FSDP2, in place) or wrap (DDP) the models; returns the ``(policy, critic)``
+        the update calls (their gradients are synchronised).  Build the optimizer after this."""
+        if not self.active:
+            return policy, critic
+        if self.shard_reference:
+            _fully_shard_model(reference)
+        if self.mode == "fsdp":
+            _fully_shard_model(policy)
+            self._sharded.append(policy)
+            if critic is not None:
+                if critic.backbone is not None:
+                    _fully_shard_model(critic.backbone)
+                    self._sharded.append(critic.backbone)
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(critic.head)
+                self._sharded.append(critic.head)
+            return policy, critic
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def ddp(module):
+            wrapped = DDP(module, device_ids=[module_device(module).index] if module_device(module).type == "cuda" else None)
+            self._wrapped.append(wrapped)
+            return wrapped
+
+        if critic is None:
+            return ddp(policy), None
+        # The critic's parts are wrapped where Critic.forward (and the shared head) call them.
+        view = copy.copy(critic)
+        view._modules = dict(critic._modules, head=ddp(critic.head))
+        if critic.backbone is not None:
+            view._modules["backbone"] = ddp(critic.backbone)
+        return ddp(policy), view
+
+    @contextlib.contextmanager
+    def accumulating(self, sync: bool):
+        """Around one micro-batch's forward and backward: gradients are synchronised only when
+        ``sync`` (the minibatch's last micro-batch); before that they accumulate locally."""
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for wrapped in self._wrapped:
+                    stack.enter_context(wrapped.no_sync())
+            for module in self._sharded:
+                module.set_requires_gradient_sync(sync)
+            yield
+
+    @property
+    def synced_generation(self) -> bool:
+        """Sharded weights are gathered by every rank together: generation must run the same
+        number of forward passes everywhere (``generate(synced_gpus=True)``)."""
+        return self.active and (self.mode == "fsdp" or self.shard_reference)
+
+
+SINGLE = Parallel()
+
+
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _fully_shard_model(model: nn.Module) -> None:
+    """FSDP2 on each transformer block (HF's ``_no_split_modules``), then on the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+
+
+def _collective(fn, *args):
+    """Run a collective; another rank's death or a timeout becomes ``RankLost`` with one line."""
+    try:
+        return fn(*args)
+    except (RuntimeError, dist.DistError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise RankLost(f"rank {dist.get_rank()}: another rank stopped answering ({reason}); stopping. "
+                       "Its own log says why; the last complete checkpoint is kept") from err
+
+
+def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.device]:
+    """Join the process group when started by ``torchrun`` with more than one process;
+    returns this rank's :class:`Parallel` and device (``cuda:LOCAL_RANK`` on GPUs)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return SINGLE, device
+    rank = int(os.environ["RANK"])
+    per_rank = cfg.batch_size // world_size
+    if cfg.batch_size % world_size:
+        raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size} "
+                          "(each rank samples batch_size / world_size prompts)")
+    rows = per_rank * cfg.num_samples_per_prompt
+    if rows % (cfg.num_mini_batches * cfg.gradient_accumulation_steps):
+        raise ConfigError(f"each of the {world_size} ranks has {rows} rollouts per step (--batch-size {cfg.batch_size} / "
+                          f"{world_size} x --num-samples-per-prompt {cfg.num_samples_per_prompt}), which --num-mini-batches "
+                          f"{cfg.num_mini_batches} x --gradient-accumulation-steps {cfg.gradient_accumulation_steps} must divide")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    return Parallel(rank=rank, world_size=world_size, mode=cfg.parallel, shard_reference=cfg.shard_reference), device
+
+
+class _NoMetrics:
+    """The metrics writer of ranks other than 0."""
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_METRICS = _NoMetrics()
+
+
+# ---------------------------------------------------------------------- sharded checkpoints
+
+
+def save_pretrained(model: nn.Module, folder, state_dict: dict | None) -> None:
+    """``model.save_pretrained`` (with the gathered ``state_dict`` of a sharded model); FSDP2 renames
+    the class ``FSDP<Name>``, which ``config.json`` would otherwise record as the architecture."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model.save_pretrained(folder, state_dict=state_dict)
+    if isinstance(model, FSDPModule):
+        config = Path(folder) / "config.json"
+        values = json.loads(config.read_text())
+        values["architectures"] = [name.removeprefix("FSDP") for name in values.get("architectures") or []]
+        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The whole (unsharded) state dict on rank 0's CPU; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _models(policy: nn.Module, critic: nn.Module | None) -> nn.Module:
+    return nn.ModuleDict({"policy": policy} | ({"critic": critic} if critic is not None else {}))
+
+
+def _sharded_state(policy, critic, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(_models(policy, critic), optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_sharded(folder, policy, critic, optimizer) -> None:
+    """Policy, critic and optimizer, each rank writing its shards (``torch.distributed.checkpoint``)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(policy, critic, optimizer), checkpoint_id=folder)
+
+
+def load_sharded(folder, policy, critic, optimizer) -> None:
+    """The inverse of :func:`save_sharded`, at any world size (the shards are redistributed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _sharded_state(policy, critic, optimizer)
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(_models(policy, critic), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def shutdown() -> None:
+    """Leave the process group (if this process joined one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,106 @@
+"""Worker processes of tests/test_distributed.py (spawned with torch.multiprocessing; not a test module).
+
+``one_update`` runs one PPO optimizer step (one minibatch, two micro-batches of uneven token
+counts) on this rank's half of a fixed batch of rollouts, with advantages whitened over all
+ranks, and returns the loss, the gradients and the updated weights as full tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ppo_fast.trainer import TrainerConfig, default_task
+from ppo_fast.trainer.distributed import SINGLE, Parallel
+from ppo_fast.trainer.estimate import estimate
+from ppo_fast.trainer.models import build_critic, frozen_reference
+from ppo_fast.trainer.rollout import forward, generate, score_old_and_ref
+from ppo_fast.trainer.update import Experience, ppo_losses, ppo_update
+
+ROWS = 8  # the whole batch; world 2 gives each rank 4
+
+
+def config(agg: str) -> TrainerConfig:
+    # The entropy bonus is a token mean whatever loss_agg is: with a seq-mean-* mode it is left out here.
+    return TrainerConfig(num_ppo_epochs=1, num_mini_batches=1, gradient_accumulation_steps=2, max_grad_norm=0.5,
+                         loss_agg=agg, vf_coef=0.5, ent_coef=0.01 if agg == "token-mean" else 0.0)
+
+
+def rollouts(seed: int):
+    """The same models and rollouts on every rank (seeded), the critic separate."""
+    tokenizer = default_task.build_tokenizer()
+    policy = default_task.build_model(tokenizer, seed).eval()
+    reference = frozen_reference(policy)
+    with torch.no_grad():  # the reference a little away from the policy: a non-zero KL
+        for p in reference.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    critic = build_critic(policy, "separate")
+    torch.manual_seed(seed)
+    prompts = [default_task.prompt(10 + 7 * i, 30 + 5 * i) for i in range(ROWS)]
+    batch = generate(policy, tokenizer, prompts, max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False)
+    scores = torch.linspace(-1.0, 2.0, ROWS)
+    return policy, reference, critic, batch, scores
+
+
+def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
+    cfg = config(agg)
+    policy, reference, critic, batch, scores = rollouts(seed)
+    share = ROWS // parallel.world_size
+    mine = torch.arange(parallel.rank * share, (parallel.rank + 1) * share)
+    batch, scores = batch.rows(mine), scores[mine]
+    old, ref, values = score_old_and_ref(policy, reference, critic, batch, temperature=1.0, chunk=share)
+    est = estimate(scores, old, ref, values, batch.response_mask, estimator="gae", kl_coef=0.1, kl_estimator="k1", kl_in_reward=True,
+                   gamma=1.0, lam=0.95, whiten=True, group_size=1, whitener=parallel.masked_whiten)
+    exp = Experience(batch, old, est.advantages, values, est.returns)
+    train_policy, train_critic = parallel.prepare(policy, critic, reference)
+    params = list(policy.parameters()) + list(critic.parameters())
+    # The loss over the whole batch before the step: this rank's share of the global token-mean.
+    with torch.no_grad():
+        weight = parallel.micro_batch_weights([batch.response_mask], agg)[0]
+        loss = parallel.all_sum(ppo_losses(train_policy, train_critic, exp, cfg)[0] * weight) / parallel.world_size
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    ppo_update(train_policy, train_critic, optimizer, scheduler, exp, cfg, step=1, parallel=parallel)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    names = [n for n, _ in policy.named_parameters()] + [f"critic.{n}" for n, _ in critic.named_parameters()]
+    return {
+        "loss": loss.item(),
+        "advantages": parallel_gather(parallel, est.advantages),
+        "weights": {n: full(p.detach()).clone() for n, p in zip(names, params)},
+        "grads": {n: full(p.grad).clone() for n, p in zip(names, params)},
+    }
+
+
+def parallel_gather(parallel: Parallel, x: torch.Tensor) -> torch.Tensor:
+    if not parallel.active:
+        return x
+    parts = [torch.empty_like(x) for _ in range(parallel.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def reference_update(seed: int, agg: str) -> dict:
+    """The same step in one process with the whole batch."""
+    return one_update(SINGLE, seed, agg)
+
+
+AGGS = ("token-mean", "seq-mean-token-mean")
+
+
+def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int) -> None:
+    """Entry point of ``torch.multiprocessing.spawn``: the step under DDP and under FSDP2, for each of ``AGGS``."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {(mode, agg): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg)
+               for mode in ("ddp", "fsdp") for agg in AGGS}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""Data-parallel PPO on torch.distributed, on CPU with gloo at world size 2: one optimizer step
+at world 2 (per-rank batch b) equals world 1 (batch 2b) under DDP and FSDP2; the built-in job
+runs under torchrun; Ctrl-C on rank 0 stops every rank after the step with one checkpoint; a
+rank that dies makes the other exit with one line instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist_workers
+from ppo_fast.trainer import checkpoint
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
+        "--sft-steps", "10", "--eval-size", "0", "--dist-timeout", "60"]
+
+
+def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
+    seed = torch.randint(1000, ()).item()
+    out = tmp_path / "world2.pt"
+    mp.spawn(dist_workers.equivalence, args=(2, str(tmp_path / "init"), str(out), seed), nprocs=2, join=True)
+    world2 = torch.load(out, weights_only=True)
+    for (mode, agg), got in world2.items():
+        want = dist_workers.reference_update(seed, agg)
+        where = f"{mode}, {agg}"
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), where
+        torch.testing.assert_close(got["advantages"], want["advantages"], msg=lambda m: f"{where}: advantages: {m}")
+        assert got["grads"].keys() == want["grads"].keys()
+        for name in want["grads"]:
+            torch.testing.assert_close(got["grads"][name], want["grads"][name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{where}: grad of {name}: {m}")
+            torch.testing.assert_close(got["weights"][name], want["weights"][name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{where}: {name}: {m}")
+        assert any(g.abs().sum() > 0 for g in want["grads"].values())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, *args: str, world_size: int = 2) -> list[subprocess.Popen]:
+    """What torchrun does, one process per rank, so that a test can signal or kill one rank."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), *args],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _wait_for_a_step(out: Path, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + 180
+    while not read_metrics(out / METRICS_FILE):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.communicate() for p in procs]
+        time.sleep(0.2)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_ranks_run_the_builtin_job_under_torchrun(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ppo_fast", "train",
+               "--output-dir", str(out), "--steps", "2", *TINY]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = read_metrics(out / METRICS_FILE)
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["episode"] == 2 * 8  # --batch-size is global
+    assert (done.stdout + done.stderr).count("saved ") == 1  # rank 0 speaks for the run
+    saved = checkpoint.latest(out)
+    state = checkpoint.load_state(saved)
+    assert saved.name == "step-000002" and state.world_size == 2 and len(state.rng_per_rank) == 2
+    assert not torch.equal(state.rng_per_rank[0]["torch"], state.rng_per_rank[1]["torch"])  # each rank samples its own
+    assert (saved / "policy" / "model.safetensors").is_file()
+
+
+def test_ctrl_c_on_rank_0_stops_every_rank_after_the_step_and_a_resume_at_world_1_continues(tmp_path):
+    out = tmp_path / "run"
+    procs = _launch(out, "--steps", "500", "--save-every", "0", *TINY)
+    _wait_for_a_step(out, procs)
+    procs[0].send_signal(signal.SIGINT)
+    logs = _finish(procs)
+    assert [p.returncode for p in procs] == [130, 130], logs
+    assert "Ctrl-C: stopping after this step" in logs[0] and "Traceback" not in logs[0] + logs[1]
+    done = read_metrics(out / METRICS_FILE)[-1]["step"]
+    assert [p.name for p in checkpoint.candidates(out)] == [f"step-{done:06d}"]
+    from ppo_fast.trainer import PPOTrainer, TrainerConfig
+
+    messages = []
+    cfg = TrainerConfig(output_dir=str(out), resume=True, steps=done + 1, batch_size=8, num_mini_batches=1, num_ppo_epochs=1,
+                        sample_every=0, sft_steps=10, eval_size=0, dist_timeout=60)
+    assert PPOTrainer(cfg, log=messages.append).train()["steps_done"] == done + 1
+    assert any("saved by 2 process(es), this run has 1: the random streams are seeded anew" in m for m in messages)
+
+
+def test_a_dead_rank_makes_the_other_exit_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    procs = _launch(out, "--steps", "500", "--save-every", "0", *TINY)
+    _wait_for_a_step(out, procs)
+    procs[1].kill()
+    start = time.monotonic()
+    logs = _finish(procs[:1])
+    assert procs[0].returncode == 1, logs[0]
+    errors = [line for line in logs[0].splitlines() if line.startswith("ppo-fast: error: ")]
+    assert len(errors) == 1 and "rank 0: another rank stopped answering" in errors[0], logs[0]
+    assert "Traceback" not in logs[0]
+    assert time.monotonic() - start < 60  # well before --dist-timeout: gloo sees the closed connection
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_under_torchrun_runs_the_same_command(tmp_path):
+    """The GPU check's run of the same command on one GPU (one process: no process group)."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "ppo_fast", "train",
+               "--output-dir", str(out), "--steps", "2", "--device", "cuda", *TINY]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1, 2]
+    assert checkpoint.load_state(checkpoint.latest(out)).world_size == 1
