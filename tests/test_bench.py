@@ -145,3 +145,22 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
     row = runner.measure(case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, expected, settings)
     assert row["status"] == "ok"
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
+
+
+def test_fused_head_baselines_match_reference():
+    """The fused-LM-head case's baselines (eager, TRL's real fused head when installed) give
+    the reference's log-probs, 0 at ignored rows; the linear-layer yardstick is timed, not compared."""
+    case = cases.linear_logprob_case(37, 24, 301, torch.float32)
+    inputs = case.make_inputs(torch.device("cpu"))
+    want = reference.linear_token_logprobs(inputs["hidden"], inputs["weight"].detach(), inputs["labels"],
+                                           temperature=cases.TEMPERATURE)[0]
+    for name, fn in case.baselines.items():
+        if name in case.yardsticks:
+            continue
+        got = fn(inputs)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        assert (got[inputs["labels"] == IGNORE] == 0).all(), name
+    assert "eager" in case.baselines and "linear-layer" in case.yardsticks
+    expected = want.detach()
+    row = runner.measure(case, "linear-layer", "baseline", case.baselines["linear-layer"], "fwd+bwd", inputs, expected, _settings())
+    assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
