@@ -49,7 +49,8 @@ from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, r
 from ._launch import check_same_device, check_shape, device_guard
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
-# compile for sm_90 without register spills (checked in the SASS); not timed on a GPU yet.
+# compile for sm_90 without register spills (checked in the SASS with triton 3.6 and 3.8;
+# float32 under IEEE precision, not TF32, spills 16 bytes in the forward); not timed on a GPU yet.
 _FORWARD_CONFIG = {
     torch.bfloat16: (128, 128, 32, 8),
     torch.float16: (128, 128, 32, 8),
