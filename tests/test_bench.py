@@ -164,3 +164,14 @@ def test_fused_head_baselines_match_reference():
     expected = want.detach()
     row = runner.measure(case, "linear-layer", "baseline", case.baselines["linear-layer"], "fwd+bwd", inputs, expected, _settings())
     assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
+
+
+def test_advantages_bench_checks_and_times_every_method():
+    from bench import advantages
+
+    rows = advantages.measure([(12, 5, 3)], 0.0, 1)
+    methods = [name for name, entry in advantages.REGISTRY.items() if entry.fn is not None]
+    assert [r["method"] for r in rows] == methods
+    for r in rows:
+        assert r["reference_ms"] > 0 and r["auto_ms"] > 0
+    assert "| `grpo` |" in advantages.markdown(rows)

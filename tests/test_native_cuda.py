@@ -47,7 +47,7 @@ def test_policy_loss_cuda_matches_reference(agg, dtype, dual_clip, weighted, sha
     logprobs, old, adv = policy_inputs(shape, dtype, device="cuda")
     mask = random_mask(shape, device="cuda")
     weights = torch.rand(shape, device="cuda").to(dtype) if weighted else None
-    kwargs = dict(clip_eps=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=weights)
+    kwargs = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=weights)
     loss, stats, grad = _run("native", pf.clipped_policy_loss, logprobs, old, adv, mask, **kwargs)
     ref_loss, ref_stats, ref_grad = _run("reference", pf.clipped_policy_loss, logprobs, old, adv, mask, **kwargs)
     # The kernels use the fast exp of --use_fast_math (a few ulp): a ratio within a hair

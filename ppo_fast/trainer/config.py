@@ -31,6 +31,9 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plu
                         "remax", "opo", "gpg")
 CRITIC_ESTIMATORS = ("gae",)
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
+# The names of ppo_fast.policy_loss_modes' registry (repeated here so that this module does
+# not import torch; tests/test_policy_losses.py checks they agree).
+POLICY_LOSSES = ("vanilla", "gspo", "geo_mean", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 # Where the KL to the reference goes: subtracted from the reward, or a term of the policy loss.
 KL_PLACEMENTS = ("auto", "reward", "loss")
 CRITIC_MODES = ("separate", "shared")
@@ -154,7 +157,22 @@ class TrainerConfig:
     warmup_steps: int = _opt(0, "Optimizer steps of linear learning-rate warm-up.", "optimize")
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize")
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize")
-    cliprange: float = _opt(0.2, "PPO policy ratio clip epsilon.", "optimize")
+    policy_loss: str = _opt(
+        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): vanilla (PPO clip), gspo (sequence-level "
+        "ratio), geo_mean (GMPO), sapo (sigmoid gate), cispo, gpg (-A log p), clip_cov, kl_cov, dppo_tv, dppo_kl, dro; "
+        "its parameters besides the clips via --policy-loss-params.", "optimize"
+    )
+    clip_eps_low: float = _opt(
+        0.2, "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
+        "region's size).", "optimize"
+    )
+    clip_eps_high: float | None = _opt(None, "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.", "optimize")
+    dual_clip: float | None = _opt(None, "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).",
+                                   "optimize")
+    policy_loss_params: str = _opt(
+        "", "The policy loss's other parameters as name=value pairs separated by commas, e.g. 'tau_pos=1,tau_neg=1.05' "
+        "(sapo) or 'dro_beta=0.1' (dro, required); see pf.policy_loss_modes().", "optimize"
+    )
     cliprange_value: float = _opt(0.2, "Value clip range around the rollout values.", "optimize")
     vf_coef: float = _opt(0.1, "Value loss coefficient.", "optimize")
     ent_coef: float = _opt(0.0, "Entropy bonus coefficient.", "optimize")
@@ -205,7 +223,12 @@ class TrainerConfig:
         for name in ("gamma", "lam", "demo_carry_error_rate"):
             _require(name, 0 <= getattr(self, name) <= 1, "must lie in [0, 1]")
         _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
-        _require("cliprange", 0 < self.cliprange < 1, "must lie in (0, 1)")
+        _require("clip_eps_low", 0 < self.clip_eps_low < 1, "must lie in (0, 1)")
+        if self.clip_eps_high is not None:
+            _require("clip_eps_high", self.clip_eps_high > 0, "must be > 0")
+        if self.dual_clip is not None:
+            _require("dual_clip", self.dual_clip > 1, "must be > 1")
+        self.policy_loss_param_values()
         for name, choices in CHOICES.items():
             _require(name, getattr(self, name) in choices, f"must be one of {', '.join(choices)}")
         rows = self.batch_size * self.num_samples_per_prompt
@@ -226,6 +249,19 @@ class TrainerConfig:
             _require("reward_fn", bool(module and function),
                      f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}")
         return self
+
+    def policy_loss_param_values(self) -> dict[str, float]:
+        """``policy_loss_params`` as ``{name: value}`` (which names the mode takes is checked
+        by the trainer, against the registry)."""
+        values = {}
+        for item in filter(None, (part.strip() for part in self.policy_loss_params.split(","))):
+            name, sep, value = item.partition("=")
+            try:
+                values[name.strip()] = float(value)
+            except ValueError:
+                sep = ""
+            _require("policy_loss_params", bool(sep and name.strip()), f"must be name=value pairs separated by commas, got {item!r}")
+        return values
 
     @property
     def uses_critic(self) -> bool:
@@ -343,6 +379,7 @@ CHOICES = {
     "backend": BACKEND_CHOICES,
     "critic": CRITIC_MODES,
     "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "policy_loss": POLICY_LOSSES,
     "kl_estimator": ("auto",) + KL_ESTIMATORS,
     "kl_placement": KL_PLACEMENTS,
     "loss_agg": AGG_MODES,

@@ -28,7 +28,7 @@ from .prompts import Prompts, exact_match
 from .prompts import read_prompts as _read_prompt_file
 from .rollout import decode_responses, generate, score_old_and_ref
 from .scoring import FunctionScorer, RewardModelScorer, check_finite, load_reward_fn
-from .update import Experience, ppo_update
+from .update import Experience, policy_loss_params, ppo_update
 
 SUMMARY_FILE = "summary.json"
 
@@ -168,8 +168,10 @@ class PPOTrainer:
         self.parallel, self.device = distributed.init(cfg, resolve_device(cfg.device))
         if not self.parallel.main:  # rank 0 speaks for the run
             self.log = _silent
-        check_backend(cfg.backend, self.device,
-                      TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")),
+        policy_loss_params(cfg)
+        ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
+        policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
+        check_backend(cfg.backend, self.device, tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
                       cfg.advantage_estimator)
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
