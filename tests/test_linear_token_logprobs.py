@@ -123,10 +123,11 @@ def test_without_bias_and_with_every_row_ignored(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_chunks(backend, dtype, monkeypatch):
     """Enough rows for several chunks on every backend (the reference's chunk made small;
-    the native kernel's is 2**20 logits), a vocabulary past its 1024-logit blocks."""
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 37 * 4099)
+    the native kernel's is 2**23 logits, 2046 used rows here), a vocabulary past its
+    1024-logit blocks."""
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 370 * 4099)
     gen = torch.Generator().manual_seed(4)
-    hidden, weight, b, labels = make(gen, 300, 16, 4099, dtype)
+    hidden, weight, b, labels = make(gen, 2700, 8, 4099, dtype, ignored=0.1)
     assert_matches_plain(backend, hidden, weight, b, labels, 3, return_entropy=True, temperature=0.9)
 
 
