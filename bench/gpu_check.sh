@@ -5,8 +5,9 @@
 #   bash bench/gpu_check.sh            # from the repo root; results in $OUT or bench/results/
 #
 # Every stage has its own time limit and log; a failed stage does not stop the next one.
-# Files written (8 at most, flat): summary.txt build.log tests.log bench.log cuda.json
-# cuda-speedup.png cuda-gbps.png cuda.md.  Exit status: 0 only if every stage passed.
+# Files written (10 at most, flat): summary.txt build.log tests.log bench.log cuda.json
+# cuda-speedup.png cuda-gbps.png cuda.md, and where vllm is installed vllm.log
+# vllm-rollout-cuda.json.  Exit status: 0 only if every stage passed.
 # Override the stage limits (seconds) with BUILD_S, TESTS_S; the benchmark gets the rest
 # of TOTAL_S (default 470).  Extra benchmark flags: BENCH_ARGS (e.g. "--no-compile").
 set -u
@@ -119,6 +120,16 @@ else
             || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
     done
     grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
+fi
+
+# --- 4. rollout speed, hf against vllm (bench/vllm_rollout.py), only where vllm is installed.
+VLLM_S="${VLLM_S:-180}"
+if "$PY" -c "import vllm" 2>/dev/null; then
+    run_stage "vllm rollout (python -m bench.vllm_rollout --device cuda)" "$VLLM_S" "$OUT/vllm.log" \
+        "$PY" -m bench.vllm_rollout --device cuda --model llama-50M --batch 256 --response-length 128 --out "$OUT"
+    grep -E "^\|" "$OUT/vllm.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+else
+    say "vllm rollout: not run (vllm is not installed; not a failure)"
 fi
 
 say ""

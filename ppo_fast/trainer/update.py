@@ -29,13 +29,15 @@ class Experience:
     # The KL loss term (cfg.kl_in_reward False): the reference's log-probs and the coefficient.
     ref_logprobs: torch.Tensor | None = None
     kl_coef: float = 0.0
+    weights: torch.Tensor | None = None  # per-token policy-loss weights (rollout correction)
 
     def rows(self, index: torch.Tensor) -> Experience:
         def pick(x):
             return None if x is None else x[index]
 
         return Experience(self.batch.rows(index), self.old_logprobs[index], self.advantages[index],
-                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef)
+                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef,
+                          pick(self.weights))
 
 
 # The policy-loss stats under the trainer's metric names (the others keep their own).
@@ -68,7 +70,7 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
     )
     pg_loss, pg_stats = pf.policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask, loss_mode=cfg.policy_loss,
-                                       agg=cfg.loss_agg, **policy_loss_params(cfg))
+                                       agg=cfg.loss_agg, weights=exp.weights, **policy_loss_params(cfg))
     mean_entropy = pf.masked_mean(entropy, mask)
     loss = pg_loss - cfg.ent_coef * mean_entropy
     if exp.ref_logprobs is not None:  # the KL to the reference as a loss term, aggregated as the policy loss
