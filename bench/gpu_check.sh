@@ -94,6 +94,13 @@ else
     RESULTS+=("tests: NOT RUN (pytest is not installed)")
 fi
 
+# --- fused LM head (#11): its GPU rows alone, first, so that the suite's budget cannot cut them.
+FUSED_S="${FUSED_S:-150}"
+mkdir -p "$OUT/fused_head"
+run_stage "bench fused LM head (linear_token_logprobs)" "$FUSED_S" "$OUT/fused_head/bench.log" \
+    "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
+# --- end of the fused LM head block
+
 # --- 3. benchmark suite on cuda, with the time left; it saves its JSON after every case.
 BENCH_LOG="$OUT/bench.log"
 : >"$BENCH_LOG"
