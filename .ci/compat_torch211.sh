@@ -44,23 +44,9 @@ assert triton.__version__.startswith(sys.argv[1]), f"triton {triton.__version__}
 EOF
 echo "compat: venv ready in $((SECONDS - t0)) s"
 
-# A fresh copy of the working tree (never the venv itself, nor build outputs: ignored files
-# are not copied, and the venv folder is excluded even if .gitignore does not list it).
+# A fresh copy of the working tree (never the venv itself, nor build outputs).
 t1=$SECONDS
-rm -rf "$SRC"
-mkdir -p "$SRC"
-if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-    rel=${VENV#"$ROOT"/}
-    exclude=()
-    [ "$rel" != "$VENV" ] && exclude=(":(exclude)$rel")
-    git -C "$ROOT" ls-files -z --cached --others --exclude-standard -- . "${exclude[@]}" |
-        while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done |
-        tar --null -T - -cf - | tar -xf - -C "$SRC"
-else  # not a git checkout: copy all but venvs, build outputs and caches
-    tar --exclude='./.venv*' --exclude='./build' --exclude='./dist' --exclude='*.so' \
-        --exclude='*.egg-info' --exclude='__pycache__' --exclude='./.git' -cf - . | tar -xf - -C "$SRC"
-fi
-[ -f "$SRC/setup.py" ] || { echo "compat: copy of the tree into $SRC failed" >&2; exit 1; }
+bash "$ROOT/.ci/copy_tree.sh" "$SRC" "$VENV"
 
 echo "== compat: building ppo_fast against torch 2.11 in $SRC (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0})"
 (cd "$SRC" && PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0} \

@@ -171,7 +171,7 @@ def policy_loss_case(batch: int, length: int) -> Case:
         size=tokens,
         make_inputs=lambda device: _sequence_inputs(batch, length, device),
         call_op=lambda x: pf.clipped_policy_loss(
-            x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], clip_eps=CLIP_EPS, dual_clip=DUAL_CLIP, agg=AGG
+            x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], clip_eps_low=CLIP_EPS, dual_clip=DUAL_CLIP, agg=AGG
         ),
         baselines={"eager": eager},
         eager_baseline="eager",
@@ -179,7 +179,7 @@ def policy_loss_case(batch: int, length: int) -> Case:
         fwd_bytes=tokens * (4 + 4 + 4 + 1),  # logp, old, advantages, mask
         bwd_bytes=tokens * (4 + 4 + 4 + 1 + 4),  # the same inputs again, the gradient out
         grad_input="logprobs",
-        params={"clip_eps": CLIP_EPS, "dual_clip": DUAL_CLIP, "agg": AGG},
+        params={"clip_eps_low": CLIP_EPS, "dual_clip": DUAL_CLIP, "agg": AGG},
     )
 
 

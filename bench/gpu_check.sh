@@ -8,6 +8,7 @@
 #      the losses at 16M and 1M tokens, the fused LM head if present
 #   4. the rest of the benchmark suite with the time left (no torch.compile baselines
 #      unless COMPILE=1)
+#   5. where vllm is installed: rollout speed, hf against vllm (bench/vllm_rollout.py)
 # Every stage runs under its own hard time limit and writes into $OUT as it goes, so a
 # timeout still leaves what was measured; a failed stage does not stop the next one.
 # The last lines of summary.txt: one per target (met / missed, with the number), then
@@ -15,8 +16,9 @@
 #
 #   bash bench/gpu_check.sh            # from the repo root; results in $OUT (default bench/results)
 #
-# Stage limits (seconds): BUILD_S (200), TESTS_S (120), TARGETS_S (150); the suite gets the
-# rest of TOTAL_S (540).  TEST_WORKERS (8): pytest -n.  Extra benchmark flags: BENCH_ARGS.
+# Stage limits (seconds): BUILD_S (200), TESTS_S (120), TARGETS_S (150), VLLM_S (180); the
+# suite gets the rest of TOTAL_S (540) less VLLM_S where vllm is installed.  TEST_WORKERS
+# (8): pytest -n.  Extra benchmark flags: BENCH_ARGS.
 # Exit status: 0 only if every stage passed; 3 without a GPU (nothing built or measured).
 set -u
 
@@ -129,9 +131,12 @@ run_stage "targets (python -m bench.targets)" "$TARGETS_S" "$TARGETS_LOG" \
     "$PY" -m bench.targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
 
 # --- 4. the rest of the suite with the time left; it saves its JSON after every case.
+VLLM_S="${VLLM_S:-180}"
+HAS_VLLM=0
+"$PY" -c "import vllm" 2>/dev/null && HAS_VLLM=1
 BENCH_LOG="$OUT/bench.log"
 : >"$BENCH_LOG"
-left=$((TOTAL_S - $(elapsed)))
+left=$((TOTAL_S - $(elapsed) - HAS_VLLM * VLLM_S))
 if [ "$left" -lt 60 ]; then
     RESULTS+=("bench: NOT RUN (only ${left}s left of ${TOTAL_S}s)")
 else
@@ -147,6 +152,15 @@ else
             || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
     done
     grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
+fi
+
+# --- 5. rollout speed, hf against vllm (bench/vllm_rollout.py), only where vllm is installed.
+if [ "$HAS_VLLM" = "1" ]; then
+    run_stage "vllm rollout (python -m bench.vllm_rollout --device cuda)" "$VLLM_S" "$OUT/vllm.log" \
+        "$PY" -m bench.vllm_rollout --device cuda --model llama-50M --batch 256 --response-length 128 --out "$OUT"
+    grep -E "^\|" "$OUT/vllm.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+else
+    say "vllm rollout: not run (vllm is not installed; not a failure)"
 fi
 
 finish

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .policy_loss_modes import POLICY_LOSS_OPS
+
 # The public ops that have one implementation per backend.
 OPS = (
     "token_logprobs",
@@ -34,6 +36,9 @@ OPS = (
     "value_loss",
     "group_sum",  # the reduction of the group advantage estimators (ppo_fast.advantage_estimators)
 )
+# Each policy-loss mode of the registry (ppo_fast.policy_loss_modes) is an op of its own, so
+# that a backend declares the modes it serves one by one (vanilla is clipped_policy_loss).
+OPS = OPS + tuple(op for op in POLICY_LOSS_OPS if op not in OPS)
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")

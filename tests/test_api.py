@@ -58,7 +58,7 @@ def test_seed_example_clipped_objective(backend):
     """Token 1 at ratio 1.3 with A = 0.674: the clip holds the objective at 1.2 * 0.674 = 0.809."""
     old = torch.tensor([[-1.0]])
     new = old + math.log(1.3)
-    loss, stats = pf.clipped_policy_loss(new, old, torch.tensor([[0.674]]), torch.ones(1, 1), clip_eps=0.2)
+    loss, stats = pf.clipped_policy_loss(new, old, torch.tensor([[0.674]]), torch.ones(1, 1), clip_eps_low=0.2)
     assert loss.item() == pytest.approx(-0.8088, abs=1e-4)
     assert round(-loss.item(), 3) == 0.809
     assert stats["clipfrac"].item() == 1.0
@@ -267,7 +267,7 @@ def test_clipped_policy_loss_matches_formula(backend, agg, variant):
     adv = torch.randn(batch, length)
     mask = torch.rand(batch, length) < 0.7
     mask[1] = False
-    kwargs = {"agg": agg, "clip_eps": 0.2}
+    kwargs = {"agg": agg, "clip_eps_low": 0.2}
     clip_high, dual, weights = 0.2, None, None
     if variant == "asymmetric":
         kwargs["clip_eps_high"] = clip_high = 0.28
@@ -438,7 +438,7 @@ def _batch():
         (lambda: pf.gae(torch.randn(6), torch.randn(6), torch.ones(6)), ValueError, "rewards"),
         (lambda: pf.gae(torch.randn(2, 3), torch.randn(2, 4), torch.ones(2, 3)), ValueError, "values"),
         (lambda: pf.gae(*_batch()[:2], "mask"), TypeError, "mask"),
-        (lambda: pf.clipped_policy_loss(*_batch(), clip_eps=0.0), ValueError, "clip_eps"),
+        (lambda: pf.clipped_policy_loss(*_batch(), clip_eps_low=0.0), ValueError, "clip_eps_low"),
         (lambda: pf.clipped_policy_loss(*_batch(), clip_eps_high=-0.1), ValueError, "clip_eps_high"),
         (lambda: pf.clipped_policy_loss(*_batch(), dual_clip=1.0), ValueError, "dual_clip"),
         (lambda: pf.clipped_policy_loss(*_batch(), agg="mean"), ValueError, "agg"),

@@ -145,3 +145,14 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
     row = runner.measure(case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, expected, settings)
     assert row["status"] == "ok"
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
+
+
+def test_advantages_bench_checks_and_times_every_method():
+    from bench import advantages
+
+    rows = advantages.measure([(12, 5, 3)], 0.0, 1)
+    methods = [name for name, entry in advantages.REGISTRY.items() if entry.fn is not None]
+    assert [r["method"] for r in rows] == methods
+    for r in rows:
+        assert r["reference_ms"] > 0 and r["auto_ms"] > 0
+    assert "| `grpo` |" in advantages.markdown(rows)

@@ -203,14 +203,14 @@ def test_a_refused_option_change_is_one_line(run, capsys, name, value):
 def test_applied_option_changes_take_effect(run):
     messages = []
     trainer = resumed(run, messages, learning_rate=5e-4, weight_decay=0.01, kl_coef=0.2, warmup_steps=10,
-                      lr_scheduler_type="linear", cliprange=0.1)
+                      lr_scheduler_type="linear", clip_eps_low=0.1)
     assert any(m.startswith("resuming with changed options: ") and "learning_rate" in m and "kl_coef" in m for m in messages)
     updates_done = trainer.scheduler.last_epoch
     assert updates_done == 2
     factor = lr_lambda(trainer.cfg, 3 * 1 * 1)(updates_done)
     for group in trainer.optimizer.param_groups:
         assert group["lr"] == pytest.approx(5e-4 * factor) and group["weight_decay"] == 0.01
-    assert trainer.kl_control.value == 0.2 and trainer.cfg.cliprange == 0.1
+    assert trainer.kl_control.value == 0.2 and trainer.cfg.clip_eps_low == 0.1
     trainer.train()
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(5e-4 * lr_lambda(trainer.cfg, 3)(3))
 

@@ -65,7 +65,7 @@ def test_help_answers_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout
-    assert "--eval-prompts-file" in out.stdout and "PPO policy ratio clip epsilon" in out.stdout
+    assert "--eval-prompts-file" in out.stdout and "Ratio clip below 1 (1 - clip_eps_low)" in out.stdout
 
 
 def test_console_script_points_at_the_launcher():
@@ -104,6 +104,7 @@ def test_the_config_module_repeats_the_contract_names():
 
     assert config_module.AGG_MODES == contract.AGG_MODES
     assert config_module.KL_ESTIMATORS == contract.KL_ESTIMATORS
+    assert config_module.ROLLOUT_CORRECTION_MODES == contract.ROLLOUT_CORRECTION_MODES
 
 
 # ---------------------------------------------------------------------- config files

@@ -8,6 +8,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
 from ppo_fast.contract import OPS
+from ppo_fast.policy_loss_modes import POLICY_LOSS_MODES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -43,10 +44,16 @@ CALLS = {
     "group_sum": lambda r, m, fm, y, s: (pf.group_advantages(
         r(s[0]).requires_grad_(), torch.arange(s[0], device=m.device) // 3 * 7, m, method="grpo"),),
 }
-assert set(CALLS) == set(OPS)
+for _mode in POLICY_LOSS_MODES.values():
+    if not _mode.syncs_host:  # clip_cov and kl_cov select tokens on the host, as verl's
+        CALLS.setdefault(_mode.op, lambda r, m, fm, y, s, name=_mode.name: pf.policy_loss(
+            -r(*s[:2]).abs().requires_grad_(), -r(*s[:2]).abs(), r(*s[:2]).requires_grad_(), fm, loss_mode=name,
+            **({"dro_beta": 0.1} if name == "dro" else {}))[:1])
+SYNCING_OPS = {mode.op for mode in POLICY_LOSS_MODES.values() if mode.syncs_host}
+assert set(CALLS) == set(OPS) - SYNCING_OPS
 
 
-@pytest.mark.parametrize("op, backend", [(op, b) for op in OPS for b in _cuda_backends(op)] if torch.cuda.is_available() else [])
+@pytest.mark.parametrize("op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.is_available() else [])
 def test_op_forward_and_backward_never_sync_the_host(op, backend):
     rand, mask, float_mask, labels, shape = _inputs("cuda")
     with pf.use_backend(backend):
@@ -63,7 +70,7 @@ def test_op_forward_and_backward_never_sync_the_host(op, backend):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("op, backend", [(op, b) for op in OPS for b in _cuda_backends(op)] if torch.cuda.device_count() > 1 else [])
+@pytest.mark.parametrize("op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.device_count() > 1 else [])
 def test_ops_on_a_device_other_than_the_current_one(op, backend):
     rand, mask, float_mask, labels, shape = _inputs("cuda:1")
     torch.cuda.set_device(0)

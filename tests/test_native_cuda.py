@@ -47,7 +47,7 @@ def test_policy_loss_cuda_matches_reference(agg, dtype, dual_clip, weighted, sha
     logprobs, old, adv = policy_inputs(shape, dtype, device="cuda")
     mask = random_mask(shape, device="cuda")
     weights = torch.rand(shape, device="cuda").to(dtype) if weighted else None
-    kwargs = dict(clip_eps=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=weights)
+    kwargs = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=weights)
     loss, stats, grad = _run("native", pf.clipped_policy_loss, logprobs, old, adv, mask, **kwargs)
     ref_loss, ref_stats, ref_grad = _run("reference", pf.clipped_policy_loss, logprobs, old, adv, mask, **kwargs)
     # The kernels use the fast exp of --use_fast_math (a few ulp): a ratio within a hair
@@ -80,16 +80,69 @@ def test_value_loss_cuda_matches_reference(agg, dtype, shape):
     torch.testing.assert_close(grad, ref_grad)
 
 
-def test_losses_cuda_bitwise_deterministic():
-    shape = (512, 2048)
+def _misaligned(t):
+    """t's values in a contiguous tensor whose data starts one element past a 16-byte
+    boundary: the kernels' scalar path (the same token order as the vector path)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = flat[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _loss_and_grads(inputs, mask, policy):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    with pf.use_backend("native"):
+        if policy:
+            loss = pf.clipped_policy_loss(*xs, mask, dual_clip=3.0, agg="token-mean")[0]
+        else:
+            loss = pf.value_loss(*xs, mask, agg="seq-mean-token-mean")[0]
+    return (loss, *torch.autograd.grad(loss, xs))
+
+
+# (512, 2048): the vector path, several warp chunks per row; (333, 1001): rows not a
+# multiple of the vector width (scalar path); (3, 1 << 19): long rows, many chunks per row.
+@pytest.mark.parametrize("shape", [(512, 2048), (333, 1001), (3, 1 << 19)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_losses_cuda_bitwise_deterministic(shape, dtype):
+    logprobs, old, adv = policy_inputs(shape, dtype, device="cuda")
+    mask = random_mask(shape, device="cuda")
+    for policy in (True, False):
+        first = _loss_and_grads((logprobs, old, adv), mask, policy)
+        for _ in range(3):
+            again = _loss_and_grads((logprobs, old, adv), mask, policy)
+            assert all(torch.equal(a, b) for a, b in zip(again, first))
+        # Misaligned pointers take the scalar path: the same tokens in the same order.
+        scalar = _loss_and_grads(tuple(_misaligned(x) for x in (logprobs, old, adv)), _misaligned(mask), policy)
+        assert all(torch.equal(a, b) for a, b in zip(scalar, first))
+
+
+def test_losses_cuda_launches_at_1m_tokens():
+    """At most 2 kernels per forward op and 1 per backward op at 1M tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = (256, 4096)
     logprobs, old, adv = policy_inputs(shape, torch.bfloat16, device="cuda")
     mask = random_mask(shape, device="cuda")
-    with pf.use_backend("native"):
-        first = pf.clipped_policy_loss(logprobs, old, adv, mask, agg="token-mean")[0]
-        first_value = pf.value_loss(logprobs, old, adv, mask, agg="seq-mean-token-mean")[0]
-        for _ in range(5):
-            assert torch.equal(pf.clipped_policy_loss(logprobs, old, adv, mask, agg="token-mean")[0], first)
-            assert torch.equal(pf.value_loss(logprobs, old, adv, mask, agg="seq-mean-token-mean")[0], first_value)
+    ops = torch.ops.ppo_fast
+    policy = ops.clipped_policy_loss(logprobs, old, adv, mask, None, 0.2, 0.2, 3.0, "token-mean")
+    value = ops.value_loss(logprobs, old, adv, mask, 0.2, "token-mean")
+    grad_loss = torch.ones((), device="cuda")
+    calls = {
+        "policy forward": (2, lambda: ops.clipped_policy_loss(logprobs, old, adv, mask, None, 0.2, 0.2, 3.0, "token-mean")),
+        "policy backward": (1, lambda: ops.clipped_policy_loss_backward(
+            grad_loss, logprobs, old, adv, mask, None, policy[4], 0.2, 0.2, 3.0, [True, False, False, False])),
+        "value forward": (2, lambda: ops.value_loss(logprobs, old, adv, mask, 0.2, "token-mean")),
+        "value backward": (1, lambda: ops.value_loss_backward(grad_loss, logprobs, old, adv, mask, value[2], 0.2,
+                                                              [True, False, False])),
+    }
+    for name, (most, call) in calls.items():
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert 1 <= len(kernels) <= most, (name, [e.name for e in kernels])
 
 
 def test_losses_cuda_empty_and_all_masked():

@@ -24,7 +24,7 @@ def _policy_both(logprobs, old, adv, mask, weights, clip_low, clip_high, dual_cl
         logp = logprobs.detach().clone().requires_grad_(True)
         with pf.use_backend(backend):
             loss, stats = pf.clipped_policy_loss(
-                logp, old, adv, mask, clip_eps=clip_low, clip_eps_high=clip_high, dual_clip=dual_clip, agg=agg, weights=weights
+                logp, old, adv, mask, clip_eps_low=clip_low, clip_eps_high=clip_high, dual_clip=dual_clip, agg=agg, weights=weights
             )
         (grad,) = torch.autograd.grad(loss, logp)
         results.append((loss, stats, grad))

@@ -159,7 +159,7 @@ def test_custom_model_path_reward_fn_spec_and_prompts_file(tmp_path):
 def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(tmp_path):
     tokenizer = default_task.build_tokenizer()
     policy = default_task.build_model(tokenizer, seed=1).eval()
-    cfg = TrainerConfig(num_ppo_epochs=1, num_mini_batches=1, learning_rate=1e-3, max_grad_norm=0.0, cliprange=0.2)
+    cfg = TrainerConfig(num_ppo_epochs=1, num_mini_batches=1, learning_rate=1e-3, max_grad_norm=0.0, clip_eps_low=0.2)
     prompts = [default_task.prompt(a, 90 - a) for a in range(11, 23)]
     batch = generate(policy, tokenizer, prompts, max_new_tokens=3, temperature=1.0, top_p=1.0, greedy=False)
     mask = batch.response_mask
@@ -269,7 +269,7 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("kl_coef", -0.1), ("cliprange", 1.5), ("gamma", 1.2), ("steps", 0), ("top_p", 0.0), ("temperature", 0.0),
+    [("kl_coef", -0.1), ("clip_eps_low", 1.5), ("gamma", 1.2), ("steps", 0), ("top_p", 0.0), ("temperature", 0.0),
      ("advantage_estimator", "ppo2"), ("critic", "tied"), ("num_mini_batches", 3), ("loss_agg", "mean")],
 )
 def test_bad_config_values_fail_naming_the_field(field, value):
@@ -317,7 +317,7 @@ def test_help_and_markdown_list_every_option(capsys):
     for f in dataclasses.fields(TrainerConfig):
         flag = "--" + f.name.replace("_", "-")
         assert f"`{flag}`" in table and flag in help_text
-    assert "PPO policy ratio clip epsilon" in help_text
+    assert "Ratio clip below 1 (1 - clip_eps_low)" in help_text and "geo_mean (GMPO)" in help_text
 
 
 # ---------------------------------------------------------------------- rewards and stops
@@ -353,7 +353,7 @@ def test_non_finite_reward_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
     import ppo_fast as pf
 
-    real_loss = pf.clipped_policy_loss
+    real_loss = pf.policy_loss
     calls = []
 
     def nan_on_second_step(*args, **kwargs):
@@ -361,7 +361,7 @@ def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
         calls.append(1)
         return (loss * float("nan"), stats) if len(calls) > 2 else (loss, stats)  # 2 minibatches per step
 
-    monkeypatch.setattr(pf, "clipped_policy_loss", nan_on_second_step)
+    monkeypatch.setattr(pf, "policy_loss", nan_on_second_step)
     cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
     with pytest.raises(NonFiniteError, match="step 2: loss is not finite"):
         PPOTrainer(cfg, log=quiet).train()

@@ -242,6 +242,27 @@ def test_matches_the_reference(small_tiles):
         torch.testing.assert_close(grad, e, rtol=2e-5, atol=2e-5 * e.abs().max().item())
 
 
+def test_large_logits_and_masked_vocabulary(small_tiles):
+    """Logits up to ~250 whose row maximum comes in the last tiles (the online logsumexp
+    rescales), and a -inf bias on the first 20 columns (a masked-out padded vocabulary: p = 0
+    there, whole tiles of -inf), against the reference."""
+    hidden, weight, _ = _inputs(torch.float32)
+    bias = torch.linspace(-60.0, 60.0, V, device=DEVICE)
+    bias[:20] = float("-inf")
+    labels = torch.where(torch.rand(N, device=DEVICE) < 0.2, IGNORE, torch.randint(20, V, (N,), device=DEVICE))
+    weights = (torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE))
+
+    def ref(h, w, b, lab, **kw):
+        return reference.linear_token_logprobs(h, w, lab, bias=b, return_entropy=True, ignore_index=IGNORE, **kw)
+
+    actual = _outputs_and_grads(_triton, hidden, weight, bias, labels, weights, temperature=0.5)
+    expected = _outputs_and_grads(ref, hidden, weight, bias, labels, weights, temperature=0.5)
+    torch.testing.assert_close(actual[:2], expected[:2], rtol=1e-5, atol=2e-5)
+    for grad, e in zip(actual[2], expected[2]):
+        assert grad.isfinite().all()
+        torch.testing.assert_close(grad, e, rtol=2e-5, atol=2e-5 * e.abs().max().item())
+
+
 def test_launcher_rejects_mismatched_inputs():
     hidden, weight, bias = _inputs(torch.float32)
     labels = _labels(N, V)

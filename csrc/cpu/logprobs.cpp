@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -43,12 +44,31 @@ struct RowStats {
   acc_t entropy;  // of softmax(row / temperature)
 };
 
-// The hot loops over a chunk of scaled logits z (float32, or float64 for float64 logits).
-template <typename acc_t>
-PPO_INLINE acc_t chunk_max_impl(const acc_t* z, int64_t n) {
+// A logit in the compute type.  bfloat16 is the high half of a float32: a shift, which
+// vectorizes in the clones below (c10's conversion does not); float16 through c10.
+PPO_INLINE float to_acc(float x) { return x; }
+PPO_INLINE double to_acc(double x) { return x; }
+PPO_INLINE float to_acc(c10::Half x) { return static_cast<float>(x); }
+PPO_INLINE float to_acc(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+// The hot loops over a chunk of logits (any float dtype) or of scaled logits z (float32,
+// or float64 for float64 logits).
+
+// z[i] = row[i] / temperature in the compute type, and the largest z (one pass).
+template <typename scalar_t, typename acc_t>
+PPO_INLINE acc_t scale_max_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t* z) {
   acc_t result = -std::numeric_limits<acc_t>::infinity();
 #pragma omp simd reduction(max : result)
-  for (int64_t i = 0; i < n; ++i) result = z[i] > result ? z[i] : result;  // NaN never wins; it poisons the sums
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t v = to_acc(row[i]) * inv_temp;
+    z[i] = v;
+    result = v > result ? v : result;  // NaN never wins; it poisons the sums
+  }
   return result;
 }
 
@@ -72,39 +92,43 @@ PPO_INLINE void chunk_sum_exp_impl(const acc_t* z, int64_t n, acc_t m, bool want
   *weighted = chunk_weighted;
 }
 
-// out = -g p - h p (log p + entropy) with log p = z - lse: the gradient w.r.t. z of
-// g * logp[label] + h * entropy, except the g * onehot term the caller adds.
-template <typename acc_t>
-PPO_INLINE void chunk_grad_impl(const acc_t* z, int64_t n, acc_t lse, acc_t g, acc_t h, acc_t entropy, acc_t* out) {
+// out = -g p - h p (log p + entropy) with log p = z - lse, z = row / temperature: the
+// gradient w.r.t. z of g * logp[label] + h * entropy, except the g * onehot term the
+// caller adds.
+template <typename scalar_t, typename acc_t>
+PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t lse, acc_t g, acc_t h, acc_t entropy,
+                                acc_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const acc_t log_p = z[i] - lse;
+    const acc_t log_p = to_acc(row[i]) * inv_temp - lse;
     const acc_t p = fast_exp(log_p);
     const acc_t entropy_term = p == 0 ? acc_t(0) : h * p * (log_p + entropy);
     out[i] = -g * p - entropy_term;
   }
 }
 
-PPO_CPU_CLONES float chunk_max(const float* z, int64_t n) { return chunk_max_impl(z, n); }
-double chunk_max(const double* z, int64_t n) { return chunk_max_impl(z, n); }
+// The per-CPU clones (float32 compute), one per logits dtype; float64 runs the baseline.
+#define PPO_LOGPROB_CHUNKS(scalar_t)                                                                                  \
+  PPO_CPU_CLONES float scale_max_chunk(const scalar_t* row, int64_t n, float inv_temp, float* z) {                  \
+    return scale_max_impl(row, n, inv_temp, z);                                                                     \
+  }                                                                                                                 \
+  PPO_CPU_CLONES void chunk_grad(const scalar_t* row, int64_t n, float inv_temp, float lse, float g, float h,        \
+                                 float entropy, float* out) {                                                       \
+    chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);                                                     \
+  }
+PPO_LOGPROB_CHUNKS(float)
+PPO_LOGPROB_CHUNKS(c10::BFloat16)
+PPO_LOGPROB_CHUNKS(c10::Half)
+#undef PPO_LOGPROB_CHUNKS
+double scale_max_chunk(const double* row, int64_t n, double inv_temp, double* z) { return scale_max_impl(row, n, inv_temp, z); }
+void chunk_grad(const double* row, int64_t n, double inv_temp, double lse, double g, double h, double entropy, double* out) {
+  chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);
+}
 PPO_CPU_CLONES void chunk_sum_exp(const float* z, int64_t n, float m, bool want_entropy, float* sum, float* weighted) {
   chunk_sum_exp_impl(z, n, m, want_entropy, sum, weighted);
 }
 void chunk_sum_exp(const double* z, int64_t n, double m, bool want_entropy, double* sum, double* weighted) {
   chunk_sum_exp_impl(z, n, m, want_entropy, sum, weighted);
-}
-PPO_CPU_CLONES void chunk_grad(const float* z, int64_t n, float lse, float g, float h, float entropy, float* out) {
-  chunk_grad_impl(z, n, lse, g, h, entropy, out);
-}
-void chunk_grad(const double* z, int64_t n, double lse, double g, double h, double entropy, double* out) {
-  chunk_grad_impl(z, n, lse, g, h, entropy, out);
-}
-
-// z[i] = row[i] / temperature in the compute type.
-template <typename scalar_t, typename acc_t>
-void scale_chunk(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t* z) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) z[i] = static_cast<acc_t>(row[i]) * inv_temp;
 }
 
 // One pass: per chunk, its max updates the running max m (rescaling the running sums),
@@ -117,8 +141,7 @@ RowStats<acc_t> row_stats(const scalar_t* row, int64_t vocab, acc_t inv_temp, bo
   acc_t m = neg_inf, sum_exp = 0, weighted = 0;
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-    scale_chunk(row + c0, n, inv_temp, z);
-    const acc_t chunk_top = chunk_max(z, n);
+    const acc_t chunk_top = scale_max_chunk(row + c0, n, inv_temp, z);
     if (chunk_top > m) {
       if (m != neg_inf) {
         const acc_t shift = m - chunk_top;
@@ -210,12 +233,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
 template <typename scalar_t, typename acc_t>
 void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t lse, acc_t g,
               acc_t h, acc_t entropy) {
-  alignas(64) acc_t z[kChunk];
   alignas(64) acc_t out[kChunk];
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-    scale_chunk(row + c0, n, inv_temp, z);
-    chunk_grad(z, n, lse, g, h, entropy, out);
+    chunk_grad(row + c0, n, inv_temp, lse, g, h, entropy, out);
     if (target >= c0 && target < c0 + n) out[target - c0] += g;
     for (int64_t i = 0; i < n; ++i) grad_row[c0 + i] = static_cast<scalar_t>(out[i]);
   }

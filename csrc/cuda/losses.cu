@@ -1,9 +1,16 @@
-// CUDA kernels of the PPO losses.  Forward: one block per row sums the row's tokens
-// (per-thread partials, then a fixed shared-memory tree), then a single block reduces the
-// row partials in a fixed order: no atomics, so the same inputs give bitwise the same
-// loss.  Backward: one elementwise pass using the per-row scale saved by the forward,
-// writing the gradient of each input that asked for one.  Masked tokens are never read.
-// T is the compute type: float, or double when an input is float64.
+// CUDA kernels of the PPO losses, one instantiation per input dtype (no dtype switch per
+// element).  The [B, T] tokens are cut into work items of one warp each: a chunk of one
+// row (the chunk length is chosen per launch so that about kTargetItems items cover the
+// batch: a short row is one item, a long one several).  A lane takes N consecutive tokens
+// at a time (N = 4 for float32 and float64, 8 for 16-bit types: 16-byte loads of each
+// input, 8 or 4 bytes of mask) when the rows are a multiple of N long and the pointers are
+// aligned, else the same N tokens by scalar loads (the same order: the same bits).  The
+// mask is a select on the result: every in-bounds token is loaded, none waits on the mask,
+// and a NaN at a masked token changes nothing.
+// Forward: each warp sums its chunk (per-lane sums, then a fixed shuffle tree) into
+// partials[item], then one block sums each row's chunks, the rows, and the loss in a fixed
+// order: no atomics, so the same inputs give bitwise the same loss.  Backward: the same
+// items, elementwise, with the row's scale (saved by the forward) read once per warp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -15,38 +22,274 @@ namespace ppo_fast {
 namespace cuda {
 namespace {
 
-constexpr int kRowThreads = 256;
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kBlockThreads = kWarp * kWarpsPerBlock;
 constexpr int kFinalizeThreads = 512;
-constexpr int kElementwiseThreads = 256;
+constexpr int64_t kTargetItems = 4096;  // ~31 warps per H200 SM: enough loads in flight, few partials
 
-template <typename T>
-__device__ __forceinline__ T load(FloatPtr p, int64_t i) {
-  switch (p.dtype) {
-    case kFloat16:
-      return static_cast<T>(__half2float(static_cast<const __half*>(p.data)[i]));
-    case kBFloat16:
-      return static_cast<T>(__bfloat162float(static_cast<const __nv_bfloat16*>(p.data)[i]));
-    case kFloat64:
-      return static_cast<T>(static_cast<const double*>(p.data)[i]);
-    default:
-      return static_cast<T>(static_cast<const float*>(p.data)[i]);
+// Input dtypes: the stored bits, the compute type, and the conversions.
+struct F32 {
+  using Bits = float;
+  using T = float;
+  static __device__ __forceinline__ T load(Bits b) { return b; }
+  static __device__ __forceinline__ Bits store(T v) { return v; }
+};
+struct F64 {
+  using Bits = double;
+  using T = double;
+  static __device__ __forceinline__ T load(Bits b) { return b; }
+  static __device__ __forceinline__ Bits store(T v) { return v; }
+};
+struct F16 {
+  using Bits = unsigned short;
+  using T = float;
+  static __device__ __forceinline__ T load(Bits b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ Bits store(T v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+struct BF16 {
+  using Bits = unsigned short;
+  using T = float;
+  static __device__ __forceinline__ T load(Bits b) { return __uint_as_float(static_cast<unsigned>(b) << 16); }
+  static __device__ __forceinline__ Bits store(T v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+
+// Tokens per lane step: 16 bytes of a 16-bit or float32 input; 4 float64 (two 16-byte words).
+template <typename D>
+constexpr int kTokens = sizeof(typename D::Bits) == 2 ? 8 : 4;
+
+// N values moved as 16-byte words.
+template <typename Bits, int N>
+union Words {
+  static_assert(N * sizeof(Bits) % 16 == 0, "whole 16-byte words");
+  uint4 word[N * sizeof(Bits) / 16];
+  Bits v[N];
+};
+template <int N>
+union MaskWord;
+template <>
+union MaskWord<4> {
+  unsigned word;
+  unsigned char v[4];
+};
+template <>
+union MaskWord<8> {
+  uint2 word;
+  unsigned char v[8];
+};
+
+// x[j] = p[i + j] for the tokens j < in_bounds; absent (p == nullptr) inputs read as 1.
+// kAligned: the N tokens are all in bounds and 16-byte aligned (one vector load).
+template <typename D, int N, bool kAligned>
+__device__ __forceinline__ void load_tokens(const typename D::Bits* p, int64_t i, int64_t in_bounds, typename D::T (&x)[N]) {
+  using T = typename D::T;
+  if (p == nullptr) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = T(1);
+  } else if (kAligned) {
+    Words<typename D::Bits, N> w;
+    const uint4* src = reinterpret_cast<const uint4*>(p + i);
+#pragma unroll
+    for (int k = 0; k < N * int(sizeof(typename D::Bits)) / 16; ++k) w.word[k] = src[k];
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = D::load(w.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = j < in_bounds ? D::load(p[i + j]) : T(0);
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void store(void* data, int dtype, int64_t i, T value) {
-  switch (dtype) {
-    case kFloat16:
-      static_cast<__half*>(data)[i] = __float2half_rn(static_cast<float>(value));
-      break;
-    case kBFloat16:
-      static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(static_cast<float>(value));
-      break;
-    case kFloat64:
-      static_cast<double*>(data)[i] = static_cast<double>(value);
-      break;
-    default:
-      static_cast<float*>(data)[i] = static_cast<float>(value);
+// valid[j]: token j is in bounds and not masked.
+template <int N, bool kAligned>
+__device__ __forceinline__ void load_mask(const bool* mask, int64_t i, int64_t in_bounds, bool (&valid)[N]) {
+  if (kAligned) {
+    MaskWord<N> m;
+    m.word = *reinterpret_cast<const decltype(m.word)*>(mask + i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) valid[j] = m.v[j] != 0;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) valid[j] = j < in_bounds && mask[i + j];
+  }
+}
+
+// The 32-bit words of values as memory holds them (little-endian), stored by one 16-byte
+// st.global.v4 each (a plain uint4 store through a pointer is split into four 32-bit STGs).
+template <int N>
+__device__ __forceinline__ void to_words(const unsigned short (&v)[N], unsigned (&u)[N / 2]) {
+#pragma unroll
+  for (int m = 0; m < N / 2; ++m) u[m] = static_cast<unsigned>(v[2 * m]) | (static_cast<unsigned>(v[2 * m + 1]) << 16);
+}
+template <int N>
+__device__ __forceinline__ void to_words(const float (&v)[N], unsigned (&u)[N]) {
+#pragma unroll
+  for (int m = 0; m < N; ++m) u[m] = __float_as_uint(v[m]);
+}
+template <int N>
+__device__ __forceinline__ void to_words(const double (&v)[N], unsigned (&u)[2 * N]) {
+#pragma unroll
+  for (int m = 0; m < N; ++m) {
+    u[2 * m] = static_cast<unsigned>(__double2loint(v[m]));
+    u[2 * m + 1] = static_cast<unsigned>(__double2hiint(v[m]));
+  }
+}
+
+template <typename D, int N, bool kAligned>
+__device__ __forceinline__ void store_tokens(typename D::Bits* p, int64_t i, int64_t in_bounds, const typename D::T (&g)[N]) {
+  using Bits = typename D::Bits;
+  if (kAligned) {
+    Bits bits[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) bits[j] = D::store(g[j]);
+    unsigned u[N * sizeof(Bits) / 4];
+    to_words(bits, u);
+    uint4* dst = reinterpret_cast<uint4*>(p + i);
+#pragma unroll
+    for (int k = 0; k < N * int(sizeof(Bits)) / 16; ++k)
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + k), "r"(u[4 * k]), "r"(u[4 * k + 1]),
+                   "r"(u[4 * k + 2]), "r"(u[4 * k + 3]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (j < in_bounds) p[i + j] = D::store(g[j]);
+  }
+}
+
+// A token's terms (accumulate, masked by select) and gradients (grads, given the upstream
+// gradient grad_loss * row_scale of its row).  x[k] is input k of the token.
+template <typename D>
+struct PolicyToken {
+  using T = typename D::T;
+  static constexpr int kInputs = 4;  // logprobs, old_logprobs, advantages, weights (1 when absent)
+  static constexpr int kParts = kPolicyPartials;
+  static constexpr int kGrads = 4;  // the same order
+  const typename D::Bits* in[kInputs];
+  PolicyParams params;
+
+  struct Math {
+    PolicyBounds<T> bounds;
+    __device__ void accumulate(const T (&x)[kInputs], bool valid, T (&acc)[kParts]) const {
+      const PolicyTerm<T> term = policy_term(x[0], x[1], x[2], bounds);
+      acc[kPgSum] += valid ? term.pg * x[3] : T(0);
+      acc[kCount] += valid ? T(1) : T(0);
+      acc[kClipped] += valid ? term.is_clipped : T(0);
+      acc[kCapped] += valid ? term.is_capped : T(0);
+      acc[kKlSum] += valid ? x[1] - x[0] : T(0);
+    }
+    __device__ void grads(const T (&x)[kInputs], T upstream, T (&g)[kGrads]) const {
+      const PolicyTerm<T> term = policy_term(x[0], x[1], x[2], bounds);
+      const PolicyGrad<T> grad = policy_grad(term, bounds, upstream * x[3]);
+      g[0] = grad.logp;
+      g[1] = -grad.logp;
+      g[2] = grad.adv;
+      g[3] = upstream * term.pg;
+    }
+  };
+  __device__ Math math() const { return {policy_bounds<T>(params)}; }
+
+  // clipfrac, clipfrac_lower in float32, approx_kl in the compute type (as the reference).
+  static __device__ void store_stats(const double* totals, const LossOutputs& out) {
+    const double count = totals[kCount];
+    *static_cast<float*>(out.stats[0]) = static_cast<float>(safe_mean(totals[kClipped], count));
+    *static_cast<float*>(out.stats[1]) = static_cast<float>(safe_mean(totals[kCapped], count));
+    *static_cast<T*>(out.stats[2]) = static_cast<T>(safe_mean(totals[kKlSum], count));
+  }
+  static constexpr int kSumColumn = kPgSum, kCountColumn = kCount;
+};
+
+template <typename D>
+struct ValueToken {
+  using T = typename D::T;
+  static constexpr int kInputs = 3;  // values, old_values, returns
+  static constexpr int kParts = kValuePartials;
+  static constexpr int kGrads = 3;
+  const typename D::Bits* in[kInputs];
+  double clip;
+
+  struct Math {
+    T clip;
+    __device__ void accumulate(const T (&x)[kInputs], bool valid, T (&acc)[kParts]) const {
+      const ValueTerm<T> term = value_term(x[0], x[1], x[2], clip);
+      acc[kValueLossSum] += valid ? term.loss : T(0);
+      acc[kValueCount] += valid ? T(1) : T(0);
+      acc[kValueClipped] += valid ? term.is_clipped : T(0);
+    }
+    __device__ void grads(const T (&x)[kInputs], T upstream, T (&g)[kGrads]) const {
+      const ValueGrad<T> grad = value_grad(value_term(x[0], x[1], x[2], clip), x[0], upstream);
+      g[0] = grad.v;
+      g[1] = grad.old;
+      g[2] = grad.ret;
+    }
+  };
+  __device__ Math math() const { return {static_cast<T>(clip)}; }
+
+  static __device__ void store_stats(const double* totals, const LossOutputs& out) {
+    *static_cast<float*>(out.stats[0]) = static_cast<float>(safe_mean(totals[kValueClipped], totals[kValueCount]));
+  }
+  static constexpr int kSumColumn = kValueLossSum, kCountColumn = kValueCount;
+};
+
+// The tokens [begin, end) of one row that warp `item` owns (row-relative), and where the row starts.
+struct ItemSpan {
+  int64_t item, row, row_start, begin, end;
+};
+
+// items < 2^31 (the glue checks): 32-bit division, once per warp.
+__device__ __forceinline__ bool item_span(const ChunkPlan& plan, int64_t length, ItemSpan* span) {
+  const unsigned item = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (item >= plan.items) return false;
+  const unsigned chunks_per_row = static_cast<unsigned>(plan.chunks_per_row);
+  const unsigned row = item / chunks_per_row;
+  span->item = item;
+  span->row = row;
+  span->row_start = span->row * length;
+  span->begin = static_cast<int64_t>(item - row * chunks_per_row) * plan.chunk;
+  span->end = min(span->begin + plan.chunk, length);
+  return true;
+}
+
+// x[k][j] = input k of token row_start + t + j; valid[j] as load_mask.
+template <typename D, int N, bool kAligned, typename Token>
+__device__ __forceinline__ void load_step(const Token& token, const bool* mask, int64_t i, int64_t in_bounds,
+                                          typename D::T (&x)[Token::kInputs][N], bool (&valid)[N]) {
+#pragma unroll
+  for (int k = 0; k < Token::kInputs; ++k) load_tokens<D, N, kAligned>(token.in[k], i, in_bounds, x[k]);
+  load_mask<N, kAligned>(mask, i, in_bounds, valid);
+}
+
+// partials[item, :] = sums over the valid tokens of the item's chunk.
+template <typename D, bool kAligned, typename Token>
+__global__ void __launch_bounds__(kBlockThreads) partials_kernel(Token token, const bool* mask, ChunkPlan plan,
+                                                                 int64_t length, double* partials) {
+  using T = typename D::T;
+  constexpr int N = kTokens<D>;
+  ItemSpan span;
+  if (!item_span(plan, length, &span)) return;  // the whole warp: no block-wide sync below
+  const typename Token::Math math = token.math();
+  const int lane = threadIdx.x % kWarp;
+  T acc[Token::kParts] = {};
+  for (int64_t t = span.begin + lane * N; t < span.end; t += kWarp * N) {
+    T x[Token::kInputs][N];
+    bool valid[N];
+    load_step<D, N, kAligned>(token, mask, span.row_start + t, span.end - t, x, valid);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T token_x[Token::kInputs];
+#pragma unroll
+      for (int k = 0; k < Token::kInputs; ++k) token_x[k] = x[k][j];
+      math.accumulate(token_x, valid[j], acc);
+    }
+  }
+  double sums[Token::kParts];
+#pragma unroll
+  for (int k = 0; k < Token::kParts; ++k) sums[k] = acc[k];
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)  // a fixed tree: deterministic
+#pragma unroll
+    for (int k = 0; k < Token::kParts; ++k) sums[k] += __shfl_down_sync(0xffffffffu, sums[k], offset);
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < Token::kParts; ++k) partials[span.item * Token::kParts + k] = sums[k];
   }
 }
 
@@ -65,179 +308,200 @@ __device__ void block_sum(double (&values)[kParts]) {
   __syncthreads();  // shared may be reused by the next call
 }
 
-// A token's terms (accumulate) and gradients (grads, given the upstream gradient
-// grad_loss * row_scale of its row); only valid tokens are read.
-template <typename T>
-struct PolicyToken {
-  PolicyInputs in;
-  static constexpr int kParts = kPolicyPartials;
-  static constexpr int kGrads = 4;  // logprobs, old_logprobs, advantages, weights
-  __device__ void accumulate(int64_t i, T (&acc)[kParts]) const {
-    const T logp = load<T>(in.logprobs, i), old = load<T>(in.old_logprobs, i);
-    const PolicyTerm<T> term = policy_term(logp, old, load<T>(in.advantages, i), policy_bounds<T>(in.params));
-    acc[kPgSum] += in.weights.data ? term.pg * load<T>(in.weights, i) : term.pg;
-    acc[kCount] += T(1);
-    acc[kClipped] += term.is_clipped;
-    acc[kCapped] += term.is_capped;
-    acc[kKlSum] += old - logp;
-  }
-  __device__ void grads(int64_t i, T upstream, T (&g)[kGrads]) const {
-    const PolicyBounds<T> bounds = policy_bounds<T>(in.params);
-    const PolicyTerm<T> term =
-        policy_term(load<T>(in.logprobs, i), load<T>(in.old_logprobs, i), load<T>(in.advantages, i), bounds);
-    const T w = in.weights.data ? load<T>(in.weights, i) : T(1);
-    const PolicyGrad<T> grad = policy_grad(term, bounds, upstream * w);
-    g[0] = grad.logp;
-    g[1] = -grad.logp;
-    g[2] = grad.adv;
-    g[3] = upstream * term.pg;
-  }
-};
-
-template <typename T>
-struct ValueToken {
-  ValueInputs in;
-  static constexpr int kParts = kValuePartials;
-  static constexpr int kGrads = 3;  // values, old_values, returns
-  __device__ void accumulate(int64_t i, T (&acc)[kParts]) const {
-    const ValueTerm<T> term =
-        value_term(load<T>(in.values, i), load<T>(in.old_values, i), load<T>(in.returns, i), static_cast<T>(in.clip));
-    acc[kValueLossSum] += term.loss;
-    acc[kValueCount] += T(1);
-    acc[kValueClipped] += term.is_clipped;
-  }
-  __device__ void grads(int64_t i, T upstream, T (&g)[kGrads]) const {
-    const T v = load<T>(in.values, i);
-    const ValueGrad<T> grad =
-        value_grad(value_term(v, load<T>(in.old_values, i), load<T>(in.returns, i), static_cast<T>(in.clip)), v, upstream);
-    g[0] = grad.v;
-    g[1] = grad.old;
-    g[2] = grad.ret;
-  }
-};
-
-// partials[row, :] = sums over the row's valid tokens.
-template <typename T, typename Token>
-__global__ void row_partials_kernel(Token token, const bool* mask, int64_t length, double* partials) {
-  const int64_t row = blockIdx.x;
-  T acc[Token::kParts] = {};
-  for (int64_t t = threadIdx.x; t < length; t += kRowThreads) {
-    const int64_t i = row * length + t;
-    if (mask[i]) token.accumulate(i, acc);
-  }
-  double sums[Token::kParts];
-  for (int k = 0; k < Token::kParts; ++k) sums[k] = acc[k];
-  block_sum<Token::kParts, kRowThreads>(sums);
-  if (threadIdx.x == 0)
-    for (int k = 0; k < Token::kParts; ++k) partials[row * Token::kParts + k] = sums[k];
-}
-
 struct FinalizeArgs {
   int64_t rows, length, agg;
-  int sum_column, count_column;
-  int n_stats;
-  int stat_columns[3];  // stats[s] = total of stat_columns[s] / valid tokens
+  ChunkPlan plan;
   LossOutputs out;
 };
 
-// One block: totals over the rows, then loss = sum_b row_scale_b * row_sum_b.
-template <typename T, int kParts>
-__global__ void finalize_kernel(const double* partials, FinalizeArgs args) {
+// row[k] = sum over row b's chunks of partials[., k], in chunk order.
+template <int kParts>
+__device__ void row_sums(const double* partials, const ChunkPlan& plan, int64_t b, double (&row)[kParts]) {
+  for (int k = 0; k < kParts; ++k) row[k] = 0.0;
+  const double* p = partials + b * plan.chunks_per_row * kParts;
+  for (int64_t c = 0; c < plan.chunks_per_row; ++c)
+    for (int k = 0; k < kParts; ++k) row[k] += p[c * kParts + k];
+}
+
+// One block: row sums, totals, then loss = sum_b row_scale_b * row_sum_b.
+template <typename T, typename Token>
+__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const double* partials, FinalizeArgs args) {
+  constexpr int kParts = Token::kParts;
   double totals[kParts] = {};
   double nonempty[1] = {0.0};
   for (int64_t b = threadIdx.x; b < args.rows; b += kFinalizeThreads) {
-    for (int k = 0; k < kParts; ++k) totals[k] += partials[b * kParts + k];
-    nonempty[0] += partials[b * kParts + args.count_column] > 0.0 ? 1.0 : 0.0;
+    double row[kParts];
+    row_sums(partials, args.plan, b, row);
+    for (int k = 0; k < kParts; ++k) totals[k] += row[k];
+    nonempty[0] += row[Token::kCountColumn] > 0.0 ? 1.0 : 0.0;
   }
   block_sum<kParts, kFinalizeThreads>(totals);
   block_sum<1, kFinalizeThreads>(nonempty);
-  const double total_count = totals[args.count_column];
   T* row_scale_out = static_cast<T*>(args.out.row_scale);
   double loss[1] = {0.0};
   for (int64_t b = threadIdx.x; b < args.rows; b += kFinalizeThreads) {
-    const double scale = row_scale(args.agg, partials[b * kParts + args.count_column], total_count, nonempty[0], args.length);
+    double row[kParts];
+    row_sums(partials, args.plan, b, row);  // this thread's own rows again (L2 hits)
+    const double scale = row_scale(args.agg, row[Token::kCountColumn], totals[Token::kCountColumn], nonempty[0], args.length);
     row_scale_out[b] = static_cast<T>(scale);
-    loss[0] += scale * partials[b * kParts + args.sum_column];
+    loss[0] += scale * row[Token::kSumColumn];
   }
   block_sum<1, kFinalizeThreads>(loss);
   if (threadIdx.x == 0) {
     *static_cast<T*>(args.out.loss) = static_cast<T>(loss[0]);
-    for (int s = 0; s < args.n_stats; ++s)
-      store(args.out.stats[s], args.out.stat_dtypes[s], 0, safe_mean(totals[args.stat_columns[s]], total_count));
+    Token::store_stats(totals, args.out);
   }
 }
 
-// Every requested gradient of every token; 0 at masked tokens (whose inputs are not read).
-template <typename T, typename Token>
-__global__ void backward_kernel(Token token, const bool* mask, int64_t rows, int64_t length, const T* grad_loss,
-                                const T* row_scale, GradOutputs out) {
-  const T upstream = *grad_loss;
-  const int64_t total = rows * length;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    T g[Token::kGrads];
-    if (mask[i]) {
-      token.grads(i, upstream * row_scale[i / length], g);
-    } else {
-      for (int k = 0; k < Token::kGrads; ++k) g[k] = T(0);
+// Every requested gradient of every token of the item; 0 at masked tokens.
+template <typename D, bool kAligned, typename Token>
+__global__ void __launch_bounds__(kBlockThreads) backward_kernel(Token token, const bool* mask, ChunkPlan plan,
+                                                                 int64_t length, const typename D::T* grad_loss,
+                                                                 const typename D::T* row_scale, GradOutputs out) {
+  using T = typename D::T;
+  using Bits = typename D::Bits;
+  constexpr int N = kTokens<D>;
+  ItemSpan span;
+  if (!item_span(plan, length, &span)) return;
+  const typename Token::Math math = token.math();
+  const T upstream = *grad_loss * row_scale[span.row];
+  for (int64_t t = span.begin + (threadIdx.x % kWarp) * N; t < span.end; t += kWarp * N) {
+    const int64_t i = span.row_start + t;
+    T x[Token::kInputs][N];
+    bool valid[N];
+    load_step<D, N, kAligned>(token, mask, i, span.end - t, x, valid);
+    T g[Token::kGrads][N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      T token_x[Token::kInputs], token_g[Token::kGrads];
+#pragma unroll
+      for (int k = 0; k < Token::kInputs; ++k) token_x[k] = x[k][j];
+      math.grads(token_x, upstream, token_g);
+#pragma unroll
+      for (int k = 0; k < Token::kGrads; ++k) g[k][j] = valid[j] ? token_g[k] : T(0);
     }
+#pragma unroll
     for (int k = 0; k < Token::kGrads; ++k)
-      if (out.data[k]) store(out.data[k], out.dtypes[k], i, g[k]);
+      if (out.data[k]) store_tokens<D, N, kAligned>(static_cast<Bits*>(out.data[k]), i, span.end - t, g[k]);
   }
 }
 
-template <typename T, typename Token>
-void forward(const Token& token, const bool* mask, int64_t rows, const FinalizeArgs& args, double* partials,
-             cudaStream_t stream) {
-  if (rows > 0)
-    row_partials_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(token, mask, args.length, partials);
-  finalize_kernel<T, Token::kParts><<<1, kFinalizeThreads, 0, stream>>>(partials, args);
+inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether the vector path may run: rows a multiple of N tokens, every pointer aligned.
+template <typename D, typename Token>
+bool vector_path(const Token& token, const bool* mask, int64_t length, const GradOutputs* grads) {
+  constexpr int N = kTokens<D>;
+  bool ok = length % N == 0 && reinterpret_cast<uintptr_t>(mask) % N == 0;
+  for (int k = 0; k < Token::kInputs; ++k) ok = ok && aligned16(token.in[k]);
+  if (grads)
+    for (int k = 0; k < Token::kGrads; ++k) ok = ok && aligned16(grads->data[k]);
+  return ok;
 }
 
-template <typename T, typename Token>
+unsigned item_blocks(const ChunkPlan& plan) {
+  return static_cast<unsigned>((plan.items + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+template <typename D, typename Token>
+void forward(const Token& token, const bool* mask, int64_t rows, int64_t length, int64_t agg, double* partials,
+             const LossOutputs& out, cudaStream_t stream) {
+  const ChunkPlan plan = chunk_plan(rows, length, sizeof(typename D::Bits));
+  if (plan.items > 0) {
+    if (vector_path<D>(token, mask, length, nullptr))
+      partials_kernel<D, true><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, partials);
+    else
+      partials_kernel<D, false><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, partials);
+  }
+  finalize_kernel<typename D::T, Token><<<1, kFinalizeThreads, 0, stream>>>(partials, FinalizeArgs{rows, length, agg, plan, out});
+}
+
+template <typename D, typename Token>
 void backward(const Token& token, const bool* mask, int64_t rows, int64_t length, const void* grad_loss,
               const void* row_scale, const GradOutputs& grads, cudaStream_t stream) {
-  const int64_t total = rows * length;
-  if (total == 0) return;
-  const int64_t blocks = std::min<int64_t>((total + kElementwiseThreads - 1) / kElementwiseThreads, 65535);
-  backward_kernel<T><<<static_cast<unsigned>(blocks), kElementwiseThreads, 0, stream>>>(
-      token, mask, rows, length, static_cast<const T*>(grad_loss), static_cast<const T*>(row_scale), grads);
+  using T = typename D::T;
+  const ChunkPlan plan = chunk_plan(rows, length, sizeof(typename D::Bits));
+  if (plan.items == 0) return;
+  const T* upstream = static_cast<const T*>(grad_loss);
+  const T* scale = static_cast<const T*>(row_scale);
+  if (vector_path<D>(token, mask, length, &grads))
+    backward_kernel<D, true><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
+  else
+    backward_kernel<D, false><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
+}
+
+// body(D{}) for the dtype tag of `dtype` (once per launch, on the host).
+template <typename Body>
+void with_dtype(int dtype, const Body& body) {
+  switch (dtype) {
+    case kFloat16:
+      return body(F16{});
+    case kBFloat16:
+      return body(BF16{});
+    case kFloat64:
+      return body(F64{});
+    default:
+      return body(F32{});
+  }
+}
+
+template <typename D>
+PolicyToken<D> policy_token(const PolicyInputs& in) {
+  using Bits = typename D::Bits;
+  return {{static_cast<const Bits*>(in.logprobs), static_cast<const Bits*>(in.old_logprobs),
+           static_cast<const Bits*>(in.advantages), static_cast<const Bits*>(in.weights)},
+          in.params};
+}
+
+template <typename D>
+ValueToken<D> value_token(const ValueInputs& in) {
+  using Bits = typename D::Bits;
+  return {{static_cast<const Bits*>(in.values), static_cast<const Bits*>(in.old_values), static_cast<const Bits*>(in.returns)},
+          in.clip};
 }
 
 }  // namespace
 
-void policy_loss_forward(const PolicyInputs& in, int64_t agg, bool use_double, double* partials, const LossOutputs& out,
+ChunkPlan chunk_plan(int64_t rows, int64_t length, int64_t element_size) {
+  const int64_t step = kWarp * (element_size == 2 ? 8 : 4);  // tokens of one warp step (kTokens)
+  const int64_t total = rows * length;
+  if (total == 0) return {step, 0, 0};
+  const int64_t row_steps = (length + step - 1) / step;
+  const int64_t wanted_steps = (total + kTargetItems * step - 1) / (kTargetItems * step);
+  const int64_t chunk = std::min(wanted_steps, row_steps) * step;
+  const int64_t chunks_per_row = (length + chunk - 1) / chunk;
+  return {chunk, chunks_per_row, rows * chunks_per_row};
+}
+
+void policy_loss_forward(const PolicyInputs& in, int64_t agg, double* partials, const LossOutputs& out,
                          cudaStream_t stream) {
-  const FinalizeArgs args{in.rows, in.length, agg, kPgSum, kCount, 3, {kClipped, kCapped, kKlSum}, out};
-  if (use_double)
-    forward<double>(PolicyToken<double>{in}, in.mask, in.rows, args, partials, stream);
-  else
-    forward<float>(PolicyToken<float>{in}, in.mask, in.rows, args, partials, stream);
+  with_dtype(in.dtype, [&](auto d) {
+    using D = decltype(d);
+    forward<D>(policy_token<D>(in), in.mask, in.rows, in.length, agg, partials, out, stream);
+  });
 }
 
-void policy_loss_backward(const PolicyInputs& in, bool use_double, const void* grad_loss, const void* row_scale,
-                          const GradOutputs& grads, cudaStream_t stream) {
-  if (use_double)
-    backward<double>(PolicyToken<double>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
-  else
-    backward<float>(PolicyToken<float>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
+void policy_loss_backward(const PolicyInputs& in, const void* grad_loss, const void* row_scale, const GradOutputs& grads,
+                          cudaStream_t stream) {
+  with_dtype(in.dtype, [&](auto d) {
+    using D = decltype(d);
+    backward<D>(policy_token<D>(in), in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
+  });
 }
 
-void value_loss_forward(const ValueInputs& in, int64_t agg, bool use_double, double* partials, const LossOutputs& out,
-                        cudaStream_t stream) {
-  const FinalizeArgs args{in.rows, in.length, agg, kValueLossSum, kValueCount, 1, {kValueClipped, 0, 0}, out};
-  if (use_double)
-    forward<double>(ValueToken<double>{in}, in.mask, in.rows, args, partials, stream);
-  else
-    forward<float>(ValueToken<float>{in}, in.mask, in.rows, args, partials, stream);
+void value_loss_forward(const ValueInputs& in, int64_t agg, double* partials, const LossOutputs& out, cudaStream_t stream) {
+  with_dtype(in.dtype, [&](auto d) {
+    using D = decltype(d);
+    forward<D>(value_token<D>(in), in.mask, in.rows, in.length, agg, partials, out, stream);
+  });
 }
 
-void value_loss_backward(const ValueInputs& in, bool use_double, const void* grad_loss, const void* row_scale,
-                         const GradOutputs& grads, cudaStream_t stream) {
-  if (use_double)
-    backward<double>(ValueToken<double>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
-  else
-    backward<float>(ValueToken<float>{in}, in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
+void value_loss_backward(const ValueInputs& in, const void* grad_loss, const void* row_scale, const GradOutputs& grads,
+                         cudaStream_t stream) {
+  with_dtype(in.dtype, [&](auto d) {
+    using D = decltype(d);
+    backward<D>(value_token<D>(in), in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
+  });
 }
 
 }  // namespace cuda

@@ -17,27 +17,43 @@
 namespace ppo_fast {
 namespace {
 
-cuda::FloatPtr float_ptr(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+int dtype_code(at::ScalarType t) {
+  switch (t) {
     case at::kFloat:
-      return {t.const_data_ptr(), cuda::kFloat32};
+      return cuda::kFloat32;
     case at::kHalf:
-      return {t.const_data_ptr(), cuda::kFloat16};
+      return cuda::kFloat16;
     case at::kBFloat16:
-      return {t.const_data_ptr(), cuda::kBFloat16};
+      return cuda::kBFloat16;
     case at::kDouble:
-      return {t.const_data_ptr(), cuda::kFloat64};
+      return cuda::kFloat64;
     default:
-      TORCH_CHECK(false, "ppo_fast CUDA losses: unsupported dtype ", t.scalar_type());
+      TORCH_CHECK(false, "ppo_fast CUDA losses: unsupported dtype ", t);
   }
 }
 
-int dtype_code(const at::Tensor& t) { return float_ptr(t).dtype; }
+// The kernels read one dtype per launch: the inputs' own when they share one, else
+// (a rare mix) every input converted to the compute dtype.
+at::ScalarType kernel_dtype(std::initializer_list<at::Tensor*> inputs, at::ScalarType compute) {
+  const at::ScalarType first = (*inputs.begin())->scalar_type();
+  bool uniform = true;
+  for (const at::Tensor* t : inputs) uniform = uniform && (!t->defined() || t->scalar_type() == first);
+  if (uniform) return first;
+  for (at::Tensor* t : inputs)
+    if (t->defined()) *t = t->to(compute);
+  return compute;
+}
 
 void check_cuda(const char* op, const at::Tensor& first) {
   TORCH_CHECK(first.is_cuda(), op, ": expects CUDA tensors, got one on ", first.device());
-  // One block per row in the forward.
-  TORCH_CHECK(first.size(0) <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 rows, got ", first.size(0));
+}
+
+// The kernels' work items (warps) for these inputs; their count must fit the grid's int32 math.
+cuda::ChunkPlan checked_plan(const char* op, const at::Tensor& like) {
+  const cuda::ChunkPlan plan = cuda::chunk_plan(like.size(0), like.size(1), like.element_size());
+  TORCH_CHECK(plan.items <= std::numeric_limits<int32_t>::max(), op, ": too many rows for the CUDA kernels, got ",
+              like.size(0));
+  return plan;
 }
 
 void check_launch(const char* op) {
@@ -60,39 +76,31 @@ at::Tensor checked_upstream(const char* op, const at::Tensor& grad_loss, const a
   return grad_loss.reshape({}).to(dtype).contiguous();
 }
 
-// The gradient of `input` when wanted (its dtype, contiguous), else an empty tensor.
-at::Tensor grad_like(const at::Tensor& input, bool wanted) {
-  return wanted ? at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous))
-                : at::empty({0}, input.options());
-}
-
-cuda::GradOutputs grad_outputs(std::initializer_list<std::pair<const at::Tensor*, bool>> grads) {
-  cuda::GradOutputs out{{nullptr, nullptr, nullptr, nullptr}, {0, 0, 0, 0}};
-  int k = 0;
-  for (const auto& [t, wanted] : grads) {
-    if (wanted) {
-      out.data[k] = t->mutable_data_ptr();
-      out.dtypes[k] = dtype_code(*t);
-    }
-    ++k;
-  }
-  return out;
-}
+// The gradient of `input` (read by the kernel as `kernel_input`) when wanted, else an
+// empty tensor; to_input_dtype converts it to the input's dtype after the kernel.
+struct Grad {
+  at::Tensor data;
+  at::ScalarType input_dtype;
+  Grad(const at::Tensor& kernel_input, at::ScalarType input_dtype, bool wanted)
+      : data(wanted ? at::empty(kernel_input.sizes(), kernel_input.options().memory_format(at::MemoryFormat::Contiguous))
+                    : at::empty({0}, kernel_input.options().dtype(input_dtype))),
+        input_dtype(input_dtype) {}
+  void* pointer() const { return data.numel() > 0 ? data.mutable_data_ptr() : nullptr; }
+  at::Tensor to_input_dtype() const { return data.to(input_dtype); }
+};
 
 struct Results {
   at::Tensor loss, stats[3], row_scale;
   cuda::LossOutputs pointers() {
-    cuda::LossOutputs out{loss.mutable_data_ptr(), {nullptr, nullptr, nullptr}, {0, 0, 0}, row_scale.mutable_data_ptr()};
-    for (int s = 0; s < 3; ++s) {
-      if (!stats[s].defined()) continue;
-      out.stats[s] = stats[s].mutable_data_ptr();
-      out.stat_dtypes[s] = dtype_code(stats[s]);
-    }
+    cuda::LossOutputs out{loss.mutable_data_ptr(), {nullptr, nullptr, nullptr}, row_scale.mutable_data_ptr()};
+    for (int s = 0; s < 3; ++s)
+      if (stats[s].defined()) out.stats[s] = stats[s].mutable_data_ptr();
     return out;
   }
 };
 
-// loss and row_scale in the compute dtype, the stats in stat_dtypes (as the reference returns them).
+// loss and row_scale in the compute dtype, the stats in stat_dtypes (as the reference
+// returns them and the kernels write them: see cuda::LossOutputs).
 Results allocate_results(const at::Tensor& like, at::ScalarType dtype, std::initializer_list<at::ScalarType> stat_dtypes) {
   Results r;
   r.loss = at::empty({}, like.options().dtype(dtype));
@@ -104,23 +112,26 @@ Results allocate_results(const at::Tensor& like, at::ScalarType dtype, std::init
 
 struct PolicyBuffers {
   at::Tensor logp, old, adv, weights, mask;
-  at::ScalarType dtype;  // compute dtype
+  at::ScalarType dtype;         // compute dtype
+  at::ScalarType kernel_dtype;  // of every buffer
 };
 
 cuda::PolicyInputs policy_inputs(const PolicyBuffers& b, double clip_low, double clip_high, std::optional<double> dual_clip) {
-  return {float_ptr(b.logp), float_ptr(b.old), float_ptr(b.adv),
-          b.weights.defined() ? float_ptr(b.weights) : cuda::FloatPtr{nullptr, cuda::kFloat32},
-          b.mask.const_data_ptr<bool>(), b.logp.size(0), b.logp.size(1), policy_params(clip_low, clip_high, dual_clip)};
+  return {b.logp.const_data_ptr(), b.old.const_data_ptr(), b.adv.const_data_ptr(),
+          b.weights.defined() ? b.weights.const_data_ptr() : nullptr,
+          b.mask.const_data_ptr<bool>(), b.logp.size(0), b.logp.size(1), dtype_code(b.kernel_dtype),
+          policy_params(clip_low, clip_high, dual_clip)};
 }
 
-// Checked, contiguous inputs (the same checks as the CPU kernels').
+// Checked, contiguous inputs (the same checks as the CPU kernels'), all of one dtype.
 PolicyBuffers policy_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
                              const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights) {
   check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
   check_cuda(op, logprobs);
   PolicyBuffers b{logprobs.contiguous(), old_logprobs.contiguous(), advantages.contiguous(),
-                  weights.has_value() ? weights->contiguous() : at::Tensor(), mask.contiguous(), at::kFloat};
+                  weights.has_value() ? weights->contiguous() : at::Tensor(), mask.contiguous(), at::kFloat, at::kFloat};
   b.dtype = compute_dtype({&b.logp, &b.old, &b.adv, &b.weights});
+  b.kernel_dtype = kernel_dtype({&b.logp, &b.old, &b.adv, &b.weights}, b.dtype);
   return b;
 }
 
@@ -128,14 +139,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& weights, double clip_low, double clip_high, std::optional<double> dual_clip,
     c10::string_view agg_name) {
-  const Agg agg = parse_agg("clipped_policy_loss", agg_name);
-  const PolicyBuffers b = policy_buffers("clipped_policy_loss", logprobs, old_logprobs, advantages, mask, weights);
+  constexpr const char* op = "clipped_policy_loss";
+  const Agg agg = parse_agg(op, agg_name);
+  const PolicyBuffers b = policy_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
   const c10::cuda::CUDAGuard guard(logprobs.device());
-  at::Tensor partials = at::empty({logprobs.size(0), kPolicyPartials}, logprobs.options().dtype(at::kDouble));
+  const cuda::ChunkPlan plan = checked_plan(op, b.logp);
+  at::Tensor partials = at::empty({plan.items, kPolicyPartials}, logprobs.options().dtype(at::kDouble));
   Results r = allocate_results(logprobs, b.dtype, {at::kFloat, at::kFloat, b.dtype});
-  cuda::policy_loss_forward(policy_inputs(b, clip_low, clip_high, dual_clip), agg, b.dtype == at::kDouble,
-                            partials.mutable_data_ptr<double>(), r.pointers(), c10::cuda::getCurrentCUDAStream());
-  check_launch("clipped_policy_loss");
+  cuda::policy_loss_forward(policy_inputs(b, clip_low, clip_high, dual_clip), agg, partials.mutable_data_ptr<double>(),
+                            r.pointers(), c10::cuda::getCurrentCUDAStream());
+  check_launch(op);
   return {r.loss, r.stats[0], r.stats[1], r.stats[2], r.row_scale};
 }
 
@@ -146,52 +159,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_b
   constexpr const char* op = "clipped_policy_loss_backward";
   const PolicyBuffers b = policy_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
   const c10::cuda::CUDAGuard guard(logprobs.device());
+  checked_plan(op, b.logp);
   const at::Tensor upstream = checked_upstream(op, grad_loss, logprobs, b.dtype);
   const at::Tensor scale = checked_row_scale(op, row_scale, logprobs, b.dtype);
   const auto [need_logp, need_old, need_adv, need_w_asked] = output_mask;
   const bool need_w = need_w_asked && weights.has_value();
-  at::Tensor grad_logp = grad_like(logprobs, need_logp), grad_old = grad_like(old_logprobs, need_old);
-  at::Tensor grad_adv = grad_like(advantages, need_adv);
-  at::Tensor grad_w = weights.has_value() ? grad_like(*weights, need_w) : at::empty({0}, logprobs.options());
+  const Grad grad_logp(b.logp, logprobs.scalar_type(), need_logp), grad_old(b.old, old_logprobs.scalar_type(), need_old);
+  const Grad grad_adv(b.adv, advantages.scalar_type(), need_adv);
+  const Grad grad_w = weights.has_value() ? Grad(b.weights, weights->scalar_type(), need_w) : Grad(b.logp, logprobs.scalar_type(), false);
   if (need_logp || need_old || need_adv || need_w) {
-    const cuda::GradOutputs grads =
-        grad_outputs({{&grad_logp, need_logp}, {&grad_old, need_old}, {&grad_adv, need_adv}, {&grad_w, need_w}});
-    cuda::policy_loss_backward(policy_inputs(b, clip_low, clip_high, dual_clip), b.dtype == at::kDouble,
-                               upstream.const_data_ptr(), scale.const_data_ptr(), grads, c10::cuda::getCurrentCUDAStream());
+    const cuda::GradOutputs grads{{grad_logp.pointer(), grad_old.pointer(), grad_adv.pointer(), grad_w.pointer()}};
+    cuda::policy_loss_backward(policy_inputs(b, clip_low, clip_high, dual_clip), upstream.const_data_ptr(),
+                               scale.const_data_ptr(), grads, c10::cuda::getCurrentCUDAStream());
     check_launch(op);
   }
-  return {grad_logp, grad_old, grad_adv, grad_w};
+  return {grad_logp.to_input_dtype(), grad_old.to_input_dtype(), grad_adv.to_input_dtype(), grad_w.to_input_dtype()};
 }
 
 struct ValueBuffers {
   at::Tensor v, old, ret, mask;
-  at::ScalarType dtype;  // compute dtype
+  at::ScalarType dtype;         // compute dtype
+  at::ScalarType kernel_dtype;  // of every buffer
 };
 
 ValueBuffers value_buffers(const char* op, const at::Tensor& values, const at::Tensor& old_values,
                            const at::Tensor& returns, const at::Tensor& mask) {
   check_value_inputs(op, values, old_values, returns, mask);
   check_cuda(op, values);
-  ValueBuffers b{values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(), at::kFloat};
+  ValueBuffers b{values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(), at::kFloat, at::kFloat};
   b.dtype = compute_dtype({&b.v, &b.old, &b.ret});
+  b.kernel_dtype = kernel_dtype({&b.v, &b.old, &b.ret}, b.dtype);
   return b;
 }
 
 cuda::ValueInputs value_inputs(const ValueBuffers& b, double clip) {
-  return {float_ptr(b.v), float_ptr(b.old), float_ptr(b.ret), b.mask.const_data_ptr<bool>(), b.v.size(0), b.v.size(1), clip};
+  return {b.v.const_data_ptr(), b.old.const_data_ptr(), b.ret.const_data_ptr(), b.mask.const_data_ptr<bool>(),
+          b.v.size(0), b.v.size(1), dtype_code(b.kernel_dtype), clip};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(const at::Tensor& values, const at::Tensor& old_values,
                                                                const at::Tensor& returns, const at::Tensor& mask,
                                                                double clip, c10::string_view agg_name) {
-  const Agg agg = parse_agg("value_loss", agg_name);
-  const ValueBuffers b = value_buffers("value_loss", values, old_values, returns, mask);
+  constexpr const char* op = "value_loss";
+  const Agg agg = parse_agg(op, agg_name);
+  const ValueBuffers b = value_buffers(op, values, old_values, returns, mask);
   const c10::cuda::CUDAGuard guard(values.device());
-  at::Tensor partials = at::empty({values.size(0), kValuePartials}, values.options().dtype(at::kDouble));
+  const cuda::ChunkPlan plan = checked_plan(op, b.v);
+  at::Tensor partials = at::empty({plan.items, kValuePartials}, values.options().dtype(at::kDouble));
   Results r = allocate_results(values, b.dtype, {at::kFloat});
-  cuda::value_loss_forward(value_inputs(b, clip), agg, b.dtype == at::kDouble, partials.mutable_data_ptr<double>(),
-                           r.pointers(), c10::cuda::getCurrentCUDAStream());
-  check_launch("value_loss");
+  cuda::value_loss_forward(value_inputs(b, clip), agg, partials.mutable_data_ptr<double>(), r.pointers(),
+                           c10::cuda::getCurrentCUDAStream());
+  check_launch(op);
   return {r.loss, r.stats[0], r.row_scale};
 }
 
@@ -202,18 +220,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cuda(const at
   constexpr const char* op = "value_loss_backward";
   const ValueBuffers b = value_buffers(op, values, old_values, returns, mask);
   const c10::cuda::CUDAGuard guard(values.device());
+  checked_plan(op, b.v);
   const at::Tensor upstream = checked_upstream(op, grad_loss, values, b.dtype);
   const at::Tensor scale = checked_row_scale(op, row_scale, values, b.dtype);
   const auto [need_v, need_old, need_ret] = output_mask;
-  at::Tensor grad_v = grad_like(values, need_v), grad_old = grad_like(old_values, need_old);
-  at::Tensor grad_ret = grad_like(returns, need_ret);
+  const Grad grad_v(b.v, values.scalar_type(), need_v), grad_old(b.old, old_values.scalar_type(), need_old);
+  const Grad grad_ret(b.ret, returns.scalar_type(), need_ret);
   if (need_v || need_old || need_ret) {
-    const cuda::GradOutputs grads = grad_outputs({{&grad_v, need_v}, {&grad_old, need_old}, {&grad_ret, need_ret}});
-    cuda::value_loss_backward(value_inputs(b, clip), b.dtype == at::kDouble, upstream.const_data_ptr(),
-                              scale.const_data_ptr(), grads, c10::cuda::getCurrentCUDAStream());
+    const cuda::GradOutputs grads{{grad_v.pointer(), grad_old.pointer(), grad_ret.pointer(), nullptr}};
+    cuda::value_loss_backward(value_inputs(b, clip), upstream.const_data_ptr(), scale.const_data_ptr(), grads,
+                              c10::cuda::getCurrentCUDAStream());
     check_launch(op);
   }
-  return {grad_v, grad_old, grad_ret};
+  return {grad_v.to_input_dtype(), grad_old.to_input_dtype(), grad_ret.to_input_dtype()};
 }
 
 }  // namespace

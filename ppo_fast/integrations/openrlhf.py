@@ -173,7 +173,7 @@ def _make_loss_classes(loss_module):
             agg = "token-mean" if self.token_level_loss else "seq-mean-token-mean"
             with _backend("clipped_policy_loss", log_probs):
                 loss, stats = pf.clipped_policy_loss(
-                    log_probs, old_log_probs, advantages, mask, clip_eps=float(low), clip_eps_high=float(high),
+                    log_probs, old_log_probs, advantages, mask, clip_eps_low=float(low), clip_eps_high=float(high),
                     dual_clip=None if self.dual_clip is None else float(self.dual_clip), agg=agg,
                 )
             loss = _openrlhf_scale(loss, mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)

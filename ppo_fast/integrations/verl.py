@@ -212,7 +212,7 @@ def compute_policy_loss_vanilla(
     with _backend("clipped_policy_loss", log_prob):
         loss, stats = pf.clipped_policy_loss(
             log_prob, old_log_prob, advantages, response_mask,
-            clip_eps=float(clip_low), clip_eps_high=float(clip_high), dual_clip=float(clip_ratio_c),
+            clip_eps_low=float(clip_low), clip_eps_high=float(clip_high), dual_clip=float(clip_ratio_c),
             agg=loss_agg_mode, weights=rollout_is_weights,
         )
     global_info = dict(getattr(config, "global_batch_info", None) or {})

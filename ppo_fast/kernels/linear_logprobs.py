@@ -16,7 +16,7 @@ recomputes that tile's logits from the forward's logsumexp, forms
 ``dz = g_logp * (onehot - p) - g_entropy * p * (log p + entropy)`` times the
 transform's derivative, and adds ``dz @ weight_tile`` into ``d_hidden`` and
 ``dz.T @ hidden_tile`` into ``d_weight`` with float32 atomics, ``BLOCK_H`` columns at
-a time.  Why this split rather than deterministic row-block / vocabulary-block
+a time (relaxed: nothing reads the sums before the kernel ends, so no memory fences).  Why this split rather than deterministic row-block / vocabulary-block
 kernels: it is four matrix products in all (forward, recompute, two gradients)
 against five for two kernels that each recompute the logits, and neither
 ``d_hidden``'s ``[BLOCK_N, H]`` nor ``d_weight``'s ``[BLOCK_V, H]`` accumulator
@@ -49,7 +49,8 @@ from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, r
 from ._launch import check_same_device, check_shape, device_guard
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
-# compile for sm_90 without register spills (checked in the SASS); not timed on a GPU yet.
+# compile for sm_90 without register spills (checked in the SASS with triton 3.6 and 3.8;
+# float32 under IEEE precision, not TF32, spills 16 bytes in the forward); not timed on a GPU yet.
 _FORWARD_CONFIG = {
     torch.bfloat16: (128, 128, 32, 8),
     torch.float16: (128, 128, 32, 8),
@@ -233,7 +234,8 @@ def _linear_logprobs_bwd_kernel(
         else:
             z = raw * (scale * inv_t)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-        log_p = z - lse[:, None]
+        # Rows not to compute have no lse: p = 0 there (no overflow to mask afterwards).
+        log_p = tl.where(row_ok[:, None], z - lse[:, None], float("-inf"))
         p = tl.exp(log_p)
         dz = tl.zeros([BLOCK_N, BLOCK_V], ACC)
         if HAS_GRAD_LOGP:
@@ -250,7 +252,7 @@ def _linear_logprobs_bwd_kernel(
             dz = dz * (scale * inv_t)
         draw = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
         if NEEDS_BIAS:
-            tl.atomic_add(d_bias_ptr + cols, tl.sum(draw, 0), mask=col_ok)
+            tl.atomic_add(d_bias_ptr + cols, tl.sum(draw, 0), mask=col_ok, sem="relaxed")
         draw_op = _rounded_operand(draw, weight_ptr.dtype.element_ty)
         ks = tl.arange(0, BLOCK_H).to(tl.int64)
         for k in range(0, hidden_size, BLOCK_H):
@@ -262,7 +264,7 @@ def _linear_logprobs_bwd_kernel(
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                 )  # fmt: skip
                 d_h = tl.dot(draw_op, _operand(w), input_precision=DOT_PRECISION, out_dtype=ACC)
-                tl.atomic_add(d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :], d_h, mask=row_ok[:, None] & k_ok[None, :])
+                tl.atomic_add(d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :], d_h, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
             if NEEDS_WEIGHT:
                 h = tl.load(
                     hidden_ptr + rows[:, None] * hidden_row_stride + kk[None, :] * hidden_col_stride,
@@ -270,7 +272,8 @@ def _linear_logprobs_bwd_kernel(
                 )  # fmt: skip
                 d_w = tl.dot(tl.trans(draw_op), _operand(h), input_precision=DOT_PRECISION, out_dtype=ACC)
                 tl.atomic_add(
-                    d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :], d_w, mask=col_ok[:, None] & k_ok[None, :]
+                    d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :], d_w, mask=col_ok[:, None] & k_ok[None, :],
+                    sem="relaxed",
                 )
 
 

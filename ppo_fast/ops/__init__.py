@@ -5,6 +5,7 @@ from .group_advantages import advantage_methods, group_advantages
 from .linear_logprobs import linear_token_logprobs
 from .logprobs import token_logprobs
 from .losses import clipped_policy_loss, value_loss
+from .policy_loss import policy_loss, policy_loss_modes
 from .rewards import kl_estimate, kl_penalized_rewards
 from .rollout_correction import rollout_correction_weights
 
@@ -19,6 +20,8 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "clipped_policy_loss",
+    "policy_loss",
+    "policy_loss_modes",
     "value_loss",
     "rollout_correction_weights",
 ]

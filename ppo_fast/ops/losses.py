@@ -9,6 +9,7 @@ import torch
 from .. import _validation as check
 from ..backends import resolve
 from ..contract import AGG_MODES
+from ..policy_loss_modes import POLICY_LOSS_MODES
 
 
 def _loss_inputs(names_and_tensors: dict, mask, optional=("weights",)):
@@ -30,7 +31,7 @@ def clipped_policy_loss(
     advantages,
     mask,
     *,
-    clip_eps=0.2,
+    clip_eps_low=0.2,
     clip_eps_high=None,
     dual_clip=None,
     agg="token-mean",
@@ -38,8 +39,10 @@ def clipped_policy_loss(
 ):
     """PPO clipped surrogate loss (the quantity to minimise: ``-L_CLIP``).
 
-    Per token: ``ratio = exp(clamp(logp - old, -20, 20))``,
-    ``pg = max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))``;
+    The ``vanilla`` mode of :func:`ppo_fast.policy_loss`.  Per token:
+    ``ratio = exp(clamp(logp - old, -20, 20))``,
+    ``pg = max(-A * ratio, -A * clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high))``
+    (``clip_eps_high`` defaults to ``clip_eps_low``);
     with ``dual_clip = c > 1``, ``pg = min(pg, -A * c)`` where ``A < 0``; optional
     per-token ``weights`` multiply ``pg``.  ``agg`` is one of ``token-mean``,
     ``token-sum``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
@@ -53,14 +56,13 @@ def clipped_policy_loss(
     mask = _loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
     )
-    clip_low = check.real("clip_eps", clip_eps, low=0.0, high=1.0, low_open=True, high_open=True)
-    clip_high = clip_low if clip_eps_high is None else check.real("clip_eps_high", clip_eps_high, low=0.0, low_open=True)
-    if dual_clip is not None:
-        dual_clip = check.real("dual_clip", dual_clip, low=1.0, low_open=True)
+    clip_eps_low, clip_eps_high, dual_clip = POLICY_LOSS_MODES["vanilla"].bind(
+        {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high, "dual_clip": dual_clip}
+    )
     check.choice("agg", agg, AGG_MODES)
     fn = resolve("clipped_policy_loss", logprobs.device.type)
     loss, clipfrac, clipfrac_lower, approx_kl = fn(
-        logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg
+        logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
     )
     return loss, {"clipfrac": clipfrac, "clipfrac_lower": clipfrac_lower, "approx_kl": approx_kl}
 

