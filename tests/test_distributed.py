@@ -78,10 +78,10 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
             p.kill()
 
 
-def test_two_ranks_run_the_builtin_job_under_torchrun(tmp_path):
+def test_two_ranks_run_the_builtin_job_under_torchrun_with_fsdp_and_a_resume_at_world_1_reshards(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ppo_fast", "train",
-               "--output-dir", str(out), "--steps", "2", *TINY]
+               "--output-dir", str(out), "--steps", "2", "--parallel", "fsdp", "--shard-reference", *TINY]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = read_metrics(out / METRICS_FILE)
@@ -91,7 +91,20 @@ def test_two_ranks_run_the_builtin_job_under_torchrun(tmp_path):
     state = checkpoint.load_state(saved)
     assert saved.name == "step-000002" and state.world_size == 2 and len(state.rng_per_rank) == 2
     assert not torch.equal(state.rng_per_rank[0]["torch"], state.rng_per_rank[1]["torch"])  # each rank samples its own
-    assert (saved / "policy" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (saved / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    from transformers import AutoModelForCausalLM
+
+    from ppo_fast.trainer import PPOTrainer, TrainerConfig
+
+    users_copy = AutoModelForCausalLM.from_pretrained(saved / "policy")  # rank 0's save_pretrained of the gathered weights
+    assert users_copy.config.architectures == ["GPT2LMHeadModel"]
+    cfg = TrainerConfig(output_dir=str(out), resume=True, steps=3, batch_size=8, num_mini_batches=1, num_ppo_epochs=1,
+                        sample_every=0, sft_steps=10, eval_size=0, parallel="fsdp", shard_reference=True)
+    trainer = PPOTrainer(cfg, log=lambda _: None)  # one process: the shards are gathered into whole tensors
+    for name, weight in users_copy.state_dict().items():
+        torch.testing.assert_close(trainer.policy.state_dict()[name], weight, msg=lambda m: f"{name}: {m}")
+    assert trainer.optimizer.state_dict()["state"]  # AdamW's moments came back too
+    assert trainer.train()["steps_done"] == 3
 
 
 def test_ctrl_c_on_rank_0_stops_every_rank_after_the_step_and_a_resume_at_world_1_continues(tmp_path):

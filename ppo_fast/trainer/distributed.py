@@ -82,14 +82,6 @@ class Parallel:
         _collective(dist.all_gather_object, out, obj)
         return out
 
-    def broadcast_object(self, obj):
-        """Rank 0's ``obj`` on every rank."""
-        if not self.active:
-            return obj
-        box = [obj]
-        _collective(dist.broadcast_object_list, box, 0)
-        return box[0]
-
     @contextlib.contextmanager
     def main_first(self):
         """Rank 0 runs the block (a warm-up that writes a cache) before the others do."""
