@@ -16,7 +16,8 @@
 #
 #   bash bench/gpu_check.sh            # from the repo root; results in $OUT (default bench/results)
 #
-# Stage limits (seconds): BUILD_S (200), TESTS_S (120), TARGETS_S (150), VLLM_S (180); the
+# Stage limits (seconds): BUILD_S (200), TESTS_S (120), TARGETS_S (150), FUSED_S (150, the
+# fused LM head's own cases after the targets), VLLM_S (180); the
 # suite gets the rest of TOTAL_S (540) less VLLM_S where vllm is installed.  TEST_WORKERS
 # (8): pytest -n.  Extra benchmark flags: BENCH_ARGS.
 # Exit status: 0 only if every stage passed; 3 without a GPU (nothing built or measured).
@@ -129,6 +130,13 @@ COMPILE_FLAG=()
 [ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
 run_stage "targets (python -m bench.targets)" "$TARGETS_S" "$TARGETS_LOG" \
     "$PY" -m bench.targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
+
+# --- fused LM head (#11): its GPU rows alone, before the suite, so that the suite's budget cannot cut them.
+FUSED_S="${FUSED_S:-150}"
+mkdir -p "$OUT/fused_head"
+run_stage "bench fused LM head (linear_token_logprobs)" "$FUSED_S" "$OUT/fused_head/bench.log" \
+    "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
+# --- end of the fused LM head block
 
 # --- 4. the rest of the suite with the time left; it saves its JSON after every case.
 VLLM_S="${VLLM_S:-180}"

@@ -65,27 +65,6 @@ def _gae_case(batch: int, length: int) -> case_defs.Case:
     return case
 
 
-def _fused_head_case(n: int, hidden: int, vocab: int) -> case_defs.Case:
-    """``pf.linear_token_logprobs`` (the fused LM head), bf16, against the eager matmul + log-softmax."""
-    dtype = torch.bfloat16
-
-    def make_inputs(device):
-        return {"hidden": torch.randn(n, hidden, dtype=dtype, device=device) / hidden**0.5,
-                "weight": torch.randn(vocab, hidden, dtype=dtype, device=device),
-                "labels": torch.randint(0, vocab, (n,), device=device), "grad_out": torch.randn(n, device=device)}
-
-    def eager(x):
-        logits = (x["hidden"] @ x["weight"].T).float()
-        return logits.log_softmax(-1).gather(-1, x["labels"].unsqueeze(-1)).squeeze(-1)
-
-    elt = dtype.itemsize
-    return case_defs.Case(
-        op="linear_token_logprobs", shape=f"N={n} H={hidden} V={vocab} bf16", size=n * vocab, make_inputs=make_inputs,
-        call_op=lambda x: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"]), baselines={"eager": eager},
-        eager_baseline="eager", compile_targets={}, fwd_bytes=(n * hidden + vocab * hidden) * elt + n * 12,
-        bwd_bytes=2 * (n * hidden + vocab * hidden) * elt, grad_input="hidden")
-
-
 def targets(quick: bool = False) -> list[Target]:
     n, v = QUICK_LOGPROB_SHAPE if quick else LOGPROB_SHAPE
     batch, length = QUICK_GAE_SHAPE if quick else GAE_SHAPE
@@ -106,7 +85,7 @@ def targets(quick: bool = False) -> list[Target]:
         n_head = 64 if quick else 16384
         hidden, vocab = (64, 1024) if quick else (4096, 151936)
         out.append(Target(f"linear_token_logprobs [{n_head}, {hidden}] x [{vocab}, {hidden}] bf16 fwd+bwd (no target stated)",
-                          lambda: _fused_head_case(n_head, hidden, vocab), "fwd+bwd"))
+                          lambda: case_defs.linear_logprob_case(n_head, hidden, vocab, torch.bfloat16), "fwd+bwd"))
     return out
 
 
