@@ -80,10 +80,11 @@ def _flash_attn_logprobs() -> Callable:
 _OPTIONAL_KERNELS = {"liger-ce": _liger_logprobs, "flash-attn-ce": _flash_attn_logprobs}
 
 
-def optional_logprob_kernels(device_type: str) -> tuple[dict[str, Callable], dict[str, str]]:
-    """Installed third-party Triton cross-entropy kernels for ``device_type``, and notes on the rest."""
+def optional_logprob_kernels(device_type: str, kernels: dict | None = None) -> tuple[dict[str, Callable], dict[str, str]]:
+    """Installed third-party Triton cross-entropy kernels for ``device_type`` (of ``kernels``,
+    by default the logits ones), and notes on the rest."""
     found, notes = {}, {}
-    for name, load in _OPTIONAL_KERNELS.items():
+    for name, load in (_OPTIONAL_KERNELS if kernels is None else kernels).items():
         if device_type != "cuda":
             notes[name] = "skipped: a CUDA-only Triton kernel"
             continue
@@ -92,6 +93,44 @@ def optional_logprob_kernels(device_type: str) -> tuple[dict[str, Callable], dic
         except Exception as err:  # absent or broken install: say so in the report
             notes[name] = f"skipped: not importable ({type(err).__name__}: {err})"
     return found, notes
+
+
+# --------------------------------------------------------------------------- fused LM head
+
+
+def eager_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """What a trainer does without a fused head: the whole [N, V] logits, then ``eager_logprobs``."""
+    return eager_logprobs(hidden @ weight.T, labels, temperature)
+
+
+def linear_layer_yardstick(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's own matrix products, nothing else: the forward ``hidden @ weight.T`` and,
+    under autograd, the two products of its backward (plus a memset of the [N, V] gradient
+    of the one column returned).  Not a log-prob: a time yardstick, not compared."""
+    return torch.nn.functional.linear(hidden, weight)[:, 0]
+
+
+def _liger_fused_head() -> Callable:
+    module = importlib.import_module("liger_kernel.transformers")
+    loss = module.LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="none")
+
+    def liger_fused_head(hidden, weight, labels, temperature):
+        # No temperature argument: (hidden / T) @ W.T is the scaled logits (no bias here).
+        return -loss(weight, hidden / temperature, labels)
+
+    return liger_fused_head
+
+
+def _cut_cross_entropy() -> Callable:
+    module = importlib.import_module("cut_cross_entropy")
+
+    def cut_cross_entropy(hidden, weight, labels, temperature):
+        return -module.linear_cross_entropy(hidden / temperature, weight, labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+    return cut_cross_entropy
+
+
+OPTIONAL_HEAD_KERNELS = {"liger-fused-head": _liger_fused_head, "cut-cross-entropy": _cut_cross_entropy}
 
 
 # --------------------------------------------------------------------------- KL reward and GAE

@@ -15,9 +15,9 @@ import torch
 import ppo_fast as pf
 
 from . import baselines
-from .peers import trl_logprob_baseline
+from .peers import trl_fused_head_baseline, trl_logprob_baseline
 
-OPS = ("token_logprobs", "gae", "kl_penalized_rewards", "clipped_policy_loss", "value_loss")
+OPS = ("token_logprobs", "linear_token_logprobs", "gae", "kl_penalized_rewards", "clipped_policy_loss", "value_loss")
 
 TEMPERATURE = 0.7
 MASKED_ROW_FRACTION = 0.3
@@ -42,6 +42,10 @@ class Case:
     grad_input: str | None = None  # input differentiated in the fwd+bwd mode
     params: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Baselines that compute something else (time yardsticks): timed, not compared.
+    yardsticks: tuple[str, ...] = ()
+    # Useful floating-point operations per mode (the head's own products), for TFLOP/s.
+    flops: dict[str, int] = field(default_factory=dict)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -117,6 +121,63 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
         grad_input="logits",
         params={"dtype": str(dtype).replace("torch.", ""), "temperature": TEMPERATURE, "masked_rows": MASKED_ROW_FRACTION,
                 "return_entropy": False},
+    )
+
+
+def _head_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
+    # Logits of unit scale, as a trained head gives; the head always collects its gradient.
+    weight = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, vocab, (n,), device=device)
+    labels[torch.rand(n, device=device) < MASKED_ROW_FRACTION] = baselines.IGNORE_INDEX
+    return {"hidden": torch.randn(n, hidden, device=device, dtype=dtype), "weight": weight, "labels": labels,
+            "grad_out": torch.randn(n, device=device)}
+
+
+def _fresh_head_grad(fn: Callable[[dict], object]) -> Callable[[dict], object]:
+    """``fn`` with the head's gradient reset first (the runner resets only ``grad_input``'s)."""
+
+    def run(x):
+        x["weight"].grad = None
+        return fn(x)
+
+    return run
+
+
+def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> Case:
+    elt = torch.tensor([], dtype=dtype).element_size()
+    product_flops = 2 * n * hidden * vocab
+
+    def eager(x):
+        return baselines.eager_linear_logprobs(x["hidden"], x["weight"], x["labels"], TEMPERATURE)
+
+    def matmul_then_ours(x):
+        return pf.token_logprobs(x["hidden"] @ x["weight"].T, x["labels"], temperature=TEMPERATURE)
+
+    calls = {
+        "eager": eager,
+        "matmul+token_logprobs": matmul_then_ours,
+        **trl_fused_head_baseline(TEMPERATURE),
+        "linear-layer": lambda x: baselines.linear_layer_yardstick(x["hidden"], x["weight"]),
+    }
+    return Case(
+        op="linear_token_logprobs",
+        shape=f"N={n} H={hidden} V={vocab} {str(dtype).replace('torch.', '')}",
+        size=n * vocab,
+        make_inputs=lambda device: _head_inputs(n, hidden, vocab, dtype, device),
+        call_op=_fresh_head_grad(lambda x: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], temperature=TEMPERATURE)),
+        baselines={name: _fresh_head_grad(fn) for name, fn in calls.items()},
+        eager_baseline="eager",
+        compile_targets={},
+        # hidden and head in, log-probs out; the backward reads them again and writes both gradients
+        fwd_bytes=(n + vocab) * hidden * elt + n * 12,
+        bwd_bytes=2 * (n + vocab) * hidden * elt + n * 12,
+        grad_input="hidden",
+        params={"dtype": str(dtype).replace("torch.", ""), "temperature": TEMPERATURE, "masked_rows": MASKED_ROW_FRACTION,
+                "logits_bytes_fp32": 4 * n * vocab, "gradients": "hidden and weight"},
+        notes=["linear-layer: the head's own products only (a yardstick, not compared); "
+               "fused heads recompute the logits in the backward (four products against its three)"],
+        yardsticks=("linear-layer",),
+        flops={"fwd": product_flops, "fwd+bwd": 3 * product_flops},
     )
 
 
@@ -215,22 +276,28 @@ _LOSS_ROW = 4096
 # The issue's GPU shapes.
 GPU_SHAPES = {
     "token_logprobs": [(n, v, torch.bfloat16) for n in (4096, 16384, 65536) for v in (32000, 128256, 151936, 262144)],
+    # (N, H, V, dtype): a Qwen2.5-0.5B-like and a Llama-3-8B-like head.
+    "linear_token_logprobs": [(16384, 896, 151936, torch.bfloat16), (8192, 4096, 128256, torch.bfloat16)],
     "sequence": [(256, 1024), (64, 8192), (16, 32768), (1, 32768)],
     "loss_tokens": [16384, 262144, 1 << 20],
 }
 # CPU: the issue-4 targets plus a few neighbours that finish in minutes on 2 cores.
 CPU_SHAPES = {
     "token_logprobs": [(2048, 32000, torch.float32), (2048, 32000, torch.bfloat16), (512, 151936, torch.bfloat16)],
+    # The last: float32 logits of 1.07 GB, the issue's CPU goal shape.
+    "linear_token_logprobs": [(1024, 256, 32768, torch.float32), (8192, 256, 32768, torch.float32)],
     "sequence": [(16, 4096), (256, 1024)],
     "loss_tokens": [16384, 262144],
 }
 CPU_NOTE = (
     "CPU subset of the GPU shapes (full sizes would take hours on a few cores): "
-    "token_logprobs [2048, 32000] fp32 and bf16 and [512, 151936] bf16; GAE/KL [16, 4096] and [256, 1024]; "
+    "token_logprobs [2048, 32000] fp32 and bf16 and [512, 151936] bf16; linear_token_logprobs N=1024 and 8192, "
+    "H=256, V=32768 fp32; GAE/KL [16, 4096] and [256, 1024]; "
     "losses 16k and 262k tokens"
 )
 QUICK_SHAPES = {
     "token_logprobs": [(256, 4096, torch.float32), (256, 4096, torch.bfloat16)],
+    "linear_token_logprobs": [(256, 64, 4096, torch.float32)],
     "sequence": [(8, 512)],
     "loss_tokens": [4096],
 }
@@ -250,6 +317,8 @@ def build_cases(ops: tuple[str, ...], shapes: dict) -> list[Case]:
     for op in (op for op in OPS if op in ops):
         if op == "token_logprobs":
             per_op[op] = [logprob_case(n, v, dtype) for n, v, dtype in shapes["token_logprobs"]]
+        elif op == "linear_token_logprobs":
+            per_op[op] = [linear_logprob_case(*shape) for shape in shapes["linear_token_logprobs"]]
         elif op in _SEQUENCE_CASES:
             per_op[op] = [_SEQUENCE_CASES[op](b, t) for b, t in shapes["sequence"]]
         else:

@@ -69,6 +69,27 @@ def trl_logprob_baseline(temperature: float, dtype: torch.dtype) -> dict[str, Ca
     return {"trl-chunked": lambda x: baselines.trl_chunked_logprobs(x["logits"], x["labels"], temperature)}
 
 
+def trl_fused_head_baseline(temperature: float) -> dict[str, Callable]:
+    """TRL's real fused LM head where TRL is installed: the function ``add_fused_lm_head`` calls
+    (``trl.trainer.utils._ChunkedLogProbFunction`` with TRL's own chunk size), on the rows whose
+    label is not ignored, as ``add_fused_lm_head`` compacts them, scattered back to all rows."""
+    if importlib.util.find_spec("trl") is None:
+        return {}
+
+    def trl_fused_head(x):
+        from trl.trainer import utils  # imported on first use (a slow import)
+
+        labels = x["labels"]
+        valid = labels != baselines.IGNORE_INDEX
+        logp = utils._ChunkedLogProbFunction.apply(
+            x["hidden"][valid], x["weight"], None, labels[valid], temperature, utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+            ("log_probs",),
+        )[0]
+        return logp.new_zeros(labels.shape).masked_scatter(valid, logp)
+
+    return {"trl-fused-head": trl_fused_head}
+
+
 @dataclass
 class PeerCase:
     peer: str

@@ -28,7 +28,8 @@ def result_rows(results: dict) -> list[dict]:
     for case in results["cases"]:
         if case.get("skipped"):
             rows.append({"op": case["op"], "shape": case["shape"], "mode": "", "impl": "", "time": "", "spread": "",
-                         "speedup": "", "vs_reference": "", "memory": "", "gbps": "", "copy": "", "note": f"skipped: {case['skipped']}"})
+                         "speedup": "", "vs_reference": "", "memory": "", "gbps": "", "copy": "", "tflops": "",
+                         "note": f"skipped: {case['skipped']}"})
             continue
         for r in case["results"]:
             ok = r["status"] == "ok"
@@ -44,6 +45,7 @@ def result_rows(results: dict) -> list[dict]:
                 "memory": _fmt(r["peak_extra_bytes"] / MIB if "peak_extra_bytes" in r else None, ".1f"),
                 "gbps": _fmt(r.get("gbps"), ".0f"),
                 "copy": _fmt(100 * r["copy_fraction"] if "copy_fraction" in r else None, ".0f"),
+                "tflops": _fmt(r.get("tflops"), ".1f"),
                 "note": r.get("detail", ""),
             })
     return rows
@@ -53,13 +55,13 @@ _COLUMNS = [
     ("op", "op"), ("shape", "shape"), ("mode", "mode"), ("impl", "implementation"), ("time", "median ms"),
     ("spread", "IQR ms"), ("speedup", "vs eager"), ("vs_reference", "vs reference"),
     ("memory", "peak extra MiB"), ("gbps", "GB/s"),
-    ("copy", "% copy BW"), ("note", "note"),
+    ("copy", "% copy BW"), ("tflops", "TFLOP/s"), ("note", "note"),
 ]
 
 
 def _columns(results: dict) -> list[tuple[str, str]]:
     on_gpu = results["device"] == "cuda"
-    return [(key, title) for key, title in _COLUMNS if on_gpu or key not in ("gbps", "copy")]
+    return [(key, title) for key, title in _COLUMNS if on_gpu or key not in ("gbps", "copy", "tflops")]
 
 
 def header_lines(results: dict) -> list[str]:

@@ -76,6 +76,17 @@ TORCH_LIBRARY(ppo_fast, m) {
   m.def(
       "token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
       "Tensor lse, Tensor entropy, float temperature, int ignore_index) -> Tensor");
+  // The fused LM head: log-probs of labels [N] under softcap(logit_scale * (hidden [N, H] @ weight.T [H, V]
+  // + bias)) / temperature, without the [N, V] logits (float? logit_softcap: None for no cap).
+  m.def(
+      "linear_token_logprobs(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, float temperature, "
+      "float logit_scale, float? logit_softcap, bool return_entropy, int ignore_index) "
+      "-> (Tensor logprobs, Tensor entropy, Tensor lse)");
+  m.def(
+      "linear_token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+      "Tensor labels, Tensor? bias, Tensor lse, Tensor entropy, float temperature, float logit_scale, "
+      "float? logit_softcap, int ignore_index, bool[3] output_mask) "
+      "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
 namespace {

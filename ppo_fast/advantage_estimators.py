@@ -156,8 +156,9 @@ def grpo_passk(inputs: Inputs, norm_by_std: bool = True, epsilon: float = 1e-6) 
         return torch.full_like(x, -torch.inf).scatter_reduce(0, index, x, "amax")[index]
 
     best = group_max(scores)
-    first_best = torch.full_like(rows, rows.shape[0]).scatter_reduce(0, index, torch.where(scores == best, rows, rows.shape[0]), "amin")
-    is_best = rows == first_best[index]
+    no_row = rows.shape[0]
+    first_best = torch.full_like(rows, no_row).scatter_reduce(0, index, torch.where(scores == best, rows, no_row), "amin")
+    is_best = rows == first_best[index]  # one row per group (the first of tied best ones)
     second = group_max(torch.where(is_best, -torch.inf, scores))
     advantage = best - second  # ties for the best give 0, whichever row holds it
     if norm_by_std:

@@ -147,6 +147,25 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
 
 
+def test_fused_head_baselines_match_reference():
+    """The fused-LM-head case's baselines (eager, TRL's real fused head when installed) give
+    the reference's log-probs, 0 at ignored rows; the linear-layer yardstick is timed, not compared."""
+    case = cases.linear_logprob_case(37, 24, 301, torch.float32)
+    inputs = case.make_inputs(torch.device("cpu"))
+    want = reference.linear_token_logprobs(inputs["hidden"], inputs["weight"].detach(), inputs["labels"],
+                                           temperature=cases.TEMPERATURE)[0]
+    for name, fn in case.baselines.items():
+        if name in case.yardsticks:
+            continue
+        got = fn(inputs)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        assert (got[inputs["labels"] == IGNORE] == 0).all(), name
+    assert "eager" in case.baselines and "linear-layer" in case.yardsticks
+    expected = want.detach()
+    row = runner.measure(case, "linear-layer", "baseline", case.baselines["linear-layer"], "fwd+bwd", inputs, expected, _settings())
+    assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
+
+
 def test_advantages_bench_checks_and_times_every_method():
     from bench import advantages
 
@@ -156,3 +175,20 @@ def test_advantages_bench_checks_and_times_every_method():
     for r in rows:
         assert r["reference_ms"] > 0 and r["auto_ms"] > 0
     assert "| `grpo` |" in advantages.markdown(rows)
+
+
+def test_cpu_vs_trl_cpu_info_and_table():
+    """bench.cpu_vs_trl: the clone it names needs the CPU's flags; the table renders a sample."""
+    from bench import cpu_vs_trl
+
+    info = cpu_vs_trl.cpu_info()
+    flags = set(info["vector_flags"])
+    assert info["native_clone"] in ("x86-64-v4", "x86-64-v3", "default")
+    assert (info["native_clone"] == "x86-64-v4") <= ("avx512f" in flags)
+    row = {"threads": 1, "dtype": "float32", "ms": {"native": 10.0, "trl": 20.0, "eager": 40.0},
+           "speedup": {"trl": 2.0, "eager": 4.0}}
+    sample = {"cpu": info, "rows": [row], "exp": {"n": 16, "ns_per_exp": {"ppo_fast": 0.5, "torch.exp": 1.0},
+                                                  "speedup_vs_torch": 2.0, "max_rel_err": 1e-7, "torch_cpu_capability": "AVX2"}}
+    text = cpu_vs_trl.table(sample)
+    assert "| 1 | float32 | 10.0 | 20.0 | 40.0 | 2.00x | 4.00x |" in text
+    assert "ppo_fast 0.500 ns, torch.exp (AVX2) 1.000 ns: 2.00x" in text

@@ -123,10 +123,11 @@ def test_without_bias_and_with_every_row_ignored(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_chunks(backend, dtype, monkeypatch):
     """Enough rows for several chunks on every backend (the reference's chunk made small;
-    the native kernel's is 2**20 logits), a vocabulary past its 1024-logit blocks."""
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 37 * 4099)
+    the native kernel's is 2**23 logits, 2046 used rows here), a vocabulary past its
+    1024-logit blocks."""
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 370 * 4099)
     gen = torch.Generator().manual_seed(4)
-    hidden, weight, b, labels = make(gen, 300, 16, 4099, dtype)
+    hidden, weight, b, labels = make(gen, 2700, 8, 4099, dtype, ignored=0.1)
     assert_matches_plain(backend, hidden, weight, b, labels, 3, return_entropy=True, temperature=0.9)
 
 
@@ -267,3 +268,118 @@ def test_reference_never_keeps_the_logits_for_backward():
     assert max(sizes) <= v * h, f"a saved tensor of {max(sizes)} elements (logits: {n * v})"
     (logp.sum() + ent.sum()).backward()
     assert torch.isfinite(weight.grad).all()
+
+
+# --------------------------------------------------------------------------- the trainer's fused head
+
+
+def _tiny_models():
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    small = {"vocab_size": 97, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "intermediate_size": 32, "head_dim": 8}
+    return {
+        "gpt2-tied": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)),
+        "gemma2-softcap": lambda: Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=2.0)),
+        "cohere-scale": lambda: CohereForCausalLM(CohereConfig(**small, logit_scale=0.5)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "gemma2-softcap", "cohere-scale"])
+def test_trainer_scores_through_the_fused_head_as_through_the_logits(name, monkeypatch):
+    """The trainer's log-probs and entropy from the backbone + output embedding equal those
+    from the model's own logits (its soft-cap and logit scale included), and so do the
+    gradients of the model's parameters."""
+    from ppo_fast.trainer import rollout
+
+    torch.manual_seed(11)
+    model = _tiny_models()[name]().float().eval()  # no dropout, as the trainer runs it
+    ids = torch.randint(0, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    batch = rollout.Batch(ids, mask, prompt_width=4)
+    backbone, _ = rollout._fused_head(model, ids.device)
+    assert backbone is not None, name
+    runs = []
+    for fused in (True, False):
+        model.zero_grad()
+        if not fused:
+            monkeypatch.setattr(rollout, "_fused_head", lambda m, d: (None, "test: the logits path"))
+        logp, ent, _ = rollout._response_scores(model, batch, temperature=0.7, entropy=True, hidden_states=False)
+        (logp.sum() + ent.sum()).backward()
+        runs.append((logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (logp_f, ent_f, grads_f), (logp_l, ent_l, grads_l) = runs
+    torch.testing.assert_close(logp_f, logp_l, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_f, ent_l, rtol=1e-5, atol=1e-5)
+    assert len(grads_f) == len(grads_l)
+    for g_f, g_l in zip(grads_f, grads_l):
+        torch.testing.assert_close(g_f, g_l, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_falls_back_to_the_logits_for_a_non_standard_head(capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ppo_fast.trainer import rollout
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()
+    model.config.logits_scaling = 4.0  # a Granite-style division the fused head does not take
+    backbone, why = rollout._fused_head(model, torch.device("cpu"))
+    assert backbone is None and "logits_scaling" in why
+    batch = rollout.Batch(torch.randint(0, 50, (1, 6)), torch.ones(1, 6, dtype=torch.long), prompt_width=2)
+    rollout._fallbacks_logged.discard(why)
+    logp, _, _ = rollout._response_scores(model, batch, temperature=1.0, entropy=False, hidden_states=False)
+    assert logp.shape == (1, 4)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "logits_scaling" in err
+
+
+# --------------------------------------------------------------------------- the native C++ ops
+
+
+def _native_or_skip():
+    if not backend_info("native").available:
+        pytest.skip(f"native backend unavailable: {backend_info('native').detail}")
+
+
+def test_native_ops_pass_opcheck():
+    _native_or_skip()
+    gen = torch.Generator().manual_seed(12)
+    hidden, weight, b, labels = make(gen, 9, 5, 31, torch.float32)
+    labels[4] = IGNORE
+    args = (hidden, weight, labels, b, 0.7, 0.5, 3.0)
+    torch.library.opcheck(torch.ops.ppo_fast.linear_token_logprobs, (*args, True, IGNORE))
+    torch.library.opcheck(torch.ops.ppo_fast.linear_token_logprobs, (hidden, weight, labels, None, 1.0, 1.0, None, False, IGNORE))
+    logp, ent, lse = torch.ops.ppo_fast.linear_token_logprobs(*args, True, IGNORE)
+    grads = (torch.randn(9, generator=gen), torch.randn(9, generator=gen))
+    for mask in ([True, True, True], [False, True, False]):
+        torch.library.opcheck(
+            torch.ops.ppo_fast.linear_token_logprobs_backward,
+            (*grads, hidden.detach(), weight.detach(), labels, b.detach(), lse, ent, 0.7, 0.5, 3.0, IGNORE, mask),
+        )
+
+
+def test_native_ops_check_their_arguments():
+    _native_or_skip()
+    h, w, y = torch.randn(3, 4), torch.randn(6, 4), torch.tensor([0, 1, 2])
+    op = torch.ops.ppo_fast.linear_token_logprobs
+    with pytest.raises(RuntimeError, match="linear_token_logprobs: weight must be \\[V, H\\]"):
+        op(h, torch.randn(6, 5), y, None, 1.0, 1.0, None, False, IGNORE)
+    with pytest.raises(RuntimeError, match="linear_token_logprobs: bias must have shape"):
+        op(h, w, y, torch.randn(5), 1.0, 1.0, None, False, IGNORE)
+    with pytest.raises(RuntimeError, match="linear_token_logprobs: labels must have shape"):
+        op(h, w, y[:2], None, 1.0, 1.0, None, False, IGNORE)
+    with pytest.raises(RuntimeError, match="linear_token_logprobs: logit_softcap"):
+        op(h, w, y, None, 1.0, 1.0, -1.0, False, IGNORE)
+    with pytest.raises(RuntimeError, match="linear_token_logprobs: weight must have hidden's dtype"):
+        op(h, w.double(), y, None, 1.0, 1.0, None, False, IGNORE)
+
+
+def test_readme_example_runs_and_equals_the_unfused_call():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("### Fused LM head", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {}
+    exec(compile(example, "README.md fused head example", "exec"), scope)
+    want = pf.token_logprobs(scope["hidden"] @ scope["lm_head"].weight.T, scope["labels"], temperature=0.7)
+    torch.testing.assert_close(scope["logp"], want)

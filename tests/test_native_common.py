@@ -58,6 +58,8 @@ CPU_OPS = LOSS_OPS + (
     "kl_penalized_rewards_backward",
     "token_logprobs",
     "token_logprobs_backward",
+    "linear_token_logprobs",
+    "linear_token_logprobs_backward",
 )
 
 

@@ -274,6 +274,30 @@ def test_token_logprobs_edge_rows():
     assert torch.isfinite(logp[2:]).all() and torch.isfinite(ent[[0, 2, 3]]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_exp_underflow_and_saturation(dtype):
+    """Logits around the float32 exp's ends (fast_exp: 0 below about -87.68 relative to the
+    row max, where the exact value is subnormal): log-probs, entropy and gradient as the
+    float64 reference, in rows long enough for the vector loops and several chunks."""
+    gen = torch.Generator().manual_seed(12)
+    offsets = torch.tensor([0.0, -20.0, -87.0, -87.5, -87.68, -87.7, -88.03, -88.1, -100.0, -1e30])
+    logits = offsets[torch.randint(0, len(offsets), (6, 2100), generator=gen)] + 0.01 * torch.randn(6, 2100, generator=gen)
+    logits[:, 0] = 0.5  # every row has its max away from the ends
+    logits = logits.to(dtype)
+    labels = torch.randint(0, 2100, (6,), generator=gen)
+    labels[0] = 0
+    x = logits.clone().requires_grad_(True)
+    logp, ent = _on("native", pf.token_logprobs, x, labels, return_entropy=True)
+    (grad,) = torch.autograd.grad(logp.sum() + ent.sum(), x)
+    x64 = logits.double().requires_grad_(True)
+    ref_logp, ref_ent = reference.token_logprobs(x64, labels, 1.0, True, -100)
+    (ref_grad,) = torch.autograd.grad(ref_logp.sum() + ref_ent.sum(), x64)
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
 def test_token_logprobs_ignored_rows_get_zero_gradient():
     logits = torch.randn(5, 12, requires_grad=True)
     labels = torch.tensor([-100, 3, -100, 11, 0])

@@ -15,6 +15,7 @@
 
 #include "checks.h"
 #include "cpu/float_io.h"
+#include "cpu/log_softmax_rows.h"
 #include "fast_exp.h"
 
 namespace ppo_fast {
@@ -37,12 +38,6 @@ RowLayout row_layout(const at::Tensor& logits) {
   if (logits.dim() == 3) return {std::max<int64_t>(logits.size(1), 1), logits.stride(0), logits.stride(1)};
   return {std::max<int64_t>(logits.size(0), 1), 0, logits.stride(0)};
 }
-
-template <typename acc_t>
-struct RowStats {
-  acc_t lse;      // logsumexp of the row / temperature
-  acc_t entropy;  // of softmax(row / temperature)
-};
 
 // A logit in the compute type.  bfloat16 is the high half of a float32: a shift, which
 // vectorizes in the clones below (c10's conversion does not); float16 through c10.
@@ -308,6 +303,21 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
 }
 
 }  // namespace
+
+RowStats<float> log_softmax_row_stats(const float* row, int64_t vocab, float inv_temp, bool want_entropy) {
+  return row_stats(row, vocab, inv_temp, want_entropy);
+}
+RowStats<double> log_softmax_row_stats(const double* row, int64_t vocab, double inv_temp, bool want_entropy) {
+  return row_stats(row, vocab, inv_temp, want_entropy);
+}
+void log_softmax_row_grad(const float* row, float* grad_row, int64_t vocab, int64_t target, float inv_temp, float lse,
+                          float g, float h, float entropy) {
+  row_grad(row, grad_row, vocab, target, inv_temp, lse, g, h, entropy);
+}
+void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, int64_t target, double inv_temp,
+                          double lse, double g, double h, double entropy) {
+  row_grad(row, grad_row, vocab, target, inv_temp, lse, g, h, entropy);
+}
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("token_logprobs", &token_logprobs_cpu);

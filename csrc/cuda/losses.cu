@@ -2,8 +2,8 @@
 // element).  The [B, T] tokens are cut into work items of one warp each: a chunk of one
 // row (the chunk length is chosen per launch so that about kTargetItems items cover the
 // batch: a short row is one item, a long one several).  A lane takes N consecutive tokens
-// at a time (N = 4 for float32 and float64, 8 for 16-bit types: 16-byte loads of each
-// input, 8 or 4 bytes of mask) when the rows are a multiple of N long and the pointers are
+// at a time (N = 8 for 16-bit types, 4 for float32, 2 for float64: one 16-byte load of
+// each input, N bytes of mask) when the rows are a multiple of N long and the pointers are
 // aligned, else the same N tokens by scalar loads (the same order: the same bits).  The
 // mask is a select on the result: every in-bounds token is loaded, none waits on the mask,
 // and a NaN at a masked token changes nothing.
@@ -54,19 +54,18 @@ struct BF16 {
   static __device__ __forceinline__ Bits store(T v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 };
 
-// Tokens per lane step: 16 bytes of a 16-bit or float32 input; 4 float64 (two 16-byte words).
+// Tokens per lane step: one 16-byte word of each input (8 16-bit values, 4 float32, 2
+// float64: more float64 registers would spill in the policy kernels).
 template <typename D>
-constexpr int kTokens = sizeof(typename D::Bits) == 2 ? 8 : 4;
+constexpr int kTokens = 16 / sizeof(typename D::Bits);
 
-// N values moved as 16-byte words.
-template <typename Bits, int N>
-union Words {
-  static_assert(N * sizeof(Bits) % 16 == 0, "whole 16-byte words");
-  uint4 word[N * sizeof(Bits) / 16];
-  Bits v[N];
-};
 template <int N>
 union MaskWord;
+template <>
+union MaskWord<2> {
+  unsigned short word;
+  unsigned char v[2];
+};
 template <>
 union MaskWord<4> {
   unsigned word;
@@ -78,6 +77,44 @@ union MaskWord<8> {
   unsigned char v[8];
 };
 
+// Values to and from the 32-bit words of one 16-byte word as memory holds them
+// (little-endian), in registers: no union through local memory.  Stores go out as one
+// st.global.v4 (a plain uint4 store through a pointer is split into four 32-bit STGs).
+template <int N>
+__device__ __forceinline__ void to_words(const unsigned short (&v)[N], unsigned (&u)[N / 2]) {
+#pragma unroll
+  for (int m = 0; m < N / 2; ++m) u[m] = static_cast<unsigned>(v[2 * m]) | (static_cast<unsigned>(v[2 * m + 1]) << 16);
+}
+template <int N>
+__device__ __forceinline__ void to_words(const float (&v)[N], unsigned (&u)[N]) {
+#pragma unroll
+  for (int m = 0; m < N; ++m) u[m] = __float_as_uint(v[m]);
+}
+template <int N>
+__device__ __forceinline__ void to_words(const double (&v)[N], unsigned (&u)[2 * N]) {
+#pragma unroll
+  for (int m = 0; m < N; ++m) {
+    u[2 * m] = static_cast<unsigned>(__double2loint(v[m]));
+    u[2 * m + 1] = static_cast<unsigned>(__double2hiint(v[m]));
+  }
+}
+
+__device__ __forceinline__ void from_words(const unsigned (&u)[4], unsigned short (&v)[8]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    v[2 * m] = static_cast<unsigned short>(u[m] & 0xffffu);
+    v[2 * m + 1] = static_cast<unsigned short>(u[m] >> 16);
+  }
+}
+__device__ __forceinline__ void from_words(const unsigned (&u)[4], float (&v)[4]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) v[m] = __uint_as_float(u[m]);
+}
+__device__ __forceinline__ void from_words(const unsigned (&u)[4], double (&v)[2]) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m) v[m] = __hiloint2double(static_cast<int>(u[2 * m + 1]), static_cast<int>(u[2 * m]));
+}
+
 // x[j] = p[i + j] for the tokens j < in_bounds; absent (p == nullptr) inputs read as 1.
 // kAligned: the N tokens are all in bounds and 16-byte aligned (one vector load).
 template <typename D, int N, bool kAligned>
@@ -87,12 +124,12 @@ __device__ __forceinline__ void load_tokens(const typename D::Bits* p, int64_t i
 #pragma unroll
     for (int j = 0; j < N; ++j) x[j] = T(1);
   } else if (kAligned) {
-    Words<typename D::Bits, N> w;
-    const uint4* src = reinterpret_cast<const uint4*>(p + i);
+    const uint4 word = *reinterpret_cast<const uint4*>(p + i);
+    const unsigned u[4] = {word.x, word.y, word.z, word.w};
+    typename D::Bits bits[N];
+    from_words(u, bits);
 #pragma unroll
-    for (int k = 0; k < N * int(sizeof(typename D::Bits)) / 16; ++k) w.word[k] = src[k];
-#pragma unroll
-    for (int j = 0; j < N; ++j) x[j] = D::load(w.v[j]);
+    for (int j = 0; j < N; ++j) x[j] = D::load(bits[j]);
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) x[j] = j < in_bounds ? D::load(p[i + j]) : T(0);
@@ -113,27 +150,6 @@ __device__ __forceinline__ void load_mask(const bool* mask, int64_t i, int64_t i
   }
 }
 
-// The 32-bit words of values as memory holds them (little-endian), stored by one 16-byte
-// st.global.v4 each (a plain uint4 store through a pointer is split into four 32-bit STGs).
-template <int N>
-__device__ __forceinline__ void to_words(const unsigned short (&v)[N], unsigned (&u)[N / 2]) {
-#pragma unroll
-  for (int m = 0; m < N / 2; ++m) u[m] = static_cast<unsigned>(v[2 * m]) | (static_cast<unsigned>(v[2 * m + 1]) << 16);
-}
-template <int N>
-__device__ __forceinline__ void to_words(const float (&v)[N], unsigned (&u)[N]) {
-#pragma unroll
-  for (int m = 0; m < N; ++m) u[m] = __float_as_uint(v[m]);
-}
-template <int N>
-__device__ __forceinline__ void to_words(const double (&v)[N], unsigned (&u)[2 * N]) {
-#pragma unroll
-  for (int m = 0; m < N; ++m) {
-    u[2 * m] = static_cast<unsigned>(__double2loint(v[m]));
-    u[2 * m + 1] = static_cast<unsigned>(__double2hiint(v[m]));
-  }
-}
-
 template <typename D, int N, bool kAligned>
 __device__ __forceinline__ void store_tokens(typename D::Bits* p, int64_t i, int64_t in_bounds, const typename D::T (&g)[N]) {
   using Bits = typename D::Bits;
@@ -141,13 +157,9 @@ __device__ __forceinline__ void store_tokens(typename D::Bits* p, int64_t i, int
     Bits bits[N];
 #pragma unroll
     for (int j = 0; j < N; ++j) bits[j] = D::store(g[j]);
-    unsigned u[N * sizeof(Bits) / 4];
+    unsigned u[4];
     to_words(bits, u);
-    uint4* dst = reinterpret_cast<uint4*>(p + i);
-#pragma unroll
-    for (int k = 0; k < N * int(sizeof(Bits)) / 16; ++k)
-      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst + k), "r"(u[4 * k]), "r"(u[4 * k + 1]),
-                   "r"(u[4 * k + 2]), "r"(u[4 * k + 3]));
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p + i), "r"(u[0]), "r"(u[1]), "r"(u[2]), "r"(u[3]));
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j)
@@ -463,7 +475,7 @@ ValueToken<D> value_token(const ValueInputs& in) {
 }  // namespace
 
 ChunkPlan chunk_plan(int64_t rows, int64_t length, int64_t element_size) {
-  const int64_t step = kWarp * (element_size == 2 ? 8 : 4);  // tokens of one warp step (kTokens)
+  const int64_t step = kWarp * (16 / element_size);  // tokens of one warp step (kTokens)
   const int64_t total = rows * length;
   if (total == 0) return {step, 0, 0};
   const int64_t row_steps = (length + step - 1) / step;

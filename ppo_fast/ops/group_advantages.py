@@ -71,22 +71,21 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
             raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
     tensors = {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
     check.same_device(scores=scores, mask=mask, group_ids=group_ids, **tensors)
+    # Also for a method without groups: an explicit backend that does not implement it raises.
+    group_sum = resolve("group_sum", scores.device.type, entry.backends, f"group_advantages(method={method!r})")
+    groups = None
     if entry.needs_groups:
         if group_ids is None:
             raise TypeError(f"group_advantages(method={method!r}) needs group_ids, got None")
         check.tensor("group_ids", group_ids, dtypes=check.INT_DTYPES, ndim=1)
         if group_ids.shape[0] != batch:
             raise ValueError(f"group_ids must have shape ({batch},), got {tuple(group_ids.shape)}")
-        group_sum = resolve("group_sum", scores.device.type, entry.backends, f"group_advantages(method={method!r})")
         groups = Groups(dense_group_index(group_ids.long()), group_sum)
         if entry.min_group_size > 1 and check.host_checks_free(scores) and batch:
             (count,) = groups.sums(torch.ones(batch, dtype=torch.float32, device=scores.device))
             if bool((count < entry.min_group_size).any()):
                 raise ValueError(f"group_advantages(method={method!r}) needs at least {entry.min_group_size} "
                                  "responses in every group (group_ids)")
-    else:
-        resolve("group_sum", scores.device.type, entry.backends, f"group_advantages(method={method!r})")  # refuses an explicit backend that does not implement it
-        groups = None
     dtype = result_dtype(scores, *tensors.values())
     if scores.dim() == 2:
         rewards = torch.where(mask, scores.to(dtype), 0.0)

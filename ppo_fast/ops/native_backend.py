@@ -8,6 +8,7 @@ C++ kernels do, the autograd formula that calls the op's backward operator, and 
 function per op with the reference's signature.
 
 Every op is differentiable as the reference is: ``token_logprobs`` w.r.t. the logits,
+``linear_token_logprobs`` w.r.t. the hidden states, the head's weight and its bias,
 ``kl_estimate`` w.r.t. both log-probs, ``kl_penalized_rewards`` w.r.t. the scores and
 both log-probs, ``gae`` w.r.t. rewards and values, ``clipped_policy_loss`` w.r.t.
 logprobs, old_logprobs, advantages and weights, ``value_loss`` w.r.t. values,
@@ -47,6 +48,7 @@ SUPPORTED = {
     "kl_estimate": {"cpu"},
     "kl_penalized_rewards": {"cpu"},
     "token_logprobs": {"cpu"},
+    "linear_token_logprobs": {"cpu"},
     "group_sum": {"cpu"},
 }
 
@@ -190,6 +192,101 @@ _register("token_logprobs_backward", _fake_token_logprobs_backward)
 def token_logprobs(logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False):
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
     logp, entropy, _lse = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
+    return logp, (entropy if return_entropy else None)
+
+
+# --------------------------------------------------------------------------- linear_token_logprobs
+
+
+def _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap):
+    _check_float(op, "hidden", hidden)
+    _check_dim(op, "hidden", hidden, 2)
+    _check_float(op, "weight", weight)
+    _check_dim(op, "weight", weight, 2)
+    torch._check(
+        weight.shape[1] == hidden.shape[1], lambda: f"{op}: weight must be [V, H] with H = hidden.size(1) = {hidden.shape[1]}, got shape {list(weight.shape)}"
+    )
+    torch._check(weight.shape[0] > 0, lambda: f"{op}: weight must have a non-empty vocabulary dim, got shape {list(weight.shape)}")
+    torch._check(weight.dtype == hidden.dtype, lambda: f"{op}: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    torch._check(
+        not labels.dtype.is_floating_point and not labels.dtype.is_complex and labels.dtype != torch.bool,
+        lambda: f"{op}: labels must be an integer tensor, got {labels.dtype}",
+    )
+    _check_shape(op, "labels", labels, hidden.shape[:1])
+    _check_same_device(op, hidden=hidden, weight=weight, labels=labels)
+    if bias is not None:
+        torch._check(bias.dtype == hidden.dtype, lambda: f"{op}: bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+        _check_shape(op, "bias", bias, weight.shape[:1])
+        _check_same_device(op, hidden=hidden, bias=bias)
+    torch._check(0 < temperature < math.inf, lambda: f"{op}: temperature must be finite and > 0, got {temperature}")
+    torch._check(0 < logit_scale < math.inf, lambda: f"{op}: logit_scale must be finite and > 0, got {logit_scale}")
+    torch._check(
+        logit_softcap is None or 0 < logit_softcap < math.inf, lambda: f"{op}: logit_softcap must be None or finite and > 0, got {logit_softcap}"
+    )
+
+
+def _fake_linear_token_logprobs(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
+    _check_head("linear_token_logprobs", hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
+    dtype = result_dtype(hidden)
+    entropy = hidden.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
+    return hidden.new_empty(labels.shape, dtype=dtype), entropy, hidden.new_empty(labels.shape, dtype=dtype)
+
+
+def _fake_linear_token_logprobs_backward(
+    grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature, logit_scale, logit_softcap, ignore_index, output_mask
+):
+    op = "linear_token_logprobs_backward"
+    _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
+    dtype = result_dtype(hidden)
+    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as linear_token_logprobs returns it), got {lse.dtype}")
+    _check_shape(op, "lse", lse, labels.shape, "labels")
+    _check_same_device(op, hidden=hidden, lse=lse)
+    for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
+        if grad is not None:
+            _check_float(op, name, grad)
+            _check_shape(op, name, grad, labels.shape, "labels")
+            _check_same_device(op, hidden=hidden, **{name: grad})
+    if grad_entropy is not None:
+        torch._check(entropy.dtype == dtype, lambda: f"{op}: entropy must have dtype {dtype}, got {entropy.dtype}")
+        _check_shape(op, "entropy", entropy, labels.shape, "labels")
+        _check_same_device(op, hidden=hidden, entropy=entropy)
+    grad_bias = _grad_or_empty(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
+    return _grad_or_empty(hidden, output_mask[0]), _grad_or_empty(weight, output_mask[1]), grad_bias
+
+
+def _setup_linear_token_logprobs(ctx, inputs, output):
+    hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index = inputs
+    _logp, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    ctx.args = (temperature, logit_scale, logit_softcap, ignore_index)
+    ctx.return_entropy = return_entropy
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
+
+
+def _backward_linear_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    grad_entropy = grad_entropy if ctx.return_entropy else None
+    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    needed = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
+    if grad_logprobs is None and grad_entropy is None:
+        return (None,) * 9
+    grads = torch.ops.ppo_fast.linear_token_logprobs_backward(
+        grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, *ctx.args, needed
+    )
+    grad_hidden, grad_weight, grad_bias = _wanted(grads, needed)
+    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+
+
+_register("linear_token_logprobs", _fake_linear_token_logprobs, _backward_linear_token_logprobs, _setup_linear_token_logprobs)
+_register("linear_token_logprobs_backward", _fake_linear_token_logprobs_backward)
+
+
+def linear_token_logprobs(
+    hidden, weight, labels, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False, ignore_index=-100
+):
+    logp, entropy, _lse = torch.ops.ppo_fast.linear_token_logprobs(
+        hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+    )
     return logp, (entropy if return_entropy else None)
 
 

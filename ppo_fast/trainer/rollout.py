@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,66 @@ def decode_responses(tokenizer, batch: Batch) -> list[str]:
     return tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
 
 
+# Config fields of causal-LM heads that transform the logits in ways linear_token_logprobs
+# does not take: such a model is scored from its logits.
+_OTHER_LOGIT_TRANSFORMS = ("logits_scaling", "lm_head_multiplier", "output_multiplier")
+_fallbacks_logged: set[str] = set()
+
+
+def _fused_head(model, device: torch.device):
+    """``(backbone, head kwargs for linear_token_logprobs)`` when ``model`` is a causal LM whose
+    logits are ``softcap(logit_scale * head(backbone(...).last_hidden_state))`` with a linear
+    head (``get_output_embeddings()``, tied or not), else ``(None, why not)``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    backbone = getattr(model, "base_model", None)
+    config = getattr(model, "config", None)
+    if type(head) is not torch.nn.Linear or backbone is None or backbone is model or config is None:
+        return None, f"{type(model).__name__} has no plain linear output embedding on a backbone"
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    other = [name for name in _OTHER_LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if other:
+        return None, f"{type(model).__name__} transforms its logits ({', '.join(other)})"
+    try:
+        from ppo_fast.backends import resolve
+
+        resolve("linear_token_logprobs", device.type)
+    except pf.BackendUnavailableError as err:
+        return None, str(err)
+    return backbone, {
+        "weight": head.weight,
+        "bias": head.bias,
+        "logit_scale": float(getattr(config, "logit_scale", None) or 1.0),
+        "logit_softcap": getattr(config, "final_logit_softcapping", None),
+    }
+
+
+def _response_scores(model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool):
+    """``(logprobs, entropy or None, last hidden states or None)`` of the response tokens: from
+    the backbone's last hidden states through ``linear_token_logprobs`` (no [B, T, V] logits),
+    or, for a non-standard head, from the model's logits (said once in a log line)."""
+    start = batch.prompt_width - 1
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
+              "use_cache": False}
+    backbone, head = _fused_head(model, batch.input_ids.device)
+    if backbone is not None:
+        hidden = backbone(**inputs).last_hidden_state
+        device_type = hidden.device.type
+        # In the dtype the head would run in: autocast's (bf16 on CUDA) or its own.
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head["weight"].dtype
+        head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
+        result = pf.linear_token_logprobs(hidden[:, start:-1].to(dtype), labels=batch.response_ids,
+                                          temperature=temperature, return_entropy=entropy, **head)
+    else:
+        if head not in _fallbacks_logged:
+            _fallbacks_logged.add(head)
+            print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {head}", file=sys.stderr)
+        out = model(**inputs, output_hidden_states=hidden_states)
+        hidden = out.hidden_states[-1] if hidden_states else None
+        result = pf.token_logprobs(out.logits[:, start:-1], batch.response_ids, temperature=temperature, return_entropy=entropy)
+    logprobs, token_entropy = result if entropy else (result, None)
+    return logprobs, token_entropy, hidden
+
+
 def forward(policy, critic: Critic | None, batch: Batch, *, temperature: float, entropy: bool = False, values: bool = False):
     """Per-response-token ``(logprobs, entropy or None, values or None)`` under the current weights.
 
@@ -83,18 +144,13 @@ def forward(policy, critic: Critic | None, batch: Batch, *, temperature: float, 
     values are read at the same positions (the state before each response token).
     """
     shared_values = values and critic is not None and critic.shared
-    out = policy(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-        output_hidden_states=shared_values, use_cache=False,
-    )
+    logprobs, token_entropy, hidden = _response_scores(policy, batch, temperature=temperature, entropy=entropy,
+                                                       hidden_states=shared_values)
     start = batch.prompt_width - 1
-    logits = out.logits[:, start:-1]
-    result = pf.token_logprobs(logits, batch.response_ids, temperature=temperature, return_entropy=entropy)
-    logprobs, token_entropy = result if entropy else (result, None)
     token_values = None
     if values:
         if shared_values:
-            token_values = critic.head(out.hidden_states[-1][:, start:-1])
+            token_values = critic.head(hidden[:, start:-1])
         else:
             token_values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)[:, start:-1]
         token_values = token_values.float()

@@ -1,0 +1,31 @@
+// The vectorised log-softmax of one row (csrc/cpu/logprobs.cpp), for ops that form their
+// logits in a scratch row of the compute type (float32, or float64 for float64 inputs):
+// linear_token_logprobs (csrc/cpu/linear_logprobs.cpp) computes them with a matrix
+// product and reuses these instead of a second copy of the loops.
+#pragma once
+
+#include <cstdint>
+
+namespace ppo_fast {
+
+template <typename acc_t>
+struct RowStats {
+  acc_t lse;      // logsumexp of the row * inv_temp
+  acc_t entropy;  // of softmax(row * inv_temp)
+};
+
+// One pass with an online max over the row, in blocks that stay in L1.
+RowStats<float> log_softmax_row_stats(const float* row, int64_t vocab, float inv_temp, bool want_entropy);
+RowStats<double> log_softmax_row_stats(const double* row, int64_t vocab, double inv_temp, bool want_entropy);
+
+// grad_row = d/d(row) of g * logp[target] + h * entropy with z = row * inv_temp and
+// p = softmax(z), given lse and entropy of the row: g (onehot - p) - h p (log p + entropy),
+// g and h already multiplied by inv_temp.  Elementwise given lse and entropy, so it also
+// serves a slice of a row (target shifted by the slice's start; outside it adds nothing).
+// grad_row may be row itself.
+void log_softmax_row_grad(const float* row, float* grad_row, int64_t vocab, int64_t target, float inv_temp, float lse,
+                          float g, float h, float entropy);
+void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, int64_t target, double inv_temp,
+                          double lse, double g, double h, double entropy);
+
+}  // namespace ppo_fast
