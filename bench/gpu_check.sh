@@ -1,24 +1,37 @@
 #!/usr/bin/env bash
-# GPU check on a fresh machine without network: build the extension in place, run the
-# CUDA tests (pytest -m cuda) and the benchmark suite on cuda, all within ~8 minutes.
+# GPU check on a fresh machine without network, targets first, within ~9 minutes:
+#   0. preflight (no GPU needed): versions, tools; stops here, exit 3, when no CUDA GPU is visible
+#   1. build the extension for this GPU's architecture only
+#   2. the GPU tests in parallel (pytest -n, when pytest-xdist is installed), without the
+#      compile-only tests (the static report covers those without a GPU)
+#   3. the targets (python -m bench.targets): log-probs [16384, 151936] bf16, GAE [64, 8192],
+#      the losses at 16M and 1M tokens, the fused LM head if present
+#   4. the rest of the benchmark suite with the time left (no torch.compile baselines
+#      unless COMPILE=1)
+#   5. where vllm is installed: rollout speed, hf against vllm (bench/vllm_rollout.py)
+# Every stage runs under its own hard time limit and writes into $OUT as it goes, so a
+# timeout still leaves what was measured; a failed stage does not stop the next one.
+# The last lines of summary.txt: one per target (met / missed, with the number), then
+# one per stage.
 #
-#   bash bench/gpu_check.sh            # from the repo root; results in $OUT or bench/results/
+#   bash bench/gpu_check.sh            # from the repo root; results in $OUT (default bench/results)
 #
-# Every stage has its own time limit and log; a failed stage does not stop the next one.
-# Files written (10 at most, flat): summary.txt build.log tests.log bench.log cuda.json
-# cuda-speedup.png cuda-gbps.png cuda.md, and where vllm is installed vllm.log
-# vllm-rollout-cuda.json.  Exit status: 0 only if every stage passed.
-# Override the stage limits (seconds) with BUILD_S, TESTS_S; the benchmark gets the rest
-# of TOTAL_S (default 470).  Extra benchmark flags: BENCH_ARGS (e.g. "--no-compile").
+# Stage limits (seconds): BUILD_S (200), TESTS_S (120), TARGETS_S (150), FUSED_S (150, the
+# fused LM head's own cases after the targets), VLLM_S (180); the
+# suite gets the rest of TOTAL_S (540) less VLLM_S where vllm is installed.  TEST_WORKERS
+# (8): pytest -n.  Extra benchmark flags: BENCH_ARGS.
+# Exit status: 0 only if every stage passed; 3 without a GPU (nothing built or measured).
 set -u
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-TOTAL_S="${TOTAL_S:-470}"
+TOTAL_S="${TOTAL_S:-540}"
 BUILD_S="${BUILD_S:-200}"
-TESTS_S="${TESTS_S:-150}"
+TESTS_S="${TESTS_S:-120}"
+TARGETS_S="${TARGETS_S:-150}"
+TEST_WORKERS="${TEST_WORKERS:-8}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 START=$(date +%s)
 SUMMARY="$OUT/summary.txt"
@@ -28,7 +41,7 @@ declare -a RESULTS=()
 say() { echo "$*" | tee -a "$SUMMARY"; }
 elapsed() { echo $(($(date +%s) - START)); }
 
-# run_stage NAME LIMIT_S LOG CMD...: runs CMD under a time limit, records its status.
+# run_stage NAME LIMIT_S LOG CMD...: runs CMD under a hard time limit, records its status.
 run_stage() {
     local name="$1" limit="$2" log="$3"
     shift 3
@@ -50,70 +63,97 @@ run_stage() {
     return "$rc"
 }
 
+finish() {
+    say ""
+    say "summary after $(elapsed)s:"
+    if [ -f "$OUT/targets.json" ]; then
+        "$PY" -m bench.targets --summary "$OUT/targets.json" 2>&1 | sed 's/^/  /' | tee -a "$SUMMARY"
+    fi
+    local status=0
+    for line in "${RESULTS[@]}"; do
+        say "  $line"
+        case "$line" in *": ok in "*) ;; *) status=1 ;; esac
+    done
+    say "files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    exit "$status"
+}
+
+# --- 0. preflight: everything here runs without a GPU.
 say "ppo_fast GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 say "git: $(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$SUMMARY"
 "$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import importlib.util, sys, torch
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}), cuda available: {torch.cuda.is_available()}")
-for name in ("triton", "pytest", "hypothesis", "transformers", "matplotlib", "ninja", "liger_kernel", "flash_attn"):
+for name in ("triton", "pytest", "xdist", "hypothesis", "transformers", "matplotlib", "ninja", "liger_kernel", "flash_attn"):
     found = importlib.util.find_spec(name) is not None
-    version = ""
-    if found and name in ("triton", "transformers"):
-        version = " " + __import__(name).__version__
+    version = " " + __import__(name).__version__ if found and name in ("triton", "transformers") else ""
     print(f"  {name}: {'installed' + version if found else 'missing'}")
 EOF
-
-# --- 1. build: CUDA kernels for this GPU's architecture only (faster); CPU-only build if CUDA cannot be built.
-if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
-    TORCH_CUDA_ARCH_LIST=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null) || unset TORCH_CUDA_ARCH_LIST
-    [ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST
+# The first GPU-only step is the build (it compiles for the GPU's own architecture): without a GPU, stop here.
+ARCH=$("$PY" -c "import torch; assert torch.cuda.is_available(); print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)
+if [ -z "$ARCH" ]; then
+    say "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False): stopping before the build; nothing measured"
+    exit 3
 fi
+
+# --- 1. build: CUDA kernels for this GPU's architecture only; CPU-only build if CUDA cannot be built.
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$ARCH}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 BUILD_LOG="$OUT/build.log"
 : >"$BUILD_LOG"
-if ! PPO_FAST_BUILD_CUDA=1 run_stage "build (with CUDA, arch ${TORCH_CUDA_ARCH_LIST:-default})" "$BUILD_S" "$BUILD_LOG" \
+if ! PPO_FAST_BUILD_CUDA=1 run_stage "build (with CUDA, arch $TORCH_CUDA_ARCH_LIST)" "$BUILD_S" "$BUILD_LOG" \
     "$PY" setup.py build_ext --inplace; then
-    left=$((BUILD_S - $(elapsed)))
-    [ "$left" -lt 60 ] && left=60
-    PPO_FAST_BUILD_CUDA=0 run_stage "build (CPU only, after the CUDA build failed)" "$left" "$BUILD_LOG" \
+    PPO_FAST_BUILD_CUDA=0 run_stage "build (CPU only, after the CUDA build failed)" 120 "$BUILD_LOG" \
         "$PY" setup.py build_ext --inplace
 fi
 "$PY" -c "import ppo_fast as pf; [print(f'backend {k}: {v}') for k, v in pf.available_backends().items()]" 2>&1 | tee -a "$SUMMARY"
 
-# --- 2. GPU tests (transformers may be missing here; the ops tests do not need it).
+# --- 2. GPU tests, in parallel, without the compile-only tests.
 TESTS_LOG="$OUT/tests.log"
 : >"$TESTS_LOG"
 if "$PY" -c "import pytest" 2>/dev/null; then
-    # The CUDA-marked tests, and the Triton tests, which run on the GPU when there is one.
-    run_stage "tests (pytest -m cuda; Triton tests on cuda)" "$TESTS_S" "$TESTS_LOG" \
-        "$PY" -m pytest -q -rfEs --continue-on-collection-errors -p no:cacheprovider \
-        -m "cuda or triton_on_gpu" tests
+    PARALLEL=()
+    "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$TEST_WORKERS")
+    run_stage "tests (pytest -m 'cuda or triton_on_gpu' ${PARALLEL[*]})" "$TESTS_S" "$TESTS_LOG" \
+        "$PY" -m pytest -q -rfEs -p no:cacheprovider "${PARALLEL[@]}" -m "cuda or triton_on_gpu" \
+        --ignore=tests/test_triton_compiles_for_gpu.py --ignore=tests/test_bench_static.py --ignore=tests/test_gpu_check.py tests
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$TESTS_LOG" | tail -25 | sed 's/^/  /' | tee -a "$SUMMARY"
 else
     RESULTS+=("tests: NOT RUN (pytest is not installed)")
 fi
 
-# --- fused LM head (#11): its GPU rows alone, first, so that the suite's budget cannot cut them.
+# --- 3. the targets, each saved to targets.json as it is measured.
+TARGETS_LOG="$OUT/targets.log"
+: >"$TARGETS_LOG"
+COMPILE_FLAG=()
+[ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
+run_stage "targets (python -m bench.targets)" "$TARGETS_S" "$TARGETS_LOG" \
+    "$PY" -m bench.targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
+
+# --- fused LM head (#11): its GPU rows alone, before the suite, so that the suite's budget cannot cut them.
 FUSED_S="${FUSED_S:-150}"
 mkdir -p "$OUT/fused_head"
 run_stage "bench fused LM head (linear_token_logprobs)" "$FUSED_S" "$OUT/fused_head/bench.log" \
     "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
 # --- end of the fused LM head block
 
-# --- 3. benchmark suite on cuda, with the time left; it saves its JSON after every case.
+# --- 4. the rest of the suite with the time left; it saves its JSON after every case.
+VLLM_S="${VLLM_S:-180}"
+HAS_VLLM=0
+"$PY" -c "import vllm" 2>/dev/null && HAS_VLLM=1
 BENCH_LOG="$OUT/bench.log"
 : >"$BENCH_LOG"
-left=$((TOTAL_S - $(elapsed)))
+left=$((TOTAL_S - $(elapsed) - HAS_VLLM * VLLM_S))
 if [ "$left" -lt 60 ]; then
     RESULTS+=("bench: NOT RUN (only ${left}s left of ${TOTAL_S}s)")
 else
-    # Stop starting cases early enough for the case in flight, the end-to-end run and the plots.
-    budget=$((left * 2 / 3))
+    budget=$((left * 2 / 3))  # stop starting cases early enough for the one in flight and the report
+    [ "${COMPILE:-0}" = "1" ] || BENCH_ARGS="--no-compile $BENCH_ARGS"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    run_stage "bench (python -m bench --device cuda, case budget ${budget}s)" "$left" "$BENCH_LOG" \
-        "$PY" -m bench --device cuda --out "$OUT" --budget-s "$budget" $BENCH_ARGS
-    # Also after a timeout: render what was measured (cuda.json, or cuda-quick.json with --quick).
+    run_stage "bench (python -m bench --device cuda $BENCH_ARGS, case budget ${budget}s)" "$left" "$BENCH_LOG" \
+        "$PY" -m bench --device cuda --ops token_logprobs,gae,kl_penalized_rewards,clipped_policy_loss,value_loss \
+        --out "$OUT" --budget-s "$budget" $BENCH_ARGS
     for json in "$OUT"/cuda*.json; do
         [ -f "$json" ] || continue
         "$PY" -m bench.report "$json" --plots >"${json%.json}.md" 2>>"$BENCH_LOG" \
@@ -122,9 +162,8 @@ else
     grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
 
-# --- 4. rollout speed, hf against vllm (bench/vllm_rollout.py), only where vllm is installed.
-VLLM_S="${VLLM_S:-180}"
-if "$PY" -c "import vllm" 2>/dev/null; then
+# --- 5. rollout speed, hf against vllm (bench/vllm_rollout.py), only where vllm is installed.
+if [ "$HAS_VLLM" = "1" ]; then
     run_stage "vllm rollout (python -m bench.vllm_rollout --device cuda)" "$VLLM_S" "$OUT/vllm.log" \
         "$PY" -m bench.vllm_rollout --device cuda --model llama-50M --batch 256 --response-length 128 --out "$OUT"
     grep -E "^\|" "$OUT/vllm.log" | sed 's/^/  /' | tee -a "$SUMMARY"
@@ -132,12 +171,4 @@ else
     say "vllm rollout: not run (vllm is not installed; not a failure)"
 fi
 
-say ""
-say "summary after $(elapsed)s:"
-status=0
-for line in "${RESULTS[@]}"; do
-    say "  $line"
-    case "$line" in *": ok in "*) ;; *) status=1 ;; esac
-done
-say "files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-exit "$status"
+finish

@@ -1,10 +1,12 @@
 """Fused log-softmax + gather: the chosen token's log-prob (and the entropy) per row.
 
 One program per row of logits (a 1-D grid, so millions of rows fit), the
-vocabulary streamed in ``BLOCK_V`` blocks with an online max / sum-exp: the
-logits are read once in the forward and once in the backward, and nothing of
-size ``[N, V]`` is allocated except the gradient (not even that with
-``inplace``).  Temperature is folded in: ``z = logits / temperature``.
+vocabulary streamed in ``BLOCK_V`` blocks with an online max / sum-exp kept per
+thread (per 16-byte group of logits) and combined once per row: the logits are
+read once in the forward and once in the backward, and nothing of size ``[N, V]``
+is allocated except the gradient (not even that with ``inplace``).  Temperature
+is folded in: ``z = logits / temperature``.  The hot loops are kept within the
+sm_90 instruction budgets of ``bench.static`` (tests/test_triton_compiles_for_gpu.py).
 
 Rows are addressed as ``[B, T, V]`` with arbitrary strides on every dim (a
 ``[N, V]`` input is ``B = N, T = 1``), so slices such as ``logits[:, :-1]``, a
@@ -31,8 +33,14 @@ import triton.language as tl
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
 from ._launch import check_same_device, device_guard, lead_view
 
-# Widest vocabulary block; a larger V loops over blocks.
+# Vocabulary block per loop iteration; a larger V loops over blocks.  With 8 warps a
+# thread holds 16 logits per block (two or four 16-byte loads).
 MAX_BLOCK_V = 4096
+# Bytes per vector load: a group of 16 / itemsize logits is one thread's contiguous load.
+_VECTOR_BYTES = 16
+# A floor for log p (natural or base 2) where p == 0 (-inf logits): 0 * floor stays 0 where
+# 0 * -inf would be NaN, and exp(floor) is 0 in float64 too, so no p > 0 is clamped.
+LOG_FLOOR = tl.constexpr(-2000.0)
 
 
 def _launch_config(vocab: int, block_v: int | None) -> tuple[int, int]:
@@ -40,6 +48,24 @@ def _launch_config(vocab: int, block_v: int | None) -> tuple[int, int]:
     block = block_v or min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     num_warps = 4 if block <= 1024 else 8
     return block, num_warps
+
+
+def _group(block: int, vocab_stride: int, *tensors: tuple[torch.Tensor, int, int]) -> int:
+    """``GROUP``: how many consecutive logits a thread loads at once and reduces on its own.
+
+    One 16-byte vector (8 bf16, 4 float32) when every row of every ``(x, outer_stride,
+    inner_stride)`` starts 16-byte aligned along a unit vocabulary stride; else the largest
+    power of two that keeps the rows aligned (1 for an odd V).  The kernels receive the row
+    strides divided by ``GROUP``, so Triton knows each row's alignment (its own hints cover
+    only multiples of 16: a V that is a multiple of 8 but not of 16 would lose its bf16
+    vector loads)."""
+    if vocab_stride != 1:
+        return 1
+    group = min(block, _VECTOR_BYTES // tensors[0][0].element_size())
+    for x, outer_stride, inner_stride in tensors:
+        while group > 1 and (outer_stride % group or inner_stride % group or x.data_ptr() % (group * x.element_size())):
+            group //= 2
+    return group
 
 
 def _row_layout(x: torch.Tensor) -> tuple[tuple[int, ...], int, int, int, int]:
@@ -61,6 +87,53 @@ def _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_strid
 
 
 @triton.jit
+def _log2e_ln2(ACC: tl.constexpr):
+    """``(log2(e), ln(2))`` in the compute type (a float literal would be float32)."""
+    ln2 = tl.log(tl.full([], 2.0, ACC))
+    return 1.0 / ln2, ln2
+
+
+@triton.jit
+def _block_offsets(start, GROUP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``[BLOCK_V // GROUP, GROUP]`` column indices (int64): a row of it is one thread's vector load."""
+    groups = tl.arange(0, BLOCK_V // GROUP).to(tl.int64)
+    return start + groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+
+
+@triton.jit
+def _rebased(weighted, sum_exp, old, rescale):
+    """A group's ``sum 2**d * d`` moved to a new shift ``old`` (base-2 units) below its own:
+    ``rescale * (weighted + old * sum_exp)``, 0 where nothing survives the rescale (a group
+    that saw only -inf, or one far below the new max, whose ``old`` may be -inf)."""
+    return tl.where(rescale > 0, rescale * (weighted + old * sum_exp), 0.0)
+
+
+@triton.jit
+def _online_update(x, run_max, sum_exp, weighted, scale2, RETURN_ENTROPY: tl.constexpr):
+    """One block of logits ``x [G, GROUP]`` folded into each group's running statistics.
+
+    Each group (one thread's vector load) keeps its own max of ``x``, ``sum 2**d`` and, for
+    the entropy, ``sum 2**d * d``, with ``d = (x - max) * scale2`` and ``scale2 = log2(e) /
+    temperature`` (> 0, so the max of ``x`` is the max of ``z = x / temperature``): nothing
+    is reduced across threads inside the loop.  Per logit: a max, a subtract, a multiply, one
+    ``exp2`` and an add (a clamp and an FMA more with the entropy).  ``x * scale2 - max *
+    scale2`` would save the subtract but overflows for logits near the float32 limit.
+    """
+    new_max = tl.maximum(run_max, tl.max(x, 1))
+    # While a group has seen only -inf, shift by 0 so that -inf - -inf never appears.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    d = (x - shift[:, None]) * scale2
+    e = tl.math.exp2(d)
+    old = (run_max - shift) * scale2
+    rescale = tl.math.exp2(old)
+    if RETURN_ENTROPY:
+        block_weighted = tl.sum(e * tl.maximum(d, LOG_FLOOR), 1)
+        weighted = _rebased(weighted, sum_exp, old, rescale) + block_weighted
+    sum_exp = sum_exp * rescale + tl.sum(e, 1)
+    return new_max, sum_exp, weighted
+
+
+@triton.jit
 def _token_logprobs_fwd_kernel(
     logits_ptr,
     labels_ptr,
@@ -68,8 +141,8 @@ def _token_logprobs_fwd_kernel(
     entropy_ptr,
     stats_ptr,
     rows_per_outer,
-    outer_stride,
-    inner_stride,
+    outer_step,
+    inner_step,
     vocab_stride,
     labels_outer_stride,
     labels_inner_stride,
@@ -80,41 +153,48 @@ def _token_logprobs_fwd_kernel(
     RETURN_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     # int64 row: every product below (row index * stride) is int64, whatever the strides' type.
     outer = row // rows_per_outer
     inner = row % rows_per_outer
-    row_ptr = logits_ptr + outer * outer_stride + inner * inner_stride
+    # The row strides come divided by GROUP: the product shows Triton that rows are GROUP-aligned.
+    row_ptr = logits_ptr + (outer * outer_step + inner * inner_step) * GROUP
     label, valid, in_vocab = _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index)
-    # Ignored and out-of-range rows read no logits: their loop is empty.
+    # Ignored and out-of-range rows read no logits: their loop and tail are empty.
     row_vocab = tl.where(valid & in_vocab, vocab, 0)
     inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
-    cols = tl.arange(0, BLOCK_V).to(tl.int64)
+    log2e, ln2 = _log2e_ln2(ACC)
+    scale2 = inv_t * log2e
 
-    run_max = tl.full([], float("-inf"), ACC)
-    # sum exp(z - run_max) and, for the entropy, sum exp(z - run_max) * (z - run_max).
-    sum_exp = tl.zeros([], ACC)
-    weighted = tl.zeros([], ACC)
-    for start in range(0, row_vocab, BLOCK_V):
-        idx = start + cols
-        z = tl.load(row_ptr + idx * vocab_stride, mask=idx < vocab, other=float("-inf")).to(ACC) * inv_t
-        new_max = tl.maximum(run_max, tl.max(z, 0))
-        # While every z so far is -inf, shift by 0 so that -inf - -inf never appears.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        e = tl.exp(z - shift)
-        rescale = tl.exp(run_max - shift)
-        if RETURN_ENTROPY:
-            # -inf logits have e == 0 and contribute nothing (0 * -inf would be NaN).
-            block_weighted = tl.sum(e * tl.where(e > 0, z - shift, 0.0), 0)
-            # Re-base the old terms to the new shift (nothing to re-base while run_max is -inf).
-            rebase = (tl.where(sum_exp > 0, run_max, shift) - shift) * sum_exp
-            weighted = rescale * (weighted + rebase) + block_weighted
-        sum_exp = sum_exp * rescale + tl.sum(e, 0)
-        run_max = new_max
+    run_max = tl.full([BLOCK_V // GROUP], float("-inf"), ACC)
+    sum_exp = tl.zeros([BLOCK_V // GROUP], ACC)
+    weighted = tl.zeros([BLOCK_V // GROUP], ACC)
+    # Whole blocks unmasked (vector loads, no -inf fills), then one masked tail block; a
+    # scalar block pointer advances by a block (the column offsets stay loop-invariant).
+    full_end = row_vocab - row_vocab % BLOCK_V
+    cols = _block_offsets(0, GROUP, BLOCK_V)
+    offsets = cols * vocab_stride
+    step = tl.full([], BLOCK_V, tl.int64) * vocab_stride
+    block_ptr = row_ptr
+    for _ in range(0, full_end, BLOCK_V):
+        x = tl.load(block_ptr + offsets).to(ACC)
+        run_max, sum_exp, weighted = _online_update(x, run_max, sum_exp, weighted, scale2, RETURN_ENTROPY)
+        block_ptr += step
+    if full_end < row_vocab:
+        x = tl.load(block_ptr + offsets, mask=cols < row_vocab - full_end, other=float("-inf")).to(ACC)
+        run_max, sum_exp, weighted = _online_update(x, run_max, sum_exp, weighted, scale2, RETURN_ENTROPY)
 
-    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    log_sum = tl.log(sum_exp)
+    # The groups combined once: re-based to the row's max.
+    row_max = tl.max(run_max, 0)
+    shift_x = tl.where(row_max == float("-inf"), 0.0, row_max)
+    old = (run_max - shift_x) * scale2
+    rescale = tl.math.exp2(old)
+    total = tl.sum(sum_exp * rescale, 0)
+    log_sum = tl.log(total)
+    # The max of z = x / temperature, as x / temperature rounds it (the backward's shift).
+    shift = shift_x * inv_t
     # Row 0's address for a row whose label is not a column (never a read outside the row).
     chosen = tl.load(row_ptr + tl.where(in_vocab, label, 0) * vocab_stride, mask=valid & in_vocab, other=0.0).to(ACC) * inv_t
     # (z - shift) - log_sum, not z - logsumexp: the logsumexp rounds at the logits' magnitude.
@@ -123,9 +203,27 @@ def _token_logprobs_fwd_kernel(
     tl.store(stats_ptr + 2 * row, shift)
     tl.store(stats_ptr + (2 * row + 1), log_sum)
     if RETURN_ENTROPY:
-        # H = logsumexp - E[z] = log(sum_exp) - E[z - shift]
-        entropy = tl.where(in_vocab, log_sum - weighted / sum_exp, float("nan"))
+        # E[z - shift] from base-2 units: H = log_sum - E[z - shift]
+        mean_shifted = tl.sum(_rebased(weighted, sum_exp, old, rescale), 0) * ln2 / total
+        entropy = tl.where(in_vocab, log_sum - mean_shifted, float("nan"))
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+
+
+@triton.jit
+def _grad_block(x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY: tl.constexpr):
+    """``dL/dx`` off the label column, ``p * coef`` or with the entropy gradient
+    ``p * (coef + coef_log * (z - shift))``: ``z - shift`` in one FMA (one rounding), ``p =
+    2**((z - shift) * log2e - log_sum * log2e)`` in another, one ``exp2`` and a multiply per
+    logit (a clamp and an FMA more with the entropy gradient)."""
+    shifted = x * inv_t - shift
+    p = tl.math.exp2(shifted * log2e - log_sum * log2e)
+    if HAS_GRAD_ENTROPY:
+        # coef + coef_log * log p, with log p = shifted - log_sum folded into coef by the caller
+        # (shifted >= log p, so the floor clamps no p > 0).
+        g = p * (coef + coef_log * tl.maximum(shifted, LOG_FLOOR))
+    else:
+        g = p * coef
+    return g
 
 
 @triton.jit
@@ -138,11 +236,11 @@ def _token_logprobs_bwd_kernel(
     grad_logp_ptr,
     grad_entropy_ptr,
     rows_per_outer,
-    outer_stride,
-    inner_stride,
+    outer_step,
+    inner_step,
     vocab_stride,
-    grad_outer_stride,
-    grad_inner_stride,
+    grad_outer_step,
+    grad_inner_step,
     grad_vocab_stride,
     labels_outer_stride,
     labels_inner_stride,
@@ -158,39 +256,66 @@ def _token_logprobs_bwd_kernel(
     HAS_GRAD_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     outer = row // rows_per_outer
     inner = row % rows_per_outer
-    row_ptr = logits_ptr + outer * outer_stride + inner * inner_stride
-    grad_row_ptr = grad_ptr + outer * grad_outer_stride + inner * grad_inner_stride
+    # The row strides come divided by GROUP: the products show Triton that rows are GROUP-aligned.
+    row_ptr = logits_ptr + (outer * outer_step + inner * inner_step) * GROUP
+    grad_row_ptr = grad_ptr + (outer * grad_outer_step + inner * grad_inner_step) * GROUP
     label, valid, in_vocab = _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index)
+    # Whole blocks unmasked, then one masked tail block, as in the forward.
+    full_end = vocab - vocab % BLOCK_V
+    cols = _block_offsets(0, GROUP, BLOCK_V)
+    offsets = cols * vocab_stride
+    grad_offsets = cols * grad_vocab_stride
+    step = tl.full([], BLOCK_V, tl.int64) * vocab_stride
+    grad_step = tl.full([], BLOCK_V, tl.int64) * grad_vocab_stride
+    block_ptr = row_ptr
+    grad_block_ptr = grad_row_ptr
     # Ignored and out-of-range rows pass no gradient: nothing of theirs is read, zeros are written.
-    row_ok = valid & in_vocab
-    inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
-    shift = tl.load(stats_ptr + 2 * row, mask=row_ok, other=0.0).to(ACC)
-    log_sum = tl.load(stats_ptr + (2 * row + 1), mask=row_ok, other=0.0).to(ACC)
-    g_logp = tl.zeros([], ACC)
-    if HAS_GRAD_LOGP:
-        g_logp = tl.load(grad_logp_ptr + outer * grad_logp_outer_stride + inner * grad_logp_inner_stride, mask=row_ok, other=0.0).to(ACC)
-    if HAS_GRAD_ENTROPY:
-        g_entropy = tl.load(
-            grad_entropy_ptr + outer * grad_entropy_outer_stride + inner * grad_entropy_inner_stride, mask=row_ok, other=0.0
-        ).to(ACC)
-        entropy = tl.load(entropy_ptr + row, mask=row_ok, other=0.0).to(ACC)
-    cols = tl.arange(0, BLOCK_V).to(tl.int64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + cols
-        in_row = idx < vocab
-        z = tl.load(row_ptr + idx * vocab_stride, mask=in_row & row_ok, other=float("-inf")).to(ACC) * inv_t
-        log_p = (z - shift) - log_sum
-        p = tl.exp(log_p)
-        grad_z = tl.where(idx == label, g_logp, 0.0) - p * g_logp
+    if valid & in_vocab:
+        inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
+        log2e, _ = _log2e_ln2(ACC)
+        shift = tl.load(stats_ptr + 2 * row).to(ACC)
+        log_sum = tl.load(stats_ptr + (2 * row + 1)).to(ACC)
+        g_logp = tl.zeros([], ACC)
+        if HAS_GRAD_LOGP:
+            g_logp = tl.load(grad_logp_ptr + outer * grad_logp_outer_stride + inner * grad_logp_inner_stride).to(ACC)
+        # dL/dz_j = g_logp * ([j == label] - p_j) - g_entropy * p_j * (log p_j + H); times inv_t for the logits.
+        coef = -g_logp * inv_t
+        coef_log = tl.zeros([], ACC)
         if HAS_GRAD_ENTROPY:
-            # dH/dz_j = -p_j (log p_j + H), 0 where p_j == 0 (log p_j = -inf).
-            grad_z -= p * (tl.where(p > 0, log_p, 0.0) + entropy) * g_entropy
-        grad_z = tl.where(row_ok, grad_z * inv_t, 0.0)
-        tl.store(grad_row_ptr + idx * grad_vocab_stride, cast_for_store(grad_z, grad_ptr), mask=in_row)
+            g_entropy = tl.load(grad_entropy_ptr + outer * grad_entropy_outer_stride + inner * grad_entropy_inner_stride).to(ACC)
+            entropy = tl.load(entropy_ptr + row).to(ACC)
+            coef_log = -g_entropy * inv_t
+            coef += coef_log * (entropy - log_sum)
+        # The label column is read before the loop (an in-place backward overwrites it) and
+        # written again after it with its extra g_logp term: no compare per logit.
+        label_x = tl.load(row_ptr + label * vocab_stride).to(ACC)
+        for _ in range(0, full_end, BLOCK_V):
+            x = tl.load(block_ptr + offsets).to(ACC)
+            g = _grad_block(x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY)
+            tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr))
+            block_ptr += step
+            grad_block_ptr += grad_step
+        if full_end < vocab:
+            in_row = cols < vocab - full_end
+            x = tl.load(block_ptr + offsets, mask=in_row, other=float("-inf")).to(ACC)
+            g = _grad_block(x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY)
+            tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr), mask=in_row)
+        # Every thread's store to the label column is done (and visible) before it is rewritten.
+        tl.debug_barrier()
+        label_g = _grad_block(label_x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY) + g_logp * inv_t
+        tl.store(grad_row_ptr + label * grad_vocab_stride, cast_for_store(label_g, grad_ptr))
+    else:
+        zeros = tl.zeros([BLOCK_V // GROUP, GROUP], ACC)
+        for _ in range(0, full_end, BLOCK_V):
+            tl.store(grad_block_ptr + grad_offsets, cast_for_store(zeros, grad_ptr))
+            grad_block_ptr += grad_step
+        if full_end < vocab:
+            tl.store(grad_block_ptr + grad_offsets, cast_for_store(zeros, grad_ptr), mask=cols < vocab - full_end)
 
 
 def token_logprobs_forward(
@@ -229,6 +354,7 @@ def token_logprobs_forward(
     if vocab == 0:
         raise ValueError("logits must have a non-empty vocabulary dim")
     block, num_warps = _launch_config(vocab, block_v)
+    group = _group(block, vocab_stride, (logits, outer_stride, inner_stride))
     with device_guard(logits):
         _token_logprobs_fwd_kernel[(rows,)](
             logits,
@@ -237,8 +363,8 @@ def token_logprobs_forward(
             entropy if return_entropy else logp,  # unused when not RETURN_ENTROPY
             stats,
             rows_per_outer,
-            outer_stride,
-            inner_stride,
+            outer_stride // group,
+            inner_stride // group,
             vocab_stride,
             labels_outer_stride,
             labels_inner_stride,
@@ -248,6 +374,7 @@ def token_logprobs_forward(
             RETURN_ENTROPY=return_entropy,
             ACC=compute_dtype(logp.dtype),
             BLOCK_V=block,
+            GROUP=group,
             num_warps=num_warps,
         )
     return logp, entropy, stats
@@ -301,6 +428,7 @@ def token_logprobs_backward(
         grad_logp, grad_logp_outer_stride, grad_logp_inner_stride = stats, 0, 0  # unused
     _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
     block, num_warps = _launch_config(logits.shape[-1], block_v)
+    group = _group(block, vocab_stride if grad_vocab_stride == 1 else 0, (logits, outer_stride, inner_stride), (grad, grad_outer_stride, grad_inner_stride))
     with device_guard(logits):
         _token_logprobs_bwd_kernel[(rows,)](
             logits,
@@ -311,11 +439,11 @@ def token_logprobs_backward(
             grad_logp,
             grad_entropy,
             rows_per_outer,
-            outer_stride,
-            inner_stride,
+            outer_stride // group,
+            inner_stride // group,
             vocab_stride,
-            grad_outer_stride,
-            grad_inner_stride,
+            grad_outer_stride // group,
+            grad_inner_stride // group,
             grad_vocab_stride,
             labels_outer_stride,
             labels_inner_stride,
@@ -330,6 +458,7 @@ def token_logprobs_backward(
             HAS_GRAD_ENTROPY=has_grad_entropy,
             ACC=compute_dtype(result_dtype(logits)),
             BLOCK_V=block,
+            GROUP=group,
             num_warps=num_warps,
         )
     return grad

@@ -1,0 +1,605 @@
+"""Static performance report: what the sm_90 code of every kernel costs, measured without a GPU.
+
+    python -m bench.static                 # the table (markdown) on stdout
+    python -m bench.static --json r.json   # also every number, for tests and tools
+    python -m bench.static --no-cuda       # Triton kernels only (no nvcc needed)
+
+**Triton**: every kernel variant is compiled for sm_90 with the specialisation a real
+launch gets.  The launchers of ``ppo_fast.kernels`` run on ``meta`` tensors of the target
+shapes; the launch itself is intercepted and handed to Triton's own binder, the code that
+turns a real launch's arguments into the compiled signature: pointer and int types (ints
+that fit are i32), ints equal to 1 made constexpr, and the divisibility-by-16 hints on
+ints and pointers.  A meta tensor's address is 0, so its pointer gets the 16-byte hint a
+fresh CUDA allocation (256-byte aligned) gets.  **CUDA**: ``csrc/cuda/*.cu`` compiled
+with ``nvcc -cubin -arch=sm_90 -Xptxas -v``.
+
+Per kernel: registers, spilled bytes (ptxas ``-v``), shared memory, 128-bit global
+loads/stores (``LDG.E.128``/``STG.E.128`` in the SASS), and SASS instructions per element
+in the hot loop: the loop is the span of the SASS's widest backward branch, and its
+instruction count is divided by the elements each thread handles per iteration
+(``BLOCK / (32 * num_warps)``); a kernel without a loop counts all its instructions.
+
+**The bound this implies** (H200 SXM): 132 SMs x 4 schedulers issue at most one warp
+instruction per cycle each at 1.98 GHz, i.e. 3.35e13 thread-instructions/s.  A kernel that
+issues ``I`` instructions per element and moves ``B`` bytes per element can stream at most
+``B * 3.35e13 / I`` bytes/s: that is its issue limit, reported beside the HBM3e peak of
+4.8 TB/s.  It is an upper bound (perfect issue, no stalls): a kernel whose issue limit is
+near the memory bandwidth will not reach that bandwidth.  A bf16 log-prob forward (2 bytes
+per logit) becomes memory-bound below ~14 instructions per logit, so the budgets keep it
+at <= 10 (<= 13 with the entropy) and the backward (2 bytes read + 2 written) at <= 8
+(<= 9 with the entropy gradient), leaving headroom for the stalls the model ignores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Callable
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SMS, SCHEDULERS, CLOCK_HZ, WARP = 132, 4, 1.98e9, 32
+ISSUE_RATE = SMS * SCHEDULERS * CLOCK_HZ * WARP  # thread-instructions per second
+HBM_PEAK = 4.8e12  # bytes per second
+
+# The budgets the tests assert: instructions per logit in the log-prob kernels' hot loops,
+# for 16- and 32-bit logits whose rows allow 16-byte loads (V % 8 == 0 for bf16).  The
+# entropy gradient costs two instructions more per logit than the log-prob gradient.
+BUDGETS = {
+    "token_logprobs fwd": 10.0,
+    "token_logprobs fwd+entropy": 13.0,
+    "token_logprobs bwd": 8.0,
+    "token_logprobs bwd+entropy": 9.0,
+}
+
+# Problems found and owned elsewhere: shown in the table (MISSED), not failing the run.
+# Only these exact variants; each names its owner.
+KNOWN_PROBLEMS = {
+    **{
+        f"linear_token_logprobs {p} [16384, 4096] x [151936, 4096] fp32 bias+softcap+entropy": "the fused head's fp32 (IEEE) tiles spill (issue 11)"
+        for p in ("fwd", "bwd")
+    },
+    "losses.cu: partials_kernel<F64, true, PolicyToken<F64> >": "the float64 policy loss's vector path spills (CUDA losses, issue 12)",
+}
+
+# Target shapes (bench/gpu_check.sh measures these).
+ROWS, VOCAB = 16384, 151936
+BATCH, LENGTH = 64, 8192
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclasses.dataclass
+class Variant:
+    """One launch of one kernel: ``run`` calls a launcher on meta tensors."""
+
+    name: str  # e.g. "token_logprobs fwd bf16 V=151936"
+    budget_key: str | None  # a key of BUDGETS, or None
+    bytes_per_element: int | None  # global memory bytes per element (read + written); None: not modelled
+    run: Callable[[], object]
+    vector_loads_expected: bool = False  # 128-bit loads required (bf16, V % 8 == 0)
+    # The constexpr holding the elements a loop iteration handles; None: no per-element
+    # figure (a tiled matmul's loop is over its reduction dim, not over elements).
+    block: str | None = "BLOCK"
+
+
+@dataclasses.dataclass
+class KernelReport:
+    name: str
+    kernel: str
+    registers: int
+    spill_bytes: int  # spill stores + loads, bytes (ptxas -v)
+    shared_bytes: int
+    ldg128: int  # 128-bit global loads in the hot loop (the whole kernel without a loop)
+    ldg: int  # all global loads there
+    stg128: int
+    stg: int
+    loop_instructions: int | None  # None: no loop
+    elements_per_thread: float | None
+    instructions_per_element: float | None
+    bytes_per_element: int | None = None
+    budget: float | None = None
+    vector_loads_expected: bool = False
+    signature: str = ""
+
+    @property
+    def issue_limit_gbps(self) -> float | None:
+        if not self.instructions_per_element or not self.bytes_per_element:
+            return None
+        return self.bytes_per_element * ISSUE_RATE / self.instructions_per_element / 1e9
+
+    def problems(self) -> list[str]:
+        """What breaks a budget (empty when none does)."""
+        out = []
+        if self.spill_bytes:
+            out.append(f"{self.spill_bytes} bytes spilled")
+        if self.budget is not None and (self.instructions_per_element is None or self.instructions_per_element > self.budget):
+            out.append(f"{self.instructions_per_element} instructions per element > budget {self.budget}")
+        if self.vector_loads_expected and (self.ldg128 == 0 or self.ldg128 != self.ldg):
+            out.append(f"hot-loop global loads not all 128-bit ({self.ldg128} of {self.ldg})")
+        return out
+
+
+# --------------------------------------------------------------------------- SASS analysis
+
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH_TARGET = re.compile(r"\bBRA(?:\.\w+)*\s+`?\(?(\.L_x_\d+)")
+
+
+def sass_functions(sass: str) -> dict[str, list[tuple[str | None, str]]]:
+    """``{function: [(label or None, instruction)]}`` from nvdisasm output; a label is attached
+    to the instruction it precedes."""
+    functions: dict[str, list[tuple[str | None, str]]] = {}
+    current = None
+    pending_label = None
+    for line in sass.splitlines():
+        header = re.match(r"^\s*\.text\.(\S+):", line)
+        if header:
+            current = functions.setdefault(header.group(1), [])
+            continue
+        label = _LABEL.match(line)
+        if label:
+            pending_label = label.group(1)
+            continue
+        ins = _INSTRUCTION.match(line)
+        if ins and current is not None:
+            text = ins.group(1)
+            if not re.match(r"^NOP\b", text):
+                current.append((pending_label, text))
+            pending_label = None
+    return functions
+
+
+def hot_loop(instructions: list[tuple[str | None, str]]) -> list[str] | None:
+    """The instructions of the widest loop (a branch back to a label before it), or None."""
+    where = {label: i for i, (label, _) in enumerate(instructions) if label}
+    best = None
+    for i, (_, text) in enumerate(instructions):
+        branch = _BRANCH_TARGET.search(text)
+        if branch and branch.group(1) in where and where[branch.group(1)] < i:
+            start = where[branch.group(1)]
+            if best is None or i - start > best[1] - best[0]:
+                best = (start, i)
+    return None if best is None else [text for _, text in instructions[best[0] : best[1] + 1]]
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def count_memory(instructions: list[str]) -> dict[str, int]:
+    ops = [_opcode(t) for t in instructions]
+    return {
+        "ldg": sum(op.startswith("LDG") for op in ops),
+        "ldg128": sum(op.startswith("LDG") and op.endswith(".128") for op in ops),
+        "stg": sum(op.startswith("STG") for op in ops),
+        "stg128": sum(op.startswith("STG") and op.endswith(".128") for op in ops),
+    }
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    path = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+def disassemble(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_nvidia_tool("nvdisasm"), "-c", f.name], check=True, capture_output=True, text=True).stdout
+
+
+_PTXAS_FUNCTION = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """``{function: {registers, spill_bytes, shared_bytes}}`` from ``ptxas -v`` output."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        if m := _PTXAS_FUNCTION.search(line):
+            current = out.setdefault(m.group(1), {"registers": 0, "spill_bytes": 0, "shared_bytes": 0})
+        elif current is not None:
+            if m := _PTXAS_SPILLS.search(line):
+                current["spill_bytes"] = int(m.group(1)) + int(m.group(2))
+            if m := _PTXAS_REGS.search(line):
+                current["registers"] = int(m.group(1))
+            if m := _PTXAS_SMEM.search(line):
+                current["shared_bytes"] = int(m.group(1))
+    return out
+
+
+def analyse(name, kernel, instructions, resources, elements_per_thread, **extra) -> KernelReport:
+    loop = hot_loop(instructions)
+    body = loop if loop is not None else [text for _, text in instructions]
+    per_element = round(len(body) / elements_per_thread, 2) if elements_per_thread else None
+    return KernelReport(
+        name=name,
+        kernel=kernel,
+        loop_instructions=None if loop is None else len(loop),
+        elements_per_thread=elements_per_thread,
+        instructions_per_element=per_element,
+        **resources,
+        **count_memory(body),
+        **extra,
+    )
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+def _meta(shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def triton_variants() -> list[Variant]:
+    """Every Triton kernel variant the launchers use, at the target shapes."""
+    from ppo_fast import kernels
+
+    variants = []
+
+    def logprob_variants(dtype_name, vocab, lead=(ROWS,), slice_last=False, entropy_flags=(False, True), grads=None):
+        dtype = DTYPES[dtype_name]
+        size = dtype.itemsize
+        shape = f"[{', '.join(map(str, lead))}, {vocab}]" + (" sliced [:, :-1]" if slice_last else "")
+        vector = dtype_name == "bf16" and vocab % 8 == 0
+        budgeted = dtype_name != "fp64" and vocab * size % 16 == 0
+
+        def logits_labels():
+            if slice_last:
+                logits = _meta((lead[0], lead[1] + 1, vocab), dtype)[:, :-1]
+            else:
+                logits = _meta(lead + (vocab,), dtype)
+            return logits, _meta(logits.shape[:-1], torch.int64)
+
+        for entropy in entropy_flags:
+            key = "token_logprobs fwd+entropy" if entropy else "token_logprobs fwd"
+
+            def run(entropy=entropy):
+                logits, labels = logits_labels()
+                return kernels.token_logprobs_forward(logits, labels, 0.7, entropy, -100)
+
+            variants.append(Variant(f"{key} {dtype_name} {shape}", key if budgeted else None, size, run, vector))
+        for has_logp, has_entropy in grads if grads is not None else ((True, False), (True, True), (False, True)):
+            what = "+".join(n for n, on in (("logp", has_logp), ("entropy", has_entropy)) if on)
+
+            def run(has_logp=has_logp, has_entropy=has_entropy):
+                logits, labels = logits_labels()
+                acc = torch.float64 if dtype == torch.float64 else torch.float32
+                stats, row = _meta(labels.shape + (2,), acc), _meta(labels.shape, acc)
+                return kernels.token_logprobs_backward(
+                    logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100
+                )
+
+            key = "token_logprobs bwd+entropy" if has_entropy else "token_logprobs bwd"
+            variants.append(Variant(f"token_logprobs bwd({what}) {dtype_name} {shape}", key if budgeted else None, 2 * size, run, vector))
+
+    for dtype_name in DTYPES:
+        logprob_variants(dtype_name, VOCAB)
+    logprob_variants("bf16", 32008, grads=((True, False),))  # V % 8 == 0 but not % 16
+    logprob_variants("bf16", 50257, entropy_flags=(False,), grads=((True, False),))  # odd V: no vector loads possible
+    logprob_variants("bf16", VOCAB, lead=(8, 2048), slice_last=True, entropy_flags=(False,), grads=((True, False),))
+
+    def seq(dtype=torch.float32, transposed=False):
+        if transposed:
+            return _meta((LENGTH, BATCH), dtype).t()
+        return _meta((BATCH, LENGTH), dtype)
+
+    from ppo_fast.contract import KL_ESTIMATORS
+
+    for estimator in KL_ESTIMATORS:
+        for transposed in (False, True) if estimator == "k3" else (False,):
+            layout = " transposed" if transposed else ""
+            variants.append(Variant(f"kl_estimate fwd {estimator}{layout}", None, 12,
+                                    lambda e=estimator, t=transposed: kernels.kl_estimate_forward(seq(transposed=t), seq(transposed=t), e)))
+            variants.append(Variant(f"kl_estimate bwd {estimator}{layout}", None, 20,
+                                    lambda e=estimator, t=transposed: kernels.kl_backward(seq(transposed=t), seq(transposed=t), seq(), e)))
+        variants.append(Variant(
+            f"kl_penalized_rewards fwd {estimator}", None, 17,
+            lambda e=estimator: kernels.kl_penalized_rewards_forward(_meta((BATCH,)), seq(), seq(), seq(torch.bool), 0.05, e)))
+    for has_rewards, has_kl in ((True, True), (True, False), (False, True)):
+        what = "+".join(n for n, on in (("rewards", has_rewards), ("kl", has_kl)) if on)
+        variants.append(Variant(
+            f"kl_penalized_rewards bwd({what}) k3", None, None,
+            lambda r=has_rewards, k=has_kl: kernels.kl_penalized_rewards_backward(
+                seq(), seq(), seq(torch.bool), _meta((BATCH,), torch.int32), seq() if r else None, seq() if k else None, 0.05, "k3",
+                torch.float32)))
+    variants.append(Variant("gae fwd", None, 17, lambda: kernels.gae_forward(seq(), seq(), seq(torch.bool), 1.0, 0.95)))
+    for has_adv, has_ret in ((True, True), (True, False), (False, True)):
+        what = "+".join(n for n, on in (("advantages", has_adv), ("returns", has_ret)) if on)
+        variants.append(Variant(
+            f"gae bwd({what})", None, None,
+            lambda a=has_adv, r=has_ret: kernels.gae_backward(seq() if a else None, seq() if r else None, seq(torch.bool), 1.0, 0.95,
+                                                              torch.float32, torch.float32)))
+
+    # The fused LM head (tiled tl.dot: no per-element figure), at its launch configurations;
+    # float32 products in TF32 where torch allows it, else IEEE.
+    from ppo_fast.kernels import linear_logprobs
+
+    rows, hidden = 16384, 4096
+    for dtype_name, allow_tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
+        dtype = DTYPES[dtype_name]
+        label = dtype_name + (" tf32" if allow_tf32 else "")
+        for flags in (False, True):  # bias, softcap and the entropy together, or none
+            extra = " bias+softcap+entropy" if flags else ""
+
+            def head(dtype=dtype):
+                return _meta((rows, hidden), dtype), _meta((VOCAB, hidden), dtype), _meta((rows,), torch.int64)
+
+            def fwd(head=head, flags=flags, allow_tf32=allow_tf32):
+                x, w, labels = head()
+                with _allow_tf32(allow_tf32):
+                    return linear_logprobs.linear_logprobs_forward(
+                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
+                        logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
+
+            def bwd(head=head, flags=flags, allow_tf32=allow_tf32):
+                x, w, labels = head()
+                acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+                row = _meta((rows,), acc)
+                with _allow_tf32(allow_tf32):
+                    return linear_logprobs.linear_logprobs_backward(
+                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, row, row if flags else None, row, row if flags else None,
+                        temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
+                        needs_hidden=True, needs_weight=True, needs_bias=flags)
+
+            shape = f"[{rows}, {hidden}] x [{VOCAB}, {hidden}] {label}{extra}"
+            variants.append(Variant(f"linear_token_logprobs fwd {shape}", None, None, fwd, block=None))
+            variants.append(Variant(f"linear_token_logprobs bwd {shape}", None, None, bwd, block=None))
+
+    from ppo_fast.kernels import group_sum
+
+    for dtype in (torch.float32, torch.float64):
+        variants.append(Variant(f"group_sum {str(dtype).replace('torch.', '')} [{BATCH}, 8]", None, None,
+                                lambda dtype=dtype: group_sum.group_sum_forward(_meta((BATCH, 8), dtype), _meta((BATCH,), torch.int64)),
+                                block=None))
+    return variants
+
+
+@contextlib.contextmanager
+def _allow_tf32(allowed: bool):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@dataclasses.dataclass
+class Launch:
+    """What a real launch would compile: Triton's binder output for the intercepted call."""
+
+    fn: object  # the JITFunction
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: object
+
+
+@contextlib.contextmanager
+def intercept_launches(target):
+    """Within the block, ``kernel[grid](...)`` compiles nothing and launches nothing: it
+    records the :class:`Launch` that Triton's own binder makes of the arguments for ``target``."""
+    from triton.compiler import make_backend
+    from triton.runtime import jit
+
+    backend = make_backend(target)
+    launches: list[Launch] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        binder = jit.create_function_from_signature(self.signature, self.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+        launches.append(Launch(self, signature, constexprs, attrs, options))
+
+    original = jit.JITFunction.run
+    jit.JITFunction.run = run
+    try:
+        yield launches
+    finally:
+        jit.JITFunction.run = original
+
+
+def capture(variant: Variant, target) -> Launch:
+    """The variant's (first) launch; a launcher that loops over chunks launches the same kernel again."""
+    with intercept_launches(target) as launches:
+        variant.run()
+    if not launches or len({launch.fn for launch in launches}) != 1:
+        raise RuntimeError(f"{variant.name}: expected launches of one kernel, got {[launch.fn for launch in launches]}")
+    return launches[0]
+
+
+def compile_launch(launch: Launch, target):
+    import triton
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=launch.fn, signature=launch.signature, constexprs=launch.constexprs, attrs=launch.attrs)
+    return triton.compile(src, target=target, options=launch.options.__dict__)
+
+
+def _signature_text(launch: Launch) -> str:
+    """The specialisation in one line: typed args with their hints, constexpr values."""
+    names = list(launch.signature)
+    parts = []
+    for i, name in enumerate(names):
+        kind = launch.signature[name]
+        if kind == "constexpr":
+            value = launch.constexprs.get((i,))
+            parts.append(f"{name}={getattr(value, 'name', value)}")
+        else:
+            hints = [f"{k.split('.')[-1]}={v}" for k, v in (launch.attrs.get((i,)) or [])]
+            parts.append(f"{name}:{kind}" + (f"[{','.join(hints)}]" if hints else ""))
+    return ", ".join(parts)
+
+
+def _ptxas_resources(ptx: str) -> dict[str, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+        log = subprocess.run([_nvidia_tool("ptxas"), "-v", f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".cubin"))],
+                             check=True, capture_output=True, text=True).stderr
+    (resources,) = parse_ptxas_log(log).values()
+    return resources
+
+
+def triton_kernels() -> list[str]:
+    """The names of every ``@triton.jit`` kernel (``*_kernel``) in ``ppo_fast.kernels``: the
+    variants must launch each at least once."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import ppo_fast.kernels as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {name for name, obj in vars(module).items() if isinstance(obj, JITFunction) and name.endswith("_kernel")}
+    return sorted(names)
+
+
+def analyse_triton(variants: list[Variant] | None = None, keep_ttir: bool = False) -> list[KernelReport]:
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, WARP)  # what the driver reports for an H100/H200
+    reports = []
+    for variant in variants if variants is not None else triton_variants():
+        launch = capture(variant, target)
+        compiled = compile_launch(launch, target)
+        (instructions,) = sass_functions(disassemble(compiled.asm["cubin"])).values()
+        names = list(launch.signature)
+        block = None if variant.block is None else next(v for (i,), v in launch.constexprs.items() if names[i].startswith(variant.block))
+        resources = _ptxas_resources(compiled.asm["ptx"])
+        resources["shared_bytes"] += compiled.metadata.shared  # Triton's dynamic shared memory
+        per_thread = None if block is None else block / (WARP * launch.options.num_warps)
+        report = analyse(variant.name, launch.fn.fn.__name__, instructions, resources, per_thread,
+                         bytes_per_element=variant.bytes_per_element, budget=BUDGETS.get(variant.budget_key),
+                         vector_loads_expected=variant.vector_loads_expected, signature=_signature_text(launch))
+        if keep_ttir:
+            report.ttir = compiled.asm["ttir"]
+            report.int_args = [n for n, k in launch.signature.items() if k in ("i32", "i64")]
+        reports.append(report)
+    return reports
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _demangled(names: list[str]) -> dict[str, str]:
+    """Readable kernel names (the mangled ones where no demangler is installed)."""
+    filt = shutil.which("cu++filt") or shutil.which("c++filt")
+    if filt is None:
+        return {n: n for n in names}
+    out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True, check=True).stdout.splitlines()
+    short = [re.sub(r"\(.*\)$", "", re.sub(r"ppo_fast::cuda::(\(anonymous namespace\)|_GLOBAL__N__\w+)::", "", n)) for n in out]
+    short = [re.sub(r"ppo_fast::cuda::|\(anonymous namespace\)::", "", n).replace("void ", "") for n in short]
+    return dict(zip(names, short))
+
+
+def _nvcc() -> str:
+    home = os.environ.get("CUDA_HOME")
+    candidates = [pathlib.Path(home) / "bin" / "nvcc"] if home else []
+    candidates += [pathlib.Path(p) for p in sorted(pathlib.Path("/usr/local").glob("cuda*/bin/nvcc"))]
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    found = shutil.which("nvcc")
+    if not found:
+        raise FileNotFoundError("nvcc not found (set CUDA_HOME)")
+    return found
+
+
+def analyse_cuda(sources: list[pathlib.Path] | None = None) -> list[KernelReport]:
+    """Every ``__global__`` function of ``csrc/cuda/*.cu``: ``nvcc -Xptxas -v`` for sm_90, its SASS.
+
+    The CUDA kernels have no single block constant to divide by: their hot loop is
+    reported in instructions (per element only where a loop exists and one thread handles
+    one element per iteration is not assumed)."""
+    reports = []
+    for source in sources or sorted((ROOT / "csrc" / "cuda").glob("*.cu")):
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = pathlib.Path(tmp) / "k.cubin"
+            cmd = [_nvcc(), "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v", "-I", str(ROOT / "csrc"), "-o", str(cubin), str(source)]
+            log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+            sass = disassemble(cubin.read_bytes())
+        resources = parse_ptxas_log(log)
+        functions = sass_functions(sass)
+        names = _demangled(list(functions))
+        for mangled, instructions in functions.items():
+            reports.append(analyse(f"{source.name}: {names[mangled]}", names[mangled], instructions, resources[mangled], None))
+    return reports
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(x, digits=1):
+    return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+
+
+def markdown(reports: list[KernelReport]) -> str:
+    lines = [
+        "| kernel variant | regs | spills B | smem B | 128-bit loads / all (loop) | 128-bit stores / all (loop) | loop instr | elem/thread/iter | instr/elem | budget | issue limit GB/s (x 4.8 TB/s) | bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        limit = r.issue_limit_gbps
+        limit_text = "-" if limit is None else f"{limit:,.0f} ({limit * 1e9 / HBM_PEAK:.2f}x)"
+        bound = "-" if limit is None else ("memory" if limit * 1e9 >= HBM_PEAK else "issue")
+        budget = "-" if r.budget is None else (f"<= {r.budget:g} " + ("ok" if not r.problems() else "MISSED"))
+        if r.budget is None and r.problems():
+            budget = "MISSED (known)" if r.name in KNOWN_PROBLEMS else "MISSED"
+        lines.append(
+            f"| {r.name} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | {r.ldg128}/{r.ldg} | {r.stg128}/{r.stg} | "
+            f"{_fmt(r.loop_instructions)} | {_fmt(r.elements_per_thread, 0)} | {_fmt(r.instructions_per_element, 2)} | {budget} | {limit_text} | {bound} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=pathlib.Path, help="also write every number here")
+    parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels (no nvcc needed)")
+    parser.add_argument("--only", help="only the Triton variants whose name contains this")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: Triton cannot compile under the interpreter")
+    variants = [v for v in triton_variants() if not args.only or args.only in v.name]
+    reports = analyse_triton(variants)
+    if not args.no_cuda and not args.only:
+        reports += analyse_cuda()
+    print(markdown(reports))
+    failures = [f"{r.name}: {p}" for r in reports for p in r.problems() if r.name not in KNOWN_PROBLEMS]
+    for r in reports:
+        if r.name in KNOWN_PROBLEMS:
+            print(f"known, not failing: {r.name}: {r.problems() or 'no problem any more (remove it from KNOWN_PROBLEMS)'}: "
+                  f"{KNOWN_PROBLEMS[r.name]}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) | {"problems": r.problems()} for r in reports], indent=1))
+    for failure in failures:
+        print("BUDGET MISSED:", failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
