@@ -141,3 +141,31 @@ def test_each_torchrun_rank_drives_its_own_engine(tmp_path):
     out = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank ")) == ["rank 0: ok", "rank 1: ok"]
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path):
+    """``torchrun -m ppo_fast train --rollout-engine vllm`` with 2 ranks (DDP): two steps, the mismatch
+    metrics of rank 0, and a clean exit (the engines shut down before the process group)."""
+    import json
+    import subprocess
+    import sys
+
+    tokenizer = default_task.build_tokenizer()
+    tiny_llama(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "prompts.txt").write_text("\n".join(default_task.prompts(TrainerConfig())[0][:64]) + "\n")
+    (tmp_path / "rewards.py").write_text("def shorter(prompts, responses):\n    return [-float(len(r)) for r in responses]\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ppo_fast", "train",
+               "--rollout-engine", "vllm", "--rollout-correction", "token_tis", "--model-name-or-path", str(tmp_path / "model"),
+               "--prompts-file", str(tmp_path / "prompts.txt"), "--reward-fn", f"{tmp_path / 'rewards.py'}:shorter",
+               "--steps", "2", "--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--response-length", "6",
+               "--save-every", "0", "--sample-every", "0", "--output-dir", str(tmp_path / "out")]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    output = out.stdout + out.stderr
+    assert out.returncode == 0, output[-6000:]
+    assert "Invalid process group" not in output, output[-6000:]  # vLLM's groups torn down after torch's: an exit error
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["rollout/logprob_diff_max"] < 1e-3 and row["time/weight_sync"] > 0 for row in rows), rows

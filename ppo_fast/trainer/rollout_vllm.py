@@ -101,6 +101,10 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
         return time.perf_counter() - start
 
+    def close(self) -> None:
+        """Shut the engine down (its worker and its process groups); it cannot generate afterwards."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     @torch.no_grad()
     def generate(self, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, greedy: bool, device: torch.device) -> tuple[Batch, torch.Tensor]:

@@ -525,6 +525,13 @@ class PPOTrainer:
 
         The summary's wall time counts from the trainer's creation, so it includes the warm-up.
         """
+        try:
+            return self._train()
+        finally:
+            if self.engine is not None:  # before the process group goes: vLLM's groups are built on it
+                self.engine.close()
+
+    def _train(self) -> dict:
         cfg = self.cfg
         if self.step >= cfg.steps:  # --resume of a run that already did its steps
             return self._nothing_to_do()
