@@ -43,9 +43,12 @@ _VECTOR_BYTES = 16
 LOG_FLOOR = tl.constexpr(-2000.0)
 
 
-def _launch_config(vocab: int, block_v: int | None) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)`` for a vocabulary: wide blocks, more warps as they grow."""
-    block = block_v or min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
+def _launch_config(vocab: int, block_v: int | None, itemsize: int) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` for a vocabulary: wide blocks, more warps as they grow.
+
+    float64 blocks are at most 1024 wide (4 warps, 8 doubles per thread): wider ones spill
+    in the entropy backward under triton 3.6 or 3.8 (``bench.static``)."""
+    block = block_v or min(triton.next_power_of_2(vocab), MAX_BLOCK_V if itemsize < 8 else MAX_BLOCK_V // 4)
     num_warps = 4 if block <= 1024 else 8
     return block, num_warps
 
@@ -353,7 +356,7 @@ def token_logprobs_forward(
         return logp, entropy, stats
     if vocab == 0:
         raise ValueError("logits must have a non-empty vocabulary dim")
-    block, num_warps = _launch_config(vocab, block_v)
+    block, num_warps = _launch_config(vocab, block_v, logits.element_size())
     group = _group(block, vocab_stride, (logits, outer_stride, inner_stride))
     with device_guard(logits):
         _token_logprobs_fwd_kernel[(rows,)](
@@ -427,7 +430,7 @@ def token_logprobs_backward(
     else:
         grad_logp, grad_logp_outer_stride, grad_logp_inner_stride = stats, 0, 0  # unused
     _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
-    block, num_warps = _launch_config(logits.shape[-1], block_v)
+    block, num_warps = _launch_config(logits.shape[-1], block_v, logits.element_size())
     group = _group(block, vocab_stride if grad_vocab_stride == 1 else 0, (logits, outer_stride, inner_stride), (grad, grad_outer_stride, grad_inner_stride))
     with device_guard(logits):
         _token_logprobs_bwd_kernel[(rows,)](
