@@ -147,22 +147,28 @@ def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_ind
     return logits.new_empty(labels.shape, dtype=dtype), entropy, logits.new_empty(labels.shape, dtype=dtype)
 
 
-def _fake_token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
-    op = "token_logprobs_backward"
-    _check_logits(op, logits, labels, temperature)
-    dtype = result_dtype(logits)
-    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as token_logprobs returns it), got {lse.dtype}")
+def _check_saved_row_stats(op, forward_op, input_name, x, labels, lse, entropy, grad_logprobs, grad_entropy):
+    """A log-prob backward's per-row inputs: the forward's lse (and entropy when its gradient
+    is given) in the result dtype of ``x``, the incoming gradients, all of ``labels``' shape."""
+    dtype = result_dtype(x)
+    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as {forward_op} returns it), got {lse.dtype}")
     _check_shape(op, "lse", lse, labels.shape, "labels")
-    _check_same_device(op, logits=logits, lse=lse)
+    _check_same_device(op, **{input_name: x, "lse": lse})
     for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         if grad is not None:
             _check_float(op, name, grad)
             _check_shape(op, name, grad, labels.shape, "labels")
-            _check_same_device(op, logits=logits, **{name: grad})
+            _check_same_device(op, **{input_name: x, name: grad})
     if grad_entropy is not None:
         torch._check(entropy.dtype == dtype, lambda: f"{op}: entropy must have dtype {dtype}, got {entropy.dtype}")
         _check_shape(op, "entropy", entropy, labels.shape, "labels")
-        _check_same_device(op, logits=logits, entropy=entropy)
+        _check_same_device(op, **{input_name: x, "entropy": entropy})
+
+
+def _fake_token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    op = "token_logprobs_backward"
+    _check_logits(op, logits, labels, temperature)
+    _check_saved_row_stats(op, "token_logprobs", "logits", logits, labels, lse, entropy, grad_logprobs, grad_entropy)
     return logits.new_empty(logits.shape)
 
 
@@ -237,19 +243,7 @@ def _fake_linear_token_logprobs_backward(
 ):
     op = "linear_token_logprobs_backward"
     _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
-    dtype = result_dtype(hidden)
-    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as linear_token_logprobs returns it), got {lse.dtype}")
-    _check_shape(op, "lse", lse, labels.shape, "labels")
-    _check_same_device(op, hidden=hidden, lse=lse)
-    for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
-        if grad is not None:
-            _check_float(op, name, grad)
-            _check_shape(op, name, grad, labels.shape, "labels")
-            _check_same_device(op, hidden=hidden, **{name: grad})
-    if grad_entropy is not None:
-        torch._check(entropy.dtype == dtype, lambda: f"{op}: entropy must have dtype {dtype}, got {entropy.dtype}")
-        _check_shape(op, "entropy", entropy, labels.shape, "labels")
-        _check_same_device(op, hidden=hidden, entropy=entropy)
+    _check_saved_row_stats(op, "linear_token_logprobs", "hidden", hidden, labels, lse, entropy, grad_logprobs, grad_entropy)
     grad_bias = _grad_or_empty(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
     return _grad_or_empty(hidden, output_mask[0]), _grad_or_empty(weight, output_mask[1]), grad_bias
 
