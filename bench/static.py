@@ -66,10 +66,6 @@ BUDGETS = {
 # Problems found and owned elsewhere: shown in the table (MISSED), not failing the run.
 # Only these exact variants; each names its owner.
 KNOWN_PROBLEMS = {
-    **{
-        f"linear_token_logprobs {p} [16384, 4096] x [151936, 4096] fp32 bias+softcap+entropy": "the fused head's fp32 (IEEE) tiles spill (issue 11)"
-        for p in ("fwd", "bwd")
-    },
     "losses.cu: partials_kernel<F64, true, PolicyToken<F64> >": "the float64 policy loss's vector path spills (CUDA losses, issue 12)",
 }
 

@@ -50,7 +50,7 @@ from ._launch import check_same_device, check_shape, device_guard
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
 # compile for sm_90 without register spills (checked in the SASS with triton 3.6 and 3.8;
-# float32 under IEEE precision, not TF32, spills 16 bytes in the forward); not timed on a GPU yet.
+# float32's entries are for TF32 products; IEEE ones take _IEEE_FLOAT32_CONFIG); not timed on a GPU yet.
 _FORWARD_CONFIG = {
     torch.bfloat16: (128, 128, 32, 8),
     torch.float16: (128, 128, 32, 8),
@@ -63,6 +63,8 @@ _BACKWARD_CONFIG = {
     torch.float32: (64, 128, 16, 8),
     torch.float64: (32, 64, 16, 4),
 }
+# IEEE float32 products (torch's default, TF32 off) need more registers than TF32 ones: smaller tiles.
+_IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (64, 64, 16, 4)}
 _NUM_STAGES = 3
 # At most this much float32 scratch for a bf16/fp16 ``d_weight``: larger heads run the backward in vocabulary chunks.
 WEIGHT_SCRATCH_BYTES = 32 << 20
@@ -277,6 +279,12 @@ def _linear_logprobs_bwd_kernel(
                 )
 
 
+def _tiles(direction: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    if dtype == torch.float32 and _dot_precision(dtype) == "ieee":
+        return _IEEE_FLOAT32_CONFIG[direction]
+    return (_FORWARD_CONFIG if direction == "forward" else _BACKWARD_CONFIG)[dtype]
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """float32 products as ``hidden @ weight.T`` would do them (TF32 only when torch allows it)."""
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
@@ -338,7 +346,7 @@ def linear_logprobs_forward(
     if vocab == 0:
         raise ValueError("weight must have a non-empty vocabulary dim")
     acc = compute_dtype(dtype)
-    block_n, block_v, block_h, num_warps = _FORWARD_CONFIG[hidden.dtype] if blocks is None else (*blocks, 4)
+    block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
     with device_guard(hidden):
         _linear_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
             hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, lse,
@@ -399,7 +407,7 @@ def linear_logprobs_backward(
         d_weight = torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=device) if weight.dtype == acc_dtype else weight.new_empty((vocab, hidden_size))
     has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
     if has_work and (needs_hidden or needs_weight or needs_bias):
-        block_n, block_v, block_h, num_warps = _BACKWARD_CONFIG[hidden.dtype] if blocks is None else (*blocks, 4)
+        block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
         chunk = vocab
         if needs_weight and weight.dtype != acc_dtype:
             chunk = max(block_v, (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * hidden_size) // block_v * block_v)
