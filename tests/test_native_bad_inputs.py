@@ -172,6 +172,28 @@ def _logprobs_backward(**changes):
     return tuple(args.values())
 
 
+H = 6  # the fused head's hidden size
+
+
+def _head(**changes):
+    args = dict(
+        hidden=torch.randn(N, H), weight=torch.randn(V, H), labels=torch.randint(0, V, (N,)), bias=torch.randn(V),
+        temperature=1.0, logit_scale=1.0, logit_softcap=30.0, return_entropy=True, ignore_index=-100,
+    )
+    args.update(changes)
+    return tuple(args.values())
+
+
+def _head_backward(**changes):
+    args = dict(
+        grad_logprobs=torch.randn(N), grad_entropy=torch.randn(N), hidden=torch.randn(N, H), weight=torch.randn(V, H),
+        labels=torch.randint(0, V, (N,)), bias=torch.randn(V), lse=torch.randn(N), entropy=torch.randn(N),
+        temperature=1.0, logit_scale=1.0, logit_softcap=30.0, ignore_index=-100, output_mask=[True, True, True],
+    )
+    args.update(changes)
+    return tuple(args.values())
+
+
 SHAPE = "must have the shape of"
 FLOAT = "must be float32, float64, float16 or bfloat16"
 BOOL_MASK = "mask must be a bool tensor"
@@ -383,6 +405,27 @@ CASES = {
         lambda: _logprobs_backward(logits=torch.randn(2, N, V)),
         f"labels {SHAPE} logits.shape[:-1]",
     ),
+    # linear_token_logprobs (the fused LM head)
+    "head-hidden-3d": ("linear_token_logprobs", lambda: _head(hidden=torch.randn(1, N, H)), "hidden must be 2-D"),
+    "head-hidden-int": ("linear_token_logprobs", lambda: _head(hidden=torch.zeros(N, H, dtype=torch.int64)), FLOAT),
+    "head-weight-1d": ("linear_token_logprobs", lambda: _head(weight=torch.randn(V)), "weight must be 2-D"),
+    "head-weight-width": ("linear_token_logprobs", lambda: _head(weight=torch.randn(V, H + 1)), "weight must be [V, H] with H = hidden.size(1)"),
+    "head-weight-empty": ("linear_token_logprobs", lambda: _head(weight=torch.randn(0, H), bias=None), "weight must have a non-empty vocabulary dim"),
+    "head-weight-dtype": ("linear_token_logprobs", lambda: _head(weight=torch.randn(V, H, dtype=torch.float64)), "weight must have hidden's dtype"),
+    "head-labels-float": ("linear_token_logprobs", lambda: _head(labels=torch.zeros(N)), "labels must be an integer tensor"),
+    "head-labels-shape": ("linear_token_logprobs", lambda: _head(labels=torch.zeros(N + 1, dtype=torch.long)), "labels must have shape"),
+    "head-bias-shape": ("linear_token_logprobs", lambda: _head(bias=torch.randn(V + 1)), "bias must have shape"),
+    "head-bias-dtype": ("linear_token_logprobs", lambda: _head(bias=torch.randn(V, dtype=torch.float16)), "bias must have hidden's dtype"),
+    "head-temperature": ("linear_token_logprobs", lambda: _head(temperature=0.0), "temperature must be finite and > 0"),
+    "head-logit-scale": ("linear_token_logprobs", lambda: _head(logit_scale=float("inf")), "logit_scale must be finite and > 0"),
+    "head-softcap": ("linear_token_logprobs", lambda: _head(logit_softcap=-1.0), "logit_softcap"),
+    # linear_token_logprobs_backward
+    "head-bwd-lse-shape": ("linear_token_logprobs_backward", lambda: _head_backward(lse=torch.randn(N - 1)), f"lse {SHAPE} labels"),
+    "head-bwd-lse-dtype": ("linear_token_logprobs_backward", lambda: _head_backward(lse=torch.randn(N, dtype=torch.float16)), "lse must have dtype"),
+    "head-bwd-entropy-shape": ("linear_token_logprobs_backward", lambda: _head_backward(entropy=torch.randn(0)), f"entropy {SHAPE} labels"),
+    "head-bwd-grad-shape": ("linear_token_logprobs_backward", lambda: _head_backward(grad_logprobs=torch.randn(N, 2)), f"grad_logprobs {SHAPE} labels"),
+    "head-bwd-grad-int": ("linear_token_logprobs_backward", lambda: _head_backward(grad_entropy=torch.zeros(N, dtype=torch.int64)), FLOAT),
+    "head-bwd-weight-width": ("linear_token_logprobs_backward", lambda: _head_backward(weight=torch.randn(V, H - 1)), "weight must be [V, H]"),
 }
 
 
@@ -476,6 +519,8 @@ _GOOD = {
     "gae_backward": _gae_backward,
     "token_logprobs": _logprobs,
     "token_logprobs_backward": _logprobs_backward,
+    "linear_token_logprobs": _head,
+    "linear_token_logprobs_backward": _head_backward,
 }
 
 

@@ -82,10 +82,21 @@ _OTHER_LOGIT_TRANSFORMS = ("logits_scaling", "lm_head_multiplier", "output_multi
 _fallbacks_logged: set[str] = set()
 
 
+def _is_fsdp(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _fused_head(model, device: torch.device):
     """``(backbone, head kwargs for linear_token_logprobs)`` when ``model`` is a causal LM whose
     logits are ``softcap(logit_scale * head(backbone(...).last_hidden_state))`` with a linear
     head (``get_output_embeddings()``, tied or not), else ``(None, why not)``."""
+    if _is_fsdp(model):
+        # FSDP2 gathers the root's weights (embeddings, head) only around the model's own forward.
+        return None, f"{type(model).__name__} is sharded with FSDP2"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     backbone = getattr(model, "base_model", None)
     config = getattr(model, "config", None)
