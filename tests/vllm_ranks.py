@@ -3,7 +3,7 @@
 Each rank joins the process group first (as a distributed trainer does), starts its engine
 (vLLM's ``external_launcher`` executor), decodes its own prompts greedily, perturbs its policy,
 syncs the weights and decodes again; both times the engine must agree with ``model.generate``.
-Prints one ``rank R: ok`` line per rank.
+Each rank that passes writes ``rank{R}.ok`` into the directory (ranks share stdout, so printed lines can interleave).
 """
 
 import torch
@@ -36,7 +36,8 @@ def main(model_dir: str) -> None:
         engine.sync_weights(policy)
     assert not same_batch(*outputs), f"rank {rank}: the perturbation did not change the greedy outputs"
     dist.barrier()
-    print(f"rank {rank}: ok", flush=True)
+    with open(f"{model_dir}/rank{rank}.ok", "w") as marker:
+        marker.write("ok\n")
 
 
 if __name__ == "__main__":
