@@ -27,6 +27,10 @@ constexpr int kWarpsPerBlock = 8;
 constexpr int kBlockThreads = kWarp * kWarpsPerBlock;
 constexpr int kFinalizeThreads = 512;
 constexpr int64_t kTargetItems = 4096;  // ~31 warps per H200 SM: enough loads in flight, few partials
+// Blocks per SM the forward kernels promise ptxas (<= 85 registers).  Without a promise it
+// held the float64 policy kernel to 64 registers and spilled in its loop; 3 x 8 warps keep
+// enough loads in flight.
+constexpr int kMinBlocksPerSm = 3;
 
 // Input dtypes: the stored bits, the compute type, and the conversions.
 struct F32 {
@@ -271,7 +275,7 @@ __device__ __forceinline__ void load_step(const Token& token, const bool* mask, 
 
 // partials[item, :] = sums over the valid tokens of the item's chunk.
 template <typename D, bool kAligned, typename Token>
-__global__ void __launch_bounds__(kBlockThreads) partials_kernel(Token token, const bool* mask, ChunkPlan plan,
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) partials_kernel(Token token, const bool* mask, ChunkPlan plan,
                                                                  int64_t length, double* partials) {
   using T = typename D::T;
   constexpr int N = kTokens<D>;
