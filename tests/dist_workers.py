@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ppo_fast.trainer import TrainerConfig, default_task
+from ppo_fast.trainer import TrainerConfig, default_task, rollout
 from ppo_fast.trainer.distributed import SINGLE, Parallel
 from ppo_fast.trainer.estimate import estimate
 from ppo_fast.trainer.models import build_critic, frozen_reference
@@ -63,6 +63,7 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
         loss = parallel.all_sum(ppo_losses(train_policy, train_critic, exp, cfg)[0] * weight) / parallel.world_size
     optimizer = torch.optim.SGD(params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    rollout._fallbacks_logged.clear()
     ppo_update(train_policy, train_critic, optimizer, scheduler, exp, cfg, step=1, parallel=parallel)
 
     def full(t):
@@ -74,6 +75,7 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
         "advantages": parallel_gather(parallel, est.advantages),
         "weights": {n: full(p.detach()).clone() for n, p in zip(names, params)},
         "grads": {n: full(p.grad).clone() for n, p in zip(names, params)},
+        "logits_fallbacks": sorted(rollout._fallbacks_logged),  # why the update did not use the fused head
     }
 
 

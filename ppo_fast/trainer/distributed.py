@@ -29,6 +29,7 @@ from torch import nn
 import ppo_fast as pf
 
 from .config import ConfigError, TrainerConfig
+from .rollout import ResponseScorer
 
 
 class RankLost(RuntimeError):
@@ -147,7 +148,8 @@ class Parallel:
 
     def prepare(self, policy: nn.Module, critic: nn.Module | None, reference: nn.Module):
         """Shard (FSDP2, in place) or wrap (DDP) the models; returns the ``(policy, critic)``
-        the update calls (their gradients are synchronised).  Build the optimizer after this."""
+        the update calls (their gradients are synchronised): under DDP the policy's
+        ``ResponseScorer``.  Build the optimizer after this."""
         if not self.active:
             return policy, critic
         if self.shard_reference:
@@ -171,14 +173,16 @@ class Parallel:
             self._wrapped.append(wrapped)
             return wrapped
 
+        # The policy's update forward is its ResponseScorer's (the fused head runs inside DDP's forward).
+        scorer = ResponseScorer(policy)
         if critic is None:
-            return ddp(policy), None
+            return ddp(scorer), None
         # The critic's parts are wrapped where Critic.forward (and the shared head) call them.
         view = copy.copy(critic)
         view._modules = dict(critic._modules, head=ddp(critic.head))
         if critic.backbone is not None:
             view._modules["backbone"] = ddp(critic.backbone)
-        return ddp(policy), view
+        return ddp(scorer), view
 
     @contextlib.contextmanager
     def accumulating(self, sync: bool):

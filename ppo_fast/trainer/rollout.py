@@ -120,39 +120,58 @@ def _fused_head(model, device: torch.device):
     }
 
 
+class ResponseScorer(torch.nn.Module):
+    """A causal LM's per-response-token ``(logprobs, entropy or None, last hidden states or
+    None)`` as a module's forward: from the backbone's last hidden states through
+    ``linear_token_logprobs`` (no [B, T, V] logits), or, for a non-standard head, from the
+    model's logits (said once in a log line).
+
+    DDP wraps this module, not the model (``Parallel.prepare``): DDP synchronises the
+    gradients of what runs inside its own forward, and the fused head calls the backbone and
+    the head weight apart, not the model's forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, response_ids, *, temperature: float, entropy: bool,
+                hidden_states: bool):
+        # The logits at position t predict token t + 1: the response is scored from the
+        # position before its first token to the second to last one.
+        start = input_ids.shape[1] - response_ids.shape[1] - 1
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        backbone, head = _fused_head(self.model, input_ids.device)
+        if backbone is not None:
+            hidden = backbone(**inputs).last_hidden_state
+            device_type = hidden.device.type
+            # In the dtype the head would run in: autocast's (bf16 on CUDA) or its own.
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head["weight"].dtype
+            head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
+            result = pf.linear_token_logprobs(hidden[:, start:-1].to(dtype), labels=response_ids,
+                                              temperature=temperature, return_entropy=entropy, **head)
+        else:
+            if head not in _fallbacks_logged:
+                _fallbacks_logged.add(head)
+                print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {head}", file=sys.stderr)
+            out = self.model(**inputs, output_hidden_states=hidden_states)
+            hidden = out.hidden_states[-1] if hidden_states else None
+            result = pf.token_logprobs(out.logits[:, start:-1], response_ids, temperature=temperature, return_entropy=entropy)
+        logprobs, token_entropy = result if entropy else (result, None)
+        return logprobs, token_entropy, hidden
+
+
 def _response_scores(model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool):
-    """``(logprobs, entropy or None, last hidden states or None)`` of the response tokens: from
-    the backbone's last hidden states through ``linear_token_logprobs`` (no [B, T, V] logits),
-    or, for a non-standard head, from the model's logits (said once in a log line)."""
-    start = batch.prompt_width - 1
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
-              "use_cache": False}
-    backbone, head = _fused_head(model, batch.input_ids.device)
-    if backbone is not None:
-        hidden = backbone(**inputs).last_hidden_state
-        device_type = hidden.device.type
-        # In the dtype the head would run in: autocast's (bf16 on CUDA) or its own.
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head["weight"].dtype
-        head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
-        result = pf.linear_token_logprobs(hidden[:, start:-1].to(dtype), labels=batch.response_ids,
-                                          temperature=temperature, return_entropy=entropy, **head)
-    else:
-        if head not in _fallbacks_logged:
-            _fallbacks_logged.add(head)
-            print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {head}", file=sys.stderr)
-        out = model(**inputs, output_hidden_states=hidden_states)
-        hidden = out.hidden_states[-1] if hidden_states else None
-        result = pf.token_logprobs(out.logits[:, start:-1], batch.response_ids, temperature=temperature, return_entropy=entropy)
-    logprobs, token_entropy = result if entropy else (result, None)
-    return logprobs, token_entropy, hidden
+    """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
+    scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
+    return scorer(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids,
+                  temperature=temperature, entropy=entropy, hidden_states=hidden_states)
 
 
 def forward(policy, critic: Critic | None, batch: Batch, *, temperature: float, entropy: bool = False, values: bool = False):
     """Per-response-token ``(logprobs, entropy or None, values or None)`` under the current weights.
 
-    The logits at position ``t`` predict token ``t + 1``, so the response's tokens are
-    scored by the logits from ``prompt_width - 1`` to the second to last position; the
-    values are read at the same positions (the state before each response token).
+    ``policy`` is a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one.  The values are
+    read at the positions whose logits score the response (the state before each token).
     """
     shared_values = values and critic is not None and critic.shared
     logprobs, token_entropy, hidden = _response_scores(policy, batch, temperature=temperature, entropy=entropy,
