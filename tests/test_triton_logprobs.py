@@ -108,6 +108,28 @@ def test_small_vocab_blocks_match_reference(block_v):
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab, group", [(64, 8), (68, 4), (66, 2), (67, 1)])
+def test_bf16_pairs_read_as_words_match_reference(vocab, group):
+    """bf16 rows read as 32-bit words (two logits each) in 8-, 4- and 2-wide groups, and the
+    element path of an odd V: whole blocks and the tail, forward and both gradients."""
+    from ppo_fast.kernels.logprobs import _group
+
+    logits = (3 * torch.randn(5, vocab, device=DEVICE)).bfloat16()
+    logits[1, 5] = float("-inf")
+    assert _group(16, 1, (logits, vocab, 0)) == group
+    labels = _labels((5,), vocab)
+    logp, entropy, stats = kernels.token_logprobs_forward(logits, labels, 0.8, True, IGNORE, block_v=16)
+    g_logp, g_entropy = torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)
+    grad = kernels.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.8, IGNORE, block_v=16)
+    leaf = logits.clone().requires_grad_()
+    with pf.use_backend("reference"):
+        ref_logp, ref_entropy = pf.token_logprobs(leaf, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)
+    ((ref_logp * g_logp).sum() + (ref_entropy * g_entropy).sum()).backward()
+    torch.testing.assert_close(logp, ref_logp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1.6e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("which", ["logp", "entropy"])
 def test_gradient_of_one_output_only(which):
     logits = torch.randn(4, 6, 33, device=DEVICE)
