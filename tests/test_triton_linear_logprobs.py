@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import ppo_fast as pf  # noqa: E402
 from ppo_fast import reference  # noqa: E402
 from ppo_fast.backends import backend_info, resolved_backend_name  # noqa: E402
 from ppo_fast.kernels import linear_logprobs as kernel  # noqa: E402
@@ -303,3 +304,38 @@ def test_torch_compile_fullgraph_matches_eager():
         results.append((value.detach(), *torch.autograd.grad(value, leaves)))
     for actual, expected in zip(*results):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def deterministic():
+    """``torch.use_deterministic_algorithms`` for one test (``deterministic(warn_only=...)``)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_algorithms_pass_over_the_atomic_backward(deterministic):
+    """Under torch.use_deterministic_algorithms(True): auto takes the reference for the fused head
+    (the Triton backward adds with atomics) and keeps Triton elsewhere; an explicit Triton
+    choice raises, or warns and runs with warn_only."""
+    hidden, weight, bias = _inputs(torch.float32)
+    labels = _labels(N, V)
+    deterministic()
+    assert resolved_backend_name("linear_token_logprobs", "cuda") == "reference"
+    assert resolved_backend_name("token_logprobs", "cuda") == "triton"
+    with pf.use_backend("triton"), pytest.raises(RuntimeError, match="linear_token_logprobs: backend 'triton' is not deterministic"):
+        pf.linear_token_logprobs(hidden, weight, labels, bias=bias)
+    deterministic(warn_only=True)
+    with pf.use_backend("triton"), pytest.warns(UserWarning, match="float32 atomics"):
+        logp = pf.linear_token_logprobs(hidden, weight, labels, bias=bias)
+    torch.testing.assert_close(logp.double(), _plain(hidden, weight, bias, labels)[0], rtol=1e-5, atol=2e-5)
+
+
+def test_deterministic_choice_under_torch_compile(deterministic):
+    """The choice is made while tracing: fullgraph, and the reference's result."""
+    hidden, weight, bias = _inputs(torch.float32)
+    labels = _labels(N, V)
+    deterministic()
+    with pf.use_backend("auto"):
+        compiled = torch.compile(lambda h: pf.linear_token_logprobs(h, weight, labels, bias=bias), fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(hidden).double(), _plain(hidden, weight, bias, labels)[0], rtol=1e-5, atol=2e-5)

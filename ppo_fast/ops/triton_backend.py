@@ -28,6 +28,9 @@ import torch
 OPS = ("token_logprobs", "linear_token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "group_sum")  # of contract.OPS
 _DEVICES = {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"}
 SUPPORTED = {op: set(_DEVICES) for op in OPS}
+# Ops whose results may differ in their last bits from run to run, and why: under
+# torch.use_deterministic_algorithms(True) ``auto`` passes them over and an explicit choice raises.
+NONDETERMINISTIC = {"linear_token_logprobs": "its backward adds the gradients of hidden and weight with float32 atomics"}
 
 try:
     from .. import kernels
