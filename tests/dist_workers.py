@@ -106,3 +106,40 @@ def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def eval_shards(rank: int, world_size: int, init_file: str, out_dir: str, out: str) -> None:
+    """Entry point of ``torch.multiprocessing.spawn``: the built-in job's held-out evaluation under
+    DDP, each rank counting the prompts it decoded; rank 0 saves the metrics and the counts."""
+    from ppo_fast.trainer import trainer as trainer_module
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    decoded = []
+    original = trainer_module.generate
+    trainer_module.generate = lambda model, tokenizer, prompts, **kw: decoded.append(len(prompts)) or original(model, tokenizer, prompts, **kw)
+    trainer = eval_trainer(out_dir)
+    metrics = trainer.evaluate_all(trainer.policy)
+    counts = trainer.parallel.gather_objects(sum(decoded))
+    if rank == 0:
+        torch.save({"metrics": metrics, "counts": counts}, out)
+    dist.destroy_process_group()
+
+
+def response_length(prompts: list[str], responses: list[str]) -> list[float]:
+    """A reward that varies between responses of a barely trained model (unlike the addition's)."""
+    return [len(r) / 8 for r in responses]
+
+
+def eval_trainer(out_dir: str):
+    """The built-in model with 37 held-out prompts (not a multiple of the world size), their
+    answers, and ``response_length`` as the reward."""
+    from ppo_fast.trainer import PPOTrainer
+
+    cfg = TrainerConfig(output_dir=out_dir, steps=1, batch_size=8, num_mini_batches=1, num_ppo_epochs=1, sample_every=0,
+                        sft_steps=10, eval_size=37, parallel="ddp")
+    held_out = default_task.prompts(cfg)[1]
+    answers = [str(sum(int(x) for x in p.rstrip("=").split("+"))) for p in held_out]
+    return PPOTrainer(cfg, reward_fn=response_length, eval_prompts=held_out, eval_answers=answers, log=lambda _: None)

@@ -48,6 +48,19 @@ def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
         assert any(g.abs().sum() > 0 for g in want["grads"].values())
 
 
+def test_ddp_ranks_split_the_held_out_evaluation(tmp_path):
+    """Under DDP each rank decodes its share of the held-out prompts (19 + 18 of 37) and the
+    all-reduced metrics equal one process decoding all of them."""
+    out = tmp_path / "eval.pt"
+    mp.spawn(dist_workers.eval_shards, args=(2, str(tmp_path / "init"), str(tmp_path / "world2"), str(out)), nprocs=2, join=True)
+    world2 = torch.load(out, weights_only=True)
+    assert world2["counts"] == [19, 18]
+    trainer = dist_workers.eval_trainer(str(tmp_path / "world1"))
+    world1 = trainer.evaluate_all(trainer.policy)
+    assert set(world1) == {"eval/score", "eval/exact_match"} and world1["eval/score"] > 0
+    assert world2["metrics"] == pytest.approx(world1, rel=1e-12)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,6 +154,27 @@ def test_a_dead_rank_makes_the_other_exit_with_one_line(tmp_path):
     assert len(errors) == 1 and "rank 0: another rank stopped answering" in errors[0], logs[0]
     assert "Traceback" not in logs[0]
     assert time.monotonic() - start < 60  # well before --dist-timeout: gloo sees the closed connection
+
+
+def test_a_failed_collective_inside_ddp_or_fsdp_is_a_lost_rank():
+    """DDP's and FSDP's own collectives (in forward, backward, all-gathers) fail with the
+    backend's raw error when a peer dies; the run's guard turns only those into RankLost."""
+    from ppo_fast.trainer.distributed import Parallel, RankLost
+
+    guard = Parallel(rank=1, world_size=2).guard
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:52099: Connection reset by peer."
+    with pytest.raises(RankLost, match=r"^rank 1: another rank stopped answering \(\[/pytorch/third_party/gloo"):
+        with guard():
+            raise RuntimeError(gloo)
+    with pytest.raises(RankLost, match="another rank stopped answering"):
+        with guard():
+            raise torch.distributed.DistBackendError("NCCL communicator was aborted")
+    with pytest.raises(RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied$"):  # the model's own error stays
+        with guard():
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match="^gloo"):  # one process: nothing to lose
+        with Parallel().guard():
+            raise RuntimeError("gloo")
 
 
 @pytest.mark.cuda

@@ -69,6 +69,23 @@ class Parallel:
         _collective(dist.all_reduce, total)
         return total
 
+    @contextlib.contextmanager
+    def guard(self):
+        """Around the run: a failed collective inside DDP's or FSDP's own forward, backward or
+        all-gather (a rank died) becomes ``RankLost`` with one line, as in our own collectives."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as err:
+            if isinstance(err, RankLost) or not self.active or not _from_the_backend(err):
+                raise
+            raise _rank_lost(err, self.rank) from err
+
+    def sums(self, values: list[float]) -> list[float]:
+        """Each value summed over ranks (in float64)."""
+        if not self.active:
+            return values
+        return self.all_sum(torch.tensor(values, dtype=torch.float64, device=_collective_device())).tolist()
+
     def any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any (a stop request from rank 0's Ctrl-C)."""
         if not self.active:
@@ -230,9 +247,18 @@ def _collective(fn, *args):
     try:
         return fn(*args)
     except (RuntimeError, dist.DistError) as err:
-        reason = " ".join(str(err).split())[:200]
-        raise RankLost(f"rank {dist.get_rank()}: another rank stopped answering ({reason}); stopping. "
-                       "Its own log says why; the last complete checkpoint is kept") from err
+        raise _rank_lost(err) from err
+
+
+def _rank_lost(err: Exception, rank: int | None = None) -> RankLost:
+    reason = " ".join(str(err).split())[:200]
+    return RankLost(f"rank {dist.get_rank() if rank is None else rank}: another rank stopped answering ({reason}); stopping. "
+                    "Its own log says why; the last complete checkpoint is kept")
+
+
+def _from_the_backend(err: Exception) -> bool:
+    """An error raised by the communication backend (a peer gone, a timeout), not by the model."""
+    return isinstance(err, dist.DistError) or any(name in str(err) for name in ("gloo", "NCCL", "Connection reset by peer"))
 
 
 def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.device]:

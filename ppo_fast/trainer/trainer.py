@@ -392,21 +392,31 @@ class PPOTrainer:
     @torch.no_grad()
     def evaluate_all(self, model) -> dict[str, float]:
         """Greedy responses to the held-out prompts: ``eval/score`` (the run's reward), and
-        ``eval/exact_match`` when every held-out prompt has a reference answer.  Empty without held-out prompts."""
+        ``eval/exact_match`` when every held-out prompt has a reference answer.  Empty without held-out prompts.
+
+        Each rank decodes its share of the prompts and the sums are all-reduced, unless the
+        weights are sharded (every rank must then run the same forward passes: each decodes all)."""
         if not self.eval_prompts:
             return {}
+        count = len(self.eval_prompts)
+        split = not self.parallel.synced_generation
+        mine = self.parallel.shard(count) if split else range(count)
+        texts, answers = self.eval_set.texts, self.eval_set.answers
         chunk = 256
-        scores, matches = [], []
-        for i in range(0, len(self.eval_prompts), chunk):
-            part, answers = self.eval_set.texts[i : i + chunk], self.eval_set.answers[i : i + chunk]
+        score_sum = match_sum = 0.0
+        for i in range(0, len(mine), chunk):
+            part = [texts[j] for j in mine[i : i + chunk]]
+            part_answers = [answers[j] for j in mine[i : i + chunk]] if answers else []
             batch = generate(model, self.tokenizer, part, max_new_tokens=self.response_length,
                              temperature=1.0, top_p=1.0, greedy=True, synced_gpus=self.parallel.synced_generation)
             responses = decode_responses(self.tokenizer, batch)
-            scores.append(self.scorer(part, responses, self.device, answers))
-            matches += exact_match(responses, answers)
-        result = {"eval/score": torch.cat(scores).mean().item()}
+            score_sum += self.scorer(part, responses, self.device, part_answers).double().sum().item()
+            match_sum += sum(exact_match(responses, part_answers))
+        if split:
+            score_sum, match_sum = self.parallel.sums([score_sum, match_sum])
+        result = {"eval/score": score_sum / count}
         if self.eval_set.all_answered:
-            result["eval/exact_match"] = sum(matches) / len(matches)
+            result["eval/exact_match"] = match_sum / count
         return result
 
     # ------------------------------------------------------------------ one iteration
@@ -535,7 +545,7 @@ class PPOTrainer:
         cfg = self.cfg
         if self.step >= cfg.steps:  # --resume of a run that already did its steps
             return self._nothing_to_do()
-        with pf.use_backend(cfg.backend):
+        with pf.use_backend(cfg.backend), self.parallel.guard():
             before = self.evaluate_all(self.reference)
             if before:
                 self.log(f"held-out greedy {_eval_text(before)} before PPO ({len(self.eval_prompts)} prompts)")
