@@ -94,6 +94,14 @@ def _versions() -> dict:
     return versions
 
 
+def _write_json(path: str, data: dict) -> None:
+    """A result file (its folder made), and a line on stderr saying where."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _machine(device: torch.device) -> dict:
     machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                "platform": platform.platform()}

@@ -18,33 +18,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 import ppo_fast as pf
 from ppo_fast.advantage_estimators import REGISTRY
 
-from .peers import ROUNDS
+from .peers import ROUNDS, best_ms
 
 DEFAULT_OUT = "bench_out"
-
-
-def best_cpu_ms(fn, min_run_time: float, min_calls: int) -> float:
-    """The least process CPU time of repeated calls (at least ``min_calls``, for at least ``min_run_time`` s), in ms."""
-    fn()
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < min_calls or spent < min_run_time:
-        start = time.process_time()
-        fn()
-        elapsed = time.process_time() - start
-        best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
-    return best * 1e3
 
 
 def _inputs(b: int, t: int, groups: int, seed: int = 0):
@@ -102,7 +88,7 @@ def measure(shapes, min_run_time: float, min_calls: int = 3) -> list[dict]:
             best = {name: [] for name in runs}
             for _ in range(ROUNDS):
                 for name, run in runs.items():
-                    best[name].append(best_cpu_ms(run, min_run_time, min_calls))
+                    best[name].append(best_ms(run, min_run_time, min_calls, clock=time.process_time))
             row.update({f"{name}_ms": min(times) for name, times in best.items()})
             if "verl_ms" in row:
                 row["speedup_auto_vs_verl"] = row["verl_ms"] / row["auto_ms"]
@@ -134,7 +120,7 @@ def main(argv=None) -> int:
     shapes = [(64, 32, 8)] if args.quick else [(512, 1024, 64), (4096, 256, 512)]
     torch.set_num_threads(1)
     rows = measure(shapes, 0.05 if args.quick else 0.3, 3 if args.quick else 5)
-    from .__main__ import _cpu_model
+    from .__main__ import _machine, _write_json
 
     try:
         import verl
@@ -146,17 +132,12 @@ def main(argv=None) -> int:
         "command": "python -m bench.advantages " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timer": "time.process_time (CPU time of this process), best call",
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg()},
+        "machine": _machine(torch.device("cpu")) | {"load_average": os.getloadavg()},
         "versions": {"verl": verl_version, "torch": torch.__version__, "ppo_fast": pf.__version__},
         "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "advantages-cpu.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
     print(markdown(rows))
-    print(f"wrote {path}", file=sys.stderr)
+    _write_json(os.path.join(args.out, "advantages-cpu.json"), results)
     return 0
 
 

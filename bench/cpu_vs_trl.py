@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import platform
 import ctypes
@@ -40,6 +39,7 @@ import torch
 import ppo_fast as pf
 
 from . import baselines
+from .__main__ import _write_json
 from .peers import best_ms
 
 SHAPE = (2048, 32000)
@@ -204,12 +204,8 @@ def main(argv=None) -> int:
     results["load_average_after"] = os.getloadavg()
     print(table(results))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         slug = re.sub(r"[^a-z0-9]+", "-", results["cpu"]["model"].lower()).strip("-")
-        path = os.path.join(args.out, f"cpu-vs-trl-{slug}.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {path}")
+        _write_json(os.path.join(args.out, f"cpu-vs-trl-{slug}.json"), results)
     return 0
 
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from . import cases
-from .__main__ import _cpu_model, _versions
+from .__main__ import _machine, _versions, _write_json
 from .runner import _runner, _with_backend
 from .timing import CPU_MEMORY_METHOD, peak_extra_bytes
 
@@ -63,14 +63,11 @@ def main(argv=None) -> int:
         "case": case.shape, "mode": "fwd+bwd (gradients of hidden and weight)",
         "logits_bytes_fp32": 4 * n * vocab, "gradient_bytes": 4 * (n + vocab) * hidden,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "load_average_1m": os.getloadavg()[0]},
+        "machine": _machine(torch.device("cpu")) | {"load_average_1m": os.getloadavg()[0]},
         "versions": _versions(), "memory_method": CPU_MEMORY_METHOD, "results": list(rows.values()),
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))
+    _write_json(args.out, results)
     return 0
 
 

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import importlib
 import importlib.util
-import json
 import os
 import platform
 import sys
@@ -192,14 +191,15 @@ def _cases(quick: bool) -> list[PeerCase]:
     return cases
 
 
-def best_ms(fn: Callable[[], object], min_run_time: float, min_calls: int = 3) -> float:
-    """The fastest of repeated calls (at least ``min_calls``, for at least ``min_run_time`` s), in ms."""
+def best_ms(fn: Callable[[], object], min_run_time: float, min_calls: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The fastest of repeated calls (at least ``min_calls``, for at least ``min_run_time`` s of
+    ``clock``: wall time, or ``time.process_time`` for this process's CPU time), in ms."""
     fn()
     best, spent, calls = float("inf"), 0.0, 0
     while calls < min_calls or spent < min_run_time:
-        start = time.perf_counter()
+        start = clock()
         fn()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
     return best * 1e3
 
@@ -309,12 +309,12 @@ def main(argv=None) -> int:
         if case.peer in skipped or case.peer not in versions:
             continue
         rows += measure_case(case, 0.05 if args.quick else 0.5)
-    from .__main__ import _cpu_model
+    from .__main__ import _machine, _write_json
 
     results = {
         "command": "python -m bench.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": _machine(torch.device("cpu")),
         "versions": {**{k: v for k, v in versions.items() if v}, "torch": torch.__version__, "ppo_fast": pf.__version__,
                      "python": platform.python_version()},
         "auto": {op: __import__("ppo_fast.backends", fromlist=["x"]).resolved_backend_name(op, "cpu")
@@ -325,11 +325,7 @@ def main(argv=None) -> int:
     }
     print(markdown(results))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"peers-{args.device}{'-quick' if args.quick else ''}.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {path}")
+        _write_json(os.path.join(args.out, f"peers-{args.device}{'-quick' if args.quick else ''}.json"), results)
     bad = [r for r in rows if r["status"] != "ok"]
     return 1 if bad else 0
 

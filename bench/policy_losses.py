@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.backends import resolved_backend_name
 
-from .__main__ import _cpu_model
+from .__main__ import _machine, _write_json
 from .peers import best_ms
 
 # Parameters of the modes that need or differ from their defaults here (verl's config names in _verl_config).
@@ -135,19 +134,14 @@ def main(argv=None) -> int:
         "what": "policy_loss forward + backward (d loss / d logprobs), float32, each mode's default agg",
         "shape": [rows, length],
         "timer": f"fastest of repeated calls (bench.peers.best_ms), {ROUNDS} rounds in alternation",
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": _machine(torch.device("cpu")) | {"torch": torch.__version__},
         "date": datetime.date.today().isoformat(),
         "load_average_before": os.getloadavg()[0],  # other jobs on the machine (2 cores: above 2, timings are noisy)
         "results": measure(rows, length, args.device, min_run_time),
     }
     report["load_average_after"] = os.getloadavg()[0]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"policy-losses-{args.device}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
     print(markdown(report))
-    print(f"wrote {path}", file=sys.stderr)
+    _write_json(os.path.join(args.out, f"policy-losses-{args.device}.json"), report)
     return 0
 
 
