@@ -51,6 +51,9 @@ class Param:
 CLIP_EPS_LOW = Param("clip_eps_low", 0.2, 0.0, 1.0, low_open=True, high_open=True, doc="ratio clip below 1 (1 - clip_eps_low)")
 CLIP_EPS_HIGH = Param("clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="ratio clip above 1 (1 + clip_eps_high)")
 DUAL_CLIP = Param("dual_clip", None, 1.0, low_open=True, optional=True, doc="dual-clip bound c > 1 for A < 0 (None: off)")
+# The two DPPO-Binary modes share the ratio truncation and verl's note on it.
+DPPO_RATIO_CAP = Param("ratio_cap", 20.0, 0.0, low_open=True, doc="truncation of the (detached) ratio")
+DPPO_NOTE = "verl reads ratio_cap from actor.clip_ratio_c (3.0 in its config, 20.0 its function's fallback)"
 
 
 @dataclass(frozen=True)
@@ -137,16 +140,16 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
             "DPPO-Binary-TV: -A * sg(min(ratio, ratio_cap)) * log-prob on tokens within a probability-difference trust region",
             (Param("clip_eps_low", 0.2, 0.0, low_open=True, doc="allowed probability decrease (A < 0)"),
              Param("clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="allowed probability increase (A > 0)"),
-             Param("ratio_cap", 20.0, 0.0, low_open=True, doc="truncation of the (detached) ratio")),
-            note="verl reads ratio_cap from actor.clip_ratio_c (3.0 in its config, 20.0 its function's fallback)",
+             DPPO_RATIO_CAP),
+            note=DPPO_NOTE,
         ),
         PolicyLossMode(
             "dppo_kl", "policy_loss_dppo_kl",
             "DPPO-Binary-KL: as dppo_tv with a binary-KL trust region",
             (Param("clip_eps_low", 0.2, 0.0, low_open=True, doc="allowed binary KL where A < 0"),
              Param("clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="allowed binary KL where A > 0"),
-             Param("ratio_cap", 20.0, 0.0, low_open=True, doc="truncation of the (detached) ratio")),
-            note="verl reads ratio_cap from actor.clip_ratio_c (3.0 in its config, 20.0 its function's fallback)",
+             DPPO_RATIO_CAP),
+            note=DPPO_NOTE,
         ),
         PolicyLossMode(
             "dro", "policy_loss_dro", "DRO: -(A * log-prob - dro_beta/2 * (log r)^2)",

@@ -15,6 +15,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast import reference
 from ppo_fast.backends import backend_info
+from test_native_common import requires_native
 
 IGNORE = -100
 
@@ -336,13 +337,8 @@ def test_trainer_falls_back_to_the_logits_for_a_non_standard_head(capsys):
 # --------------------------------------------------------------------------- the native C++ ops
 
 
-def _native_or_skip():
-    if not backend_info("native").available:
-        pytest.skip(f"native backend unavailable: {backend_info('native').detail}")
-
-
+@requires_native
 def test_native_ops_pass_opcheck():
-    _native_or_skip()
     gen = torch.Generator().manual_seed(12)
     hidden, weight, b, labels = make(gen, 9, 5, 31, torch.float32)
     labels[4] = IGNORE
@@ -358,8 +354,8 @@ def test_native_ops_pass_opcheck():
         )
 
 
+@requires_native
 def test_native_ops_check_their_arguments():
-    _native_or_skip()
     h, w, y = torch.randn(3, 4), torch.randn(6, 4), torch.tensor([0, 1, 2])
     op = torch.ops.ppo_fast.linear_token_logprobs
     with pytest.raises(RuntimeError, match="linear_token_logprobs: weight must be \\[V, H\\]"):

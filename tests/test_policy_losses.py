@@ -19,6 +19,7 @@ import torch
 
 import ppo_fast as pf
 from ppo_fast.backends import backend_info
+from test_native_common import requires_native
 from ppo_fast.contract import AGG_MODES
 
 
@@ -357,10 +358,9 @@ def test_native_cpu_is_deterministic_and_matches_verl(mode):
     torch.testing.assert_close(loss, want, rtol=1e-7, atol=1e-10)
 
 
+@requires_native
 def test_native_serves_a_mode_only_where_its_kernels_are_registered():
     native = backend_info("native")
-    if not native.available:
-        pytest.skip("the native extension is not built")
     for mode in pf.policy_loss_modes().values():
         for device in native.module.SUPPORTED.get(mode.op, ()):
             for op in (mode.op, f"{mode.op}_backward"):
