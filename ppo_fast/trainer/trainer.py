@@ -405,8 +405,9 @@ class PPOTrainer:
         chunk = 256
         score_sum = match_sum = 0.0
         for i in range(0, len(mine), chunk):
-            part = [texts[j] for j in mine[i : i + chunk]]
-            part_answers = [answers[j] for j in mine[i : i + chunk]] if answers else []
+            indices = mine[i : i + chunk]
+            part = [texts[j] for j in indices]
+            part_answers = [answers[j] for j in indices] if answers else []
             batch = generate(model, self.tokenizer, part, max_new_tokens=self.response_length,
                              temperature=1.0, top_p=1.0, greedy=True, synced_gpus=self.parallel.synced_generation)
             responses = decode_responses(self.tokenizer, batch)
