@@ -30,16 +30,20 @@ namespace ppo_fast {
 
 // float32: Cody-Waite reduction x = k ln2 + r, Cephes' degree-6 polynomial for exp(r)
 // (about 1 ulp), 2^k built in the exponent bits.  k is rounded with the 1.5 * 2^23
-// trick (SSE2 has no vector floor).  x is clamped to [-127 ln2, 88] first, so that k is
-// in [-127, 127] and the clamp is the only select: k = -127 (x below about -87.68, where
-// the exact result is subnormal, < 8.6e-39) builds 2^k as +0 and gives 0, also for -inf;
-// x > 88 saturates at exp(88).  NaN passes the clamp (its compares are false) and every
-// step after it: NaN in, NaN out.
+// trick (SSE2 has no vector floor), and read back as an integer from that sum's low
+// mantissa bits: bit operations only, so no float-to-int conversion (undefined for NaN).
+// x is clamped to [-127 ln2, 89] first, so that k is in [-127, 128]; k = -127 (x below
+// about -87.68, where the exact result is subnormal, < 8.6e-39) builds 2^k as +0 and
+// gives 0, also for -inf; k = 128 is built as 2^127 * 2, so that exp(x) up to float's
+// largest (x = 88.72) is finite and larger x (and +inf) give +inf.  NaN passes the clamp
+// (its compares are false) and every step after it: NaN in, NaN out.
 PPO_INLINE float fast_exp(float x) {
   constexpr float kLow = -88.02969193111305f;  // -127 ln 2
-  const float clamped = x < kLow ? kLow : (x > 88.0f ? 88.0f : x);
+  constexpr float kHigh = 89.0f;               // above ln(FLT_MAX) = 88.72: exp overflows to +inf
+  const float clamped = x < kLow ? kLow : (x > kHigh ? kHigh : x);
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float k = (clamped * 1.44269504088896341f + kRound) - kRound;
+  const float shifted = clamped * 1.44269504088896341f + kRound;
+  const float k = shifted - kRound;
   const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;
   float poly = 1.9875691500e-4f;
   poly = poly * r + 1.3981999507e-3f;
@@ -48,10 +52,16 @@ PPO_INLINE float fast_exp(float x) {
   poly = poly * r + 1.6666665459e-1f;
   poly = poly * r + 5.0000001201e-1f;
   const float exp_r = poly * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 0 (the bits of +0) for k = -127
+  // shifted's bits are kRound's plus k (|k| < 2^22 keeps the exponent), in unsigned
+  // arithmetic, which wraps instead of overflowing.
+  uint32_t shifted_bits, round_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  std::memcpy(&round_bits, &kRound, sizeof(round_bits));
+  const uint32_t top = k > 127.0f ? 1u : 0u;  // k = 128: 2^127, doubled below
+  const uint32_t bits = (shifted_bits - round_bits + 127u - top) << 23;  // 0 (the bits of +0) for k = -127
   float two_k;
   std::memcpy(&two_k, &bits, sizeof(two_k));
-  return exp_r * two_k;
+  return exp_r * two_k * (top ? 2.0f : 1.0f);
 }
 
 // float64 (inputs in float64, for gradcheck): std::exp, exact rather than fast.

@@ -13,19 +13,22 @@ namespace ppo_fast {
 // and d row_loss / d (row sum of the advantages), both already divided by the row's count.
 constexpr int kRowState = 2;
 
-// GSPO, one token of a row whose mean log-ratio is s:  ratio = exp(min(s, 10)) (the
-// reference's exp(clamp(logp - sg(logp) + sg(s), max=10))), then the clipped surrogate.
+// GSPO, one token of a row whose mean log-ratio is s:  ratio = exp(min(log_ratio, 10)) with
+// log_ratio = (logp - logp) + s, the reference's exp(clamp(logp - sg(logp) + sg(s), max=10)):
+// logp - logp is 0, or NaN where logp is NaN or +-inf (as in the reference), so that a
+// non-finite log-prob at a valid token makes its loss NaN on every backend.
 template <typename T>
 struct GspoTerm {
-  T ratio, ratio_clipped, neg_adv, unclipped, clipped;
+  T log_ratio, ratio, ratio_clipped, neg_adv, unclipped, clipped;
   T pg;          // the unweighted per-token loss
   T is_clipped;  // 1 where clipped > unclipped
 };
 
 template <typename T>
-PPO_HD GspoTerm<T> gspo_term(T s, T adv, T low, T high) {
+PPO_HD GspoTerm<T> gspo_term(T s, T logp, T adv, T low, T high) {
   GspoTerm<T> t;
-  t.ratio = exp_of(s > T(10) ? T(10) : s);  // NaN stays NaN
+  t.log_ratio = (logp - logp) + s;
+  t.ratio = exp_of(t.log_ratio > T(10) ? T(10) : t.log_ratio);  // NaN stays NaN
   t.ratio_clipped = clamp_of(t.ratio, low, high);
   t.neg_adv = -adv;
   t.unclipped = t.neg_adv * t.ratio;
@@ -37,11 +40,11 @@ PPO_HD GspoTerm<T> gspo_term(T s, T adv, T low, T high) {
 
 // d (g * pg) / d logprobs (through the token's own pi / sg(pi)) and / d advantages.
 template <typename T>
-PPO_HD PolicyGrad<T> gspo_grad(const GspoTerm<T>& t, T s, T low, T high, T g) {
+PPO_HD PolicyGrad<T> gspo_grad(const GspoTerm<T>& t, T low, T high, T g) {
   const T g_unclipped = max_grad_to(t.unclipped, t.clipped, g);
   const T g_clipped = max_grad_to(t.clipped, t.unclipped, g);
   const T g_ratio = g_unclipped * t.neg_adv + clamp_grad(t.ratio, low, high, g_clipped * t.neg_adv);
-  const T g_log = s <= T(10) ? g_ratio * t.ratio : T(0);  // torch.clamp(max=10): closed range, none for NaN
+  const T g_log = t.log_ratio <= T(10) ? g_ratio * t.ratio : T(0);  // torch.clamp(max=10): closed range, none for NaN
   return {g_log, -(g_unclipped * t.ratio + g_clipped * t.ratio_clipped)};
 }
 

@@ -70,23 +70,40 @@ def mask(name: str, m, shape: torch.Size) -> torch.Tensor:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(m.shape)}")
     if m.dtype == torch.bool:
         return m
+    as_bool = m != 0
     if m.numel() and m.device.type != "meta":
-        zero_or_one = ((m == 0) | (m == 1)).all()
-        if host_checks_free(m):
-            if not bool(zero_or_one):
+        if host_checks_free(m):  # two passes, one of them the conversion back (NaN fails it)
+            if not torch.equal(as_bool.to(m.dtype), m):
                 raise ValueError(f"{name} must hold only 0 and 1 (or be bool)")
         else:  # checked on the device, without a host sync
-            torch._assert_async(zero_or_one, f"{name} must hold only 0 and 1 (or be bool)")
-    return m != 0
+            torch._assert_async(((m == 0) | (m == 1)).all(), f"{name} must hold only 0 and 1 (or be bool)")
+    return as_bool
+
+
+def labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """``ValueError`` unless every label lies in [0, vocab) or equals ignore_index (host check:
+    eager CPU only).  One min/max pass in the common cases (no ignored label, or ignored ones
+    replaced first), the full comparison only to name a bad label."""
+    if not labels.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(labels))
+    if low < 0 or high >= vocab:
+        if low == ignore_index or high == ignore_index:
+            low, high = (int(v) for v in torch.aminmax(torch.where(labels == ignore_index, 0, labels)))
+        if low < 0 or high >= vocab:
+            bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+            raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")
 
 
 def real(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False) -> float:
     """A finite Python float within [low, high] (open ends where asked) and within float32's
     range, since the kernels compute in float32."""
-    if isinstance(value, bool) or not isinstance(value, Real):
+    if isinstance(value, bool) or not isinstance(value, (Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
+    # A symbolic float (torch.compile(dynamic=True)) stays symbolic: the comparisons below
+    # become guards, so a value that fails them recompiles and raises here.
+    value = value if isinstance(value, (torch.SymFloat, torch.SymInt)) else float(value)
+    if value != value or value == math.inf or value == -math.inf:
         raise ValueError(f"{name} must be finite, got {value}")
     if abs(value) > FLOAT32_MAX:
         raise ValueError(f"{name} must lie within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), got {value}")
@@ -98,6 +115,8 @@ def real(name: str, value, *, low: float | None = None, high: float | None = Non
 
 
 def choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {choices}, got {type(value).__name__} {value!r}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value

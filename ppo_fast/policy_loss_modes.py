@@ -164,6 +164,8 @@ POLICY_LOSS_OPS = tuple(dict.fromkeys(mode.op for mode in POLICY_LOSS_MODES.valu
 
 def policy_loss_mode(name) -> PolicyLossMode:
     """The registry entry of ``name``; ``ValueError`` listing the modes otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"loss_mode must be a str, one of {tuple(POLICY_LOSS_MODES)}, got {type(name).__name__} {name!r}")
     if name not in POLICY_LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {tuple(POLICY_LOSS_MODES)}, got {name!r}")
     return POLICY_LOSS_MODES[name]

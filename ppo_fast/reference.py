@@ -11,6 +11,8 @@ out-of-range label gives a NaN log-prob and no gradient.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.utils.checkpoint
 
@@ -88,7 +90,7 @@ def token_logprobs(
     rows = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
     outs = [_logprobs_rows(logits[i : i + rows], labels[i : i + rows], temperature, return_entropy, ignore_index) for i in range(0, n, rows)]
     if not outs:
-        empty = logits.new_zeros((0,), dtype=torch.float32)
+        empty = logits.new_zeros((0,), dtype=result_dtype(logits))
         return empty, (empty.clone() if return_entropy else None)
     logp = torch.cat([o[0] for o in outs])
     ent = torch.cat([o[1] for o in outs]) if return_entropy else None
@@ -171,7 +173,23 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     # k3 (Schulman's low-variance estimator).  The inner clamp only keeps exp finite
     # for +-inf inputs; the outer clamp to [-10, 10] is the estimator's definition.
     d = (-log_ratio).clamp(-20.0, 20.0)
-    return (d.exp() - d - 1.0).clamp(-10.0, 10.0)
+    return k3_of(d).clamp(-10.0, 10.0)
+
+
+# exp(d) - d - 1 cancels where |d| is small (in float32 it is 0 at |d| = 1e-4, where the
+# truth is 5e-9): there its Taylor series, d^2/2 + ... + d^8/8!, whose truncation is below
+# the dtype's rounding for |d| < K3_SERIES_BELOW[dtype] (the kernels use the same split).
+K3_SERIES_BELOW = {torch.float32: 0.5, torch.float64: 1e-2}
+K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 9))  # d^2 / 2!, ..., d^8 / 8!
+
+
+def k3_of(d: torch.Tensor) -> torch.Tensor:
+    """exp(d) - d - 1 to the dtype's precision for every d (float32 or float64)."""
+    series = torch.full_like(d, K3_SERIES[-1])
+    for c in reversed(K3_SERIES[:-1]):
+        series = series * d + c
+    small = d.abs() < K3_SERIES_BELOW[d.dtype]
+    return torch.where(small, series * (d * d), d.exp() - d - 1.0)
 
 
 def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +201,7 @@ def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
     """``r_t = -kl_coef * kl_t`` at valid tokens, plus the score at each row's last valid token."""
+    scores, logprobs, ref_logprobs = _common(scores, logprobs, ref_logprobs)
     logprobs, ref_logprobs = _masked(mask, logprobs, ref_logprobs)
     kl = torch.where(mask, kl_estimate(logprobs, ref_logprobs, estimator), 0.0)
     rewards = -kl_coef * kl
@@ -512,7 +531,8 @@ def rollout_correction_weights(old_logprobs, rollout_logprobs, mask, mode: str, 
     if batch_normalize:
         if mode.startswith("seq"):
             rows = mask.any(-1)
-            row_weight = weights.amax(-1)  # every valid token of a row holds its weight (all >= 0)
+            # every valid token of a row holds its weight (all >= 0); a row of no token holds 0
+            row_weight = weights.amax(-1) if weights.shape[-1] else weights.new_zeros(weights.shape[:-1])
             mean = torch.where(rows, row_weight, 0.0).sum() / rows.sum().clamp_min(1)
         else:
             mean = masked_mean(weights, mask)

@@ -6,7 +6,7 @@
 // logits never exist.  The backward recomputes each chunk's logits, turns them into
 // d_logits in place and takes three products: d_hidden = d_logits @ W,
 // d_weight += d_logits.T @ h, d_bias += column sums.  Only rows whose label is in
-// [0, V) are gathered into the chunks: an ignored row (label == ignore_index) gives 0 and
+// [0, V) other than ignore_index are gathered into the chunks: an ignored row (label == ignore_index) gives 0 and
 // an out-of-range one NaN (the contract), and neither is read, so whatever their hidden
 // states hold reaches no result and no gradient.
 #include <ATen/ATen.h>
@@ -83,9 +83,10 @@ at::ScalarType compute_dtype(const at::Tensor& hidden) {
   return hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// The indices of the rows whose label lies in [0, V) (the only rows ever read).
-at::Tensor used_rows(const at::Tensor& label, int64_t vocab) {
-  return at::nonzero((label >= 0) & (label < vocab)).view(-1);
+// The indices of the rows whose label lies in [0, V) and is not ignore_index (the only
+// rows ever read): a pad id inside [0, V) used as ignore_index marks rows to skip too.
+at::Tensor used_rows(const at::Tensor& label, int64_t vocab, int64_t ignore_index) {
+  return at::nonzero((label >= 0) & (label < vocab) & (label != ignore_index)).view(-1);
 }
 
 // Everything a chunk loop needs, in the compute type: the head (converted once when its
@@ -96,14 +97,14 @@ struct Head {
 };
 
 Head prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-             const std::optional<at::Tensor>& bias) {
+             const std::optional<at::Tensor>& bias, int64_t ignore_index) {
   const at::ScalarType acc = compute_dtype(hidden);
   Head head;
   head.weight = weight.to(acc);
   head.bias = bias.has_value() ? bias->to(acc) : at::Tensor();
   head.label = labels.to(at::kLong).contiguous();
   head.vocab = weight.size(0);
-  head.rows = used_rows(head.label, head.vocab);
+  head.rows = used_rows(head.label, head.vocab, ignore_index);
   head.chunk_rows = std::max(kMinRows, kScratchLogits / head.vocab);
   return head;
 }
@@ -133,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
   constexpr const char* op = "linear_token_logprobs";
   const HeadArgs args{temperature, logit_scale, logit_softcap, ignore_index};
   check_inputs(op, hidden, weight, labels, bias, args);
-  const Head head = prepare(hidden, weight, labels, bias);
+  const Head head = prepare(hidden, weight, labels, bias, ignore_index);
   const int64_t n_rows = hidden.size(0), vocab = head.vocab;
   const auto options = hidden.options().dtype(compute_dtype(hidden));
   // Ignored rows: 0; out-of-range rows: NaN; the used rows are overwritten below.
@@ -201,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
   const auto [want_hidden, want_weight, want_bias_in] = output_mask;
   const bool want_bias = want_bias_in && bias.has_value();
   const auto options = hidden.options().dtype(acc);
-  const Head head = prepare(hidden, weight, labels, bias);
+  const Head head = prepare(hidden, weight, labels, bias, ignore_index);
   const int64_t vocab = head.vocab, width = hidden.size(1), n_used = head.rows.numel();
   // Accumulated in the compute type, returned in the inputs' dtypes.
   at::Tensor d_hidden = want_hidden ? at::zeros({hidden.size(0), width}, options) : at::Tensor();

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -24,6 +25,45 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
 
+// exp(d) - d - 1 (k3 of d = -log_ratio) and its derivative exp(d) - 1, without the
+// cancellation of the plain forms at small |d|: there the Taylor series (as
+// reference.k3_of: terms to d^8 / 8!, below kSeriesBelow).  Both forms are computed and
+// one selected, so that the loops stay branch-free.
+template <typename T>
+constexpr T kSeriesBelow = std::is_same_v<T, double> ? T(1e-2) : T(0.5);
+
+template <typename T>
+PPO_INLINE T k3_series_over_d2(T d) {  // (exp(d) - d - 1) / d^2 = 1/2! + d/3! + ... + d^6/8!
+  T s = T(1.0 / 40320);
+  s = s * d + T(1.0 / 5040);
+  s = s * d + T(1.0 / 720);
+  s = s * d + T(1.0 / 120);
+  s = s * d + T(1.0 / 24);
+  s = s * d + T(1.0 / 6);
+  return s * d + T(0.5);
+}
+
+template <typename T>
+PPO_INLINE T k3_of(T d, T exp_d) {
+  const bool small = std::abs(d) < kSeriesBelow<T>;
+  return small ? k3_series_over_d2(d) * (d * d) : exp_d - d - T(1);
+}
+
+// g * d k3 / d d, multiplied out as the reference's autograd does (so that overflow gives
+// the same inf or NaN): g * series' (= g (exp(d) - 1)) where the series is used, else
+// g exp(d) - g.
+template <typename T>
+PPO_INLINE T k3_grad(T d, T exp_d, T g) {
+  T s = T(1.0 / 5040);  // (exp(d) - 1) / d = 1 + d/2! + ... + d^6/7!
+  s = s * d + T(1.0 / 720);
+  s = s * d + T(1.0 / 120);
+  s = s * d + T(1.0 / 24);
+  s = s * d + T(1.0 / 6);
+  s = s * d + T(0.5);
+  s = s * d + T(1);
+  return std::abs(d) < kSeriesBelow<T> ? g * (s * d) : g * exp_d - g;
+}
+
 // reference.kl_estimate of one token.
 template <KlEstimator estimator, typename T>
 PPO_INLINE T kl_value(T logp, T ref) {
@@ -33,7 +73,7 @@ PPO_INLINE T kl_value(T logp, T ref) {
   if constexpr (estimator == kAbs) return std::abs(log_ratio);
   // k3; the inner clamp only keeps exp finite for +-inf inputs
   const T d = clamp_of(-log_ratio, T(-20), T(20));
-  return clamp_of(fast_exp(d) - d - T(1), T(-10), T(10));
+  return clamp_of(k3_of(d, fast_exp(d)), T(-10), T(10));
 }
 
 // g * d kl / d log_ratio (d / d logp; d / d ref is its negation), in the order the
@@ -51,8 +91,8 @@ PPO_INLINE T kl_grad(T logp, T ref, T g) {
   const T neg = -log_ratio;
   const T d = clamp_of(neg, T(-20), T(20));
   const T exp_d = fast_exp(d);
-  const T g_inner = clamp_grad(exp_d - d - T(1), T(-10), T(10), g);
-  return -clamp_grad(neg, T(-20), T(20), g_inner * exp_d - g_inner);
+  const T g_inner = clamp_grad(k3_of(d, exp_d), T(-10), T(10), g);
+  return -clamp_grad(neg, T(-20), T(20), k3_grad(d, exp_d, g_inner));
 }
 
 // kl[i] = kl_value(lp[i], rf[i]); when penalized, also 0 at masked tokens (on[i] == 0,

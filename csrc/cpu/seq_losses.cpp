@@ -55,7 +55,7 @@ void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bo
     state[1] = 0;
     T pg_sum = 0, clipped = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const GspoTerm<T> t = gspo_term(s, ad[i], T(1) - eps_low, T(1) + eps_high);
+      const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], T(1) - eps_low, T(1) + eps_high);
       const T weighted = t.pg * (w ? w[i] : T(1));
       pg_sum += on[i] ? weighted : T(0);
       clipped += on[i] ? t.is_clipped : T(0);
@@ -181,8 +181,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
           const T wi = w ? w[i] : T(1);
           T d_lp, d_ad, d_w;
           if constexpr (mode == SeqMode::kGspo) {
-            const GspoTerm<T> t = gspo_term(st[0], ad[i], T(1) - low, T(1) + high);
-            const PolicyGrad<T> g = gspo_grad(t, st[0], T(1) - low, T(1) + high, g_row * wi);
+            const GspoTerm<T> t = gspo_term(st[0], lp[i], ad[i], T(1) - low, T(1) + high);
+            const PolicyGrad<T> g = gspo_grad(t, T(1) - low, T(1) + high, g_row * wi);
             d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
           } else {
             const GeoTerm<T> t = geo_term(lp[i], od[i], ad[i], low, high);

@@ -49,7 +49,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
     const T s = static_cast<T>(totals[0]) / (count > T(1) ? count : T(1));
     double terms[2] = {0, 0}, term_totals[2];
     for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
-      const GspoTerm<T> t = gspo_term(s, ad[i], T(1) - low, T(1) + high);
+      const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], T(1) - low, T(1) + high);
       const T weighted = t.pg * (w ? w[i] : T(1));
       terms[0] += on[i] ? static_cast<double>(weighted) : 0.0;
       terms[1] += on[i] ? static_cast<double>(t.is_clipped) : 0.0;
@@ -122,8 +122,8 @@ __global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* ro
   const bool on = in.mask[i];
   T d_lp, d_ad, d_w;
   if constexpr (mode == SeqLoss::kGspo) {
-    const GspoTerm<T> t = gspo_term(st[0], in.advantages[i], T(1) - low, T(1) + high);
-    const PolicyGrad<T> g = gspo_grad(t, st[0], T(1) - low, T(1) + high, g_row * wi);
+    const GspoTerm<T> t = gspo_term(st[0], in.logprobs[i], in.advantages[i], T(1) - low, T(1) + high);
+    const PolicyGrad<T> g = gspo_grad(t, T(1) - low, T(1) + high, g_row * wi);
     d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
   } else {
     const GeoTerm<T> t = geo_term(in.logprobs[i], in.old_logprobs[i], in.advantages[i], low, high);

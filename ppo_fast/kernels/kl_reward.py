@@ -37,6 +37,42 @@ def _clamp(x, low, high):
 
 
 @triton.jit
+def _k3_series_below(d):
+    # reference.K3_SERIES_BELOW: where the Taylor series replaces exp(d) - d - 1.
+    if d.dtype == tl.float64:
+        below = 1e-2
+    else:
+        below = 0.5
+    return tl.abs(d) < below
+
+
+@triton.jit
+def _k3_of(d):
+    """exp(d) - d - 1 without cancellation at small |d| (reference.k3_of)."""
+    s = 1.0 / 40320
+    s = s * d + 1.0 / 5040
+    s = s * d + 1.0 / 720
+    s = s * d + 1.0 / 120
+    s = s * d + 1.0 / 24
+    s = s * d + 1.0 / 6
+    s = s * d + 0.5
+    return tl.where(_k3_series_below(d), s * (d * d), tl.exp(d) - d - 1.0)
+
+
+@triton.jit
+def _k3_series_grad(d):
+    """exp(d) - 1 = d + d^2/2! + ... + d^7/7!: the derivative of _k3_of's series."""
+    s = 1.0 / 5040
+    s = s * d + 1.0 / 720
+    s = s * d + 1.0 / 120
+    s = s * d + 1.0 / 24
+    s = s * d + 1.0 / 6
+    s = s * d + 0.5
+    s = s * d + 1.0
+    return s * d
+
+
+@triton.jit
 def _kl_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
     if ESTIMATOR == _K1:
         kl = log_ratio
@@ -44,26 +80,30 @@ def _kl_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
         kl = 0.5 * log_ratio * log_ratio
     elif ESTIMATOR == _K3:
         d = _clamp(-log_ratio, -20.0, 20.0)
-        kl = _clamp(tl.exp(d) - d - 1.0, -10.0, 10.0)
+        kl = _clamp(_k3_of(d), -10.0, 10.0)
     else:
         kl = tl.abs(log_ratio)
     return kl
 
 
 @triton.jit
-def _kl_grad_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
-    """d kl / d log_ratio, with torch's conventions: clamp passes gradient on its closed range, sign(0) = 0."""
+def _kl_grad(log_ratio, g, ESTIMATOR: tl.constexpr):
+    """g * d kl / d log_ratio, multiplied out in the order of the reference's autograd (so that
+    overflow gives the same inf or NaN), with torch's conventions: clamp passes gradient on
+    its closed range, sign(0) = 0."""
     if ESTIMATOR == _K1:
-        grad = tl.full(log_ratio.shape, 1.0, log_ratio.dtype)
+        grad = g
     elif ESTIMATOR == _K2:
-        grad = log_ratio
+        grad = (g * 0.5) * (2.0 * log_ratio)
     elif ESTIMATOR == _K3:
         d = _clamp(-log_ratio, -20.0, 20.0)
-        inner = tl.exp(d) - d - 1.0
+        inner = _k3_of(d)
         passes = (tl.abs(log_ratio) <= 20.0) & (inner <= 10.0) & (inner >= -10.0)
-        grad = tl.where(passes, 1.0 - tl.exp(d), 0.0)
+        g_inner = tl.where(passes, g, 0.0)
+        g_d = tl.where(_k3_series_below(d), g_inner * _k3_series_grad(d), g_inner * tl.exp(d) - g_inner)
+        grad = tl.where(passes, -g_d, 0.0)
     else:
-        grad = tl.where(log_ratio > 0, 1.0, tl.where(log_ratio < 0, -1.0, 0.0))
+        grad = g * tl.where(log_ratio > 0, 1.0, tl.where(log_ratio < 0, -1.0, 0.0))
     return grad
 
 
@@ -106,7 +146,7 @@ def _kl_backward_kernel(
     logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
     ref = tl.load(ref_ptr + _strided(row, col, offs, ref_stride0, ref_stride1, STRIDED), mask=inside).to(ACC)
     grad_kl = tl.load(grad_kl_ptr + _strided(row, col, offs, grad_kl_stride0, grad_kl_stride1, STRIDED), mask=inside).to(ACC)
-    grad = grad_kl * _kl_grad_from_log_ratio(logp - ref, ESTIMATOR)
+    grad = _kl_grad(logp - ref, grad_kl, ESTIMATOR)
     tl.store(grad_logp_ptr + offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
     tl.store(grad_ref_ptr + offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
 
@@ -205,7 +245,7 @@ def _kl_rewards_bwd_kernel(
             grad_kl += neg_coef * grad_rewards.to(ACC)
         logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
         ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
-        grad = tl.where(valid, grad_kl * _kl_grad_from_log_ratio(logp - ref, ESTIMATOR), 0.0)
+        grad = tl.where(valid, _kl_grad(logp - ref, grad_kl, ESTIMATOR), 0.0)
         out_offs = row * length + t
         tl.store(grad_logp_ptr + out_offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
         tl.store(grad_ref_ptr + out_offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)

@@ -38,8 +38,13 @@ def masked_mean(x, mask, dim=None):
     check.tensor("x", x)
     check.same_device(x=x, mask=mask)
     mask = check.mask("mask", mask, x.shape)
-    if dim is not None and not isinstance(dim, (int, tuple)):
-        raise TypeError(f"dim must be None, an int or a tuple of ints, got {type(dim).__name__}")
+    if dim is not None:
+        dims = dim if isinstance(dim, tuple) else (dim,)
+        if not isinstance(dim, (int, tuple)) or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+            raise TypeError(f"dim must be None, an int or a tuple of ints, got {dim!r}")
+        for d in dims:
+            if not -x.dim() <= d < max(x.dim(), 1):
+                raise ValueError(f"dim must lie in [{-x.dim()}, {x.dim() - 1}] for x of shape {tuple(x.shape)}, got {d}")
     return reference.masked_mean(x, mask, dim)
 
 

@@ -78,9 +78,7 @@ def linear_token_logprobs(
     check.flag("return_entropy", return_entropy)
     labels = labels.long()
     if labels.numel() and check.host_checks_free(labels):
-        bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
-        if bool(bad.any()):
-            raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")
+        check.labels_in_range(labels, vocab, ignore_index)
     logp, entropy = resolve("linear_token_logprobs", hidden.device.type)(
         hidden.reshape(-1, width),
         weight,

@@ -71,9 +71,7 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     vocab = logits.shape[-1]
     labels = labels.long()
     if labels.numel() and check.host_checks_free(labels):
-        bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
-        if bool(bad.any()):
-            raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")
+        check.labels_in_range(labels, vocab, ignore_index)
     rows = _rows_view(logits)
     flat_labels = labels.reshape(rows.shape[:-1])
     logp, entropy = resolve("token_logprobs", logits.device.type)(

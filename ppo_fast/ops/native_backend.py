@@ -118,11 +118,28 @@ def _wanted(grads, needed):
 
 
 def _register(name, fake, backward=None, setup_context=None):
+    """The fake kernel and autograd of ``ppo_fast::<name>``.  A backward op registered
+    without a backward of its own raises when differentiated (a second-order gradient,
+    ``create_graph=True``), as the Triton backend's ops do: without an autograd kernel
+    torch would treat its outputs as constants and return a silent zero or None."""
     if _C is None:
         return
     torch.library.register_fake(f"ppo_fast::{name}", fake)
+    if backward is None and name.endswith("_backward"):
+        backward = _no_double_backward(name)
     if backward is not None:
         torch.library.register_autograd(f"ppo_fast::{name}", backward, setup_context=setup_context)
+
+
+def _no_double_backward(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"ppo_fast::{name} has no gradient: second-order gradients (create_graph=True) through "
+            f"{name.removesuffix('_backward')} are not supported on the native backend; use "
+            "pf.use_backend('reference') for them"
+        )
+
+    return backward
 
 
 # --------------------------------------------------------------------------- token_logprobs
@@ -430,8 +447,28 @@ def _backward_gae(ctx, grad_advantages, grad_returns):
     return *_wanted(grads, needed), None, None, None
 
 
+def _setup_gae_backward(ctx, inputs, output):
+    grad_advantages, grad_returns, mask, gamma, lam, _rewards_dtype, _values_dtype, output_mask = inputs
+    ctx.save_for_backward(mask)
+    ctx.args = (gamma, lam)
+    ctx.grad_dtypes = tuple(None if g is None else g.dtype for g in (grad_advantages, grad_returns))
+    ctx.output_mask = tuple(output_mask)
+
+
+def _backward_gae_backward(ctx, grad_grad_rewards, grad_grad_values):
+    # GAE is linear, (advantages, returns) = F(rewards, values), and its backward is F's
+    # transpose, so the backward's own vector-Jacobian product is F itself.
+    (mask,) = ctx.saved_tensors
+    cotangents = []
+    for grad, wanted in ((grad_grad_rewards, ctx.output_mask[0]), (grad_grad_values, ctx.output_mask[1])):
+        cotangents.append(grad if wanted and grad is not None else torch.zeros(mask.shape, device=mask.device))
+    advantages, returns = torch.ops.ppo_fast.gae(*cotangents, mask, *ctx.args)
+    grads = [None if dtype is None else g.to(dtype) for g, dtype in zip((advantages, returns), ctx.grad_dtypes)]
+    return *grads, None, None, None, None, None, None
+
+
 _register("gae", _fake_gae, _backward_gae, _setup_gae)
-_register("gae_backward", _fake_gae_backward)
+_register("gae_backward", _fake_gae_backward, _backward_gae_backward, _setup_gae_backward)
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):

@@ -1,0 +1,356 @@
+"""Edge values every backend must get right: each case a reproducer of a bug a fuzzer, a
+sanitizer build or a peer's test suite once found (the rule it checks in its name), checked
+against float64 truth or the reference on every backend that serves the op here.
+
+Extreme temperatures and logits, small KL log-ratios, exp near float32's overflow,
+non-finite log-probs at valid tokens, pad ids used as ignore_index, second-order
+gradients, symbolic hyper-parameters under torch.compile(dynamic=True), result dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ppo_fast as pf
+from ppo_fast.backends import BACKENDS, backend_info
+
+
+def backends_serving(op: str, device: str = "cpu") -> list[str]:
+    return [
+        name
+        for name in BACKENDS
+        if backend_info(name).available and device in backend_info(name).module.SUPPORTED.get(op, set())
+    ]
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+@pytest.mark.parametrize("backend", backends_serving("linear_token_logprobs"))
+def test_pad_id_as_ignore_index_reads_nothing_of_its_rows(backend):
+    """ignore_index inside [0, V) (a pad id): its rows give 0 and no gradient, NaN there reaches nothing."""
+    hidden = torch.randn(5, 4)
+    hidden[0] = math.nan
+    hidden[3] = math.inf
+    hidden.requires_grad_()
+    weight = torch.randn(6, 4, requires_grad=True)
+    labels = torch.tensor([0, 2, 5, 0, 1])
+    with pf.use_backend(backend):
+        logp, entropy = pf.linear_token_logprobs(hidden, weight, labels, ignore_index=0, return_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+    assert logp[[0, 3]].tolist() == [0.0, 0.0] and entropy[[0, 3]].tolist() == [0.0, 0.0]
+    assert torch.isfinite(logp).all() and torch.isfinite(weight.grad).all()
+    assert hidden.grad[[0, 3]].abs().sum() == 0
+    clean = hidden.detach().clone()
+    clean[[0, 3]] = 0
+    truth = torch.log_softmax(clean.double() @ weight.detach().double().T, -1).gather(1, labels[:, None]).squeeze(1)
+    torch.testing.assert_close(logp[[1, 2, 4]].double(), truth[[1, 2, 4]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", backends_serving("token_logprobs"))
+def test_low_temperature_gradient_rounds_as_the_forward(backend):
+    """At T = 1.5e-5 the scaled logits are ~8e7 (ulp 8): a backward that rounds z = x / T
+    differently from the forward gets a gradient of ~(e^4 - 1) / T instead of 0."""
+    x = torch.tensor([[-355.75, 1232.0]], requires_grad=True)
+    with pf.use_backend(backend):
+        logp = pf.token_logprobs(x, torch.tensor([1]), temperature=1.5e-5)
+        logp.sum().backward()
+    assert logp.item() == 0.0
+    assert x.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-5])
+@pytest.mark.parametrize("backend", backends_serving("token_logprobs"))
+def test_low_temperature_large_logits_against_float64(backend, temperature):
+    torch.manual_seed(7)
+    logits = (torch.randn(6, 50) * 300).requires_grad_()
+    labels = logits.detach().argmax(-1)  # greedy: the rows a low temperature is used for
+    labels[-1] = 3
+    with pf.use_backend(backend):
+        logp, entropy = pf.token_logprobs(logits, labels, temperature=temperature, return_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+    x64 = logits.detach().double().requires_grad_()
+    z = (x64.detach().float() / temperature).double()  # the float32 scaled logits, exactly
+    z = z + (x64 - x64.detach()) / temperature
+    lp64 = torch.log_softmax(z, -1)
+    truth = lp64.gather(1, labels[:, None]).squeeze(1)
+    ent64 = -(lp64.exp() * lp64).sum(-1)
+    (truth.sum() + ent64.sum()).backward()
+    torch.testing.assert_close(logp.double(), truth, atol=1e-3, rtol=1e-5)
+    # The gradient is O(1 / T): compared relative to that scale.
+    scale = 1.0 / temperature
+    assert (logits.grad.double() - x64.grad).abs().max().item() <= 1e-3 * scale
+
+
+@pytest.mark.parametrize("backend", backends_serving("linear_token_logprobs"))
+def test_fused_head_low_temperature_gradient_against_float64(backend):
+    torch.manual_seed(3)
+    hidden = (torch.randn(8, 16) * 4).requires_grad_()
+    weight = torch.randn(40, 16, requires_grad=True)
+    labels = (hidden @ weight.T).argmax(-1).detach()
+    temperature = 1e-3
+    with pf.use_backend(backend):
+        logp = pf.linear_token_logprobs(hidden, weight, labels, temperature=temperature)
+        logp.sum().backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    truth = torch.log_softmax(h64 @ w64.T / temperature, -1).gather(1, labels[:, None]).sum()
+    truth.backward()
+    scale = h64.grad.abs().max().item() + 1.0 / temperature * 1e-3
+    assert (hidden.grad.double() - h64.grad).abs().max().item() <= 1e-2 * scale
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+
+LOG_RATIOS = sorted({s * 10.0**e for s in (1, -1) for e in (-4, -3.5, -3, -2, -1, -0.3, 0, 0.5, 1)} | {0.3, -0.45, 0.55})
+
+
+def kl_truth(r: float, estimator: str) -> tuple[float, float]:
+    """KL estimate of log-ratio r = logp - ref and its derivative d/d logp, in float64."""
+    if estimator == "k1":
+        return r, 1.0
+    if estimator == "k2":
+        return 0.5 * r * r, r
+    if estimator == "abs":
+        return abs(r), math.copysign(1.0, r)
+    d = -r  # k3 = exp(d) - d - 1, d = ref - logp, clamped to [-10, 10] (the estimator's definition)
+    value = math.expm1(d) - d
+    return (value, -math.expm1(d)) if value <= 10 else (10.0, 0.0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
+@pytest.mark.parametrize("backend", backends_serving("kl_estimate"))
+def test_kl_estimators_accurate_at_small_log_ratios(backend, estimator):
+    """<= 1e-4 relative to float64 for |r| >= 1e-4 (k3 = exp(r) - r - 1 cancels in float32)."""
+    ratios = torch.tensor(LOG_RATIOS, dtype=torch.float64)
+    ref = torch.randn(len(LOG_RATIOS), dtype=torch.float64).float()  # exact in float32
+    logp = (ref.double() + ratios).float()
+    r = logp.double() - ref.double()  # the log-ratio the float32 inputs hold
+    logp.requires_grad_()
+    with pf.use_backend(backend):
+        kl = pf.kl_estimate(logp[None], ref[None], estimator=estimator)[0]
+        kl.sum().backward()
+    for i, ri in enumerate(r.tolist()):
+        value, grad = kl_truth(ri, estimator)
+        assert abs(kl[i].item() - value) <= 1e-4 * abs(value) + 1e-30, (ri, kl[i].item(), value)
+        assert abs(logp.grad[i].item() - grad) <= 1e-4 * abs(grad) + 1e-30, (ri, logp.grad[i].item(), grad)
+
+
+@pytest.mark.parametrize("backend", backends_serving("kl_penalized_rewards"))
+def test_k3_rewards_overflow_like_the_reference(backend):
+    """kl_coef at float32's top: the gradient overflows to the same inf (or NaN) as the reference's autograd."""
+    values = torch.tensor([[-30.0, -2.4, -0.6, -0.4, -1e-3, 0.0, 1e-3, 0.6, 2.5, 30.0, math.nan]])
+    grads = {}
+    for name in ("reference", backend):
+        logp = values.clone().requires_grad_()
+        ref = torch.zeros_like(values, requires_grad=True)
+        with pf.use_backend(name):
+            rewards, kl = pf.kl_penalized_rewards(torch.zeros(1), logp, ref, torch.ones_like(values, dtype=torch.bool),
+                                                  kl_coef=3.4e38, estimator="k3")
+            (rewards.sum() + kl.sum()).backward()
+        grads[name] = (rewards.detach(), logp.grad, ref.grad)
+    for got, want in zip(grads[backend], grads["reference"]):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=0)
+
+
+# --------------------------------------------------------------------------- policy losses
+
+
+@pytest.mark.parametrize("logp", [88.0, 88.5, 88.7, 89.0, 100.0])
+@pytest.mark.parametrize("backend", backends_serving("policy_loss_geo_mean"))
+def test_geo_mean_exp_up_to_float32_overflow(backend, logp):
+    """exp(88.5) = 2.72e38 is a float32: no saturation at exp(88); beyond ln(FLT_MAX), inf."""
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    args = (torch.full((1, 1), logp), torch.zeros(1, 1), -torch.ones(1, 1), mask)
+    with pf.use_backend(backend):
+        loss = pf.policy_loss(*args, loss_mode="geo_mean")[0]  # A < 0: the kept log-ratio is lr itself
+    x = float(torch.tensor(logp))  # the float32 input
+    truth = math.exp(x) if math.exp(x) <= torch.finfo(torch.float32).max else math.inf
+    assert loss.item() == pytest.approx(truth, rel=1e-6)
+
+
+@pytest.mark.parametrize("poison", [-math.inf, math.inf, math.nan])
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "vanilla"])
+def test_non_finite_log_prob_at_a_valid_token_is_one_answer(mode, poison):
+    """NaN/inf at a valid position propagates the same way on every backend."""
+    lp = torch.tensor([[-1.0, poison, -2.0], [-0.5, -0.7, -0.2]])
+    old = torch.full_like(lp, -1.1)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.5, 2.0]])
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    results = {}
+    for backend in backends_serving(f"policy_loss_{mode}" if mode != "vanilla" else "clipped_policy_loss"):
+        leaf = lp.clone().requires_grad_()
+        with pf.use_backend(backend):
+            loss, stats = pf.policy_loss(leaf, old, adv, mask, loss_mode=mode)
+            loss.backward()
+        results[backend] = (loss.detach(), leaf.grad, {k: v.detach() for k, v in stats.items()})
+    want = results.pop("reference")
+    for backend, got in results.items():
+        torch.testing.assert_close(got[0], want[0], equal_nan=True, msg=f"{backend} loss")
+        torch.testing.assert_close(got[1], want[1], equal_nan=True, msg=f"{backend} grad")
+        for key in want[2]:
+            torch.testing.assert_close(got[2][key], want[2][key], equal_nan=True, msg=f"{backend} {key}")
+
+
+# --------------------------------------------------------------------------- second order
+
+
+@pytest.mark.parametrize("backend", backends_serving("gae"))
+def test_gae_second_order_or_raise(backend):
+    """A Hessian-vector product through gae equals the reference's, or raises; never a silent 0."""
+    torch.manual_seed(0)
+    rewards = torch.randn(2, 5, dtype=torch.float64)
+    values = torch.randn(2, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    direction = torch.randn(2, 5, dtype=torch.float64)
+
+    def hvp(name):
+        r, v = rewards.clone().requires_grad_(), values.clone().requires_grad_()
+        with pf.use_backend(name):
+            adv, ret = pf.gae(r, v, mask, gamma=0.9, lam=0.8)
+            loss = (adv**2).sum() + (ret**3).sum()
+            g_r, g_v = torch.autograd.grad(loss, (r, v), create_graph=True)
+            return torch.autograd.grad((g_r * direction).sum() + (g_v * direction).sum(), (r, v))
+
+    want = hvp("reference")
+    try:
+        got = hvp(backend)
+    except RuntimeError as error:
+        assert "second-order" in str(error) or "no autograd formula" in str(error)
+        return
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def _second_order_cases():
+    lp = torch.randn(2, 4, dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    yield "token_logprobs", lambda x: pf.token_logprobs(x, torch.tensor([[1, 2], [0, 3]])), torch.randn(2, 2, 5, dtype=torch.float64)
+    yield "kl_estimate", lambda x: pf.kl_estimate(x, lp, estimator="k3"), lp.clone()
+    yield "clipped_policy_loss", lambda x: pf.policy_loss(x, lp, lp, mask)[0], lp.clone()
+    yield "value_loss", lambda x: pf.value_loss(x, lp, lp, mask)[0], lp.clone()
+    yield "policy_loss_gspo", lambda x: pf.policy_loss(x, lp, lp, mask, loss_mode="gspo")[0], lp.clone()
+
+
+@pytest.mark.parametrize("case", list(_second_order_cases()), ids=lambda c: c[0])
+def test_second_order_gradients_match_the_reference_or_raise(case):
+    op, fn, x = case
+    def second(name):
+        leaf = x.clone().requires_grad_()
+        with pf.use_backend(name):
+            out = first(fn(leaf))
+            (g,) = torch.autograd.grad((out**2).sum(), leaf, create_graph=True)
+            return torch.autograd.grad(g.sum(), leaf)[0]
+
+    want = second("reference")
+    for backend in backends_serving(op):
+        if backend == "reference":
+            continue
+        try:
+            got = second(backend)
+        except RuntimeError as error:
+            assert "second-order" in str(error) or "no autograd formula" in str(error), str(error)
+            continue
+        torch.testing.assert_close(got, want, msg=f"{backend}: {op}")
+
+
+# --------------------------------------------------------------------------- torch.compile(dynamic=True)
+
+
+def _all_ops(logits, labels, hidden, weight, logp, old, adv, values, returns, scores, mask, temperature, gamma, lam, clip):
+    out = [first(pf.token_logprobs(logits, labels, temperature=temperature))]
+    out.append(pf.linear_token_logprobs(hidden, weight, labels.reshape(-1), temperature=temperature))
+    out += list(pf.gae(values, returns, mask, gamma=gamma, lam=lam))
+    out += list(pf.kl_penalized_rewards(scores, logp, old, mask, kl_coef=clip))
+    out.append(pf.kl_estimate(logp, old, estimator="k3"))
+    out.append(pf.policy_loss(logp, old, adv, mask, clip_eps_low=clip)[0])
+    out.append(pf.value_loss(values, old, returns, mask, clip=clip)[0])
+    out.append(pf.masked_whiten(adv, mask))
+    out.append(pf.rollout_correction_weights(logp, old, mask, mode="seq_tis", threshold=1.0 + clip))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [b for b in ("reference", "native") if backend_info(b).available])
+def test_compile_dynamic_symbolic_hyper_parameters(backend):
+    """Under dynamic=True the floats are symbolic: the ops compile in one graph, agree with
+    eager, and a bad value still raises (its check became a guard, so it recompiles)."""
+    torch._dynamo.reset()
+    B, T, V, H = 3, 5, 7, 4
+    mask = torch.rand(B, T) > 0.3
+    mask[:, 0] = True
+    args = (torch.randn(B, T, V), torch.randint(0, V, (B, T)), torch.randn(B * T, H), torch.randn(V, H),
+            torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), torch.randn(B, T),
+            torch.randn(B), mask)
+    compiled = torch.compile(_all_ops, fullgraph=True, dynamic=True, backend="aot_eager")
+    with pf.use_backend(backend):
+        for hyper in ((0.7, 0.99, 0.95, 0.2), (1.3, 0.9, 0.5, 0.1)):
+            got, want = compiled(*args, *hyper), _all_ops(*args, *hyper)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, equal_nan=True)
+        # fullgraph: Dynamo reports the raise as an unsupported graph break quoting the message
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="gamma must be <= 1.0, got 1.5"):
+            compiled(*args, 0.7, 1.5, 0.95, 0.2)
+
+
+# --------------------------------------------------------------------------- result dtypes and small rules
+
+
+@pytest.mark.parametrize("backend", backends_serving("token_logprobs"))
+def test_empty_float64_logits_give_float64(backend):
+    with pf.use_backend(backend):
+        logp, entropy = pf.token_logprobs(torch.zeros(0, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
+                                          return_entropy=True)
+    assert logp.dtype == entropy.dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", backends_serving("kl_penalized_rewards"))
+def test_float64_scores_give_float64_rewards(backend):
+    score = 1.0 + 2.0**-40  # not a float32
+    with pf.use_backend(backend):
+        rewards, kl = pf.kl_penalized_rewards(torch.tensor([score], dtype=torch.float64), torch.zeros(1, 2),
+                                              torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), kl_coef=0.1)
+    assert rewards.dtype == kl.dtype == torch.float64
+    assert rewards[0, -1].item() == score
+
+
+@pytest.mark.parametrize("mode", ["seq_tis", "seq_mis", "token_tis", "token_mis"])
+def test_rollout_correction_of_no_token(mode):
+    empty = torch.zeros(2, 0)
+    weights = pf.rollout_correction_weights(empty, empty, empty.bool(), mode=mode, batch_normalize=True)
+    assert weights.shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=5), ValueError, "dim must lie in"),
+        (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=True), TypeError, "dim must be"),
+        (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=(0, 1.0)), TypeError, "dim must be"),
+        (lambda: pf.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
+                                loss_mode=["vanilla"]), TypeError, "loss_mode must be a str"),
+        (lambda: pf.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), estimator=["k3"]), TypeError, "estimator must be a str"),
+        (lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 0.5]])), ValueError, "mask must hold only 0 and 1"),
+        (lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, math.nan]])), ValueError, "mask must hold only 0 and 1"),
+        (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-100, -5, 1])), ValueError, "got -5"),
+        (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-100, 4, 1])), ValueError, "got 4"),
+        (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-200, -100, 1])), ValueError, "got -200"),
+        (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([7, 7, 1]), ignore_index=9), ValueError, "got 7"),
+    ],
+)
+def test_bad_arguments_are_named(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_labels_at_ignore_index_and_negative_zero_masks_pass():
+    assert torch.isfinite(pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-100, 3, 0]))).all()
+    assert torch.isfinite(pf.token_logprobs(torch.zeros(3, 4), torch.tensor([9, 3, 9]), ignore_index=9)).all()
+    adv, _ = pf.gae(torch.ones(1, 3), torch.zeros(1, 3), torch.tensor([[1.0, -0.0, 1.0]]))
+    assert adv[0, 1].item() == 0.0
