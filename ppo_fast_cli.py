@@ -3,8 +3,10 @@
 Importing anything inside the ``ppo_fast`` package runs ``ppo_fast/__init__.py``, which
 imports torch and loads every backend (seconds).  This top-level module reads the
 options from ``ppo_fast/trainer/config.py`` (standard library only) on its own, so
-``ppo-fast --help``, ``ppo-fast train --help``, ``ppo-fast options`` and a mistyped
-flag answer at once; only a command that runs imports the package
+``ppo-fast --help``, ``ppo-fast train --help``, ``ppo-fast options``, a mistyped
+flag, a bad option value and a ``train`` into an ``--output-dir`` that already holds a
+run (without ``--resume`` or ``--overwrite``; ``ppo_fast/trainer/run_folder.py``, loaded
+alone too) answer at once; only a command that runs imports the package
 (``ppo_fast.cli.run``).
 """
 
@@ -15,22 +17,39 @@ import sys
 from pathlib import Path
 
 _CONFIG_MODULE = "_ppo_fast_trainer_config"
+_RUN_FOLDER_MODULE = "_ppo_fast_trainer_run_folder"
 
 
-def _config_module():
-    """``ppo_fast.trainer.config`` if already imported, else the same file loaded alone."""
-    loaded = sys.modules.get("ppo_fast.trainer.config") or sys.modules.get(_CONFIG_MODULE)
+def _trainer_module(name: str, alias: str):
+    """``ppo_fast.trainer.<name>`` if already imported, else the same file loaded alone (it
+    imports only the standard library)."""
+    loaded = sys.modules.get(f"ppo_fast.trainer.{name}") or sys.modules.get(alias)
     if loaded is not None:
         return loaded
     spec = importlib.util.find_spec("ppo_fast")  # a top-level name: finds, does not import
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("ppo-fast: error: the ppo_fast package is not installed in this Python")
-    path = Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config.py"
-    config_spec = importlib.util.spec_from_file_location(_CONFIG_MODULE, path)
-    module = importlib.util.module_from_spec(config_spec)
-    sys.modules[_CONFIG_MODULE] = module  # the dataclass and its type hints look it up
-    config_spec.loader.exec_module(module)
+    path = Path(list(spec.submodule_search_locations)[0]) / "trainer" / f"{name}.py"
+    module_spec = importlib.util.spec_from_file_location(alias, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[alias] = module  # the dataclass and its type hints look it up
+    module_spec.loader.exec_module(module)
     return module
+
+
+def _config_module():
+    return _trainer_module("config", _CONFIG_MODULE)
+
+
+def _refused(config, args) -> str | None:
+    """Why ``train`` cannot start (a bad option value or config file, an --output-dir that
+    holds a run), found without torch; ``ppo_fast.cli.run`` checks the same again."""
+    try:
+        cfg = config.config_from_args(args)
+    except config.ConfigError as err:
+        return str(err)
+    run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
+    return run_folder.refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "options":
         print(config.options_markdown() if args.markdown else train_parser.format_help())
         return 0
+    refused = _refused(config, args)
+    if refused:
+        print(f"ppo-fast: error: {refused}", file=sys.stderr)
+        return 1
     from ppo_fast.cli import run
 
     return run(args)

@@ -364,7 +364,11 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
 def test_response_length_defaults(finished_run, tmp_path):
     from ppo_fast.trainer import default_task
 
-    builtin = PPOTrainer(TrainerConfig(output_dir=str(finished_run), sft_steps=10, eval_size=16), log=quiet)
+    import shutil
+
+    fresh = tmp_path / "b"  # a new run (the finished run's folder is refused without --resume), its warm-up cached
+    shutil.copytree(finished_run / "warmup", fresh / "warmup")
+    builtin = PPOTrainer(TrainerConfig(output_dir=str(fresh), sft_steps=10, eval_size=16), log=quiet)
     assert builtin.response_length == config_module.BUILTIN_RESPONSE_LENGTH == 4
     tokenizer = default_task.build_tokenizer()
     long_model = default_task.build_model(tokenizer, 0)

@@ -72,12 +72,14 @@ def test_smoke_run_writes_metrics_checkpoint_and_plot(tmp_path):
     assert state.step == 3 and state.config["steps"] == 3
     critic_state = torch.load(final / "critic.pt")
     assert "head.summary.weight" in critic_state and any(k.startswith("backbone.") for k in critic_state)
-    # The warm-up is cached: a second trainer on the same directory reuses it, unless its settings changed.
+    # The warm-up is cached: a new run in a folder holding the cache reuses it, unless its settings changed
+    # (the finished run's own folder is refused without --resume: tests/test_run_folder.py).
+    shutil.copytree(out / "warmup", tmp_path / "cached" / "warmup")
     messages = []
-    PPOTrainer(cfg, log=messages.append)
+    PPOTrainer(tiny(tmp_path, "cached"), log=messages.append)
     assert any("reusing the warm-up model" in m for m in messages)
     messages.clear()
-    PPOTrainer(tiny(tmp_path, sft_steps=11), log=messages.append)
+    PPOTrainer(tiny(tmp_path, "cached", sft_steps=11), log=messages.append)
     assert any("made with other settings" in m for m in messages)
     del model
 

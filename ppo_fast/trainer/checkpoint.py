@@ -27,13 +27,12 @@ from typing import Callable
 import torch
 
 from .config import CRITIC_ESTIMATORS, ConfigError
+from .run_folder import CHECKPOINTS, TMP_PREFIX
 
-CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 CRITIC_FILE = "critic.pt"
 POLICY_DIR = "policy"
 SHARDED_DIR = "sharded"
-TMP_PREFIX = ".tmp-step-"
 KEEP_LAST = 2  # the default of --keep-checkpoints
 
 

@@ -78,6 +78,11 @@ class TrainerConfig:
         "more threads on a busy machine slow everything down.", "run"
     )
     resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run")
+    overwrite: bool = _opt(
+        False, "Replace the run in output_dir: its checkpoints, metrics.jsonl, summary.json, curves.png, tensorboard/ and "
+        "vllm_model/ are deleted first (other files and the warm-up cache are kept). Without --overwrite or --resume, "
+        "an output_dir that already holds a run is refused. Not with --resume.", "run"
+    )
     save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run")
     keep_checkpoints: int = _opt(2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run")
     sample_every: int = _opt(25, "Print a few sample completions every this many steps (0: never).", "run")
@@ -269,6 +274,9 @@ class TrainerConfig:
             _require("num_samples_per_prompt", self.num_samples_per_prompt >= 2,
                      f"must be >= 2 for advantage_estimator={self.advantage_estimator}")
         _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with --reward-fn; choose one")
+        _require("overwrite", not (self.overwrite and self.resume),
+                 "cannot be combined with --resume (--resume continues the run in output_dir, --overwrite deletes it); "
+                 "choose one")
         if self.model_name_or_path is not None:
             _require("prompts_file", self.prompts_file is not None, "is required with --model-name-or-path")
             _require("reward_fn", bool(self.reward_fn or self.reward_model),

@@ -100,6 +100,10 @@ class Parallel:
         _collective(dist.all_gather_object, out, obj)
         return out
 
+    def from_main(self, obj):
+        """Rank 0's ``obj`` on every rank (a decision rank 0 made alone, that every rank must follow)."""
+        return self.gather_objects(obj if self.main else None)[0]
+
     @contextlib.contextmanager
     def main_first(self):
         """Rank 0 runs the block (a warm-up that writes a cache) before the others do."""

@@ -8,8 +8,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "curves.png"
+from .run_folder import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 
 
 class PhaseTimer:
@@ -54,7 +53,7 @@ class MetricsWriter:
             kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self.file = self.path.open("a")
-        self.tensorboard = _tensorboard_writer(output_dir / "tensorboard", log)
+        self.tensorboard = _tensorboard_writer(output_dir / TENSORBOARD_DIR, log)
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, default_task, distributed, resume
+from . import checkpoint, default_task, distributed, resume, run_folder
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
@@ -31,7 +31,7 @@ from .rollout_vllm import VLLMEngine, check_installed, mismatch_metrics
 from .scoring import FunctionScorer, RewardModelScorer, check_finite, load_reward_fn
 from .update import Experience, policy_loss_params, ppo_update
 
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = run_folder.SUMMARY_FILE
 
 
 # The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
@@ -206,6 +206,7 @@ class PPOTrainer:
                 raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
             reward_fn = default_task.addition_reward
         resume_from = self._check_resume(builtin) if cfg.resume else None
+        self._claim_output_dir()  # nothing is written to output_dir before this
 
         check_writable(self.output_dir)
         if self.device.type == "cpu" and cfg.cpu_threads:
@@ -277,7 +278,7 @@ class PPOTrainer:
         longest = max(len(ids) for ids in self.tokenizer(self.prompts).input_ids)
         dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else next(self.policy.parameters()).dtype
         engine = VLLMEngine(
-            self.policy, model_dir=self.output_dir / "vllm_model", max_model_len=longest + self.response_length,
+            self.policy, model_dir=self.output_dir / run_folder.VLLM_MODEL_DIR, max_model_len=longest + self.response_length,
             max_num_seqs=self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt, dtype=dtype, seed=cfg.seed,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep=cfg.vllm_sleep,
         )
@@ -305,6 +306,31 @@ class PPOTrainer:
                               f"and the model {positions} positions; use --response-length {max(room, 1)} or less")
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _claim_output_dir(self) -> None:
+        """A new run (no ``--resume``) in a folder that holds a run: ``ConfigError`` in one line,
+        nothing touched; with ``--overwrite`` the old run's artifacts are removed first (see
+        ``run_folder``).  Rank 0 looks and removes, alone; every rank follows its verdict."""
+        cfg = self.cfg
+        if cfg.resume:
+            return
+        verdict = None
+        if self.parallel.main:
+            verdict = run_folder.refusal(self.output_dir, resume=False, overwrite=cfg.overwrite)
+            found = run_folder.artifacts(self.output_dir) if verdict is None and cfg.overwrite else []
+            if found:
+                what = run_folder.describe(found, self.output_dir)
+                try:
+                    run_folder.remove_run(self.output_dir)
+                except OSError as err:
+                    verdict = (f"--overwrite: cannot remove {err.filename or self.output_dir} "
+                               f"({err.strerror or err}); remove the old run in {self.output_dir} yourself, or choose "
+                               "another --output-dir")
+                else:
+                    self.log(f"--overwrite: removed the previous run in {self.output_dir} ({what})")
+        verdict = self.parallel.from_main(verdict)
+        if verdict is not None:
+            raise ConfigError(verdict)
 
     def _check_resume(self, builtin: bool) -> checkpoint.Loaded | None:
         """The newest usable checkpoint, read whole; ``ConfigError`` if this run's options

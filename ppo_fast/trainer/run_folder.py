@@ -1,0 +1,92 @@
+"""What a run leaves in its ``--output-dir``, and whether a new run may start there.
+
+A folder *holds a run* when it has any of the trainer's own artifacts (:func:`artifacts`):
+a checkpoint (``checkpoints/step-*``, or ``checkpoints/.tmp-step-*`` whose writing never
+finished), ``metrics.jsonl``, ``summary.json``, ``curves.png``, ``tensorboard/`` or
+``vllm_model/``.  A new run there (no ``--resume``) would prune the old run's checkpoints,
+overwrite its metrics and leave a folder that ``--resume`` continues with mixed rows, so it
+is refused in one line (:func:`refusal`) before anything is written; ``--overwrite`` removes
+those artifacts first (:func:`remove_run`), and nothing else: files the user put there stay,
+and so does the warm-up cache (``warmup/``), a cache rather than a run (it is reused only
+when made with the same warm-up settings, and copying it into a new folder is how two runs
+share the built-in task's warm-up model).  A missing or empty folder, or one with other
+files only, is used as it is.
+
+Standard library only: the ``ppo-fast`` launcher (``ppo_fast_cli.py``) loads this file on
+its own to refuse such a folder before torch is imported; the trainer checks it again
+(rank 0 deciding for every rank under ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+# The names the trainer writes (ppo_fast.trainer.checkpoint, .metrics and .trainer use these).
+CHECKPOINTS = "checkpoints"
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "curves.png"
+SUMMARY_FILE = "summary.json"
+TENSORBOARD_DIR = "tensorboard"
+VLLM_MODEL_DIR = "vllm_model"
+WARMUP_DIR = "warmup"  # a cache: neither makes a run nor is removed by --overwrite
+
+
+def artifacts(output_dir: str | Path) -> list[Path]:
+    """The run artifacts in ``output_dir`` (empty: it holds no run; a missing folder holds none):
+    the checkpoints newest first, then unfinished ones, then the other files and folders."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    checkpoints = root / CHECKPOINTS
+    found = sorted(checkpoints.glob(STEP_PREFIX + "*"), reverse=True) if checkpoints.is_dir() else []
+    found += sorted(checkpoints.glob(TMP_PREFIX + "*")) if checkpoints.is_dir() else []
+    for name in (METRICS_FILE, SUMMARY_FILE, PLOT_FILE, TENSORBOARD_DIR, VLLM_MODEL_DIR):
+        path = root / name
+        if path.exists() or path.is_symlink():
+            found.append(path)
+    return found
+
+
+def describe(found: list[Path], output_dir: str | Path) -> str:
+    """``checkpoints/step-000020 and 1 older, metrics.jsonl, tensorboard/`` (the artifacts, short)."""
+    root = Path(output_dir)
+    finished = [p for p in found if p.parent.name == CHECKPOINTS and p.name.startswith(STEP_PREFIX)]
+    unfinished = [p for p in found if p.parent.name == CHECKPOINTS and p.name.startswith(TMP_PREFIX)]
+    others = [p for p in found if p not in finished and p not in unfinished]
+    parts = []
+    for group, more in ((finished, "older"), (unfinished, "more unfinished")):
+        if group:
+            parts.append(group[0].relative_to(root).as_posix() + (f" and {len(group) - 1} {more}" if len(group) > 1 else ""))
+    parts += [p.name + ("/" if p.is_dir() else "") for p in others]
+    return ", ".join(parts)
+
+
+def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | None:
+    """Why a run with these options may not start in ``output_dir`` (the error line, without
+    ``ppo-fast: error:``), or None: a new run (no ``--resume``, no ``--overwrite``) in a folder
+    that holds a run.  ``--resume`` continues whatever is there; ``--overwrite`` replaces it."""
+    if resume or overwrite:
+        return None
+    found = artifacts(output_dir)
+    if not found:
+        return None
+    return (f"--output-dir {output_dir} already holds a run ({describe(found, output_dir)}); "
+            "pass --resume to continue it, or --overwrite to replace it")
+
+
+def remove_run(output_dir: str | Path) -> list[Path]:
+    """``--overwrite``: delete the run artifacts of ``output_dir`` (and ``checkpoints/`` if that
+    leaves it empty), nothing else; returns what was removed."""
+    found = artifacts(output_dir)
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    checkpoints = Path(output_dir) / CHECKPOINTS
+    if found and checkpoints.is_dir() and not any(checkpoints.iterdir()):
+        checkpoints.rmdir()
+    return found

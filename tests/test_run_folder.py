@@ -1,0 +1,264 @@
+"""A new run never touches an old one: ``ppo-fast train`` into an --output-dir that already holds
+a run (a checkpoint, metrics.jsonl, ...) is refused in one line naming --resume and --overwrite,
+with every file of the old run byte for byte and mtime for mtime as it was; --overwrite removes
+the old run's own artifacts (and nothing else) and starts afresh; --overwrite --resume is refused;
+a folder with other files only is used as it is; under torchrun rank 0 decides for every rank."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import ppo_fast_cli
+from ppo_fast.cli import main
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig
+from ppo_fast.trainer import checkpoint, run_folder
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.trainer import SUMMARY_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_FLAGS = ["--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
+              "--sft-steps", "10", "--eval-size", "16"]
+TINY = dict(batch_size=4, num_mini_batches=1, num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=16)
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+def snapshot(root: Path) -> dict:
+    """Every file and folder under ``root``: its content's hash (files), size and mtime."""
+    tree = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+        tree[path.relative_to(root).as_posix()] = (digest, info.st_size if path.is_file() else 0, info.st_mtime_ns)
+    return tree
+
+
+def error_line(capsys) -> str:
+    """The one line on stderr (no traceback, nothing else)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ppo-fast: error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A built-in run of two steps, a checkpoint after each (both kept), made once by the command."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--output-dir", str(out), "--steps", "2", "--save-every", "1", *TINY_FLAGS]) == 0
+    assert [p.name for p in checkpoint.candidates(out)] == ["step-000002", "step-000001"]
+    return out
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)  # copy2: the mtimes come along
+    return copy
+
+
+def refused_line(run: Path) -> str:
+    items = "checkpoints/step-000002 and 1 older, metrics.jsonl, summary.json, curves.png"
+    if (run / "tensorboard").exists():  # when tensorboard is installed
+        items += ", tensorboard/"
+    return (f"ppo-fast: error: --output-dir {run} already holds a run ({items}); "
+            "pass --resume to continue it, or --overwrite to replace it")
+
+
+# ---------------------------------------------------------------------- refused
+
+
+def test_a_second_train_into_a_run_folder_is_refused_with_the_old_run_intact(run, capsys):
+    before = snapshot(run)
+    assert main(["train", "--output-dir", str(run), "--steps", "3", *TINY_FLAGS]) == 1
+    assert error_line(capsys) == refused_line(run)
+    assert snapshot(run) == before
+    # The console script (ppo_fast_cli) says the same; and --resume still continues the old run.
+    assert ppo_fast_cli.main(["train", "--output-dir", str(run), "--steps", "3", *TINY_FLAGS]) == 1
+    assert error_line(capsys) == refused_line(run)
+    assert snapshot(run) == before
+    assert main(["train", "--output-dir", str(run), "--steps", "3", "--resume", *TINY_FLAGS]) == 0
+    assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1, 2, 3]
+    assert [p.name for p in checkpoint.candidates(run)] == ["step-000003", "step-000002"]
+
+
+def test_the_console_script_refuses_before_importing_torch(run):
+    code = (
+        "import sys, ppo_fast_cli\n"
+        f"status = ppo_fast_cli.main(['train', '--output-dir', {str(run)!r}])\n"
+        "print('STATUS', status, 'HEAVY', sorted(m for m in ('torch', 'transformers', 'ppo_fast') if m in sys.modules))\n"
+    )
+    before = snapshot(run)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "STATUS 1 HEAVY []" in out.stdout, out.stdout + out.stderr
+    assert out.stderr.strip() == refused_line(run)
+    assert snapshot(run) == before
+
+
+def test_the_trainer_itself_refuses_a_run_folder(run):
+    """From Python (and under torchrun, where every rank builds a trainer) as from the command."""
+    before = snapshot(run)
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(TrainerConfig(output_dir=str(run), steps=3, **TINY), log=quiet)
+    assert "ppo-fast: error: " + str(err.value) == refused_line(run)
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("artifact, named", [
+    ("checkpoints/step-000007/", "checkpoints/step-000007"), ("checkpoints/.tmp-step-000007/", "checkpoints/.tmp-step-000007"),
+    (METRICS_FILE, METRICS_FILE), (SUMMARY_FILE, SUMMARY_FILE), ("curves.png", "curves.png"),
+    ("tensorboard/", "tensorboard/"), ("vllm_model/", "vllm_model/"),
+])
+def test_any_of_the_trainers_artifacts_makes_a_run(tmp_path, capsys, artifact, named):
+    out = tmp_path / "out"
+    path = out / artifact.rstrip("/")
+    if artifact.endswith("/"):
+        path.mkdir(parents=True)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}\n")
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    assert main(["train", "--output-dir", str(out), "--steps", "1", *TINY_FLAGS]) == 1
+    assert error_line(capsys) == (f"ppo-fast: error: --output-dir {out} already holds a run ({named}); "
+                                  "pass --resume to continue it, or --overwrite to replace it")
+    assert snapshot(out) == before
+
+
+def test_overwrite_with_resume_is_one_line(run, capsys):
+    before = snapshot(run)
+    assert main(["train", "--output-dir", str(run), "--overwrite", "--resume", "--steps", "3", *TINY_FLAGS]) == 1
+    assert error_line(capsys) == ("ppo-fast: error: invalid config: overwrite (--overwrite) cannot be combined with --resume "
+                                  "(--resume continues the run in output_dir, --overwrite deletes it); choose one")
+    assert snapshot(run) == before
+
+
+# ---------------------------------------------------------------------- --overwrite, and folders without a run
+
+
+def test_overwrite_replaces_the_old_run_and_keeps_everything_else(run, capsys):
+    (run / "notes.txt").write_text("the user's")
+    (run / "checkpoints" / "README").write_text("also the user's")
+    old_state = (run / "checkpoints" / "step-000001" / checkpoint.STATE_FILE).read_bytes()
+    kept = {name: entry for name, entry in snapshot(run).items()
+            if name in ("notes.txt", "checkpoints/README") or name.startswith("warmup")}
+    assert any(name.startswith("warmup/") for name in kept)
+    assert main(["train", "--output-dir", str(run), "--overwrite", "--steps", "1", *TINY_FLAGS]) == 0
+    out = capsys.readouterr().out
+    assert f"--overwrite: removed the previous run in {run} (checkpoints/step-000002 and 1 older, metrics.jsonl" in out
+    assert "reusing the warm-up model" in out  # the cache is not the run
+    assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1]
+    assert [p.name for p in checkpoint.candidates(run)] == ["step-000001"]
+    assert (run / "checkpoints" / "step-000001" / checkpoint.STATE_FILE).read_bytes() != old_state
+    assert checkpoint.load_state(checkpoint.latest(run)).step == 1
+    after = snapshot(run)
+    assert {name: after[name] for name in kept} == kept
+    # The new run is the one --resume continues (and --overwrite is not an option it compares).
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "2", *TINY_FLAGS]) == 0
+    assert "resuming with changed options" not in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1, 2]
+
+
+def test_a_folder_with_other_files_only_is_used_and_they_survive_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    assert run_folder.artifacts(out) == []
+    kept = snapshot(out)
+    assert main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", *TINY_FLAGS[:-2]]) == 0
+    assert main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", "--overwrite", *TINY_FLAGS[:-2]]) == 0
+    assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1]
+    assert {name: snapshot(out)[name] for name in kept} == kept
+    # Nothing to replace: --overwrite on a missing folder just starts.
+    assert run_folder.remove_run(tmp_path / "missing") == []
+
+
+def test_resume_into_a_folder_without_a_run_starts_from_scratch(tmp_path):
+    """Unchanged: --resume with no checkpoint says so and starts at step 1."""
+    messages = []
+    cfg = TrainerConfig(output_dir=str(tmp_path / "new"), steps=1, resume=True, **dict(TINY, eval_size=0))
+    assert PPOTrainer(cfg, log=messages.append).train()["steps_done"] == 1
+    assert any("--resume: no checkpoint in" in m and "starting from scratch" in m for m in messages)
+
+
+# ---------------------------------------------------------------------- several processes
+
+
+def _claim(tmp_path, *, rank: int, overwrite: bool, verdict_of_rank_0):
+    """``PPOTrainer._claim_output_dir`` as rank ``rank`` of two, rank 0's verdict given."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step-000001").mkdir(parents=True, exist_ok=True)
+    (out / METRICS_FILE).write_text("{}\n")
+    sent = []
+
+    def from_main(obj):
+        sent.append(obj)
+        return obj if rank == 0 else verdict_of_rank_0
+
+    fake = SimpleNamespace(cfg=TrainerConfig(output_dir=str(out), overwrite=overwrite), output_dir=out, log=quiet,
+                           parallel=SimpleNamespace(main=rank == 0, from_main=from_main))
+    return out, sent, lambda: PPOTrainer._claim_output_dir(fake)
+
+
+def test_only_rank_0_looks_and_deletes_and_every_rank_follows_it(tmp_path):
+    # Rank 1 with --overwrite deletes nothing: it waits for rank 0's verdict (None: go on).
+    out, sent, claim = _claim(tmp_path, rank=1, overwrite=True, verdict_of_rank_0=None)
+    before = snapshot(out)
+    claim()
+    assert sent == [None] and snapshot(out) == before
+    # Rank 1 follows a refusal it did not make itself.
+    out, sent, claim = _claim(tmp_path, rank=1, overwrite=False, verdict_of_rank_0="rank 0's reason")
+    with pytest.raises(ConfigError, match="rank 0's reason"):
+        claim()
+    # Rank 0 sends its refusal to the others, and with --overwrite deletes before it says go.
+    out, sent, claim = _claim(tmp_path, rank=0, overwrite=False, verdict_of_rank_0=None)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        claim()
+    assert len(sent) == 1 and "already holds a run" in sent[0]
+    out, sent, claim = _claim(tmp_path, rank=0, overwrite=True, verdict_of_rank_0=None)
+    claim()
+    assert sent == [None] and run_folder.artifacts(out) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_overwrite_a_run_folder_together(tmp_path):
+    """What torchrun starts: two processes on gloo; rank 0 removes the old run, both train."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000009" / "policy").mkdir(parents=True)
+    (out / METRICS_FILE).write_text('{"step": 9}\n')
+    (out / "notes.txt").write_text("the user's")
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), "--overwrite",
+                                       "--steps", "1", "--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1",
+                                       "--sample-every", "0", "--sft-steps", "10", "--eval-size", "0", "--dist-timeout", "60"],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "--overwrite: removed the previous run" in logs[0] and "--overwrite" not in logs[1]
+    assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1]
+    assert [p.name for p in checkpoint.candidates(out)] == ["step-000001"]
+    assert (out / "notes.txt").read_text() == "the user's"
