@@ -97,7 +97,9 @@ def test_small_vocab_blocks_match_reference(block_v):
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
     # Ignored rows read no logits, so they have no stats.
     valid = labels != IGNORE
-    torch.testing.assert_close(stats.sum(-1)[valid], torch.logsumexp(logits / 0.9, -1)[valid], rtol=1e-6, atol=1e-5)
+    # stats: the row's max logit and log(sum(exp((logits - max) / T))), whose sum with max / T is the logsumexp
+    lse = stats[..., 0] / 0.9 + stats[..., 1]
+    torch.testing.assert_close(lse[valid], torch.logsumexp(logits / 0.9, -1)[valid], rtol=1e-6, atol=1e-5)
 
     g_logp, g_entropy = torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE)
     grad = kernels.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, block_v=block_v)

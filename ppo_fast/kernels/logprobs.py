@@ -218,14 +218,14 @@ def _token_logprobs_fwd_kernel(
     rescale = tl.math.exp2(old)
     total = tl.sum(sum_exp * rescale, 0)
     log_sum = tl.log(total)
-    # The max of z = x / temperature, as x / temperature rounds it (the backward's shift).
-    shift = shift_x * inv_t
     # Row 0's address for a row whose label is not a column (never a read outside the row).
-    chosen = tl.load(row_ptr + tl.where(in_vocab, label, 0) * vocab_stride, mask=valid & in_vocab, other=0.0).to(ACC) * inv_t
-    # (z - shift) - log_sum, not z - logsumexp: the logsumexp rounds at the logits' magnitude.
-    logp = tl.where(in_vocab, (chosen - shift) - log_sum, float("nan"))
+    chosen = tl.load(row_ptr + tl.where(in_vocab, label, 0) * vocab_stride, mask=valid & in_vocab, other=0.0).to(ACC)
+    # (x - max) / T - log_sum, as the online pass shifts: never z - logsumexp, which rounds
+    # at the scaled logits' magnitude (ulp(x / T), large at a low temperature), nor
+    # x / T - max / T, which an FMA would round differently from the backward.
+    logp = tl.where(in_vocab, (chosen - shift_x) * inv_t - log_sum, float("nan"))
     tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
-    tl.store(stats_ptr + 2 * row, shift)
+    tl.store(stats_ptr + 2 * row, shift_x)
     tl.store(stats_ptr + (2 * row + 1), log_sum)
     if RETURN_ENTROPY:
         # E[z - shift] from base-2 units: H = log_sum - E[z - shift]
@@ -235,19 +235,22 @@ def _token_logprobs_fwd_kernel(
 
 
 @triton.jit
-def _grad_block(x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY: tl.constexpr):
+def _grad_block(x, scale2, shift_x, coef, coef_log2, HAS_GRAD_ENTROPY: tl.constexpr):
     """``dL/dx`` off the label column, ``p * coef`` or with the entropy gradient
-    ``p * (coef + coef_log * (z - shift))``: ``z - shift`` in one FMA (one rounding), ``p =
-    2**((z - shift) * log2e - log_sum * log2e)`` in another, one ``exp2`` and a multiply per
-    logit (a clamp and an FMA more with the entropy gradient)."""
-    shifted = x * inv_t - shift
-    p = tl.math.exp2(shifted * log2e - log_sum * log2e)
+    ``p * (coef + coef_log2 * d)``, with ``d = (x - max) * log2(e) / T`` rounded as the
+    forward's online pass rounds it (a subtract, then a multiply: no FMA of x / T - max / T,
+    whose rounding at a low temperature would differ from the forward's by up to ulp(x / T))
+    and ``p = 2**d / total``, the 1 / total folded into ``coef`` and ``coef_log2`` by the
+    caller: one ``exp2`` and a multiply per logit (a clamp and an FMA more with the entropy
+    gradient)."""
+    d = (x - shift_x) * scale2
+    e = tl.math.exp2(d)
     if HAS_GRAD_ENTROPY:
-        # coef + coef_log * log p, with log p = shifted - log_sum folded into coef by the caller
-        # (shifted >= log p, so the floor clamps no p > 0).
-        g = p * (coef + coef_log * tl.maximum(shifted, LOG_FLOOR))
+        # coef + coef_log2 * log2 p, with log2 p = d - log2(total) folded into coef by the caller
+        # (d >= log2 p, so the floor clamps no p > 0).
+        g = e * (coef + coef_log2 * tl.maximum(d, LOG_FLOOR))
     else:
-        g = p * coef
+        g = e * coef
     return g
 
 
@@ -303,8 +306,9 @@ def _token_logprobs_bwd_kernel(
     # Ignored and out-of-range rows pass no gradient: nothing of theirs is read, zeros are written.
     if valid & in_vocab:
         inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
-        log2e, _ = _log2e_ln2(ACC)
-        shift = tl.load(stats_ptr + 2 * row).to(ACC)
+        log2e, ln2 = _log2e_ln2(ACC)
+        scale2 = inv_t * log2e  # as the forward's
+        shift_x = tl.load(stats_ptr + 2 * row).to(ACC)
         log_sum = tl.load(stats_ptr + (2 * row + 1)).to(ACC)
         g_logp = tl.zeros([], ACC)
         if HAS_GRAD_LOGP:
@@ -317,23 +321,27 @@ def _token_logprobs_bwd_kernel(
             entropy = tl.load(entropy_ptr + row).to(ACC)
             coef_log = -g_entropy * inv_t
             coef += coef_log * (entropy - log_sum)
+        # p = 2**d / total with total = exp(log_sum): 1 / total is one factor of the row
+        inv_total = tl.math.exp2(-log_sum * log2e)
+        coef_log2 = coef_log * ln2 * inv_total  # per unit of d (base-2 units)
+        coef_p = coef * inv_total
         # The label column is read before the loop (an in-place backward overwrites it) and
         # written again after it with its extra g_logp term: no compare per logit.
         label_x = tl.load(row_ptr + label * vocab_stride).to(ACC)
         for _ in range(0, full_end, BLOCK_V):
             x = _load_full_block(block_ptr, offsets, ACC, GROUP, BLOCK_V, BF16_PAIRS)
-            g = _grad_block(x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY)
+            g = _grad_block(x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY)
             tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr))
             block_ptr += step
             grad_block_ptr += grad_step
         if full_end < vocab:
             in_row = cols < vocab - full_end
             x = tl.load(block_ptr + offsets, mask=in_row, other=float("-inf")).to(ACC)
-            g = _grad_block(x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY)
+            g = _grad_block(x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY)
             tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr), mask=in_row)
         # Every thread's store to the label column is done (and visible) before it is rewritten.
         tl.debug_barrier()
-        label_g = _grad_block(label_x, inv_t, shift, log_sum, log2e, coef, coef_log, HAS_GRAD_ENTROPY) + g_logp * inv_t
+        label_g = _grad_block(label_x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY) + g_logp * inv_t
         tl.store(grad_row_ptr + label * grad_vocab_stride, cast_for_store(label_g, grad_ptr))
     else:
         zeros = tl.zeros([BLOCK_V // GROUP, GROUP], ACC)
@@ -355,9 +363,9 @@ def token_logprobs_forward(
     """``(logp, entropy or None, stats)``; logp and entropy have ``labels``' shape.
 
     float32 (float64 for float64 logits, computed in float64).  ``stats``
-    (``labels.shape + (2,)``) holds each row's max of ``z = logits / temperature``
-    and ``log(sum(exp(z - max)))``, whose sum is the logsumexp; the backward needs
-    them apart to keep ``z - logsumexp`` exact when the logits are large (rows with
+    (``labels.shape + (2,)``) holds each row's max logit (before the temperature)
+    and ``log(sum(exp((logits - max) / temperature)))``; the backward needs them apart
+    to form ``(x - max) / temperature`` exactly as the forward does (rows with
     an ignored or out-of-range label have none: they read no logits).
 
     ``logits`` is ``[N, V]`` or ``[B, T, V]`` with any strides (never copied);
