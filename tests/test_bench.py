@@ -192,3 +192,17 @@ def test_cpu_vs_trl_cpu_info_and_table():
     text = cpu_vs_trl.table(sample)
     assert "| 1 | float32 | 10.0 | 20.0 | 40.0 | 2.00x | 4.00x |" in text
     assert "ppo_fast 0.500 ns, torch.exp (AVX2) 1.000 ns: 2.00x" in text
+
+
+def test_overhead_bench_times_every_public_op(tmp_path):
+    import json
+
+    from bench import overhead
+
+    assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "overhead-cpu.json").read_text())["rows"]
+    assert {"token_logprobs", "linear_token_logprobs", "gae (float mask)", "policy_loss vanilla"} <= {r["op"] for r in rows}
+    for r in rows:
+        assert r["public_us"] > 0
+        if r["backend_call_us"] is not None:
+            assert r["overhead_us"] == pytest.approx(r["public_us"] - r["backend_call_us"], abs=0.2)

@@ -77,12 +77,11 @@ def linear_token_logprobs(
     ignore_index = check.integer("ignore_index", ignore_index)
     check.flag("return_entropy", return_entropy)
     labels = labels.long()
-    if labels.numel() and check.host_checks_free(labels):
-        check.labels_in_range(labels, vocab, ignore_index)
+    check_labels = labels.numel() and check.host_checks_free(labels)
     logp, entropy = resolve("linear_token_logprobs", hidden.device.type)(
-        hidden.reshape(-1, width),
+        hidden if hidden.dim() == 2 else hidden.reshape(-1, width),
         weight,
-        labels.reshape(-1),
+        labels if labels.dim() == 1 else labels.reshape(-1),
         bias=bias,
         temperature=temperature,
         logit_scale=logit_scale,
@@ -90,5 +89,10 @@ def linear_token_logprobs(
         return_entropy=return_entropy,
         ignore_index=ignore_index,
     )
-    logp = logp.view(labels.shape)
-    return (logp, entropy.view(labels.shape)) if return_entropy else logp
+    # Every backend gives a label outside [0, V) a NaN row (contract): one pass over the
+    # results finds whether the labels need their full check (so does a NaN logit's row).
+    if check_labels and bool(torch.isnan(logp).any()):
+        check.labels_in_range(labels, vocab, ignore_index)
+    if logp.shape != labels.shape:
+        logp, entropy = logp.view(labels.shape), (entropy.view(labels.shape) if return_entropy else entropy)
+    return (logp, entropy) if return_entropy else logp

@@ -70,12 +70,16 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     check.flag("inplace_backward", inplace_backward)
     vocab = logits.shape[-1]
     labels = labels.long()
-    if labels.numel() and check.host_checks_free(labels):
-        check.labels_in_range(labels, vocab, ignore_index)
+    check_labels = labels.numel() and check.host_checks_free(labels)
     rows = _rows_view(logits)
-    flat_labels = labels.reshape(rows.shape[:-1])
+    flat_labels = labels if labels.dim() == rows.dim() - 1 else labels.reshape(rows.shape[:-1])  # a view costs us
     logp, entropy = resolve("token_logprobs", logits.device.type)(
         rows, flat_labels, temperature, return_entropy, ignore_index, inplace_backward
     )
-    logp = logp.view(labels.shape)
-    return (logp, entropy.view(labels.shape)) if return_entropy else logp
+    # Every backend gives a label outside [0, V) a NaN row (contract): one pass over the
+    # results finds whether the labels need their full check (so does a NaN logit's row).
+    if check_labels and bool(torch.isnan(logp).any()):
+        check.labels_in_range(labels, vocab, ignore_index)
+    if logp.shape != labels.shape:
+        logp, entropy = logp.view(labels.shape), (entropy.view(labels.shape) if return_entropy else entropy)
+    return (logp, entropy) if return_entropy else logp
