@@ -342,10 +342,10 @@ def triton_variants() -> list[Variant]:
             def bwd(head=head, flags=flags, allow_tf32=allow_tf32):
                 x, w, labels = head()
                 acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-                row = _meta((rows,), acc)
+                row, stats = _meta((rows,), acc), _meta((rows, 2), acc)
                 with _allow_tf32(allow_tf32):
                     return linear_logprobs.linear_logprobs_backward(
-                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, row, row if flags else None, row, row if flags else None,
+                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, stats, row if flags else None, row, row if flags else None,
                         temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
                         needs_hidden=True, needs_weight=True, needs_bias=flags)
 

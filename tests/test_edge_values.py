@@ -354,3 +354,40 @@ def test_labels_at_ignore_index_and_negative_zero_masks_pass():
     assert torch.isfinite(pf.token_logprobs(torch.zeros(3, 4), torch.tensor([9, 3, 9]), ignore_index=9)).all()
     adv, _ = pf.gae(torch.ones(1, 3), torch.zeros(1, 3), torch.tensor([[1.0, -0.0, 1.0]]))
     assert adv[0, 1].item() == 0.0
+
+
+def _fused_head_near_tie(backend, softcap, temperature=1e-5):
+    weight = torch.tensor([[16.0], [15.99999], [3.0], [-2.0]], requires_grad=True)
+    hidden = torch.ones(2, 1, requires_grad=True)
+    labels = torch.tensor([0, 1])
+    with pf.use_backend(backend):
+        logp, entropy = pf.linear_token_logprobs(hidden, weight, labels, temperature=temperature, logit_softcap=softcap,
+                                                 return_entropy=True)
+        (logp.sum() + 0.5 * entropy.sum()).backward()
+    return logp.detach().double(), entropy.detach().double(), weight.grad.double()
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("backend", [b for b in backends_serving("linear_token_logprobs") if b != "reference"])
+def test_fused_head_near_tie_at_low_temperature(backend, softcap):
+    """Two logits 1e-5 apart at T = 1e-5 (z ~ 1.6e6, ulp 0.125): both have p = O(1).  Each
+    value and gradient is within twice the reference's own float32 error against float64, or
+    within 2 ulp(z) of it (in log space; times 1/T for the gradients), which float32 z = x/T
+    costs anyway: a backward that rounds z - logsumexp otherwise than its forward is not."""
+    temperature = 1e-5
+    weight = torch.tensor([[16.0], [15.99999], [3.0], [-2.0]], dtype=torch.float64, requires_grad=True)
+    hidden = torch.ones(2, 1, dtype=torch.float64, requires_grad=True)
+    raw = hidden @ weight.T
+    if softcap is not None:
+        raw = softcap * torch.tanh(raw / softcap)
+    lp64 = torch.log_softmax(raw / temperature, -1)
+    truth = lp64.gather(1, torch.tensor([[0], [1]])).squeeze(1)
+    ent64 = -(lp64.exp() * lp64).sum(-1)
+    (truth.sum() + 0.5 * ent64.sum()).backward()
+    want = (truth.detach(), ent64.detach(), weight.grad)
+    reference = _fused_head_near_tie("reference", softcap)
+    got = _fused_head_near_tie(backend, softcap)
+    ulp_z = 2.0 ** (math.floor(math.log2(16.0 / temperature)) - 23)
+    for name, g, r, w, unit in zip(("logp", "entropy", "d_weight"), got, reference, want, (1, 1, 1 / temperature)):
+        bound = max(2 * (r - w).abs().max().item(), 2 * ulp_z * unit)
+        assert (g - w).abs().max().item() <= bound, (name, g, r, w)

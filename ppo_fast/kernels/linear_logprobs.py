@@ -137,7 +137,7 @@ def _raw_logits(
 
 @triton.jit
 def _linear_logprobs_fwd_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr,
     n_rows, vocab, hidden_size,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, inv_temperature, inv_temperature_lo, ignore_index,
@@ -149,7 +149,11 @@ def _linear_logprobs_fwd_kernel(
     label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
     inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
     cap = scalar(logit_softcap, logit_softcap_lo, ACC)
-    # z = cap * tanh(raw * scale / cap) / T, or raw * scale / T: one multiply per element after the product.
+    # z = u * post with u = tanh(raw * scale / cap), post = cap / T, or u = raw, post = scale / T.
+    # Every z - max is formed as (u - max u) * post, a subtract then a multiply (post > 0: the
+    # max of u is the max of z), in the backward too: never z - max z, whose products round
+    # at z's magnitude (ulp(raw / T), large at a low temperature) and which an FMA would
+    # round differently in each kernel.
     if HAS_SOFTCAP:
         pre = scalar(logit_scale, logit_scale_lo, ACC) / cap
         post = cap * inv_t
@@ -157,10 +161,10 @@ def _linear_logprobs_fwd_kernel(
         post = scalar(logit_scale, logit_scale_lo, ACC) * inv_t
     cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
 
-    run_max = tl.full([BLOCK_N], float("-inf"), ACC)
-    sum_exp = tl.zeros([BLOCK_N], ACC)  # sum exp(z - run_max)
-    weighted = tl.zeros([BLOCK_N], ACC)  # sum exp(z - run_max) * (z - run_max), for the entropy
-    chosen = tl.zeros([BLOCK_N], ACC)
+    run_max = tl.full([BLOCK_N], float("-inf"), ACC)  # of u
+    sum_exp = tl.zeros([BLOCK_N], ACC)  # sum exp(z - max z)
+    weighted = tl.zeros([BLOCK_N], ACC)  # sum exp(z - max z) * (z - max z), for the entropy
+    chosen = tl.zeros([BLOCK_N], ACC)  # u at the label
     # A block with no row to compute reads nothing: its loop is empty.
     vocab_end = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, vocab, 0)
     for start in range(0, vocab_end, BLOCK_V):
@@ -171,18 +175,19 @@ def _linear_logprobs_fwd_kernel(
             hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride,
             HAS_BIAS, ACC, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
         )  # fmt: skip
-        z = post * _tanh(raw * pre) if HAS_SOFTCAP else raw * post
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        chosen += tl.sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-        new_max = tl.maximum(run_max, tl.max(z, 1))
-        # While every z so far is -inf, shift by 0 so that -inf - -inf never appears.
+        u = _tanh(raw * pre) if HAS_SOFTCAP else raw
+        u = tl.where(col_ok[None, :], u, float("-inf"))
+        chosen += tl.sum(tl.where(cols[None, :] == label[:, None], u, 0.0), 1)
+        new_max = tl.maximum(run_max, tl.max(u, 1))
+        # While every u so far is -inf, shift by 0 so that -inf - -inf never appears.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        e = tl.exp(z - shift[:, None])
-        rescale = tl.exp(run_max - shift)
+        d = (u - shift[:, None]) * post
+        e = tl.exp(d)
+        rescale = tl.exp((run_max - shift) * post)
         if RETURN_ENTROPY:
             # -inf logits have e == 0 and contribute nothing (0 * -inf would be NaN).
-            tile_weighted = tl.sum(e * tl.where(e > 0, z - shift[:, None], 0.0), 1)
-            rebase = (tl.where(sum_exp > 0, run_max, shift) - shift) * sum_exp
+            tile_weighted = tl.sum(e * tl.where(e > 0, d, 0.0), 1)
+            rebase = ((tl.where(sum_exp > 0, run_max, shift) - shift) * post) * sum_exp
             weighted = rescale * (weighted + rebase) + tile_weighted
         sum_exp = sum_exp * rescale + tl.sum(e, 1)
         run_max = new_max
@@ -191,9 +196,10 @@ def _linear_logprobs_fwd_kernel(
     sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
     log_sum = tl.log(sum_exp)
     in_rows = rows < n_rows
-    logp = tl.where(row_ok, (chosen - shift) - log_sum, float("nan"))
+    logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
     tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
-    tl.store(lse_ptr + rows, tl.where(row_ok, shift + log_sum, 0.0), mask=in_rows)
+    tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
+    tl.store(stats_ptr + 2 * rows + 1, tl.where(row_ok, log_sum, 0.0), mask=in_rows)
     if RETURN_ENTROPY:
         entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
         tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
@@ -201,7 +207,7 @@ def _linear_logprobs_fwd_kernel(
 
 @triton.jit
 def _linear_logprobs_bwd_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, stats_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
     d_hidden_ptr, d_weight_ptr, d_bias_ptr,
     n_rows, vocab, hidden_size, vocab_start, vocab_stop,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
@@ -228,16 +234,19 @@ def _linear_logprobs_bwd_kernel(
             hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride,
             HAS_BIAS, ACC, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
         )  # fmt: skip
+        # u and post as the forward forms them, and z - max z = (u - max u) * post.
         if HAS_SOFTCAP:
             cap = scalar(logit_softcap, logit_softcap_lo, ACC)
-            t = _tanh(raw * (scale / cap))
-            z = t * (cap * inv_t)
-            dz_draw = (1.0 - t * t) * (scale * inv_t)  # d z / d raw
+            u = _tanh(raw * (scale / cap))
+            post = cap * inv_t
+            dz_draw = (1.0 - u * u) * (scale * inv_t)  # d z / d raw
         else:
-            z = raw * (scale * inv_t)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-        # Rows not to compute have no lse: p = 0 there (no overflow to mask afterwards).
-        log_p = tl.where(row_ok[:, None], z - lse[:, None], float("-inf"))
+            u = raw
+            post = scale * inv_t
+        shift = tl.load(stats_ptr + 2 * rows, mask=row_ok, other=0.0).to(ACC)
+        log_sum = tl.load(stats_ptr + 2 * rows + 1, mask=row_ok, other=0.0).to(ACC)
+        # Rows not to compute have no stats: p = 0 there (no overflow to mask afterwards).
+        log_p = tl.where(row_ok[:, None], (u - shift[:, None]) * post - log_sum[:, None], float("-inf"))
         p = tl.exp(log_p)
         dz = tl.zeros([BLOCK_N, BLOCK_V], ACC)
         if HAS_GRAD_LOGP:
@@ -328,28 +337,29 @@ def linear_logprobs_forward(
     return_entropy: bool,
     blocks: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(logp [N], entropy [N] or None, lse [N])`` for ``hidden [N, H]``, ``weight [V, H]``,
+    """``(logp [N], entropy [N] or None, stats [N, 2])`` for ``hidden [N, H]``, ``weight [V, H]``,
     ``labels [N]`` (any integer dtype), ``bias [V]`` or None, all of any strides.
 
-    float32 (float64 for float64 inputs, computed in float64).  ``lse`` is each row's
-    logsumexp of ``z``, for the backward (0 for rows that are ignored or out of range:
-    they read nothing).  ``blocks = (BLOCK_N, BLOCK_V, BLOCK_H)`` overrides the tile
+    float32 (float64 for float64 inputs, computed in float64).  ``stats`` holds, for the
+    backward, each row's max of the logits before the temperature and the scale (of the
+    softcap's tanh with one) and ``log(sum(exp(z - max z)))`` (0 for rows that are ignored
+    or out of range: they read nothing).  ``blocks = (BLOCK_N, BLOCK_V, BLOCK_H)`` overrides the tile
     sizes (each >= 16; tests use small ones to cross tile boundaries).
     """
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     dtype = result_dtype(hidden, weight, bias)
     logp = torch.empty(n_rows, dtype=dtype, device=hidden.device)
-    lse = torch.empty_like(logp)
+    stats = logp.new_empty((n_rows, 2))
     entropy = torch.empty_like(logp) if return_entropy else None
     if n_rows == 0:
-        return logp, entropy, lse
+        return logp, entropy, stats
     if vocab == 0:
         raise ValueError("weight must have a non-empty vocabulary dim")
     acc = compute_dtype(dtype)
     block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
     with device_guard(hidden):
         _linear_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
-            hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, lse,
+            hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, stats,
             n_rows, vocab, hidden_size,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
             *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
@@ -357,7 +367,7 @@ def linear_logprobs_forward(
             ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype),
             BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
         )  # fmt: skip
-    return logp, entropy, lse
+    return logp, entropy, stats
 
 
 def linear_logprobs_backward(
@@ -365,7 +375,7 @@ def linear_logprobs_backward(
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -382,7 +392,7 @@ def linear_logprobs_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
 
-    ``lse`` (and ``entropy``, needed with ``grad_entropy``) come from the forward;
+    ``stats`` (and ``entropy``, needed with ``grad_entropy``) come from the forward;
     ``grad_logprobs`` / ``grad_entropy`` ``[N]`` of any strides (a gradient expanded
     from a sum has stride 0), either None for an unused output.  ``weight_scratch_bytes``
     bounds the float32 scratch of a bf16/fp16 ``d_weight`` (default ``WEIGHT_SCRATCH_BYTES``;
@@ -391,8 +401,9 @@ def linear_logprobs_backward(
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     needs_bias = needs_bias and bias is not None
     dtype = result_dtype(hidden, weight, bias)
-    check_same_device(hidden=hidden, lse=lse, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
-    for name, x in (("lse", lse), ("entropy", entropy), ("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
+    check_same_device(hidden=hidden, stats=stats, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
+    check_shape("stats", stats, (n_rows, 2))
+    for name, x in (("entropy", entropy), ("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         check_shape(name, x, (n_rows,))
     if grad_entropy is not None and entropy is None:
         raise ValueError("the entropy gradient needs the forward's entropy")
@@ -411,8 +422,8 @@ def linear_logprobs_backward(
         chunk = vocab
         if needs_weight and weight.dtype != acc_dtype:
             chunk = max(block_v, (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * hidden_size) // block_v * block_v)
-        lse = lse.contiguous()
-        entropy = lse if entropy is None else entropy.contiguous()
+        stats = stats.contiguous()
+        entropy = stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
             for start in range(0, vocab, chunk):
                 stop = min(vocab, start + chunk)
@@ -420,9 +431,10 @@ def linear_logprobs_backward(
                 if needs_weight and weight.dtype != acc_dtype:
                     d_weight_chunk = torch.zeros((stop - start, hidden_size), dtype=acc_dtype, device=device)
                 _linear_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
-                    hidden, weight, weight if bias is None else bias, labels, lse, entropy,
-                    lse if grad_logprobs is None else grad_logprobs, lse if grad_entropy is None else grad_entropy,
-                    lse if d_hidden is None else d_hidden, lse if d_weight_chunk is None else d_weight_chunk, lse if d_bias is None else d_bias,
+                    hidden, weight, weight if bias is None else bias, labels, stats, entropy,
+                    stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
+                    stats if d_hidden is None else d_hidden, stats if d_weight_chunk is None else d_weight_chunk,
+                    stats if d_bias is None else d_bias,
                     n_rows, vocab, hidden_size, start, stop,
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
                     labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),

@@ -170,18 +170,18 @@ def _linear_token_logprobs_op(
     return_entropy: bool,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)``; entropy is empty without ``return_entropy``; ``lse`` is for the backward."""
-    logp, entropy, lse = kernels.linear_logprobs_forward(
+    """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` is for the backward."""
+    logp, entropy, stats = kernels.linear_logprobs_forward(
         hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
         ignore_index=ignore_index, return_entropy=return_entropy,
     )  # fmt: skip
-    return logp, (entropy if return_entropy else logp.new_empty(0)), lse
+    return logp, (entropy if return_entropy else logp.new_empty(0)), stats
 
 
 @_linear_token_logprobs_op.register_fake
 def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
     logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
-    return logp, logp.new_empty(logp.shape if return_entropy else (0,)), torch.empty_like(logp)
+    return logp, logp.new_empty(logp.shape if return_entropy else (0,)), logp.new_empty(logp.shape + (2,))
 
 
 @torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
@@ -190,7 +190,7 @@ def _linear_token_logprobs_backward_op(
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -204,15 +204,15 @@ def _linear_token_logprobs_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
     grads = kernels.linear_logprobs_backward(
-        hidden, weight, labels, bias, lse, entropy if grad_entropy is not None else None, grad_logp, grad_entropy,
+        hidden, weight, labels, bias, stats, entropy if grad_entropy is not None else None, grad_logp, grad_entropy,
         temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
         needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias,
     )  # fmt: skip
-    return tuple(lse.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight)))
+    return tuple(stats.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight)))
 
 
 @_linear_token_logprobs_backward_op.register_fake
-def _(hidden, weight, labels, bias, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap, ignore_index,
+def _(hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap, ignore_index,
       needs_hidden, needs_weight, needs_bias):  # fmt: skip
     needs_bias = needs_bias and bias is not None
     return (
@@ -224,22 +224,22 @@ def _(hidden, weight, labels, bias, lse, entropy, grad_logp, grad_entropy, tempe
 
 def _linear_token_logprobs_setup(ctx, inputs, output):
     hidden, weight, labels, bias, ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
-    ctx.mark_non_differentiable(lse)
+    _, entropy, stats = output
+    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy)
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
 def _linear_token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     _not_differentiable(ctx, labels=2)
-    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    hidden, weight, labels, bias, stats, entropy = ctx.saved_tensors
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
     if grad_logp is None and grad_entropy is None:
         return None, None, None, None, None, None, None, None, None
     d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
-        hidden, weight, labels, bias, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.logit_scale,
+        hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.logit_scale,
         ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias,
     )  # fmt: skip
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
