@@ -61,6 +61,9 @@ TORCH_LIBRARY(ppo_fast, m) {
       "Tensor mask, float kl_coef, str estimator, ScalarType scores_dtype, bool[3] output_mask) "
       "-> (Tensor grad_scores, Tensor grad_logprobs, Tensor grad_ref_logprobs)");
   m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor advantages, Tensor returns)");
+  // A 0/1 mask of a float or integer dtype as bool, in one pass; ValueError naming `name`
+  // if it holds anything but 0 and 1 (the public ops' host check, CPU only).
+  m.def("bool_mask(Tensor mask, str name) -> Tensor");
   // Group advantages' reduction: values [B, C] float32/float64, group_index [B] int64 in
   // [0, B); row i of the result is the sum of the rows of i's group.  Its own backward.
   m.def("group_sum(Tensor values, Tensor group_index) -> Tensor");

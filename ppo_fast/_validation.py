@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Real
 
@@ -70,14 +71,27 @@ def mask(name: str, m, shape: torch.Size) -> torch.Tensor:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(m.shape)}")
     if m.dtype == torch.bool:
         return m
-    as_bool = m != 0
     if m.numel() and m.device.type != "meta":
-        if host_checks_free(m):  # two passes, one of them the conversion back (NaN fails it)
-            if not torch.equal(as_bool.to(m.dtype), m):
+        if host_checks_free(m):
+            native = _native_bool_mask()
+            if native is not None:  # one pass, on this thread for small masks (ValueError if not 0/1)
+                return native(m, name)
+            as_bool = m != 0
+            if not torch.equal(as_bool.to(m.dtype), m):  # the conversion back: NaN, 0.5 fail it
                 raise ValueError(f"{name} must hold only 0 and 1 (or be bool)")
-        else:  # checked on the device, without a host sync
-            torch._assert_async(((m == 0) | (m == 1)).all(), f"{name} must hold only 0 and 1 (or be bool)")
-    return as_bool
+            return as_bool
+        # checked on the device, without a host sync
+        torch._assert_async(((m == 0) | (m == 1)).all(), f"{name} must hold only 0 and 1 (or be bool)")
+    return m != 0
+
+
+@functools.cache
+def _native_bool_mask():
+    """``torch.ops.ppo_fast.bool_mask`` when the native extension is loaded, else None."""
+    try:
+        return torch.ops.ppo_fast.bool_mask
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:

@@ -50,6 +50,7 @@ def policy_inputs(shape, dtype, device="cpu"):
 
 LOSS_OPS = ("clipped_policy_loss", "clipped_policy_loss_backward", "value_loss", "value_loss_backward")
 CPU_OPS = LOSS_OPS + (
+    "bool_mask",
     "gae",
     "gae_backward",
     "kl_estimate",

@@ -467,6 +467,13 @@ def _backward_gae_backward(ctx, grad_grad_rewards, grad_grad_values):
     return *grads, None, None, None, None, None, None
 
 
+def _fake_bool_mask(mask, name):  # the public ops' host check of 0/1 masks (csrc/cpu/bool_mask.cpp)
+    torch._check(mask.dtype != torch.bool, lambda: f"bool_mask: {name} is already bool")
+    torch._check(not mask.dtype.is_complex, lambda: f"bool_mask: {name} must be a float or integer tensor, got {mask.dtype}")
+    return mask.new_empty(mask.shape, dtype=torch.bool)
+
+
+_register("bool_mask", _fake_bool_mask)
 _register("gae", _fake_gae, _backward_gae, _setup_gae)
 _register("gae_backward", _fake_gae_backward, _backward_gae_backward, _setup_gae_backward)
 
