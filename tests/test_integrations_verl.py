@@ -345,3 +345,26 @@ def test_verl_registry_drives_our_ops_from_a_config():
     assert any(e.name.startswith("ppo_fast::") for e in prof.events()), "no ppo_fast op in the profile"
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
     assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+@pytest.mark.parametrize("agg", AGG)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
+def test_low_precision_losses_have_verls_result_dtype(agg, dtype, mask_dtype):
+    """verl's seq-mean modes divide by a float32 row mask: a bf16/fp16 loss comes back float32 there."""
+    orig = _originals()
+    mask = _mask(4, 6).to(mask_dtype)
+    old = (-torch.rand(4, 6) * 3).to(dtype)
+    logp = (old.float() + 0.3 * torch.randn(4, 6)).to(dtype)
+    adv = torch.randn(4, 6).to(dtype)
+    calls = {
+        "agg_loss": lambda f: f(logp, mask, agg),
+        "compute_value_loss": lambda f: f(logp, adv, old, mask, 0.3, agg)[0],
+        "compute_policy_loss_vanilla": lambda f: f(old, logp, adv, mask, agg, _config())[0],
+    }
+    for name, call in calls.items():
+        want = call(orig[name])
+        with pv.patch():
+            got = call(getattr(core, name))
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.05)

@@ -144,6 +144,13 @@ def _global_scale(loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, g
     return loss
 
 
+def _agg_dtype(mode: str, *tensors) -> torch.dtype:
+    """The dtype verl's ``agg_loss`` returns: its inputs' (``_promote``); the seq-mean modes
+    divide by a float32 row mask (``(...).float()``), so at least float32 there."""
+    dtype = _promote(*tensors)
+    return torch.promote_types(dtype, torch.float32) if mode.startswith("seq-mean") else dtype
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -171,7 +178,7 @@ def agg_loss(
         if loss_agg_mode == "seq-mean-token-sum-norm":
             local = local / max(loss_mat.shape[-1], 1)
     out = _global_scale(local, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
-    return out.to(_promote(loss_mat, loss_mask))
+    return out.to(_agg_dtype(loss_agg_mode, loss_mat, loss_mask))
 
 
 # --------------------------------------------------------------------------- losses
@@ -217,7 +224,7 @@ def compute_policy_loss_vanilla(
         )
     global_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = _global_scale(loss, response_mask, loss_agg_mode, **global_info)
-    loss = loss.to(_promote(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights))
+    loss = loss.to(_agg_dtype(loss_agg_mode, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights))
     metrics = {
         "actor/pg_clipfrac": stats["clipfrac"].item(),
         "actor/ppo_kl": stats["approx_kl"].item(),
@@ -250,7 +257,7 @@ def compute_value_loss(
     loss = _global_scale(loss, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     # verl's clip fraction is a masked mean of a float32 indicator
     clipfrac_dtype = torch.promote_types(torch.float32, _promote(response_mask))
-    return loss.to(_promote(vpreds, returns, values, response_mask)), stats["clipfrac"].to(clipfrac_dtype)
+    return loss.to(_agg_dtype(loss_agg_mode, vpreds, returns, values, response_mask)), stats["clipfrac"].to(clipfrac_dtype)
 
 
 # --------------------------------------------------------------------------- KL
