@@ -28,4 +28,9 @@ void log_softmax_row_grad(const float* row, float* grad_row, int64_t vocab, int6
 void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, int64_t target, double inv_temp,
                           double lse, double g, double h, double entropy);
 
+// The log-prob row[target] * inv_temp - lse of the label, its product rounded as the row
+// functions above round it (no FMA: the backward's gradient depends on it at low T).
+float log_softmax_label_logprob(float x, float inv_temp, float lse);
+double log_softmax_label_logprob(double x, double inv_temp, double lse);
+
 }  // namespace ppo_fast

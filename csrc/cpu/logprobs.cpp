@@ -89,13 +89,17 @@ PPO_INLINE void chunk_sum_exp_impl(const acc_t* z, int64_t n, acc_t m, bool want
 
 // out = -g p - h p (log p + entropy) with log p = z - lse, z = row / temperature: the
 // gradient w.r.t. z of g * logp[label] + h * entropy, except the g * onehot term the
-// caller adds.
+// caller adds.  z is rounded and stored first, as the forward's scale_max stores it: in
+// one loop the compiler would fuse row * inv_temp - lse into an FMA, whose rounding
+// differs from the forward's by up to ulp(z), which the gradient multiplies by 1 / T.
 template <typename scalar_t, typename acc_t>
 PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t lse, acc_t g, acc_t h, acc_t entropy,
                                 acc_t* out) {
 #pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = to_acc(row[i]) * inv_temp;
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const acc_t log_p = to_acc(row[i]) * inv_temp - lse;
+    const acc_t log_p = out[i] - lse;
     const acc_t p = fast_exp(log_p);
     const acc_t entropy_term = p == 0 ? acc_t(0) : h * p * (log_p + entropy);
     out[i] = -g * p - entropy_term;
@@ -170,6 +174,14 @@ at::Tensor checked_logits(const char* op, const at::Tensor& logits, const at::Te
   return logits.stride(-1) == 1 ? logits : logits.contiguous();
 }
 
+// The label's log-prob z - lse, z = x * inv_temp rounded as the row's scale_max rounds it:
+// through memory, so that no FMA fuses x * inv_temp - lse (see chunk_grad_impl).
+template <typename acc_t>
+acc_t log_prob_of(acc_t x, acc_t inv_temp, acc_t lse) {
+  volatile acc_t z = x * inv_temp;
+  return z - lse;
+}
+
 // Whether row r's label is neither ignore_index nor a vocabulary index.
 inline bool out_of_range(int64_t target, int64_t vocab) { return target < 0 || target >= vocab; }
 
@@ -214,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
         const scalar_t* row = base + layout.offset(r);
         const RowStats<acc_t> stats = row_stats(row, vocab, inv_temp, return_entropy);
         lse_data[r] = stats.lse;
-        logp_data[r] = static_cast<acc_t>(row[target]) * inv_temp - stats.lse;
+        logp_data[r] = log_prob_of(static_cast<acc_t>(row[target]), inv_temp, stats.lse);
         if (return_entropy) entropy_data[r] = stats.entropy;
       }
     });
@@ -318,6 +330,8 @@ void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, in
                           double lse, double g, double h, double entropy) {
   row_grad(row, grad_row, vocab, target, inv_temp, lse, g, h, entropy);
 }
+float log_softmax_label_logprob(float x, float inv_temp, float lse) { return log_prob_of(x, inv_temp, lse); }
+double log_softmax_label_logprob(double x, double inv_temp, double lse) { return log_prob_of(x, inv_temp, lse); }
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("token_logprobs", &token_logprobs_cpu);

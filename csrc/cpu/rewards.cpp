@@ -20,6 +20,15 @@
 #include "fast_exp.h"
 #include "loss_math.h"  // clamp_of, clamp_grad: torch.clamp and its gradient
 
+// No a * b + c fused into an FMA in this file: the gradients multiply out in the order of
+// the reference's autograd (k3's g exp(d) - g) so that they overflow to the same inf or
+// NaN, which an FMA would not.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
 namespace ppo_fast {
 namespace {
 
