@@ -137,7 +137,6 @@ def linear_token_logprobs(
     autograd each chunk is checkpointed (its logits are recomputed in the backward),
     so the ``[N, V]`` logits and their gradient never exist whole.
     """
-    dtype = result_dtype(hidden, weight, bias)
     # One compute-dtype copy of the head for all chunks (autograd casts its gradient back).
     weight_c, bias_c = _common(weight, bias)
     args = (temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
@@ -150,9 +149,8 @@ def linear_token_logprobs(
             outs.append(torch.utils.checkpoint.checkpoint(_linear_logprobs_chunk, *chunk, use_reentrant=False))
         else:
             outs.append(_linear_logprobs_chunk(*chunk))
-    if not outs:
-        empty = hidden.new_zeros((0,), dtype=dtype)
-        return empty, (empty.clone() if return_entropy else None)
+    if not outs:  # no row: the chunk of none, so that the empty results are in the autograd graph
+        outs.append(_linear_logprobs_chunk(hidden, weight_c, bias_c, labels, *args))
     logp = torch.cat([o[0] for o in outs])
     return logp, (torch.cat([o[1] for o in outs]) if return_entropy else None)
 
@@ -227,7 +225,8 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     batch, length = rewards.shape
     next_value = rewards.new_zeros(batch)
     running = rewards.new_zeros(batch)
-    advantages = torch.zeros_like(rewards)
+    # (a clone of the empty rewards when T = 0: no token to write, still in the autograd graph)
+    advantages = torch.zeros_like(rewards) if length else rewards.clone()
     for t in range(length - 1, -1, -1):
         valid = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
