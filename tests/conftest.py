@@ -14,6 +14,20 @@ import pytest  # noqa: E402
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-examples", type=int, default=None, metavar="N",
+        help="tests/test_fuzz.py: N random examples per fuzz test (a nightly budget, e.g. 2000) instead of "
+        "the fixed, derandomized CI budget (same as PPO_FAST_FUZZ_EXAMPLES=N)",
+    )
+
+
+def pytest_configure(config):
+    examples = config.getoption("--fuzz-examples", default=None)
+    if examples:  # read by tests/test_fuzz.py when it is imported (after this hook)
+        os.environ["PPO_FAST_FUZZ_EXAMPLES"] = str(examples)
+
+
 def pytest_collection_modifyitems(config, items):
     """The Triton tests run on CUDA tensors when a GPU is present (else in the interpreter):
     mark them so that the GPU check (bench/gpu_check.sh) selects them with the CUDA tests."""
