@@ -178,7 +178,7 @@ def rloo(inputs: Inputs) -> torch.Tensor:
           backends=("reference",), needs_groups=False, normalized=True)
 def reinforce_plus_plus(inputs: Inputs, gamma: float = 1.0) -> torch.Tensor:
     rewards, mask = inputs.rewards, inputs.mask
-    returns = torch.zeros_like(rewards)
+    returns = torch.zeros_like(rewards) if rewards.shape[1] else rewards.clone()  # T = 0: still in the graph
     running = rewards.new_zeros(rewards.shape[0])
     for t in range(rewards.shape[1] - 1, -1, -1):  # a masked token passes the return through
         running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)

@@ -391,3 +391,14 @@ def test_fused_head_near_tie_at_low_temperature(backend, softcap):
     for name, g, r, w, unit in zip(("logp", "entropy", "d_weight"), got, reference, want, (1, 1, 1 / temperature)):
         bound = max(2 * (r - w).abs().max().item(), 2 * ulp_z * unit)
         assert (g - w).abs().max().item() <= bound, (name, g, r, w)
+
+
+@pytest.mark.parametrize("method", [m for m in pf.advantage_methods() if m != "gae"])
+def test_group_advantages_of_no_token_stay_in_the_graph(method):
+    """T = 0 (found by the nightly fuzz budget: reinforce_plus_plus and remax lost the graph)."""
+    scores = torch.randn(4, requires_grad=True)
+    kwargs = {"baselines": torch.zeros(4)} if method == "remax" else {}
+    out = first(pf.group_advantages(scores, torch.tensor([0, 0, 1, 1]), torch.ones(4, 0, dtype=torch.bool), method=method, **kwargs))
+    assert out.shape == (4, 0) and out.requires_grad
+    out.sum().backward()
+    assert scores.grad is not None and (scores.grad == 0).all()

@@ -92,8 +92,9 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
         sequence_scores = rewards.sum(-1)
     else:
         sequence_scores = torch.where(mask.any(-1), scores.to(dtype), 0.0)
-        rewards = sequence_scores.new_zeros(mask.shape)
         if mask.shape[-1]:  # the score on the row's last valid token
             last, _ = reference.last_valid_index(mask)
-            rewards = rewards.scatter(-1, last.unsqueeze(-1), sequence_scores.unsqueeze(-1))
+            rewards = sequence_scores.new_zeros(mask.shape).scatter(-1, last.unsqueeze(-1), sequence_scores.unsqueeze(-1))
+        else:  # no token: empty, still in the autograd graph of the scores
+            rewards = sequence_scores.unsqueeze(-1)[:, :0]
     return entry.fn(Inputs(sequence_scores, rewards, mask, groups), **values)
