@@ -59,18 +59,12 @@ PPO_INLINE T k3_of(T d, T exp_d) {
 }
 
 // g * d k3 / d d, multiplied out as the reference's autograd does (so that overflow gives
-// the same inf or NaN): g * series' (= g (exp(d) - 1)) where the series is used, else
-// g exp(d) - g.
+// the same inf or NaN): g (exp(d) - 1) with exp(d) - 1 = d (1 + d series) where the series
+// is used, else g exp(d) - g.
 template <typename T>
 PPO_INLINE T k3_grad(T d, T exp_d, T g) {
-  T s = T(1.0 / 5040);  // (exp(d) - 1) / d = 1 + d/2! + ... + d^6/7!
-  s = s * d + T(1.0 / 720);
-  s = s * d + T(1.0 / 120);
-  s = s * d + T(1.0 / 24);
-  s = s * d + T(1.0 / 6);
-  s = s * d + T(0.5);
-  s = s * d + T(1);
-  return std::abs(d) < kSeriesBelow<T> ? g * (s * d) : g * exp_d - g;
+  const T expm1 = d * (T(1) + d * k3_series_over_d2(d));
+  return std::abs(d) < kSeriesBelow<T> ? g * expm1 : g * exp_d - g;
 }
 
 // reference.kl_estimate of one token.

@@ -47,29 +47,21 @@ def _k3_series_below(d):
 
 
 @triton.jit
-def _k3_of(d):
-    """exp(d) - d - 1 without cancellation at small |d| (reference.k3_of)."""
+def _k3_series_over_d2(d):
+    """(exp(d) - d - 1) / d^2 = 1/2! + d/3! + ... + d^6/8!, the Taylor series of reference.k3_of."""
     s = 1.0 / 40320
     s = s * d + 1.0 / 5040
     s = s * d + 1.0 / 720
     s = s * d + 1.0 / 120
     s = s * d + 1.0 / 24
     s = s * d + 1.0 / 6
-    s = s * d + 0.5
-    return tl.where(_k3_series_below(d), s * (d * d), tl.exp(d) - d - 1.0)
+    return s * d + 0.5
 
 
 @triton.jit
-def _k3_series_grad(d):
-    """exp(d) - 1 = d + d^2/2! + ... + d^7/7!: the derivative of _k3_of's series."""
-    s = 1.0 / 5040
-    s = s * d + 1.0 / 720
-    s = s * d + 1.0 / 120
-    s = s * d + 1.0 / 24
-    s = s * d + 1.0 / 6
-    s = s * d + 0.5
-    s = s * d + 1.0
-    return s * d
+def _k3_of(d):
+    """exp(d) - d - 1 without cancellation at small |d| (reference.k3_of)."""
+    return tl.where(_k3_series_below(d), _k3_series_over_d2(d) * (d * d), tl.exp(d) - d - 1.0)
 
 
 @triton.jit
@@ -100,7 +92,8 @@ def _kl_grad(log_ratio, g, ESTIMATOR: tl.constexpr):
         inner = _k3_of(d)
         passes = (tl.abs(log_ratio) <= 20.0) & (inner <= 10.0) & (inner >= -10.0)
         g_inner = tl.where(passes, g, 0.0)
-        g_d = tl.where(_k3_series_below(d), g_inner * _k3_series_grad(d), g_inner * tl.exp(d) - g_inner)
+        # exp(d) - 1 = d (1 + d * series) where the series is used
+        g_d = tl.where(_k3_series_below(d), g_inner * (d * (1.0 + d * _k3_series_over_d2(d))), g_inner * tl.exp(d) - g_inner)
         grad = tl.where(passes, -g_d, 0.0)
     else:
         grad = g * tl.where(log_ratio > 0, 1.0, tl.where(log_ratio < 0, -1.0, 0.0))
