@@ -82,16 +82,18 @@ def token_logprobs(
     kept for backward, as eager PyTorch does).
     """
     if logits.dim() == 3:
+        if not logits.shape[0]:  # no row: the rows of none, so that the empty results are in the autograd graph
+            logp, ent = token_logprobs(logits.reshape(0, logits.shape[-1]), labels.reshape(0), temperature, return_entropy, ignore_index)
+            return logp.view(labels.shape), (ent.view(labels.shape) if return_entropy else None)
         parts = [token_logprobs(logits[b], labels[b], temperature, return_entropy, ignore_index) for b in range(logits.shape[0])]
-        logp = torch.stack([p[0] for p in parts]) if parts else logits.new_zeros(labels.shape, dtype=result_dtype(logits))
-        ent = (torch.stack([p[1] for p in parts]) if parts else torch.zeros_like(logp)) if return_entropy else None
+        logp = torch.stack([p[0] for p in parts])
+        ent = torch.stack([p[1] for p in parts]) if return_entropy else None
         return logp, ent
     n, vocab = logits.shape
     rows = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
     outs = [_logprobs_rows(logits[i : i + rows], labels[i : i + rows], temperature, return_entropy, ignore_index) for i in range(0, n, rows)]
-    if not outs:
-        empty = logits.new_zeros((0,), dtype=result_dtype(logits))
-        return empty, (empty.clone() if return_entropy else None)
+    if not outs:  # no row: the rows of none, so that the empty results are in the autograd graph
+        outs.append(_logprobs_rows(logits, labels, temperature, return_entropy, ignore_index))
     logp = torch.cat([o[0] for o in outs])
     ent = torch.cat([o[1] for o in outs]) if return_entropy else None
     return logp, ent

@@ -402,3 +402,41 @@ def test_group_advantages_of_no_token_stay_in_the_graph(method):
     assert out.shape == (4, 0) and out.requires_grad
     out.sum().backward()
     assert scores.grad is not None and (scores.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", backends_serving("token_logprobs"))
+def test_near_certain_token_keeps_its_small_log_prob(backend):
+    """log p = -3.7e-7 at logits [60, 45.2]: the logsumexp must not round it away at 60's ulp (3.8e-6)."""
+    truth = -math.log1p(math.exp(45.2 - 60.0))
+    with pf.use_backend(backend):
+        logp = pf.token_logprobs(torch.tensor([[60.0, 45.2]]), torch.tensor([0])).item()
+        if backend in backends_serving("linear_token_logprobs"):
+            head = pf.linear_token_logprobs(torch.ones(1, 1), torch.tensor([[60.0], [45.2]]), torch.tensor([0])).item()
+            assert head == pytest.approx(truth, rel=0.1)
+    assert logp == pytest.approx(truth, rel=0.1)
+
+
+@pytest.mark.parametrize("backend", backends_serving("token_logprobs"))
+def test_empty_batch_log_probs_stay_in_the_graph(backend):
+    for shape in [(0, 3), (2, 0, 3)]:
+        logits = torch.randn(shape, requires_grad=True)
+        with pf.use_backend(backend):
+            logp, entropy = pf.token_logprobs(logits, torch.zeros(shape[:-1], dtype=torch.long), return_entropy=True)
+        assert logp.shape == shape[:-1] and logp.requires_grad and entropy.requires_grad
+
+
+@pytest.mark.parametrize("loss", ["geo_mean", "value_loss"])
+def test_a_loss_beyond_float32_is_inf_not_an_error(loss):
+    """Per-token losses within float32 whose batch sum is not: +inf on every backend (native
+    raised "value cannot be converted to type float without overflow")."""
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    if loss == "geo_mean":
+        op, call = "policy_loss_geo_mean", lambda: pf.policy_loss(torch.full((3, 1), 88.0), torch.zeros(3, 1), -torch.ones(3, 1),
+                                                                  mask, loss_mode="geo_mean", agg="token-sum")
+    else:  # 0.5 * (2e19)^2 = 2e38 a token
+        op, call = "value_loss", lambda: pf.value_loss(torch.full((3, 1), 2e19), None, torch.zeros(3, 1), mask, clip=None,
+                                                       agg="token-sum")
+    for backend in backends_serving(op):
+        with pf.use_backend(backend):
+            value = call()[0]
+        assert value.item() == math.inf, (backend, value)

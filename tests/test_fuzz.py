@@ -14,8 +14,9 @@ from ``ppo_fast.contract``:
   ignore_index) is never read: its outputs are exactly 0, its inputs get exactly 0
   gradient, and NaN/inf there changes nothing (against the reference on clean inputs);
 * accuracy: ``|got - ref64| <= C * (|ref32 - ref64| + mean |ref32 - ref64|) + floor``: a few
-  times the reference's own float32 error (apple/ml-cross-entropy's bound), the floor a few
-  ulps of the output's dtype (the input's dtype for gradients) at the tensor's scale;
+  times the reference's own float32 error (apple/ml-cross-entropy's bound), plus as much
+  again as float64 moves when the inputs move by an ulp (an ill-conditioned result), the
+  floor a few ulps of the output's dtype (the input's dtype for gradients) at the tensor's scale;
   gradients where the reference's is finite (at a NaN input, or of a non-finite loss, they
   are unspecified);
 * KL estimates are within 1e-4 relative of float64 where ``|log-ratio| >= 1e-4``, on every
@@ -551,23 +552,32 @@ def nonzero(x) -> bool:
     return x is not None and bool(((x != 0) & torch.isfinite(x)).any())
 
 
-def assert_accurate(what, got, ref32, ref64, dtype, relaxed=None):
-    """got within C x the float32 reference's own error of float64 (+ a floor), where the
-    reference is finite; below the dtype's smallest normal number or 1e-30 (flushed subnormals, an
-    exp that underflows a little early) is no error."""
+def assert_accurate(what, got, ref32, ref64, moved, dtype, relaxed=None):
+    """``got`` within C x the float32 reference's own error of float64, plus C x how far float64
+    moves when the inputs move by an ulp (``moved``: an ill-conditioned result, exp of a large
+    mean, is that uncertain in any evaluation order), plus a floor, where the reference is
+    finite; below the dtype's smallest normal number or 1e-30 (flushed subnormals, an exp
+    that underflows a little early) is no error."""
     eps, tiny = F64_FLOOR if dtype == F64 else (torch.finfo(dtype).eps, max(torch.finfo(dtype).tiny, UNDERFLOW))
-    got, ref32, ref64 = (torch.zeros(()) if x is None else x.double() for x in (got, ref32, ref64))
-    got, ref32, ref64 = torch.broadcast_tensors(got, ref32, ref64)
-    keep = torch.isfinite(ref32) & torch.isfinite(ref64) & (relaxed if relaxed is not None else True)
+    got, ref32, ref64, moved = (torch.zeros(()) if x is None else x.double() for x in (got, ref32, ref64, moved))
+    got, ref32, ref64, moved = torch.broadcast_tensors(got, ref32, ref64, moved)
+    keep = torch.isfinite(ref32) & torch.isfinite(ref64) & torch.isfinite(moved) & (relaxed if relaxed is not None else True)
     if not keep.any():
         return
     g, r, e = got[keep], ref32[keep], ref64[keep]
-    ref_err = (r - e).abs()
-    allowed = C_REF * (ref_err + ref_err.mean()) + eps * (K_REL * e.abs() + K_ABS * e.abs().max()) + tiny
+    ref_err, moved_by = (r - e).abs(), (moved[keep] - e).abs()
+    allowed = (C_REF * (ref_err + ref_err.mean() + moved_by + moved_by.mean())
+               + eps * (K_REL * e.abs() + K_ABS * e.abs().max()) + tiny)
     bad = ~((g - e).abs() <= allowed)
     assert not bad.any(), (f"{what}: |got - float64| > {C_REF:g} x the reference's float32 error + floor {first_at(g, bad)}: "
                            f"got {g[bad][:4].tolist()}, float64 {e[bad][:4].tolist()}, float32 reference {r[bad][:4].tolist()}, "
                            f"allowed {allowed[bad][:4].tolist()}")
+
+
+def moved_by_an_ulp(values: dict, dtype, gen) -> dict:
+    """The inputs times ``1 + eps * u`` (``u`` uniform in [-1, 1], ``eps`` of the compute dtype)."""
+    eps = torch.finfo(F64 if dtype == F64 else torch.float32).eps
+    return {n: v * (1 + eps * (2 * torch.rand(v.shape, generator=gen, dtype=F64) - 1)) for n, v in values.items()}
 
 
 def check(case: Case, spec: Spec, compiled=None):
@@ -583,14 +593,16 @@ def check(case: Case, spec: Spec, compiled=None):
     clean = {name: inp.values for name, inp in built.inputs.items()} if masked_poison else values
     ref64 = run(built, spec, clean, "reference", F64, ref32.projection, second_order=spec.second_order)
     clean32 = run(built, spec, clean, "reference", dtype, ref32.projection) if masked_poison else ref32
+    moved = run(built, spec, moved_by_an_ulp(clean, dtype, gen), "reference", F64, ref32.projection, second_order=spec.second_order)
     if compiled is not None:
         assume(ref32.error is None)  # value checks are skipped when compiled: another contract
     if ref32.error is not None or got.error is not None:
         assert type(got.error) is type(ref32.error), f"the reference raises {ref32.error!r}, {spec.backend} {got.error!r}"
         return
-    assert ref64.error is None and clean32.error is None, f"the reference raises on float64 or clean inputs: {ref64.error!r}"
+    assert ref64.error is None and clean32.error is None and moved.error is None, (
+        f"the reference raises on float64 or clean inputs: {ref64.error or clean32.error or moved.error!r}")
     assert len(got.outputs) == len(ref32.outputs)
-    for i, (o, r, e, c) in enumerate(zip(got.outputs, ref32.outputs, ref64.outputs, clean32.outputs)):
+    for i, (o, r, e, c, m) in enumerate(zip(got.outputs, ref32.outputs, ref64.outputs, clean32.outputs, moved.outputs)):
         what = f"output {i} of {case.name} on {spec.backend}"
         assert (o.dtype, o.shape) == (r.dtype, r.shape), f"{what}: {o.dtype}{tuple(o.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
         if i in built.differentiable and got.grads:
@@ -606,7 +618,7 @@ def check(case: Case, spec: Spec, compiled=None):
         if i in built.zero_out:
             bad = (o != 0) & built.zero_out[i]
             assert not bad.any(), f"{what}: nonzero at a masked position {first_at(o, bad)}: {o[bad][:4].tolist()}"
-        assert_accurate(what, o, r, e, r.dtype)
+        assert_accurate(what, o, r, e, m, r.dtype)
         if i in built.kl_ratio and o.dtype != F64:
             ratio = built.kl_ratio[i].to(dtype).double()
             sel = (ratio.abs() >= KL_MIN_RATIO) & torch.isfinite(e) & torch.isfinite(ratio)
@@ -632,7 +644,7 @@ def check(case: Case, spec: Spec, compiled=None):
             bad = (got.views[name](g) != 0) & masked
             assert not bad.any(), f"{what}: nonzero at a masked position {first_at(masked, bad)}: {got.views[name](g)[bad][:4].tolist()}"
         # The gradient at a NaN/inf input itself is unspecified: compared where the reference's is finite.
-        assert_accurate(what, g, r, e, dtype, None if r is None else torch.isfinite(r))
+        assert_accurate(what, g, r, e, moved.grads[name], dtype, None if r is None else torch.isfinite(r))
     if spec.second_order:
         assert ref32.second_error is None and ref64.second_error is None, f"the reference's double backward raises: {ref32.second_error!r}"
         if got.second_error is None:  # it claims double backward: the reference's values
@@ -641,8 +653,8 @@ def check(case: Case, spec: Spec, compiled=None):
                 assert nonzero(g) or not (nonzero(r) and nonzero(e)), (
                     f"second-order gradient of {name} ({case.name} on {spec.backend}) is zero/None without an error "
                     f"(the reference's is not): a backend without double backward must raise")
-                assert_accurate(f"second-order gradient of {name} ({case.name} on {spec.backend})", g, r, e, dtype,
-                                None if r is None else torch.isfinite(r))
+                assert_accurate(f"second-order gradient of {name} ({case.name} on {spec.backend})", g, r, e, moved.second[name],
+                                dtype, None if r is None else torch.isfinite(r))
 
 
 # --------------------------------------------------------------------------- the tests

@@ -6,9 +6,22 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
+#include <cmath>
 #include <initializer_list>
+#include <limits>
 
 namespace ppo_fast {
+
+// A 0-d tensor of `dtype` holding `value` (a double accumulated over a batch): rounded as a
+// cast rounds it, out-of-range values to +-inf (as torch's float arithmetic overflows; a
+// Scalar conversion would raise "cannot be converted without overflow" instead).
+inline at::Tensor scalar_result(double value, const at::TensorOptions& options, at::ScalarType dtype) {
+  if (dtype != at::kDouble && std::isfinite(value)) {
+    const double top = dtype == at::kFloat ? double(std::numeric_limits<float>::max()) : 0.0;
+    if (top > 0.0 && std::abs(value) > top) value = std::copysign(std::numeric_limits<double>::infinity(), value);
+  }
+  return at::scalar_tensor(value, options.dtype(dtype));
+}
 
 // dst[i] = acc_t(t.flat[offset + i]) for a contiguous tensor t.
 template <typename acc_t>

@@ -165,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
           const scalar_t* row = base + i * vocab;
           const RowStats<scalar_t> stats = log_softmax_row_stats(row, vocab, inv_temp, return_entropy);
           lse_data[r] = stats.lse;
-          logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, stats.lse);
+          logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, stats);
           if (return_entropy) entropy_data[r] = stats.entropy;
         }
       });

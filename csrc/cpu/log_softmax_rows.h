@@ -12,6 +12,8 @@ template <typename acc_t>
 struct RowStats {
   acc_t lse;      // logsumexp of the row * inv_temp
   acc_t entropy;  // of softmax(row * inv_temp)
+  acc_t max;      // of the row * inv_temp, and log(sum(exp(z - max))): lse = max + log_sum,
+  acc_t log_sum;  // kept apart so that a log-prob z - max - log_sum does not round at max's magnitude
 };
 
 // One pass with an online max over the row, in blocks that stay in L1.
@@ -28,9 +30,10 @@ void log_softmax_row_grad(const float* row, float* grad_row, int64_t vocab, int6
 void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, int64_t target, double inv_temp,
                           double lse, double g, double h, double entropy);
 
-// The log-prob row[target] * inv_temp - lse of the label, its product rounded as the row
-// functions above round it (no FMA: the backward's gradient depends on it at low T).
-float log_softmax_label_logprob(float x, float inv_temp, float lse);
-double log_softmax_label_logprob(double x, double inv_temp, double lse);
+// The log-prob (x * inv_temp - max) - log_sum of the label (x = row[target]), its product
+// rounded as the row functions above round it (no FMA: the backward's gradient depends on
+// it at low T), log_sum apart from max (which would round it away at large logits).
+float log_softmax_label_logprob(float x, float inv_temp, const RowStats<float>& stats);
+double log_softmax_label_logprob(double x, double inv_temp, const RowStats<double>& stats);
 
 }  // namespace ppo_fast

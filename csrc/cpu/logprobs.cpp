@@ -157,7 +157,7 @@ RowStats<acc_t> row_stats(const scalar_t* row, int64_t vocab, acc_t inv_temp, bo
     weighted += chunk_weighted;
   }
   const acc_t log_sum = std::log(sum_exp);
-  return {m + log_sum, log_sum - weighted / sum_exp};
+  return {m + log_sum, log_sum - weighted / sum_exp, m, log_sum};
 }
 
 // logits [N, V] or [B, T, V] (made unit-last-stride if it is not) and integer labels of
@@ -174,12 +174,12 @@ at::Tensor checked_logits(const char* op, const at::Tensor& logits, const at::Te
   return logits.stride(-1) == 1 ? logits : logits.contiguous();
 }
 
-// The label's log-prob z - lse, z = x * inv_temp rounded as the row's scale_max rounds it:
-// through memory, so that no FMA fuses x * inv_temp - lse (see chunk_grad_impl).
+// The label's log-prob (z - max) - log_sum, z = x * inv_temp rounded as the row's scale_max
+// rounds it: through memory, so that no FMA fuses x * inv_temp - max (see chunk_grad_impl).
 template <typename acc_t>
-acc_t log_prob_of(acc_t x, acc_t inv_temp, acc_t lse) {
+acc_t log_prob_of(acc_t x, acc_t inv_temp, const RowStats<acc_t>& stats) {
   volatile acc_t z = x * inv_temp;
-  return z - lse;
+  return (z - stats.max) - stats.log_sum;
 }
 
 // Whether row r's label is neither ignore_index nor a vocabulary index.
@@ -226,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
         const scalar_t* row = base + layout.offset(r);
         const RowStats<acc_t> stats = row_stats(row, vocab, inv_temp, return_entropy);
         lse_data[r] = stats.lse;
-        logp_data[r] = log_prob_of(static_cast<acc_t>(row[target]), inv_temp, stats.lse);
+        logp_data[r] = log_prob_of(static_cast<acc_t>(row[target]), inv_temp, stats);
         if (return_entropy) entropy_data[r] = stats.entropy;
       }
     });
@@ -330,8 +330,12 @@ void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, in
                           double lse, double g, double h, double entropy) {
   row_grad(row, grad_row, vocab, target, inv_temp, lse, g, h, entropy);
 }
-float log_softmax_label_logprob(float x, float inv_temp, float lse) { return log_prob_of(x, inv_temp, lse); }
-double log_softmax_label_logprob(double x, double inv_temp, double lse) { return log_prob_of(x, inv_temp, lse); }
+float log_softmax_label_logprob(float x, float inv_temp, const RowStats<float>& stats) {
+  return log_prob_of(x, inv_temp, stats);
+}
+double log_softmax_label_logprob(double x, double inv_temp, const RowStats<double>& stats) {
+  return log_prob_of(x, inv_temp, stats);
+}
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("token_logprobs", &token_logprobs_cpu);

@@ -60,7 +60,7 @@ void store_chunk(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* ou
 }
 
 at::Tensor scalar(double value, const at::Tensor& like, at::ScalarType dtype) {
-  return at::scalar_tensor(value, like.options().dtype(dtype));
+  return scalar_result(value, like.options(), dtype);
 }
 
 // The gradient of `input` when asked for (in its dtype, contiguous), else an empty tensor.

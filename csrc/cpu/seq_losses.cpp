@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   double sums[kSeqPartials] = {};
   for (int64_t b = 0; b < rows; ++b)
     for (int k = 0; k < kSeqPartials; ++k) sums[k] += partials[b * kSeqPartials + k];
-  auto scalar = [&](double v, at::ScalarType dtype) { return at::scalar_tensor(v, logprobs.options().dtype(dtype)); };
+  auto scalar = [&](double v, at::ScalarType dtype) { return scalar_result(v, logprobs.options(), dtype); };
   return {scalar(loss, in.dtype), scalar(safe_mean(sums[kSeqClipHigh], sums[kSeqCount]), at::kFloat),
           scalar(safe_mean(sums[kSeqClipLow], sums[kSeqCount]), at::kFloat), scalar(safe_mean(sums[kSeqKlSum], sums[kSeqCount]), in.dtype),
           row_scale_out, row_state};
