@@ -199,7 +199,7 @@ def _linear_logprobs_fwd_kernel(
     logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
     tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
     tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
-    tl.store(stats_ptr + 2 * rows + 1, tl.where(row_ok, log_sum, 0.0), mask=in_rows)
+    tl.store(stats_ptr + (2 * rows + 1), tl.where(row_ok, log_sum, 0.0), mask=in_rows)
     if RETURN_ENTROPY:
         entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
         tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
@@ -244,7 +244,7 @@ def _linear_logprobs_bwd_kernel(
             u = raw
             post = scale * inv_t
         shift = tl.load(stats_ptr + 2 * rows, mask=row_ok, other=0.0).to(ACC)
-        log_sum = tl.load(stats_ptr + 2 * rows + 1, mask=row_ok, other=0.0).to(ACC)
+        log_sum = tl.load(stats_ptr + (2 * rows + 1), mask=row_ok, other=0.0).to(ACC)
         # Rows not to compute have no stats: p = 0 there (no overflow to mask afterwards).
         log_p = tl.where(row_ok[:, None], (u - shift[:, None]) * post - log_sum[:, None], float("-inf"))
         p = tl.exp(log_p)
