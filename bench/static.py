@@ -240,7 +240,7 @@ def _meta(shape, dtype=torch.float32):
 
 def triton_variants() -> list[Variant]:
     """Every Triton kernel variant the launchers use, at the target shapes."""
-    from ppo_fast import kernels
+    from ppo_fast.backends.triton import kernels
 
     variants = []
 
@@ -291,7 +291,7 @@ def triton_variants() -> list[Variant]:
             return _meta((LENGTH, BATCH), dtype).t()
         return _meta((BATCH, LENGTH), dtype)
 
-    from ppo_fast.contract import KL_ESTIMATORS
+    from ppo_fast.spec import KL_ESTIMATORS
 
     for estimator in KL_ESTIMATORS:
         for transposed in (False, True) if estimator == "k3" else (False,):
