@@ -14,6 +14,7 @@
 #include "common/contract.h"
 #include "common/cuda_checks.h"
 #include "common/float_io.h"
+#include "common/loss_math.h"
 #include "cuda/token_loss_glue.h"
 #include "cuda/value_loss.h"
 
