@@ -1,7 +1,8 @@
 """Build of the C++/CUDA extension ``ppo_fast._C``.
 
-* C++ CPU kernels (``csrc/*.cpp``, ``csrc/cpu/*.cpp``) are always built.
-* CUDA kernels (``csrc/cuda/*.cu`` + ``csrc/cuda/*.cpp``), by ``PPO_FAST_BUILD_CUDA``:
+* One home per op: ``csrc/<op>.cpp`` (its schemas, C++ CPU kernel and CPU registration;
+  with ``csrc/module.cpp`` and the shared headers of ``csrc/common/``) is always built.
+* CUDA kernels (``csrc/cuda/<op>.cu`` + their torch glue ``csrc/cuda/<op>.cpp``), by ``PPO_FAST_BUILD_CUDA``:
   ``auto`` (default) builds them when a GPU is visible (``nvidia-smi -L`` lists one,
   or a ``/dev/nvidia<N>`` device exists), torch is a CUDA build and nvcc is found;
   ``1`` always (no GPU needed; fails loudly if torch or nvcc cannot); ``0`` never.
@@ -121,11 +122,11 @@ if build_cuda and not (torch_has_cuda and cuda_home):
     )
 
 here = os.path.dirname(os.path.abspath(__file__))
-cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+cpp_sources = sorted(glob.glob("csrc/*.cpp"))
 # -fno-trapping-math lets GCC if-convert (and so vectorize) the selects in the CPU kernels.
 # -g0 overrides the -g in Python's CFLAGS: debug information for torch's headers costs a
 # third of the compile time.  GCC contracts a * b + c into FMAs (its default for C++): the
-# kernels that must round a product as their backward does store it first (logprobs.cpp).
+# kernels that must round a product as their backward does store it first (token_logprobs.cpp).
 cxx_flags = ["-O3", "-g0", "-std=c++20", "-fno-trapping-math"]
 if sys.platform != "win32":
     cxx_flags += ["-fopenmp"]
@@ -206,9 +207,26 @@ def _with_pch(compile_objects):
     return compile_with_pch
 
 
+def _distinct_cuda_objects(compiler) -> None:
+    """csrc/cuda/<op>.cu and its torch glue csrc/cuda/<op>.cpp share a base name: a .cu's
+    object keeps the suffix (<op>.cu.o) so that the two objects do not collide."""
+    original = compiler.object_filenames
+
+    def object_filenames(source_filenames, strip_dir=False, output_dir=""):
+        objects = original(source_filenames, strip_dir=strip_dir, output_dir=output_dir)
+        ext = compiler.obj_extension
+        return [obj[: -len(ext)] + ".cu" + ext if src.endswith(".cu") else obj
+                for src, obj in zip(source_filenames, objects)]
+
+    compiler.object_filenames = object_filenames
+
+
 class _BuildExt(BuildExtension):
     def build_extensions(self) -> None:
         import torch.utils.cpp_extension as cpp_extension
+
+        if build_cuda:
+            _distinct_cuda_objects(self.compiler)
 
         original = getattr(cpp_extension, "_write_ninja_file_and_compile_objects", None)
         use_pch = (original is not None and os.environ.get("PPO_FAST_PCH", "1") != "0" and not sanitizers

@@ -75,7 +75,7 @@ def cpu_info() -> dict:
 
 EXP_SOURCE = """
 #include <cstdint>
-#include "fast_exp.h"
+#include "common/fast_exp.h"
 extern "C" PPO_CPU_CLONES void exp_floats(const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = ppo_fast::fast_exp(x[i]);

@@ -30,8 +30,8 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t, int
 
 inline void check_same_shape(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
                              const at::Tensor& ref) {
-  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ", ref.sizes(), ", got ",
-              t.sizes());
+  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have the shape of ", ref_name, " ", ref.sizes(),
+              ", got ", t.sizes());
 }
 
 inline void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
@@ -45,7 +45,8 @@ inline void check_mask(const char* op, const at::Tensor& mask, const char* ref_n
 }
 
 // Every tensor on the device of the first one.
-inline void check_same_device(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+inline void check_same_device(const char* op,
+                              std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   const auto& [first_name, first] = *tensors.begin();
   for (const auto& [name, t] : tensors)
     TORCH_CHECK(t->device() == first->device(), op, ": ", name, " is on ", t->device(), " but ", first_name, " is on ",
@@ -69,7 +70,8 @@ inline void check_policy_inputs(const char* op, const at::Tensor& logprobs, cons
   check_float(op, "advantages", advantages);
   check_same_shape(op, "advantages", advantages, "logprobs", logprobs);
   check_mask(op, mask, "logprobs", logprobs);
-  check_same_device(op, {{"logprobs", &logprobs}, {"old_logprobs", &old_logprobs}, {"advantages", &advantages}, {"mask", &mask}});
+  check_same_device(
+      op, {{"logprobs", &logprobs}, {"old_logprobs", &old_logprobs}, {"advantages", &advantages}, {"mask", &mask}});
   if (weights.has_value()) {
     check_float(op, "weights", *weights);
     check_same_shape(op, "weights", *weights, "logprobs", logprobs);
@@ -88,6 +90,15 @@ inline void check_value_inputs(const char* op, const at::Tensor& values, const a
   check_same_shape(op, "returns", returns, "values", values);
   check_mask(op, mask, "values", values);
   check_same_device(op, {{"values", &values}, {"old_values", &old_values}, {"returns", &returns}, {"mask", &mask}});
+}
+
+// row_scale [B] as a loss forward returned it, on like's device, in the compute dtype.
+inline at::Tensor checked_row_scale(const char* op, const at::Tensor& row_scale, const at::Tensor& like,
+                                    at::ScalarType dtype) {
+  check_float(op, "row_scale", row_scale);
+  check_shape(op, "row_scale", row_scale, {like.size(0)});
+  check_same_device(op, {{"row_scale", &row_scale}, {"inputs", &like}});
+  return row_scale.to(dtype).contiguous();
 }
 
 }  // namespace ppo_fast

@@ -1,5 +1,6 @@
 // Per-token PPO loss math, its gradients and the aggregation rule, shared by the CPU
-// kernels (csrc/cpu/losses.cpp) and the CUDA kernels (csrc/cuda/losses.cu) so that both
+// kernels (csrc/policy_loss.cpp, csrc/value_loss.cpp) and the CUDA kernels
+// (csrc/cuda/policy_loss.cu, csrc/cuda/value_loss.cu) so that both
 // follow ppo_fast.reference exactly.  No torch headers: the .cu includes it too.
 //
 // Non-finite values follow torch: max_of / min_of propagate NaN as torch.maximum /
@@ -33,8 +34,10 @@
 
 namespace ppo_fast {
 
-// Per-row partial sums written by the forward's first pass, in this order.
-enum PolicyPartial : int { kPgSum = 0, kCount = 1, kClipped = 2, kCapped = 3, kKlSum = 4, kPolicyPartials = 5 };
+// Per-row partial sums of every policy loss's forward (token- and sequence-level), in
+// this order: the loss sum, the valid tokens, the tokens behind clipfrac and
+// clipfrac_lower, the sum of old - new log-probs (approx_kl).
+enum PolicyPartial : int { kPgSum = 0, kCount = 1, kClipfrac = 2, kClipfracLower = 3, kKlSum = 4, kPolicyPartials = 5 };
 enum ValuePartial : int { kValueLossSum = 0, kValueCount = 1, kValueClipped = 2, kValuePartials = 3 };
 
 // exp in the compute type T (float, or double for float64 inputs).  On the CPU a
@@ -92,15 +95,15 @@ PPO_HD T min_grad_to(T a, T b, T g) {
 // Clip bounds in double as reference.clipped_policy_loss computes them; each kernel
 // rounds them to its compute type.
 struct PolicyParams {
-  double ratio_low;   // 1 - clip_low
-  double ratio_high;  // 1 + clip_high
+  double ratio_low;   // 1 - clip_eps_low
+  double ratio_high;  // 1 + clip_eps_high
   double dual_clip;   // 0 without dual clip
   double has_dual;    // 1 with dual clip, else 0
 };
 
 // From the op's arguments (host side).
-inline PolicyParams policy_params(double clip_low, double clip_high, std::optional<double> dual_clip) {
-  return {1.0 - clip_low, 1.0 + clip_high, dual_clip.value_or(0.0), dual_clip.has_value() ? 1.0 : 0.0};
+inline PolicyParams policy_params(double clip_eps_low, double clip_eps_high, std::optional<double> dual_clip) {
+  return {1.0 - clip_eps_low, 1.0 + clip_eps_high, dual_clip.value_or(0.0), dual_clip.has_value() ? 1.0 : 0.0};
 }
 
 // The bounds in the compute type, read once per chunk rather than per token.
@@ -123,9 +126,9 @@ PPO_HD PolicyBounds<T> policy_bounds(const PolicyParams& p) {
 template <typename T>
 struct PolicyTerm {
   T diff, ratio, ratio_clipped, neg_adv, unclipped, clipped, pg0, cap, in_min;
-  T pg;             // the unweighted per-token loss
-  T is_clipped;     // 1 where clipped > unclipped, else 0 (the reference's clipfrac)
-  T is_capped;      // 1 where the dual clip caps pg0 (A < 0 and cap < pg0), else 0
+  T pg;          // the unweighted per-token loss
+  T is_clipped;  // 1 where clipped > unclipped, else 0 (the reference's clipfrac)
+  T is_capped;   // 1 where the dual clip caps pg0 (A < 0 and cap < pg0), else 0
 };
 
 template <typename T>

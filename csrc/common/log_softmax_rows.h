@@ -1,6 +1,6 @@
-// The vectorised log-softmax of one row (csrc/cpu/logprobs.cpp), for ops that form their
-// logits in a scratch row of the compute type (float32, or float64 for float64 inputs):
-// linear_token_logprobs (csrc/cpu/linear_logprobs.cpp) computes them with a matrix
+// The vectorised log-softmax of one row (defined in csrc/token_logprobs.cpp), for ops that
+// form their logits in a scratch row of the compute type (float32, or float64 for float64
+// inputs): linear_token_logprobs (csrc/linear_token_logprobs.cpp) computes them with a matrix
 // product and reuses these instead of a second copy of the loops.
 #pragma once
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 
 namespace ppo_fast {
 
@@ -64,7 +65,32 @@ decltype(auto) with_compute_type(at::ScalarType dtype, const Body& body) {
   return body(float{});
 }
 
+// Where to write t's elements [offset, ...) in the compute type: into t when t has that
+// dtype, else into scratch, which store_chunk then converts into t.  An undefined or
+// empty t (a gradient nobody asked for) is written to scratch and never stored.
+template <typename acc_t>
+acc_t* chunk_out(const at::Tensor& t, int64_t offset, acc_t* scratch) {
+  if (!t.defined() || t.numel() == 0) return scratch;
+  return t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value ? t.mutable_data_ptr<acc_t>() + offset : scratch;
+}
+
+template <typename acc_t>
+void store_chunk(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* out, const acc_t* scratch) {
+  if (out == scratch && t.defined() && t.numel() != 0) store_as(t, offset, n, out);
+}
+
+// The gradient of `input` when wanted (contiguous, of input's shape, in `dtype`: input's
+// own by default), else an empty tensor of input's dtype.
+inline at::Tensor grad_like(const at::Tensor& input, bool wanted, std::optional<at::ScalarType> dtype = std::nullopt) {
+  if (!wanted) return at::empty({0}, input.options());
+  return at::empty(
+      input.sizes(),
+      input.options().dtype(dtype.value_or(input.scalar_type())).memory_format(at::MemoryFormat::Contiguous));
+}
+
 // Rows per parallel task so that a task has at least ~32k elements of work.
-inline int64_t row_grain(int64_t row_length) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_length, 1)); }
+inline int64_t row_grain(int64_t row_length) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_length, 1));
+}
 
 }  // namespace ppo_fast

@@ -1,32 +1,32 @@
-// CUDA kernels of the PPO losses, one instantiation per input dtype (no dtype switch per
-// element).  The [B, T] tokens are cut into work items of one warp each: a chunk of one
-// row (the chunk length is chosen per launch so that about kTargetItems items cover the
-// batch: a short row is one item, a long one several).  A lane takes N consecutive tokens
-// at a time (N = 8 for 16-bit types, 4 for float32, 2 for float64: one 16-byte load of
-// each input, N bytes of mask) when the rows are a multiple of N long and the pointers are
-// aligned, else the same N tokens by scalar loads (the same order: the same bits).  The
-// mask is a select on the result: every in-bounds token is loaded, none waits on the mask,
-// and a NaN at a masked token changes nothing.
-// Forward: each warp sums its chunk (per-lane sums, then a fixed shuffle tree) into
+// The CUDA machinery of the token-level losses, shared by csrc/cuda/policy_loss.cu and
+// csrc/cuda/value_loss.cu; each instantiates it with its Token (per-token math and
+// stats), one instantiation per input dtype (no dtype switch per element).  The [B, T] tokens are cut into work items
+// of one warp each: a chunk of one row (the chunk length is chosen per launch so that about kTargetItems items cover
+// the batch: a short row is one item, a long one several).  A lane takes N consecutive tokens at a time (N = 8 for
+// 16-bit types, 4 for float32, 2 for float64: one 16-byte load of each input, N bytes of mask) when the rows are a
+// multiple of N long and the pointers are aligned, else the same N tokens by scalar loads (the same order: the same
+// bits).  The mask is a select on the result: every in-bounds token is loaded, none waits on the mask, and a NaN at a
+// masked token changes nothing. Forward: each warp sums its chunk (per-lane sums, then a fixed shuffle tree) into
 // partials[item], then one block sums each row's chunks, the rows, and the loss in a fixed
 // order: no atomics, so the same inputs give bitwise the same loss.  Backward: the same
 // items, elementwise, with the row's scale (saved by the forward) read once per warp.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
+#include <cstdint>
 
-#include "cuda/losses_cuda.h"
+#include "common/loss_math.h"
+#include "cuda/token_loss.h"
 
 namespace ppo_fast {
 namespace cuda {
-namespace {
+namespace token_loss {
 
-constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kBlockThreads = kWarp * kWarpsPerBlock;
 constexpr int kFinalizeThreads = 512;
-constexpr int64_t kTargetItems = 4096;  // ~31 warps per H200 SM: enough loads in flight, few partials
 // Blocks per SM the forward kernels promise ptxas (<= 85 registers).  Without a promise it
 // held the float64 policy kernel to 64 registers and spilled in its loop; 3 x 8 warps keep
 // enough loads in flight.
@@ -122,7 +122,8 @@ __device__ __forceinline__ void from_words(const unsigned (&u)[4], double (&v)[2
 // x[j] = p[i + j] for the tokens j < in_bounds; absent (p == nullptr) inputs read as 1.
 // kAligned: the N tokens are all in bounds and 16-byte aligned (one vector load).
 template <typename D, int N, bool kAligned>
-__device__ __forceinline__ void load_tokens(const typename D::Bits* p, int64_t i, int64_t in_bounds, typename D::T (&x)[N]) {
+__device__ __forceinline__ void load_tokens(const typename D::Bits* p, int64_t i, int64_t in_bounds,
+                                            typename D::T (&x)[N]) {
   using T = typename D::T;
   if (p == nullptr) {
 #pragma unroll
@@ -155,7 +156,8 @@ __device__ __forceinline__ void load_mask(const bool* mask, int64_t i, int64_t i
 }
 
 template <typename D, int N, bool kAligned>
-__device__ __forceinline__ void store_tokens(typename D::Bits* p, int64_t i, int64_t in_bounds, const typename D::T (&g)[N]) {
+__device__ __forceinline__ void store_tokens(typename D::Bits* p, int64_t i, int64_t in_bounds,
+                                             const typename D::T (&g)[N]) {
   using Bits = typename D::Bits;
   if (kAligned) {
     Bits bits[N];
@@ -170,80 +172,6 @@ __device__ __forceinline__ void store_tokens(typename D::Bits* p, int64_t i, int
       if (j < in_bounds) p[i + j] = D::store(g[j]);
   }
 }
-
-// A token's terms (accumulate, masked by select) and gradients (grads, given the upstream
-// gradient grad_loss * row_scale of its row).  x[k] is input k of the token.
-template <typename D>
-struct PolicyToken {
-  using T = typename D::T;
-  static constexpr int kInputs = 4;  // logprobs, old_logprobs, advantages, weights (1 when absent)
-  static constexpr int kParts = kPolicyPartials;
-  static constexpr int kGrads = 4;  // the same order
-  const typename D::Bits* in[kInputs];
-  PolicyParams params;
-
-  struct Math {
-    PolicyBounds<T> bounds;
-    __device__ void accumulate(const T (&x)[kInputs], bool valid, T (&acc)[kParts]) const {
-      const PolicyTerm<T> term = policy_term(x[0], x[1], x[2], bounds);
-      acc[kPgSum] += valid ? term.pg * x[3] : T(0);
-      acc[kCount] += valid ? T(1) : T(0);
-      acc[kClipped] += valid ? term.is_clipped : T(0);
-      acc[kCapped] += valid ? term.is_capped : T(0);
-      acc[kKlSum] += valid ? x[1] - x[0] : T(0);
-    }
-    __device__ void grads(const T (&x)[kInputs], T upstream, T (&g)[kGrads]) const {
-      const PolicyTerm<T> term = policy_term(x[0], x[1], x[2], bounds);
-      const PolicyGrad<T> grad = policy_grad(term, bounds, upstream * x[3]);
-      g[0] = grad.logp;
-      g[1] = -grad.logp;
-      g[2] = grad.adv;
-      g[3] = upstream * term.pg;
-    }
-  };
-  __device__ Math math() const { return {policy_bounds<T>(params)}; }
-
-  // clipfrac, clipfrac_lower in float32, approx_kl in the compute type (as the reference).
-  static __device__ void store_stats(const double* totals, const LossOutputs& out) {
-    const double count = totals[kCount];
-    *static_cast<float*>(out.stats[0]) = static_cast<float>(safe_mean(totals[kClipped], count));
-    *static_cast<float*>(out.stats[1]) = static_cast<float>(safe_mean(totals[kCapped], count));
-    *static_cast<T*>(out.stats[2]) = static_cast<T>(safe_mean(totals[kKlSum], count));
-  }
-  static constexpr int kSumColumn = kPgSum, kCountColumn = kCount;
-};
-
-template <typename D>
-struct ValueToken {
-  using T = typename D::T;
-  static constexpr int kInputs = 3;  // values, old_values, returns
-  static constexpr int kParts = kValuePartials;
-  static constexpr int kGrads = 3;
-  const typename D::Bits* in[kInputs];
-  double clip;
-
-  struct Math {
-    T clip;
-    __device__ void accumulate(const T (&x)[kInputs], bool valid, T (&acc)[kParts]) const {
-      const ValueTerm<T> term = value_term(x[0], x[1], x[2], clip);
-      acc[kValueLossSum] += valid ? term.loss : T(0);
-      acc[kValueCount] += valid ? T(1) : T(0);
-      acc[kValueClipped] += valid ? term.is_clipped : T(0);
-    }
-    __device__ void grads(const T (&x)[kInputs], T upstream, T (&g)[kGrads]) const {
-      const ValueGrad<T> grad = value_grad(value_term(x[0], x[1], x[2], clip), x[0], upstream);
-      g[0] = grad.v;
-      g[1] = grad.old;
-      g[2] = grad.ret;
-    }
-  };
-  __device__ Math math() const { return {static_cast<T>(clip)}; }
-
-  static __device__ void store_stats(const double* totals, const LossOutputs& out) {
-    *static_cast<float*>(out.stats[0]) = static_cast<float>(safe_mean(totals[kValueClipped], totals[kValueCount]));
-  }
-  static constexpr int kSumColumn = kValueLossSum, kCountColumn = kValueCount;
-};
 
 // The tokens [begin, end) of one row that warp `item` owns (row-relative), and where the row starts.
 struct ItemSpan {
@@ -275,8 +203,8 @@ __device__ __forceinline__ void load_step(const Token& token, const bool* mask, 
 
 // partials[item, :] = sums over the valid tokens of the item's chunk.
 template <typename D, bool kAligned, typename Token>
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) partials_kernel(Token token, const bool* mask, ChunkPlan plan,
-                                                                 int64_t length, double* partials) {
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
+    partials_kernel(Token token, const bool* mask, ChunkPlan plan, int64_t length, double* partials) {
   using T = typename D::T;
   constexpr int N = kTokens<D>;
   ItemSpan span;
@@ -358,7 +286,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const double
   for (int64_t b = threadIdx.x; b < args.rows; b += kFinalizeThreads) {
     double row[kParts];
     row_sums(partials, args.plan, b, row);  // this thread's own rows again (L2 hits)
-    const double scale = row_scale(args.agg, row[Token::kCountColumn], totals[Token::kCountColumn], nonempty[0], args.length);
+    const double scale =
+        row_scale(args.agg, row[Token::kCountColumn], totals[Token::kCountColumn], nonempty[0], args.length);
     row_scale_out[b] = static_cast<T>(scale);
     loss[0] += scale * row[Token::kSumColumn];
   }
@@ -371,9 +300,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const double
 
 // Every requested gradient of every token of the item; 0 at masked tokens.
 template <typename D, bool kAligned, typename Token>
-__global__ void __launch_bounds__(kBlockThreads) backward_kernel(Token token, const bool* mask, ChunkPlan plan,
-                                                                 int64_t length, const typename D::T* grad_loss,
-                                                                 const typename D::T* row_scale, GradOutputs out) {
+__global__ void __launch_bounds__(kBlockThreads)
+    backward_kernel(Token token, const bool* mask, ChunkPlan plan, int64_t length, const typename D::T* grad_loss,
+                    const typename D::T* row_scale, GradOutputs out) {
   using T = typename D::T;
   using Bits = typename D::Bits;
   constexpr int N = kTokens<D>;
@@ -415,7 +344,7 @@ bool vector_path(const Token& token, const bool* mask, int64_t length, const Gra
   return ok;
 }
 
-unsigned item_blocks(const ChunkPlan& plan) {
+inline unsigned item_blocks(const ChunkPlan& plan) {
   return static_cast<unsigned>((plan.items + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
@@ -429,7 +358,8 @@ void forward(const Token& token, const bool* mask, int64_t rows, int64_t length,
     else
       partials_kernel<D, false><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, partials);
   }
-  finalize_kernel<typename D::T, Token><<<1, kFinalizeThreads, 0, stream>>>(partials, FinalizeArgs{rows, length, agg, plan, out});
+  finalize_kernel<typename D::T, Token>
+      <<<1, kFinalizeThreads, 0, stream>>>(partials, FinalizeArgs{rows, length, agg, plan, out});
 }
 
 template <typename D, typename Token>
@@ -441,9 +371,11 @@ void backward(const Token& token, const bool* mask, int64_t rows, int64_t length
   const T* upstream = static_cast<const T*>(grad_loss);
   const T* scale = static_cast<const T*>(row_scale);
   if (vector_path<D>(token, mask, length, &grads))
-    backward_kernel<D, true><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
+    backward_kernel<D, true>
+        <<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
   else
-    backward_kernel<D, false><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
+    backward_kernel<D, false>
+        <<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
 }
 
 // body(D{}) for the dtype tag of `dtype` (once per launch, on the host).
@@ -461,64 +393,6 @@ void with_dtype(int dtype, const Body& body) {
   }
 }
 
-template <typename D>
-PolicyToken<D> policy_token(const PolicyInputs& in) {
-  using Bits = typename D::Bits;
-  return {{static_cast<const Bits*>(in.logprobs), static_cast<const Bits*>(in.old_logprobs),
-           static_cast<const Bits*>(in.advantages), static_cast<const Bits*>(in.weights)},
-          in.params};
-}
-
-template <typename D>
-ValueToken<D> value_token(const ValueInputs& in) {
-  using Bits = typename D::Bits;
-  return {{static_cast<const Bits*>(in.values), static_cast<const Bits*>(in.old_values), static_cast<const Bits*>(in.returns)},
-          in.clip};
-}
-
-}  // namespace
-
-ChunkPlan chunk_plan(int64_t rows, int64_t length, int64_t element_size) {
-  const int64_t step = kWarp * (16 / element_size);  // tokens of one warp step (kTokens)
-  const int64_t total = rows * length;
-  if (total == 0) return {step, 0, 0};
-  const int64_t row_steps = (length + step - 1) / step;
-  const int64_t wanted_steps = (total + kTargetItems * step - 1) / (kTargetItems * step);
-  const int64_t chunk = std::min(wanted_steps, row_steps) * step;
-  const int64_t chunks_per_row = (length + chunk - 1) / chunk;
-  return {chunk, chunks_per_row, rows * chunks_per_row};
-}
-
-void policy_loss_forward(const PolicyInputs& in, int64_t agg, double* partials, const LossOutputs& out,
-                         cudaStream_t stream) {
-  with_dtype(in.dtype, [&](auto d) {
-    using D = decltype(d);
-    forward<D>(policy_token<D>(in), in.mask, in.rows, in.length, agg, partials, out, stream);
-  });
-}
-
-void policy_loss_backward(const PolicyInputs& in, const void* grad_loss, const void* row_scale, const GradOutputs& grads,
-                          cudaStream_t stream) {
-  with_dtype(in.dtype, [&](auto d) {
-    using D = decltype(d);
-    backward<D>(policy_token<D>(in), in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
-  });
-}
-
-void value_loss_forward(const ValueInputs& in, int64_t agg, double* partials, const LossOutputs& out, cudaStream_t stream) {
-  with_dtype(in.dtype, [&](auto d) {
-    using D = decltype(d);
-    forward<D>(value_token<D>(in), in.mask, in.rows, in.length, agg, partials, out, stream);
-  });
-}
-
-void value_loss_backward(const ValueInputs& in, const void* grad_loss, const void* row_scale, const GradOutputs& grads,
-                         cudaStream_t stream) {
-  with_dtype(in.dtype, [&](auto d) {
-    using D = decltype(d);
-    backward<D>(value_token<D>(in), in.mask, in.rows, in.length, grad_loss, row_scale, grads, stream);
-  });
-}
-
+}  // namespace token_loss
 }  // namespace cuda
 }  // namespace ppo_fast

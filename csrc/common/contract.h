@@ -1,7 +1,7 @@
 // The contract's names (ppo_fast/contract.py) on the C++ side: the aggregation modes and
 // the KL estimators as enums, and (outside nvcc) their parsers from the strings the op
 // schemas take, so that no integer order couples the C++ ops to Python tuples.
-// The enums need no torch headers (csrc/cuda/losses.cu includes them through loss_math.h).
+// The enums need no torch headers (the CUDA kernels include them through loss_math.h).
 #pragma once
 
 #include <cstdint>
@@ -42,12 +42,12 @@ inline Agg parse_agg(const char* op, std::string_view agg) {
               agg, "'");
 }
 
-inline KlEstimator parse_estimator(const char* op, std::string_view estimator) {
-  if (estimator == "k1") return kK1;
-  if (estimator == "k2") return kK2;
-  if (estimator == "k3") return kK3;
-  if (estimator == "abs") return kAbs;
-  TORCH_CHECK(false, op, ": estimator must be one of 'k1', 'k2', 'k3', 'abs', got '", estimator, "'");
+inline KlEstimator parse_kl_estimator(const char* op, std::string_view kl_estimator) {
+  if (kl_estimator == "k1") return kK1;
+  if (kl_estimator == "k2") return kK2;
+  if (kl_estimator == "k3") return kK3;
+  if (kl_estimator == "abs") return kAbs;
+  TORCH_CHECK(false, op, ": kl_estimator must be one of 'k1', 'k2', 'k3', 'abs', got '", kl_estimator, "'");
 }
 
 }  // namespace ppo_fast

@@ -1,8 +1,8 @@
-// CPU kernels of the per-token KL estimate, the KL-penalised rewards and GAE, and their
-// backwards: rows in parallel, arithmetic in the reference's dtype (float32, float64 for
-// float64 inputs), each gradient in its input's dtype.  The KL loops run over chunks of
-// tokens in the compute type and vectorize (fast_exp, selects instead of branches, the
-// mask read as bytes); GAE and its backward are sequential scans per row.
+// kl_estimate and kl_penalized_rewards: their schemas and CPU kernels, and their backwards:
+// elementwise in parallel chunks, arithmetic in the reference's dtype (float32, float64 for
+// float64 inputs), each gradient in its input's dtype.  The loops run over chunks of tokens
+// in the compute type and vectorize (fast_exp, selects instead of branches, the mask read
+// as bytes).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -14,11 +14,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "checks.h"
-#include "contract.h"
-#include "cpu/float_io.h"
-#include "fast_exp.h"
-#include "loss_math.h"  // clamp_of, clamp_grad: torch.clamp and its gradient
+#include "common/checks.h"
+#include "common/contract.h"
+#include "common/fast_exp.h"
+#include "common/float_io.h"
+#include "common/loss_math.h"  // clamp_of, clamp_grad: torch.clamp and its gradient
 
 // No a * b + c fused into an FMA in this file: the gradients multiply out in the order of
 // the reference's autograd (k3's g exp(d) - g) so that they overflow to the same inf or
@@ -30,6 +30,24 @@
 #endif
 
 namespace ppo_fast {
+
+TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
+  // The backward of kl_penalized_rewards takes the upstream gradients as optional (an
+  // unused output has none) and the inputs' dtypes.
+  m.def("kl_estimate(Tensor logprobs, Tensor ref_logprobs, str kl_estimator) -> Tensor");
+  m.def(
+      "kl_estimate_backward(Tensor grad_kl, Tensor logprobs, Tensor ref_logprobs, str kl_estimator, bool[2] "
+      "output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_ref_logprobs)");
+  m.def(
+      "kl_penalized_rewards(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor mask, float kl_coef, "
+      "str kl_estimator) -> (Tensor rewards, Tensor kl)");
+  m.def(
+      "kl_penalized_rewards_backward(Tensor? grad_rewards, Tensor? grad_kl, Tensor logprobs, Tensor ref_logprobs, "
+      "Tensor mask, float kl_coef, str kl_estimator, ScalarType scores_dtype, bool[3] output_mask) "
+      "-> (Tensor grad_scores, Tensor grad_logprobs, Tensor grad_ref_logprobs)");
+}
+
 namespace {
 
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
@@ -117,8 +135,8 @@ PPO_INLINE void kl_loop(const acc_t* lp, const acc_t* rf, const uint8_t* on, int
 // out[i] = the gradient w.r.t. logp of the KL given upstream g_kl[i] (plus
 // neg_coef * g_reward[i] when penalized), 0 at masked tokens when penalized.
 template <KlEstimator estimator, bool penalized, typename acc_t>
-PPO_INLINE void kl_grad_loop(const acc_t* lp, const acc_t* rf, const acc_t* g_kl, const acc_t* g_reward, const uint8_t* on,
-                             int64_t n, acc_t neg_coef, acc_t* out) {
+PPO_INLINE void kl_grad_loop(const acc_t* lp, const acc_t* rf, const acc_t* g_kl, const acc_t* g_reward,
+                             const uint8_t* on, int64_t n, acc_t neg_coef, acc_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     if constexpr (penalized) {
@@ -153,9 +171,9 @@ PPO_INLINE void kl_chunk_impl(const acc_t* lp, const acc_t* rf, const uint8_t* o
 
 template <bool penalized, typename acc_t>
 PPO_INLINE void kl_grad_chunk_impl(const acc_t* lp, const acc_t* rf, const acc_t* g_kl, const acc_t* g_reward,
-                                   const uint8_t* on, int64_t n, int64_t estimator, acc_t neg_coef, acc_t* out) {
+                                   const uint8_t* on, int64_t n, int64_t estimator, acc_t neg_coef, acc_t* out){
 #define PPO_KL_CALL(e) kl_grad_loop<e, penalized>(lp, rf, g_kl, g_reward, on, n, neg_coef, out)
-  PPO_KL_SWITCH(estimator, PPO_KL_CALL)
+    PPO_KL_SWITCH(estimator, PPO_KL_CALL)
 #undef PPO_KL_CALL
 }
 #undef PPO_KL_SWITCH
@@ -167,8 +185,8 @@ PPO_CPU_CLONES void kl_chunk(const float* lp, const float* rf, int64_t n, int64_
 void kl_chunk(const double* lp, const double* rf, int64_t n, int64_t estimator, double* kl) {
   kl_chunk_impl<false, double>(lp, rf, nullptr, n, estimator, 0.0, kl, nullptr);
 }
-PPO_CPU_CLONES void penalized_kl_chunk(const float* lp, const float* rf, const uint8_t* on, int64_t n, int64_t estimator,
-                                       float neg_coef, float* kl, float* reward) {
+PPO_CPU_CLONES void penalized_kl_chunk(const float* lp, const float* rf, const uint8_t* on, int64_t n,
+                                       int64_t estimator, float neg_coef, float* kl, float* reward) {
   kl_chunk_impl<true>(lp, rf, on, n, estimator, neg_coef, kl, reward);
 }
 void penalized_kl_chunk(const double* lp, const double* rf, const uint8_t* on, int64_t n, int64_t estimator,
@@ -183,30 +201,13 @@ void kl_grad_chunk(const double* lp, const double* rf, const double* g_kl, int64
   kl_grad_chunk_impl<false, double>(lp, rf, g_kl, nullptr, nullptr, n, estimator, 0.0, out);
 }
 PPO_CPU_CLONES void penalized_kl_grad_chunk(const float* lp, const float* rf, const float* g_kl, const float* g_reward,
-                                            const uint8_t* on, int64_t n, int64_t estimator, float neg_coef, float* out) {
+                                            const uint8_t* on, int64_t n, int64_t estimator, float neg_coef,
+                                            float* out) {
   kl_grad_chunk_impl<true>(lp, rf, g_kl, g_reward, on, n, estimator, neg_coef, out);
 }
-void penalized_kl_grad_chunk(const double* lp, const double* rf, const double* g_kl, const double* g_reward, const uint8_t* on,
-                             int64_t n, int64_t estimator, double neg_coef, double* out) {
+void penalized_kl_grad_chunk(const double* lp, const double* rf, const double* g_kl, const double* g_reward,
+                             const uint8_t* on, int64_t n, int64_t estimator, double neg_coef, double* out) {
   kl_grad_chunk_impl<true>(lp, rf, g_kl, g_reward, on, n, estimator, neg_coef, out);
-}
-
-// Where to write t's elements [offset, ...) in the compute type: into t when t has that
-// dtype, else into scratch, which store_chunk then converts into t.
-template <typename acc_t>
-acc_t* chunk_out(const at::Tensor& t, int64_t offset, acc_t* scratch) {
-  return t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value ? t.mutable_data_ptr<acc_t>() + offset : scratch;
-}
-
-template <typename acc_t>
-void store_chunk(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* out, const acc_t* scratch) {
-  if (out == scratch) store_as(t, offset, n, out);
-}
-
-// The gradient of `input` (its shape and dtype, contiguous) when wanted, else an empty tensor.
-at::Tensor grad_like(const at::Tensor& input, bool wanted) {
-  return wanted ? at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous))
-                : at::empty({0}, input.options());
 }
 
 // dst = -src into t (t's dtype) at offset, through scratch when t is not in the compute type.
@@ -226,8 +227,9 @@ void check_kl_inputs(const char* op, const at::Tensor& logprobs, const at::Tenso
   check_same_device(op, {{"logprobs", &logprobs}, {"ref_logprobs", &ref_logprobs}});
 }
 
-at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator_name) {
-  const KlEstimator estimator = parse_estimator("kl_estimate", estimator_name);
+at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs,
+                           c10::string_view kl_estimator_name) {
+  const KlEstimator estimator = parse_kl_estimator("kl_estimate", kl_estimator_name);
   check_kl_inputs("kl_estimate", logprobs, ref_logprobs);
   const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous();
   const at::ScalarType dtype = compute_dtype({&logp, &ref});
@@ -247,10 +249,11 @@ at::Tensor kl_estimate_cpu(const at::Tensor& logprobs, const at::Tensor& ref_log
 }
 
 std::tuple<at::Tensor, at::Tensor> kl_estimate_backward_cpu(const at::Tensor& grad_kl, const at::Tensor& logprobs,
-                                                            const at::Tensor& ref_logprobs, c10::string_view estimator_name,
+                                                            const at::Tensor& ref_logprobs,
+                                                            c10::string_view kl_estimator_name,
                                                             std::array<bool, 2> output_mask) {
   constexpr const char* op = "kl_estimate_backward";
-  const KlEstimator estimator = parse_estimator(op, estimator_name);
+  const KlEstimator estimator = parse_kl_estimator(op, kl_estimator_name);
   check_kl_inputs(op, logprobs, ref_logprobs);
   check_float(op, "grad_kl", grad_kl);
   check_same_shape(op, "grad_kl", grad_kl, "logprobs", logprobs);
@@ -268,8 +271,8 @@ std::tuple<at::Tensor, at::Tensor> kl_estimate_backward_cpu(const at::Tensor& gr
       for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
         const int64_t n = std::min(kChunk, end - c0);
         acc_t* out = need_logp ? chunk_out(grad_logp, c0, scratch[3]) : scratch[3];
-        kl_grad_chunk(chunk_in(logp, c0, n, scratch[0]), chunk_in(ref, c0, n, scratch[1]), chunk_in(grad, c0, n, scratch[2]),
-                      n, estimator, out);
+        kl_grad_chunk(chunk_in(logp, c0, n, scratch[0]), chunk_in(ref, c0, n, scratch[1]),
+                      chunk_in(grad, c0, n, scratch[2]), n, estimator, out);
         if (need_logp) store_chunk(grad_logp, c0, n, out, scratch[3]);
         if (need_ref) store_negated(grad_ref, c0, n, out, scratch[4]);
       }
@@ -299,9 +302,9 @@ int64_t last_valid(const uint8_t* valid, int64_t length) {
 
 std::tuple<at::Tensor, at::Tensor> kl_penalized_rewards_cpu(const at::Tensor& scores, const at::Tensor& logprobs,
                                                             const at::Tensor& ref_logprobs, const at::Tensor& mask,
-                                                            double kl_coef, c10::string_view estimator_name) {
+                                                            double kl_coef, c10::string_view kl_estimator_name) {
   constexpr const char* op = "kl_penalized_rewards";
-  const KlEstimator estimator = parse_estimator(op, estimator_name);
+  const KlEstimator estimator = parse_kl_estimator(op, kl_estimator_name);
   check_penalized_inputs(op, logprobs, ref_logprobs, mask);
   check_float(op, "scores", scores);
   check_shape(op, "scores", scores, {logprobs.size(0)});
@@ -345,9 +348,9 @@ std::tuple<at::Tensor, at::Tensor> kl_penalized_rewards_cpu(const at::Tensor& sc
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_penalized_rewards_backward_cpu(
     const std::optional<at::Tensor>& grad_rewards_in, const std::optional<at::Tensor>& grad_kl_in,
     const at::Tensor& logprobs, const at::Tensor& ref_logprobs, const at::Tensor& mask, double kl_coef,
-    c10::string_view estimator_name, at::ScalarType scores_dtype, std::array<bool, 3> output_mask) {
+    c10::string_view kl_estimator_name, at::ScalarType scores_dtype, std::array<bool, 3> output_mask) {
   constexpr const char* op = "kl_penalized_rewards_backward";
-  const KlEstimator estimator = parse_estimator(op, estimator_name);
+  const KlEstimator estimator = parse_kl_estimator(op, kl_estimator_name);
   check_penalized_inputs(op, logprobs, ref_logprobs, mask);
   TORCH_CHECK(is_float_dtype(scores_dtype), op, ": scores_dtype must be a floating dtype, got ", scores_dtype);
   for (const auto& [name, grad] : {std::pair{"grad_rewards", &grad_rewards_in}, std::pair{"grad_kl", &grad_kl_in}}) {
@@ -391,8 +394,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_penalized_rewards_backward_cpu
           const acc_t* g_kl = has_kl_grad ? chunk_in(grad_kl, offset, n, scratch[2]) : zeros;
           const acc_t* g_reward = has_reward_grad ? grad_rewards_data + offset : zeros;
           acc_t* out = need_logp ? chunk_out(grad_logp, offset, scratch[3]) : scratch[3];
-          penalized_kl_grad_chunk(chunk_in(logp, offset, n, scratch[0]), chunk_in(ref, offset, n, scratch[1]), g_kl, g_reward,
-                                  valid_data + offset, n, estimator, neg_coef, out);
+          penalized_kl_grad_chunk(chunk_in(logp, offset, n, scratch[0]), chunk_in(ref, offset, n, scratch[1]), g_kl,
+                                  g_reward, valid_data + offset, n, estimator, neg_coef, out);
           if (need_logp) store_chunk(grad_logp, offset, n, out, scratch[3]);
           if (need_ref) store_negated(grad_ref, offset, n, out, scratch[4]);
         }
@@ -403,124 +406,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_penalized_rewards_backward_cpu
   return {grad_scores, grad_logp, grad_ref};
 }
 
-// ----------------------------------------------------------------------------- GAE
-
-std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards_in, const at::Tensor& values_in, const at::Tensor& mask,
-                                           double gamma, double lam) {
-  constexpr const char* op = "gae";
-  check_float(op, "rewards", rewards_in);
-  check_dim(op, "rewards", rewards_in, 2);
-  check_float(op, "values", values_in);
-  check_same_shape(op, "values", values_in, "rewards", rewards_in);
-  check_mask(op, mask, "rewards", rewards_in);
-  check_same_device(op, {{"rewards", &rewards_in}, {"values", &values_in}, {"mask", &mask}});
-  const int64_t rows = rewards_in.size(0), length = rewards_in.size(1);
-  const at::Tensor rewards = rewards_in.contiguous(), values = values_in.contiguous(), valid = mask.contiguous();
-  const at::ScalarType dtype = compute_dtype({&rewards, &values});
-  at::Tensor advantages = at::empty({rows, length}, rewards.options().dtype(dtype));
-  at::Tensor returns = at::empty_like(advantages);
-  const bool* valid_data = valid.const_data_ptr<bool>();
-
-  with_compute_type(dtype, [&](auto tag) {
-    using acc_t = decltype(tag);
-    acc_t* adv_data = advantages.mutable_data_ptr<acc_t>();
-    acc_t* ret_data = returns.mutable_data_ptr<acc_t>();
-    const acc_t gamma_t = static_cast<acc_t>(gamma);
-    const acc_t gamma_lam = static_cast<acc_t>(gamma * lam);
-    at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> r(length), v(length);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t offset = b * length;
-        load_as(rewards, offset, length, r.data());
-        load_as(values, offset, length, v.data());
-        // A masked token is skipped (its reward and value are not read): the next valid
-        // value and the running advantage pass through it.
-        acc_t next_value = 0, running = 0;
-        for (int64_t t = length - 1; t >= 0; --t) {
-          if (!valid_data[offset + t]) {
-            adv_data[offset + t] = 0;
-            ret_data[offset + t] = 0;
-            continue;
-          }
-          const acc_t delta = r[t] + gamma_t * next_value - v[t];
-          running = delta + gamma_lam * running;
-          next_value = v[t];
-          adv_data[offset + t] = running;
-          ret_data[offset + t] = running + v[t];
-        }
-      }
-    });
-  });
-  return {advantages, returns};
-}
-
-// The reverse of GAE's reverse scan: one forward scan per row over its valid tokens.
-// With A_t the advantage of valid token t and p the previous valid token,
-//   dL/dA_t = grad_adv_t + grad_ret_t + gamma lam dL/dA_p,
-//   dL/dr_t = dL/dA_t,  dL/dV_t = grad_ret_t - dL/dA_t + gamma dL/dA_p,
-// and 0 at masked tokens.  Linear in the upstream gradients: rewards and values are not read.
-std::tuple<at::Tensor, at::Tensor> gae_backward_cpu(const std::optional<at::Tensor>& grad_advantages_in,
-                                                    const std::optional<at::Tensor>& grad_returns_in, const at::Tensor& mask,
-                                                    double gamma, double lam, at::ScalarType rewards_dtype,
-                                                    at::ScalarType values_dtype, std::array<bool, 2> output_mask) {
-  constexpr const char* op = "gae_backward";
-  TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be a bool tensor, got ", mask.scalar_type());
-  check_dim(op, "mask", mask, 2);
-  TORCH_CHECK(is_float_dtype(rewards_dtype), op, ": rewards_dtype must be a floating dtype, got ", rewards_dtype);
-  TORCH_CHECK(is_float_dtype(values_dtype), op, ": values_dtype must be a floating dtype, got ", values_dtype);
-  for (const auto& [name, grad] :
-       {std::pair{"grad_advantages", &grad_advantages_in}, std::pair{"grad_returns", &grad_returns_in}}) {
-    if (!grad->has_value()) continue;
-    check_float(op, name, **grad);
-    check_same_shape(op, name, **grad, "mask", mask);
-    check_same_device(op, {{"mask", &mask}, {name, &**grad}});
-  }
-  const int64_t rows = mask.size(0), length = mask.size(1);
-  const auto [need_rewards, need_values] = output_mask;
-  const auto grad_of = [&](at::ScalarType dtype, bool wanted) {
-    return at::empty(wanted ? at::IntArrayRef{rows, length} : at::IntArrayRef{0}, mask.options().dtype(dtype));
-  };
-  at::Tensor grad_rewards = grad_of(rewards_dtype, need_rewards), grad_values = grad_of(values_dtype, need_values);
-  if (!need_rewards && !need_values) return {grad_rewards, grad_values};
-  const at::ScalarType dtype = rewards_dtype == at::kDouble || values_dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const bool has_adv = grad_advantages_in.has_value(), has_ret = grad_returns_in.has_value();
-  const at::Tensor grad_adv = has_adv ? grad_advantages_in->to(dtype).contiguous() : at::Tensor();
-  const at::Tensor grad_ret = has_ret ? grad_returns_in->to(dtype).contiguous() : at::Tensor();
-  const at::Tensor valid = mask.contiguous();
-  const bool* valid_data = valid.const_data_ptr<bool>();
-
-  with_compute_type(dtype, [&](auto tag) {
-    using acc_t = decltype(tag);
-    const acc_t* grad_adv_data = has_adv ? grad_adv.const_data_ptr<acc_t>() : nullptr;
-    const acc_t* grad_ret_data = has_ret ? grad_ret.const_data_ptr<acc_t>() : nullptr;
-    const acc_t gamma_t = static_cast<acc_t>(gamma);
-    const acc_t gamma_lam = static_cast<acc_t>(gamma * lam);
-    at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> g_r(length), g_v(length);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t offset = b * length;
-        acc_t previous = 0;  // dL/dA at the previous valid token
-        for (int64_t t = 0; t < length; ++t) {
-          if (!valid_data[offset + t]) {
-            g_r[t] = 0;
-            g_v[t] = 0;
-            continue;
-          }
-          const acc_t g_ret = has_ret ? grad_ret_data[offset + t] : acc_t(0);
-          const acc_t g_adv = has_adv ? grad_adv_data[offset + t] : acc_t(0);
-          const acc_t total = g_adv + g_ret + gamma_lam * previous;
-          g_r[t] = total;
-          g_v[t] = g_ret - total + gamma_t * previous;
-          previous = total;
-        }
-        if (need_rewards) store_as(grad_rewards, offset, length, g_r.data());
-        if (need_values) store_as(grad_values, offset, length, g_v.data());
-      }
-    });
-  });
-  return {grad_rewards, grad_values};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
@@ -528,8 +413,6 @@ TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("kl_estimate_backward", &kl_estimate_backward_cpu);
   m.impl("kl_penalized_rewards", &kl_penalized_rewards_cpu);
   m.impl("kl_penalized_rewards_backward", &kl_penalized_rewards_backward_cpu);
-  m.impl("gae", &gae_cpu);
-  m.impl("gae_backward", &gae_backward_cpu);
 }
 
 }  // namespace ppo_fast

@@ -57,7 +57,8 @@ PPO_INLINE float fast_exp(float x) {
   uint32_t shifted_bits, round_bits;
   std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
   std::memcpy(&round_bits, &kRound, sizeof(round_bits));
-  const uint32_t top = k > 127.0f ? 1u : 0u;  // k = 128: 2^127, doubled below
+  // k = 128: 2^127, doubled below.
+  const uint32_t top = k > 127.0f ? 1u : 0u;
   const uint32_t bits = (shifted_bits - round_bits + 127u - top) << 23;  // 0 (the bits of +0) for k = -127
   float two_k;
   std::memcpy(&two_k, &bits, sizeof(two_k));

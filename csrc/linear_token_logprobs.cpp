@@ -1,8 +1,8 @@
-// CPU kernel of linear_token_logprobs (a fused LM head): log-probs (and entropy) of the
+// linear_token_logprobs (a fused LM head): its schemas and CPU kernels.  Log-probs (and entropy) of the
 // labels under softcap(logit_scale * (hidden @ weight.T + bias)) / temperature, over chunks
 // of rows.  A chunk's logits are formed by one BLAS product in a scratch buffer of the
 // compute type (float32; float64 for float64 inputs) of at most kScratchLogits elements,
-// then reduced by the vectorised log-softmax rows of csrc/cpu/logprobs.cpp; the [N, V]
+// then reduced by the vectorised log-softmax rows of csrc/token_logprobs.cpp; the [N, V]
 // logits never exist.  The backward recomputes each chunk's logits, turns them into
 // d_logits in place and takes three products: d_hidden = d_logits @ W,
 // d_weight += d_logits.T @ h, d_bias += column sums.  Only rows whose label is in
@@ -20,10 +20,26 @@
 #include <optional>
 #include <utility>
 
-#include "checks.h"
-#include "cpu/log_softmax_rows.h"
+#include "common/checks.h"
+#include "common/log_softmax_rows.h"
 
 namespace ppo_fast {
+
+TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
+  // Log-probs of labels [N] under softcap(logit_scale * (hidden [N, H] @ weight.T [H, V]
+  // + bias)) / temperature, without the [N, V] logits (float? logit_softcap: None for no
+  // cap); `entropy` and `stats` as token_logprobs returns them.
+  m.def(
+      "linear_token_logprobs(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, float temperature, "
+      "float logit_scale, float? logit_softcap, bool return_entropy, int ignore_index) "
+      "-> (Tensor logprobs, Tensor entropy, Tensor stats)");
+  m.def(
+      "linear_token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+      "Tensor labels, Tensor? bias, Tensor stats, Tensor entropy, float temperature, float logit_scale, "
+      "float? logit_softcap, int ignore_index, bool[3] output_mask) "
+      "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+}
+
 namespace {
 
 // Logits per chunk: 32 MiB of float32 (3% of the logits of 8192 tokens x 32k vocabulary),
@@ -32,7 +48,7 @@ namespace {
 // and 256 rows took 3.9-4.9x, 2.2-2.6x, 1.5-1.7x and 1.3x the time of one product.
 constexpr int64_t kScratchLogits = int64_t(1) << 23;
 constexpr int64_t kMinRows = 64;
-constexpr int64_t kBlock = 1024;  // softcap backward: logits saved at a time (as logprobs.cpp's blocks)
+constexpr int64_t kBlock = 1024;  // softcap backward: logits saved at a time (as token_logprobs.cpp's chunks)
 
 // grad[j] *= d softcap(scale x) / dx = scale (1 - tanh^2), with tanh = softcapped[j] / cap.
 template <typename scalar_t>
@@ -56,25 +72,25 @@ void check_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& we
   check_dim(op, "hidden", hidden, 2);
   check_float(op, "weight", weight);
   check_dim(op, "weight", weight, 2);
-  TORCH_CHECK(weight.size(1) == hidden.size(1), op, ": weight must be [V, H] with H = hidden.size(1) = ", hidden.size(1),
-              ", got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(1) == hidden.size(1), op,
+              ": weight must be [V, H] with H = hidden.size(1) = ", hidden.size(1), ", got shape ", weight.sizes());
   TORCH_CHECK(weight.size(0) > 0, op, ": weight must have a non-empty vocabulary dim, got shape ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight must have hidden's dtype ", hidden.scalar_type(),
-              ", got ", weight.scalar_type());
-  TORCH_CHECK(at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), op, ": labels must be an integer tensor, got ",
-              labels.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight must have hidden's dtype ",
+              hidden.scalar_type(), ", got ", weight.scalar_type());
+  TORCH_CHECK(at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), op,
+              ": labels must be an integer tensor, got ", labels.scalar_type());
   check_shape(op, "labels", labels, {hidden.size(0)});
   check_same_device(op, {{"hidden", &hidden}, {"weight", &weight}, {"labels", &labels}});
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == hidden.scalar_type(), op, ": bias must have hidden's dtype ", hidden.scalar_type(),
-                ", got ", bias->scalar_type());
+    TORCH_CHECK(bias->scalar_type() == hidden.scalar_type(), op, ": bias must have hidden's dtype ",
+                hidden.scalar_type(), ", got ", bias->scalar_type());
     check_shape(op, "bias", *bias, {weight.size(0)});
     check_same_device(op, {{"hidden", &hidden}, {"bias", &*bias}});
   }
-  TORCH_CHECK(args.temperature > 0.0 && std::isfinite(args.temperature), op, ": temperature must be finite and > 0, got ",
-              args.temperature);
-  TORCH_CHECK(args.logit_scale > 0.0 && std::isfinite(args.logit_scale), op, ": logit_scale must be finite and > 0, got ",
-              args.logit_scale);
+  TORCH_CHECK(args.temperature > 0.0 && std::isfinite(args.temperature), op,
+              ": temperature must be finite and > 0, got ", args.temperature);
+  TORCH_CHECK(args.logit_scale > 0.0 && std::isfinite(args.logit_scale), op,
+              ": logit_scale must be finite and > 0, got ", args.logit_scale);
   TORCH_CHECK(!args.logit_softcap || (*args.logit_softcap > 0.0 && std::isfinite(*args.logit_softcap)), op,
               ": logit_softcap must be None or finite and > 0, got ", args.logit_softcap.value_or(0.0));
 }
@@ -130,7 +146,8 @@ at::Tensor chunk_logits(const Head& head, const at::Tensor& hidden, const at::Te
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& bias,
-    double temperature, double logit_scale, std::optional<double> logit_softcap, bool return_entropy, int64_t ignore_index) {
+    double temperature, double logit_scale, std::optional<double> logit_softcap, bool return_entropy,
+    int64_t ignore_index) {
   constexpr const char* op = "linear_token_logprobs";
   const HeadArgs args{temperature, logit_scale, logit_softcap, ignore_index};
   check_inputs(op, hidden, weight, labels, bias, args);
@@ -142,9 +159,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
   const double nan = std::numeric_limits<double>::quiet_NaN();
   at::Tensor logp = at::where(ignored, 0.0, nan).to(options.dtype());
   at::Tensor entropy = return_entropy ? logp.clone() : at::empty({0}, options);
-  at::Tensor lse = logp.clone();
+  at::Tensor stats = logp.clone();
   const int64_t n_used = head.rows.numel();
-  if (n_used == 0 || n_rows == 0) return {logp, entropy, lse};
+  if (n_used == 0 || n_rows == 0) return {logp, entropy, stats};
   at::Tensor scratch = at::empty({std::min(head.chunk_rows, n_used), vocab}, options);
   const int64_t* row_index = head.rows.const_data_ptr<int64_t>();
   const int64_t* label_data = head.label.const_data_ptr<int64_t>();
@@ -153,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
     const scalar_t inv_temp = static_cast<scalar_t>(1.0 / temperature);
     scalar_t* logp_data = logp.mutable_data_ptr<scalar_t>();
     scalar_t* entropy_data = return_entropy ? entropy.mutable_data_ptr<scalar_t>() : nullptr;
-    scalar_t* lse_data = lse.mutable_data_ptr<scalar_t>();
+    scalar_t* stats_data = stats.mutable_data_ptr<scalar_t>();
     for (int64_t c0 = 0; c0 < n_used; c0 += head.chunk_rows) {
       const int64_t n = std::min(head.chunk_rows, n_used - c0);
       at::Tensor logits = scratch.narrow(0, 0, n);
@@ -163,39 +180,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
         for (int64_t i = begin; i < end; ++i) {
           const int64_t r = row_index[c0 + i];
           const scalar_t* row = base + i * vocab;
-          const RowStats<scalar_t> stats = log_softmax_row_stats(row, vocab, inv_temp, return_entropy);
-          lse_data[r] = stats.lse;
-          logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, stats);
-          if (return_entropy) entropy_data[r] = stats.entropy;
+          const RowStats<scalar_t> row_stat = log_softmax_row_stats(row, vocab, inv_temp, return_entropy);
+          stats_data[r] = row_stat.lse;
+          logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, row_stat);
+          if (return_entropy) entropy_data[r] = row_stat.entropy;
         }
       });
     }
   });
-  return {logp, entropy, lse};
+  return {logp, entropy, stats};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cpu(
-    const std::optional<at::Tensor>& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
-    const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& bias, const at::Tensor& lse_in,
-    const at::Tensor& entropy_in, double temperature, double logit_scale, std::optional<double> logit_softcap,
-    int64_t ignore_index, std::array<bool, 3> output_mask) {
+    const std::optional<at::Tensor>& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& bias,
+    const at::Tensor& stats_in, const at::Tensor& entropy_in, double temperature, double logit_scale,
+    std::optional<double> logit_softcap, int64_t ignore_index, std::array<bool, 3> output_mask) {
   constexpr const char* op = "linear_token_logprobs_backward";
   const HeadArgs args{temperature, logit_scale, logit_softcap, ignore_index};
   check_inputs(op, hidden, weight, labels, bias, args);
   const at::ScalarType acc = compute_dtype(hidden);
-  TORCH_CHECK(lse_in.scalar_type() == acc, op, ": lse must have dtype ", acc, " (as linear_token_logprobs returns it), got ",
-              lse_in.scalar_type());
-  check_same_shape(op, "lse", lse_in, "labels", labels);
-  check_same_device(op, {{"hidden", &hidden}, {"lse", &lse_in}});
+  // The messages call stats "lse", as the Python fake kernels do.
+  TORCH_CHECK(stats_in.scalar_type() == acc, op, ": lse must have dtype ", acc,
+              " (as linear_token_logprobs returns it), got ", stats_in.scalar_type());
+  check_same_shape(op, "lse", stats_in, "labels", labels);
+  check_same_device(op, {{"hidden", &hidden}, {"lse", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
-  for (const auto& [name, grad] : {std::pair{"grad_logprobs", &grad_logprobs}, std::pair{"grad_entropy", &grad_entropy}}) {
+  for (const auto& [name, grad] :
+       {std::pair{"grad_logprobs", &grad_logprobs}, std::pair{"grad_entropy", &grad_entropy}}) {
     if (!grad->has_value()) continue;
     check_float(op, name, **grad);
     check_same_shape(op, name, **grad, "labels", labels);
     check_same_device(op, {{"hidden", &hidden}, {name, &**grad}});
   }
   if (has_entropy_grad) {
-    TORCH_CHECK(entropy_in.scalar_type() == acc, op, ": entropy must have dtype ", acc, ", got ", entropy_in.scalar_type());
+    TORCH_CHECK(entropy_in.scalar_type() == acc, op, ": entropy must have dtype ", acc, ", got ",
+                entropy_in.scalar_type());
     check_same_shape(op, "entropy", entropy_in, "labels", labels);
     check_same_device(op, {{"hidden", &hidden}, {"entropy", &entropy_in}});
   }
@@ -209,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
   at::Tensor d_weight = want_weight ? at::zeros({vocab, width}, options) : at::Tensor();
   at::Tensor d_bias = want_bias ? at::zeros({vocab}, options) : at::Tensor();
   if (n_used > 0 && (has_logp_grad || has_entropy_grad) && (want_hidden || want_weight || want_bias)) {
-    const at::Tensor lse = lse_in.contiguous();
+    const at::Tensor stats = stats_in.contiguous();
     const at::Tensor grad_logp = has_logp_grad ? grad_logprobs->to(acc).contiguous() : at::Tensor();
     const at::Tensor grad_ent = has_entropy_grad ? grad_entropy->to(acc).contiguous() : at::Tensor();
     const at::Tensor entropy = has_entropy_grad ? entropy_in.contiguous() : at::Tensor();
@@ -221,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
       const scalar_t inv_temp = static_cast<scalar_t>(1.0 / temperature);
       const scalar_t scale = static_cast<scalar_t>(logit_scale);
       const scalar_t cap = static_cast<scalar_t>(logit_softcap.value_or(1.0));
-      const scalar_t* lse_data = lse.const_data_ptr<scalar_t>();
+      const scalar_t* stats_data = stats.const_data_ptr<scalar_t>();
       const scalar_t* grad_logp_data = has_logp_grad ? grad_logp.const_data_ptr<scalar_t>() : nullptr;
       const scalar_t* grad_ent_data = has_entropy_grad ? grad_ent.const_data_ptr<scalar_t>() : nullptr;
       const scalar_t* entropy_data = has_entropy_grad ? entropy.const_data_ptr<scalar_t>() : nullptr;
@@ -240,7 +260,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
             const scalar_t h_ent = has_entropy_grad ? grad_ent_data[r] * inv_temp : scalar_t(0);
             const scalar_t ent = has_entropy_grad ? entropy_data[r] : scalar_t(0);
             if (!logit_softcap) {  // d_logits is linear in (g, h): the scale folds into them
-              log_softmax_row_grad(row, row, vocab, label_data[r], inv_temp, lse_data[r], g * scale, h_ent * scale, ent);
+              log_softmax_row_grad(row, row, vocab, label_data[r], inv_temp, stats_data[r], g * scale, h_ent * scale,
+                                   ent);
               continue;
             }
             // The chain rule through the soft-cap needs the block's logits: saved before they are overwritten.
@@ -249,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
               const int64_t m = std::min(kBlock, vocab - b0);
               scalar_t* block = row + b0;
               std::copy(block, block + m, saved);
-              log_softmax_row_grad(block, block, m, label_data[r] - b0, inv_temp, lse_data[r], g, h_ent, ent);
+              log_softmax_row_grad(block, block, m, label_data[r] - b0, inv_temp, stats_data[r], g, h_ent, ent);
               through_softcap(block, saved, m, scale, cap);
             }
           }

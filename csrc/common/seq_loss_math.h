@@ -1,5 +1,5 @@
 // Per-token math of the sequence-level policy losses (GSPO, GMPO: a per-row reduction
-// before the ratio), shared by csrc/cpu/seq_losses.cpp and csrc/cuda/seq_losses.cu so
+// before the ratio), shared by csrc/policy_loss.cpp and csrc/cuda/policy_loss.cu so
 // that both follow ppo_fast.reference.policy_loss_gspo / policy_loss_geo_mean, with the
 // torch conventions of loss_math.h (NaN propagation, clamp and max/min gradients).
 #pragma once
@@ -7,6 +7,9 @@
 #include "loss_math.h"
 
 namespace ppo_fast {
+
+// Which sequence-level loss a kernel computes (CPU and CUDA).
+enum class SeqLossMode : int { kGspo = 0, kGeoMean = 1 };
 
 // Per-row values a sequence-level forward keeps for its backward ([B, kRowState]).
 // GSPO: the row's mean log-ratio s.  GMPO: d row_loss / d (row sum of the kept log-ratios)
@@ -85,8 +88,8 @@ PPO_HD T geo_row(T kept_sum, T adv_sum, T log_w_sum, T count, T* state) {
   const T n = count > T(1) ? count : T(1);
   const T factor = exp_of(kept_sum / n) * exp_of(log_w_sum / n);
   const T row_loss = -(adv_sum / n) * factor;
-  state[0] = row_loss / n;   // d row_loss / d kept_t (and / d log w_t)
-  state[1] = -factor / n;    // d row_loss / d A_t
+  state[0] = row_loss / n;  // d row_loss / d kept_t (and / d log w_t)
+  state[1] = -factor / n;   // d row_loss / d A_t
   return row_loss;
 }
 

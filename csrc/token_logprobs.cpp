@@ -1,6 +1,7 @@
-// CPU kernel of token_logprobs: log_softmax(logits / temperature) at the labels (and the
-// entropy) in one pass over each row with an online max / sum-exp, rows in parallel, no
-// [N, V] intermediate.  The backward recomputes the softmax from the saved logsumexp.
+// token_logprobs: its schemas and CPU kernels.  log_softmax(logits / temperature) at the
+// labels (and the entropy) in one pass over each row with an online max / sum-exp, rows in
+// parallel, no [N, V] intermediate.  The backward recomputes the softmax from the saved
+// per-row logsumexp (`stats`).  Also defines the row functions of common/log_softmax_rows.h.
 // A label outside [0, V) that is not ignore_index is never read or written: its row gets
 // log-prob NaN, entropy NaN and a zero gradient (the contract's rule where labels are
 // not checked on the host, e.g. under torch.compile or in a direct op call).
@@ -13,12 +14,25 @@
 #include <optional>
 #include <type_traits>
 
-#include "checks.h"
-#include "cpu/float_io.h"
-#include "cpu/log_softmax_rows.h"
-#include "fast_exp.h"
+#include "common/checks.h"
+#include "common/fast_exp.h"
+#include "common/float_io.h"
+#include "common/log_softmax_rows.h"
 
 namespace ppo_fast {
+
+TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
+  // `entropy` is empty unless return_entropy; `stats` is the per-row logsumexp of
+  // logits / temperature, kept for the backward.  A label outside [0, V) that is not
+  // ignore_index gives its row NaN log-prob and entropy and no gradient.
+  m.def(
+      "token_logprobs(Tensor logits, Tensor labels, float temperature, bool return_entropy, int ignore_index) "
+      "-> (Tensor logprobs, Tensor entropy, Tensor stats)");
+  m.def(
+      "token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
+      "Tensor stats, Tensor entropy, float temperature, int ignore_index) -> Tensor");
+}
+
 namespace {
 
 constexpr int64_t kChunk = 1024;  // logits converted to the compute type at a time (stays in L1)
@@ -93,8 +107,8 @@ PPO_INLINE void chunk_sum_exp_impl(const acc_t* z, int64_t n, acc_t m, bool want
 // one loop the compiler would fuse row * inv_temp - lse into an FMA, whose rounding
 // differs from the forward's by up to ulp(z), which the gradient multiplies by 1 / T.
 template <typename scalar_t, typename acc_t>
-PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t lse, acc_t g, acc_t h, acc_t entropy,
-                                acc_t* out) {
+PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t lse, acc_t g, acc_t h,
+                                acc_t entropy, acc_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = to_acc(row[i]) * inv_temp;
 #pragma omp simd
@@ -107,20 +121,23 @@ PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, 
 }
 
 // The per-CPU clones (float32 compute), one per logits dtype; float64 runs the baseline.
-#define PPO_LOGPROB_CHUNKS(scalar_t)                                                                                  \
-  PPO_CPU_CLONES float scale_max_chunk(const scalar_t* row, int64_t n, float inv_temp, float* z) {                  \
-    return scale_max_impl(row, n, inv_temp, z);                                                                     \
-  }                                                                                                                 \
-  PPO_CPU_CLONES void chunk_grad(const scalar_t* row, int64_t n, float inv_temp, float lse, float g, float h,        \
-                                 float entropy, float* out) {                                                       \
-    chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);                                                     \
+#define PPO_LOGPROB_CHUNKS(scalar_t)                                                                          \
+  PPO_CPU_CLONES float scale_max_chunk(const scalar_t* row, int64_t n, float inv_temp, float* z) {            \
+    return scale_max_impl(row, n, inv_temp, z);                                                               \
+  }                                                                                                           \
+  PPO_CPU_CLONES void chunk_grad(const scalar_t* row, int64_t n, float inv_temp, float lse, float g, float h, \
+                                 float entropy, float* out) {                                                 \
+    chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);                                               \
   }
 PPO_LOGPROB_CHUNKS(float)
 PPO_LOGPROB_CHUNKS(c10::BFloat16)
 PPO_LOGPROB_CHUNKS(c10::Half)
 #undef PPO_LOGPROB_CHUNKS
-double scale_max_chunk(const double* row, int64_t n, double inv_temp, double* z) { return scale_max_impl(row, n, inv_temp, z); }
-void chunk_grad(const double* row, int64_t n, double inv_temp, double lse, double g, double h, double entropy, double* out) {
+double scale_max_chunk(const double* row, int64_t n, double inv_temp, double* z) {
+  return scale_max_impl(row, n, inv_temp, z);
+}
+void chunk_grad(const double* row, int64_t n, double inv_temp, double lse, double g, double h, double entropy,
+                double* out) {
   chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);
 }
 PPO_CPU_CLONES void chunk_sum_exp(const float* z, int64_t n, float m, bool want_entropy, float* sum, float* weighted) {
@@ -164,9 +181,10 @@ RowStats<acc_t> row_stats(const scalar_t* row, int64_t vocab, acc_t inv_temp, bo
 // its leading shape, on one device.
 at::Tensor checked_logits(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
   check_float(op, "logits", logits);
-  TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3, op, ": logits must be [N, V] or [B, T, V], got shape ", logits.sizes());
-  TORCH_CHECK(at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), op, ": labels must be an integer tensor, got ",
-              labels.scalar_type());
+  TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3, op, ": logits must be [N, V] or [B, T, V], got shape ",
+              logits.sizes());
+  TORCH_CHECK(at::isIntegralType(labels.scalar_type(), /*includeBool=*/false), op,
+              ": labels must be an integer tensor, got ", labels.scalar_type());
   const at::IntArrayRef leading = logits.sizes().slice(0, logits.dim() - 1);
   TORCH_CHECK(labels.sizes() == leading, op, ": labels must have the shape of logits.shape[:-1] ", leading, ", got ",
               labels.sizes());
@@ -189,15 +207,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
                                                                   double temperature, bool return_entropy,
                                                                   int64_t ignore_index) {
   const at::Tensor logits = checked_logits("token_logprobs", logits_in, labels);
-  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "token_logprobs: temperature must be finite and > 0, got ",
-              temperature);
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature),
+              "token_logprobs: temperature must be finite and > 0, got ", temperature);
   const int64_t vocab = logits.size(-1);
   const at::Tensor label = labels.to(at::kLong).contiguous();
   const int64_t rows = label.numel();
   const auto options = logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   at::Tensor logp = at::empty(label.sizes(), options);
   at::Tensor entropy = at::empty(return_entropy ? label.sizes() : at::IntArrayRef{0}, options);
-  at::Tensor lse = at::empty(label.sizes(), options);
+  at::Tensor stats = at::empty(label.sizes(), options);
   const RowLayout layout = row_layout(logits);
   const int64_t* label_data = label.const_data_ptr<int64_t>();
 
@@ -207,39 +225,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
     const acc_t inv_temp = static_cast<acc_t>(1.0 / temperature);
     acc_t* logp_data = logp.mutable_data_ptr<acc_t>();
     acc_t* entropy_data = return_entropy ? entropy.mutable_data_ptr<acc_t>() : nullptr;
-    acc_t* lse_data = lse.mutable_data_ptr<acc_t>();
+    acc_t* stats_data = stats.mutable_data_ptr<acc_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t target = label_data[r];
         if (target == ignore_index) {  // no log-prob, no entropy, no gradient
           logp_data[r] = 0;
-          lse_data[r] = 0;
+          stats_data[r] = 0;
           if (return_entropy) entropy_data[r] = 0;
           continue;
         }
         if (out_of_range(target, vocab)) {  // never read: NaN log-prob and entropy, zero gradient
           logp_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
-          lse_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
+          stats_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
           if (return_entropy) entropy_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
           continue;
         }
         const scalar_t* row = base + layout.offset(r);
-        const RowStats<acc_t> stats = row_stats(row, vocab, inv_temp, return_entropy);
-        lse_data[r] = stats.lse;
-        logp_data[r] = log_prob_of(static_cast<acc_t>(row[target]), inv_temp, stats);
-        if (return_entropy) entropy_data[r] = stats.entropy;
+        const RowStats<acc_t> row_stat = row_stats(row, vocab, inv_temp, return_entropy);
+        stats_data[r] = row_stat.lse;
+        logp_data[r] = log_prob_of(static_cast<acc_t>(row[target]), inv_temp, row_stat);
+        if (return_entropy) entropy_data[r] = row_stat.entropy;
       }
     });
   });
-  return {logp, entropy, lse};
+  return {logp, entropy, stats};
 }
 
 // d/dz of g * logp[label] + h * entropy, with z = logits / temperature and p = softmax(z):
 // g (onehot - p) - h p (log p + entropy).  g and h arrive already divided by the
 // temperature (the chain rule through z).
 template <typename scalar_t, typename acc_t>
-void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t lse, acc_t g,
-              acc_t h, acc_t entropy) {
+void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t lse,
+              acc_t g, acc_t h, acc_t entropy) {
   alignas(64) acc_t out[kChunk];
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
@@ -251,16 +269,18 @@ void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t ta
 
 at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_logprobs,
                                        const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits_in,
-                                       const at::Tensor& labels, const at::Tensor& lse_in, const at::Tensor& entropy_in,
-                                       double temperature, int64_t ignore_index) {
+                                       const at::Tensor& labels, const at::Tensor& stats_in,
+                                       const at::Tensor& entropy_in, double temperature, int64_t ignore_index) {
   constexpr const char* op = "token_logprobs_backward";
   const at::Tensor logits = checked_logits(op, logits_in, labels);
-  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), op, ": temperature must be finite and > 0, got ", temperature);
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), op, ": temperature must be finite and > 0, got ",
+              temperature);
   const at::ScalarType acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(lse_in.scalar_type() == acc_dtype, op, ": lse must have dtype ", acc_dtype, " (as token_logprobs returns it), got ",
-              lse_in.scalar_type());
-  check_same_shape(op, "lse", lse_in, "labels", labels);
-  check_same_device(op, {{"logits", &logits}, {"lse", &lse_in}});
+  // The messages call stats "lse", as the Python fake kernels do.
+  TORCH_CHECK(stats_in.scalar_type() == acc_dtype, op, ": lse must have dtype ", acc_dtype,
+              " (as token_logprobs returns it), got ", stats_in.scalar_type());
+  check_same_shape(op, "lse", stats_in, "labels", labels);
+  check_same_device(op, {{"logits", &logits}, {"lse", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   if (has_logp_grad) {
     check_float(op, "grad_logprobs", *grad_logprobs);
@@ -279,7 +299,7 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
   const int64_t vocab = logits.size(-1);
   const at::Tensor label = labels.to(at::kLong).contiguous();
   const int64_t rows = label.numel();
-  const at::Tensor lse = lse_in.contiguous();
+  const at::Tensor stats = stats_in.contiguous();
   const at::Tensor grad_logp = has_logp_grad ? grad_logprobs->to(acc_dtype).contiguous() : at::Tensor();
   const at::Tensor grad_ent = has_entropy_grad ? grad_entropy->to(acc_dtype).contiguous() : at::Tensor();
   const at::Tensor entropy = has_entropy_grad ? entropy_in.contiguous() : at::Tensor();
@@ -292,7 +312,7 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
     const scalar_t* base = logits.const_data_ptr<scalar_t>();
     scalar_t* grad_base = grad.mutable_data_ptr<scalar_t>();
     const acc_t inv_temp = static_cast<acc_t>(1.0 / temperature);
-    const acc_t* lse_data = lse.const_data_ptr<acc_t>();
+    const acc_t* stats_data = stats.const_data_ptr<acc_t>();
     const acc_t* grad_logp_data = has_logp_grad ? grad_logp.const_data_ptr<acc_t>() : nullptr;
     const acc_t* grad_ent_data = has_entropy_grad ? grad_ent.const_data_ptr<acc_t>() : nullptr;
     const acc_t* entropy_data = has_entropy_grad ? entropy.const_data_ptr<acc_t>() : nullptr;
@@ -306,7 +326,7 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
         }
         const acc_t g = has_logp_grad ? grad_logp_data[r] * inv_temp : acc_t(0);
         const acc_t h = has_entropy_grad ? grad_ent_data[r] * inv_temp : acc_t(0);
-        row_grad(base + layout.offset(r), grad_row, vocab, target, inv_temp, lse_data[r], g, h,
+        row_grad(base + layout.offset(r), grad_row, vocab, target, inv_temp, stats_data[r], g, h,
                  has_entropy_grad ? entropy_data[r] : acc_t(0));
       }
     });

@@ -1,4 +1,4 @@
-// CPU kernel of bool_mask: a 0/1 mask of any float or integer dtype as a bool tensor, and
+// bool_mask: its schema and CPU kernel: a 0/1 mask of any float or integer dtype as a bool tensor, and
 // the check that it holds only 0 and 1, in one pass.  The public ops' host check of a
 // float mask (ppo_fast._validation.mask) calls it on CPU tensors in eager mode: done with
 // torch ops it takes three elementwise passes and a reduction, each of which wakes the
@@ -12,9 +12,16 @@
 #include <atomic>
 #include <string>
 
-#include "checks.h"
+#include "common/checks.h"
 
 namespace ppo_fast {
+
+TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
+  // A 0/1 mask of a float or integer dtype as bool, in one pass; ValueError naming `name`
+  // if it holds anything but 0 and 1 (the public ops' host check, CPU only).
+  m.def("bool_mask(Tensor mask, str name) -> Tensor");
+}
+
 namespace {
 
 constexpr int64_t kGrain = int64_t(1) << 18;
@@ -22,8 +29,8 @@ constexpr int64_t kGrain = int64_t(1) << 18;
 at::Tensor bool_mask_cpu(const at::Tensor& mask_in, c10::string_view name_in) {
   const std::string name(name_in);
   TORCH_CHECK(mask_in.scalar_type() != at::kBool, "bool_mask: ", name, " is already bool");
-  TORCH_CHECK(!at::isComplexType(mask_in.scalar_type()), "bool_mask: ", name, " must be a float or integer tensor, got ",
-              mask_in.scalar_type());
+  TORCH_CHECK(!at::isComplexType(mask_in.scalar_type()), "bool_mask: ", name,
+              " must be a float or integer tensor, got ", mask_in.scalar_type());
   const at::Tensor mask = mask_in.contiguous();
   at::Tensor out = at::empty(mask.sizes(), mask.options().dtype(at::kBool));
   std::atomic<bool> bad{false};

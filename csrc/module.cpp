@@ -1,0 +1,33 @@
+// The Python module ppo_fast._C.  Importing it runs the static registrations of the
+// ppo_fast operator library: each op's schema, CPU kernel and CPU registration live in
+// csrc/<op>.cpp, its CUDA kernels in csrc/cuda/<op>.cu with their torch glue in
+// csrc/cuda/<op>.cpp; fake kernels and autograd are in ppo_fast/ops/native_backend.py.
+//
+// Every op checks its arguments (ranks, shapes, dtypes, devices; csrc/common/checks.h) and
+// raises RuntimeError on a mismatch.  `agg` is a name in ppo_fast.contract.AGG_MODES and
+// `kl_estimator` one in KL_ESTIMATORS (parsed in csrc/common/contract.h).  A backward op
+// returns the gradient of each input whose `output_mask` entry is true (in that input's
+// dtype) and an empty tensor for the others.
+#include <Python.h>
+
+namespace {
+
+PyObject* built_with_cuda(PyObject*, PyObject*) {
+#ifdef PPO_FAST_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+PyMethodDef methods[] = {
+    {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "ppo_fast native kernels (registered as torch.ops.ppo_fast.*)",
+                          -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }
