@@ -12,6 +12,28 @@ from .token_logprobs import MIN_TEMPERATURE
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def _check_head(hidden, weight, labels, bias) -> tuple[int, int]:
+    """The LM head's tensors: dtypes, ranks and the shape relations; returns ``(V, H)``."""
+    check.tensor("hidden", hidden, dtypes=_DTYPES, min_ndim=1)
+    check.tensor("weight", weight, dtypes=_DTYPES, ndim=2)
+    check.tensor("labels", labels, dtypes=check.INT_DTYPES)
+    if bias is not None:
+        check.tensor("bias", bias, dtypes=_DTYPES, ndim=1)
+    vocab, width = weight.shape
+    if vocab == 0:
+        raise ValueError("weight must have a non-empty vocabulary dim, got shape (0, H)")
+    if hidden.shape[-1] != width:
+        raise ValueError(f"hidden's last dim must equal weight.shape[1] = {width} (weight is [V, H]), got hidden of shape {tuple(hidden.shape)}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias must have shape (V,) = ({vocab},) as weight [V, H], got {tuple(bias.shape)}")
+    for name, x in (("weight", weight), ("bias", bias)):
+        if x is not None and x.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have hidden's dtype {str(hidden.dtype)[6:]}, got {str(x.dtype)[6:]}")
+    return vocab, width
+
+
 def linear_token_logprobs(
     hidden,
     weight,
@@ -52,23 +74,7 @@ def linear_token_logprobs(
         ``logprobs [...]`` float32 (float64 for float64 inputs), or ``(logprobs,
         entropy)``.  Differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
     """
-    check.tensor("hidden", hidden, dtypes=_DTYPES, min_ndim=1)
-    check.tensor("weight", weight, dtypes=_DTYPES, ndim=2)
-    check.tensor("labels", labels, dtypes=check.INT_DTYPES)
-    if bias is not None:
-        check.tensor("bias", bias, dtypes=_DTYPES, ndim=1)
-    vocab, width = weight.shape
-    if vocab == 0:
-        raise ValueError("weight must have a non-empty vocabulary dim, got shape (0, H)")
-    if hidden.shape[-1] != width:
-        raise ValueError(f"hidden's last dim must equal weight.shape[1] = {width} (weight is [V, H]), got hidden of shape {tuple(hidden.shape)}")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias must have shape (V,) = ({vocab},) as weight [V, H], got {tuple(bias.shape)}")
-    for name, x in (("weight", weight), ("bias", bias)):
-        if x is not None and x.dtype != hidden.dtype:
-            raise TypeError(f"{name} must have hidden's dtype {str(hidden.dtype)[6:]}, got {str(x.dtype)[6:]}")
+    vocab, width = _check_head(hidden, weight, labels, bias)
     check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     temperature = check.real("temperature", temperature, low=MIN_TEMPERATURE)
     logit_scale = check.real("logit_scale", logit_scale, low=0.0, low_open=True)

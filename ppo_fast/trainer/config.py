@@ -45,6 +45,10 @@ CRITIC_METHODS, GROUP_METHODS = _SPEC.CRITIC_METHODS, _SPEC.GROUP_METHODS
 POLICY_LOSS_MODES, ROLLOUT_CORRECTION_MODES = _SPEC.POLICY_LOSS_MODES, _SPEC.ROLLOUT_CORRECTION_MODES
 ADVANTAGE_METHOD_NAMES = tuple(ADVANTAGE_METHODS)
 POLICY_LOSSES = tuple(POLICY_LOSS_MODES)
+# "geo_mean (GMPO)": each mode with the label its summary starts with, for --help.
+_POLICY_LOSS_LIST = ", ".join(
+    f"{name} ({mode.summary.split(':')[0]})" if ":" in mode.summary else name for name, mode in POLICY_LOSS_MODES.items()
+)
 # Where the KL to the reference goes: subtracted from the reward, or a term of the policy loss.
 KL_PLACEMENTS = ("auto", "reward", "loss")
 CRITIC_MODES = ("separate", "shared")
@@ -196,7 +200,7 @@ class TrainerConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize")
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize")
     policy_loss: str = _opt(
-        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): " + ", ".join(POLICY_LOSSES)
+        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): " + _POLICY_LOSS_LIST
         + "; its parameters besides the clips via --policy-loss-params.", "optimize"
     )
     clip_eps_low: float = _opt(
@@ -272,6 +276,11 @@ class TrainerConfig:
         if self.dual_clip is not None:
             _require("dual_clip", self.dual_clip > 1, "must be > 1")
         self.policy_loss_param_values()
+        self._validate_combinations()
+        return self
+
+    def _validate_combinations(self) -> None:
+        """The choices and the options that depend on one another."""
         for name, choices in CHOICES.items():
             _require(name, getattr(self, name) in choices, f"must be one of {', '.join(choices)}")
         rows = self.batch_size * self.num_samples_per_prompt
@@ -294,7 +303,6 @@ class TrainerConfig:
             module, _, function = self.reward_fn.rpartition(":")
             _require("reward_fn", bool(module and function),
                      f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}")
-        return self
 
     def policy_loss_param_values(self) -> dict[str, float]:
         """``policy_loss_params`` as ``{name: value}`` (which names the mode takes is checked

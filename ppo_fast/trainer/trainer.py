@@ -169,15 +169,7 @@ class PPOTrainer:
         self.parallel, self.device = distributed.init(cfg, resolve_device(cfg.device))
         if not self.parallel.main:  # rank 0 speaks for the run
             self.log = _silent
-        policy_loss_params(cfg)
-        ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
-        policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
-        check_backend(cfg.backend, self.device, tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
-                      cfg.advantage_estimator)
-        if cfg.rollout_engine == "vllm":
-            check_installed()
-            if cfg.vllm_sleep and self.device.type != "cuda":
-                raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
+        self._check_options()
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -185,26 +177,7 @@ class PPOTrainer:
             check_pretrained("--model-name-or-path", cfg.model_name_or_path)
         if reward_fn is None and cfg.reward_model is not None:
             check_pretrained("--reward-model", cfg.reward_model)
-        if prompts is not None:
-            train_set = Prompts(list(prompts), list(answers) if answers is not None else [])
-        elif cfg.prompts_file is not None:
-            train_set = _read_prompt_file(cfg.prompts_file, "--prompts-file")
-        elif builtin:
-            train_set = None  # the built-in task's, below
-        else:
-            raise ConfigError("--prompts-file is required with a custom model (or pass prompts= from Python)")
-        if eval_prompts is not None:
-            eval_set = Prompts(list(eval_prompts), list(eval_answers) if eval_answers is not None else [])
-        elif cfg.eval_prompts_file is not None:
-            eval_set = _read_prompt_file(cfg.eval_prompts_file, "--eval-prompts-file")
-        else:
-            eval_set = None
-        if reward_fn is None and cfg.reward_fn is not None:
-            reward_fn = load_reward_fn(cfg.reward_fn)
-        if reward_fn is None and cfg.reward_model is None:
-            if not builtin:
-                raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
-            reward_fn = default_task.addition_reward
+        train_set, eval_set, reward_fn = self._datasets_and_reward(builtin, prompts, answers, eval_prompts, eval_answers, reward_fn)
         resume_from = self._check_resume(builtin) if cfg.resume else None
         self._claim_output_dir()  # nothing is written to output_dir before this
 
@@ -240,6 +213,61 @@ class PPOTrainer:
         else:
             self.scorer = RewardModelScorer(cfg.reward_model, self.device)
 
+        self._build_models(policy)
+        self.step = 0
+        self.resumed_from = None
+        self._in_update = False
+        self.timer = PhaseTimer()
+        self.engine = self._start_engine() if cfg.rollout_engine == "vllm" else None
+        # The PPO phase's random streams start from the seed, whether or not the
+        # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
+        checkpoint.seed_all(cfg.seed + self.parallel.rank)
+        if resume_from is not None:
+            self._resume(resume_from)
+            if self.engine is not None:
+                self.engine.sync_weights(self.policy)
+
+    def _check_options(self) -> None:
+        """What the options can get wrong beyond their own values: the backends' ops, vLLM."""
+        cfg = self.cfg
+        policy_loss_params(cfg)
+        ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
+        policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
+        check_backend(cfg.backend, self.device, tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
+                      cfg.advantage_estimator)
+        if cfg.rollout_engine == "vllm":
+            check_installed()
+            if cfg.vllm_sleep and self.device.type != "cuda":
+                raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
+
+    def _datasets_and_reward(self, builtin, prompts, answers, eval_prompts, eval_answers, reward_fn):
+        """The training and held-out prompts (None: the built-in task's) and the reward function."""
+        cfg = self.cfg
+        if prompts is not None:
+            train_set = Prompts(list(prompts), list(answers) if answers is not None else [])
+        elif cfg.prompts_file is not None:
+            train_set = _read_prompt_file(cfg.prompts_file, "--prompts-file")
+        elif builtin:
+            train_set = None  # the built-in task's, below
+        else:
+            raise ConfigError("--prompts-file is required with a custom model (or pass prompts= from Python)")
+        if eval_prompts is not None:
+            eval_set = Prompts(list(eval_prompts), list(eval_answers) if eval_answers is not None else [])
+        elif cfg.eval_prompts_file is not None:
+            eval_set = _read_prompt_file(cfg.eval_prompts_file, "--eval-prompts-file")
+        else:
+            eval_set = None
+        if reward_fn is None and cfg.reward_fn is not None:
+            reward_fn = load_reward_fn(cfg.reward_fn)
+        if reward_fn is None and cfg.reward_model is None:
+            if not builtin:
+                raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
+            reward_fn = default_task.addition_reward
+        return train_set, eval_set, reward_fn
+
+    def _build_models(self, policy) -> None:
+        """The policy, its frozen reference, the critic, their wrappers, the optimiser and the KL control."""
+        cfg = self.cfg
         self.policy = policy.to(self.device).eval()
         if cfg.disable_dropout:
             disable_dropout(self.policy)
@@ -258,18 +286,6 @@ class PPOTrainer:
         self.kl_control = (
             pf.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.adaptive_kl else pf.FixedKLController(cfg.kl_coef)
         )
-        self.step = 0
-        self.resumed_from = None
-        self._in_update = False
-        self.timer = PhaseTimer()
-        self.engine = self._start_engine() if cfg.rollout_engine == "vllm" else None
-        # The PPO phase's random streams start from the seed, whether or not the
-        # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
-        checkpoint.seed_all(cfg.seed + self.parallel.rank)
-        if resume_from is not None:
-            self._resume(resume_from)
-            if self.engine is not None:
-                self.engine.sync_weights(self.policy)
 
     def _start_engine(self) -> VLLMEngine:
         """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
@@ -524,7 +540,15 @@ class PPOTrainer:
         self.kl_control.update(sequence_kl, rows * self.parallel.world_size)
         self.step = step
 
-        times = timer.pop_step()
+        self._last_samples = list(zip(prompts, responses, scores.tolist()))
+        return self._metrics_row(step, rows, start, scores, sequence_kl, kl_coef_used, old_logprobs, mask, est, stats,
+                                 rollout_logprobs, loss_weights, values)
+
+    def _metrics_row(self, step, rows, start, scores, sequence_kl, kl_coef_used, old_logprobs, mask, est, stats,
+                     rollout_logprobs, loss_weights, values) -> dict:
+        """The step's metrics row (reduced over the ranks)."""
+        cfg = self.cfg
+        times = self.timer.pop_step()
         elapsed = time.perf_counter() - start
         response_tokens = int(mask.sum())
         non_score = (-kl_coef_used * est.kl).sum(-1).mean().item() if cfg.kl_in_reward else 0.0
@@ -552,7 +576,6 @@ class PPOTrainer:
         row.update({f"time/{name}": secs for name, secs in times.items()})
         row["time/step"] = elapsed
         row["throughput/tokens_per_s"] = response_tokens / elapsed
-        self._last_samples = list(zip(prompts, responses, scores.tolist()))
         return self.parallel.reduce_row(row)
 
     # ------------------------------------------------------------------ the run

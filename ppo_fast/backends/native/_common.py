@@ -33,7 +33,7 @@ def availability() -> tuple[bool, str]:
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-# The checks of csrc/checks.h on metadata, for the fake kernels: under torch.compile a
+# The checks of csrc/common/checks.h on metadata, for the fake kernels: under torch.compile a
 # mismatch fails at trace time with the C++ kernels' message (RuntimeError).
 def check_float(op, name, x):
     torch._check(x.dtype in FLOATS, lambda: f"{op}: {name} must be float32, float64, float16 or bfloat16, got {x.dtype}")

@@ -84,10 +84,10 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_
 
 
 # --------------------------------------------------------------------------- sequence-level policy losses
-# policy_loss_gspo and policy_loss_geo_mean (csrc/cpu/seq_losses.cpp, csrc/cuda/seq_losses.cu):
+# policy_loss_gspo and policy_loss_geo_mean (csrc/policy_loss.cpp, csrc/cuda/policy_loss.cu):
 # clipped_policy_loss's inputs and stats, plus a per-row state [B, 2] for the backward.
 
-_ROW_STATE = 2  # csrc/seq_loss_math.h kRowState
+_ROW_STATE = 2  # csrc/common/seq_loss_math.h kRowState
 
 
 def _seq_loss_ops(mode):

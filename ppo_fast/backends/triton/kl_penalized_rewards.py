@@ -23,7 +23,10 @@ _ELEMENTWISE_BLOCK = 1024
 MAX_BLOCK_T = 1024
 
 # Indices into KL_ESTIMATORS, as kernel constants (compiled kernels only see constexpr globals).
-_K1, _K2, _K3, _ABS = (tl.constexpr(KL_ESTIMATORS.index(name)) for name in ("k1", "k2", "k3", "abs"))
+_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
+_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
+_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
+_ABS = tl.constexpr(KL_ESTIMATORS.index("abs"))
 
 
 def estimator_code(estimator: str) -> int:

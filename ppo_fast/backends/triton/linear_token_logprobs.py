@@ -370,6 +370,16 @@ def linear_token_logprobs_forward(
     return logp, entropy, stats
 
 
+def _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy):
+    """The backward's inputs from the forward and autograd: devices and shapes."""
+    check_same_device(hidden=hidden, stats=stats, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
+    check_shape("stats", stats, (n_rows, 2))
+    for name, x in (("entropy", entropy), ("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
+        check_shape(name, x, (n_rows,))
+    if grad_entropy is not None and entropy is None:
+        raise ValueError("the entropy gradient needs the forward's entropy")
+
+
 def linear_token_logprobs_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -399,14 +409,9 @@ def linear_token_logprobs_backward(
     tests make it small to cross vocabulary chunks).
     """
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
+    _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
     needs_bias = needs_bias and bias is not None
     dtype = result_dtype(hidden, weight, bias)
-    check_same_device(hidden=hidden, stats=stats, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
-    check_shape("stats", stats, (n_rows, 2))
-    for name, x in (("entropy", entropy), ("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
-        check_shape(name, x, (n_rows,))
-    if grad_entropy is not None and entropy is None:
-        raise ValueError("the entropy gradient needs the forward's entropy")
     acc = compute_dtype(dtype)
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
     device = hidden.device

@@ -415,6 +415,26 @@ def token_logprobs_forward(
     return logp, entropy, stats
 
 
+def _saved_views(lead_shape, rows, stats, entropy, grad_logp, grad_entropy):
+    """The backward's row-wise inputs as the kernel reads them: ``stats`` [rows, 2] and
+    ``entropy`` [rows] contiguous (from the forward), the incoming gradients with their
+    (outer, inner) strides; an unused one is replaced by ``stats`` (never read)."""
+    # stats and entropy come from the forward: [rows]-sized, contiguous unless a caller made them otherwise.
+    if stats.numel() != 2 * rows:
+        raise ValueError(f"stats must have {2 * rows} elements (2 per row), got shape {tuple(stats.shape)}")
+    stats = stats.reshape(rows, 2).contiguous()
+    unused = (stats, 0, 0)
+    if grad_entropy is not None:
+        if entropy is None:
+            raise ValueError("the entropy gradient needs the forward's entropy")
+        entropy = lead_view("entropy", entropy, lead_shape)[0].reshape(-1).contiguous()
+        grad_entropy = lead_view("grad_entropy", grad_entropy, lead_shape)
+    else:
+        entropy, grad_entropy = stats, unused
+    grad_logp = lead_view("grad_logp", grad_logp, lead_shape) if grad_logp is not None else unused
+    return stats, entropy, grad_logp, grad_entropy
+
+
 def token_logprobs_backward(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -445,22 +465,10 @@ def token_logprobs_backward(
     if rows == 0 or logits.shape[-1] == 0:
         return grad
     labels_view, labels_outer_stride, labels_inner_stride = lead_view("labels", labels, lead_shape)
-    # stats and entropy come from the forward: [rows]-sized, contiguous unless a caller made them otherwise.
-    if stats.numel() != 2 * rows:
-        raise ValueError(f"stats must have {2 * rows} elements (2 per row), got shape {tuple(stats.shape)}")
-    stats = stats.reshape(rows, 2).contiguous()
     has_grad_logp, has_grad_entropy = grad_logp is not None, grad_entropy is not None
-    if has_grad_entropy:
-        if entropy is None:
-            raise ValueError("the entropy gradient needs the forward's entropy")
-        entropy = lead_view("entropy", entropy, lead_shape)[0].reshape(-1).contiguous()
-        grad_entropy, grad_entropy_outer_stride, grad_entropy_inner_stride = lead_view("grad_entropy", grad_entropy, lead_shape)
-    else:
-        entropy, grad_entropy, grad_entropy_outer_stride, grad_entropy_inner_stride = stats, stats, 0, 0  # unused
-    if has_grad_logp:
-        grad_logp, grad_logp_outer_stride, grad_logp_inner_stride = lead_view("grad_logp", grad_logp, lead_shape)
-    else:
-        grad_logp, grad_logp_outer_stride, grad_logp_inner_stride = stats, 0, 0  # unused
+    stats, entropy, (grad_logp, *grad_logp_strides), (grad_entropy, *grad_entropy_strides) = _saved_views(
+        lead_shape, rows, stats, entropy, grad_logp, grad_entropy
+    )
     _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
     block, num_warps = _launch_config(logits.shape[-1], block_v, logits.element_size(), backward=True)
     group = _group(block, vocab_stride if grad_vocab_stride == 1 else 0, (logits, outer_stride, inner_stride), (grad, grad_outer_stride, grad_inner_stride))
@@ -482,10 +490,8 @@ def token_logprobs_backward(
             grad_vocab_stride,
             labels_outer_stride,
             labels_inner_stride,
-            grad_logp_outer_stride,
-            grad_logp_inner_stride,
-            grad_entropy_outer_stride,
-            grad_entropy_inner_stride,
+            *grad_logp_strides,
+            *grad_entropy_strides,
             logits.shape[-1],
             *split_scalar(1.0 / temperature),
             ignore_index,

@@ -1,0 +1,124 @@
+"""Checks of the code's shape that no linter makes (CI; exit 1 on a finding):
+
+* no function over 80 lines in ppo_fast/ or bench/, except Triton kernels (``@triton.jit``);
+* no import cycle among the modules of ppo_fast/ and of bench/ (module-level imports);
+* the contract's names (the agg modes, KL estimators, rollout-correction and policy-loss
+  mode names) spelled out as a tuple of strings only in ppo_fast/spec.py.
+
+    python .ci/code_shape.py [ROOT]
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+MAX_FUNCTION_LINES = 80
+PACKAGES = ("ppo_fast", "bench")
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_kernel(node: ast.AST) -> bool:
+    return any("jit" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
+
+
+def long_functions(root: Path, path: Path, tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_kernel(node):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name} has {length} lines (> {MAX_FUNCTION_LINES})")
+    return found
+
+
+def imports_of(name: str, is_package: bool, tree: ast.AST, known: set[str]) -> set[str]:
+    """The known modules that module ``name`` imports at module level."""
+    package = name if is_package else name.rpartition(".")[0]
+    out = set()
+    for node in tree.body:
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Try):
+            for sub in node.body:
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    targets += list(imports_of(name, is_package, ast.Module(body=[sub], type_ignores=[]), known))
+        out |= {t for t in targets if t in known and t != name}
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def contract_copies(root: Path, path: Path, tree: ast.AST, names: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 3:
+            values = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            if len(values) >= 3 and values <= names:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: a copy of the contract's names {sorted(values)[:4]}...")
+    return found
+
+
+def contract_names(root: Path) -> set[str]:
+    tree = ast.parse((root / "ppo_fast" / "spec.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            target = ast.unparse(node.targets[0])
+            if target in ("KL_ESTIMATORS", "AGG_MODES", "ROLLOUT_CORRECTION_MODES"):
+                names |= {e.value for e in node.value.elts}
+    sys.path.insert(0, str(root))
+    return names
+
+
+def main(root: Path) -> int:
+    problems = []
+    names = contract_names(root)
+    for package in PACKAGES:
+        files = sorted((root / package).rglob("*.py"))
+        trees = {f: ast.parse(f.read_text(), str(f)) for f in files}
+        known = {module_name(root, f) for f in files}
+        graph = {module_name(root, f): imports_of(module_name(root, f), f.name == "__init__.py", t, known) for f, t in trees.items()}
+        # A package importing its own submodules is not a cycle with them (they import their siblings).
+        for cycle in cycles({m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}):
+            problems.append("import cycle: " + " -> ".join(cycle))
+        for f, t in trees.items():
+            problems += long_functions(root, f, t)
+            if f.name != "spec.py":
+                problems += contract_copies(root, f, t, names)
+    for p in problems:
+        print(p)
+    print(f"code shape: {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])))
