@@ -2,7 +2,7 @@
 # Checks that every C++/CUDA source under csrc/ is formatted as .clang-format says
 # (clang-format --dry-run --Werror); exit status 1 on any difference.
 #
-#   bash .ci/format.sh [VENV]    clang-format from PATH, else from VENV/bin (default <repo>/.venv)
+#   bash .ci/format.sh [VENV]    clang-format from VENV/bin (default <repo>/.venv), else from PATH
 # Fix the sources with: clang-format -i $(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,10 +10,11 @@ ROOT=$PWD
 
 VENV=${1:-.venv}
 case "$VENV" in /*) ;; *) VENV=$ROOT/$VENV ;; esac
-if command -v clang-format >/dev/null 2>&1; then
-    CLANG_FORMAT=$(command -v clang-format)
-elif [ -x "$VENV/bin/clang-format" ]; then
+# The venv's pinned clang-format first (pyproject's lint extra): another version formats differently.
+if [ -x "$VENV/bin/clang-format" ]; then
     CLANG_FORMAT=$VENV/bin/clang-format
+elif command -v clang-format >/dev/null 2>&1; then
+    CLANG_FORMAT=$(command -v clang-format)
 else
     echo "format: no clang-format on PATH or in $VENV/bin (pip install clang-format)" >&2
     exit 2
