@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 import ppo_fast as pf
-from ppo_fast.advantage_estimators import REGISTRY
+from ppo_fast.advantage_methods import REGISTRY
 
 from .common import ROUNDS, best_ms, command_line, machine, write_json
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ppo_fast.reference import aggregate, masked_mean
+from ppo_fast.backends.reference import aggregate, masked_mean
 
 IGNORE_INDEX = -100
 # Tokens per sequence for the TRL-style loop: TRL walks the batch one sequence at a time.

@@ -245,7 +245,7 @@ def _seq(dtype=torch.float32, transposed=False):
 
 def _logprob_variants(dtype_name, vocab, lead=(ROWS,), slice_last=False, entropy_flags=(False, True), grads=None) -> list[dict]:
     """The token_logprobs forward (with and without the entropy) and backward launches at one logits layout."""
-    from ppo_fast import kernels
+    from ppo_fast.backends.triton import token_logprobs as kernels
 
     dtype = DTYPES[dtype_name]
     size = dtype.itemsize
@@ -293,8 +293,8 @@ def token_logprobs_variants() -> list[dict]:
 
 def kl_variants() -> list[dict]:
     """kl_estimate forward and backward per estimator (k3 also transposed), kl_penalized_rewards forward and backward."""
-    from ppo_fast import kernels
-    from ppo_fast.contract import KL_ESTIMATORS
+    from ppo_fast.backends.triton import kl_penalized_rewards as kernels
+    from ppo_fast.spec import KL_ESTIMATORS
 
     out = []
     for estimator in KL_ESTIMATORS:
@@ -316,7 +316,7 @@ def kl_variants() -> list[dict]:
 
 
 def gae_variants() -> list[dict]:
-    from ppo_fast import kernels
+    from ppo_fast.backends.triton import gae as kernels
 
     out = [dict(name="gae fwd", budget_key=None, bytes_per_element=17, run=lambda: kernels.gae_forward(_seq(), _seq(), _seq(torch.bool), 1.0, 0.95))]
     for has_adv, has_ret in ((True, True), (True, False), (False, True)):
@@ -329,7 +329,7 @@ def gae_variants() -> list[dict]:
 
 def _head_launches(dtype, allow_tf32: bool, flags: bool, rows: int, hidden: int):
     """The fused head's forward and backward launches at one configuration (bias, softcap and the entropy: ``flags``)."""
-    from ppo_fast.kernels import linear_logprobs
+    from ppo_fast.backends.triton import linear_token_logprobs
 
     def head():
         return _meta((rows, hidden), dtype), _meta((VOCAB, hidden), dtype), _meta((rows,), torch.int64)
@@ -337,7 +337,7 @@ def _head_launches(dtype, allow_tf32: bool, flags: bool, rows: int, hidden: int)
     def fwd():
         x, w, labels = head()
         with _allow_tf32(allow_tf32):
-            return linear_logprobs.linear_logprobs_forward(
+            return linear_token_logprobs.linear_token_logprobs_forward(
                 x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
                 logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
 
@@ -346,7 +346,7 @@ def _head_launches(dtype, allow_tf32: bool, flags: bool, rows: int, hidden: int)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         row, stats = _meta((rows,), acc), _meta((rows, 2), acc)
         with _allow_tf32(allow_tf32):
-            return linear_logprobs.linear_logprobs_backward(
+            return linear_token_logprobs.linear_token_logprobs_backward(
                 x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, stats, row if flags else None, row, row if flags else None,
                 temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
                 needs_hidden=True, needs_weight=True, needs_bias=flags)
@@ -370,7 +370,7 @@ def linear_token_logprobs_variants() -> list[dict]:
 
 
 def group_sum_variants() -> list[dict]:
-    from ppo_fast.kernels import group_sum
+    from ppo_fast.backends.triton import group_advantages as group_sum
 
     return [dict(name=f"group_sum {str(dtype).replace('torch.', '')} [{BATCH}, 8]", budget_key=None, bytes_per_element=None,
                  run=lambda dtype=dtype: group_sum.group_sum_forward(_meta((BATCH, 8), dtype), _meta((BATCH,), torch.int64)), block=None)
@@ -479,7 +479,7 @@ def triton_kernels() -> list[str]:
 
     from triton.runtime.jit import JITFunction
 
-    import ppo_fast.kernels as package
+    import ppo_fast.backends.triton as package
 
     names = set()
     for info in pkgutil.iter_modules(package.__path__):

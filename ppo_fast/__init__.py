@@ -17,6 +17,7 @@ from .backends import BackendUnavailableError, available_backends, current_backe
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import (
     advantage_methods,
+    aggregate,
     clipped_policy_loss,
     gae,
     group_advantages,
@@ -44,6 +45,7 @@ __all__ = [
     "gae",
     "group_advantages",
     "advantage_methods",
+    "aggregate",
     "masked_mean",
     "masked_whiten",
     "clipped_policy_loss",

@@ -20,7 +20,7 @@ def host_checks_free(*tensors) -> bool:
     """Whether checks that read tensor values can run on the host at no cost: eager mode and
     CPU tensors only.  On CUDA such a check would synchronise the host with the device on
     every call, and under torch.compile it would break the graph, so there the kernels'
-    documented results for bad values apply instead (``ppo_fast.contract``)."""
+    documented results for bad values apply instead (``ppo_fast.spec``)."""
     if torch.compiler.is_compiling():
         return False
     return all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
@@ -141,3 +141,16 @@ def flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+def loss_inputs(names_and_tensors: dict, loss_mask, optional=("weights",)):
+    """Validates ``[B, T]`` inputs of one shape and device (None only for the ``optional``
+    names) and returns the mask as bool."""
+    required(**{n: x for n, x in names_and_tensors.items() if n not in optional})
+    first_name, first = next(iter(names_and_tensors.items()))
+    for name, x in names_and_tensors.items():
+        if x is not None:
+            tensor(name, x, ndim=2)
+    same_shape(first_name, first, **{n: x for n, x in list(names_and_tensors.items())[1:]})
+    same_device(**names_and_tensors, mask=loss_mask)
+    return mask("mask", loss_mask, first.shape)

@@ -17,7 +17,7 @@ from ppo_fast.trainer import TrainerConfig, default_task, rollout
 from ppo_fast.trainer.distributed import SINGLE, Parallel
 from ppo_fast.trainer.estimate import estimate
 from ppo_fast.trainer.models import build_critic, frozen_reference
-from ppo_fast.trainer.rollout import forward, generate, score_old_and_ref
+from ppo_fast.trainer.rollout import generate, score_old_and_ref
 from ppo_fast.trainer.update import Experience, ppo_losses, ppo_update
 
 ROWS = 8  # the whole batch; world 2 gives each rank 4

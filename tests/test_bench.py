@@ -8,7 +8,8 @@ import torch
 
 from bench import baselines, cases, report, runner, timing
 from bench.__main__ import main as bench_main
-from ppo_fast import contract, reference
+from ppo_fast import spec as contract
+from ppo_fast.backends import reference
 
 IGNORE = baselines.IGNORE_INDEX
 

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +99,7 @@ def test_launcher_and_module_parse_the_same(tmp_path, capsys):
 
 
 def test_the_config_module_repeats_the_contract_names():
-    from ppo_fast import contract
+    from ppo_fast import spec as contract
 
     assert config_module.AGG_MODES == contract.AGG_MODES
     assert config_module.KL_ESTIMATORS == contract.KL_ESTIMATORS

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
-from ppo_fast.advantage_estimators import REGISTRY as ADVANTAGE_METHODS
-from ppo_fast.contract import AGG_MODES, KL_ESTIMATORS, OPS
-from ppo_fast.policy_loss_modes import POLICY_LOSS_MODES
+from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
+from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, OPS
+from ppo_fast.spec import POLICY_LOSS_MODES
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]

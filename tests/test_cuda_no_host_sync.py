@@ -7,8 +7,8 @@ import torch
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
-from ppo_fast.contract import OPS
-from ppo_fast.policy_loss_modes import POLICY_LOSS_MODES
+from ppo_fast.spec import OPS
+from ppo_fast.spec import POLICY_LOSS_MODES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

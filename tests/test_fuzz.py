@@ -47,11 +47,11 @@ from hypothesis import HealthCheck, Phase, assume, example, given, note, setting
 from hypothesis import strategies as st
 
 import ppo_fast as pf
-from ppo_fast.advantage_estimators import REGISTRY as ADVANTAGE_METHODS
+from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.backends import backend_info
-from ppo_fast.contract import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTION_MODES
-from ppo_fast.ops.logprobs import MIN_TEMPERATURE
-from ppo_fast.policy_loss_modes import POLICY_LOSS_MODES
+from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTION_MODES
+from ppo_fast.ops.token_logprobs import MIN_TEMPERATURE
+from ppo_fast.spec import POLICY_LOSS_MODES
 
 pytestmark = pytest.mark.fuzz
 

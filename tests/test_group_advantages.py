@@ -21,8 +21,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast import BackendUnavailableError, reference  # noqa: E402
-from ppo_fast.advantage_estimators import REGISTRY  # noqa: E402
+from ppo_fast import BackendUnavailableError
+from ppo_fast.backends import reference  # noqa: E402
+from ppo_fast.advantage_methods import REGISTRY  # noqa: E402
 from ppo_fast.backends import backend_info  # noqa: E402
 from ppo_fast.ops.group_advantages import dense_group_index  # noqa: E402
 
@@ -338,7 +339,7 @@ def test_group_sum_matches_reference_forward_and_backward(backend, dtype):
         module = backend_info(backend).module
         x = values.clone().requires_grad_(True)
         y = values.clone().requires_grad_(True)
-        got, want = module.group_sum(x, index), reference.group_sum(y, index)
+        got, want = module.FUNCTIONS["group_sum"](x, index), reference.group_sum(y, index)
         tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
         torch.testing.assert_close(got, want, **tol)
         g = torch.randn(b, c, generator=gen, dtype=dtype)
@@ -352,8 +353,8 @@ def test_group_sum_native_is_deterministic_and_exact():
         pytest.skip("native backend not built")
     values = torch.randn(257, 2)
     index = dense_group_index(torch.randint(0, 5, (257,)))
-    first = backend_info("native").module.group_sum(values, index)
-    assert torch.equal(first, backend_info("native").module.group_sum(values, index))
+    first = backend_info("native").module.FUNCTIONS["group_sum"](values, index)
+    assert torch.equal(first, backend_info("native").module.FUNCTIONS["group_sum"](values, index))
     assert torch.equal(first, reference.group_sum(values, index))  # same order as index_add on CPU
 
 
@@ -392,7 +393,7 @@ def test_trainer_config_names_agree_with_the_registry():
     """trainer/config.py repeats the registry's names without importing torch (for the launcher)."""
     from ppo_fast.trainer import config
 
-    assert config.ADVANTAGE_ESTIMATORS == tuple(REGISTRY)
-    assert config.CRITIC_ESTIMATORS == tuple(n for n, m in REGISTRY.items() if m.needs_critic)
-    assert config.GROUP_ESTIMATORS == tuple(n for n, m in REGISTRY.items() if m.needs_groups and m.fn is not None)
+    assert config.ADVANTAGE_METHOD_NAMES == tuple(REGISTRY)
+    assert config.CRITIC_METHODS == tuple(n for n, m in REGISTRY.items() if m.needs_critic)
+    assert config.GROUP_METHODS == tuple(n for n, m in REGISTRY.items() if m.needs_groups and m.fn is not None)
     assert config.CHOICES["advantage_estimator"] == tuple(REGISTRY)

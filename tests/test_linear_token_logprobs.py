@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast import reference
+from ppo_fast.backends import reference
 from ppo_fast.backends import backend_info
 from test_native_common import requires_native
 

@@ -436,7 +436,7 @@ _RUNNER = """
 import json, sys, traceback
 sys.path.insert(0, sys.argv[1])
 import torch
-import ppo_fast.ops.native_backend  # registers the fake kernels and autograd
+import ppo_fast.backends.native  # registers the fake kernels and autograd
 import test_native_bad_inputs as cases
 ids = list(cases.CASES)[int(sys.argv[2]):]
 for case_id in ids:

@@ -83,7 +83,7 @@ def test_cpu_kernels_registered():
 
 @requires_native
 def test_cuda_kernels_registered_iff_built_with_cuda():
-    from ppo_fast.ops import native_backend
+    from ppo_fast.backends import native as native_backend
 
     built = native_backend.built_with_cuda()
     for op in LOSS_OPS:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast import reference
-from ppo_fast.contract import KL_ESTIMATORS
-from ppo_fast.ops import native_backend
+from ppo_fast.backends import reference
+from ppo_fast.spec import KL_ESTIMATORS
+from ppo_fast.backends import native as native_backend
 from test_native_common import ALL_FLOATS, FLOAT_DTYPES, leaves, random_holes_mask, random_mask, requires_native
 
 pytestmark = requires_native
@@ -111,7 +111,7 @@ def test_kl_estimate_gradient_conventions(estimator):
     logprobs = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
     ref = torch.tensor([0.0, 25.0, -25.0, 5.0, -0.5])
     x, r = leaves(logprobs, ref)
-    grad_logp, grad_ref = torch.autograd.grad(native_backend.kl_estimate(x, r, estimator).sum(), (x, r))
+    grad_logp, grad_ref = torch.autograd.grad(native_backend.FUNCTIONS["kl_estimate"](x, r, estimator).sum(), (x, r))
     log_ratio = logprobs - ref
     expected = {
         "k1": torch.ones(5),
@@ -148,7 +148,7 @@ def test_kl_penalized_rewards_mixed_dtypes_give_each_gradient_its_dtype():
     scores = torch.randn(3, dtype=torch.float64)
     mask = random_holes_mask(shape)
     inputs = leaves(scores, logprobs, ref)
-    rewards, kl = native_backend.kl_penalized_rewards(*inputs, mask, 0.1, "k3")
+    rewards, kl = native_backend.FUNCTIONS["kl_penalized_rewards"](*inputs, mask, 0.1, "k3")
     assert rewards.dtype == kl.dtype == torch.float32  # scores do not set the compute dtype
     grads = torch.autograd.grad(rewards.sum() + kl.sum(), inputs)
     assert [g.dtype for g in grads] == [torch.float64, torch.bfloat16, torch.float32]
@@ -171,7 +171,7 @@ def test_gae_only_values_need_grad():
     shape = (3, 8)
     rewards, mask = torch.randn(shape), random_holes_mask(shape)
     values = torch.randn(shape, requires_grad=True)
-    adv, _ = native_backend.gae(rewards, values, mask, 0.99, 0.95)
+    adv, _ = native_backend.FUNCTIONS["gae"](rewards, values, mask, 0.99, 0.95)
     (grad,) = torch.autograd.grad(adv.sum(), values)
     adv_ref, _ = reference.gae(rewards, values, mask, 0.99, 0.95)
     torch.testing.assert_close(grad, torch.autograd.grad(adv_ref.sum(), values)[0])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.contract import AGG_MODES
+from ppo_fast.spec import AGG_MODES
 from test_native_common import ALL_FLOATS, NATIVE, policy_inputs, random_mask, requires_native
 
 pytestmark = [
@@ -186,8 +186,8 @@ def _all_grads(impl, inputs, mask, *args):
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_policy_loss_cuda_gradients_to_every_input(agg, dual_clip):
-    from ppo_fast import reference
-    from ppo_fast.ops import native_backend
+    from ppo_fast.backends import reference
+    from ppo_fast.backends import native as native_backend
 
     shape = (7, 1000)
     logprobs, old, adv = policy_inputs(shape, torch.float64, device="cuda")
@@ -203,8 +203,8 @@ def test_policy_loss_cuda_gradients_to_every_input(agg, dual_clip):
 
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_value_loss_cuda_gradients_to_every_input(agg):
-    from ppo_fast import reference
-    from ppo_fast.ops import native_backend
+    from ppo_fast.backends import reference
+    from ppo_fast.backends import native as native_backend
 
     shape = (7, 1000)
     values = torch.randn(shape, device="cuda", dtype=torch.float64)
@@ -218,7 +218,7 @@ def test_value_loss_cuda_gradients_to_every_input(agg):
 
 
 def test_losses_cuda_ignore_nonfinite_at_masked_positions():
-    from ppo_fast.ops import native_backend
+    from ppo_fast.backends import native as native_backend
 
     shape = (16, 300)
     logprobs, old, adv = policy_inputs(shape, torch.float32, device="cuda")
@@ -237,12 +237,12 @@ def test_losses_cuda_ignore_nonfinite_at_masked_positions():
     old_values = torch.where(mask, values + 0.3, float("nan"))
     old_values[2, 0] = float("nan")  # row 2 is all valid: NaN propagates
     assert mask[2, 0]
-    loss, _ = native_backend.value_loss(values, old_values, torch.randn_like(values), mask, 0.2, "token-mean")
+    loss, _ = native_backend.FUNCTIONS["value_loss"](values, old_values, torch.randn_like(values), mask, 0.2, "token-mean")
     assert torch.isnan(loss)
 
 
 def test_losses_cuda_backward_without_host_sync():
-    from ppo_fast.ops import native_backend
+    from ppo_fast.backends import native as native_backend
 
     shape = (64, 513)
     logprobs, old, adv = policy_inputs(shape, torch.bfloat16, device="cuda")
@@ -251,8 +251,8 @@ def test_losses_cuda_backward_without_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, *_ = native_backend.clipped_policy_loss(*inputs, mask, None, 0.2, 0.2, 3.0, "seq-mean-token-mean")
-        value, _ = native_backend.value_loss(inputs[0], inputs[1], inputs[2], mask, 0.2, "token-mean")
+        loss, *_ = native_backend.FUNCTIONS["clipped_policy_loss"](*inputs, mask, None, 0.2, 0.2, 3.0, "seq-mean-token-mean")
+        value, _ = native_backend.FUNCTIONS["value_loss"](inputs[0], inputs[1], inputs[2], mask, 0.2, "token-mean")
         torch.autograd.grad(loss + value, inputs)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast import reference
-from ppo_fast.contract import AGG_MODES
-from ppo_fast.ops import native_backend
+from ppo_fast.backends import reference
+from ppo_fast.spec import AGG_MODES
+from ppo_fast.backends import native as native_backend
 from test_native_common import leaves, policy_inputs, random_holes_mask, random_mask, requires_native
 
 pytestmark = requires_native
@@ -391,7 +391,7 @@ def test_reference_functions_are_the_oracle():
     # The native functions take the reference's exact signature.
     import inspect
 
-    from ppo_fast.ops import native_backend
+    from ppo_fast.backends import native as native_backend
 
     for op in native_backend.SUPPORTED:
         assert list(inspect.signature(getattr(native_backend, op)).parameters) == list(

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from ppo_fast import reference
-from ppo_fast.contract import KL_ESTIMATORS
-from ppo_fast.ops import native_backend
-from test_native_common import leaves, policy_inputs, random_holes_mask, requires_native
+from ppo_fast.backends import reference
+from ppo_fast.spec import KL_ESTIMATORS
+from ppo_fast.backends import native as native_backend
+from test_native_common import policy_inputs, random_holes_mask, requires_native
 
 pytestmark = requires_native
 
@@ -100,7 +100,7 @@ POLICY_INPUTS = ("logprobs", "old_logprobs", "advantages", "weights")
 
 def _policy_fns(agg, dual_clip):
     def native(logp, old, adv, w, mask):
-        return native_backend.clipped_policy_loss(logp, old, adv, mask, w, 0.2, 0.28, dual_clip, agg)
+        return native_backend.FUNCTIONS["clipped_policy_loss"](logp, old, adv, mask, w, 0.2, 0.28, dual_clip, agg)
 
     def ref(logp, old, adv, w, mask):
         return reference.clipped_policy_loss(logp, old, adv, mask, w, 0.2, 0.28, dual_clip, agg)
@@ -135,7 +135,7 @@ VALUE_INPUTS = ("values", "old_values", "returns")
 
 def _value_fns(agg):
     def native(v, old, ret, mask):
-        return native_backend.value_loss(v, old, ret, mask, 0.2, agg)
+        return native_backend.FUNCTIONS["value_loss"](v, old, ret, mask, 0.2, agg)
 
     def ref(v, old, ret, mask):
         return reference.value_loss(v, old, ret, mask, 0.2, agg)
@@ -168,7 +168,7 @@ def test_value_loss_propagates_nonfinite_at_valid_positions_as_the_reference(agg
 def test_value_loss_nan_old_value_reaches_the_loss():
     values, old, returns = torch.zeros(1, 2), torch.tensor([[math.nan, 0.0]]), torch.ones(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, _ = native_backend.value_loss(values, old, returns, mask, 0.2, "token-mean")
+    loss, _ = native_backend.FUNCTIONS["value_loss"](values, old, returns, mask, 0.2, "token-mean")
     assert math.isnan(loss.item()) and math.isnan(reference.value_loss(values, old, returns, mask, 0.2, "token-mean")[0].item())
 
 
@@ -184,7 +184,7 @@ def test_kl_estimate_nonfinite_as_the_reference(estimator, poisoned):
     where = torch.rand(SHAPE) < 0.2
 
     def native(x, r):
-        return native_backend.kl_estimate(x, r, estimator)
+        return native_backend.FUNCTIONS["kl_estimate"](x, r, estimator)
 
     def ref(x, r):
         return reference.kl_estimate(x, r, estimator)
@@ -194,7 +194,7 @@ def test_kl_estimate_nonfinite_as_the_reference(estimator, poisoned):
 
 def _rewards_fns(estimator):
     def native(scores, x, r, mask):
-        return native_backend.kl_penalized_rewards(scores, x, r, mask, 0.1, estimator)
+        return native_backend.FUNCTIONS["kl_penalized_rewards"](scores, x, r, mask, 0.1, estimator)
 
     def ref(scores, x, r, mask):
         return reference.kl_penalized_rewards(scores, x, r, mask, 0.1, estimator)
@@ -236,7 +236,7 @@ def test_kl_penalized_rewards_propagate_nonfinite_at_valid_positions_as_the_refe
 
 def _gae_fns():
     def native(r, v, mask):
-        return native_backend.gae(r, v, mask, 0.99, 0.95)
+        return native_backend.FUNCTIONS["gae"](r, v, mask, 0.99, 0.95)
 
     def ref(r, v, mask):
         return reference.gae(r, v, mask, 0.99, 0.95)
@@ -265,7 +265,7 @@ def test_gae_propagates_nonfinite_at_valid_positions_as_the_reference(poisoned):
 
 def _logprobs_fns(return_entropy):
     def native(logits, labels):
-        logp, entropy = native_backend.token_logprobs(logits, labels, 0.9, return_entropy, -100)
+        logp, entropy = native_backend.FUNCTIONS["token_logprobs"](logits, labels, 0.9, return_entropy, -100)
         return (logp, entropy) if return_entropy else logp
 
     def ref(logits, labels):

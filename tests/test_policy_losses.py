@@ -20,7 +20,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.backends import backend_info
 from test_native_common import requires_native
-from ppo_fast.contract import AGG_MODES
+from ppo_fast.spec import AGG_MODES
 
 
 # --------------------------------------------------------------------------- plain formulas

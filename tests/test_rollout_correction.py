@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.contract import ROLLOUT_CORRECTION_MODES
+from ppo_fast.spec import ROLLOUT_CORRECTION_MODES
 
 
 def _inputs(seed, b=5, t=9, dtype=torch.float64):

@@ -17,9 +17,12 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast import kernels, reference  # noqa: E402
-from ppo_fast.kernels import _launch  # noqa: E402
-from ppo_fast.ops import triton_backend as tb  # noqa: E402
+from ppo_fast.backends import reference
+from ppo_fast.backends.triton import gae as triton_gae  # noqa: E402
+from ppo_fast.backends.triton import kl_penalized_rewards as triton_kl_penalized_rewards  # noqa: E402
+from ppo_fast.backends.triton import token_logprobs as triton_token_logprobs  # noqa: E402
+from ppo_fast.backends.triton import _launch  # noqa: E402
+from ppo_fast.backends import triton as tb  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
@@ -60,7 +63,7 @@ def _logprobs_fn(backend_fn, labels, **kwargs):
 
 def _triton_vs_reference_logprobs(leaf, view, labels, **kwargs):
     """Backend functions (no validation) on ``view(leaf)``: outputs and the gradient w.r.t. ``leaf``."""
-    got = _grads(lambda x: _logprobs_fn(tb.token_logprobs, labels, **kwargs)(view(x)), [leaf])
+    got = _grads(lambda x: _logprobs_fn(tb.FUNCTIONS["token_logprobs"], labels, **kwargs)(view(x)), [leaf])
     want = _grads(lambda x: _logprobs_fn(reference.token_logprobs, labels, **kwargs)(view(x)), [leaf])
     _assert_same(got, want)
     return got
@@ -126,7 +129,7 @@ def test_logprobs_logits_in_any_layout(name, inplace):
 def test_logprobs_forward_reads_logits_in_place(monkeypatch):
     """No [N, V] copy of strided logits: the kernel gets the caller's storage."""
     seen = []
-    launch = kernels.logprobs._token_logprobs_fwd_kernel
+    launch = triton_token_logprobs._token_logprobs_fwd_kernel
 
     class Spy:
         def __getitem__(self, grid):
@@ -136,11 +139,11 @@ def test_logprobs_forward_reads_logits_in_place(monkeypatch):
 
             return run
 
-    monkeypatch.setattr(kernels.logprobs, "_token_logprobs_fwd_kernel", Spy())
+    monkeypatch.setattr(triton_token_logprobs, "_token_logprobs_fwd_kernel", Spy())
     for shape, view in _LOGITS_VIEWS.values():
         leaf = torch.randn(shape, device=DEVICE)
         logits = view(leaf)
-        kernels.token_logprobs_forward(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=DEVICE), 1.0, True, IGNORE)
+        triton_token_logprobs.token_logprobs_forward(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=DEVICE), 1.0, True, IGNORE)
         assert seen.pop() == logits.data_ptr()
 
 
@@ -150,7 +153,7 @@ def test_logprobs_backward_reads_strided_and_expanded_gradients(block_v):
     batch, length, vocab = 3, 4, 21
     logits = torch.randn(batch, length, vocab, device=DEVICE)
     labels = torch.randint(0, vocab, (batch, length, 2), device=DEVICE)[..., 0]
-    logp, entropy, stats = kernels.token_logprobs_forward(logits, labels, 1.3, True, IGNORE, block_v=block_v)
+    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 1.3, True, IGNORE, block_v=block_v)
     layouts = {
         "transposed": lambda g: g.t().contiguous().t(),
         "sliced": lambda g: torch.stack([g, g], -1)[..., 1],
@@ -160,13 +163,13 @@ def test_logprobs_backward_reads_strided_and_expanded_gradients(block_v):
     for name, layout in layouts.items():
         g_logp, g_entropy = layout(base), layout(2 * base + 1)
         ent = layout(entropy) if name != "expanded" else entropy.t().contiguous().t()
-        got = kernels.token_logprobs_backward(logits, labels.t().contiguous().t(), stats, ent, g_logp, g_entropy, 1.3, IGNORE, block_v=block_v)
-        want = kernels.token_logprobs_backward(
+        got = triton_token_logprobs.token_logprobs_backward(logits, labels.t().contiguous().t(), stats, ent, g_logp, g_entropy, 1.3, IGNORE, block_v=block_v)
+        want = triton_token_logprobs.token_logprobs_backward(
             logits, labels.contiguous(), stats, entropy, g_logp.contiguous(), g_entropy.contiguous(), 1.3, IGNORE, block_v=block_v
         )
         assert torch.equal(got, want), name
-        only_entropy = kernels.token_logprobs_backward(logits, labels, stats, ent, None, g_entropy, 1.3, IGNORE, block_v=block_v)
-        want = kernels.token_logprobs_backward(
+        only_entropy = triton_token_logprobs.token_logprobs_backward(logits, labels, stats, ent, None, g_entropy, 1.3, IGNORE, block_v=block_v)
+        want = triton_token_logprobs.token_logprobs_backward(
             logits, labels, stats, entropy, torch.zeros_like(base), g_entropy.contiguous(), 1.3, IGNORE, block_v=block_v
         )
         assert torch.equal(only_entropy, want), name
@@ -194,7 +197,7 @@ def test_inplace_backward_on_expanded_logits_is_not_in_place():
     base = torch.randn(1, 33, device=DEVICE)
     labels = torch.randint(0, 33, (5,), device=DEVICE)
     weights = [torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)]
-    got = _grads(lambda b: tb.token_logprobs(b.expand(5, 33), labels, 1.0, True, IGNORE, True), [base], weights)
+    got = _grads(lambda b: tb.FUNCTIONS["token_logprobs"](b.expand(5, 33), labels, 1.0, True, IGNORE, True), [base], weights)
     want = _grads(lambda b: reference.token_logprobs(b.expand(5, 33), labels, 1.0, True, IGNORE), [base], weights)
     _assert_same(got, want)
     # The same through a non-leaf expanded buffer: the buffer is left alone.
@@ -225,7 +228,7 @@ def test_inplace_backward_only_on_dense_memory(layout, in_place):
     buffer = make(leaf * 1)  # a non-leaf the backward may overwrite
     assert _launch.is_non_overlapping_and_dense(buffer) == in_place
     before = buffer.detach().clone()
-    logp, entropy = tb.token_logprobs(buffer, labels, 1.0, True, IGNORE, True)
+    logp, entropy = tb.FUNCTIONS["token_logprobs"](buffer, labels, 1.0, True, IGNORE, True)
     ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
     want = _grads(lambda x: reference.token_logprobs(make(x), labels, 1.0, True, IGNORE), [leaf], weights)[1][0]
     torch.testing.assert_close(leaf.grad, want, rtol=1e-5, atol=1e-6)
@@ -290,7 +293,7 @@ def test_out_of_range_labels_nan_rows_zero_gradients(block_v, inplace):
     ref_logits = logits.clone()
     safe_labels = torch.where(is_bad, 0, labels)
 
-    logp, entropy, stats = kernels.token_logprobs_forward(logits, labels, 0.9, True, IGNORE, block_v=block_v)
+    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 0.9, True, IGNORE, block_v=block_v)
     want_logp, want_entropy = reference.token_logprobs(ref_logits, safe_labels, 0.9, True, IGNORE)
     assert torch.isnan(logp[is_bad]).all() and torch.isnan(entropy[is_bad]).all()
     torch.testing.assert_close(logp[~is_bad], want_logp[~is_bad], **TOL)
@@ -299,7 +302,7 @@ def test_out_of_range_labels_nan_rows_zero_gradients(block_v, inplace):
     g_logp = torch.randn(rows, device=DEVICE)
     g_entropy = torch.randn(rows, device=DEVICE)
     g_logp[-2] = g_entropy[-2] = math.nan  # incoming NaN at the ignored row is not read
-    grad = kernels.token_logprobs_backward(
+    grad = triton_token_logprobs.token_logprobs_backward(
         logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, out=logits if inplace else None, block_v=block_v
     )
     assert (grad[is_bad] == 0).all() and (grad[-2] == 0).all()
@@ -355,7 +358,7 @@ def test_ignored_rows_with_nan_logits_and_gradients():
     g_dirty[1, 0] = math.nan
     out = []
     for leaf, grad in ((leaf_clean, g), (leaf_dirty, g_dirty)):
-        logp, entropy = tb.token_logprobs(leaf, labels, 1.0, True, IGNORE, False)
+        logp, entropy = tb.FUNCTIONS["token_logprobs"](leaf, labels, 1.0, True, IGNORE, False)
         torch.autograd.backward([logp, entropy], [grad, grad])
         out.append((logp.detach(), entropy.detach(), leaf.grad))
     for clean, dirty_out in zip(*out):
@@ -384,12 +387,12 @@ def test_kl_estimate_any_layout(name, estimator):
     ref = logp + 0.5 * torch.randn(shape, device=DEVICE)
 
     def fn(module):
-        return lambda a, b: module.kl_estimate(view(a), view(b), estimator)
+        return lambda a, b: module.FUNCTIONS["kl_estimate"](view(a), view(b), estimator)
 
     got, want = _grads(fn(tb), [logp, ref]), _grads(fn(reference), [logp, ref])
     _assert_same(got, want)
     # Mixed layouts: one operand contiguous, the other strided.
-    got = _grads(lambda a, b: tb.kl_estimate(view(a).contiguous(), view(b), estimator), [logp, ref])
+    got = _grads(lambda a, b: tb.FUNCTIONS["kl_estimate"](view(a).contiguous(), view(b), estimator), [logp, ref])
     _assert_same(got, want)
 
 
@@ -397,8 +400,8 @@ def test_kl_backward_reads_strided_and_expanded_grad():
     logp, ref = torch.randn(4, 6, device=DEVICE), torch.randn(4, 6, device=DEVICE)
     g = torch.randn(6, 4, device=DEVICE).t()
     for grad_kl in (g, g[:1].expand(4, 6), torch.tensor(2.0, device=DEVICE).expand(4, 6)):
-        got = kernels.kl_backward(logp[:, :], ref.t().contiguous().t(), grad_kl, "k2")
-        want = kernels.kl_backward(logp, ref, grad_kl.contiguous(), "k2")
+        got = triton_kl_penalized_rewards.kl_backward(logp[:, :], ref.t().contiguous().t(), grad_kl, "k2")
+        want = triton_kl_penalized_rewards.kl_backward(logp, ref, grad_kl.contiguous(), "k2")
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -434,7 +437,7 @@ def test_kl_penalized_rewards_any_layout(layout, outputs):
     pick = {"both": lambda o: o, "rewards": lambda o: o[0], "kl": lambda o: o[1]}[outputs]
 
     def fn(module, m):
-        return lambda s, a, b: pick(module.kl_penalized_rewards(score_view(s), view(a), view(b), m, 0.25, "k3"))
+        return lambda s, a, b: pick(module.FUNCTIONS["kl_penalized_rewards"](score_view(s), view(a), view(b), m, 0.25, "k3"))
 
     got = _grads(fn(tb, mask), [scores, logp, ref])
     want = _grads(fn(reference, mask != 0), [scores, logp, ref])
@@ -450,10 +453,10 @@ def test_kl_rewards_backward_strided_gradients_and_chunks(block_t):
     mask = torch.rand(batch, length, device=DEVICE) < 0.5
     mask[2] = False
     mask[3, :2] = True
-    _, _, last = kernels.kl_penalized_rewards_forward(torch.randn(batch, device=DEVICE), logp, ref, mask, 0.3, "k2", block_t=block_t)
+    _, _, last = triton_kl_penalized_rewards.kl_penalized_rewards_forward(torch.randn(batch, device=DEVICE), logp, ref, mask, 0.3, "k2", block_t=block_t)
     g_rewards, g_kl = torch.randn(length, batch, device=DEVICE).t(), torch.randn(batch, 1, device=DEVICE).expand(batch, length)
-    got = kernels.kl_penalized_rewards_backward(logp, ref, mask, last, g_rewards, g_kl, 0.3, "k2", torch.float32, block_t=block_t)
-    want = kernels.kl_penalized_rewards_backward(
+    got = triton_kl_penalized_rewards.kl_penalized_rewards_backward(logp, ref, mask, last, g_rewards, g_kl, 0.3, "k2", torch.float32, block_t=block_t)
+    want = triton_kl_penalized_rewards.kl_penalized_rewards_backward(
         logp, ref, mask, last, g_rewards.contiguous(), g_kl.contiguous(), 0.3, "k2", torch.float32, block_t=block_t
     )
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -483,7 +486,7 @@ def test_kl_rewards_nan_at_masked_vs_valid_positions(estimator):
 
     def run(s, a, b, grad):
         leaves = [x.clone().requires_grad_() for x in (s, a, b)]
-        rewards, kl = tb.kl_penalized_rewards(*leaves, mask, 0.1, estimator)
+        rewards, kl = tb.FUNCTIONS["kl_penalized_rewards"](*leaves, mask, 0.1, estimator)
         torch.autograd.backward([rewards, kl], [grad, grad])
         return [rewards.detach(), kl.detach()] + [x.grad for x in leaves]
 
@@ -519,7 +522,7 @@ def test_gae_any_layout(outputs):
         (lambda x: torch.cat([x, x], 1)[:, 1 : length + 1], mask.t().contiguous().t()),
         (lambda x: x[:1].expand(batch, length), mask[:1].expand(batch, length)),
     ):
-        got = _grads(lambda r, v: pick(tb.gae(view(r), view(v), m, 0.95, 0.9)), [rewards, values])
+        got = _grads(lambda r, v: pick(tb.FUNCTIONS["gae"](view(r), view(v), m, 0.95, 0.9)), [rewards, values])
         want = _grads(lambda r, v: pick(reference.gae(view(r), view(v), m, 0.95, 0.9)), [rewards, values])
         _assert_same(got, want)
 
@@ -531,8 +534,8 @@ def test_gae_backward_strided_and_expanded_gradients(block_t):
     g_adv = torch.randn(length, batch, device=DEVICE).t()
     g_ret = torch.tensor(0.5, device=DEVICE).expand(batch, length)
     for pair in ((g_adv, g_ret), (g_adv, None), (None, g_ret)):
-        got = kernels.gae_backward(*pair, mask, 0.9, 0.8, torch.float32, torch.bfloat16, block_t=block_t)
-        want = kernels.gae_backward(
+        got = triton_gae.gae_backward(*pair, mask, 0.9, 0.8, torch.float32, torch.bfloat16, block_t=block_t)
+        want = triton_gae.gae_backward(
             *(None if g is None else g.contiguous() for g in pair), mask, 0.9, 0.8, torch.float32, torch.bfloat16, block_t=block_t
         )
         assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16
@@ -549,7 +552,7 @@ def test_gae_nan_at_masked_vs_valid_positions():
 
     def run(r, v, grad):
         leaves = [r.clone().requires_grad_(), v.clone().requires_grad_()]
-        advantages, returns = tb.gae(*leaves, mask, 0.97, 0.9)
+        advantages, returns = tb.FUNCTIONS["gae"](*leaves, mask, 0.97, 0.9)
         torch.autograd.backward([advantages, returns], [grad, grad])
         return [advantages.detach(), returns.detach()] + [x.grad for x in leaves]
 
@@ -581,13 +584,13 @@ def test_gradient_dtypes_follow_each_input():
     logp = -torch.rand(batch, length, device=DEVICE, dtype=torch.float16)
     ref = -torch.rand(batch, length, device=DEVICE, dtype=torch.float32)
     mask = torch.ones(batch, length, dtype=torch.bool, device=DEVICE)
-    _, grads = _grads(lambda s, a, b: tb.kl_penalized_rewards(s, a, b, mask, 0.1, "k2"), [scores, logp, ref])
+    _, grads = _grads(lambda s, a, b: tb.FUNCTIONS["kl_penalized_rewards"](s, a, b, mask, 0.1, "k2"), [scores, logp, ref])
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.float16, torch.float32]
-    _, grads = _grads(lambda a, b: tb.kl_estimate(a, b, "k3"), [logp, ref.double()])
+    _, grads = _grads(lambda a, b: tb.FUNCTIONS["kl_estimate"](a, b, "k3"), [logp, ref.double()])
     assert [g.dtype for g in grads] == [torch.float16, torch.float64]
-    _, grads = _grads(lambda r, v: tb.gae(r, v, mask, 1.0, 0.9), [logp.bfloat16(), ref])
+    _, grads = _grads(lambda r, v: tb.FUNCTIONS["gae"](r, v, mask, 1.0, 0.9), [logp.bfloat16(), ref])
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32]
-    _, grads = _grads(lambda x: tb.token_logprobs(x, torch.zeros(3, dtype=torch.long, device=DEVICE), 1.0, False, IGNORE, False)[0],
+    _, grads = _grads(lambda x: tb.FUNCTIONS["token_logprobs"](x, torch.zeros(3, dtype=torch.long, device=DEVICE), 1.0, False, IGNORE, False)[0],
                       [torch.randn(3, 7, device=DEVICE, dtype=torch.float16)])
     assert grads[0].dtype == torch.float16
 
@@ -599,9 +602,9 @@ def test_non_differentiable_inputs_raise_instead_of_dropping_the_gradient():
     mask = torch.ones(batch, length, device=DEVICE, requires_grad=True)
     logp, ref, scores = torch.randn(batch, length, device=DEVICE), torch.randn(batch, length, device=DEVICE), torch.randn(batch, device=DEVICE)
     with pytest.raises(RuntimeError, match="not differentiable w.r.t. mask"):
-        tb.kl_penalized_rewards(scores, logp.requires_grad_(), ref, mask, 0.1, "k1")[0].sum().backward()
+        tb.FUNCTIONS["kl_penalized_rewards"](scores, logp.requires_grad_(), ref, mask, 0.1, "k1")[0].sum().backward()
     with pytest.raises(RuntimeError, match="not differentiable w.r.t. mask"):
-        tb.gae(logp, ref, mask, 1.0, 0.9)[0].sum().backward()
+        tb.FUNCTIONS["gae"](logp, ref, mask, 1.0, 0.9)[0].sum().backward()
 
 
 def test_double_backward_raises():
@@ -657,16 +660,16 @@ def test_every_launch_runs_under_the_inputs_device_guard(monkeypatch):
         with _launch.device_guard(x):
             yield
 
-    for module in (kernels.logprobs, kernels.kl_reward, kernels.gae):
+    for module in (triton_token_logprobs, triton_kl_penalized_rewards, triton_gae):
         monkeypatch.setattr(module, "device_guard", spy)
     logits = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
-    logp, entropy = tb.token_logprobs(logits, torch.ones(2, 3, dtype=torch.long, device=DEVICE), 1.0, True, IGNORE, False)
+    logp, entropy = tb.FUNCTIONS["token_logprobs"](logits, torch.ones(2, 3, dtype=torch.long, device=DEVICE), 1.0, True, IGNORE, False)
     (logp.sum() + entropy.sum()).backward()
     x, y = torch.randn(2, 3, device=DEVICE, requires_grad=True), torch.randn(2, 3, device=DEVICE, requires_grad=True)
-    tb.kl_estimate(x, y, "k1").sum().backward()
+    tb.FUNCTIONS["kl_estimate"](x, y, "k1").sum().backward()
     mask = torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
-    sum(tb.kl_penalized_rewards(torch.zeros(2, device=DEVICE, requires_grad=True), x, y, mask, 0.1, "k2")).sum().backward()
-    sum(tb.gae(x, y, mask, 1.0, 0.9)).sum().backward()
+    sum(tb.FUNCTIONS["kl_penalized_rewards"](torch.zeros(2, device=DEVICE, requires_grad=True), x, y, mask, 0.1, "k2")).sum().backward()
+    sum(tb.FUNCTIONS["gae"](x, y, mask, 1.0, 0.9)).sum().backward()
     assert len(entered) == 8 and all(d == logits.device for d in entered)
 
 
@@ -708,12 +711,12 @@ def test_launchers_do_not_sync_with_the_host():
     mask = torch.rand(4, 3, device="cuda") < 0.7
     scores = torch.randn(4, device="cuda", requires_grad=True)
     buffer = logits * 1  # a non-leaf, for the in-place backward
-    tb.token_logprobs(buffer, labels, 1.0, True, IGNORE, False)  # compile outside the check
+    tb.FUNCTIONS["token_logprobs"](buffer, labels, 1.0, True, IGNORE, False)  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logp, entropy = tb.token_logprobs(buffer, labels, 1.0, True, IGNORE, True)
-        outs = [logp, entropy, tb.kl_estimate(x, y, "k3"), *tb.kl_penalized_rewards(scores, x, y, mask, 0.1, "k2"), *tb.gae(x, y, mask, 1.0, 0.9)]
+        logp, entropy = tb.FUNCTIONS["token_logprobs"](buffer, labels, 1.0, True, IGNORE, True)
+        outs = [logp, entropy, tb.FUNCTIONS["kl_estimate"](x, y, "k3"), *tb.FUNCTIONS["kl_penalized_rewards"](scores, x, y, mask, 0.1, "k2"), *tb.FUNCTIONS["gae"](x, y, mask, 1.0, 0.9)]
         torch.autograd.backward([o.sum() for o in outs])
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -730,24 +733,24 @@ def _opcheck_cases():
     scores = torch.randn(4, device=DEVICE, requires_grad=True)
     logits = torch.randn(2, 5, 9, device=DEVICE).transpose(0, 1).requires_grad_()
     labels = torch.randint(0, 9, (5, 2), device=DEVICE)
-    _, entropy, stats = tb._token_logprobs_op(logits.detach(), labels, 0.7, True, IGNORE, False)
+    _, entropy, stats = triton_token_logprobs._token_logprobs_op(logits.detach(), labels, 0.7, True, IGNORE, False)
     g = torch.randn(2, 5, device=DEVICE).t()
     g_t = torch.randn(6, 4, device=DEVICE).t()
     last = torch.tensor([5, 4, 3, -1], dtype=torch.int32, device=DEVICE)
     return [
-        ("kl_estimate", tb._kl_estimate_op, (x, y, "k3")),
-        ("kl_penalized_rewards", tb._kl_penalized_rewards_op, (scores, x, y, mask, 0.1, "k2")),
-        ("gae", tb._gae_op, (x, y, mask, 0.9, 0.8)),
-        ("token_logprobs", tb._token_logprobs_op, (logits, labels, 0.7, True, IGNORE, False)),
-        ("token_logprobs no entropy", tb._token_logprobs_op, (logits, labels, 0.7, False, IGNORE, False)),
-        ("token_logprobs_backward", tb._token_logprobs_backward_op, (logits.detach(), labels, stats, entropy, g, g[:1].expand(5, 2), 0.7, IGNORE)),
-        ("token_logprobs_backward entropy only", tb._token_logprobs_backward_op, (logits.detach(), labels, stats, entropy, None, g, 0.7, IGNORE)),
-        ("kl_backward", tb._kl_backward_op, (x.detach(), y.detach(), g_t, "k3")),
-        ("kl_penalized_rewards_backward", tb._kl_penalized_rewards_backward_op,
+        ("kl_estimate", triton_kl_penalized_rewards._kl_estimate_op, (x, y, "k3")),
+        ("kl_penalized_rewards", triton_kl_penalized_rewards._kl_penalized_rewards_op, (scores, x, y, mask, 0.1, "k2")),
+        ("gae", triton_gae._gae_op, (x, y, mask, 0.9, 0.8)),
+        ("token_logprobs", triton_token_logprobs._token_logprobs_op, (logits, labels, 0.7, True, IGNORE, False)),
+        ("token_logprobs no entropy", triton_token_logprobs._token_logprobs_op, (logits, labels, 0.7, False, IGNORE, False)),
+        ("token_logprobs_backward", triton_token_logprobs._token_logprobs_backward_op, (logits.detach(), labels, stats, entropy, g, g[:1].expand(5, 2), 0.7, IGNORE)),
+        ("token_logprobs_backward entropy only", triton_token_logprobs._token_logprobs_backward_op, (logits.detach(), labels, stats, entropy, None, g, 0.7, IGNORE)),
+        ("kl_backward", triton_kl_penalized_rewards._kl_backward_op, (x.detach(), y.detach(), g_t, "k3")),
+        ("kl_penalized_rewards_backward", triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
          (x.detach(), y.detach(), mask, last, g_t, None, 0.1, "k2", torch.bfloat16)),
-        ("kl_penalized_rewards_backward kl only", tb._kl_penalized_rewards_backward_op,
+        ("kl_penalized_rewards_backward kl only", triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
          (x.detach(), y.detach(), mask, last, None, g_t, 0.1, "k2", torch.bfloat16)),
-        ("gae_backward", tb._gae_backward_op, (g_t, None, mask, 0.9, 0.8, torch.float32, torch.float16)),
+        ("gae_backward", triton_gae._gae_backward_op, (g_t, None, mask, 0.9, 0.8, torch.float32, torch.float16)),
     ]
 
 

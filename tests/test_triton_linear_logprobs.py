@@ -14,10 +14,10 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast import reference  # noqa: E402
+from ppo_fast.backends import reference  # noqa: E402
 from ppo_fast.backends import backend_info, resolved_backend_name  # noqa: E402
-from ppo_fast.kernels import linear_logprobs as kernel  # noqa: E402
-from ppo_fast.ops import triton_backend  # noqa: E402
+from ppo_fast.backends.triton import linear_token_logprobs as kernel  # noqa: E402
+from ppo_fast.backends import triton as triton_backend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
@@ -72,7 +72,7 @@ def _outputs_and_grads(fn, hidden, weight, bias, labels, weights, **options):
 
 
 def _triton(hidden, weight, bias, labels, **options):
-    return triton_backend.linear_token_logprobs(hidden, weight, labels, bias=bias, return_entropy=True, ignore_index=IGNORE, **options)
+    return triton_backend.FUNCTIONS["linear_token_logprobs"](hidden, weight, labels, bias=bias, return_entropy=True, ignore_index=IGNORE, **options)
 
 
 def _check(hidden, weight, bias, labels, **options):
@@ -127,13 +127,13 @@ def test_strided_hidden_and_transposed_weight_are_read_in_place(small_tiles, mon
     weight_t = torch.randn(H, V, device=DEVICE)
     labels = _labels(N, V)
     seen = {}
-    original = kernel.linear_logprobs_forward
+    original = kernel.linear_token_logprobs_forward
 
     def spy(h, w, *args, **kwargs):
         seen["ptrs"] = (h.data_ptr(), w.data_ptr())
         return original(h, w, *args, **kwargs)
 
-    monkeypatch.setattr(triton_backend.kernels, "linear_logprobs_forward", spy)
+    monkeypatch.setattr(kernel, "linear_token_logprobs_forward", spy)
     grads = []
     for fn in (_triton, _plain):
         leaves = [hidden_full.clone().requires_grad_(), weight_t.clone().requires_grad_()]
@@ -180,7 +180,7 @@ def test_without_entropy_and_without_bias_grad(small_tiles):
     hidden, weight, bias = _inputs(torch.float32)
     labels = _labels(N, V)
     leaf = hidden.clone().requires_grad_()
-    logp, entropy = triton_backend.linear_token_logprobs(leaf, weight, labels, bias=bias, ignore_index=IGNORE)
+    logp, entropy = triton_backend.FUNCTIONS["linear_token_logprobs"](leaf, weight, labels, bias=bias, ignore_index=IGNORE)
     assert entropy is None
     logp.sum().backward()
     expected_leaf = hidden.double().requires_grad_()
@@ -269,13 +269,13 @@ def test_launcher_rejects_mismatched_inputs():
     labels = _labels(N, V)
     options = dict(temperature=1.0, logit_scale=1.0, logit_softcap=None, ignore_index=IGNORE, return_entropy=False)
     with pytest.raises(ValueError, match="bias must have shape"):
-        kernel.linear_logprobs_forward(hidden, weight, labels, bias[:-1], **options)
+        kernel.linear_token_logprobs_forward(hidden, weight, labels, bias[:-1], **options)
     with pytest.raises(ValueError, match="weight must have shape"):
-        kernel.linear_logprobs_forward(hidden, weight[:, :-1], labels, bias, **options)
+        kernel.linear_token_logprobs_forward(hidden, weight[:, :-1], labels, bias, **options)
     with pytest.raises(ValueError, match="labels must have shape"):
-        kernel.linear_logprobs_forward(hidden, weight, labels[:-1], bias, **options)
+        kernel.linear_token_logprobs_forward(hidden, weight, labels[:-1], bias, **options)
     with pytest.raises(TypeError, match="weight must have hidden's dtype"):
-        kernel.linear_logprobs_forward(hidden, weight.double(), labels, None, **options)
+        kernel.linear_token_logprobs_forward(hidden, weight.double(), labels, None, **options)
 
 
 def test_registered_for_cuda_and_preferred_there():
@@ -292,7 +292,7 @@ def test_torch_compile_fullgraph_matches_eager():
     labels = _labels(N, 40)
 
     def loss(h, w, b):
-        logp, entropy = triton_backend.linear_token_logprobs(
+        logp, entropy = triton_backend.FUNCTIONS["linear_token_logprobs"](
             h, w, labels, bias=b, temperature=0.7, logit_softcap=3.0, return_entropy=True, ignore_index=IGNORE
         )
         return logp.sum() + entropy.sum()

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast import kernels  # noqa: E402
+from ppo_fast.backends.triton import token_logprobs as triton_token_logprobs  # noqa: E402
 from ppo_fast.backends import backend_info, resolved_backend_name  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,13 +72,13 @@ def test_forward_reads_the_slice_without_copying(monkeypatch):
     full = torch.randn(2, 4, 9, device=DEVICE)
     sliced = full[:, :-1]
     seen = {}
-    original = kernels.token_logprobs_forward
+    original = triton_token_logprobs.token_logprobs_forward
 
     def spy(logits, *args, **kwargs):
         seen["ptr"], seen["shape"] = logits.data_ptr(), tuple(logits.shape)
         return original(logits, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "token_logprobs_forward", spy)
+    monkeypatch.setattr(triton_token_logprobs, "token_logprobs_forward", spy)
     with pf.use_backend("triton"):
         pf.token_logprobs(sliced, torch.zeros(2, 3, dtype=torch.long, device=DEVICE))
     assert seen == {"ptr": full.data_ptr(), "shape": (2, 3, 9)}
@@ -90,7 +90,7 @@ def test_small_vocab_blocks_match_reference(block_v):
     logits = 4 * torch.randn(6, 203, device=DEVICE)
     logits[0, :150] -= 30.0  # the running max changes late in the row
     labels = _labels((6,), 203)
-    logp, entropy, stats = kernels.token_logprobs_forward(logits, labels, 0.9, True, IGNORE, block_v=block_v)
+    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 0.9, True, IGNORE, block_v=block_v)
     with pf.use_backend("reference"):
         ref_logp, ref_entropy = pf.token_logprobs(logits, labels, temperature=0.9, return_entropy=True, ignore_index=IGNORE)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
@@ -102,7 +102,7 @@ def test_small_vocab_blocks_match_reference(block_v):
     torch.testing.assert_close(lse[valid], torch.logsumexp(logits / 0.9, -1)[valid], rtol=1e-6, atol=1e-5)
 
     g_logp, g_entropy = torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE)
-    grad = kernels.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, block_v=block_v)
+    grad = triton_token_logprobs.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, block_v=block_v)
     leaf = logits.clone().requires_grad_()
     with pf.use_backend("reference"):
         ref_logp, ref_entropy = pf.token_logprobs(leaf, labels, temperature=0.9, return_entropy=True, ignore_index=IGNORE)
@@ -114,15 +114,15 @@ def test_small_vocab_blocks_match_reference(block_v):
 def test_bf16_pairs_read_as_words_match_reference(vocab, group):
     """bf16 rows read as 32-bit words (two logits each) in 8-, 4- and 2-wide groups, and the
     element path of an odd V: whole blocks and the tail, forward and both gradients."""
-    from ppo_fast.kernels.logprobs import _group
+    from ppo_fast.backends.triton.token_logprobs import _group
 
     logits = (3 * torch.randn(5, vocab, device=DEVICE)).bfloat16()
     logits[1, 5] = float("-inf")
     assert _group(16, 1, (logits, vocab, 0)) == group
     labels = _labels((5,), vocab)
-    logp, entropy, stats = kernels.token_logprobs_forward(logits, labels, 0.8, True, IGNORE, block_v=16)
+    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 0.8, True, IGNORE, block_v=16)
     g_logp, g_entropy = torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)
-    grad = kernels.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.8, IGNORE, block_v=16)
+    grad = triton_token_logprobs.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.8, IGNORE, block_v=16)
     leaf = logits.clone().requires_grad_()
     with pf.use_backend("reference"):
         ref_logp, ref_entropy = pf.token_logprobs(leaf, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)

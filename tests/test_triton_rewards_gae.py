@@ -8,8 +8,10 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast import kernels, reference  # noqa: E402
-from ppo_fast.contract import KL_ESTIMATORS  # noqa: E402
+from ppo_fast.backends import reference
+from ppo_fast.backends.triton import gae as triton_gae  # noqa: E402
+from ppo_fast.backends.triton import kl_penalized_rewards as triton_kl_penalized_rewards  # noqa: E402
+from ppo_fast.spec import KL_ESTIMATORS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -111,7 +113,7 @@ def test_kl_rewards_kernel_chunks(block_t):
     mask[2, :] = False
     mask[2, :3] = True  # last valid token in the last chunk processed
     mask[3, :] = True
-    rewards, kl, last = kernels.kl_penalized_rewards_forward(scores, logp, ref, mask, 0.1, "k3", block_t=block_t)
+    rewards, kl, last = triton_kl_penalized_rewards.kl_penalized_rewards_forward(scores, logp, ref, mask, 0.1, "k3", block_t=block_t)
     expected_rewards, expected_kl = reference.kl_penalized_rewards(scores, logp, ref, mask, 0.1, "k3")
     torch.testing.assert_close(rewards, expected_rewards, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kl, expected_kl, rtol=1e-6, atol=1e-6)
@@ -131,7 +133,7 @@ def test_gae_kernel_carries_across_chunks(block_t):
     mask[2, 5:30] = False  # a masked run wider than several chunks
     mask[3] = True
     mask[4, -7:] = False  # masked tail
-    advantages, returns = kernels.gae_forward(rewards, values, mask, 0.97, 0.9, block_t=block_t)
+    advantages, returns = triton_gae.gae_forward(rewards, values, mask, 0.97, 0.9, block_t=block_t)
     expected_adv, expected_ret = reference.gae(rewards, values, mask, 0.97, 0.9)
     torch.testing.assert_close(advantages, expected_adv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(returns, expected_ret, rtol=1e-5, atol=1e-5)
@@ -160,7 +162,7 @@ def test_gae_backward_kernel_carries_across_chunks(block_t):
     mask[2, 3:20] = False
     mask[3] = True
     grad_adv, grad_ret = torch.randn(batch, length), torch.randn(batch, length)
-    grad_rewards, grad_values = kernels.gae_backward(grad_adv, grad_ret, mask, 0.9, 0.8, torch.float32, torch.float32, block_t=block_t)
+    grad_rewards, grad_values = triton_gae.gae_backward(grad_adv, grad_ret, mask, 0.9, 0.8, torch.float32, torch.float32, block_t=block_t)
     rewards = torch.randn(batch, length, requires_grad=True)
     values = torch.randn(batch, length, requires_grad=True)
     advantages, returns = reference.gae(rewards, values, mask, 0.9, 0.8)

@@ -1,13 +1,15 @@
-"""The public ops: validation and backend dispatch in front of reference/Triton/native implementations."""
+"""The public ops, one module per op home: validation and backend dispatch in front of the
+reference, Triton and native implementations (``ppo_fast.backends.<backend>.<op>``)."""
 
-from .advantages import gae, masked_mean, masked_whiten
+from .aggregate import aggregate, masked_mean, masked_whiten
+from .gae import gae
 from .group_advantages import advantage_methods, group_advantages
-from .linear_logprobs import linear_token_logprobs
-from .logprobs import token_logprobs
-from .losses import clipped_policy_loss, value_loss
-from .policy_loss import policy_loss, policy_loss_modes
-from .rewards import kl_estimate, kl_penalized_rewards
+from .kl_penalized_rewards import kl_estimate, kl_penalized_rewards
+from .linear_token_logprobs import linear_token_logprobs
+from .policy_loss import clipped_policy_loss, policy_loss, policy_loss_modes
 from .rollout_correction import rollout_correction_weights
+from .token_logprobs import token_logprobs
+from .value_loss import value_loss
 
 __all__ = [
     "token_logprobs",
@@ -17,6 +19,7 @@ __all__ = [
     "gae",
     "group_advantages",
     "advantage_methods",
+    "aggregate",
     "masked_mean",
     "masked_whiten",
     "clipped_policy_loss",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from .. import reference
-from ..advantage_estimators import PARAM_CHECKS, REGISTRY, Groups, Inputs, advantage_methods
+from ..backends import reference
+from ..advantage_methods import PARAM_CHECKS, REGISTRY, Groups, Inputs, advantage_methods
 from ..backends import resolve
-from ..contract import result_dtype
+from .._dtypes import result_dtype
 
 __all__ = ["group_advantages", "advantage_methods"]
 

@@ -1,14 +1,13 @@
-"""Public op: every registered policy-loss mode (``ppo_fast.policy_loss_modes``)."""
+"""Public ops: the policy loss of every registered mode (``ppo_fast.spec.POLICY_LOSS_MODES``) and
+the PPO clipped surrogate (its vanilla mode)."""
 
 from __future__ import annotations
 
 from .. import _validation as check
 from ..backends import resolve
-from ..contract import AGG_MODES
-from ..policy_loss_modes import POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
-from .losses import _loss_inputs
+from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
-__all__ = ["policy_loss", "policy_loss_modes"]
+__all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params):
@@ -36,7 +35,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla"
     """
     mode = policy_loss_mode(loss_mode)
     params = mode.bind(mode_params)
-    mask = _loss_inputs(
+    mask = check.loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
     )
     agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
@@ -51,3 +50,45 @@ def policy_loss_modes() -> dict[str, PolicyLossMode]:
     differs from verl's mode, if at all).  Which backends serve a mode: ``pf.available_backends()``
     and each backend's ``SUPPORTED[entry.op]``."""
     return dict(POLICY_LOSS_MODES)
+
+
+def clipped_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    clip_eps_low=0.2,
+    clip_eps_high=None,
+    dual_clip=None,
+    agg="token-mean",
+    weights=None,
+):
+    """PPO clipped surrogate loss (the quantity to minimise: ``-L_CLIP``).
+
+    The ``vanilla`` mode of :func:`ppo_fast.policy_loss`.  Per token:
+    ``ratio = exp(clamp(logp - old, -20, 20))``,
+    ``pg = max(-A * ratio, -A * clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high))``
+    (``clip_eps_high`` defaults to ``clip_eps_low``);
+    with ``dual_clip = c > 1``, ``pg = min(pg, -A * c)`` where ``A < 0``; optional
+    per-token ``weights`` multiply ``pg``.  ``agg`` is one of ``token-mean``,
+    ``token-sum``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
+    ``seq-mean-token-sum-norm`` (as verl defines them; empty selections give 0).
+
+    Returns:
+        ``(loss, stats)``: a 0-dim float32 loss, differentiable w.r.t. ``logprobs``,
+        ``old_logprobs``, ``advantages`` and ``weights``, and 0-dim tensors ``clipfrac``,
+        ``clipfrac_lower`` and ``approx_kl``.
+    """
+    mask = check.loss_inputs(
+        {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
+    )
+    clip_eps_low, clip_eps_high, dual_clip = POLICY_LOSS_MODES["vanilla"].bind(
+        {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high, "dual_clip": dual_clip}
+    )
+    check.choice("agg", agg, AGG_MODES)
+    fn = resolve("clipped_policy_loss", logprobs.device.type)
+    loss, clipfrac, clipfrac_lower, approx_kl = fn(
+        logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
+    )
+    return loss, {"clipfrac": clipfrac, "clipfrac_lower": clipfrac_lower, "approx_kl": approx_kl}

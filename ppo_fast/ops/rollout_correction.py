@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import _validation as check
-from .. import reference
-from ..contract import ROLLOUT_CORRECTION_MODES
+from ..backends import reference
+from ..spec import ROLLOUT_CORRECTION_MODES
 
 
 def rollout_correction_weights(

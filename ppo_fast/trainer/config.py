@@ -14,27 +14,37 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
+import importlib.util
 import json
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The same tuples as ppo_fast.contract's (tests/test_cli.py checks it); repeated here so
-# that this module does not import torch.
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
-# The names of ppo_fast.advantage_estimators' registry and what each needs (repeated here so
-# that this module does not import torch; tests/test_group_advantages.py checks they agree).
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                        "remax", "opo", "gpg")
-CRITIC_ESTIMATORS = ("gae",)
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
-# The names of ppo_fast.policy_loss_modes' registry (repeated here so that this module does
-# not import torch; tests/test_policy_losses.py checks they agree).
-POLICY_LOSSES = ("vanilla", "gspo", "geo_mean", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
+
+def _spec_module():
+    """``ppo_fast.spec`` (standard library only).  When this file is loaded alone by the
+    ``ppo-fast`` launcher (for a fast --help), spec.py is loaded alone too: importing it
+    through the package would run ``ppo_fast/__init__.py``, which imports torch."""
+    if __name__.startswith("ppo_fast."):
+        return importlib.import_module("ppo_fast.spec")
+    loaded = sys.modules.get("ppo_fast.spec") or sys.modules.get("_ppo_fast_spec")
+    if loaded is None:
+        module_spec = importlib.util.spec_from_file_location("_ppo_fast_spec", Path(__file__).resolve().parents[1] / "spec.py")
+        loaded = importlib.util.module_from_spec(module_spec)
+        sys.modules["_ppo_fast_spec"] = loaded  # the dataclasses look their module up
+        module_spec.loader.exec_module(loaded)
+    return loaded
+
+
+_SPEC = _spec_module()
+ADVANTAGE_METHODS, AGG_MODES, KL_ESTIMATORS = _SPEC.ADVANTAGE_METHODS, _SPEC.AGG_MODES, _SPEC.KL_ESTIMATORS
+CRITIC_METHODS, GROUP_METHODS = _SPEC.CRITIC_METHODS, _SPEC.GROUP_METHODS
+POLICY_LOSS_MODES, ROLLOUT_CORRECTION_MODES = _SPEC.POLICY_LOSS_MODES, _SPEC.ROLLOUT_CORRECTION_MODES
+ADVANTAGE_METHOD_NAMES = tuple(ADVANTAGE_METHODS)
+POLICY_LOSSES = tuple(POLICY_LOSS_MODES)
 # Where the KL to the reference goes: subtracted from the reward, or a term of the policy loss.
 KL_PLACEMENTS = ("auto", "reward", "loss")
 CRITIC_MODES = ("separate", "shared")
@@ -148,7 +158,7 @@ class TrainerConfig:
     # --- estimate
     advantage_estimator: str = _opt(
         "gae", f"Advantage estimator (ppo_fast.advantage_methods()): gae uses the critic; "
-        f"{', '.join(GROUP_ESTIMATORS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
+        f"{', '.join(GROUP_METHODS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
         "reinforce_plus_plus (returns whitened over the batch) and remax (minus the greedy response's reward) need neither.",
         "estimate",
     )
@@ -186,9 +196,8 @@ class TrainerConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize")
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize")
     policy_loss: str = _opt(
-        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): vanilla (PPO clip), gspo (sequence-level "
-        "ratio), geo_mean (GMPO), sapo (sigmoid gate), cispo, gpg (-A log p), clip_cov, kl_cov, dppo_tv, dppo_kl, dro; "
-        "its parameters besides the clips via --policy-loss-params.", "optimize"
+        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): " + ", ".join(POLICY_LOSSES)
+        + "; its parameters besides the clips via --policy-loss-params.", "optimize"
     )
     clip_eps_low: float = _opt(
         0.2, "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
@@ -270,7 +279,7 @@ class TrainerConfig:
                  f"must divide batch_size * num_samples_per_prompt = {rows}")
         _require("gradient_accumulation_steps", (rows // self.num_mini_batches) % self.gradient_accumulation_steps == 0,
                  f"must divide the minibatch size {rows // self.num_mini_batches}")
-        if self.advantage_estimator in GROUP_ESTIMATORS:
+        if self.advantage_estimator in GROUP_METHODS:
             _require("num_samples_per_prompt", self.num_samples_per_prompt >= 2,
                      f"must be >= 2 for advantage_estimator={self.advantage_estimator}")
         _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with --reward-fn; choose one")
@@ -302,7 +311,7 @@ class TrainerConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator in CRITIC_ESTIMATORS
+        return self.advantage_estimator in CRITIC_METHODS
 
     @property
     def kl_in_reward(self) -> bool:
@@ -415,7 +424,7 @@ CHOICES = {
     "device": DEVICES,
     "backend": BACKEND_CHOICES,
     "critic": CRITIC_MODES,
-    "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "advantage_estimator": ADVANTAGE_METHOD_NAMES,
     "policy_loss": POLICY_LOSSES,
     "kl_estimator": ("auto",) + KL_ESTIMATORS,
     "kl_placement": KL_PLACEMENTS,

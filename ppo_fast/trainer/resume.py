@@ -7,7 +7,7 @@ except those below, which would silently make another run: they are refused with
 
 from __future__ import annotations
 
-from .config import CRITIC_ESTIMATORS, ConfigError, TrainerConfig, flag
+from .config import CRITIC_METHODS, ConfigError, TrainerConfig, flag
 
 # Refused in every run.
 REFUSED = {
@@ -30,8 +30,8 @@ def check(saved: dict, cfg: TrainerConfig, builtin: bool, where: str) -> list[st
     if builtin:
         refused.update({name: "the built-in task's warm-up model (the KL reference) depends on it" for name in REFUSED_BUILTIN})
     old_estimator = saved.get("advantage_estimator", cfg.advantage_estimator)
-    if (old_estimator in CRITIC_ESTIMATORS) != cfg.uses_critic:
-        refused["advantage_estimator"] = "with a critic" if old_estimator in CRITIC_ESTIMATORS else "without a critic"
+    if (old_estimator in CRITIC_METHODS) != cfg.uses_critic:
+        refused["advantage_estimator"] = "with a critic" if old_estimator in CRITIC_METHODS else "without a critic"
     for name, old in changed.items():
         if name in refused:
             raise ConfigError(f"{where} was trained with {flag(name)} {_show(old)} ({refused[name]}); resume with "

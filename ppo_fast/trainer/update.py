@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import ppo_fast as pf
-from ppo_fast.reference import aggregate
+from ppo_fast.ops.aggregate import aggregate
 
 from .config import ConfigError, flag
 from .distributed import SINGLE

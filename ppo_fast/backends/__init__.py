@@ -2,11 +2,16 @@
 
 Every public op has one implementation per backend:
 
-* ``reference`` -- plain PyTorch (``ppo_fast.reference``), always available, the oracle;
-* ``triton``    -- Triton kernels (``ppo_fast.kernels``, wrapped with autograd in
-  ``ppo_fast.ops.triton_backend``), CUDA tensors (CPU tensors only under
+* ``reference`` -- plain PyTorch (``ppo_fast.backends.reference``), always available, the oracle;
+* ``triton``    -- Triton kernels, each op's kernels, launcher and autograd in
+  ``ppo_fast.backends.triton.<op>``, CUDA tensors (CPU tensors only under
   ``TRITON_INTERPRET=1``, for testing);
-* ``native``    -- the C++/CUDA extension ``ppo_fast._C`` (``ppo_fast.ops.native_backend``).
+* ``native``    -- the C++/CUDA extension ``ppo_fast._C`` (fake kernels and autograd in
+  ``ppo_fast.backends.native.<op>``).
+
+Each backend is a package with one module per op home (the same base name in every backend
+and in ``ppo_fast.ops``); a module declares ``SUPPORTED = {op: devices}`` for the ops it
+implements, and the package collects them (``collect``) and exposes each op's function.
 
 The backend used by an op is chosen by ``with use_backend(name):``, else by the
 environment variable ``PPO_FAST_BACKEND``, else ``auto``.  ``auto`` walks the op's
@@ -34,18 +39,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from .contract import OPS
+from ..spec import BACKENDS, OPS
 
-BACKENDS = ("reference", "triton", "native")
 _CHOICES = BACKENDS + ("auto",)
 
-# Module holding each backend's implementations.  A backend module exposes
-# ``availability() -> (bool, str)`` and ``SUPPORTED: dict[op, set[device_type]]``
-# and one function per supported op, with the reference's signature.
+# The package of each backend.  A backend package exposes ``availability() -> (bool, str)``,
+# ``SUPPORTED: dict[op, set[device_type]]`` and ``FUNCTIONS: dict[op, fn]`` (each with the
+# reference's signature), both collected from its op modules.
 _MODULES = {
-    "reference": "ppo_fast.reference",
-    "triton": "ppo_fast.ops.triton_backend",
-    "native": "ppo_fast.ops.native_backend",
+    "reference": "ppo_fast.backends.reference",
+    "triton": "ppo_fast.backends.triton",
+    "native": "ppo_fast.backends.native",
 }
 
 # ``auto`` preference per device type: fastest correct path first, per op where it
@@ -61,6 +65,21 @@ _OP_ORDER = {
     ("cuda", "value_loss"): ("native", "triton", "reference"),
 }
 assert {op for _, op in _OP_ORDER} <= set(OPS)
+
+
+def collect(modules) -> tuple[dict[str, set[str]], dict[str, Callable]]:
+    """A backend package's ``SUPPORTED`` and functions, from its op modules' ``SUPPORTED``."""
+    supported, functions = {}, {}
+    for module in modules:
+        for op, devices in module.SUPPORTED.items():
+            assert op in OPS and op not in supported, f"{module.__name__}: {op} unknown or declared twice"
+            supported[op], functions[op] = set(devices), getattr(module, op)
+    return supported, functions
+
+
+def serving(op: str, device_type: str) -> tuple[str, ...]:
+    """The available backends that serve ``op`` on ``device_type`` tensors (for tests and benchmarks)."""
+    return tuple(name for name in BACKENDS if _serves(name, op, device_type)[0])
 
 
 class BackendUnavailableError(RuntimeError):
@@ -181,16 +200,16 @@ def resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None = 
             if not torch.is_deterministic_algorithms_warn_only_enabled():
                 raise BackendUnavailableError(message)
             warnings.warn(message)
-        return getattr(backend_info(name).module, op)
+        return backend_info(name).module.FUNCTIONS[op]
     order = _OP_ORDER.get((device_type, op), _DEFAULT_ORDER.get(device_type, ("native", "reference")))
     for candidate in order:
         if ((implemented_by is None or candidate in implemented_by) and _serves(candidate, op, device_type)[0]
                 and not _nondeterministic(candidate, op)):
-            return getattr(backend_info(candidate).module, op)
-    return getattr(backend_info("reference").module, op)
+            return backend_info(candidate).module.FUNCTIONS[op]
+    return backend_info("reference").module.FUNCTIONS[op]
 
 
 def resolved_backend_name(op: str, device_type: str) -> str:
     """Which backend ``resolve`` would use (for logging and benchmarks)."""
     fn = resolve(op, device_type)
-    return next(n for n in BACKENDS if backend_info(n).module is not None and getattr(backend_info(n).module, op, None) is fn)
+    return next(n for n in BACKENDS if backend_info(n).module is not None and backend_info(n).module.FUNCTIONS.get(op) is fn)

@@ -6,7 +6,7 @@ import torch
 
 from .. import _validation as check
 from ..backends import resolve
-from ..contract import KL_ESTIMATORS
+from ..spec import KL_ESTIMATORS
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
@@ -52,7 +52,7 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, estim
     check.choice("estimator", estimator, KL_ESTIMATORS)
     fn = resolve("kl_penalized_rewards", logprobs.device.type)
     if scores.dtype == torch.float64 and logprobs.dtype != torch.float64:
-        # float64 scores make the rewards float64 (contract.result_dtype): the kernels take
+        # float64 scores make the rewards float64 (result_dtype): the kernels take
         # their compute dtype from the log-probs, so those come in float64 too.
         logprobs, ref_logprobs = logprobs.to(torch.float64), ref_logprobs.to(torch.float64)
     return fn(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)

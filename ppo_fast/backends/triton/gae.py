@@ -238,3 +238,66 @@ def gae_backward(
             ACC=compute_dtype(result_dtype(*given)), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
         )
     return grad_rewards, grad_values
+
+
+# --------------------------------------------------------------------------- torch custom op and autograd
+
+from ._launch import DEVICES, not_differentiable  # noqa: E402
+
+SUPPORTED = {"gae": DEVICES}
+
+
+
+
+@torch.library.custom_op("ppo_fast_triton::gae", mutates_args=())
+def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return gae_forward(rewards, values, mask, gamma, lam)
+
+
+@_gae_op.register_fake
+def _(rewards, values, mask, gamma, lam):
+    advantages = rewards.new_empty(rewards.shape, dtype=result_dtype(rewards, values))
+    return advantages, torch.empty_like(advantages)
+
+
+@torch.library.custom_op("ppo_fast_triton::gae_backward", mutates_args=())
+def _gae_backward_op(
+    grad_advantages: torch.Tensor | None,
+    grad_returns: torch.Tensor | None,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    rewards_dtype: torch.dtype,
+    values_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype)
+
+
+@_gae_backward_op.register_fake
+def _(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype):
+    return mask.new_empty(mask.shape, dtype=rewards_dtype), mask.new_empty(mask.shape, dtype=values_dtype)
+
+
+def _gae_setup(ctx, inputs, output):
+    rewards, values, mask, ctx.gamma, ctx.lam = inputs
+    ctx.rewards_dtype, ctx.values_dtype = rewards.dtype, values.dtype
+    ctx.save_for_backward(mask)
+    ctx.set_materialize_grads(False)
+
+
+def _gae_backward(ctx, grad_advantages, grad_returns):
+    not_differentiable(ctx, mask=2)
+    (mask,) = ctx.saved_tensors
+    grad_rewards, grad_values = _gae_backward_op(
+        grad_advantages, grad_returns, mask, ctx.gamma, ctx.lam, ctx.rewards_dtype, ctx.values_dtype
+    )
+    return grad_rewards, grad_values, None, None, None
+
+
+_gae_op.register_autograd(_gae_backward, setup_context=_gae_setup)
+
+
+def gae(rewards, values, mask, gamma, lam):
+    return _gae_op(rewards, values, mask, gamma, lam)
+
+

@@ -1,4 +1,4 @@
-"""The dtypes a kernel computes and writes in, following ``ppo_fast.reference``."""
+"""The dtypes a kernel computes and writes in, following the reference backend."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import result_dtype  # noqa: F401  (re-exported for the launchers)
+from ..._dtypes import result_dtype  # noqa: F401  (re-exported for the launchers)
 
 
 def compute_dtype(dtype: torch.dtype):

@@ -136,7 +136,7 @@ def _raw_logits(
 
 
 @triton.jit
-def _linear_logprobs_fwd_kernel(
+def _linear_token_logprobs_fwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr,
     n_rows, vocab, hidden_size,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
@@ -206,7 +206,7 @@ def _linear_logprobs_fwd_kernel(
 
 
 @triton.jit
-def _linear_logprobs_bwd_kernel(
+def _linear_token_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, stats_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
     d_hidden_ptr, d_weight_ptr, d_bias_ptr,
     n_rows, vocab, hidden_size, vocab_start, vocab_stop,
@@ -324,7 +324,7 @@ def _scalars(temperature: float, logit_scale: float, logit_softcap: float | None
     return (*split_scalar(logit_scale), *split_scalar(logit_softcap or 1.0), *split_scalar(1.0 / temperature))
 
 
-def linear_logprobs_forward(
+def linear_token_logprobs_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -358,7 +358,7 @@ def linear_logprobs_forward(
     acc = compute_dtype(dtype)
     block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
     with device_guard(hidden):
-        _linear_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
+        _linear_token_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
             hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, stats,
             n_rows, vocab, hidden_size,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
@@ -370,7 +370,7 @@ def linear_logprobs_forward(
     return logp, entropy, stats
 
 
-def linear_logprobs_backward(
+def linear_token_logprobs_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -430,7 +430,7 @@ def linear_logprobs_backward(
                 d_weight_chunk = d_weight
                 if needs_weight and weight.dtype != acc_dtype:
                     d_weight_chunk = torch.zeros((stop - start, hidden_size), dtype=acc_dtype, device=device)
-                _linear_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
+                _linear_token_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
                     hidden, weight, weight if bias is None else bias, labels, stats, entropy,
                     stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
                     stats if d_hidden is None else d_hidden, stats if d_weight_chunk is None else d_weight_chunk,
@@ -451,3 +451,116 @@ def linear_logprobs_backward(
         d_weight.zero_()
     cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
     return cast(d_hidden, hidden), cast(d_weight, weight), cast(d_bias, bias)
+
+
+# --------------------------------------------------------------------------- torch custom op and autograd
+
+from ._launch import DEVICES, not_differentiable  # noqa: E402
+
+SUPPORTED = {"linear_token_logprobs": DEVICES}
+
+
+
+
+@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs", mutates_args=())
+def _linear_token_logprobs_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    return_entropy: bool,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` is for the backward."""
+    logp, entropy, stats = linear_token_logprobs_forward(
+        hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
+        ignore_index=ignore_index, return_entropy=return_entropy,
+    )  # fmt: skip
+    return logp, (entropy if return_entropy else logp.new_empty(0)), stats
+
+
+@_linear_token_logprobs_op.register_fake
+def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
+    logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
+    return logp, logp.new_empty(logp.shape if return_entropy else (0,)), logp.new_empty(logp.shape + (2,))
+
+
+@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
+def _linear_token_logprobs_backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    stats: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    ignore_index: int,
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
+    grads = linear_token_logprobs_backward(
+        hidden, weight, labels, bias, stats, entropy if grad_entropy is not None else None, grad_logp, grad_entropy,
+        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
+        needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias,
+    )  # fmt: skip
+    return tuple(stats.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight)))
+
+
+@_linear_token_logprobs_backward_op.register_fake
+def _(hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap, ignore_index,
+      needs_hidden, needs_weight, needs_bias):  # fmt: skip
+    needs_bias = needs_bias and bias is not None
+    return (
+        hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+        weight.new_empty(weight.shape if needs_weight else (0,)),
+        weight.new_empty(weight.shape[:1] if needs_bias else (0,)),
+    )
+
+
+def _linear_token_logprobs_setup(ctx, inputs, output):
+    hidden, weight, labels, bias, ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs
+    _, entropy, stats = output
+    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy)
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
+
+
+def _linear_token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    not_differentiable(ctx, labels=2)
+    hidden, weight, labels, bias, stats, entropy = ctx.saved_tensors
+    if not ctx.return_entropy:
+        grad_entropy = None  # the placeholder output (empty) has no gradient to pass
+    needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
+    if grad_logp is None and grad_entropy is None:
+        return None, None, None, None, None, None, None, None, None
+    d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
+        hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.logit_scale,
+        ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias,
+    )  # fmt: skip
+    pick = lambda grad, needed: grad if needed else None  # noqa: E731
+    return pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias), None, None, None, None, None
+
+
+_linear_token_logprobs_op.register_autograd(_linear_token_logprobs_backward, setup_context=_linear_token_logprobs_setup)
+
+
+def linear_token_logprobs(
+    hidden, weight, labels, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False, ignore_index=-100
+):
+    """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
+    kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
+    logp, entropy, _ = _linear_token_logprobs_op(
+        hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+    )
+    return logp, (entropy if return_entropy else None)
+
+

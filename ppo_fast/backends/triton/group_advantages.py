@@ -75,3 +75,39 @@ def group_sum_forward(values: torch.Tensor, group_index: torch.Tensor) -> torch.
             ACC=compute_dtype(values.dtype), BLOCK_R=BLOCK_R, BLOCK_C=triton.next_power_of_2(cols),
         )
     return out
+
+
+# --------------------------------------------------------------------------- torch custom op and autograd
+
+from ._dtypes import result_dtype  # noqa: E402
+from ._launch import DEVICES  # noqa: E402
+
+SUPPORTED = {"group_sum": DEVICES}
+
+
+
+
+@torch.library.custom_op("ppo_fast_triton::group_sum", mutates_args=())
+def _group_sum_op(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    return group_sum_forward(values, group_index)
+
+
+@_group_sum_op.register_fake
+def _(values, group_index):
+    return values.new_empty(values.shape)
+
+
+def _group_sum_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _group_sum_backward(ctx, grad):
+    (group_index,) = ctx.saved_tensors
+    return _group_sum_op(grad, group_index), None  # linear and symmetric: its own adjoint
+
+
+_group_sum_op.register_autograd(_group_sum_backward, setup_context=_group_sum_setup)
+
+
+def group_sum(values, group_index):
+    return _group_sum_op(values.to(result_dtype(values)), group_index)

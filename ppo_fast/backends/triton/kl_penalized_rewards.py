@@ -1,7 +1,7 @@
 """Per-token KL estimates and the KL-penalised reward, with their gradients.
 
-The estimators and their clamps are those of ``ppo_fast.reference.kl_estimate``;
-``ESTIMATOR`` is the index of the name in ``ppo_fast.contract.KL_ESTIMATORS``.
+The estimators and their clamps are those of the reference backend's ``kl_estimate``;
+``ESTIMATOR`` is the index of the name in ``ppo_fast.spec.KL_ESTIMATORS``.
 
 Every input is read through its strides (sliced, transposed and expanded inputs
 in place); outputs are new contiguous tensors; addresses are int64.  The
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KL_ESTIMATORS
+from ...spec import KL_ESTIMATORS
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
 from ._launch import as_rows, check_same_device, check_shape, device_guard
 
@@ -389,3 +389,121 @@ def kl_penalized_rewards_backward(
             ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)), BLOCK_T=_block_t(length, block_t),
         )
     return grad_scores, grad_logp, grad_ref
+
+
+# --------------------------------------------------------------------------- torch custom op and autograd
+
+from ._launch import DEVICES, not_differentiable  # noqa: E402
+
+SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
+
+
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_estimate", mutates_args=())
+def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    return kl_estimate_forward(logprobs, ref_logprobs, estimator)
+
+
+@_kl_estimate_op.register_fake
+def _(logprobs, ref_logprobs, estimator):
+    return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_backward", mutates_args=())
+def _kl_backward_op(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, estimator: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return kl_backward(logprobs, ref_logprobs, grad_kl, estimator)
+
+
+@_kl_backward_op.register_fake
+def _(logprobs, ref_logprobs, grad_kl, estimator):
+    # Contiguous, as the kernels' outputs are (empty_like would keep a transposed input's strides).
+    return logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
+
+
+def _kl_estimate_setup(ctx, inputs, output):
+    logprobs, ref_logprobs, ctx.estimator = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs)
+
+
+def _kl_estimate_backward(ctx, grad_kl):
+    logprobs, ref_logprobs = ctx.saved_tensors
+    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, grad_kl, ctx.estimator)
+    return grad_logp, grad_ref, None
+
+
+_kl_estimate_op.register_autograd(_kl_estimate_backward, setup_context=_kl_estimate_setup)
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator):
+    return _kl_estimate_op(logprobs, ref_logprobs, estimator)
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards", mutates_args=())
+def _kl_penalized_rewards_op(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, estimator: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rewards, kl, last)``: ``last [B]`` int32 is each row's last valid index (-1 if none), for the backward."""
+    return kl_penalized_rewards_forward(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+
+
+@_kl_penalized_rewards_op.register_fake
+def _(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+    rewards = logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
+    return rewards, torch.empty_like(rewards), scores.new_empty(scores.shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards_backward", mutates_args=())
+def _kl_penalized_rewards_backward_op(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    last: torch.Tensor,
+    grad_rewards: torch.Tensor | None,
+    grad_kl: torch.Tensor | None,
+    kl_coef: float,
+    estimator: str,
+    scores_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_scores, grad_logprobs, grad_ref_logprobs)``; ``grad_scores`` is empty without ``grad_rewards``."""
+    grad_scores, grad_logp, grad_ref = kl_penalized_rewards_backward(
+        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, estimator, scores_dtype
+    )
+    return (grad_logp.new_empty(0, dtype=scores_dtype) if grad_scores is None else grad_scores), grad_logp, grad_ref
+
+
+@_kl_penalized_rewards_backward_op.register_fake
+def _(logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, estimator, scores_dtype):
+    grad_scores = last.new_empty(last.shape if grad_rewards is not None else (0,), dtype=scores_dtype)
+    return grad_scores, logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
+
+
+def _kl_penalized_rewards_setup(ctx, inputs, output):
+    scores, logprobs, ref_logprobs, mask, ctx.kl_coef, ctx.estimator = inputs
+    ctx.scores_dtype = scores.dtype
+    last = output[2]
+    ctx.save_for_backward(logprobs, ref_logprobs, mask, last)
+    ctx.mark_non_differentiable(last)
+    ctx.set_materialize_grads(False)
+
+
+def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
+    not_differentiable(ctx, mask=3)
+    logprobs, ref_logprobs, mask, last = ctx.saved_tensors
+    grad_scores, grad_logp, grad_ref = _kl_penalized_rewards_backward_op(
+        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, ctx.kl_coef, ctx.estimator, ctx.scores_dtype
+    )
+    # The scores reach only the rewards: no rewards gradient, no scores gradient.
+    return (grad_scores if grad_rewards is not None else None), grad_logp, grad_ref, None, None, None
+
+
+_kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup_context=_kl_penalized_rewards_setup)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+    rewards, kl, _ = _kl_penalized_rewards_op(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+    return rewards, kl
+
+

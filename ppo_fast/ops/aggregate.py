@@ -1,36 +1,25 @@
-"""Public ops: GAE, masked statistics and whitening."""
+"""Public ops: masked statistics, whitening and verl's loss aggregation modes."""
 
 from __future__ import annotations
 
 from .. import _validation as check
-from .. import reference
-from ..backends import resolve
+from ..backends import reference
+from ..spec import AGG_MODES
 
 
-def gae(rewards, values, mask, *, gamma=1.0, lam=0.95):
-    """Generalised advantage estimation over the valid tokens of each row.
+def aggregate(per_token, mask, agg="token-mean"):
+    """Reduce a ``[B, T]`` per-token loss over ``mask`` as verl's ``agg_loss`` does.
 
-    Args:
-        rewards, values: ``[B, T]`` per-token rewards and critic values.
-        mask: ``[B, T]`` 1/True at valid tokens.  The valid tokens of a row, in
-            order, are its episode: a masked token inside a row (e.g. a tool output)
-            is skipped, not a terminal; the value after the last valid token is 0.
-        gamma: discount in [0, 1].  lam: GAE lambda in [0, 1].
-
-    Returns:
-        ``(advantages, returns)`` float32 ``[B, T]`` with
-        ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``
-        and ``returns = advantages + values``; both 0 at masked positions, where
-        rewards and values are ignored.
+    ``agg``: ``token-mean`` (mean over all valid tokens), ``token-sum``, ``seq-mean-token-sum``
+    (mean over rows of each row's sum), ``seq-mean-token-mean`` (mean over rows with a valid
+    token of each row's mean), ``seq-mean-token-sum-norm`` (the row sums' total over T).  An
+    empty selection gives 0.  Differentiable w.r.t. ``per_token``; float32 (float64 for float64 input).
     """
-    check.tensor("rewards", rewards, ndim=2)
-    check.tensor("values", values, ndim=2)
-    check.same_shape("rewards", rewards, values=values)
-    check.same_device(rewards=rewards, values=values, mask=mask)
-    mask = check.mask("mask", mask, rewards.shape)
-    gamma = check.real("gamma", gamma, low=0.0, high=1.0)
-    lam = check.real("lam", lam, low=0.0, high=1.0)
-    return resolve("gae", rewards.device.type)(rewards, values, mask, gamma, lam)
+    check.tensor("per_token", per_token, ndim=2)
+    check.same_device(per_token=per_token, mask=mask)
+    mask = check.mask("mask", mask, per_token.shape)
+    check.choice("agg", agg, AGG_MODES)
+    return reference.aggregate(per_token, mask, agg)
 
 
 def masked_mean(x, mask, dim=None):

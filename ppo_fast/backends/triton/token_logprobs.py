@@ -498,3 +498,107 @@ def token_logprobs_backward(
             num_warps=num_warps,
         )
     return grad
+
+
+# --------------------------------------------------------------------------- torch custom op and autograd
+
+from ._launch import DEVICES, is_non_overlapping_and_dense, not_differentiable  # noqa: E402
+
+SUPPORTED = {"token_logprobs": DEVICES}
+
+
+
+
+@torch.library.custom_op("ppo_fast_triton::token_logprobs", mutates_args=())
+def _token_logprobs_op(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` are for the backward,
+    which reads ``inplace_backward``."""
+    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index)
+    return logp, (entropy if return_entropy else logp.new_empty(0)), stats
+
+
+@_token_logprobs_op.register_fake
+def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward):
+    logp = labels.new_empty(labels.shape, dtype=result_dtype(logits))
+    return logp, logp.new_empty(labels.shape if return_entropy else (0,)), logp.new_empty(labels.shape + (2,))
+
+
+@torch.library.custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
+def _token_logprobs_backward_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    stats: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    return token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index)
+
+
+@_token_logprobs_backward_op.register_fake
+def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("ppo_fast_triton::token_logprobs_backward_inplace", mutates_args=("logits",))
+def _token_logprobs_backward_inplace_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    stats: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> None:
+    """Writes the gradient into ``logits``; only for logits whose memory is non-overlapping and dense."""
+    if not is_non_overlapping_and_dense(logits):
+        raise ValueError("an in-place backward needs logits whose memory is non-overlapping and dense")
+    token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits)
+
+
+@_token_logprobs_backward_inplace_op.register_fake
+def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+    return None
+
+
+def _token_logprobs_setup(ctx, inputs, output):
+    logits, labels, ctx.temperature, ctx.return_entropy, ctx.ignore_index, inplace_backward = inputs
+    # In place only where every element of the logits has its own address: an expanded
+    # (stride-0) or otherwise overlapping tensor would have its rows' gradients written
+    # over one another.  Else the backward allocates the gradient, as without the flag.
+    ctx.inplace_backward = inplace_backward and is_non_overlapping_and_dense(logits)
+    _, entropy, stats = output
+    ctx.save_for_backward(logits, labels, stats, entropy)
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
+
+
+def _token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_stats):
+    not_differentiable(ctx, labels=1)
+    logits, labels, stats, entropy = ctx.saved_tensors
+    if not ctx.return_entropy:
+        grad_entropy = None  # the placeholder output (empty) has no gradient to pass
+    args = (logits, labels, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
+    if ctx.inplace_backward:
+        _token_logprobs_backward_inplace_op(*args)
+        grad_logits = logits
+    else:
+        grad_logits = _token_logprobs_backward_op(*args)
+    return grad_logits, None, None, None, None, None
+
+
+_token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
+
+
+def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False):
+    """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
+    their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one)."""
+    logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)
+    return logp, (entropy if return_entropy else None)
+
+

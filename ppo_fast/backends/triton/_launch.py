@@ -13,7 +13,12 @@ from __future__ import annotations
 import contextlib
 import math
 
+import os
+
 import torch
+
+# Where the Triton kernels run: CUDA tensors, and CPU tensors under the interpreter (tests).
+DEVICES = frozenset({"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"})
 
 
 def device_guard(x: torch.Tensor):
@@ -74,3 +79,13 @@ def is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def not_differentiable(ctx, **indices: int) -> None:
+    """Raise for a tensor input that requires grad although the op has no gradient for it
+    (returning None for it would silently drop that gradient)."""
+    for name, index in indices.items():
+        if ctx.needs_input_grad[index]:
+            raise RuntimeError(f"the Triton backend is not differentiable w.r.t. {name} (as the reference is not)")
+
+

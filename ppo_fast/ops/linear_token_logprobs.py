@@ -7,7 +7,7 @@ import torch
 
 from .. import _validation as check
 from ..backends import resolve
-from .logprobs import MIN_TEMPERATURE
+from .token_logprobs import MIN_TEMPERATURE
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -1,27 +1,50 @@
-"""The policy-loss registry: one entry per loss mode, the single source of truth for the
-public op (``pf.policy_loss``), the backends, the trainer's ``--policy-loss`` choices and
-help, the conformance matrix and the benchmarks.
+"""The single source of truth for ppo_fast's names, torch-free (the CLI, the trainer's config,
+the README tables, the tests and the C++ parsing in csrc/common/contract.h all derive from it):
+the backend ops, the KL estimators, the aggregation modes, the rollout-correction modes, the
+policy-loss modes (``Param``, ``PolicyLossMode``) and the advantage methods' metadata.
 
-An entry names the contract op that implements the mode (each backend declares in its
-``SUPPORTED`` which of these ops it serves, so ``auto`` falls back to the reference per
-mode), the mode's parameters with their defaults and ranges, and the stats it reports.
-Every implementation of a mode has the signature
+Rules every backend follows (the conformance matrix, ``tests/test_conformance.py``, tests each):
 
-    fn(logprobs, old_logprobs, advantages, mask, weights, *params, agg) -> (loss, *stats)
+* **Results** are float32, or float64 when any floating input is float64 (so that
+  gradients can be checked numerically); see ``ppo_fast._dtypes.result_dtype``.
+* **Non-finite values.** A value at a masked position (mask 0/False, or a label equal
+  to ``ignore_index``) is never read into a result or a gradient: NaN/inf there is
+  ignored.  A NaN at a valid position propagates to the outputs it feeds.
+* **Out-of-range labels.** A label outside ``[0, V)`` that is not ``ignore_index``
+  raises ``ValueError`` where checking costs no host sync (CPU tensors, eager mode).
+  On CUDA and under ``torch.compile`` it is not checked on the host; every kernel then
+  gives that row a NaN log-prob (and NaN entropy) and a zero gradient, and never reads
+  or writes outside the logits.
 
-with ``params`` in the entry's order (validated and defaulted by :meth:`PolicyLossMode.bind`).
+Adding a policy-loss mode: its entry in ``POLICY_LOSS_MODES`` below and its reference
+function (``ppo_fast/backends/reference/policy_loss.py``, named by the entry's ``op``), plus
+one row in ``tests/test_policy_losses.py``.  Every implementation of a mode has the signature
+``fn(logprobs, old_logprobs, advantages, mask, weights, *params, agg) -> (loss, *stats)`` with
+``params`` in the entry's order (validated and defaulted by :meth:`PolicyLossMode.bind`).  The
+modes follow verl 0.9.1's ``get_policy_loss_fn``; where ours differ, ``note`` says how.
 
-Adding a mode: one entry here, its reference function (``ppo_fast.reference``, named by
-``op``) and one case in ``tests/test_policy_losses.py``; the conformance matrix, the
-trainer and the benchmarks pick it up from here.  The modes follow verl 0.9.1's
-``get_policy_loss_fn`` definitions; where ours differ, ``note`` says how.
+Adding an advantage method: its entry in ``ADVANTAGE_METHODS`` and one function decorated with
+``ppo_fast.advantage_methods.register`` (plus a check in its ``PARAM_CHECKS`` for a new
+parameter name), and one row in ``tests/test_group_advantages.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import _validation as check
+# Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+# How a [B, T] per-token loss is reduced over the mask (verl's ``agg_loss`` names).
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Rollout-correction weights (importance sampling between the rollout engine's and the
+# trainer's log-probs): per token or per sequence, truncated (TIS) or masked (MIS, IcePop).
+ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+
+# The backends, in the order they are listed.
+BACKENDS = ("reference", "triton", "native")
+
 
 # The stats of the clipped losses (verl's pg_clipfrac, pg_clipfrac_lower and ppo_kl).
 CLIP_STATS = ("clipfrac", "clipfrac_lower", "approx_kl")
@@ -45,6 +68,8 @@ class Param:
     def check(self, value):
         if value is None:
             return None
+        from . import _validation as check  # torch, imported only when a value is checked
+
         return check.real(self.name, value, low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
 
 
@@ -176,3 +201,52 @@ def describe(mode: PolicyLossMode) -> str:
     params = ", ".join(f"{p.name}={p.same_as if p.default is None and p.same_as else p.default}" for p in mode.params)
     return f"{mode.name}({params}): {mode.summary}"
 
+
+
+# The backend ops: one implementation per backend (a backend declares which it serves).
+# Each policy-loss mode is an op of its own (vanilla is clipped_policy_loss), so that a backend
+# declares the modes it serves one by one.
+OPS = ("token_logprobs", "linear_token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "clipped_policy_loss",
+       "value_loss", "group_sum")
+OPS = OPS + tuple(op for op in POLICY_LOSS_OPS if op not in OPS)
+
+
+# --------------------------------------------------------------------------- advantage methods
+
+
+@dataclass(frozen=True)
+class AdvantageMethodSpec:
+    """An advantage method's metadata; its formula is registered in ``ppo_fast.advantage_methods``."""
+
+    name: str
+    summary: str
+    backends: tuple[str, ...] = BACKENDS  # those that implement it (auto falls back to the reference)
+    params: dict = field(default_factory=dict)  # keyword parameter -> default
+    needs_critic: bool = False
+    needs_groups: bool = True
+    normalized: bool = False  # already scale-free per batch or group (the trainer skips its whitening)
+    min_group_size: int = 1  # checked on CPU in eager mode (elsewhere a smaller group gives NaN/inf)
+
+
+ADVANTAGE_METHODS: dict[str, AdvantageMethodSpec] = {
+    m.name: m
+    for m in (
+        AdvantageMethodSpec("gae", "generalised advantage estimation with the critic (its own op: ppo_fast.gae)",
+                            needs_critic=True, needs_groups=False),
+        AdvantageMethodSpec("grpo", "(score - group mean) / (group std + epsilon); norm_by_std=False: Dr. GRPO (no division)",
+                            params={"norm_by_std": True, "epsilon": 1e-6}, normalized=True),
+        AdvantageMethodSpec("grpo_passk", "Pass@k: only each group's best response, (best - second best) / (std + epsilon)",
+                            ("reference",), {"norm_by_std": True, "epsilon": 1e-6}, normalized=True, min_group_size=2),
+        AdvantageMethodSpec("rloo", "score - mean of the group's other scores (a group of one keeps its score, as verl)"),
+        AdvantageMethodSpec("reinforce_plus_plus", "discounted token returns whitened over the batch (no groups)",
+                            ("reference",), {"gamma": 1.0}, needs_groups=False, normalized=True),
+        AdvantageMethodSpec("reinforce_plus_plus_baseline",
+                            "(score - group mean) on every token, whitened over the batch's tokens", normalized=True),
+        AdvantageMethodSpec("remax", "token return (sum of the rewards from t on) - the greedy response's reward (baselines, [B])",
+                            ("reference",), {"baselines": None}, needs_groups=False),
+        AdvantageMethodSpec("opo", "score - the group's length-weighted mean score (OPO)"),
+        AdvantageMethodSpec("gpg", "(B / #nonzero scores) * (score - group mean) / f_norm (GPG)", params={"f_norm": 1.0}),
+    )
+}
+CRITIC_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_critic)
+GROUP_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_groups)

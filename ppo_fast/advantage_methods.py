@@ -1,4 +1,5 @@
-"""The advantage-estimator registry: one entry per method, its formula written once.
+"""The advantage methods' formulas: one function per method, registered against its metadata in
+``ppo_fast.spec.ADVANTAGE_METHODS`` (torch-free, so the CLI and config read it without torch).
 
 Each method is one plain-PyTorch function of :class:`Inputs` (sequence scores, token
 rewards, mask and the batch's :class:`Groups`) and its keyword parameters, registered
@@ -14,9 +15,9 @@ functions), with verl's conventions: a group of one response has mean 0 and std 
 standard deviation is unbiased; ``epsilon`` (default 1e-6, verl's) is added to it.
 ``gae`` is listed (it needs the critic) but is its own op, :func:`ppo_fast.gae`.
 
-Adding a method: one function decorated with :func:`register` (plus a check in
-``PARAM_CHECKS`` for a new parameter name) and one entry in
-``tests/test_group_advantages.py``'s table of verl oracles.
+Adding a method: its entry in ``ppo_fast.spec.ADVANTAGE_METHODS``, one function decorated
+with :func:`register` here (plus a check in ``PARAM_CHECKS`` for a new parameter name) and
+one entry in ``tests/test_group_advantages.py``'s table of verl oracles.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Callable
 import torch
 
 from . import _validation as check
-from .reference import masked_whiten
+from .backends.reference import masked_whiten
+from .spec import ADVANTAGE_METHODS, BACKENDS
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Inputs:
 
 @dataclass(frozen=True)
 class AdvantageMethod:
+    """A method's metadata (``ppo_fast.spec.AdvantageMethodSpec``) and its formula."""
+
     name: str
     fn: Callable[..., torch.Tensor] | None  # None for gae, which is its own op (pf.gae)
     summary: str
@@ -89,7 +93,6 @@ class AdvantageMethod:
 
 
 REGISTRY: dict[str, AdvantageMethod] = {}
-ALL_BACKENDS = ("reference", "native", "triton")
 
 
 def _non_negative(name, value):
@@ -118,36 +121,36 @@ PARAM_CHECKS: dict[str, Callable] = {
 }
 
 
-def register(name: str, summary: str, *, backends=ALL_BACKENDS, needs_groups=True, normalized=False, min_group_size=1):
-    """Register ``fn(inputs: Inputs, **params) -> [B, T]`` as advantage method ``name``."""
+def register(name: str):
+    """Register ``fn(inputs: Inputs, **params) -> [B, T]`` as advantage method ``name``, whose
+    metadata is ``ppo_fast.spec.ADVANTAGE_METHODS[name]`` (its parameters and defaults must agree)."""
 
     def decorator(fn):
+        spec = ADVANTAGE_METHODS[name]
         assert name not in REGISTRY, f"advantage method {name!r} registered twice"
         params = {p.name: p.default for p in list(inspect.signature(fn).parameters.values())[1:]}
+        assert params == spec.params, f"{name}: the function's parameters {params} are not the spec's {spec.params}"
         unknown = set(params) - set(PARAM_CHECKS)
         assert not unknown, f"{name}: add a check for parameter(s) {sorted(unknown)} to PARAM_CHECKS"
-        REGISTRY[name] = AdvantageMethod(name, fn, summary, tuple(backends), False, needs_groups, normalized,
-                                         min_group_size, params)
+        REGISTRY[name] = AdvantageMethod(name, fn, spec.summary, spec.backends, spec.needs_critic, spec.needs_groups,
+                                         spec.normalized, spec.min_group_size, params)
         return fn
 
     return decorator
 
 
-REGISTRY["gae"] = AdvantageMethod(
-    "gae", None, "generalised advantage estimation with the critic (its own op: ppo_fast.gae)",
-    ALL_BACKENDS, needs_critic=True, needs_groups=False,
-)
+_gae = ADVANTAGE_METHODS["gae"]
+REGISTRY["gae"] = AdvantageMethod("gae", None, _gae.summary, _gae.backends, needs_critic=True, needs_groups=False)
 
 
-@register("grpo", "(score - group mean) / (group std + epsilon); norm_by_std=False: Dr. GRPO (no division)", normalized=True)
+@register("grpo")
 def grpo(inputs: Inputs, norm_by_std: bool = True, epsilon: float = 1e-6) -> torch.Tensor:
     mean, std = inputs.groups.mean_std(inputs.scores)
     centred = inputs.scores - mean
     return inputs.per_token(centred / (std + epsilon) if norm_by_std else centred)
 
 
-@register("grpo_passk", "Pass@k: only each group's best response, (best - second best) / (std + epsilon)",
-          backends=("reference",), normalized=True, min_group_size=2)
+@register("grpo_passk")
 def grpo_passk(inputs: Inputs, norm_by_std: bool = True, epsilon: float = 1e-6) -> torch.Tensor:
     scores, index = inputs.scores, inputs.groups.index
     rows = torch.arange(scores.shape[0], device=scores.device)
@@ -166,7 +169,7 @@ def grpo_passk(inputs: Inputs, norm_by_std: bool = True, epsilon: float = 1e-6) 
     return inputs.per_token(torch.where(is_best, advantage, 0.0))
 
 
-@register("rloo", "score - mean of the group's other scores (a group of one keeps its score, as verl)")
+@register("rloo")
 def rloo(inputs: Inputs) -> torch.Tensor:
     x = inputs.scores
     count, total = inputs.groups.sums(torch.ones_like(x), x)
@@ -174,8 +177,7 @@ def rloo(inputs: Inputs) -> torch.Tensor:
     return inputs.per_token(torch.where(count > 1, x * scale - (total / count) * scale, x))
 
 
-@register("reinforce_plus_plus", "discounted token returns whitened over the batch (no groups)",
-          backends=("reference",), needs_groups=False, normalized=True)
+@register("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: Inputs, gamma: float = 1.0) -> torch.Tensor:
     rewards, mask = inputs.rewards, inputs.mask
     returns = torch.zeros_like(rewards) if rewards.shape[1] else rewards.clone()  # T = 0: still in the graph
@@ -186,31 +188,33 @@ def reinforce_plus_plus(inputs: Inputs, gamma: float = 1.0) -> torch.Tensor:
     return masked_whiten(returns, mask, True, 1e-8)
 
 
-@register("reinforce_plus_plus_baseline", "(score - group mean) on every token, whitened over the batch's tokens",
-          normalized=True)
+@register("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(inputs: Inputs) -> torch.Tensor:
     centred = inputs.scores - inputs.groups.mean(inputs.scores)
     return masked_whiten(inputs.per_token(centred), inputs.mask, True, 1e-8)
 
 
-@register("remax", "token return (sum of the rewards from t on) - the greedy response's reward (baselines, [B])",
-          backends=("reference",), needs_groups=False)
+@register("remax")
 def remax(inputs: Inputs, baselines: torch.Tensor | None = None) -> torch.Tensor:
     returns = inputs.rewards.flip(-1).cumsum(-1).flip(-1)
     return torch.where(inputs.mask, returns - baselines.to(returns.dtype).unsqueeze(-1), 0.0)
 
 
-@register("opo", "score - the group's length-weighted mean score (OPO)")
+@register("opo")
 def opo(inputs: Inputs) -> torch.Tensor:
     lengths = inputs.mask.sum(-1).to(inputs.scores.dtype)
     return inputs.per_token(inputs.scores - inputs.groups.mean(inputs.scores, weights=lengths))
 
 
-@register("gpg", "(B / #nonzero scores) * (score - group mean) / f_norm (GPG)")
+@register("gpg")
 def gpg(inputs: Inputs, f_norm: float = 1.0) -> torch.Tensor:
     x = inputs.scores
     alpha = x.shape[0] / torch.count_nonzero(x).clamp_min(1).to(x.dtype)
     return inputs.per_token(alpha * (x - inputs.groups.mean(x)) / f_norm)
+
+
+assert set(REGISTRY) == set(ADVANTAGE_METHODS), f"registered {sorted(REGISTRY)}, spec lists {sorted(ADVANTAGE_METHODS)}"
+assert all(set(m.backends) <= set(BACKENDS) for m in REGISTRY.values())
 
 
 def advantage_methods() -> dict[str, AdvantageMethod]:

@@ -1,0 +1,24 @@
+"""The native backend: the C++/CUDA extension ``ppo_fast._C``.
+
+The extension registers the operators ``torch.ops.ppo_fast.*`` (``csrc/<op>.cpp``: schema and
+C++ CPU kernel; ``csrc/cuda/<op>.cu``: the CUDA kernels of the losses, when the build had
+CUDA).  Each module here adds what torch needs around its op: a fake kernel (for
+``torch.compile`` and meta tensors) that checks the shape relations as the C++ kernels do, the
+autograd formula that calls the op's backward operator, and the function with the reference's
+signature.  Every op is differentiable as the reference is, to first order; a backward
+operator computes only the gradients autograd asks for (its ``output_mask``).  The
+``kl_estimator`` and ``agg`` names pass straight through to the C++ ops, which parse them.
+"""
+
+from .. import collect
+from . import bool_mask, gae, group_advantages, kl_penalized_rewards, linear_token_logprobs, policy_loss, token_logprobs
+from . import value_loss
+from ._common import REGISTERED, availability, built_with_cuda
+
+MODULES = (token_logprobs, linear_token_logprobs, kl_penalized_rewards, gae, group_advantages, policy_loss, value_loss)
+SUPPORTED, FUNCTIONS = collect(MODULES)
+# The torch.ops.ppo_fast operators each module registers (forward and backward), for the tests.
+OPERATORS = tuple(REGISTERED)
+assert bool_mask.SUPPORTED == {}
+
+__all__ = ["SUPPORTED", "FUNCTIONS", "OPERATORS", "availability", "built_with_cuda"]

@@ -1,0 +1,117 @@
+"""What the native backend's op modules share: the extension, its availability, the metadata
+checks of csrc/common/checks.h for the fake kernels, and the fake/autograd registration."""
+
+from __future__ import annotations
+
+import torch
+
+
+try:
+    from ... import _C
+except ImportError as err:  # not built, or built against another torch
+    _C = None
+    IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+
+def built_with_cuda() -> bool:
+    """Whether the loaded extension has the CUDA loss kernels compiled in."""
+    return _C is not None and _C.built_with_cuda()
+
+
+LOSS_DEVICES = {"cpu", "cuda"} if built_with_cuda() else {"cpu"}
+
+
+def availability() -> tuple[bool, str]:
+    if _C is None:
+        return False, f"ppo_fast._C could not be imported ({IMPORT_ERROR}); build it with `python setup.py build_ext --inplace`"
+    kernels = "C++ CPU kernels" + (" and CUDA loss kernels" if built_with_cuda() else " (built without CUDA)")
+    return True, kernels
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# The checks of csrc/checks.h on metadata, for the fake kernels: under torch.compile a
+# mismatch fails at trace time with the C++ kernels' message (RuntimeError).
+def check_float(op, name, x):
+    torch._check(x.dtype in FLOATS, lambda: f"{op}: {name} must be float32, float64, float16 or bfloat16, got {x.dtype}")
+
+
+def check_dtype_arg(op, name, dtype):
+    torch._check(dtype in FLOATS, lambda: f"{op}: {name} must be a floating dtype, got {dtype}")
+
+
+def check_dim(op, name, x, dim):
+    torch._check(x.dim() == dim, lambda: f"{op}: {name} must be {dim}-D, got shape {list(x.shape)}")
+
+
+def check_shape(op, name, x, shape, shape_name=None):
+    what = f"the shape of {shape_name} {list(shape)}" if shape_name else f"shape {list(shape)}"
+    message = lambda: f"{op}: {name} must have {what}, got {list(x.shape)}"  # noqa: E731
+    torch._check(x.dim() == len(shape), message)
+    for size, expected in zip(x.shape, shape):
+        torch._check(size == expected, message)
+
+
+def check_mask(op, mask, ref_name, ref):
+    torch._check(mask.dtype == torch.bool, lambda: f"{op}: mask must be a bool tensor, got {mask.dtype}")
+    check_shape(op, "mask", mask, ref.shape, ref_name)
+
+
+def check_same_device(op, **tensors):
+    (first_name, first), *rest = tensors.items()
+    for name, x in rest:
+        torch._check(
+            x.device == first.device,
+            lambda: f"{op}: {name} is on {x.device} but {first_name} is on {first.device}; all inputs must be on one device",
+        )
+
+
+def check_choice(op, name, value, choices):
+    valid = ", ".join(f"'{c}'" for c in choices)
+    torch._check(value in choices, lambda: f"{op}: {name} must be one of {valid}, got '{value}'")
+
+
+def grad_or_empty(x, wanted, dtype=None):
+    """The fake of a backward op's output: x's shape (contiguous) when wanted, else empty."""
+    dtype = x.dtype if dtype is None else dtype
+    return x.new_empty(x.shape if wanted else (0,), dtype=dtype)
+
+
+def needed_grads(grads, needed):
+    """A backward op's outputs as autograd wants them: None where no gradient was asked for."""
+    return tuple(g if need else None for g, need in zip(grads, needed))
+
+
+# Every torch.ops.ppo_fast operator the modules register (forward and backward ops), for the tests.
+REGISTERED: list[str] = []
+
+
+def register(name, fake, backward=None, setup_context=None):
+    """The fake kernel and autograd of ``ppo_fast::<name>``.  A backward op registered
+    without a backward of its own raises when differentiated (a second-order gradient,
+    ``create_graph=True``), as the Triton backend's ops do: without an autograd kernel
+    torch would treat its outputs as constants and return a silent zero or None."""
+    REGISTERED.append(name)
+    if _C is None:
+        return
+    torch.library.register_fake(f"ppo_fast::{name}", fake)
+    if backward is None and name.endswith("_backward"):
+        backward = no_double_backward(name)
+    if backward is not None:
+        torch.library.register_autograd(f"ppo_fast::{name}", backward, setup_context=setup_context)
+
+
+def no_double_backward(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"ppo_fast::{name} has no gradient: second-order gradients (create_graph=True) through "
+            f"{name.removesuffix('_backward')} are not supported on the native backend; use "
+            "pf.use_backend('reference') for them"
+        )
+
+    return backward
+
+

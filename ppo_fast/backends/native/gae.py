@@ -1,0 +1,82 @@
+"""Native GAE: fake kernel, autograd, and the backward's own backward (its forward)."""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..._dtypes import result_dtype
+from ._common import check_dim, check_dtype_arg, check_float, check_mask, check_same_device, check_shape, grad_or_empty, needed_grads, register
+
+SUPPORTED = {"gae": {"cpu"}}
+
+
+
+
+def _fake_gae(rewards, values, mask, gamma, lam):
+    op = "gae"
+    check_float(op, "rewards", rewards)
+    check_dim(op, "rewards", rewards, 2)
+    check_float(op, "values", values)
+    check_shape(op, "values", values, rewards.shape, "rewards")
+    check_mask(op, mask, "rewards", rewards)
+    check_same_device(op, rewards=rewards, values=values, mask=mask)
+    dtype = result_dtype(rewards, values)
+    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+
+
+def _fake_gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype, output_mask):
+    op = "gae_backward"
+    torch._check(mask.dtype == torch.bool, lambda: f"{op}: mask must be a bool tensor, got {mask.dtype}")
+    check_dim(op, "mask", mask, 2)
+    check_dtype_arg(op, "rewards_dtype", rewards_dtype)
+    check_dtype_arg(op, "values_dtype", values_dtype)
+    for name, grad in (("grad_advantages", grad_advantages), ("grad_returns", grad_returns)):
+        if grad is not None:
+            check_float(op, name, grad)
+            check_shape(op, name, grad, mask.shape, "mask")
+            check_same_device(op, mask=mask, **{name: grad})
+    return grad_or_empty(mask, output_mask[0], rewards_dtype), grad_or_empty(mask, output_mask[1], values_dtype)
+
+
+def _setup_gae(ctx, inputs, output):
+    rewards, values, mask, gamma, lam = inputs
+    ctx.save_for_backward(mask)
+    ctx.args = (gamma, lam, rewards.dtype, values.dtype)
+    ctx.set_materialize_grads(False)  # often only the advantages are used
+
+
+def _backward_gae(ctx, grad_advantages, grad_returns):
+    (mask,) = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.ppo_fast.gae_backward(grad_advantages, grad_returns, mask, *ctx.args, needed)
+    return *needed_grads(grads, needed), None, None, None
+
+
+def _setup_gae_backward(ctx, inputs, output):
+    grad_advantages, grad_returns, mask, gamma, lam, _rewards_dtype, _values_dtype, output_mask = inputs
+    ctx.save_for_backward(mask)
+    ctx.args = (gamma, lam)
+    ctx.grad_dtypes = tuple(None if g is None else g.dtype for g in (grad_advantages, grad_returns))
+    ctx.output_mask = tuple(output_mask)
+
+
+def _backward_gae_backward(ctx, grad_grad_rewards, grad_grad_values):
+    # GAE is linear, (advantages, returns) = F(rewards, values), and its backward is F's
+    # transpose, so the backward's own vector-Jacobian product is F itself.
+    (mask,) = ctx.saved_tensors
+    cotangents = []
+    for grad, wanted in ((grad_grad_rewards, ctx.output_mask[0]), (grad_grad_values, ctx.output_mask[1])):
+        cotangents.append(grad if wanted and grad is not None else torch.zeros(mask.shape, device=mask.device))
+    advantages, returns = torch.ops.ppo_fast.gae(*cotangents, mask, *ctx.args)
+    grads = [None if dtype is None else g.to(dtype) for g, dtype in zip((advantages, returns), ctx.grad_dtypes)]
+    return *grads, None, None, None, None, None, None
+
+register("gae", _fake_gae, _backward_gae, _setup_gae)
+register("gae_backward", _fake_gae_backward, _backward_gae_backward, _setup_gae_backward)
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    return torch.ops.ppo_fast.gae(rewards, values, mask, gamma, lam)
+
+

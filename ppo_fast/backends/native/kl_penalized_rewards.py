@@ -1,0 +1,116 @@
+"""Native KL estimate and KL-penalized rewards: fake kernels and autograd."""
+
+from __future__ import annotations
+
+
+import torch
+
+from ...spec import KL_ESTIMATORS
+from ..._dtypes import result_dtype
+from ._common import check_choice, check_dim, check_dtype_arg, check_float, check_mask, check_same_device, check_shape, grad_or_empty, needed_grads, register
+
+SUPPORTED = {"kl_estimate": {"cpu"}, "kl_penalized_rewards": {"cpu"}}
+
+
+
+
+def _check_kl_inputs(op, logprobs, ref_logprobs, estimator):
+    check_float(op, "logprobs", logprobs)
+    check_float(op, "ref_logprobs", ref_logprobs)
+    check_shape(op, "ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
+    check_same_device(op, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    check_choice(op, "estimator", estimator, KL_ESTIMATORS)
+
+
+def _fake_kl_estimate(logprobs, ref_logprobs, estimator):
+    _check_kl_inputs("kl_estimate", logprobs, ref_logprobs, estimator)
+    return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
+
+
+def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, estimator, output_mask):
+    op = "kl_estimate_backward"
+    _check_kl_inputs(op, logprobs, ref_logprobs, estimator)
+    check_float(op, "grad_kl", grad_kl)
+    check_shape(op, "grad_kl", grad_kl, logprobs.shape, "logprobs")
+    check_same_device(op, logprobs=logprobs, grad_kl=grad_kl)
+    return grad_or_empty(logprobs, output_mask[0]), grad_or_empty(ref_logprobs, output_mask[1])
+
+
+def _setup_kl_estimate(ctx, inputs, output):
+    logprobs, ref_logprobs, ctx.estimator = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs)
+
+
+def _backward_kl_estimate(ctx, grad_kl):
+    logprobs, ref_logprobs = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.ppo_fast.kl_estimate_backward(grad_kl, logprobs, ref_logprobs, ctx.estimator, needed)
+    return *needed_grads(grads, needed), None
+
+
+register("kl_estimate", _fake_kl_estimate, _backward_kl_estimate, _setup_kl_estimate)
+register("kl_estimate_backward", _fake_kl_estimate_backward)
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator: str):
+    return torch.ops.ppo_fast.kl_estimate(logprobs, ref_logprobs, estimator)
+
+
+# --------------------------------------------------------------------------- kl_penalized_rewards
+
+
+def _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator):
+    check_float(op, "logprobs", logprobs)
+    check_dim(op, "logprobs", logprobs, 2)
+    check_float(op, "ref_logprobs", ref_logprobs)
+    check_shape(op, "ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
+    check_mask(op, mask, "logprobs", logprobs)
+    check_same_device(op, logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    check_choice(op, "estimator", estimator, KL_ESTIMATORS)
+
+
+def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+    op = "kl_penalized_rewards"
+    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator)
+    check_float(op, "scores", scores)
+    check_shape(op, "scores", scores, logprobs.shape[:1])
+    check_same_device(op, logprobs=logprobs, scores=scores)
+    dtype = result_dtype(logprobs, ref_logprobs)
+    return logprobs.new_empty(logprobs.shape, dtype=dtype), logprobs.new_empty(logprobs.shape, dtype=dtype)
+
+
+def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, kl_coef, estimator, scores_dtype, output_mask):
+    op = "kl_penalized_rewards_backward"
+    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator)
+    check_dtype_arg(op, "scores_dtype", scores_dtype)
+    for name, grad in (("grad_rewards", grad_rewards), ("grad_kl", grad_kl)):
+        if grad is not None:
+            check_float(op, name, grad)
+            check_shape(op, name, grad, logprobs.shape, "logprobs")
+            check_same_device(op, logprobs=logprobs, **{name: grad})
+    grad_scores = logprobs.new_empty(logprobs.shape[:1] if output_mask[0] else (0,), dtype=scores_dtype)
+    return grad_scores, grad_or_empty(logprobs, output_mask[1]), grad_or_empty(ref_logprobs, output_mask[2])
+
+
+def _setup_kl_penalized_rewards(ctx, inputs, output):
+    scores, logprobs, ref_logprobs, mask, kl_coef, estimator = inputs
+    ctx.save_for_backward(logprobs, ref_logprobs, mask)
+    ctx.args = (kl_coef, estimator, scores.dtype)
+    ctx.set_materialize_grads(False)  # kl is often only a statistic: no gradient through it
+
+
+def _backward_kl_penalized_rewards(ctx, grad_rewards, grad_kl):
+    logprobs, ref_logprobs, mask = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, *ctx.args, needed)
+    return *needed_grads(grads, needed), None, None, None
+
+
+register("kl_penalized_rewards", _fake_kl_penalized_rewards, _backward_kl_penalized_rewards, _setup_kl_penalized_rewards)
+register("kl_penalized_rewards_backward", _fake_kl_penalized_rewards_backward)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
+    return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+
+

@@ -1,0 +1,89 @@
+"""Native token_logprobs: fake kernel and autograd around torch.ops.ppo_fast.token_logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._dtypes import result_dtype
+from ._common import check_float, check_same_device, check_shape, register
+
+SUPPORTED = {"token_logprobs": {"cpu"}}
+
+
+
+
+def _check_logits(op, logits, labels, temperature):
+    check_float(op, "logits", logits)
+    torch._check(logits.dim() in (2, 3), lambda: f"{op}: logits must be [N, V] or [B, T, V], got shape {list(logits.shape)}")
+    torch._check(
+        not labels.dtype.is_floating_point and not labels.dtype.is_complex and labels.dtype != torch.bool,
+        lambda: f"{op}: labels must be an integer tensor, got {labels.dtype}",
+    )
+    check_shape(op, "labels", labels, logits.shape[:-1], "logits.shape[:-1]")
+    check_same_device(op, logits=logits, labels=labels)
+    torch._check(0 < temperature < math.inf, lambda: f"{op}: temperature must be finite and > 0, got {temperature}")
+
+
+def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_index):
+    _check_logits("token_logprobs", logits, labels, temperature)
+    dtype = result_dtype(logits)
+    entropy = logits.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
+    return logits.new_empty(labels.shape, dtype=dtype), entropy, logits.new_empty(labels.shape, dtype=dtype)
+
+
+def _check_saved_row_stats(op, forward_op, input_name, x, labels, lse, entropy, grad_logprobs, grad_entropy):
+    """A log-prob backward's per-row inputs: the forward's lse (and entropy when its gradient
+    is given) in the result dtype of ``x``, the incoming gradients, all of ``labels``' shape."""
+    dtype = result_dtype(x)
+    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as {forward_op} returns it), got {lse.dtype}")
+    check_shape(op, "lse", lse, labels.shape, "labels")
+    check_same_device(op, **{input_name: x, "lse": lse})
+    for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
+        if grad is not None:
+            check_float(op, name, grad)
+            check_shape(op, name, grad, labels.shape, "labels")
+            check_same_device(op, **{input_name: x, name: grad})
+    if grad_entropy is not None:
+        torch._check(entropy.dtype == dtype, lambda: f"{op}: entropy must have dtype {dtype}, got {entropy.dtype}")
+        check_shape(op, "entropy", entropy, labels.shape, "labels")
+        check_same_device(op, **{input_name: x, "entropy": entropy})
+
+
+def _fake_token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+    op = "token_logprobs_backward"
+    _check_logits(op, logits, labels, temperature)
+    _check_saved_row_stats(op, "token_logprobs", "logits", logits, labels, lse, entropy, grad_logprobs, grad_entropy)
+    return logits.new_empty(logits.shape)
+
+
+def _setup_token_logprobs(ctx, inputs, output):
+    logits, labels, temperature, return_entropy, ignore_index = inputs
+    _logp, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.args = (temperature, ignore_index)
+    ctx.return_entropy = return_entropy
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
+
+
+def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    grad_entropy = grad_entropy if ctx.return_entropy else None
+    if grad_logprobs is None and grad_entropy is None:
+        return None, None, None, None, None
+    logits, labels, lse, entropy = ctx.saved_tensors
+    grad = torch.ops.ppo_fast.token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, *ctx.args)
+    return grad, None, None, None, None
+
+
+register("token_logprobs", _fake_token_logprobs, _backward_token_logprobs, _setup_token_logprobs)
+register("token_logprobs_backward", _fake_token_logprobs_backward)
+
+
+def token_logprobs(logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False):
+    # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
+    logp, entropy, _lse = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
+    return logp, (entropy if return_entropy else None)
+
+

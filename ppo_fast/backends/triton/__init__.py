@@ -1,0 +1,40 @@
+"""The Triton backend: per op, its ``@triton.jit`` kernels, launchers and the torch custom op
+with its fake kernel and autograd, in ``ppo_fast.backends.triton.<op>``.
+
+Each op is a ``torch.library.custom_op`` (with a fake implementation), so that
+``torch.compile(fullgraph=True)`` treats it as one opaque node without graph breaks.  All are
+differentiable as the reference is, to first order, each gradient in its input's dtype; a
+tensor input they are not differentiable in (labels, mask) raises in the backward if it
+requires grad.  The kernels read any strides, check shapes, run on the inputs' device and
+never sync with the host.  Served on CUDA tensors; on CPU tensors only under
+``TRITON_INTERPRET=1`` (the interpreter, for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import collect
+from ._launch import DEVICES
+# Ops whose results may differ in their last bits from run to run, and why: under
+# torch.use_deterministic_algorithms(True) ``auto`` passes them over and an explicit choice raises.
+NONDETERMINISTIC = {"linear_token_logprobs": "its backward adds the gradients of hidden and weight with float32 atomics"}
+
+try:
+    from . import gae, group_advantages, kl_penalized_rewards, linear_token_logprobs, token_logprobs
+except ImportError as err:  # triton missing or broken: availability() says so
+    MODULES, SUPPORTED, FUNCTIONS = (), {}, {}
+    _IMPORT_ERROR = f"{type(err).__name__}: {err}"
+else:
+    MODULES = (token_logprobs, linear_token_logprobs, kl_penalized_rewards, gae, group_advantages)
+    SUPPORTED, FUNCTIONS = collect(MODULES)
+
+
+def availability() -> tuple[bool, str]:
+    if not MODULES:
+        return False, f"triton cannot be imported ({_IMPORT_ERROR})"
+    if "cpu" in DEVICES:
+        return True, "Triton interpreter (TRITON_INTERPRET=1): CPU tensors, for testing"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
+    return True, "Triton kernels on CUDA"

@@ -1,0 +1,32 @@
+"""Public op: generalised advantage estimation."""
+
+from __future__ import annotations
+
+from .. import _validation as check
+from ..backends import resolve
+
+
+def gae(rewards, values, mask, *, gamma=1.0, lam=0.95):
+    """Generalised advantage estimation over the valid tokens of each row.
+
+    Args:
+        rewards, values: ``[B, T]`` per-token rewards and critic values.
+        mask: ``[B, T]`` 1/True at valid tokens.  The valid tokens of a row, in
+            order, are its episode: a masked token inside a row (e.g. a tool output)
+            is skipped, not a terminal; the value after the last valid token is 0.
+        gamma: discount in [0, 1].  lam: GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages, returns)`` float32 ``[B, T]`` with
+        ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``
+        and ``returns = advantages + values``; both 0 at masked positions, where
+        rewards and values are ignored.
+    """
+    check.tensor("rewards", rewards, ndim=2)
+    check.tensor("values", values, ndim=2)
+    check.same_shape("rewards", rewards, values=values)
+    check.same_device(rewards=rewards, values=values, mask=mask)
+    mask = check.mask("mask", mask, rewards.shape)
+    gamma = check.real("gamma", gamma, low=0.0, high=1.0)
+    lam = check.real("lam", lam, low=0.0, high=1.0)
+    return resolve("gae", rewards.device.type)(rewards, values, mask, gamma, lam)

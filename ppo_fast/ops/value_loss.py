@@ -1,0 +1,32 @@
+"""Public op: the clipped value loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _validation as check
+from ..backends import resolve
+from ..spec import AGG_MODES
+
+
+def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
+    """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)``.
+
+    ``clip=None`` turns clipping off: ``0.5 * (V - R)^2``, and ``old_values`` is not read
+    (it may be None).  Aggregated like :func:`clipped_policy_loss`.  Returns
+    ``(loss, {"clipfrac": ...})``, the loss differentiable w.r.t. ``values``,
+    ``old_values`` and ``returns``.
+    """
+    if clip is None:
+        if old_values is not None:
+            check.loss_inputs({"values": values, "old_values": old_values}, mask)
+        # Clipping to +-inf around the values themselves is no clipping, on every backend.
+        old_values, clip = (values.detach() if isinstance(values, torch.Tensor) else values), math.inf
+    else:
+        clip = check.real("clip", clip, low=0.0, low_open=True)
+    mask = check.loss_inputs({"values": values, "old_values": old_values, "returns": returns}, mask)
+    check.choice("agg", agg, AGG_MODES)
+    loss, clipfrac = resolve("value_loss", values.device.type)(values, old_values, returns, mask, clip, agg)
+    return loss, {"clipfrac": clipfrac}
