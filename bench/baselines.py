@@ -1,7 +1,7 @@
 """What a user would run instead of ppo_fast: the eager PyTorch code of the common RLHF stacks.
 
 Written here in the style of verl, TRL and DeepSpeed-Chat (not copied from them), and kept
-independent of ``ppo_fast.reference`` on purpose: a change to our oracle must not move the
+independent of ``ppo_fast.backends.reference`` on purpose: a change to our oracle must not move the
 baseline it is compared against.  ``tests/test_bench.py`` checks each one against the
 reference on small inputs, so a baseline timing is always the timing of a correct answer.
 

@@ -5,9 +5,10 @@
     python -m bench static --no-cuda       # Triton kernels only (no nvcc needed)
 
 **Triton**: every kernel variant is compiled for sm_90 with the specialisation a real
-launch gets.  The launchers of ``ppo_fast.kernels`` run on ``meta`` tensors of the target
-shapes; the launch itself is intercepted and handed to Triton's own binder, the code that
-turns a real launch's arguments into the compiled signature: pointer and int types (ints
+launch gets.  The launchers of ``ppo_fast.backends.triton.<op>`` run on ``meta`` tensors of
+the target shapes (each op module's ``static_variants()``); the launch itself is intercepted
+and handed to Triton's own binder, the code that turns a real launch's arguments into the
+compiled signature: pointer and int types (ints
 that fit are i32), ints equal to 1 made constexpr, and the divisibility-by-16 hints on
 ints and pointers.  A meta tensor's address is 0, so its pointer gets the 16-byte hint a
 fresh CUDA allocation (256-byte aligned) gets.  **CUDA**: ``csrc/cuda/*.cu`` compiled
@@ -45,7 +46,6 @@ import sys
 import tempfile
 from typing import Callable
 
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,16 +62,11 @@ BUDGETS = {
     "token_logprobs bwd+entropy": 8.0,
 }
 
-# Target shapes (bench/gpu_check.sh measures these).
-ROWS, VOCAB = 16384, 151936
-BATCH, LENGTH = 64, 8192
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-
 
 @dataclasses.dataclass
 class Variant:
-    """One launch of one kernel: ``run`` calls a launcher on meta tensors."""
+    """One launch of one kernel: ``run`` calls a launcher on meta tensors.  The op modules'
+    ``static_variants()`` return these fields as dicts (ppo_fast does not import bench)."""
 
     name: str  # e.g. "token_logprobs fwd bf16 V=151936"
     budget_key: str | None  # a key of BUDGETS, or None
@@ -234,163 +229,19 @@ def analyse(name, kernel, instructions, resources, elements_per_thread, **extra)
 # --------------------------------------------------------------------------- Triton
 
 
-def _meta(shape, dtype=torch.float32):
-    return torch.empty(shape, dtype=dtype, device="meta")
+def triton_op_modules() -> tuple:
+    """The Triton backend's op modules (``ppo_fast.backends.triton.<op>``), in the backend's order."""
+    from ppo_fast.backends import triton as backend
 
-
-def _seq(dtype=torch.float32, transposed=False):
-    """A [BATCH, LENGTH] meta tensor (a transposed [LENGTH, BATCH] one's view if asked)."""
-    return _meta((LENGTH, BATCH), dtype).t() if transposed else _meta((BATCH, LENGTH), dtype)
-
-
-def _logprob_variants(dtype_name, vocab, lead=(ROWS,), slice_last=False, entropy_flags=(False, True), grads=None) -> list[dict]:
-    """The token_logprobs forward (with and without the entropy) and backward launches at one logits layout."""
-    from ppo_fast.backends.triton import token_logprobs as kernels
-
-    dtype = DTYPES[dtype_name]
-    size = dtype.itemsize
-    shape = f"[{', '.join(map(str, lead))}, {vocab}]" + (" sliced [:, :-1]" if slice_last else "")
-    vector = dtype_name == "bf16" and vocab % 8 == 0
-    budgeted = dtype_name != "fp64" and vocab * size % 16 == 0
-
-    def logits_labels():
-        logits = _meta((lead[0], lead[1] + 1, vocab), dtype)[:, :-1] if slice_last else _meta(lead + (vocab,), dtype)
-        return logits, _meta(logits.shape[:-1], torch.int64)
-
-    def forward(entropy):
-        logits, labels = logits_labels()
-        return kernels.token_logprobs_forward(logits, labels, 0.7, entropy, -100)
-
-    def backward(has_logp, has_entropy):
-        logits, labels = logits_labels()
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        stats, row = _meta(labels.shape + (2,), acc), _meta(labels.shape, acc)
-        return kernels.token_logprobs_backward(logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100)
-
-    out = []
-    for entropy in entropy_flags:
-        key = "token_logprobs fwd+entropy" if entropy else "token_logprobs fwd"
-        out.append(dict(name=f"{key} {dtype_name} {shape}", budget_key=key if budgeted else None, bytes_per_element=size,
-                        run=lambda e=entropy: forward(e), vector_loads_expected=vector))
-    for has_logp, has_entropy in grads if grads is not None else ((True, False), (True, True), (False, True)):
-        what = "+".join(n for n, on in (("logp", has_logp), ("entropy", has_entropy)) if on)
-        key = "token_logprobs bwd+entropy" if has_entropy else "token_logprobs bwd"
-        out.append(dict(name=f"token_logprobs bwd({what}) {dtype_name} {shape}", budget_key=key if budgeted else None,
-                        bytes_per_element=2 * size, run=lambda lp=has_logp, en=has_entropy: backward(lp, en),
-                        vector_loads_expected=vector))
-    return out
-
-
-def token_logprobs_variants() -> list[dict]:
-    out = []
-    for dtype_name in DTYPES:
-        out += _logprob_variants(dtype_name, VOCAB)
-    out += _logprob_variants("bf16", 32008, grads=((True, False),))  # V % 8 == 0 but not % 16
-    out += _logprob_variants("bf16", 50257, entropy_flags=(False,), grads=((True, False),))  # odd V: no vector loads possible
-    out += _logprob_variants("bf16", VOCAB, lead=(8, 2048), slice_last=True, entropy_flags=(False,), grads=((True, False),))
-    return out
-
-
-def kl_variants() -> list[dict]:
-    """kl_estimate forward and backward per estimator (k3 also transposed), kl_penalized_rewards forward and backward."""
-    from ppo_fast.backends.triton import kl_penalized_rewards as kernels
-    from ppo_fast.spec import KL_ESTIMATORS
-
-    out = []
-    for estimator in KL_ESTIMATORS:
-        for transposed in (False, True) if estimator == "k3" else (False,):
-            layout = " transposed" if transposed else ""
-            out.append(dict(name=f"kl_estimate fwd {estimator}{layout}", budget_key=None, bytes_per_element=12,
-                            run=lambda e=estimator, t=transposed: kernels.kl_estimate_forward(_seq(transposed=t), _seq(transposed=t), e)))
-            out.append(dict(name=f"kl_estimate bwd {estimator}{layout}", budget_key=None, bytes_per_element=20,
-                            run=lambda e=estimator, t=transposed: kernels.kl_backward(_seq(transposed=t), _seq(transposed=t), _seq(), e)))
-        out.append(dict(name=f"kl_penalized_rewards fwd {estimator}", budget_key=None, bytes_per_element=17,
-                        run=lambda e=estimator: kernels.kl_penalized_rewards_forward(_meta((BATCH,)), _seq(), _seq(), _seq(torch.bool), 0.05, e)))
-    for has_rewards, has_kl in ((True, True), (True, False), (False, True)):
-        what = "+".join(n for n, on in (("rewards", has_rewards), ("kl", has_kl)) if on)
-        out.append(dict(name=f"kl_penalized_rewards bwd({what}) k3", budget_key=None, bytes_per_element=None,
-                        run=lambda r=has_rewards, k=has_kl: kernels.kl_penalized_rewards_backward(
-                            _seq(), _seq(), _seq(torch.bool), _meta((BATCH,), torch.int32), _seq() if r else None, _seq() if k else None,
-                            0.05, "k3", torch.float32)))
-    return out
-
-
-def gae_variants() -> list[dict]:
-    from ppo_fast.backends.triton import gae as kernels
-
-    out = [dict(name="gae fwd", budget_key=None, bytes_per_element=17, run=lambda: kernels.gae_forward(_seq(), _seq(), _seq(torch.bool), 1.0, 0.95))]
-    for has_adv, has_ret in ((True, True), (True, False), (False, True)):
-        what = "+".join(n for n, on in (("advantages", has_adv), ("returns", has_ret)) if on)
-        out.append(dict(name=f"gae bwd({what})", budget_key=None, bytes_per_element=None,
-                        run=lambda a=has_adv, r=has_ret: kernels.gae_backward(_seq() if a else None, _seq() if r else None, _seq(torch.bool),
-                                                                             1.0, 0.95, torch.float32, torch.float32)))
-    return out
-
-
-def _head_launches(dtype, allow_tf32: bool, flags: bool, rows: int, hidden: int):
-    """The fused head's forward and backward launches at one configuration (bias, softcap and the entropy: ``flags``)."""
-    from ppo_fast.backends.triton import linear_token_logprobs
-
-    def head():
-        return _meta((rows, hidden), dtype), _meta((VOCAB, hidden), dtype), _meta((rows,), torch.int64)
-
-    def fwd():
-        x, w, labels = head()
-        with _allow_tf32(allow_tf32):
-            return linear_token_logprobs.linear_token_logprobs_forward(
-                x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
-                logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
-
-    def bwd():
-        x, w, labels = head()
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        row, stats = _meta((rows,), acc), _meta((rows, 2), acc)
-        with _allow_tf32(allow_tf32):
-            return linear_token_logprobs.linear_token_logprobs_backward(
-                x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, stats, row if flags else None, row, row if flags else None,
-                temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
-                needs_hidden=True, needs_weight=True, needs_bias=flags)
-
-    return fwd, bwd
-
-
-def linear_token_logprobs_variants() -> list[dict]:
-    """The fused LM head (tiled tl.dot: no per-element figure), at its launch configurations;
-    float32 products in TF32 where torch allows it, else IEEE."""
-    rows, hidden = 16384, 4096
-    out = []
-    for dtype_name, allow_tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
-        label = dtype_name + (" tf32" if allow_tf32 else "")
-        for flags in (False, True):  # bias, softcap and the entropy together, or none
-            fwd, bwd = _head_launches(DTYPES[dtype_name], allow_tf32, flags, rows, hidden)
-            shape = f"[{rows}, {hidden}] x [{VOCAB}, {hidden}] {label}" + (" bias+softcap+entropy" if flags else "")
-            out.append(dict(name=f"linear_token_logprobs fwd {shape}", budget_key=None, bytes_per_element=None, run=fwd, block=None))
-            out.append(dict(name=f"linear_token_logprobs bwd {shape}", budget_key=None, bytes_per_element=None, run=bwd, block=None))
-    return out
-
-
-def group_sum_variants() -> list[dict]:
-    from ppo_fast.backends.triton import group_advantages as group_sum
-
-    return [dict(name=f"group_sum {str(dtype).replace('torch.', '')} [{BATCH}, 8]", budget_key=None, bytes_per_element=None,
-                 run=lambda dtype=dtype: group_sum.group_sum_forward(_meta((BATCH, 8), dtype), _meta((BATCH,), torch.int64)), block=None)
-            for dtype in (torch.float32, torch.float64)]
+    if not backend.MODULES:
+        raise RuntimeError(f"the Triton backend cannot be used: {backend.availability()[1]}")
+    return backend.MODULES
 
 
 def triton_variants() -> list[Variant]:
-    """Every Triton kernel variant the launchers use, at the target shapes."""
-    per_op = (token_logprobs_variants, kl_variants, gae_variants, linear_token_logprobs_variants, group_sum_variants)
-    return [Variant(**variant) for op_variants in per_op for variant in op_variants()]
-
-
-@contextlib.contextmanager
-def _allow_tf32(allowed: bool):
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+    """Every Triton kernel variant the launchers use, at the target shapes: each op module's
+    ``static_variants()`` (dicts of :class:`Variant`'s fields), next to its kernels."""
+    return [Variant(**variant) for module in triton_op_modules() for variant in module.static_variants()]
 
 
 @dataclasses.dataclass
@@ -472,18 +323,12 @@ def _ptxas_resources(ptx: str) -> dict[str, int]:
 
 
 def triton_kernels() -> list[str]:
-    """The names of every ``@triton.jit`` kernel (``*_kernel``) in ``ppo_fast.kernels``: the
-    variants must launch each at least once."""
-    import importlib
-    import pkgutil
-
+    """The names of every ``@triton.jit`` kernel (``*_kernel``) in the Triton backend's op
+    modules: the variants must launch each at least once."""
     from triton.runtime.jit import JITFunction
 
-    import ppo_fast.backends.triton as package
-
     names = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for module in triton_op_modules():
         names |= {name for name, obj in vars(module).items() if isinstance(obj, JITFunction) and name.endswith("_kernel")}
     return sorted(names)
 
