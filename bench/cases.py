@@ -7,8 +7,8 @@ reports available for the device is measured through the public op under
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -8,7 +8,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -25,8 +25,7 @@ def _sizes(device: torch.device, quick: bool) -> dict:
 
 
 def _timed_iteration(backend: str, device: torch.device, sizes: dict) -> dict:
-    from ppo_fast.trainer import PPOTrainer, TrainerConfig
-    from ppo_fast.trainer import default_task
+    from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
 
     with tempfile.TemporaryDirectory(prefix="ppo_fast_bench_") as out_dir:
         cfg = TrainerConfig(output_dir=out_dir, steps=2, device=device.type, backend=backend, sample_every=0, save_every=0, **sizes)

@@ -44,8 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Callable
-
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
