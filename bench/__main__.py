@@ -1,194 +1,57 @@
-"""``python -m bench``: time ppo_fast's backends against the eager baselines, write JSON, a table and plots.
+"""``python -m bench [suite] [options]``: run one benchmark suite; without a suite, ``ops``.
 
-Exit status 1 when one of our backends errors or disagrees with the reference on a case
-(baselines that fail, and out-of-memory anywhere, are reported but do not fail the run).
+``python -m bench --help`` lists the suites; ``python -m bench <suite> --help`` gives a
+suite's own options.  Each suite is a module of this package with a ``main(argv)``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
-import subprocess
+import importlib
 import sys
-import time
 
-import torch
-
-import ppo_fast as pf
-
-from . import cases as case_defs
-from . import report
-from .runner import Settings, copy_bandwidth, run_case
-from .timing import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, cpu_memory_supported
-
-# Not bench/results: that folder holds the committed results, written only when asked for
-# with --out bench/results.
-DEFAULT_OUT = "bench_out"
-ALL_OPS = case_defs.OPS + ("e2e",)
-
-
-def _parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="python -m bench", description="Time ppo_fast's backends against the eager baselines; write JSON, a table and plots."
-    )
-    parser.add_argument("--ops", default=",".join(ALL_OPS), help=f"comma-separated subset of {','.join(ALL_OPS)}")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="small shapes, short timings: a smoke run")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for <device>.json and the PNG plots")
-    compile_group = parser.add_mutually_exclusive_group()
-    compile_group.add_argument("--compile", dest="compile", action="store_true", default=None,
-                               help="measure the torch.compile baselines (default, except with --quick)")
-    compile_group.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop starting new cases after this many seconds (the rest are listed as skipped)")
-    args = parser.parse_args(argv)
-    ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
-    unknown = [op for op in ops if op not in ALL_OPS]
-    if unknown or not ops:
-        parser.error(f"--ops: unknown {unknown}; choose from {','.join(ALL_OPS)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible to torch")
-    if args.compile is None:
-        args.compile = not args.quick
-    args.ops = ops
-    return args
+DEFAULT_SUITE = "ops"
+# suite -> what it measures (each is the module bench.<suite>).
+SUITES = {
+    "ops": "every backend of every op against the eager baselines: JSON, a table, plots (the default)",
+    "peers": "the peers' own functions (TRL, verl) against the same functions patched with ppo_fast",
+    "advantages": "pf.group_advantages per registered method against verl's own estimators",
+    "policy_losses": "every policy-loss mode, forward + backward: auto, reference and verl",
+    "cpu_vs_trl": "the native CPU token_logprobs against TRL's selective_log_softmax and eager; the exp itself",
+    "overhead": "what a public op call costs beyond its backend function, on tiny inputs",
+    "linear_head_goal": "the fused LM head's CPU goal shape, fwd+bwd: native, eager and TRL, time and peak memory",
+    "e2e": "one PPO iteration of ppo_fast.trainer with auto ops against reference ops",
+    "targets": "the GPU targets, one met/missed line each",
+    "vllm_rollout": "rollout speed, --rollout-engine hf against vllm, and the weight sync",
+    "static": "the sm_90 code of every kernel, compiled without a GPU, against its budgets",
+    "report": "render result JSON files as the README's markdown (and the plots)",
+}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str | None:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=here, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _versions() -> dict:
-    versions = {"ppo_fast": pf.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = "not installed"
-    if torch.version.cuda:
-        versions["cuda"] = torch.version.cuda
-    commit = _git_commit()
-    if commit:
-        versions["git"] = commit
-    return versions
-
-
-def _write_json(path: str, data: dict) -> None:
-    """A result file (its folder made), and a line on stderr saying where."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    print(f"wrote {path}", file=sys.stderr)
-
-
-def _machine(device: torch.device) -> dict:
-    machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-               "platform": platform.platform()}
-    if device.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(device)
-        machine["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / (1 << 30), 1)
-    return machine
-
-
-def _auto_choices(device_type: str) -> dict:
-    from ppo_fast.backends import resolved_backend_name
-
-    return {op: resolved_backend_name(op, device_type) for op in case_defs.OPS}
+def usage() -> str:
+    width = max(map(len, SUITES))
+    lines = [
+        "usage: python -m bench [suite] [options]",
+        "",
+        f"Runs one benchmark suite; without a suite, {DEFAULT_SUITE!r} (so `python -m bench --quick --device cpu`",
+        f"is `python -m bench {DEFAULT_SUITE} --quick --device cpu`).  A suite's options: python -m bench <suite> --help",
+        "",
+        "suites:",
+    ]
+    lines += [f"  {name:{width}s}  {what}" for name, what in SUITES.items()]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = _parse_args(argv)
-    device = torch.device(args.device)
-    started = time.perf_counter()
-    notes = []
-    measure_memory = True
-    memory_method = CUDA_MEMORY_METHOD
-    if device.type == "cpu":
-        measure_memory, why = cpu_memory_supported()
-        memory_method = CPU_MEMORY_METHOD if measure_memory else f"not measured: {why}"
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            notes.append("TRITON_INTERPRET=1: triton timings on CPU are the interpreter's (a correctness tool)")
-    shapes, shape_note = case_defs.shape_set(device.type, args.quick)
-    if shape_note:
-        notes.append(shape_note)
-    stem = device.type + ("-quick" if args.quick else "")
-    results = {
-        "device": device.type,
-        "command": "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(device),
-        "versions": _versions(),
-        "backends": pf.available_backends(),
-        "auto": _auto_choices(device.type),
-        "settings": {"quick": args.quick, "compile": args.compile, "budget_s": args.budget_s},
-        "memory_method": memory_method,
-        "copy_bandwidth_gbps": copy_bandwidth(device),
-        "notes": notes,
-        "cases": [],
-    }
-    settings = Settings(
-        device=device,
-        compile=args.compile,
-        measure_memory=measure_memory,
-        cpu_min_run_time=0.05 if args.quick else 0.5,
-        cuda_rep_ms=50 if args.quick else 100,
-    )
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, f"{stem}.json")
-
-    def save():
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=1)
-
-    for case in case_defs.build_cases(tuple(op for op in args.ops if op != "e2e"), shapes):
-        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
-            results["cases"].append({"op": case.op, "shape": case.shape, "size": case.size, "results": [],
-                                     "eager_baseline": case.eager_baseline, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
-            continue
-        print(f"{case.op} {case.shape}", file=sys.stderr, flush=True)
-        results["cases"].append(run_case(case, settings, results["copy_bandwidth_gbps"]))
-        save()  # a run cut short by a timeout still leaves what it measured
-    if "e2e" in args.ops:
-        from .e2e import run_e2e
-
-        results["e2e"] = run_e2e(device, quick=args.quick)
-    results["wall_s"] = round(time.perf_counter() - started, 1)
-    save()
-    print(report.text_table(results))
-    written = [json_path] + report.plot(results, args.out, stem)
-    print(f"\nwall time {results['wall_s']:.0f} s; wrote " + ", ".join(written))
-    failed = [
-        f"{case['op']} {case['shape']} {r['mode']} {r['impl']}: {r['status']}"
-        for case in results["cases"]
-        for r in case["results"]
-        if r["kind"] == "ppo_fast" and r["status"] in ("error", "mismatch")
-    ]
-    if results.get("e2e", {}).get("error"):
-        failed.append(f"end to end: {results['e2e']['error']}")
-    if failed:
-        print("FAILED (our backends):\n  " + "\n  ".join(failed), file=sys.stderr)
-    return 1 if failed else 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv and not argv[0].startswith("-") and argv[0] not in SUITES:
+        print(usage(), file=sys.stderr)
+        print(f"\npython -m bench: unknown suite {argv[0]!r}", file=sys.stderr)
+        return 2
+    suite = argv.pop(0) if argv and argv[0] in SUITES else DEFAULT_SUITE
+    return importlib.import_module(f"{__package__ or 'bench'}.{suite}").main(argv)
 
 
 if __name__ == "__main__":

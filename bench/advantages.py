@@ -1,13 +1,13 @@
-"""``python -m bench.advantages``: ``pf.group_advantages`` per registered method against verl's own
+"""``python -m bench advantages``: ``pf.group_advantages`` per registered method against verl's own
 function (``verl.trainer.ppo.core_algos.get_adv_estimator_fn``), in one run, on the same inputs.
 
-    python -m bench.advantages                      # the shapes below, about a minute on 2 cores
-    python -m bench.advantages --quick              # tiny shapes: a smoke run
-    python -m bench.advantages --out bench/results  # writes advantages-cpu.json
+    python -m bench advantages                      # the shapes below
+    python -m bench advantages --quick              # tiny shapes: a smoke run
+    python -m bench advantages --out bench/results  # writes advantages-cpu.json
 
 Each method is timed as verl's function, ours on the ``reference`` backend and ours on
 ``auto`` (the native C++ group_sum where the method declares it, else the reference), in
-alternation, three rounds, each keeping its fastest call.  Time is the process's CPU time
+alternation, ``ROUNDS`` rounds, each keeping its fastest call.  Time is the process's CPU time
 (``time.process_time``) with one torch thread: on a shared, oversubscribed machine wall
 time mostly measures the other jobs.  Every pair is first checked to agree at the valid
 tokens.  CPU, float32, no gradient (verl's functions run under no_grad).  Without verl only
@@ -28,7 +28,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.advantage_methods import REGISTRY
 
-from .peers import ROUNDS, best_ms
+from .common import ROUNDS, best_ms, command_line, machine, write_json
 
 DEFAULT_OUT = "bench_out"
 
@@ -113,15 +113,13 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.advantages", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench advantages", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for advantages-cpu.json (bench/results holds the committed one)")
     args = parser.parse_args(argv)
     shapes = [(64, 32, 8)] if args.quick else [(512, 1024, 64), (4096, 256, 512)]
     torch.set_num_threads(1)
     rows = measure(shapes, 0.05 if args.quick else 0.3, 3 if args.quick else 5)
-    from .__main__ import _machine, _write_json
-
     try:
         import verl
 
@@ -129,15 +127,15 @@ def main(argv=None) -> int:
     except ImportError:
         verl_version = None
     results = {
-        "command": "python -m bench.advantages " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("advantages", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timer": "time.process_time (CPU time of this process), best call",
-        "machine": _machine(torch.device("cpu")) | {"load_average": os.getloadavg()},
+        "machine": machine(torch.device("cpu"), with_load=True),
         "versions": {"verl": verl_version, "torch": torch.__version__, "ppo_fast": pf.__version__},
         "rows": rows,
     }
     print(markdown(rows))
-    _write_json(os.path.join(args.out, "advantages-cpu.json"), results)
+    write_json(os.path.join(args.out, "advantages-cpu.json"), results)
     return 0
 
 

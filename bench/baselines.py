@@ -1,7 +1,7 @@
 """What a user would run instead of ppo_fast: the eager PyTorch code of the common RLHF stacks.
 
 Written here in the style of verl, TRL and DeepSpeed-Chat (not copied from them), and kept
-independent of ``ppo_fast.reference`` on purpose: a change to our oracle must not move the
+independent of ``ppo_fast.backends.reference`` on purpose: a change to our oracle must not move the
 baseline it is compared against.  ``tests/test_bench.py`` checks each one against the
 reference on small inputs, so a baseline timing is always the timing of a correct answer.
 
@@ -12,7 +12,8 @@ Optional third-party kernels (Liger-Kernel, flash-attn) are imported lazily;
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -198,3 +199,52 @@ def eager_value_loss(values, old_values, returns, mask, clip: float, agg: str):
     loss = 0.5 * aggregate(torch.max(losses1, losses2), mask, agg)
     clipfrac = masked_mean(torch.gt(losses2, losses1).float(), mask)
     return loss, clipfrac.detach()
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def trl_logprob_baseline(temperature: float, dtype: torch.dtype) -> dict[str, Callable]:
+    """The TRL baseline of a token_logprobs case: TRL's real ``selective_log_softmax`` where TRL
+    is installed (float32/float64 logits: its bf16 path computes the log-softmax in bf16, which
+    the benchmark's 1e-3 check against the reference refuses; ``python -m bench peers`` times
+    it), else the re-implementation ``trl-chunked``."""
+    if dtype in (torch.float32, torch.float64) and importlib.util.find_spec("trl") is not None:
+
+        def trl(x):
+            from trl.trainer.utils import selective_log_softmax  # imported on first use (a slow import)
+
+            logits, labels = x["logits"], x["labels"]
+            # As TRL is called: [sequences, tokens, V] (it loops over the sequences), here
+            # sequences of TRL_SEQUENCE_TOKENS tokens, as "trl-chunked" assumes.
+            n = labels.shape[0]
+            per = min(n, TRL_SEQUENCE_TOKENS)
+            shape = (n // per, per) if n % per == 0 else (1, n)
+            valid = labels != IGNORE_INDEX
+            out = selective_log_softmax(logits.view(*shape, logits.shape[-1]), labels.clamp_min(0).view(shape),
+                                        temperature=temperature, row_mask=valid.view(shape))
+            return out.reshape(n)
+
+        return {"trl": trl}
+    return {"trl-chunked": lambda x: trl_chunked_logprobs(x["logits"], x["labels"], temperature)}
+
+
+def trl_fused_head_baseline(temperature: float) -> dict[str, Callable]:
+    """TRL's real fused LM head where TRL is installed: the function ``add_fused_lm_head`` calls
+    (``trl.trainer.utils._ChunkedLogProbFunction`` with TRL's own chunk size), on the rows whose
+    label is not ignored, as ``add_fused_lm_head`` compacts them, scattered back to all rows."""
+    if importlib.util.find_spec("trl") is None:
+        return {}
+
+    def trl_fused_head(x):
+        from trl.trainer import utils  # imported on first use (a slow import)
+
+        labels = x["labels"]
+        valid = labels != IGNORE_INDEX
+        logp = utils._ChunkedLogProbFunction.apply(
+            x["hidden"][valid], x["weight"], None, labels[valid], temperature, utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+            ("log_probs",),
+        )[0]
+        return logp.new_zeros(labels.shape).masked_scatter(valid, logp)
+
+    return {"trl-fused-head": trl_fused_head}

@@ -7,15 +7,14 @@ reports available for the device is measured through the public op under
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 import ppo_fast as pf
 
 from . import baselines
-from .peers import trl_fused_head_baseline, trl_logprob_baseline
 
 OPS = ("token_logprobs", "linear_token_logprobs", "gae", "kl_penalized_rewards", "clipped_policy_loss", "value_loss")
 
@@ -109,7 +108,7 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
         call_op=lambda x: pf.token_logprobs(x["logits"], x["labels"], temperature=TEMPERATURE),
         baselines={
             "eager": eager,
-            **trl_logprob_baseline(TEMPERATURE, dtype),  # TRL's own selective_log_softmax where installed, else trl-chunked
+            **baselines.trl_logprob_baseline(TEMPERATURE, dtype),  # TRL's own selective_log_softmax where installed, else trl-chunked
         },
         eager_baseline="eager",
         # The reference's own row-chunk loop would be unrolled by dynamo (N·V / 2^24 chunks,
@@ -156,7 +155,7 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
     calls = {
         "eager": eager,
         "matmul+token_logprobs": matmul_then_ours,
-        **trl_fused_head_baseline(TEMPERATURE),
+        **baselines.trl_fused_head_baseline(TEMPERATURE),
         "linear-layer": lambda x: baselines.linear_layer_yardstick(x["hidden"], x["weight"]),
     }
     return Case(
@@ -273,7 +272,7 @@ _LOSS_CASES = {"clipped_policy_loss": policy_loss_case, "value_loss": value_loss
 # Losses take [B, T]; N tokens are laid out as rows of this many.
 _LOSS_ROW = 4096
 
-# The issue's GPU shapes.
+# The GPU shapes.
 GPU_SHAPES = {
     "token_logprobs": [(n, v, torch.bfloat16) for n in (4096, 16384, 65536) for v in (32000, 128256, 151936, 262144)],
     # (N, H, V, dtype): a Qwen2.5-0.5B-like and a Llama-3-8B-like head.
@@ -281,10 +280,10 @@ GPU_SHAPES = {
     "sequence": [(256, 1024), (64, 8192), (16, 32768), (1, 32768)],
     "loss_tokens": [16384, 262144, 1 << 20],
 }
-# CPU: the issue-4 targets plus a few neighbours that finish in minutes on 2 cores.
+# CPU: the CPU targets plus a few neighbours that finish in minutes on 2 cores.
 CPU_SHAPES = {
     "token_logprobs": [(2048, 32000, torch.float32), (2048, 32000, torch.bfloat16), (512, 151936, torch.bfloat16)],
-    # The last: float32 logits of 1.07 GB, the issue's CPU goal shape.
+    # The last: float32 logits of 1.07 GB, the CPU goal shape of the fused head.
     "linear_token_logprobs": [(1024, 256, 32768, torch.float32), (8192, 256, 32768, torch.float32)],
     "sequence": [(16, 4096), (256, 1024)],
     "loss_tokens": [16384, 262144],

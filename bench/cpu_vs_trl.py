@@ -1,18 +1,18 @@
-"""``python -m bench.cpu_vs_trl``: the native CPU ``token_logprobs`` forward against TRL's
+"""``python -m bench cpu_vs_trl``: the native CPU ``token_logprobs`` forward against TRL's
 installed ``trl.trainer.utils.selective_log_softmax`` and the eager log-softmax, in one run,
 at 1 and 2 threads, [2048, 32000] float32 and bfloat16 logits, temperature 0.7.
 
-    python -m bench.cpu_vs_trl                       # prints the table
-    python -m bench.cpu_vs_trl --out bench/results   # also writes cpu-vs-trl-<cpu>.json
+    python -m bench cpu_vs_trl                       # prints the table
+    python -m bench cpu_vs_trl --out bench/results   # also writes cpu-vs-trl-<cpu>.json
 
 TRL is called as its users call it on 2-D logits: its CPU path loops over the rows (float32:
 a ``torch.logsumexp`` per row, with PyTorch's own vectorised exp, AVX-512 where the CPU has
 it; bfloat16: a ``log_softmax`` per row, in bfloat16).  The three are timed in alternation,
-a few rounds, each keeping its fastest call (other jobs on a shared machine only add time).
-Each output is first compared with ``ppo_fast.reference`` (bfloat16 TRL's difference is
+``ROUNDS`` rounds, each keeping its fastest call (other jobs on a shared machine only add time).
+Each output is first compared with the reference backend (bfloat16 TRL's difference is
 reported, not refused: its log-softmax is in bfloat16).  The JSON names the CPU, its vector
 flags and the clone of the native kernels it runs (x86-64-v4, x86-64-v3 or the baseline).
-Goals (issue 12): native >= 1.5x TRL and >= 3x eager.
+Goals (``GOALS``): native >= 1.5x TRL and >= 3x eager.
 
 It also times the exp itself, single thread: csrc/fast_exp.h's ``fast_exp`` (compiled here
 with the extension's flags and clones, called through ctypes on 16k floats, L1/L2-resident)
@@ -22,11 +22,11 @@ against ``torch.exp(x, out=y)`` on the same buffers, alternating, best of many c
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import importlib
 import importlib.util
 import os
-import platform
-import ctypes
 import re
 import shutil
 import subprocess
@@ -39,15 +39,13 @@ import torch
 import ppo_fast as pf
 
 from . import baselines
-from .__main__ import _write_json
-from .peers import best_ms
+from .common import ROUNDS, best_ms, command_line, cpu_flags, cpu_model, load_average, write_json
 
 SHAPE = (2048, 32000)
 TEMPERATURE = 0.7
 THREADS = (1, 2)
 DTYPES = (torch.float32, torch.bfloat16)
 GOALS = {"trl": 1.5, "eager": 3.0}
-ROUNDS = 3
 # The clones of csrc/fast_exp.h (PPO_CPU_CLONES) and the cpuinfo flags each needs (the
 # x86-64 psABI levels, as GCC's resolver checks them).
 CLONE_FLAGS = {
@@ -58,16 +56,7 @@ CLONE_FLAGS = {
 
 def cpu_info() -> dict:
     """Model name, the vector flags that matter here, and the native kernels' clone."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-        model = found.group(1).strip() if found else model
-        found = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
-        flags = set(found.group(1).split()) if found else set()
-    except OSError:
-        pass
+    model, flags = cpu_model(), cpu_flags()
     clone = next((name for name, need in CLONE_FLAGS.items() if all(f in flags for f in need)), "default")
     vector = sorted(f for f in flags if f in ("avx2", "fma") or f.startswith("avx512"))
     return {"model": model, "vector_flags": vector, "native_clone": clone, "cores": os.cpu_count()}
@@ -174,7 +163,7 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_vs_trl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench cpu_vs_trl", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for cpu-vs-trl-<cpu>.json (not written without it)")
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per timing round and implementation")
     parser.add_argument("--quick", action="store_true", help="[256, 4096] logits, short timings: a smoke run")
@@ -184,10 +173,10 @@ def main(argv=None) -> int:
     shape = (256, 4096) if args.quick else SHAPE
     min_run_time = 0.05 if args.quick else args.min_run_time
     results = {
-        "command": "python -m bench.cpu_vs_trl " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("cpu_vs_trl", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_info(),
-        "load_average_before": os.getloadavg(),  # a shared machine: other jobs slow every timing
+        "load_average_before": load_average(),  # a shared machine: other jobs slow every timing
         "versions": {"torch": torch.__version__, "trl": importlib.import_module("trl").__version__, "ppo_fast": pf.__version__},
         "temperature": TEMPERATURE,
         "rows": [],
@@ -201,11 +190,11 @@ def main(argv=None) -> int:
                 print(f"  {threads} thread(s) {dtype}: {results['rows'][-1]['ms']}", file=sys.stderr, flush=True)
     finally:
         torch.set_num_threads(threads_before)
-    results["load_average_after"] = os.getloadavg()
+    results["load_average_after"] = load_average()
     print(table(results))
     if args.out:
         slug = re.sub(r"[^a-z0-9]+", "-", results["cpu"]["model"].lower()).strip("-")
-        _write_json(os.path.join(args.out, f"cpu-vs-trl-{slug}.json"), results)
+        write_json(os.path.join(args.out, f"cpu-vs-trl-{slug}.json"), results)
     return 0
 
 

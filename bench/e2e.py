@@ -25,8 +25,7 @@ def _sizes(device: torch.device, quick: bool) -> dict:
 
 
 def _timed_iteration(backend: str, device: torch.device, sizes: dict) -> dict:
-    from ppo_fast.trainer import PPOTrainer, TrainerConfig
-    from ppo_fast.trainer import default_task
+    from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
 
     with tempfile.TemporaryDirectory(prefix="ppo_fast_bench_") as out_dir:
         cfg = TrainerConfig(output_dir=out_dir, steps=2, device=device.type, backend=backend, sample_every=0, save_every=0, **sizes)
@@ -62,3 +61,30 @@ def run_e2e(device: torch.device, quick: bool) -> dict:
     except Exception as err:  # reported, and fails the run, but the op results are kept
         return {"error": f"{type(err).__name__}: {err}".splitlines()[0][:300], "description": description}
     return {"description": description, "runs": runs}
+
+
+def main(argv=None) -> int:
+    """``python -m bench e2e``: the end-to-end iteration alone (``python -m bench ops`` runs it with the ops)."""
+    import argparse
+    import os
+
+    from .common import command_line, machine, versions, write_json
+
+    parser = argparse.ArgumentParser(prog="python -m bench e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="a tiny batch: a smoke run")
+    parser.add_argument("--out", default=None, help="folder for e2e-<device>.json (not written without it)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    result = {"command": command_line("e2e", argv), "machine": machine(device, with_load=True), "versions": versions(),
+              "e2e": run_e2e(device, quick=args.quick)}
+    for backend, run in result["e2e"].get("runs", {}).items():
+        print(f"{backend:10s} {run['tokens_per_s']:10.1f} tokens/s  " + " ".join(f"{k}={v:.3g}s" for k, v in run["phase_s"].items()))
+    print(result["e2e"].get("error") or result["e2e"].get("skipped") or result["e2e"]["description"])
+    if args.out:
+        write_json(os.path.join(args.out, f"e2e-{device.type}{'-quick' if args.quick else ''}.json"), result)
+    return 1 if result["e2e"].get("error") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@
 #   1. build the extension for this GPU's architecture only
 #   2. the GPU tests in parallel (pytest -n, when pytest-xdist is installed), without the
 #      compile-only tests (the static report covers those without a GPU)
-#   3. the targets (python -m bench.targets): log-probs [16384, 151936] bf16, GAE [64, 8192],
+#   3. the targets (python -m bench targets): log-probs [16384, 151936] bf16, GAE [64, 8192],
 #      the losses at 16M and 1M tokens, the fused LM head if present
 #   4. the rest of the benchmark suite with the time left (no torch.compile baselines
 #      unless COMPILE=1)
@@ -67,7 +67,7 @@ finish() {
     say ""
     say "summary after $(elapsed)s:"
     if [ -f "$OUT/targets.json" ]; then
-        "$PY" -m bench.targets --summary "$OUT/targets.json" 2>&1 | sed 's/^/  /' | tee -a "$SUMMARY"
+        "$PY" -m bench targets --summary "$OUT/targets.json" 2>&1 | sed 's/^/  /' | tee -a "$SUMMARY"
     fi
     local status=0
     for line in "${RESULTS[@]}"; do
@@ -128,8 +128,8 @@ TARGETS_LOG="$OUT/targets.log"
 : >"$TARGETS_LOG"
 COMPILE_FLAG=()
 [ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
-run_stage "targets (python -m bench.targets)" "$TARGETS_S" "$TARGETS_LOG" \
-    "$PY" -m bench.targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
+run_stage "targets (python -m bench targets)" "$TARGETS_S" "$TARGETS_LOG" \
+    "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
 
 # --- fused LM head (#11): its GPU rows alone, before the suite, so that the suite's budget cannot cut them.
 FUSED_S="${FUSED_S:-150}"
@@ -156,7 +156,7 @@ else
         --out "$OUT" --budget-s "$budget" $BENCH_ARGS
     for json in "$OUT"/cuda*.json; do
         [ -f "$json" ] || continue
-        "$PY" -m bench.report "$json" --plots >"${json%.json}.md" 2>>"$BENCH_LOG" \
+        "$PY" -m bench report "$json" --plots >"${json%.json}.md" 2>>"$BENCH_LOG" \
             || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
     done
     grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
@@ -164,8 +164,8 @@ fi
 
 # --- 5. rollout speed, hf against vllm (bench/vllm_rollout.py), only where vllm is installed.
 if [ "$HAS_VLLM" = "1" ]; then
-    run_stage "vllm rollout (python -m bench.vllm_rollout --device cuda)" "$VLLM_S" "$OUT/vllm.log" \
-        "$PY" -m bench.vllm_rollout --device cuda --model llama-50M --batch 256 --response-length 128 --out "$OUT"
+    run_stage "vllm rollout (python -m bench vllm_rollout --device cuda)" "$VLLM_S" "$OUT/vllm.log" \
+        "$PY" -m bench vllm_rollout --device cuda --model llama-50M --batch 256 --response-length 128 --out "$OUT"
     grep -E "^\|" "$OUT/vllm.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 else
     say "vllm rollout: not run (vllm is not installed; not a failure)"

@@ -1,9 +1,9 @@
-"""``python -m bench.linear_head_goal``: the CPU goal of issue 11 alone, fwd+bwd at N=8192, H=256,
-V=32768 float32 (1.07 GB of float32 logits), a short run for a busy machine: the native fused
+"""``python -m bench linear_head_goal``: the fused LM head's CPU goal shape alone, fwd+bwd at N=8192,
+H=256, V=32768 float32 (1.07 GB of float32 logits), a short run for a busy machine: the native fused
 head, eager (matmul + log_softmax + gather) and TRL's real fused head, interleaved, each called
 ``--calls`` times after a call that measures its peak extra memory (bench.timing's peak-RSS
 probe; inputs excluded, the gradients of hidden and weight included).  The full case with every
-backend and baseline is ``python -m bench --ops linear_token_logprobs``; this is its goal row.
+backend and baseline is ``python -m bench ops --ops linear_token_logprobs``; this is its goal row.
 """
 
 from __future__ import annotations
@@ -11,19 +11,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import time
 
 import torch
 
 from . import cases
-from .__main__ import _machine, _versions, _write_json
+from .common import load_average, machine, versions, write_json
 from .runner import _runner, _with_backend
 from .timing import CPU_MEMORY_METHOD, peak_extra_bytes
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.linear_head_goal")
+    parser = argparse.ArgumentParser(prog="python -m bench linear_head_goal", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--out", default="bench_out/linear_head_goal.json")
     args = parser.parse_args(argv)
@@ -37,7 +36,7 @@ def main(argv=None) -> int:
     runs = {name: _runner(case, fn, "fwd+bwd", inputs) for name, fn in impls.items()}
     rows = {name: {"impl": name, "times_s": []} for name in impls}
     outputs = {}
-    # One untimed call of each first: MKL keeps a workspace (about 40 MiB here) from its first
+    # One untimed call of each first: MKL keeps a workspace from its first
     # product on, which would otherwise be charged to whichever implementation runs first.
     for run in runs.values():
         run()
@@ -63,11 +62,11 @@ def main(argv=None) -> int:
         "case": case.shape, "mode": "fwd+bwd (gradients of hidden and weight)",
         "logits_bytes_fp32": 4 * n * vocab, "gradient_bytes": 4 * (n + vocab) * hidden,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(torch.device("cpu")) | {"load_average_1m": os.getloadavg()[0]},
-        "versions": _versions(), "memory_method": CPU_MEMORY_METHOD, "results": list(rows.values()),
+        "machine": machine(torch.device("cpu")) | {"load_average_1m": load_average()[0]},
+        "versions": versions(), "memory_method": CPU_MEMORY_METHOD, "results": list(rows.values()),
     }
     print(json.dumps(results, indent=1))
-    _write_json(args.out, results)
+    write_json(args.out, results)
     return 0
 
 

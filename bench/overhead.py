@@ -1,12 +1,12 @@
-"""``python -m bench.overhead``: what a public op call costs beyond its kernel, on tiny inputs.
+"""``python -m bench overhead``: what a public op call costs beyond its kernel, on tiny inputs.
 
-    python -m bench.overhead                      # every op, about half a minute on 2 cores
-    python -m bench.overhead --out bench/results  # writes overhead-cpu.json
+    python -m bench overhead                      # every op
+    python -m bench overhead --out bench/results  # writes overhead-cpu.json
 
 For each public op, on inputs so small that the kernel itself costs almost nothing, the
 public call (``pf.<op>``: argument checks, value checks, dispatch) is timed against the
 backend function it resolves to, called with the same, already normalised arguments.  The
-difference is the per-call overhead (target: at most 50 us).  Float masks are timed beside
+difference is the per-call overhead (target: at most ``TARGET_US``).  Float masks are timed beside
 bool ones (their 0/1 check reads the values).  Time is the process's CPU time with one
 torch thread, fastest call of each, in alternation (on a shared machine wall time mostly
 measures the other jobs); the CPU and the load are recorded beside the numbers.
@@ -24,7 +24,7 @@ import torch
 import ppo_fast as pf
 from ppo_fast.backends import resolve, resolved_backend_name
 
-from .peers import best_ms
+from .common import ROUNDS, best_ms, machine, write_json
 
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results")
 TARGET_US = 50.0
@@ -73,7 +73,7 @@ def measure(min_run_time: float) -> list[dict]:
     rows = []
     for name, op, public, direct in _cases():
         times = {"public": [], "backend": []}
-        for _ in range(3):  # alternation: public, backend, public, ...
+        for _ in range(ROUNDS):  # alternation: public, backend, public, ...
             with torch.no_grad():
                 times["public"].append(best_ms(public, min_run_time, clock=time.process_time))
                 if direct is not None:
@@ -89,12 +89,10 @@ def measure(min_run_time: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing (a smoke run)")
     parser.add_argument("--out", default=None, help="folder for overhead-cpu.json (bench/results holds the committed one)")
     args = parser.parse_args(argv)
-    from .__main__ import _machine, _write_json
-
     rows = measure(0.02 if args.quick else 0.3)
     print(f"{'op':30} {'backend':10} {'public us':>10} {'backend us':>11} {'overhead us':>12}")
     for r in rows:
@@ -102,11 +100,11 @@ def main(argv=None) -> int:
         overhead = "-" if r["overhead_us"] is None else f"{r['overhead_us']:.1f}"
         print(f"{r['op']:30} {r['backend']:10} {r['public_us']:10.1f} {backend_us:>11} {overhead:>12}")
     if args.out:
-        _write_json(os.path.join(args.out, "overhead-cpu.json"), {
+        write_json(os.path.join(args.out, "overhead-cpu.json"), {
             "what": "per-call CPU time of the public op vs its backend function on tiny inputs (B=2, T=8, V=16, H=8), "
                     f"process time, one torch thread, fastest call; target overhead <= {TARGET_US:.0f} us",
             "date": datetime.date.today().isoformat(),
-            "machine": _machine(torch.device("cpu")) | {"load_average": os.getloadavg()},
+            "machine": machine(torch.device("cpu"), with_load=True),
             "rows": rows,
         })
     return 0

@@ -1,9 +1,9 @@
-"""``python -m bench.peers``: each peer's own installed function against the same function patched
+"""``python -m bench peers``: each peer's own installed function against the same function patched
 by ``ppo_fast.integrations.<peer>.patch()``, in one run, on the same inputs.
 
-    python -m bench.peers --device cpu             # the shapes below, a few minutes on 2 cores
-    python -m bench.peers --quick                  # tiny shapes: a smoke run
-    python -m bench.peers --out bench/results      # writes peers-<device>.json
+    python -m bench peers --device cpu             # the shapes below
+    python -m bench peers --quick                  # tiny shapes: a smoke run
+    python -m bench peers --out bench/results      # writes peers-<device>.json
 
 The "theirs" timing is the peer's function as its users call it (taken before patching);
 "ours" is the very same call after ``patch(backend="auto")``.  The two are timed in
@@ -12,10 +12,6 @@ machine, which only ever add time).  Each pair is first checked
 to agree (per-dtype tolerance; bf16 peers compute the log-softmax in bf16).  Peers that are
 not installed are listed as skipped.  OpenRLHF is not measured: its modules import its GPU
 stack (flash-attn, DeepSpeed, vLLM).
-
-``trl_logprob_baseline`` is also used by ``bench.cases``: with TRL installed the
-token_logprobs cases time TRL's real ``selective_log_softmax`` instead of the
-"trl-chunked" re-implementation.
 """
 
 from __future__ import annotations
@@ -23,70 +19,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.util
 import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 import ppo_fast as pf
 
-from . import baselines
+from .common import ROUNDS, best_ms, command_line, machine, write_json
 
-# Timing rounds per pair (alternating the peer's function and ours; the best median of each is kept).
-ROUNDS = 3
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def trl_logprob_baseline(temperature: float, dtype: torch.dtype) -> dict[str, Callable]:
-    """The TRL baseline of a token_logprobs case: TRL's real ``selective_log_softmax`` where TRL
-    is installed (float32/float64 logits: its bf16 path computes the log-softmax in bf16, which
-    the benchmark's 1e-3 check against the reference refuses; bench.peers times it), else the
-    re-implementation ``trl-chunked``."""
-    if dtype in (torch.float32, torch.float64) and importlib.util.find_spec("trl") is not None:
-
-        def trl(x):
-            from trl.trainer.utils import selective_log_softmax  # imported on first use (a slow import)
-
-            logits, labels = x["logits"], x["labels"]
-            # As TRL is called: [sequences, tokens, V] (it loops over the sequences), here
-            # sequences of bench.baselines.TRL_SEQUENCE_TOKENS tokens, as "trl-chunked" assumes.
-            n = labels.shape[0]
-            per = min(n, baselines.TRL_SEQUENCE_TOKENS)
-            shape = (n // per, per) if n % per == 0 else (1, n)
-            valid = labels != baselines.IGNORE_INDEX
-            out = selective_log_softmax(logits.view(*shape, logits.shape[-1]), labels.clamp_min(0).view(shape),
-                                        temperature=temperature, row_mask=valid.view(shape))
-            return out.reshape(n)
-
-        return {"trl": trl}
-    return {"trl-chunked": lambda x: baselines.trl_chunked_logprobs(x["logits"], x["labels"], temperature)}
-
-
-def trl_fused_head_baseline(temperature: float) -> dict[str, Callable]:
-    """TRL's real fused LM head where TRL is installed: the function ``add_fused_lm_head`` calls
-    (``trl.trainer.utils._ChunkedLogProbFunction`` with TRL's own chunk size), on the rows whose
-    label is not ignored, as ``add_fused_lm_head`` compacts them, scattered back to all rows."""
-    if importlib.util.find_spec("trl") is None:
-        return {}
-
-    def trl_fused_head(x):
-        from trl.trainer import utils  # imported on first use (a slow import)
-
-        labels = x["labels"]
-        valid = labels != baselines.IGNORE_INDEX
-        logp = utils._ChunkedLogProbFunction.apply(
-            x["hidden"][valid], x["weight"], None, labels[valid], temperature, utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
-            ("log_probs",),
-        )[0]
-        return logp.new_zeros(labels.shape).masked_scatter(valid, logp)
-
-    return {"trl-fused-head": trl_fused_head}
 
 
 @dataclass
@@ -191,19 +138,6 @@ def _cases(quick: bool) -> list[PeerCase]:
     return cases
 
 
-def best_ms(fn: Callable[[], object], min_run_time: float, min_calls: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
-    """The fastest of repeated calls (at least ``min_calls``, for at least ``min_run_time`` s of
-    ``clock``: wall time, or ``time.process_time`` for this process's CPU time), in ms."""
-    fn()
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < min_calls or spent < min_run_time:
-        start = clock()
-        fn()
-        elapsed = clock() - start
-        best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
-    return best * 1e3
-
-
 def _run(fn: Callable[[], object], inputs: dict, grad: str | None, mode: str) -> Callable[[], object]:
     if mode == "fwd":
 
@@ -289,7 +223,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu",), default="cpu", help="CPU only for now")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="folder for peers-<device>.json")
@@ -309,12 +243,10 @@ def main(argv=None) -> int:
         if case.peer in skipped or case.peer not in versions:
             continue
         rows += measure_case(case, 0.05 if args.quick else 0.5)
-    from .__main__ import _machine, _write_json
-
     results = {
-        "command": "python -m bench.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("peers", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(torch.device("cpu")),
+        "machine": machine(torch.device("cpu")),
         "versions": {**{k: v for k, v in versions.items() if v}, "torch": torch.__version__, "ppo_fast": pf.__version__,
                      "python": platform.python_version()},
         "auto": {op: __import__("ppo_fast.backends", fromlist=["x"]).resolved_backend_name(op, "cpu")
@@ -325,7 +257,7 @@ def main(argv=None) -> int:
     }
     print(markdown(results))
     if args.out:
-        _write_json(os.path.join(args.out, f"peers-{args.device}{'-quick' if args.quick else ''}.json"), results)
+        write_json(os.path.join(args.out, f"peers-{args.device}{'-quick' if args.quick else ''}.json"), results)
     bad = [r for r in rows if r["status"] != "ok"]
     return 1 if bad else 0
 

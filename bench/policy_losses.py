@@ -1,14 +1,14 @@
-"""``python -m bench.policy_losses``: every registered policy-loss mode, forward + backward,
+"""``python -m bench policy_losses``: every registered policy-loss mode, forward + backward,
 on the backend ``auto`` picks (native kernels for the sequence-level modes, else the
-reference), on the reference, and verl 0.9.1's own function (``get_policy_loss_fn``) when
+reference), on the reference, and verl's own function (``get_policy_loss_fn``) when
 verl is installed, in one run, on the same inputs.
 
-    python -m bench.policy_losses --device cpu                  # 64 x 1024 tokens, about a minute on 2 cores
-    python -m bench.policy_losses --quick                       # tiny shapes: a smoke run
-    python -m bench.policy_losses --out bench/results           # writes policy-losses-<device>.json
+    python -m bench policy_losses --device cpu                  # 64 x 1024 tokens
+    python -m bench policy_losses --quick                       # tiny shapes: a smoke run
+    python -m bench policy_losses --out bench/results           # writes policy-losses-<device>.json
 
 Each timing is the fastest of repeated calls, the implementations timed in alternation over
-three rounds (robust to other jobs on a shared machine, which only ever add time); every
+``ROUNDS`` rounds (robust to other jobs on a shared machine, which only ever add time); every
 pair is first checked to agree.
 """
 
@@ -24,13 +24,11 @@ import torch
 import ppo_fast as pf
 from ppo_fast.backends import resolved_backend_name
 
-from .__main__ import _machine, _write_json
-from .peers import best_ms
+from .common import ROUNDS, best_ms, load_average, machine, write_json
 
 # Parameters of the modes that need or differ from their defaults here (verl's config names in _verl_config).
 PARAMS = {"vanilla": {"dual_clip": 3.0}, "clip_cov": {"clip_cov_ratio": 0.01, "clip_cov_lb": 0.0}, "kl_cov": {"kl_cov_ratio": 0.01},
           "dro": {"dro_beta": 0.1}}
-ROUNDS = 3
 _ACTOR = {"clip_eps_low": "clip_ratio_low", "clip_eps_high": "clip_ratio_high", "dual_clip": "clip_ratio_c",
           "ratio_cap": "clip_ratio_c", "tau_pos": "tau_pos", "tau_neg": "tau_neg"}
 
@@ -124,7 +122,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.policy_losses", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench policy_losses", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, short timing")
     parser.add_argument("--out", default="bench_out", help="folder for policy-losses-<device>.json")
@@ -133,15 +131,15 @@ def main(argv=None) -> int:
     report = {
         "what": "policy_loss forward + backward (d loss / d logprobs), float32, each mode's default agg",
         "shape": [rows, length],
-        "timer": f"fastest of repeated calls (bench.peers.best_ms), {ROUNDS} rounds in alternation",
-        "machine": _machine(torch.device("cpu")) | {"torch": torch.__version__},
+        "timer": f"fastest of repeated calls (bench.common.best_ms), {ROUNDS} rounds in alternation",
+        "machine": machine(torch.device("cpu")) | {"torch": torch.__version__},
         "date": datetime.date.today().isoformat(),
-        "load_average_before": os.getloadavg()[0],  # other jobs on the machine (2 cores: above 2, timings are noisy)
+        "load_average_before": load_average()[0],  # other jobs on the machine (2 cores: above 2, timings are noisy)
         "results": measure(rows, length, args.device, min_run_time),
     }
-    report["load_average_after"] = os.getloadavg()[0]
+    report["load_average_after"] = load_average()[0]
     print(markdown(report))
-    _write_json(os.path.join(args.out, f"policy-losses-{args.device}.json"), report)
+    write_json(os.path.join(args.out, f"policy-losses-{args.device}.json"), report)
     return 0
 
 

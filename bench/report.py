@@ -1,6 +1,6 @@
 """Render benchmark results: the stdout table, the README markdown and the PNG plots.
 
-``python -m bench.report bench/results/cpu.json [more.json ...]`` prints the README
+``python -m bench report bench/results/cpu.json [more.json ...]`` prints the README
 performance section (markdown) for the given result files.
 """
 
@@ -205,9 +205,6 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     metrics = [("speedup", "speedup over the eager baseline (1x = eager; python loop for gae)")]
     if results["device"] == "cuda":
@@ -233,38 +230,9 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
             if bars[op]:
                 _bar_panel(ax, pts, assigned, impl_color)
             else:
-                series = {}
-                for p in pts:
-                    series.setdefault((p["impl"], p["mode"], p["dtype"]), []).append((p["size"], p["value"]))
-                    used_dtypes.add(p["dtype"])
-                for (impl, mode, dtype), xy in sorted(series.items(), key=lambda kv: [str(k) for k in kv[0]]):
-                    xy.sort()
-                    ax.plot([x for x, _ in xy], [y for _, y in xy], MODE_STYLES.get(mode, ":"),
-                            marker=DTYPE_MARKERS.get(dtype, "x"), color=impl_color(impl, assigned), linewidth=1.4, markersize=4)
-                ax.set_xscale("log")
-                ax.xaxis.set_minor_formatter(NullFormatter())
-                ax.set_xlabel("logit elements (N x V)" if op == "token_logprobs" else "tokens (B x T)", fontsize=8)
-                if metric == "gbps" and results.get("copy_bandwidth_gbps"):
-                    ax.axhline(results["copy_bandwidth_gbps"], color="grey", linestyle=":", linewidth=1)
-                    ax.text(ax.get_xlim()[0], results["copy_bandwidth_gbps"], " copy bandwidth", fontsize=7, va="bottom", color="grey")
-            if metric == "speedup":
-                (ax.axvline if bars[op] else ax.axhline)(1.0, color="black", linewidth=0.8)
-                axis = ax.xaxis if bars[op] else ax.yaxis
-                (ax.set_xscale if bars[op] else ax.set_yscale)("log")
-                axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-                axis.set_minor_formatter(NullFormatter())
-            (ax.set_xlabel if bars[op] else ax.set_ylabel)(label, fontsize=8)
-            ax.set_title(op, fontsize=10, loc="left")
-            ax.grid(alpha=0.3, which="both" if not bars[op] else "major")
-            ax.tick_params(labelsize=7)
-        handles = [Patch(color=impl_color(name, assigned), label=name + (" (ppo_fast)" if ours else ""))
-                   for name, ours in sorted(used_impls.items(), key=lambda kv: (not kv[1], kv[0]))]
-        if any(not b for b in bars.values()):
-            handles += [Line2D([], [], color="black", linestyle=MODE_STYLES.get(m, ":"), label=m) for m in sorted(used_modes)]
-            handles += [Line2D([], [], color="black", marker=DTYPE_MARKERS.get(d, "x"), linestyle="", label=d)
-                        for d in sorted(used_dtypes, key=str) if d]
-        elif "fwd+bwd" in used_modes:
-            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="fwd+bwd (hatched)"))
+                used_dtypes |= _line_panel(ax, op, pts, metric, results, assigned)
+            _style_panel(ax, op, metric, label, bars[op])
+        handles = _legend_handles(assigned, used_impls, used_modes, used_dtypes, lines=any(not b for b in bars.values()))
         fig.legend(handles=handles, loc="upper center", ncol=min(5, len(handles)), fontsize=7, frameon=False,
                    bbox_to_anchor=(0.5, 1 - 0.55 / (sum(heights) + 1.4)))
         machine = results["machine"]
@@ -279,6 +247,58 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _line_panel(ax, op: str, pts: list[dict], metric: str, results: dict, assigned: dict) -> set:
+    """Lines against size: colour per implementation, style per mode, marker per dtype; returns the dtypes drawn."""
+    from matplotlib.ticker import NullFormatter
+
+    series, dtypes = {}, set()
+    for p in pts:
+        series.setdefault((p["impl"], p["mode"], p["dtype"]), []).append((p["size"], p["value"]))
+        dtypes.add(p["dtype"])
+    for (impl, mode, dtype), xy in sorted(series.items(), key=lambda kv: [str(k) for k in kv[0]]):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], MODE_STYLES.get(mode, ":"),
+                marker=DTYPE_MARKERS.get(dtype, "x"), color=impl_color(impl, assigned), linewidth=1.4, markersize=4)
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("logit elements (N x V)" if op == "token_logprobs" else "tokens (B x T)", fontsize=8)
+    if metric == "gbps" and results.get("copy_bandwidth_gbps"):
+        ax.axhline(results["copy_bandwidth_gbps"], color="grey", linestyle=":", linewidth=1)
+        ax.text(ax.get_xlim()[0], results["copy_bandwidth_gbps"], " copy bandwidth", fontsize=7, va="bottom", color="grey")
+    return dtypes
+
+
+def _style_panel(ax, op: str, metric: str, label: str, bars: bool) -> None:
+    """Axis scales, the 1x line of a speedup, labels, title and grid of one panel."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if metric == "speedup":
+        (ax.axvline if bars else ax.axhline)(1.0, color="black", linewidth=0.8)
+        axis = ax.xaxis if bars else ax.yaxis
+        (ax.set_xscale if bars else ax.set_yscale)("log")
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        axis.set_minor_formatter(NullFormatter())
+    (ax.set_xlabel if bars else ax.set_ylabel)(label, fontsize=8)
+    ax.set_title(op, fontsize=10, loc="left")
+    ax.grid(alpha=0.3, which="both" if not bars else "major")
+    ax.tick_params(labelsize=7)
+
+
+def _legend_handles(assigned: dict, used_impls: dict, used_modes: set, used_dtypes: set, lines: bool) -> list:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=impl_color(name, assigned), label=name + (" (ppo_fast)" if ours else ""))
+               for name, ours in sorted(used_impls.items(), key=lambda kv: (not kv[1], kv[0]))]
+    if lines:
+        handles += [Line2D([], [], color="black", linestyle=MODE_STYLES.get(m, ":"), label=m) for m in sorted(used_modes)]
+        handles += [Line2D([], [], color="black", marker=DTYPE_MARKERS.get(d, "x"), linestyle="", label=d)
+                    for d in sorted(used_dtypes, key=str) if d]
+    elif "fwd+bwd" in used_modes:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="fwd+bwd (hatched)"))
+    return handles
 
 
 def _bar_panel(ax, pts: list[dict], assigned: dict, color_of) -> None:
@@ -305,7 +325,7 @@ def _bar_panel(ax, pts: list[dict], assigned: dict, color_of) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="result JSON files written by python -m bench")
     parser.add_argument("--plots", action="store_true", help="also (re)draw each file's PNG plots beside it")
     args = parser.parse_args(argv)

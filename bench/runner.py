@@ -3,15 +3,15 @@
 Before it is timed, each implementation's output is compared with the reference
 backend's, so a timing is never reported for a wrong answer: a mismatch, an error or
 an out-of-memory is recorded in place of the timing (and ours make ``python -m bench``
-exit non-zero, see ``__main__``).
+exit non-zero, see ``bench.ops``).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 

@@ -1,13 +1,14 @@
 """Static performance report: what the sm_90 code of every kernel costs, measured without a GPU.
 
-    python -m bench.static                 # the table (markdown) on stdout
-    python -m bench.static --json r.json   # also every number, for tests and tools
-    python -m bench.static --no-cuda       # Triton kernels only (no nvcc needed)
+    python -m bench static                 # the table (markdown) on stdout
+    python -m bench static --json r.json   # also every number, for tests and tools
+    python -m bench static --no-cuda       # Triton kernels only (no nvcc needed)
 
 **Triton**: every kernel variant is compiled for sm_90 with the specialisation a real
-launch gets.  The launchers of ``ppo_fast.kernels`` run on ``meta`` tensors of the target
-shapes; the launch itself is intercepted and handed to Triton's own binder, the code that
-turns a real launch's arguments into the compiled signature: pointer and int types (ints
+launch gets.  The launchers of ``ppo_fast.backends.triton.<op>`` run on ``meta`` tensors of
+the target shapes (each op module's ``static_variants()``); the launch itself is intercepted
+and handed to Triton's own binder, the code that turns a real launch's arguments into the
+compiled signature: pointer and int types (ints
 that fit are i32), ints equal to 1 made constexpr, and the divisibility-by-16 hints on
 ints and pointers.  A meta tensor's address is 0, so its pointer gets the 16-byte hint a
 fresh CUDA allocation (256-byte aligned) gets.  **CUDA**: ``csrc/cuda/*.cu`` compiled
@@ -43,9 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Callable
-
-import torch
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,16 +61,11 @@ BUDGETS = {
     "token_logprobs bwd+entropy": 8.0,
 }
 
-# Target shapes (bench/gpu_check.sh measures these).
-ROWS, VOCAB = 16384, 151936
-BATCH, LENGTH = 64, 8192
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-
 
 @dataclasses.dataclass
 class Variant:
-    """One launch of one kernel: ``run`` calls a launcher on meta tensors."""
+    """One launch of one kernel: ``run`` calls a launcher on meta tensors.  The op modules'
+    ``static_variants()`` return these fields as dicts (ppo_fast does not import bench)."""
 
     name: str  # e.g. "token_logprobs fwd bf16 V=151936"
     budget_key: str | None  # a key of BUDGETS, or None
@@ -234,142 +228,19 @@ def analyse(name, kernel, instructions, resources, elements_per_thread, **extra)
 # --------------------------------------------------------------------------- Triton
 
 
-def _meta(shape, dtype=torch.float32):
-    return torch.empty(shape, dtype=dtype, device="meta")
+def triton_op_modules() -> tuple:
+    """The Triton backend's op modules (``ppo_fast.backends.triton.<op>``), in the backend's order."""
+    from ppo_fast.backends import triton as backend
+
+    if not backend.MODULES:
+        raise RuntimeError(f"the Triton backend cannot be used: {backend.availability()[1]}")
+    return backend.MODULES
 
 
 def triton_variants() -> list[Variant]:
-    """Every Triton kernel variant the launchers use, at the target shapes."""
-    from ppo_fast.backends.triton import kernels
-
-    variants = []
-
-    def logprob_variants(dtype_name, vocab, lead=(ROWS,), slice_last=False, entropy_flags=(False, True), grads=None):
-        dtype = DTYPES[dtype_name]
-        size = dtype.itemsize
-        shape = f"[{', '.join(map(str, lead))}, {vocab}]" + (" sliced [:, :-1]" if slice_last else "")
-        vector = dtype_name == "bf16" and vocab % 8 == 0
-        budgeted = dtype_name != "fp64" and vocab * size % 16 == 0
-
-        def logits_labels():
-            if slice_last:
-                logits = _meta((lead[0], lead[1] + 1, vocab), dtype)[:, :-1]
-            else:
-                logits = _meta(lead + (vocab,), dtype)
-            return logits, _meta(logits.shape[:-1], torch.int64)
-
-        for entropy in entropy_flags:
-            key = "token_logprobs fwd+entropy" if entropy else "token_logprobs fwd"
-
-            def run(entropy=entropy):
-                logits, labels = logits_labels()
-                return kernels.token_logprobs_forward(logits, labels, 0.7, entropy, -100)
-
-            variants.append(Variant(f"{key} {dtype_name} {shape}", key if budgeted else None, size, run, vector))
-        for has_logp, has_entropy in grads if grads is not None else ((True, False), (True, True), (False, True)):
-            what = "+".join(n for n, on in (("logp", has_logp), ("entropy", has_entropy)) if on)
-
-            def run(has_logp=has_logp, has_entropy=has_entropy):
-                logits, labels = logits_labels()
-                acc = torch.float64 if dtype == torch.float64 else torch.float32
-                stats, row = _meta(labels.shape + (2,), acc), _meta(labels.shape, acc)
-                return kernels.token_logprobs_backward(
-                    logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100
-                )
-
-            key = "token_logprobs bwd+entropy" if has_entropy else "token_logprobs bwd"
-            variants.append(Variant(f"token_logprobs bwd({what}) {dtype_name} {shape}", key if budgeted else None, 2 * size, run, vector))
-
-    for dtype_name in DTYPES:
-        logprob_variants(dtype_name, VOCAB)
-    logprob_variants("bf16", 32008, grads=((True, False),))  # V % 8 == 0 but not % 16
-    logprob_variants("bf16", 50257, entropy_flags=(False,), grads=((True, False),))  # odd V: no vector loads possible
-    logprob_variants("bf16", VOCAB, lead=(8, 2048), slice_last=True, entropy_flags=(False,), grads=((True, False),))
-
-    def seq(dtype=torch.float32, transposed=False):
-        if transposed:
-            return _meta((LENGTH, BATCH), dtype).t()
-        return _meta((BATCH, LENGTH), dtype)
-
-    from ppo_fast.spec import KL_ESTIMATORS
-
-    for estimator in KL_ESTIMATORS:
-        for transposed in (False, True) if estimator == "k3" else (False,):
-            layout = " transposed" if transposed else ""
-            variants.append(Variant(f"kl_estimate fwd {estimator}{layout}", None, 12,
-                                    lambda e=estimator, t=transposed: kernels.kl_estimate_forward(seq(transposed=t), seq(transposed=t), e)))
-            variants.append(Variant(f"kl_estimate bwd {estimator}{layout}", None, 20,
-                                    lambda e=estimator, t=transposed: kernels.kl_backward(seq(transposed=t), seq(transposed=t), seq(), e)))
-        variants.append(Variant(
-            f"kl_penalized_rewards fwd {estimator}", None, 17,
-            lambda e=estimator: kernels.kl_penalized_rewards_forward(_meta((BATCH,)), seq(), seq(), seq(torch.bool), 0.05, e)))
-    for has_rewards, has_kl in ((True, True), (True, False), (False, True)):
-        what = "+".join(n for n, on in (("rewards", has_rewards), ("kl", has_kl)) if on)
-        variants.append(Variant(
-            f"kl_penalized_rewards bwd({what}) k3", None, None,
-            lambda r=has_rewards, k=has_kl: kernels.kl_penalized_rewards_backward(
-                seq(), seq(), seq(torch.bool), _meta((BATCH,), torch.int32), seq() if r else None, seq() if k else None, 0.05, "k3",
-                torch.float32)))
-    variants.append(Variant("gae fwd", None, 17, lambda: kernels.gae_forward(seq(), seq(), seq(torch.bool), 1.0, 0.95)))
-    for has_adv, has_ret in ((True, True), (True, False), (False, True)):
-        what = "+".join(n for n, on in (("advantages", has_adv), ("returns", has_ret)) if on)
-        variants.append(Variant(
-            f"gae bwd({what})", None, None,
-            lambda a=has_adv, r=has_ret: kernels.gae_backward(seq() if a else None, seq() if r else None, seq(torch.bool), 1.0, 0.95,
-                                                              torch.float32, torch.float32)))
-
-    # The fused LM head (tiled tl.dot: no per-element figure), at its launch configurations;
-    # float32 products in TF32 where torch allows it, else IEEE.
-    from ppo_fast.kernels import linear_logprobs
-
-    rows, hidden = 16384, 4096
-    for dtype_name, allow_tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
-        dtype = DTYPES[dtype_name]
-        label = dtype_name + (" tf32" if allow_tf32 else "")
-        for flags in (False, True):  # bias, softcap and the entropy together, or none
-            extra = " bias+softcap+entropy" if flags else ""
-
-            def head(dtype=dtype):
-                return _meta((rows, hidden), dtype), _meta((VOCAB, hidden), dtype), _meta((rows,), torch.int64)
-
-            def fwd(head=head, flags=flags, allow_tf32=allow_tf32):
-                x, w, labels = head()
-                with _allow_tf32(allow_tf32):
-                    return linear_logprobs.linear_logprobs_forward(
-                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
-                        logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
-
-            def bwd(head=head, flags=flags, allow_tf32=allow_tf32):
-                x, w, labels = head()
-                acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-                row, stats = _meta((rows,), acc), _meta((rows, 2), acc)
-                with _allow_tf32(allow_tf32):
-                    return linear_logprobs.linear_logprobs_backward(
-                        x, w, labels, _meta((VOCAB,), x.dtype) if flags else None, stats, row if flags else None, row, row if flags else None,
-                        temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
-                        needs_hidden=True, needs_weight=True, needs_bias=flags)
-
-            shape = f"[{rows}, {hidden}] x [{VOCAB}, {hidden}] {label}{extra}"
-            variants.append(Variant(f"linear_token_logprobs fwd {shape}", None, None, fwd, block=None))
-            variants.append(Variant(f"linear_token_logprobs bwd {shape}", None, None, bwd, block=None))
-
-    from ppo_fast.kernels import group_sum
-
-    for dtype in (torch.float32, torch.float64):
-        variants.append(Variant(f"group_sum {str(dtype).replace('torch.', '')} [{BATCH}, 8]", None, None,
-                                lambda dtype=dtype: group_sum.group_sum_forward(_meta((BATCH, 8), dtype), _meta((BATCH,), torch.int64)),
-                                block=None))
-    return variants
-
-
-@contextlib.contextmanager
-def _allow_tf32(allowed: bool):
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+    """Every Triton kernel variant the launchers use, at the target shapes: each op module's
+    ``static_variants()`` (dicts of :class:`Variant`'s fields), next to its kernels."""
+    return [Variant(**variant) for module in triton_op_modules() for variant in module.static_variants()]
 
 
 @dataclasses.dataclass
@@ -451,18 +322,12 @@ def _ptxas_resources(ptx: str) -> dict[str, int]:
 
 
 def triton_kernels() -> list[str]:
-    """The names of every ``@triton.jit`` kernel (``*_kernel``) in ``ppo_fast.kernels``: the
-    variants must launch each at least once."""
-    import importlib
-    import pkgutil
-
+    """The names of every ``@triton.jit`` kernel (``*_kernel``) in the Triton backend's op
+    modules: the variants must launch each at least once."""
     from triton.runtime.jit import JITFunction
 
-    import ppo_fast.kernels as package
-
     names = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for module in triton_op_modules():
         names |= {name for name, obj in vars(module).items() if isinstance(obj, JITFunction) and name.endswith("_kernel")}
     return sorted(names)
 
@@ -566,7 +431,7 @@ def markdown(reports: list[KernelReport]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench static", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=pathlib.Path, help="also write every number here")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels (no nvcc needed)")
     parser.add_argument("--only", help="only the Triton variants whose name contains this")

@@ -1,4 +1,4 @@
-"""The GPU targets, measured first: ``python -m bench.targets --out DIR``.
+"""The GPU targets, measured first: ``python -m bench targets --out DIR``.
 
 Each target is one case at its target shape, measured by ``bench.runner`` (our backends
 checked against the reference, then timed; the eager baseline beside them, no
@@ -6,11 +6,11 @@ checked against the reference, then timed; the eager baseline beside them, no
 every case, so a run cut short still leaves what it measured.  Then one line per target:
 ``met`` / ``missed`` with the number, for the backend ``auto`` picks on the device.
 
-    python -m bench.targets --out bench_out                 # on a GPU: the target shapes
-    python -m bench.targets --summary bench_out/targets.json   # the summary lines again
-    python -m bench.targets --device cpu --quick --out DIR  # tiny shapes: a smoke run (the sample in tests/data)
+    python -m bench targets --out bench_out                 # on a GPU: the target shapes
+    python -m bench targets --summary bench_out/targets.json   # the summary lines again
+    python -m bench targets --device cpu --quick --out DIR  # tiny shapes: a smoke run (the sample in tests/data)
 
-Targets (issue 12): log-probs [16384, 151936] bf16 at >= 85% of the copy bandwidth; the
+Targets: log-probs [16384, 151936] bf16 at >= 85% of the copy bandwidth; the
 PPO losses at >= 80% of it forward + backward at 16M tokens and within 15 us at 1M
 tokens.  GAE [64, 8192] and the fused LM head (where ``pf.linear_token_logprobs`` exists)
 are measured without a stated target.
@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -124,7 +124,7 @@ def summary_lines(results: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.targets", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench targets", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, CPU included)")

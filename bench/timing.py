@@ -18,8 +18,8 @@ import ctypes
 import ctypes.util
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -7,20 +7,21 @@ in code (random weights: no downloads; EOS is rarely sampled, so both produce ab
 calls (median).  ``sync_weights`` (the policy's weights into the engine, in place) is timed
 the same way.  Writes ``vllm-rollout-<device>.json`` and prints a Markdown table.
 
-    python -m bench.vllm_rollout --device cpu --out bench/results     # in a venv with vllm
+    python -m bench vllm_rollout --device cpu --out bench/results     # in a venv with vllm
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from .common import load_average, machine, versions
 
 MODEL_SHAPES = {
     # name: (hidden, layers, heads, vocab); head_dim 64 (vLLM's CPU attention takes it)
@@ -98,7 +99,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.vllm_rollout", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench vllm_rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="llama-8M")
     parser.add_argument("--batch", type=int, default=64)
@@ -106,15 +107,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
-    from .__main__ import _machine, _versions
-
     import vllm
 
     device = torch.device(args.device)
-    load_before = os.getloadavg()[0]
+    load_before = load_average()[0]
     result = run(device, args.model, args.batch, args.response_length, args.repeats)
-    result.update(machine=_machine(device), versions={**_versions(), "vllm": vllm.__version__},
-                  load_average_1m=[load_before, os.getloadavg()[0]])  # before, after: the machine may be shared
+    result.update(machine=machine(device), versions={**versions(), "vllm": vllm.__version__},
+                  load_average_1m=[load_before, load_average()[0]])  # before, after: the machine may be shared
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"vllm-rollout-{device.type}.json"

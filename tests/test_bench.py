@@ -207,3 +207,94 @@ def test_overhead_bench_times_every_public_op(tmp_path):
         assert r["public_us"] > 0
         if r["backend_call_us"] is not None:
             assert r["overhead_us"] == pytest.approx(r["public_us"] - r["backend_call_us"], abs=0.2)
+
+
+# ---------------------------------------------------------------------- the package's structure
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """``{module: bench modules it imports}`` from the AST of bench/*.py (function-level imports included)."""
+    import ast
+
+    modules = {name[:-3] for name in os.listdir(BENCH_DIR) if name.endswith(".py")}
+    graph = {}
+    for module in modules:
+        with open(os.path.join(BENCH_DIR, module + ".py")) as f:
+            tree = ast.parse(f.read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 1 or node.module == "bench" or (node.module or "").startswith("bench."):
+                    base = (node.module or "").removeprefix("bench").lstrip(".") if node.level == 0 else (node.module or "")
+                    found |= {base.split(".")[0]} if base else {a.name for a in node.names}
+        graph[module] = {m for m in found if m in modules and m != module}
+    return graph
+
+
+def test_bench_imports_have_no_cycle_and_nothing_imports_main():
+    graph = _bench_imports()
+    assert not [m for m, deps in graph.items() if "__main__" in deps], graph
+    assert {"cases", "common", "ops", "peers"} <= set(graph) and "common" in graph["peers"]
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            raise AssertionError("import cycle: " + " -> ".join(on_path[on_path.index(module):] + [module]))
+        if module in done:
+            return
+        on_path.append(module)
+        for dep in sorted(graph[module]):
+            visit(dep)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_no_bench_function_is_over_80_lines():
+    import ast
+
+    long = []
+    for name in sorted(os.listdir(BENCH_DIR)):
+        if name.endswith(".py"):
+            with open(os.path.join(BENCH_DIR, name)) as f:
+                tree = ast.parse(f.read())
+            long += [f"{name}:{n.name} {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, long
+
+
+def test_every_suite_has_a_main_and_help_lists_them(capsys):
+    import importlib
+    import inspect
+
+    from bench.__main__ import SUITES
+
+    for suite in SUITES:
+        module = importlib.import_module(f"bench.{suite}")
+        assert inspect.signature(module.main).parameters, suite  # main(argv)
+    assert bench_main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(f"  {suite} " in text for suite in SUITES), text
+    assert bench_main(["no_such_suite"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["peers", "--help"])
+    assert exit_.value.code == 0 and "python -m bench peers" in capsys.readouterr().out
+
+
+def test_python_m_bench_runs_a_suite_once(tmp_path):
+    """``python -m bench <suite>`` and the module form run the suite's module once (no import cycle re-running it)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(BENCH_DIR)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    for cmd in (["-m", "bench", "targets", "--help"], ["-m", "bench.targets", "--help"], ["-m", "bench", "--help"]):
+        out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("usage:") == 1, out.stdout

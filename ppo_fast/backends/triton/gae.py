@@ -301,3 +301,22 @@ def gae(rewards, values, mask, gamma, lam):
     return _gae_op(rewards, values, mask, gamma, lam)
 
 
+
+
+def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
+    """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors.
+
+    One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` (None: no budget),
+    ``bytes_per_element`` (global memory read + written per token; None: not modelled).
+    """
+
+    def seq(dtype=torch.float32):
+        return torch.empty((batch, length), dtype=dtype, device="meta")
+
+    out = [dict(name="gae fwd", budget_key=None, bytes_per_element=17, run=lambda: gae_forward(seq(), seq(), seq(torch.bool), 1.0, 0.95))]
+    for has_adv, has_ret in ((True, True), (True, False), (False, True)):
+        what = "+".join(n for n, on in (("advantages", has_adv), ("returns", has_ret)) if on)
+        out.append(dict(name=f"gae bwd({what})", budget_key=None, bytes_per_element=None,
+                        run=lambda a=has_adv, r=has_ret: gae_backward(seq() if a else None, seq() if r else None, seq(torch.bool),
+                                                                     1.0, 0.95, torch.float32, torch.float32)))
+    return out

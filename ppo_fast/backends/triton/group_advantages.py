@@ -111,3 +111,18 @@ _group_sum_op.register_autograd(_group_sum_backward, setup_context=_group_sum_se
 
 def group_sum(values, group_index):
     return _group_sum_op(values.to(result_dtype(values)), group_index)
+
+
+def static_variants(batch: int = 64, group: int = 8) -> list[dict]:
+    """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors.
+
+    One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` and
+    ``bytes_per_element`` (None: neither), ``block`` (None: no per-element figure).
+    """
+
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    return [dict(name=f"group_sum {str(dtype).replace('torch.', '')} [{batch}, {group}]", budget_key=None, bytes_per_element=None,
+                 run=lambda dtype=dtype: group_sum_forward(meta((batch, group), dtype), meta((batch,), torch.int64)), block=None)
+            for dtype in (torch.float32, torch.float64)]

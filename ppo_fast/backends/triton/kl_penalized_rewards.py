@@ -510,3 +510,36 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimato
     return rewards, kl
 
 
+
+
+def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
+    """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
+    kl_estimate forward and backward per estimator (k3 also transposed), kl_penalized_rewards forward and backward.
+
+    One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` (None: no budget),
+    ``bytes_per_element`` (global memory read + written per token; None: not modelled).
+    """
+
+    def meta(shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def seq(dtype=torch.float32, transposed=False):
+        return meta((length, batch), dtype).t() if transposed else meta((batch, length), dtype)
+
+    out = []
+    for estimator in KL_ESTIMATORS:
+        for transposed in (False, True) if estimator == "k3" else (False,):
+            layout = " transposed" if transposed else ""
+            out.append(dict(name=f"kl_estimate fwd {estimator}{layout}", budget_key=None, bytes_per_element=12,
+                            run=lambda e=estimator, t=transposed: kl_estimate_forward(seq(transposed=t), seq(transposed=t), e)))
+            out.append(dict(name=f"kl_estimate bwd {estimator}{layout}", budget_key=None, bytes_per_element=20,
+                            run=lambda e=estimator, t=transposed: kl_backward(seq(transposed=t), seq(transposed=t), seq(), e)))
+        out.append(dict(name=f"kl_penalized_rewards fwd {estimator}", budget_key=None, bytes_per_element=17,
+                        run=lambda e=estimator: kl_penalized_rewards_forward(meta((batch,)), seq(), seq(), seq(torch.bool), 0.05, e)))
+    for has_rewards, has_kl in ((True, True), (True, False), (False, True)):
+        what = "+".join(n for n, on in (("rewards", has_rewards), ("kl", has_kl)) if on)
+        out.append(dict(name=f"kl_penalized_rewards bwd({what}) k3", budget_key=None, bytes_per_element=None,
+                        run=lambda r=has_rewards, k=has_kl: kl_penalized_rewards_backward(
+                            seq(), seq(), seq(torch.bool), meta((batch,), torch.int32), seq() if r else None, seq() if k else None,
+                            0.05, "k3", torch.float32)))
+    return out

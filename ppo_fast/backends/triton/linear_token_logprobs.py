@@ -569,3 +569,59 @@ def linear_token_logprobs(
     return logp, (entropy if return_entropy else None)
 
 
+
+
+def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) -> list[dict]:
+    """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
+    the fused head (tiled tl.dot: no per-element figure) at its launch configurations, float32
+    products in TF32 where torch allows it, else IEEE.
+
+    One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` and
+    ``bytes_per_element`` (None: neither), ``block`` (None: no per-element figure).
+    """
+    import contextlib
+
+    @contextlib.contextmanager
+    def allow_tf32(allowed: bool):
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def launches(dtype, tf32: bool, flags: bool):  # flags: bias, softcap and the entropy together, or none
+        def head():
+            return meta((rows, hidden), dtype), meta((vocab, hidden), dtype), meta((rows,), torch.int64)
+
+        def fwd():
+            x, w, labels = head()
+            with allow_tf32(tf32):
+                return linear_token_logprobs_forward(
+                    x, w, labels, meta((vocab,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
+                    logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
+
+        def bwd():
+            x, w, labels = head()
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            row, stats = meta((rows,), acc), meta((rows, 2), acc)
+            with allow_tf32(tf32):
+                return linear_token_logprobs_backward(
+                    x, w, labels, meta((vocab,), x.dtype) if flags else None, stats, row if flags else None, row, row if flags else None,
+                    temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
+                    needs_hidden=True, needs_weight=True, needs_bias=flags)
+
+        return fwd, bwd
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+    out = []
+    for dtype_name, tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
+        for flags in (False, True):
+            fwd, bwd = launches(dtypes[dtype_name], tf32, flags)
+            shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}] {dtype_name}" + (" tf32" if tf32 else "") + (" bias+softcap+entropy" if flags else "")
+            out.append(dict(name=f"linear_token_logprobs fwd {shape}", budget_key=None, bytes_per_element=None, run=fwd, block=None))
+            out.append(dict(name=f"linear_token_logprobs bwd {shape}", budget_key=None, bytes_per_element=None, run=bwd, block=None))
+    return out

@@ -608,3 +608,56 @@ def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, in
     return logp, (entropy if return_entropy else None)
 
 
+
+
+def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
+    """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors.
+
+    One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` (a key of
+    ``bench.static.BUDGETS`` or None), ``bytes_per_element`` (global memory read + written
+    per logit), ``vector_loads_expected`` (128-bit loads required: bf16, V % 8 == 0).
+    """
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def layout(dtype_name, vocab, lead=(rows,), slice_last=False, entropy_flags=(False, True), grads=None):
+        dtype = dtypes[dtype_name]
+        size = dtype.itemsize
+        shape = f"[{', '.join(map(str, lead))}, {vocab}]" + (" sliced [:, :-1]" if slice_last else "")
+        vector = dtype_name == "bf16" and vocab % 8 == 0
+        budgeted = dtype_name != "fp64" and vocab * size % 16 == 0
+
+        def logits_labels():
+            logits = meta((lead[0], lead[1] + 1, vocab), dtype)[:, :-1] if slice_last else meta(lead + (vocab,), dtype)
+            return logits, meta(logits.shape[:-1], torch.int64)
+
+        def forward(entropy):
+            logits, labels = logits_labels()
+            return token_logprobs_forward(logits, labels, 0.7, entropy, -100)
+
+        def backward(has_logp, has_entropy):
+            logits, labels = logits_labels()
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            stats, row = meta(labels.shape + (2,), acc), meta(labels.shape, acc)
+            return token_logprobs_backward(logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100)
+
+        out = []
+        for entropy in entropy_flags:
+            key = "token_logprobs fwd+entropy" if entropy else "token_logprobs fwd"
+            out.append(dict(name=f"{key} {dtype_name} {shape}", budget_key=key if budgeted else None, bytes_per_element=size,
+                            run=lambda e=entropy: forward(e), vector_loads_expected=vector))
+        for has_logp, has_entropy in grads if grads is not None else ((True, False), (True, True), (False, True)):
+            what = "+".join(n for n, on in (("logp", has_logp), ("entropy", has_entropy)) if on)
+            key = "token_logprobs bwd+entropy" if has_entropy else "token_logprobs bwd"
+            out.append(dict(name=f"token_logprobs bwd({what}) {dtype_name} {shape}", budget_key=key if budgeted else None,
+                            bytes_per_element=2 * size, run=lambda lp=has_logp, en=has_entropy: backward(lp, en),
+                            vector_loads_expected=vector))
+        return out
+
+    variants = [v for dtype_name in dtypes for v in layout(dtype_name, vocab)]
+    variants += layout("bf16", 32008, grads=((True, False),))  # V % 8 == 0 but not % 16
+    variants += layout("bf16", 50257, entropy_flags=(False,), grads=((True, False),))  # odd V: no vector loads possible
+    variants += layout("bf16", vocab, lead=(8, 2048), slice_last=True, entropy_flags=(False,), grads=((True, False),))
+    return variants
