@@ -43,9 +43,8 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 namespace {
 
 // Logits per chunk: 32 MiB of float32 (3% of the logits of 8192 tokens x 32k vocabulary),
-// but never fewer than kMinRows rows.  Each product re-packs the whole head, so short
-// chunks are slow: on the (busy) 2-core EPYC, [2048, 256] @ [256, 32768] in chunks of 32, 64, 128
-// and 256 rows took 3.9-4.9x, 2.2-2.6x, 1.5-1.7x and 1.3x the time of one product.
+// but never fewer than kMinRows rows: each product re-packs the whole head, so chunks of a few
+// rows cost several times one product (python -m bench linear_head_goal measures it).
 constexpr int64_t kScratchLogits = int64_t(1) << 23;
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kBlock = 1024;  // softcap backward: logits saved at a time (as token_logprobs.cpp's chunks)

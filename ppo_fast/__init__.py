@@ -15,44 +15,15 @@ Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
 
 from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
-from .ops import (
-    advantage_methods,
-    aggregate,
-    clipped_policy_loss,
-    gae,
-    group_advantages,
-    kl_estimate,
-    kl_penalized_rewards,
-    linear_token_logprobs,
-    masked_mean,
-    masked_whiten,
-    policy_loss,
-    policy_loss_modes,
-    rollout_correction_weights,
-    token_logprobs,
-    value_loss,
-)
+from . import ops
+from .ops import *  # noqa: F403  (ppo_fast.ops.__all__: every op module's public functions)
 
 __version__ = "0.1.0"
 
 load_all()
 
 __all__ = [
-    "token_logprobs",
-    "linear_token_logprobs",
-    "kl_estimate",
-    "kl_penalized_rewards",
-    "gae",
-    "group_advantages",
-    "advantage_methods",
-    "aggregate",
-    "masked_mean",
-    "masked_whiten",
-    "clipped_policy_loss",
-    "policy_loss",
-    "policy_loss_modes",
-    "value_loss",
-    "rollout_correction_weights",
+    *ops.__all__,
     "AdaptiveKLController",
     "FixedKLController",
     "available_backends",

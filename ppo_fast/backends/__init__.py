@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import pkgutil
 import threading
 import warnings
 from dataclasses import dataclass
@@ -65,6 +66,13 @@ _OP_ORDER = {
     ("cuda", "value_loss"): ("native", "triton", "reference"),
 }
 assert {op for _, op in _OP_ORDER} <= set(OPS)
+
+
+def op_modules(package: str, path) -> tuple:
+    """Every op module of a package (each public submodule, in name order): adding an op's file
+    is enough for its package to find it."""
+    names = sorted(m.name for m in pkgutil.iter_modules(path) if not m.name.startswith("_"))
+    return tuple(importlib.import_module(f"{package}.{name}") for name in names)
 
 
 def collect(modules) -> tuple[dict[str, set[str]], dict[str, Callable]]:

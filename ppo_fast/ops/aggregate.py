@@ -6,6 +6,8 @@ from .. import _validation as check
 from ..backends import reference
 from ..spec import AGG_MODES
 
+__all__ = ["aggregate", "masked_mean", "masked_whiten"]
+
 
 def aggregate(per_token, mask, agg="token-mean"):
     """Reduce a ``[B, T]`` per-token loss over ``mask`` as verl's ``agg_loss`` does.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from .. import _validation as check
 from ..backends import resolve
 
+__all__ = ["gae"]
+
 
 def gae(rewards, values, mask, *, gamma=1.0, lam=0.95):
     """Generalised advantage estimation over the valid tokens of each row.

@@ -8,6 +8,8 @@ from .. import _validation as check
 from ..backends import resolve
 from ..spec import KL_ESTIMATORS
 
+__all__ = ["kl_estimate", "kl_penalized_rewards"]
+
 
 def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.

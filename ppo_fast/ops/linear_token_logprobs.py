@@ -9,6 +9,8 @@ from .. import _validation as check
 from ..backends import resolve
 from .token_logprobs import MIN_TEMPERATURE
 
+__all__ = ["linear_token_logprobs"]
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -6,6 +6,8 @@ from .. import _validation as check
 from ..backends import reference
 from ..spec import ROLLOUT_CORRECTION_MODES
 
+__all__ = ["rollout_correction_weights"]
+
 
 def rollout_correction_weights(
     old_logprobs, rollout_logprobs, mask, *, mode="token_tis", threshold=2.0, threshold_low=0.0, batch_normalize=False

@@ -7,6 +7,8 @@ import torch
 from .. import _validation as check
 from ..backends import resolve
 
+__all__ = ["token_logprobs"]
+
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 # 1 / temperature scales the logits in float32: below this the scaled logits of a real

@@ -10,6 +10,8 @@ from .. import _validation as check
 from ..backends import resolve
 from ..spec import AGG_MODES
 
+__all__ = ["value_loss"]
+
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
     """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)``.

@@ -10,15 +10,12 @@ operator computes only the gradients autograd asks for (its ``output_mask``).  T
 ``kl_estimator`` and ``agg`` names pass straight through to the C++ ops, which parse them.
 """
 
-from .. import collect
-from . import bool_mask, gae, group_advantages, kl_penalized_rewards, linear_token_logprobs, policy_loss, token_logprobs
-from . import value_loss
+from .. import collect, op_modules
 from ._common import REGISTERED, availability, built_with_cuda
 
-MODULES = (token_logprobs, linear_token_logprobs, kl_penalized_rewards, gae, group_advantages, policy_loss, value_loss)
+MODULES = op_modules(__name__, __path__)
 SUPPORTED, FUNCTIONS = collect(MODULES)
 # The torch.ops.ppo_fast operators each module registers (forward and backward), for the tests.
 OPERATORS = tuple(REGISTERED)
-assert bool_mask.SUPPORTED == {}
 
 __all__ = ["SUPPORTED", "FUNCTIONS", "OPERATORS", "availability", "built_with_cuda"]

@@ -9,38 +9,23 @@ label gives a NaN log-prob and no gradient.  It serves every op on every device.
 """
 
 from ...spec import OPS
-from .aggregate import aggregate, masked_mean, masked_whiten
-from .gae import gae
-from .group_advantages import group_sum
-from .kl_penalized_rewards import k3_of, kl_estimate, kl_penalized_rewards, last_valid_index
-from .linear_token_logprobs import linear_logits, linear_token_logprobs
-from .policy_loss import (
-    clipped_policy_loss,
-    policy_loss_cispo,
-    policy_loss_clip_cov,
-    policy_loss_dppo_kl,
-    policy_loss_dppo_tv,
-    policy_loss_dro,
-    policy_loss_geo_mean,
-    policy_loss_gpg,
-    policy_loss_gspo,
-    policy_loss_kl_cov,
-    policy_loss_sapo,
-)
-from .rollout_correction import rollout_correction_weights
-from .token_logprobs import token_logprobs
-from .value_loss import value_loss
+from .. import collect, op_modules
 
-SUPPORTED = {op: {"cpu", "cuda"} for op in OPS}
-FUNCTIONS = {op: globals()[op] for op in OPS}  # KeyError here: an op without a reference
+# Helpers of the other modules and of the tests, besides the ops.
+from .aggregate import aggregate, masked_mean, masked_whiten  # noqa: E402
+from .kl_penalized_rewards import k3_of, last_valid_index  # noqa: E402
+from .linear_token_logprobs import linear_logits  # noqa: E402
+from .rollout_correction import rollout_correction_weights  # noqa: E402
+
+MODULES = op_modules(__name__, __path__)
+SUPPORTED, FUNCTIONS = collect(MODULES)
+assert set(SUPPORTED) == set(OPS), f"ops without a reference: {sorted(set(OPS) - set(SUPPORTED))}"
+globals().update(FUNCTIONS)  # reference.gae(...) etc.: the oracle's functions by name
 
 
 def availability() -> tuple[bool, str]:
     return True, "plain PyTorch, every op on every device"
 
 
-__all__ = ["aggregate", "masked_mean", "masked_whiten", "gae", "group_sum", "k3_of", "kl_estimate", "kl_penalized_rewards",
-           "last_valid_index", "linear_logits", "linear_token_logprobs", "clipped_policy_loss", "policy_loss_cispo",
-           "policy_loss_clip_cov", "policy_loss_dppo_kl", "policy_loss_dppo_tv", "policy_loss_dro", "policy_loss_geo_mean",
-           "policy_loss_gpg", "policy_loss_gspo", "policy_loss_kl_cov", "policy_loss_sapo", "rollout_correction_weights",
-           "token_logprobs", "value_loss", "SUPPORTED", "FUNCTIONS", "availability"]
+__all__ = ["SUPPORTED", "FUNCTIONS", "MODULES", "availability", "aggregate", "masked_mean", "masked_whiten", "k3_of",
+           "last_valid_index", "linear_logits", "rollout_correction_weights", *FUNCTIONS]

@@ -6,6 +6,8 @@ import torch
 
 from ..._dtypes import result_dtype
 
+DEVICES = frozenset({"cpu", "cuda"})  # plain PyTorch runs everywhere
+
 # Rows per chunk in token_logprobs: at most this many float32 logits live at once,
 # so a bf16 [N, V] input never gets a float32 [N, V] copy.
 CHUNK_ELEMENTS = 1 << 24

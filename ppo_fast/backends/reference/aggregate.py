@@ -7,6 +7,9 @@ import torch
 import torch.utils.checkpoint
 
 from ._common import masked_inputs
+from ._common import DEVICES
+
+SUPPORTED = {}  # helpers of the public ops, not backend ops
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:

@@ -7,6 +7,9 @@ import torch
 import torch.utils.checkpoint
 
 from ._common import masked_inputs
+from ._common import DEVICES
+
+SUPPORTED = {"gae": DEVICES}
 
 
 

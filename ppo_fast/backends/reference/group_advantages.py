@@ -7,6 +7,9 @@ import torch
 import torch.utils.checkpoint
 
 from ._common import in_common_dtype
+from ._common import DEVICES
+
+SUPPORTED = {"group_sum": DEVICES}
 
 
 def group_sum(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ import torch
 import torch.utils.checkpoint
 
 from ._common import in_common_dtype, masked_inputs
+from ._common import DEVICES
+
+SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
 
 
 

@@ -8,6 +8,9 @@ import torch.utils.checkpoint
 
 from ._common import CHUNK_ELEMENTS, in_common_dtype
 from .token_logprobs import _logprobs_rows
+from ._common import DEVICES
+
+SUPPORTED = {"linear_token_logprobs": DEVICES}
 
 
 def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float, logit_softcap: float | None):

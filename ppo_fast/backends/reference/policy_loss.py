@@ -8,6 +8,11 @@ import torch.utils.checkpoint
 
 from ._common import masked_inputs
 from .aggregate import aggregate, masked_mean
+from ...spec import POLICY_LOSS_MODES
+from ._common import DEVICES
+
+# Every policy-loss mode's op (vanilla is clipped_policy_loss).
+SUPPORTED = {mode.op: DEVICES for mode in POLICY_LOSS_MODES.values()}
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str):

@@ -8,6 +8,9 @@ import torch.utils.checkpoint
 
 from ._common import masked_inputs
 from .aggregate import masked_mean
+from ._common import DEVICES
+
+SUPPORTED = {}  # helpers of the public ops, not backend ops
 
 
 # --------------------------------------------------------------------------- rollout correction

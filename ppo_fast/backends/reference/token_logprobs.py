@@ -7,6 +7,9 @@ import torch
 import torch.utils.checkpoint
 
 from ._common import CHUNK_ELEMENTS, in_common_dtype
+from ._common import DEVICES
+
+SUPPORTED = {"token_logprobs": DEVICES}
 
 
 

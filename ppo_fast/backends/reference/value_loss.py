@@ -8,6 +8,9 @@ import torch.utils.checkpoint
 
 from ._common import masked_inputs
 from .aggregate import aggregate, masked_mean
+from ._common import DEVICES
+
+SUPPORTED = {"value_loss": DEVICES}
 
 
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):

@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from .. import collect
+from .. import collect, op_modules
 from ._launch import DEVICES
 # Ops whose results may differ in their last bits from run to run, and why: under
 # torch.use_deterministic_algorithms(True) ``auto`` passes them over and an explicit choice raises.
 NONDETERMINISTIC = {"linear_token_logprobs": "its backward adds the gradients of hidden and weight with float32 atomics"}
 
 try:
-    from . import gae, group_advantages, kl_penalized_rewards, linear_token_logprobs, token_logprobs
+    MODULES = op_modules(__name__, __path__)
 except ImportError as err:  # triton missing or broken: availability() says so
     MODULES, SUPPORTED, FUNCTIONS = (), {}, {}
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
 else:
-    MODULES = (token_logprobs, linear_token_logprobs, kl_penalized_rewards, gae, group_advantages)
     SUPPORTED, FUNCTIONS = collect(MODULES)
 
 
