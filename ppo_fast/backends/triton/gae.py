@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
-from ._launch import check_same_device, check_shape, device_guard
+from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
+
+SUPPORTED = {"gae": DEVICES}
 
 MAX_BLOCK_T = 1024
 
@@ -242,12 +244,6 @@ def gae_backward(
 
 # --------------------------------------------------------------------------- torch custom op and autograd
 
-from ._launch import DEVICES, not_differentiable  # noqa: E402
-
-SUPPORTED = {"gae": DEVICES}
-
-
-
 
 @torch.library.custom_op("ppo_fast_triton::gae", mutates_args=())
 def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,8 +295,6 @@ _gae_op.register_autograd(_gae_backward, setup_context=_gae_setup)
 
 def gae(rewards, values, mask, gamma, lam):
     return _gae_op(rewards, values, mask, gamma, lam)
-
-
 
 
 def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:

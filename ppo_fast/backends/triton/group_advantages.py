@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dtypes import compute_dtype
-from ._launch import check_same_device, check_shape, device_guard
+from ._dtypes import compute_dtype, result_dtype
+from ._launch import DEVICES, check_same_device, check_shape, device_guard
+
+SUPPORTED = {"group_sum": DEVICES}
 
 BLOCK_R = 128
 
@@ -78,13 +80,6 @@ def group_sum_forward(values: torch.Tensor, group_index: torch.Tensor) -> torch.
 
 
 # --------------------------------------------------------------------------- torch custom op and autograd
-
-from ._dtypes import result_dtype  # noqa: E402
-from ._launch import DEVICES  # noqa: E402
-
-SUPPORTED = {"group_sum": DEVICES}
-
-
 
 
 @torch.library.custom_op("ppo_fast_triton::group_sum", mutates_args=())

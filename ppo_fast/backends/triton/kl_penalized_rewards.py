@@ -17,7 +17,9 @@ import triton.language as tl
 
 from ...spec import KL_ESTIMATORS
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
-from ._launch import as_rows, check_same_device, check_shape, device_guard
+from ._launch import DEVICES, as_rows, check_same_device, check_shape, device_guard, not_differentiable
+
+SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
 
 _ELEMENTWISE_BLOCK = 1024
 MAX_BLOCK_T = 1024
@@ -396,12 +398,6 @@ def kl_penalized_rewards_backward(
 
 # --------------------------------------------------------------------------- torch custom op and autograd
 
-from ._launch import DEVICES, not_differentiable  # noqa: E402
-
-SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
-
-
-
 
 @torch.library.custom_op("ppo_fast_triton::kl_estimate", mutates_args=())
 def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -508,8 +504,6 @@ _kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
     rewards, kl, _ = _kl_penalized_rewards_op(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
     return rewards, kl
-
-
 
 
 def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:

@@ -46,7 +46,9 @@ import triton
 import triton.language as tl
 
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
-from ._launch import check_same_device, check_shape, device_guard
+from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
+
+SUPPORTED = {"linear_token_logprobs": DEVICES}
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
 # compile for sm_90 without register spills (checked in the SASS with triton 3.6 and 3.8;
@@ -460,12 +462,6 @@ def linear_token_logprobs_backward(
 
 # --------------------------------------------------------------------------- torch custom op and autograd
 
-from ._launch import DEVICES, not_differentiable  # noqa: E402
-
-SUPPORTED = {"linear_token_logprobs": DEVICES}
-
-
-
 
 @torch.library.custom_op("ppo_fast_triton::linear_token_logprobs", mutates_args=())
 def _linear_token_logprobs_op(
@@ -567,8 +563,6 @@ def linear_token_logprobs(
         hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
     )
     return logp, (entropy if return_entropy else None)
-
-
 
 
 def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) -> list[dict]:

@@ -31,7 +31,16 @@ import triton
 import triton.language as tl
 
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
-from ._launch import check_same_device, device_guard, lead_view
+from ._launch import (
+    DEVICES,
+    check_same_device,
+    device_guard,
+    is_non_overlapping_and_dense,
+    lead_view,
+    not_differentiable,
+)
+
+SUPPORTED = {"token_logprobs": DEVICES}
 
 # Vocabulary block per loop iteration; a larger V loops over blocks.  With 8 warps a
 # thread holds 16 logits per block (two or four 16-byte loads); the backward of 16-bit
@@ -508,12 +517,6 @@ def token_logprobs_backward(
 
 # --------------------------------------------------------------------------- torch custom op and autograd
 
-from ._launch import DEVICES, is_non_overlapping_and_dense, not_differentiable  # noqa: E402
-
-SUPPORTED = {"token_logprobs": DEVICES}
-
-
-
 
 @torch.library.custom_op("ppo_fast_triton::token_logprobs", mutates_args=())
 def _token_logprobs_op(
@@ -606,8 +609,6 @@ def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, in
     their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one)."""
     logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)
     return logp, (entropy if return_entropy else None)
-
-
 
 
 def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
