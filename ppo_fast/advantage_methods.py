@@ -118,6 +118,7 @@ PARAM_CHECKS: dict[str, Callable] = {
     "gamma": _unit,
     "f_norm": _positive,
     "baselines": _baselines,  # verl: reward_baselines
+    "zero_singletons": check.flag,  # verl: rloo_vectorized (True) vs rloo (False) for a group of one
 }
 
 
@@ -170,11 +171,13 @@ def grpo_passk(inputs: Inputs, norm_by_std: bool = True, epsilon: float = 1e-6) 
 
 
 @register("rloo")
-def rloo(inputs: Inputs) -> torch.Tensor:
+def rloo(inputs: Inputs, zero_singletons: bool = False) -> torch.Tensor:
     x = inputs.scores
     count, total = inputs.groups.sums(torch.ones_like(x), x)
     scale = count / torch.where(count > 1, count - 1.0, 1.0)
-    return inputs.per_token(torch.where(count > 1, x * scale - (total / count) * scale, x))
+    # A group of one has no other response: verl's rloo keeps its score, rloo_vectorized gives 0.
+    single = torch.zeros_like(x) if zero_singletons else x
+    return inputs.per_token(torch.where(count > 1, x * scale - (total / count) * scale, single))
 
 
 @register("reinforce_plus_plus")

@@ -237,7 +237,8 @@ ADVANTAGE_METHODS: dict[str, AdvantageMethodSpec] = {
                             params={"norm_by_std": True, "epsilon": 1e-6}, normalized=True),
         AdvantageMethodSpec("grpo_passk", "Pass@k: only each group's best response, (best - second best) / (std + epsilon)",
                             ("reference",), {"norm_by_std": True, "epsilon": 1e-6}, normalized=True, min_group_size=2),
-        AdvantageMethodSpec("rloo", "score - mean of the group's other scores (a group of one keeps its score, as verl)"),
+        AdvantageMethodSpec("rloo", "score - mean of the group's other scores (a group of one keeps its score, as verl's "
+                            "rloo; zero_singletons=True: 0, as its rloo_vectorized)", params={"zero_singletons": False}),
         AdvantageMethodSpec("reinforce_plus_plus", "discounted token returns whitened over the batch (no groups)",
                             ("reference",), {"gamma": 1.0}, needs_groups=False, normalized=True),
         AdvantageMethodSpec("reinforce_plus_plus_baseline",

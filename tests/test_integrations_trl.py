@@ -139,15 +139,40 @@ def test_fused_lm_head_matches_trls(backend, softcap, scale, bias):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
-def test_fused_lm_head_chunks_rows(monkeypatch):
-    """Several row chunks give what one chunk gives."""
+def test_fused_lm_head_is_linear_token_logprobs(monkeypatch):
+    """The fused head is ``pf.linear_token_logprobs`` (the op the conformance matrix covers),
+    TRL's arguments mapped onto it; statistics it does not give run TRL's own function."""
+    import ppo_fast as pf
+
+    calls = []
+    real = pf.linear_token_logprobs
+    monkeypatch.setattr(pf, "linear_token_logprobs", lambda *a, **k: calls.append(k) or real(*a, **k))
     hidden, weight, targets = torch.randn(29, 8), torch.randn(40, 8), torch.randint(0, 40, (29,))
     with pt.patch():
-        whole = U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
-        monkeypatch.setattr(pt, "LM_HEAD_CHUNK_ELEMENTS", 40 * 4)
-        chunked = U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
-    torch.testing.assert_close(chunked[0], whole[0])
-    torch.testing.assert_close(chunked[1], whole[1])
+        got = U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.9, 8, 20.0, 0.5, ("log_probs", "entropy"))
+        before = counts("trl").get("trl.fused_lm_head:fallback", 0)
+        U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.9, 8, None, 1.0, ("log_probs", "is_top1"))
+        assert counts("trl")["trl.fused_lm_head:fallback"] == before + 1
+    assert len(calls) == 1
+    assert calls[0] == dict(bias=None, temperature=0.9, logit_scale=0.5, logit_softcap=20.0, return_entropy=True,
+                            ignore_index=pt._NO_IGNORE)
+    want = real(hidden, weight, targets, temperature=0.9, logit_scale=0.5, logit_softcap=20.0, return_entropy=True)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_fused_lm_head_autocast_projects_in_trls_dtype():
+    """Under autocast TRL projects in the autocast dtype: so does the shim (float32 results)."""
+    orig = _originals()["_ChunkedLogProbFunction"]
+    hidden, weight, targets = torch.randn(13, 16), torch.randn(30, 16) * 0.3, torch.randint(0, 30, (13,))
+    want_lp, want_ent = _exact(hidden.bfloat16().double() @ weight.bfloat16().double().T, targets, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = orig.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
+        with pt.patch():
+            ours = U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
+    assert ours[0].dtype == ours[1].dtype == theirs[0].dtype == torch.float32
+    for o, t, w in ((ours[0], theirs[0], want_lp), (ours[1], theirs[1], want_ent)):
+        assert (o.double() - w).abs().max().item() <= (t.double() - w).abs().max().item() + 1e-6
 
 
 # --------------------------------------------------------------------------- TRL's own GRPOTrainer on our ops

@@ -167,6 +167,27 @@ def test_outcome_estimators_match_verl(name, norm):
         close(g, w, atol=2e-5, rtol=2e-5)
 
 
+def test_outcome_estimators_and_agg_loss_are_public_ops(monkeypatch):
+    """verl's GRPO/RLOO are ``pf.group_advantages`` (verl's options as its parameters) and
+    ``agg_loss`` is ``pf.aggregate``: the adapter maps arguments only."""
+    import ppo_fast as pf
+
+    calls = []
+    for name in ("group_advantages", "aggregate"):
+        real = getattr(pf, name)
+        monkeypatch.setattr(pf, name, lambda *a, _n=name, _r=real, **k: calls.append((_n, k)) or _r(*a, **k))
+    rewards, mask, index = torch.randn(4, 3), torch.ones(4, 3), np.array(["a", "a", "b", "c"])
+    with pv.patch():
+        core.compute_grpo_outcome_advantage(rewards, mask, index, epsilon=1e-3, norm_adv_by_std_in_grpo=False)
+        core.compute_rloo_outcome_advantage(rewards, mask, index)
+        core.compute_rloo_vectorized_outcome_advantage(rewards, mask, index)
+        core.agg_loss(rewards, mask, "seq-mean-token-mean")
+    assert calls == [("group_advantages", dict(method="grpo", epsilon=1e-3, norm_by_std=False)),
+                     ("group_advantages", dict(method="rloo")),
+                     ("group_advantages", dict(method="rloo", zero_singletons=True)),
+                     ("aggregate", {})]
+
+
 def test_grpo_epsilon_is_verls():
     rewards = torch.tensor([[1.0], [1.0], [3.0], [3.0]])  # zero-std groups: 0 / (0 + eps)
     mask = torch.ones(4, 1)

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 import ppo_fast as pf
+from ppo_fast.spec import KL_ESTIMATORS
 
 from . import _patching
 from ._patching import PatchHandle, Target
@@ -45,6 +46,7 @@ DISTRIBUTION = "openrlhf"
 SUPPORTED_VERSIONS = ("0.11",)
 
 _NO_IGNORE = -(2**63)
+_KL_ESTIMATORS = tuple(e for e in KL_ESTIMATORS if e != "abs")  # OpenRLHF has k1, k2 and k3
 _KL_CLAMP = 10.0
 _KL_IS_WEIGHT_CLIP = 10.0  # OpenRLHF's KL_IS_WEIGHT_CLIP
 
@@ -91,7 +93,7 @@ def _fallback(name: str, *args, **kwargs):
 def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, log_probs_old: Optional[torch.Tensor] = None,
                       kl_estimator: str = "k1", unbiased_gradient: bool = False) -> torch.Tensor:
     """OpenRLHF's ``compute_approx_kl`` on ``pf.kl_estimate`` (float32, clamped to [-10, 10])."""
-    if kl_estimator not in ("k1", "k2", "k3"):
+    if kl_estimator not in _KL_ESTIMATORS:
         raise ValueError(f"Unknown kl_estimator: {kl_estimator}")
     if log_probs.shape != log_probs_base.shape:
         return _fallback("compute_approx_kl", log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)

@@ -12,9 +12,9 @@ Replaced in ``trl.trainer.utils`` (and every alias in TRL's loaded modules):
   -> ``pf.token_logprobs`` (``return_entropy=True``), in the dtype TRL returns (the logits'
   dtype on TRL's PyTorch path, float32 where TRL would run its own Triton kernel);
 * the fused LM head's ``ChunkedLogProbFunction`` (what ``add_fused_lm_head`` calls: the
-  log-probs and entropy of ``hidden @ weight.T`` that GRPOTrainer, RLOOTrainer, DPOTrainer,
-  SFTTrainer and KTOTrainer use) -> row chunks of logits fed to ``pf.token_logprobs``, the
-  logits recomputed in the backward (never all of ``[N, V]`` at once).
+  log-probs and entropy of ``hidden @ weight.T`` that GRPOTrainer and RLOOTrainer use)
+  -> ``pf.linear_token_logprobs``; calls that also ask for TRL's gradient-free statistics
+  (SFT, DPO, KTO: ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) run TRL's own.
 
 TRL 1.16 exposes no GRPO/PPO loss helper as a function (GRPOTrainer's loss is inline in
 ``_compute_loss``), so no loss is replaced.  What still differs is listed in
@@ -39,12 +39,6 @@ SUPPORTED_VERSIONS = ("1",)
 _NO_IGNORE = -(2**63)
 _MIN_TEMPERATURE = 1e-5
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# Logits per row chunk of the fused LM head: 2^24 floats (64 MiB in float32).
-LM_HEAD_CHUNK_ELEMENTS = 1 << 24
-# Outputs of TRL's fused head: log-probs and entropy from our op; the three statistics without
-# gradient (SFT, DPO and KTO ask for some) from the same chunk of logits, in torch.
-_OUR_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")
 
 _ORIG: dict[str, Any] = {}
 
@@ -68,8 +62,8 @@ def _fallback(name: str, *args, **kwargs):
     return _original(name)(*args, **kwargs)
 
 
-def _backend(tensor: torch.Tensor):
-    return _patching.backend_for(PEER, "token_logprobs", tensor.device.type)
+def _backend(tensor: torch.Tensor, op: str = "token_logprobs"):
+    return _patching.backend_for(PEER, op, tensor.device.type)
 
 
 def _trl_dtype(logits, index=None, row_mask=None) -> torch.dtype:
@@ -151,124 +145,64 @@ def selective_log_softmax_and_entropy(logits: torch.Tensor, index: torch.Tensor,
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """TRL's projection dtype: autocast's where it is on, else the hidden states'."""
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
-def _transform(z: torch.Tensor, logit_scale: float, softcap) -> torch.Tensor:
-    """TRL's logit transform before the temperature: scale, then soft-cap (float32 when either applies)."""
-    if logit_scale == 1.0 and softcap is None:
-        return z
-    z = z.float() * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z
+def _positive(x) -> bool:
+    try:
+        return float(x) > 0  # False for NaN too
+    except (TypeError, ValueError):
+        return False
 
 
-def _row_chunks(n: int, vocab: int):
-    rows = max(1, min(n, LM_HEAD_CHUNK_ELEMENTS // max(vocab, 1)))
-    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
-
-
-class _LMHeadLogProbs(torch.autograd.Function):
-    """Log-probs (and entropy) of ``hidden @ weight.T + bias`` through ``pf.token_logprobs``,
-    one row chunk of logits at a time; the backward recomputes each chunk's logits."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, logit_scale, want_entropy, stats):
-        ctx.set_materialize_grads(False)
-        cd = _compute_dtype(hidden)
-        n = hidden.shape[0]
-        logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
-        entropy = torch.empty(n, device=hidden.device, dtype=torch.float32) if want_entropy else None
-        extra = {name: torch.empty(n, device=hidden.device, dtype=torch.bool if name == "is_top1" else torch.float32)
-                 for name in stats}
-        w = weight.to(cd)
-        b = bias.to(cd) if bias is not None else None
-        with torch.autocast(hidden.device.type, enabled=False), _backend(hidden):
-            for start, end in _row_chunks(n, weight.shape[0]):
-                z = _transform(torch.nn.functional.linear(hidden[start:end].to(cd), w, b), logit_scale, softcap)
-                out = pf.token_logprobs(z, targets[start:end], temperature=temperature, return_entropy=want_entropy,
-                                        ignore_index=_NO_IGNORE)
-                if want_entropy:
-                    logp[start:end], entropy[start:end] = out
-                else:
-                    logp[start:end] = out
-                if stats:  # TRL's extra statistics of the temperature-scaled logits (no gradient)
-                    zt = z.float() / temperature
-                    if "mean_logits" in extra:
-                        extra["mean_logits"][start:end] = zt.mean(-1)
-                    if "log_sum_sq_probs" in extra:
-                        extra["log_sum_sq_probs"][start:end] = torch.logsumexp(2 * zt, -1) - 2 * torch.logsumexp(zt, -1)
-                    if "is_top1" in extra:  # the first maximum, as TRL's argmax
-                        extra["is_top1"][start:end] = zt.argmax(-1) == targets[start:end]
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.settings = (cd, temperature, softcap, logit_scale, want_entropy)
-        ctx.mark_non_differentiable(*extra.values())
-        return logp, entropy, extra.get("log_sum_sq_probs"), extra.get("mean_logits"), extra.get("is_top1")
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy, *_):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        cd, temperature, softcap, logit_scale, want_entropy = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_h else None
-        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_b else None
-        if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None, None
-        w = weight.to(cd)
-        b = bias.to(cd) if bias is not None else None
-        with torch.autocast(hidden.device.type, enabled=False), _backend(hidden):
-            for start, end in _row_chunks(hidden.shape[0], weight.shape[0]):
-                h = hidden[start:end].to(cd)
-                raw = torch.nn.functional.linear(h, w, b).detach().requires_grad_(True)
-                with torch.enable_grad():
-                    z = _transform(raw, logit_scale, softcap)
-                    out = pf.token_logprobs(z, targets[start:end], temperature=temperature, return_entropy=want_entropy,
-                                            ignore_index=_NO_IGNORE)
-                    outs, grads = [], []
-                    lp, ent = out if want_entropy else (out, None)
-                    if grad_logp is not None:
-                        outs.append(lp)
-                        grads.append(grad_logp[start:end].float())
-                    if ent is not None and grad_entropy is not None:
-                        outs.append(ent)
-                        grads.append(grad_entropy[start:end].float())
-                    (dz,) = torch.autograd.grad(outs, [raw], grads)
-                dz32 = dz.float()
-                if grad_h is not None:
-                    grad_h[start:end] = dz32 @ w.float()
-                if grad_w is not None:
-                    grad_w.addmm_(dz32.t(), h.float())
-                if grad_b is not None:
-                    grad_b += dz32.sum(0)
-        return (
-            grad_h.to(hidden.dtype) if grad_h is not None else None,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-            None, None, None, None, None, None,
-        )
+def _head_ours_can(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs) -> bool:
+    """Within ``pf.linear_token_logprobs``'s domain and asking only for what it returns.  TRL's
+    gradient-free statistics (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) need the
+    logits, which our op never exposes: TRL's own function serves such calls whole, rather
+    than projecting the head a second time for them."""
+    return (
+        isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.dtype in _LOGIT_DTYPES
+        and isinstance(weight, torch.Tensor) and weight.dtype in _LOGIT_DTYPES
+        and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in _LOGIT_DTYPES))
+        and isinstance(targets, torch.Tensor) and not targets.dtype.is_floating_point
+        and set(outputs) <= {"log_probs", "entropy"}
+        and float(temperature) >= _MIN_TEMPERATURE
+        # TRL keeps a 0 scale and reads a 0 soft-cap as 1: its own code serves those
+        and _positive(logit_scale) and (softcap is None or _positive(softcap))
+    )
 
 
 class ChunkedLogProbFunction:
-    """Stands in for TRL's ``ChunkedLogProbFunction`` (``.apply`` with its signature):
-    log-probs and entropy on ppo_fast, TRL's three gradient-free statistics from the same logits."""
+    """Stands in for TRL's ``ChunkedLogProbFunction`` (``.apply`` with its signature) on
+    ``pf.linear_token_logprobs``: float32 log-probs (and entropy) of
+    ``softcap(logit_scale * (hidden @ weight.T + bias)) / temperature``, projected in TRL's
+    compute dtype (autocast's, else the hidden states'); the statistics it does not ask for are None."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
               outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
-        original = _ORIG.get("_ChunkedLogProbFunction")
-        if original is None:
-            from trl.kernels import ChunkedLogProbFunction as original
-        if any(name not in _OUR_OUTPUTS for name in outputs) or float(temperature) < _MIN_TEMPERATURE or hidden.dim() != 2:
+        if not _head_ours_can(hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, outputs):
+            original = _ORIG.get("_ChunkedLogProbFunction")
+            if original is None:
+                from trl.kernels import ChunkedLogProbFunction as original
             _patching.count(f"{PEER}.fused_lm_head:fallback")
             return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
                                   logit_scale, outputs)
         _count("fused_lm_head")
-        stats = tuple(name for name in _STATS if name in outputs)
-        return _LMHeadLogProbs.apply(hidden, weight, bias, targets.long(), float(temperature), final_logit_softcapping,
-                                     float(logit_scale), "entropy" in outputs, stats)
+        cd = _compute_dtype(hidden)
+        want_entropy = "entropy" in outputs
+        # TRL's labels are never ignored (it drops or clamps -100 before the call).
+        with torch.autocast(hidden.device.type, enabled=False), _backend(hidden, "linear_token_logprobs"):
+            out = pf.linear_token_logprobs(
+                hidden.to(cd), weight.to(cd), targets, bias=None if bias is None else bias.to(cd),
+                temperature=float(temperature), logit_scale=float(logit_scale),
+                logit_softcap=None if final_logit_softcapping is None else float(final_logit_softcapping),
+                return_entropy=want_entropy, ignore_index=_NO_IGNORE,
+            )
+        logp, entropy = out if want_entropy else (out, None)
+        return logp.float(), (entropy.float() if want_entropy else None), None, None, None
 
 
 # --------------------------------------------------------------------------- patching

@@ -11,11 +11,12 @@ Replaced (module attribute, every alias in verl's loaded modules, and verl's reg
 * ``verl.trainer.ppo.core_algos``: ``compute_gae_advantage_return`` (``pf.gae`` +
   ``pf.masked_whiten``), ``compute_policy_loss_vanilla`` (``pf.clipped_policy_loss``;
   also registered as policy loss ``"ppo_fast"``), ``compute_value_loss``
-  (``pf.value_loss``), ``agg_loss`` (``pf.masked_mean``), ``kl_penalty`` and
+  (``pf.value_loss``), ``agg_loss`` (``pf.aggregate``), ``kl_penalty`` and
   ``kl_penalty_forward`` (``pf.kl_estimate``, differentiable), ``AdaptiveKLController`` and
   ``FixedKLController`` (ours), and the outcome estimators ``compute_grpo_outcome_advantage``,
   ``compute_grpo_vectorized_outcome_advantage``, ``compute_rloo_outcome_advantage``,
-  ``compute_rloo_vectorized_outcome_advantage`` (vectorised group statistics, verl's epsilon).
+  ``compute_rloo_vectorized_outcome_advantage`` (``pf.group_advantages``: ``grpo`` with
+  verl's epsilon and ``norm_adv_by_std_in_grpo``, ``rloo`` with verl's rule for a group of one).
 * ``verl.utils.torch_functional``: ``logprobs_from_logits`` and ``entropy_from_logits``
   (``pf.token_logprobs``), ``masked_mean``, ``masked_whiten``.
 
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 import ppo_fast as pf
+from ppo_fast.spec import AGG_MODES
 
 from . import _patching
 from ._patching import PatchHandle, Target
@@ -50,7 +52,6 @@ POLICY_LOSS_NAME = "ppo_fast"
 
 # No label is ignored by verl's log-prob functions; a label no tensor can hold stands in.
 _NO_IGNORE = -(2**63)
-_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 
 _ORIG: dict[str, Any] = {}
 
@@ -106,7 +107,7 @@ def _as_float(x) -> float:
 
 
 def _check_agg_mode(loss_agg_mode: str) -> None:
-    if loss_agg_mode not in _AGG_MODES:
+    if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
 
 
@@ -151,6 +152,14 @@ def _agg_dtype(mode: str, *tensors) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if mode.startswith("seq-mean") else dtype
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, T]``: verl reduces over the last dim, then over everything else
+    (a 1-D loss is one sequence), so the row split of the leading dims does not matter."""
+    if x.dim() == 2:
+        return x
+    return x.reshape(1, -1) if x.dim() == 1 else x.flatten(0, -2)
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -160,24 +169,15 @@ def agg_loss(
     global_batch_size: Optional[int] = None,
     loss_scale_factor: Optional[int] = None,
 ):
-    """verl's ``agg_loss`` on ``pf.masked_mean`` (values at masked positions are never read)."""
+    """verl's ``agg_loss`` on ``pf.aggregate`` (values at masked positions are never read),
+    with verl's global normalisation and output dtype."""
     _check_agg_mode(loss_agg_mode)
-    if loss_mask.shape != loss_mat.shape:
+    if loss_mask.shape != loss_mat.shape or loss_mat.dim() == 0:
         return _fallback("agg_loss", loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     _count("agg_loss")
-    m = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
-    if loss_agg_mode in ("token-mean", "token-sum"):
-        local = pf.masked_mean(loss_mat, loss_mask)
-        if loss_agg_mode == "token-sum":
-            local = local * m.sum()
-    else:
-        row_mean = pf.masked_mean(loss_mat, loss_mask, dim=-1)
-        row_valid = m.any(dim=-1)
-        row_loss = row_mean if loss_agg_mode == "seq-mean-token-mean" else row_mean * m.sum(dim=-1)
-        local = pf.masked_mean(row_loss, row_valid)
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            local = local / max(loss_mat.shape[-1], 1)
-    out = _global_scale(local, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    mat, mask = _token_rows(loss_mat), _token_rows(loss_mask)
+    local = pf.aggregate(mat, mask, loss_agg_mode)
+    out = _global_scale(local, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     return out.to(_agg_dtype(loss_agg_mode, loss_mat, loss_mask))
 
 
@@ -339,74 +339,64 @@ def compute_gae_advantage_return(
 
 
 def _group_ids(index, device) -> torch.Tensor:
-    """verl's ``index`` (numpy array of prompt ids of any type, list, or tensor) as dense group ids."""
+    """verl's ``index`` (numpy array of prompt ids of any type, list, or tensor) as integer group ids."""
     if isinstance(index, torch.Tensor):
-        return torch.unique(index, return_inverse=True)[1].to(device)
+        return torch.unique(index.reshape(-1), return_inverse=True)[1].to(device)
     inverse = np.unique(np.asarray(index), return_inverse=True)[1]
     return torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(device)
 
 
-def _outcome_advantages(token_level_rewards, response_mask, index, estimator, epsilon=1e-6, norm_by_std=True,
-                        singleton_rloo_zero=False):
-    """GRPO / RLOO advantages of each response from its group (``index``), vectorised.
-
-    The score of a response is the sum of its token rewards (as verl).  GRPO:
-    ``(s - mean) / (std + epsilon)`` with the unbiased std, or ``s - mean`` without
-    ``norm_by_std`` (Dr. GRPO); a group of one has mean 0 and std 1, as in verl.  RLOO:
-    ``s - mean(others) = G / (G - 1) * (s - mean)``; a group of one keeps its score (verl's
-    loop version) or gets 0 (verl's vectorised version, ``singleton_rloo_zero``).
-    Statistics in float64.  Same definitions as ``ppo_fast.trainer.estimate``'s group
-    estimators, for verl's arbitrary (unsorted, unequal) groups.
-    """
+def _outcome_advantages(token_level_rewards, response_mask, index, method, **params):
+    """verl's outcome estimators on ``pf.group_advantages``.  verl's score is the sum of every
+    token's reward (masked or not), its advantage that score's, times ``response_mask``:
+    so the op gets the ``[B]`` scores and one valid token per row, and the product is verl's.
+    The group statistics run in float64 (a [B] vector: cheap), so that near-equal scores
+    keep a std epsilon can be compared with."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        s = scores.double()
-        gid = _group_ids(index, s.device)
-        n_groups = int(gid.max()) + 1 if gid.numel() else 0
-        count = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, gid, torch.ones_like(s))
-        total = torch.zeros_like(count).index_add_(0, gid, s)
-        mean = (total / count)[gid]
-        n = count[gid]
-        if estimator == "grpo":
-            centered = s - mean
-            sq = torch.zeros_like(count).index_add_(0, gid, centered.square())
-            std = (sq / (count - 1).clamp_min(1)).sqrt()[gid]
-            single = n == 1
-            mean = torch.where(single, 0.0, mean)
-            std = torch.where(single, 1.0, std)
-            adv = (s - mean) / (std + epsilon) if norm_by_std else s - mean
-        else:
-            adv = torch.where(n > 1, (s - mean) * n / (n - 1).clamp_min(1), 0.0 if singleton_rloo_zero else s)
-        adv = adv.to(scores.dtype).unsqueeze(-1) * response_mask
+        one_token = torch.ones(scores.shape[0], 1, dtype=torch.bool, device=scores.device)
+        with _backend("group_sum", scores):
+            adv = pf.group_advantages(scores.double(), _group_ids(index, scores.device), one_token, method=method,
+                                      **params)
+        adv = adv.to(scores.dtype) * response_mask
     return adv, adv
+
+
+def _grpo(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config):
+    if not (isinstance(epsilon, Real) and math.isfinite(epsilon) and epsilon >= 0):
+        return _fallback(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config)
+    _count(name)
+    return _outcome_advantages(token_level_rewards, response_mask, index, "grpo", epsilon=float(epsilon),
+                               norm_by_std=bool(norm_adv_by_std_in_grpo))
 
 
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
                                    norm_adv_by_std_in_grpo: bool = True, config=None):
-    """verl's GRPO outcome advantage (epsilon 1e-6 as verl's), vectorised over groups."""
-    _count("compute_grpo_outcome_advantage")
-    return _outcome_advantages(token_level_rewards, response_mask, index, "grpo", epsilon, norm_adv_by_std_in_grpo)
+    """verl's GRPO outcome advantage on ``pf.group_advantages(method="grpo")`` (a group of one:
+    mean 0, std 1, as both verl and ours)."""
+    return _grpo("compute_grpo_outcome_advantage", token_level_rewards, response_mask, index, epsilon,
+                 norm_adv_by_std_in_grpo, config)
 
 
 def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
                                               norm_adv_by_std_in_grpo: bool = True, config=None):
-    """verl's vectorised GRPO outcome advantage (same definition as the loop version)."""
-    _count("compute_grpo_vectorized_outcome_advantage")
-    return _outcome_advantages(token_level_rewards, response_mask, index, "grpo", epsilon, norm_adv_by_std_in_grpo)
+    """verl's vectorised GRPO outcome advantage (the same definition as the loop version)."""
+    return _grpo("compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask, index, epsilon,
+                 norm_adv_by_std_in_grpo, config)
 
 
 def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6, config=None,
                                    **kwargs):
-    """verl's RLOO outcome advantage; a prompt with one response keeps its score, as verl's loop."""
+    """verl's RLOO on ``pf.group_advantages(method="rloo")``: a prompt with one response keeps its score."""
     _count("compute_rloo_outcome_advantage")
     return _outcome_advantages(token_level_rewards, response_mask, index, "rloo")
 
 
 def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
                                               config=None, **kwargs):
-    """verl's vectorised RLOO; a prompt with one response gets advantage 0, as verl's vectorised version."""
+    """verl's vectorised RLOO: a prompt with one response gets 0 (``zero_singletons``)."""
     _count("compute_rloo_vectorized_outcome_advantage")
-    return _outcome_advantages(token_level_rewards, response_mask, index, "rloo", singleton_rloo_zero=True)
+    return _outcome_advantages(token_level_rewards, response_mask, index, "rloo", zero_singletons=True)
 
 
 # --------------------------------------------------------------------------- torch_functional

@@ -36,7 +36,7 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
         mask: ``[B, T]`` 1/True at valid response tokens.
         method: a name in ``pf.advantage_methods()`` (all but ``gae``, which is ``pf.gae``).
         params: the method's keyword parameters (``norm_by_std``, ``epsilon``, ``gamma``,
-            ``f_norm``, ``baselines``; see the registry).
+            ``f_norm``, ``baselines``, ``zero_singletons``; see the registry).
 
     Returns:
         ``[B, T]`` float32 (float64 for float64 inputs), 0 at masked positions.  Equal to
