@@ -209,13 +209,13 @@ def kl_rewards_case(batch: int, length: int) -> Case:
         size=tokens,
         make_inputs=lambda device: _sequence_inputs(batch, length, device),
         call_op=lambda x: pf.kl_penalized_rewards(
-            x["scores"], x["logprobs"], x["ref_logprobs"], x["mask"], kl_coef=KL_COEF, estimator=KL_ESTIMATOR
+            x["scores"], x["logprobs"], x["ref_logprobs"], x["mask"], kl_coef=KL_COEF, kl_estimator=KL_ESTIMATOR
         ),
         baselines={"eager": eager},
         eager_baseline="eager",
         compile_targets={"compile(eager)": eager},
         fwd_bytes=tokens * (4 + 4 + 1 + 4 + 4) + batch * 4,  # logp, ref, mask in; rewards, kl out; scores
-        params={"kl_coef": KL_COEF, "estimator": KL_ESTIMATOR},
+        params={"kl_coef": KL_COEF, "kl_estimator": KL_ESTIMATOR},
     )
 
 

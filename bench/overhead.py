@@ -51,7 +51,7 @@ def _cases():
     yield ("linear_token_logprobs", "linear_token_logprobs", lambda: pf.linear_token_logprobs(hidden, weight, labels.view(-1)),
            lambda: backend("linear_token_logprobs")(hidden, weight, labels.view(-1), bias=None, temperature=1.0, logit_scale=1.0,
                                                      logit_softcap=None, return_entropy=False, ignore_index=-100))
-    yield ("kl_estimate", "kl_estimate", lambda: pf.kl_estimate(lp, old, estimator="k3"),
+    yield ("kl_estimate", "kl_estimate", lambda: pf.kl_estimate(lp, old, kl_estimator="k3"),
            lambda: backend("kl_estimate")(lp, old, "k3"))
     yield ("kl_penalized_rewards", "kl_penalized_rewards", lambda: pf.kl_penalized_rewards(scores, lp, old, mask, kl_coef=0.05),
            lambda: backend("kl_penalized_rewards")(scores, lp, old, mask, 0.05, "k1"))

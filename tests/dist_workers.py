@@ -52,7 +52,7 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
     mine = torch.arange(parallel.rank * share, (parallel.rank + 1) * share)
     batch, scores = batch.rows(mine), scores[mine]
     old, ref, values = score_old_and_ref(policy, reference, critic, batch, temperature=1.0, chunk=share)
-    est = estimate(scores, old, ref, values, batch.response_mask, estimator="gae", kl_coef=0.1, kl_estimator="k1", kl_in_reward=True,
+    est = estimate(scores, old, ref, values, batch.response_mask, advantage_method="gae", kl_coef=0.1, kl_estimator="k1", kl_in_reward=True,
                    gamma=1.0, lam=0.95, whiten=True, group_size=1, whitener=parallel.masked_whiten)
     exp = Experience(batch, old, est.advantages, values, est.returns)
     train_policy, train_critic = parallel.prepare(policy, critic, reference)

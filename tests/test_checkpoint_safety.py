@@ -189,11 +189,11 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(capsys):
 
 @pytest.mark.parametrize("name, value", [
     ("seed", 1), ("critic", "shared"), *((n, v) for n, v in zip(REFUSED_BUILTIN, (11, 64, 1e-3, 0.5, 8))),
-    ("advantage_estimator", "grpo"),
+    ("advantage_method", "grpo"),
 ])
 def test_a_refused_option_change_is_one_line(run, capsys, name, value):
     flag = "--" + name.replace("_", "-")
-    extra = ["--num-samples-per-prompt", "2"] if name == "advantage_estimator" else []
+    extra = ["--num-samples-per-prompt", "2"] if name == "advantage_method" else []
     assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS, flag, str(value), *extra]) == 1
     old = TrainerConfig(**TINY).to_dict()[name]
     line = error_line(capsys)
@@ -216,10 +216,10 @@ def test_applied_option_changes_take_effect(run):
 
 
 def test_grpo_and_rloo_may_swap_on_resume(tmp_path):
-    cfg = TrainerConfig(output_dir=str(tmp_path / "g"), steps=1, advantage_estimator="grpo", num_samples_per_prompt=2,
+    cfg = TrainerConfig(output_dir=str(tmp_path / "g"), steps=1, advantage_method="grpo", num_samples_per_prompt=2,
                         **dict(TINY, batch_size=2))
     PPOTrainer(cfg, log=quiet).train()
-    trainer = PPOTrainer(TrainerConfig(**dict(cfg.to_dict(), advantage_estimator="rloo", resume=True, steps=2)), log=quiet)
+    trainer = PPOTrainer(TrainerConfig(**dict(cfg.to_dict(), advantage_method="rloo", resume=True, steps=2)), log=quiet)
     assert trainer.step == 1
 
 

@@ -303,9 +303,9 @@ def test_resume_with_another_critic_mode_is_one_line(finished_run, tmp_path, cap
     assert main(["train", "--output-dir", str(run), "--resume", "--critic", "shared", "--steps", "2"]) == 1
     line = error_line(capsys)
     assert "--resume: the checkpoint" in line and "was trained with --critic separate (" in line and "resume with --critic separate" in line
-    assert main(["train", "--output-dir", str(run), "--resume", "--advantage-estimator", "grpo", "--num-samples-per-prompt", "2",
+    assert main(["train", "--output-dir", str(run), "--resume", "--advantage-method", "grpo", "--num-samples-per-prompt", "2",
                  "--steps", "2"]) == 1
-    assert "was trained with --advantage-estimator gae (with a critic); resume with --advantage-estimator gae" in error_line(capsys)
+    assert "was trained with --advantage-method gae (with a critic); resume with --advantage-method gae" in error_line(capsys)
 
 
 def test_resume_of_a_finished_run_changes_nothing(finished_run, tmp_path):

@@ -130,7 +130,7 @@ def test_gradient_checkpointing_run(tmp_path):
 @pytest.mark.parametrize("estimator", [name for name, m in pf.advantage_methods().items() if not m.needs_critic])
 def test_critic_free_estimators_run_without_a_critic(tmp_path, estimator):
     """Every registered critic-free estimator, two steps, with the KL in the loss (their default)."""
-    cfg = tiny(tmp_path, advantage_estimator=estimator, num_samples_per_prompt=4, batch_size=4, steps=2, sft_steps=2,
+    cfg = tiny(tmp_path, advantage_method=estimator, num_samples_per_prompt=4, batch_size=4, steps=2, sft_steps=2,
                eval_size=4)
     trainer = PPOTrainer(cfg, log=quiet)
     assert trainer.critic is None
@@ -217,7 +217,7 @@ def _estimate(scores, kl_per_response, estimator, kl_in_reward, group_size):
     """The trainer's estimate() on one-token responses whose k1 KL is ``kl_per_response``."""
     logprobs = torch.tensor(kl_per_response).unsqueeze(-1)
     mask = torch.ones_like(logprobs, dtype=torch.bool)
-    return estimate(torch.tensor(scores), logprobs, torch.zeros_like(logprobs), None, mask, estimator=estimator,
+    return estimate(torch.tensor(scores), logprobs, torch.zeros_like(logprobs), None, mask, advantage_method=estimator,
                     kl_coef=1.0, kl_estimator="k1", kl_in_reward=kl_in_reward, gamma=1.0, lam=1.0, whiten=False,
                     group_size=group_size).advantages[:, 0]
 
@@ -244,12 +244,12 @@ def test_kl_in_the_loss_leaves_equal_score_groups_at_exactly_zero():
     torch.testing.assert_close(in_reward, torch.tensor([0.3873, -1.1619, 1.1619, -0.3873]), atol=1e-4, rtol=0)
     for estimator in ("grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline"):
         assert torch.equal(_estimate([1.0] * 4, kl, estimator, False, 4), torch.zeros(4)), estimator
-    assert not TrainerConfig(advantage_estimator="grpo", num_samples_per_prompt=2).validate().kl_in_reward
-    assert TrainerConfig(advantage_estimator="gae").validate().kl_in_reward
+    assert not TrainerConfig(advantage_method="grpo", num_samples_per_prompt=2).validate().kl_in_reward
+    assert TrainerConfig(advantage_method="gae").validate().kl_in_reward
 
 
 def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
-    cfg = tiny(tmp_path, advantage_estimator="grpo", num_samples_per_prompt=2, batch_size=2, kl_coef=0.5)
+    cfg = tiny(tmp_path, advantage_method="grpo", num_samples_per_prompt=2, batch_size=2, kl_coef=0.5)
     trainer = PPOTrainer(cfg, log=quiet)
     batch = generate(trainer.policy, trainer.tokenizer, ["1+2=", "3+4="] * 2, max_new_tokens=3, temperature=1.0, top_p=1.0, greedy=False)
     mask = batch.response_mask
@@ -272,7 +272,7 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
 @pytest.mark.parametrize(
     "field, value",
     [("kl_coef", -0.1), ("clip_eps_low", 1.5), ("gamma", 1.2), ("steps", 0), ("top_p", 0.0), ("temperature", 0.0),
-     ("advantage_estimator", "ppo2"), ("critic", "tied"), ("num_mini_batches", 3), ("loss_agg", "mean")],
+     ("advantage_method", "ppo2"), ("critic", "tied"), ("num_mini_batches", 3), ("loss_agg", "mean")],
 )
 def test_bad_config_values_fail_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"invalid config: {field} "):
@@ -280,8 +280,8 @@ def test_bad_config_values_fail_naming_the_field(field, value):
 
 
 def test_group_estimators_need_several_samples():
-    with pytest.raises(ValueError, match=r"num_samples_per_prompt \(--num-samples-per-prompt\) must be >= 2 for advantage_estimator=grpo"):
-        TrainerConfig(advantage_estimator="grpo").validate()
+    with pytest.raises(ValueError, match=r"num_samples_per_prompt \(--num-samples-per-prompt\) must be >= 2 for advantage_method=grpo"):
+        TrainerConfig(advantage_method="grpo").validate()
 
 
 def test_cli_rejects_bad_values_at_start(tmp_path, capsys):

@@ -21,7 +21,7 @@ def test_config_choices_are_the_registry():
 def _tiny(tmp_path, mode, **overrides):
     values = dict(output_dir=str(tmp_path / mode), steps=2, batch_size=4, num_samples_per_prompt=4, num_mini_batches=2,
                   num_ppo_epochs=1, sft_steps=2, eval_size=4, sample_every=0, save_every=0, learning_rate=1e-3,
-                  advantage_estimator="grpo", policy_loss=mode, policy_loss_params=NEEDED.get(mode, ""))
+                  advantage_method="grpo", policy_loss=mode, policy_loss_params=NEEDED.get(mode, ""))
     values.update(overrides)
     return TrainerConfig(**values)
 

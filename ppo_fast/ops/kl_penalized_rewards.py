@@ -11,7 +11,7 @@ from ..spec import KL_ESTIMATORS
 __all__ = ["kl_estimate", "kl_penalized_rewards"]
 
 
-def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
+def kl_estimate(logprobs, ref_logprobs, kl_estimator="k1"):
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.
 
     ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``;
@@ -23,11 +23,11 @@ def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
     check.tensor("ref_logprobs", ref_logprobs)
     check.same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
     check.same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
-    check.choice("estimator", estimator, KL_ESTIMATORS)
-    return resolve("kl_estimate", logprobs.device.type)(logprobs, ref_logprobs, estimator)
+    check.choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    return resolve("kl_estimate", logprobs.device.type)(logprobs, ref_logprobs, kl_estimator)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, estimator="k1"):
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, kl_estimator="k1"):
     """Per-token reward ``r_t = -kl_coef * kl_t + score * [t is the row's last valid token]``.
 
     Args:
@@ -36,7 +36,7 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, estim
             policy and the frozen reference.
         mask: ``[B, T]`` 1/True at valid response tokens.
         kl_coef: the KL penalty coefficient beta (>= 0).
-        estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (see :func:`kl_estimate`).
+        kl_estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (see :func:`kl_estimate`).
 
     Returns:
         ``(rewards, kl)``, both ``[B, T]`` float32 and 0 at masked positions.  A row
@@ -51,10 +51,10 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, estim
     check.same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores, mask=mask)
     mask = check.mask("mask", mask, logprobs.shape)
     kl_coef = check.real("kl_coef", kl_coef, low=0.0)
-    check.choice("estimator", estimator, KL_ESTIMATORS)
+    check.choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     fn = resolve("kl_penalized_rewards", logprobs.device.type)
     if scores.dtype == torch.float64 and logprobs.dtype != torch.float64:
         # float64 scores make the rewards float64 (result_dtype): the kernels take
         # their compute dtype from the log-probs, so those come in float64 too.
         logprobs, ref_logprobs = logprobs.to(torch.float64), ref_logprobs.to(torch.float64)
-    return fn(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+    return fn(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)

@@ -188,7 +188,7 @@ def read(checkpoint: Path, *, sharded: bool, check_state: Callable[[Path, Traine
     except Exception as err:
         raise DamagedCheckpoint(f"{POLICY_DIR}/{', '.join(weights)}", _one_line(err)) from None
     critic = None
-    if state.config.get("advantage_estimator") in CRITIC_METHODS:
+    if state.config.get("advantage_method") in CRITIC_METHODS:
         try:
             critic = torch.load(checkpoint / CRITIC_FILE, map_location="cpu", weights_only=True)
         except Exception as err:

@@ -160,7 +160,7 @@ class TrainerConfig:
     )
 
     # --- estimate
-    advantage_estimator: str = _opt(
+    advantage_method: str = _opt(
         "gae", f"Advantage estimator (ppo_fast.advantage_methods()): gae uses the critic; "
         f"{', '.join(GROUP_METHODS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
         "reinforce_plus_plus (returns whitened over the batch) and remax (minus the greedy response's reward) need neither.",
@@ -288,9 +288,9 @@ class TrainerConfig:
                  f"must divide batch_size * num_samples_per_prompt = {rows}")
         _require("gradient_accumulation_steps", (rows // self.num_mini_batches) % self.gradient_accumulation_steps == 0,
                  f"must divide the minibatch size {rows // self.num_mini_batches}")
-        if self.advantage_estimator in GROUP_METHODS:
+        if self.advantage_method in GROUP_METHODS:
             _require("num_samples_per_prompt", self.num_samples_per_prompt >= 2,
-                     f"must be >= 2 for advantage_estimator={self.advantage_estimator}")
+                     f"must be >= 2 for advantage_method={self.advantage_method}")
         _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with --reward-fn; choose one")
         _require("overwrite", not (self.overwrite and self.resume),
                  "cannot be combined with --resume (--resume continues the run in output_dir, --overwrite deletes it); "
@@ -319,7 +319,7 @@ class TrainerConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator in CRITIC_METHODS
+        return self.advantage_method in CRITIC_METHODS
 
     @property
     def kl_in_reward(self) -> bool:
@@ -432,7 +432,7 @@ CHOICES = {
     "device": DEVICES,
     "backend": BACKEND_CHOICES,
     "critic": CRITIC_MODES,
-    "advantage_estimator": ADVANTAGE_METHOD_NAMES,
+    "advantage_method": ADVANTAGE_METHOD_NAMES,
     "policy_loss": POLICY_LOSSES,
     "kl_estimator": ("auto",) + KL_ESTIMATORS,
     "kl_placement": KL_PLACEMENTS,

@@ -1,4 +1,4 @@
-"""Advantages: GAE with the critic, or any critic-free estimator of the registry (pf.advantage_methods())."""
+"""Advantages: GAE with the critic, or any critic-free advantage method of the registry (pf.advantage_methods())."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def group_ids(rows: int, group_size: int, device) -> torch.Tensor:
 
 
 def estimate(
-    scores, logprobs, ref_logprobs, values, mask, *, estimator: str, kl_coef: float, kl_estimator: str,
+    scores, logprobs, ref_logprobs, values, mask, *, advantage_method: str, kl_coef: float, kl_estimator: str,
     kl_in_reward: bool, gamma: float, lam: float, whiten: bool, group_size: int, grpo_norm_by_std: bool = True,
     baselines: torch.Tensor | None = None, whitener=pf.masked_whiten,
 ) -> Estimate:
@@ -36,8 +36,8 @@ def estimate(
     (with statistics over all ranks in a distributed run).
     """
     rewards, kl = pf.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask,
-                                          kl_coef=kl_coef if kl_in_reward else 0.0, estimator=kl_estimator)
-    method = pf.advantage_methods()[estimator]
+                                          kl_coef=kl_coef if kl_in_reward else 0.0, kl_estimator=kl_estimator)
+    method = pf.advantage_methods()[advantage_method]
     if method.needs_critic:
         advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
         if whiten:
@@ -46,7 +46,7 @@ def estimate(
     offered = {"gamma": gamma, "norm_by_std": grpo_norm_by_std, "baselines": baselines}
     params = {name: value for name, value in offered.items() if name in method.params}
     ids = group_ids(rewards.shape[0], group_size, rewards.device) if method.needs_groups else None
-    advantages = pf.group_advantages(rewards, ids, mask, method=estimator, **params)
+    advantages = pf.group_advantages(rewards, ids, mask, method=advantage_method, **params)
     if whiten and not method.normalized:
         advantages = whitener(advantages, mask)
     return Estimate(advantages, None, rewards, kl)

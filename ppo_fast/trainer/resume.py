@@ -29,9 +29,9 @@ def check(saved: dict, cfg: TrainerConfig, builtin: bool, where: str) -> list[st
     refused = dict(REFUSED)
     if builtin:
         refused.update({name: "the built-in task's warm-up model (the KL reference) depends on it" for name in REFUSED_BUILTIN})
-    old_estimator = saved.get("advantage_estimator", cfg.advantage_estimator)
-    if (old_estimator in CRITIC_METHODS) != cfg.uses_critic:
-        refused["advantage_estimator"] = "with a critic" if old_estimator in CRITIC_METHODS else "without a critic"
+    old_method = saved.get("advantage_method", cfg.advantage_method)
+    if (old_method in CRITIC_METHODS) != cfg.uses_critic:
+        refused["advantage_method"] = "with a critic" if old_method in CRITIC_METHODS else "without a critic"
     for name, old in changed.items():
         if name in refused:
             raise ConfigError(f"{where} was trained with {flag(name)} {_show(old)} ({refused[name]}); resume with "

@@ -46,17 +46,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_estimator: str | None = None) -> None:
+def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_method: str | None = None) -> None:
     """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``
-    (and implements the critic-free ``advantage_estimator``, if given)."""
+    (and implements the critic-free ``advantage_method``, if given)."""
     if name == "auto":
         return
     from ppo_fast.backends import resolve
 
-    method = pf.advantage_methods().get(advantage_estimator)
+    method = pf.advantage_methods().get(advantage_method)
     wanted = [(op, None, None) for op in ops]
     if method is not None and method.fn is not None:
-        wanted.append(("group_sum", method.backends, f"--advantage-estimator {advantage_estimator}"))
+        wanted.append(("group_sum", method.backends, f"--advantage-method {advantage_method}"))
     with pf.use_backend(name):
         for op, implemented_by, label in wanted:
             try:
@@ -234,7 +234,7 @@ class PPOTrainer:
         ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
         policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
         check_backend(cfg.backend, self.device, tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
-                      cfg.advantage_estimator)
+                      cfg.advantage_method)
         if cfg.rollout_engine == "vllm":
             check_installed()
             if cfg.vllm_sleep and self.device.type != "cuda":
@@ -517,10 +517,10 @@ class PPOTrainer:
             scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
         with timer.phase("estimate"):
-            needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_estimator].params
+            needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_method].params
             baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
             est = estimate(
-                scores, old_logprobs, ref_logprobs, values, mask, estimator=cfg.advantage_estimator,
+                scores, old_logprobs, ref_logprobs, values, mask, advantage_method=cfg.advantage_method,
                 kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator_used, kl_in_reward=cfg.kl_in_reward,
                 gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
                 grpo_norm_by_std=cfg.grpo_norm_by_std, baselines=baselines, whitener=self.parallel.masked_whiten,
@@ -670,7 +670,7 @@ class PPOTrainer:
         kl = (f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
               + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})")
         critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
-        return (f"{model}; {reward}\n{cfg.advantage_estimator}{critic}, {kl}, lr {cfg.learning_rate:g}, "
+        return (f"{model}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
                 f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}")
 
     def _save_after_interrupt(self, rng_at_step_start: dict) -> None:

@@ -14,22 +14,22 @@ SUPPORTED = {"kl_estimate": {"cpu"}, "kl_penalized_rewards": {"cpu"}}
 
 
 
-def _check_kl_inputs(op, logprobs, ref_logprobs, estimator):
+def _check_kl_inputs(op, logprobs, ref_logprobs, kl_estimator):
     check_float(op, "logprobs", logprobs)
     check_float(op, "ref_logprobs", ref_logprobs)
     check_shape(op, "ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
     check_same_device(op, logprobs=logprobs, ref_logprobs=ref_logprobs)
-    check_choice(op, "estimator", estimator, KL_ESTIMATORS)
+    check_choice(op, "kl_estimator", kl_estimator, KL_ESTIMATORS)
 
 
-def _fake_kl_estimate(logprobs, ref_logprobs, estimator):
-    _check_kl_inputs("kl_estimate", logprobs, ref_logprobs, estimator)
+def _fake_kl_estimate(logprobs, ref_logprobs, kl_estimator):
+    _check_kl_inputs("kl_estimate", logprobs, ref_logprobs, kl_estimator)
     return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
 
 
-def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, estimator, output_mask):
+def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, kl_estimator, output_mask):
     op = "kl_estimate_backward"
-    _check_kl_inputs(op, logprobs, ref_logprobs, estimator)
+    _check_kl_inputs(op, logprobs, ref_logprobs, kl_estimator)
     check_float(op, "grad_kl", grad_kl)
     check_shape(op, "grad_kl", grad_kl, logprobs.shape, "logprobs")
     check_same_device(op, logprobs=logprobs, grad_kl=grad_kl)
@@ -37,14 +37,14 @@ def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, estimator, outpu
 
 
 def _setup_kl_estimate(ctx, inputs, output):
-    logprobs, ref_logprobs, ctx.estimator = inputs
+    logprobs, ref_logprobs, ctx.kl_estimator = inputs
     ctx.save_for_backward(logprobs, ref_logprobs)
 
 
 def _backward_kl_estimate(ctx, grad_kl):
     logprobs, ref_logprobs = ctx.saved_tensors
     needed = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.ppo_fast.kl_estimate_backward(grad_kl, logprobs, ref_logprobs, ctx.estimator, needed)
+    grads = torch.ops.ppo_fast.kl_estimate_backward(grad_kl, logprobs, ref_logprobs, ctx.kl_estimator, needed)
     return *needed_grads(grads, needed), None
 
 
@@ -52,26 +52,26 @@ register("kl_estimate", _fake_kl_estimate, _backward_kl_estimate, _setup_kl_esti
 register("kl_estimate_backward", _fake_kl_estimate_backward)
 
 
-def kl_estimate(logprobs, ref_logprobs, estimator: str):
-    return torch.ops.ppo_fast.kl_estimate(logprobs, ref_logprobs, estimator)
+def kl_estimate(logprobs, ref_logprobs, kl_estimator: str):
+    return torch.ops.ppo_fast.kl_estimate(logprobs, ref_logprobs, kl_estimator)
 
 
 # --------------------------------------------------------------------------- kl_penalized_rewards
 
 
-def _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator):
+def _check_penalized_inputs(op, logprobs, ref_logprobs, mask, kl_estimator):
     check_float(op, "logprobs", logprobs)
     check_dim(op, "logprobs", logprobs, 2)
     check_float(op, "ref_logprobs", ref_logprobs)
     check_shape(op, "ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
     check_mask(op, mask, "logprobs", logprobs)
     check_same_device(op, logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
-    check_choice(op, "estimator", estimator, KL_ESTIMATORS)
+    check_choice(op, "kl_estimator", kl_estimator, KL_ESTIMATORS)
 
 
-def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
     op = "kl_penalized_rewards"
-    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator)
+    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, kl_estimator)
     check_float(op, "scores", scores)
     check_shape(op, "scores", scores, logprobs.shape[:1])
     check_same_device(op, logprobs=logprobs, scores=scores)
@@ -79,9 +79,9 @@ def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, es
     return logprobs.new_empty(logprobs.shape, dtype=dtype), logprobs.new_empty(logprobs.shape, dtype=dtype)
 
 
-def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, kl_coef, estimator, scores_dtype, output_mask):
+def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, kl_coef, kl_estimator, scores_dtype, output_mask):
     op = "kl_penalized_rewards_backward"
-    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, estimator)
+    _check_penalized_inputs(op, logprobs, ref_logprobs, mask, kl_estimator)
     check_dtype_arg(op, "scores_dtype", scores_dtype)
     for name, grad in (("grad_rewards", grad_rewards), ("grad_kl", grad_kl)):
         if grad is not None:
@@ -93,9 +93,9 @@ def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_log
 
 
 def _setup_kl_penalized_rewards(ctx, inputs, output):
-    scores, logprobs, ref_logprobs, mask, kl_coef, estimator = inputs
+    scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator = inputs
     ctx.save_for_backward(logprobs, ref_logprobs, mask)
-    ctx.args = (kl_coef, estimator, scores.dtype)
+    ctx.args = (kl_coef, kl_estimator, scores.dtype)
     ctx.set_materialize_grads(False)  # kl is often only a statistic: no gradient through it
 
 
@@ -110,7 +110,7 @@ register("kl_penalized_rewards", _fake_kl_penalized_rewards, _backward_kl_penali
 register("kl_penalized_rewards_backward", _fake_kl_penalized_rewards_backward)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
-    return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str):
+    return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
 
 

@@ -15,15 +15,15 @@ SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
 
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs."""
     logprobs, ref_logprobs = in_common_dtype(logprobs, ref_logprobs)
     log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
+    if kl_estimator == "k1":
         return log_ratio
-    if estimator == "k2":
+    if kl_estimator == "k2":
         return 0.5 * log_ratio.square()
-    if estimator == "abs":
+    if kl_estimator == "abs":
         return log_ratio.abs()
     # k3 (Schulman's low-variance estimator).  The inner clamp only keeps exp finite
     # for +-inf inputs; the outer clamp to [-10, 10] is the estimator's definition.
@@ -54,11 +54,11 @@ def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return last, mask.any(dim=-1)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, estimator: str):
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str):
     """``r_t = -kl_coef * kl_t`` at valid tokens, plus the score at each row's last valid token."""
     scores, logprobs, ref_logprobs = in_common_dtype(scores, logprobs, ref_logprobs)
     logprobs, ref_logprobs = masked_inputs(mask, logprobs, ref_logprobs)
-    kl = torch.where(mask, kl_estimate(logprobs, ref_logprobs, estimator), 0.0)
+    kl = torch.where(mask, kl_estimate(logprobs, ref_logprobs, kl_estimator), 0.0)
     rewards = -kl_coef * kl
     if mask.shape[-1] == 0:  # no token to carry a score
         return rewards, kl

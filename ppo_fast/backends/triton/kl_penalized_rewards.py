@@ -1,7 +1,7 @@
 """Per-token KL estimates and the KL-penalised reward, with their gradients.
 
 The estimators and their clamps are those of the reference backend's ``kl_estimate``;
-``ESTIMATOR`` is the index of the name in ``ppo_fast.spec.KL_ESTIMATORS``.
+``KL_ESTIMATOR`` is the index of the name in ``ppo_fast.spec.KL_ESTIMATORS``.
 
 Every input is read through its strides (sliced, transposed and expanded inputs
 in place); outputs are new contiguous tensors; addresses are int64.  The
@@ -31,8 +31,8 @@ _K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
 _ABS = tl.constexpr(KL_ESTIMATORS.index("abs"))
 
 
-def estimator_code(estimator: str) -> int:
-    return KL_ESTIMATORS.index(estimator)
+def kl_estimator_code(kl_estimator: str) -> int:
+    return KL_ESTIMATORS.index(kl_estimator)
 
 
 @triton.jit
@@ -70,12 +70,12 @@ def _k3_of(d):
 
 
 @triton.jit
-def _kl_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
-    if ESTIMATOR == _K1:
+def _kl_from_log_ratio(log_ratio, KL_ESTIMATOR: tl.constexpr):
+    if KL_ESTIMATOR == _K1:
         kl = log_ratio
-    elif ESTIMATOR == _K2:
+    elif KL_ESTIMATOR == _K2:
         kl = 0.5 * log_ratio * log_ratio
-    elif ESTIMATOR == _K3:
+    elif KL_ESTIMATOR == _K3:
         d = _clamp(-log_ratio, -20.0, 20.0)
         kl = _clamp(_k3_of(d), -10.0, 10.0)
     else:
@@ -84,15 +84,15 @@ def _kl_from_log_ratio(log_ratio, ESTIMATOR: tl.constexpr):
 
 
 @triton.jit
-def _kl_grad(log_ratio, g, ESTIMATOR: tl.constexpr):
+def _kl_grad(log_ratio, g, KL_ESTIMATOR: tl.constexpr):
     """g * d kl / d log_ratio, multiplied out in the order of the reference's autograd (so that
     overflow gives the same inf or NaN), with torch's conventions: clamp passes gradient on
     its closed range, sign(0) = 0."""
-    if ESTIMATOR == _K1:
+    if KL_ESTIMATOR == _K1:
         grad = g
-    elif ESTIMATOR == _K2:
+    elif KL_ESTIMATOR == _K2:
         grad = (g * 0.5) * (2.0 * log_ratio)
-    elif ESTIMATOR == _K3:
+    elif KL_ESTIMATOR == _K3:
         d = _clamp(-log_ratio, -20.0, 20.0)
         inner = _k3_of(d)
         passes = (tl.abs(log_ratio) <= 20.0) & (inner <= 10.0) & (inner >= -10.0)
@@ -126,25 +126,25 @@ def _strided(row, col, offs, stride0, stride1, STRIDED: tl.constexpr):
 @triton.jit
 def _kl_estimate_kernel(
     logp_ptr, ref_ptr, kl_ptr, numel, cols, logp_stride0, logp_stride1, ref_stride0, ref_stride1,
-    ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
 ):
     offs, inside, row, col = _elementwise_offsets(tl.program_id(0), numel, cols, BLOCK, STRIDED)
     logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
     ref = tl.load(ref_ptr + _strided(row, col, offs, ref_stride0, ref_stride1, STRIDED), mask=inside).to(ACC)
-    tl.store(kl_ptr + offs, _kl_from_log_ratio(logp - ref, ESTIMATOR), mask=inside)
+    tl.store(kl_ptr + offs, _kl_from_log_ratio(logp - ref, KL_ESTIMATOR), mask=inside)
 
 
 @triton.jit
 def _kl_backward_kernel(
     logp_ptr, ref_ptr, grad_kl_ptr, grad_logp_ptr, grad_ref_ptr, numel, cols,
     logp_stride0, logp_stride1, ref_stride0, ref_stride1, grad_kl_stride0, grad_kl_stride1,
-    ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
 ):
     offs, inside, row, col = _elementwise_offsets(tl.program_id(0), numel, cols, BLOCK, STRIDED)
     logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
     ref = tl.load(ref_ptr + _strided(row, col, offs, ref_stride0, ref_stride1, STRIDED), mask=inside).to(ACC)
     grad_kl = tl.load(grad_kl_ptr + _strided(row, col, offs, grad_kl_stride0, grad_kl_stride1, STRIDED), mask=inside).to(ACC)
-    grad = _kl_grad(logp - ref, grad_kl, ESTIMATOR)
+    grad = _kl_grad(logp - ref, grad_kl, KL_ESTIMATOR)
     tl.store(grad_logp_ptr + offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
     tl.store(grad_ref_ptr + offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
 
@@ -168,7 +168,7 @@ def _kl_rewards_kernel(
     mask_stride1,
     kl_coef,
     kl_coef_lo,
-    ESTIMATOR: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -184,7 +184,7 @@ def _kl_rewards_kernel(
         valid = tl.load(mask_ptr + row * mask_stride0 + t * mask_stride1, mask=inside, other=0) != 0
         logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
         ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
-        kl = tl.where(valid, _kl_from_log_ratio(logp - ref, ESTIMATOR), 0.0)
+        kl = tl.where(valid, _kl_from_log_ratio(logp - ref, KL_ESTIMATOR), 0.0)
         last = tl.where(last < 0, tl.max(tl.where(valid, t, -1), 0), last)
         # A row without a valid token never reads its score.
         score = tl.load(scores_ptr + row * scores_stride, mask=last >= 0, other=0.0).to(ACC)
@@ -221,7 +221,7 @@ def _kl_rewards_bwd_kernel(
     kl_coef_lo,
     HAS_GRAD_REWARDS: tl.constexpr,
     HAS_GRAD_KL: tl.constexpr,
-    ESTIMATOR: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -243,7 +243,7 @@ def _kl_rewards_bwd_kernel(
             grad_kl += neg_coef * grad_rewards.to(ACC)
         logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
         ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
-        grad = tl.where(valid, _kl_grad(logp - ref, grad_kl, ESTIMATOR), 0.0)
+        grad = tl.where(valid, _kl_grad(logp - ref, grad_kl, KL_ESTIMATOR), 0.0)
         out_offs = row * length + t
         tl.store(grad_logp_ptr + out_offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
         tl.store(grad_ref_ptr + out_offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
@@ -268,7 +268,7 @@ def _rows_and_strides(*tensors: torch.Tensor) -> tuple[int, list[int], bool]:
     return views[0].shape[1], strides, not all(x.is_contiguous() for x in tensors)
 
 
-def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str) -> torch.Tensor:
     """Per-token KL estimate, any shape and strides; a new contiguous float32 tensor (float64 for float64 inputs)."""
     check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
     check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
@@ -279,13 +279,13 @@ def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, esti
         with device_guard(kl):
             _kl_estimate_kernel[_elementwise_grid(kl.numel())](
                 logp_rows, ref_rows, kl, kl.numel(), cols, *strides,
-                ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(kl.dtype), BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
+                KL_ESTIMATOR=kl_estimator_code(kl_estimator), ACC=compute_dtype(kl.dtype), BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
             )
     return kl
 
 
 def kl_backward(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, estimator: str
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, kl_estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``sum(grad_kl * kl)`` w.r.t. ``logprobs`` and ``ref_logprobs``, in their dtypes (any strides in)."""
     check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
@@ -299,7 +299,7 @@ def kl_backward(
         with device_guard(grad_logp):
             _kl_backward_kernel[_elementwise_grid(grad_logp.numel())](
                 *views, grad_logp, grad_ref, grad_logp.numel(), cols, *strides,
-                ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
+                KL_ESTIMATOR=kl_estimator_code(kl_estimator), ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
                 BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
             )
     return grad_logp, grad_ref
@@ -324,7 +324,7 @@ def kl_penalized_rewards_forward(
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
     kl_coef: float,
-    estimator: str,
+    kl_estimator: str,
     block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rewards, kl, last)``: rewards and kl ``[B, T]`` float32 (float64 for float64 log-probs); ``last [B]`` int32 is each
@@ -343,7 +343,7 @@ def kl_penalized_rewards_forward(
         _kl_rewards_kernel[(batch,)](
             scores, logprobs, ref_logprobs, mask, rewards, kl, last, length,
             scores.stride(0), *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(), *split_scalar(kl_coef),
-            ESTIMATOR=estimator_code(estimator), ACC=compute_dtype(rewards.dtype), BLOCK_T=_block_t(length, block_t),
+            KL_ESTIMATOR=kl_estimator_code(kl_estimator), ACC=compute_dtype(rewards.dtype), BLOCK_T=_block_t(length, block_t),
         )
     return rewards, kl, last
 
@@ -356,7 +356,7 @@ def kl_penalized_rewards_backward(
     grad_rewards: torch.Tensor | None,
     grad_kl: torch.Tensor | None,
     kl_coef: float,
-    estimator: str,
+    kl_estimator: str,
     scores_dtype: torch.dtype,
     block_t: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -390,7 +390,7 @@ def kl_penalized_rewards_backward(
             grad_logp, grad_ref, length,
             *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(),
             *(grad_rewards.stride() if has_rewards else (0, 0)), *(grad_kl.stride() if has_kl else (0, 0)), *split_scalar(kl_coef),
-            HAS_GRAD_REWARDS=has_rewards, HAS_GRAD_KL=has_kl, ESTIMATOR=estimator_code(estimator),
+            HAS_GRAD_REWARDS=has_rewards, HAS_GRAD_KL=has_kl, KL_ESTIMATOR=kl_estimator_code(kl_estimator),
             ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)), BLOCK_T=_block_t(length, block_t),
         )
     return grad_scores, grad_logp, grad_ref
@@ -400,56 +400,56 @@ def kl_penalized_rewards_backward(
 
 
 @torch.library.custom_op("ppo_fast_triton::kl_estimate", mutates_args=())
-def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    return kl_estimate_forward(logprobs, ref_logprobs, estimator)
+def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str) -> torch.Tensor:
+    return kl_estimate_forward(logprobs, ref_logprobs, kl_estimator)
 
 
 @_kl_estimate_op.register_fake
-def _(logprobs, ref_logprobs, estimator):
+def _(logprobs, ref_logprobs, kl_estimator):
     return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
 
 
 @torch.library.custom_op("ppo_fast_triton::kl_backward", mutates_args=())
 def _kl_backward_op(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, estimator: str
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, kl_estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return kl_backward(logprobs, ref_logprobs, grad_kl, estimator)
+    return kl_backward(logprobs, ref_logprobs, grad_kl, kl_estimator)
 
 
 @_kl_backward_op.register_fake
-def _(logprobs, ref_logprobs, grad_kl, estimator):
+def _(logprobs, ref_logprobs, grad_kl, kl_estimator):
     # Contiguous, as the kernels' outputs are (empty_like would keep a transposed input's strides).
     return logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
 
 
 def _kl_estimate_setup(ctx, inputs, output):
-    logprobs, ref_logprobs, ctx.estimator = inputs
+    logprobs, ref_logprobs, ctx.kl_estimator = inputs
     ctx.save_for_backward(logprobs, ref_logprobs)
 
 
 def _kl_estimate_backward(ctx, grad_kl):
     logprobs, ref_logprobs = ctx.saved_tensors
-    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, grad_kl, ctx.estimator)
+    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, grad_kl, ctx.kl_estimator)
     return grad_logp, grad_ref, None
 
 
 _kl_estimate_op.register_autograd(_kl_estimate_backward, setup_context=_kl_estimate_setup)
 
 
-def kl_estimate(logprobs, ref_logprobs, estimator):
-    return _kl_estimate_op(logprobs, ref_logprobs, estimator)
+def kl_estimate(logprobs, ref_logprobs, kl_estimator):
+    return _kl_estimate_op(logprobs, ref_logprobs, kl_estimator)
 
 
 @torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards", mutates_args=())
 def _kl_penalized_rewards_op(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, estimator: str
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, kl_estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rewards, kl, last)``: ``last [B]`` int32 is each row's last valid index (-1 if none), for the backward."""
-    return kl_penalized_rewards_forward(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+    return kl_penalized_rewards_forward(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
 
 
 @_kl_penalized_rewards_op.register_fake
-def _(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
+def _(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
     rewards = logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
     return rewards, torch.empty_like(rewards), scores.new_empty(scores.shape, dtype=torch.int32)
 
@@ -463,24 +463,24 @@ def _kl_penalized_rewards_backward_op(
     grad_rewards: torch.Tensor | None,
     grad_kl: torch.Tensor | None,
     kl_coef: float,
-    estimator: str,
+    kl_estimator: str,
     scores_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_scores, grad_logprobs, grad_ref_logprobs)``; ``grad_scores`` is empty without ``grad_rewards``."""
     grad_scores, grad_logp, grad_ref = kl_penalized_rewards_backward(
-        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, estimator, scores_dtype
+        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, kl_estimator, scores_dtype
     )
     return (grad_logp.new_empty(0, dtype=scores_dtype) if grad_scores is None else grad_scores), grad_logp, grad_ref
 
 
 @_kl_penalized_rewards_backward_op.register_fake
-def _(logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, estimator, scores_dtype):
+def _(logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, kl_estimator, scores_dtype):
     grad_scores = last.new_empty(last.shape if grad_rewards is not None else (0,), dtype=scores_dtype)
     return grad_scores, logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
 
 
 def _kl_penalized_rewards_setup(ctx, inputs, output):
-    scores, logprobs, ref_logprobs, mask, ctx.kl_coef, ctx.estimator = inputs
+    scores, logprobs, ref_logprobs, mask, ctx.kl_coef, ctx.kl_estimator = inputs
     ctx.scores_dtype = scores.dtype
     last = output[2]
     ctx.save_for_backward(logprobs, ref_logprobs, mask, last)
@@ -492,7 +492,7 @@ def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
     not_differentiable(ctx, mask=3)
     logprobs, ref_logprobs, mask, last = ctx.saved_tensors
     grad_scores, grad_logp, grad_ref = _kl_penalized_rewards_backward_op(
-        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, ctx.kl_coef, ctx.estimator, ctx.scores_dtype
+        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, ctx.kl_coef, ctx.kl_estimator, ctx.scores_dtype
     )
     # The scores reach only the rewards: no rewards gradient, no scores gradient.
     return (grad_scores if grad_rewards is not None else None), grad_logp, grad_ref, None, None, None
@@ -501,14 +501,14 @@ def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
 _kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup_context=_kl_penalized_rewards_setup)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, estimator):
-    rewards, kl, _ = _kl_penalized_rewards_op(scores, logprobs, ref_logprobs, mask, kl_coef, estimator)
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
+    rewards, kl, _ = _kl_penalized_rewards_op(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
     return rewards, kl
 
 
 def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
     """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
-    kl_estimate forward and backward per estimator (k3 also transposed), kl_penalized_rewards forward and backward.
+    kl_estimate forward and backward per kl_estimator (k3 also transposed), kl_penalized_rewards forward and backward.
 
     One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` (None: no budget),
     ``bytes_per_element`` (global memory read + written per token; None: not modelled).
@@ -521,15 +521,15 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
         return meta((length, batch), dtype).t() if transposed else meta((batch, length), dtype)
 
     out = []
-    for estimator in KL_ESTIMATORS:
-        for transposed in (False, True) if estimator == "k3" else (False,):
+    for kl_estimator in KL_ESTIMATORS:
+        for transposed in (False, True) if kl_estimator == "k3" else (False,):
             layout = " transposed" if transposed else ""
-            out.append(dict(name=f"kl_estimate fwd {estimator}{layout}", budget_key=None, bytes_per_element=12,
-                            run=lambda e=estimator, t=transposed: kl_estimate_forward(seq(transposed=t), seq(transposed=t), e)))
-            out.append(dict(name=f"kl_estimate bwd {estimator}{layout}", budget_key=None, bytes_per_element=20,
-                            run=lambda e=estimator, t=transposed: kl_backward(seq(transposed=t), seq(transposed=t), seq(), e)))
-        out.append(dict(name=f"kl_penalized_rewards fwd {estimator}", budget_key=None, bytes_per_element=17,
-                        run=lambda e=estimator: kl_penalized_rewards_forward(meta((batch,)), seq(), seq(), seq(torch.bool), 0.05, e)))
+            out.append(dict(name=f"kl_estimate fwd {kl_estimator}{layout}", budget_key=None, bytes_per_element=12,
+                            run=lambda e=kl_estimator, t=transposed: kl_estimate_forward(seq(transposed=t), seq(transposed=t), e)))
+            out.append(dict(name=f"kl_estimate bwd {kl_estimator}{layout}", budget_key=None, bytes_per_element=20,
+                            run=lambda e=kl_estimator, t=transposed: kl_backward(seq(transposed=t), seq(transposed=t), seq(), e)))
+        out.append(dict(name=f"kl_penalized_rewards fwd {kl_estimator}", budget_key=None, bytes_per_element=17,
+                        run=lambda e=kl_estimator: kl_penalized_rewards_forward(meta((batch,)), seq(), seq(), seq(torch.bool), 0.05, e)))
     for has_rewards, has_kl in ((True, True), (True, False), (False, True)):
         what = "+".join(n for n, on in (("rewards", has_rewards), ("kl", has_kl)) if on)
         out.append(dict(name=f"kl_penalized_rewards bwd({what}) k3", budget_key=None, bytes_per_element=None,
