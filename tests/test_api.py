@@ -167,7 +167,7 @@ def test_kl_penalized_rewards_place_score_at_last_valid_token(backend):
     logp = torch.randn(3, 6)
     ref = torch.randn(3, 6)
     scores = torch.tensor([2.0, 3.0, -1.0])
-    rewards, kl = pf.kl_penalized_rewards(scores, logp, ref, mask, kl_coef=0.05, estimator="k2")
+    rewards, kl = pf.kl_penalized_rewards(scores, logp, ref, mask, kl_coef=0.05, kl_estimator="k2")
     expected_kl = torch.where(mask, 0.5 * (logp - ref) ** 2, 0.0)
     torch.testing.assert_close(kl, expected_kl)
     expected = -0.05 * expected_kl
@@ -427,7 +427,7 @@ def _batch():
         (lambda: pf.token_logprobs(torch.randn(2, 0), torch.tensor([0, 1])), ValueError, "logits"),
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), return_entropy=1), TypeError, "return_entropy"),
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(3)), ValueError, "ref_logprobs"),
-        (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "estimator"),
+        (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "kl_estimator"),
         (lambda: pf.kl_penalized_rewards(torch.randn(3), *_batch()[:2], _batch()[3], kl_coef=0.1), ValueError, "scores"),
         (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=-0.1), ValueError, "kl_coef"),
         (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=float("inf")), ValueError, "kl_coef"),

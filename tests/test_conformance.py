@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import zlib
 from typing import Callable
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_map
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
@@ -90,12 +92,17 @@ def laid_out(values: torch.Tensor, layout: str, grad: bool) -> tuple[torch.Tenso
     return leaf, view_of(leaf), view_of
 
 
+# Set by the all-masked edge case: every mask 0 and every label ignored.
+MASK_EVERYTHING = False
+
+
 def random_mask(gen: torch.Generator, shape, device) -> torch.Tensor:
     """Interior holes, one all-masked row and one full row."""
     mask = torch.rand(shape, generator=gen) < 0.65
-    mask[0] = False
-    mask[-1] = True
-    return mask.to(device)
+    if shape[0]:
+        mask[0] = False
+        mask[-1] = True
+    return (mask & (not MASK_EVERYTHING)).to(device)
 
 
 @dataclasses.dataclass
@@ -123,7 +130,7 @@ def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True, dims=DIM
     B, T, V = dims
     logits = (torch.randn(B, T, V, generator=gen) * 3).to(device, dtype)
     labels = torch.randint(0, V, (B, T), generator=gen).to(device)
-    ignored = torch.rand(B, T, generator=gen).to(device) < 0.25
+    ignored = (torch.rand(B, T, generator=gen) < 0.25).to(device) | MASK_EVERYTHING
     labels = torch.where(ignored, -100, labels)
     if layout == "expanded":
         labels = labels[:1].expand(B, T).clone()
@@ -151,7 +158,7 @@ def build_linear_logprobs(gen, device, dtype, layout, poison, *, entropy=True, b
     weight = (torch.randn(V, HIDDEN, generator=gen) / HIDDEN**0.25).to(device, dtype).requires_grad_(True)
     head_bias = torch.randn(V, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
     labels = torch.randint(0, V, (B, T), generator=gen).to(device)
-    labels = torch.where(torch.rand(B, T, generator=gen).to(device) < 0.25, -100, labels)
+    labels = torch.where((torch.rand(B, T, generator=gen) < 0.25).to(device) | MASK_EVERYTHING, -100, labels)
     if layout == "expanded":
         labels = labels[:1].expand(B, T).clone()
     ignored = labels == -100
@@ -189,11 +196,11 @@ def _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask=None, sca
     return leaves, views, tensors
 
 
-def build_kl_estimate(gen, device, dtype, layout, poison, *, estimator, dims=DIMS):
+def build_kl_estimate(gen, device, dtype, layout, poison, *, kl_estimator, dims=DIMS):
     if poison == "masked":
         pytest.skip("kl_estimate has no mask")
     leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), dims)
-    return Built(leaves, views, lambda: (pf.kl_estimate(t["logprobs"], t["ref_logprobs"], estimator),), (0,))
+    return Built(leaves, views, lambda: (pf.kl_estimate(t["logprobs"], t["ref_logprobs"], kl_estimator),), (0,))
 
 
 def _mask_for(gen, device, layout, dims):
@@ -204,14 +211,17 @@ def _mask_for(gen, device, layout, dims):
     return mask
 
 
-def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, estimator, dims=DIMS):
+def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, kl_estimator, dims=DIMS):
     mask = _mask_for(gen, device, layout, dims)
     leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), dims, mask)
-    scores = torch.randn(dims[0], generator=gen).to(device, dtype).requires_grad_(True)
+    scores = torch.randn(dims[0], generator=gen).to(device, dtype)
+    if poison == "masked" and dims[0] and not mask[0].any():  # the score of a row without valid tokens is never read
+        scores[0] = math.nan
+    scores.requires_grad_(True)
     leaves["scores"], views["scores"] = scores, lambda g: g
 
     def call():
-        return pf.kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask, kl_coef=0.3, estimator=estimator)
+        return pf.kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask, kl_coef=0.3, kl_estimator=kl_estimator)
 
     return Built(leaves, views, call, (0, 1))
 
@@ -249,7 +259,8 @@ def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2, dims=
 
 
 def build_policy_loss(gen, device, dtype, layout, poison, *, loss_mode, agg, weighted=False, dims=DIMS):
-    """A registered policy-loss mode; log-probs made negative (DPPO reads p = exp(logp))."""
+    """A registered policy-loss mode; log-probs made negative (DPPO reads p = exp(logp)),
+    weights positive (GMPO takes their log)."""
     mask = _mask_for(gen, device, layout, dims)
     names = ("logprobs", "old_logprobs", "advantages") + (("weights",) if weighted else ())
     leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask, scale=0.5)
@@ -262,7 +273,7 @@ def build_policy_loss(gen, device, dtype, layout, poison, *, loss_mode, agg, wei
             torch.manual_seed(0)  # clip_cov draws the tokens it cuts (never compiled: it syncs the host)
         loss, stats = pf.policy_loss(
             -t["logprobs"].abs() - 0.05, -t["old_logprobs"].abs() - 0.05, t["advantages"], mask,
-            loss_mode=loss_mode, agg=agg, weights=t.get("weights"), **params,
+            loss_mode=loss_mode, agg=agg, weights=t["weights"].abs() if weighted else None, **params,
         )
         return loss, *stats.values()
 
@@ -288,8 +299,8 @@ VARIANTS = {
         build_linear_logprobs,
         [{"entropy": True}, {"entropy": False, "bias": False}, {"entropy": True, "softcap": 2.5}],
     ),
-    "kl_estimate": (build_kl_estimate, [{"estimator": e} for e in KL_ESTIMATORS]),
-    "kl_penalized_rewards": (build_kl_penalized_rewards, [{"estimator": e} for e in KL_ESTIMATORS]),
+    "kl_estimate": (build_kl_estimate, [{"kl_estimator": e} for e in KL_ESTIMATORS]),
+    "kl_penalized_rewards": (build_kl_penalized_rewards, [{"kl_estimator": e} for e in KL_ESTIMATORS]),
     "gae": (build_gae, [{}, {"gamma": 1.0, "lam": 1.0}]),
     "clipped_policy_loss": (
         build_clipped_policy_loss,
@@ -427,6 +438,127 @@ def test_compiled_fullgraph_matches_eager(op, backend, device):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+# --------------------------------------------------------------------------- edge shapes
+
+EDGE_SHAPES = {"one-token": (1, 1, 5), "empty-responses": (3, 0, 5), "empty-batch": (0, 3, 5), "all-masked": (3, 4, 5)}
+
+
+def _edge_cases():
+    for op in OPS:
+        for device in DEVICES:
+            for backend in ["reference"] + serving(op, device):
+                for edge in EDGE_SHAPES:
+                    if not (edge == "all-masked" and op == "kl_estimate"):  # no mask
+                        yield pytest.param(op, backend, device, edge, marks=[pytest.mark.cuda] if device == "cuda" else [],
+                                           id=f"{op}-{backend}-{device}-{edge}")
+
+
+@pytest.mark.parametrize("op, backend, device, edge", list(_edge_cases()))
+def test_edge_shapes_match_reference(op, backend, device, edge, monkeypatch):
+    """One token, empty responses, an empty batch: the reference's shapes, values and
+    gradients.  With everything masked every output and every gradient is 0."""
+    monkeypatch.setattr(sys.modules[__name__], "MASK_EVERYTHING", edge == "all-masked")
+    variant = {**VARIANTS[op][1][0], "dims": EDGE_SHAPES[edge]}
+    want_out, want_grads = run_case("reference", op, device, torch.float32, "contiguous", "clean", variant, 11)
+    got_out, got_grads = run_case(backend, op, device, torch.float32, "contiguous", "clean", variant, 11)
+    for got, want in zip(got_out, want_out):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    for name, leaf in built_leaves(op, device, variant).items():  # no gradient: a zero one
+        got, want = (g[name] if g[name] is not None else torch.zeros_like(leaf) for g in (got_grads, want_grads))
+        assert got.shape == want.shape == leaf.shape, name
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    if edge == "all-masked":
+        assert all(torch.count_nonzero(out) == 0 for out in got_out)
+        assert all(g is None or torch.count_nonzero(g) == 0 for g in got_grads.values())
+
+
+def built_leaves(op, device, variant):
+    builder, _ = VARIANTS[op]
+    return builder(torch.Generator().manual_seed(11), device, torch.float32, "contiguous", "clean", **variant).leaves
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+GRADCHECK_DIMS = (2, 3, 5)
+
+
+# Losses whose gradient is by design not their derivative (a stop-gradient inside): their
+# backward is checked against the reference's autograd only (test_backend_matches_reference).
+STOP_GRADIENT_SURROGATES = {"policy_loss_gspo", "policy_loss_cispo", "policy_loss_dppo_tv", "policy_loss_dppo_kl"}
+
+
+def _gradcheck_cases():
+    for op in [op for op in OPS if op not in STOP_GRADIENT_SURROGATES]:
+        for backend in ["reference"] + serving(op, "cpu"):
+            for i, variant in enumerate(VARIANTS[op][1][:-1]):  # not the long rows
+                yield pytest.param(op, backend, variant, id=f"{op}-{backend}-{i}")
+
+
+@pytest.mark.parametrize("op, backend, variant", list(_gradcheck_cases()))
+def test_gradcheck_float64(op, backend, variant):
+    """Every backend's backward against finite differences (float64 inputs are computed in float64)."""
+    builder, _ = VARIANTS[op]
+    built = builder(torch.Generator().manual_seed(3), "cpu", torch.float64, "contiguous", "clean", **{**variant, "dims": GRADCHECK_DIMS})
+
+    def differentiable_outputs(*_leaves):  # gradcheck perturbs the leaves in place; call() reads them
+        with pf.use_backend(backend):
+            outputs = built.call()
+        return tuple(outputs[i] for i in built.differentiable)
+
+    assert torch.autograd.gradcheck(differentiable_outputs, tuple(built.leaves.values()))
+
+
+# --------------------------------------------------------------------------- opcheck of the native operators
+
+
+def _native_operators():
+    info = backend_info("native")
+    return info.module.OPERATORS if info.available else ()
+
+
+@pytest.fixture(scope="module")
+def native_operator_calls():
+    """operator name -> the argument lists it was called with by the matrix's cases on the
+    native backend: forward, backward of every input and of the first input only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: dict[str, list] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "ppo_fast":
+                snapshot = tree_map(lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a, (args, kwargs or {}))
+                calls.setdefault(func._schema.name.split("::")[1], []).append((func, *snapshot))
+            return func(*args, **(kwargs or {}))
+
+    with Record(), pf.use_backend("native"):
+        for op in [op for op in OPS if "native" in serving(op, "cpu")]:
+            builder, variants = VARIANTS[op]
+            for variant in variants[:-1]:
+                built = builder(torch.Generator().manual_seed(5), "cpu", torch.float32, "contiguous", "clean", **variant)
+                outputs = built.call()
+                total = sum(outputs[i].sum() for i in built.differentiable)
+                leaves = list(built.leaves.values())
+                torch.autograd.grad(total, leaves, retain_graph=True, allow_unused=True)
+                torch.autograd.grad(total, leaves[:1], allow_unused=True)
+        pf.gae(torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))  # a 0/1 float mask: bool_mask
+    return calls
+
+
+def test_every_native_operator_is_exercised(native_operator_calls):
+    assert set(native_operator_calls) == set(_native_operators())
+
+
+@pytest.mark.parametrize("operator", _native_operators())
+def test_opcheck_native_operator(operator, native_operator_calls):
+    """Schema, fake kernel, autograd registration and dispatch of every call the matrix makes."""
+    differentiable = not operator.endswith("_backward") and operator != "bool_mask"
+    for func, args, kwargs in native_operator_calls[operator]:
+        args = tree_map(lambda a: a.clone().requires_grad_(differentiable and a.is_floating_point()) if isinstance(a, torch.Tensor) else a, args)
+        torch.library.opcheck(func, args, kwargs)
+
+
 # --------------------------------------------------------------------------- out-of-range labels
 
 
@@ -434,17 +566,22 @@ def _logprobs_backends(device="cpu"):
     return ["reference"] + serving("token_logprobs", device)
 
 
+# Past every kernel's vocabulary chunk (native CPU 1024, Triton 4096), so that a NaN row's carry is crossed too.
+VOCAB = 4099
+BAD_LABELS = [VOCAB, VOCAB + 1, -1, -5, 10**11, -(10**11), -(2**40)]
+
+
 @pytest.mark.parametrize("backend", _logprobs_backends())
-@pytest.mark.parametrize("bad_label", [1000, -5, 10**11, -(10**11)])
-def test_out_of_range_label_compiled_gives_nan_and_no_gradient(backend, bad_label):
+@pytest.mark.parametrize("bad_label, inplace", [(label, False) for label in BAD_LABELS] + [(VOCAB, True)])
+def test_out_of_range_label_compiled_gives_nan_and_no_gradient(backend, bad_label, inplace):
     """Under torch.compile the label check (a host sync) is skipped: the row's log-prob and
-    entropy are NaN, its gradient is 0, and the other rows are exact.  Never a read or a
-    write outside the logits."""
-    logits = torch.randn(4, 1000, requires_grad=True)
-    labels = torch.tensor([1, 2, 3, bad_label])
+    entropy are NaN, its gradient is 0, and the other rows (one ignored) are exact.  Never a
+    read or a write outside the logits."""
+    logits = torch.randn(4, VOCAB, requires_grad=True)
+    labels = torch.tensor([1, -100, VOCAB - 1, bad_label])
 
     def fn(l, y):
-        return pf.token_logprobs(l, y, return_entropy=True)
+        return pf.token_logprobs(l * 1.0, y, return_entropy=True, inplace_backward=inplace)
 
     with pf.use_backend(backend):
         torch._dynamo.reset()
@@ -454,12 +591,25 @@ def test_out_of_range_label_compiled_gives_nan_and_no_gradient(backend, bad_labe
         logits.grad = None
         # The same result from the eager op on the good rows.
         good_logp, good_entropy = fn(logits[:3], labels[:3])
-    assert torch.isnan(logp[3]) and torch.isnan(entropy[3])
+    assert torch.isnan(logp[3]) and torch.isnan(entropy[3]) and logp[1] == 0 and entropy[1] == 0
     torch.testing.assert_close(logp[:3], good_logp.detach())
     torch.testing.assert_close(entropy[:3], good_entropy.detach())
-    assert (grad_compiled[3] == 0).all()
+    assert (grad_compiled[3] == 0).all() and (grad_compiled[1] == 0).all()
     (good_logp.sum() + good_entropy.sum()).backward()
     torch.testing.assert_close(grad_compiled[:3], logits.grad[:3])
+
+
+@pytest.mark.parametrize("backend", _logprobs_backends())
+@pytest.mark.parametrize("label_dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_out_of_range_small_integer_labels_compiled(backend, label_dtype):
+    logits = torch.randn(4, 50, requires_grad=True)
+    labels = torch.tensor([0, 49, 100, 120], dtype=label_dtype)
+    with pf.use_backend(backend):
+        torch._dynamo.reset()
+        logp = torch.compile(lambda l, y: pf.token_logprobs(l, y), fullgraph=True, backend="aot_eager")(logits, labels)
+        logp.backward(torch.ones(4))
+    assert torch.isfinite(logp[:2]).all() and torch.isnan(logp[2:]).all()
+    assert torch.count_nonzero(logits.grad[2:]) == 0 and torch.count_nonzero(logits.grad[:2]) > 0
 
 
 @pytest.mark.parametrize("backend", _logprobs_backends())
@@ -474,9 +624,10 @@ def test_out_of_range_label_backward_of_the_nan_row_writes_nothing(backend):
 
 
 @pytest.mark.parametrize("backend", _logprobs_backends())
-def test_out_of_range_label_eager_on_cpu_raises(backend):
-    with pf.use_backend(backend), pytest.raises(ValueError, match=r"labels must lie in \[0, 1000\).*1000"):
-        pf.token_logprobs(torch.randn(4, 1000), torch.tensor([1, 2, 3, 1000]))
+@pytest.mark.parametrize("bad_label", BAD_LABELS)
+def test_out_of_range_label_eager_on_cpu_raises(backend, bad_label):
+    with pf.use_backend(backend), pytest.raises(ValueError, match=rf"labels must lie in \[0, {VOCAB}\).*{bad_label}"):
+        pf.token_logprobs(torch.randn(4, VOCAB), torch.tensor([1, 2, 3, bad_label]))
 
 
 @pytest.mark.parametrize("backend", _logprobs_backends())
@@ -521,7 +672,7 @@ BAD_INPUTS = {
     "kl_estimate": [
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(3)), ValueError, "ref_logprobs"),
         (lambda: pf.kl_estimate(torch.randn(2), None), TypeError, "ref_logprobs"),
-        (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "estimator"),
+        (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "kl_estimator"),
     ],
     "kl_penalized_rewards": [
         (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=1e300), ValueError, "kl_coef"),

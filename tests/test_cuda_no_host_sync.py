@@ -36,7 +36,7 @@ CALLS = {
         r(*s[:2], 64).requires_grad_(), r(s[2], 64).requires_grad_(), y, bias=r(s[2]).requires_grad_(), return_entropy=True, logit_softcap=30.0),
     "kl_estimate": lambda r, m, fm, y, s: (pf.kl_estimate(r(*s[:2]).requires_grad_(), r(*s[:2]), "k3"),),
     "kl_penalized_rewards": lambda r, m, fm, y, s: pf.kl_penalized_rewards(
-        r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, estimator="k3"),
+        r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, kl_estimator="k3"),
     "gae": lambda r, m, fm, y, s: pf.gae(r(*s[:2]).requires_grad_(), r(*s[:2]).requires_grad_(), m, gamma=0.99, lam=0.95),
     "clipped_policy_loss": lambda r, m, fm, y, s: pf.clipped_policy_loss(
         r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]).requires_grad_(), fm, dual_clip=3.0, agg="seq-mean-token-mean")[:1],

@@ -111,22 +111,22 @@ def test_fused_head_low_temperature_gradient_against_float64(backend):
 LOG_RATIOS = sorted({s * 10.0**e for s in (1, -1) for e in (-4, -3.5, -3, -2, -1, -0.3, 0, 0.5, 1)} | {0.3, -0.45, 0.55})
 
 
-def kl_truth(r: float, estimator: str) -> tuple[float, float]:
+def kl_truth(r: float, kl_estimator: str) -> tuple[float, float]:
     """KL estimate of log-ratio r = logp - ref and its derivative d/d logp, in float64."""
-    if estimator == "k1":
+    if kl_estimator == "k1":
         return r, 1.0
-    if estimator == "k2":
+    if kl_estimator == "k2":
         return 0.5 * r * r, r
-    if estimator == "abs":
+    if kl_estimator == "abs":
         return abs(r), math.copysign(1.0, r)
     d = -r  # k3 = exp(d) - d - 1, d = ref - logp, clamped to [-10, 10] (the estimator's definition)
     value = math.expm1(d) - d
     return (value, -math.expm1(d)) if value <= 10 else (10.0, 0.0)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3", "abs"])
 @pytest.mark.parametrize("backend", backends_serving("kl_estimate"))
-def test_kl_estimators_accurate_at_small_log_ratios(backend, estimator):
+def test_kl_estimators_accurate_at_small_log_ratios(backend, kl_estimator):
     """<= 1e-4 relative to float64 for |r| >= 1e-4 (k3 = exp(r) - r - 1 cancels in float32)."""
     ratios = torch.tensor(LOG_RATIOS, dtype=torch.float64)
     ref = torch.randn(len(LOG_RATIOS), dtype=torch.float64).float()  # exact in float32
@@ -134,10 +134,10 @@ def test_kl_estimators_accurate_at_small_log_ratios(backend, estimator):
     r = logp.double() - ref.double()  # the log-ratio the float32 inputs hold
     logp.requires_grad_()
     with pf.use_backend(backend):
-        kl = pf.kl_estimate(logp[None], ref[None], estimator=estimator)[0]
+        kl = pf.kl_estimate(logp[None], ref[None], kl_estimator=kl_estimator)[0]
         kl.sum().backward()
     for i, ri in enumerate(r.tolist()):
-        value, grad = kl_truth(ri, estimator)
+        value, grad = kl_truth(ri, kl_estimator)
         assert abs(kl[i].item() - value) <= 1e-4 * abs(value) + 1e-30, (ri, kl[i].item(), value)
         assert abs(logp.grad[i].item() - grad) <= 1e-4 * abs(grad) + 1e-30, (ri, logp.grad[i].item(), grad)
 
@@ -152,7 +152,7 @@ def test_k3_rewards_overflow_like_the_reference(backend):
         ref = torch.zeros_like(values, requires_grad=True)
         with pf.use_backend(name):
             rewards, kl = pf.kl_penalized_rewards(torch.zeros(1), logp, ref, torch.ones_like(values, dtype=torch.bool),
-                                                  kl_coef=3.4e38, estimator="k3")
+                                                  kl_coef=3.4e38, kl_estimator="k3")
             (rewards.sum() + kl.sum()).backward()
         grads[name] = (rewards.detach(), logp.grad, ref.grad)
     for got, want in zip(grads[backend], grads["reference"]):
@@ -232,7 +232,7 @@ def _second_order_cases():
     lp = torch.randn(2, 4, dtype=torch.float64)
     mask = torch.ones(2, 4, dtype=torch.bool)
     yield "token_logprobs", lambda x: pf.token_logprobs(x, torch.tensor([[1, 2], [0, 3]])), torch.randn(2, 2, 5, dtype=torch.float64)
-    yield "kl_estimate", lambda x: pf.kl_estimate(x, lp, estimator="k3"), lp.clone()
+    yield "kl_estimate", lambda x: pf.kl_estimate(x, lp, kl_estimator="k3"), lp.clone()
     yield "clipped_policy_loss", lambda x: pf.policy_loss(x, lp, lp, mask)[0], lp.clone()
     yield "value_loss", lambda x: pf.value_loss(x, lp, lp, mask)[0], lp.clone()
     yield "policy_loss_gspo", lambda x: pf.policy_loss(x, lp, lp, mask, loss_mode="gspo")[0], lp.clone()
@@ -268,7 +268,7 @@ def _all_ops(logits, labels, hidden, weight, logp, old, adv, values, returns, sc
     out.append(pf.linear_token_logprobs(hidden, weight, labels.reshape(-1), temperature=temperature))
     out += list(pf.gae(values, returns, mask, gamma=gamma, lam=lam))
     out += list(pf.kl_penalized_rewards(scores, logp, old, mask, kl_coef=clip))
-    out.append(pf.kl_estimate(logp, old, estimator="k3"))
+    out.append(pf.kl_estimate(logp, old, kl_estimator="k3"))
     out.append(pf.policy_loss(logp, old, adv, mask, clip_eps_low=clip)[0])
     out.append(pf.value_loss(values, old, returns, mask, clip=clip)[0])
     out.append(pf.masked_whiten(adv, mask))
@@ -335,7 +335,7 @@ def test_rollout_correction_of_no_token(mode):
         (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=(0, 1.0)), TypeError, "dim must be"),
         (lambda: pf.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
                                 loss_mode=["vanilla"]), TypeError, "loss_mode must be a str"),
-        (lambda: pf.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), estimator=["k3"]), TypeError, "estimator must be a str"),
+        (lambda: pf.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), kl_estimator=["k3"]), TypeError, "estimator must be a str"),
         (lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 0.5]])), ValueError, "mask must hold only 0 and 1"),
         (lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, math.nan]])), ValueError, "mask must hold only 0 and 1"),
         (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-100, -5, 1])), ValueError, "got -5"),

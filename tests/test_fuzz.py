@@ -210,7 +210,7 @@ def build_kl_penalized_rewards(spec, gen, k):
     logp, ref = _pair(gen, spec, k, spec.dims)
     scores = rounded(torch.randn(spec.dims[0], generator=gen, dtype=F64), spec)
     call = lambda t: pf.kl_penalized_rewards(t["scores"], t["logprobs"], t["ref_logprobs"], t["mask"],  # noqa: E731
-                                             kl_coef=k["kl_coef"], estimator=k["estimator"])
+                                             kl_coef=k["kl_coef"], kl_estimator=k["kl_estimator"])
     inputs = {"scores": Input(scores, masked=~mask.any(-1), layout=False), "logprobs": Input(logp, masked=~mask),
               "ref_logprobs": Input(ref, masked=~mask)}
     return Built(inputs, {"mask": mask}, call, (0, 1), {0: ~mask, 1: ~mask}, {1: torch.where(mask, logp - ref, 0.0)})
@@ -400,7 +400,7 @@ CASES = {case.name: case for case in [
     Case("kl_estimate", build_kl_estimate, BT, lambda d: st.fixed_dictionaries({"ratio": RATIOS}),
          lambda k: serving("kl_estimate"), 200, ("clean", "valid", "valid")),
     Case("kl_penalized_rewards", build_kl_penalized_rewards, BT, lambda d: st.fixed_dictionaries({
-        "estimator": st.sampled_from(KL_ESTIMATORS), "ratio": RATIOS,
+        "kl_estimator": st.sampled_from(KL_ESTIMATORS), "ratio": RATIOS,
         "kl_coef": st.one_of(st.sampled_from([0.0, 0.05, 1.0, 1e3]), st.floats(0.0, 10.0))}), lambda k: serving("kl_penalized_rewards"), 120),
     Case("gae", build_gae, st.tuples(size(2, 1, 3, 4), size(5, 1, 12, 2)), lambda d: st.fixed_dictionaries({
         "gamma": UNIT, "lam": UNIT, "scale": st.sampled_from([1.0, 1e3])}), lambda k: serving("gae"), 80),

@@ -8,7 +8,6 @@ import torch
 
 import ppo_fast as pf
 from ppo_fast.backends import reference
-from ppo_fast.spec import AGG_MODES
 from ppo_fast.backends import native as native_backend
 from test_native_common import leaves, policy_inputs, random_holes_mask, random_mask, requires_native
 
@@ -44,21 +43,6 @@ def test_policy_loss_mixed_input_dtypes():
     torch.testing.assert_close(grad, ref_grad)
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_policy_loss_all_masked_is_zero(agg):
-    logprobs, old, adv = policy_inputs((3, 7), torch.float32)
-    mask = torch.zeros(3, 7, dtype=torch.bool)
-    (loss, stats, grad), _ = _policy_both(logprobs, old, adv, mask, None, 0.2, 0.2, None, agg)
-    assert loss.item() == 0.0 and stats["clipfrac"].item() == 0.0 and stats["approx_kl"].item() == 0.0
-    assert torch.count_nonzero(grad) == 0
-
-
-def test_policy_loss_empty_batch():
-    empty = torch.zeros(0, 5)
-    (loss, stats, grad), (ref_loss, _, _) = _policy_both(empty, empty, empty, empty.bool(), None, 0.2, 0.2, None, "seq-mean-token-mean")
-    assert loss.item() == ref_loss.item() == 0.0 and grad.shape == (0, 5)
-
-
 def test_policy_gradient_zero_where_clipped_clamped_or_capped():
     # Row 0: A > 0 and ratio e^1 > 1 + clip: clipped.  Row 1: |log-ratio| > 20: clamped.
     # Row 2: A < 0 and ratio e^2 > dual_clip 3: capped.  Row 3: inside the clip range.
@@ -72,58 +56,6 @@ def test_policy_gradient_zero_where_clipped_clamped_or_capped():
     torch.testing.assert_close(ref_grad, expected)
     assert stats["clipfrac"].item() == pytest.approx(0.5)  # rows 0 and 1 (the clamped ratio e^20 is clipped too)
     assert stats["clipfrac_lower"].item() == pytest.approx(0.25)
-
-
-def _value_both(values, old, returns, mask, clip, agg):
-    results = []
-    for backend in ("native", "reference"):
-        v = values.detach().clone().requires_grad_(True)
-        with pf.use_backend(backend):
-            loss, stats = pf.value_loss(v, old, returns, mask, clip=clip, agg=agg)
-        (grad,) = torch.autograd.grad(loss, v)
-        results.append((loss, stats, grad))
-    return results
-
-
-def _away_from_kinks(logprobs, old, clip, dual_clip):
-    """Shift log-probs whose ratio lies within 0.02 of a clip bound (where the loss has a kink)."""
-    ratio = torch.exp(logprobs - old)
-    near = torch.zeros_like(ratio, dtype=torch.bool)
-    for bound in (1 - clip, 1 + clip, dual_clip):
-        near |= (ratio - bound).abs() < 0.02
-    return torch.where(near, logprobs + 0.05, logprobs)
-
-
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_policy_loss_gradcheck_float64(agg):
-    # float64 inputs are computed in float64, so gradcheck's default tolerances hold.
-    shape = (3, 6)
-    old = -torch.rand(shape, dtype=torch.float64)
-    logprobs = _away_from_kinks(old + 0.3 * torch.randn(shape, dtype=torch.float64), old, 0.2, 3.0)
-    adv = torch.randn(shape, dtype=torch.float64)
-    mask = random_mask(shape)
-    weights = torch.rand(shape, dtype=torch.float64)
-
-    def loss_of(logp):
-        with pf.use_backend("native"):
-            return pf.clipped_policy_loss(logp, old, adv, mask, dual_clip=3.0, agg=agg, weights=weights)[0]
-
-    assert torch.autograd.gradcheck(loss_of, (logprobs.requires_grad_(True),))
-
-
-def test_value_loss_gradcheck_float64():
-    shape = (3, 6)
-    old = torch.randn(shape, dtype=torch.float64)
-    step = 0.5 * torch.randn(shape, dtype=torch.float64)
-    values = old + torch.where((step.abs() - 0.2).abs() < 0.02, step + 0.05, step)  # away from the clip bounds
-    returns = torch.randn(shape, dtype=torch.float64)
-    mask = random_mask(shape)
-
-    def loss_of(v):
-        with pf.use_backend("native"):
-            return pf.value_loss(v, old, returns, mask, clip=0.2, agg="seq-mean-token-mean")[0]
-
-    assert torch.autograd.gradcheck(loss_of, (values.requires_grad_(True),))
 
 
 def test_losses_bitwise_deterministic_across_calls_and_threads():
@@ -144,55 +76,6 @@ def test_losses_bitwise_deterministic_across_calls_and_threads():
         assert torch.equal(outputs[i], outputs[i % 2])
 
 
-def test_opcheck_policy_loss():
-    shape = (4, 9)
-    logprobs, old, adv = policy_inputs(shape, torch.float32)
-    mask = random_mask(shape)
-    weights = torch.rand(shape)
-    for w, dual in ((None, None), (weights, 3.0)):
-        for agg in AGG_MODES:
-            args = (logprobs.clone().requires_grad_(True), old, adv, mask, w, 0.2, 0.28, dual, agg)
-            torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss, args)
-    args = leaves(logprobs, old, adv) + [mask, weights.clone().requires_grad_(True), 0.2, 0.28, 3.0, "token-sum"]
-    torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss, tuple(args))
-
-
-def test_opcheck_policy_loss_backward():
-    shape = (4, 9)
-    logprobs, old, adv = policy_inputs(shape, torch.float32)
-    mask, weights = random_mask(shape), torch.rand(shape, dtype=torch.float16)
-    row_scale = torch.rand(4)
-    for w, output_mask in ((None, [True, False, False, False]), (weights, [True, True, True, True]), (weights, [False, False, True, False])):
-        args = (torch.tensor(1.5), logprobs, old.bfloat16(), adv, mask, w, row_scale, 0.2, 0.28, 3.0, output_mask)
-        torch.library.opcheck(torch.ops.ppo_fast.clipped_policy_loss_backward, args)
-
-
-def test_opcheck_value_loss():
-    shape = (4, 9)
-    values, old, returns = torch.randn(shape), torch.randn(shape), torch.randn(shape)
-    for agg in AGG_MODES:
-        args = (values.requires_grad_(True), old, returns, random_mask(shape), 0.2, agg)
-        torch.library.opcheck(torch.ops.ppo_fast.value_loss, args)
-    args = (*leaves(values, old, returns), random_mask(shape), 0.2, "seq-mean-token-sum-norm")
-    torch.library.opcheck(torch.ops.ppo_fast.value_loss, args)
-
-
-def test_opcheck_value_loss_backward():
-    shape = (4, 9)
-    values, old, returns = torch.randn(shape), torch.randn(shape, dtype=torch.float64), torch.randn(shape)
-    for output_mask in ([True, False, False], [True, True, True], [False, True, False]):
-        args = (torch.tensor([2.0]), values, old, returns, random_mask(shape), torch.rand(4), 0.2, output_mask)
-        torch.library.opcheck(torch.ops.ppo_fast.value_loss_backward, args)
-
-
-def test_unknown_agg_names_the_valid_ones():
-    x = torch.randn(2, 3)
-    with pytest.raises(RuntimeError, match="agg must be one of 'token-mean', 'token-sum', .* got 'mean'"):
-        torch.ops.ppo_fast.clipped_policy_loss(x, x, x, x > 0, None, 0.2, 0.2, None, "mean")
-    with pytest.raises(RuntimeError, match="agg must be one of"):
-        torch.ops.ppo_fast.value_loss(x, x, x, x > 0, 0.2, "token_mean")
-
-
 # --------------------------------------------------------------------------- gradients w.r.t. every input
 
 
@@ -201,7 +84,7 @@ def _policy_grads(impl, inputs, mask, clip_low, clip_high, dual_clip, agg, requi
     advantages, weights) that `requires` selects as leaves."""
     leaves_ = [x.detach().clone().requires_grad_(r) if x is not None else None for x, r in zip(inputs, requires)]
     logp, old, adv, w = leaves_
-    loss, clipfrac, clipfrac_lower, approx_kl = impl.clipped_policy_loss(logp, old, adv, mask, w, clip_low, clip_high, dual_clip, agg)
+    loss, clipfrac, clipfrac_lower, approx_kl = impl.FUNCTIONS["clipped_policy_loss"](logp, old, adv, mask, w, clip_low, clip_high, dual_clip, agg)
     wrt = [x for x, r in zip(leaves_, requires) if x is not None and r]
     grads = torch.autograd.grad(loss, wrt) if wrt else ()
     return loss, (clipfrac, clipfrac_lower, approx_kl), grads
@@ -272,25 +155,9 @@ def test_policy_loss_log_ratio_clamp_passes_gradient_on_its_closed_range():
     torch.testing.assert_close(grad_adv[:, 0], -ratio)
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_policy_loss_gradcheck_every_input_float64(agg):
-    shape = (3, 6)
-    old = -torch.rand(shape, dtype=torch.float64)
-    logprobs = _away_from_kinks(old + 0.3 * torch.randn(shape, dtype=torch.float64), old, 0.2, 3.0)
-    adv = torch.randn(shape, dtype=torch.float64)
-    mask = random_holes_mask(shape)
-    weights = torch.rand(shape, dtype=torch.float64)
-    for dual_clip in (None, 3.0):
-
-        def loss_of(logp, old_, adv_, w):
-            return torch.ops.ppo_fast.clipped_policy_loss(logp, old_, adv_, mask, w, 0.2, 0.2, dual_clip, agg)[0]
-
-        assert torch.autograd.gradcheck(loss_of, tuple(leaves(logprobs, old, adv, weights)))
-
-
 def _value_grads(impl, inputs, mask, clip, agg, requires=(True, True, True)):
     leaves_ = [x.detach().clone().requires_grad_(r) for x, r in zip(inputs, requires)]
-    loss, clipfrac = impl.value_loss(*leaves_, mask, clip, agg)
+    loss, clipfrac = impl.FUNCTIONS["value_loss"](*leaves_, mask, clip, agg)
     wrt = [x for x, r in zip(leaves_, requires) if r]
     return loss, clipfrac, torch.autograd.grad(loss, wrt)
 
@@ -325,21 +192,6 @@ def test_value_loss_tie_conventions_match_reference():
         torch.testing.assert_close(g, e, rtol=1e-12, atol=0)
 
 
-def test_value_loss_gradcheck_every_input_float64():
-    shape = (3, 6)
-    old = torch.randn(shape, dtype=torch.float64)
-    step = 0.5 * torch.randn(shape, dtype=torch.float64)
-    values = old + torch.where((step.abs() - 0.2).abs() < 0.02, step + 0.05, step)  # away from the clip bounds
-    returns = torch.randn(shape, dtype=torch.float64)
-    mask = random_holes_mask(shape)
-    for agg in AGG_MODES:
-
-        def loss_of(v, o, r):
-            return torch.ops.ppo_fast.value_loss(v, o, r, mask, 0.2, agg)[0]
-
-        assert torch.autograd.gradcheck(loss_of, tuple(leaves(values, old, returns)))
-
-
 def test_loss_backward_ops_return_empty_tensors_for_unrequested_gradients():
     shape = (3, 5)
     logprobs, old, adv = policy_inputs(shape, torch.float32)
@@ -361,32 +213,6 @@ def test_loss_stats_are_not_differentiable():
     assert outputs[0].requires_grad and not any(o.requires_grad for o in outputs[1:])
 
 
-def test_torch_compile_fullgraph(monkeypatch):
-    monkeypatch.setenv("PPO_FAST_BACKEND", "native")
-    shape = (3, 11)
-    logprobs, old, adv = policy_inputs(shape, torch.float32)
-    values, returns = torch.randn(shape), torch.randn(shape)
-    mask = random_mask(shape)
-
-    def step(logp, v):
-        policy, stats = pf.clipped_policy_loss(logp, old, adv, mask, dual_clip=3.0, agg="seq-mean-token-mean")
-        value, _ = pf.value_loss(v, values, returns, mask, agg="token-mean")
-        return policy + 0.5 * value, stats["clipfrac"]
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    logp_c, v_c = logprobs.clone().requires_grad_(True), values.clone().requires_grad_(True)
-    total, clipfrac = compiled(logp_c, v_c)
-    total.backward()
-    monkeypatch.setenv("PPO_FAST_BACKEND", "reference")
-    logp_r, v_r = logprobs.clone().requires_grad_(True), values.clone().requires_grad_(True)
-    ref_total, ref_clipfrac = step(logp_r, v_r)
-    ref_total.backward()
-    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(clipfrac, ref_clipfrac)
-    torch.testing.assert_close(logp_c.grad, logp_r.grad)
-    torch.testing.assert_close(v_c.grad, v_r.grad)
-
-
 def test_reference_functions_are_the_oracle():
     # The native functions take the reference's exact signature.
     import inspect
@@ -394,6 +220,6 @@ def test_reference_functions_are_the_oracle():
     from ppo_fast.backends import native as native_backend
 
     for op in native_backend.SUPPORTED:
-        assert list(inspect.signature(getattr(native_backend, op)).parameters) == list(
-            inspect.signature(getattr(reference, op)).parameters
+        assert list(inspect.signature(native_backend.FUNCTIONS[op]).parameters) == list(
+            inspect.signature(reference.FUNCTIONS[op]).parameters
         ), op
