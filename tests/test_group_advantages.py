@@ -390,10 +390,10 @@ def test_clear_errors():
 
 
 def test_trainer_config_names_agree_with_the_registry():
-    """trainer/config.py repeats the registry's names without importing torch (for the launcher)."""
+    """trainer/config.py reads the registry's names from ppo_fast.spec without importing torch (for the launcher)."""
     from ppo_fast.trainer import config
 
     assert config.ADVANTAGE_METHOD_NAMES == tuple(REGISTRY)
     assert config.CRITIC_METHODS == tuple(n for n, m in REGISTRY.items() if m.needs_critic)
     assert config.GROUP_METHODS == tuple(n for n, m in REGISTRY.items() if m.needs_groups and m.fn is not None)
-    assert config.CHOICES["advantage_estimator"] == tuple(REGISTRY)
+    assert config.CHOICES["advantage_method"] == tuple(REGISTRY)

@@ -7,6 +7,7 @@ poisons is in test_conformance.py; this file checks the op's meaning, its chunki
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -126,7 +127,7 @@ def test_many_chunks(backend, dtype, monkeypatch):
     """Enough rows for several chunks on every backend (the reference's chunk made small;
     the native kernel's is 2**23 logits, 2046 used rows here), a vocabulary past its
     1024-logit blocks."""
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 370 * 4099)
+    monkeypatch.setattr(importlib.import_module("ppo_fast.backends.reference.linear_token_logprobs"), "CHUNK_ELEMENTS", 370 * 4099)
     gen = torch.Generator().manual_seed(4)
     hidden, weight, b, labels = make(gen, 2700, 8, 4099, dtype, ignored=0.1)
     assert_matches_plain(backend, hidden, weight, b, labels, 3, return_entropy=True, temperature=0.9)

@@ -619,14 +619,7 @@ def test_bad_shapes_raise_under_torch_compile():
         compiled(torch.randn(B, T), torch.randn(B, T - 1), torch.ones(B, T, dtype=torch.bool))
 
 
-# Known gap of the sequence-level backward operators: row_state's device is not checked (reported).
-_ROW_STATE_UNCHECKED = pytest.mark.xfail(strict=True, reason="row_state on another device is not refused")
-
-
-@pytest.mark.parametrize("op", [
-    pytest.param(op, marks=[_ROW_STATE_UNCHECKED] if op.startswith("policy_loss_g") and op.endswith("_backward") else [])
-    for op, make in _GOOD.items() if sum(isinstance(a, torch.Tensor) for a in make()) > 1
-])
+@pytest.mark.parametrize("op", [op for op, make in _GOOD.items() if sum(isinstance(a, torch.Tensor) for a in make()) > 1])
 def test_mixed_devices_raise(op):
     # One tensor argument on another device (meta: no GPU needed) must be refused by name.
     args = list(_GOOD[op]())

@@ -109,6 +109,7 @@ def _seq_loss_ops(mode):
         _check_loss_backward_inputs(name, grad_loss, row_scale, logprobs)
         check_float(name, "row_state", row_state)
         check_shape(name, "row_state", row_state, (logprobs.shape[0], _ROW_STATE))
+        check_same_device(name, inputs=logprobs, row_state=row_state)
         grad_weights = grad_or_empty(weights, output_mask[3]) if weights is not None else logprobs.new_empty((0,))
         # GSPO's sequence ratio is detached: old_logprobs gets no gradient.
         grad_old = grad_or_empty(old_logprobs, output_mask[1] and mode != "gspo")
