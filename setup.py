@@ -46,7 +46,9 @@ def _find_cuda_home():
                     candidates.insert(0, os.path.dirname(os.path.dirname(token)))
     candidates += sorted(glob.glob("/usr/local/cuda*"), reverse=True)
     for root in candidates:
-        if os.path.exists(os.path.join(root, "bin", "nvcc")) and os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+        if os.path.exists(os.path.join(root, "bin", "nvcc")) and os.path.exists(
+            os.path.join(root, "include", "cuda_runtime.h")
+        ):
             return root
     return None
 
@@ -195,8 +197,9 @@ def _with_pch(compile_objects):
         with open(header, "w") as f:
             f.write("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
         start = time.perf_counter()
-        result = subprocess.run([cxx, *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [cxx, *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post], capture_output=True, text=True
+        )
         if result.returncode == 0:
             print(f"ppo_fast: precompiled the torch headers in {time.perf_counter() - start:.0f} s")
             kwargs["post_cflags"] = list(kwargs["post_cflags"]) + ["-Winvalid-pch", "-include", shlex.quote(header)]
@@ -215,8 +218,10 @@ def _distinct_cuda_objects(compiler) -> None:
     def object_filenames(source_filenames, strip_dir=False, output_dir=""):
         objects = original(source_filenames, strip_dir=strip_dir, output_dir=output_dir)
         ext = compiler.obj_extension
-        return [obj[: -len(ext)] + ".cu" + ext if src.endswith(".cu") else obj
-                for src, obj in zip(source_filenames, objects)]
+        return [
+            obj[: -len(ext)] + ".cu" + ext if src.endswith(".cu") else obj
+            for src, obj in zip(source_filenames, objects)
+        ]
 
     compiler.object_filenames = object_filenames
 
@@ -229,8 +234,13 @@ class _BuildExt(BuildExtension):
             _distinct_cuda_objects(self.compiler)
 
         original = getattr(cpp_extension, "_write_ninja_file_and_compile_objects", None)
-        use_pch = (original is not None and os.environ.get("PPO_FAST_PCH", "1") != "0" and not sanitizers
-                   and sys.platform.startswith("linux") and _is_gcc(os.environ.get("CXX", "c++")))
+        use_pch = (
+            original is not None
+            and os.environ.get("PPO_FAST_PCH", "1") != "0"
+            and not sanitizers
+            and sys.platform.startswith("linux")
+            and _is_gcc(os.environ.get("CXX", "c++"))
+        )
         if use_pch:
             cpp_extension._write_ninja_file_and_compile_objects = _with_pch(original)
         try:

@@ -33,7 +33,9 @@ def long_functions(root: Path, path: Path, tree: ast.AST) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_kernel(node):
             length = node.end_lineno - node.lineno + 1
             if length > MAX_FUNCTION_LINES:
-                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name} has {length} lines (> {MAX_FUNCTION_LINES})")
+                found.append(
+                    f"{path.relative_to(root)}:{node.lineno}: {node.name} has {length} lines (> {MAX_FUNCTION_LINES})"
+                )
     return found
 
 
@@ -66,7 +68,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -83,7 +85,9 @@ def contract_copies(root: Path, path: Path, tree: ast.AST, names: set[str]) -> l
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 3:
             values = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
             if len(values) >= 3 and values <= names:
-                found.append(f"{path.relative_to(root)}:{node.lineno}: a copy of the contract's names {sorted(values)[:4]}...")
+                found.append(
+                    f"{path.relative_to(root)}:{node.lineno}: a copy of the contract's names {sorted(values)[:4]}..."
+                )
     return found
 
 
@@ -106,7 +110,10 @@ def main(root: Path) -> int:
         files = sorted((root / package).rglob("*.py"))
         trees = {f: ast.parse(f.read_text(), str(f)) for f in files}
         known = {module_name(root, f) for f in files}
-        graph = {module_name(root, f): imports_of(module_name(root, f), f.name == "__init__.py", t, known) for f, t in trees.items()}
+        graph = {
+            module_name(root, f): imports_of(module_name(root, f), f.name == "__init__.py", t, known)
+            for f, t in trees.items()
+        }
         # A package importing its own submodules is not a cycle with them (they import their siblings).
         for cycle in cycles({m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}):
             problems.append("import cycle: " + " -> ".join(cycle))

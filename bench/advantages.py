@@ -73,18 +73,24 @@ def measure(shapes, min_run_time: float, min_calls: int = 3) -> list[dict]:
                 def call():
                     with torch.no_grad(), pf.use_backend(backend):
                         return pf.group_advantages(rewards, group_ids, mask, method=method, **params)
+
                 return call
 
             runs = {"reference": ours("reference"), "auto": ours("auto")}
             if core is not None:
                 runs["verl"] = _verl_call(core, method, rewards, mask, ids, baselines)
             want = runs["reference"]()
-            row = {"method": method, "shape": f"B={b} T={t} groups={groups}",
-                   "auto_backend": "native" if "native" in entry.backends and "native" in _available() else "reference"}
+            row = {
+                "method": method,
+                "shape": f"B={b} T={t} groups={groups}",
+                "auto_backend": "native" if "native" in entry.backends and "native" in _available() else "reference",
+            }
             for name, run in runs.items():
                 got = run()
                 diff = float(((got - want) * mask).abs().max())
-                assert diff <= 1e-4 + 1e-4 * float(want.abs().max()), f"{method} {name}: differs from the reference by {diff}"
+                assert diff <= 1e-4 + 1e-4 * float(want.abs().max()), (
+                    f"{method} {name}: differs from the reference by {diff}"
+                )
             best = {name: [] for name in runs}
             for _ in range(ROUNDS):
                 for name, run in runs.items():
@@ -93,8 +99,12 @@ def measure(shapes, min_run_time: float, min_calls: int = 3) -> list[dict]:
             if "verl_ms" in row:
                 row["speedup_auto_vs_verl"] = row["verl_ms"] / row["auto_ms"]
                 row["speedup_reference_vs_verl"] = row["verl_ms"] / row["reference_ms"]
-            print(f"  {method:30s} {row['shape']:24s} " + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.endswith("_ms")),
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {method:30s} {row['shape']:24s} "
+                + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.endswith("_ms")),
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append(row)
     return rows
 
@@ -104,18 +114,25 @@ def _available():
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| method | shape | verl ms | ours reference ms | ours auto ms (backend) | auto vs verl |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | shape | verl ms | ours reference ms | ours auto ms (backend) | auto vs verl |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         verl = f"{r['verl_ms']:.4g}" if "verl_ms" in r else "-"
         speed = f"{r['speedup_auto_vs_verl']:.1f}x" if "verl_ms" in r else "-"
-        lines.append(f"| `{r['method']}` | {r['shape']} | {verl} | {r['reference_ms']:.4g} | {r['auto_ms']:.4g} ({r['auto_backend']}) | {speed} |")
+        lines.append(
+            f"| `{r['method']}` | {r['shape']} | {verl} | {r['reference_ms']:.4g} | {r['auto_ms']:.4g} ({r['auto_backend']}) | {speed} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench advantages", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for advantages-cpu.json (bench/results holds the committed one)")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help="folder for advantages-cpu.json (bench/results holds the committed one)"
+    )
     args = parser.parse_args(argv)
     shapes = [(64, 32, 8)] if args.quick else [(512, 1024, 64), (4096, 256, 512)]
     torch.set_num_threads(1)

@@ -81,7 +81,9 @@ def _flash_attn_logprobs() -> Callable:
 _OPTIONAL_KERNELS = {"liger-ce": _liger_logprobs, "flash-attn-ce": _flash_attn_logprobs}
 
 
-def optional_logprob_kernels(device_type: str, kernels: dict | None = None) -> tuple[dict[str, Callable], dict[str, str]]:
+def optional_logprob_kernels(
+    device_type: str, kernels: dict | None = None
+) -> tuple[dict[str, Callable], dict[str, str]]:
     """Installed third-party Triton cross-entropy kernels for ``device_type`` (of ``kernels``,
     by default the logits ones), and notes on the rest."""
     found, notes = {}, {}
@@ -99,7 +101,9 @@ def optional_logprob_kernels(device_type: str, kernels: dict | None = None) -> t
 # --------------------------------------------------------------------------- fused LM head
 
 
-def eager_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def eager_linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """What a trainer does without a fused head: the whole [N, V] logits, then ``eager_logprobs``."""
     return eager_logprobs(hidden @ weight.T, labels, temperature)
 
@@ -126,7 +130,9 @@ def _cut_cross_entropy() -> Callable:
     module = importlib.import_module("cut_cross_entropy")
 
     def cut_cross_entropy(hidden, weight, labels, temperature):
-        return -module.linear_cross_entropy(hidden / temperature, weight, labels, ignore_index=IGNORE_INDEX, reduction="none")
+        return -module.linear_cross_entropy(
+            hidden / temperature, weight, labels, ignore_index=IGNORE_INDEX, reduction="none"
+        )
 
     return cut_cross_entropy
 
@@ -221,8 +227,12 @@ def trl_logprob_baseline(temperature: float, dtype: torch.dtype) -> dict[str, Ca
             per = min(n, TRL_SEQUENCE_TOKENS)
             shape = (n // per, per) if n % per == 0 else (1, n)
             valid = labels != IGNORE_INDEX
-            out = selective_log_softmax(logits.view(*shape, logits.shape[-1]), labels.clamp_min(0).view(shape),
-                                        temperature=temperature, row_mask=valid.view(shape))
+            out = selective_log_softmax(
+                logits.view(*shape, logits.shape[-1]),
+                labels.clamp_min(0).view(shape),
+                temperature=temperature,
+                row_mask=valid.view(shape),
+            )
             return out.reshape(n)
 
         return {"trl": trl}
@@ -242,7 +252,14 @@ def trl_fused_head_baseline(temperature: float) -> dict[str, Callable]:
         labels = x["labels"]
         valid = labels != IGNORE_INDEX
         logp = utils._ChunkedLogProbFunction.apply(
-            x["hidden"][valid], x["weight"], None, labels[valid], temperature, utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+            x["hidden"][valid],
+            x["weight"],
+            None,
+            labels[valid],
+            temperature,
+            utils._CHUNKED_LOGPROB_CHUNK_SIZE,
+            None,
+            1.0,
             ("log_probs",),
         )[0]
         return logp.new_zeros(labels.shape).masked_scatter(valid, logp)

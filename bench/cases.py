@@ -108,7 +108,9 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
         call_op=lambda x: pf.token_logprobs(x["logits"], x["labels"], temperature=TEMPERATURE),
         baselines={
             "eager": eager,
-            **baselines.trl_logprob_baseline(TEMPERATURE, dtype),  # TRL's own selective_log_softmax where installed, else trl-chunked
+            **baselines.trl_logprob_baseline(
+                TEMPERATURE, dtype
+            ),  # TRL's own selective_log_softmax where installed, else trl-chunked
         },
         eager_baseline="eager",
         # The reference's own row-chunk loop would be unrolled by dynamo (N·V / 2^24 chunks,
@@ -118,8 +120,12 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
         fwd_bytes=logits_bytes + n * per_row,
         bwd_bytes=2 * logits_bytes + n * (8 + 4),
         grad_input="logits",
-        params={"dtype": str(dtype).replace("torch.", ""), "temperature": TEMPERATURE, "masked_rows": MASKED_ROW_FRACTION,
-                "return_entropy": False},
+        params={
+            "dtype": str(dtype).replace("torch.", ""),
+            "temperature": TEMPERATURE,
+            "masked_rows": MASKED_ROW_FRACTION,
+            "return_entropy": False,
+        },
     )
 
 
@@ -128,8 +134,12 @@ def _head_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, device: to
     weight = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
     labels = torch.randint(0, vocab, (n,), device=device)
     labels[torch.rand(n, device=device) < MASKED_ROW_FRACTION] = baselines.IGNORE_INDEX
-    return {"hidden": torch.randn(n, hidden, device=device, dtype=dtype), "weight": weight, "labels": labels,
-            "grad_out": torch.randn(n, device=device)}
+    return {
+        "hidden": torch.randn(n, hidden, device=device, dtype=dtype),
+        "weight": weight,
+        "labels": labels,
+        "grad_out": torch.randn(n, device=device),
+    }
 
 
 def _fresh_head_grad(fn: Callable[[dict], object]) -> Callable[[dict], object]:
@@ -163,7 +173,9 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
         shape=f"N={n} H={hidden} V={vocab} {str(dtype).replace('torch.', '')}",
         size=n * vocab,
         make_inputs=lambda device: _head_inputs(n, hidden, vocab, dtype, device),
-        call_op=_fresh_head_grad(lambda x: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], temperature=TEMPERATURE)),
+        call_op=_fresh_head_grad(
+            lambda x: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], temperature=TEMPERATURE)
+        ),
         baselines={name: _fresh_head_grad(fn) for name, fn in calls.items()},
         eager_baseline="eager",
         compile_targets={},
@@ -171,10 +183,17 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
         fwd_bytes=(n + vocab) * hidden * elt + n * 12,
         bwd_bytes=2 * (n + vocab) * hidden * elt + n * 12,
         grad_input="hidden",
-        params={"dtype": str(dtype).replace("torch.", ""), "temperature": TEMPERATURE, "masked_rows": MASKED_ROW_FRACTION,
-                "logits_bytes_fp32": 4 * n * vocab, "gradients": "hidden and weight"},
-        notes=["linear-layer: the head's own products only (a yardstick, not compared); "
-               "fused heads recompute the logits in the backward (four products against its three)"],
+        params={
+            "dtype": str(dtype).replace("torch.", ""),
+            "temperature": TEMPERATURE,
+            "masked_rows": MASKED_ROW_FRACTION,
+            "logits_bytes_fp32": 4 * n * vocab,
+            "gradients": "hidden and weight",
+        },
+        notes=[
+            "linear-layer: the head's own products only (a yardstick, not compared); "
+            "fused heads recompute the logits in the backward (four products against its three)"
+        ],
         yardsticks=("linear-layer",),
         flops={"fwd": product_flops, "fwd+bwd": 3 * product_flops},
     )
@@ -223,7 +242,9 @@ def policy_loss_case(batch: int, length: int) -> Case:
     tokens = batch * length
 
     def eager(x):
-        return baselines.eager_policy_loss(x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], CLIP_EPS, DUAL_CLIP, AGG)
+        return baselines.eager_policy_loss(
+            x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], CLIP_EPS, DUAL_CLIP, AGG
+        )
 
     return Case(
         op="clipped_policy_loss",
@@ -231,7 +252,13 @@ def policy_loss_case(batch: int, length: int) -> Case:
         size=tokens,
         make_inputs=lambda device: _sequence_inputs(batch, length, device),
         call_op=lambda x: pf.clipped_policy_loss(
-            x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], clip_eps_low=CLIP_EPS, dual_clip=DUAL_CLIP, agg=AGG
+            x["logprobs"],
+            x["old_logprobs"],
+            x["advantages"],
+            x["mask"],
+            clip_eps_low=CLIP_EPS,
+            dual_clip=DUAL_CLIP,
+            agg=AGG,
         ),
         baselines={"eager": eager},
         eager_baseline="eager",
@@ -254,7 +281,9 @@ def value_loss_case(batch: int, length: int) -> Case:
         shape=f"N={tokens} (B={batch} T={length})",
         size=tokens,
         make_inputs=lambda device: _sequence_inputs(batch, length, device),
-        call_op=lambda x: pf.value_loss(x["values"], x["old_values"], x["returns"], x["mask"], clip=VALUE_CLIP, agg=AGG),
+        call_op=lambda x: pf.value_loss(
+            x["values"], x["old_values"], x["returns"], x["mask"], clip=VALUE_CLIP, agg=AGG
+        ),
         baselines={"eager": eager},
         eager_baseline="eager",
         compile_targets={"compile(eager)": eager},
@@ -321,9 +350,7 @@ def build_cases(ops: tuple[str, ...], shapes: dict) -> list[Case]:
         elif op in _SEQUENCE_CASES:
             per_op[op] = [_SEQUENCE_CASES[op](b, t) for b, t in shapes["sequence"]]
         else:
-            per_op[op] = [
-                _LOSS_CASES[op](max(1, n // _LOSS_ROW), min(n, _LOSS_ROW)) for n in shapes["loss_tokens"]
-            ]
+            per_op[op] = [_LOSS_CASES[op](max(1, n // _LOSS_ROW), min(n, _LOSS_ROW)) for n in shapes["loss_tokens"]]
     ordered = []
     for rank in range(max((len(c) for c in per_op.values()), default=0)):
         ordered += [cases[rank] for cases in per_op.values() if rank < len(cases)]

@@ -48,7 +48,9 @@ def load_average() -> tuple[float, float, float]:
 def git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=here, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=here, capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -75,7 +77,12 @@ def versions() -> dict:
 
 def machine(device: torch.device, with_load: bool = False) -> dict:
     """CPU model, cores, torch threads, platform; the GPU and its memory on CUDA; the load averages if asked."""
-    found = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
+    found = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
     if device.type == "cuda":
         found["gpu"] = torch.cuda.get_device_name(device)
         found["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / (1 << 30), 1)
@@ -100,7 +107,9 @@ def command_line(suite: str, argv) -> str:
     return "python -m bench" + (f" {suite}" if suite else "") + "".join(" " + shlex.quote(a) for a in args)
 
 
-def best_ms(fn: Callable[[], object], min_run_time: float, min_calls: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
+def best_ms(
+    fn: Callable[[], object], min_run_time: float, min_calls: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """The fastest of repeated calls (at least ``min_calls``, for at least ``min_run_time`` s of
     ``clock``: wall time, or ``time.process_time`` for this process's CPU time), in ms."""
     fn()

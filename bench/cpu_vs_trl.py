@@ -83,8 +83,24 @@ def exp_throughput(n: int = 1 << 14, rounds: int = 30, calls: int = 100) -> dict
         with open(src, "w") as f:
             f.write(EXP_SOURCE)
         # The extension's flags (setup.py): -O3 -fno-trapping-math -fopenmp.
-        subprocess.run([cxx, "-O3", "-std=c++20", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-I", csrc, src,
-                        "-o", lib], check=True, capture_output=True)
+        subprocess.run(
+            [
+                cxx,
+                "-O3",
+                "-std=c++20",
+                "-fno-trapping-math",
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                "-I",
+                csrc,
+                src,
+                "-o",
+                lib,
+            ],
+            check=True,
+            capture_output=True,
+        )
         ours = ctypes.CDLL(lib).exp_floats
     ours.restype, ours.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     threads_before = torch.get_num_threads()
@@ -104,8 +120,13 @@ def exp_throughput(n: int = 1 << 14, rounds: int = 30, calls: int = 100) -> dict
     ours(x.data_ptr(), y.data_ptr(), n)
     rel_err = float(((y.double() - x.double().exp()).abs() / x.double().exp()).max())
     ns = {name: t / n * 1e9 for name, t in best.items()}
-    return {"n": n, "ns_per_exp": ns, "speedup_vs_torch": ns["torch.exp"] / ns["ppo_fast"], "max_rel_err": rel_err,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "n": n,
+        "ns_per_exp": ns,
+        "speedup_vs_torch": ns["torch.exp"] / ns["ppo_fast"],
+        "max_rel_err": rel_err,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def implementations() -> dict:
@@ -130,7 +151,13 @@ def measure(threads: int, dtype: torch.dtype, min_run_time: float, shape=SHAPE) 
     with pf.use_backend("reference"):
         expected = pf.token_logprobs(logits, labels, temperature=TEMPERATURE).double()
     impls = implementations()
-    row = {"threads": threads, "dtype": str(dtype).replace("torch.", ""), "shape": list(shape), "ms": {}, "max_abs_diff": {}}
+    row = {
+        "threads": threads,
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": list(shape),
+        "ms": {},
+        "max_abs_diff": {},
+    }
     with torch.no_grad():
         for name, fn in impls.items():
             row["max_abs_diff"][name] = float((fn(logits, labels).double() - expected).abs().max())
@@ -146,19 +173,25 @@ def measure(threads: int, dtype: torch.dtype, min_run_time: float, shape=SHAPE) 
 
 def table(results: dict) -> str:
     cpu = results["cpu"]
-    lines = [f"CPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['vector_flags'])}; native clone {cpu['native_clone']})",
-             "| threads | dtype | native ms | TRL ms | eager ms | vs TRL (goal 1.5x) | vs eager (goal 3x) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"CPU: {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['vector_flags'])}; native clone {cpu['native_clone']})",
+        "| threads | dtype | native ms | TRL ms | eager ms | vs TRL (goal 1.5x) | vs eager (goal 3x) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results["rows"]:
         ms, s = r["ms"], r["speedup"]
-        lines.append(f"| {r['threads']} | {r['dtype']} | {ms['native']:.1f} | {ms['trl']:.1f} | {ms['eager']:.1f} "
-                     f"| {s['trl']:.2f}x | {s['eager']:.2f}x |")
+        lines.append(
+            f"| {r['threads']} | {r['dtype']} | {ms['native']:.1f} | {ms['trl']:.1f} | {ms['eager']:.1f} "
+            f"| {s['trl']:.2f}x | {s['eager']:.2f}x |"
+        )
     exp = results.get("exp", {})
     if "ns_per_exp" in exp:
         ns = exp["ns_per_exp"]
-        lines.append(f"exp, 1 thread, {exp['n']} floats: ppo_fast {ns['ppo_fast']:.3f} ns, torch.exp "
-                     f"({exp['torch_cpu_capability']}) {ns['torch.exp']:.3f} ns: {exp['speedup_vs_torch']:.2f}x; "
-                     f"max rel err {exp['max_rel_err']:.2g}")
+        lines.append(
+            f"exp, 1 thread, {exp['n']} floats: ppo_fast {ns['ppo_fast']:.3f} ns, torch.exp "
+            f"({exp['torch_cpu_capability']}) {ns['torch.exp']:.3f} ns: {exp['speedup_vs_torch']:.2f}x; "
+            f"max rel err {exp['max_rel_err']:.2g}"
+        )
     return "\n".join(lines)
 
 
@@ -177,7 +210,11 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_info(),
         "load_average_before": load_average(),  # a shared machine: other jobs slow every timing
-        "versions": {"torch": torch.__version__, "trl": importlib.import_module("trl").__version__, "ppo_fast": pf.__version__},
+        "versions": {
+            "torch": torch.__version__,
+            "trl": importlib.import_module("trl").__version__,
+            "ppo_fast": pf.__version__,
+        },
         "temperature": TEMPERATURE,
         "rows": [],
     }

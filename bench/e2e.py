@@ -21,14 +21,21 @@ BACKENDS_COMPARED = ("reference", "auto")
 def _sizes(device: torch.device, quick: bool) -> dict:
     if quick:
         return {"batch_size": 8, "response_length": 4, "num_ppo_epochs": 1, "num_mini_batches": 1}
-    return {"batch_size": 512 if device.type == "cuda" else 64, "response_length": 8, "num_ppo_epochs": 2, "num_mini_batches": 2}
+    return {
+        "batch_size": 512 if device.type == "cuda" else 64,
+        "response_length": 8,
+        "num_ppo_epochs": 2,
+        "num_mini_batches": 2,
+    }
 
 
 def _timed_iteration(backend: str, device: torch.device, sizes: dict) -> dict:
     from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
 
     with tempfile.TemporaryDirectory(prefix="ppo_fast_bench_") as out_dir:
-        cfg = TrainerConfig(output_dir=out_dir, steps=2, device=device.type, backend=backend, sample_every=0, save_every=0, **sizes)
+        cfg = TrainerConfig(
+            output_dir=out_dir, steps=2, device=device.type, backend=backend, sample_every=0, save_every=0, **sizes
+        )
         tokenizer = default_task.build_tokenizer()
         trainer = PPOTrainer(
             cfg,
@@ -76,10 +83,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for e2e-<device>.json (not written without it)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    result = {"command": command_line("e2e", argv), "machine": machine(device, with_load=True), "versions": versions(),
-              "e2e": run_e2e(device, quick=args.quick)}
+    result = {
+        "command": command_line("e2e", argv),
+        "machine": machine(device, with_load=True),
+        "versions": versions(),
+        "e2e": run_e2e(device, quick=args.quick),
+    }
     for backend, run in result["e2e"].get("runs", {}).items():
-        print(f"{backend:10s} {run['tokens_per_s']:10.1f} tokens/s  " + " ".join(f"{k}={v:.3g}s" for k, v in run["phase_s"].items()))
+        print(
+            f"{backend:10s} {run['tokens_per_s']:10.1f} tokens/s  "
+            + " ".join(f"{k}={v:.3g}s" for k, v in run["phase_s"].items())
+        )
     print(result["e2e"].get("error") or result["e2e"].get("skipped") or result["e2e"]["description"])
     if args.out:
         write_json(os.path.join(args.out, f"e2e-{device.type}{'-quick' if args.quick else ''}.json"), result)

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     for run in runs.values():
         run()
     for name, run in runs.items():  # the memory call, whose output is also compared
+
         def first_call(name=name, run=run):
             outputs[name] = cases.primary_output(run()).detach().clone()
 
@@ -59,11 +60,15 @@ def main(argv=None) -> int:
         row["best_s"] = min(row["times_s"])
         row["vs_eager_time"] = row["best_s"] / eager_best
     results = {
-        "case": case.shape, "mode": "fwd+bwd (gradients of hidden and weight)",
-        "logits_bytes_fp32": 4 * n * vocab, "gradient_bytes": 4 * (n + vocab) * hidden,
+        "case": case.shape,
+        "mode": "fwd+bwd (gradients of hidden and weight)",
+        "logits_bytes_fp32": 4 * n * vocab,
+        "gradient_bytes": 4 * (n + vocab) * hidden,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(torch.device("cpu")) | {"load_average_1m": load_average()[0]},
-        "versions": versions(), "memory_method": CPU_MEMORY_METHOD, "results": list(rows.values()),
+        "versions": versions(),
+        "memory_method": CPU_MEMORY_METHOD,
+        "results": list(rows.values()),
     }
     print(json.dumps(results, indent=1))
     write_json(args.out, results)

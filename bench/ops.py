@@ -32,18 +32,28 @@ ALL_OPS = case_defs.OPS + ("e2e",)
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m bench [ops]", description="Time ppo_fast's backends against the eager baselines; write JSON, a table and plots."
+        prog="python -m bench [ops]",
+        description="Time ppo_fast's backends against the eager baselines; write JSON, a table and plots.",
     )
     parser.add_argument("--ops", default=",".join(ALL_OPS), help=f"comma-separated subset of {','.join(ALL_OPS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes, short timings: a smoke run")
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for <device>.json and the PNG plots")
     compile_group = parser.add_mutually_exclusive_group()
-    compile_group.add_argument("--compile", dest="compile", action="store_true", default=None,
-                               help="measure the torch.compile baselines (default, except with --quick)")
+    compile_group.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=None,
+        help="measure the torch.compile baselines (default, except with --quick)",
+    )
     compile_group.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop starting new cases after this many seconds (the rest are listed as skipped)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop starting new cases after this many seconds (the rest are listed as skipped)",
+    )
     args = parser.parse_args(argv)
     ops = tuple(op.strip() for op in args.ops.split(",") if op.strip())
     unknown = [op for op in ops if op not in ALL_OPS]
@@ -93,8 +103,16 @@ def _header(args, argv, device: torch.device, notes: list[str], memory_method: s
 def _run_cases(args, results: dict, settings: Settings, shapes: dict, started: float, save) -> None:
     for case in case_defs.build_cases(tuple(op for op in args.ops if op != "e2e"), shapes):
         if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
-            results["cases"].append({"op": case.op, "shape": case.shape, "size": case.size, "results": [],
-                                     "eager_baseline": case.eager_baseline, "skipped": f"time budget of {args.budget_s:.0f} s spent"})
+            results["cases"].append(
+                {
+                    "op": case.op,
+                    "shape": case.shape,
+                    "size": case.size,
+                    "results": [],
+                    "eager_baseline": case.eager_baseline,
+                    "skipped": f"time budget of {args.budget_s:.0f} s spent",
+                }
+            )
             continue
         print(f"{case.op} {case.shape}", file=sys.stderr, flush=True)
         results["cases"].append(run_case(case, settings, results["copy_bandwidth_gbps"]))

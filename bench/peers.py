@@ -65,8 +65,16 @@ def _mask(b, t, gaps=False):
 def _verl_config():
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
-    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2, clip_ratio_low=0.2,
-                       clip_ratio_high=0.28, loss_agg_mode="token-mean", policy_loss=PolicyLossConfig(loss_mode="vanilla"))
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode="token-mean",
+        policy_loss=PolicyLossConfig(loss_mode="vanilla"),
+    )
 
 
 def _cases(quick: bool) -> list[PeerCase]:
@@ -87,54 +95,136 @@ def _cases(quick: bool) -> list[PeerCase]:
             b = 4
             return {"logits": (torch.randn(b, n // b, v) * 2).to(dtype), "labels": torch.randint(0, v, (b, n // b))}
 
-        cases.append(PeerCase("trl", "selective_log_softmax", f"N={n} V={v} {dname} T=0.7", logits_inputs,
-                              lambda m, x: m.selective_log_softmax(x["logits"], x["labels"], temperature=0.7),
-                              trl_utils, grad="logits", **tol))
-        cases.append(PeerCase("verl", "logprobs_from_logits", f"N={n} V={v} {dname}", logits_inputs,
-                              lambda m, x: m.logprobs_from_logits(x["logits"], x["labels"]), verl_f, grad="logits", **tol))
+        cases.append(
+            PeerCase(
+                "trl",
+                "selective_log_softmax",
+                f"N={n} V={v} {dname} T=0.7",
+                logits_inputs,
+                lambda m, x: m.selective_log_softmax(x["logits"], x["labels"], temperature=0.7),
+                trl_utils,
+                grad="logits",
+                **tol,
+            )
+        )
+        cases.append(
+            PeerCase(
+                "verl",
+                "logprobs_from_logits",
+                f"N={n} V={v} {dname}",
+                logits_inputs,
+                lambda m, x: m.logprobs_from_logits(x["logits"], x["labels"]),
+                verl_f,
+                grad="logits",
+                **tol,
+            )
+        )
     hn, hh, hv = head
 
     def head_inputs():
-        return {"hidden": torch.randn(hn, hh), "weight": torch.randn(hv, hh) * 0.05, "targets": torch.randint(0, hv, (hn,))}
+        return {
+            "hidden": torch.randn(hn, hh),
+            "weight": torch.randn(hv, hh) * 0.05,
+            "targets": torch.randint(0, hv, (hn,)),
+        }
 
-    cases.append(PeerCase("trl", "fused LM head (ChunkedLogProbFunction)", f"N={hn} H={hh} V={hv}", head_inputs,
-                          lambda m, x: m._ChunkedLogProbFunction.apply(x["hidden"], x["weight"], None, x["targets"], 1.0,
-                                                                       4096, None, 1.0, ("log_probs", "entropy")),
-                          trl_utils, grad="hidden"))
+    cases.append(
+        PeerCase(
+            "trl",
+            "fused LM head (ChunkedLogProbFunction)",
+            f"N={hn} H={hh} V={hv}",
+            head_inputs,
+            lambda m, x: m._ChunkedLogProbFunction.apply(
+                x["hidden"], x["weight"], None, x["targets"], 1.0, 4096, None, 1.0, ("log_probs", "entropy")
+            ),
+            trl_utils,
+            grad="hidden",
+        )
+    )
     for b, t in seq:
 
         def gae_inputs(b=b, t=t):
             m = _mask(b, t, gaps=True)
             return {"rewards": torch.randn(b, t) * m, "values": torch.randn(b, t), "mask": m}
 
-        cases.append(PeerCase("verl", "compute_gae_advantage_return", f"B={b} T={t}", gae_inputs,
-                              lambda m, x: m.compute_gae_advantage_return(x["rewards"], x["values"], x["mask"], 1.0, 0.95),
-                              core, compare_mask="mask"))
+        cases.append(
+            PeerCase(
+                "verl",
+                "compute_gae_advantage_return",
+                f"B={b} T={t}",
+                gae_inputs,
+                lambda m, x: m.compute_gae_advantage_return(x["rewards"], x["values"], x["mask"], 1.0, 0.95),
+                core,
+                compare_mask="mask",
+            )
+        )
     lb, lt = loss_bt
 
     def loss_inputs():
         m = _mask(lb, lt)
         old = -torch.rand(lb, lt) * 3
-        return {"old": old, "logp": old + 0.1 * torch.randn(lb, lt), "adv": torch.randn(lb, lt), "mask": m,
-                "values": torch.randn(lb, lt), "returns": torch.randn(lb, lt), "vpreds": torch.randn(lb, lt),
-                "config": _verl_config()}
+        return {
+            "old": old,
+            "logp": old + 0.1 * torch.randn(lb, lt),
+            "adv": torch.randn(lb, lt),
+            "mask": m,
+            "values": torch.randn(lb, lt),
+            "returns": torch.randn(lb, lt),
+            "vpreds": torch.randn(lb, lt),
+            "config": _verl_config(),
+        }
 
-    cases.append(PeerCase("verl", "compute_policy_loss_vanilla", f"N={lb * lt} (B={lb} T={lt})", loss_inputs,
-                          lambda m, x: m.compute_policy_loss_vanilla(x["old"], x["logp"], x["adv"], x["mask"], "token-mean",
-                                                                     x["config"]), core, grad="logp"))
-    cases.append(PeerCase("verl", "compute_value_loss", f"N={lb * lt} (B={lb} T={lt})", loss_inputs,
-                          lambda m, x: m.compute_value_loss(x["vpreds"], x["returns"], x["values"], x["mask"], 0.2),
-                          core, grad="vpreds"))
-    cases.append(PeerCase("verl", "kl_penalty (low_var_kl)", f"N={lb * lt} (B={lb} T={lt})", loss_inputs,
-                          lambda m, x: m.kl_penalty(x["logp"], x["old"], "low_var_kl"), core, grad="logp"))
+    cases.append(
+        PeerCase(
+            "verl",
+            "compute_policy_loss_vanilla",
+            f"N={lb * lt} (B={lb} T={lt})",
+            loss_inputs,
+            lambda m, x: m.compute_policy_loss_vanilla(
+                x["old"], x["logp"], x["adv"], x["mask"], "token-mean", x["config"]
+            ),
+            core,
+            grad="logp",
+        )
+    )
+    cases.append(
+        PeerCase(
+            "verl",
+            "compute_value_loss",
+            f"N={lb * lt} (B={lb} T={lt})",
+            loss_inputs,
+            lambda m, x: m.compute_value_loss(x["vpreds"], x["returns"], x["values"], x["mask"], 0.2),
+            core,
+            grad="vpreds",
+        )
+    )
+    cases.append(
+        PeerCase(
+            "verl",
+            "kl_penalty (low_var_kl)",
+            f"N={lb * lt} (B={lb} T={lt})",
+            loss_inputs,
+            lambda m, x: m.kl_penalty(x["logp"], x["old"], "low_var_kl"),
+            core,
+            grad="logp",
+        )
+    )
     gb, gt, groups = grpo
 
     def grpo_inputs():
         m = _mask(gb, gt)
         return {"rewards": torch.randn(gb, gt) * m, "mask": m, "index": np.repeat(np.arange(groups), gb // groups)}
 
-    cases.append(PeerCase("verl", "compute_grpo_outcome_advantage", f"B={gb} T={gt} groups={groups}", grpo_inputs,
-                          lambda m, x: m.compute_grpo_outcome_advantage(x["rewards"], x["mask"], x["index"]), core))
+    cases.append(
+        PeerCase(
+            "verl",
+            "compute_grpo_outcome_advantage",
+            f"B={gb} T={gt} groups={groups}",
+            grpo_inputs,
+            lambda m, x: m.compute_grpo_outcome_advantage(x["rewards"], x["mask"], x["index"]),
+            core,
+        )
+    )
     return cases
 
 
@@ -162,10 +252,27 @@ def measure_case(case: PeerCase, min_run_time: float) -> list[dict]:
     adapter.unpatch()
     holder = case.holder()
     # "theirs": the peer's function objects, bound now (before patching) into a frozen namespace.
-    names = {"selective_log_softmax", "logprobs_from_logits", "_ChunkedLogProbFunction", "compute_gae_advantage_return",
-             "compute_policy_loss_vanilla", "compute_value_loss", "kl_penalty", "compute_grpo_outcome_advantage"}
-    theirs = type("Theirs", (), {k: staticmethod(getattr(holder, k)) if callable(getattr(holder, k)) and not isinstance(getattr(holder, k), type)
-                                 else getattr(holder, k) for k in names if hasattr(holder, k)})
+    names = {
+        "selective_log_softmax",
+        "logprobs_from_logits",
+        "_ChunkedLogProbFunction",
+        "compute_gae_advantage_return",
+        "compute_policy_loss_vanilla",
+        "compute_value_loss",
+        "kl_penalty",
+        "compute_grpo_outcome_advantage",
+    }
+    theirs = type(
+        "Theirs",
+        (),
+        {
+            k: staticmethod(getattr(holder, k))
+            if callable(getattr(holder, k)) and not isinstance(getattr(holder, k), type)
+            else getattr(holder, k)
+            for k in names
+            if hasattr(holder, k)
+        },
+    )
     inputs = case.make()
     rows = []
     modes = ("fwd", "fwd+bwd") if case.grad else ("fwd",)
@@ -195,28 +302,44 @@ def measure_case(case: PeerCase, min_run_time: float) -> list[dict]:
                 theirs_ms.append(best_ms(their_run, min_run_time))
                 with adapter.patch(backend="auto"):
                     ours_ms.append(best_ms(our_run, min_run_time))
-            row.update(status="ok", theirs_ms=min(theirs_ms), ours_ms=min(ours_ms), rounds=ROUNDS,
-                       speedup=min(theirs_ms) / min(ours_ms))
+            row.update(
+                status="ok",
+                theirs_ms=min(theirs_ms),
+                ours_ms=min(ours_ms),
+                rounds=ROUNDS,
+                speedup=min(theirs_ms) / min(ours_ms),
+            )
         except Exception as err:  # reported, never hidden
             row.update(status="error", detail=f"{type(err).__name__}: {err}".splitlines()[0][:300])
         finally:
             adapter.unpatch()
             if case.grad:
                 inputs[case.grad].grad = None
-        print(f"  {case.peer:5s} {case.function:40s} {case.shape:28s} {mode:8s} " + (
-            f"theirs {row['theirs_ms']:.4g} ms, ours {row['ours_ms']:.4g} ms, {row['speedup']:.2f}x"
-            if row.get("status") == "ok" else f"{row['status'].upper()} {row.get('detail', row.get('max_abs_diff', ''))}"),
-            file=sys.stderr, flush=True)
+        print(
+            f"  {case.peer:5s} {case.function:40s} {case.shape:28s} {mode:8s} "
+            + (
+                f"theirs {row['theirs_ms']:.4g} ms, ours {row['ours_ms']:.4g} ms, {row['speedup']:.2f}x"
+                if row.get("status") == "ok"
+                else f"{row['status'].upper()} {row.get('detail', row.get('max_abs_diff', ''))}"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
     return rows
 
 
 def markdown(results: dict) -> str:
-    lines = ["| peer | function | shape | mode | peer's own ms (best) | patched (ppo_fast) ms (best) | speed-up |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| peer | function | shape | mode | peer's own ms (best) | patched (ppo_fast) ms (best) | speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results["rows"]:
         if r["status"] == "ok":
-            lines.append(f"| {r['peer']} {results['versions'].get(r['peer'], '')} | `{r['function']}` | {r['shape']} | {r['mode']} "
-                         f"| {r['theirs_ms']:.4g} | {r['ours_ms']:.4g} | {r['speedup']:.2f}x |")
+            lines.append(
+                f"| {r['peer']} {results['versions'].get(r['peer'], '')} | `{r['function']}` | {r['shape']} | {r['mode']} "
+                f"| {r['theirs_ms']:.4g} | {r['ours_ms']:.4g} | {r['speedup']:.2f}x |"
+            )
         else:
             lines.append(f"| {r['peer']} | `{r['function']}` | {r['shape']} | {r['mode']} | {r['status']} | | |")
     return "\n".join(lines)
@@ -247,10 +370,16 @@ def main(argv=None) -> int:
         "command": command_line("peers", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(torch.device("cpu")),
-        "versions": {**{k: v for k, v in versions.items() if v}, "torch": torch.__version__, "ppo_fast": pf.__version__,
-                     "python": platform.python_version()},
-        "auto": {op: __import__("ppo_fast.backends", fromlist=["x"]).resolved_backend_name(op, "cpu")
-                 for op in ("token_logprobs", "gae", "kl_estimate", "clipped_policy_loss", "value_loss")},
+        "versions": {
+            **{k: v for k, v in versions.items() if v},
+            "torch": torch.__version__,
+            "ppo_fast": pf.__version__,
+            "python": platform.python_version(),
+        },
+        "auto": {
+            op: __import__("ppo_fast.backends", fromlist=["x"]).resolved_backend_name(op, "cpu")
+            for op in ("token_logprobs", "gae", "kl_estimate", "clipped_policy_loss", "value_loss")
+        },
         "skipped": skipped,
         "rows": rows,
         "wall_s": round(time.perf_counter() - started, 1),

@@ -27,19 +27,34 @@ from ppo_fast.backends import resolved_backend_name
 from .common import ROUNDS, best_ms, load_average, machine, write_json
 
 # Parameters of the modes that need or differ from their defaults here (verl's config names in _verl_config).
-PARAMS = {"vanilla": {"dual_clip": 3.0}, "clip_cov": {"clip_cov_ratio": 0.01, "clip_cov_lb": 0.0}, "kl_cov": {"kl_cov_ratio": 0.01},
-          "dro": {"dro_beta": 0.1}}
-_ACTOR = {"clip_eps_low": "clip_ratio_low", "clip_eps_high": "clip_ratio_high", "dual_clip": "clip_ratio_c",
-          "ratio_cap": "clip_ratio_c", "tau_pos": "tau_pos", "tau_neg": "tau_neg"}
+PARAMS = {
+    "vanilla": {"dual_clip": 3.0},
+    "clip_cov": {"clip_cov_ratio": 0.01, "clip_cov_lb": 0.0},
+    "kl_cov": {"kl_cov_ratio": 0.01},
+    "dro": {"dro_beta": 0.1},
+}
+_ACTOR = {
+    "clip_eps_low": "clip_ratio_low",
+    "clip_eps_high": "clip_ratio_high",
+    "dual_clip": "clip_ratio_c",
+    "ratio_cap": "clip_ratio_c",
+    "tau_pos": "tau_pos",
+    "tau_neg": "tau_neg",
+}
 
 
 def _verl_config(params):
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
     actor = {_ACTOR[k]: v for k, v in params.items() if k in _ACTOR}
-    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
-                       **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **actor},
-                       policy_loss=PolicyLossConfig(**{k: v for k, v in params.items() if k not in _ACTOR}))
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **actor},
+        policy_loss=PolicyLossConfig(**{k: v for k, v in params.items() if k not in _ACTOR}),
+    )
 
 
 def _inputs(rows, length, device):
@@ -89,7 +104,10 @@ def measure(rows, length, device, min_run_time):
     results = []
     for mode, entry in pf.policy_loss_modes().items():
         agg = entry.default_agg
-        calls = {"fast": _ours(mode, "auto", logp, old, adv, mask, agg), "reference": _ours(mode, "reference", logp, old, adv, mask, agg)}
+        calls = {
+            "fast": _ours(mode, "auto", logp, old, adv, mask, agg),
+            "reference": _ours(mode, "reference", logp, old, adv, mask, agg),
+        }
         if have_verl:
             calls["verl"] = _verl(mode, logp, old, adv, mask, agg)
         want = calls["reference"]()
@@ -105,19 +123,26 @@ def measure(rows, length, device, min_run_time):
         if have_verl:
             row["speedup_vs_verl"] = row["verl_ms"] / row["fast_ms"]
         results.append(row)
-        print(f"{mode:10s} {row['fast_backend']:9s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items() if isinstance(v, float)),
-              flush=True)
+        print(
+            f"{mode:10s} {row['fast_backend']:9s} "
+            + " ".join(f"{k}={v:.3f}" for k, v in row.items() if isinstance(v, float)),
+            flush=True,
+        )
     return results
 
 
 def markdown(report: dict) -> str:
-    lines = ["| mode | `auto` runs on | ours (ms) | reference (ms) | verl 0.9.1 (ms) | vs reference | vs verl |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| mode | `auto` runs on | ours (ms) | reference (ms) | verl 0.9.1 (ms) | vs reference | vs verl |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["results"]:
         verl = f"{r['verl_ms']:.2f}" if "verl_ms" in r else "—"
         vs_verl = f"{r['speedup_vs_verl']:.2f}×" if "speedup_vs_verl" in r else "—"
-        lines.append(f"| `{r['mode']}` | {r['fast_backend']} | {r['fast_ms']:.2f} | {r['reference_ms']:.2f} | {verl} | "
-                     f"{r['speedup_vs_reference']:.2f}× | {vs_verl} |")
+        lines.append(
+            f"| `{r['mode']}` | {r['fast_backend']} | {r['fast_ms']:.2f} | {r['reference_ms']:.2f} | {verl} | "
+            f"{r['speedup_vs_reference']:.2f}× | {vs_verl} |"
+        )
     return "\n".join(lines)
 
 

@@ -27,35 +27,60 @@ def result_rows(results: dict) -> list[dict]:
     rows = []
     for case in results["cases"]:
         if case.get("skipped"):
-            rows.append({"op": case["op"], "shape": case["shape"], "mode": "", "impl": "", "time": "", "spread": "",
-                         "speedup": "", "vs_reference": "", "memory": "", "gbps": "", "copy": "", "tflops": "",
-                         "note": f"skipped: {case['skipped']}"})
+            rows.append(
+                {
+                    "op": case["op"],
+                    "shape": case["shape"],
+                    "mode": "",
+                    "impl": "",
+                    "time": "",
+                    "spread": "",
+                    "speedup": "",
+                    "vs_reference": "",
+                    "memory": "",
+                    "gbps": "",
+                    "copy": "",
+                    "tflops": "",
+                    "note": f"skipped: {case['skipped']}",
+                }
+            )
             continue
         for r in case["results"]:
             ok = r["status"] == "ok"
-            rows.append({
-                "op": case["op"],
-                "shape": case["shape"],
-                "mode": r["mode"],
-                "impl": r["impl"] + (" *" if r["kind"] == "ppo_fast" else ""),
-                "time": _fmt(r.get("median_ms"), ".4g") if ok else r["status"].upper(),
-                "spread": f"{r['q25_ms']:.4g}-{r['q75_ms']:.4g}" if ok else "",
-                "speedup": _times(r.get("speedup")),
-                "vs_reference": _times(r.get("speedup_vs_reference")),
-                "memory": _fmt(r["peak_extra_bytes"] / MIB if "peak_extra_bytes" in r else None, ".1f"),
-                "gbps": _fmt(r.get("gbps"), ".0f"),
-                "copy": _fmt(100 * r["copy_fraction"] if "copy_fraction" in r else None, ".0f"),
-                "tflops": _fmt(r.get("tflops"), ".1f"),
-                "note": r.get("detail", ""),
-            })
+            rows.append(
+                {
+                    "op": case["op"],
+                    "shape": case["shape"],
+                    "mode": r["mode"],
+                    "impl": r["impl"] + (" *" if r["kind"] == "ppo_fast" else ""),
+                    "time": _fmt(r.get("median_ms"), ".4g") if ok else r["status"].upper(),
+                    "spread": f"{r['q25_ms']:.4g}-{r['q75_ms']:.4g}" if ok else "",
+                    "speedup": _times(r.get("speedup")),
+                    "vs_reference": _times(r.get("speedup_vs_reference")),
+                    "memory": _fmt(r["peak_extra_bytes"] / MIB if "peak_extra_bytes" in r else None, ".1f"),
+                    "gbps": _fmt(r.get("gbps"), ".0f"),
+                    "copy": _fmt(100 * r["copy_fraction"] if "copy_fraction" in r else None, ".0f"),
+                    "tflops": _fmt(r.get("tflops"), ".1f"),
+                    "note": r.get("detail", ""),
+                }
+            )
     return rows
 
 
 _COLUMNS = [
-    ("op", "op"), ("shape", "shape"), ("mode", "mode"), ("impl", "implementation"), ("time", "median ms"),
-    ("spread", "IQR ms"), ("speedup", "vs eager"), ("vs_reference", "vs reference"),
-    ("memory", "peak extra MiB"), ("gbps", "GB/s"),
-    ("copy", "% copy BW"), ("tflops", "TFLOP/s"), ("note", "note"),
+    ("op", "op"),
+    ("shape", "shape"),
+    ("mode", "mode"),
+    ("impl", "implementation"),
+    ("time", "median ms"),
+    ("spread", "IQR ms"),
+    ("speedup", "vs eager"),
+    ("vs_reference", "vs reference"),
+    ("memory", "peak extra MiB"),
+    ("gbps", "GB/s"),
+    ("copy", "% copy BW"),
+    ("tflops", "TFLOP/s"),
+    ("note", "note"),
 ]
 
 
@@ -116,9 +141,11 @@ def e2e_note(results: dict) -> str | None:
     if not results.get("settings", {}).get("quick") or "auto" not in runs or "reference" not in runs:
         return None
     ratio = runs["auto"]["tokens_per_s"] / max(runs["reference"]["tokens_per_s"], 1e-9)
-    return (f"--quick: auto/reference = {ratio:.2f}x on one timed iteration of a tiny batch (a few milliseconds per "
-            "phase), where Python overhead and machine noise dominate and the PPO ops are a small part of the time; "
-            "not a speed comparison (run without --quick for that)")
+    return (
+        f"--quick: auto/reference = {ratio:.2f}x on one timed iteration of a tiny batch (a few milliseconds per "
+        "phase), where Python overhead and machine noise dominate and the PPO ops are a small part of the time; "
+        "not a speed comparison (run without --quick for that)"
+    )
 
 
 def markdown(results: dict) -> str:
@@ -127,13 +154,19 @@ def markdown(results: dict) -> str:
     title = {"cpu": "CPU", "cuda": "GPU"}[results["device"]]
     machine = results["machine"]
     hardware = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
-    out = [f"### {title}: {hardware} ({results['date'][:10]})", "", f"Produced by `{results['command']}` "
-           f"({', '.join(f'{k} {v}' for k, v in results['versions'].items())}).", ""]
+    out = [
+        f"### {title}: {hardware} ({results['date'][:10]})",
+        "",
+        f"Produced by `{results['command']}` ({', '.join(f'{k} {v}' for k, v in results['versions'].items())}).",
+        "",
+    ]
     out += [f"- {line}" for line in header_lines(results)[3:]]
     rows = result_rows(results)
     for op in dict.fromkeys(row["op"] for row in rows):
         out += ["", f"#### {op}", "", "| " + " | ".join(t for _, t in columns) + " |", "|" + "---|" * len(columns)]
-        out += ["| " + " | ".join(row[k].replace("|", "/") for k, _ in columns) + " |" for row in rows if row["op"] == op]
+        out += [
+            "| " + " | ".join(row[k].replace("|", "/") for k, _ in columns) + " |" for row in rows if row["op"] == op
+        ]
     out += e2e_markdown(results)
     return "\n".join(out)
 
@@ -144,10 +177,21 @@ def e2e_markdown(results: dict) -> list[str]:
         return e2e_lines(results)
     auto = ", ".join(f"{op} -> {name}" for op, name in results.get("auto", {}).items())
     phases = list(next(iter(e2e["runs"].values()))["phase_s"])
-    out = ["", "#### end to end", "", f"{e2e['description']}. `auto` picks: {auto}.", "",
-           "| ops | response tokens/s | " + " | ".join(f"{p} ms" for p in phases) + " |", "|" + "---|" * (len(phases) + 2)]
+    out = [
+        "",
+        "#### end to end",
+        "",
+        f"{e2e['description']}. `auto` picks: {auto}.",
+        "",
+        "| ops | response tokens/s | " + " | ".join(f"{p} ms" for p in phases) + " |",
+        "|" + "---|" * (len(phases) + 2),
+    ]
     for name, run in e2e["runs"].items():
-        out.append(f"| {name} | {run['tokens_per_s']:.0f} | " + " | ".join(f"{run['phase_s'][p] * 1e3:.1f}" for p in phases) + " |")
+        out.append(
+            f"| {name} | {run['tokens_per_s']:.0f} | "
+            + " | ".join(f"{run['phase_s'][p] * 1e3:.1f}" for p in phases)
+            + " |"
+        )
     note = e2e_note(results)
     return out + (["", note] if note else [])
 
@@ -189,8 +233,17 @@ def _plot_points(results: dict, op: str, metric: str) -> list[dict]:
             continue
         for r in case["results"]:
             if r["status"] == "ok" and r.get(metric) is not None and r["impl"] != case["eager_baseline"]:
-                points.append({"impl": r["impl"], "mode": r["mode"], "dtype": case.get("params", {}).get("dtype"),
-                               "shape": case["shape"], "size": case["size"], "value": r[metric], "ours": r["kind"] == "ppo_fast"})
+                points.append(
+                    {
+                        "impl": r["impl"],
+                        "mode": r["mode"],
+                        "dtype": case.get("params", {}).get("dtype"),
+                        "shape": case["shape"],
+                        "size": case["size"],
+                        "value": r[metric],
+                        "ours": r["kind"] == "ppo_fast",
+                    }
+                )
     return points
 
 
@@ -219,8 +272,9 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
             continue
         bars = {op: len({p["size"] for p in pts}) < LINE_MIN_SIZES for op, pts in per_op.items()}
         heights = [max(1.9, 0.16 * len(pts) + 1.2) if bars[op] else 3.4 for op, pts in per_op.items()]
-        fig, axes = plt.subplots(len(per_op), 1, figsize=(9, sum(heights) + 1.4), squeeze=False,
-                                 gridspec_kw={"height_ratios": heights})
+        fig, axes = plt.subplots(
+            len(per_op), 1, figsize=(9, sum(heights) + 1.4), squeeze=False, gridspec_kw={"height_ratios": heights}
+        )
         assigned: dict[str, str] = {}
         used_impls, used_modes, used_dtypes = {}, set(), set()
         for ax, (op, pts) in zip(axes[:, 0], per_op.items()):
@@ -232,9 +286,17 @@ def plot(results: dict, out_dir: str, stem: str) -> list[str]:
             else:
                 used_dtypes |= _line_panel(ax, op, pts, metric, results, assigned)
             _style_panel(ax, op, metric, label, bars[op])
-        handles = _legend_handles(assigned, used_impls, used_modes, used_dtypes, lines=any(not b for b in bars.values()))
-        fig.legend(handles=handles, loc="upper center", ncol=min(5, len(handles)), fontsize=7, frameon=False,
-                   bbox_to_anchor=(0.5, 1 - 0.55 / (sum(heights) + 1.4)))
+        handles = _legend_handles(
+            assigned, used_impls, used_modes, used_dtypes, lines=any(not b for b in bars.values())
+        )
+        fig.legend(
+            handles=handles,
+            loc="upper center",
+            ncol=min(5, len(handles)),
+            fontsize=7,
+            frameon=False,
+            bbox_to_anchor=(0.5, 1 - 0.55 / (sum(heights) + 1.4)),
+        )
         machine = results["machine"]
         hardware = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
         title = f"ppo_fast ops vs eager baselines: {results['device']} ({hardware}), {results['date'][:10]}"
@@ -259,14 +321,23 @@ def _line_panel(ax, op: str, pts: list[dict], metric: str, results: dict, assign
         dtypes.add(p["dtype"])
     for (impl, mode, dtype), xy in sorted(series.items(), key=lambda kv: [str(k) for k in kv[0]]):
         xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], MODE_STYLES.get(mode, ":"),
-                marker=DTYPE_MARKERS.get(dtype, "x"), color=impl_color(impl, assigned), linewidth=1.4, markersize=4)
+        ax.plot(
+            [x for x, _ in xy],
+            [y for _, y in xy],
+            MODE_STYLES.get(mode, ":"),
+            marker=DTYPE_MARKERS.get(dtype, "x"),
+            color=impl_color(impl, assigned),
+            linewidth=1.4,
+            markersize=4,
+        )
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("logit elements (N x V)" if op == "token_logprobs" else "tokens (B x T)", fontsize=8)
     if metric == "gbps" and results.get("copy_bandwidth_gbps"):
         ax.axhline(results["copy_bandwidth_gbps"], color="grey", linestyle=":", linewidth=1)
-        ax.text(ax.get_xlim()[0], results["copy_bandwidth_gbps"], " copy bandwidth", fontsize=7, va="bottom", color="grey")
+        ax.text(
+            ax.get_xlim()[0], results["copy_bandwidth_gbps"], " copy bandwidth", fontsize=7, va="bottom", color="grey"
+        )
     return dtypes
 
 
@@ -290,12 +361,19 @@ def _legend_handles(assigned: dict, used_impls: dict, used_modes: set, used_dtyp
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=impl_color(name, assigned), label=name + (" (ppo_fast)" if ours else ""))
-               for name, ours in sorted(used_impls.items(), key=lambda kv: (not kv[1], kv[0]))]
+    handles = [
+        Patch(color=impl_color(name, assigned), label=name + (" (ppo_fast)" if ours else ""))
+        for name, ours in sorted(used_impls.items(), key=lambda kv: (not kv[1], kv[0]))
+    ]
     if lines:
-        handles += [Line2D([], [], color="black", linestyle=MODE_STYLES.get(m, ":"), label=m) for m in sorted(used_modes)]
-        handles += [Line2D([], [], color="black", marker=DTYPE_MARKERS.get(d, "x"), linestyle="", label=d)
-                    for d in sorted(used_dtypes, key=str) if d]
+        handles += [
+            Line2D([], [], color="black", linestyle=MODE_STYLES.get(m, ":"), label=m) for m in sorted(used_modes)
+        ]
+        handles += [
+            Line2D([], [], color="black", marker=DTYPE_MARKERS.get(d, "x"), linestyle="", label=d)
+            for d in sorted(used_dtypes, key=str)
+            if d
+        ]
     elif "fwd+bwd" in used_modes:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="fwd+bwd (hatched)"))
     return handles
@@ -311,9 +389,22 @@ def _bar_panel(ax, pts: list[dict], assigned: dict, color_of) -> None:
         members.sort(key=lambda p: (not p["ours"], p["impl"]))
         start = y
         for p in members:
-            ax.barh(y, p["value"], height=0.8, color=color_of(p["impl"], assigned), hatch="///" if mode == "fwd+bwd" else None,
-                    edgecolor="white" if mode == "fwd+bwd" else None, linewidth=0)
-            ax.text(p["value"], y, " " + (f"{p['value']:.0f}" if p["value"] >= 100 else f"{p['value']:.3g}"), va="center", fontsize=6)
+            ax.barh(
+                y,
+                p["value"],
+                height=0.8,
+                color=color_of(p["impl"], assigned),
+                hatch="///" if mode == "fwd+bwd" else None,
+                edgecolor="white" if mode == "fwd+bwd" else None,
+                linewidth=0,
+            )
+            ax.text(
+                p["value"],
+                y,
+                " " + (f"{p['value']:.0f}" if p["value"] >= 100 else f"{p['value']:.3g}"),
+                va="center",
+                fontsize=6,
+            )
             y += 1
         ticks.append((start + y - 1) / 2)
         labels.append(f"{shape}  {mode}")

@@ -55,7 +55,9 @@ def _with_backend(name: str, call_op: Callable[[dict], object]) -> Callable[[dic
     return run
 
 
-def implementations(case: Case, device_type: str, compile_enabled: bool) -> tuple[list[tuple[str, str, Callable]], list[str]]:
+def implementations(
+    case: Case, device_type: str, compile_enabled: bool
+) -> tuple[list[tuple[str, str, Callable]], list[str]]:
     """``(name, kind, fn)`` for our backends and the baselines, plus notes on what is left out."""
     impls = [(name, "ppo_fast", _with_backend(name, case.call_op)) for name in serving_backends(case.op, device_type)]
     impls += [(name, "baseline", fn) for name, fn in case.baselines.items()]
@@ -128,7 +130,9 @@ def _mismatch(out, expected: torch.Tensor) -> tuple[float, bool]:
     return (float(finite.max()) if finite.numel() else 0.0), bool(bad.any())
 
 
-def measure(case: Case, name: str, kind: str, fn: Callable, mode: str, inputs: dict, expected: torch.Tensor, settings: Settings) -> dict:
+def measure(
+    case: Case, name: str, kind: str, fn: Callable, mode: str, inputs: dict, expected: torch.Tensor, settings: Settings
+) -> dict:
     device = settings.device
     result = {"impl": name, "kind": kind, "mode": mode, "status": "ok"}
     run = _runner(case, fn, mode, inputs)
@@ -206,7 +210,9 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
             rows.append(row)
             print(f"  {case.op} {case.shape} {mode:8s} {name:22s} {_short(row)}", file=log, flush=True)
         baseline = next((r for r in rows if r["impl"] == case.eager_baseline and r["status"] == "ok"), None)
-        ours = next((r for r in rows if r["impl"] == "reference" and r["kind"] == "ppo_fast" and r["status"] == "ok"), None)
+        ours = next(
+            (r for r in rows if r["impl"] == "reference" and r["kind"] == "ppo_fast" and r["status"] == "ok"), None
+        )
         for row in rows:
             if baseline and row["status"] == "ok":
                 row["speedup"] = baseline["median_ms"] / row["median_ms"]

@@ -107,7 +107,9 @@ class KernelReport:
         out = []
         if self.spill_bytes:
             out.append(f"{self.spill_bytes} bytes spilled")
-        if self.budget is not None and (self.instructions_per_element is None or self.instructions_per_element > self.budget):
+        if self.budget is not None and (
+            self.instructions_per_element is None or self.instructions_per_element > self.budget
+        ):
             out.append(f"{self.instructions_per_element} instructions per element > budget {self.budget}")
         if self.vector_loads_expected and (self.ldg128 == 0 or self.ldg128 != self.ldg):
             out.append(f"hot-loop global loads not all 128-bit ({self.ldg128} of {self.ldg})")
@@ -183,7 +185,9 @@ def disassemble(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_nvidia_tool("nvdisasm"), "-c", f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            [_nvidia_tool("nvdisasm"), "-c", f.name], check=True, capture_output=True, text=True
+        ).stdout
 
 
 _PTXAS_FUNCTION = re.compile(r"Compiling entry function '([^']+)'")
@@ -315,8 +319,12 @@ def _ptxas_resources(ptx: str) -> dict[str, int]:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
         arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
-        log = subprocess.run([_nvidia_tool("ptxas"), "-v", f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".cubin"))],
-                             check=True, capture_output=True, text=True).stderr
+        log = subprocess.run(
+            [_nvidia_tool("ptxas"), "-v", f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".cubin"))],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stderr
     (resources,) = parse_ptxas_log(log).values()
     return resources
 
@@ -328,7 +336,9 @@ def triton_kernels() -> list[str]:
 
     names = set()
     for module in triton_op_modules():
-        names |= {name for name, obj in vars(module).items() if isinstance(obj, JITFunction) and name.endswith("_kernel")}
+        names |= {
+            name for name, obj in vars(module).items() if isinstance(obj, JITFunction) and name.endswith("_kernel")
+        }
     return sorted(names)
 
 
@@ -342,13 +352,25 @@ def analyse_triton(variants: list[Variant] | None = None, keep_ttir: bool = Fals
         compiled = compile_launch(launch, target)
         (instructions,) = sass_functions(disassemble(compiled.asm["cubin"])).values()
         names = list(launch.signature)
-        block = None if variant.block is None else next(v for (i,), v in launch.constexprs.items() if names[i].startswith(variant.block))
+        block = (
+            None
+            if variant.block is None
+            else next(v for (i,), v in launch.constexprs.items() if names[i].startswith(variant.block))
+        )
         resources = _ptxas_resources(compiled.asm["ptx"])
         resources["shared_bytes"] += compiled.metadata.shared  # Triton's dynamic shared memory
         per_thread = None if block is None else block / (WARP * launch.options.num_warps)
-        report = analyse(variant.name, launch.fn.fn.__name__, instructions, resources, per_thread,
-                         bytes_per_element=variant.bytes_per_element, budget=BUDGETS.get(variant.budget_key),
-                         vector_loads_expected=variant.vector_loads_expected, signature=_signature_text(launch))
+        report = analyse(
+            variant.name,
+            launch.fn.fn.__name__,
+            instructions,
+            resources,
+            per_thread,
+            bytes_per_element=variant.bytes_per_element,
+            budget=BUDGETS.get(variant.budget_key),
+            vector_loads_expected=variant.vector_loads_expected,
+            signature=_signature_text(launch),
+        )
         if keep_ttir:
             report.ttir = compiled.asm["ttir"]
             report.int_args = [n for n, k in launch.signature.items() if k in ("i32", "i64")]
@@ -365,7 +387,10 @@ def _demangled(names: list[str]) -> dict[str, str]:
     if filt is None:
         return {n: n for n in names}
     out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True, check=True).stdout.splitlines()
-    short = [re.sub(r"\(.*\)$", "", re.sub(r"ppo_fast::cuda::(\(anonymous namespace\)|_GLOBAL__N__\w+)::", "", n)) for n in out]
+    short = [
+        re.sub(r"\(.*\)$", "", re.sub(r"ppo_fast::cuda::(\(anonymous namespace\)|_GLOBAL__N__\w+)::", "", n))
+        for n in out
+    ]
     short = [re.sub(r"ppo_fast::cuda::|\(anonymous namespace\)::", "", n).replace("void ", "") for n in short]
     return dict(zip(names, short))
 
@@ -393,14 +418,29 @@ def analyse_cuda(sources: list[pathlib.Path] | None = None) -> list[KernelReport
     for source in sources or sorted((ROOT / "csrc" / "cuda").glob("*.cu")):
         with tempfile.TemporaryDirectory() as tmp:
             cubin = pathlib.Path(tmp) / "k.cubin"
-            cmd = [_nvcc(), "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v", "-I", str(ROOT / "csrc"), "-o", str(cubin), str(source)]
+            cmd = [
+                _nvcc(),
+                "-cubin",
+                "-arch=sm_90",
+                "-O3",
+                "-std=c++17",
+                "-Xptxas",
+                "-v",
+                "-I",
+                str(ROOT / "csrc"),
+                "-o",
+                str(cubin),
+                str(source),
+            ]
             log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
             sass = disassemble(cubin.read_bytes())
         resources = parse_ptxas_log(log)
         functions = sass_functions(sass)
         names = _demangled(list(functions))
         for mangled, instructions in functions.items():
-            reports.append(analyse(f"{source.name}: {names[mangled]}", names[mangled], instructions, resources[mangled], None))
+            reports.append(
+                analyse(f"{source.name}: {names[mangled]}", names[mangled], instructions, resources[mangled], None)
+            )
     return reports
 
 
@@ -445,7 +485,9 @@ def main(argv=None) -> int:
     print(markdown(reports))
     failures = [f"{r.name}: {p}" for r in reports for p in r.problems()]
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) | {"problems": r.problems()} for r in reports], indent=1))
+        args.json.write_text(
+            json.dumps([dataclasses.asdict(r) | {"problems": r.problems()} for r in reports], indent=1)
+        )
     for failure in failures:
         print("BUDGET MISSED:", failure, file=sys.stderr)
     return 1 if failures else 0

@@ -70,22 +70,51 @@ def targets(quick: bool = False) -> list[Target]:
     batch, length = QUICK_GAE_SHAPE if quick else GAE_SHAPE
     big, small = QUICK_LOSS_TOKENS if quick else LOSS_TOKENS
     out = [
-        Target(f"token_logprobs [{n}, {v}] bf16 fwd >= 85% copy BW", lambda: case_defs.logprob_case(n, v, torch.bfloat16), "fwd",
-               "copy_fraction", 0.85),
-        Target(f"token_logprobs [{n}, {v}] bf16 fwd+bwd >= 85% copy BW", lambda: case_defs.logprob_case(n, v, torch.bfloat16),
-               "fwd+bwd", "copy_fraction", 0.85),
+        Target(
+            f"token_logprobs [{n}, {v}] bf16 fwd >= 85% copy BW",
+            lambda: case_defs.logprob_case(n, v, torch.bfloat16),
+            "fwd",
+            "copy_fraction",
+            0.85,
+        ),
+        Target(
+            f"token_logprobs [{n}, {v}] bf16 fwd+bwd >= 85% copy BW",
+            lambda: case_defs.logprob_case(n, v, torch.bfloat16),
+            "fwd+bwd",
+            "copy_fraction",
+            0.85,
+        ),
         Target(f"gae [{batch}, {length}] fwd (no target stated)", lambda: _gae_case(batch, length), "fwd"),
     ]
     for op in ("clipped_policy_loss", "value_loss"):
-        out.append(Target(f"{op} {big >> 20 or big}{'M' if big >> 20 else ''} tokens fwd+bwd >= 80% copy BW",
-                          lambda op=op: _loss_case(op, big), "fwd+bwd", "copy_fraction", 0.80))
-        out.append(Target(f"{op} {small >> 20 or small}{'M' if small >> 20 else ''} tokens fwd+bwd <= 15 us",
-                          lambda op=op: _loss_case(op, small), "fwd+bwd", "median_us", 15.0))
+        out.append(
+            Target(
+                f"{op} {big >> 20 or big}{'M' if big >> 20 else ''} tokens fwd+bwd >= 80% copy BW",
+                lambda op=op: _loss_case(op, big),
+                "fwd+bwd",
+                "copy_fraction",
+                0.80,
+            )
+        )
+        out.append(
+            Target(
+                f"{op} {small >> 20 or small}{'M' if small >> 20 else ''} tokens fwd+bwd <= 15 us",
+                lambda op=op: _loss_case(op, small),
+                "fwd+bwd",
+                "median_us",
+                15.0,
+            )
+        )
     if hasattr(pf, "linear_token_logprobs"):
         n_head = 64 if quick else 16384
         hidden, vocab = (64, 1024) if quick else (4096, 151936)
-        out.append(Target(f"linear_token_logprobs [{n_head}, {hidden}] x [{vocab}, {hidden}] bf16 fwd+bwd (no target stated)",
-                          lambda: case_defs.linear_logprob_case(n_head, hidden, vocab, torch.bfloat16), "fwd+bwd"))
+        out.append(
+            Target(
+                f"linear_token_logprobs [{n_head}, {hidden}] x [{vocab}, {hidden}] bf16 fwd+bwd (no target stated)",
+                lambda: case_defs.linear_logprob_case(n_head, hidden, vocab, torch.bfloat16),
+                "fwd+bwd",
+            )
+        )
     return out
 
 
@@ -107,7 +136,9 @@ def summary_lines(results: dict) -> list[str]:
         rows = [r for r in case.get("results", []) if r["mode"] == entry["mode"] and r["kind"] == "ppo_fast"]
         row = next((r for r in rows if r["impl"] == entry["backend"]), None)
         if row is None or row["status"] != "ok":
-            why = case.get("skipped") or (f"{row['status']}: {row.get('detail', '')}" if row else "not run (time budget or error)")
+            why = case.get("skipped") or (
+                f"{row['status']}: {row.get('detail', '')}" if row else "not run (time budget or error)"
+            )
             lines.append(f"{label}: NOT MEASURED ({why})")
             continue
         value = {"copy_fraction": row.get("copy_fraction"), "median_us": row["median_ms"] * 1e3}.get(entry["metric"])
@@ -128,7 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, CPU included)")
-    parser.add_argument("--compile", action="store_true", help="also measure the torch.compile baselines (10-40 s each)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also measure the torch.compile baselines (10-40 s each)"
+    )
     parser.add_argument("--budget-s", type=float, default=None, help="start no target after this many seconds")
     parser.add_argument("--summary", metavar="JSON", help="print the summary lines of a saved targets.json and exit")
     args = parser.parse_args(argv)
@@ -150,15 +183,25 @@ def main(argv=None) -> int:
         "copy_bandwidth_gbps": copy_bandwidth(device),
         "targets": [],
     }
-    settings = Settings(device=device, compile=args.compile, measure_memory=device.type == "cuda", cpu_min_run_time=0.05,
-                        cuda_rep_ms=100)
+    settings = Settings(
+        device=device,
+        compile=args.compile,
+        measure_memory=device.type == "cuda",
+        cpu_min_run_time=0.05,
+        cuda_rep_ms=100,
+    )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "targets.json")
     measured = {}  # one measurement per case: the fwd and fwd+bwd targets of a case share it
     for target in targets(args.quick):
         case = target.case()
-        entry = {"name": target.name, "mode": target.mode, "metric": target.metric, "goal": target.goal,
-                 "backend": resolved_backend_name(case.op, device.type)}
+        entry = {
+            "name": target.name,
+            "mode": target.mode,
+            "metric": target.metric,
+            "goal": target.goal,
+            "backend": resolved_backend_name(case.op, device.type),
+        }
         key = (case.op, case.shape)
         if key not in measured:
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:

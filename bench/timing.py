@@ -135,9 +135,9 @@ def cuda_copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy rate (bytes read + written per second, GB/s): the roof for memory-bound ops."""
     from triton.testing import do_bench
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
+    buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()]
+    buffers.append(torch.empty_like(buffers[0]))
+    ms = do_bench(lambda: buffers[1].copy_(buffers[0]), warmup=25, rep=200, return_mode="median")
+    buffers.clear()  # the 2 GiB go back before the next measurement
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e9

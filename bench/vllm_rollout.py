@@ -35,9 +35,19 @@ def _llama(shape: str, device: torch.device, dtype: torch.dtype):
 
     hidden, layers, heads, vocab = MODEL_SHAPES[shape]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).to(device, dtype).eval()
 
 
@@ -72,30 +82,49 @@ def run(device: torch.device, shape: str, batch: int, response_length: int, repe
     hf_s, hf_batch = _timed(lambda: generate(policy, tokenizer, prompts, **sampling), repeats)
     with tempfile.TemporaryDirectory(prefix="ppo_fast_vllm_bench_") as model_dir:
         start = time.perf_counter()
-        engine = VLLMEngine(policy, model_dir=model_dir, max_model_len=len(prompts[0]) + response_length + 1,
-                            max_num_seqs=batch, dtype=dtype, seed=0, gpu_memory_utilization=0.3, sleep=False)
+        engine = VLLMEngine(
+            policy,
+            model_dir=model_dir,
+            max_model_len=len(prompts[0]) + response_length + 1,
+            max_num_seqs=batch,
+            dtype=dtype,
+            seed=0,
+            gpu_memory_utilization=0.3,
+            sleep=False,
+        )
         start_s = time.perf_counter() - start
-        vllm_s, (vllm_batch, _) = _timed(lambda: engine.generate(tokenizer, prompts, device=device, **sampling), repeats)
+        vllm_s, (vllm_batch, _) = _timed(
+            lambda: engine.generate(tokenizer, prompts, device=device, **sampling), repeats
+        )
         sync_s, _ = _timed(lambda: engine.sync_weights(policy), repeats)
     params = sum(p.numel() for p in policy.parameters())
     return {
         "model": f"{shape} ({params / 1e6:.1f}M parameters, {dtype})".replace("torch.", ""),
-        "batch": batch, "response_length": response_length, "repeats": repeats,
+        "batch": batch,
+        "response_length": response_length,
+        "repeats": repeats,
         "hf": {"seconds": hf_s, "tokens": tokens(hf_batch), "tokens_per_s": tokens(hf_batch) / hf_s},
-        "vllm": {"seconds": vllm_s, "tokens": tokens(vllm_batch), "tokens_per_s": tokens(vllm_batch) / vllm_s,
-                 "engine_start_s": start_s, "weight_sync_s": sync_s},
+        "vllm": {
+            "seconds": vllm_s,
+            "tokens": tokens(vllm_batch),
+            "tokens_per_s": tokens(vllm_batch) / vllm_s,
+            "engine_start_s": start_s,
+            "weight_sync_s": sync_s,
+        },
     }
 
 
 def markdown(result: dict) -> str:
     hf, vllm = result["hf"], result["vllm"]
-    return "\n".join([
-        "| model | batch x response | hf tokens/s | vllm tokens/s | vllm / hf | weight sync | engine start |",
-        "|---|---|---|---|---|---|---|",
-        f"| {result['model']} | {result['batch']} x {result['response_length']} | {hf['tokens_per_s']:.0f} | "
-        f"{vllm['tokens_per_s']:.0f} | {vllm['tokens_per_s'] / hf['tokens_per_s']:.2f}x | {1e3 * vllm['weight_sync_s']:.0f} ms | "
-        f"{vllm['engine_start_s']:.0f} s |",
-    ])
+    return "\n".join(
+        [
+            "| model | batch x response | hf tokens/s | vllm tokens/s | vllm / hf | weight sync | engine start |",
+            "|---|---|---|---|---|---|---|",
+            f"| {result['model']} | {result['batch']} x {result['response_length']} | {hf['tokens_per_s']:.0f} | "
+            f"{vllm['tokens_per_s']:.0f} | {vllm['tokens_per_s'] / hf['tokens_per_s']:.2f}x | {1e3 * vllm['weight_sync_s']:.0f} ms | "
+            f"{vllm['engine_start_s']:.0f} s |",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -112,8 +141,11 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     load_before = load_average()[0]
     result = run(device, args.model, args.batch, args.response_length, args.repeats)
-    result.update(machine=machine(device), versions={**versions(), "vllm": vllm.__version__},
-                  load_average_1m=[load_before, load_average()[0]])  # before, after: the machine may be shared
+    result.update(
+        machine=machine(device),
+        versions={**versions(), "vllm": vllm.__version__},
+        load_average_1m=[load_before, load_average()[0]],
+    )  # before, after: the machine may be shared
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"vllm-rollout-{device.type}.json"

@@ -13,9 +13,9 @@ Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
 (``reference``, ``triton``, ``native`` or ``auto``); see ``pf.available_backends()``.
 """
 
+from . import ops
 from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
-from . import ops
 from .ops import *  # noqa: F403  (ppo_fast.ops.__all__: every op module's public functions)
 
 __version__ = "0.1.0"

@@ -42,7 +42,9 @@ def tensor(name: str, x, *, dtypes=FLOAT_DTYPES, ndim: int | None = None, min_nd
 def same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
     for name, x in others.items():
         if x is not None and x.shape != reference.shape:
-            raise ValueError(f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(x.shape)}"
+            )
 
 
 def required(**values) -> None:
@@ -61,7 +63,9 @@ def same_device(**tensors) -> None:
     first_name, first = items[0]
     for name, x in items[1:]:
         if x.device != first.device:
-            raise ValueError(f"{name} is on {x.device} but {first_name} is on {first.device}; all inputs must be on one device")
+            raise ValueError(
+                f"{name} is on {x.device} but {first_name} is on {first.device}; all inputs must be on one device"
+            )
 
 
 def mask(name: str, m, shape: torch.Size) -> torch.Tensor:
@@ -98,10 +102,20 @@ def labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None
     """``ValueError`` naming a label that lies neither in [0, vocab) nor at ignore_index."""
     bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
     if bool(bad.any()):
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}")
+        raise ValueError(
+            f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {labels[bad][0].item()}"
+        )
 
 
-def real(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False) -> float:
+def real(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     """A finite Python float within [low, high] (open ends where asked) and within float32's
     range, since the kernels compute in float32."""
     if isinstance(value, bool) or not isinstance(value, (Real, torch.SymFloat, torch.SymInt)):

@@ -23,8 +23,8 @@ one entry in ``tests/test_group_advantages.py``'s table of verl oracles.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -133,8 +133,17 @@ def register(name: str):
         assert params == spec.params, f"{name}: the function's parameters {params} are not the spec's {spec.params}"
         unknown = set(params) - set(PARAM_CHECKS)
         assert not unknown, f"{name}: add a check for parameter(s) {sorted(unknown)} to PARAM_CHECKS"
-        REGISTRY[name] = AdvantageMethod(name, fn, spec.summary, spec.backends, spec.needs_critic, spec.needs_groups,
-                                         spec.normalized, spec.min_group_size, params)
+        REGISTRY[name] = AdvantageMethod(
+            name,
+            fn,
+            spec.summary,
+            spec.backends,
+            spec.needs_critic,
+            spec.needs_groups,
+            spec.normalized,
+            spec.min_group_size,
+            params,
+        )
         return fn
 
     return decorator
@@ -161,7 +170,9 @@ def grpo_passk(inputs: Inputs, norm_by_std: bool = True, epsilon: float = 1e-6) 
 
     best = group_max(scores)
     no_row = rows.shape[0]
-    first_best = torch.full_like(rows, no_row).scatter_reduce(0, index, torch.where(scores == best, rows, no_row), "amin")
+    first_best = torch.full_like(rows, no_row).scatter_reduce(
+        0, index, torch.where(scores == best, rows, no_row), "amin"
+    )
     is_best = rows == first_best[index]  # one row per group (the first of tied best ones)
     second = group_max(torch.where(is_best, -torch.inf, scores))
     advantage = best - second  # ties for the best give 0, whichever row holds it

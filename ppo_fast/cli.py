@@ -58,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         if err.errno not in _DISK_ERRORS:
             raise
-        return _fail(f"cannot write {err.filename or cfg.output_dir}: {err.strerror}; the last complete checkpoint "
-                     f"in {cfg.output_dir} is kept (free space, or choose another --output-dir, and --resume)")
+        return _fail(
+            f"cannot write {err.filename or cfg.output_dir}: {err.strerror}; the last complete checkpoint "
+            f"in {cfg.output_dir} is kept (free space, or choose another --output-dir, and --resume)"
+        )
     finally:
         shutdown()
     # 130: the conventional exit status after Ctrl-C.

@@ -70,12 +70,20 @@ class Param:
             return None
         from . import _validation as check  # torch, imported only when a value is checked
 
-        return check.real(self.name, value, low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
+        return check.real(
+            self.name, value, low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open
+        )
 
 
-CLIP_EPS_LOW = Param("clip_eps_low", 0.2, 0.0, 1.0, low_open=True, high_open=True, doc="ratio clip below 1 (1 - clip_eps_low)")
-CLIP_EPS_HIGH = Param("clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="ratio clip above 1 (1 + clip_eps_high)")
-DUAL_CLIP = Param("dual_clip", None, 1.0, low_open=True, optional=True, doc="dual-clip bound c > 1 for A < 0 (None: off)")
+CLIP_EPS_LOW = Param(
+    "clip_eps_low", 0.2, 0.0, 1.0, low_open=True, high_open=True, doc="ratio clip below 1 (1 - clip_eps_low)"
+)
+CLIP_EPS_HIGH = Param(
+    "clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="ratio clip above 1 (1 + clip_eps_high)"
+)
+DUAL_CLIP = Param(
+    "dual_clip", None, 1.0, low_open=True, optional=True, doc="dual-clip bound c > 1 for A < 0 (None: off)"
+)
 # The two DPPO-Binary modes share the ratio truncation and verl's note on it.
 DPPO_RATIO_CAP = Param("ratio_cap", 20.0, 0.0, low_open=True, doc="truncation of the (detached) ratio")
 DPPO_NOTE = "verl reads ratio_cap from actor.clip_ratio_c (3.0 in its config, 20.0 its function's fallback)"
@@ -115,69 +123,114 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
     mode.name: mode
     for mode in (
         PolicyLossMode(
-            "vanilla", "clipped_policy_loss", "PPO clipped surrogate, asymmetric and dual clip",
+            "vanilla",
+            "clipped_policy_loss",
+            "PPO clipped surrogate, asymmetric and dual clip",
             (CLIP_EPS_LOW, CLIP_EPS_HIGH, DUAL_CLIP),
             note="verl always applies its dual clip (clip_ratio_c=3.0); here dual_clip=None means off, dual_clip=3.0 is verl's",
         ),
         PolicyLossMode(
-            "gspo", "policy_loss_gspo", "GSPO: the clipped loss on the sequence-level ratio exp(mean_t log r_t)",
-            (CLIP_EPS_LOW, CLIP_EPS_HIGH), sequence_level=True,
+            "gspo",
+            "policy_loss_gspo",
+            "GSPO: the clipped loss on the sequence-level ratio exp(mean_t log r_t)",
+            (CLIP_EPS_LOW, CLIP_EPS_HIGH),
+            sequence_level=True,
         ),
         PolicyLossMode(
-            "geo_mean", "policy_loss_geo_mean",
+            "geo_mean",
+            "policy_loss_geo_mean",
             "GMPO: geometric mean of the token-clipped ratios (log space) times the row's mean advantage",
-            (CLIP_EPS_LOW, CLIP_EPS_HIGH), default_agg="seq-mean-token-mean", sequence_level=True,
+            (CLIP_EPS_LOW, CLIP_EPS_HIGH),
+            default_agg="seq-mean-token-mean",
+            sequence_level=True,
             note="verl takes the mean over all rows whatever loss_agg_mode says (a row without tokens counts as a 0); "
             "here the row loss is aggregated by agg (default seq-mean-token-mean: rows without tokens do not count)",
         ),
         PolicyLossMode(
-            "sapo", "policy_loss_sapo", "SAPO: a sigmoid gate of the ratio instead of the clip",
-            (Param("tau_pos", 1.0, 0.0, low_open=True, doc="gate temperature where A > 0"),
-             Param("tau_neg", 1.05, 0.0, low_open=True, doc="gate temperature where A <= 0")),
+            "sapo",
+            "policy_loss_sapo",
+            "SAPO: a sigmoid gate of the ratio instead of the clip",
+            (
+                Param("tau_pos", 1.0, 0.0, low_open=True, doc="gate temperature where A > 0"),
+                Param("tau_neg", 1.05, 0.0, low_open=True, doc="gate temperature where A <= 0"),
+            ),
             default_agg="seq-mean-token-mean",
             note="verl always aggregates SAPO with seq-mean-token-mean; that is the default agg here, and the others are accepted",
         ),
         PolicyLossMode(
-            "cispo", "policy_loss_cispo", "CISPO: -sg(clip(ratio)) * A * log-prob",
+            "cispo",
+            "policy_loss_cispo",
+            "CISPO: -sg(clip(ratio)) * A * log-prob",
             (CLIP_EPS_LOW, CLIP_EPS_HIGH),
         ),
         PolicyLossMode("gpg", "policy_loss_gpg", "GPG: -A * log-prob (no ratio)", stats=()),
         PolicyLossMode(
-            "clip_cov", "policy_loss_clip_cov",
+            "clip_cov",
+            "policy_loss_clip_cov",
             "Clip-Cov: the clipped loss with a random few high-covariance tokens' gradient cut",
-            (CLIP_EPS_LOW, CLIP_EPS_HIGH,
-             Param("clip_cov_ratio", 0.0002, 0.0, 1.0, low_open=True, doc="fraction of tokens to cut"),
-             Param("clip_cov_lb", 1.0, doc="covariance lower bound of the candidates"),
-             Param("clip_cov_ub", 5.0, doc="covariance upper bound of the candidates")),
-            stats=("clipfrac", "approx_kl"), syncs_host=True,
+            (
+                CLIP_EPS_LOW,
+                CLIP_EPS_HIGH,
+                Param("clip_cov_ratio", 0.0002, 0.0, 1.0, low_open=True, doc="fraction of tokens to cut"),
+                Param("clip_cov_lb", 1.0, doc="covariance lower bound of the candidates"),
+                Param("clip_cov_ub", 5.0, doc="covariance upper bound of the candidates"),
+            ),
+            stats=("clipfrac", "approx_kl"),
+            syncs_host=True,
             note="the cut tokens are drawn with torch.randperm from torch's default CPU generator, as in verl",
         ),
         PolicyLossMode(
-            "kl_cov", "policy_loss_kl_cov",
+            "kl_cov",
+            "policy_loss_kl_cov",
             "KL-Cov: the unclipped loss plus ppo_kl_coef * abs(log r) on the top-covariance tokens",
-            (Param("kl_cov_ratio", 0.0002, 0.0, 1.0, low_open=True, doc="fraction of tokens penalised"),
-             Param("ppo_kl_coef", 0.1, 0.0, doc="coefficient of |log r| on them")),
-            stats=("approx_kl_abs",), syncs_host=True,
+            (
+                Param("kl_cov_ratio", 0.0002, 0.0, 1.0, low_open=True, doc="fraction of tokens penalised"),
+                Param("ppo_kl_coef", 0.1, 0.0, doc="coefficient of |log r| on them"),
+            ),
+            stats=("approx_kl_abs",),
+            syncs_host=True,
             note="verl reports the mean abs(log r) as ppo_kl; here it is approx_kl_abs",
         ),
         PolicyLossMode(
-            "dppo_tv", "policy_loss_dppo_tv",
+            "dppo_tv",
+            "policy_loss_dppo_tv",
             "DPPO-Binary-TV: -A * sg(min(ratio, ratio_cap)) * log-prob on tokens within a probability-difference trust region",
-            (Param("clip_eps_low", 0.2, 0.0, low_open=True, doc="allowed probability decrease (A < 0)"),
-             Param("clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="allowed probability increase (A > 0)"),
-             DPPO_RATIO_CAP),
+            (
+                Param("clip_eps_low", 0.2, 0.0, low_open=True, doc="allowed probability decrease (A < 0)"),
+                Param(
+                    "clip_eps_high",
+                    None,
+                    0.0,
+                    low_open=True,
+                    same_as="clip_eps_low",
+                    doc="allowed probability increase (A > 0)",
+                ),
+                DPPO_RATIO_CAP,
+            ),
             note=DPPO_NOTE,
         ),
         PolicyLossMode(
-            "dppo_kl", "policy_loss_dppo_kl",
+            "dppo_kl",
+            "policy_loss_dppo_kl",
             "DPPO-Binary-KL: as dppo_tv with a binary-KL trust region",
-            (Param("clip_eps_low", 0.2, 0.0, low_open=True, doc="allowed binary KL where A < 0"),
-             Param("clip_eps_high", None, 0.0, low_open=True, same_as="clip_eps_low", doc="allowed binary KL where A > 0"),
-             DPPO_RATIO_CAP),
+            (
+                Param("clip_eps_low", 0.2, 0.0, low_open=True, doc="allowed binary KL where A < 0"),
+                Param(
+                    "clip_eps_high",
+                    None,
+                    0.0,
+                    low_open=True,
+                    same_as="clip_eps_low",
+                    doc="allowed binary KL where A > 0",
+                ),
+                DPPO_RATIO_CAP,
+            ),
             note=DPPO_NOTE,
         ),
         PolicyLossMode(
-            "dro", "policy_loss_dro", "DRO: -(A * log-prob - dro_beta/2 * (log r)^2)",
+            "dro",
+            "policy_loss_dro",
+            "DRO: -(A * log-prob - dro_beta/2 * (log r)^2)",
             (Param("dro_beta", None, 0.0, low_open=True, doc="weight of the quadratic log-ratio penalty, > 0"),),
             stats=("approx_kl",),
         ),
@@ -190,7 +243,9 @@ POLICY_LOSS_OPS = tuple(dict.fromkeys(mode.op for mode in POLICY_LOSS_MODES.valu
 def policy_loss_mode(name) -> PolicyLossMode:
     """The registry entry of ``name``; ``ValueError`` listing the modes otherwise."""
     if not isinstance(name, str):
-        raise TypeError(f"loss_mode must be a str, one of {tuple(POLICY_LOSS_MODES)}, got {type(name).__name__} {name!r}")
+        raise TypeError(
+            f"loss_mode must be a str, one of {tuple(POLICY_LOSS_MODES)}, got {type(name).__name__} {name!r}"
+        )
     if name not in POLICY_LOSS_MODES:
         raise ValueError(f"loss_mode must be one of {tuple(POLICY_LOSS_MODES)}, got {name!r}")
     return POLICY_LOSS_MODES[name]
@@ -202,12 +257,19 @@ def describe(mode: PolicyLossMode) -> str:
     return f"{mode.name}({params}): {mode.summary}"
 
 
-
 # The backend ops: one implementation per backend (a backend declares which it serves).
 # Each policy-loss mode is an op of its own (vanilla is clipped_policy_loss), so that a backend
 # declares the modes it serves one by one.
-OPS = ("token_logprobs", "linear_token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae", "clipped_policy_loss",
-       "value_loss", "group_sum")
+OPS = (
+    "token_logprobs",
+    "linear_token_logprobs",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "gae",
+    "clipped_policy_loss",
+    "value_loss",
+    "group_sum",
+)
 OPS = OPS + tuple(op for op in POLICY_LOSS_OPS if op not in OPS)
 
 
@@ -231,22 +293,56 @@ class AdvantageMethodSpec:
 ADVANTAGE_METHODS: dict[str, AdvantageMethodSpec] = {
     m.name: m
     for m in (
-        AdvantageMethodSpec("gae", "generalised advantage estimation with the critic (its own op: ppo_fast.gae)",
-                            needs_critic=True, needs_groups=False),
-        AdvantageMethodSpec("grpo", "(score - group mean) / (group std + epsilon); norm_by_std=False: Dr. GRPO (no division)",
-                            params={"norm_by_std": True, "epsilon": 1e-6}, normalized=True),
-        AdvantageMethodSpec("grpo_passk", "Pass@k: only each group's best response, (best - second best) / (std + epsilon)",
-                            ("reference",), {"norm_by_std": True, "epsilon": 1e-6}, normalized=True, min_group_size=2),
-        AdvantageMethodSpec("rloo", "score - mean of the group's other scores (a group of one keeps its score, as verl's "
-                            "rloo; zero_singletons=True: 0, as its rloo_vectorized)", params={"zero_singletons": False}),
-        AdvantageMethodSpec("reinforce_plus_plus", "discounted token returns whitened over the batch (no groups)",
-                            ("reference",), {"gamma": 1.0}, needs_groups=False, normalized=True),
-        AdvantageMethodSpec("reinforce_plus_plus_baseline",
-                            "(score - group mean) on every token, whitened over the batch's tokens", normalized=True),
-        AdvantageMethodSpec("remax", "token return (sum of the rewards from t on) - the greedy response's reward (baselines, [B])",
-                            ("reference",), {"baselines": None}, needs_groups=False),
+        AdvantageMethodSpec(
+            "gae",
+            "generalised advantage estimation with the critic (its own op: ppo_fast.gae)",
+            needs_critic=True,
+            needs_groups=False,
+        ),
+        AdvantageMethodSpec(
+            "grpo",
+            "(score - group mean) / (group std + epsilon); norm_by_std=False: Dr. GRPO (no division)",
+            params={"norm_by_std": True, "epsilon": 1e-6},
+            normalized=True,
+        ),
+        AdvantageMethodSpec(
+            "grpo_passk",
+            "Pass@k: only each group's best response, (best - second best) / (std + epsilon)",
+            ("reference",),
+            {"norm_by_std": True, "epsilon": 1e-6},
+            normalized=True,
+            min_group_size=2,
+        ),
+        AdvantageMethodSpec(
+            "rloo",
+            "score - mean of the group's other scores (a group of one keeps its score, as verl's "
+            "rloo; zero_singletons=True: 0, as its rloo_vectorized)",
+            params={"zero_singletons": False},
+        ),
+        AdvantageMethodSpec(
+            "reinforce_plus_plus",
+            "discounted token returns whitened over the batch (no groups)",
+            ("reference",),
+            {"gamma": 1.0},
+            needs_groups=False,
+            normalized=True,
+        ),
+        AdvantageMethodSpec(
+            "reinforce_plus_plus_baseline",
+            "(score - group mean) on every token, whitened over the batch's tokens",
+            normalized=True,
+        ),
+        AdvantageMethodSpec(
+            "remax",
+            "token return (sum of the rewards from t on) - the greedy response's reward (baselines, [B])",
+            ("reference",),
+            {"baselines": None},
+            needs_groups=False,
+        ),
         AdvantageMethodSpec("opo", "score - the group's length-weighted mean score (OPO)"),
-        AdvantageMethodSpec("gpg", "(B / #nonzero scores) * (score - group mean) / f_norm (GPG)", params={"f_norm": 1.0}),
+        AdvantageMethodSpec(
+            "gpg", "(B / #nonzero scores) * (score - group mean) / f_norm (GPG)", params={"f_norm": 1.0}
+        ),
     )
 }
 CRITIC_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_critic)

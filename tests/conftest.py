@@ -16,7 +16,10 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--fuzz-examples", type=int, default=None, metavar="N",
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        metavar="N",
         help="tests/test_fuzz.py: N random examples per fuzz test (a nightly budget, e.g. 2000) instead of "
         "the fixed, derandomized CI budget (same as PPO_FAST_FUZZ_EXAMPLES=N)",
     )

@@ -25,8 +25,15 @@ ROWS = 8  # the whole batch; world 2 gives each rank 4
 
 def config(agg: str) -> TrainerConfig:
     # The entropy bonus is a token mean whatever loss_agg is: with a seq-mean-* mode it is left out here.
-    return TrainerConfig(num_ppo_epochs=1, num_mini_batches=1, gradient_accumulation_steps=2, max_grad_norm=0.5,
-                         loss_agg=agg, vf_coef=0.5, ent_coef=0.01 if agg == "token-mean" else 0.0)
+    return TrainerConfig(
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        loss_agg=agg,
+        vf_coef=0.5,
+        ent_coef=0.01 if agg == "token-mean" else 0.0,
+    )
 
 
 def rollouts(seed: int):
@@ -52,8 +59,22 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
     mine = torch.arange(parallel.rank * share, (parallel.rank + 1) * share)
     batch, scores = batch.rows(mine), scores[mine]
     old, ref, values = score_old_and_ref(policy, reference, critic, batch, temperature=1.0, chunk=share)
-    est = estimate(scores, old, ref, values, batch.response_mask, advantage_method="gae", kl_coef=0.1, kl_estimator="k1", kl_in_reward=True,
-                   gamma=1.0, lam=0.95, whiten=True, group_size=1, whitener=parallel.masked_whiten)
+    est = estimate(
+        scores,
+        old,
+        ref,
+        values,
+        batch.response_mask,
+        advantage_method="gae",
+        kl_coef=0.1,
+        kl_estimator="k1",
+        kl_in_reward=True,
+        gamma=1.0,
+        lam=0.95,
+        whiten=True,
+        group_size=1,
+        whitener=parallel.masked_whiten,
+    )
     exp = Experience(batch, old, est.advantages, values, est.returns)
     train_policy, train_critic = parallel.prepare(policy, critic, reference)
     params = list(policy.parameters()) + list(critic.parameters())
@@ -99,10 +120,18 @@ def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int)
     """Entry point of ``torch.multiprocessing.spawn``: the step under DDP and under FSDP2, for each of ``AGGS``."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    results = {(mode, agg): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg)
-               for mode in ("ddp", "fsdp") for agg in AGGS}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    results = {
+        (mode, agg): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg)
+        for mode in ("ddp", "fsdp")
+        for agg in AGGS
+    }
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -115,11 +144,18 @@ def eval_shards(rank: int, world_size: int, init_file: str, out_dir: str, out: s
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     decoded = []
     original = trainer_module.generate
-    trainer_module.generate = lambda model, tokenizer, prompts, **kw: decoded.append(len(prompts)) or original(model, tokenizer, prompts, **kw)
+    trainer_module.generate = lambda model, tokenizer, prompts, **kw: (
+        decoded.append(len(prompts)) or original(model, tokenizer, prompts, **kw)
+    )
     trainer = eval_trainer(out_dir)
     metrics = trainer.evaluate_all(trainer.policy)
     counts = trainer.parallel.gather_objects(sum(decoded))
@@ -138,8 +174,17 @@ def eval_trainer(out_dir: str):
     answers, and ``response_length`` as the reward."""
     from ppo_fast.trainer import PPOTrainer
 
-    cfg = TrainerConfig(output_dir=out_dir, steps=1, batch_size=8, num_mini_batches=1, num_ppo_epochs=1, sample_every=0,
-                        sft_steps=10, eval_size=37, parallel="ddp")
+    cfg = TrainerConfig(
+        output_dir=out_dir,
+        steps=1,
+        batch_size=8,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=37,
+        parallel="ddp",
+    )
     held_out = default_task.prompts(cfg)[1]
     answers = [str(sum(int(x) for x in p.rstrip("=").split("+"))) for p in held_out]
     return PPOTrainer(cfg, reward_fn=response_length, eval_prompts=held_out, eval_answers=answers, log=lambda _: None)

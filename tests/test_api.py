@@ -20,7 +20,8 @@ def cpu_backends(*ops):
     return [
         name
         for name in BACKENDS
-        if backend_info(name).available and all("cpu" in backend_info(name).module.SUPPORTED.get(op, set()) for op in ops)
+        if backend_info(name).available
+        and all("cpu" in backend_info(name).module.SUPPORTED.get(op, set()) for op in ops)
     ]
 
 
@@ -258,7 +259,9 @@ def _policy_loss_by_formula(logp, old, adv, mask, clip_low, clip_high, dual_clip
 
 
 @on_backends("clipped_policy_loss")
-@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 @pytest.mark.parametrize("variant", ["plain", "asymmetric", "dual", "weighted"])
 def test_clipped_policy_loss_matches_formula(backend, agg, variant):
     batch, length = 4, 7
@@ -279,7 +282,9 @@ def test_clipped_policy_loss_matches_formula(backend, agg, variant):
     loss, stats = pf.clipped_policy_loss(logp, old, adv, mask, **kwargs)
     expected = _policy_loss_by_formula(logp, old, adv, mask, 0.2, clip_high, dual, agg, weights)
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert stats["approx_kl"].item() == pytest.approx(float(((old - logp) * mask).sum() / mask.sum()), rel=1e-5, abs=1e-6)
+    assert stats["approx_kl"].item() == pytest.approx(
+        float(((old - logp) * mask).sum() / mask.sum()), rel=1e-5, abs=1e-6
+    )
     assert 0.0 <= stats["clipfrac"].item() <= 1.0
     if variant == "dual":
         ratio = torch.exp(logp - old)
@@ -297,7 +302,9 @@ def test_value_loss_clip(backend):
     # token 0: max(1, 0.25) = 1; token 1: max(1, 1) = 1; token 2: max(4, 0.25) = 4
     assert loss.item() == pytest.approx(0.5 * (1 + 1 + 4))
     assert stats["clipfrac"].item() == 0.0
-    loss, stats = pf.value_loss(values, old, torch.tensor([[3.0, 1.0, 3.0]]), torch.ones(1, 3), clip=0.5, agg="token-sum")
+    loss, stats = pf.value_loss(
+        values, old, torch.tensor([[3.0, 1.0, 3.0]]), torch.ones(1, 3), clip=0.5, agg="token-sum"
+    )
     # token 0: max(4, 6.25); token 1: max(1, 1); token 2: max(1, 6.25)
     assert loss.item() == pytest.approx(0.5 * (6.25 + 1 + 6.25))
     assert stats["clipfrac"].item() == pytest.approx(2 / 3)
@@ -321,7 +328,9 @@ def test_gradcheck_token_logprobs_reference():
     logits = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     labels = torch.tensor([0, 6, -100, 3, 2])
     with pf.use_backend("reference"):
-        torch.autograd.gradcheck(lambda x: pf.token_logprobs(x, labels, temperature=0.8, return_entropy=True), (logits,))
+        torch.autograd.gradcheck(
+            lambda x: pf.token_logprobs(x, labels, temperature=0.8, return_entropy=True), (logits,)
+        )
 
 
 def test_gradcheck_losses_reference():
@@ -331,7 +340,9 @@ def test_gradcheck_losses_reference():
     mask = torch.rand(3, 5) < 0.8
     with pf.use_backend("reference"):
         for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-            torch.autograd.gradcheck(lambda x: pf.clipped_policy_loss(x, old, adv, mask, agg=agg, dual_clip=2.0)[0], (logp,))
+            torch.autograd.gradcheck(
+                lambda x: pf.clipped_policy_loss(x, old, adv, mask, agg=agg, dual_clip=2.0)[0], (logp,)
+            )
         values = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
         returns = torch.randn(3, 5, dtype=torch.float64)
         torch.autograd.gradcheck(lambda v: pf.value_loss(v, old, returns, mask, clip=0.3)[0], (values,))
@@ -396,7 +407,10 @@ def test_backend_selection_and_errors(monkeypatch):
 def test_explicit_backend_that_cannot_serve_raises():
     unavailable = [name for name in BACKENDS if not backend_info(name).available]
     cpu_less = [
-        name for name in BACKENDS if backend_info(name).available and "cpu" not in backend_info(name).module.SUPPORTED.get("token_logprobs", set())
+        name
+        for name in BACKENDS
+        if backend_info(name).available
+        and "cpu" not in backend_info(name).module.SUPPORTED.get("token_logprobs", set())
     ]
     for name in unavailable + cpu_less:
         with pf.use_backend(name), pytest.raises(pf.BackendUnavailableError, match="token_logprobs"):
@@ -422,16 +436,44 @@ def _batch():
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1, 2])), ValueError, "labels"),
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 3])), ValueError, "labels"),
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, -1])), ValueError, "labels"),
-        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=0.0), ValueError, "temperature"),
-        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=float("nan")), ValueError, "temperature"),
+        (
+            lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=0.0),
+            ValueError,
+            "temperature",
+        ),
+        (
+            lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=float("nan")),
+            ValueError,
+            "temperature",
+        ),
         (lambda: pf.token_logprobs(torch.randn(2, 0), torch.tensor([0, 1])), ValueError, "logits"),
-        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), return_entropy=1), TypeError, "return_entropy"),
+        (
+            lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), return_entropy=1),
+            TypeError,
+            "return_entropy",
+        ),
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(3)), ValueError, "ref_logprobs"),
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "kl_estimator"),
-        (lambda: pf.kl_penalized_rewards(torch.randn(3), *_batch()[:2], _batch()[3], kl_coef=0.1), ValueError, "scores"),
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=-0.1), ValueError, "kl_coef"),
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=float("inf")), ValueError, "kl_coef"),
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.ones(2, 4), kl_coef=0.1), ValueError, "mask"),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(3), *_batch()[:2], _batch()[3], kl_coef=0.1),
+            ValueError,
+            "scores",
+        ),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=-0.1),
+            ValueError,
+            "kl_coef",
+        ),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=float("inf")),
+            ValueError,
+            "kl_coef",
+        ),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.ones(2, 4), kl_coef=0.1),
+            ValueError,
+            "mask",
+        ),
         (lambda: pf.gae(*_batch()[:2], torch.full((2, 3), 0.5)), ValueError, "mask"),
         (lambda: pf.gae(*_batch()[:2], _batch()[3], gamma=1.5), ValueError, "gamma"),
         (lambda: pf.gae(*_batch()[:2], _batch()[3], lam=-0.1), ValueError, "lam"),
@@ -443,8 +485,18 @@ def _batch():
         (lambda: pf.clipped_policy_loss(*_batch(), dual_clip=1.0), ValueError, "dual_clip"),
         (lambda: pf.clipped_policy_loss(*_batch(), agg="mean"), ValueError, "agg"),
         (lambda: pf.clipped_policy_loss(*_batch(), weights=torch.ones(3, 2)), ValueError, "weights"),
-        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3)), ValueError, "old_logprobs"),
-        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 3), torch.randint(0, 2, (2, 3)), torch.ones(2, 3)), TypeError, "advantages"),
+        (
+            lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3)),
+            ValueError,
+            "old_logprobs",
+        ),
+        (
+            lambda: pf.clipped_policy_loss(
+                torch.randn(2, 3), torch.randn(2, 3), torch.randint(0, 2, (2, 3)), torch.ones(2, 3)
+            ),
+            TypeError,
+            "advantages",
+        ),
         (lambda: pf.value_loss(*_batch(), clip=0.0), ValueError, "clip"),
         (lambda: pf.value_loss(*_batch(), clip=True), TypeError, "clip"),
         (lambda: pf.masked_whiten(torch.randn(2, 3), torch.zeros(2, 3)), ValueError, "mask"),
@@ -467,7 +519,14 @@ def test_torch_compile_of_public_ops_on_cpu():
         vloss, _ = pf.value_loss(values, values, ret, mask)
         return loss + vloss
 
-    args = (torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5)), torch.randn(2, 5), torch.randn(2), torch.randn(2, 5), torch.rand(2, 5) < 0.8)
+    args = (
+        torch.randn(2, 5, 11),
+        torch.randint(0, 11, (2, 5)),
+        torch.randn(2, 5),
+        torch.randn(2),
+        torch.randn(2, 5),
+        torch.rand(2, 5) < 0.8,
+    )
     with pf.use_backend("reference"):
         expected = step(*args)
         compiled = torch.compile(step, backend="aot_eager")(*args)

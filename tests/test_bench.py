@@ -37,7 +37,9 @@ def _right_padded(batch, length, empty_row=True):
 def test_gae_loop_matches_reference_with_gaps_inside_rows():
     rewards, values = torch.randn(5, 23), torch.randn(5, 23)
     mask = torch.rand(5, 23) > 0.3  # masked tokens inside rows are skipped, not terminal
-    for got, want in zip(baselines.loop_gae(rewards, values, mask, 0.99, 0.9), reference.gae(rewards, values, mask, 0.99, 0.9)):
+    for got, want in zip(
+        baselines.loop_gae(rewards, values, mask, 0.99, 0.9), reference.gae(rewards, values, mask, 0.99, 0.9)
+    ):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -81,16 +83,23 @@ def test_cpu_peak_memory_sees_a_known_allocation():
 
 
 def _settings():
-    return runner.Settings(torch.device("cpu"), compile=False, measure_memory=False, cpu_min_run_time=0.01, cuda_rep_ms=10)
+    return runner.Settings(
+        torch.device("cpu"), compile=False, measure_memory=False, cpu_min_run_time=0.01, cuda_rep_ms=10
+    )
 
 
 def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
     case = cases.value_loss_case(2, 8)
     inputs = case.make_inputs(torch.device("cpu"))
-    expected = reference.value_loss(inputs["values"], inputs["old_values"], inputs["returns"], inputs["mask"], 0.2, "token-mean")[0]
+    expected = reference.value_loss(
+        inputs["values"], inputs["old_values"], inputs["returns"], inputs["mask"], 0.2, "token-mean"
+    )[0]
 
     def off_by_one_percent(x):
-        return baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0] * 1.01
+        return (
+            baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0]
+            * 1.01
+        )
 
     row = runner.measure(case, "wrong", "ppo_fast", off_by_one_percent, "fwd", inputs, expected, _settings())
     assert row["status"] == "mismatch" and "median_ms" not in row
@@ -101,12 +110,16 @@ def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
 
 def test_every_serving_backend_is_measured():
     case = cases.value_loss_case(2, 8)
-    names = [name for name, kind, _ in runner.implementations(case, "cpu", compile_enabled=False)[0] if kind == "ppo_fast"]
+    names = [
+        name for name, kind, _ in runner.implementations(case, "cpu", compile_enabled=False)[0] if kind == "ppo_fast"
+    ]
     assert names == runner.serving_backends("value_loss", "cpu") and "reference" in names
 
 
 def test_quick_run_writes_json_table_and_plot(tmp_path, capsys):
-    status = bench_main(["--quick", "--device", "cpu", "--ops", "value_loss,kl_penalized_rewards", "--out", str(tmp_path)])
+    status = bench_main(
+        ["--quick", "--device", "cpu", "--ops", "value_loss,kl_penalized_rewards", "--out", str(tmp_path)]
+    )
     assert status == 0
     with open(tmp_path / "cpu-quick.json") as f:
         results = json.load(f)
@@ -114,7 +127,10 @@ def test_quick_run_writes_json_table_and_plot(tmp_path, capsys):
     value_rows = {(r["impl"], r["mode"]): r for r in results["cases"][1]["results"]}
     assert set(value_rows) >= {("reference", "fwd"), ("reference", "fwd+bwd"), ("eager", "fwd"), ("eager", "fwd+bwd")}
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in value_rows.values())
-    assert value_rows[("eager", "fwd")]["speedup"] == 1.0 and value_rows[("reference", "fwd")]["speedup_vs_reference"] == 1.0
+    assert (
+        value_rows[("eager", "fwd")]["speedup"] == 1.0
+        and value_rows[("reference", "fwd")]["speedup_vs_reference"] == 1.0
+    )
     ref_fwd = value_rows[("reference", "fwd")]
     assert ref_fwd["speedup"] == pytest.approx(value_rows[("eager", "fwd")]["median_ms"] / ref_fwd["median_ms"])
     assert results["versions"]["torch"] == torch.__version__ and results["machine"]["cores"] == os.cpu_count()
@@ -142,7 +158,9 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
         return x["logits"].sum(-1)
 
     expected = row_sums(inputs)
-    settings = runner.Settings(torch.device("cpu"), compile=False, measure_memory=True, cpu_min_run_time=0.01, cuda_rep_ms=10)
+    settings = runner.Settings(
+        torch.device("cpu"), compile=False, measure_memory=True, cpu_min_run_time=0.01, cuda_rep_ms=10
+    )
     row = runner.measure(case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, expected, settings)
     assert row["status"] == "ok"
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
@@ -153,8 +171,9 @@ def test_fused_head_baselines_match_reference():
     the reference's log-probs, 0 at ignored rows; the linear-layer yardstick is timed, not compared."""
     case = cases.linear_logprob_case(37, 24, 301, torch.float32)
     inputs = case.make_inputs(torch.device("cpu"))
-    want = reference.linear_token_logprobs(inputs["hidden"], inputs["weight"].detach(), inputs["labels"],
-                                           temperature=cases.TEMPERATURE)[0]
+    want = reference.linear_token_logprobs(
+        inputs["hidden"], inputs["weight"].detach(), inputs["labels"], temperature=cases.TEMPERATURE
+    )[0]
     for name, fn in case.baselines.items():
         if name in case.yardsticks:
             continue
@@ -163,7 +182,9 @@ def test_fused_head_baselines_match_reference():
         assert (got[inputs["labels"] == IGNORE] == 0).all(), name
     assert "eager" in case.baselines and "linear-layer" in case.yardsticks
     expected = want.detach()
-    row = runner.measure(case, "linear-layer", "baseline", case.baselines["linear-layer"], "fwd+bwd", inputs, expected, _settings())
+    row = runner.measure(
+        case, "linear-layer", "baseline", case.baselines["linear-layer"], "fwd+bwd", inputs, expected, _settings()
+    )
     assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
 
 
@@ -186,10 +207,23 @@ def test_cpu_vs_trl_cpu_info_and_table():
     flags = set(info["vector_flags"])
     assert info["native_clone"] in ("x86-64-v4", "x86-64-v3", "default")
     assert (info["native_clone"] == "x86-64-v4") <= ("avx512f" in flags)
-    row = {"threads": 1, "dtype": "float32", "ms": {"native": 10.0, "trl": 20.0, "eager": 40.0},
-           "speedup": {"trl": 2.0, "eager": 4.0}}
-    sample = {"cpu": info, "rows": [row], "exp": {"n": 16, "ns_per_exp": {"ppo_fast": 0.5, "torch.exp": 1.0},
-                                                  "speedup_vs_torch": 2.0, "max_rel_err": 1e-7, "torch_cpu_capability": "AVX2"}}
+    row = {
+        "threads": 1,
+        "dtype": "float32",
+        "ms": {"native": 10.0, "trl": 20.0, "eager": 40.0},
+        "speedup": {"trl": 2.0, "eager": 4.0},
+    }
+    sample = {
+        "cpu": info,
+        "rows": [row],
+        "exp": {
+            "n": 16,
+            "ns_per_exp": {"ppo_fast": 0.5, "torch.exp": 1.0},
+            "speedup_vs_torch": 2.0,
+            "max_rel_err": 1e-7,
+            "torch_cpu_capability": "AVX2",
+        },
+    }
     text = cpu_vs_trl.table(sample)
     assert "| 1 | float32 | 10.0 | 20.0 | 40.0 | 2.00x | 4.00x |" in text
     assert "ppo_fast 0.500 ns, torch.exp (AVX2) 1.000 ns: 2.00x" in text
@@ -202,7 +236,9 @@ def test_overhead_bench_times_every_public_op(tmp_path):
 
     assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "overhead-cpu.json").read_text())["rows"]
-    assert {"token_logprobs", "linear_token_logprobs", "gae (float mask)", "policy_loss vanilla"} <= {r["op"] for r in rows}
+    assert {"token_logprobs", "linear_token_logprobs", "gae (float mask)", "policy_loss vanilla"} <= {
+        r["op"] for r in rows
+    }
     for r in rows:
         assert r["public_us"] > 0
         if r["backend_call_us"] is not None:
@@ -229,7 +265,11 @@ def _bench_imports() -> dict[str, set[str]]:
                 found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
             elif isinstance(node, ast.ImportFrom):
                 if node.level == 1 or node.module == "bench" or (node.module or "").startswith("bench."):
-                    base = (node.module or "").removeprefix("bench").lstrip(".") if node.level == 0 else (node.module or "")
+                    base = (
+                        (node.module or "").removeprefix("bench").lstrip(".")
+                        if node.level == 0
+                        else (node.module or "")
+                    )
                     found |= {base.split(".")[0]} if base else {a.name for a in node.names}
         graph[module] = {m for m in found if m in modules and m != module}
     return graph
@@ -243,7 +283,7 @@ def test_bench_imports_have_no_cycle_and_nothing_imports_main():
 
     def visit(module):
         if module in on_path:
-            raise AssertionError("import cycle: " + " -> ".join(on_path[on_path.index(module):] + [module]))
+            raise AssertionError("import cycle: " + " -> ".join(on_path[on_path.index(module) :] + [module]))
         if module in done:
             return
         on_path.append(module)
@@ -264,8 +304,11 @@ def test_no_bench_function_is_over_80_lines():
         if name.endswith(".py"):
             with open(os.path.join(BENCH_DIR, name)) as f:
                 tree = ast.parse(f.read())
-            long += [f"{name}:{n.name} {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
-                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+            long += [
+                f"{name}:{n.name} {n.end_lineno - n.lineno + 1} lines"
+                for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80
+            ]
     assert not long, long
 
 

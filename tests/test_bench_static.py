@@ -32,9 +32,13 @@ def test_hot_loop_is_the_span_of_the_backward_branch():
     (instructions,) = static.sass_functions(SASS).values()
     assert len(instructions) == 10  # NOP padding is not counted
     loop = static.hot_loop(instructions)
-    assert len(loop) == 6 and loop[0].startswith("@!P1 LDG.E.128") and loop[-1].startswith("@!P1 BRA")  # the self-loop trap is no loop
+    assert (
+        len(loop) == 6 and loop[0].startswith("@!P1 LDG.E.128") and loop[-1].startswith("@!P1 BRA")
+    )  # the self-loop trap is no loop
     assert static.count_memory(loop) == {"ldg": 2, "ldg128": 1, "stg": 1, "stg128": 1}
-    report = static.analyse("k", "k", instructions, {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}, 2.0, budget=2.5)
+    report = static.analyse(
+        "k", "k", instructions, {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}, 2.0, budget=2.5
+    )
     assert (report.loop_instructions, report.instructions_per_element) == (6, 3.0)
     assert report.problems() == ["3.0 instructions per element > budget 2.5"]
 
@@ -42,11 +46,29 @@ def test_hot_loop_is_the_span_of_the_backward_branch():
 def test_a_kernel_without_a_loop_counts_all_its_instructions():
     (instructions,) = static.sass_functions(SASS.replace("@!P1 BRA `(.L_x_1)", "BRA `(.L_x_0)")).values()
     assert static.hot_loop(instructions) is None
-    assert static.analyse("k", "k", instructions, {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}, 1.0).instructions_per_element == 10
+    assert (
+        static.analyse(
+            "k", "k", instructions, {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}, 1.0
+        ).instructions_per_element
+        == 10
+    )
 
 
 def test_ptxas_log_and_problems():
     assert static.parse_ptxas_log(PTXAS) == {"_Z1kv": {"registers": 40, "spill_bytes": 8, "shared_bytes": 1024}}
-    report = static.KernelReport("k", "k", 40, 8, 0, ldg128=0, ldg=2, stg128=0, stg=0, loop_instructions=None,
-                                 elements_per_thread=None, instructions_per_element=None, vector_loads_expected=True)
+    report = static.KernelReport(
+        "k",
+        "k",
+        40,
+        8,
+        0,
+        ldg128=0,
+        ldg=2,
+        stg128=0,
+        stg=0,
+        loop_instructions=None,
+        elements_per_thread=None,
+        instructions_per_element=None,
+        vector_loads_expected=True,
+    )
     assert report.problems() == ["8 bytes spilled", "hot-loop global loads not all 128-bit (0 of 2)"]

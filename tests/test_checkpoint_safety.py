@@ -18,17 +18,36 @@ import pytest
 import torch
 
 from ppo_fast.cli import main
-from ppo_fast.trainer import PPOTrainer, TrainerConfig
-from ppo_fast.trainer import checkpoint
+from ppo_fast.trainer import PPOTrainer, TrainerConfig, checkpoint
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.resume import REFUSED_BUILTIN
 from ppo_fast.trainer.trainer import lr_lambda
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(batch_size=4, num_mini_batches=1, num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=16,
-            save_every=1, keep_checkpoints=0)
-TINY_FLAGS = ["--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
-              "--sft-steps", "10", "--eval-size", "16"]
+TINY = dict(
+    batch_size=4,
+    num_mini_batches=1,
+    num_ppo_epochs=1,
+    sample_every=0,
+    sft_steps=10,
+    eval_size=16,
+    save_every=1,
+    keep_checkpoints=0,
+)
+TINY_FLAGS = [
+    "--batch-size",
+    "4",
+    "--num-mini-batches",
+    "1",
+    "--num-ppo-epochs",
+    "1",
+    "--sample-every",
+    "0",
+    "--sft-steps",
+    "10",
+    "--eval-size",
+    "16",
+]
 
 
 def quiet(_message: str) -> None:
@@ -90,7 +109,9 @@ def test_a_poisoned_trainer_state_cannot_run_code(run, tmp_path):
     trainer = resumed(run, messages)
     assert not marker.exists()
     assert trainer.step == 1
-    assert any("skipping the damaged checkpoint" in m and "step-000002" in m and checkpoint.STATE_FILE in m for m in messages)
+    assert any(
+        "skipping the damaged checkpoint" in m and "step-000002" in m and checkpoint.STATE_FILE in m for m in messages
+    )
 
 
 def _truncate(path: Path) -> None:
@@ -102,10 +123,16 @@ def _garble(path: Path) -> None:
     path.write_bytes(b"\x00{not json" + os.urandom(16))
 
 
-@pytest.mark.parametrize("name, damage", [
-    ("policy/model.safetensors", _truncate), ("policy/config.json", _garble),
-    (checkpoint.CRITIC_FILE, _truncate), (checkpoint.STATE_FILE, _truncate), (checkpoint.CRITIC_FILE, Path.unlink),
-])
+@pytest.mark.parametrize(
+    "name, damage",
+    [
+        ("policy/model.safetensors", _truncate),
+        ("policy/config.json", _garble),
+        (checkpoint.CRITIC_FILE, _truncate),
+        (checkpoint.STATE_FILE, _truncate),
+        (checkpoint.CRITIC_FILE, Path.unlink),
+    ],
+)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(run, name, damage):
     damage(run / "checkpoints" / "step-000002" / name)
     messages = []
@@ -187,14 +214,22 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(capsys):
 # ---------------------------------------------------------------------- changed options
 
 
-@pytest.mark.parametrize("name, value", [
-    ("seed", 1), ("critic", "shared"), *((n, v) for n, v in zip(REFUSED_BUILTIN, (11, 64, 1e-3, 0.5, 8))),
-    ("advantage_method", "grpo"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("seed", 1),
+        ("critic", "shared"),
+        *((n, v) for n, v in zip(REFUSED_BUILTIN, (11, 64, 1e-3, 0.5, 8))),
+        ("advantage_method", "grpo"),
+    ],
+)
 def test_a_refused_option_change_is_one_line(run, capsys, name, value):
     flag = "--" + name.replace("_", "-")
     extra = ["--num-samples-per-prompt", "2"] if name == "advantage_method" else []
-    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS, flag, str(value), *extra]) == 1
+    assert (
+        main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS, flag, str(value), *extra])
+        == 1
+    )
     old = TrainerConfig(**TINY).to_dict()[name]
     line = error_line(capsys)
     assert f"was trained with {flag} {old}" in line and f"resume with {flag} {old}" in line, line
@@ -202,9 +237,19 @@ def test_a_refused_option_change_is_one_line(run, capsys, name, value):
 
 def test_applied_option_changes_take_effect(run):
     messages = []
-    trainer = resumed(run, messages, learning_rate=5e-4, weight_decay=0.01, kl_coef=0.2, warmup_steps=10,
-                      lr_scheduler_type="linear", clip_eps_low=0.1)
-    assert any(m.startswith("resuming with changed options: ") and "learning_rate" in m and "kl_coef" in m for m in messages)
+    trainer = resumed(
+        run,
+        messages,
+        learning_rate=5e-4,
+        weight_decay=0.01,
+        kl_coef=0.2,
+        warmup_steps=10,
+        lr_scheduler_type="linear",
+        clip_eps_low=0.1,
+    )
+    assert any(
+        m.startswith("resuming with changed options: ") and "learning_rate" in m and "kl_coef" in m for m in messages
+    )
     updates_done = trainer.scheduler.last_epoch
     assert updates_done == 2
     factor = lr_lambda(trainer.cfg, 3 * 1 * 1)(updates_done)
@@ -216,8 +261,13 @@ def test_applied_option_changes_take_effect(run):
 
 
 def test_grpo_and_rloo_may_swap_on_resume(tmp_path):
-    cfg = TrainerConfig(output_dir=str(tmp_path / "g"), steps=1, advantage_method="grpo", num_samples_per_prompt=2,
-                        **dict(TINY, batch_size=2))
+    cfg = TrainerConfig(
+        output_dir=str(tmp_path / "g"),
+        steps=1,
+        advantage_method="grpo",
+        num_samples_per_prompt=2,
+        **dict(TINY, batch_size=2),
+    )
     PPOTrainer(cfg, log=quiet).train()
     trainer = PPOTrainer(TrainerConfig(**dict(cfg.to_dict(), advantage_method="rloo", resume=True, steps=2)), log=quiet)
     assert trainer.step == 1
@@ -228,8 +278,21 @@ def test_grpo_and_rloo_may_swap_on_resume(tmp_path):
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), "--steps", "500", "--save-every", "0",
-               *TINY_FLAGS[:-2], "--eval-size", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "ppo_fast",
+        "train",
+        "--output-dir",
+        str(out),
+        "--steps",
+        "500",
+        "--save-every",
+        "0",
+        *TINY_FLAGS[:-2],
+        "--eval-size",
+        "0",
+    ]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -15,15 +15,29 @@ import pytest
 
 import ppo_fast_cli
 from ppo_fast.cli import main
-from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig
-from ppo_fast.trainer import checkpoint, config as config_module
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint
+from ppo_fast.trainer import config as config_module
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.prompts import read_prompts
 from ppo_fast.trainer.scoring import FunctionScorer, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--steps", "1", "--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
-        "--sft-steps", "10", "--eval-size", "16"]
+TINY = [
+    "--steps",
+    "1",
+    "--batch-size",
+    "4",
+    "--num-mini-batches",
+    "1",
+    "--num-ppo-epochs",
+    "1",
+    "--sample-every",
+    "0",
+    "--sft-steps",
+    "10",
+    "--eval-size",
+    "16",
+]
 
 
 def quiet(_message: str) -> None:
@@ -43,8 +57,16 @@ def error_line(capsys) -> str:
 def finished_run(tmp_path_factory) -> Path:
     """A built-in run of one step (separate critic) and its warm-up model, made once."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    cfg = TrainerConfig(output_dir=str(out), steps=1, batch_size=4, num_mini_batches=1, num_ppo_epochs=1,
-                        sample_every=0, sft_steps=10, eval_size=16)
+    cfg = TrainerConfig(
+        output_dir=str(out),
+        steps=1,
+        batch_size=4,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=16,
+    )
     PPOTrainer(cfg, log=quiet).train()
     return out
 
@@ -162,8 +184,11 @@ def test_prompt_file_formats(tmp_path):
 @pytest.mark.parametrize(
     "name, text, expected",
     [
-        ("p.jsonl", '{"prompt": "a"}\n{"question": "b", "answer": "c"}\n',
-         "--prompts-file {path}, line 2: no 'prompt' field (its keys: 'question', 'answer')"),
+        (
+            "p.jsonl",
+            '{"prompt": "a"}\n{"question": "b", "answer": "c"}\n',
+            "--prompts-file {path}, line 2: no 'prompt' field (its keys: 'question', 'answer')",
+        ),
         ("p.jsonl", '{"prompt": "a"}\nnot json\n', "--prompts-file {path}, line 2: not valid JSON"),
         ("p.json", '{"prompt": "a"}', "--prompts-file {path}: expected a JSON list of prompts"),
         ("p.json", '[{"prompt": ""}]', "--prompts-file {path}, item 0: 'prompt' must be a non-empty string"),
@@ -179,8 +204,19 @@ def test_prompt_file_errors_are_one_line_before_loading_models(tmp_path, capsys,
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")  # never read: the prompt file fails first
-    code = main(["train", "--model-name-or-path", str(model), "--prompts-file", str(path), "--reward-fn", "json:dumps",
-                 "--output-dir", str(tmp_path / "out")])
+    code = main(
+        [
+            "train",
+            "--model-name-or-path",
+            str(model),
+            "--prompts-file",
+            str(path),
+            "--reward-fn",
+            "json:dumps",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 1
     assert expected.format(path=path) in error_line(capsys)
     assert not (tmp_path / "out").exists()
@@ -241,31 +277,58 @@ def test_backend_that_cannot_serve_the_device_fails_before_loading(tmp_path, cap
     monkeypatch.setitem(backends._INFO, "triton", backends.BackendInfo(False, "no CUDA device", None))
     assert main(["train", "--backend", "triton", "--device", "cpu", "--output-dir", str(tmp_path / "out")]) == 1
     line = error_line(capsys)
-    assert "--backend triton cannot run this job on cpu: token_logprobs: backend 'triton' is unavailable: no CUDA device" in line
+    assert (
+        "--backend triton cannot run this job on cpu: token_logprobs: backend 'triton' is unavailable: no CUDA device"
+        in line
+    )
     assert "use --backend auto" in line and not (tmp_path / "out").exists()
 
 
 def test_console_script_finds_the_reward_module_in_the_working_directory(tmp_path):
     """The launcher runs as the console script does (its own folder on sys.path, not the working
     directory): --reward-fn my_rewards:... is imported from the working directory."""
-    (tmp_path / "my_rewards.py").write_text("def exact_match(prompts, responses, answers):\n    return [0.0] * len(responses)\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact_match(prompts, responses, answers):\n    return [0.0] * len(responses)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # A function name that does not exist: the module was found if the error lists what it defines.
-    out = subprocess.run([sys.executable, str(ROOT / "ppo_fast_cli.py"), "train", "--reward-fn", "my_rewards:exact",
-                          "--output-dir", "out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "ppo_fast_cli.py"),
+            "train",
+            "--reward-fn",
+            "my_rewards:exact",
+            "--output-dir",
+            "out",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1, out.stderr
-    assert out.stderr.strip() == "ppo-fast: error: --reward-fn my_rewards:exact: 'my_rewards' has no function 'exact' " \
-                                 "(it defines: exact_match)"
+    assert (
+        out.stderr.strip() == "ppo-fast: error: --reward-fn my_rewards:exact: 'my_rewards' has no function 'exact' "
+        "(it defines: exact_match)"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_reward_fn_import_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    with pytest.raises(ConfigError, match=r"no module 'nowhere_rewards' in the working directory .* --reward-fn path/to/nowhere_rewards.py:f"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no module 'nowhere_rewards' in the working directory .* --reward-fn path/to/nowhere_rewards.py:f",
+    ):
         load_reward_fn("nowhere_rewards:f")
     (tmp_path / "broken_rewards.py").write_text("import not_a_package_anywhere\n")
-    with pytest.raises(ConfigError, match="importing 'broken_rewards' failed: ModuleNotFoundError: No module named 'not_a_package_anywhere'"):
+    with pytest.raises(
+        ConfigError,
+        match="importing 'broken_rewards' failed: ModuleNotFoundError: No module named 'not_a_package_anywhere'",
+    ):
         load_reward_fn("broken_rewards:f")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "file_rewards.py").write_text("def score(p, r):\n    return [1.0] * len(r)\n")
@@ -302,10 +365,31 @@ def test_resume_with_another_critic_mode_is_one_line(finished_run, tmp_path, cap
     shutil.copytree(finished_run, run)
     assert main(["train", "--output-dir", str(run), "--resume", "--critic", "shared", "--steps", "2"]) == 1
     line = error_line(capsys)
-    assert "--resume: the checkpoint" in line and "was trained with --critic separate (" in line and "resume with --critic separate" in line
-    assert main(["train", "--output-dir", str(run), "--resume", "--advantage-method", "grpo", "--num-samples-per-prompt", "2",
-                 "--steps", "2"]) == 1
-    assert "was trained with --advantage-method gae (with a critic); resume with --advantage-method gae" in error_line(capsys)
+    assert (
+        "--resume: the checkpoint" in line
+        and "was trained with --critic separate (" in line
+        and "resume with --critic separate" in line
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--output-dir",
+                str(run),
+                "--resume",
+                "--advantage-method",
+                "grpo",
+                "--num-samples-per-prompt",
+                "2",
+                "--steps",
+                "2",
+            ]
+        )
+        == 1
+    )
+    assert "was trained with --advantage-method gae (with a critic); resume with --advantage-method gae" in error_line(
+        capsys
+    )
 
 
 def test_resume_of_a_finished_run_changes_nothing(finished_run, tmp_path):
@@ -316,7 +400,9 @@ def test_resume_of_a_finished_run_changes_nothing(finished_run, tmp_path):
     saved = checkpoint.latest(run)
     stamp = (saved / checkpoint.STATE_FILE).stat().st_mtime_ns
     messages = []
-    cfg = TrainerConfig(output_dir=str(run), steps=1, resume=True, sft_steps=10, eval_size=16, batch_size=4, num_mini_batches=1)
+    cfg = TrainerConfig(
+        output_dir=str(run), steps=1, resume=True, sft_steps=10, eval_size=16, batch_size=4, num_mini_batches=1
+    )
     summary = PPOTrainer(cfg, log=messages.append).train()
     assert summary["stop_reason"] == "done" and summary["steps_done"] == 1 and "eval_after" in summary
     assert any("already did 1 steps (--steps 1); nothing to do" in m for m in messages)
@@ -336,7 +422,9 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
     from ppo_fast.trainer import default_task
 
     train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"prompt": default_task.prompt(a, 11), "answer": str(a + 11)}) + "\n" for a in range(10, 40)))
+    train.write_text(
+        "".join(json.dumps({"prompt": default_task.prompt(a, 11), "answer": str(a + 11)}) + "\n" for a in range(10, 40))
+    )
     held_out = tmp_path / "eval.json"
     held_out.write_text(json.dumps([{"prompt": default_task.prompt(a, 12), "answer": a + 12} for a in range(40, 48)]))
     (tmp_path / "answer_rewards.py").write_text(
@@ -344,10 +432,33 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
         "    return [float(a is not None and r.strip() == a) for r, a in zip(responses, answers)]\n"
     )
     out = tmp_path / "custom"
-    code = main(["train", "--model-name-or-path", str(finished_run / "warmup"), "--prompts-file", str(train),
-                 "--eval-prompts-file", str(held_out), "--reward-fn", f"{tmp_path / 'answer_rewards.py'}:exact",
-                 "--output-dir", str(out), "--steps", "2", "--eval-every", "1", "--batch-size", "4", "--num-mini-batches", "1",
-                 "--num-ppo-epochs", "1", "--sample-every", "0"])
+    code = main(
+        [
+            "train",
+            "--model-name-or-path",
+            str(finished_run / "warmup"),
+            "--prompts-file",
+            str(train),
+            "--eval-prompts-file",
+            str(held_out),
+            "--reward-fn",
+            f"{tmp_path / 'answer_rewards.py'}:exact",
+            "--output-dir",
+            str(out),
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--batch-size",
+            "4",
+            "--num-mini-batches",
+            "1",
+            "--num-ppo-epochs",
+            "1",
+            "--sample-every",
+            "0",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval_before", "eval_after", "exact_match_before", "exact_match_after"):
@@ -361,9 +472,9 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
 
 
 def test_response_length_defaults(finished_run, tmp_path):
-    from ppo_fast.trainer import default_task
-
     import shutil
+
+    from ppo_fast.trainer import default_task
 
     fresh = tmp_path / "b"  # a new run (the finished run's folder is refused without --resume), its warm-up cached
     shutil.copytree(finished_run / "warmup", fresh / "warmup")
@@ -372,20 +483,51 @@ def test_response_length_defaults(finished_run, tmp_path):
     tokenizer = default_task.build_tokenizer()
     long_model = default_task.build_model(tokenizer, 0)
     long_model.config.n_positions = 512  # the default fits
-    custom = PPOTrainer(TrainerConfig(output_dir=str(tmp_path / "c")), policy=long_model, tokenizer=tokenizer,
-                        reward_fn=default_task.addition_reward, prompts=["1+2="], log=quiet)
+    custom = PPOTrainer(
+        TrainerConfig(output_dir=str(tmp_path / "c")),
+        policy=long_model,
+        tokenizer=tokenizer,
+        reward_fn=default_task.addition_reward,
+        prompts=["1+2="],
+        log=quiet,
+    )
     assert custom.response_length == config_module.CUSTOM_RESPONSE_LENGTH == 64
     messages = []
-    short = PPOTrainer(TrainerConfig(output_dir=str(tmp_path / "s")), policy=default_task.build_model(tokenizer, 0),
-                       tokenizer=tokenizer, reward_fn=default_task.addition_reward, prompts=["12+34="], log=messages.append)
+    short = PPOTrainer(
+        TrainerConfig(output_dir=str(tmp_path / "s")),
+        policy=default_task.build_model(tokenizer, 0),
+        tokenizer=tokenizer,
+        reward_fn=default_task.addition_reward,
+        prompts=["12+34="],
+        log=messages.append,
+    )
     assert short.response_length == 16 - 6 and any("response length 10" in m for m in messages)
-    with pytest.raises(ConfigError, match="--response-length 30 does not fit: the longest prompt has 6 tokens and the model 16 positions"):
-        PPOTrainer(TrainerConfig(output_dir=str(tmp_path / "t"), response_length=30), policy=default_task.build_model(tokenizer, 0),
-                   tokenizer=tokenizer, reward_fn=default_task.addition_reward, prompts=["12+34="], log=quiet)
+    with pytest.raises(
+        ConfigError,
+        match="--response-length 30 does not fit: the longest prompt has 6 tokens and the model 16 positions",
+    ):
+        PPOTrainer(
+            TrainerConfig(output_dir=str(tmp_path / "t"), response_length=30),
+            policy=default_task.build_model(tokenizer, 0),
+            tokenizer=tokenizer,
+            reward_fn=default_task.addition_reward,
+            prompts=["12+34="],
+            log=quiet,
+        )
 
 
 def test_keep_checkpoints(tmp_path):
-    cfg = TrainerConfig(output_dir=str(tmp_path / "k"), steps=3, save_every=1, keep_checkpoints=0, batch_size=4, num_mini_batches=1,
-                        num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=0)
+    cfg = TrainerConfig(
+        output_dir=str(tmp_path / "k"),
+        steps=3,
+        save_every=1,
+        keep_checkpoints=0,
+        batch_size=4,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=0,
+    )
     PPOTrainer(cfg, log=quiet).train()
     assert len(list((tmp_path / "k" / "checkpoints").glob("step-*"))) == 3

@@ -12,9 +12,18 @@ from ppo_fast.trainer import metrics
 
 
 def _rows(n: int) -> list[dict]:
-    return [{"step": s, "objective/scores": 0.5 + s / (2 * n), "objective/kl": 0.1 * s, "objective/kl_coef": 0.05,
-             "policy/clipfrac_avg": 0.0, "loss/policy_avg": (-1) ** s * 0.01, **({"eval/score": 0.7} if s == 5 else {})}
-            for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "objective/scores": 0.5 + s / (2 * n),
+            "objective/kl": 0.1 * s,
+            "objective/kl_coef": 0.05,
+            "policy/clipfrac_avg": 0.0,
+            "loss/policy_avg": (-1) ** s * 0.01,
+            **({"eval/score": 0.7} if s == 5 else {}),
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_curves_show_the_eval_before_and_after_and_only_informative_panels():
@@ -22,8 +31,12 @@ def test_curves_show_the_eval_before_and_after_and_only_informative_panels():
     assert evals == {"eval/score": ("score (reward)", [(0, 0.6), (5, 0.7), (10, 0.9)])}
     # A fixed KL coefficient and an all-zero clip fraction are constant: no panel.
     assert [key for key, _, _ in panels] == ["objective/scores", "objective/kl", "loss/policy_avg"]
-    exact = metrics.plot_panels([], before={"eval/score": 0.1, "eval/exact_match": 0.2}, after={"eval/score": 0.3, "eval/exact_match": 0.4},
-                                after_step=3)[0]
+    exact = metrics.plot_panels(
+        [],
+        before={"eval/score": 0.1, "eval/exact_match": 0.2},
+        after={"eval/score": 0.3, "eval/exact_match": 0.4},
+        after_step=3,
+    )[0]
     assert exact["eval/exact_match"][1] == [(0, 0.2), (3, 0.4)]
 
 
@@ -44,7 +57,9 @@ def test_smoothing_follows_the_trend_without_a_start_bias():
 
 def test_curves_png_is_written_with_a_title(tmp_path):
     (tmp_path / metrics.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in _rows(30)))
-    path = metrics.plot_curves(tmp_path, before={"eval/score": 0.6}, after={"eval/score": 0.9}, after_step=30, title="a run")
+    path = metrics.plot_curves(
+        tmp_path, before={"eval/score": 0.6}, after={"eval/score": 0.9}, after_step=30, title="a run"
+    )
     assert path == tmp_path / "curves.png" and path.stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     assert metrics.plot_curves(tmp_path / "empty") is None  # no metrics, no evaluation: no plot
@@ -57,15 +72,47 @@ def _results(quick: bool, sizes: tuple[int, ...]) -> dict:
     cases = []
     for size in sizes:
         for op, baseline in (("token_logprobs", "eager"), ("gae", "python-loop")):
-            impls = ["reference", "native", "triton", "auto", baseline, "trl-chunked", "compile(eager)", "liger-ce",
-                     "flash-attn-ce", "something-new"]
-            results = [{"impl": name, "kind": "ppo_fast" if name in ("reference", "native", "triton", "auto") else "baseline",
-                        "mode": mode, "status": "ok", "median_ms": 1.0, "speedup": 0.5 + i}
-                       for i, name in enumerate(impls) for mode in ("fwd", "fwd+bwd")]
-            cases.append({"op": op, "shape": f"N={size}", "size": size, "eager_baseline": baseline,
-                          "params": {"dtype": "float32"} if op == "token_logprobs" else {}, "results": results})
-    return {"device": "cpu", "date": "2026-11-30T00:00:00", "machine": {"cpu": "test CPU", "cores": 2},
-            "settings": {"quick": quick}, "cases": cases}
+            impls = [
+                "reference",
+                "native",
+                "triton",
+                "auto",
+                baseline,
+                "trl-chunked",
+                "compile(eager)",
+                "liger-ce",
+                "flash-attn-ce",
+                "something-new",
+            ]
+            results = [
+                {
+                    "impl": name,
+                    "kind": "ppo_fast" if name in ("reference", "native", "triton", "auto") else "baseline",
+                    "mode": mode,
+                    "status": "ok",
+                    "median_ms": 1.0,
+                    "speedup": 0.5 + i,
+                }
+                for i, name in enumerate(impls)
+                for mode in ("fwd", "fwd+bwd")
+            ]
+            cases.append(
+                {
+                    "op": op,
+                    "shape": f"N={size}",
+                    "size": size,
+                    "eager_baseline": baseline,
+                    "params": {"dtype": "float32"} if op == "token_logprobs" else {},
+                    "results": results,
+                }
+            )
+    return {
+        "device": "cpu",
+        "date": "2026-11-30T00:00:00",
+        "machine": {"cpu": "test CPU", "cores": 2},
+        "settings": {"quick": quick},
+        "cases": cases,
+    }
 
 
 @pytest.mark.parametrize("quick, sizes", [(True, (4096,)), (False, (1 << 10, 1 << 12, 1 << 14))])
@@ -84,10 +131,19 @@ def test_every_implementation_gets_its_own_colour():
 
 
 def test_quick_end_to_end_numbers_come_with_their_caveat():
-    results = {"settings": {"quick": True}, "e2e": {"description": "d", "runs": {
-        "reference": {"tokens_per_s": 1000.0, "phase_s": {"rollout": 0.01}},
-        "auto": {"tokens_per_s": 900.0, "phase_s": {"rollout": 0.011}}}}}
+    results = {
+        "settings": {"quick": True},
+        "e2e": {
+            "description": "d",
+            "runs": {
+                "reference": {"tokens_per_s": 1000.0, "phase_s": {"rollout": 0.01}},
+                "auto": {"tokens_per_s": 900.0, "phase_s": {"rollout": 0.011}},
+            },
+        },
+    }
     note = report.e2e_note(results)
     assert "auto/reference = 0.90x" in note and "not a speed comparison" in note
-    assert note in "\n".join(report.e2e_lines(results)) and note in "\n".join(report.e2e_markdown({**results, "auto": {}}))
+    assert note in "\n".join(report.e2e_lines(results)) and note in "\n".join(
+        report.e2e_markdown({**results, "auto": {}})
+    )
     assert report.e2e_note({**results, "settings": {"quick": False}}) is None

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import sys
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,10 +29,9 @@ from hypothesis import strategies as st
 from torch.utils._pytree import tree_map
 
 import ppo_fast as pf
-from ppo_fast.backends import BACKENDS, backend_info
 from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
-from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, OPS
-from ppo_fast.spec import POLICY_LOSS_MODES
+from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, OPS, POLICY_LOSS_MODES
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
@@ -75,7 +74,9 @@ def laid_out(values: torch.Tensor, layout: str, grad: bool) -> tuple[torch.Tenso
     elif layout == "sliced":  # every other column of a wider storage whose gaps hold NaN
         # The gaps hold NaN, or an out-of-range label: a kernel that reads them is caught.
         junk = math.nan if values.is_floating_point() else -(2**40)
-        wide = torch.full((values.shape[0], 2 * values.shape[1]) + values.shape[2:], junk, dtype=values.dtype, device=values.device)
+        wide = torch.full(
+            (values.shape[0], 2 * values.shape[1]) + values.shape[2:], junk, dtype=values.dtype, device=values.device
+        )
         wide[:, 1::2] = values
         leaf = wide
         view_of = lambda t: t[:, 1::2]  # noqa: E731
@@ -173,7 +174,14 @@ def build_linear_logprobs(gen, device, dtype, layout, poison, *, entropy=True, b
 
     def call():
         out = pf.linear_token_logprobs(
-            view, weight, label_view, bias=head_bias, temperature=0.7, logit_scale=0.8, logit_softcap=softcap, return_entropy=entropy
+            view,
+            weight,
+            label_view,
+            bias=head_bias,
+            temperature=0.7,
+            logit_scale=0.8,
+            logit_softcap=softcap,
+            return_entropy=entropy,
         )
         return out if entropy else (out,)
 
@@ -221,7 +229,9 @@ def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, kl_estimat
     leaves["scores"], views["scores"] = scores, lambda g: g
 
     def call():
-        return pf.kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask, kl_coef=0.3, kl_estimator=kl_estimator)
+        return pf.kl_penalized_rewards(
+            scores, t["logprobs"], t["ref_logprobs"], mask, kl_coef=0.3, kl_estimator=kl_estimator
+        )
 
     return Built(leaves, views, call, (0, 1))
 
@@ -239,8 +249,15 @@ def build_clipped_policy_loss(gen, device, dtype, layout, poison, *, agg, dual_c
 
     def call():
         loss, stats = pf.clipped_policy_loss(
-            t["logprobs"], t["old_logprobs"], t["advantages"], mask,
-            clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, agg=agg, weights=t.get("weights"),
+            t["logprobs"],
+            t["old_logprobs"],
+            t["advantages"],
+            mask,
+            clip_eps_low=0.2,
+            clip_eps_high=0.28,
+            dual_clip=dual_clip,
+            agg=agg,
+            weights=t.get("weights"),
         )
         return loss, stats["clipfrac"], stats["clipfrac_lower"], stats["approx_kl"]
 
@@ -272,8 +289,14 @@ def build_policy_loss(gen, device, dtype, layout, poison, *, loss_mode, agg, wei
         if pf.policy_loss_modes()[loss_mode].syncs_host:
             torch.manual_seed(0)  # clip_cov draws the tokens it cuts (never compiled: it syncs the host)
         loss, stats = pf.policy_loss(
-            -t["logprobs"].abs() - 0.05, -t["old_logprobs"].abs() - 0.05, t["advantages"], mask,
-            loss_mode=loss_mode, agg=agg, weights=t["weights"].abs() if weighted else None, **params,
+            -t["logprobs"].abs() - 0.05,
+            -t["old_logprobs"].abs() - 0.05,
+            t["advantages"],
+            mask,
+            loss_mode=loss_mode,
+            agg=agg,
+            weights=t["weights"].abs() if weighted else None,
+            **params,
         )
         return loss, *stats.values()
 
@@ -307,15 +330,25 @@ VARIANTS = {
         [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "dual_clip": 3.0, "weighted": True}],
     ),
     "value_loss": (build_value_loss, [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "clip": None}]),
-    "group_sum": (build_group_sum, [{"method": name} for name, entry in ADVANTAGE_METHODS.items()
-                                    if entry.fn is not None and set(FAST_BACKENDS) <= set(entry.backends)]),
+    "group_sum": (
+        build_group_sum,
+        [
+            {"method": name}
+            for name, entry in ADVANTAGE_METHODS.items()
+            if entry.fn is not None and set(FAST_BACKENDS) <= set(entry.backends)
+        ],
+    ),
 }
 # Every registered policy-loss mode other than vanilla (clipped_policy_loss above) is its own op.
 for _mode in POLICY_LOSS_MODES.values():
-    VARIANTS.setdefault(_mode.op, (
-        build_policy_loss,
-        [{"loss_mode": _mode.name, "agg": a} for a in AGG_MODES] + [{"loss_mode": _mode.name, "agg": "token-mean", "weighted": True}],
-    ))
+    VARIANTS.setdefault(
+        _mode.op,
+        (
+            build_policy_loss,
+            [{"loss_mode": _mode.name, "agg": a} for a in AGG_MODES]
+            + [{"loss_mode": _mode.name, "agg": "token-mean", "weighted": True}],
+        ),
+    )
 for _op, (_, _variants) in VARIANTS.items():
     _variants.append({**_variants[0], "dims": LONG_DIMS.get(_op, LONG_DIMS["default"])})
 assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
@@ -330,13 +363,24 @@ def _matrix():
                     for layout in LAYOUTS:
                         for poison in POISONS:
                             # Every variant on the contiguous clean float32 case; one per other cell.
-                            chosen = variants if (layout, poison, dtype) == ("contiguous", "clean", torch.float32) else variants[:1]
+                            chosen = (
+                                variants
+                                if (layout, poison, dtype) == ("contiguous", "clean", torch.float32)
+                                else variants[:1]
+                            )
                             for variant in chosen:
                                 label = "-".join(f"{k}={v}" for k, v in variant.items())
                                 yield pytest.param(
-                                    op, backend, device, dtype, layout, poison, variant,
+                                    op,
+                                    backend,
+                                    device,
+                                    dtype,
+                                    layout,
+                                    poison,
+                                    variant,
                                     marks=[pytest.mark.cuda] if device == "cuda" else [],
-                                    id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}" + (f"-{label}" if label else ""),
+                                    id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}"
+                                    + (f"-{label}" if label else ""),
                                 )
 
 
@@ -349,8 +393,12 @@ def _tolerance(dtype: torch.dtype) -> dict:
 
 
 def _grad_tolerance(dtype: torch.dtype) -> dict:
-    return {torch.float64: {"rtol": 1e-9, "atol": 1e-11}, torch.float32: {"rtol": 2e-5, "atol": 2e-5},
-            torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-4}, torch.float16: {"rtol": 2e-3, "atol": 1e-5}}[dtype]
+    return {
+        torch.float64: {"rtol": 1e-9, "atol": 1e-11},
+        torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+        torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-4},
+        torch.float16: {"rtol": 2e-3, "atol": 1e-5},
+    }[dtype]
 
 
 def run_case(backend, op, device, dtype, layout, poison, variant, seed):
@@ -375,7 +423,9 @@ def test_backend_matches_reference(op, backend, device, dtype, layout, poison, v
     expected_out, expected_grads = run_case("reference", op, device, dtype, layout, poison, variant, seed)
     got_out, got_grads = run_case(backend, op, device, dtype, layout, poison, variant, seed)
     for i, (got, want) in enumerate(zip(got_out, expected_out)):
-        assert got.dtype == want.dtype and got.shape == want.shape, f"output {i}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+        assert got.dtype == want.dtype and got.shape == want.shape, (
+            f"output {i}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+        )
         torch.testing.assert_close(got, want, equal_nan=True, **_tolerance(dtype), msg=lambda m: f"output {i}: {m}")
     for name, want in expected_grads.items():
         got = got_grads[name]
@@ -412,7 +462,13 @@ def _compiled_cases():
     for op in [op for op in OPS if op not in _GRAPH_BREAKING]:
         for device in DEVICES:
             for backend in ["reference"] + serving(op, device):
-                yield pytest.param(op, backend, device, marks=[pytest.mark.cuda] if device == "cuda" else [], id=f"{op}-{backend}-{device}")
+                yield pytest.param(
+                    op,
+                    backend,
+                    device,
+                    marks=[pytest.mark.cuda] if device == "cuda" else [],
+                    id=f"{op}-{backend}-{device}",
+                )
 
 
 @pytest.mark.parametrize("op, backend, device", list(_compiled_cases()))
@@ -449,8 +505,14 @@ def _edge_cases():
             for backend in ["reference"] + serving(op, device):
                 for edge in EDGE_SHAPES:
                     if not (edge == "all-masked" and op == "kl_estimate"):  # no mask
-                        yield pytest.param(op, backend, device, edge, marks=[pytest.mark.cuda] if device == "cuda" else [],
-                                           id=f"{op}-{backend}-{device}-{edge}")
+                        yield pytest.param(
+                            op,
+                            backend,
+                            device,
+                            edge,
+                            marks=[pytest.mark.cuda] if device == "cuda" else [],
+                            id=f"{op}-{backend}-{device}-{edge}",
+                        )
 
 
 @pytest.mark.parametrize("op, backend, device, edge", list(_edge_cases()))
@@ -499,7 +561,14 @@ def _gradcheck_cases():
 def test_gradcheck_float64(op, backend, variant):
     """Every backend's backward against finite differences (float64 inputs are computed in float64)."""
     builder, _ = VARIANTS[op]
-    built = builder(torch.Generator().manual_seed(3), "cpu", torch.float64, "contiguous", "clean", **{**variant, "dims": GRADCHECK_DIMS})
+    built = builder(
+        torch.Generator().manual_seed(3),
+        "cpu",
+        torch.float64,
+        "contiguous",
+        "clean",
+        **{**variant, "dims": GRADCHECK_DIMS},
+    )
 
     def differentiable_outputs(*_leaves):  # gradcheck perturbs the leaves in place; call() reads them
         with pf.use_backend(backend):
@@ -528,7 +597,9 @@ def native_operator_calls():
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "ppo_fast":
-                snapshot = tree_map(lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a, (args, kwargs or {}))
+                snapshot = tree_map(
+                    lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a, (args, kwargs or {})
+                )
                 calls.setdefault(func._schema.name.split("::")[1], []).append((func, *snapshot))
             return func(*args, **(kwargs or {}))
 
@@ -536,13 +607,17 @@ def native_operator_calls():
         for op in [op for op in OPS if "native" in serving(op, "cpu")]:
             builder, variants = VARIANTS[op]
             for variant in variants[:-1]:
-                built = builder(torch.Generator().manual_seed(5), "cpu", torch.float32, "contiguous", "clean", **variant)
+                built = builder(
+                    torch.Generator().manual_seed(5), "cpu", torch.float32, "contiguous", "clean", **variant
+                )
                 outputs = built.call()
                 total = sum(outputs[i].sum() for i in built.differentiable)
                 leaves = list(built.leaves.values())
                 torch.autograd.grad(total, leaves, retain_graph=True, allow_unused=True)
                 torch.autograd.grad(total, leaves[:1], allow_unused=True)
-        pf.gae(torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))  # a 0/1 float mask: bool_mask
+        pf.gae(
+            torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+        )  # a 0/1 float mask: bool_mask
     return calls
 
 
@@ -555,7 +630,12 @@ def test_opcheck_native_operator(operator, native_operator_calls):
     """Schema, fake kernel, autograd registration and dispatch of every call the matrix makes."""
     differentiable = not operator.endswith("_backward") and operator != "bool_mask"
     for func, args, kwargs in native_operator_calls[operator]:
-        args = tree_map(lambda a: a.clone().requires_grad_(differentiable and a.is_floating_point()) if isinstance(a, torch.Tensor) else a, args)
+        args = tree_map(
+            lambda a: (
+                a.clone().requires_grad_(differentiable and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+            ),
+            args,
+        )
         torch.library.opcheck(func, args, kwargs)
 
 
@@ -656,18 +736,60 @@ def _batch(t=3):
 BAD_INPUTS = {
     "token_logprobs": [
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1, 2])), ValueError, "labels must have shape"),
-        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), ignore_index=2**70), ValueError, "ignore_index"),
-        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e-300), ValueError, "temperature"),
-        (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e300), ValueError, "temperature"),
+        (
+            lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), ignore_index=2**70),
+            ValueError,
+            "ignore_index",
+        ),
+        (
+            lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e-300),
+            ValueError,
+            "temperature",
+        ),
+        (
+            lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]), temperature=1e300),
+            ValueError,
+            "temperature",
+        ),
         (lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1.0])), TypeError, "labels"),
     ],
     "linear_token_logprobs": [
-        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 3), torch.tensor([0, 1])), ValueError, "hidden's last dim"),
-        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])), ValueError, "labels must have shape"),
-        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), bias=torch.randn(4)), ValueError, "bias"),
-        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4).double(), torch.tensor([0, 1])), TypeError, "weight"),
-        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), logit_softcap=0.0), ValueError, "logit_softcap"),
-        (lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), temperature=1e-300), ValueError, "temperature"),
+        (
+            lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 3), torch.tensor([0, 1])),
+            ValueError,
+            "hidden's last dim",
+        ),
+        (
+            lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])),
+            ValueError,
+            "labels must have shape",
+        ),
+        (
+            lambda: pf.linear_token_logprobs(
+                torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), bias=torch.randn(4)
+            ),
+            ValueError,
+            "bias",
+        ),
+        (
+            lambda: pf.linear_token_logprobs(torch.randn(2, 4), torch.randn(5, 4).double(), torch.tensor([0, 1])),
+            TypeError,
+            "weight",
+        ),
+        (
+            lambda: pf.linear_token_logprobs(
+                torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), logit_softcap=0.0
+            ),
+            ValueError,
+            "logit_softcap",
+        ),
+        (
+            lambda: pf.linear_token_logprobs(
+                torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), temperature=1e-300
+            ),
+            ValueError,
+            "temperature",
+        ),
     ],
     "kl_estimate": [
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(3)), ValueError, "ref_logprobs"),
@@ -675,11 +797,30 @@ BAD_INPUTS = {
         (lambda: pf.kl_estimate(torch.randn(2), torch.randn(2), "k4"), ValueError, "kl_estimator"),
     ],
     "kl_penalized_rewards": [
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=1e300), ValueError, "kl_coef"),
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), torch.randn(2, 3), torch.randn(2, 4), _batch()[3], kl_coef=0.1), ValueError, "ref_logprobs"),
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.ones(2, 4), kl_coef=0.1), ValueError, "mask"),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], _batch()[3], kl_coef=1e300),
+            ValueError,
+            "kl_coef",
+        ),
+        (
+            lambda: pf.kl_penalized_rewards(
+                torch.randn(2), torch.randn(2, 3), torch.randn(2, 4), _batch()[3], kl_coef=0.1
+            ),
+            ValueError,
+            "ref_logprobs",
+        ),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.ones(2, 4), kl_coef=0.1),
+            ValueError,
+            "mask",
+        ),
         # A value check: on the device (torch._assert_async, no host sync) when compiled.
-        (lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.full((2, 3), 0.5), kl_coef=0.1), ValueError, "0 and 1", RuntimeError),
+        (
+            lambda: pf.kl_penalized_rewards(torch.randn(2), *_batch()[:2], torch.full((2, 3), 0.5), kl_coef=0.1),
+            ValueError,
+            "0 and 1",
+            RuntimeError,
+        ),
     ],
     "gae": [
         (lambda: pf.gae(torch.randn(2, 3), torch.randn(2, 4), torch.ones(2, 3)), ValueError, "values"),
@@ -687,9 +828,21 @@ BAD_INPUTS = {
         (lambda: pf.gae(*_batch()[:2], torch.ones(2, 3, device="meta")), ValueError, "mask is on meta"),
     ],
     "clipped_policy_loss": [
-        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), None, torch.randn(2, 3), torch.ones(2, 3)), TypeError, "old_logprobs"),
-        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(2, 3)), TypeError, "advantages"),
-        (lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3)), ValueError, "old_logprobs"),
+        (
+            lambda: pf.clipped_policy_loss(torch.randn(2, 3), None, torch.randn(2, 3), torch.ones(2, 3)),
+            TypeError,
+            "old_logprobs",
+        ),
+        (
+            lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(2, 3)),
+            TypeError,
+            "advantages",
+        ),
+        (
+            lambda: pf.clipped_policy_loss(torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3)),
+            ValueError,
+            "old_logprobs",
+        ),
         (lambda: pf.clipped_policy_loss(*_batch(), dual_clip=1e300), ValueError, "dual_clip"),
     ],
     "value_loss": [
@@ -698,19 +851,45 @@ BAD_INPUTS = {
         (lambda: pf.value_loss(*_batch(), clip=float("inf")), ValueError, "clip"),
     ],
     "group_sum": [
-        (lambda: pf.group_advantages(torch.randn(2), torch.tensor([0, 1, 2]), torch.ones(2, 3)), ValueError, "group_ids must have shape"),
-        (lambda: pf.group_advantages(torch.randn(2), torch.tensor([0.0, 1.0]), torch.ones(2, 3)), TypeError, "group_ids"),
-        (lambda: pf.group_advantages(torch.randn(2, 4), torch.tensor([0, 1]), torch.ones(2, 3)), ValueError, "scores must have shape"),
+        (
+            lambda: pf.group_advantages(torch.randn(2), torch.tensor([0, 1, 2]), torch.ones(2, 3)),
+            ValueError,
+            "group_ids must have shape",
+        ),
+        (
+            lambda: pf.group_advantages(torch.randn(2), torch.tensor([0.0, 1.0]), torch.ones(2, 3)),
+            TypeError,
+            "group_ids",
+        ),
+        (
+            lambda: pf.group_advantages(torch.randn(2, 4), torch.tensor([0, 1]), torch.ones(2, 3)),
+            ValueError,
+            "scores must have shape",
+        ),
     ],
 }
 # The policy-loss modes share pf.policy_loss's checks (each mode's are tested eagerly in
 # tests/test_policy_losses.py); here, on every backend and compiled, the modes a fast backend serves.
 for _mode in POLICY_LOSS_MODES.values():
-    BAD_INPUTS.setdefault(_mode.op, [
-        (lambda m=_mode.name: pf.policy_loss(torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3), loss_mode=m),
-         ValueError, "old_logprobs"),
-        (lambda m=_mode.name: pf.policy_loss(*_batch(), loss_mode=m, not_a_param=1.0), TypeError, "unexpected not_a_param"),
-    ] if any(serving(_mode.op, device) for device in DEVICES) else [])
+    BAD_INPUTS.setdefault(
+        _mode.op,
+        [
+            (
+                lambda m=_mode.name: pf.policy_loss(
+                    torch.randn(2, 3), torch.randn(2, 2), torch.randn(2, 3), torch.ones(2, 3), loss_mode=m
+                ),
+                ValueError,
+                "old_logprobs",
+            ),
+            (
+                lambda m=_mode.name: pf.policy_loss(*_batch(), loss_mode=m, not_a_param=1.0),
+                TypeError,
+                "unexpected not_a_param",
+            ),
+        ]
+        if any(serving(_mode.op, device) for device in DEVICES)
+        else [],
+    )
 assert set(BAD_INPUTS) == set(OPS)
 
 
@@ -719,7 +898,9 @@ def _bad_input_cases():
         for backend in ["reference"] + serving(op, "cpu"):
             for i, case in enumerate(cases):
                 for mode in ("eager", "compiled", "fullgraph"):
-                    yield pytest.param(backend, mode, *case[:3], case[3] if len(case) > 3 else None, id=f"{op}-{i}-{backend}-{mode}")
+                    yield pytest.param(
+                        backend, mode, *case[:3], case[3] if len(case) > 3 else None, id=f"{op}-{i}-{backend}-{mode}"
+                    )
 
 
 @pytest.mark.parametrize("backend, mode, call, error, match, traced_error", list(_bad_input_cases()))
@@ -774,7 +955,9 @@ def test_value_loss_without_clipping(backend):
 @_all_cpu("kl_penalized_rewards")
 def test_kl_penalized_rewards_of_empty_responses(backend):
     with pf.use_backend(backend):
-        rewards, kl = pf.kl_penalized_rewards(torch.randn(3), torch.randn(3, 0), torch.randn(3, 0), torch.ones(3, 0), kl_coef=0.1)
+        rewards, kl = pf.kl_penalized_rewards(
+            torch.randn(3), torch.randn(3, 0), torch.randn(3, 0), torch.ones(3, 0), kl_coef=0.1
+        )
     assert rewards.shape == kl.shape == (3, 0)
 
 
@@ -812,8 +995,12 @@ def _loss_backends():
 
 @settings(max_examples=25, deadline=None)
 @given(
-    batch=st.integers(1, 4), length=st.integers(1, 7), pad_rows=st.integers(0, 2), pad_cols=st.integers(1, 4),
-    agg=st.sampled_from([a for a in AGG_MODES if a != "seq-mean-token-sum-norm"]), seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 4),
+    length=st.integers(1, 7),
+    pad_rows=st.integers(0, 2),
+    pad_cols=st.integers(1, 4),
+    agg=st.sampled_from([a for a in AGG_MODES if a != "seq-mean-token-sum-norm"]),
+    seed=st.integers(0, 2**31 - 1),
     backend=st.sampled_from(_loss_backends()),
 )
 def test_aggregation_unchanged_by_padding(batch, length, pad_rows, pad_cols, agg, seed, backend):
@@ -841,7 +1028,10 @@ def test_aggregation_unchanged_by_padding(batch, length, pad_rows, pad_cols, agg
 
 @settings(max_examples=20, deadline=None)
 @given(
-    rows=st.integers(1, 5), vocab=st.integers(1, 40), shift=st.floats(-1e3, 1e3), seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 40),
+    shift=st.floats(-1e3, 1e3),
+    seed=st.integers(0, 2**31 - 1),
     backend=st.sampled_from(_logprobs_backends()),
 )
 def test_logprobs_invariant_to_a_per_row_shift(rows, vocab, shift, seed, backend):
@@ -858,8 +1048,12 @@ def test_logprobs_invariant_to_a_per_row_shift(rows, vocab, shift, seed, backend
 
 @settings(max_examples=20, deadline=None)
 @given(
-    batch=st.integers(1, 4), length=st.integers(1, 9), dual=st.sampled_from([None, 2.0, 3.0]),
-    scale=st.floats(0.01, 30.0), seed=st.integers(0, 2**31 - 1), backend=st.sampled_from(_loss_backends()),
+    batch=st.integers(1, 4),
+    length=st.integers(1, 9),
+    dual=st.sampled_from([None, 2.0, 3.0]),
+    scale=st.floats(0.01, 30.0),
+    seed=st.integers(0, 2**31 - 1),
+    backend=st.sampled_from(_loss_backends()),
 )
 def test_clip_fractions_lie_in_unit_interval(batch, length, dual, scale, seed, backend):
     gen = torch.Generator().manual_seed(seed)

@@ -7,14 +7,15 @@ import torch
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
-from ppo_fast.spec import OPS
-from ppo_fast.spec import POLICY_LOSS_MODES
+from ppo_fast.spec import OPS, POLICY_LOSS_MODES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _cuda_backends(op):
-    return [n for n in BACKENDS if backend_info(n).available and "cuda" in backend_info(n).module.SUPPORTED.get(op, set())]
+    return [
+        n for n in BACKENDS if backend_info(n).available and "cuda" in backend_info(n).module.SUPPORTED.get(op, set())
+    ]
 
 
 def _inputs(device):
@@ -31,29 +32,52 @@ def _inputs(device):
 
 
 CALLS = {
-    "token_logprobs": lambda r, m, fm, y, s: pf.token_logprobs(r(*s).requires_grad_(), y, return_entropy=True, temperature=0.8),
+    "token_logprobs": lambda r, m, fm, y, s: pf.token_logprobs(
+        r(*s).requires_grad_(), y, return_entropy=True, temperature=0.8
+    ),
     "linear_token_logprobs": lambda r, m, fm, y, s: pf.linear_token_logprobs(
-        r(*s[:2], 64).requires_grad_(), r(s[2], 64).requires_grad_(), y, bias=r(s[2]).requires_grad_(), return_entropy=True, logit_softcap=30.0),
+        r(*s[:2], 64).requires_grad_(),
+        r(s[2], 64).requires_grad_(),
+        y,
+        bias=r(s[2]).requires_grad_(),
+        return_entropy=True,
+        logit_softcap=30.0,
+    ),
     "kl_estimate": lambda r, m, fm, y, s: (pf.kl_estimate(r(*s[:2]).requires_grad_(), r(*s[:2]), "k3"),),
     "kl_penalized_rewards": lambda r, m, fm, y, s: pf.kl_penalized_rewards(
-        r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, kl_estimator="k3"),
-    "gae": lambda r, m, fm, y, s: pf.gae(r(*s[:2]).requires_grad_(), r(*s[:2]).requires_grad_(), m, gamma=0.99, lam=0.95),
+        r(s[0]).requires_grad_(), r(*s[:2]).requires_grad_(), r(*s[:2]), fm, kl_coef=0.1, kl_estimator="k3"
+    ),
+    "gae": lambda r, m, fm, y, s: pf.gae(
+        r(*s[:2]).requires_grad_(), r(*s[:2]).requires_grad_(), m, gamma=0.99, lam=0.95
+    ),
     "clipped_policy_loss": lambda r, m, fm, y, s: pf.clipped_policy_loss(
-        r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]).requires_grad_(), fm, dual_clip=3.0, agg="seq-mean-token-mean")[:1],
+        r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]).requires_grad_(), fm, dual_clip=3.0, agg="seq-mean-token-mean"
+    )[:1],
     "value_loss": lambda r, m, fm, y, s: pf.value_loss(r(*s[:2]).requires_grad_(), r(*s[:2]), r(*s[:2]), m)[:1],
-    "group_sum": lambda r, m, fm, y, s: (pf.group_advantages(
-        r(s[0]).requires_grad_(), torch.arange(s[0], device=m.device) // 3 * 7, m, method="grpo"),),
+    "group_sum": lambda r, m, fm, y, s: (
+        pf.group_advantages(r(s[0]).requires_grad_(), torch.arange(s[0], device=m.device) // 3 * 7, m, method="grpo"),
+    ),
 }
 for _mode in POLICY_LOSS_MODES.values():
     if not _mode.syncs_host:  # clip_cov and kl_cov select tokens on the host, as verl's
-        CALLS.setdefault(_mode.op, lambda r, m, fm, y, s, name=_mode.name: pf.policy_loss(
-            -r(*s[:2]).abs().requires_grad_(), -r(*s[:2]).abs(), r(*s[:2]).requires_grad_(), fm, loss_mode=name,
-            **({"dro_beta": 0.1} if name == "dro" else {}))[:1])
+        CALLS.setdefault(
+            _mode.op,
+            lambda r, m, fm, y, s, name=_mode.name: pf.policy_loss(
+                -r(*s[:2]).abs().requires_grad_(),
+                -r(*s[:2]).abs(),
+                r(*s[:2]).requires_grad_(),
+                fm,
+                loss_mode=name,
+                **({"dro_beta": 0.1} if name == "dro" else {}),
+            )[:1],
+        )
 SYNCING_OPS = {mode.op for mode in POLICY_LOSS_MODES.values() if mode.syncs_host}
 assert set(CALLS) == set(OPS) - SYNCING_OPS
 
 
-@pytest.mark.parametrize("op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.is_available() else [])
+@pytest.mark.parametrize(
+    "op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.is_available() else []
+)
 def test_op_forward_and_backward_never_sync_the_host(op, backend):
     rand, mask, float_mask, labels, shape = _inputs("cuda")
     with pf.use_backend(backend):
@@ -70,7 +94,9 @@ def test_op_forward_and_backward_never_sync_the_host(op, backend):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.device_count() > 1 else [])
+@pytest.mark.parametrize(
+    "op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.device_count() > 1 else []
+)
 def test_ops_on_a_device_other_than_the_current_one(op, backend):
     rand, mask, float_mask, labels, shape = _inputs("cuda:1")
     torch.cuda.set_device(0)

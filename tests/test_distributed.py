@@ -13,17 +13,31 @@ import sys
 import time
 from pathlib import Path
 
+import dist_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import dist_workers
 from ppo_fast.trainer import checkpoint
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
-        "--sft-steps", "10", "--eval-size", "0", "--dist-timeout", "60"]
+TINY = [
+    "--batch-size",
+    "8",
+    "--num-mini-batches",
+    "1",
+    "--num-ppo-epochs",
+    "1",
+    "--sample-every",
+    "0",
+    "--sft-steps",
+    "10",
+    "--eval-size",
+    "0",
+    "--dist-timeout",
+    "60",
+]
 
 
 def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
@@ -35,16 +49,25 @@ def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
         want = dist_workers.reference_update(seed, agg)
         where = f"{mode}, {agg}"
         # DDP runs the fused LM head inside its forward; FSDP2 scores from the logits (said why).
-        assert want["logits_fallbacks"] == [] and (got["logits_fallbacks"] == [] if mode == "ddp" else
-                                                   "sharded with FSDP2" in " ".join(got["logits_fallbacks"])), where
+        assert want["logits_fallbacks"] == [] and (
+            got["logits_fallbacks"] == []
+            if mode == "ddp"
+            else "sharded with FSDP2" in " ".join(got["logits_fallbacks"])
+        ), where
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), where
         torch.testing.assert_close(got["advantages"], want["advantages"], msg=lambda m: f"{where}: advantages: {m}")
         assert got["grads"].keys() == want["grads"].keys()
         for name in want["grads"]:
-            torch.testing.assert_close(got["grads"][name], want["grads"][name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{where}: grad of {name}: {m}")
-            torch.testing.assert_close(got["weights"][name], want["weights"][name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{where}: {name}: {m}")
+            torch.testing.assert_close(
+                got["grads"][name],
+                want["grads"][name],
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m: f"{where}: grad of {name}: {m}",
+            )
+            torch.testing.assert_close(
+                got["weights"][name], want["weights"][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{where}: {name}: {m}"
+            )
         assert any(g.abs().sum() > 0 for g in want["grads"].values())
 
 
@@ -52,7 +75,12 @@ def test_ddp_ranks_split_the_held_out_evaluation(tmp_path):
     """Under DDP each rank decodes its share of the held-out prompts (19 + 18 of 37) and the
     all-reduced metrics equal one process decoding all of them."""
     out = tmp_path / "eval.pt"
-    mp.spawn(dist_workers.eval_shards, args=(2, str(tmp_path / "init"), str(tmp_path / "world2"), str(out)), nprocs=2, join=True)
+    mp.spawn(
+        dist_workers.eval_shards,
+        args=(2, str(tmp_path / "init"), str(tmp_path / "world2"), str(out)),
+        nprocs=2,
+        join=True,
+    )
     world2 = torch.load(out, weights_only=True)
     assert world2["counts"] == [19, 18]
     trainer = dist_workers.eval_trainer(str(tmp_path / "world1"))
@@ -72,10 +100,26 @@ def _launch(out: Path, *args: str, world_size: int = 2) -> list[subprocess.Popen
     port = str(_free_port())
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), *args],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -96,8 +140,25 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
 
 def test_two_ranks_run_the_builtin_job_under_torchrun_with_fsdp_and_a_resume_at_world_1_reshards(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ppo_fast", "train",
-               "--output-dir", str(out), "--steps", "2", "--parallel", "fsdp", "--shard-reference", *TINY]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ppo_fast",
+        "train",
+        "--output-dir",
+        str(out),
+        "--steps",
+        "2",
+        "--parallel",
+        "fsdp",
+        "--shard-reference",
+        *TINY,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = read_metrics(out / METRICS_FILE)
@@ -112,10 +173,23 @@ def test_two_ranks_run_the_builtin_job_under_torchrun_with_fsdp_and_a_resume_at_
 
     from ppo_fast.trainer import PPOTrainer, TrainerConfig
 
-    users_copy = AutoModelForCausalLM.from_pretrained(saved / "policy")  # rank 0's save_pretrained of the gathered weights
+    users_copy = AutoModelForCausalLM.from_pretrained(
+        saved / "policy"
+    )  # rank 0's save_pretrained of the gathered weights
     assert users_copy.config.architectures == ["GPT2LMHeadModel"]
-    cfg = TrainerConfig(output_dir=str(out), resume=True, steps=3, batch_size=8, num_mini_batches=1, num_ppo_epochs=1,
-                        sample_every=0, sft_steps=10, eval_size=0, parallel="fsdp", shard_reference=True)
+    cfg = TrainerConfig(
+        output_dir=str(out),
+        resume=True,
+        steps=3,
+        batch_size=8,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=0,
+        parallel="fsdp",
+        shard_reference=True,
+    )
     trainer = PPOTrainer(cfg, log=lambda _: None)  # one process: the shards are gathered into whole tensors
     for name, weight in users_copy.state_dict().items():
         torch.testing.assert_close(trainer.policy.state_dict()[name], weight, msg=lambda m: f"{name}: {m}")
@@ -136,8 +210,18 @@ def test_ctrl_c_on_rank_0_stops_every_rank_after_the_step_and_a_resume_at_world_
     from ppo_fast.trainer import PPOTrainer, TrainerConfig
 
     messages = []
-    cfg = TrainerConfig(output_dir=str(out), resume=True, steps=done + 1, batch_size=8, num_mini_batches=1, num_ppo_epochs=1,
-                        sample_every=0, sft_steps=10, eval_size=0, dist_timeout=60)
+    cfg = TrainerConfig(
+        output_dir=str(out),
+        resume=True,
+        steps=done + 1,
+        batch_size=8,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=0,
+        dist_timeout=60,
+    )
     assert PPOTrainer(cfg, log=messages.append).train()["steps_done"] == done + 1
     assert any("saved by 2 process(es), this run has 1: the random streams are seeded anew" in m for m in messages)
 
@@ -169,7 +253,9 @@ def test_a_failed_collective_inside_ddp_or_fsdp_is_a_lost_rank():
     with pytest.raises(RankLost, match="another rank stopped answering"):
         with guard():
             raise torch.distributed.DistBackendError("NCCL communicator was aborted")
-    with pytest.raises(RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied$"):  # the model's own error stays
+    with pytest.raises(
+        RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied$"
+    ):  # the model's own error stays
         with guard():
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     with pytest.raises(RuntimeError, match="^gloo"):  # one process: nothing to lose
@@ -182,8 +268,24 @@ def test_a_failed_collective_inside_ddp_or_fsdp_is_a_lost_rank():
 def test_one_gpu_under_torchrun_runs_the_same_command(tmp_path):
     """The GPU check's run of the same command on one GPU (one process: no process group)."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "ppo_fast", "train",
-               "--output-dir", str(out), "--steps", "2", "--device", "cuda", *TINY]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "ppo_fast",
+        "train",
+        "--output-dir",
+        str(out),
+        "--steps",
+        "2",
+        "--device",
+        "cuda",
+        *TINY,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1, 2]

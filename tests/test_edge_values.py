@@ -108,7 +108,9 @@ def test_fused_head_low_temperature_gradient_against_float64(backend):
 # --------------------------------------------------------------------------- KL estimators
 
 
-LOG_RATIOS = sorted({s * 10.0**e for s in (1, -1) for e in (-4, -3.5, -3, -2, -1, -0.3, 0, 0.5, 1)} | {0.3, -0.45, 0.55})
+LOG_RATIOS = sorted(
+    {s * 10.0**e for s in (1, -1) for e in (-4, -3.5, -3, -2, -1, -0.3, 0, 0.5, 1)} | {0.3, -0.45, 0.55}
+)
 
 
 def kl_truth(r: float, kl_estimator: str) -> tuple[float, float]:
@@ -151,8 +153,9 @@ def test_k3_rewards_overflow_like_the_reference(backend):
         logp = values.clone().requires_grad_()
         ref = torch.zeros_like(values, requires_grad=True)
         with pf.use_backend(name):
-            rewards, kl = pf.kl_penalized_rewards(torch.zeros(1), logp, ref, torch.ones_like(values, dtype=torch.bool),
-                                                  kl_coef=3.4e38, kl_estimator="k3")
+            rewards, kl = pf.kl_penalized_rewards(
+                torch.zeros(1), logp, ref, torch.ones_like(values, dtype=torch.bool), kl_coef=3.4e38, kl_estimator="k3"
+            )
             (rewards.sum() + kl.sum()).backward()
         grads[name] = (rewards.detach(), logp.grad, ref.grad)
     for got, want in zip(grads[backend], grads["reference"]):
@@ -231,7 +234,11 @@ def test_gae_second_order_or_raise(backend):
 def _second_order_cases():
     lp = torch.randn(2, 4, dtype=torch.float64)
     mask = torch.ones(2, 4, dtype=torch.bool)
-    yield "token_logprobs", lambda x: pf.token_logprobs(x, torch.tensor([[1, 2], [0, 3]])), torch.randn(2, 2, 5, dtype=torch.float64)
+    yield (
+        "token_logprobs",
+        lambda x: pf.token_logprobs(x, torch.tensor([[1, 2], [0, 3]])),
+        torch.randn(2, 2, 5, dtype=torch.float64),
+    )
     yield "kl_estimate", lambda x: pf.kl_estimate(x, lp, kl_estimator="k3"), lp.clone()
     yield "clipped_policy_loss", lambda x: pf.policy_loss(x, lp, lp, mask)[0], lp.clone()
     yield "value_loss", lambda x: pf.value_loss(x, lp, lp, mask)[0], lp.clone()
@@ -241,6 +248,7 @@ def _second_order_cases():
 @pytest.mark.parametrize("case", list(_second_order_cases()), ids=lambda c: c[0])
 def test_second_order_gradients_match_the_reference_or_raise(case):
     op, fn, x = case
+
     def second(name):
         leaf = x.clone().requires_grad_()
         with pf.use_backend(name):
@@ -263,7 +271,9 @@ def test_second_order_gradients_match_the_reference_or_raise(case):
 # --------------------------------------------------------------------------- torch.compile(dynamic=True)
 
 
-def _all_ops(logits, labels, hidden, weight, logp, old, adv, values, returns, scores, mask, temperature, gamma, lam, clip):
+def _all_ops(
+    logits, labels, hidden, weight, logp, old, adv, values, returns, scores, mask, temperature, gamma, lam, clip
+):
     out = [first(pf.token_logprobs(logits, labels, temperature=temperature))]
     out.append(pf.linear_token_logprobs(hidden, weight, labels.reshape(-1), temperature=temperature))
     out += list(pf.gae(values, returns, mask, gamma=gamma, lam=lam))
@@ -285,9 +295,19 @@ def test_compile_dynamic_symbolic_hyper_parameters(backend):
     B, T, V, H = 3, 5, 7, 4
     mask = torch.rand(B, T) > 0.3
     mask[:, 0] = True
-    args = (torch.randn(B, T, V), torch.randint(0, V, (B, T)), torch.randn(B * T, H), torch.randn(V, H),
-            torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), torch.randn(B, T),
-            torch.randn(B), mask)
+    args = (
+        torch.randn(B, T, V),
+        torch.randint(0, V, (B, T)),
+        torch.randn(B * T, H),
+        torch.randn(V, H),
+        torch.randn(B, T),
+        torch.randn(B, T),
+        torch.randn(B, T),
+        torch.randn(B, T),
+        torch.randn(B, T),
+        torch.randn(B),
+        mask,
+    )
     compiled = torch.compile(_all_ops, fullgraph=True, dynamic=True, backend="aot_eager")
     with pf.use_backend(backend):
         for hyper in ((0.7, 0.99, 0.95, 0.2), (1.3, 0.9, 0.5, 0.1)):
@@ -305,8 +325,9 @@ def test_compile_dynamic_symbolic_hyper_parameters(backend):
 @pytest.mark.parametrize("backend", backends_serving("token_logprobs"))
 def test_empty_float64_logits_give_float64(backend):
     with pf.use_backend(backend):
-        logp, entropy = pf.token_logprobs(torch.zeros(0, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long),
-                                          return_entropy=True)
+        logp, entropy = pf.token_logprobs(
+            torch.zeros(0, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long), return_entropy=True
+        )
     assert logp.dtype == entropy.dtype == torch.float64
 
 
@@ -314,8 +335,13 @@ def test_empty_float64_logits_give_float64(backend):
 def test_float64_scores_give_float64_rewards(backend):
     score = 1.0 + 2.0**-40  # not a float32
     with pf.use_backend(backend):
-        rewards, kl = pf.kl_penalized_rewards(torch.tensor([score], dtype=torch.float64), torch.zeros(1, 2),
-                                              torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), kl_coef=0.1)
+        rewards, kl = pf.kl_penalized_rewards(
+            torch.tensor([score], dtype=torch.float64),
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1, 2, dtype=torch.bool),
+            kl_coef=0.1,
+        )
     assert rewards.dtype == kl.dtype == torch.float64
     assert rewards[0, -1].item() == score
 
@@ -333,11 +359,28 @@ def test_rollout_correction_of_no_token(mode):
         (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=5), ValueError, "dim must lie in"),
         (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=True), TypeError, "dim must be"),
         (lambda: pf.masked_mean(torch.randn(2, 3), torch.ones(2, 3), dim=(0, 1.0)), TypeError, "dim must be"),
-        (lambda: pf.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
-                                loss_mode=["vanilla"]), TypeError, "loss_mode must be a str"),
-        (lambda: pf.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), kl_estimator=["k3"]), TypeError, "estimator must be a str"),
-        (lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 0.5]])), ValueError, "mask must hold only 0 and 1"),
-        (lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, math.nan]])), ValueError, "mask must hold only 0 and 1"),
+        (
+            lambda: pf.policy_loss(
+                torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), loss_mode=["vanilla"]
+            ),
+            TypeError,
+            "loss_mode must be a str",
+        ),
+        (
+            lambda: pf.kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), kl_estimator=["k3"]),
+            TypeError,
+            "estimator must be a str",
+        ),
+        (
+            lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 0.5]])),
+            ValueError,
+            "mask must hold only 0 and 1",
+        ),
+        (
+            lambda: pf.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, math.nan]])),
+            ValueError,
+            "mask must hold only 0 and 1",
+        ),
         (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-100, -5, 1])), ValueError, "got -5"),
         (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-100, 4, 1])), ValueError, "got 4"),
         (lambda: pf.token_logprobs(torch.zeros(3, 4), torch.tensor([-200, -100, 1])), ValueError, "got -200"),
@@ -361,8 +404,9 @@ def _fused_head_near_tie(backend, softcap, temperature=1e-5):
     hidden = torch.ones(2, 1, requires_grad=True)
     labels = torch.tensor([0, 1])
     with pf.use_backend(backend):
-        logp, entropy = pf.linear_token_logprobs(hidden, weight, labels, temperature=temperature, logit_softcap=softcap,
-                                                 return_entropy=True)
+        logp, entropy = pf.linear_token_logprobs(
+            hidden, weight, labels, temperature=temperature, logit_softcap=softcap, return_entropy=True
+        )
         (logp.sum() + 0.5 * entropy.sum()).backward()
     return logp.detach().double(), entropy.detach().double(), weight.grad.double()
 
@@ -398,7 +442,11 @@ def test_group_advantages_of_no_token_stay_in_the_graph(method):
     """T = 0 (found by the nightly fuzz budget: reinforce_plus_plus and remax lost the graph)."""
     scores = torch.randn(4, requires_grad=True)
     kwargs = {"baselines": torch.zeros(4)} if method == "remax" else {}
-    out = first(pf.group_advantages(scores, torch.tensor([0, 0, 1, 1]), torch.ones(4, 0, dtype=torch.bool), method=method, **kwargs))
+    out = first(
+        pf.group_advantages(
+            scores, torch.tensor([0, 0, 1, 1]), torch.ones(4, 0, dtype=torch.bool), method=method, **kwargs
+        )
+    )
     assert out.shape == (4, 0) and out.requires_grad
     out.sum().backward()
     assert scores.grad is not None and (scores.grad == 0).all()
@@ -431,11 +479,22 @@ def test_a_loss_beyond_float32_is_inf_not_an_error(loss):
     raised "value cannot be converted to type float without overflow")."""
     mask = torch.ones(3, 1, dtype=torch.bool)
     if loss == "geo_mean":
-        op, call = "policy_loss_geo_mean", lambda: pf.policy_loss(torch.full((3, 1), 88.0), torch.zeros(3, 1), -torch.ones(3, 1),
-                                                                  mask, loss_mode="geo_mean", agg="token-sum")
+        op, call = (
+            "policy_loss_geo_mean",
+            lambda: pf.policy_loss(
+                torch.full((3, 1), 88.0),
+                torch.zeros(3, 1),
+                -torch.ones(3, 1),
+                mask,
+                loss_mode="geo_mean",
+                agg="token-sum",
+            ),
+        )
     else:  # 0.5 * (2e19)^2 = 2e38 a token
-        op, call = "value_loss", lambda: pf.value_loss(torch.full((3, 1), 2e19), None, torch.zeros(3, 1), mask, clip=None,
-                                                       agg="token-sum")
+        op, call = (
+            "value_loss",
+            lambda: pf.value_loss(torch.full((3, 1), 2e19), None, torch.zeros(3, 1), mask, clip=None, agg="token-sum"),
+        )
     for backend in backends_serving(op):
         with pf.use_backend(backend):
             value = call()[0]

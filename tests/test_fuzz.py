@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -49,9 +49,8 @@ from hypothesis import strategies as st
 import ppo_fast as pf
 from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.backends import backend_info
-from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTION_MODES
 from ppo_fast.ops.token_logprobs import MIN_TEMPERATURE
-from ppo_fast.spec import POLICY_LOSS_MODES
+from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES, ROLLOUT_CORRECTION_MODES
 
 pytestmark = pytest.mark.fuzz
 
@@ -73,13 +72,22 @@ def budget(ci_examples: int, scale: float = 1.0, shrink: bool = True) -> setting
     fixed = dict(derandomize=True, database=None) if not NIGHTLY else {}
     skip = {Phase.explicit} if os.environ.get("PPO_FAST_FUZZ_DRAWS_ONLY") == "1" else set()
     fixed["phases"] = [p for p in Phase if p not in skip | (set() if shrink else {Phase.shrink})]
-    return settings(max_examples=max(1, int(NIGHTLY * scale)) if NIGHTLY else ci_examples, deadline=None, print_blob=True,
-                    suppress_health_check=list(HealthCheck), **fixed)
+    return settings(
+        max_examples=max(1, int(NIGHTLY * scale)) if NIGHTLY else ci_examples,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+        **fixed,
+    )
 
 
 def serving(op: str) -> list[str]:
     """The reference and the fast backends that serve contract op ``op`` on CPU here."""
-    fast = [b for b in ("native", "triton") if backend_info(b).available and "cpu" in backend_info(b).module.SUPPORTED.get(op, ())]
+    fast = [
+        b
+        for b in ("native", "triton")
+        if backend_info(b).available and "cpu" in backend_info(b).module.SUPPORTED.get(op, ())
+    ]
     return ["reference"] + fast
 
 
@@ -131,8 +139,12 @@ def log_ratio(gen, shape, mode: str) -> torch.Tensor:
     """log-ratios: normal, tiny (|r| in [1e-4, 1e-3]), wide (beyond the +-20 clamps) or huge (85 to 92: exp overflows float32)."""
     sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).double()
     u = torch.rand(shape, generator=gen, dtype=F64)
-    return {"normal": torch.randn(shape, generator=gen, dtype=F64) * 0.5, "tiny": sign * 10 ** (u - 4),
-            "wide": torch.randn(shape, generator=gen, dtype=F64) * 30, "huge": 85 + 7 * u}[mode]
+    return {
+        "normal": torch.randn(shape, generator=gen, dtype=F64) * 0.5,
+        "tiny": sign * 10 ** (u - 4),
+        "wide": torch.randn(shape, generator=gen, dtype=F64) * 30,
+        "huge": 85 + 7 * u,
+    }[mode]
 
 
 def rounded(x: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -162,8 +174,13 @@ def build_token_logprobs(spec, gen, k):
     labels, ignored = labels_of(gen, logits, spec, k)
 
     def call(t):
-        out = pf.token_logprobs(t["logits"], t["labels"], temperature=k["temperature"], return_entropy=k["entropy"],
-                                ignore_index=k["ignore_index"])
+        out = pf.token_logprobs(
+            t["logits"],
+            t["labels"],
+            temperature=k["temperature"],
+            return_entropy=k["entropy"],
+            ignore_index=k["ignore_index"],
+        )
         return out if k["entropy"] else (out,)
 
     inputs = {"logits": Input(logits, masked=ignored.unsqueeze(-1).expand(B, T, V))}
@@ -181,12 +198,23 @@ def build_linear_token_logprobs(spec, gen, k):
 
     def call(t):
         w = t["weight"] if k["weight_layout"] == "contiguous" else t["weight"].T.contiguous().T
-        out = pf.linear_token_logprobs(t["hidden"], w, t["labels"], bias=t.get("bias"), temperature=k["temperature"],
-                                       logit_scale=k["logit_scale"], logit_softcap=k["softcap"],
-                                       return_entropy=k["entropy"], ignore_index=k["ignore_index"])
+        out = pf.linear_token_logprobs(
+            t["hidden"],
+            w,
+            t["labels"],
+            bias=t.get("bias"),
+            temperature=k["temperature"],
+            logit_scale=k["logit_scale"],
+            logit_softcap=k["softcap"],
+            return_entropy=k["entropy"],
+            ignore_index=k["ignore_index"],
+        )
         return out if k["entropy"] else (out,)
 
-    inputs = {"hidden": Input(hidden, masked=ignored.unsqueeze(-1).expand(B, T, H)), "weight": Input(weight, layout=False)}
+    inputs = {
+        "hidden": Input(hidden, masked=ignored.unsqueeze(-1).expand(B, T, H)),
+        "weight": Input(weight, layout=False),
+    }
     if bias is not None:
         inputs["bias"] = Input(bias, layout=False)
     return Built(inputs, {"labels": labels}, call, (0, 1) if k["entropy"] else (0,), {0: ignored, 1: ignored})
@@ -202,17 +230,32 @@ def build_kl_estimate(spec, gen, k):
     logp, ref = _pair(gen, spec, k, spec.dims)
     call = lambda t: tuple(pf.kl_estimate(t["logprobs"], t["ref_logprobs"], e) for e in KL_ESTIMATORS)  # noqa: E731
     outputs = range(len(KL_ESTIMATORS))
-    return Built({"logprobs": Input(logp), "ref_logprobs": Input(ref)}, {}, call, tuple(outputs), kl_ratio=dict.fromkeys(outputs, logp - ref))
+    return Built(
+        {"logprobs": Input(logp), "ref_logprobs": Input(ref)},
+        {},
+        call,
+        tuple(outputs),
+        kl_ratio=dict.fromkeys(outputs, logp - ref),
+    )
 
 
 def build_kl_penalized_rewards(spec, gen, k):
     mask = mask_of(gen, spec.dims)
     logp, ref = _pair(gen, spec, k, spec.dims)
     scores = rounded(torch.randn(spec.dims[0], generator=gen, dtype=F64), spec)
-    call = lambda t: pf.kl_penalized_rewards(t["scores"], t["logprobs"], t["ref_logprobs"], t["mask"],  # noqa: E731
-                                             kl_coef=k["kl_coef"], kl_estimator=k["kl_estimator"])
-    inputs = {"scores": Input(scores, masked=~mask.any(-1), layout=False), "logprobs": Input(logp, masked=~mask),
-              "ref_logprobs": Input(ref, masked=~mask)}
+    call = lambda t: pf.kl_penalized_rewards(
+        t["scores"],
+        t["logprobs"],
+        t["ref_logprobs"],
+        t["mask"],  # noqa: E731
+        kl_coef=k["kl_coef"],
+        kl_estimator=k["kl_estimator"],
+    )
+    inputs = {
+        "scores": Input(scores, masked=~mask.any(-1), layout=False),
+        "logprobs": Input(logp, masked=~mask),
+        "ref_logprobs": Input(ref, masked=~mask),
+    }
     return Built(inputs, {"mask": mask}, call, (0, 1), {0: ~mask, 1: ~mask}, {1: torch.where(mask, logp - ref, 0.0)})
 
 
@@ -220,8 +263,13 @@ def build_gae(spec, gen, k):
     mask = mask_of(gen, spec.dims)
     rewards, values = (rounded(torch.randn(spec.dims, generator=gen, dtype=F64) * k["scale"], spec) for _ in range(2))
     call = lambda t: pf.gae(t["rewards"], t["values"], t["mask"], gamma=k["gamma"], lam=k["lam"])  # noqa: E731
-    return Built({"rewards": Input(rewards, masked=~mask), "values": Input(values, masked=~mask)}, {"mask": mask}, call,
-                 (0, 1), {0: ~mask, 1: ~mask})
+    return Built(
+        {"rewards": Input(rewards, masked=~mask), "values": Input(values, masked=~mask)},
+        {"mask": mask},
+        call,
+        (0, 1),
+        {0: ~mask, 1: ~mask},
+    )
 
 
 def build_policy_loss(spec, gen, k):
@@ -232,7 +280,11 @@ def build_policy_loss(spec, gen, k):
     logp = rounded(old + log_ratio(gen, shape, k["ratio"]), spec)
     adv = torch.randn(shape, generator=gen, dtype=F64) * k["adv_scale"]
     adv = rounded({"mixed": adv, "negative": -adv.abs(), "positive": adv.abs()}[k["adv_sign"]], spec)
-    inputs = {"logprobs": Input(logp, masked=~mask), "old_logprobs": Input(old, masked=~mask), "advantages": Input(adv, masked=~mask)}
+    inputs = {
+        "logprobs": Input(logp, masked=~mask),
+        "old_logprobs": Input(old, masked=~mask),
+        "advantages": Input(adv, masked=~mask),
+    }
     if k["weighted"]:
         inputs["weights"] = Input(rounded(torch.rand(shape, generator=gen, dtype=F64) * 2, spec), masked=~mask)
     mode, params = POLICY_LOSS_MODES[k["loss_mode"]], dict(k["params"])
@@ -259,7 +311,9 @@ def build_value_loss(spec, gen, k):
         inputs["old_values"] = Input(old, masked=~mask)  # not read without clipping: no gradient either
 
     def call(t):
-        loss, stats = pf.value_loss(t["values"], t.get("old_values"), t["returns"], t["mask"], clip=k["clip"], agg=k["agg"])
+        loss, stats = pf.value_loss(
+            t["values"], t.get("old_values"), t["returns"], t["mask"], clip=k["clip"], agg=k["agg"]
+        )
         return loss, stats["clipfrac"]
 
     return Built(inputs, {"mask": mask}, call)
@@ -288,10 +342,21 @@ def build_group_advantages(spec, gen, k):
 def build_rollout_correction(spec, gen, k):
     mask = mask_of(gen, spec.dims)
     old, rollout = _pair(gen, spec, k, spec.dims)
-    inputs = {"old_logprobs": Input(old, grad=False, masked=~mask), "rollout_logprobs": Input(rollout, grad=False, masked=~mask)}
-    call = lambda t: (pf.rollout_correction_weights(t["old_logprobs"], t["rollout_logprobs"], t["mask"], mode=k["mode"],  # noqa: E731
-                                                    threshold=k["threshold"], threshold_low=k["threshold_low"],
-                                                    batch_normalize=k["batch_normalize"]),)
+    inputs = {
+        "old_logprobs": Input(old, grad=False, masked=~mask),
+        "rollout_logprobs": Input(rollout, grad=False, masked=~mask),
+    }
+    call = lambda t: (
+        pf.rollout_correction_weights(
+            t["old_logprobs"],
+            t["rollout_logprobs"],
+            t["mask"],
+            mode=k["mode"],  # noqa: E731
+            threshold=k["threshold"],
+            threshold_low=k["threshold_low"],
+            batch_normalize=k["batch_normalize"],
+        ),
+    )
     return Built(inputs, {"mask": mask}, call, (), {0: ~mask})
 
 
@@ -309,24 +374,40 @@ def build_masked_stats(spec, gen, k):
 
 # --------------------------------------------------------------------------- hyper-parameters, at their ends
 
-TEMPERATURES = st.one_of(st.sampled_from([MIN_TEMPERATURE, 1.5e-5, 1e-3]), st.sampled_from([1.0, 0.7]), st.floats(MIN_TEMPERATURE, 4.0))
+TEMPERATURES = st.one_of(
+    st.sampled_from([MIN_TEMPERATURE, 1.5e-5, 1e-3]), st.sampled_from([1.0, 0.7]), st.floats(MIN_TEMPERATURE, 4.0)
+)
 RATIOS = st.sampled_from(["tiny", "normal", "wide", "huge"])
 LOSS_RATIOS = st.sampled_from(["tiny", "normal", "wide", "huge", "huge"])  # exp(mean log-ratio) overflows (geo_mean)
 UNIT = st.one_of(st.sampled_from([0.0, 1.0, 0.99, 0.95]), st.floats(0.0, 1.0))
 
 
 def token_knobs(vocab):
-    return st.fixed_dictionaries({
-        "temperature": TEMPERATURES, "scale": st.sampled_from([1e3, 30.0, 4.0, 1.0]),
-        "labels": st.sampled_from(["greedy", "random", "mixed"]), "ignored": st.sampled_from([0.3, 0.3, 0.0, 1.0]),
-        "ignore_index": st.one_of(st.integers(0, vocab - 1), st.sampled_from([-100, -1])), "entropy": st.booleans()})
+    return st.fixed_dictionaries(
+        {
+            "temperature": TEMPERATURES,
+            "scale": st.sampled_from([1e3, 30.0, 4.0, 1.0]),
+            "labels": st.sampled_from(["greedy", "random", "mixed"]),
+            "ignored": st.sampled_from([0.3, 0.3, 0.0, 1.0]),
+            "ignore_index": st.one_of(st.integers(0, vocab - 1), st.sampled_from([-100, -1])),
+            "entropy": st.booleans(),
+        }
+    )
 
 
 def linear_knobs(dims):
-    return token_knobs(dims[-1]).flatmap(lambda k: st.fixed_dictionaries({
-        **{name: st.just(v) for name, v in k.items()}, "scale": st.sampled_from([1.0, 30.0, 4.0]),
-        "logit_scale": st.sampled_from([1.0, 0.8, 3.0]), "softcap": st.sampled_from([None, 2.5, 30.0]),
-        "bias": st.booleans(), "weight_layout": st.sampled_from(["contiguous", "transposed"])}))
+    return token_knobs(dims[-1]).flatmap(
+        lambda k: st.fixed_dictionaries(
+            {
+                **{name: st.just(v) for name, v in k.items()},
+                "scale": st.sampled_from([1.0, 30.0, 4.0]),
+                "logit_scale": st.sampled_from([1.0, 0.8, 3.0]),
+                "softcap": st.sampled_from([None, 2.5, 30.0]),
+                "bias": st.booleans(),
+                "weight_layout": st.sampled_from(["contiguous", "transposed"]),
+            }
+        )
+    )
 
 
 def param_values(p):
@@ -344,20 +425,39 @@ def param_values(p):
 def loss_knobs(name):
     mode = POLICY_LOSS_MODES[name]
     params = st.tuples(*(st.tuples(st.just(p.name), param_values(p)) for p in mode.params))
-    return st.fixed_dictionaries({
-        "loss_mode": st.just(name), "params": params.map(lambda ps: tuple((n, v) for n, v in ps if v is not None)),
-        "entry": st.sampled_from(["policy_loss", "clipped_policy_loss"] if name == "vanilla" else ["policy_loss"]),
-        "agg": st.sampled_from((mode.default_agg,) + AGG_MODES), "weighted": st.booleans(), "ratio": LOSS_RATIOS,
-        "adv_scale": st.sampled_from([1.0, 1e-3, 30.0]), "adv_sign": st.sampled_from(["mixed", "negative", "positive"])})
+    return st.fixed_dictionaries(
+        {
+            "loss_mode": st.just(name),
+            "params": params.map(lambda ps: tuple((n, v) for n, v in ps if v is not None)),
+            "entry": st.sampled_from(["policy_loss", "clipped_policy_loss"] if name == "vanilla" else ["policy_loss"]),
+            "agg": st.sampled_from((mode.default_agg,) + AGG_MODES),
+            "weighted": st.booleans(),
+            "ratio": LOSS_RATIOS,
+            "adv_scale": st.sampled_from([1.0, 1e-3, 30.0]),
+            "adv_sign": st.sampled_from(["mixed", "negative", "positive"]),
+        }
+    )
 
 
 def advantage_knobs():
     def for_method(name):
-        checks = {"norm_by_std": st.booleans(), "epsilon": st.sampled_from([1e-6, 0.0, 1.0]), "gamma": UNIT,
-                  "f_norm": st.sampled_from([1.0, 1e-6, 1e3])}
+        checks = {
+            "norm_by_std": st.booleans(),
+            "epsilon": st.sampled_from([1e-6, 0.0, 1.0]),
+            "gamma": UNIT,
+            "f_norm": st.sampled_from([1.0, 1e-6, 1e3]),
+        }
         params = st.tuples(*(st.tuples(st.just(p), checks[p]) for p in ADVANTAGE_METHODS[name].params if p in checks))
-        return st.fixed_dictionaries({"method": st.just(name), "params": params, "token_scores": st.booleans(),
-                                      "groups": st.integers(1, 3), "ties": st.booleans(), "scale": st.sampled_from([1.0, 1e3])})
+        return st.fixed_dictionaries(
+            {
+                "method": st.just(name),
+                "params": params,
+                "token_scores": st.booleans(),
+                "groups": st.integers(1, 3),
+                "ties": st.booleans(),
+                "scale": st.sampled_from([1.0, 1e3]),
+            }
+        )
 
     return st.sampled_from([n for n, e in ADVANTAGE_METHODS.items() if e.fn is not None]).flatmap(for_method)
 
@@ -367,8 +467,14 @@ def rollout_knobs():
         lows = [0.0] if k["mode"].endswith("tis") else [0.0, k["threshold"] / 2, k["threshold"]]
         return st.fixed_dictionaries({**{n: st.just(v) for n, v in k.items()}, "threshold_low": st.sampled_from(lows)})
 
-    return st.fixed_dictionaries({"mode": st.sampled_from(ROLLOUT_CORRECTION_MODES), "threshold": st.sampled_from([2.0, 1.0, 1e-6, 1e3]),
-                                  "batch_normalize": st.booleans(), "ratio": RATIOS}).flatmap(low_for)
+    return st.fixed_dictionaries(
+        {
+            "mode": st.sampled_from(ROLLOUT_CORRECTION_MODES),
+            "threshold": st.sampled_from([2.0, 1.0, 1e-6, 1e3]),
+            "batch_normalize": st.booleans(),
+            "ratio": RATIOS,
+        }
+    ).flatmap(low_for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,36 +497,120 @@ def size(*values):
 
 
 BT = st.tuples(size(2, 1, 3, 4), size(3, 1, 5, 7, 2))
-CASES = {case.name: case for case in [
-    Case("token_logprobs", build_token_logprobs, st.tuples(size(2, 1, 3), size(2, 1, 3), st.integers(1, 40)),
-         lambda d: token_knobs(d[-1]), lambda k: serving("token_logprobs"), 250, POISONS),
-    Case("linear_token_logprobs", build_linear_token_logprobs,
-         st.tuples(size(2, 1, 3), size(2, 1, 3), st.integers(1, 12), st.integers(1, 40)),
-         linear_knobs, lambda k: serving("linear_token_logprobs"), 200, POISONS),
-    Case("kl_estimate", build_kl_estimate, BT, lambda d: st.fixed_dictionaries({"ratio": RATIOS}),
-         lambda k: serving("kl_estimate"), 200, ("clean", "valid", "valid")),
-    Case("kl_penalized_rewards", build_kl_penalized_rewards, BT, lambda d: st.fixed_dictionaries({
-        "kl_estimator": st.sampled_from(KL_ESTIMATORS), "ratio": RATIOS,
-        "kl_coef": st.one_of(st.sampled_from([0.0, 0.05, 1.0, 1e3]), st.floats(0.0, 10.0))}), lambda k: serving("kl_penalized_rewards"), 120),
-    Case("gae", build_gae, st.tuples(size(2, 1, 3, 4), size(5, 1, 12, 2)), lambda d: st.fixed_dictionaries({
-        "gamma": UNIT, "lam": UNIT, "scale": st.sampled_from([1.0, 1e3])}), lambda k: serving("gae"), 80),
-    Case("value_loss", build_value_loss, BT, lambda d: st.fixed_dictionaries({
-        "clip": st.sampled_from([None, 0.2, 1e-6, 1e6]), "agg": st.sampled_from(AGG_MODES), "old_values": st.booleans(),
-        "spread": st.sampled_from([1.0, 1e-3, 30.0])}).filter(lambda k: k["old_values"] or k["clip"] is None),
-        lambda k: serving("value_loss"), 80),
-    Case("group_advantages", build_group_advantages, BT, lambda d: advantage_knobs(),
-         lambda k: [b for b in serving("group_sum") if b in ADVANTAGE_METHODS[k["method"]].backends], 80),
-    Case("rollout_correction_weights", build_rollout_correction, BT, lambda d: rollout_knobs(), lambda k: ["reference"], 40),
-    Case("masked_stats", build_masked_stats, BT, lambda d: st.fixed_dictionaries({
-        "fn": st.sampled_from(["whiten", "mean"]), "shift_mean": st.booleans(), "eps": st.sampled_from([1e-8, 0.0, 1.0]),
-        "dim": st.sampled_from([None, -1, 0]), "scale": st.sampled_from([1.0, 1e-3, 1e3]), "offset": st.sampled_from([0.0, 1e3])}),
-        lambda k: ["reference"], 40, compiles=False),
-]}
+CASES = {
+    case.name: case
+    for case in [
+        Case(
+            "token_logprobs",
+            build_token_logprobs,
+            st.tuples(size(2, 1, 3), size(2, 1, 3), st.integers(1, 40)),
+            lambda d: token_knobs(d[-1]),
+            lambda k: serving("token_logprobs"),
+            250,
+            POISONS,
+        ),
+        Case(
+            "linear_token_logprobs",
+            build_linear_token_logprobs,
+            st.tuples(size(2, 1, 3), size(2, 1, 3), st.integers(1, 12), st.integers(1, 40)),
+            linear_knobs,
+            lambda k: serving("linear_token_logprobs"),
+            200,
+            POISONS,
+        ),
+        Case(
+            "kl_estimate",
+            build_kl_estimate,
+            BT,
+            lambda d: st.fixed_dictionaries({"ratio": RATIOS}),
+            lambda k: serving("kl_estimate"),
+            200,
+            ("clean", "valid", "valid"),
+        ),
+        Case(
+            "kl_penalized_rewards",
+            build_kl_penalized_rewards,
+            BT,
+            lambda d: st.fixed_dictionaries(
+                {
+                    "kl_estimator": st.sampled_from(KL_ESTIMATORS),
+                    "ratio": RATIOS,
+                    "kl_coef": st.one_of(st.sampled_from([0.0, 0.05, 1.0, 1e3]), st.floats(0.0, 10.0)),
+                }
+            ),
+            lambda k: serving("kl_penalized_rewards"),
+            120,
+        ),
+        Case(
+            "gae",
+            build_gae,
+            st.tuples(size(2, 1, 3, 4), size(5, 1, 12, 2)),
+            lambda d: st.fixed_dictionaries({"gamma": UNIT, "lam": UNIT, "scale": st.sampled_from([1.0, 1e3])}),
+            lambda k: serving("gae"),
+            80,
+        ),
+        Case(
+            "value_loss",
+            build_value_loss,
+            BT,
+            lambda d: st.fixed_dictionaries(
+                {
+                    "clip": st.sampled_from([None, 0.2, 1e-6, 1e6]),
+                    "agg": st.sampled_from(AGG_MODES),
+                    "old_values": st.booleans(),
+                    "spread": st.sampled_from([1.0, 1e-3, 30.0]),
+                }
+            ).filter(lambda k: k["old_values"] or k["clip"] is None),
+            lambda k: serving("value_loss"),
+            80,
+        ),
+        Case(
+            "group_advantages",
+            build_group_advantages,
+            BT,
+            lambda d: advantage_knobs(),
+            lambda k: [b for b in serving("group_sum") if b in ADVANTAGE_METHODS[k["method"]].backends],
+            80,
+        ),
+        Case(
+            "rollout_correction_weights",
+            build_rollout_correction,
+            BT,
+            lambda d: rollout_knobs(),
+            lambda k: ["reference"],
+            40,
+        ),
+        Case(
+            "masked_stats",
+            build_masked_stats,
+            BT,
+            lambda d: st.fixed_dictionaries(
+                {
+                    "fn": st.sampled_from(["whiten", "mean"]),
+                    "shift_mean": st.booleans(),
+                    "eps": st.sampled_from([1e-8, 0.0, 1.0]),
+                    "dim": st.sampled_from([None, -1, 0]),
+                    "scale": st.sampled_from([1.0, 1e-3, 1e3]),
+                    "offset": st.sampled_from([0.0, 1e3]),
+                }
+            ),
+            lambda k: ["reference"],
+            40,
+            compiles=False,
+        ),
+    ]
+}
 # Each registered policy-loss mode is a row: a bigger budget where a fast backend serves it.
 for _mode in POLICY_LOSS_MODES.values():
-    CASES[f"policy_loss_{_mode.name}"] = Case(f"policy_loss_{_mode.name}", build_policy_loss, BT, lambda d, m=_mode.name: loss_knobs(m),
-                                              lambda k, op=_mode.op: serving(op), 200 if len(serving(_mode.op)) > 1 else 25,
-                                              compiles=not _mode.syncs_host)
+    CASES[f"policy_loss_{_mode.name}"] = Case(
+        f"policy_loss_{_mode.name}",
+        build_policy_loss,
+        BT,
+        lambda d, m=_mode.name: loss_knobs(m),
+        lambda k, op=_mode.op: serving(op),
+        200 if len(serving(_mode.op)) > 1 else 25,
+        compiles=not _mode.syncs_host,
+    )
 
 
 @st.composite
@@ -436,9 +626,17 @@ def specs(draw, case: Case, compiled: bool = False):
         poison = draw(st.sampled_from(["valid nan", "valid inf", "valid -inf"]))
     backends = case.backends(knobs)  # the fast ones twice as often as the reference
     backends = [b for b in backends[::-1] for _ in range(1 if b == "reference" and len(backends) > 1 else 2)]
-    return Spec(draw(st.sampled_from(backends)), draw(st.sampled_from(DTYPE_DRAWS)),
-                draw(st.sampled_from(LAYOUTS)), poison, dims, knobs, draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 3)),
-                not compiled and draw(st.integers(0, 3)) == 0)
+    return Spec(
+        draw(st.sampled_from(backends)),
+        draw(st.sampled_from(DTYPE_DRAWS)),
+        draw(st.sampled_from(LAYOUTS)),
+        poison,
+        dims,
+        knobs,
+        draw(st.integers(0, 2**32 - 1)),
+        draw(st.integers(0, 3)),
+        not compiled and draw(st.integers(0, 3)) == 0,
+    )
 
 
 # --------------------------------------------------------------------------- running one backend
@@ -449,7 +647,9 @@ def laid_out(values: torch.Tensor, layout: str) -> tuple[torch.Tensor, Callable]
     if layout == "sliced":  # every other column (row, for 1-D) of a storage twice as wide
         junk = math.nan if values.is_floating_point() else (True if values.dtype == torch.bool else -(2**40))
         view_of = (lambda t: t[:, 1::2]) if values.dim() > 1 else (lambda t: t[1::2])
-        shape = (values.shape[0], 2 * values.shape[1], *values.shape[2:]) if values.dim() > 1 else (2 * values.shape[0],)
+        shape = (
+            (values.shape[0], 2 * values.shape[1], *values.shape[2:]) if values.dim() > 1 else (2 * values.shape[0],)
+        )
         wide = torch.full(shape, junk, dtype=values.dtype)
         view_of(wide).copy_(values)
         return wide, view_of
@@ -465,13 +665,15 @@ def poisoned(built: Built, spec: Spec, gen) -> dict[str, torch.Tensor]:
     NaN/+-inf at a valid position of one input; expanded inputs repeat their first row."""
     out = {}
     names = list(built.inputs)
-    for i, (name, inp) in enumerate(built.inputs.items()):
+    for name, inp in built.inputs.items():
         x = inp.values.clone()
         if spec.poison == "masked" and inp.masked is not None:
             junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=F64)[torch.randint(0, 3, x.shape, generator=gen)]
             x = torch.where(inp.masked, junk, x)
         elif spec.poison.startswith("valid") and name == names[spec.poison_input % len(names)]:
-            valid = (~inp.masked if inp.masked is not None else torch.ones_like(x, dtype=torch.bool)).flatten().nonzero()
+            valid = (
+                (~inp.masked if inp.masked is not None else torch.ones_like(x, dtype=torch.bool)).flatten().nonzero()
+            )
             if len(valid):
                 x.view(-1)[valid[torch.randint(0, len(valid), (1,), generator=gen)]] = float(spec.poison.split()[1])
         if spec.layout == "expanded" and inp.layout and x.dim() and x.shape[0]:
@@ -506,7 +708,11 @@ def run(built, spec, values, backend, dtype, projection=None, compiled=None, sec
         leaf, view_of = laid_out(t, spec.layout if spec.layout in ("sliced", "transposed") else "contiguous")
         tensors[name] = view_of(leaf)
     result = Run(views=views)
-    fn = built.call if compiled is None else torch.compile(built.call, fullgraph=True, backend="aot_eager", dynamic=compiled)
+    fn = (
+        built.call
+        if compiled is None
+        else torch.compile(built.call, fullgraph=True, backend="aot_eager", dynamic=compiled)
+    )
     try:
         with pf.use_backend(backend):
             outputs = fn(tensors)
@@ -516,9 +722,14 @@ def run(built, spec, values, backend, dtype, projection=None, compiled=None, sec
     result.requires_grad = [o.requires_grad for o in outputs]
     if projection is None:
         wgen = torch.Generator().manual_seed(spec.seed + 1)
-        projection = ([torch.isfinite(o) for o in result.outputs], [torch.randn(o.shape, generator=wgen) for o in result.outputs])
+        projection = (
+            [torch.isfinite(o) for o in result.outputs],
+            [torch.randn(o.shape, generator=wgen) for o in result.outputs],
+        )
     result.projection = finite, weights = projection
-    total = sum((torch.where(finite[i], outputs[i], 0.0) * weights[i].to(outputs[i].dtype)).sum() for i in built.differentiable)
+    total = sum(
+        (torch.where(finite[i], outputs[i], 0.0) * weights[i].to(outputs[i].dtype)).sum() for i in built.differentiable
+    )
     result.grads = result.second = dict.fromkeys(leaves)
     if not leaves or not isinstance(total, torch.Tensor) or not total.requires_grad:
         return result
@@ -528,8 +739,16 @@ def run(built, spec, values, backend, dtype, projection=None, compiled=None, sec
         try:
             grads = torch.autograd.grad(total, list(leaves.values()), allow_unused=True, create_graph=True)
             gen = torch.Generator().manual_seed(spec.seed + 2)
-            s = sum((g * torch.randn(g.shape, generator=gen).to(g.dtype)).sum() for g in grads if g is not None and g.requires_grad)
-            second = torch.autograd.grad(s, list(leaves.values()), allow_unused=True) if isinstance(s, torch.Tensor) else [None] * len(leaves)
+            s = sum(
+                (g * torch.randn(g.shape, generator=gen).to(g.dtype)).sum()
+                for g in grads
+                if g is not None and g.requires_grad
+            )
+            second = (
+                torch.autograd.grad(s, list(leaves.values()), allow_unused=True)
+                if isinstance(s, torch.Tensor)
+                else [None] * len(leaves)
+            )
             result.second = dict(zip(leaves, second))
         except (RuntimeError, NotImplementedError) as err:
             result.second_error = err
@@ -561,17 +780,27 @@ def assert_accurate(what, got, ref32, ref64, moved, dtype, relaxed=None):
     eps, tiny = F64_FLOOR if dtype == F64 else (torch.finfo(dtype).eps, max(torch.finfo(dtype).tiny, UNDERFLOW))
     got, ref32, ref64, moved = (torch.zeros(()) if x is None else x.double() for x in (got, ref32, ref64, moved))
     got, ref32, ref64, moved = torch.broadcast_tensors(got, ref32, ref64, moved)
-    keep = torch.isfinite(ref32) & torch.isfinite(ref64) & torch.isfinite(moved) & (relaxed if relaxed is not None else True)
+    keep = (
+        torch.isfinite(ref32)
+        & torch.isfinite(ref64)
+        & torch.isfinite(moved)
+        & (relaxed if relaxed is not None else True)
+    )
     if not keep.any():
         return
     g, r, e = got[keep], ref32[keep], ref64[keep]
     ref_err, moved_by = (r - e).abs(), (moved[keep] - e).abs()
-    allowed = (C_REF * (ref_err + ref_err.mean() + moved_by + moved_by.mean())
-               + eps * (K_REL * e.abs() + K_ABS * e.abs().max()) + tiny)
+    allowed = (
+        C_REF * (ref_err + ref_err.mean() + moved_by + moved_by.mean())
+        + eps * (K_REL * e.abs() + K_ABS * e.abs().max())
+        + tiny
+    )
     bad = ~((g - e).abs() <= allowed)
-    assert not bad.any(), (f"{what}: |got - float64| > {C_REF:g} x the reference's float32 error + floor {first_at(g, bad)}: "
-                           f"got {g[bad][:4].tolist()}, float64 {e[bad][:4].tolist()}, float32 reference {r[bad][:4].tolist()}, "
-                           f"allowed {allowed[bad][:4].tolist()}")
+    assert not bad.any(), (
+        f"{what}: |got - float64| > {C_REF:g} x the reference's float32 error + floor {first_at(g, bad)}: "
+        f"got {g[bad][:4].tolist()}, float64 {e[bad][:4].tolist()}, float32 reference {r[bad][:4].tolist()}, "
+        f"allowed {allowed[bad][:4].tolist()}"
+    )
 
 
 def moved_by_an_ulp(values: dict, dtype, gen) -> dict:
@@ -581,7 +810,7 @@ def moved_by_an_ulp(values: dict, dtype, gen) -> dict:
 
 
 def check(case: Case, spec: Spec, compiled=None):
-    note(f"{case.name} on {spec.backend}{'' if compiled is None else ' compiled (dynamic=%s)' % compiled}: {spec}")
+    note(f"{case.name} on {spec.backend}{'' if compiled is None else f' compiled (dynamic={compiled})'}: {spec}")
     gen = torch.Generator().manual_seed(spec.seed)
     built = case.build(spec, gen, spec.knobs)
     values = poisoned(built, spec, gen)
@@ -593,28 +822,45 @@ def check(case: Case, spec: Spec, compiled=None):
     clean = {name: inp.values for name, inp in built.inputs.items()} if masked_poison else values
     ref64 = run(built, spec, clean, "reference", F64, ref32.projection, second_order=spec.second_order)
     clean32 = run(built, spec, clean, "reference", dtype, ref32.projection) if masked_poison else ref32
-    moved = run(built, spec, moved_by_an_ulp(clean, dtype, gen), "reference", F64, ref32.projection, second_order=spec.second_order)
+    moved = run(
+        built,
+        spec,
+        moved_by_an_ulp(clean, dtype, gen),
+        "reference",
+        F64,
+        ref32.projection,
+        second_order=spec.second_order,
+    )
     if compiled is not None:
         assume(ref32.error is None)  # value checks are skipped when compiled: another contract
     if ref32.error is not None or got.error is not None:
-        assert type(got.error) is type(ref32.error), f"the reference raises {ref32.error!r}, {spec.backend} {got.error!r}"
+        assert type(got.error) is type(ref32.error), (
+            f"the reference raises {ref32.error!r}, {spec.backend} {got.error!r}"
+        )
         return
     assert ref64.error is None and clean32.error is None and moved.error is None, (
-        f"the reference raises on float64 or clean inputs: {ref64.error or clean32.error or moved.error!r}")
+        f"the reference raises on float64 or clean inputs: {ref64.error or clean32.error or moved.error!r}"
+    )
     assert len(got.outputs) == len(ref32.outputs)
     for i, (o, r, e, c, m) in enumerate(zip(got.outputs, ref32.outputs, ref64.outputs, clean32.outputs, moved.outputs)):
         what = f"output {i} of {case.name} on {spec.backend}"
-        assert (o.dtype, o.shape) == (r.dtype, r.shape), f"{what}: {o.dtype}{tuple(o.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
+        assert (o.dtype, o.shape) == (r.dtype, r.shape), (
+            f"{what}: {o.dtype}{tuple(o.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
+        )
         if i in built.differentiable and got.grads:
             assert got.requires_grad[i], f"{what} does not require grad although its inputs do"
         # Where the float32 reference overflows and float64 does not, a backend may be right instead.
         closer = torch.isinf(r) & torch.isfinite(e) & ((o.double() - e).abs() <= 1e-3 * e.abs())
         bad = (pattern(o) != pattern(r)) & ~closer
-        assert not bad.any(), (f"{what}: NaN/inf where the reference is not (or not where it is) {first_at(o, bad)}: "
-                               f"got {o[bad][:4].tolist()}, reference {r[bad][:4].tolist()}")
+        assert not bad.any(), (
+            f"{what}: NaN/inf where the reference is not (or not where it is) {first_at(o, bad)}: "
+            f"got {o[bad][:4].tolist()}, reference {r[bad][:4].tolist()}"
+        )
         bad = (pattern(r) != pattern(c)) | (pattern(o) != pattern(c)) & ~closer
-        assert not bad.any(), (f"{what}: NaN/inf at masked positions changes the result {first_at(o, bad)}: "
-                               f"got {o[bad][:4].tolist()}, clean {c[bad][:4].tolist()}")
+        assert not bad.any(), (
+            f"{what}: NaN/inf at masked positions changes the result {first_at(o, bad)}: "
+            f"got {o[bad][:4].tolist()}, clean {c[bad][:4].tolist()}"
+        )
         if i in built.zero_out:
             bad = (o != 0) & built.zero_out[i]
             assert not bad.any(), f"{what}: nonzero at a masked position {first_at(o, bad)}: {o[bad][:4].tolist()}"
@@ -624,64 +870,132 @@ def check(case: Case, spec: Spec, compiled=None):
             sel = (ratio.abs() >= KL_MIN_RATIO) & torch.isfinite(e) & torch.isfinite(ratio)
             err = ((o.double() - e).abs() / e.abs().clamp_min(1e-300))[sel]
             bad = ~(err <= KL_RTOL)
-            assert not bad.any(), (f"{what}: relative error {err[bad][:4].tolist()} > {KL_RTOL:g} vs float64 at log-ratios "
-                                   f"{ratio[sel][bad][:4].tolist()} (|r| >= {KL_MIN_RATIO:g}): got {o.double()[sel][bad][:4].tolist()}, "
-                                   f"float64 {e[sel][bad][:4].tolist()}")
+            assert not bad.any(), (
+                f"{what}: relative error {err[bad][:4].tolist()} > {KL_RTOL:g} vs float64 at log-ratios "
+                f"{ratio[sel][bad][:4].tolist()} (|r| >= {KL_MIN_RATIO:g}): got {o.double()[sel][bad][:4].tolist()}, "
+                f"float64 {e[sel][bad][:4].tolist()}"
+            )
     if any(ref32.outputs[i].dim() == 0 and not torch.isfinite(ref32.outputs[i]) for i in built.differentiable):
         return  # the gradient of a non-finite loss is unspecified
     for name, g in got.grads.items():
         what = f"gradient of {name} ({case.name} on {spec.backend})"
         r, e, c = ref32.grads[name], ref64.grads[name], clean32.grads[name]
         if g is not None and r is not None:
-            assert g.dtype == r.dtype and g.shape == r.shape, f"{what}: {g.dtype}{tuple(g.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
+            assert g.dtype == r.dtype and g.shape == r.shape, (
+                f"{what}: {g.dtype}{tuple(g.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
+            )
             bad = ~torch.isfinite(g) & torch.isfinite(r)
-            assert not bad.any(), f"{what}: not finite where the reference's is {first_at(g, bad)}: {g[bad][:4].tolist()}"
+            assert not bad.any(), (
+                f"{what}: not finite where the reference's is {first_at(g, bad)}: {g[bad][:4].tolist()}"
+            )
         if r is not None and c is not None:
             bad = ~torch.isfinite(r) & torch.isfinite(c)
-            assert not bad.any(), f"{what}: NaN/inf at masked positions reaches the reference's gradient {first_at(r, bad)}"
+            assert not bad.any(), (
+                f"{what}: NaN/inf at masked positions reaches the reference's gradient {first_at(r, bad)}"
+            )
         masked = built.inputs[name].masked
         if g is not None and masked is not None and spec.layout != "expanded":
             bad = (got.views[name](g) != 0) & masked
-            assert not bad.any(), f"{what}: nonzero at a masked position {first_at(masked, bad)}: {got.views[name](g)[bad][:4].tolist()}"
+            assert not bad.any(), (
+                f"{what}: nonzero at a masked position {first_at(masked, bad)}: {got.views[name](g)[bad][:4].tolist()}"
+            )
         # The gradient at a NaN/inf input itself is unspecified: compared where the reference's is finite.
         assert_accurate(what, g, r, e, moved.grads[name], dtype, None if r is None else torch.isfinite(r))
     if spec.second_order:
-        assert ref32.second_error is None and ref64.second_error is None, f"the reference's double backward raises: {ref32.second_error!r}"
+        assert ref32.second_error is None and ref64.second_error is None, (
+            f"the reference's double backward raises: {ref32.second_error!r}"
+        )
         if got.second_error is None:  # it claims double backward: the reference's values
             for name in got.grads:
                 g, r, e = got.second[name], ref32.second[name], ref64.second[name]
                 assert nonzero(g) or not (nonzero(r) and nonzero(e)), (
                     f"second-order gradient of {name} ({case.name} on {spec.backend}) is zero/None without an error "
-                    f"(the reference's is not): a backend without double backward must raise")
-                assert_accurate(f"second-order gradient of {name} ({case.name} on {spec.backend})", g, r, e, moved.second[name],
-                                dtype, None if r is None else torch.isfinite(r))
+                    f"(the reference's is not): a backend without double backward must raise"
+                )
+                assert_accurate(
+                    f"second-order gradient of {name} ({case.name} on {spec.backend})",
+                    g,
+                    r,
+                    e,
+                    moved.second[name],
+                    dtype,
+                    None if r is None else torch.isfinite(r),
+                )
 
 
 # --------------------------------------------------------------------------- the tests
 
 
 # Known regressions of issue 20 (the random draws reach each of them too), as explicit examples.
-_HEAD = {"scale": 1.0, "labels": "greedy", "ignored": 0.0, "ignore_index": -100, "entropy": False, "logit_scale": 1.0,
-         "softcap": None, "bias": False, "weight_layout": "contiguous"}
+_HEAD = {
+    "scale": 1.0,
+    "labels": "greedy",
+    "ignored": 0.0,
+    "ignore_index": -100,
+    "entropy": False,
+    "logit_scale": 1.0,
+    "softcap": None,
+    "bias": False,
+    "weight_layout": "contiguous",
+}
 _LOSS = {"params": (), "entry": "policy_loss", "agg": "token-mean", "weighted": False, "adv_scale": 1.0}
 EXAMPLES = {
     "linear_token_logprobs": [
         # ignore_index a valid token id, NaN in those rows' hidden states: 0 and no gradient there.
-        Spec("native", "float32", "contiguous", "masked", (1, 3, 4, 5),
-             {**_HEAD, "temperature": 1.0, "labels": "random", "ignored": 0.5, "ignore_index": 0}, seed=1),
+        Spec(
+            "native",
+            "float32",
+            "contiguous",
+            "masked",
+            (1, 3, 4, 5),
+            {**_HEAD, "temperature": 1.0, "labels": "random", "ignored": 0.5, "ignore_index": 0},
+            seed=1,
+        ),
         # greedy labels at T = 1e-3: d_hidden is 0, as the reference's (native's was not).
-        Spec("native", "float32", "contiguous", "clean", (2, 3, 8, 11), {**_HEAD, "temperature": 1e-3})],
+        Spec("native", "float32", "contiguous", "clean", (2, 3, 8, 11), {**_HEAD, "temperature": 1e-3}),
+    ],
     # logits ~1e3 at the minimum temperature, greedy labels: the gradient is 0 (native's was ~1e4-1e5).
-    "token_logprobs": [Spec("native", "float32", "contiguous", "clean", (2, 3, 7), {
-        "temperature": MIN_TEMPERATURE, "scale": 1e3, "labels": "greedy", "ignored": 0.0, "ignore_index": -100, "entropy": False})],
+    "token_logprobs": [
+        Spec(
+            "native",
+            "float32",
+            "contiguous",
+            "clean",
+            (2, 3, 7),
+            {
+                "temperature": MIN_TEMPERATURE,
+                "scale": 1e3,
+                "labels": "greedy",
+                "ignored": 0.0,
+                "ignore_index": -100,
+                "entropy": False,
+            },
+        )
+    ],
     # k3 at log-ratios 1e-4..1e-3: within 1e-4 of float64 (float32 exp(r) - r - 1 cancels to 0).
     "kl_estimate": [Spec("reference", "float32", "contiguous", "clean", (3, 5), {"ratio": "tiny"})],
     # exp(mean log-ratio) at float32's overflow (85..92): the reference's inf or value (native saturated below it).
-    "policy_loss_geo_mean": [Spec("native", "float32", "contiguous", "clean", (2, 1),
-                                  {**_LOSS, "loss_mode": "geo_mean", "ratio": "huge", "adv_sign": "negative"})],
+    "policy_loss_geo_mean": [
+        Spec(
+            "native",
+            "float32",
+            "contiguous",
+            "clean",
+            (2, 1),
+            {**_LOSS, "loss_mode": "geo_mean", "ratio": "huge", "adv_sign": "negative"},
+        )
+    ],
     # -inf log-prob at a valid token: NaN as the reference (native gave a finite loss).
-    "policy_loss_gspo": [Spec("native", "float32", "contiguous", "valid -inf", (2, 3),
-                              {**_LOSS, "loss_mode": "gspo", "ratio": "normal", "adv_sign": "mixed"})],
+    "policy_loss_gspo": [
+        Spec(
+            "native",
+            "float32",
+            "contiguous",
+            "valid -inf",
+            (2, 3),
+            {**_LOSS, "loss_mode": "gspo", "ratio": "normal", "adv_sign": "mixed"},
+        )
+    ],
 }
 
 
@@ -706,7 +1020,9 @@ for _case in CASES.values():
 @given(data=st.data())
 def test_fuzz_compiled(data):
     """A few examples under torch.compile(fullgraph=True), static or dynamic shapes."""
-    case = data.draw(st.sampled_from([c for c in CASES.values() if c.compiles]), label="case")  # not the host-syncing modes
+    case = data.draw(
+        st.sampled_from([c for c in CASES.values() if c.compiles]), label="case"
+    )  # not the host-syncing modes
     spec = data.draw(specs(case, compiled=True), label="spec")
     torch._dynamo.reset()
     check(case, spec, compiled=data.draw(st.booleans(), label="dynamic"))

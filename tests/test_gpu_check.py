@@ -24,7 +24,9 @@ SAMPLE = ROOT / "tests" / "data" / "targets_cpu_quick.json"
 def test_gpu_check_stops_before_the_build_without_a_gpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
     start = time.perf_counter()
-    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
     took = time.perf_counter() - start
     assert result.returncode == 3, result.stdout + result.stderr
     assert "no CUDA GPU visible" in result.stdout

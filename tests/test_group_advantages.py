@@ -22,9 +22,11 @@ import torch  # noqa: E402
 
 import ppo_fast as pf  # noqa: E402
 from ppo_fast import BackendUnavailableError
-from ppo_fast.backends import reference  # noqa: E402
 from ppo_fast.advantage_methods import REGISTRY  # noqa: E402
-from ppo_fast.backends import backend_info  # noqa: E402
+from ppo_fast.backends import (
+    backend_info,  # noqa: E402
+    reference,  # noqa: E402
+)
 from ppo_fast.ops.group_advantages import dense_group_index  # noqa: E402
 
 METHODS = [name for name, entry in REGISTRY.items() if entry.fn is not None]
@@ -254,8 +256,10 @@ def test_matches_plain_formula(method, params):
 def test_sequence_scores_equal_token_rewards(method):
     """A [B] score is the same as token rewards holding it on the last valid token."""
     rewards, mask, ids, _ = batch(3, min_group=REGISTRY[method].min_group_size)
-    torch.testing.assert_close(pf.group_advantages(rewards.sum(-1), ids, mask, method=method),
-                               pf.group_advantages(rewards, ids, mask, method=method))
+    torch.testing.assert_close(
+        pf.group_advantages(rewards.sum(-1), ids, mask, method=method),
+        pf.group_advantages(rewards, ids, mask, method=method),
+    )
 
 
 @pytest.mark.parametrize("method", ["grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"])
@@ -285,8 +289,10 @@ def test_masked_values_are_never_read():
     rewards, mask, ids, _ = batch(4, dtype=torch.float32)
     poisoned = torch.where(mask, rewards, torch.nan)
     for method in ("grpo", "rloo", "reinforce_plus_plus"):
-        torch.testing.assert_close(pf.group_advantages(poisoned, ids, mask, method=method),
-                                   pf.group_advantages(rewards, ids, mask, method=method))
+        torch.testing.assert_close(
+            pf.group_advantages(poisoned, ids, mask, method=method),
+            pf.group_advantages(rewards, ids, mask, method=method),
+        )
 
 
 def test_differentiable_in_scores():
@@ -300,8 +306,17 @@ def test_differentiable_in_scores():
 
 def test_registry_lists_every_method_with_needs():
     methods = pf.advantage_methods()
-    assert set(methods) == {"gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                            "remax", "opo", "gpg"}
+    assert set(methods) == {
+        "gae",
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "opo",
+        "gpg",
+    }
     assert methods["gae"].needs_critic and not any(m.needs_critic for n, m in methods.items() if n != "gae")
     assert not methods["remax"].needs_groups and methods["grpo"].needs_groups
     for entry in methods.values():

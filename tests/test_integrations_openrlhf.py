@@ -181,11 +181,15 @@ def test_policy_loss_matches(orlhf, backend, token_level, dual_clip, global_info
     old = -torch.rand(6, 10) * 3
     logp = (old + 0.5 * torch.randn(6, 10)).requires_grad_(True)
     adv = torch.randn(6, 10)
-    theirs = orlhf.orig["PolicyLoss"](clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level)
+    theirs = orlhf.orig["PolicyLoss"](
+        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level
+    )
     want = theirs(logp, old, adv, mask, **global_info)
     want_grad = torch.autograd.grad(want[0], logp)[0]
     with po.patch(backend=backend):
-        ours = orlhf.loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level)
+        ours = orlhf.loss.PolicyLoss(
+            clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level
+        )
         got = ours(logp, old, adv, mask, **global_info)
     close(got[0], want[0])
     close(torch.autograd.grad(got[0], logp)[0], want_grad)

@@ -131,7 +131,9 @@ def test_fused_lm_head_matches_trls(backend, softcap, scale, bias):
     every = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")  # what SFT/DPO/KTO ask for
     want_all = orig.apply(hidden.detach(), weight.detach(), b, targets, 0.8, 16, softcap, scale, every)
     with pt.patch(backend=backend):
-        got_all = U._ChunkedLogProbFunction.apply(hidden.detach(), weight.detach(), b, targets, 0.8, 16, softcap, scale, every)
+        got_all = U._ChunkedLogProbFunction.apply(
+            hidden.detach(), weight.detach(), b, targets, 0.8, 16, softcap, scale, every
+        )
     for g, w in zip(got_all[2:4], want_all[2:4]):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_all[4], want_all[4])
@@ -149,13 +151,16 @@ def test_fused_lm_head_is_linear_token_logprobs(monkeypatch):
     monkeypatch.setattr(pf, "linear_token_logprobs", lambda *a, **k: calls.append(k) or real(*a, **k))
     hidden, weight, targets = torch.randn(29, 8), torch.randn(40, 8), torch.randint(0, 40, (29,))
     with pt.patch():
-        got = U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.9, 8, 20.0, 0.5, ("log_probs", "entropy"))
+        got = U._ChunkedLogProbFunction.apply(
+            hidden, weight, None, targets, 0.9, 8, 20.0, 0.5, ("log_probs", "entropy")
+        )
         before = counts("trl").get("trl.fused_lm_head:fallback", 0)
         U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.9, 8, None, 1.0, ("log_probs", "is_top1"))
         assert counts("trl")["trl.fused_lm_head:fallback"] == before + 1
     assert len(calls) == 1
-    assert calls[0] == dict(bias=None, temperature=0.9, logit_scale=0.5, logit_softcap=20.0, return_entropy=True,
-                            ignore_index=pt._NO_IGNORE)
+    assert calls[0] == dict(
+        bias=None, temperature=0.9, logit_scale=0.5, logit_softcap=20.0, return_entropy=True, ignore_index=pt._NO_IGNORE
+    )
     want = real(hidden, weight, targets, temperature=0.9, logit_scale=0.5, logit_softcap=20.0, return_entropy=True)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
@@ -169,7 +174,9 @@ def test_fused_lm_head_autocast_projects_in_trls_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         theirs = orig.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
         with pt.patch():
-            ours = U._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
+            ours = U._ChunkedLogProbFunction.apply(
+                hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy")
+            )
     assert ours[0].dtype == ours[1].dtype == theirs[0].dtype == torch.float32
     for o, t, w in ((ours[0], theirs[0], want_lp), (ours[1], theirs[1], want_ent)):
         assert (o.double() - w).abs().max().item() <= (t.double() - w).abs().max().item() + 1e-6
@@ -193,15 +200,30 @@ def _grpo_run(patched: bool):
     def reward(completions, **kwargs):
         return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo-out-"), use_cpu=True, bf16=False, use_vllm=False,
-                      report_to="none", per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-                      max_steps=2, logging_steps=1, save_strategy="no", beta=0.04, learning_rate=1e-3, seed=0,
-                      dataloader_num_workers=0, disable_tqdm=True)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="grpo-out-"),
+        use_cpu=True,
+        bf16=False,
+        use_vllm=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        beta=0.04,
+        learning_rate=1e-3,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     torch.manual_seed(0)
     context = pt.patch(backend="native") if patched else None
     try:
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=prompts,
-                              processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=model_dir, reward_funcs=reward, args=args, train_dataset=prompts, processing_class=tokenizer
+        )
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             result = trainer.train()
     finally:

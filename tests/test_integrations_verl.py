@@ -29,7 +29,10 @@ def _clean():
 def _originals():
     """verl's own functions, taken while nothing is patched."""
     assert not pv.is_patched()
-    return {**{n: getattr(core, n) for n in pv._CORE_FUNCTIONS}, **{n: getattr(verl_F, n) for n in pv._FUNCTIONAL_FUNCTIONS}}
+    return {
+        **{n: getattr(core, n) for n in pv._CORE_FUNCTIONS},
+        **{n: getattr(verl_F, n) for n in pv._FUNCTIONAL_FUNCTIONS},
+    }
 
 
 def _mask(b, t, gaps=True):
@@ -46,9 +49,17 @@ def _mask(b, t, gaps=True):
 def _config(clip_low=0.2, clip_high=0.28, clip_c=3.0, global_info=None, loss_mode="vanilla"):
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
-    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2, clip_ratio_low=clip_low,
-                      clip_ratio_high=clip_high, clip_ratio_c=clip_c, loss_agg_mode="token-mean",
-                      policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+    cfg = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        clip_ratio_low=clip_low,
+        clip_ratio_high=clip_high,
+        clip_ratio_c=clip_c,
+        loss_agg_mode="token-mean",
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
     if global_info:
         cfg.global_batch_info.update(global_info)
     return cfg
@@ -148,11 +159,17 @@ def test_whitening_errors_are_verls():
             core.compute_gae_advantage_return(torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), 1.0, 0.95)
 
 
-@pytest.mark.parametrize("name,norm", [
-    ("compute_grpo_outcome_advantage", True), ("compute_grpo_outcome_advantage", False),
-    ("compute_grpo_vectorized_outcome_advantage", True), ("compute_grpo_vectorized_outcome_advantage", False),
-    ("compute_rloo_outcome_advantage", None), ("compute_rloo_vectorized_outcome_advantage", None),
-])
+@pytest.mark.parametrize(
+    "name,norm",
+    [
+        ("compute_grpo_outcome_advantage", True),
+        ("compute_grpo_outcome_advantage", False),
+        ("compute_grpo_vectorized_outcome_advantage", True),
+        ("compute_grpo_vectorized_outcome_advantage", False),
+        ("compute_rloo_outcome_advantage", None),
+        ("compute_rloo_vectorized_outcome_advantage", None),
+    ],
+)
 def test_outcome_estimators_match_verl(name, norm):
     orig = _originals()
     mask = _mask(11, 6)
@@ -162,7 +179,8 @@ def test_outcome_estimators_match_verl(name, norm):
     want = orig[name](token_level_rewards=rewards, response_mask=mask, index=index, **kwargs)
     with pv.patch():
         got = core.get_adv_estimator_fn(name.replace("compute_", "").replace("_outcome_advantage", ""))(
-            token_level_rewards=rewards, response_mask=mask, index=index, **kwargs)
+            token_level_rewards=rewards, response_mask=mask, index=index, **kwargs
+        )
     for g, w in zip(got, want):
         close(g, w, atol=2e-5, rtol=2e-5)
 
@@ -182,10 +200,12 @@ def test_outcome_estimators_and_agg_loss_are_public_ops(monkeypatch):
         core.compute_rloo_outcome_advantage(rewards, mask, index)
         core.compute_rloo_vectorized_outcome_advantage(rewards, mask, index)
         core.agg_loss(rewards, mask, "seq-mean-token-mean")
-    assert calls == [("group_advantages", dict(method="grpo", epsilon=1e-3, norm_by_std=False)),
-                     ("group_advantages", dict(method="rloo")),
-                     ("group_advantages", dict(method="rloo", zero_singletons=True)),
-                     ("aggregate", {})]
+    assert calls == [
+        ("group_advantages", dict(method="grpo", epsilon=1e-3, norm_by_std=False)),
+        ("group_advantages", dict(method="rloo")),
+        ("group_advantages", dict(method="rloo", zero_singletons=True)),
+        ("aggregate", {}),
+    ]
 
 
 def test_grpo_epsilon_is_verls():
@@ -203,8 +223,9 @@ def test_grpo_epsilon_is_verls():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", AGG)
-@pytest.mark.parametrize("global_info", [None, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9,
-                                                "loss_scale_factor": 13}])
+@pytest.mark.parametrize(
+    "global_info", [None, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9, "loss_scale_factor": 13}]
+)
 def test_policy_loss_matches_verl(backend, agg, global_info):
     orig = _originals()
     mask = _mask(6, 9)
@@ -239,7 +260,14 @@ def test_policy_loss_applies_verls_dual_clip_by_default():
 
 def test_policy_loss_outside_our_domain_runs_verls_own():
     orig = _originals()
-    args = (torch.zeros(2, 3), -torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3), "token-mean", _config(clip_low=1.0))
+    args = (
+        torch.zeros(2, 3),
+        -torch.rand(2, 3),
+        torch.randn(2, 3),
+        torch.ones(2, 3),
+        "token-mean",
+        _config(clip_low=1.0),
+    )
     want, _ = orig["compute_policy_loss_vanilla"](*args)
     with pv.patch():
         got, _ = core.compute_policy_loss_vanilla(*args)
@@ -253,8 +281,9 @@ def test_policy_loss_outside_our_domain_runs_verls_own():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", AGG)
-@pytest.mark.parametrize("global_info", [{}, {"dp_size": 4, "batch_num_tokens": 33, "global_batch_size": 7,
-                                              "loss_scale_factor": 5}])
+@pytest.mark.parametrize(
+    "global_info", [{}, {"dp_size": 4, "batch_num_tokens": 33, "global_batch_size": 7, "loss_scale_factor": 5}]
+)
 def test_value_loss_and_agg_loss_match_verl(backend, agg, global_info):
     orig = _originals()
     mask = _mask(5, 8)
@@ -280,12 +309,21 @@ def test_global_normalisation_errors_are_verls():
         with pytest.raises(ValueError, match="batch_num_tokens is required"):
             core.agg_loss(torch.randn(2, 3), torch.ones(2, 3), "token-mean", dp_size=2)
         with pytest.raises(ValueError, match="global_batch_size is required"):
-            core.compute_value_loss(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3), 0.2,
-                                    "seq-mean-token-mean", dp_size=2)
+            core.compute_value_loss(
+                torch.randn(2, 3),
+                torch.randn(2, 3),
+                torch.randn(2, 3),
+                torch.ones(2, 3),
+                0.2,
+                "seq-mean-token-mean",
+                dp_size=2,
+            )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+"])
+@pytest.mark.parametrize(
+    "name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+"]
+)
 def test_kl_penalty_matches_verl_value_and_gradient(backend, name):
     orig = _originals()
     logp = (torch.randn(4, 6) * 2).requires_grad_(True)
@@ -304,7 +342,9 @@ def test_kl_controllers_follow_verls():
     orig = _originals()
     theirs = orig["AdaptiveKLController"](init_kl_coef=0.2, target_kl=6.0, horizon=10000)
     with pv.patch():
-        ours = core.get_kl_controller(type("C", (), {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000})())
+        ours = core.get_kl_controller(
+            type("C", (), {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000})()
+        )
     for kl, n in [(3.0, 256), (np.float32(9.5), np.int64(256)), (torch.tensor(6.5), 64)]:
         theirs.update(kl, n)
         ours.update(kl, n)
@@ -349,7 +389,9 @@ def test_masked_mean_and_whiten_match_verl(mask_dtype, axis):
 
 def test_verl_registry_drives_our_ops_from_a_config():
     """actor.policy_loss.loss_mode=ppo_fast selects our loss; agg_loss is ours; the profiler shows ppo_fast:: ops."""
-    cfg = _config(loss_mode=pv.POLICY_LOSS_NAME, global_info={"dp_size": 1, "batch_num_tokens": 30, "global_batch_size": 4})
+    cfg = _config(
+        loss_mode=pv.POLICY_LOSS_NAME, global_info={"dp_size": 1, "batch_num_tokens": 30, "global_batch_size": 4}
+    )
     mask = _mask(4, 10, gaps=False)
     old = -torch.rand(4, 10)
     logp = (old + 0.1 * torch.randn(4, 10)).requires_grad_(True)

@@ -12,11 +12,10 @@ import math
 
 import pytest
 import torch
+from test_native_common import requires_native
 
 import ppo_fast as pf
-from ppo_fast.backends import reference
 from ppo_fast.backends import backend_info
-from test_native_common import requires_native
 
 IGNORE = -100
 
@@ -44,7 +43,9 @@ TOLERANCES = {
 }
 
 
-def plain(hidden, weight, labels, bias=None, *, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False):
+def plain(
+    hidden, weight, labels, bias=None, *, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False
+):
     """The unfused formula: the whole [N, V] logits, then token_logprobs on the reference."""
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     z = hidden.to(dtype) @ weight.to(dtype).T
@@ -79,7 +80,9 @@ def outputs_and_grads(fn, leaves, seed):
 def assert_matches_plain(backend, hidden, weight, b, labels, seed, **kwargs):
     leaves = [hidden, weight, b]
     with pf.use_backend(backend):
-        got, got_grads = outputs_and_grads(lambda: pf.linear_token_logprobs(hidden, weight, labels, bias=b, **kwargs), leaves, seed)
+        got, got_grads = outputs_and_grads(
+            lambda: pf.linear_token_logprobs(hidden, weight, labels, bias=b, **kwargs), leaves, seed
+        )
     want, want_grads = outputs_and_grads(lambda: plain(hidden, weight, labels, b, **kwargs), leaves, seed)
     (fwd_rtol, fwd_atol), (grad_rtol, grad_atol) = TOLERANCES[hidden.dtype]
     for g, w in zip(got, want):
@@ -88,7 +91,9 @@ def assert_matches_plain(backend, hidden, weight, b, labels, seed, **kwargs):
     for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads):
         assert g.dtype == w.dtype, name
         atol = grad_atol * float(w.abs().max()) if w.numel() else 0.0
-        torch.testing.assert_close(g, w, rtol=grad_rtol, atol=atol, equal_nan=True, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            g, w, rtol=grad_rtol, atol=atol, equal_nan=True, msg=lambda m: f"grad of {name}: {m}"
+        )
 
 
 @on_backends
@@ -98,7 +103,12 @@ def assert_matches_plain(backend, hidden, weight, b, labels, seed, **kwargs):
     [
         {},
         {"temperature": 0.7, "return_entropy": True},
-        {"logit_softcap": 3.0, "logit_scale": 0.5, "return_entropy": True, "temperature": 1.3},  # Gemma/Cohere-style head
+        {
+            "logit_softcap": 3.0,
+            "logit_scale": 0.5,
+            "return_entropy": True,
+            "temperature": 1.3,
+        },  # Gemma/Cohere-style head
     ],
     ids=["plain", "temperature-entropy", "scale-softcap"],
 )
@@ -121,13 +131,17 @@ def test_without_bias_and_with_every_row_ignored(backend):
     assert (hidden.grad == 0).all() and (weight.grad == 0).all()
 
 
-@pytest.mark.parametrize("backend", [b for b in _cpu_backends() if b != "triton"])  # the interpreter is too slow here; Triton's tiles: test_triton_linear_logprobs.py
+@pytest.mark.parametrize(
+    "backend", [b for b in _cpu_backends() if b != "triton"]
+)  # the interpreter is too slow here; Triton's tiles: test_triton_linear_logprobs.py
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_chunks(backend, dtype, monkeypatch):
     """Enough rows for several chunks on every backend (the reference's chunk made small;
     the native kernel's is 2**23 logits, 2046 used rows here), a vocabulary past its
     1024-logit blocks."""
-    monkeypatch.setattr(importlib.import_module("ppo_fast.backends.reference.linear_token_logprobs"), "CHUNK_ELEMENTS", 370 * 4099)
+    monkeypatch.setattr(
+        importlib.import_module("ppo_fast.backends.reference.linear_token_logprobs"), "CHUNK_ELEMENTS", 370 * 4099
+    )
     gen = torch.Generator().manual_seed(4)
     hidden, weight, b, labels = make(gen, 2700, 8, 4099, dtype, ignored=0.1)
     assert_matches_plain(backend, hidden, weight, b, labels, 3, return_entropy=True, temperature=0.9)
@@ -142,7 +156,9 @@ def test_strided_and_batched_hidden(backend):
     labels = torch.randint(0, 31, (3, 5), generator=gen)
     hidden = base[:, ::2, ::2]
     with pf.use_backend(backend):
-        got, got_grads = outputs_and_grads(lambda: pf.linear_token_logprobs(hidden, weight, labels, return_entropy=True), [base, weight], 4)
+        got, got_grads = outputs_and_grads(
+            lambda: pf.linear_token_logprobs(hidden, weight, labels, return_entropy=True), [base, weight], 4
+        )
     want, want_grads = outputs_and_grads(
         lambda: plain(hidden.reshape(-1, 9), weight, labels.reshape(-1), return_entropy=True), [base, weight], 4
     )
@@ -233,7 +249,9 @@ def test_out_of_range_label_eager_raises_and_compiled_gives_nan_without_gradient
 def test_shapes_empty_and_one_row(backend):
     weight = torch.randn(9, 4, requires_grad=True)
     with pf.use_backend(backend):
-        logp, ent = pf.linear_token_logprobs(torch.randn(0, 4), weight, torch.zeros(0, dtype=torch.long), return_entropy=True)
+        logp, ent = pf.linear_token_logprobs(
+            torch.randn(0, 4), weight, torch.zeros(0, dtype=torch.long), return_entropy=True
+        )
         assert logp.shape == ent.shape == (0,) and logp.dtype == torch.float32
         one = pf.linear_token_logprobs(torch.randn(4), weight, torch.tensor(3))
         assert one.shape == ()
@@ -276,12 +294,28 @@ def test_reference_never_keeps_the_logits_for_backward():
 
 
 def _tiny_models():
-    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import (
+        CohereConfig,
+        CohereForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+    )
 
-    small = {"vocab_size": 97, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "intermediate_size": 32, "head_dim": 8}
+    small = {
+        "vocab_size": 97,
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 32,
+        "head_dim": 8,
+    }
     return {
-        "gpt2-tied": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)),
+        "gpt2-tied": lambda: GPT2LMHeadModel(
+            GPT2Config(vocab_size=97, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0)
+        ),
         "gemma2-softcap": lambda: Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=2.0)),
         "cohere-scale": lambda: CohereForCausalLM(CohereConfig(**small, logit_scale=0.5)),
     }
@@ -323,7 +357,9 @@ def test_trainer_falls_back_to_the_logits_for_a_non_standard_head(capsys):
 
     from ppo_fast.trainer import rollout
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
+    ).eval()
     model.config.logits_scaling = 4.0  # a Granite-style division the fused head does not take
     backbone, why = rollout._fused_head(model, torch.device("cpu"))
     assert backbone is None and "logits_scaling" in why
@@ -345,13 +381,28 @@ def test_native_ops_pass_opcheck():
     labels[4] = IGNORE
     args = (hidden, weight, labels, b, 0.7, 0.5, 3.0)
     torch.library.opcheck(torch.ops.ppo_fast.linear_token_logprobs, (*args, True, IGNORE))
-    torch.library.opcheck(torch.ops.ppo_fast.linear_token_logprobs, (hidden, weight, labels, None, 1.0, 1.0, None, False, IGNORE))
+    torch.library.opcheck(
+        torch.ops.ppo_fast.linear_token_logprobs, (hidden, weight, labels, None, 1.0, 1.0, None, False, IGNORE)
+    )
     logp, ent, lse = torch.ops.ppo_fast.linear_token_logprobs(*args, True, IGNORE)
     grads = (torch.randn(9, generator=gen), torch.randn(9, generator=gen))
     for mask in ([True, True, True], [False, True, False]):
         torch.library.opcheck(
             torch.ops.ppo_fast.linear_token_logprobs_backward,
-            (*grads, hidden.detach(), weight.detach(), labels, b.detach(), lse.detach(), ent.detach(), 0.7, 0.5, 3.0, IGNORE, mask),
+            (
+                *grads,
+                hidden.detach(),
+                weight.detach(),
+                labels,
+                b.detach(),
+                lse.detach(),
+                ent.detach(),
+                0.7,
+                0.5,
+                3.0,
+                IGNORE,
+                mask,
+            ),
         )
 
 

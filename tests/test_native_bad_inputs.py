@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_native_common import requires_native
 
 pytestmark = requires_native
@@ -95,7 +94,11 @@ def _kl(**changes):
 
 def _kl_backward(**changes):
     args = dict(
-        grad_kl=torch.randn(B, T), logprobs=torch.randn(B, T), ref_logprobs=torch.randn(B, T), kl_estimator="k3", output_mask=[True, True]
+        grad_kl=torch.randn(B, T),
+        logprobs=torch.randn(B, T),
+        ref_logprobs=torch.randn(B, T),
+        kl_estimator="k3",
+        output_mask=[True, True],
     )
     args.update(changes)
     return tuple(args.values())
@@ -131,7 +134,13 @@ def _rewards_backward(**changes):
 
 
 def _gae(**changes):
-    args = dict(rewards=torch.randn(B, T), values=torch.randn(B, T), mask=torch.ones(B, T, dtype=torch.bool), gamma=1.0, lam=0.95)
+    args = dict(
+        rewards=torch.randn(B, T),
+        values=torch.randn(B, T),
+        mask=torch.ones(B, T, dtype=torch.bool),
+        gamma=1.0,
+        lam=0.95,
+    )
     args.update(changes)
     return tuple(args.values())
 
@@ -152,7 +161,13 @@ def _gae_backward(**changes):
 
 
 def _logprobs(**changes):
-    args = dict(logits=torch.randn(N, V), labels=torch.randint(0, V, (N,)), temperature=1.0, return_entropy=True, ignore_index=-100)
+    args = dict(
+        logits=torch.randn(N, V),
+        labels=torch.randint(0, V, (N,)),
+        temperature=1.0,
+        return_entropy=True,
+        ignore_index=-100,
+    )
     args.update(changes)
     return tuple(args.values())
 
@@ -177,8 +192,15 @@ H = 6  # the fused head's hidden size
 
 def _head(**changes):
     args = dict(
-        hidden=torch.randn(N, H), weight=torch.randn(V, H), labels=torch.randint(0, V, (N,)), bias=torch.randn(V),
-        temperature=1.0, logit_scale=1.0, logit_softcap=30.0, return_entropy=True, ignore_index=-100,
+        hidden=torch.randn(N, H),
+        weight=torch.randn(V, H),
+        labels=torch.randint(0, V, (N,)),
+        bias=torch.randn(V),
+        temperature=1.0,
+        logit_scale=1.0,
+        logit_softcap=30.0,
+        return_entropy=True,
+        ignore_index=-100,
     )
     args.update(changes)
     return tuple(args.values())
@@ -186,9 +208,19 @@ def _head(**changes):
 
 def _head_backward(**changes):
     args = dict(
-        grad_logprobs=torch.randn(N), grad_entropy=torch.randn(N), hidden=torch.randn(N, H), weight=torch.randn(V, H),
-        labels=torch.randint(0, V, (N,)), bias=torch.randn(V), lse=torch.randn(N), entropy=torch.randn(N),
-        temperature=1.0, logit_scale=1.0, logit_softcap=30.0, ignore_index=-100, output_mask=[True, True, True],
+        grad_logprobs=torch.randn(N),
+        grad_entropy=torch.randn(N),
+        hidden=torch.randn(N, H),
+        weight=torch.randn(V, H),
+        labels=torch.randint(0, V, (N,)),
+        bias=torch.randn(V),
+        lse=torch.randn(N),
+        entropy=torch.randn(N),
+        temperature=1.0,
+        logit_scale=1.0,
+        logit_softcap=30.0,
+        ignore_index=-100,
+        output_mask=[True, True, True],
     )
     args.update(changes)
     return tuple(args.values())
@@ -202,8 +234,14 @@ def _group_sum(**changes):
 
 def _sequence_policy(**changes):  # policy_loss_gspo and policy_loss_geo_mean
     args = dict(
-        logprobs=torch.randn(B, T), old_logprobs=torch.randn(B, T), advantages=torch.randn(B, T),
-        mask=torch.ones(B, T, dtype=torch.bool), weights=torch.rand(B, T), clip_eps_low=0.2, clip_eps_high=0.28, agg="token-mean",
+        logprobs=torch.randn(B, T),
+        old_logprobs=torch.randn(B, T),
+        advantages=torch.randn(B, T),
+        mask=torch.ones(B, T, dtype=torch.bool),
+        weights=torch.rand(B, T),
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        agg="token-mean",
     )
     args.update(changes)
     return tuple(args.values())
@@ -211,9 +249,17 @@ def _sequence_policy(**changes):  # policy_loss_gspo and policy_loss_geo_mean
 
 def _sequence_policy_backward(**changes):
     args = dict(
-        grad_loss=torch.tensor(1.0), logprobs=torch.randn(B, T), old_logprobs=torch.randn(B, T), advantages=torch.randn(B, T),
-        mask=torch.ones(B, T, dtype=torch.bool), weights=torch.rand(B, T), row_scale=torch.ones(B), row_state=torch.zeros(B, 2),
-        clip_eps_low=0.2, clip_eps_high=0.28, output_mask=[True, True, True, True],
+        grad_loss=torch.tensor(1.0),
+        logprobs=torch.randn(B, T),
+        old_logprobs=torch.randn(B, T),
+        advantages=torch.randn(B, T),
+        mask=torch.ones(B, T, dtype=torch.bool),
+        weights=torch.rand(B, T),
+        row_scale=torch.ones(B),
+        row_state=torch.zeros(B, 2),
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        output_mask=[True, True, True, True],
     )
     args.update(changes)
     return tuple(args.values())
@@ -228,12 +274,32 @@ POLICY_FLOATS = ("logprobs", "old_logprobs", "advantages", "weights")
 # in both interpreters, so that each case's tensors are made where it runs.
 CASES = {
     # clipped_policy_loss
-    "policy-old-shape": ("clipped_policy_loss", lambda: _policy(old_logprobs=torch.randn(B, T - 1)), f"old_logprobs {SHAPE} logprobs"),
-    "policy-adv-rows": ("clipped_policy_loss", lambda: _policy(advantages=torch.randn(B + 1, T)), f"advantages {SHAPE} logprobs"),
-    "policy-adv-flat": ("clipped_policy_loss", lambda: _policy(advantages=torch.randn(B * T)), f"advantages {SHAPE} logprobs"),
-    "policy-mask-shape": ("clipped_policy_loss", lambda: _policy(mask=torch.ones(B, 2 * T, dtype=torch.bool)), f"mask {SHAPE} logprobs"),
+    "policy-old-shape": (
+        "clipped_policy_loss",
+        lambda: _policy(old_logprobs=torch.randn(B, T - 1)),
+        f"old_logprobs {SHAPE} logprobs",
+    ),
+    "policy-adv-rows": (
+        "clipped_policy_loss",
+        lambda: _policy(advantages=torch.randn(B + 1, T)),
+        f"advantages {SHAPE} logprobs",
+    ),
+    "policy-adv-flat": (
+        "clipped_policy_loss",
+        lambda: _policy(advantages=torch.randn(B * T)),
+        f"advantages {SHAPE} logprobs",
+    ),
+    "policy-mask-shape": (
+        "clipped_policy_loss",
+        lambda: _policy(mask=torch.ones(B, 2 * T, dtype=torch.bool)),
+        f"mask {SHAPE} logprobs",
+    ),
     "policy-mask-dtype": ("clipped_policy_loss", lambda: _policy(mask=torch.ones(B, T)), BOOL_MASK),
-    "policy-weights-shape": ("clipped_policy_loss", lambda: _policy(weights=torch.rand(1, T)), f"weights {SHAPE} logprobs"),
+    "policy-weights-shape": (
+        "clipped_policy_loss",
+        lambda: _policy(weights=torch.rand(1, T)),
+        f"weights {SHAPE} logprobs",
+    ),
     "policy-weights-dtype": ("clipped_policy_loss", lambda: _policy(weights=torch.ones(B, T, dtype=torch.long)), FLOAT),
     "policy-1d": (
         "clipped_policy_loss",
@@ -245,7 +311,11 @@ CASES = {
         lambda: _policy(**{k: torch.randn(B, T, 2) for k in POLICY_FLOATS}, mask=torch.ones(B, T, 2, dtype=torch.bool)),
         "logprobs must be 2-D",
     ),
-    "policy-int-logprobs": ("clipped_policy_loss", lambda: _policy(logprobs=torch.zeros(B, T, dtype=torch.int32)), FLOAT),
+    "policy-int-logprobs": (
+        "clipped_policy_loss",
+        lambda: _policy(logprobs=torch.zeros(B, T, dtype=torch.int32)),
+        FLOAT,
+    ),
     "policy-agg": ("clipped_policy_loss", lambda: _policy(agg="tokens-mean"), "agg must be one of"),
     # clipped_policy_loss_backward
     "policy-bwd-grad-numel": (
@@ -279,79 +349,236 @@ CASES = {
         lambda: _policy_backward(weights=torch.rand(B, T + 3)),
         f"weights {SHAPE} logprobs",
     ),
-    "policy-bwd-mask": ("clipped_policy_loss_backward", lambda: _policy_backward(mask=torch.ones(B, T, dtype=torch.uint8)), BOOL_MASK),
+    "policy-bwd-mask": (
+        "clipped_policy_loss_backward",
+        lambda: _policy_backward(mask=torch.ones(B, T, dtype=torch.uint8)),
+        BOOL_MASK,
+    ),
     # group_sum
-    "group-sum-index-rows": ("group_sum", lambda: _group_sum(group_index=torch.tensor([0, 1])), "group_index must have shape [3]"),
-    "group-sum-index-2d": ("group_sum", lambda: _group_sum(group_index=torch.tensor([[0, 1, 0]])), "group_index must have shape [3]"),
-    "group-sum-index-int32": ("group_sum", lambda: _group_sum(group_index=torch.tensor([0, 1, 0], dtype=torch.int32)), "group_index must be int64"),
-    "group-sum-index-float": ("group_sum", lambda: _group_sum(group_index=torch.tensor([0.0, 1.0, 0.0])), "group_index must be int64"),
+    "group-sum-index-rows": (
+        "group_sum",
+        lambda: _group_sum(group_index=torch.tensor([0, 1])),
+        "group_index must have shape [3]",
+    ),
+    "group-sum-index-2d": (
+        "group_sum",
+        lambda: _group_sum(group_index=torch.tensor([[0, 1, 0]])),
+        "group_index must have shape [3]",
+    ),
+    "group-sum-index-int32": (
+        "group_sum",
+        lambda: _group_sum(group_index=torch.tensor([0, 1, 0], dtype=torch.int32)),
+        "group_index must be int64",
+    ),
+    "group-sum-index-float": (
+        "group_sum",
+        lambda: _group_sum(group_index=torch.tensor([0.0, 1.0, 0.0])),
+        "group_index must be int64",
+    ),
     "group-sum-values-1d": ("group_sum", lambda: _group_sum(values=torch.randn(B)), "values must be 2-D"),
     "group-sum-values-3d": ("group_sum", lambda: _group_sum(values=torch.randn(B, T, 2)), "values must be 2-D"),
-    "group-sum-values-half": ("group_sum", lambda: _group_sum(values=torch.randn(B, T).half()), "values must be float32 or float64"),
+    "group-sum-values-half": (
+        "group_sum",
+        lambda: _group_sum(values=torch.randn(B, T).half()),
+        "values must be float32 or float64",
+    ),
     # A value check: the C++ kernel's only (the fake kernel sees no values).
-    "group-sum-index-range": ("group_sum", lambda: _group_sum(group_index=torch.tensor([0, 3, 0])), "group_index must lie in [0, 3)"),
-    "group-sum-index-negative": ("group_sum", lambda: _group_sum(group_index=torch.tensor([0, -1, 0])), "group_index must lie in [0, 3)"),
+    "group-sum-index-range": (
+        "group_sum",
+        lambda: _group_sum(group_index=torch.tensor([0, 3, 0])),
+        "group_index must lie in [0, 3)",
+    ),
+    "group-sum-index-negative": (
+        "group_sum",
+        lambda: _group_sum(group_index=torch.tensor([0, -1, 0])),
+        "group_index must lie in [0, 3)",
+    ),
     # policy_loss_gspo
-    "gspo-old-shape": ("policy_loss_gspo", lambda: _sequence_policy(old_logprobs=torch.randn(B, T - 1)), f"old_logprobs {SHAPE} logprobs"),
+    "gspo-old-shape": (
+        "policy_loss_gspo",
+        lambda: _sequence_policy(old_logprobs=torch.randn(B, T - 1)),
+        f"old_logprobs {SHAPE} logprobs",
+    ),
     "gspo-mask-dtype": ("policy_loss_gspo", lambda: _sequence_policy(mask=torch.ones(B, T)), BOOL_MASK),
-    "gspo-weights-shape": ("policy_loss_gspo", lambda: _sequence_policy(weights=torch.rand(1, T)), f"weights {SHAPE} logprobs"),
-    "gspo-1d": ("policy_loss_gspo", lambda: _sequence_policy(**{k: torch.randn(T) for k in POLICY_FLOATS}, mask=torch.ones(T, dtype=torch.bool)), "logprobs must be 2-D"),
-    "gspo-int-advantages": ("policy_loss_gspo", lambda: _sequence_policy(advantages=torch.ones(B, T, dtype=torch.long)), FLOAT),
+    "gspo-weights-shape": (
+        "policy_loss_gspo",
+        lambda: _sequence_policy(weights=torch.rand(1, T)),
+        f"weights {SHAPE} logprobs",
+    ),
+    "gspo-1d": (
+        "policy_loss_gspo",
+        lambda: _sequence_policy(**{k: torch.randn(T) for k in POLICY_FLOATS}, mask=torch.ones(T, dtype=torch.bool)),
+        "logprobs must be 2-D",
+    ),
+    "gspo-int-advantages": (
+        "policy_loss_gspo",
+        lambda: _sequence_policy(advantages=torch.ones(B, T, dtype=torch.long)),
+        FLOAT,
+    ),
     "gspo-agg": ("policy_loss_gspo", lambda: _sequence_policy(agg="tokens"), "agg must be one of"),
     # policy_loss_gspo_backward
-    "gspo-bwd-grad-numel": ("policy_loss_gspo_backward", lambda: _sequence_policy_backward(grad_loss=torch.ones(2)), "grad_loss must have one element"),
-    "gspo-bwd-row-scale": ("policy_loss_gspo_backward", lambda: _sequence_policy_backward(row_scale=torch.ones(B + 1)), "row_scale must have shape [3]"),
-    "gspo-bwd-row-state": ("policy_loss_gspo_backward", lambda: _sequence_policy_backward(row_state=torch.zeros(B + 1, 2)), "row_state must have shape [3, 2]"),
-    "gspo-bwd-old-shape": ("policy_loss_gspo_backward", lambda: _sequence_policy_backward(old_logprobs=torch.randn(T, B)), f"old_logprobs {SHAPE} logprobs"),
-    "gspo-bwd-mask": ("policy_loss_gspo_backward", lambda: _sequence_policy_backward(mask=torch.ones(B, T, dtype=torch.uint8)), BOOL_MASK),
+    "gspo-bwd-grad-numel": (
+        "policy_loss_gspo_backward",
+        lambda: _sequence_policy_backward(grad_loss=torch.ones(2)),
+        "grad_loss must have one element",
+    ),
+    "gspo-bwd-row-scale": (
+        "policy_loss_gspo_backward",
+        lambda: _sequence_policy_backward(row_scale=torch.ones(B + 1)),
+        "row_scale must have shape [3]",
+    ),
+    "gspo-bwd-row-state": (
+        "policy_loss_gspo_backward",
+        lambda: _sequence_policy_backward(row_state=torch.zeros(B + 1, 2)),
+        "row_state must have shape [3, 2]",
+    ),
+    "gspo-bwd-old-shape": (
+        "policy_loss_gspo_backward",
+        lambda: _sequence_policy_backward(old_logprobs=torch.randn(T, B)),
+        f"old_logprobs {SHAPE} logprobs",
+    ),
+    "gspo-bwd-mask": (
+        "policy_loss_gspo_backward",
+        lambda: _sequence_policy_backward(mask=torch.ones(B, T, dtype=torch.uint8)),
+        BOOL_MASK,
+    ),
     # policy_loss_geo_mean
-    "geo-mean-old-shape": ("policy_loss_geo_mean", lambda: _sequence_policy(old_logprobs=torch.randn(B, T - 1)), f"old_logprobs {SHAPE} logprobs"),
+    "geo-mean-old-shape": (
+        "policy_loss_geo_mean",
+        lambda: _sequence_policy(old_logprobs=torch.randn(B, T - 1)),
+        f"old_logprobs {SHAPE} logprobs",
+    ),
     "geo-mean-mask-dtype": ("policy_loss_geo_mean", lambda: _sequence_policy(mask=torch.ones(B, T)), BOOL_MASK),
-    "geo-mean-weights-shape": ("policy_loss_geo_mean", lambda: _sequence_policy(weights=torch.rand(1, T)), f"weights {SHAPE} logprobs"),
-    "geo-mean-1d": ("policy_loss_geo_mean", lambda: _sequence_policy(**{k: torch.randn(T) for k in POLICY_FLOATS}, mask=torch.ones(T, dtype=torch.bool)), "logprobs must be 2-D"),
-    "geo-mean-int-advantages": ("policy_loss_geo_mean", lambda: _sequence_policy(advantages=torch.ones(B, T, dtype=torch.long)), FLOAT),
+    "geo-mean-weights-shape": (
+        "policy_loss_geo_mean",
+        lambda: _sequence_policy(weights=torch.rand(1, T)),
+        f"weights {SHAPE} logprobs",
+    ),
+    "geo-mean-1d": (
+        "policy_loss_geo_mean",
+        lambda: _sequence_policy(**{k: torch.randn(T) for k in POLICY_FLOATS}, mask=torch.ones(T, dtype=torch.bool)),
+        "logprobs must be 2-D",
+    ),
+    "geo-mean-int-advantages": (
+        "policy_loss_geo_mean",
+        lambda: _sequence_policy(advantages=torch.ones(B, T, dtype=torch.long)),
+        FLOAT,
+    ),
     "geo-mean-agg": ("policy_loss_geo_mean", lambda: _sequence_policy(agg="tokens"), "agg must be one of"),
     # policy_loss_geo_mean_backward
-    "geo-mean-bwd-grad-numel": ("policy_loss_geo_mean_backward", lambda: _sequence_policy_backward(grad_loss=torch.ones(2)), "grad_loss must have one element"),
-    "geo-mean-bwd-row-scale": ("policy_loss_geo_mean_backward", lambda: _sequence_policy_backward(row_scale=torch.ones(B + 1)), "row_scale must have shape [3]"),
-    "geo-mean-bwd-row-state": ("policy_loss_geo_mean_backward", lambda: _sequence_policy_backward(row_state=torch.zeros(B + 1, 2)), "row_state must have shape [3, 2]"),
-    "geo-mean-bwd-old-shape": ("policy_loss_geo_mean_backward", lambda: _sequence_policy_backward(old_logprobs=torch.randn(T, B)), f"old_logprobs {SHAPE} logprobs"),
-    "geo-mean-bwd-mask": ("policy_loss_geo_mean_backward", lambda: _sequence_policy_backward(mask=torch.ones(B, T, dtype=torch.uint8)), BOOL_MASK),
+    "geo-mean-bwd-grad-numel": (
+        "policy_loss_geo_mean_backward",
+        lambda: _sequence_policy_backward(grad_loss=torch.ones(2)),
+        "grad_loss must have one element",
+    ),
+    "geo-mean-bwd-row-scale": (
+        "policy_loss_geo_mean_backward",
+        lambda: _sequence_policy_backward(row_scale=torch.ones(B + 1)),
+        "row_scale must have shape [3]",
+    ),
+    "geo-mean-bwd-row-state": (
+        "policy_loss_geo_mean_backward",
+        lambda: _sequence_policy_backward(row_state=torch.zeros(B + 1, 2)),
+        "row_state must have shape [3, 2]",
+    ),
+    "geo-mean-bwd-old-shape": (
+        "policy_loss_geo_mean_backward",
+        lambda: _sequence_policy_backward(old_logprobs=torch.randn(T, B)),
+        f"old_logprobs {SHAPE} logprobs",
+    ),
+    "geo-mean-bwd-mask": (
+        "policy_loss_geo_mean_backward",
+        lambda: _sequence_policy_backward(mask=torch.ones(B, T, dtype=torch.uint8)),
+        BOOL_MASK,
+    ),
     # value_loss
     "value-old-shape": ("value_loss", lambda: _value(old_values=torch.randn(B, T + 1)), f"old_values {SHAPE} values"),
     "value-returns-shape": ("value_loss", lambda: _value(returns=torch.randn(1, 1)), f"returns {SHAPE} values"),
-    "value-mask-shape": ("value_loss", lambda: _value(mask=torch.ones(B - 1, T, dtype=torch.bool)), f"mask {SHAPE} values"),
+    "value-mask-shape": (
+        "value_loss",
+        lambda: _value(mask=torch.ones(B - 1, T, dtype=torch.bool)),
+        f"mask {SHAPE} values",
+    ),
     "value-mask-dtype": ("value_loss", lambda: _value(mask=torch.ones(B, T, dtype=torch.int64)), BOOL_MASK),
     "value-1d": (
         "value_loss",
-        lambda: _value(values=torch.randn(T), old_values=torch.randn(T), returns=torch.randn(T), mask=torch.ones(T, dtype=torch.bool)),
+        lambda: _value(
+            values=torch.randn(T),
+            old_values=torch.randn(T),
+            returns=torch.randn(T),
+            mask=torch.ones(T, dtype=torch.bool),
+        ),
         "values must be 2-D",
     ),
     "value-int-returns": ("value_loss", lambda: _value(returns=torch.ones(B, T, dtype=torch.int64)), FLOAT),
     "value-agg": ("value_loss", lambda: _value(agg=""), "agg must be one of"),
     # value_loss_backward
-    "value-bwd-grad-numel": ("value_loss_backward", lambda: _value_backward(grad_loss=torch.ones(B, T)), "grad_loss must have one element"),
-    "value-bwd-row-scale": ("value_loss_backward", lambda: _value_backward(row_scale=torch.ones(B + 5)), "row_scale must have shape"),
-    "value-bwd-returns": ("value_loss_backward", lambda: _value_backward(returns=torch.randn(B)), f"returns {SHAPE} values"),
-    "value-bwd-mask": ("value_loss_backward", lambda: _value_backward(mask=torch.ones(B, 1, dtype=torch.bool)), f"mask {SHAPE} values"),
+    "value-bwd-grad-numel": (
+        "value_loss_backward",
+        lambda: _value_backward(grad_loss=torch.ones(B, T)),
+        "grad_loss must have one element",
+    ),
+    "value-bwd-row-scale": (
+        "value_loss_backward",
+        lambda: _value_backward(row_scale=torch.ones(B + 5)),
+        "row_scale must have shape",
+    ),
+    "value-bwd-returns": (
+        "value_loss_backward",
+        lambda: _value_backward(returns=torch.randn(B)),
+        f"returns {SHAPE} values",
+    ),
+    "value-bwd-mask": (
+        "value_loss_backward",
+        lambda: _value_backward(mask=torch.ones(B, 1, dtype=torch.bool)),
+        f"mask {SHAPE} values",
+    ),
     # kl_estimate
     "kl-ref-shape": ("kl_estimate", lambda: _kl(ref_logprobs=torch.randn(B, T - 1)), f"ref_logprobs {SHAPE} logprobs"),
-    "kl-ref-same-numel": ("kl_estimate", lambda: _kl(ref_logprobs=torch.randn(B * T)), f"ref_logprobs {SHAPE} logprobs"),
+    "kl-ref-same-numel": (
+        "kl_estimate",
+        lambda: _kl(ref_logprobs=torch.randn(B * T)),
+        f"ref_logprobs {SHAPE} logprobs",
+    ),
     "kl-int": ("kl_estimate", lambda: _kl(logprobs=torch.zeros(B, T, dtype=torch.int64)), FLOAT),
     "kl-bool-ref": ("kl_estimate", lambda: _kl(ref_logprobs=torch.zeros(B, T, dtype=torch.bool)), FLOAT),
     "kl-estimator": ("kl_estimate", lambda: _kl(kl_estimator="k4"), "estimator must be one of"),
     # kl_estimate_backward
-    "kl-bwd-grad-shape": ("kl_estimate_backward", lambda: _kl_backward(grad_kl=torch.randn(B, T + 1)), f"grad_kl {SHAPE} logprobs"),
-    "kl-bwd-ref-shape": ("kl_estimate_backward", lambda: _kl_backward(ref_logprobs=torch.randn(1)), f"ref_logprobs {SHAPE} logprobs"),
-    "kl-bwd-grad-int": ("kl_estimate_backward", lambda: _kl_backward(grad_kl=torch.ones(B, T, dtype=torch.int32)), FLOAT),
+    "kl-bwd-grad-shape": (
+        "kl_estimate_backward",
+        lambda: _kl_backward(grad_kl=torch.randn(B, T + 1)),
+        f"grad_kl {SHAPE} logprobs",
+    ),
+    "kl-bwd-ref-shape": (
+        "kl_estimate_backward",
+        lambda: _kl_backward(ref_logprobs=torch.randn(1)),
+        f"ref_logprobs {SHAPE} logprobs",
+    ),
+    "kl-bwd-grad-int": (
+        "kl_estimate_backward",
+        lambda: _kl_backward(grad_kl=torch.ones(B, T, dtype=torch.int32)),
+        FLOAT,
+    ),
     "kl-bwd-estimator": ("kl_estimate_backward", lambda: _kl_backward(kl_estimator="KL"), "estimator must be one of"),
     # kl_penalized_rewards
-    "rewards-scores-long": ("kl_penalized_rewards", lambda: _rewards(scores=torch.randn(B + 1)), "scores must have shape"),
+    "rewards-scores-long": (
+        "kl_penalized_rewards",
+        lambda: _rewards(scores=torch.randn(B + 1)),
+        "scores must have shape",
+    ),
     "rewards-scores-short": ("kl_penalized_rewards", lambda: _rewards(scores=torch.randn(1)), "scores must have shape"),
     "rewards-scores-2d": ("kl_penalized_rewards", lambda: _rewards(scores=torch.randn(B, 1)), "scores must have shape"),
     "rewards-scores-int": ("kl_penalized_rewards", lambda: _rewards(scores=torch.ones(B, dtype=torch.int64)), FLOAT),
-    "rewards-ref-shape": ("kl_penalized_rewards", lambda: _rewards(ref_logprobs=torch.randn(B, 1)), f"ref_logprobs {SHAPE} logprobs"),
-    "rewards-mask-shape": ("kl_penalized_rewards", lambda: _rewards(mask=torch.ones(B, T + 7, dtype=torch.bool)), f"mask {SHAPE} logprobs"),
+    "rewards-ref-shape": (
+        "kl_penalized_rewards",
+        lambda: _rewards(ref_logprobs=torch.randn(B, 1)),
+        f"ref_logprobs {SHAPE} logprobs",
+    ),
+    "rewards-mask-shape": (
+        "kl_penalized_rewards",
+        lambda: _rewards(mask=torch.ones(B, T + 7, dtype=torch.bool)),
+        f"mask {SHAPE} logprobs",
+    ),
     "rewards-mask-dtype": ("kl_penalized_rewards", lambda: _rewards(mask=torch.ones(B, T)), BOOL_MASK),
     "rewards-1d": (
         "kl_penalized_rewards",
@@ -388,7 +615,11 @@ CASES = {
     # gae
     # bool_mask (the public ops' host check of 0/1 masks)
     "bool-mask-bool": ("bool_mask", lambda: (torch.ones(B, T, dtype=torch.bool), "mask"), "mask is already bool"),
-    "bool-mask-complex": ("bool_mask", lambda: (torch.ones(B, T, dtype=torch.complex64), "mask"), "mask must be a float or integer"),
+    "bool-mask-complex": (
+        "bool_mask",
+        lambda: (torch.ones(B, T, dtype=torch.complex64), "mask"),
+        "mask must be a float or integer",
+    ),
     "gae-values-shape": ("gae", lambda: _gae(values=torch.randn(B, T - 1)), f"values {SHAPE} rewards"),
     "gae-values-rows": ("gae", lambda: _gae(values=torch.randn(1, T)), f"values {SHAPE} rewards"),
     "gae-mask-shape": ("gae", lambda: _gae(mask=torch.ones(B, T + 100, dtype=torch.bool)), f"mask {SHAPE} rewards"),
@@ -400,15 +631,27 @@ CASES = {
     ),
     "gae-int-values": ("gae", lambda: _gae(values=torch.ones(B, T, dtype=torch.int64)), FLOAT),
     # gae_backward
-    "gae-bwd-grad-adv": ("gae_backward", lambda: _gae_backward(grad_advantages=torch.randn(B, T + 1)), f"grad_advantages {SHAPE} mask"),
-    "gae-bwd-grad-ret": ("gae_backward", lambda: _gae_backward(grad_returns=torch.randn(B * T)), f"grad_returns {SHAPE} mask"),
+    "gae-bwd-grad-adv": (
+        "gae_backward",
+        lambda: _gae_backward(grad_advantages=torch.randn(B, T + 1)),
+        f"grad_advantages {SHAPE} mask",
+    ),
+    "gae-bwd-grad-ret": (
+        "gae_backward",
+        lambda: _gae_backward(grad_returns=torch.randn(B * T)),
+        f"grad_returns {SHAPE} mask",
+    ),
     "gae-bwd-mask-1d": (
         "gae_backward",
         lambda: _gae_backward(mask=torch.ones(T, dtype=torch.bool), grad_advantages=None, grad_returns=None),
         "mask must be 2-D",
     ),
     "gae-bwd-mask-dtype": ("gae_backward", lambda: _gae_backward(mask=torch.ones(B, T)), BOOL_MASK),
-    "gae-bwd-dtype": ("gae_backward", lambda: _gae_backward(values_dtype=torch.int32), "values_dtype must be a floating dtype"),
+    "gae-bwd-dtype": (
+        "gae_backward",
+        lambda: _gae_backward(values_dtype=torch.int32),
+        "values_dtype must be a floating dtype",
+    ),
     # token_logprobs
     "logprobs-labels-long": (
         "token_logprobs",
@@ -420,7 +663,11 @@ CASES = {
         lambda: _logprobs(labels=torch.zeros(N, 1, dtype=torch.long)),
         f"labels {SHAPE} logits.shape[:-1]",
     ),
-    "logprobs-labels-float": ("token_logprobs", lambda: _logprobs(labels=torch.zeros(N)), "labels must be an integer tensor"),
+    "logprobs-labels-float": (
+        "token_logprobs",
+        lambda: _logprobs(labels=torch.zeros(N)),
+        "labels must be an integer tensor",
+    ),
     "logprobs-labels-bool": (
         "token_logprobs",
         lambda: _logprobs(labels=torch.zeros(N, dtype=torch.bool)),
@@ -437,9 +684,17 @@ CASES = {
         "logits must be [N, V] or [B, T, V]",
     ),
     "logprobs-logits-int": ("token_logprobs", lambda: _logprobs(logits=torch.zeros(N, V, dtype=torch.int64)), FLOAT),
-    "logprobs-temperature": ("token_logprobs", lambda: _logprobs(temperature=0.0), "temperature must be finite and > 0"),
+    "logprobs-temperature": (
+        "token_logprobs",
+        lambda: _logprobs(temperature=0.0),
+        "temperature must be finite and > 0",
+    ),
     # token_logprobs_backward
-    "logprobs-bwd-lse-shape": ("token_logprobs_backward", lambda: _logprobs_backward(lse=torch.randn(N - 1)), f"lse {SHAPE} labels"),
+    "logprobs-bwd-lse-shape": (
+        "token_logprobs_backward",
+        lambda: _logprobs_backward(lse=torch.randn(N - 1)),
+        f"lse {SHAPE} labels",
+    ),
     "logprobs-bwd-lse-dtype": (
         "token_logprobs_backward",
         lambda: _logprobs_backward(lse=torch.randn(N, dtype=torch.float16)),
@@ -474,23 +729,75 @@ CASES = {
     "head-hidden-3d": ("linear_token_logprobs", lambda: _head(hidden=torch.randn(1, N, H)), "hidden must be 2-D"),
     "head-hidden-int": ("linear_token_logprobs", lambda: _head(hidden=torch.zeros(N, H, dtype=torch.int64)), FLOAT),
     "head-weight-1d": ("linear_token_logprobs", lambda: _head(weight=torch.randn(V)), "weight must be 2-D"),
-    "head-weight-width": ("linear_token_logprobs", lambda: _head(weight=torch.randn(V, H + 1)), "weight must be [V, H] with H = hidden.size(1)"),
-    "head-weight-empty": ("linear_token_logprobs", lambda: _head(weight=torch.randn(0, H), bias=None), "weight must have a non-empty vocabulary dim"),
-    "head-weight-dtype": ("linear_token_logprobs", lambda: _head(weight=torch.randn(V, H, dtype=torch.float64)), "weight must have hidden's dtype"),
-    "head-labels-float": ("linear_token_logprobs", lambda: _head(labels=torch.zeros(N)), "labels must be an integer tensor"),
-    "head-labels-shape": ("linear_token_logprobs", lambda: _head(labels=torch.zeros(N + 1, dtype=torch.long)), "labels must have shape"),
+    "head-weight-width": (
+        "linear_token_logprobs",
+        lambda: _head(weight=torch.randn(V, H + 1)),
+        "weight must be [V, H] with H = hidden.size(1)",
+    ),
+    "head-weight-empty": (
+        "linear_token_logprobs",
+        lambda: _head(weight=torch.randn(0, H), bias=None),
+        "weight must have a non-empty vocabulary dim",
+    ),
+    "head-weight-dtype": (
+        "linear_token_logprobs",
+        lambda: _head(weight=torch.randn(V, H, dtype=torch.float64)),
+        "weight must have hidden's dtype",
+    ),
+    "head-labels-float": (
+        "linear_token_logprobs",
+        lambda: _head(labels=torch.zeros(N)),
+        "labels must be an integer tensor",
+    ),
+    "head-labels-shape": (
+        "linear_token_logprobs",
+        lambda: _head(labels=torch.zeros(N + 1, dtype=torch.long)),
+        "labels must have shape",
+    ),
     "head-bias-shape": ("linear_token_logprobs", lambda: _head(bias=torch.randn(V + 1)), "bias must have shape"),
-    "head-bias-dtype": ("linear_token_logprobs", lambda: _head(bias=torch.randn(V, dtype=torch.float16)), "bias must have hidden's dtype"),
+    "head-bias-dtype": (
+        "linear_token_logprobs",
+        lambda: _head(bias=torch.randn(V, dtype=torch.float16)),
+        "bias must have hidden's dtype",
+    ),
     "head-temperature": ("linear_token_logprobs", lambda: _head(temperature=0.0), "temperature must be finite and > 0"),
-    "head-logit-scale": ("linear_token_logprobs", lambda: _head(logit_scale=float("inf")), "logit_scale must be finite and > 0"),
+    "head-logit-scale": (
+        "linear_token_logprobs",
+        lambda: _head(logit_scale=float("inf")),
+        "logit_scale must be finite and > 0",
+    ),
     "head-softcap": ("linear_token_logprobs", lambda: _head(logit_softcap=-1.0), "logit_softcap"),
     # linear_token_logprobs_backward
-    "head-bwd-lse-shape": ("linear_token_logprobs_backward", lambda: _head_backward(lse=torch.randn(N - 1)), f"lse {SHAPE} labels"),
-    "head-bwd-lse-dtype": ("linear_token_logprobs_backward", lambda: _head_backward(lse=torch.randn(N, dtype=torch.float16)), "lse must have dtype"),
-    "head-bwd-entropy-shape": ("linear_token_logprobs_backward", lambda: _head_backward(entropy=torch.randn(0)), f"entropy {SHAPE} labels"),
-    "head-bwd-grad-shape": ("linear_token_logprobs_backward", lambda: _head_backward(grad_logprobs=torch.randn(N, 2)), f"grad_logprobs {SHAPE} labels"),
-    "head-bwd-grad-int": ("linear_token_logprobs_backward", lambda: _head_backward(grad_entropy=torch.zeros(N, dtype=torch.int64)), FLOAT),
-    "head-bwd-weight-width": ("linear_token_logprobs_backward", lambda: _head_backward(weight=torch.randn(V, H - 1)), "weight must be [V, H]"),
+    "head-bwd-lse-shape": (
+        "linear_token_logprobs_backward",
+        lambda: _head_backward(lse=torch.randn(N - 1)),
+        f"lse {SHAPE} labels",
+    ),
+    "head-bwd-lse-dtype": (
+        "linear_token_logprobs_backward",
+        lambda: _head_backward(lse=torch.randn(N, dtype=torch.float16)),
+        "lse must have dtype",
+    ),
+    "head-bwd-entropy-shape": (
+        "linear_token_logprobs_backward",
+        lambda: _head_backward(entropy=torch.randn(0)),
+        f"entropy {SHAPE} labels",
+    ),
+    "head-bwd-grad-shape": (
+        "linear_token_logprobs_backward",
+        lambda: _head_backward(grad_logprobs=torch.randn(N, 2)),
+        f"grad_logprobs {SHAPE} labels",
+    ),
+    "head-bwd-grad-int": (
+        "linear_token_logprobs_backward",
+        lambda: _head_backward(grad_entropy=torch.zeros(N, dtype=torch.int64)),
+        FLOAT,
+    ),
+    "head-bwd-weight-width": (
+        "linear_token_logprobs_backward",
+        lambda: _head_backward(weight=torch.randn(V, H - 1)),
+        "weight must be [V, H]",
+    ),
 }
 
 
@@ -525,7 +832,11 @@ def isolated_results():
     results, start = {}, 0
     while start < len(ids):
         run = subprocess.run(
-            [sys.executable, "-c", _RUNNER, tests_dir, str(start)], capture_output=True, text=True, cwd=repo_root, timeout=600
+            [sys.executable, "-c", _RUNNER, tests_dir, str(start)],
+            capture_output=True,
+            text=True,
+            cwd=repo_root,
+            timeout=600,
         )
         last_started = None
         for line in run.stdout.splitlines():
@@ -546,7 +857,9 @@ def isolated_results():
 def test_bad_arguments_raise_runtime_error(case_id, isolated_results):
     op, make_args, message = CASES[case_id]
     outcome = isolated_results[case_id]
-    assert "crashed" not in outcome, f"{op} crashed the interpreter (exit code {outcome['crashed']}): {outcome['stderr']}"
+    assert "crashed" not in outcome, (
+        f"{op} crashed the interpreter (exit code {outcome['crashed']}): {outcome['stderr']}"
+    )
     assert outcome["raised"] == "RuntimeError", f"{op}: expected RuntimeError, got {outcome}"
     assert outcome["message"].startswith(f"{op}: ") and message in outcome["message"], outcome
     # It raised without crashing there: run it here too.
@@ -614,12 +927,16 @@ def test_every_op_has_bad_input_cases():
 
 def test_bad_shapes_raise_under_torch_compile():
     # The fake kernel's checks fail the trace (no Python validation runs on raw ops).
-    compiled = torch.compile(lambda r, v, m: torch.ops.ppo_fast.gae(r, v, m, 1.0, 0.95), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(
+        lambda r, v, m: torch.ops.ppo_fast.gae(r, v, m, 1.0, 0.95), backend="aot_eager", fullgraph=True
+    )
     with pytest.raises(Exception, match="values must have the shape of rewards"):
         compiled(torch.randn(B, T), torch.randn(B, T - 1), torch.ones(B, T, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("op", [op for op, make in _GOOD.items() if sum(isinstance(a, torch.Tensor) for a in make()) > 1])
+@pytest.mark.parametrize(
+    "op", [op for op, make in _GOOD.items() if sum(isinstance(a, torch.Tensor) for a in make()) > 1]
+)
 def test_mixed_devices_raise(op):
     # One tensor argument on another device (meta: no GPU needed) must be refused by name.
     args = list(_GOOD[op]())

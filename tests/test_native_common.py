@@ -48,6 +48,7 @@ def policy_inputs(shape, dtype, device="cpu"):
 
 # --------------------------------------------------------------------------- registration
 
+
 def grads_of(outputs, inputs, weights):
     """d (sum_k (outputs[k] * weights[k]).sum()) / d inputs, None for an input that gets no gradient."""
     loss = sum((o.double() * w).sum() for o, w in zip(outputs, weights) if o is not None)

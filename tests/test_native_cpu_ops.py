@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from test_native_common import leaves, random_holes_mask, random_mask, requires_native
 
 import ppo_fast as pf
+from ppo_fast.backends import native as native_backend
 from ppo_fast.backends import reference
 from ppo_fast.spec import KL_ESTIMATORS
-from ppo_fast.backends import native as native_backend
-from test_native_common import leaves, random_holes_mask, random_mask, requires_native
 
 pytestmark = requires_native
 
@@ -157,13 +157,17 @@ def test_reward_and_gae_backward_ops_skip_unrequested_gradients():
     grad_scores, grad_logp, grad_ref = torch.ops.ppo_fast.kl_penalized_rewards_backward(
         torch.ones(shape), None, logprobs, ref, mask, 0.1, "k1", torch.float16, [True, False, False]
     )
-    assert grad_scores.shape == (2,) and grad_scores.dtype == torch.float16 and grad_logp.numel() == grad_ref.numel() == 0
+    assert (
+        grad_scores.shape == (2,) and grad_scores.dtype == torch.float16 and grad_logp.numel() == grad_ref.numel() == 0
+    )
     grad_rewards, grad_values = torch.ops.ppo_fast.gae_backward(
         None, torch.ones(shape), mask, 1.0, 1.0, torch.float32, torch.bfloat16, [False, True]
     )
     assert grad_rewards.numel() == 0 and grad_values.dtype == torch.bfloat16
     # No upstream gradient at all: zero gradients.
-    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(None, None, logprobs, ref, mask, 0.1, "k3", torch.float32, [True] * 3)
+    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(
+        None, None, logprobs, ref, mask, 0.1, "k3", torch.float32, [True] * 3
+    )
     assert all(torch.count_nonzero(g) == 0 for g in grads)
 
 
@@ -192,7 +196,9 @@ def test_token_logprobs_exp_underflow_and_saturation(dtype):
     float64 reference, in rows long enough for the vector loops and several chunks."""
     gen = torch.Generator().manual_seed(12)
     offsets = torch.tensor([0.0, -20.0, -87.0, -87.5, -87.68, -87.7, -88.03, -88.1, -100.0, -1e30])
-    logits = offsets[torch.randint(0, len(offsets), (6, 2100), generator=gen)] + 0.01 * torch.randn(6, 2100, generator=gen)
+    logits = offsets[torch.randint(0, len(offsets), (6, 2100), generator=gen)] + 0.01 * torch.randn(
+        6, 2100, generator=gen
+    )
     logits[:, 0] = 0.5  # every row has its max away from the ends
     logits = logits.to(dtype)
     labels = torch.randint(0, 2100, (6,), generator=gen)
@@ -228,8 +234,12 @@ def test_backward_ops_bitwise_deterministic_across_threads():
             outputs.append(
                 (
                     *torch.ops.ppo_fast.kl_estimate_backward(grad, logprobs, ref, "k3", [True, True]),
-                    *torch.ops.ppo_fast.kl_penalized_rewards_backward(grad, grad, logprobs, ref, mask, 0.1, "k2", torch.float32, [True] * 3),
-                    *torch.ops.ppo_fast.gae_backward(grad, grad, mask, 0.99, 0.95, torch.float32, torch.float32, [True, True]),
+                    *torch.ops.ppo_fast.kl_penalized_rewards_backward(
+                        grad, grad, logprobs, ref, mask, 0.1, "k2", torch.float32, [True] * 3
+                    ),
+                    *torch.ops.ppo_fast.gae_backward(
+                        grad, grad, mask, 0.99, 0.95, torch.float32, torch.float32, [True, True]
+                    ),
                 )
             )
     finally:

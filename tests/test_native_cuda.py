@@ -4,9 +4,9 @@ CUDA build of the extension."""
 
 import pytest
 import torch
+from test_native_common import NATIVE, policy_inputs, random_mask, requires_native
 
 import ppo_fast as pf
-from test_native_common import NATIVE, policy_inputs, random_mask, requires_native
 
 pytestmark = [
     pytest.mark.cuda,
@@ -68,12 +68,21 @@ def test_losses_cuda_launches_at_1m_tokens():
     value = ops.value_loss(logprobs, old, adv, mask, 0.2, "token-mean")
     grad_loss = torch.ones((), device="cuda")
     calls = {
-        "policy forward": (2, lambda: ops.clipped_policy_loss(logprobs, old, adv, mask, None, 0.2, 0.2, 3.0, "token-mean")),
-        "policy backward": (1, lambda: ops.clipped_policy_loss_backward(
-            grad_loss, logprobs, old, adv, mask, None, policy[4], 0.2, 0.2, 3.0, [True, False, False, False])),
+        "policy forward": (
+            2,
+            lambda: ops.clipped_policy_loss(logprobs, old, adv, mask, None, 0.2, 0.2, 3.0, "token-mean"),
+        ),
+        "policy backward": (
+            1,
+            lambda: ops.clipped_policy_loss_backward(
+                grad_loss, logprobs, old, adv, mask, None, policy[4], 0.2, 0.2, 3.0, [True, False, False, False]
+            ),
+        ),
         "value forward": (2, lambda: ops.value_loss(logprobs, old, adv, mask, 0.2, "token-mean")),
-        "value backward": (1, lambda: ops.value_loss_backward(grad_loss, logprobs, old, adv, mask, value[2], 0.2,
-                                                              [True, False, False])),
+        "value backward": (
+            1,
+            lambda: ops.value_loss_backward(grad_loss, logprobs, old, adv, mask, value[2], 0.2, [True, False, False]),
+        ),
     }
     for name, (most, call) in calls.items():
         call()
@@ -98,7 +107,9 @@ def test_losses_cuda_backward_without_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, *_ = native_backend.FUNCTIONS["clipped_policy_loss"](*inputs, mask, None, 0.2, 0.2, 3.0, "seq-mean-token-mean")
+        loss, *_ = native_backend.FUNCTIONS["clipped_policy_loss"](
+            *inputs, mask, None, 0.2, 0.2, 3.0, "seq-mean-token-mean"
+        )
         value, _ = native_backend.FUNCTIONS["value_loss"](inputs[0], inputs[1], inputs[2], mask, 0.2, "token-mean")
         torch.autograd.grad(loss + value, inputs)
     finally:

@@ -5,11 +5,11 @@ opcheck of the forward and backward ops, torch.compile and bitwise determinism."
 
 import pytest
 import torch
+from test_native_common import leaves, policy_inputs, random_holes_mask, random_mask, requires_native
 
 import ppo_fast as pf
-from ppo_fast.backends import reference
 from ppo_fast.backends import native as native_backend
-from test_native_common import leaves, policy_inputs, random_holes_mask, random_mask, requires_native
+from ppo_fast.backends import reference
 
 pytestmark = requires_native
 
@@ -23,7 +23,15 @@ def _policy_both(logprobs, old, adv, mask, weights, clip_low, clip_high, dual_cl
         logp = logprobs.detach().clone().requires_grad_(True)
         with pf.use_backend(backend):
             loss, stats = pf.clipped_policy_loss(
-                logp, old, adv, mask, clip_eps_low=clip_low, clip_eps_high=clip_high, dual_clip=dual_clip, agg=agg, weights=weights
+                logp,
+                old,
+                adv,
+                mask,
+                clip_eps_low=clip_low,
+                clip_eps_high=clip_high,
+                dual_clip=dual_clip,
+                agg=agg,
+                weights=weights,
             )
         (grad,) = torch.autograd.grad(loss, logp)
         results.append((loss, stats, grad))
@@ -50,7 +58,9 @@ def test_policy_gradient_zero_where_clipped_clamped_or_capped():
     old = torch.zeros(4, 1)
     adv = torch.tensor([[1.0], [1.0], [-1.0], [2.0]])
     mask = torch.ones(4, 1, dtype=torch.bool)
-    (_, stats, grad), (_, ref_stats, ref_grad) = _policy_both(logprobs, old, adv, mask, None, 0.2, 0.2, 3.0, "token-sum")
+    (_, stats, grad), (_, ref_stats, ref_grad) = _policy_both(
+        logprobs, old, adv, mask, None, 0.2, 0.2, 3.0, "token-sum"
+    )
     expected = torch.tensor([[0.0], [0.0], [0.0], [-2.0 * torch.exp(torch.tensor(0.05)).item()]])
     torch.testing.assert_close(grad, expected)
     torch.testing.assert_close(ref_grad, expected)
@@ -84,7 +94,9 @@ def _policy_grads(impl, inputs, mask, clip_low, clip_high, dual_clip, agg, requi
     advantages, weights) that `requires` selects as leaves."""
     leaves_ = [x.detach().clone().requires_grad_(r) if x is not None else None for x, r in zip(inputs, requires)]
     logp, old, adv, w = leaves_
-    loss, clipfrac, clipfrac_lower, approx_kl = impl.FUNCTIONS["clipped_policy_loss"](logp, old, adv, mask, w, clip_low, clip_high, dual_clip, agg)
+    loss, clipfrac, clipfrac_lower, approx_kl = impl.FUNCTIONS["clipped_policy_loss"](
+        logp, old, adv, mask, w, clip_low, clip_high, dual_clip, agg
+    )
     wrt = [x for x, r in zip(leaves_, requires) if x is not None and r]
     grads = torch.autograd.grad(loss, wrt) if wrt else ()
     return loss, (clipfrac, clipfrac_lower, approx_kl), grads
@@ -99,7 +111,13 @@ def _assert_grads_close(grads, ref_grads, inputs):
 
 @pytest.mark.parametrize(
     "requires",
-    [(False, True, False, False), (False, False, True, False), (False, False, False, True), (True, False, True, False), (False, True, True, True)],
+    [
+        (False, True, False, False),
+        (False, False, True, False),
+        (False, False, False, True),
+        (True, False, True, False),
+        (False, True, True, True),
+    ],
 )
 def test_policy_loss_gradients_only_where_asked(requires):
     shape = (3, 11)
@@ -148,7 +166,9 @@ def test_policy_loss_log_ratio_clamp_passes_gradient_on_its_closed_range():
     adv = torch.tensor([[-1.0], [1.0], [-1.0]], dtype=torch.float64)  # the unclipped term wins
     inputs = (logprobs, old, adv, None)
     mask = torch.ones(3, 1, dtype=torch.bool)
-    _, _, (grad_logp, grad_old, grad_adv) = _policy_grads(native_backend, inputs, mask, 0.2, 0.2, None, "token-sum", (True, True, True, False))
+    _, _, (grad_logp, grad_old, grad_adv) = _policy_grads(
+        native_backend, inputs, mask, 0.2, 0.2, None, "token-sum", (True, True, True, False)
+    )
     ratio = torch.exp(torch.tensor([20.0, -20.0, 20.0], dtype=torch.float64))
     torch.testing.assert_close(grad_logp[:, 0], -adv[:, 0] * ratio * torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
     torch.testing.assert_close(grad_old, -grad_logp)
@@ -169,7 +189,9 @@ def _value_inputs(shape, dtype=torch.float32):
     return values.to(dtype), old.to(dtype), returns.to(dtype)
 
 
-@pytest.mark.parametrize("requires", [(False, True, False), (False, False, True), (True, False, True), (False, True, True)])
+@pytest.mark.parametrize(
+    "requires", [(False, True, False), (False, False, True), (True, False, True), (False, True, True)]
+)
 def test_value_loss_gradients_only_where_asked(requires):
     shape = (3, 11)
     inputs = _value_inputs(shape)
@@ -200,14 +222,18 @@ def test_loss_backward_ops_return_empty_tensors_for_unrequested_gradients():
         torch.tensor(1.0), logprobs, old, adv, mask, None, row_scale, 0.2, 0.2, None, [False, True, False, True]
     )
     assert [g.numel() for g in grads] == [0, 15, 0, 0]  # no weights: no weight gradient either
-    grads = torch.ops.ppo_fast.value_loss_backward(torch.tensor(1.0), logprobs, old, adv, mask, row_scale, 0.2, [False, False, True])
+    grads = torch.ops.ppo_fast.value_loss_backward(
+        torch.tensor(1.0), logprobs, old, adv, mask, row_scale, 0.2, [False, False, True]
+    )
     assert [g.numel() for g in grads] == [0, 0, 15]
 
 
 def test_loss_stats_are_not_differentiable():
     shape = (3, 5)
     logprobs, old, adv = leaves(*policy_inputs(shape, torch.float32))
-    outputs = torch.ops.ppo_fast.clipped_policy_loss(logprobs, old, adv, random_mask(shape), None, 0.2, 0.2, None, "token-mean")
+    outputs = torch.ops.ppo_fast.clipped_policy_loss(
+        logprobs, old, adv, random_mask(shape), None, 0.2, 0.2, None, "token-mean"
+    )
     assert outputs[0].requires_grad and not any(o.requires_grad for o in outputs[1:])
     outputs = torch.ops.ppo_fast.value_loss(logprobs, old, adv, random_mask(shape), 0.2, "token-mean")
     assert outputs[0].requires_grad and not any(o.requires_grad for o in outputs[1:])

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
+from test_native_common import requires_native
 
 import ppo_fast as pf
 from ppo_fast.backends import backend_info
-from test_native_common import requires_native
 from ppo_fast.spec import AGG_MODES
-
 
 # --------------------------------------------------------------------------- plain formulas
 # Per-token losses ``[B, T]`` (or per-row ``[B]`` for geo_mean), written from the definitions
@@ -49,8 +48,11 @@ def gspo(lp, old, adv, mask, clip_eps_low, clip_eps_high):
 
 def geo_mean(lp, old, adv, mask, clip_eps_low, clip_eps_high, weights=None):
     log_r = lp - old
-    clipped = torch.where(adv > 0, torch.minimum(log_r, log_r.clamp(max=clip_eps_high)),
-                          torch.where(adv < 0, torch.maximum(log_r, log_r.clamp(min=-clip_eps_low)), 0.0 * log_r))
+    clipped = torch.where(
+        adv > 0,
+        torch.minimum(log_r, log_r.clamp(max=clip_eps_high)),
+        torch.where(adv < 0, torch.maximum(log_r, log_r.clamp(min=-clip_eps_low)), 0.0 * log_r),
+    )
     row = -row_mean(adv, mask) * torch.exp(row_mean(clipped, mask))
     if weights is not None:
         row = row * torch.exp(row_mean(torch.log(weights + 1e-10), mask))
@@ -142,7 +144,10 @@ def aggregate(loss, mask, agg):
 def clip_stats(lp, old, adv, mask, params):
     """The vanilla clip's stats, for the modes that report them."""
     r = torch.exp(lp - old)
-    return {"clipfrac": ((-adv * r.clamp(1 - params["clip_eps_low"], 1 + params["clip_eps_high"]) > -adv * r) & mask).sum() / mask.sum()}
+    return {
+        "clipfrac": ((-adv * r.clamp(1 - params["clip_eps_low"], 1 + params["clip_eps_high"]) > -adv * r) & mask).sum()
+        / mask.sum()
+    }
 
 
 # --------------------------------------------------------------------------- the table
@@ -197,7 +202,9 @@ def _grads(loss, leaves):
 def _ours(mode, leaves, mask, agg, weighted):
     lp, old, adv, w = leaves
     torch.manual_seed(1234)  # clip_cov draws its tokens from the default generator
-    loss, stats = pf.policy_loss(lp, old, adv, mask, loss_mode=mode, agg=agg, weights=w if weighted else None, **CASES[mode].params)
+    loss, stats = pf.policy_loss(
+        lp, old, adv, mask, loss_mode=mode, agg=agg, weights=w if weighted else None, **CASES[mode].params
+    )
     return loss, stats, _grads(loss, leaves)
 
 
@@ -228,11 +235,21 @@ def test_matches_the_formula(mode, agg, weighted):
 
 # verl's config names for ours (one name per concept here; verl reads the ratio cap of DPPO
 # and the dual clip from the same clip_ratio_c).
-_ACTOR = {"clip_eps_low": "clip_ratio_low", "clip_eps_high": "clip_ratio_high", "dual_clip": "clip_ratio_c",
-          "ratio_cap": "clip_ratio_c", "tau_pos": "tau_pos", "tau_neg": "tau_neg"}
+_ACTOR = {
+    "clip_eps_low": "clip_ratio_low",
+    "clip_eps_high": "clip_ratio_high",
+    "dual_clip": "clip_ratio_c",
+    "ratio_cap": "clip_ratio_c",
+    "tau_pos": "tau_pos",
+    "tau_neg": "tau_neg",
+}
 # ours -> verl's metric names
-_VERL_STATS = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor/pg_clipfrac_lower", "approx_kl": "actor/ppo_kl",
-               "approx_kl_abs": "actor/ppo_kl"}
+_VERL_STATS = {
+    "clipfrac": "actor/pg_clipfrac",
+    "clipfrac_lower": "actor/pg_clipfrac_lower",
+    "approx_kl": "actor/ppo_kl",
+    "approx_kl_abs": "actor/ppo_kl",
+}
 
 
 def _verl_config(params):
@@ -240,14 +257,18 @@ def _verl_config(params):
 
     actor = {_ACTOR[k]: v for k, v in params.items() if k in _ACTOR}
     loss = {k: v for k, v in params.items() if k not in _ACTOR}
-    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
-                       **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **actor}, policy_loss=PolicyLossConfig(**loss))
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **actor},
+        policy_loss=PolicyLossConfig(**loss),
+    )
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
-@pytest.mark.parametrize(
-    "mode, agg", [(mode, agg) for mode, case in CASES.items() for agg in case.verl_aggs]
-)
+@pytest.mark.parametrize("mode, agg", [(mode, agg) for mode, case in CASES.items() for agg in case.verl_aggs])
 def test_matches_verl(mode, agg, weighted):
     core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed")
     # verl's geo_mean averages over all rows, rows without tokens too: give every row one.
@@ -256,7 +277,12 @@ def test_matches_verl(mode, agg, weighted):
     loss, stats, grads = _ours(mode, leaves, mask, agg, weighted)
     torch.manual_seed(1234)
     want, metrics = core.get_policy_loss_fn(mode)(
-        old, lp, adv, mask.double(), loss_agg_mode=agg, config=_verl_config(CASES[mode].params),
+        old,
+        lp,
+        adv,
+        mask.double(),
+        loss_agg_mode=agg,
+        config=_verl_config(CASES[mode].params),
         rollout_is_weights=w if weighted else None,
     )
     # verl's means divide by (count + 1e-8): relative differences of about 1e-9.
@@ -283,8 +309,21 @@ def test_the_loss_moves_the_right_way():
 def test_clipped_policy_loss_is_the_vanilla_mode():
     leaves, mask = _inputs(5)
     lp, old, adv, w = leaves
-    a = pf.clipped_policy_loss(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0, weights=w, agg="token-sum")
-    b = pf.policy_loss(lp, old, adv, mask, loss_mode="vanilla", clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0, weights=w, agg="token-sum")
+    a = pf.clipped_policy_loss(
+        lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0, weights=w, agg="token-sum"
+    )
+    b = pf.policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        loss_mode="vanilla",
+        clip_eps_low=0.1,
+        clip_eps_high=0.3,
+        dual_clip=2.0,
+        weights=w,
+        agg="token-sum",
+    )
     assert torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys()
     assert all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
@@ -306,8 +345,16 @@ def test_default_aggregation_and_parameters():
     "kwargs, error, match",
     [
         ({"loss_mode": "ppo"}, ValueError, r"loss_mode must be one of \('vanilla', 'gspo'"),
-        ({"loss_mode": "gspo", "tau_pos": 1.0}, TypeError, "'gspo' takes clip_eps_low, clip_eps_high; got unexpected tau_pos"),
-        ({"loss_mode": "gpg", "clip_eps_low": 0.2}, TypeError, "'gpg' takes no parameters; got unexpected clip_eps_low"),
+        (
+            {"loss_mode": "gspo", "tau_pos": 1.0},
+            TypeError,
+            "'gspo' takes clip_eps_low, clip_eps_high; got unexpected tau_pos",
+        ),
+        (
+            {"loss_mode": "gpg", "clip_eps_low": 0.2},
+            TypeError,
+            "'gpg' takes no parameters; got unexpected clip_eps_low",
+        ),
         ({"loss_mode": "dro"}, TypeError, "'dro' needs dro_beta"),
         ({"loss_mode": "dro", "dro_beta": 0.0}, ValueError, "dro_beta must be > 0.0"),
         ({"loss_mode": "vanilla", "clip_eps_low": 1.0}, ValueError, "clip_eps_low must be < 1.0"),
@@ -332,7 +379,11 @@ def test_bad_tensors():
 
 def _native_cpu_modes():
     native = backend_info("native")
-    return [m.name for m in pf.policy_loss_modes().values() if native.available and "cpu" in native.module.SUPPORTED.get(m.op, ())]
+    return [
+        m.name
+        for m in pf.policy_loss_modes().values()
+        if native.available and "cpu" in native.module.SUPPORTED.get(m.op, ())
+    ]
 
 
 @pytest.mark.parametrize("mode", _native_cpu_modes())
@@ -351,10 +402,19 @@ def test_native_cpu_is_deterministic_and_matches_verl(mode):
             results.append((loss, grads))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0][0], results[1][0]) and all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    assert torch.equal(results[0][0], results[1][0]) and all(
+        torch.equal(a, b) for a, b in zip(results[0][1], results[1][1])
+    )
     lp, old, adv, w = leaves
-    want, _ = core.get_policy_loss_fn(mode)(old, lp, adv, mask.double(), loss_agg_mode="seq-mean-token-mean",
-                                           config=_verl_config(CASES[mode].params), rollout_is_weights=w)
+    want, _ = core.get_policy_loss_fn(mode)(
+        old,
+        lp,
+        adv,
+        mask.double(),
+        loss_agg_mode="seq-mean-token-mean",
+        config=_verl_config(CASES[mode].params),
+        rollout_is_weights=w,
+    )
     torch.testing.assert_close(loss, want, rtol=1e-7, atol=1e-10)
 
 

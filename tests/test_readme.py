@@ -10,7 +10,9 @@ def _quick_start_commands():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", section, flags=re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    return [
+        line.strip() for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():

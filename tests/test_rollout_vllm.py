@@ -17,8 +17,9 @@ from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
 from ppo_fast.trainer.rollout import generate
 from ppo_fast.trainer.rollout_vllm import mismatch_metrics
 
-requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                   reason="vllm is not installed (its own venv: .ci/vllm.sh)")
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (its own venv: .ci/vllm.sh)"
+)
 
 
 def _error_line(capsys) -> str:
@@ -64,9 +65,17 @@ def tiny_llama(tokenizer):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).float().eval()
 
@@ -84,8 +93,11 @@ def greedy(trainer, model, prompts):
 
 
 def same_batch(a, b) -> bool:
-    return a.prompt_width == b.prompt_width and a.input_ids.shape == b.input_ids.shape and bool(
-        (a.input_ids == b.input_ids).all() and (a.attention_mask == b.attention_mask).all())
+    return (
+        a.prompt_width == b.prompt_width
+        and a.input_ids.shape == b.input_ids.shape
+        and bool((a.input_ids == b.input_ids).all() and (a.attention_mask == b.attention_mask).all())
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +105,29 @@ def vllm_run(tmp_path_factory):
     """A trainer with a vLLM engine: greedy outputs before, two PPO steps, greedy outputs after."""
     tokenizer = default_task.build_tokenizer()
     cfg = TrainerConfig(
-        output_dir=str(tmp_path_factory.mktemp("vllm") / "run"), steps=2, batch_size=16, num_mini_batches=1,
-        num_ppo_epochs=2, response_length=6, temperature=0.7, learning_rate=3e-3, sample_every=0, save_every=0,
-        eval_every=0, rollout_engine="vllm", rollout_correction="token_tis",
+        output_dir=str(tmp_path_factory.mktemp("vllm") / "run"),
+        steps=2,
+        batch_size=16,
+        num_mini_batches=1,
+        num_ppo_epochs=2,
+        response_length=6,
+        temperature=0.7,
+        learning_rate=3e-3,
+        sample_every=0,
+        save_every=0,
+        eval_every=0,
+        rollout_engine="vllm",
+        rollout_correction="token_tis",
     )
     train_prompts, held_out = default_task.prompts(TrainerConfig(eval_size=32))
-    trainer = PPOTrainer(cfg, policy=tiny_llama(tokenizer), tokenizer=tokenizer, reward_fn=shorter_is_better,
-                         prompts=train_prompts, log=lambda message: None)
+    trainer = PPOTrainer(
+        cfg,
+        policy=tiny_llama(tokenizer),
+        tokenizer=tokenizer,
+        reward_fn=shorter_is_better,
+        prompts=train_prompts,
+        log=lambda message: None,
+    )
     before = greedy(trainer, trainer.policy, held_out)
     rows = [trainer.train_step() for _ in range(cfg.steps)]
     after = greedy(trainer, trainer.policy, held_out)
@@ -137,7 +165,16 @@ def test_each_torchrun_rank_drives_its_own_engine(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).with_name("vllm_ranks.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == ["rank0.ok", "rank1.ok"], out.stdout[-3000:]
@@ -156,12 +193,46 @@ def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path):
     tiny_llama(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     (tmp_path / "prompts.txt").write_text("\n".join(default_task.prompts(TrainerConfig())[0][:64]) + "\n")
-    (tmp_path / "rewards.py").write_text("def shorter(prompts, responses):\n    return [-float(len(r)) for r in responses]\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ppo_fast", "train",
-               "--rollout-engine", "vllm", "--rollout-correction", "token_tis", "--model-name-or-path", str(tmp_path / "model"),
-               "--prompts-file", str(tmp_path / "prompts.txt"), "--reward-fn", f"{tmp_path / 'rewards.py'}:shorter",
-               "--steps", "2", "--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--response-length", "6",
-               "--save-every", "0", "--sample-every", "0", "--output-dir", str(tmp_path / "out")]
+    (tmp_path / "rewards.py").write_text(
+        "def shorter(prompts, responses):\n    return [-float(len(r)) for r in responses]\n"
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "ppo_fast",
+        "train",
+        "--rollout-engine",
+        "vllm",
+        "--rollout-correction",
+        "token_tis",
+        "--model-name-or-path",
+        str(tmp_path / "model"),
+        "--prompts-file",
+        str(tmp_path / "prompts.txt"),
+        "--reward-fn",
+        f"{tmp_path / 'rewards.py'}:shorter",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--num-mini-batches",
+        "1",
+        "--num-ppo-epochs",
+        "1",
+        "--response-length",
+        "6",
+        "--save-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     output = out.stdout + out.stderr
     assert out.returncode == 0, output[-6000:]

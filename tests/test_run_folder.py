@@ -19,14 +19,25 @@ import pytest
 
 import ppo_fast_cli
 from ppo_fast.cli import main
-from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig
-from ppo_fast.trainer import checkpoint, run_folder
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, run_folder
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.trainer import SUMMARY_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_FLAGS = ["--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
-              "--sft-steps", "10", "--eval-size", "16"]
+TINY_FLAGS = [
+    "--batch-size",
+    "4",
+    "--num-mini-batches",
+    "1",
+    "--num-ppo-epochs",
+    "1",
+    "--sample-every",
+    "0",
+    "--sft-steps",
+    "10",
+    "--eval-size",
+    "16",
+]
 TINY = dict(batch_size=4, num_mini_batches=1, num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=16)
 
 
@@ -72,8 +83,10 @@ def refused_line(run: Path) -> str:
     items = "checkpoints/step-000002 and 1 older, metrics.jsonl, summary.json, curves.png"
     if (run / "tensorboard").exists():  # when tensorboard is installed
         items += ", tensorboard/"
-    return (f"ppo-fast: error: --output-dir {run} already holds a run ({items}); "
-            "pass --resume to continue it, or --overwrite to replace it")
+    return (
+        f"ppo-fast: error: --output-dir {run} already holds a run ({items}); "
+        "pass --resume to continue it, or --overwrite to replace it"
+    )
 
 
 # ---------------------------------------------------------------------- refused
@@ -115,11 +128,18 @@ def test_the_trainer_itself_refuses_a_run_folder(run):
     assert snapshot(run) == before
 
 
-@pytest.mark.parametrize("artifact, named", [
-    ("checkpoints/step-000007/", "checkpoints/step-000007"), ("checkpoints/.tmp-step-000007/", "checkpoints/.tmp-step-000007"),
-    (METRICS_FILE, METRICS_FILE), (SUMMARY_FILE, SUMMARY_FILE), ("curves.png", "curves.png"),
-    ("tensorboard/", "tensorboard/"), ("vllm_model/", "vllm_model/"),
-])
+@pytest.mark.parametrize(
+    "artifact, named",
+    [
+        ("checkpoints/step-000007/", "checkpoints/step-000007"),
+        ("checkpoints/.tmp-step-000007/", "checkpoints/.tmp-step-000007"),
+        (METRICS_FILE, METRICS_FILE),
+        (SUMMARY_FILE, SUMMARY_FILE),
+        ("curves.png", "curves.png"),
+        ("tensorboard/", "tensorboard/"),
+        ("vllm_model/", "vllm_model/"),
+    ],
+)
 def test_any_of_the_trainers_artifacts_makes_a_run(tmp_path, capsys, artifact, named):
     out = tmp_path / "out"
     path = out / artifact.rstrip("/")
@@ -131,16 +151,20 @@ def test_any_of_the_trainers_artifacts_makes_a_run(tmp_path, capsys, artifact, n
     (out / "notes.txt").write_text("mine")
     before = snapshot(out)
     assert main(["train", "--output-dir", str(out), "--steps", "1", *TINY_FLAGS]) == 1
-    assert error_line(capsys) == (f"ppo-fast: error: --output-dir {out} already holds a run ({named}); "
-                                  "pass --resume to continue it, or --overwrite to replace it")
+    assert error_line(capsys) == (
+        f"ppo-fast: error: --output-dir {out} already holds a run ({named}); "
+        "pass --resume to continue it, or --overwrite to replace it"
+    )
     assert snapshot(out) == before
 
 
 def test_overwrite_with_resume_is_one_line(run, capsys):
     before = snapshot(run)
     assert main(["train", "--output-dir", str(run), "--overwrite", "--resume", "--steps", "3", *TINY_FLAGS]) == 1
-    assert error_line(capsys) == ("ppo-fast: error: invalid config: overwrite (--overwrite) cannot be combined with --resume "
-                                  "(--resume continues the run in output_dir, --overwrite deletes it); choose one")
+    assert error_line(capsys) == (
+        "ppo-fast: error: invalid config: overwrite (--overwrite) cannot be combined with --resume "
+        "(--resume continues the run in output_dir, --overwrite deletes it); choose one"
+    )
     assert snapshot(run) == before
 
 
@@ -151,8 +175,11 @@ def test_overwrite_replaces_the_old_run_and_keeps_everything_else(run, capsys):
     (run / "notes.txt").write_text("the user's")
     (run / "checkpoints" / "README").write_text("also the user's")
     old_state = (run / "checkpoints" / "step-000001" / checkpoint.STATE_FILE).read_bytes()
-    kept = {name: entry for name, entry in snapshot(run).items()
-            if name in ("notes.txt", "checkpoints/README") or name.startswith("warmup")}
+    kept = {
+        name: entry
+        for name, entry in snapshot(run).items()
+        if name in ("notes.txt", "checkpoints/README") or name.startswith("warmup")
+    }
     assert any(name.startswith("warmup/") for name in kept)
     assert main(["train", "--output-dir", str(run), "--overwrite", "--steps", "1", *TINY_FLAGS]) == 0
     out = capsys.readouterr().out
@@ -177,7 +204,10 @@ def test_a_folder_with_other_files_only_is_used_and_they_survive_overwrite(tmp_p
     assert run_folder.artifacts(out) == []
     kept = snapshot(out)
     assert main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", *TINY_FLAGS[:-2]]) == 0
-    assert main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", "--overwrite", *TINY_FLAGS[:-2]]) == 0
+    assert (
+        main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", "--overwrite", *TINY_FLAGS[:-2]])
+        == 0
+    )
     assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1]
     assert {name: snapshot(out)[name] for name in kept} == kept
     # Nothing to replace: --overwrite on a missing folder just starts.
@@ -206,8 +236,12 @@ def _claim(tmp_path, *, rank: int, overwrite: bool, verdict_of_rank_0):
         sent.append(obj)
         return obj if rank == 0 else verdict_of_rank_0
 
-    fake = SimpleNamespace(cfg=TrainerConfig(output_dir=str(out), overwrite=overwrite), output_dir=out, log=quiet,
-                           parallel=SimpleNamespace(main=rank == 0, from_main=from_main))
+    fake = SimpleNamespace(
+        cfg=TrainerConfig(output_dir=str(out), overwrite=overwrite),
+        output_dir=out,
+        log=quiet,
+        parallel=SimpleNamespace(main=rank == 0, from_main=from_main),
+    )
     return out, sent, lambda: PPOTrainer._claim_output_dir(fake)
 
 
@@ -246,12 +280,50 @@ def test_two_ranks_overwrite_a_run_folder_together(tmp_path):
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), "--overwrite",
-                                       "--steps", "1", "--batch-size", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1",
-                                       "--sample-every", "0", "--sft-steps", "10", "--eval-size", "0", "--dist-timeout", "60"],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ppo_fast",
+                    "train",
+                    "--output-dir",
+                    str(out),
+                    "--overwrite",
+                    "--steps",
+                    "1",
+                    "--batch-size",
+                    "8",
+                    "--num-mini-batches",
+                    "1",
+                    "--num-ppo-epochs",
+                    "1",
+                    "--sample-every",
+                    "0",
+                    "--sft-steps",
+                    "10",
+                    "--eval-size",
+                    "0",
+                    "--dist-timeout",
+                    "60",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:

@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ppo_fast as pf
 from ppo_fast.cli import main
-from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig
-from ppo_fast.trainer import checkpoint, default_task
+from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig, checkpoint, default_task
 from ppo_fast.trainer.estimate import estimate
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.models import activation_checkpointing_on
@@ -24,15 +23,37 @@ from ppo_fast.trainer.trainer import lr_lambda
 from ppo_fast.trainer.update import Experience, ppo_update
 
 TRL_KEYS = {
-    "objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "policy/approxkl_avg",
-    "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/explained_variance", "lr",
-    "time/rollout", "time/score", "time/estimate", "time/optimize", "throughput/tokens_per_s",
+    "objective/scores",
+    "objective/kl",
+    "objective/entropy",
+    "policy/clipfrac_avg",
+    "policy/approxkl_avg",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/clipfrac_avg",
+    "val/explained_variance",
+    "lr",
+    "time/rollout",
+    "time/score",
+    "time/estimate",
+    "time/optimize",
+    "throughput/tokens_per_s",
 }
 
 
 def tiny(tmp_path, name="run", **overrides) -> TrainerConfig:
-    values = dict(output_dir=str(tmp_path / name), steps=2, batch_size=8, num_mini_batches=2, num_ppo_epochs=1,
-                  sft_steps=10, eval_size=16, sample_every=0, save_every=0, learning_rate=1e-3)
+    values = dict(
+        output_dir=str(tmp_path / name),
+        steps=2,
+        batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=1,
+        sft_steps=10,
+        eval_size=16,
+        sample_every=0,
+        save_every=0,
+        learning_rate=1e-3,
+    )
     values.update(overrides)
     return TrainerConfig(**values)
 
@@ -111,7 +132,10 @@ def test_shared_critic_trains_a_value_head_only(tmp_path):
     cfg = tiny(tmp_path, critic="shared", steps=1)
     # A constant reward of 1 gives value targets away from the zero-initialised head.
     trainer = PPOTrainer(cfg, reward_fn=lambda prompts, responses: [1.0] * len(responses), log=quiet)
-    assert trainer.critic.shared and [n for n, _ in trainer.critic.named_parameters()] == ["head.summary.weight", "head.summary.bias"]
+    assert trainer.critic.shared and [n for n, _ in trainer.critic.named_parameters()] == [
+        "head.summary.weight",
+        "head.summary.bias",
+    ]
     head_before = trainer.critic.head.summary.weight.detach().clone()
     trainer.train()
     assert not torch.equal(head_before, trainer.critic.head.summary.weight)
@@ -130,8 +154,9 @@ def test_gradient_checkpointing_run(tmp_path):
 @pytest.mark.parametrize("estimator", [name for name, m in pf.advantage_methods().items() if not m.needs_critic])
 def test_critic_free_estimators_run_without_a_critic(tmp_path, estimator):
     """Every registered critic-free estimator, two steps, with the KL in the loss (their default)."""
-    cfg = tiny(tmp_path, advantage_method=estimator, num_samples_per_prompt=4, batch_size=4, steps=2, sft_steps=2,
-               eval_size=4)
+    cfg = tiny(
+        tmp_path, advantage_method=estimator, num_samples_per_prompt=4, batch_size=4, steps=2, sft_steps=2, eval_size=4
+    )
     trainer = PPOTrainer(cfg, log=quiet)
     assert trainer.critic is None
     trainer.train()
@@ -146,11 +171,29 @@ def test_custom_model_path_reward_fn_spec_and_prompts_file(tmp_path):
     PPOTrainer(tiny(tmp_path, "base"), log=quiet)  # writes the warm-up model to base/warmup
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(10, 30)))
-    code = main([
-        "train", "--model-name-or-path", str(tmp_path / "base" / "warmup"), "--prompts-file", str(prompts),
-        "--reward-fn", "ppo_fast.trainer.default_task:addition_reward", "--output-dir", str(tmp_path / "custom"),
-        "--steps", "1", "--batch-size", "4", "--num-mini-batches", "1", "--num-ppo-epochs", "1", "--sample-every", "0",
-    ])
+    code = main(
+        [
+            "train",
+            "--model-name-or-path",
+            str(tmp_path / "base" / "warmup"),
+            "--prompts-file",
+            str(prompts),
+            "--reward-fn",
+            "ppo_fast.trainer.default_task:addition_reward",
+            "--output-dir",
+            str(tmp_path / "custom"),
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--num-mini-batches",
+            "1",
+            "--num-ppo-epochs",
+            "1",
+            "--sample-every",
+            "0",
+        ]
+    )
     assert code == 0
     assert rows(tiny(tmp_path, "custom"))[0]["step"] == 1
 
@@ -217,9 +260,21 @@ def _estimate(scores, kl_per_response, estimator, kl_in_reward, group_size):
     """The trainer's estimate() on one-token responses whose k1 KL is ``kl_per_response``."""
     logprobs = torch.tensor(kl_per_response).unsqueeze(-1)
     mask = torch.ones_like(logprobs, dtype=torch.bool)
-    return estimate(torch.tensor(scores), logprobs, torch.zeros_like(logprobs), None, mask, advantage_method=estimator,
-                    kl_coef=1.0, kl_estimator="k1", kl_in_reward=kl_in_reward, gamma=1.0, lam=1.0, whiten=False,
-                    group_size=group_size).advantages[:, 0]
+    return estimate(
+        torch.tensor(scores),
+        logprobs,
+        torch.zeros_like(logprobs),
+        None,
+        mask,
+        advantage_method=estimator,
+        kl_coef=1.0,
+        kl_estimator="k1",
+        kl_in_reward=kl_in_reward,
+        gamma=1.0,
+        lam=1.0,
+        whiten=False,
+        group_size=group_size,
+    ).advantages[:, 0]
 
 
 def test_grpo_advantages_match_a_hand_computation():
@@ -251,7 +306,15 @@ def test_kl_in_the_loss_leaves_equal_score_groups_at_exactly_zero():
 def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
     cfg = tiny(tmp_path, advantage_method="grpo", num_samples_per_prompt=2, batch_size=2, kl_coef=0.5)
     trainer = PPOTrainer(cfg, log=quiet)
-    batch = generate(trainer.policy, trainer.tokenizer, ["1+2=", "3+4="] * 2, max_new_tokens=3, temperature=1.0, top_p=1.0, greedy=False)
+    batch = generate(
+        trainer.policy,
+        trainer.tokenizer,
+        ["1+2=", "3+4="] * 2,
+        max_new_tokens=3,
+        temperature=1.0,
+        top_p=1.0,
+        greedy=False,
+    )
     mask = batch.response_mask
     old, _, _ = forward(trainer.policy, None, batch, temperature=1.0, entropy=False, values=False)
     old = old.detach()
@@ -260,7 +323,9 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
     from ppo_fast.trainer.update import ppo_losses
 
     base, _ = ppo_losses(trainer.policy, None, exp, cfg)
-    with_kl, stats = ppo_losses(trainer.policy, None, Experience(batch, old, torch.zeros_like(old), None, None, ref, 0.5), cfg)
+    with_kl, stats = ppo_losses(
+        trainer.policy, None, Experience(batch, old, torch.zeros_like(old), None, None, ref, 0.5), cfg
+    )
     kl = pf.masked_mean(pf.kl_estimate(old, ref, "k3"), mask)  # k3: auto in the loss; token-mean: the default agg
     torch.testing.assert_close(stats["loss/kl_avg"], kl)
     torch.testing.assert_close(with_kl - base, 0.5 * kl)
@@ -271,8 +336,18 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("kl_coef", -0.1), ("clip_eps_low", 1.5), ("gamma", 1.2), ("steps", 0), ("top_p", 0.0), ("temperature", 0.0),
-     ("advantage_method", "ppo2"), ("critic", "tied"), ("num_mini_batches", 3), ("loss_agg", "mean")],
+    [
+        ("kl_coef", -0.1),
+        ("clip_eps_low", 1.5),
+        ("gamma", 1.2),
+        ("steps", 0),
+        ("top_p", 0.0),
+        ("temperature", 0.0),
+        ("advantage_method", "ppo2"),
+        ("critic", "tied"),
+        ("num_mini_batches", 3),
+        ("loss_agg", "mean"),
+    ],
 )
 def test_bad_config_values_fail_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"invalid config: {field} "):
@@ -280,7 +355,9 @@ def test_bad_config_values_fail_naming_the_field(field, value):
 
 
 def test_group_estimators_need_several_samples():
-    with pytest.raises(ValueError, match=r"num_samples_per_prompt \(--num-samples-per-prompt\) must be >= 2 for advantage_method=grpo"):
+    with pytest.raises(
+        ValueError, match=r"num_samples_per_prompt \(--num-samples-per-prompt\) must be >= 2 for advantage_method=grpo"
+    ):
         TrainerConfig(advantage_method="grpo").validate()
 
 
@@ -395,8 +472,15 @@ def test_reward_model_scores_one_number_per_response(tmp_path):
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     tokenizer = default_task.build_tokenizer()
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=16, num_labels=1,
-                        pad_token_id=tokenizer.pad_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     GPT2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     scorer = RewardModelScorer(str(tmp_path / "rm"), torch.device("cpu"))

@@ -19,9 +19,22 @@ def test_config_choices_are_the_registry():
 
 
 def _tiny(tmp_path, mode, **overrides):
-    values = dict(output_dir=str(tmp_path / mode), steps=2, batch_size=4, num_samples_per_prompt=4, num_mini_batches=2,
-                  num_ppo_epochs=1, sft_steps=2, eval_size=4, sample_every=0, save_every=0, learning_rate=1e-3,
-                  advantage_method="grpo", policy_loss=mode, policy_loss_params=NEEDED.get(mode, ""))
+    values = dict(
+        output_dir=str(tmp_path / mode),
+        steps=2,
+        batch_size=4,
+        num_samples_per_prompt=4,
+        num_mini_batches=2,
+        num_ppo_epochs=1,
+        sft_steps=2,
+        eval_size=4,
+        sample_every=0,
+        save_every=0,
+        learning_rate=1e-3,
+        advantage_method="grpo",
+        policy_loss=mode,
+        policy_loss_params=NEEDED.get(mode, ""),
+    )
     values.update(overrides)
     return TrainerConfig(**values)
 
@@ -48,18 +61,33 @@ def test_asymmetric_and_dual_clip_reach_the_loss(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pf, "policy_loss", spy)
-    cfg = _tiny(tmp_path, "vanilla", steps=1, clip_eps_low=0.1, clip_eps_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-mean")
+    cfg = _tiny(
+        tmp_path,
+        "vanilla",
+        steps=1,
+        clip_eps_low=0.1,
+        clip_eps_high=0.28,
+        dual_clip=3.0,
+        loss_agg="seq-mean-token-mean",
+    )
     PPOTrainer(cfg, log=lambda _: None).train()
     assert seen and all(
-        k["loss_mode"] == "vanilla" and k["clip_eps_low"] == 0.1 and k["clip_eps_high"] == 0.28 and k["dual_clip"] == 3.0
-        and k["agg"] == "seq-mean-token-mean" for k in seen
+        k["loss_mode"] == "vanilla"
+        and k["clip_eps_low"] == 0.1
+        and k["clip_eps_high"] == 0.28
+        and k["dual_clip"] == 3.0
+        and k["agg"] == "seq-mean-token-mean"
+        for k in seen
     )
 
 
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"policy_loss": "gpg", "clip_eps_high": 0.3}, r"clip_eps_high \(--clip-eps-high\) does not apply to --policy-loss gpg"),
+        (
+            {"policy_loss": "gpg", "clip_eps_high": 0.3},
+            r"clip_eps_high \(--clip-eps-high\) does not apply to --policy-loss gpg",
+        ),
         ({"policy_loss": "gspo", "dual_clip": 3.0}, r"dual_clip \(--dual-clip\) does not apply to --policy-loss gspo"),
         ({"policy_loss": "dro", "policy_loss_params": ""}, r"--policy-loss dro: .*needs dro_beta"),
         ({"policy_loss": "sapo", "policy_loss_params": "tau=1"}, r"--policy-loss sapo: .*got unexpected tau"),
@@ -73,8 +101,13 @@ def test_bad_policy_loss_options_fail_before_loading(tmp_path, overrides, match)
 
 @pytest.mark.parametrize(
     "field, value",
-    [("policy_loss", "ppo"), ("clip_eps_high", 0.0), ("dual_clip", 1.0), ("policy_loss_params", "tau_pos"),
-     ("policy_loss_params", "tau_pos=x")],
+    [
+        ("policy_loss", "ppo"),
+        ("clip_eps_high", 0.0),
+        ("dual_clip", 1.0),
+        ("policy_loss_params", "tau_pos"),
+        ("policy_loss_params", "tau_pos=x"),
+    ],
 )
 def test_bad_values_fail_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"invalid config: {field} "):

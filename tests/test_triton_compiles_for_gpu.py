@@ -30,7 +30,9 @@ def _check_int64_addressing(name: str, ttir: str, int_args: list[str]) -> None:
         code = line.split(" loc(")[0]
         if "tt.addptr" in code:
             offset_type = code.rsplit(",", 1)[-1].strip()
-            assert offset_type == "i64" or offset_type.endswith("xi64>"), f"{name}: 32-bit address offset: {code.strip()}"
+            assert offset_type == "i64" or offset_type.endswith("xi64>"), (
+                f"{name}: 32-bit address offset: {code.strip()}"
+            )
         if "arith.muli" in code and re.search(r":\s*(i32|tensor<[0-9x]*xi32>)\s*$", code):
             operands = re.findall(r"%([A-Za-z_][A-Za-z0-9_]*)\b", code.split("=", 1)[1])
             assert not set(operands) & set(int_args), f"{name}: int32 product of an argument: {code.strip()}"
@@ -41,7 +43,9 @@ def reports():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT
+    )
     if result.returncode != 0 and "ptxas" in result.stderr and "No such file" in result.stderr:
         pytest.skip("this triton install has no ptxas to compile with")
     assert result.returncode == 0, result.stderr[-4000:]  # a kernel that fails to compile or the int64 check raises
@@ -60,7 +64,13 @@ def test_variants_compile_with_their_real_launch_specialisation(reports):
     fwd = next(r for r in reports if r["name"] == "token_logprobs fwd bf16 [16384, 151936]")
     # What a launch on CUDA tensors of this shape gets: aligned pointers, V (151936 = 16 * 9496)
     # hinted, the unit vocab stride and [N, V]'s single row per outer index made constexpr.
-    for expected in ("logits_ptr:*bf16[divisibility=16]", "vocab:i32[divisibility=16]", "vocab_stride=1", "rows_per_outer=1", "GROUP=8"):
+    for expected in (
+        "logits_ptr:*bf16[divisibility=16]",
+        "vocab:i32[divisibility=16]",
+        "vocab_stride=1",
+        "rows_per_outer=1",
+        "GROUP=8",
+    ):
         assert expected in fwd["signature"], fwd["signature"]
     odd = next(r for r in reports if r["name"] == "token_logprobs fwd bf16 [16384, 50257]")
     assert "vocab:i32," in odd["signature"] + ",", odd["signature"]  # no hint on an odd V

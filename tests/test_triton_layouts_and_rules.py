@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
 from ppo_fast.backends import reference
+from ppo_fast.backends import triton as tb  # noqa: E402
+from ppo_fast.backends.triton import _launch  # noqa: E402
 from ppo_fast.backends.triton import gae as triton_gae  # noqa: E402
 from ppo_fast.backends.triton import kl_penalized_rewards as triton_kl_penalized_rewards  # noqa: E402
 from ppo_fast.backends.triton import token_logprobs as triton_token_logprobs  # noqa: E402
-from ppo_fast.backends.triton import _launch  # noqa: E402
-from ppo_fast.backends import triton as tb  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
@@ -58,7 +58,9 @@ def _assert_same(actual, expected, **tol):
 
 def _logprobs_fn(backend_fn, labels, **kwargs):
     kwargs = dict(dict(temperature=0.8, return_entropy=True, ignore_index=IGNORE, inplace_backward=False), **kwargs)
-    return lambda x: backend_fn(x, labels, kwargs["temperature"], kwargs["return_entropy"], kwargs["ignore_index"], kwargs["inplace_backward"])
+    return lambda x: backend_fn(
+        x, labels, kwargs["temperature"], kwargs["return_entropy"], kwargs["ignore_index"], kwargs["inplace_backward"]
+    )
 
 
 def _triton_vs_reference_logprobs(leaf, view, labels, **kwargs):
@@ -143,7 +145,9 @@ def test_logprobs_forward_reads_logits_in_place(monkeypatch):
     for shape, view in _LOGITS_VIEWS.values():
         leaf = torch.randn(shape, device=DEVICE)
         logits = view(leaf)
-        triton_token_logprobs.token_logprobs_forward(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=DEVICE), 1.0, True, IGNORE)
+        triton_token_logprobs.token_logprobs_forward(
+            logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=DEVICE), 1.0, True, IGNORE
+        )
         assert seen.pop() == logits.data_ptr()
 
 
@@ -153,7 +157,9 @@ def test_logprobs_backward_reads_strided_and_expanded_gradients(block_v):
     batch, length, vocab = 3, 4, 21
     logits = torch.randn(batch, length, vocab, device=DEVICE)
     labels = torch.randint(0, vocab, (batch, length, 2), device=DEVICE)[..., 0]
-    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 1.3, True, IGNORE, block_v=block_v)
+    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(
+        logits, labels, 1.3, True, IGNORE, block_v=block_v
+    )
     layouts = {
         "transposed": lambda g: g.t().contiguous().t(),
         "sliced": lambda g: torch.stack([g, g], -1)[..., 1],
@@ -163,12 +169,24 @@ def test_logprobs_backward_reads_strided_and_expanded_gradients(block_v):
     for name, layout in layouts.items():
         g_logp, g_entropy = layout(base), layout(2 * base + 1)
         ent = layout(entropy) if name != "expanded" else entropy.t().contiguous().t()
-        got = triton_token_logprobs.token_logprobs_backward(logits, labels.t().contiguous().t(), stats, ent, g_logp, g_entropy, 1.3, IGNORE, block_v=block_v)
+        got = triton_token_logprobs.token_logprobs_backward(
+            logits, labels.t().contiguous().t(), stats, ent, g_logp, g_entropy, 1.3, IGNORE, block_v=block_v
+        )
         want = triton_token_logprobs.token_logprobs_backward(
-            logits, labels.contiguous(), stats, entropy, g_logp.contiguous(), g_entropy.contiguous(), 1.3, IGNORE, block_v=block_v
+            logits,
+            labels.contiguous(),
+            stats,
+            entropy,
+            g_logp.contiguous(),
+            g_entropy.contiguous(),
+            1.3,
+            IGNORE,
+            block_v=block_v,
         )
         assert torch.equal(got, want), name
-        only_entropy = triton_token_logprobs.token_logprobs_backward(logits, labels, stats, ent, None, g_entropy, 1.3, IGNORE, block_v=block_v)
+        only_entropy = triton_token_logprobs.token_logprobs_backward(
+            logits, labels, stats, ent, None, g_entropy, 1.3, IGNORE, block_v=block_v
+        )
         want = triton_token_logprobs.token_logprobs_backward(
             logits, labels, stats, entropy, torch.zeros_like(base), g_entropy.contiguous(), 1.3, IGNORE, block_v=block_v
         )
@@ -197,7 +215,9 @@ def test_inplace_backward_on_expanded_logits_is_not_in_place():
     base = torch.randn(1, 33, device=DEVICE)
     labels = torch.randint(0, 33, (5,), device=DEVICE)
     weights = [torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)]
-    got = _grads(lambda b: tb.FUNCTIONS["token_logprobs"](b.expand(5, 33), labels, 1.0, True, IGNORE, True), [base], weights)
+    got = _grads(
+        lambda b: tb.FUNCTIONS["token_logprobs"](b.expand(5, 33), labels, 1.0, True, IGNORE, True), [base], weights
+    )
     want = _grads(lambda b: reference.token_logprobs(b.expand(5, 33), labels, 1.0, True, IGNORE), [base], weights)
     _assert_same(got, want)
     # The same through a non-leaf expanded buffer: the buffer is left alone.
@@ -334,7 +354,11 @@ def _rewards_layouts(batch, length):
             lambda x: x[:1].expand(batch, length),
             mask[1:2].expand(batch, length),
         ),
-        "int mask, shifted": (lambda s: s, lambda x: torch.cat([x[:, :1], x], 1)[:, 1:], torch.cat([mask[:, :1], mask], 1)[:, 1:].long()),
+        "int mask, shifted": (
+            lambda s: s,
+            lambda x: torch.cat([x[:, :1], x], 1)[:, 1:],
+            torch.cat([mask[:, :1], mask], 1)[:, 1:].long(),
+        ),
     }
 
 
@@ -343,11 +367,17 @@ def _rewards_layouts(batch, length):
 def test_kl_penalized_rewards_any_layout(layout, outputs):
     batch, length = 3, 11
     score_view, view, mask = _rewards_layouts(batch, length)[layout]
-    scores, logp, ref = torch.randn(batch, device=DEVICE), -torch.rand(batch, length, device=DEVICE), -torch.rand(batch, length, device=DEVICE)
+    scores, logp, ref = (
+        torch.randn(batch, device=DEVICE),
+        -torch.rand(batch, length, device=DEVICE),
+        -torch.rand(batch, length, device=DEVICE),
+    )
     pick = {"both": lambda o: o, "rewards": lambda o: o[0], "kl": lambda o: o[1]}[outputs]
 
     def fn(module, m):
-        return lambda s, a, b: pick(module.FUNCTIONS["kl_penalized_rewards"](score_view(s), view(a), view(b), m, 0.25, "k3"))
+        return lambda s, a, b: pick(
+            module.FUNCTIONS["kl_penalized_rewards"](score_view(s), view(a), view(b), m, 0.25, "k3")
+        )
 
     got = _grads(fn(tb, mask), [scores, logp, ref])
     want = _grads(fn(reference, mask != 0), [scores, logp, ref])
@@ -363,9 +393,16 @@ def test_kl_rewards_backward_strided_gradients_and_chunks(block_t):
     mask = torch.rand(batch, length, device=DEVICE) < 0.5
     mask[2] = False
     mask[3, :2] = True
-    _, _, last = triton_kl_penalized_rewards.kl_penalized_rewards_forward(torch.randn(batch, device=DEVICE), logp, ref, mask, 0.3, "k2", block_t=block_t)
-    g_rewards, g_kl = torch.randn(length, batch, device=DEVICE).t(), torch.randn(batch, 1, device=DEVICE).expand(batch, length)
-    got = triton_kl_penalized_rewards.kl_penalized_rewards_backward(logp, ref, mask, last, g_rewards, g_kl, 0.3, "k2", torch.float32, block_t=block_t)
+    _, _, last = triton_kl_penalized_rewards.kl_penalized_rewards_forward(
+        torch.randn(batch, device=DEVICE), logp, ref, mask, 0.3, "k2", block_t=block_t
+    )
+    g_rewards, g_kl = (
+        torch.randn(length, batch, device=DEVICE).t(),
+        torch.randn(batch, 1, device=DEVICE).expand(batch, length),
+    )
+    got = triton_kl_penalized_rewards.kl_penalized_rewards_backward(
+        logp, ref, mask, last, g_rewards, g_kl, 0.3, "k2", torch.float32, block_t=block_t
+    )
     want = triton_kl_penalized_rewards.kl_penalized_rewards_backward(
         logp, ref, mask, last, g_rewards.contiguous(), g_kl.contiguous(), 0.3, "k2", torch.float32, block_t=block_t
     )
@@ -446,7 +483,13 @@ def test_gae_backward_strided_and_expanded_gradients(block_t):
     for pair in ((g_adv, g_ret), (g_adv, None), (None, g_ret)):
         got = triton_gae.gae_backward(*pair, mask, 0.9, 0.8, torch.float32, torch.bfloat16, block_t=block_t)
         want = triton_gae.gae_backward(
-            *(None if g is None else g.contiguous() for g in pair), mask, 0.9, 0.8, torch.float32, torch.bfloat16, block_t=block_t
+            *(None if g is None else g.contiguous() for g in pair),
+            mask,
+            0.9,
+            0.8,
+            torch.float32,
+            torch.bfloat16,
+            block_t=block_t,
         )
         assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -467,7 +510,9 @@ def test_gae_nan_at_masked_vs_valid_positions():
         return [advantages.detach(), returns.detach()] + [x.grad for x in leaves]
 
     clean = run(rewards, values, g)
-    dirty = run(torch.where(mask, rewards, math.nan), torch.where(mask, values, math.inf), torch.where(mask, g, math.nan))
+    dirty = run(
+        torch.where(mask, rewards, math.nan), torch.where(mask, values, math.inf), torch.where(mask, g, math.nan)
+    )
     for a, b in zip(clean, dirty):
         assert torch.equal(a, b)
     for grad in dirty[2:]:
@@ -494,14 +539,20 @@ def test_gradient_dtypes_follow_each_input():
     logp = -torch.rand(batch, length, device=DEVICE, dtype=torch.float16)
     ref = -torch.rand(batch, length, device=DEVICE, dtype=torch.float32)
     mask = torch.ones(batch, length, dtype=torch.bool, device=DEVICE)
-    _, grads = _grads(lambda s, a, b: tb.FUNCTIONS["kl_penalized_rewards"](s, a, b, mask, 0.1, "k2"), [scores, logp, ref])
+    _, grads = _grads(
+        lambda s, a, b: tb.FUNCTIONS["kl_penalized_rewards"](s, a, b, mask, 0.1, "k2"), [scores, logp, ref]
+    )
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.float16, torch.float32]
     _, grads = _grads(lambda a, b: tb.FUNCTIONS["kl_estimate"](a, b, "k3"), [logp, ref.double()])
     assert [g.dtype for g in grads] == [torch.float16, torch.float64]
     _, grads = _grads(lambda r, v: tb.FUNCTIONS["gae"](r, v, mask, 1.0, 0.9), [logp.bfloat16(), ref])
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32]
-    _, grads = _grads(lambda x: tb.FUNCTIONS["token_logprobs"](x, torch.zeros(3, dtype=torch.long, device=DEVICE), 1.0, False, IGNORE, False)[0],
-                      [torch.randn(3, 7, device=DEVICE, dtype=torch.float16)])
+    _, grads = _grads(
+        lambda x: tb.FUNCTIONS["token_logprobs"](
+            x, torch.zeros(3, dtype=torch.long, device=DEVICE), 1.0, False, IGNORE, False
+        )[0],
+        [torch.randn(3, 7, device=DEVICE, dtype=torch.float16)],
+    )
     assert grads[0].dtype == torch.float16
 
 
@@ -510,7 +561,11 @@ def test_non_differentiable_inputs_raise_instead_of_dropping_the_gradient():
     silently given no gradient."""
     batch, length = 2, 4
     mask = torch.ones(batch, length, device=DEVICE, requires_grad=True)
-    logp, ref, scores = torch.randn(batch, length, device=DEVICE), torch.randn(batch, length, device=DEVICE), torch.randn(batch, device=DEVICE)
+    logp, ref, scores = (
+        torch.randn(batch, length, device=DEVICE),
+        torch.randn(batch, length, device=DEVICE),
+        torch.randn(batch, device=DEVICE),
+    )
     with pytest.raises(RuntimeError, match="not differentiable w.r.t. mask"):
         tb.FUNCTIONS["kl_penalized_rewards"](scores, logp.requires_grad_(), ref, mask, 0.1, "k1")[0].sum().backward()
     with pytest.raises(RuntimeError, match="not differentiable w.r.t. mask"):
@@ -573,12 +628,16 @@ def test_every_launch_runs_under_the_inputs_device_guard(monkeypatch):
     for module in (triton_token_logprobs, triton_kl_penalized_rewards, triton_gae):
         monkeypatch.setattr(module, "device_guard", spy)
     logits = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
-    logp, entropy = tb.FUNCTIONS["token_logprobs"](logits, torch.ones(2, 3, dtype=torch.long, device=DEVICE), 1.0, True, IGNORE, False)
+    logp, entropy = tb.FUNCTIONS["token_logprobs"](
+        logits, torch.ones(2, 3, dtype=torch.long, device=DEVICE), 1.0, True, IGNORE, False
+    )
     (logp.sum() + entropy.sum()).backward()
     x, y = torch.randn(2, 3, device=DEVICE, requires_grad=True), torch.randn(2, 3, device=DEVICE, requires_grad=True)
     tb.FUNCTIONS["kl_estimate"](x, y, "k1").sum().backward()
     mask = torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
-    sum(tb.FUNCTIONS["kl_penalized_rewards"](torch.zeros(2, device=DEVICE, requires_grad=True), x, y, mask, 0.1, "k2")).sum().backward()
+    sum(
+        tb.FUNCTIONS["kl_penalized_rewards"](torch.zeros(2, device=DEVICE, requires_grad=True), x, y, mask, 0.1, "k2")
+    ).sum().backward()
     sum(tb.FUNCTIONS["gae"](x, y, mask, 1.0, 0.9)).sum().backward()
     assert len(entered) == 8 and all(d == logits.device for d in entered)
 
@@ -604,7 +663,9 @@ def test_tensors_on_the_second_gpu_while_the_first_is_current():
         want = [
             pf.token_logprobs(logits.detach().cpu(), labels.cpu()),
             pf.kl_estimate(x.detach().cpu(), y.detach().cpu(), "k3"),
-            *pf.kl_penalized_rewards(scores.detach().cpu(), x.detach().cpu(), y.detach().cpu(), mask.cpu(), kl_coef=0.1),
+            *pf.kl_penalized_rewards(
+                scores.detach().cpu(), x.detach().cpu(), y.detach().cpu(), mask.cpu(), kl_coef=0.1
+            ),
             *pf.gae(x.detach().cpu(), y.detach().cpu(), mask.cpu()),
         ]
     for o, w in zip(outs, want):
@@ -626,7 +687,13 @@ def test_launchers_do_not_sync_with_the_host():
     torch.cuda.set_sync_debug_mode("error")
     try:
         logp, entropy = tb.FUNCTIONS["token_logprobs"](buffer, labels, 1.0, True, IGNORE, True)
-        outs = [logp, entropy, tb.FUNCTIONS["kl_estimate"](x, y, "k3"), *tb.FUNCTIONS["kl_penalized_rewards"](scores, x, y, mask, 0.1, "k2"), *tb.FUNCTIONS["gae"](x, y, mask, 1.0, 0.9)]
+        outs = [
+            logp,
+            entropy,
+            tb.FUNCTIONS["kl_estimate"](x, y, "k3"),
+            *tb.FUNCTIONS["kl_penalized_rewards"](scores, x, y, mask, 0.1, "k2"),
+            *tb.FUNCTIONS["gae"](x, y, mask, 1.0, 0.9),
+        ]
         torch.autograd.backward([o.sum() for o in outs])
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -652,14 +719,32 @@ def _opcheck_cases():
         ("kl_penalized_rewards", triton_kl_penalized_rewards._kl_penalized_rewards_op, (scores, x, y, mask, 0.1, "k2")),
         ("gae", triton_gae._gae_op, (x, y, mask, 0.9, 0.8)),
         ("token_logprobs", triton_token_logprobs._token_logprobs_op, (logits, labels, 0.7, True, IGNORE, False)),
-        ("token_logprobs no entropy", triton_token_logprobs._token_logprobs_op, (logits, labels, 0.7, False, IGNORE, False)),
-        ("token_logprobs_backward", triton_token_logprobs._token_logprobs_backward_op, (logits.detach(), labels, stats, entropy, g, g[:1].expand(5, 2), 0.7, IGNORE)),
-        ("token_logprobs_backward entropy only", triton_token_logprobs._token_logprobs_backward_op, (logits.detach(), labels, stats, entropy, None, g, 0.7, IGNORE)),
+        (
+            "token_logprobs no entropy",
+            triton_token_logprobs._token_logprobs_op,
+            (logits, labels, 0.7, False, IGNORE, False),
+        ),
+        (
+            "token_logprobs_backward",
+            triton_token_logprobs._token_logprobs_backward_op,
+            (logits.detach(), labels, stats, entropy, g, g[:1].expand(5, 2), 0.7, IGNORE),
+        ),
+        (
+            "token_logprobs_backward entropy only",
+            triton_token_logprobs._token_logprobs_backward_op,
+            (logits.detach(), labels, stats, entropy, None, g, 0.7, IGNORE),
+        ),
         ("kl_backward", triton_kl_penalized_rewards._kl_backward_op, (x.detach(), y.detach(), g_t, "k3")),
-        ("kl_penalized_rewards_backward", triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
-         (x.detach(), y.detach(), mask, last, g_t, None, 0.1, "k2", torch.bfloat16)),
-        ("kl_penalized_rewards_backward kl only", triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
-         (x.detach(), y.detach(), mask, last, None, g_t, 0.1, "k2", torch.bfloat16)),
+        (
+            "kl_penalized_rewards_backward",
+            triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
+            (x.detach(), y.detach(), mask, last, g_t, None, 0.1, "k2", torch.bfloat16),
+        ),
+        (
+            "kl_penalized_rewards_backward kl only",
+            triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
+            (x.detach(), y.detach(), mask, last, None, g_t, 0.1, "k2", torch.bfloat16),
+        ),
         ("gae_backward", triton_gae._gae_backward_op, (g_t, None, mask, 0.9, 0.8, torch.float32, torch.float16)),
     ]
 

@@ -14,10 +14,13 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast.backends import reference  # noqa: E402
-from ppo_fast.backends import backend_info, resolved_backend_name  # noqa: E402
-from ppo_fast.backends.triton import linear_token_logprobs as kernel  # noqa: E402
+from ppo_fast.backends import (  # noqa: E402
+    backend_info,
+    reference,  # noqa: E402
+    resolved_backend_name,
+)
 from ppo_fast.backends import triton as triton_backend  # noqa: E402
+from ppo_fast.backends.triton import linear_token_logprobs as kernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
@@ -72,7 +75,9 @@ def _outputs_and_grads(fn, hidden, weight, bias, labels, weights, **options):
 
 
 def _triton(hidden, weight, bias, labels, **options):
-    return triton_backend.FUNCTIONS["linear_token_logprobs"](hidden, weight, labels, bias=bias, return_entropy=True, ignore_index=IGNORE, **options)
+    return triton_backend.FUNCTIONS["linear_token_logprobs"](
+        hidden, weight, labels, bias=bias, return_entropy=True, ignore_index=IGNORE, **options
+    )
 
 
 def _check(hidden, weight, bias, labels, **options):
@@ -89,7 +94,9 @@ def _check(hidden, weight, bias, labels, **options):
             continue
         assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
         scale = expected.abs().max().item()
-        torch.testing.assert_close(grad.double(), expected.double(), rtol=grad_tol, atol=grad_tol * scale, msg=lambda m: f"d_{name}: {m}")
+        torch.testing.assert_close(
+            grad.double(), expected.double(), rtol=grad_tol, atol=grad_tol * scale, msg=lambda m: f"d_{name}: {m}"
+        )
     return logp, entropy, grads
 
 
@@ -143,7 +150,9 @@ def test_strided_hidden_and_transposed_weight_are_read_in_place(small_tiles, mon
         if fn is _triton:
             assert seen.pop("ptrs") == (leaves[0].data_ptr(), leaves[1].data_ptr())
     for actual, expected in zip(*grads):
-        torch.testing.assert_close(actual.double(), expected.double(), rtol=2e-5, atol=2e-5 * expected.abs().max().item())
+        torch.testing.assert_close(
+            actual.double(), expected.double(), rtol=2e-5, atol=2e-5 * expected.abs().max().item()
+        )
 
 
 def test_tied_weights_accumulate_both_uses(small_tiles):
@@ -173,14 +182,18 @@ def test_gradient_of_one_output_only(small_tiles, which):
         (logp if which == "logp" else entropy).sum().backward()
         grads.append([x.grad for x in leaves])
     for actual, expected in zip(*grads):
-        torch.testing.assert_close(actual.double(), expected.double(), rtol=2e-5, atol=2e-5 * expected.abs().max().item())
+        torch.testing.assert_close(
+            actual.double(), expected.double(), rtol=2e-5, atol=2e-5 * expected.abs().max().item()
+        )
 
 
 def test_without_entropy_and_without_bias_grad(small_tiles):
     hidden, weight, bias = _inputs(torch.float32)
     labels = _labels(N, V)
     leaf = hidden.clone().requires_grad_()
-    logp, entropy = triton_backend.FUNCTIONS["linear_token_logprobs"](leaf, weight, labels, bias=bias, ignore_index=IGNORE)
+    logp, entropy = triton_backend.FUNCTIONS["linear_token_logprobs"](
+        leaf, weight, labels, bias=bias, ignore_index=IGNORE
+    )
     assert entropy is None
     logp.sum().backward()
     expected_leaf = hidden.double().requires_grad_()
@@ -323,7 +336,10 @@ def test_deterministic_algorithms_pass_over_the_atomic_backward(deterministic):
     deterministic()
     assert resolved_backend_name("linear_token_logprobs", "cuda") == "reference"
     assert resolved_backend_name("token_logprobs", "cuda") == "triton"
-    with pf.use_backend("triton"), pytest.raises(RuntimeError, match="linear_token_logprobs: backend 'triton' is not deterministic"):
+    with (
+        pf.use_backend("triton"),
+        pytest.raises(RuntimeError, match="linear_token_logprobs: backend 'triton' is not deterministic"),
+    ):
         pf.linear_token_logprobs(hidden, weight, labels, bias=bias)
     deterministic(warn_only=True)
     with pf.use_backend("triton"), pytest.warns(UserWarning, match="float32 atomics"):
@@ -337,5 +353,9 @@ def test_deterministic_choice_under_torch_compile(deterministic):
     labels = _labels(N, V)
     deterministic()
     with pf.use_backend("auto"):
-        compiled = torch.compile(lambda h: pf.linear_token_logprobs(h, weight, labels, bias=bias), fullgraph=True, backend="aot_eager")
-        torch.testing.assert_close(compiled(hidden).double(), _plain(hidden, weight, bias, labels)[0], rtol=1e-5, atol=2e-5)
+        compiled = torch.compile(
+            lambda h: pf.linear_token_logprobs(h, weight, labels, bias=bias), fullgraph=True, backend="aot_eager"
+        )
+        torch.testing.assert_close(
+            compiled(hidden).double(), _plain(hidden, weight, bias, labels)[0], rtol=1e-5, atol=2e-5
+        )

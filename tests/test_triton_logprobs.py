@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
-from ppo_fast.backends.triton import token_logprobs as triton_token_logprobs  # noqa: E402
 from ppo_fast.backends import backend_info, resolved_backend_name  # noqa: E402
+from ppo_fast.backends.triton import token_logprobs as triton_token_logprobs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
@@ -90,9 +90,13 @@ def test_small_vocab_blocks_match_reference(block_v):
     logits = 4 * torch.randn(6, 203, device=DEVICE)
     logits[0, :150] -= 30.0  # the running max changes late in the row
     labels = _labels((6,), 203)
-    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 0.9, True, IGNORE, block_v=block_v)
+    logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(
+        logits, labels, 0.9, True, IGNORE, block_v=block_v
+    )
     with pf.use_backend("reference"):
-        ref_logp, ref_entropy = pf.token_logprobs(logits, labels, temperature=0.9, return_entropy=True, ignore_index=IGNORE)
+        ref_logp, ref_entropy = pf.token_logprobs(
+            logits, labels, temperature=0.9, return_entropy=True, ignore_index=IGNORE
+        )
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
     # Ignored rows read no logits, so they have no stats.
@@ -102,10 +106,14 @@ def test_small_vocab_blocks_match_reference(block_v):
     torch.testing.assert_close(lse[valid], torch.logsumexp(logits / 0.9, -1)[valid], rtol=1e-6, atol=1e-5)
 
     g_logp, g_entropy = torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE)
-    grad = triton_token_logprobs.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, block_v=block_v)
+    grad = triton_token_logprobs.token_logprobs_backward(
+        logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, block_v=block_v
+    )
     leaf = logits.clone().requires_grad_()
     with pf.use_backend("reference"):
-        ref_logp, ref_entropy = pf.token_logprobs(leaf, labels, temperature=0.9, return_entropy=True, ignore_index=IGNORE)
+        ref_logp, ref_entropy = pf.token_logprobs(
+            leaf, labels, temperature=0.9, return_entropy=True, ignore_index=IGNORE
+        )
     ((ref_logp * g_logp).sum() + (ref_entropy * g_entropy).sum()).backward()
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-5, atol=1e-6)
 
@@ -122,10 +130,14 @@ def test_bf16_pairs_read_as_words_match_reference(vocab, group):
     labels = _labels((5,), vocab)
     logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 0.8, True, IGNORE, block_v=16)
     g_logp, g_entropy = torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)
-    grad = triton_token_logprobs.token_logprobs_backward(logits, labels, stats, entropy, g_logp, g_entropy, 0.8, IGNORE, block_v=16)
+    grad = triton_token_logprobs.token_logprobs_backward(
+        logits, labels, stats, entropy, g_logp, g_entropy, 0.8, IGNORE, block_v=16
+    )
     leaf = logits.clone().requires_grad_()
     with pf.use_backend("reference"):
-        ref_logp, ref_entropy = pf.token_logprobs(leaf, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)
+        ref_logp, ref_entropy = pf.token_logprobs(
+            leaf, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE
+        )
     ((ref_logp * g_logp).sum() + (ref_entropy * g_entropy).sum()).backward()
     torch.testing.assert_close(logp, ref_logp.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=1e-5, atol=1e-5)
@@ -156,7 +168,9 @@ def test_inplace_backward_gives_the_same_gradient(dtype):
         leaf = leaf_logits.clone().requires_grad_()
         logits = leaf * 1  # a non-leaf buffer that the in-place backward may overwrite
         with pf.use_backend("triton"):
-            logp, entropy = pf.token_logprobs(logits, labels, return_entropy=True, ignore_index=IGNORE, inplace_backward=inplace)
+            logp, entropy = pf.token_logprobs(
+                logits, labels, return_entropy=True, ignore_index=IGNORE, inplace_backward=inplace
+            )
         ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
         grads[inplace] = leaf.grad
         # In place, the logits buffer now holds the gradient (the memory saving is real).
@@ -179,8 +193,12 @@ def test_extreme_logits_match_reference():
     # Rows whose outputs are finite: outputs and gradients as the reference.
     finite_rows = torch.tensor([0, 1, 2, 4, 6, 7], device=DEVICE)
     weights = (torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE))
-    ref = _logprobs_and_grads("reference", logits[finite_rows], lambda x: x, labels[finite_rows], weights, return_entropy=True)
-    out = _logprobs_and_grads("triton", logits[finite_rows], lambda x: x, labels[finite_rows], weights, return_entropy=True)
+    ref = _logprobs_and_grads(
+        "reference", logits[finite_rows], lambda x: x, labels[finite_rows], weights, return_entropy=True
+    )
+    out = _logprobs_and_grads(
+        "triton", logits[finite_rows], lambda x: x, labels[finite_rows], weights, return_entropy=True
+    )
     for actual, expected in zip(out, ref):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -207,4 +225,3 @@ def test_chosen_minus_inf_and_nan_rows_gradients():
     out = _logprobs_and_grads("triton", logits, lambda x: x, labels, weights)
     torch.testing.assert_close(out[2], ref[2], rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.isfinite(out[2][[0, 2]]).all() and torch.isnan(out[2][1]).all()
-

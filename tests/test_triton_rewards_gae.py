@@ -113,7 +113,9 @@ def test_kl_rewards_kernel_chunks(block_t):
     mask[2, :] = False
     mask[2, :3] = True  # last valid token in the last chunk processed
     mask[3, :] = True
-    rewards, kl, last = triton_kl_penalized_rewards.kl_penalized_rewards_forward(scores, logp, ref, mask, 0.1, "k3", block_t=block_t)
+    rewards, kl, last = triton_kl_penalized_rewards.kl_penalized_rewards_forward(
+        scores, logp, ref, mask, 0.1, "k3", block_t=block_t
+    )
     expected_rewards, expected_kl = reference.kl_penalized_rewards(scores, logp, ref, mask, 0.1, "k3")
     torch.testing.assert_close(rewards, expected_rewards, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kl, expected_kl, rtol=1e-6, atol=1e-6)
@@ -162,7 +164,9 @@ def test_gae_backward_kernel_carries_across_chunks(block_t):
     mask[2, 3:20] = False
     mask[3] = True
     grad_adv, grad_ret = torch.randn(batch, length), torch.randn(batch, length)
-    grad_rewards, grad_values = triton_gae.gae_backward(grad_adv, grad_ret, mask, 0.9, 0.8, torch.float32, torch.float32, block_t=block_t)
+    grad_rewards, grad_values = triton_gae.gae_backward(
+        grad_adv, grad_ret, mask, 0.9, 0.8, torch.float32, torch.float32, block_t=block_t
+    )
     rewards = torch.randn(batch, length, requires_grad=True)
     values = torch.randn(batch, length, requires_grad=True)
     advantages, returns = reference.gae(rewards, values, mask, 0.9, 0.8)
@@ -172,4 +176,3 @@ def test_gae_backward_kernel_carries_across_chunks(block_t):
 
 
 # --------------------------------------------------------------------------- float64 gradcheck and torch.compile
-

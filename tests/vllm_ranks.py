@@ -8,11 +8,11 @@ Each rank that passes writes ``rank{R}.ok`` into the directory (ranks share stdo
 
 import torch
 import torch.distributed as dist
+from test_rollout_vllm import same_batch, tiny_llama
 
 from ppo_fast.trainer import default_task
 from ppo_fast.trainer.rollout import generate
 from ppo_fast.trainer.rollout_vllm import VLLMEngine
-from test_rollout_vllm import same_batch, tiny_llama
 
 
 def main(model_dir: str) -> None:
@@ -20,8 +20,16 @@ def main(model_dir: str) -> None:
     rank = dist.get_rank()
     tokenizer = default_task.build_tokenizer()
     policy = tiny_llama(tokenizer)
-    engine = VLLMEngine(policy, model_dir=f"{model_dir}/rank{rank}", max_model_len=16, max_num_seqs=4, dtype=torch.float32,
-                        seed=0, gpu_memory_utilization=0.3, sleep=False)
+    engine = VLLMEngine(
+        policy,
+        model_dir=f"{model_dir}/rank{rank}",
+        max_model_len=16,
+        max_num_seqs=4,
+        dtype=torch.float32,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        sleep=False,
+    )
     prompts = [["12+34=", "56+78=", "90+11="], ["22+33=", "44+55="]][rank % 2]
     sampling = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, greedy=True)
     outputs = []

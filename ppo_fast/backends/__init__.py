@@ -35,8 +35,8 @@ import os
 import pkgutil
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
@@ -185,7 +185,9 @@ def _nondeterministic(name: str, op: str) -> str | None:
     return getattr(backend_info(name).module, "NONDETERMINISTIC", {}).get(op)
 
 
-def resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None = None, label: str | None = None) -> Callable:
+def resolve(
+    op: str, device_type: str, implemented_by: tuple[str, ...] | None = None, label: str | None = None
+) -> Callable:
     """The implementation of ``op`` for tensors on ``device_type`` under the current choice.
 
     ``implemented_by``: for an op used by a registered variant (an advantage method...), the
@@ -203,16 +205,21 @@ def resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None = 
             raise BackendUnavailableError(f"{label or op}: {why}")
         why = _nondeterministic(name, op)
         if why:
-            message = (f"{label or op}: backend {name!r} is not deterministic ({why}) and torch.use_deterministic_algorithms(True) "
-                       "is set: use backend 'auto' (which then picks a deterministic one) or 'reference'")
+            message = (
+                f"{label or op}: backend {name!r} is not deterministic ({why}) and torch.use_deterministic_algorithms(True) "
+                "is set: use backend 'auto' (which then picks a deterministic one) or 'reference'"
+            )
             if not torch.is_deterministic_algorithms_warn_only_enabled():
                 raise BackendUnavailableError(message)
-            warnings.warn(message)
+            warnings.warn(message, stacklevel=2)
         return backend_info(name).module.FUNCTIONS[op]
     order = _OP_ORDER.get((device_type, op), _DEFAULT_ORDER.get(device_type, ("native", "reference")))
     for candidate in order:
-        if ((implemented_by is None or candidate in implemented_by) and _serves(candidate, op, device_type)[0]
-                and not _nondeterministic(candidate, op)):
+        if (
+            (implemented_by is None or candidate in implemented_by)
+            and _serves(candidate, op, device_type)[0]
+            and not _nondeterministic(candidate, op)
+        ):
             return backend_info(candidate).module.FUNCTIONS[op]
     return backend_info("reference").module.FUNCTIONS[op]
 
@@ -220,4 +227,6 @@ def resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None = 
 def resolved_backend_name(op: str, device_type: str) -> str:
     """Which backend ``resolve`` would use (for logging and benchmarks)."""
     fn = resolve(op, device_type)
-    return next(n for n in BACKENDS if backend_info(n).module is not None and backend_info(n).module.FUNCTIONS.get(op) is fn)
+    return next(
+        n for n in BACKENDS if backend_info(n).module is not None and backend_info(n).module.FUNCTIONS.get(op) is fn
+    )

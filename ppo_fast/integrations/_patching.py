@@ -22,8 +22,9 @@ import importlib.metadata
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, backend_info
@@ -89,7 +90,7 @@ class _PeerState:
     aliases: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
     # registry entries added (not replaced): removed on restore
     added: list[tuple[dict, str, Any]] = field(default_factory=list)
-    handles: list["PatchHandle"] = field(default_factory=list)
+    handles: list[PatchHandle] = field(default_factory=list)
 
 
 _STATE: dict[str, _PeerState] = {}
@@ -124,7 +125,7 @@ class PatchHandle:
         prefix = self.peer + "."
         return {k: v for k, v in COUNTS.items() if k.startswith(prefix)}
 
-    def __enter__(self) -> "PatchHandle":
+    def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -139,11 +140,21 @@ def is_patched(peer: str) -> bool:
 
 
 def _peer_modules(prefix: str) -> list:
-    return [m for name, m in list(sys.modules.items()) if m is not None and (name == prefix or name.startswith(prefix + "."))]
+    return [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == prefix or name.startswith(prefix + "."))
+    ]
 
 
-def install(peer: str, module_prefix: str, backend: str, version: str, targets: Callable[[], list[Target]],
-            added: Callable[[], list[tuple[dict, str, Any]]] = lambda: []) -> PatchHandle:
+def install(
+    peer: str,
+    module_prefix: str,
+    backend: str,
+    version: str,
+    targets: Callable[[], list[Target]],
+    added: Callable[[], list[tuple[dict, str, Any]]] = lambda: [],
+) -> PatchHandle:
     """Install ``targets()`` (once per peer) and return a new handle."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
@@ -161,7 +172,11 @@ def install(peer: str, module_prefix: str, backend: str, version: str, targets: 
             for module in _peer_modules(module_prefix):
                 for attr, value in list(vars(module).items()):
                     hit = originals.get(id(value))
-                    if hit is not None and hit[0] is value and not any(module is t.owner and attr == t.name for t in state.targets):
+                    if (
+                        hit is not None
+                        and hit[0] is value
+                        and not any(module is t.owner and attr == t.name for t in state.targets)
+                    ):
                         setattr(module, attr, hit[1])
                         state.aliases.append((module, attr, hit[0], hit[1]))
             for registry, key, value in added():

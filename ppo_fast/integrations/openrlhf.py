@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -90,8 +90,13 @@ def _fallback(name: str, *args, **kwargs):
 # --------------------------------------------------------------------------- KL, log-probs
 
 
-def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, log_probs_old: Optional[torch.Tensor] = None,
-                      kl_estimator: str = "k1", unbiased_gradient: bool = False) -> torch.Tensor:
+def compute_approx_kl(
+    log_probs: torch.Tensor,
+    log_probs_base: torch.Tensor,
+    log_probs_old: torch.Tensor | None = None,
+    kl_estimator: str = "k1",
+    unbiased_gradient: bool = False,
+) -> torch.Tensor:
     """OpenRLHF's ``compute_approx_kl`` on ``pf.kl_estimate`` (float32, clamped to [-10, 10])."""
     if kl_estimator not in _KL_ESTIMATORS:
         raise ValueError(f"Unknown kl_estimator: {kl_estimator}")
@@ -152,10 +157,27 @@ def _make_loss_classes(loss_module):
         """OpenRLHF's PPO policy loss on ``pf.clipped_policy_loss`` (the same constructor;
         GSPO and the rollout IS correction run OpenRLHF's own forward)."""
 
-        def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
-                    batch_num_tokens=None, global_batch_size=None):
-            args = (log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, dp_size, batch_num_tokens,
-                    global_batch_size)
+        def forward(
+            self,
+            log_probs,
+            old_log_probs,
+            advantages,
+            action_mask=None,
+            rollout_log_probs=None,
+            dp_size=1,
+            batch_num_tokens=None,
+            global_batch_size=None,
+        ):
+            args = (
+                log_probs,
+                old_log_probs,
+                advantages,
+                action_mask,
+                rollout_log_probs,
+                dp_size,
+                batch_num_tokens,
+                global_batch_size,
+            )
             low, high = self.clip_eps_low, self.clip_eps_high
             ours = (
                 self.policy_loss_type == "ppo"
@@ -175,8 +197,14 @@ def _make_loss_classes(loss_module):
             agg = "token-mean" if self.token_level_loss else "seq-mean-token-mean"
             with _backend("clipped_policy_loss", log_probs):
                 loss, stats = pf.clipped_policy_loss(
-                    log_probs, old_log_probs, advantages, mask, clip_eps_low=float(low), clip_eps_high=float(high),
-                    dual_clip=None if self.dual_clip is None else float(self.dual_clip), agg=agg,
+                    log_probs,
+                    old_log_probs,
+                    advantages,
+                    mask,
+                    clip_eps_low=float(low),
+                    clip_eps_high=float(high),
+                    dual_clip=None if self.dual_clip is None else float(self.dual_clip),
+                    agg=agg,
                 )
             loss = _openrlhf_scale(loss, mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
             dtype = torch.result_type(log_probs, advantages)
@@ -185,8 +213,16 @@ def _make_loss_classes(loss_module):
     class ValueLoss(OrigValueLoss):
         """OpenRLHF's (clipped) value loss on ``pf.value_loss`` (the same constructor)."""
 
-        def forward(self, values, old_values, returns, action_mask=None, dp_size=1, batch_num_tokens=None,
-                    global_batch_size=None):
+        def forward(
+            self,
+            values,
+            old_values,
+            returns,
+            action_mask=None,
+            dp_size=1,
+            batch_num_tokens=None,
+            global_batch_size=None,
+        ):
             args = (values, old_values, returns, action_mask, dp_size, batch_num_tokens, global_batch_size)
             clip = self.clip_eps
             ours = (
@@ -203,8 +239,14 @@ def _make_loss_classes(loss_module):
             mask = _ones_like_mask(values) if action_mask is None else action_mask
             agg = "token-mean" if self.token_level_loss else "seq-mean-token-mean"
             with _backend("value_loss", values):
-                loss, _ = pf.value_loss(values, old_values if clip is not None else None, returns, mask,
-                                        clip=None if clip is None else float(clip), agg=agg)
+                loss, _ = pf.value_loss(
+                    values,
+                    old_values if clip is not None else None,
+                    returns,
+                    mask,
+                    clip=None if clip is None else float(clip),
+                    agg=agg,
+                )
             loss = _openrlhf_scale(loss, mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
             return loss.to(torch.result_type(values, returns))
 
@@ -224,8 +266,9 @@ def prefix_mask(action_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def get_advantages_and_returns(self, values: torch.Tensor, rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float,
-                               lambd: float):
+def get_advantages_and_returns(
+    self, values: torch.Tensor, rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float, lambd: float
+):
     """OpenRLHF's GAE on ``pf.gae``.
 
     OpenRLHF multiplies rewards and values by the mask and runs GAE over every position,

@@ -97,8 +97,9 @@ def _labels(index: torch.Tensor, row_mask) -> torch.Tensor:
     return index if row_mask is None else torch.where(row_mask == 0, _NO_IGNORE, index)
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
-                          row_mask: torch.Tensor | None = None) -> torch.Tensor:
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, row_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """TRL's ``selective_log_softmax`` on ``pf.token_logprobs`` (temperature folded into the
     softmax in float32; rows with ``row_mask == 0`` give 0).  A ``(..., K)`` index (K
     log-probs per row) runs TRL's own function."""
@@ -108,14 +109,21 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature
         return _fallback("selective_log_softmax", logits, index, temperature=temperature, row_mask=row_mask)
     _count("selective_log_softmax")
     with _backend(logits):
-        logp = pf.token_logprobs(logits, _labels(index, row_mask), temperature=float(temperature), ignore_index=_NO_IGNORE)
+        logp = pf.token_logprobs(
+            logits, _labels(index, row_mask), temperature=float(temperature), ignore_index=_NO_IGNORE
+        )
     return logp.to(_trl_dtype(logits, index, row_mask))
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
     """TRL's ``entropy_from_logits`` on ``pf.token_logprobs(..., return_entropy=True)``
     (``chunk_size`` is not needed: no ``[N, V]`` intermediate)."""
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _LOGIT_DTYPES or logits.dim() < 1 or logits.shape[-1] == 0:
+    if (
+        not isinstance(logits, torch.Tensor)
+        or logits.dtype not in _LOGIT_DTYPES
+        or logits.dim() < 1
+        or logits.shape[-1] == 0
+    ):
         return _fallback("entropy_from_logits", logits, chunk_size)
     _count("entropy_from_logits")
     labels = torch.zeros((), dtype=torch.long, device=logits.device).expand(logits.shape[:-1])
@@ -124,18 +132,34 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     return entropy.to(_trl_dtype(logits))
 
 
-def selective_log_softmax_and_entropy(logits: torch.Tensor, index: torch.Tensor, entropy_requires_grad: bool = True,
-                                      temperature: float = 1.0, row_mask: torch.Tensor | None = None):
+def selective_log_softmax_and_entropy(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    entropy_requires_grad: bool = True,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+):
     """TRL's ``selective_log_softmax_and_entropy``: both from one ``pf.token_logprobs`` call."""
     if temperature <= 0:
         raise ValueError("temperature must be positive")
     if not _ours_can(logits, index, temperature, row_mask):
-        return _fallback("selective_log_softmax_and_entropy", logits, index, entropy_requires_grad=entropy_requires_grad,
-                         temperature=temperature, row_mask=row_mask)
+        return _fallback(
+            "selective_log_softmax_and_entropy",
+            logits,
+            index,
+            entropy_requires_grad=entropy_requires_grad,
+            temperature=temperature,
+            row_mask=row_mask,
+        )
     _count("selective_log_softmax_and_entropy")
     with _backend(logits):
-        logp, entropy = pf.token_logprobs(logits, _labels(index, row_mask), temperature=float(temperature),
-                                          return_entropy=True, ignore_index=_NO_IGNORE)
+        logp, entropy = pf.token_logprobs(
+            logits,
+            _labels(index, row_mask),
+            temperature=float(temperature),
+            return_entropy=True,
+            ignore_index=_NO_IGNORE,
+        )
     dtype = _trl_dtype(logits, index, row_mask)
     entropy = entropy.to(dtype)
     return logp.to(dtype), entropy if entropy_requires_grad else entropy.detach()
@@ -163,14 +187,19 @@ def _head_ours_can(hidden, weight, bias, targets, temperature, softcap, logit_sc
     logits, which our op never exposes: TRL's own function serves such calls whole, rather
     than projecting the head a second time for them."""
     return (
-        isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.dtype in _LOGIT_DTYPES
-        and isinstance(weight, torch.Tensor) and weight.dtype in _LOGIT_DTYPES
+        isinstance(hidden, torch.Tensor)
+        and hidden.dim() == 2
+        and hidden.dtype in _LOGIT_DTYPES
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype in _LOGIT_DTYPES
         and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in _LOGIT_DTYPES))
-        and isinstance(targets, torch.Tensor) and not targets.dtype.is_floating_point
+        and isinstance(targets, torch.Tensor)
+        and not targets.dtype.is_floating_point
         and set(outputs) <= {"log_probs", "entropy"}
         and float(temperature) >= _MIN_TEMPERATURE
         # TRL keeps a 0 scale and reads a 0 soft-cap as 1: its own code serves those
-        and _positive(logit_scale) and (softcap is None or _positive(softcap))
+        and _positive(logit_scale)
+        and (softcap is None or _positive(softcap))
     )
 
 
@@ -181,25 +210,42 @@ class ChunkedLogProbFunction:
     compute dtype (autocast's, else the hidden states'); the statistics it does not ask for are None."""
 
     @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
-              outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
-        if not _head_ours_can(hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, outputs):
+    def apply(
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        chunk_size,
+        final_logit_softcapping=None,
+        logit_scale=1.0,
+        outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+    ):
+        if not _head_ours_can(
+            hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, outputs
+        ):
             original = _ORIG.get("_ChunkedLogProbFunction")
             if original is None:
                 from trl.kernels import ChunkedLogProbFunction as original
             _patching.count(f"{PEER}.fused_lm_head:fallback")
-            return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                                  logit_scale, outputs)
+            return original.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+            )
         _count("fused_lm_head")
         cd = _compute_dtype(hidden)
         want_entropy = "entropy" in outputs
         # TRL's labels are never ignored (it drops or clamps -100 before the call).
         with torch.autocast(hidden.device.type, enabled=False), _backend(hidden, "linear_token_logprobs"):
             out = pf.linear_token_logprobs(
-                hidden.to(cd), weight.to(cd), targets, bias=None if bias is None else bias.to(cd),
-                temperature=float(temperature), logit_scale=float(logit_scale),
+                hidden.to(cd),
+                weight.to(cd),
+                targets,
+                bias=None if bias is None else bias.to(cd),
+                temperature=float(temperature),
+                logit_scale=float(logit_scale),
                 logit_softcap=None if final_logit_softcapping is None else float(final_logit_softcapping),
-                return_entropy=want_entropy, ignore_index=_NO_IGNORE,
+                return_entropy=want_entropy,
+                ignore_index=_NO_IGNORE,
             )
         logp, entropy = out if want_entropy else (out, None)
         return logp.float(), (entropy.float() if want_entropy else None), None, None, None

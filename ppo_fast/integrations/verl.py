@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,7 +111,9 @@ def _check_agg_mode(loss_agg_mode: str) -> None:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
 
 
-def _global_scale(loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
+def _global_scale(
+    loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+):
     """verl's global-batch normalisation on top of our local aggregate ``loss``.
 
     Our ops normalise by the micro-batch (``token-mean``: its valid tokens;
@@ -165,15 +167,24 @@ def agg_loss(
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
     dp_size: int = 1,
-    batch_num_tokens: Optional[int] = None,
-    global_batch_size: Optional[int] = None,
-    loss_scale_factor: Optional[int] = None,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: int | None = None,
 ):
     """verl's ``agg_loss`` on ``pf.aggregate`` (values at masked positions are never read),
     with verl's global normalisation and output dtype."""
     _check_agg_mode(loss_agg_mode)
     if loss_mask.shape != loss_mat.shape or loss_mat.dim() == 0:
-        return _fallback("agg_loss", loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        return _fallback(
+            "agg_loss",
+            loss_mat,
+            loss_mask,
+            loss_agg_mode,
+            dp_size,
+            batch_num_tokens,
+            global_batch_size,
+            loss_scale_factor,
+        )
     _count("agg_loss")
     mat, mask = _token_rows(loss_mat), _token_rows(loss_mask)
     local = pf.aggregate(mat, mask, loss_agg_mode)
@@ -218,9 +229,15 @@ def compute_policy_loss_vanilla(
     _count("compute_policy_loss_vanilla")
     with _backend("clipped_policy_loss", log_prob):
         loss, stats = pf.clipped_policy_loss(
-            log_prob, old_log_prob, advantages, response_mask,
-            clip_eps_low=float(clip_low), clip_eps_high=float(clip_high), dual_clip=float(clip_ratio_c),
-            agg=loss_agg_mode, weights=rollout_is_weights,
+            log_prob,
+            old_log_prob,
+            advantages,
+            response_mask,
+            clip_eps_low=float(clip_low),
+            clip_eps_high=float(clip_high),
+            dual_clip=float(clip_ratio_c),
+            agg=loss_agg_mode,
+            weights=rollout_is_weights,
         )
     global_info = dict(getattr(config, "global_batch_info", None) or {})
     loss = _global_scale(loss, response_mask, loss_agg_mode, **global_info)
@@ -241,23 +258,39 @@ def compute_value_loss(
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
     dp_size: int = 1,
-    batch_num_tokens: Optional[int] = None,
-    global_batch_size: Optional[int] = None,
-    loss_scale_factor: Optional[int] = None,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: int | None = None,
 ):
     """verl's clipped value loss on ``pf.value_loss``, with verl's global normalisation."""
-    args = (vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, dp_size, batch_num_tokens,
-            global_batch_size, loss_scale_factor)
+    args = (
+        vpreds,
+        returns,
+        values,
+        response_mask,
+        cliprange_value,
+        loss_agg_mode,
+        dp_size,
+        batch_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+    )
     _check_agg_mode(loss_agg_mode)
     if not (isinstance(cliprange_value, Real) and math.isfinite(cliprange_value) and cliprange_value > 0):
         return _fallback("compute_value_loss", *args)
     _count("compute_value_loss")
     with _backend("value_loss", vpreds):
-        loss, stats = pf.value_loss(vpreds, values, returns, response_mask, clip=float(cliprange_value), agg=loss_agg_mode)
-    loss = _global_scale(loss, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        loss, stats = pf.value_loss(
+            vpreds, values, returns, response_mask, clip=float(cliprange_value), agg=loss_agg_mode
+        )
+    loss = _global_scale(
+        loss, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+    )
     # verl's clip fraction is a masked mean of a float32 indicator
     clipfrac_dtype = torch.promote_types(torch.float32, _promote(response_mask))
-    return loss.to(_agg_dtype(loss_agg_mode, vpreds, returns, values, response_mask)), stats["clipfrac"].to(clipfrac_dtype)
+    return loss.to(_agg_dtype(loss_agg_mode, vpreds, returns, values, response_mask)), stats["clipfrac"].to(
+        clipfrac_dtype
+    )
 
 
 # --------------------------------------------------------------------------- KL
@@ -356,8 +389,9 @@ def _outcome_advantages(token_level_rewards, response_mask, index, method, **par
         scores = token_level_rewards.sum(dim=-1)
         one_token = torch.ones(scores.shape[0], 1, dtype=torch.bool, device=scores.device)
         with _backend("group_sum", scores):
-            adv = pf.group_advantages(scores.double(), _group_ids(index, scores.device), one_token, method=method,
-                                      **params)
+            adv = pf.group_advantages(
+                scores.double(), _group_ids(index, scores.device), one_token, method=method, **params
+            )
         adv = adv.to(scores.dtype) * response_mask
     return adv, adv
 
@@ -366,34 +400,58 @@ def _grpo(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_
     if not (isinstance(epsilon, Real) and math.isfinite(epsilon) and epsilon >= 0):
         return _fallback(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config)
     _count(name)
-    return _outcome_advantages(token_level_rewards, response_mask, index, "grpo", epsilon=float(epsilon),
-                               norm_by_std=bool(norm_adv_by_std_in_grpo))
+    return _outcome_advantages(
+        token_level_rewards,
+        response_mask,
+        index,
+        "grpo",
+        epsilon=float(epsilon),
+        norm_by_std=bool(norm_adv_by_std_in_grpo),
+    )
 
 
-def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
-                                   norm_adv_by_std_in_grpo: bool = True, config=None):
+def compute_grpo_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, config=None
+):
     """verl's GRPO outcome advantage on ``pf.group_advantages(method="grpo")`` (a group of one:
     mean 0, std 1, as both verl and ours)."""
-    return _grpo("compute_grpo_outcome_advantage", token_level_rewards, response_mask, index, epsilon,
-                 norm_adv_by_std_in_grpo, config)
+    return _grpo(
+        "compute_grpo_outcome_advantage",
+        token_level_rewards,
+        response_mask,
+        index,
+        epsilon,
+        norm_adv_by_std_in_grpo,
+        config,
+    )
 
 
-def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
-                                              norm_adv_by_std_in_grpo: bool = True, config=None):
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, config=None
+):
     """verl's vectorised GRPO outcome advantage (the same definition as the loop version)."""
-    return _grpo("compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask, index, epsilon,
-                 norm_adv_by_std_in_grpo, config)
+    return _grpo(
+        "compute_grpo_vectorized_outcome_advantage",
+        token_level_rewards,
+        response_mask,
+        index,
+        epsilon,
+        norm_adv_by_std_in_grpo,
+        config,
+    )
 
 
-def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6, config=None,
-                                   **kwargs):
+def compute_rloo_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon: float = 1e-6, config=None, **kwargs
+):
     """verl's RLOO on ``pf.group_advantages(method="rloo")``: a prompt with one response keeps its score."""
     _count("compute_rloo_outcome_advantage")
     return _outcome_advantages(token_level_rewards, response_mask, index, "rloo")
 
 
-def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
-                                              config=None, **kwargs):
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon: float = 1e-6, config=None, **kwargs
+):
     """verl's vectorised RLOO: a prompt with one response gets 0 (``zero_singletons``)."""
     _count("compute_rloo_vectorized_outcome_advantage")
     return _outcome_advantages(token_level_rewards, response_mask, index, "rloo", zero_singletons=True)
@@ -407,9 +465,10 @@ def _flash_ce_path() -> bool:
     import os
 
     verl_F = _functional()
-    return bool(getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)) and os.environ.get(
-        "VERL_DISABLE_FLASH_ATTN_CE", "0"
-    ) != "1"
+    return (
+        bool(getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
+        and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+    )
 
 
 def logprobs_from_logits(logits, labels, inplace_backward=True):
@@ -425,7 +484,9 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     _count("logprobs_from_logits")
     flash = _flash_ce_path()
     with _backend("token_logprobs", logits):
-        logp = pf.token_logprobs(logits, labels, ignore_index=_NO_IGNORE, inplace_backward=bool(inplace_backward and flash))
+        logp = pf.token_logprobs(
+            logits, labels, ignore_index=_NO_IGNORE, inplace_backward=bool(inplace_backward and flash)
+        )
     return logp if flash else logp.to(logits.dtype)
 
 

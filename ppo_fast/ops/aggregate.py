@@ -35,7 +35,9 @@ def masked_mean(x, mask, dim=None):
             raise TypeError(f"dim must be None, an int or a tuple of ints, got {dim!r}")
         for d in dims:
             if not -x.dim() <= d < max(x.dim(), 1):
-                raise ValueError(f"dim must lie in [{-x.dim()}, {x.dim() - 1}] for x of shape {tuple(x.shape)}, got {d}")
+                raise ValueError(
+                    f"dim must lie in [{-x.dim()}, {x.dim() - 1}] for x of shape {tuple(x.shape)}, got {d}"
+                )
     return reference.masked_mean(x, mask, dim)
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from ..backends import reference
-from ..advantage_methods import PARAM_CHECKS, REGISTRY, Groups, Inputs, advantage_methods
-from ..backends import resolve
 from .._dtypes import result_dtype
+from ..advantage_methods import PARAM_CHECKS, REGISTRY, Groups, Inputs, advantage_methods
+from ..backends import reference, resolve
 
 __all__ = ["group_advantages", "advantage_methods"]
 
@@ -51,15 +50,19 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
         raise ValueError(f"method must be one of {names}, got {method!r}{hint}")
     unknown = sorted(set(params) - set(entry.params))
     if unknown:
-        raise TypeError(f"group_advantages(method={method!r}) got unexpected parameter(s) {unknown}; "
-                        f"it takes {sorted(entry.params) or 'none'}")
+        raise TypeError(
+            f"group_advantages(method={method!r}) got unexpected parameter(s) {unknown}; "
+            f"it takes {sorted(entry.params) or 'none'}"
+        )
     check.tensor("scores", scores, min_ndim=1)
     if scores.dim() > 2:
         raise ValueError(f"scores must be [B] or [B, T], got shape {tuple(scores.shape)}")
     check.tensor("mask", mask, dtypes=None, ndim=2)
     batch = mask.shape[0]
     if scores.shape[0] != batch or (scores.dim() == 2 and scores.shape != mask.shape):
-        raise ValueError(f"scores must have shape ({batch},) or {tuple(mask.shape)} (the mask's), got {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores must have shape ({batch},) or {tuple(mask.shape)} (the mask's), got {tuple(scores.shape)}"
+        )
     mask = check.mask("mask", mask, mask.shape)
     values = {**entry.params, **params}
     for name, value in params.items():
@@ -84,8 +87,10 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
         if entry.min_group_size > 1 and check.host_checks_free(scores) and batch:
             (count,) = groups.sums(torch.ones(batch, dtype=torch.float32, device=scores.device))
             if bool((count < entry.min_group_size).any()):
-                raise ValueError(f"group_advantages(method={method!r}) needs at least {entry.min_group_size} "
-                                 "responses in every group (group_ids)")
+                raise ValueError(
+                    f"group_advantages(method={method!r}) needs at least {entry.min_group_size} "
+                    "responses in every group (group_ids)"
+                )
     dtype = result_dtype(scores, *tensors.values())
     if scores.dim() == 2:
         rewards = torch.where(mask, scores.to(dtype), 0.0)
@@ -94,7 +99,9 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
         sequence_scores = torch.where(mask.any(-1), scores.to(dtype), 0.0)
         if mask.shape[-1]:  # the score on the row's last valid token
             last, _ = reference.last_valid_index(mask)
-            rewards = sequence_scores.new_zeros(mask.shape).scatter(-1, last.unsqueeze(-1), sequence_scores.unsqueeze(-1))
+            rewards = sequence_scores.new_zeros(mask.shape).scatter(
+                -1, last.unsqueeze(-1), sequence_scores.unsqueeze(-1)
+            )
         else:  # no token: empty, still in the autograd graph of the scores
             rewards = sequence_scores.unsqueeze(-1)[:, :0]
     return entry.fn(Inputs(sequence_scores, rewards, mask, groups), **values)

@@ -25,9 +25,13 @@ def _check_head(hidden, weight, labels, bias) -> tuple[int, int]:
     if vocab == 0:
         raise ValueError("weight must have a non-empty vocabulary dim, got shape (0, H)")
     if hidden.shape[-1] != width:
-        raise ValueError(f"hidden's last dim must equal weight.shape[1] = {width} (weight is [V, H]), got hidden of shape {tuple(hidden.shape)}")
+        raise ValueError(
+            f"hidden's last dim must equal weight.shape[1] = {width} (weight is [V, H]), got hidden of shape {tuple(hidden.shape)}"
+        )
     if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+        )
     if bias is not None and bias.shape != (vocab,):
         raise ValueError(f"bias must have shape (V,) = ({vocab},) as weight [V, H], got {tuple(bias.shape)}")
     for name, x in (("weight", weight), ("bias", bias)):

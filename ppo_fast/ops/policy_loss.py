@@ -10,7 +10,9 @@ from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mod
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params):
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params
+):
     """The policy loss (to minimise) of a registered mode, and its stats.
 
     Args:

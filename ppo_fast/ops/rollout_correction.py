@@ -46,4 +46,6 @@ def rollout_correction_weights(
     if mode.endswith("tis") and threshold_low != 0.0:
         raise ValueError(f"threshold_low applies to the masked modes (token_mis, seq_mis), not to mode {mode!r}")
     check.flag("batch_normalize", batch_normalize)
-    return reference.rollout_correction_weights(old_logprobs, rollout_logprobs, mask, mode, threshold, threshold_low, batch_normalize)
+    return reference.rollout_correction_weights(
+        old_logprobs, rollout_logprobs, mask, mode, threshold, threshold_low, batch_normalize
+    )

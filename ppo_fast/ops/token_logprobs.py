@@ -62,7 +62,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     check.tensor("logits", logits, dtypes=_LOGIT_DTYPES, min_ndim=1)
     check.tensor("labels", labels, dtypes=check.INT_DTYPES)
     if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}"
+        )
     check.same_device(logits=logits, labels=labels)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dim, got V = 0")

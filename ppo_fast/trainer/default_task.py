@@ -37,8 +37,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_model(tokenizer, seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **MODEL_SHAPE,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **MODEL_SHAPE,
     )
     return GPT2LMHeadModel(config)
 

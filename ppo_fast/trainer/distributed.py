@@ -158,8 +158,10 @@ class Parallel:
         if not self.active:
             return row
         names = [k for k, v in row.items() if isinstance(v, float)]
-        values = self.all_sum(torch.tensor([float(row[k]) for k in names], dtype=torch.float64,
-                                           device=_collective_device())) / self.world_size
+        values = (
+            self.all_sum(torch.tensor([float(row[k]) for k in names], dtype=torch.float64, device=_collective_device()))
+            / self.world_size
+        )
         out = dict(row)
         for name, value in zip(names, values.tolist()):
             out[name] = value * self.world_size if name.startswith("throughput/") else value
@@ -190,7 +192,9 @@ class Parallel:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         def ddp(module):
-            wrapped = DDP(module, device_ids=[module_device(module).index] if module_device(module).type == "cuda" else None)
+            wrapped = DDP(
+                module, device_ids=[module_device(module).index] if module_device(module).type == "cuda" else None
+            )
             self._wrapped.append(wrapped)
             return wrapped
 
@@ -256,13 +260,17 @@ def _collective(fn, *args):
 
 def _rank_lost(err: Exception, rank: int | None = None) -> RankLost:
     reason = " ".join(str(err).split())[:200]
-    return RankLost(f"rank {dist.get_rank() if rank is None else rank}: another rank stopped answering ({reason}); stopping. "
-                    "Its own log says why; the last complete checkpoint is kept")
+    return RankLost(
+        f"rank {dist.get_rank() if rank is None else rank}: another rank stopped answering ({reason}); stopping. "
+        "Its own log says why; the last complete checkpoint is kept"
+    )
 
 
 def _from_the_backend(err: Exception) -> bool:
     """An error raised by the communication backend (a peer gone, a timeout), not by the model."""
-    return isinstance(err, dist.DistError) or any(name in str(err) for name in ("gloo", "NCCL", "Connection reset by peer"))
+    return isinstance(err, dist.DistError) or any(
+        name in str(err) for name in ("gloo", "NCCL", "Connection reset by peer")
+    )
 
 
 def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.device]:
@@ -274,19 +282,24 @@ def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.devi
     rank = int(os.environ["RANK"])
     per_rank = cfg.batch_size // world_size
     if cfg.batch_size % world_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size} "
-                          "(each rank samples batch_size / world_size prompts)")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size} "
+            "(each rank samples batch_size / world_size prompts)"
+        )
     rows = per_rank * cfg.num_samples_per_prompt
     if rows % (cfg.num_mini_batches * cfg.gradient_accumulation_steps):
-        raise ConfigError(f"each of the {world_size} ranks has {rows} rollouts per step (--batch-size {cfg.batch_size} / "
-                          f"{world_size} x --num-samples-per-prompt {cfg.num_samples_per_prompt}), which --num-mini-batches "
-                          f"{cfg.num_mini_batches} x --gradient-accumulation-steps {cfg.gradient_accumulation_steps} must divide")
+        raise ConfigError(
+            f"each of the {world_size} ranks has {rows} rollouts per step (--batch-size {cfg.batch_size} / "
+            f"{world_size} x --num-samples-per-prompt {cfg.num_samples_per_prompt}), which --num-mini-batches "
+            f"{cfg.num_mini_batches} x --gradient-accumulation-steps {cfg.gradient_accumulation_steps} must divide"
+        )
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout)
+        )
     return Parallel(rank=rank, world_size=world_size, mode=cfg.parallel, shard_reference=cfg.shard_reference), device
 
 
@@ -351,7 +364,9 @@ def load_sharded(folder, policy, critic, optimizer) -> None:
 
     state = _sharded_state(policy, critic, optimizer)
     dcp.load(state, checkpoint_id=folder)
-    set_state_dict(_models(policy, critic), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        _models(policy, critic), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def shutdown() -> None:

@@ -24,9 +24,23 @@ def group_ids(rows: int, group_size: int, device) -> torch.Tensor:
 
 
 def estimate(
-    scores, logprobs, ref_logprobs, values, mask, *, advantage_method: str, kl_coef: float, kl_estimator: str,
-    kl_in_reward: bool, gamma: float, lam: float, whiten: bool, group_size: int, grpo_norm_by_std: bool = True,
-    baselines: torch.Tensor | None = None, whitener=pf.masked_whiten,
+    scores,
+    logprobs,
+    ref_logprobs,
+    values,
+    mask,
+    *,
+    advantage_method: str,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_in_reward: bool,
+    gamma: float,
+    lam: float,
+    whiten: bool,
+    group_size: int,
+    grpo_norm_by_std: bool = True,
+    baselines: torch.Tensor | None = None,
+    whitener=pf.masked_whiten,
 ) -> Estimate:
     """Per-token rewards, then advantages (and value targets for GAE).
 
@@ -35,8 +49,9 @@ def estimate(
     the KL goes into the loss (``update.ppo_losses``).  ``baselines`` are remax's greedy rewards.  ``whitener(x, mask)`` whitens
     (with statistics over all ranks in a distributed run).
     """
-    rewards, kl = pf.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask,
-                                          kl_coef=kl_coef if kl_in_reward else 0.0, kl_estimator=kl_estimator)
+    rewards, kl = pf.kl_penalized_rewards(
+        scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef if kl_in_reward else 0.0, kl_estimator=kl_estimator
+    )
     method = pf.advantage_methods()[advantage_method]
     if method.needs_critic:
         advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)

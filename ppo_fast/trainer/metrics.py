@@ -131,8 +131,9 @@ def _informative(values: list[float]) -> bool:
     return len(finite) > 0 and max(finite) - min(finite) > 1e-9 * max(1.0, abs(finite[0]))
 
 
-def plot_panels(rows: list[dict], before: dict | None = None, after: dict | None = None,
-                after_step: int | None = None) -> tuple[dict, list]:
+def plot_panels(
+    rows: list[dict], before: dict | None = None, after: dict | None = None, after_step: int | None = None
+) -> tuple[dict, list]:
     """What ``curves.png`` shows: ``(evals, panels)``.
 
     ``evals``: ``{metric: (name, [(step, value), ...])}`` for the held-out evaluation, the
@@ -143,7 +144,7 @@ def plot_panels(rows: list[dict], before: dict | None = None, after: dict | None
     before, after = before or {}, after or {}
     evals = {}
     for key, name in EVAL_KEYS:
-        points = ([(0, before[key])] if key in before else [])
+        points = [(0, before[key])] if key in before else []
         points += [(row["step"], row[key]) for row in rows if key in row]
         if key in after and after_step is not None:
             points.append((after_step, after[key]))
@@ -157,8 +158,14 @@ def plot_panels(rows: list[dict], before: dict | None = None, after: dict | None
     return evals, panels[: MAX_PANELS - (1 if evals else 0)]
 
 
-def plot_curves(output_dir: Path, *, before: dict | None = None, after: dict | None = None,
-                after_step: int | None = None, title: str = "") -> Path | None:
+def plot_curves(
+    output_dir: Path,
+    *,
+    before: dict | None = None,
+    after: dict | None = None,
+    after_step: int | None = None,
+    title: str = "",
+) -> Path | None:
     """Draw ``curves.png`` (see :func:`plot_panels`): the held-out evaluation with its
     before and final points, and the informative training curves, raw (faint) and
     smoothed, under a title with the run's settings.  None if there is nothing to draw."""
@@ -183,12 +190,20 @@ def plot_curves(output_dir: Path, *, before: dict | None = None, after: dict | N
     if evals:
         ax = flat.pop(0)
         summary = []
-        for (key, (name, points)), color in zip(evals.items(), ("tab:green", "tab:purple")):
+        for (_key, (name, points)), color in zip(evals.items(), ("tab:green", "tab:purple")):
             steps, values = zip(*points)
             ax.plot(steps, values, marker="o", color=color, label=name)
             for step, value, align in ((steps[0], values[0], "left"), (steps[-1], values[-1], "right"))[: len(points)]:
-                ax.annotate(f"{value:.3f}", (step, value), textcoords="offset points", xytext=(0, 7), ha=align,
-                            fontsize=8, color=color, fontweight="bold")
+                ax.annotate(
+                    f"{value:.3f}",
+                    (step, value),
+                    textcoords="offset points",
+                    xytext=(0, 7),
+                    ha=align,
+                    fontsize=8,
+                    color=color,
+                    fontweight="bold",
+                )
             summary.append(f"{name.split(' (')[0]} {values[0]:.3f} -> {values[-1]:.3f}")
         ax.set_title(f"held-out eval, greedy: {', '.join(summary)}", fontsize=10)
         ax.margins(y=0.15)
@@ -210,7 +225,9 @@ def plot_curves(output_dir: Path, *, before: dict | None = None, after: dict | N
         ax.set_xlabel("step")
     heading = title
     if weights:
-        heading += ("\n" if heading else "") + f"faint: per step; solid: moving average (EMA, weight {max(weights):.2f})"
+        heading += (
+            "\n" if heading else ""
+        ) + f"faint: per step; solid: moving average (EMA, weight {max(weights):.2f})"
     if heading:
         fig.suptitle(heading, fontsize=9, y=0.995, va="top")
     fig.tight_layout()  # leaves room for the suptitle

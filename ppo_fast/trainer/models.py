@@ -22,7 +22,9 @@ def check_pretrained(option: str, name: str) -> None:
         if not path.is_dir():
             raise ConfigError(f"{option} {name}: is a file; give the folder written by save_pretrained()")
         if not (path / "config.json").is_file():
-            raise ConfigError(f"{option} {name}: no config.json in this folder; give the folder written by save_pretrained()")
+            raise ConfigError(
+                f"{option} {name}: no config.json in this folder; give the folder written by save_pretrained()"
+            )
         return
     # A hub id is "name" or "org/name"; anything else is meant as a local folder.
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
@@ -36,14 +38,18 @@ def check_pretrained(option: str, name: str) -> None:
     except (OSError, ValueError):
         pass
     if not _hub_reachable():  # not a folder, not cached, no hub: say so now (not after minutes of retries)
-        raise ConfigError(f"{option} {name}: no such directory (relative paths start from {os.getcwd()}), and no "
-                          "Hugging Face hub model of that name in the local cache (the hub cannot be reached from here)")
+        raise ConfigError(
+            f"{option} {name}: no such directory (relative paths start from {os.getcwd()}), and no "
+            "Hugging Face hub model of that name in the local cache (the hub cannot be reached from here)"
+        )
     load_pretrained(option, name, AutoConfig)  # a hub id: resolving its config.json is cheap
 
 
 def _hub_reachable() -> bool:
     """False when offline mode is set or the hub's host name does not resolve."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    if any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    ):
         return False
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     try:
@@ -92,7 +98,9 @@ class Critic(nn.Module):
         return self.backbone is None
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         return self.head(hidden)
 
 
@@ -127,5 +135,9 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def activation_checkpointing_on(model: nn.Module) -> bool:
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     return bool(getattr(model, flag))

@@ -44,8 +44,10 @@ def read_prompts(path: str, option: str = "--prompts-file") -> Prompts:
         raise ConfigError(f"{where}: no such file" + (" (it is a directory)" if file.is_dir() else ""))
     suffix = file.suffix.lower()
     if suffix not in SUFFIXES:
-        raise ConfigError(f"{where}: unknown file type {suffix or '(no suffix)'}; use .txt (one prompt per line), "
-                          f".jsonl (one {RECORD} per line) or .json (a list of such objects or strings)")
+        raise ConfigError(
+            f"{where}: unknown file type {suffix or '(no suffix)'}; use .txt (one prompt per line), "
+            f".jsonl (one {RECORD} per line) or .json (a list of such objects or strings)"
+        )
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -54,14 +56,20 @@ def read_prompts(path: str, option: str = "--prompts-file") -> Prompts:
         prompts = Prompts([line for line in text.splitlines() if line.strip()])
     elif suffix == ".jsonl":
         prompts = _from_records(
-            [(f"line {n}", _json(line, f"{where}, line {n}")) for n, line in enumerate(text.splitlines(), 1) if line.strip()],
+            [
+                (f"line {n}", _json(line, f"{where}, line {n}"))
+                for n, line in enumerate(text.splitlines(), 1)
+                if line.strip()
+            ],
             where,
         )
     else:
         items = _json(text, where)
         if not isinstance(items, list):
             hint = " (one JSON object per line is a .jsonl file)" if isinstance(items, dict) else ""
-            raise ConfigError(f"{where}: expected a JSON list of prompts (strings or {RECORD}), got {type(items).__name__}{hint}")
+            raise ConfigError(
+                f"{where}: expected a JSON list of prompts (strings or {RECORD}), got {type(items).__name__}{hint}"
+            )
         prompts = _from_records([(f"item {i}", item) for i, item in enumerate(items)], where)
     if not prompts.texts:
         raise ConfigError(f"{where}: holds no prompts")
@@ -72,8 +80,10 @@ def _json(text: str, where: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{where}: not valid JSON: {err.msg} (column {err.colno})"
-                          + (f", line {err.lineno}" if "line" not in where else "")) from None
+        raise ConfigError(
+            f"{where}: not valid JSON: {err.msg} (column {err.colno})"
+            + (f", line {err.lineno}" if "line" not in where else "")
+        ) from None
 
 
 def _from_records(records: list[tuple[str, object]], where: str) -> Prompts:
@@ -84,7 +94,9 @@ def _from_records(records: list[tuple[str, object]], where: str) -> Prompts:
         elif isinstance(record, dict):
             if "prompt" not in record:
                 keys = ", ".join(map(repr, record)) or "none"
-                raise ConfigError(f"{where}, {place}: no 'prompt' field (its keys: {keys}); each record must be a string or {RECORD}")
+                raise ConfigError(
+                    f"{where}, {place}: no 'prompt' field (its keys: {keys}); each record must be a string or {RECORD}"
+                )
             prompt, answer = record["prompt"], record.get("answer")
         else:
             raise ConfigError(f"{where}, {place}: expected a string or {RECORD}, got {type(record).__name__}")
@@ -92,7 +104,9 @@ def _from_records(records: list[tuple[str, object]], where: str) -> Prompts:
             raise ConfigError(f"{where}, {place}: 'prompt' must be a non-empty string, got {prompt!r}")
         if answer is not None:
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                raise ConfigError(f"{where}, {place}: 'answer' must be a string or a number, got {type(answer).__name__}")
+                raise ConfigError(
+                    f"{where}, {place}: 'answer' must be a string or a number, got {type(answer).__name__}"
+                )
             answer = str(answer)
         texts.append(prompt)
         answers.append(answer)

@@ -24,18 +24,25 @@ IGNORED = ("output_dir", "resume", "overwrite", "steps")
 
 def check(saved: dict, cfg: TrainerConfig, builtin: bool, where: str) -> list[str]:
     """``ConfigError`` for a refused change; else the applied changes as ``name old -> new``."""
-    changed = {name: old for name, old in saved.items()
-               if name not in IGNORED and hasattr(cfg, name) and getattr(cfg, name) != old}
+    changed = {
+        name: old
+        for name, old in saved.items()
+        if name not in IGNORED and hasattr(cfg, name) and getattr(cfg, name) != old
+    }
     refused = dict(REFUSED)
     if builtin:
-        refused.update({name: "the built-in task's warm-up model (the KL reference) depends on it" for name in REFUSED_BUILTIN})
+        refused.update(
+            {name: "the built-in task's warm-up model (the KL reference) depends on it" for name in REFUSED_BUILTIN}
+        )
     old_method = saved.get("advantage_method", cfg.advantage_method)
     if (old_method in CRITIC_METHODS) != cfg.uses_critic:
         refused["advantage_method"] = "with a critic" if old_method in CRITIC_METHODS else "without a critic"
     for name, old in changed.items():
         if name in refused:
-            raise ConfigError(f"{where} was trained with {flag(name)} {_show(old)} ({refused[name]}); resume with "
-                              f"{flag(name)} {_show(old)}, or start a new run in another --output-dir")
+            raise ConfigError(
+                f"{where} was trained with {flag(name)} {_show(old)} ({refused[name]}); resume with "
+                f"{flag(name)} {_show(old)}, or start a new run in another --output-dir"
+            )
     return [f"{name} {old!r} -> {getattr(cfg, name)!r}" for name, old in changed.items()]
 
 

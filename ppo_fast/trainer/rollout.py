@@ -58,18 +58,36 @@ def batch_from_responses(enc, response: torch.Tensor, mask: torch.Tensor, pad_to
 
 
 @torch.no_grad()
-def generate(policy, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float, greedy: bool,
-             top_k: int = 0, synced_gpus: bool = False) -> Batch:
+def generate(
+    policy,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    top_k: int = 0,
+    synced_gpus: bool = False,
+) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
     ``synced_gpus``: every rank runs the same number of forward passes (sharded weights)."""
     enc = encode_prompts(tokenizer, prompts, policy.device)
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    sampling = (
+        dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    )
     out = policy.generate(
-        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        synced_gpus=synced_gpus, **sampling
+        **enc,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced_gpus,
+        **sampling,
     )
     response = out[:, enc["input_ids"].shape[1] :]
-    return batch_from_responses(enc, response, response_mask_until_eos(response, tokenizer.eos_token_id), tokenizer.pad_token_id)
+    return batch_from_responses(
+        enc, response, response_mask_until_eos(response, tokenizer.eos_token_id), tokenizer.pad_token_id
+    )
 
 
 def decode_responses(tokenizer, batch: Batch) -> list[str]:
@@ -134,28 +152,53 @@ class ResponseScorer(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, response_ids, *, temperature: float, entropy: bool,
-                hidden_states: bool):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        response_ids,
+        *,
+        temperature: float,
+        entropy: bool,
+        hidden_states: bool,
+    ):
         # The logits at position t predict token t + 1: the response is scored from the
         # position before its first token to the second to last one.
         start = input_ids.shape[1] - response_ids.shape[1] - 1
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "use_cache": False,
+        }
         backbone, head = _fused_head(self.model, input_ids.device)
         if backbone is not None:
             hidden = backbone(**inputs).last_hidden_state
             device_type = hidden.device.type
             # In the dtype the head would run in: autocast's (bf16 on CUDA) or its own.
-            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head["weight"].dtype
+            dtype = (
+                torch.get_autocast_dtype(device_type)
+                if torch.is_autocast_enabled(device_type)
+                else head["weight"].dtype
+            )
             head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
-            result = pf.linear_token_logprobs(hidden[:, start:-1].to(dtype), labels=response_ids,
-                                              temperature=temperature, return_entropy=entropy, **head)
+            result = pf.linear_token_logprobs(
+                hidden[:, start:-1].to(dtype),
+                labels=response_ids,
+                temperature=temperature,
+                return_entropy=entropy,
+                **head,
+            )
         else:
             if head not in _fallbacks_logged:
                 _fallbacks_logged.add(head)
                 print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {head}", file=sys.stderr)
             out = self.model(**inputs, output_hidden_states=hidden_states)
             hidden = out.hidden_states[-1] if hidden_states else None
-            result = pf.token_logprobs(out.logits[:, start:-1], response_ids, temperature=temperature, return_entropy=entropy)
+            result = pf.token_logprobs(
+                out.logits[:, start:-1], response_ids, temperature=temperature, return_entropy=entropy
+            )
         logprobs, token_entropy = result if entropy else (result, None)
         return logprobs, token_entropy, hidden
 
@@ -163,19 +206,29 @@ class ResponseScorer(torch.nn.Module):
 def _response_scores(model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool):
     """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
     scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
-    return scorer(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids,
-                  temperature=temperature, entropy=entropy, hidden_states=hidden_states)
+    return scorer(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.response_ids,
+        temperature=temperature,
+        entropy=entropy,
+        hidden_states=hidden_states,
+    )
 
 
-def forward(policy, critic: Critic | None, batch: Batch, *, temperature: float, entropy: bool = False, values: bool = False):
+def forward(
+    policy, critic: Critic | None, batch: Batch, *, temperature: float, entropy: bool = False, values: bool = False
+):
     """Per-response-token ``(logprobs, entropy or None, values or None)`` under the current weights.
 
     ``policy`` is a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one.  The values are
     read at the positions whose logits score the response (the state before each token).
     """
     shared_values = values and critic is not None and critic.shared
-    logprobs, token_entropy, hidden = _response_scores(policy, batch, temperature=temperature, entropy=entropy,
-                                                       hidden_states=shared_values)
+    logprobs, token_entropy, hidden = _response_scores(
+        policy, batch, temperature=temperature, entropy=entropy, hidden_states=shared_values
+    )
     start = batch.prompt_width - 1
     token_values = None
     if values:

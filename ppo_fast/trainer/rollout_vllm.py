@@ -62,8 +62,18 @@ class VLLMEngine:
     to the CPU, KV cache freed) and wakes it in :meth:`sync_weights`.
     """
 
-    def __init__(self, policy, *, model_dir: str | Path, max_model_len: int, max_num_seqs: int, dtype: torch.dtype,
-                 seed: int, gpu_memory_utilization: float, sleep: bool):
+    def __init__(
+        self,
+        policy,
+        *,
+        model_dir: str | Path,
+        max_model_len: int,
+        max_num_seqs: int,
+        dtype: torch.dtype,
+        seed: int,
+        gpu_memory_utilization: float,
+        sleep: bool,
+    ):
         check_installed()
         distributed = _world_size() > 1
         if not distributed:  # the worker in this process: weights are synced by reference
@@ -79,10 +89,18 @@ class VLLMEngine:
         self.sleep = sleep
         start = time.perf_counter()
         self.llm = LLM(
-            model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", dtype=str(dtype).removeprefix("torch."),
-            seed=seed + int(os.environ.get("RANK", "0")), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,
-            distributed_executor_backend="external_launcher" if distributed else "uni", **options,
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=str(dtype).removeprefix("torch."),
+            seed=seed + int(os.environ.get("RANK", "0")),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=sleep,
+            distributed_executor_backend="external_launcher" if distributed else "uni",
+            **options,
         )
         self.start_s = time.perf_counter() - start
         self.sync_weights(policy)
@@ -94,7 +112,9 @@ class VLLMEngine:
         if self.sleep:
             self.llm.wake_up(tags=["weights"])
         # Checkpoint names, which vLLM's loaders map; sharded (DTensor) weights are gathered on every rank.
-        weights = [(name, w.full_tensor() if hasattr(w, "full_tensor") else w) for name, w in policy.state_dict().items()]
+        weights = [
+            (name, w.full_tensor() if hasattr(w, "full_tensor") else w) for name, w in policy.state_dict().items()
+        ]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         if self.sleep:
@@ -106,8 +126,18 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()
-    def generate(self, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, greedy: bool, device: torch.device) -> tuple[Batch, torch.Tensor]:
+    def generate(
+        self,
+        tokenizer,
+        prompts: list[str],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        greedy: bool,
+        device: torch.device,
+    ) -> tuple[Batch, torch.Tensor]:
         """``(batch, engine log-probs [B, R] of the response tokens, 0 after each response)``.
 
         The same batch layout as ``rollout.generate``: left-padded prompts, responses up
@@ -118,11 +148,18 @@ class VLLMEngine:
 
         enc = encode_prompts(tokenizer, prompts, "cpu")
         params = SamplingParams(
-            temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0 if greedy else top_k,
-            max_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id], logprobs=0, detokenize=False,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=0 if greedy else top_k,
+            max_tokens=max_new_tokens,
+            stop_token_ids=[tokenizer.eos_token_id],
+            logprobs=0,
+            detokenize=False,
         )
-        requests = [TokensPrompt(prompt_token_ids=ids[keep].tolist())
-                    for ids, keep in zip(enc["input_ids"], enc["attention_mask"].bool())]
+        requests = [
+            TokensPrompt(prompt_token_ids=ids[keep].tolist())
+            for ids, keep in zip(enc["input_ids"], enc["attention_mask"].bool())
+        ]
         completions = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False)]
         if self.sleep:
             self.llm.sleep(level=1)
@@ -137,10 +174,14 @@ class VLLMEngine:
             lengths[row] = len(ids)
         mask = torch.arange(width) < lengths[:, None]
         batch = batch_from_responses(enc, response, mask, tokenizer.pad_token_id)
-        return Batch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.prompt_width), logprobs.to(device)
+        return Batch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.prompt_width), logprobs.to(
+            device
+        )
 
 
-def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the engine's log-probs of the sampled tokens are from the trainer's (same weights).
 
     ``rollout/logprob_diff_mean`` and ``_max``: mean and max ``|trainer - engine|`` over

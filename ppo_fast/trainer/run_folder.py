@@ -59,7 +59,9 @@ def describe(found: list[Path], output_dir: str | Path) -> str:
     parts = []
     for group, more in ((finished, "older"), (unfinished, "more unfinished")):
         if group:
-            parts.append(group[0].relative_to(root).as_posix() + (f" and {len(group) - 1} {more}" if len(group) > 1 else ""))
+            parts.append(
+                group[0].relative_to(root).as_posix() + (f" and {len(group) - 1} {more}" if len(group) > 1 else "")
+            )
     parts += [p.name + ("/" if p.is_dir() else "") for p in others]
     return ", ".join(parts)
 
@@ -73,8 +75,10 @@ def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | N
     found = artifacts(output_dir)
     if not found:
         return None
-    return (f"--output-dir {output_dir} already holds a run ({describe(found, output_dir)}); "
-            "pass --resume to continue it, or --overwrite to replace it")
+    return (
+        f"--output-dir {output_dir} already holds a run ({describe(found, output_dir)}); "
+        "pass --resume to continue it, or --overwrite to replace it"
+    )
 
 
 def remove_run(output_dir: str | Path) -> list[Path]:

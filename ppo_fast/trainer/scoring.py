@@ -7,8 +7,8 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -48,7 +48,11 @@ def load_reward_fn(spec: str) -> Callable:
             raise ConfigError(f"{where}: importing {module_name!r} failed: {_one_line(err)}") from err
     fn = getattr(module, attr, None)
     if not callable(fn):
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        names = sorted(
+            n
+            for n, v in vars(module).items()
+            if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
         hint = f" (it defines: {', '.join(names)})" if names else ""
         raise ConfigError(f"{where}: {module_name!r} has no function {attr!r}{hint}")
     return fn
@@ -111,11 +115,18 @@ class FunctionScorer:
         self.name = _name(fn)
         self.takes_answers = _takes_answers(fn)
 
-    def __call__(self, prompts: list[str], responses: list[str], device: torch.device,
-                 answers: Sequence[str | None] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        device: torch.device,
+        answers: Sequence[str | None] | None = None,
+    ) -> torch.Tensor:
         try:
             if self.takes_answers:
-                raw = self.fn(list(prompts), list(responses), list(answers) if answers is not None else [None] * len(prompts))
+                raw = self.fn(
+                    list(prompts), list(responses), list(answers) if answers is not None else [None] * len(prompts)
+                )
             else:
                 raw = self.fn(list(prompts), list(responses))
         except Exception as err:  # KeyboardInterrupt passes through on purpose
@@ -125,7 +136,9 @@ class FunctionScorer:
         try:
             scores = torch.as_tensor(raw, dtype=torch.float32)
         except (TypeError, ValueError, RuntimeError) as err:
-            raise RewardError(f"reward function {self.name} must return numbers, got {type(raw).__name__}: {err}") from err
+            raise RewardError(
+                f"reward function {self.name} must return numbers, got {type(raw).__name__}: {err}"
+            ) from err
         if scores.shape != (len(responses),):
             raise RewardError(
                 f"reward function {self.name} must return {len(responses)} scores (one per response), "
@@ -168,7 +181,9 @@ def check_finite(name: str, values: torch.Tensor, step: int) -> None:
     """Stop the run with a clear message when ``values`` holds NaN or inf."""
     if not bool(torch.isfinite(values).all()):
         bad = values[~torch.isfinite(values)].flatten()[0].item()
-        raise NonFiniteError(f"step {step}: {name} is not finite (e.g. {bad}); stopping, the last good checkpoint is kept")
+        raise NonFiniteError(
+            f"step {step}: {name} is not finite (e.g. {bad}); stopping, the last good checkpoint is kept"
+        )
 
 
 class NonFiniteError(RuntimeError):

@@ -9,8 +9,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -22,7 +22,12 @@ from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError
 from .estimate import estimate
 from .metrics import MetricsWriter, PhaseTimer, plot_curves
 from .models import (
-    build_critic, check_pretrained, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained,
+    build_critic,
+    check_pretrained,
+    disable_dropout,
+    enable_activation_checkpointing,
+    frozen_reference,
+    load_pretrained,
 )
 from .prompts import Prompts, exact_match
 from .prompts import read_prompts as _read_prompt_file
@@ -62,8 +67,10 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
             try:
                 resolve(op, device.type, implemented_by, label)
             except pf.BackendUnavailableError as err:
-                raise ConfigError(f"--backend {name} cannot run this job on {device.type}: {err}; "
-                                  "use --backend auto (the fastest available backend per op)") from None
+                raise ConfigError(
+                    f"--backend {name} cannot run this job on {device.type}: {err}; "
+                    "use --backend auto (the fastest available backend per op)"
+                ) from None
 
 
 def check_writable(output_dir: Path) -> None:
@@ -77,8 +84,9 @@ def check_writable(output_dir: Path) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({err.strerror or err}); "
-                          "choose a writable --output-dir") from None
+        raise ConfigError(
+            f"--output-dir {output_dir}: cannot write there ({err.strerror or err}); choose a writable --output-dir"
+        ) from None
     checkpoint.remove_stale(output_dir)
 
 
@@ -156,10 +164,19 @@ class PPOTrainer:
     objects from Python instead of through the config.
     """
 
-    def __init__(self, cfg: TrainerConfig, *, policy=None, tokenizer=None, reward_fn: Callable | None = None,
-                 prompts: list[str] | None = None, eval_prompts: list[str] | None = None,
-                 answers: list[str | None] | None = None, eval_answers: list[str | None] | None = None,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        *,
+        policy=None,
+        tokenizer=None,
+        reward_fn: Callable | None = None,
+        prompts: list[str] | None = None,
+        eval_prompts: list[str] | None = None,
+        answers: list[str | None] | None = None,
+        eval_answers: list[str | None] | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
         self.created = time.perf_counter()
         self.cfg = cfg.validate()
         self.log = log or tqdm.write
@@ -177,7 +194,9 @@ class PPOTrainer:
             check_pretrained("--model-name-or-path", cfg.model_name_or_path)
         if reward_fn is None and cfg.reward_model is not None:
             check_pretrained("--reward-model", cfg.reward_model)
-        train_set, eval_set, reward_fn = self._datasets_and_reward(builtin, prompts, answers, eval_prompts, eval_answers, reward_fn)
+        train_set, eval_set, reward_fn = self._datasets_and_reward(
+            builtin, prompts, answers, eval_prompts, eval_answers, reward_fn
+        )
         resume_from = self._check_resume(builtin) if cfg.resume else None
         self._claim_output_dir()  # nothing is written to output_dir before this
 
@@ -194,7 +213,9 @@ class PPOTrainer:
         elif policy is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM).to(self.device)
+            policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM).to(
+                self.device
+            )
             tokenizer = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoTokenizer)
         if tokenizer is None:
             raise ConfigError("tokenizer= is required when a policy model object is passed")
@@ -233,8 +254,12 @@ class PPOTrainer:
         policy_loss_params(cfg)
         ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
         policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
-        check_backend(cfg.backend, self.device, tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
-                      cfg.advantage_method)
+        check_backend(
+            cfg.backend,
+            self.device,
+            tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
+            cfg.advantage_method,
+        )
         if cfg.rollout_engine == "vllm":
             check_installed()
             if cfg.vllm_sleep and self.device.type != "cuda":
@@ -284,7 +309,9 @@ class PPOTrainer:
         total_updates = cfg.steps * cfg.num_ppo_epochs * cfg.num_mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.kl_control = (
-            pf.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.adaptive_kl else pf.FixedKLController(cfg.kl_coef)
+            pf.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+            if cfg.adaptive_kl
+            else pf.FixedKLController(cfg.kl_coef)
         )
 
     def _start_engine(self) -> VLLMEngine:
@@ -294,9 +321,14 @@ class PPOTrainer:
         longest = max(len(ids) for ids in self.tokenizer(self.prompts).input_ids)
         dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.bf16 else next(self.policy.parameters()).dtype
         engine = VLLMEngine(
-            self.policy, model_dir=self.output_dir / run_folder.VLLM_MODEL_DIR, max_model_len=longest + self.response_length,
-            max_num_seqs=self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt, dtype=dtype, seed=cfg.seed,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep=cfg.vllm_sleep,
+            self.policy,
+            model_dir=self.output_dir / run_folder.VLLM_MODEL_DIR,
+            max_model_len=longest + self.response_length,
+            max_num_seqs=self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt,
+            dtype=dtype,
+            seed=cfg.seed,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            sleep=cfg.vllm_sleep,
         )
         self.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
         return engine
@@ -312,14 +344,20 @@ class PPOTrainer:
         room = positions - longest
         if self.cfg.response_length is None:
             if room < 1:
-                raise ConfigError(f"the longest prompt has {longest} tokens, the model only {positions} positions; "
-                                  "shorten the prompts")
+                raise ConfigError(
+                    f"the longest prompt has {longest} tokens, the model only {positions} positions; "
+                    "shorten the prompts"
+                )
             if room < self.response_length:
-                self.log(f"response length {room}: the model has {positions} positions, the longest prompt {longest} tokens")
+                self.log(
+                    f"response length {room}: the model has {positions} positions, the longest prompt {longest} tokens"
+                )
                 self.response_length = room
         elif self.response_length > room:
-            raise ConfigError(f"--response-length {self.response_length} does not fit: the longest prompt has {longest} tokens "
-                              f"and the model {positions} positions; use --response-length {max(room, 1)} or less")
+            raise ConfigError(
+                f"--response-length {self.response_length} does not fit: the longest prompt has {longest} tokens "
+                f"and the model {positions} positions; use --response-length {max(room, 1)} or less"
+            )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -339,9 +377,11 @@ class PPOTrainer:
                 try:
                     run_folder.remove_run(self.output_dir)
                 except OSError as err:
-                    verdict = (f"--overwrite: cannot remove {err.filename or self.output_dir} "
-                               f"({err.strerror or err}); remove the old run in {self.output_dir} yourself, or choose "
-                               "another --output-dir")
+                    verdict = (
+                        f"--overwrite: cannot remove {err.filename or self.output_dir} "
+                        f"({err.strerror or err}); remove the old run in {self.output_dir} yourself, or choose "
+                        "another --output-dir"
+                    )
                 else:
                     self.log(f"--overwrite: removed the previous run in {self.output_dir} ({what})")
         verdict = self.parallel.from_main(verdict)
@@ -356,8 +396,9 @@ class PPOTrainer:
         def check_state(path: Path, state: checkpoint.TrainerState) -> None:
             resume.check(state.config, cfg, builtin, f"--resume: the checkpoint {path}")
 
-        loaded = checkpoint.load_latest_usable(self.output_dir, self.log, sharded=self.sharded_checkpoints,
-                                               check_state=check_state)
+        loaded = checkpoint.load_latest_usable(
+            self.output_dir, self.log, sharded=self.sharded_checkpoints, check_state=check_state
+        )
         if loaded is None:
             self.log(f"--resume: no checkpoint in {self.output_dir / checkpoint.CHECKPOINTS}, starting from scratch")
         return loaded
@@ -375,10 +416,16 @@ class PPOTrainer:
                 if self.critic is not None:
                     self.critic.load_state_dict(loaded.critic)
                 self.optimizer.load_state_dict(state.optimizer)
-        except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
+        except (
+            RuntimeError,
+            ValueError,
+            KeyError,
+        ) as err:  # load_state_dict: missing/unexpected keys, shapes, param groups
             reason = " ".join(str(err).split())[:300]
-            raise ConfigError(f"--resume: the checkpoint {loaded.path} does not fit this run's model ({reason}); "
-                              "resume with the options the run was started with, or use another --output-dir") from err
+            raise ConfigError(
+                f"--resume: the checkpoint {loaded.path} does not fit this run's model ({reason}); "
+                "resume with the options the run was started with, or use another --output-dir"
+            ) from err
         self.scheduler.load_state_dict(state.scheduler)
         total_updates = self.cfg.steps * self.cfg.num_ppo_epochs * self.cfg.num_mini_batches
         resume.apply_optimizer_options(self.optimizer, self.scheduler, self.cfg, lr_lambda(self.cfg, total_updates))
@@ -390,8 +437,10 @@ class PPOTrainer:
             checkpoint.set_rng_state(rngs[self.parallel.rank])
         else:  # weights, optimizer, schedule and KL continue exactly; the random streams start anew
             checkpoint.seed_all(self.cfg.seed + self.parallel.rank + self.parallel.world_size * state.step)
-            self.log(f"--resume: the checkpoint was saved by {len(rngs)} process(es), this run has "
-                     f"{self.parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)")
+            self.log(
+                f"--resume: the checkpoint was saved by {len(rngs)} process(es), this run has "
+                f"{self.parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)"
+            )
         self.step = self.resumed_from = state.step
         self.log(f"resumed from {loaded.path} (step {state.step})")
 
@@ -404,8 +453,13 @@ class PPOTrainer:
         parallel, sharded = self.parallel, self.sharded_checkpoints
         rng = rng or checkpoint.rng_state()
         state = checkpoint.TrainerState(
-            step=self.step, optimizer={} if sharded else self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
-            kl_coef=self.kl_control.value, rng=rng, config=self.cfg.to_dict(), world_size=parallel.world_size,
+            step=self.step,
+            optimizer={} if sharded else self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            kl_coef=self.kl_control.value,
+            rng=rng,
+            config=self.cfg.to_dict(),
+            world_size=parallel.world_size,
             rng_per_rank=parallel.gather_objects(rng) if parallel.active else None,
         )
 
@@ -421,8 +475,14 @@ class PPOTrainer:
                 torch.save(self.critic.state_dict(), folder / checkpoint.CRITIC_FILE)
             torch.save(vars(state), folder / checkpoint.STATE_FILE)
 
-        return checkpoint.save(self.output_dir, self.step, write, keep=self.cfg.keep_checkpoints,
-                               main=parallel.main, barrier=parallel.barrier)
+        return checkpoint.save(
+            self.output_dir,
+            self.step,
+            write,
+            keep=self.cfg.keep_checkpoints,
+            main=parallel.main,
+            barrier=parallel.barrier,
+        )
 
     # ------------------------------------------------------------------ evaluation
 
@@ -450,8 +510,16 @@ class PPOTrainer:
             indices = mine[i : i + chunk]
             part = [texts[j] for j in indices]
             part_answers = [answers[j] for j in indices] if answers else []
-            batch = generate(model, self.tokenizer, part, max_new_tokens=self.response_length,
-                             temperature=1.0, top_p=1.0, greedy=True, synced_gpus=self.parallel.synced_generation)
+            batch = generate(
+                model,
+                self.tokenizer,
+                part,
+                max_new_tokens=self.response_length,
+                temperature=1.0,
+                top_p=1.0,
+                greedy=True,
+                synced_gpus=self.parallel.synced_generation,
+            )
             responses = decode_responses(self.tokenizer, batch)
             score_sum += self.scorer(part, responses, self.device, part_answers).double().sum().item()
             match_sum += sum(exact_match(responses, part_answers))
@@ -472,19 +540,33 @@ class PPOTrainer:
     def _generate(self, prompts: list[str]):
         """``(batch, the engine's log-probs of the response tokens, or None for hf)``."""
         cfg = self.cfg
-        sampling = dict(max_new_tokens=self.response_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        top_k=cfg.top_k, greedy=False)
+        sampling = dict(
+            max_new_tokens=self.response_length,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            greedy=False,
+        )
         if self.engine is not None:
             return self.engine.generate(self.tokenizer, prompts, device=self.device, **sampling)
         with self._autocast():
-            return generate(self.policy, self.tokenizer, prompts, synced_gpus=self.parallel.synced_generation, **sampling), None
+            return generate(
+                self.policy, self.tokenizer, prompts, synced_gpus=self.parallel.synced_generation, **sampling
+            ), None
 
     @torch.no_grad()
     def _greedy_scores(self, prompts: list[str], answers: list[str | None]) -> torch.Tensor:
         """remax's baselines: the reward of the policy's greedy response to each row's prompt."""
         with self._autocast():
-            batch = generate(self.policy, self.tokenizer, prompts, max_new_tokens=self.response_length,
-                             temperature=1.0, top_p=1.0, greedy=True)
+            batch = generate(
+                self.policy,
+                self.tokenizer,
+                prompts,
+                max_new_tokens=self.response_length,
+                temperature=1.0,
+                top_p=1.0,
+                greedy=True,
+            )
         return self.scorer(prompts, decode_responses(self.tokenizer, batch), self.device, answers)
 
     def _sample_prompts(self) -> tuple[list[str], list[str | None]]:
@@ -510,8 +592,13 @@ class PPOTrainer:
         mask = batch.response_mask
         loss_weights = None
         if cfg.rollout_correction != "none":
-            loss_weights = pf.rollout_correction_weights(old_logprobs, rollout_logprobs, mask, mode=cfg.rollout_correction,
-                                                         threshold=cfg.rollout_correction_threshold)
+            loss_weights = pf.rollout_correction_weights(
+                old_logprobs,
+                rollout_logprobs,
+                mask,
+                mode=cfg.rollout_correction,
+                threshold=cfg.rollout_correction_threshold,
+            )
         with timer.phase("score"):
             responses = decode_responses(self.tokenizer, batch)
             scores = self.scorer(prompts, responses, self.device, answers)
@@ -520,17 +607,45 @@ class PPOTrainer:
             needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_method].params
             baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
             est = estimate(
-                scores, old_logprobs, ref_logprobs, values, mask, advantage_method=cfg.advantage_method,
-                kl_coef=self.kl_control.value, kl_estimator=cfg.kl_estimator_used, kl_in_reward=cfg.kl_in_reward,
-                gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=cfg.num_samples_per_prompt,
-                grpo_norm_by_std=cfg.grpo_norm_by_std, baselines=baselines, whitener=self.parallel.masked_whiten,
+                scores,
+                old_logprobs,
+                ref_logprobs,
+                values,
+                mask,
+                advantage_method=cfg.advantage_method,
+                kl_coef=self.kl_control.value,
+                kl_estimator=cfg.kl_estimator_used,
+                kl_in_reward=cfg.kl_in_reward,
+                gamma=cfg.gamma,
+                lam=cfg.lam,
+                whiten=cfg.whiten_advantages,
+                group_size=cfg.num_samples_per_prompt,
+                grpo_norm_by_std=cfg.grpo_norm_by_std,
+                baselines=baselines,
+                whitener=self.parallel.masked_whiten,
             )
         self._in_update = True
         with timer.phase("optimize"):
-            stats = ppo_update(self.train_policy, self.train_critic, self.optimizer, self.scheduler,
-                               Experience(batch, old_logprobs, est.advantages, values, est.returns,
-                                          None if cfg.kl_in_reward else ref_logprobs, self.kl_control.value, loss_weights),
-                               cfg, step, self._autocast, self.parallel)
+            stats = ppo_update(
+                self.train_policy,
+                self.train_critic,
+                self.optimizer,
+                self.scheduler,
+                Experience(
+                    batch,
+                    old_logprobs,
+                    est.advantages,
+                    values,
+                    est.returns,
+                    None if cfg.kl_in_reward else ref_logprobs,
+                    self.kl_control.value,
+                    loss_weights,
+                ),
+                cfg,
+                step,
+                self._autocast,
+                self.parallel,
+            )
         self._in_update = False
         if self.engine is not None:
             with timer.phase("weight_sync"):
@@ -541,11 +656,38 @@ class PPOTrainer:
         self.step = step
 
         self._last_samples = list(zip(prompts, responses, scores.tolist()))
-        return self._metrics_row(step, rows, start, scores, sequence_kl, kl_coef_used, old_logprobs, mask, est, stats,
-                                 rollout_logprobs, loss_weights, values)
+        return self._metrics_row(
+            step,
+            rows,
+            start,
+            scores,
+            sequence_kl,
+            kl_coef_used,
+            old_logprobs,
+            mask,
+            est,
+            stats,
+            rollout_logprobs,
+            loss_weights,
+            values,
+        )
 
-    def _metrics_row(self, step, rows, start, scores, sequence_kl, kl_coef_used, old_logprobs, mask, est, stats,
-                     rollout_logprobs, loss_weights, values) -> dict:
+    def _metrics_row(
+        self,
+        step,
+        rows,
+        start,
+        scores,
+        sequence_kl,
+        kl_coef_used,
+        old_logprobs,
+        mask,
+        est,
+        stats,
+        rollout_logprobs,
+        loss_weights,
+        values,
+    ) -> dict:
         """The step's metrics row (reduced over the ranks)."""
         cfg = self.cfg
         times = self.timer.pop_step()
@@ -570,7 +712,9 @@ class PPOTrainer:
         if loss_weights is not None:
             row["rollout/correction_weight_mean"] = pf.masked_mean(loss_weights, mask).item()
         if values is not None:
-            explained = 1.0 - _masked_variance(est.returns - values, mask) / _masked_variance(est.returns, mask).clamp_min(1e-8)
+            explained = 1.0 - _masked_variance(est.returns - values, mask) / _masked_variance(
+                est.returns, mask
+            ).clamp_min(1e-8)
             row["val/explained_variance"] = explained.item()
             row["val/mean"] = pf.masked_mean(values, mask).item()
         row.update({f"time/{name}": secs for name, secs in times.items()})
@@ -613,7 +757,12 @@ class PPOTrainer:
                             stop_reason = "interrupted"
                             self._save_after_interrupt(rng_at_step_start)
                             break
-                        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps and self.eval_prompts:
+                        if (
+                            cfg.eval_every
+                            and self.step % cfg.eval_every == 0
+                            and self.step < cfg.steps
+                            and self.eval_prompts
+                        ):
                             row.update(self.evaluate_all(self.policy))
                             self.log(f"step {self.step}: held-out greedy {_eval_text(row)}")
                         writer.write(row)
@@ -655,8 +804,10 @@ class PPOTrainer:
 
     def _nothing_to_do(self) -> dict:
         """The run in output_dir already did ``cfg.steps`` steps: report it, change nothing."""
-        self.log(f"--resume: the run in {self.output_dir} already did {self.step} steps (--steps {self.cfg.steps}); "
-                 f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run.")
+        self.log(
+            f"--resume: the run in {self.output_dir} already did {self.step} steps (--steps {self.cfg.steps}); "
+            f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run."
+        )
         summary_file = self.output_dir / SUMMARY_FILE
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
         summary.update(stop_reason="done", steps_done=self.step)
@@ -664,14 +815,28 @@ class PPOTrainer:
 
     def _plot_title(self) -> str:
         cfg = self.cfg
-        model = "built-in addition task (GPT-2 64x2)" if self.builtin else (cfg.model_name_or_path or type(self.policy).__name__)
-        reward = (f"reward {cfg.reward_fn}" if cfg.reward_fn else f"reward model {cfg.reward_model}" if cfg.reward_model
-                  else f"reward {self.scorer.name}")
-        kl = (f"KL coef {cfg.kl_coef:g}" + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
-              + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})")
+        model = (
+            "built-in addition task (GPT-2 64x2)"
+            if self.builtin
+            else (cfg.model_name_or_path or type(self.policy).__name__)
+        )
+        reward = (
+            f"reward {cfg.reward_fn}"
+            if cfg.reward_fn
+            else f"reward model {cfg.reward_model}"
+            if cfg.reward_model
+            else f"reward {self.scorer.name}"
+        )
+        kl = (
+            f"KL coef {cfg.kl_coef:g}"
+            + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
+            + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})"
+        )
         critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
-        return (f"{model}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
-                f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}")
+        return (
+            f"{model}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
+            f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}"
+        )
 
     def _save_after_interrupt(self, rng_at_step_start: dict) -> None:
         """Ctrl-C inside a step: the partial step is dropped and the last completed one saved.
@@ -691,8 +856,11 @@ class PPOTrainer:
 
     def _report(self, bar, row: dict) -> None:
         bar.update(1)
-        bar.set_postfix(reward=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}",
-                        tok_s=f"{row['throughput/tokens_per_s']:.0f}")
+        bar.set_postfix(
+            reward=f"{row['objective/scores']:.3f}",
+            kl=f"{row['objective/kl']:.3f}",
+            tok_s=f"{row['throughput/tokens_per_s']:.0f}",
+        )
         if self.cfg.sample_every and (row["step"] % self.cfg.sample_every == 0 or row["step"] == 1):
             lines = [f"step {row['step']} samples:"]
             for prompt, response, score in self._last_samples[: self.cfg.num_samples_to_print]:

@@ -35,9 +35,16 @@ class Experience:
         def pick(x):
             return None if x is None else x[index]
 
-        return Experience(self.batch.rows(index), self.old_logprobs[index], self.advantages[index],
-                          pick(self.old_values), pick(self.returns), pick(self.ref_logprobs), self.kl_coef,
-                          pick(self.weights))
+        return Experience(
+            self.batch.rows(index),
+            self.old_logprobs[index],
+            self.advantages[index],
+            pick(self.old_values),
+            pick(self.returns),
+            pick(self.ref_logprobs),
+            self.kl_coef,
+            pick(self.weights),
+        )
 
 
 # The policy-loss stats under the trainer's metric names (the others keep their own).
@@ -52,7 +59,9 @@ def policy_loss_params(cfg) -> dict:
     clips = {"clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high, "dual_clip": cfg.dual_clip}
     for name in ("clip_eps_high", "dual_clip"):
         if clips[name] is not None and name not in takes:
-            raise ConfigError(f"invalid config: {name} ({flag(name)}) does not apply to --policy-loss {cfg.policy_loss}")
+            raise ConfigError(
+                f"invalid config: {name} ({flag(name)}) does not apply to --policy-loss {cfg.policy_loss}"
+            )
     params = {name: value for name, value in clips.items() if name in takes and value is not None}
     params.update(cfg.policy_loss_param_values())
     try:
@@ -69,8 +78,16 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
     logprobs, entropy, values = forward(
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
     )
-    pg_loss, pg_stats = pf.policy_loss(logprobs, exp.old_logprobs, exp.advantages, mask, loss_mode=cfg.policy_loss,
-                                       agg=cfg.loss_agg, weights=exp.weights, **policy_loss_params(cfg))
+    pg_loss, pg_stats = pf.policy_loss(
+        logprobs,
+        exp.old_logprobs,
+        exp.advantages,
+        mask,
+        loss_mode=cfg.policy_loss,
+        agg=cfg.loss_agg,
+        weights=exp.weights,
+        **policy_loss_params(cfg),
+    )
     mean_entropy = pf.masked_mean(entropy, mask)
     loss = pg_loss - cfg.ent_coef * mean_entropy
     if exp.ref_logprobs is not None:  # the KL to the reference as a loss term, aggregated as the policy loss
@@ -84,15 +101,26 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
     if exp.ref_logprobs is not None:
         stats["loss/kl_avg"] = kl_loss.detach()
     if values is not None:
-        v_loss, v_stats = pf.value_loss(values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg)
+        v_loss, v_stats = pf.value_loss(
+            values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg
+        )
         loss = loss + cfg.vf_coef * v_loss
         stats["loss/value_avg"] = v_loss.detach()
         stats["val/clipfrac_avg"] = v_stats["clipfrac"]
     return loss, stats
 
 
-def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step: int, autocast=contextlib.nullcontext,
-               parallel=SINGLE) -> dict:
+def ppo_update(
+    policy,
+    critic,
+    optimizer,
+    scheduler,
+    exp: Experience,
+    cfg,
+    step: int,
+    autocast=contextlib.nullcontext,
+    parallel=SINGLE,
+) -> dict:
     """Run ``num_ppo_epochs`` over ``num_mini_batches`` shuffled minibatches; return the mean stats.
 
     Each minibatch is one optimizer step, accumulated over ``gradient_accumulation_steps``
@@ -114,7 +142,9 @@ def ppo_update(policy, critic, optimizer, scheduler, exp: Experience, cfg, step:
         for mb_start in range(0, rows, minibatch):
             optimizer.zero_grad(set_to_none=True)
             micro_rows = [order[start : start + micro] for start in range(mb_start, mb_start + minibatch, micro)]
-            weights = parallel.micro_batch_weights([exp.batch.response_mask[index] for index in micro_rows], cfg.loss_agg)
+            weights = parallel.micro_batch_weights(
+                [exp.batch.response_mask[index] for index in micro_rows], cfg.loss_agg
+            )
             for number, (index, weight) in enumerate(zip(micro_rows, weights), 1):
                 with parallel.accumulating(sync=number == len(micro_rows)):
                     with autocast():

@@ -74,9 +74,22 @@ def _one_mode(peer: str, tests: str, mode: str, out: str, pytest_args: list[str]
         f.write("[pytest]\n")
     outcomes = _Outcomes()
     plugins = [outcomes] + ([] if mode == "unpatched" else [_PatchPlugin(peer, mode)])
-    files = sorted(os.path.join(tests, f) for f in os.listdir(tests) if f.startswith("test_") and f.endswith("_on_cpu.py"))
-    args = ["-q", "-p", "no:cacheprovider", "-c", ini, "--rootdir", tests, "-W", "ignore::DeprecationWarning",
-            *pytest_args, *files]
+    files = sorted(
+        os.path.join(tests, f) for f in os.listdir(tests) if f.startswith("test_") and f.endswith("_on_cpu.py")
+    )
+    args = [
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        ini,
+        "--rootdir",
+        tests,
+        "-W",
+        "ignore::DeprecationWarning",
+        *pytest_args,
+        *files,
+    ]
     print(f"== {peer} own tests, {mode}: pytest {' '.join(os.path.basename(a) for a in args)}", flush=True)
     code = pytest.main(args, plugins=plugins)
     base = os.path.abspath(tests)
@@ -102,8 +115,18 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="peer-runs-")
     for mode in args.modes.split(","):
         out = os.path.join(workdir, f"{mode}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), args.peer, "--tests", args.tests, "--one-mode", mode, "--out", out,
-               *pytest_args]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            args.peer,
+            "--tests",
+            args.tests,
+            "--one-mode",
+            mode,
+            "--out",
+            out,
+            *pytest_args,
+        ]
         subprocess.run(cmd, check=False)
         if not os.path.exists(out):
             print(f"{args.peer} {mode}: the run produced no result", file=sys.stderr)
@@ -135,8 +158,11 @@ def main(argv=None) -> int:
         print(line)
     for mode, k, outcome in regressions:
         print(f"REGRESSION ({mode}) {k}: {outcome}")
-    print(f"{len(results) * len(passed_unpatched) - len(regressions)} passed, {len(regressions)} failed" if baseline
-          else "no unpatched baseline")
+    print(
+        f"{len(results) * len(passed_unpatched) - len(regressions)} passed, {len(regressions)} failed"
+        if baseline
+        else "no unpatched baseline"
+    )
     return 1 if regressions or not baseline else 0
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-
 try:
     from ... import _C
 except ImportError as err:  # not built, or built against another torch
@@ -23,7 +22,10 @@ LOSS_DEVICES = {"cpu", "cuda"} if built_with_cuda() else {"cpu"}
 
 def availability() -> tuple[bool, str]:
     if _C is None:
-        return False, f"ppo_fast._C could not be imported ({IMPORT_ERROR}); build it with `python setup.py build_ext --inplace`"
+        return (
+            False,
+            f"ppo_fast._C could not be imported ({IMPORT_ERROR}); build it with `python setup.py build_ext --inplace`",
+        )
     kernels = "C++ CPU kernels" + (" and CUDA loss kernels" if built_with_cuda() else " (built without CUDA)")
     return True, kernels
 
@@ -36,7 +38,9 @@ FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # The checks of csrc/common/checks.h on metadata, for the fake kernels: under torch.compile a
 # mismatch fails at trace time with the C++ kernels' message (RuntimeError).
 def check_float(op, name, x):
-    torch._check(x.dtype in FLOATS, lambda: f"{op}: {name} must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    torch._check(
+        x.dtype in FLOATS, lambda: f"{op}: {name} must be float32, float64, float16 or bfloat16, got {x.dtype}"
+    )
 
 
 def check_dtype_arg(op, name, dtype):
@@ -65,7 +69,9 @@ def check_same_device(op, **tensors):
     for name, x in rest:
         torch._check(
             x.device == first.device,
-            lambda: f"{op}: {name} is on {x.device} but {first_name} is on {first.device}; all inputs must be on one device",
+            lambda name=name, x=x: (
+                f"{op}: {name} is on {x.device} but {first_name} is on {first.device}; all inputs must be on one device"
+            ),
         )
 
 
@@ -113,5 +119,3 @@ def no_double_backward(name):
         )
 
     return backward
-
-

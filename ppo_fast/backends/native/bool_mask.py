@@ -11,7 +11,9 @@ SUPPORTED: dict = {}  # a helper of the public ops (ppo_fast._validation.mask), 
 
 def _fake_bool_mask(mask, name):
     torch._check(mask.dtype != torch.bool, lambda: f"bool_mask: {name} is already bool")
-    torch._check(not mask.dtype.is_complex, lambda: f"bool_mask: {name} must be a float or integer tensor, got {mask.dtype}")
+    torch._check(
+        not mask.dtype.is_complex, lambda: f"bool_mask: {name} must be a float or integer tensor, got {mask.dtype}"
+    )
     return mask.new_empty(mask.shape, dtype=torch.bool)
 
 

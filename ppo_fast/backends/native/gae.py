@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from ..._dtypes import result_dtype
-from ._common import check_dim, check_dtype_arg, check_float, check_mask, check_same_device, check_shape, grad_or_empty, needed_grads, register
+from ._common import (
+    check_dim,
+    check_dtype_arg,
+    check_float,
+    check_mask,
+    check_same_device,
+    check_shape,
+    grad_or_empty,
+    needed_grads,
+    register,
+)
 
 SUPPORTED = {"gae": {"cpu"}}
-
-
 
 
 def _fake_gae(rewards, values, mask, gamma, lam):
@@ -72,11 +79,10 @@ def _backward_gae_backward(ctx, grad_grad_rewards, grad_grad_values):
     grads = [None if dtype is None else g.to(dtype) for g, dtype in zip((advantages, returns), ctx.grad_dtypes)]
     return *grads, None, None, None, None, None, None
 
+
 register("gae", _fake_gae, _backward_gae, _setup_gae)
 register("gae_backward", _fake_gae_backward, _backward_gae_backward, _setup_gae_backward)
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     return torch.ops.ppo_fast.gae(rewards, values, mask, gamma, lam)
-
-

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from ..._dtypes import result_dtype
@@ -11,11 +10,12 @@ from ._common import check_dim, check_same_device, check_shape, register
 SUPPORTED = {"group_sum": {"cpu"}}
 
 
-
-
 def _fake_group_sum(values, group_index):
     op = "group_sum"
-    torch._check(values.dtype in (torch.float32, torch.float64), lambda: f"{op}: values must be float32 or float64, got {values.dtype}")
+    torch._check(
+        values.dtype in (torch.float32, torch.float64),
+        lambda: f"{op}: values must be float32 or float64, got {values.dtype}",
+    )
     check_dim(op, "values", values, 2)
     torch._check(group_index.dtype == torch.int64, lambda: f"{op}: group_index must be int64, got {group_index.dtype}")
     check_shape(op, "group_index", group_index, values.shape[:1])
@@ -37,5 +37,3 @@ register("group_sum", _fake_group_sum, _backward_group_sum, _setup_group_sum)
 
 def group_sum(values, group_index):
     return torch.ops.ppo_fast.group_sum(values.to(result_dtype(values)), group_index)
-
-

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-
 import torch
 
-from ...spec import KL_ESTIMATORS
 from ..._dtypes import result_dtype
-from ._common import check_choice, check_dim, check_dtype_arg, check_float, check_mask, check_same_device, check_shape, grad_or_empty, needed_grads, register
+from ...spec import KL_ESTIMATORS
+from ._common import (
+    check_choice,
+    check_dim,
+    check_dtype_arg,
+    check_float,
+    check_mask,
+    check_same_device,
+    check_shape,
+    grad_or_empty,
+    needed_grads,
+    register,
+)
 
 SUPPORTED = {"kl_estimate": {"cpu"}, "kl_penalized_rewards": {"cpu"}}
-
-
 
 
 def _check_kl_inputs(op, logprobs, ref_logprobs, kl_estimator):
@@ -79,7 +87,9 @@ def _fake_kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl
     return logprobs.new_empty(logprobs.shape, dtype=dtype), logprobs.new_empty(logprobs.shape, dtype=dtype)
 
 
-def _fake_kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, kl_coef, kl_estimator, scores_dtype, output_mask):
+def _fake_kl_penalized_rewards_backward(
+    grad_rewards, grad_kl, logprobs, ref_logprobs, mask, kl_coef, kl_estimator, scores_dtype, output_mask
+):
     op = "kl_penalized_rewards_backward"
     _check_penalized_inputs(op, logprobs, ref_logprobs, mask, kl_estimator)
     check_dtype_arg(op, "scores_dtype", scores_dtype)
@@ -102,15 +112,17 @@ def _setup_kl_penalized_rewards(ctx, inputs, output):
 def _backward_kl_penalized_rewards(ctx, grad_rewards, grad_kl):
     logprobs, ref_logprobs, mask = ctx.saved_tensors
     needed = list(ctx.needs_input_grad[:3])
-    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, *ctx.args, needed)
+    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(
+        grad_rewards, grad_kl, logprobs, ref_logprobs, mask, *ctx.args, needed
+    )
     return *needed_grads(grads, needed), None, None, None
 
 
-register("kl_penalized_rewards", _fake_kl_penalized_rewards, _backward_kl_penalized_rewards, _setup_kl_penalized_rewards)
+register(
+    "kl_penalized_rewards", _fake_kl_penalized_rewards, _backward_kl_penalized_rewards, _setup_kl_penalized_rewards
+)
 register("kl_penalized_rewards_backward", _fake_kl_penalized_rewards_backward)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str):
     return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
-
-

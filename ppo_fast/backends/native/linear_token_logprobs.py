@@ -13,18 +13,25 @@ from .token_logprobs import _check_saved_row_stats
 SUPPORTED = {"linear_token_logprobs": {"cpu"}}
 
 
-
-
 def _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap):
     check_float(op, "hidden", hidden)
     check_dim(op, "hidden", hidden, 2)
     check_float(op, "weight", weight)
     check_dim(op, "weight", weight, 2)
     torch._check(
-        weight.shape[1] == hidden.shape[1], lambda: f"{op}: weight must be [V, H] with H = hidden.size(1) = {hidden.shape[1]}, got shape {list(weight.shape)}"
+        weight.shape[1] == hidden.shape[1],
+        lambda: (
+            f"{op}: weight must be [V, H] with H = hidden.size(1) = {hidden.shape[1]}, got shape {list(weight.shape)}"
+        ),
     )
-    torch._check(weight.shape[0] > 0, lambda: f"{op}: weight must have a non-empty vocabulary dim, got shape {list(weight.shape)}")
-    torch._check(weight.dtype == hidden.dtype, lambda: f"{op}: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    torch._check(
+        weight.shape[0] > 0,
+        lambda: f"{op}: weight must have a non-empty vocabulary dim, got shape {list(weight.shape)}",
+    )
+    torch._check(
+        weight.dtype == hidden.dtype,
+        lambda: f"{op}: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}",
+    )
     torch._check(
         not labels.dtype.is_floating_point and not labels.dtype.is_complex and labels.dtype != torch.bool,
         lambda: f"{op}: labels must be an integer tensor, got {labels.dtype}",
@@ -32,17 +39,22 @@ def _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logi
     check_shape(op, "labels", labels, hidden.shape[:1])
     check_same_device(op, hidden=hidden, weight=weight, labels=labels)
     if bias is not None:
-        torch._check(bias.dtype == hidden.dtype, lambda: f"{op}: bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+        torch._check(
+            bias.dtype == hidden.dtype, lambda: f"{op}: bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}"
+        )
         check_shape(op, "bias", bias, weight.shape[:1])
         check_same_device(op, hidden=hidden, bias=bias)
     torch._check(0 < temperature < math.inf, lambda: f"{op}: temperature must be finite and > 0, got {temperature}")
     torch._check(0 < logit_scale < math.inf, lambda: f"{op}: logit_scale must be finite and > 0, got {logit_scale}")
     torch._check(
-        logit_softcap is None or 0 < logit_softcap < math.inf, lambda: f"{op}: logit_softcap must be None or finite and > 0, got {logit_softcap}"
+        logit_softcap is None or 0 < logit_softcap < math.inf,
+        lambda: f"{op}: logit_softcap must be None or finite and > 0, got {logit_softcap}",
     )
 
 
-def _fake_linear_token_logprobs(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
+def _fake_linear_token_logprobs(
+    hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+):
     _check_head("linear_token_logprobs", hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
     dtype = result_dtype(hidden)
     entropy = hidden.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
@@ -50,11 +62,25 @@ def _fake_linear_token_logprobs(hidden, weight, labels, bias, temperature, logit
 
 
 def _fake_linear_token_logprobs_backward(
-    grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature, logit_scale, logit_softcap, ignore_index, output_mask
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight,
+    labels,
+    bias,
+    lse,
+    entropy,
+    temperature,
+    logit_scale,
+    logit_softcap,
+    ignore_index,
+    output_mask,
 ):
     op = "linear_token_logprobs_backward"
     _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
-    _check_saved_row_stats(op, "linear_token_logprobs", "hidden", hidden, labels, lse, entropy, grad_logprobs, grad_entropy)
+    _check_saved_row_stats(
+        op, "linear_token_logprobs", "hidden", hidden, labels, lse, entropy, grad_logprobs, grad_entropy
+    )
     grad_bias = grad_or_empty(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
     return grad_or_empty(hidden, output_mask[0]), grad_or_empty(weight, output_mask[1]), grad_bias
 
@@ -82,16 +108,25 @@ def _backward_linear_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse)
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
 
 
-register("linear_token_logprobs", _fake_linear_token_logprobs, _backward_linear_token_logprobs, _setup_linear_token_logprobs)
+register(
+    "linear_token_logprobs", _fake_linear_token_logprobs, _backward_linear_token_logprobs, _setup_linear_token_logprobs
+)
 register("linear_token_logprobs_backward", _fake_linear_token_logprobs_backward)
 
 
 def linear_token_logprobs(
-    hidden, weight, labels, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False, ignore_index=-100
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+    return_entropy=False,
+    ignore_index=-100,
 ):
     logp, entropy, _lse = torch.ops.ppo_fast.linear_token_logprobs(
         hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
     )
     return logp, (entropy if return_entropy else None)
-
-

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
-
 import torch
 
-from ...spec import AGG_MODES
 from ..._dtypes import result_dtype
-from ._common import LOSS_DEVICES, check_choice, check_dim, check_float, check_mask, check_same_device, check_shape, grad_or_empty, needed_grads, register
+from ...spec import AGG_MODES
+from ._common import (
+    LOSS_DEVICES,
+    check_choice,
+    check_dim,
+    check_float,
+    check_mask,
+    check_same_device,
+    check_shape,
+    grad_or_empty,
+    needed_grads,
+    register,
+)
 from .value_loss import _check_loss_backward_inputs
 
-SUPPORTED = {"clipped_policy_loss": LOSS_DEVICES, "policy_loss_gspo": LOSS_DEVICES, "policy_loss_geo_mean": LOSS_DEVICES}
-
-
+SUPPORTED = {
+    "clipped_policy_loss": LOSS_DEVICES,
+    "policy_loss_gspo": LOSS_DEVICES,
+    "policy_loss_geo_mean": LOSS_DEVICES,
+}
 
 
 def _check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights):
@@ -32,7 +44,9 @@ def _fake_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights,
     check_choice("clipped_policy_loss", "agg", agg, AGG_MODES)
     dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
     # As in the reference, the clip fractions are float32 and approx_kl has the compute dtype.
-    loss, clipfrac, clipfrac_lower, approx_kl = (logprobs.new_empty((), dtype=d) for d in (dtype, torch.float32, torch.float32, dtype))
+    loss, clipfrac, clipfrac_lower, approx_kl = (
+        logprobs.new_empty((), dtype=d) for d in (dtype, torch.float32, torch.float32, dtype)
+    )
     return loss, clipfrac, clipfrac_lower, approx_kl, logprobs.new_empty((logprobs.shape[0],), dtype=dtype)
 
 
@@ -74,13 +88,13 @@ register("clipped_policy_loss", _fake_clipped_policy_loss, _backward_clipped_pol
 register("clipped_policy_loss_backward", _fake_clipped_policy_loss_backward)
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str):
+def clipped_policy_loss(
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
+):
     loss, clipfrac, clipfrac_lower, approx_kl, _row_scale = torch.ops.ppo_fast.clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
     )
     return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
-
-
 
 
 # --------------------------------------------------------------------------- sequence-level policy losses
@@ -98,12 +112,28 @@ def _seq_loss_ops(mode):
         check_choice(op, "agg", agg, AGG_MODES)
         dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
         rows = logprobs.shape[0]
-        return (logprobs.new_empty((), dtype=dtype), logprobs.new_empty((), dtype=torch.float32),
-                logprobs.new_empty((), dtype=torch.float32), logprobs.new_empty((), dtype=dtype),
-                logprobs.new_empty((rows,), dtype=dtype), logprobs.new_empty((rows, _ROW_STATE), dtype=dtype))
+        return (
+            logprobs.new_empty((), dtype=dtype),
+            logprobs.new_empty((), dtype=torch.float32),
+            logprobs.new_empty((), dtype=torch.float32),
+            logprobs.new_empty((), dtype=dtype),
+            logprobs.new_empty((rows,), dtype=dtype),
+            logprobs.new_empty((rows, _ROW_STATE), dtype=dtype),
+        )
 
-    def fake_backward(grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state,
-                      clip_eps_low, clip_eps_high, output_mask):
+    def fake_backward(
+        grad_loss,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        weights,
+        row_scale,
+        row_state,
+        clip_eps_low,
+        clip_eps_high,
+        output_mask,
+    ):
         name = f"{op}_backward"
         _check_policy_inputs(name, logprobs, old_logprobs, advantages, mask, weights)
         _check_loss_backward_inputs(name, grad_loss, row_scale, logprobs)
@@ -113,7 +143,12 @@ def _seq_loss_ops(mode):
         grad_weights = grad_or_empty(weights, output_mask[3]) if weights is not None else logprobs.new_empty((0,))
         # GSPO's sequence ratio is detached: old_logprobs gets no gradient.
         grad_old = grad_or_empty(old_logprobs, output_mask[1] and mode != "gspo")
-        return grad_or_empty(logprobs, output_mask[0]), grad_old, grad_or_empty(advantages, output_mask[2]), grad_weights
+        return (
+            grad_or_empty(logprobs, output_mask[0]),
+            grad_old,
+            grad_or_empty(advantages, output_mask[2]),
+            grad_weights,
+        )
 
     def setup(ctx, inputs, output):
         logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, _agg = inputs

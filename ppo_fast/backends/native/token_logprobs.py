@@ -12,11 +12,11 @@ from ._common import check_float, check_same_device, check_shape, register
 SUPPORTED = {"token_logprobs": {"cpu"}}
 
 
-
-
 def _check_logits(op, logits, labels, temperature):
     check_float(op, "logits", logits)
-    torch._check(logits.dim() in (2, 3), lambda: f"{op}: logits must be [N, V] or [B, T, V], got shape {list(logits.shape)}")
+    torch._check(
+        logits.dim() in (2, 3), lambda: f"{op}: logits must be [N, V] or [B, T, V], got shape {list(logits.shape)}"
+    )
     torch._check(
         not labels.dtype.is_floating_point and not labels.dtype.is_complex and labels.dtype != torch.bool,
         lambda: f"{op}: labels must be an integer tensor, got {labels.dtype}",
@@ -37,7 +37,9 @@ def _check_saved_row_stats(op, forward_op, input_name, x, labels, lse, entropy, 
     """A log-prob backward's per-row inputs: the forward's lse (and entropy when its gradient
     is given) in the result dtype of ``x``, the incoming gradients, all of ``labels``' shape."""
     dtype = result_dtype(x)
-    torch._check(lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as {forward_op} returns it), got {lse.dtype}")
+    torch._check(
+        lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as {forward_op} returns it), got {lse.dtype}"
+    )
     check_shape(op, "lse", lse, labels.shape, "labels")
     check_same_device(op, **{input_name: x, "lse": lse})
     for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
@@ -73,7 +75,9 @@ def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
     if grad_logprobs is None and grad_entropy is None:
         return None, None, None, None, None
     logits, labels, lse, entropy = ctx.saved_tensors
-    grad = torch.ops.ppo_fast.token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, *ctx.args)
+    grad = torch.ops.ppo_fast.token_logprobs_backward(
+        grad_logprobs, grad_entropy, logits, labels, lse, entropy, *ctx.args
+    )
     return grad, None, None, None, None
 
 
@@ -81,9 +85,9 @@ register("token_logprobs", _fake_token_logprobs, _backward_token_logprobs, _setu
 register("token_logprobs_backward", _fake_token_logprobs_backward)
 
 
-def token_logprobs(logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False):
+def token_logprobs(
+    logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False
+):
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
     logp, entropy, _lse = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
     return logp, (entropy if return_entropy else None)
-
-

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
-
 import torch
 
-from ...spec import AGG_MODES
 from ..._dtypes import result_dtype
-from ._common import LOSS_DEVICES, check_choice, check_dim, check_float, check_mask, check_same_device, check_shape, grad_or_empty, needed_grads, register
+from ...spec import AGG_MODES
+from ._common import (
+    LOSS_DEVICES,
+    check_choice,
+    check_dim,
+    check_float,
+    check_mask,
+    check_same_device,
+    check_shape,
+    grad_or_empty,
+    needed_grads,
+    register,
+)
 
 SUPPORTED = {"value_loss": LOSS_DEVICES}
 
 
 def _check_loss_backward_inputs(op, grad_loss, row_scale, like):
     check_float(op, "grad_loss", grad_loss)
-    torch._check(grad_loss.numel() == 1, lambda: f"{op}: grad_loss must have one element, got shape {list(grad_loss.shape)}")
+    torch._check(
+        grad_loss.numel() == 1, lambda: f"{op}: grad_loss must have one element, got shape {list(grad_loss.shape)}"
+    )
     check_float(op, "row_scale", row_scale)
     check_shape(op, "row_scale", row_scale, like.shape[:1])
     check_same_device(op, inputs=like, grad_loss=grad_loss, row_scale=row_scale)
-
-
-
-
 
 
 def _check_value_inputs(op, values, old_values, returns, mask):
@@ -38,7 +46,11 @@ def _fake_value_loss(values, old_values, returns, mask, clip, agg):
     _check_value_inputs("value_loss", values, old_values, returns, mask)
     check_choice("value_loss", "agg", agg, AGG_MODES)
     dtype = result_dtype(values, old_values, returns)
-    return values.new_empty((), dtype=dtype), values.new_empty((), dtype=torch.float32), values.new_empty((values.shape[0],), dtype=dtype)
+    return (
+        values.new_empty((), dtype=dtype),
+        values.new_empty((), dtype=torch.float32),
+        values.new_empty((values.shape[0],), dtype=dtype),
+    )
 
 
 def _fake_value_loss_backward(grad_loss, values, old_values, returns, mask, row_scale, clip, output_mask):
@@ -59,7 +71,9 @@ def _setup_value_loss(ctx, inputs, output):
 def _backward_value_loss(ctx, grad_loss, *_stats_grads):
     values, old_values, returns, mask, row_scale = ctx.saved_tensors
     needed = list(ctx.needs_input_grad[:3])
-    grads = torch.ops.ppo_fast.value_loss_backward(grad_loss, values, old_values, returns, mask, row_scale, ctx.clip, needed)
+    grads = torch.ops.ppo_fast.value_loss_backward(
+        grad_loss, values, old_values, returns, mask, row_scale, ctx.clip, needed
+    )
     return *needed_grads(grads, needed), None, None, None
 
 
@@ -70,5 +84,3 @@ register("value_loss_backward", _fake_value_loss_backward)
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
     loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss(values, old_values, returns, mask, clip, agg)
     return loss, clipfrac.detach()
-
-

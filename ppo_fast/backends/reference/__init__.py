@@ -27,5 +27,17 @@ def availability() -> tuple[bool, str]:
     return True, "plain PyTorch, every op on every device"
 
 
-__all__ = ["SUPPORTED", "FUNCTIONS", "MODULES", "availability", "aggregate", "masked_mean", "masked_whiten", "k3_of",
-           "last_valid_index", "linear_logits", "rollout_correction_weights", *FUNCTIONS]
+__all__ = [
+    "SUPPORTED",
+    "FUNCTIONS",
+    "MODULES",
+    "availability",
+    "aggregate",
+    "masked_mean",
+    "masked_whiten",
+    "k3_of",
+    "last_valid_index",
+    "linear_logits",
+    "rollout_correction_weights",
+    *FUNCTIONS,
+]

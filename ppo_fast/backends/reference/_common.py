@@ -24,4 +24,3 @@ def masked_inputs(mask: torch.Tensor, *inputs: torch.Tensor | None) -> list[torc
     """The inputs in their common compute dtype with 0 at masked positions: whatever a
     masked position holds (NaN, inf) reaches no result and no gradient."""
     return [None if x is None else torch.where(mask, x, 0.0) for x in in_common_dtype(*inputs)]
-

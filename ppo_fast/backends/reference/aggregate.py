@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
 from ._common import masked_inputs
-from ._common import DEVICES
 
 SUPPORTED = {}  # helpers of the public ops, not backend ops
 
@@ -38,7 +36,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: fl
     return torch.where(mask, whitened, 0.0)
 
 
-
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss over ``mask`` the way verl's ``agg_loss`` does.
 
@@ -61,5 +58,3 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Te
     if agg == "seq-mean-token-sum-norm":
         loss = loss / max(per_token.shape[-1], 1)
     return loss
-
-

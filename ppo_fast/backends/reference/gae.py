@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
-from ._common import masked_inputs
-from ._common import DEVICES
+from ._common import DEVICES, masked_inputs
 
 SUPPORTED = {"gae": DEVICES}
-
-
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):
@@ -36,5 +32,3 @@ def gae(rewards, values, mask, gamma: float, lam: float):
         advantages[:, t] = torch.where(valid, step, 0.0)
     returns = torch.where(mask, advantages + values, 0.0)
     return advantages, returns
-
-

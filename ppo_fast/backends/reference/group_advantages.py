@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
-from ._common import in_common_dtype
-from ._common import DEVICES
+from ._common import DEVICES, in_common_dtype
 
 SUPPORTED = {"group_sum": DEVICES}
 
@@ -18,5 +16,3 @@ def group_sum(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     and symmetric, so its gradient is itself applied to the output's gradient."""
     (values,) = in_common_dtype(values)
     return values.new_zeros(values.shape).index_add(0, group_index, values)[group_index]
-
-

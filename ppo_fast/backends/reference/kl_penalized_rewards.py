@@ -7,12 +7,9 @@ import math
 import torch
 import torch.utils.checkpoint
 
-from ._common import in_common_dtype, masked_inputs
-from ._common import DEVICES
+from ._common import DEVICES, in_common_dtype, masked_inputs
 
 SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
-
-
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str) -> torch.Tensor:
@@ -66,5 +63,3 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, k
     bonus = torch.where(has_valid, scores.to(rewards.dtype), 0.0)
     rewards = rewards.scatter_add(-1, last.unsqueeze(-1), bonus.unsqueeze(-1))
     return rewards, kl
-
-

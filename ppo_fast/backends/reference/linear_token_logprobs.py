@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
-from ._common import CHUNK_ELEMENTS, in_common_dtype
+from ._common import CHUNK_ELEMENTS, DEVICES, in_common_dtype
 from .token_logprobs import _logprobs_rows
-from ._common import DEVICES
 
 SUPPORTED = {"linear_token_logprobs": DEVICES}
 
 
-def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float, logit_softcap: float | None):
+def linear_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    logit_scale: float,
+    logit_softcap: float | None,
+):
     """The LM head's transformed logits ``softcap(logit_scale * (hidden @ weight.T + bias))``
     (before the temperature), in the inputs' common compute dtype (float32 for
     float16/bfloat16 inputs: the product accumulates and stays in float32)."""
@@ -23,7 +27,9 @@ def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return z if logit_softcap is None else logit_softcap * torch.tanh(z / logit_softcap)
 
 
-def _linear_logprobs_chunk(hidden, weight, bias, labels, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
+def _linear_logprobs_chunk(
+    hidden, weight, bias, labels, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+):
     """One row chunk: ``token_logprobs`` of its logits.  Rows that are ignored or out of
     range get a zero hidden state first, so that whatever they hold (NaN, inf) reaches
     neither ``weight``'s gradient nor any result."""
@@ -69,5 +75,3 @@ def linear_token_logprobs(
         outs.append(_linear_logprobs_chunk(hidden, weight_c, bias_c, labels, *args))
     logp = torch.cat([o[0] for o in outs])
     return logp, (torch.cat([o[1] for o in outs]) if return_entropy else None)
-
-

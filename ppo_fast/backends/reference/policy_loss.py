@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
-from ._common import masked_inputs
-from .aggregate import aggregate, masked_mean
 from ...spec import POLICY_LOSS_MODES
-from ._common import DEVICES
+from ._common import DEVICES, masked_inputs
+from .aggregate import aggregate, masked_mean
 
 # Every policy-loss mode's op (vanilla is clipped_policy_loss).
 SUPPORTED = {mode.op: DEVICES for mode in POLICY_LOSS_MODES.values()}
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str):
+def clipped_policy_loss(
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
+):
     """PPO clipped surrogate (to minimise) and its stats ``(loss, clipfrac, clipfrac_lower, approx_kl)``."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
@@ -35,8 +35,6 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_
     loss = aggregate(pg, mask, agg)
     approx_kl = masked_mean(old - logp, mask)
     return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
-
-
 
 
 # --------------------------------------------------------------------------- policy-loss modes
@@ -64,7 +62,9 @@ def _row_mean(x, mask):
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp_min(1)
 
 
-def policy_loss_gspo(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str):
+def policy_loss_gspo(
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str
+):
     """GSPO: per token ``s = sg(exp(mean_t log r)) * pi / sg(pi)`` (log clamped at 10),
     then the clipped surrogate of ``s``.  No gradient reaches old_logprobs."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
@@ -78,7 +78,9 @@ def policy_loss_gspo(logprobs, old_logprobs, advantages, mask, weights, clip_eps
     return aggregate(pg, mask, agg), clipfrac.detach(), _no_stat(logp), approx_kl
 
 
-def policy_loss_geo_mean(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str):
+def policy_loss_geo_mean(
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str
+):
     """GMPO: per row ``-mean_t(A) * exp(mean_t sign(A) * min(sign(A) log r, sign(A) clip(log r,
     -clip_eps_low, clip_eps_high)))``, times the geometric mean of the row's ``weights``;
     each valid token carries its row's loss into ``agg``."""
@@ -107,7 +109,9 @@ def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, tau_pos:
     return aggregate(pg, mask, agg), _no_stat(logp), _no_stat(logp), approx_kl
 
 
-def policy_loss_cispo(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str):
+def policy_loss_cispo(
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str
+):
     """CISPO: ``-sg(clip(r, 1 - clip_eps_low, 1 + clip_eps_high)) * A * logp``."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
@@ -124,8 +128,19 @@ def policy_loss_gpg(logprobs, old_logprobs, advantages, mask, weights, agg: str)
     return (aggregate(_weighted(-adv * logp, weights), mask, agg),)
 
 
-def policy_loss_clip_cov(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float,
-                         clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, agg: str):
+def policy_loss_clip_cov(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    weights,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    clip_cov_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
+    agg: str,
+):
     """Clip-Cov: the clipped surrogate (ratio unclamped), except that of the unclipped tokens
     whose ``(A - mean A) * (logp - mean logp)`` lies in ``(clip_cov_lb, clip_cov_ub)``,
     ``max(1, int(clip_cov_ratio * tokens))`` drawn at random (``torch.randperm``, the default
@@ -148,7 +163,9 @@ def policy_loss_clip_cov(logprobs, old_logprobs, advantages, mask, weights, clip
     return aggregate(pg, mask, agg), clipfrac.detach(), approx_kl
 
 
-def policy_loss_kl_cov(logprobs, old_logprobs, advantages, mask, weights, kl_cov_ratio: float, ppo_kl_coef: float, agg: str):
+def policy_loss_kl_cov(
+    logprobs, old_logprobs, advantages, mask, weights, kl_cov_ratio: float, ppo_kl_coef: float, agg: str
+):
     """KL-Cov: ``-A * r`` (unclamped), plus ``ppo_kl_coef * |log r|`` on the
     ``max(1, int(kl_cov_ratio * tokens))`` valid tokens of largest
     ``(A - mean A) * (logp - mean logp)``; stat: mean ``|log r|``."""
@@ -180,9 +197,20 @@ def _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap, trusted)
     return pg, clipfrac.detach(), clipfrac_lower.detach(), approx_kl
 
 
-def policy_loss_dppo_tv(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, ratio_cap: float, agg: str):
+def policy_loss_dppo_tv(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    weights,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ratio_cap: float,
+    agg: str,
+):
     """DPPO-Binary-TV: tokens kept where ``p - p_old <= clip_eps_high`` (A > 0) or
     ``>= -clip_eps_low`` (A <= 0)."""
+
     def trusted(p, p_old, logp, old, adv):
         return torch.where(adv > 0, p - p_old <= clip_eps_high, p - p_old >= -clip_eps_low)
 
@@ -190,12 +218,25 @@ def policy_loss_dppo_tv(logprobs, old_logprobs, advantages, mask, weights, clip_
     return aggregate(pg, mask, agg), *stats
 
 
-def policy_loss_dppo_kl(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, ratio_cap: float, agg: str):
+def policy_loss_dppo_kl(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    weights,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ratio_cap: float,
+    agg: str,
+):
     """DPPO-Binary-KL: the binary KL ``p_old log(p_old/p) + (1-p_old) log((1-p_old+1e-8)/(1-p+1e-8))``
     at most clip_eps_high (A > 0) / clip_eps_low (A <= 0), or the probability moved the safe way."""
+
     def trusted(p, p_old, logp, old, adv):
         binary_kl = p_old * (old - logp) + (1.0 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-        return torch.where(adv > 0, (binary_kl <= clip_eps_high) | (p <= p_old), (binary_kl <= clip_eps_low) | (p >= p_old))
+        return torch.where(
+            adv > 0, (binary_kl <= clip_eps_high) | (p <= p_old), (binary_kl <= clip_eps_low) | (p >= p_old)
+        )
 
     pg, *stats = _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap, trusted)
     return aggregate(pg, mask, agg), *stats
@@ -207,5 +248,3 @@ def policy_loss_dro(logprobs, old_logprobs, advantages, mask, weights, dro_beta:
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
     pg = _weighted(-(adv * logp - 0.5 * dro_beta * log_ratio.square()), weights)
     return aggregate(pg, mask, agg), approx_kl
-
-

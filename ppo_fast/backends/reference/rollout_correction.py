@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
 from ._common import masked_inputs
 from .aggregate import masked_mean
-from ._common import DEVICES
 
 SUPPORTED = {}  # helpers of the public ops, not backend ops
 
@@ -20,7 +18,9 @@ SUPPORTED = {}  # helpers of the public ops, not backend ops
 _LOG_RATIO_BOUND = 20.0
 
 
-def rollout_correction_weights(old_logprobs, rollout_logprobs, mask, mode: str, threshold: float, threshold_low: float, batch_normalize: bool):
+def rollout_correction_weights(
+    old_logprobs, rollout_logprobs, mask, mode: str, threshold: float, threshold_low: float, batch_normalize: bool
+):
     """Importance weights ``pi_train / pi_rollout`` per token (``token_*``) or per sequence
     (``seq_*``, ``exp`` of the row's summed log-ratio, on each of its tokens), truncated at
     ``threshold`` (``*_tis``) or zeroed outside ``[threshold_low, threshold]`` (``*_mis``);

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
-from ._common import CHUNK_ELEMENTS, in_common_dtype
-from ._common import DEVICES
+from ._common import CHUNK_ELEMENTS, DEVICES, in_common_dtype
 
 SUPPORTED = {"token_logprobs": DEVICES}
 
 
-
-
-def _logprobs_rows(logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int):
+def _logprobs_rows(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int
+):
     """log-prob (and entropy) of rows ``logits [n, V]`` at ``labels [n]``, computed in float32.
 
     Ignored rows give 0; a label outside ``[0, V)`` gives NaN (the contract).  Both rows
@@ -38,7 +36,12 @@ def _logprobs_rows(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 
 def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+    inplace_backward: bool = False,
 ):
     """``log_softmax(logits / temperature)`` at ``labels`` (and the entropy), float32.
 
@@ -52,19 +55,25 @@ def token_logprobs(
     """
     if logits.dim() == 3:
         if not logits.shape[0]:  # no row: the rows of none, so that the empty results are in the autograd graph
-            logp, ent = token_logprobs(logits.reshape(0, logits.shape[-1]), labels.reshape(0), temperature, return_entropy, ignore_index)
+            logp, ent = token_logprobs(
+                logits.reshape(0, logits.shape[-1]), labels.reshape(0), temperature, return_entropy, ignore_index
+            )
             return logp.view(labels.shape), (ent.view(labels.shape) if return_entropy else None)
-        parts = [token_logprobs(logits[b], labels[b], temperature, return_entropy, ignore_index) for b in range(logits.shape[0])]
+        parts = [
+            token_logprobs(logits[b], labels[b], temperature, return_entropy, ignore_index)
+            for b in range(logits.shape[0])
+        ]
         logp = torch.stack([p[0] for p in parts])
         ent = torch.stack([p[1] for p in parts]) if return_entropy else None
         return logp, ent
     n, vocab = logits.shape
     rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    outs = [_logprobs_rows(logits[i : i + rows], labels[i : i + rows], temperature, return_entropy, ignore_index) for i in range(0, n, rows)]
+    outs = [
+        _logprobs_rows(logits[i : i + rows], labels[i : i + rows], temperature, return_entropy, ignore_index)
+        for i in range(0, n, rows)
+    ]
     if not outs:  # no row: the rows of none, so that the empty results are in the autograd graph
         outs.append(_logprobs_rows(logits, labels, temperature, return_entropy, ignore_index))
     logp = torch.cat([o[0] for o in outs])
     ent = torch.cat([o[1] for o in outs]) if return_entropy else None
     return logp, ent
-
-

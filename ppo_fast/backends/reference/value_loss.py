@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.utils.checkpoint
 
-from ._common import masked_inputs
+from ._common import DEVICES, masked_inputs
 from .aggregate import aggregate, masked_mean
-from ._common import DEVICES
 
 SUPPORTED = {"value_loss": DEVICES}
 
@@ -25,5 +23,3 @@ def value_loss(values, old_values, returns, mask, clip: float, agg: str):
     per_token = 0.5 * torch.maximum(unclipped, clipped)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
     return aggregate(per_token, mask, agg), clipfrac.detach()
-
-

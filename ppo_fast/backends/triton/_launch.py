@@ -60,7 +60,9 @@ def lead_view(name: str, x: torch.Tensor, lead_shape: tuple[int, ...]) -> tuple[
     A view when one exists (strided and expanded inputs included), else a copy of ``N`` elements.
     """
     if x.numel() != math.prod(lead_shape):
-        raise ValueError(f"{name} must have {math.prod(lead_shape)} elements (the logits' rows), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have {math.prod(lead_shape)} elements (the logits' rows), got shape {tuple(x.shape)}"
+        )
     x = x.reshape(lead_shape)
     return (x, x.stride(0), 0) if len(lead_shape) == 1 else (x, x.stride(0), x.stride(1))
 
@@ -86,5 +88,3 @@ def not_differentiable(ctx, **indices: int) -> None:
     for name, index in indices.items():
         if ctx.needs_input_grad[index]:
             raise RuntimeError(f"the Triton backend is not differentiable w.r.t. {name} (as the reference is not)")
-
-

@@ -98,7 +98,12 @@ def _gae_kernel(
 
 
 def gae_forward(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, block_t: int | None = None
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` ``[B, T]`` float32 (float64 for float64 inputs); inputs ``[B, T]`` with any strides
     (expanded included), ``mask`` bool or 0/1 of any dtype.
@@ -118,9 +123,20 @@ def gae_forward(
     block = block_t or min(triton.next_power_of_2(length), MAX_BLOCK_T)
     with device_guard(advantages):
         _gae_kernel[(batch,)](
-            rewards, values, mask, advantages, returns, length,
-            *rewards.stride(), *values.stride(), *mask.stride(), *split_scalar(gamma), *split_scalar(lam),
-            ACC=compute_dtype(advantages.dtype), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
+            rewards,
+            values,
+            mask,
+            advantages,
+            returns,
+            length,
+            *rewards.stride(),
+            *values.stride(),
+            *mask.stride(),
+            *split_scalar(gamma),
+            *split_scalar(lam),
+            ACC=compute_dtype(advantages.dtype),
+            BLOCK_T=block,
+            num_warps=4 if block <= 512 else 8,
         )
     return advantages, returns
 
@@ -175,11 +191,15 @@ def _gae_bwd_kernel(
         grad_ret = tl.zeros([BLOCK_T], ACC)
         if HAS_GRAD_ADV:
             grad += tl.load(grad_adv_row + t * grad_adv_stride1, mask=valid, other=0.0).to(ACC)
-            preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride1, mask=preceding_valid, other=0.0).to(ACC)
+            preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride1, mask=preceding_valid, other=0.0).to(
+                ACC
+            )
         if HAS_GRAD_RET:
             grad_ret = tl.load(grad_ret_row + t * grad_ret_stride1, mask=valid, other=0.0).to(ACC)
             grad += grad_ret
-            preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride1, mask=preceding_valid, other=0.0).to(ACC)
+            preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride1, mask=preceding_valid, other=0.0).to(
+                ACC
+            )
 
         s_coef, s_offset = tl.associative_scan(
             (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
@@ -187,11 +207,17 @@ def _gae_bwd_kernel(
         delta_grad = s_coef * carry + s_offset
         # The same scan shifted by one token: S at the previous valid token.
         p_coef, p_offset = tl.associative_scan(
-            (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)), 0, _compose_affine
+            (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)),
+            0,
+            _compose_affine,
         )
         previous_delta_grad = p_coef * carry_previous + p_offset
 
-        tl.store(grad_rewards_ptr + out_row + t, cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_ptr), mask=inside)
+        tl.store(
+            grad_rewards_ptr + out_row + t,
+            cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_ptr),
+            mask=inside,
+        )
         grad_values = tl.where(valid, gamma * previous_delta_grad - delta_grad + grad_ret, 0.0)
         tl.store(grad_values_ptr + out_row + t, cast_for_store(grad_values, grad_values_ptr), mask=inside)
         # Slots past the row's end are identity maps, so the last slot holds the chunk-end state.
@@ -232,12 +258,20 @@ def gae_backward(
         _gae_bwd_kernel[(batch,)](
             given[0] if grad_advantages is None else grad_advantages,  # unused without HAS_GRAD_ADV
             given[0] if grad_returns is None else grad_returns,  # unused without HAS_GRAD_RET
-            mask, grad_rewards, grad_values, length, *mask.stride(),
+            mask,
+            grad_rewards,
+            grad_values,
+            length,
+            *mask.stride(),
             *(given[0] if grad_advantages is None else grad_advantages).stride(),
             *(given[0] if grad_returns is None else grad_returns).stride(),
-            *split_scalar(gamma), *split_scalar(lam),
-            HAS_GRAD_ADV=grad_advantages is not None, HAS_GRAD_RET=grad_returns is not None,
-            ACC=compute_dtype(result_dtype(*given)), BLOCK_T=block, num_warps=4 if block <= 512 else 8,
+            *split_scalar(gamma),
+            *split_scalar(lam),
+            HAS_GRAD_ADV=grad_advantages is not None,
+            HAS_GRAD_RET=grad_returns is not None,
+            ACC=compute_dtype(result_dtype(*given)),
+            BLOCK_T=block,
+            num_warps=4 if block <= 512 else 8,
         )
     return grad_rewards, grad_values
 
@@ -246,7 +280,9 @@ def gae_backward(
 
 
 @torch.library.custom_op("ppo_fast_triton::gae", mutates_args=())
-def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae_op(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return gae_forward(rewards, values, mask, gamma, lam)
 
 
@@ -307,10 +343,24 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
     def seq(dtype=torch.float32):
         return torch.empty((batch, length), dtype=dtype, device="meta")
 
-    out = [dict(name="gae fwd", budget_key=None, bytes_per_element=17, run=lambda: gae_forward(seq(), seq(), seq(torch.bool), 1.0, 0.95))]
+    out = [
+        dict(
+            name="gae fwd",
+            budget_key=None,
+            bytes_per_element=17,
+            run=lambda: gae_forward(seq(), seq(), seq(torch.bool), 1.0, 0.95),
+        )
+    ]
     for has_adv, has_ret in ((True, True), (True, False), (False, True)):
         what = "+".join(n for n, on in (("advantages", has_adv), ("returns", has_ret)) if on)
-        out.append(dict(name=f"gae bwd({what})", budget_key=None, bytes_per_element=None,
-                        run=lambda a=has_adv, r=has_ret: gae_backward(seq() if a else None, seq() if r else None, seq(torch.bool),
-                                                                     1.0, 0.95, torch.float32, torch.float32)))
+        out.append(
+            dict(
+                name=f"gae bwd({what})",
+                budget_key=None,
+                bytes_per_element=None,
+                run=lambda a=has_adv, r=has_ret: gae_backward(
+                    seq() if a else None, seq() if r else None, seq(torch.bool), 1.0, 0.95, torch.float32, torch.float32
+                ),
+            )
+        )
     return out

@@ -53,7 +53,11 @@ def _group_sum_kernel(
         ok = k < count
         row = tl.load(order_ptr + start + k, mask=ok, other=0)
         both = ok[:, None] & col_ok[None, :]
-        tl.store(out_ptr + row[:, None] * cols + col[None, :], (total[None, :] + tl.zeros([BLOCK_R, BLOCK_C], ACC)), mask=both)
+        tl.store(
+            out_ptr + row[:, None] * cols + col[None, :],
+            (total[None, :] + tl.zeros([BLOCK_R, BLOCK_C], ACC)),
+            mask=both,
+        )
 
 
 def group_sum_forward(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -69,12 +73,23 @@ def group_sum_forward(values: torch.Tensor, group_index: torch.Tensor) -> torch.
     if rows == 0 or cols == 0:
         return out
     order = torch.argsort(group_index, stable=True)
-    counts = torch.zeros(rows, dtype=torch.int64, device=values.device).index_add_(0, group_index, torch.ones_like(group_index))
+    counts = torch.zeros(rows, dtype=torch.int64, device=values.device).index_add_(
+        0, group_index, torch.ones_like(group_index)
+    )
     starts = counts.cumsum(0) - counts
     with device_guard(values):
         _group_sum_kernel[(rows,)](
-            values, order, starts, counts, out, cols, values.stride(0), values.stride(1),
-            ACC=compute_dtype(values.dtype), BLOCK_R=BLOCK_R, BLOCK_C=triton.next_power_of_2(cols),
+            values,
+            order,
+            starts,
+            counts,
+            out,
+            cols,
+            values.stride(0),
+            values.stride(1),
+            ACC=compute_dtype(values.dtype),
+            BLOCK_R=BLOCK_R,
+            BLOCK_C=triton.next_power_of_2(cols),
         )
     return out
 
@@ -118,6 +133,13 @@ def static_variants(batch: int = 64, group: int = 8) -> list[dict]:
     def meta(shape, dtype):
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    return [dict(name=f"group_sum {str(dtype).replace('torch.', '')} [{batch}, {group}]", budget_key=None, bytes_per_element=None,
-                 run=lambda dtype=dtype: group_sum_forward(meta((batch, group), dtype), meta((batch,), torch.int64)), block=None)
-            for dtype in (torch.float32, torch.float64)]
+    return [
+        dict(
+            name=f"group_sum {str(dtype).replace('torch.', '')} [{batch}, {group}]",
+            budget_key=None,
+            bytes_per_element=None,
+            run=lambda dtype=dtype: group_sum_forward(meta((batch, group), dtype), meta((batch,), torch.int64)),
+            block=None,
+        )
+        for dtype in (torch.float32, torch.float64)
+    ]

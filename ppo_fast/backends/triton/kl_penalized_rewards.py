@@ -98,7 +98,9 @@ def _kl_grad(log_ratio, g, KL_ESTIMATOR: tl.constexpr):
         passes = (tl.abs(log_ratio) <= 20.0) & (inner <= 10.0) & (inner >= -10.0)
         g_inner = tl.where(passes, g, 0.0)
         # exp(d) - 1 = d (1 + d * series) where the series is used
-        g_d = tl.where(_k3_series_below(d), g_inner * (d * (1.0 + d * _k3_series_over_d2(d))), g_inner * tl.exp(d) - g_inner)
+        g_d = tl.where(
+            _k3_series_below(d), g_inner * (d * (1.0 + d * _k3_series_over_d2(d))), g_inner * tl.exp(d) - g_inner
+        )
         grad = tl.where(passes, -g_d, 0.0)
     else:
         grad = g * tl.where(log_ratio > 0, 1.0, tl.where(log_ratio < 0, -1.0, 0.0))
@@ -125,8 +127,19 @@ def _strided(row, col, offs, stride0, stride1, STRIDED: tl.constexpr):
 
 @triton.jit
 def _kl_estimate_kernel(
-    logp_ptr, ref_ptr, kl_ptr, numel, cols, logp_stride0, logp_stride1, ref_stride0, ref_stride1,
-    KL_ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+    logp_ptr,
+    ref_ptr,
+    kl_ptr,
+    numel,
+    cols,
+    logp_stride0,
+    logp_stride1,
+    ref_stride0,
+    ref_stride1,
+    KL_ESTIMATOR: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     offs, inside, row, col = _elementwise_offsets(tl.program_id(0), numel, cols, BLOCK, STRIDED)
     logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
@@ -136,14 +149,30 @@ def _kl_estimate_kernel(
 
 @triton.jit
 def _kl_backward_kernel(
-    logp_ptr, ref_ptr, grad_kl_ptr, grad_logp_ptr, grad_ref_ptr, numel, cols,
-    logp_stride0, logp_stride1, ref_stride0, ref_stride1, grad_kl_stride0, grad_kl_stride1,
-    KL_ESTIMATOR: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+    logp_ptr,
+    ref_ptr,
+    grad_kl_ptr,
+    grad_logp_ptr,
+    grad_ref_ptr,
+    numel,
+    cols,
+    logp_stride0,
+    logp_stride1,
+    ref_stride0,
+    ref_stride1,
+    grad_kl_stride0,
+    grad_kl_stride1,
+    KL_ESTIMATOR: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     offs, inside, row, col = _elementwise_offsets(tl.program_id(0), numel, cols, BLOCK, STRIDED)
     logp = tl.load(logp_ptr + _strided(row, col, offs, logp_stride0, logp_stride1, STRIDED), mask=inside).to(ACC)
     ref = tl.load(ref_ptr + _strided(row, col, offs, ref_stride0, ref_stride1, STRIDED), mask=inside).to(ACC)
-    grad_kl = tl.load(grad_kl_ptr + _strided(row, col, offs, grad_kl_stride0, grad_kl_stride1, STRIDED), mask=inside).to(ACC)
+    grad_kl = tl.load(
+        grad_kl_ptr + _strided(row, col, offs, grad_kl_stride0, grad_kl_stride1, STRIDED), mask=inside
+    ).to(ACC)
     grad = _kl_grad(logp - ref, grad_kl, KL_ESTIMATOR)
     tl.store(grad_logp_ptr + offs, cast_for_store(grad, grad_logp_ptr), mask=inside)
     tl.store(grad_ref_ptr + offs, cast_for_store(-grad, grad_ref_ptr), mask=inside)
@@ -239,7 +268,9 @@ def _kl_rewards_bwd_kernel(
         if HAS_GRAD_KL:
             grad_kl += tl.load(grad_kl_ptr + row * grad_kl_stride0 + t * grad_kl_stride1, mask=valid, other=0.0).to(ACC)
         if HAS_GRAD_REWARDS:
-            grad_rewards = tl.load(grad_rewards_ptr + row * grad_rewards_stride0 + t * grad_rewards_stride1, mask=valid, other=0.0)
+            grad_rewards = tl.load(
+                grad_rewards_ptr + row * grad_rewards_stride0 + t * grad_rewards_stride1, mask=valid, other=0.0
+            )
             grad_kl += neg_coef * grad_rewards.to(ACC)
         logp = tl.load(logp_ptr + row * logp_stride0 + t * logp_stride1, mask=valid, other=0.0).to(ACC)
         ref = tl.load(ref_ptr + row * ref_stride0 + t * ref_stride1, mask=valid, other=0.0).to(ACC)
@@ -251,7 +282,9 @@ def _kl_rewards_bwd_kernel(
         last = tl.load(last_ptr + row).to(tl.int64)
         has_last = (last >= 0) & (last < length)
         grad_score = tl.load(
-            grad_rewards_ptr + row * grad_rewards_stride0 + tl.where(has_last, last, 0) * grad_rewards_stride1, mask=has_last, other=0.0
+            grad_rewards_ptr + row * grad_rewards_stride0 + tl.where(has_last, last, 0) * grad_rewards_stride1,
+            mask=has_last,
+            other=0.0,
         ).to(ACC)
         tl.store(grad_scores_ptr + row, cast_for_store(grad_score, grad_scores_ptr))
 
@@ -278,8 +311,16 @@ def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_e
         cols, strides, strided = _rows_and_strides(logp_rows, ref_rows)
         with device_guard(kl):
             _kl_estimate_kernel[_elementwise_grid(kl.numel())](
-                logp_rows, ref_rows, kl, kl.numel(), cols, *strides,
-                KL_ESTIMATOR=kl_estimator_code(kl_estimator), ACC=compute_dtype(kl.dtype), BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
+                logp_rows,
+                ref_rows,
+                kl,
+                kl.numel(),
+                cols,
+                *strides,
+                KL_ESTIMATOR=kl_estimator_code(kl_estimator),
+                ACC=compute_dtype(kl.dtype),
+                BLOCK=_ELEMENTWISE_BLOCK,
+                STRIDED=strided,
             )
     return kl
 
@@ -298,9 +339,16 @@ def kl_backward(
         cols, strides, strided = _rows_and_strides(*views)
         with device_guard(grad_logp):
             _kl_backward_kernel[_elementwise_grid(grad_logp.numel())](
-                *views, grad_logp, grad_ref, grad_logp.numel(), cols, *strides,
-                KL_ESTIMATOR=kl_estimator_code(kl_estimator), ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
-                BLOCK=_ELEMENTWISE_BLOCK, STRIDED=strided,
+                *views,
+                grad_logp,
+                grad_ref,
+                grad_logp.numel(),
+                cols,
+                *strides,
+                KL_ESTIMATOR=kl_estimator_code(kl_estimator),
+                ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
+                BLOCK=_ELEMENTWISE_BLOCK,
+                STRIDED=strided,
             )
     return grad_logp, grad_ref
 
@@ -341,9 +389,22 @@ def kl_penalized_rewards_forward(
         return rewards, kl, last.fill_(-1)
     with device_guard(rewards):
         _kl_rewards_kernel[(batch,)](
-            scores, logprobs, ref_logprobs, mask, rewards, kl, last, length,
-            scores.stride(0), *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(), *split_scalar(kl_coef),
-            KL_ESTIMATOR=kl_estimator_code(kl_estimator), ACC=compute_dtype(rewards.dtype), BLOCK_T=_block_t(length, block_t),
+            scores,
+            logprobs,
+            ref_logprobs,
+            mask,
+            rewards,
+            kl,
+            last,
+            length,
+            scores.stride(0),
+            *logprobs.stride(),
+            *ref_logprobs.stride(),
+            *mask.stride(),
+            *split_scalar(kl_coef),
+            KL_ESTIMATOR=kl_estimator_code(kl_estimator),
+            ACC=compute_dtype(rewards.dtype),
+            BLOCK_T=_block_t(length, block_t),
         )
     return rewards, kl, last
 
@@ -371,7 +432,9 @@ def kl_penalized_rewards_backward(
     check_shape("last", last, (batch,))
     check_shape("grad_rewards", grad_rewards, logprobs.shape)
     check_shape("grad_kl", grad_kl, logprobs.shape)
-    check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, last=last, grad_rewards=grad_rewards, grad_kl=grad_kl)
+    check_same_device(
+        logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, last=last, grad_rewards=grad_rewards, grad_kl=grad_kl
+    )
     grad_logp = torch.empty((batch, length), dtype=logprobs.dtype, device=logprobs.device)
     grad_ref = torch.empty((batch, length), dtype=ref_logprobs.dtype, device=logprobs.device)
     has_rewards, has_kl = grad_rewards is not None, grad_kl is not None
@@ -383,15 +446,27 @@ def kl_penalized_rewards_backward(
     some_grad = grad_rewards if has_rewards else grad_kl
     with device_guard(grad_logp):
         _kl_rewards_bwd_kernel[(batch,)](
-            logprobs, ref_logprobs, mask, last,
+            logprobs,
+            ref_logprobs,
+            mask,
+            last,
             some_grad if grad_rewards is None else grad_rewards,  # unused without HAS_GRAD_REWARDS
             some_grad if grad_kl is None else grad_kl,  # unused without HAS_GRAD_KL
             grad_logp if grad_scores is None else grad_scores,  # unused without HAS_GRAD_REWARDS
-            grad_logp, grad_ref, length,
-            *logprobs.stride(), *ref_logprobs.stride(), *mask.stride(),
-            *(grad_rewards.stride() if has_rewards else (0, 0)), *(grad_kl.stride() if has_kl else (0, 0)), *split_scalar(kl_coef),
-            HAS_GRAD_REWARDS=has_rewards, HAS_GRAD_KL=has_kl, KL_ESTIMATOR=kl_estimator_code(kl_estimator),
-            ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)), BLOCK_T=_block_t(length, block_t),
+            grad_logp,
+            grad_ref,
+            length,
+            *logprobs.stride(),
+            *ref_logprobs.stride(),
+            *mask.stride(),
+            *(grad_rewards.stride() if has_rewards else (0, 0)),
+            *(grad_kl.stride() if has_kl else (0, 0)),
+            *split_scalar(kl_coef),
+            HAS_GRAD_REWARDS=has_rewards,
+            HAS_GRAD_KL=has_kl,
+            KL_ESTIMATOR=kl_estimator_code(kl_estimator),
+            ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
+            BLOCK_T=_block_t(length, block_t),
         )
     return grad_scores, grad_logp, grad_ref
 
@@ -442,7 +517,12 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator):
 
 @torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards", mutates_args=())
 def _kl_penalized_rewards_op(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, kl_estimator: str
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kl_estimator: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rewards, kl, last)``: ``last [B]`` int32 is each row's last valid index (-1 if none), for the backward."""
     return kl_penalized_rewards_forward(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
@@ -524,16 +604,54 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
     for kl_estimator in KL_ESTIMATORS:
         for transposed in (False, True) if kl_estimator == "k3" else (False,):
             layout = " transposed" if transposed else ""
-            out.append(dict(name=f"kl_estimate fwd {kl_estimator}{layout}", budget_key=None, bytes_per_element=12,
-                            run=lambda e=kl_estimator, t=transposed: kl_estimate_forward(seq(transposed=t), seq(transposed=t), e)))
-            out.append(dict(name=f"kl_estimate bwd {kl_estimator}{layout}", budget_key=None, bytes_per_element=20,
-                            run=lambda e=kl_estimator, t=transposed: kl_backward(seq(transposed=t), seq(transposed=t), seq(), e)))
-        out.append(dict(name=f"kl_penalized_rewards fwd {kl_estimator}", budget_key=None, bytes_per_element=17,
-                        run=lambda e=kl_estimator: kl_penalized_rewards_forward(meta((batch,)), seq(), seq(), seq(torch.bool), 0.05, e)))
+            out.append(
+                dict(
+                    name=f"kl_estimate fwd {kl_estimator}{layout}",
+                    budget_key=None,
+                    bytes_per_element=12,
+                    run=lambda e=kl_estimator, t=transposed: kl_estimate_forward(
+                        seq(transposed=t), seq(transposed=t), e
+                    ),
+                )
+            )
+            out.append(
+                dict(
+                    name=f"kl_estimate bwd {kl_estimator}{layout}",
+                    budget_key=None,
+                    bytes_per_element=20,
+                    run=lambda e=kl_estimator, t=transposed: kl_backward(
+                        seq(transposed=t), seq(transposed=t), seq(), e
+                    ),
+                )
+            )
+        out.append(
+            dict(
+                name=f"kl_penalized_rewards fwd {kl_estimator}",
+                budget_key=None,
+                bytes_per_element=17,
+                run=lambda e=kl_estimator: kl_penalized_rewards_forward(
+                    meta((batch,)), seq(), seq(), seq(torch.bool), 0.05, e
+                ),
+            )
+        )
     for has_rewards, has_kl in ((True, True), (True, False), (False, True)):
         what = "+".join(n for n, on in (("rewards", has_rewards), ("kl", has_kl)) if on)
-        out.append(dict(name=f"kl_penalized_rewards bwd({what}) k3", budget_key=None, bytes_per_element=None,
-                        run=lambda r=has_rewards, k=has_kl: kl_penalized_rewards_backward(
-                            seq(), seq(), seq(torch.bool), meta((batch,), torch.int32), seq() if r else None, seq() if k else None,
-                            0.05, "k3", torch.float32)))
+        out.append(
+            dict(
+                name=f"kl_penalized_rewards bwd({what}) k3",
+                budget_key=None,
+                bytes_per_element=None,
+                run=lambda r=has_rewards, k=has_kl: kl_penalized_rewards_backward(
+                    seq(),
+                    seq(),
+                    seq(torch.bool),
+                    meta((batch,), torch.int32),
+                    seq() if r else None,
+                    seq() if k else None,
+                    0.05,
+                    "k3",
+                    torch.float32,
+                ),
+            )
+        )
     return out

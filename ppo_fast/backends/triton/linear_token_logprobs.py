@@ -277,7 +277,12 @@ def _linear_token_logprobs_bwd_kernel(
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                 )  # fmt: skip
                 d_h = tl.dot(draw_op, _operand(w), input_precision=DOT_PRECISION, out_dtype=ACC)
-                tl.atomic_add(d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :], d_h, mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+                tl.atomic_add(
+                    d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :],
+                    d_h,
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    sem="relaxed",
+                )
             if NEEDS_WEIGHT:
                 h = tl.load(
                     hidden_ptr + rows[:, None] * hidden_row_stride + kk[None, :] * hidden_col_stride,
@@ -285,7 +290,9 @@ def _linear_token_logprobs_bwd_kernel(
                 )  # fmt: skip
                 d_w = tl.dot(tl.trans(draw_op), _operand(h), input_precision=DOT_PRECISION, out_dtype=ACC)
                 tl.atomic_add(
-                    d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :], d_w, mask=col_ok[:, None] & k_ok[None, :],
+                    d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :],
+                    d_w,
+                    mask=col_ok[:, None] & k_ok[None, :],
                     sem="relaxed",
                 )
 
@@ -304,7 +311,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _check_inputs(hidden, weight, labels, bias) -> tuple[int, int, int]:
     """``(N, V, H)``, after the checks that keep every read inside the tensors."""
     if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"hidden must be [N, H] and weight [V, H], got shapes {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V, H], got shapes {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if hidden.dtype not in _FORWARD_CONFIG:
         raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
     (n_rows, hidden_size), vocab = hidden.shape, weight.shape[0]
@@ -374,7 +383,9 @@ def linear_token_logprobs_forward(
 
 def _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy):
     """The backward's inputs from the forward and autograd: devices and shapes."""
-    check_same_device(hidden=hidden, stats=stats, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
+    check_same_device(
+        hidden=hidden, stats=stats, entropy=entropy, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy
+    )
     check_shape("stats", stats, (n_rows, 2))
     for name, x in (("entropy", entropy), ("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         check_shape(name, x, (n_rows,))
@@ -422,13 +433,19 @@ def linear_token_logprobs_backward(
     d_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if needs_bias else None
     d_weight = None
     if needs_weight:
-        d_weight = torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=device) if weight.dtype == acc_dtype else weight.new_empty((vocab, hidden_size))
+        d_weight = (
+            torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=device)
+            if weight.dtype == acc_dtype
+            else weight.new_empty((vocab, hidden_size))
+        )
     has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
     if has_work and (needs_hidden or needs_weight or needs_bias):
         block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
         chunk = vocab
         if needs_weight and weight.dtype != acc_dtype:
-            chunk = max(block_v, (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * hidden_size) // block_v * block_v)
+            chunk = max(
+                block_v, (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * hidden_size) // block_v * block_v
+            )
         stats = stats.contiguous()
         entropy = stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
@@ -513,7 +530,9 @@ def _linear_token_logprobs_backward_op(
         temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
         needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias,
     )  # fmt: skip
-    return tuple(stats.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight)))
+    return tuple(
+        stats.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight))
+    )
 
 
 @_linear_token_logprobs_backward_op.register_fake
@@ -528,7 +547,17 @@ def _(hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, tem
 
 
 def _linear_token_logprobs_setup(ctx, inputs, output):
-    hidden, weight, labels, bias, ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs
+    (
+        hidden,
+        weight,
+        labels,
+        bias,
+        ctx.temperature,
+        ctx.logit_scale,
+        ctx.logit_softcap,
+        ctx.return_entropy,
+        ctx.ignore_index,
+    ) = inputs
     _, entropy, stats = output
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy)
     ctx.mark_non_differentiable(stats)
@@ -548,14 +577,33 @@ def _linear_token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
         ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias,
     )  # fmt: skip
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
-    return pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias), None, None, None, None, None
+    return (
+        pick(d_hidden, needs_hidden),
+        pick(d_weight, needs_weight),
+        None,
+        pick(d_bias, needs_bias),
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _linear_token_logprobs_op.register_autograd(_linear_token_logprobs_backward, setup_context=_linear_token_logprobs_setup)
 
 
 def linear_token_logprobs(
-    hidden, weight, labels, *, bias=None, temperature=1.0, logit_scale=1.0, logit_softcap=None, return_entropy=False, ignore_index=-100
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+    return_entropy=False,
+    ignore_index=-100,
 ):
     """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
     kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
@@ -595,8 +643,16 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
             x, w, labels = head()
             with allow_tf32(tf32):
                 return linear_token_logprobs_forward(
-                    x, w, labels, meta((vocab,), x.dtype) if flags else None, temperature=0.7, logit_scale=1.0,
-                    logit_softcap=30.0 if flags else None, ignore_index=-100, return_entropy=flags)
+                    x,
+                    w,
+                    labels,
+                    meta((vocab,), x.dtype) if flags else None,
+                    temperature=0.7,
+                    logit_scale=1.0,
+                    logit_softcap=30.0 if flags else None,
+                    ignore_index=-100,
+                    return_entropy=flags,
+                )
 
         def bwd():
             x, w, labels = head()
@@ -604,9 +660,22 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
             row, stats = meta((rows,), acc), meta((rows, 2), acc)
             with allow_tf32(tf32):
                 return linear_token_logprobs_backward(
-                    x, w, labels, meta((vocab,), x.dtype) if flags else None, stats, row if flags else None, row, row if flags else None,
-                    temperature=0.7, logit_scale=1.0, logit_softcap=30.0 if flags else None, ignore_index=-100,
-                    needs_hidden=True, needs_weight=True, needs_bias=flags)
+                    x,
+                    w,
+                    labels,
+                    meta((vocab,), x.dtype) if flags else None,
+                    stats,
+                    row if flags else None,
+                    row,
+                    row if flags else None,
+                    temperature=0.7,
+                    logit_scale=1.0,
+                    logit_softcap=30.0 if flags else None,
+                    ignore_index=-100,
+                    needs_hidden=True,
+                    needs_weight=True,
+                    needs_bias=flags,
+                )
 
         return fwd, bwd
 
@@ -615,7 +684,27 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
     for dtype_name, tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
         for flags in (False, True):
             fwd, bwd = launches(dtypes[dtype_name], tf32, flags)
-            shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}] {dtype_name}" + (" tf32" if tf32 else "") + (" bias+softcap+entropy" if flags else "")
-            out.append(dict(name=f"linear_token_logprobs fwd {shape}", budget_key=None, bytes_per_element=None, run=fwd, block=None))
-            out.append(dict(name=f"linear_token_logprobs bwd {shape}", budget_key=None, bytes_per_element=None, run=bwd, block=None))
+            shape = (
+                f"[{rows}, {hidden}] x [{vocab}, {hidden}] {dtype_name}"
+                + (" tf32" if tf32 else "")
+                + (" bias+softcap+entropy" if flags else "")
+            )
+            out.append(
+                dict(
+                    name=f"linear_token_logprobs fwd {shape}",
+                    budget_key=None,
+                    bytes_per_element=None,
+                    run=fwd,
+                    block=None,
+                )
+            )
+            out.append(
+                dict(
+                    name=f"linear_token_logprobs bwd {shape}",
+                    budget_key=None,
+                    bytes_per_element=None,
+                    run=bwd,
+                    block=None,
+                )
+            )
     return out

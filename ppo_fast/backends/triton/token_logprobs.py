@@ -117,14 +117,18 @@ def _block_offsets(start, GROUP: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _load_full_block(block_ptr, offsets, ACC: tl.constexpr, GROUP: tl.constexpr, BLOCK_V: tl.constexpr, BF16_PAIRS: tl.constexpr):
+def _load_full_block(
+    block_ptr, offsets, ACC: tl.constexpr, GROUP: tl.constexpr, BLOCK_V: tl.constexpr, BF16_PAIRS: tl.constexpr
+):
     """A whole (unmasked) block of logits ``[BLOCK_V // GROUP, GROUP]`` in the compute type.
 
     With ``BF16_PAIRS`` (bfloat16, unit stride, rows 4-byte aligned) the block is read as
     32-bit words, each widened to its two float32 values by a shift and a mask: two
     instructions a pair, where the conversion of the upper half alone takes two."""
     if BF16_PAIRS:
-        words = tl.load(block_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + _block_offsets(0, GROUP // 2, BLOCK_V // 2))
+        words = tl.load(
+            block_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + _block_offsets(0, GROUP // 2, BLOCK_V // 2)
+        )
         low = (words << 16).to(tl.float32, bitcast=True)
         high = (words & -65536).to(tl.float32, bitcast=True)
         x = tl.reshape(tl.join(low, high), [BLOCK_V // GROUP, GROUP])
@@ -195,7 +199,9 @@ def _token_logprobs_fwd_kernel(
     inner = row % rows_per_outer
     # The row strides come divided by GROUP: the product shows Triton that rows are GROUP-aligned.
     row_ptr = logits_ptr + (outer * outer_step + inner * inner_step) * GROUP
-    label, valid, in_vocab = _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index)
+    label, valid, in_vocab = _row_label(
+        labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index
+    )
     # Ignored and out-of-range rows read no logits: their loop and tail are empty.
     row_vocab = tl.where(valid & in_vocab, vocab, 0)
     inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
@@ -302,7 +308,9 @@ def _token_logprobs_bwd_kernel(
     # The row strides come divided by GROUP: the products show Triton that rows are GROUP-aligned.
     row_ptr = logits_ptr + (outer * outer_step + inner * inner_step) * GROUP
     grad_row_ptr = grad_ptr + (outer * grad_outer_step + inner * grad_inner_step) * GROUP
-    label, valid, in_vocab = _row_label(labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index)
+    label, valid, in_vocab = _row_label(
+        labels_ptr, outer, inner, labels_outer_stride, labels_inner_stride, vocab, ignore_index
+    )
     # Whole blocks unmasked, then one masked tail block, as in the forward.
     full_end = vocab - vocab % BLOCK_V
     cols = _block_offsets(0, GROUP, BLOCK_V)
@@ -326,7 +334,9 @@ def _token_logprobs_bwd_kernel(
         coef = -g_logp * inv_t
         coef_log = tl.zeros([], ACC)
         if HAS_GRAD_ENTROPY:
-            g_entropy = tl.load(grad_entropy_ptr + outer * grad_entropy_outer_stride + inner * grad_entropy_inner_stride).to(ACC)
+            g_entropy = tl.load(
+                grad_entropy_ptr + outer * grad_entropy_outer_stride + inner * grad_entropy_inner_stride
+            ).to(ACC)
             entropy = tl.load(entropy_ptr + row).to(ACC)
             coef_log = -g_entropy * inv_t
             coef += coef_log * (entropy - log_sum)
@@ -466,7 +476,15 @@ def token_logprobs_backward(
     that), else into a new contiguous tensor.
     """
     lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
-    check_same_device(logits=logits, labels=labels, stats=stats, entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy, out=out)
+    check_same_device(
+        logits=logits,
+        labels=labels,
+        stats=stats,
+        entropy=entropy,
+        grad_logp=grad_logp,
+        grad_entropy=grad_entropy,
+        out=out,
+    )
     if out is not None and (out.shape != logits.shape or out.dtype != logits.dtype):
         raise ValueError(f"out must have the logits' shape {tuple(logits.shape)} and dtype {logits.dtype}")
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out
@@ -480,7 +498,12 @@ def token_logprobs_backward(
     )
     _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
     block, num_warps = _launch_config(logits.shape[-1], block_v, logits.element_size(), backward=True)
-    group = _group(block, vocab_stride if grad_vocab_stride == 1 else 0, (logits, outer_stride, inner_stride), (grad, grad_outer_stride, grad_inner_stride))
+    group = _group(
+        block,
+        vocab_stride if grad_vocab_stride == 1 else 0,
+        (logits, outer_stride, inner_stride),
+        (grad, grad_outer_stride, grad_inner_stride),
+    )
     with device_guard(logits):
         _token_logprobs_bwd_kernel[(rows,)](
             logits,
@@ -520,7 +543,12 @@ def token_logprobs_backward(
 
 @torch.library.custom_op("ppo_fast_triton::token_logprobs", mutates_args=())
 def _token_logprobs_op(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+    inplace_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` are for the backward,
     which reads ``inplace_backward``."""
@@ -567,7 +595,9 @@ def _token_logprobs_backward_inplace_op(
     """Writes the gradient into ``logits``; only for logits whose memory is non-overlapping and dense."""
     if not is_non_overlapping_and_dense(logits):
         raise ValueError("an in-place backward needs logits whose memory is non-overlapping and dense")
-    token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits)
+    token_logprobs_backward(
+        logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits
+    )
 
 
 @_token_logprobs_backward_inplace_op.register_fake
@@ -642,19 +672,34 @@ def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
             logits, labels = logits_labels()
             acc = torch.float64 if dtype == torch.float64 else torch.float32
             stats, row = meta(labels.shape + (2,), acc), meta(labels.shape, acc)
-            return token_logprobs_backward(logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100)
+            return token_logprobs_backward(
+                logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100
+            )
 
         out = []
         for entropy in entropy_flags:
             key = "token_logprobs fwd+entropy" if entropy else "token_logprobs fwd"
-            out.append(dict(name=f"{key} {dtype_name} {shape}", budget_key=key if budgeted else None, bytes_per_element=size,
-                            run=lambda e=entropy: forward(e), vector_loads_expected=vector))
+            out.append(
+                dict(
+                    name=f"{key} {dtype_name} {shape}",
+                    budget_key=key if budgeted else None,
+                    bytes_per_element=size,
+                    run=lambda e=entropy: forward(e),
+                    vector_loads_expected=vector,
+                )
+            )
         for has_logp, has_entropy in grads if grads is not None else ((True, False), (True, True), (False, True)):
             what = "+".join(n for n, on in (("logp", has_logp), ("entropy", has_entropy)) if on)
             key = "token_logprobs bwd+entropy" if has_entropy else "token_logprobs bwd"
-            out.append(dict(name=f"token_logprobs bwd({what}) {dtype_name} {shape}", budget_key=key if budgeted else None,
-                            bytes_per_element=2 * size, run=lambda lp=has_logp, en=has_entropy: backward(lp, en),
-                            vector_loads_expected=vector))
+            out.append(
+                dict(
+                    name=f"token_logprobs bwd({what}) {dtype_name} {shape}",
+                    budget_key=key if budgeted else None,
+                    bytes_per_element=2 * size,
+                    run=lambda lp=has_logp, en=has_entropy: backward(lp, en),
+                    vector_loads_expected=vector,
+                )
+            )
         return out
 
     variants = [v for dtype_name in dtypes for v in layout(dtype_name, vocab)]
