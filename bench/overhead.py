@@ -30,8 +30,8 @@ DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results")
 TARGET_US = 50.0
 
 
-def _cases():
-    """(name, op, public call, backend call) on tiny inputs: B=2, T=8, V=16, H=8."""
+def _tiny_inputs() -> dict:
+    """B=2, T=8, V=16, H=8: per-call overhead, not arithmetic, dominates."""
     g = torch.Generator().manual_seed(0)
     B, T, V, H = 2, 8, 16, 8
     lp, old, adv = (torch.randn(B, T, generator=g) for _ in range(3))
@@ -47,9 +47,36 @@ def _cases():
     hidden, weight = torch.randn(B * T, H, generator=g), torch.randn(V, H, generator=g)
     group_ids = torch.tensor([0, 0])
 
-    def backend(op):
-        return resolve(op, "cpu")
+    return dict(
+        lp=lp,
+        old=old,
+        adv=adv,
+        values=values,
+        returns=returns,
+        scores=scores,
+        mask=mask,
+        float_mask=float_mask,
+        logits=logits,
+        labels=labels,
+        hidden=hidden,
+        weight=weight,
+        group_ids=group_ids,
+    )
 
+
+def _backend(op):
+    return resolve(op, "cpu")
+
+
+def _cases():
+    """(name, op, public call, backend call) on tiny inputs."""
+    inputs = _tiny_inputs()
+    yield from _logprob_cases(**inputs)
+    yield from _rl_cases(**inputs)
+
+
+def _logprob_cases(lp, old, logits, labels, hidden, weight, **_):
+    backend = _backend
     yield (
         "token_logprobs",
         "token_logprobs",
@@ -78,6 +105,10 @@ def _cases():
         lambda: pf.kl_estimate(lp, old, kl_estimator="k3"),
         lambda: backend("kl_estimate")(lp, old, "k3"),
     )
+
+
+def _rl_cases(lp, old, adv, values, returns, scores, mask, float_mask, group_ids, **_):
+    backend = _backend
     yield (
         "kl_penalized_rewards",
         "kl_penalized_rewards",

@@ -78,14 +78,26 @@ def _verl_config():
 
 
 def _cases(quick: bool) -> list[PeerCase]:
+    return _logprob_cases(quick) + _rl_cases(quick) + _grpo_cases(quick)
+
+
+def _trl_utils():
+    return importlib.import_module("trl.trainer.utils")
+
+
+def _verl_functional():
+    return importlib.import_module("verl.utils.torch_functional")
+
+
+def _core():
+    return importlib.import_module("verl.trainer.ppo.core_algos")
+
+
+def _logprob_cases(quick: bool) -> list[PeerCase]:
+    """Log-probs from logits (TRL, verl) and TRL's fused LM head."""
     n, v = (256, 4096) if quick else (2048, 32000)
-    seq = [(8, 512)] if quick else [(256, 1024), (16, 4096)]
-    loss_bt = (4, 1024) if quick else (64, 4096)
-    grpo = (64, 128, 8) if quick else (512, 1024, 64)
     head = (256, 64, 4096) if quick else (2048, 256, 32000)
-    trl_utils = lambda: importlib.import_module("trl.trainer.utils")  # noqa: E731
-    verl_f = lambda: importlib.import_module("verl.utils.torch_functional")  # noqa: E731
-    core = lambda: importlib.import_module("verl.trainer.ppo.core_algos")  # noqa: E731
+    trl_utils, verl_f = _trl_utils, _verl_functional
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         dname = str(dtype).replace("torch.", "")
@@ -141,6 +153,15 @@ def _cases(quick: bool) -> list[PeerCase]:
             grad="hidden",
         )
     )
+    return cases
+
+
+def _rl_cases(quick: bool) -> list[PeerCase]:
+    """GAE, the PPO losses, the KL penalty and GRPO's advantages (verl)."""
+    seq = [(8, 512)] if quick else [(256, 1024), (16, 4096)]
+    loss_bt = (4, 1024) if quick else (64, 4096)
+    core = _core
+    cases = []
     for b, t in seq:
 
         def gae_inputs(b=b, t=t):
@@ -209,6 +230,13 @@ def _cases(quick: bool) -> list[PeerCase]:
             grad="logp",
         )
     )
+    return cases
+
+
+def _grpo_cases(quick: bool) -> list[PeerCase]:
+    grpo = (64, 128, 8) if quick else (512, 1024, 64)
+    core = _core
+    cases = []
     gb, gt, groups = grpo
 
     def grpo_inputs():

@@ -199,11 +199,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
   const HeadArgs args{temperature, logit_scale, logit_softcap, ignore_index};
   check_inputs(op, hidden, weight, labels, bias, args);
   const at::ScalarType acc = compute_dtype(hidden);
-  // The messages call stats "lse", as the Python fake kernels do.
-  TORCH_CHECK(stats_in.scalar_type() == acc, op, ": lse must have dtype ", acc,
+  TORCH_CHECK(stats_in.scalar_type() == acc, op, ": stats must have dtype ", acc,
               " (as linear_token_logprobs returns it), got ", stats_in.scalar_type());
-  check_same_shape(op, "lse", stats_in, "labels", labels);
-  check_same_device(op, {{"hidden", &hidden}, {"lse", &stats_in}});
+  check_same_shape(op, "stats", stats_in, "labels", labels);
+  check_same_device(op, {{"hidden", &hidden}, {"stats", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   for (const auto& [name, grad] :
        {std::pair{"grad_logprobs", &grad_logprobs}, std::pair{"grad_entropy", &grad_entropy}}) {

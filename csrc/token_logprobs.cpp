@@ -276,11 +276,10 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
   TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), op, ": temperature must be finite and > 0, got ",
               temperature);
   const at::ScalarType acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  // The messages call stats "lse", as the Python fake kernels do.
-  TORCH_CHECK(stats_in.scalar_type() == acc_dtype, op, ": lse must have dtype ", acc_dtype,
+  TORCH_CHECK(stats_in.scalar_type() == acc_dtype, op, ": stats must have dtype ", acc_dtype,
               " (as token_logprobs returns it), got ", stats_in.scalar_type());
-  check_same_shape(op, "lse", stats_in, "labels", labels);
-  check_same_device(op, {{"logits", &logits}, {"lse", &stats_in}});
+  check_same_shape(op, "stats", stats_in, "labels", labels);
+  check_same_device(op, {{"logits", &logits}, {"stats", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   if (has_logp_grad) {
     check_float(op, "grad_logprobs", *grad_logprobs);

@@ -178,7 +178,7 @@ def _logprobs_backward(**changes):
         grad_entropy=torch.randn(N),
         logits=torch.randn(N, V),
         labels=torch.randint(0, V, (N,)),
-        lse=torch.randn(N),
+        stats=torch.randn(N),
         entropy=torch.randn(N),
         temperature=1.0,
         ignore_index=-100,
@@ -214,7 +214,7 @@ def _head_backward(**changes):
         weight=torch.randn(V, H),
         labels=torch.randint(0, V, (N,)),
         bias=torch.randn(V),
-        lse=torch.randn(N),
+        stats=torch.randn(N),
         entropy=torch.randn(N),
         temperature=1.0,
         logit_scale=1.0,
@@ -690,15 +690,15 @@ CASES = {
         "temperature must be finite and > 0",
     ),
     # token_logprobs_backward
-    "logprobs-bwd-lse-shape": (
+    "logprobs-bwd-stats-shape": (
         "token_logprobs_backward",
-        lambda: _logprobs_backward(lse=torch.randn(N - 1)),
-        f"lse {SHAPE} labels",
+        lambda: _logprobs_backward(stats=torch.randn(N - 1)),
+        f"stats {SHAPE} labels",
     ),
-    "logprobs-bwd-lse-dtype": (
+    "logprobs-bwd-stats-dtype": (
         "token_logprobs_backward",
-        lambda: _logprobs_backward(lse=torch.randn(N, dtype=torch.float16)),
-        "lse must have dtype",
+        lambda: _logprobs_backward(stats=torch.randn(N, dtype=torch.float16)),
+        "stats must have dtype",
     ),
     "logprobs-bwd-entropy-shape": (
         "token_logprobs_backward",
@@ -768,15 +768,15 @@ CASES = {
     ),
     "head-softcap": ("linear_token_logprobs", lambda: _head(logit_softcap=-1.0), "logit_softcap"),
     # linear_token_logprobs_backward
-    "head-bwd-lse-shape": (
+    "head-bwd-stats-shape": (
         "linear_token_logprobs_backward",
-        lambda: _head_backward(lse=torch.randn(N - 1)),
-        f"lse {SHAPE} labels",
+        lambda: _head_backward(stats=torch.randn(N - 1)),
+        f"stats {SHAPE} labels",
     ),
-    "head-bwd-lse-dtype": (
+    "head-bwd-stats-dtype": (
         "linear_token_logprobs_backward",
-        lambda: _head_backward(lse=torch.randn(N, dtype=torch.float16)),
-        "lse must have dtype",
+        lambda: _head_backward(stats=torch.randn(N, dtype=torch.float16)),
+        "stats must have dtype",
     ),
     "head-bwd-entropy-shape": (
         "linear_token_logprobs_backward",

@@ -170,25 +170,25 @@ def test_logprobs_backward_reads_strided_and_expanded_gradients(block_v):
         g_logp, g_entropy = layout(base), layout(2 * base + 1)
         ent = layout(entropy) if name != "expanded" else entropy.t().contiguous().t()
         got = triton_token_logprobs.token_logprobs_backward(
-            logits, labels.t().contiguous().t(), stats, ent, g_logp, g_entropy, 1.3, IGNORE, block_v=block_v
+            g_logp, g_entropy, logits, labels.t().contiguous().t(), stats, ent, 1.3, IGNORE, block_v=block_v
         )
         want = triton_token_logprobs.token_logprobs_backward(
+            g_logp.contiguous(),
+            g_entropy.contiguous(),
             logits,
             labels.contiguous(),
             stats,
             entropy,
-            g_logp.contiguous(),
-            g_entropy.contiguous(),
             1.3,
             IGNORE,
             block_v=block_v,
         )
         assert torch.equal(got, want), name
         only_entropy = triton_token_logprobs.token_logprobs_backward(
-            logits, labels, stats, ent, None, g_entropy, 1.3, IGNORE, block_v=block_v
+            None, g_entropy, logits, labels, stats, ent, 1.3, IGNORE, block_v=block_v
         )
         want = triton_token_logprobs.token_logprobs_backward(
-            logits, labels, stats, entropy, torch.zeros_like(base), g_entropy.contiguous(), 1.3, IGNORE, block_v=block_v
+            torch.zeros_like(base), g_entropy.contiguous(), logits, labels, stats, entropy, 1.3, IGNORE, block_v=block_v
         )
         assert torch.equal(only_entropy, want), name
 
@@ -330,8 +330,8 @@ def test_kl_backward_reads_strided_and_expanded_grad():
     logp, ref = torch.randn(4, 6, device=DEVICE), torch.randn(4, 6, device=DEVICE)
     g = torch.randn(6, 4, device=DEVICE).t()
     for grad_kl in (g, g[:1].expand(4, 6), torch.tensor(2.0, device=DEVICE).expand(4, 6)):
-        got = triton_kl_penalized_rewards.kl_backward(logp[:, :], ref.t().contiguous().t(), grad_kl, "k2")
-        want = triton_kl_penalized_rewards.kl_backward(logp, ref, grad_kl.contiguous(), "k2")
+        got = triton_kl_penalized_rewards.kl_estimate_backward(grad_kl, logp[:, :], ref.t().contiguous().t(), "k2")
+        want = triton_kl_penalized_rewards.kl_estimate_backward(grad_kl.contiguous(), logp, ref, "k2")
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -401,10 +401,10 @@ def test_kl_rewards_backward_strided_gradients_and_chunks(block_t):
         torch.randn(batch, 1, device=DEVICE).expand(batch, length),
     )
     got = triton_kl_penalized_rewards.kl_penalized_rewards_backward(
-        logp, ref, mask, last, g_rewards, g_kl, 0.3, "k2", torch.float32, block_t=block_t
+        g_rewards, g_kl, logp, ref, mask, last, 0.3, "k2", torch.float32, block_t=block_t
     )
     want = triton_kl_penalized_rewards.kl_penalized_rewards_backward(
-        logp, ref, mask, last, g_rewards.contiguous(), g_kl.contiguous(), 0.3, "k2", torch.float32, block_t=block_t
+        g_rewards.contiguous(), g_kl.contiguous(), logp, ref, mask, last, 0.3, "k2", torch.float32, block_t=block_t
     )
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     scores = torch.randn(batch, device=DEVICE, requires_grad=True)
@@ -727,23 +727,23 @@ def _opcheck_cases():
         (
             "token_logprobs_backward",
             triton_token_logprobs._token_logprobs_backward_op,
-            (logits.detach(), labels, stats, entropy, g, g[:1].expand(5, 2), 0.7, IGNORE),
+            (g, g[:1].expand(5, 2), logits.detach(), labels, stats, entropy, 0.7, IGNORE),
         ),
         (
             "token_logprobs_backward entropy only",
             triton_token_logprobs._token_logprobs_backward_op,
-            (logits.detach(), labels, stats, entropy, None, g, 0.7, IGNORE),
+            (None, g, logits.detach(), labels, stats, entropy, 0.7, IGNORE),
         ),
-        ("kl_backward", triton_kl_penalized_rewards._kl_backward_op, (x.detach(), y.detach(), g_t, "k3")),
+        ("kl_estimate_backward", triton_kl_penalized_rewards._kl_estimate_backward_op, (g_t, x.detach(), y.detach(), "k3")),
         (
             "kl_penalized_rewards_backward",
             triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
-            (x.detach(), y.detach(), mask, last, g_t, None, 0.1, "k2", torch.bfloat16),
+            (g_t, None, x.detach(), y.detach(), mask, last, 0.1, "k2", torch.bfloat16),
         ),
         (
             "kl_penalized_rewards_backward kl only",
             triton_kl_penalized_rewards._kl_penalized_rewards_backward_op,
-            (x.detach(), y.detach(), mask, last, None, g_t, 0.1, "k2", torch.bfloat16),
+            (None, g_t, x.detach(), y.detach(), mask, last, 0.1, "k2", torch.bfloat16),
         ),
         ("gae_backward", triton_gae._gae_backward_op, (g_t, None, mask, 0.9, 0.8, torch.float32, torch.float16)),
     ]

@@ -107,7 +107,7 @@ def test_small_vocab_blocks_match_reference(block_v):
 
     g_logp, g_entropy = torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE)
     grad = triton_token_logprobs.token_logprobs_backward(
-        logits, labels, stats, entropy, g_logp, g_entropy, 0.9, IGNORE, block_v=block_v
+        g_logp, g_entropy, logits, labels, stats, entropy, 0.9, IGNORE, block_v=block_v
     )
     leaf = logits.clone().requires_grad_()
     with pf.use_backend("reference"):
@@ -131,7 +131,7 @@ def test_bf16_pairs_read_as_words_match_reference(vocab, group):
     logp, entropy, stats = triton_token_logprobs.token_logprobs_forward(logits, labels, 0.8, True, IGNORE, block_v=16)
     g_logp, g_entropy = torch.randn(5, device=DEVICE), torch.randn(5, device=DEVICE)
     grad = triton_token_logprobs.token_logprobs_backward(
-        logits, labels, stats, entropy, g_logp, g_entropy, 0.8, IGNORE, block_v=16
+        g_logp, g_entropy, logits, labels, stats, entropy, 0.8, IGNORE, block_v=16
     )
     leaf = logits.clone().requires_grad_()
     with pf.use_backend("reference"):

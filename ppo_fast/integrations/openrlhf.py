@@ -151,8 +151,14 @@ def _openrlhf_scale(loss, mask, token_level, dp_size, batch_num_tokens, global_b
 
 
 def _make_loss_classes(loss_module):
-    OrigPolicyLoss, OrigValueLoss = loss_module.PolicyLoss, loss_module.ValueLoss
+    PolicyLoss, ValueLoss = _make_policy_loss(loss_module.PolicyLoss), _make_value_loss(loss_module.ValueLoss)
+    PolicyLoss.__qualname__ = PolicyLoss.__name__ = "PolicyLoss"
+    ValueLoss.__qualname__ = ValueLoss.__name__ = "ValueLoss"
+    PolicyLoss.__module__ = ValueLoss.__module__ = __name__
+    return PolicyLoss, ValueLoss
 
+
+def _make_policy_loss(OrigPolicyLoss):
     class PolicyLoss(OrigPolicyLoss):
         """OpenRLHF's PPO policy loss on ``pf.clipped_policy_loss`` (the same constructor;
         GSPO and the rollout IS correction run OpenRLHF's own forward)."""
@@ -210,6 +216,10 @@ def _make_loss_classes(loss_module):
             dtype = torch.result_type(log_probs, advantages)
             return loss.to(dtype), stats["clipfrac"], stats["approx_kl"].to(dtype), None, None
 
+    return PolicyLoss
+
+
+def _make_value_loss(OrigValueLoss):
     class ValueLoss(OrigValueLoss):
         """OpenRLHF's (clipped) value loss on ``pf.value_loss`` (the same constructor)."""
 
@@ -250,10 +260,7 @@ def _make_loss_classes(loss_module):
             loss = _openrlhf_scale(loss, mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
             return loss.to(torch.result_type(values, returns))
 
-    PolicyLoss.__qualname__ = PolicyLoss.__name__ = "PolicyLoss"
-    ValueLoss.__qualname__ = ValueLoss.__name__ = "ValueLoss"
-    PolicyLoss.__module__ = ValueLoss.__module__ = __name__
-    return PolicyLoss, ValueLoss
+    return ValueLoss
 
 
 # --------------------------------------------------------------------------- GAE

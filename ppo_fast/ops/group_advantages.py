@@ -22,6 +22,15 @@ def dense_group_index(group_ids: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(dense_sorted).scatter_(0, order, dense_sorted)
 
 
+def _registered(method):
+    entry = REGISTRY.get(method) if isinstance(method, str) else None
+    if entry is None or entry.fn is None:
+        names = tuple(name for name, e in REGISTRY.items() if e.fn is not None)
+        hint = "; gae needs values: use ppo_fast.gae" if method == "gae" else ""
+        raise ValueError(f"method must be one of {names}, got {method!r}{hint}")
+    return entry
+
+
 def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
     """Advantages ``[B, T]`` of a registered estimator (``pf.advantage_methods()``).
 
@@ -43,11 +52,7 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
         ``remax`` also writes its return at interior masked tokens).  Differentiable in
         ``scores`` as its plain-PyTorch formula is.
     """
-    entry = REGISTRY.get(method) if isinstance(method, str) else None
-    if entry is None or entry.fn is None:
-        names = tuple(name for name, e in REGISTRY.items() if e.fn is not None)
-        hint = "; gae needs values: use ppo_fast.gae" if method == "gae" else ""
-        raise ValueError(f"method must be one of {names}, got {method!r}{hint}")
+    entry = _registered(method)
     unknown = sorted(set(params) - set(entry.params))
     if unknown:
         raise TypeError(

@@ -204,19 +204,7 @@ class PPOTrainer:
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)
-        if builtin:
-            with self.parallel.main_first():  # one rank trains and caches the warm-up model, the others load it
-                policy, tokenizer = default_task.load_or_warm_up(cfg, self.device, self.log)
-            builtin_train, builtin_eval = default_task.prompts(cfg)
-            train_set = train_set or Prompts(builtin_train)
-            eval_set = Prompts(builtin_eval) if eval_set is None else eval_set
-        elif policy is None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM).to(
-                self.device
-            )
-            tokenizer = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoTokenizer)
+        policy, tokenizer, train_set, eval_set = self._load_policy(builtin, policy, tokenizer, train_set, eval_set)
         if tokenizer is None:
             raise ConfigError("tokenizer= is required when a policy model object is passed")
         if tokenizer.pad_token is None:
@@ -247,6 +235,24 @@ class PPOTrainer:
             self._resume(resume_from)
             if self.engine is not None:
                 self.engine.sync_weights(self.policy)
+
+    def _load_policy(self, builtin, policy, tokenizer, train_set, eval_set):
+        """The policy and tokenizer (the built-in task's warm-up model, or a pretrained one) and the prompts."""
+        cfg = self.cfg
+        if builtin:
+            with self.parallel.main_first():  # one rank trains and caches the warm-up model, the others load it
+                policy, tokenizer = default_task.load_or_warm_up(cfg, self.device, self.log)
+            builtin_train, builtin_eval = default_task.prompts(cfg)
+            train_set = train_set or Prompts(builtin_train)
+            eval_set = Prompts(builtin_eval) if eval_set is None else eval_set
+        elif policy is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM).to(
+                self.device
+            )
+            tokenizer = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoTokenizer)
+        return policy, tokenizer, train_set, eval_set
 
     def _check_options(self) -> None:
         """What the options can get wrong beyond their own values: the backends' ops, vLLM."""
@@ -604,26 +610,7 @@ class PPOTrainer:
             scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
         with timer.phase("estimate"):
-            needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_method].params
-            baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
-            est = estimate(
-                scores,
-                old_logprobs,
-                ref_logprobs,
-                values,
-                mask,
-                advantage_method=cfg.advantage_method,
-                kl_coef=self.kl_control.value,
-                kl_estimator=cfg.kl_estimator_used,
-                kl_in_reward=cfg.kl_in_reward,
-                gamma=cfg.gamma,
-                lam=cfg.lam,
-                whiten=cfg.whiten_advantages,
-                group_size=cfg.num_samples_per_prompt,
-                grpo_norm_by_std=cfg.grpo_norm_by_std,
-                baselines=baselines,
-                whitener=self.parallel.masked_whiten,
-            )
+            est = self._estimate(scores, old_logprobs, ref_logprobs, values, mask, prompts, answers)
         self._in_update = True
         with timer.phase("optimize"):
             stats = ppo_update(
@@ -670,6 +657,30 @@ class PPOTrainer:
             rollout_logprobs,
             loss_weights,
             values,
+        )
+
+    def _estimate(self, scores, old_logprobs, ref_logprobs, values, mask, prompts, answers):
+        """The advantages and returns of a batch (the KL in the reward or not, the whitening)."""
+        cfg = self.cfg
+        needs_baselines = "baselines" in pf.advantage_methods()[cfg.advantage_method].params
+        baselines = self._greedy_scores(prompts, answers) if needs_baselines else None
+        return estimate(
+            scores,
+            old_logprobs,
+            ref_logprobs,
+            values,
+            mask,
+            advantage_method=cfg.advantage_method,
+            kl_coef=self.kl_control.value,
+            kl_estimator=cfg.kl_estimator_used,
+            kl_in_reward=cfg.kl_in_reward,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            whiten=cfg.whiten_advantages,
+            group_size=cfg.num_samples_per_prompt,
+            grpo_norm_by_std=cfg.grpo_norm_by_std,
+            baselines=baselines,
+            whitener=self.parallel.masked_whiten,
         )
 
     def _metrics_row(

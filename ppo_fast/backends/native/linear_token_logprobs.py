@@ -68,7 +68,7 @@ def _fake_linear_token_logprobs_backward(
     weight,
     labels,
     bias,
-    lse,
+    stats,
     entropy,
     temperature,
     logit_scale,
@@ -79,7 +79,7 @@ def _fake_linear_token_logprobs_backward(
     op = "linear_token_logprobs_backward"
     _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
     _check_saved_row_stats(
-        op, "linear_token_logprobs", "hidden", hidden, labels, lse, entropy, grad_logprobs, grad_entropy
+        op, "linear_token_logprobs", "hidden", hidden, labels, stats, entropy, grad_logprobs, grad_entropy
     )
     grad_bias = grad_or_empty(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
     return grad_or_empty(hidden, output_mask[0]), grad_or_empty(weight, output_mask[1]), grad_bias
@@ -87,22 +87,22 @@ def _fake_linear_token_logprobs_backward(
 
 def _setup_linear_token_logprobs(ctx, inputs, output):
     hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index = inputs
-    _logp, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    _logp, entropy, stats = output
+    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy)
     ctx.args = (temperature, logit_scale, logit_softcap, ignore_index)
     ctx.return_entropy = return_entropy
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _backward_linear_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
+def _backward_linear_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_stats):
     grad_entropy = grad_entropy if ctx.return_entropy else None
-    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    hidden, weight, labels, bias, stats, entropy = ctx.saved_tensors
     needed = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
     if grad_logprobs is None and grad_entropy is None:
         return (None,) * 9
     grads = torch.ops.ppo_fast.linear_token_logprobs_backward(
-        grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, *ctx.args, needed
+        grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, *ctx.args, needed
     )
     grad_hidden, grad_weight, grad_bias = needed_grads(grads, needed)
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
@@ -126,7 +126,7 @@ def linear_token_logprobs(
     return_entropy=False,
     ignore_index=-100,
 ):
-    logp, entropy, _lse = torch.ops.ppo_fast.linear_token_logprobs(
+    logp, entropy, _stats = torch.ops.ppo_fast.linear_token_logprobs(
         hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
     )
     return logp, (entropy if return_entropy else None)

@@ -33,15 +33,16 @@ def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_ind
     return logits.new_empty(labels.shape, dtype=dtype), entropy, logits.new_empty(labels.shape, dtype=dtype)
 
 
-def _check_saved_row_stats(op, forward_op, input_name, x, labels, lse, entropy, grad_logprobs, grad_entropy):
-    """A log-prob backward's per-row inputs: the forward's lse (and entropy when its gradient
+def _check_saved_row_stats(op, forward_op, input_name, x, labels, stats, entropy, grad_logprobs, grad_entropy):
+    """A log-prob backward's per-row inputs: the forward's stats (and entropy when its gradient
     is given) in the result dtype of ``x``, the incoming gradients, all of ``labels``' shape."""
     dtype = result_dtype(x)
     torch._check(
-        lse.dtype == dtype, lambda: f"{op}: lse must have dtype {dtype} (as {forward_op} returns it), got {lse.dtype}"
+        stats.dtype == dtype,
+        lambda: f"{op}: stats must have dtype {dtype} (as {forward_op} returns it), got {stats.dtype}",
     )
-    check_shape(op, "lse", lse, labels.shape, "labels")
-    check_same_device(op, **{input_name: x, "lse": lse})
+    check_shape(op, "stats", stats, labels.shape, "labels")
+    check_same_device(op, **{input_name: x, "stats": stats})
     for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         if grad is not None:
             check_float(op, name, grad)
@@ -53,30 +54,32 @@ def _check_saved_row_stats(op, forward_op, input_name, x, labels, lse, entropy, 
         check_same_device(op, **{input_name: x, "entropy": entropy})
 
 
-def _fake_token_logprobs_backward(grad_logprobs, grad_entropy, logits, labels, lse, entropy, temperature, ignore_index):
+def _fake_token_logprobs_backward(
+    grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index
+):
     op = "token_logprobs_backward"
     _check_logits(op, logits, labels, temperature)
-    _check_saved_row_stats(op, "token_logprobs", "logits", logits, labels, lse, entropy, grad_logprobs, grad_entropy)
+    _check_saved_row_stats(op, "token_logprobs", "logits", logits, labels, stats, entropy, grad_logprobs, grad_entropy)
     return logits.new_empty(logits.shape)
 
 
 def _setup_token_logprobs(ctx, inputs, output):
     logits, labels, temperature, return_entropy, ignore_index = inputs
-    _logp, entropy, lse = output
-    ctx.save_for_backward(logits, labels, lse, entropy)
+    _logp, entropy, stats = output
+    ctx.save_for_backward(logits, labels, stats, entropy)
     ctx.args = (temperature, ignore_index)
     ctx.return_entropy = return_entropy
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_lse):
+def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_stats):
     grad_entropy = grad_entropy if ctx.return_entropy else None
     if grad_logprobs is None and grad_entropy is None:
         return None, None, None, None, None
-    logits, labels, lse, entropy = ctx.saved_tensors
+    logits, labels, stats, entropy = ctx.saved_tensors
     grad = torch.ops.ppo_fast.token_logprobs_backward(
-        grad_logprobs, grad_entropy, logits, labels, lse, entropy, *ctx.args
+        grad_logprobs, grad_entropy, logits, labels, stats, entropy, *ctx.args
     )
     return grad, None, None, None, None
 
@@ -89,5 +92,5 @@ def token_logprobs(
     logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False
 ):
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
-    logp, entropy, _lse = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
+    logp, entropy, _stats = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
     return logp, (entropy if return_entropy else None)

@@ -325,24 +325,24 @@ def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_e
     return kl
 
 
-def kl_backward(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, kl_estimator: str
+def kl_estimate_backward(
+    grad_kl: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``sum(grad_kl * kl)`` w.r.t. ``logprobs`` and ``ref_logprobs``, in their dtypes (any strides in)."""
     check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
     check_shape("grad_kl", grad_kl, logprobs.shape)
     check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs, grad_kl=grad_kl)
-    grad_logp = torch.empty(logprobs.shape, dtype=logprobs.dtype, device=logprobs.device)
+    grad_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, device=logprobs.device)
     grad_ref = torch.empty(ref_logprobs.shape, dtype=ref_logprobs.dtype, device=ref_logprobs.device)
-    if grad_logp.numel():
+    if grad_logprobs.numel():
         views = [as_rows(x) for x in (logprobs, ref_logprobs, grad_kl)]
         cols, strides, strided = _rows_and_strides(*views)
-        with device_guard(grad_logp):
-            _kl_backward_kernel[_elementwise_grid(grad_logp.numel())](
+        with device_guard(grad_logprobs):
+            _kl_backward_kernel[_elementwise_grid(grad_logprobs.numel())](
                 *views,
-                grad_logp,
+                grad_logprobs,
                 grad_ref,
-                grad_logp.numel(),
+                grad_logprobs.numel(),
                 cols,
                 *strides,
                 KL_ESTIMATOR=kl_estimator_code(kl_estimator),
@@ -350,7 +350,7 @@ def kl_backward(
                 BLOCK=_ELEMENTWISE_BLOCK,
                 STRIDED=strided,
             )
-    return grad_logp, grad_ref
+    return grad_logprobs, grad_ref
 
 
 def _check_rewards_inputs(scores, logprobs, ref_logprobs, mask) -> None:
@@ -410,12 +410,12 @@ def kl_penalized_rewards_forward(
 
 
 def kl_penalized_rewards_backward(
+    grad_rewards: torch.Tensor | None,
+    grad_kl: torch.Tensor | None,
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
     last: torch.Tensor,
-    grad_rewards: torch.Tensor | None,
-    grad_kl: torch.Tensor | None,
     kl_coef: float,
     kl_estimator: str,
     scores_dtype: torch.dtype,
@@ -435,16 +435,16 @@ def kl_penalized_rewards_backward(
     check_same_device(
         logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, last=last, grad_rewards=grad_rewards, grad_kl=grad_kl
     )
-    grad_logp = torch.empty((batch, length), dtype=logprobs.dtype, device=logprobs.device)
+    grad_logprobs = torch.empty((batch, length), dtype=logprobs.dtype, device=logprobs.device)
     grad_ref = torch.empty((batch, length), dtype=ref_logprobs.dtype, device=logprobs.device)
     has_rewards, has_kl = grad_rewards is not None, grad_kl is not None
     grad_scores = torch.empty(batch, dtype=scores_dtype, device=logprobs.device) if has_rewards else None
     if batch == 0:
-        return grad_scores, grad_logp, grad_ref
+        return grad_scores, grad_logprobs, grad_ref
     if length == 0 or not (has_rewards or has_kl):
-        return (None if grad_scores is None else grad_scores.zero_()), grad_logp.zero_(), grad_ref.zero_()
+        return (None if grad_scores is None else grad_scores.zero_()), grad_logprobs.zero_(), grad_ref.zero_()
     some_grad = grad_rewards if has_rewards else grad_kl
-    with device_guard(grad_logp):
+    with device_guard(grad_logprobs):
         _kl_rewards_bwd_kernel[(batch,)](
             logprobs,
             ref_logprobs,
@@ -452,8 +452,8 @@ def kl_penalized_rewards_backward(
             last,
             some_grad if grad_rewards is None else grad_rewards,  # unused without HAS_GRAD_REWARDS
             some_grad if grad_kl is None else grad_kl,  # unused without HAS_GRAD_KL
-            grad_logp if grad_scores is None else grad_scores,  # unused without HAS_GRAD_REWARDS
-            grad_logp,
+            grad_logprobs if grad_scores is None else grad_scores,  # unused without HAS_GRAD_REWARDS
+            grad_logprobs,
             grad_ref,
             length,
             *logprobs.stride(),
@@ -468,7 +468,7 @@ def kl_penalized_rewards_backward(
             ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
             BLOCK_T=_block_t(length, block_t),
         )
-    return grad_scores, grad_logp, grad_ref
+    return grad_scores, grad_logprobs, grad_ref
 
 
 # --------------------------------------------------------------------------- torch custom op and autograd
@@ -484,15 +484,15 @@ def _(logprobs, ref_logprobs, kl_estimator):
     return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
 
 
-@torch.library.custom_op("ppo_fast_triton::kl_backward", mutates_args=())
-def _kl_backward_op(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, grad_kl: torch.Tensor, kl_estimator: str
+@torch.library.custom_op("ppo_fast_triton::kl_estimate_backward", mutates_args=())
+def _kl_estimate_backward_op(
+    grad_kl: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return kl_backward(logprobs, ref_logprobs, grad_kl, kl_estimator)
+    return kl_estimate_backward(grad_kl, logprobs, ref_logprobs, kl_estimator)
 
 
-@_kl_backward_op.register_fake
-def _(logprobs, ref_logprobs, grad_kl, kl_estimator):
+@_kl_estimate_backward_op.register_fake
+def _(grad_kl, logprobs, ref_logprobs, kl_estimator):
     # Contiguous, as the kernels' outputs are (empty_like would keep a transposed input's strides).
     return logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
 
@@ -504,8 +504,8 @@ def _kl_estimate_setup(ctx, inputs, output):
 
 def _kl_estimate_backward(ctx, grad_kl):
     logprobs, ref_logprobs = ctx.saved_tensors
-    grad_logp, grad_ref = _kl_backward_op(logprobs, ref_logprobs, grad_kl, ctx.kl_estimator)
-    return grad_logp, grad_ref, None
+    grad_logprobs, grad_ref = _kl_estimate_backward_op(grad_kl, logprobs, ref_logprobs, ctx.kl_estimator)
+    return grad_logprobs, grad_ref, None
 
 
 _kl_estimate_op.register_autograd(_kl_estimate_backward, setup_context=_kl_estimate_setup)
@@ -536,25 +536,29 @@ def _(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
 
 @torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards_backward", mutates_args=())
 def _kl_penalized_rewards_backward_op(
+    grad_rewards: torch.Tensor | None,
+    grad_kl: torch.Tensor | None,
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
     last: torch.Tensor,
-    grad_rewards: torch.Tensor | None,
-    grad_kl: torch.Tensor | None,
     kl_coef: float,
     kl_estimator: str,
     scores_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_scores, grad_logprobs, grad_ref_logprobs)``; ``grad_scores`` is empty without ``grad_rewards``."""
-    grad_scores, grad_logp, grad_ref = kl_penalized_rewards_backward(
-        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, kl_estimator, scores_dtype
+    grad_scores, grad_logprobs, grad_ref = kl_penalized_rewards_backward(
+        grad_rewards, grad_kl, logprobs, ref_logprobs, mask, last, kl_coef, kl_estimator, scores_dtype
     )
-    return (grad_logp.new_empty(0, dtype=scores_dtype) if grad_scores is None else grad_scores), grad_logp, grad_ref
+    return (
+        (grad_logprobs.new_empty(0, dtype=scores_dtype) if grad_scores is None else grad_scores),
+        grad_logprobs,
+        grad_ref,
+    )
 
 
 @_kl_penalized_rewards_backward_op.register_fake
-def _(logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, kl_coef, kl_estimator, scores_dtype):
+def _(grad_rewards, grad_kl, logprobs, ref_logprobs, mask, last, kl_coef, kl_estimator, scores_dtype):
     grad_scores = last.new_empty(last.shape if grad_rewards is not None else (0,), dtype=scores_dtype)
     return grad_scores, logprobs.new_empty(logprobs.shape), ref_logprobs.new_empty(ref_logprobs.shape)
 
@@ -571,11 +575,11 @@ def _kl_penalized_rewards_setup(ctx, inputs, output):
 def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
     not_differentiable(ctx, mask=3)
     logprobs, ref_logprobs, mask, last = ctx.saved_tensors
-    grad_scores, grad_logp, grad_ref = _kl_penalized_rewards_backward_op(
-        logprobs, ref_logprobs, mask, last, grad_rewards, grad_kl, ctx.kl_coef, ctx.kl_estimator, ctx.scores_dtype
+    grad_scores, grad_logprobs, grad_ref = _kl_penalized_rewards_backward_op(
+        grad_rewards, grad_kl, logprobs, ref_logprobs, mask, last, ctx.kl_coef, ctx.kl_estimator, ctx.scores_dtype
     )
     # The scores reach only the rewards: no rewards gradient, no scores gradient.
-    return (grad_scores if grad_rewards is not None else None), grad_logp, grad_ref, None, None, None
+    return (grad_scores if grad_rewards is not None else None), grad_logprobs, grad_ref, None, None, None
 
 
 _kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup_context=_kl_penalized_rewards_setup)
@@ -619,8 +623,8 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
                     name=f"kl_estimate bwd {kl_estimator}{layout}",
                     budget_key=None,
                     bytes_per_element=20,
-                    run=lambda e=kl_estimator, t=transposed: kl_backward(
-                        seq(transposed=t), seq(transposed=t), seq(), e
+                    run=lambda e=kl_estimator, t=transposed: kl_estimate_backward(
+                        seq(), seq(transposed=t), seq(transposed=t), e
                     ),
                 )
             )
@@ -642,12 +646,12 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
                 budget_key=None,
                 bytes_per_element=None,
                 run=lambda r=has_rewards, k=has_kl: kl_penalized_rewards_backward(
+                    seq() if r else None,
+                    seq() if k else None,
                     seq(),
                     seq(),
                     seq(torch.bool),
                     meta((batch,), torch.int32),
-                    seq() if r else None,
-                    seq() if k else None,
                     0.05,
                     "k3",
                     torch.float32,

@@ -41,6 +41,8 @@ addressing throughout.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -394,14 +396,14 @@ def _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy):
 
 
 def linear_token_logprobs_backward(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None,
     stats: torch.Tensor,
     entropy: torch.Tensor | None,
-    grad_logprobs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
     *,
     temperature: float,
     logit_scale: float,
@@ -415,12 +417,9 @@ def linear_token_logprobs_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
 
-    ``stats`` (and ``entropy``, needed with ``grad_entropy``) come from the forward;
-    ``grad_logprobs`` / ``grad_entropy`` ``[N]`` of any strides (a gradient expanded
-    from a sum has stride 0), either None for an unused output.  ``weight_scratch_bytes``
-    bounds the float32 scratch of a bf16/fp16 ``d_weight`` (default ``WEIGHT_SCRATCH_BYTES``;
-    tests make it small to cross vocabulary chunks).
-    """
+    ``stats`` (and ``entropy``, needed with ``grad_entropy``) come from the forward; ``grad_logprobs`` /
+    ``grad_entropy`` ``[N]``, any strides, None for an unused output.  ``weight_scratch_bytes`` bounds the
+    float32 scratch of a bf16/fp16 ``d_weight`` (default ``WEIGHT_SCRATCH_BYTES``; tests cross chunks with it)."""
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
     needs_bias = needs_bias and bias is not None
@@ -508,14 +507,14 @@ def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, ret
 
 @torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
 def _linear_token_logprobs_backward_op(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None,
     stats: torch.Tensor,
     entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
     temperature: float,
     logit_scale: float,
     logit_softcap: float | None,
@@ -526,7 +525,7 @@ def _linear_token_logprobs_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
     grads = linear_token_logprobs_backward(
-        hidden, weight, labels, bias, stats, entropy if grad_entropy is not None else None, grad_logp, grad_entropy,
+        grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy if grad_entropy is not None else None,
         temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
         needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias,
     )  # fmt: skip
@@ -536,7 +535,7 @@ def _linear_token_logprobs_backward_op(
 
 
 @_linear_token_logprobs_backward_op.register_fake
-def _(hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, temperature, logit_scale, logit_softcap, ignore_index,
+def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, temperature, logit_scale, logit_softcap, ignore_index,
       needs_hidden, needs_weight, needs_bias):  # fmt: skip
     needs_bias = needs_bias and bias is not None
     return (
@@ -564,16 +563,16 @@ def _linear_token_logprobs_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _linear_token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
     not_differentiable(ctx, labels=2)
     hidden, weight, labels, bias, stats, entropy = ctx.saved_tensors
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
-    if grad_logp is None and grad_entropy is None:
+    if grad_logprobs is None and grad_entropy is None:
         return None, None, None, None, None, None, None, None, None
     d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
-        hidden, weight, labels, bias, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.logit_scale,
+        grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, ctx.temperature, ctx.logit_scale,
         ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias,
     )  # fmt: skip
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
@@ -613,6 +612,67 @@ def linear_token_logprobs(
     return logp, (entropy if return_entropy else None)
 
 
+@contextlib.contextmanager
+def _allow_tf32(allowed: bool):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _meta(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _static_launches(dtype, tf32: bool, flags: bool, rows: int, hidden: int, vocab: int):
+    """The forward and backward launches of one static variant (flags: bias, softcap and entropy, or none)."""
+
+    def head():
+        return _meta((rows, hidden), dtype), _meta((vocab, hidden), dtype), _meta((rows,), torch.int64)
+
+    def fwd():
+        x, w, labels = head()
+        with _allow_tf32(tf32):
+            return linear_token_logprobs_forward(
+                x,
+                w,
+                labels,
+                _meta((vocab,), x.dtype) if flags else None,
+                temperature=0.7,
+                logit_scale=1.0,
+                logit_softcap=30.0 if flags else None,
+                ignore_index=-100,
+                return_entropy=flags,
+            )
+
+    def bwd():
+        x, w, labels = head()
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        row, stats = _meta((rows,), acc), _meta((rows, 2), acc)
+        with _allow_tf32(tf32):
+            return linear_token_logprobs_backward(
+                row,
+                row if flags else None,
+                x,
+                w,
+                labels,
+                _meta((vocab,), x.dtype) if flags else None,
+                stats,
+                row if flags else None,
+                temperature=0.7,
+                logit_scale=1.0,
+                logit_softcap=30.0 if flags else None,
+                ignore_index=-100,
+                needs_hidden=True,
+                needs_weight=True,
+                needs_bias=flags,
+            )
+
+    return fwd, bwd
+
+
 def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) -> list[dict]:
     """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
     the fused head (tiled tl.dot: no per-element figure) at its launch configurations, float32
@@ -621,69 +681,11 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
     One dict per variant: ``name``, ``run`` (calls a launcher), ``budget_key`` and
     ``bytes_per_element`` (None: neither), ``block`` (None: no per-element figure).
     """
-    import contextlib
-
-    @contextlib.contextmanager
-    def allow_tf32(allowed: bool):
-        saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
-
-    def meta(shape, dtype):
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def launches(dtype, tf32: bool, flags: bool):  # flags: bias, softcap and the entropy together, or none
-        def head():
-            return meta((rows, hidden), dtype), meta((vocab, hidden), dtype), meta((rows,), torch.int64)
-
-        def fwd():
-            x, w, labels = head()
-            with allow_tf32(tf32):
-                return linear_token_logprobs_forward(
-                    x,
-                    w,
-                    labels,
-                    meta((vocab,), x.dtype) if flags else None,
-                    temperature=0.7,
-                    logit_scale=1.0,
-                    logit_softcap=30.0 if flags else None,
-                    ignore_index=-100,
-                    return_entropy=flags,
-                )
-
-        def bwd():
-            x, w, labels = head()
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            row, stats = meta((rows,), acc), meta((rows, 2), acc)
-            with allow_tf32(tf32):
-                return linear_token_logprobs_backward(
-                    x,
-                    w,
-                    labels,
-                    meta((vocab,), x.dtype) if flags else None,
-                    stats,
-                    row if flags else None,
-                    row,
-                    row if flags else None,
-                    temperature=0.7,
-                    logit_scale=1.0,
-                    logit_softcap=30.0 if flags else None,
-                    ignore_index=-100,
-                    needs_hidden=True,
-                    needs_weight=True,
-                    needs_bias=flags,
-                )
-
-        return fwd, bwd
-
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
     out = []
     for dtype_name, tf32 in (("bf16", False), ("fp16", False), ("fp32", True), ("fp32", False), ("fp64", False)):
         for flags in (False, True):
-            fwd, bwd = launches(dtypes[dtype_name], tf32, flags)
+            fwd, bwd = _static_launches(dtypes[dtype_name], tf32, flags, rows, hidden, vocab)
             shape = (
                 f"[{rows}, {hidden}] x [{vocab}, {hidden}] {dtype_name}"
                 + (" tf32" if tf32 else "")

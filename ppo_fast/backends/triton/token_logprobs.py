@@ -434,7 +434,7 @@ def token_logprobs_forward(
     return logp, entropy, stats
 
 
-def _saved_views(lead_shape, rows, stats, entropy, grad_logp, grad_entropy):
+def _saved_views(lead_shape, rows, stats, entropy, grad_logprobs, grad_entropy):
     """The backward's row-wise inputs as the kernel reads them: ``stats`` [rows, 2] and
     ``entropy`` [rows] contiguous (from the forward), the incoming gradients with their
     (outer, inner) strides; an unused one is replaced by ``stats`` (never read)."""
@@ -450,17 +450,17 @@ def _saved_views(lead_shape, rows, stats, entropy, grad_logp, grad_entropy):
         grad_entropy = lead_view("grad_entropy", grad_entropy, lead_shape)
     else:
         entropy, grad_entropy = stats, unused
-    grad_logp = lead_view("grad_logp", grad_logp, lead_shape) if grad_logp is not None else unused
-    return stats, entropy, grad_logp, grad_entropy
+    grad_logprobs = lead_view("grad_logprobs", grad_logprobs, lead_shape) if grad_logprobs is not None else unused
+    return stats, entropy, grad_logprobs, grad_entropy
 
 
 def token_logprobs_backward(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
     out: torch.Tensor | None = None,
@@ -468,20 +468,16 @@ def token_logprobs_backward(
 ) -> torch.Tensor:
     """Gradient w.r.t. ``logits`` (in their dtype), the softmax recomputed from the forward's ``stats``.
 
-    ``grad_logp`` or ``grad_entropy`` may be None (that output unused; ``entropy``
-    is needed only with ``grad_entropy``).  All may have any strides (a gradient
-    expanded from a sum has stride 0).  The gradient is written into ``out`` when
-    given (it may be ``logits`` itself: each block is read before it is
-    overwritten, so ``out`` must then not overlap itself: the caller checks
-    that), else into a new contiguous tensor.
-    """
+    ``grad_logprobs`` or ``grad_entropy`` may be None (that output unused; ``entropy`` is needed only with
+    ``grad_entropy``); any strides.  Written into ``out`` when given (``logits`` itself: each block is read
+    before it is overwritten, so ``out`` must not overlap itself, as the caller checks), else a new tensor."""
     lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
     check_same_device(
         logits=logits,
         labels=labels,
         stats=stats,
         entropy=entropy,
-        grad_logp=grad_logp,
+        grad_logprobs=grad_logprobs,
         grad_entropy=grad_entropy,
         out=out,
     )
@@ -492,9 +488,9 @@ def token_logprobs_backward(
     if rows == 0 or logits.shape[-1] == 0:
         return grad
     labels_view, labels_outer_stride, labels_inner_stride = lead_view("labels", labels, lead_shape)
-    has_grad_logp, has_grad_entropy = grad_logp is not None, grad_entropy is not None
-    stats, entropy, (grad_logp, *grad_logp_strides), (grad_entropy, *grad_entropy_strides) = _saved_views(
-        lead_shape, rows, stats, entropy, grad_logp, grad_entropy
+    has_grad_logp, has_grad_entropy = grad_logprobs is not None, grad_entropy is not None
+    stats, entropy, (grad_logprobs, *grad_logp_strides), (grad_entropy, *grad_entropy_strides) = _saved_views(
+        lead_shape, rows, stats, entropy, grad_logprobs, grad_entropy
     )
     _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
     block, num_warps = _launch_config(logits.shape[-1], block_v, logits.element_size(), backward=True)
@@ -511,7 +507,7 @@ def token_logprobs_backward(
             labels_view,
             stats,
             entropy,
-            grad_logp,
+            grad_logprobs,
             grad_entropy,
             rows_per_outer,
             outer_stride // group,
@@ -564,31 +560,33 @@ def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backwar
 
 @torch.library.custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
 def _token_logprobs_backward_op(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
 ) -> torch.Tensor:
-    return token_logprobs_backward(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index)
+    return token_logprobs_backward(
+        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index
+    )
 
 
 @_token_logprobs_backward_op.register_fake
-def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 @torch.library.custom_op("ppo_fast_triton::token_logprobs_backward_inplace", mutates_args=("logits",))
 def _token_logprobs_backward_inplace_op(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     logits: torch.Tensor,
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
 ) -> None:
@@ -596,12 +594,12 @@ def _token_logprobs_backward_inplace_op(
     if not is_non_overlapping_and_dense(logits):
         raise ValueError("an in-place backward needs logits whose memory is non-overlapping and dense")
     token_logprobs_backward(
-        logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, out=logits
+        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits
     )
 
 
 @_token_logprobs_backward_inplace_op.register_fake
-def _(logits, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index):
+def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
     return None
 
 
@@ -617,12 +615,12 @@ def _token_logprobs_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _token_logprobs_backward(ctx, grad_logp, grad_entropy, _grad_stats):
+def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats):
     not_differentiable(ctx, labels=1)
     logits, labels, stats, entropy = ctx.saved_tensors
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
-    args = (logits, labels, stats, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
+    args = (grad_logprobs, grad_entropy, logits, labels, stats, entropy, ctx.temperature, ctx.ignore_index)
     if ctx.inplace_backward:
         _token_logprobs_backward_inplace_op(*args)
         grad_logits = logits
@@ -673,7 +671,7 @@ def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
             acc = torch.float64 if dtype == torch.float64 else torch.float32
             stats, row = meta(labels.shape + (2,), acc), meta(labels.shape, acc)
             return token_logprobs_backward(
-                logits, labels, stats, row, row if has_logp else None, row if has_entropy else None, 0.7, -100
+                row if has_logp else None, row if has_entropy else None, logits, labels, stats, row, 0.7, -100
             )
 
         out = []
