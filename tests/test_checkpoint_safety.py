@@ -34,20 +34,9 @@ TINY = dict(
     save_every=1,
     keep_checkpoints=0,
 )
-TINY_FLAGS = [
-    "--batch-size",
-    "4",
-    "--num-mini-batches",
-    "1",
-    "--num-ppo-epochs",
-    "1",
-    "--sample-every",
-    "0",
-    "--sft-steps",
-    "10",
-    "--eval-size",
-    "16",
-]
+TINY_FLAGS = (
+    "--batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 16".split()
+)
 
 
 def quiet(_message: str) -> None:
@@ -280,15 +269,9 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     command = [
         sys.executable,
-        "-m",
-        "ppo_fast",
-        "train",
-        "--output-dir",
+        *"-m ppo_fast train --output-dir".split(),
         str(out),
-        "--steps",
-        "500",
-        "--save-every",
-        "0",
+        *"--steps 500 --save-every 0".split(),
         *TINY_FLAGS[:-2],
         "--eval-size",
         "0",

@@ -22,22 +22,7 @@ from ppo_fast.trainer.prompts import read_prompts
 from ppo_fast.trainer.scoring import FunctionScorer, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--steps",
-    "1",
-    "--batch-size",
-    "4",
-    "--num-mini-batches",
-    "1",
-    "--num-ppo-epochs",
-    "1",
-    "--sample-every",
-    "0",
-    "--sft-steps",
-    "10",
-    "--eval-size",
-    "16",
-]
+TINY = "--steps 1 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 16".split()
 
 
 def quiet(_message: str) -> None:
@@ -296,11 +281,7 @@ def test_console_script_finds_the_reward_module_in_the_working_directory(tmp_pat
         [
             sys.executable,
             str(ROOT / "ppo_fast_cli.py"),
-            "train",
-            "--reward-fn",
-            "my_rewards:exact",
-            "--output-dir",
-            "out",
+            *"train --reward-fn my_rewards:exact --output-dir out".split(),
         ],
         cwd=tmp_path,
         env=env,
@@ -376,13 +357,7 @@ def test_resume_with_another_critic_mode_is_one_line(finished_run, tmp_path, cap
                 "train",
                 "--output-dir",
                 str(run),
-                "--resume",
-                "--advantage-method",
-                "grpo",
-                "--num-samples-per-prompt",
-                "2",
-                "--steps",
-                "2",
+                *"--resume --advantage-method grpo --num-samples-per-prompt 2 --steps 2".split(),
             ]
         )
         == 1
@@ -445,18 +420,7 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
             f"{tmp_path / 'answer_rewards.py'}:exact",
             "--output-dir",
             str(out),
-            "--steps",
-            "2",
-            "--eval-every",
-            "1",
-            "--batch-size",
-            "4",
-            "--num-mini-batches",
-            "1",
-            "--num-ppo-epochs",
-            "1",
-            "--sample-every",
-            "0",
+            *"--steps 2 --eval-every 1 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0".split(),
         ]
     )
     assert code == 0, capsys.readouterr().err

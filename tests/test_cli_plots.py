@@ -73,16 +73,9 @@ def _results(quick: bool, sizes: tuple[int, ...]) -> dict:
     for size in sizes:
         for op, baseline in (("token_logprobs", "eager"), ("gae", "python-loop")):
             impls = [
-                "reference",
-                "native",
-                "triton",
-                "auto",
+                *"reference native triton auto".split(),
                 baseline,
-                "trl-chunked",
-                "compile(eager)",
-                "liger-ce",
-                "flash-attn-ce",
-                "something-new",
+                *"trl-chunked compile(eager) liger-ce flash-attn-ce something-new".split(),
             ]
             results = [
                 {

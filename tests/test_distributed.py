@@ -22,22 +22,7 @@ from ppo_fast.trainer import checkpoint
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--batch-size",
-    "8",
-    "--num-mini-batches",
-    "1",
-    "--num-ppo-epochs",
-    "1",
-    "--sample-every",
-    "0",
-    "--sft-steps",
-    "10",
-    "--eval-size",
-    "0",
-    "--dist-timeout",
-    "60",
-]
+TINY = "--batch-size 8 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 0 --dist-timeout 60".split()
 
 
 def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
@@ -142,21 +127,9 @@ def test_two_ranks_run_the_builtin_job_under_torchrun_with_fsdp_and_a_resume_at_
     out = tmp_path / "run"
     command = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "ppo_fast",
-        "train",
-        "--output-dir",
+        *"-m torch.distributed.run --standalone --nproc-per-node 2 -m ppo_fast train --output-dir".split(),
         str(out),
-        "--steps",
-        "2",
-        "--parallel",
-        "fsdp",
-        "--shard-reference",
+        *"--steps 2 --parallel fsdp --shard-reference".split(),
         *TINY,
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -270,20 +243,9 @@ def test_one_gpu_under_torchrun_runs_the_same_command(tmp_path):
     out = tmp_path / "run"
     command = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "1",
-        "-m",
-        "ppo_fast",
-        "train",
-        "--output-dir",
+        *"-m torch.distributed.run --standalone --nproc-per-node 1 -m ppo_fast train --output-dir".split(),
         str(out),
-        "--steps",
-        "2",
-        "--device",
-        "cuda",
+        *"--steps 2 --device cuda".split(),
         *TINY,
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

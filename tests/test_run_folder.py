@@ -24,20 +24,9 @@ from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.trainer import SUMMARY_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_FLAGS = [
-    "--batch-size",
-    "4",
-    "--num-mini-batches",
-    "1",
-    "--num-ppo-epochs",
-    "1",
-    "--sample-every",
-    "0",
-    "--sft-steps",
-    "10",
-    "--eval-size",
-    "16",
-]
+TINY_FLAGS = (
+    "--batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 16".split()
+)
 TINY = dict(batch_size=4, num_mini_batches=1, num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=16)
 
 
@@ -294,28 +283,9 @@ def test_two_ranks_overwrite_a_run_folder_together(tmp_path):
             subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "ppo_fast",
-                    "train",
-                    "--output-dir",
+                    *"-m ppo_fast train --output-dir".split(),
                     str(out),
-                    "--overwrite",
-                    "--steps",
-                    "1",
-                    "--batch-size",
-                    "8",
-                    "--num-mini-batches",
-                    "1",
-                    "--num-ppo-epochs",
-                    "1",
-                    "--sample-every",
-                    "0",
-                    "--sft-steps",
-                    "10",
-                    "--eval-size",
-                    "0",
-                    "--dist-timeout",
-                    "60",
+                    *"--overwrite --steps 1 --batch-size 8 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 0 --dist-timeout 60".split(),
                 ],
                 cwd=ROOT,
                 env=env,

@@ -182,16 +182,7 @@ def test_custom_model_path_reward_fn_spec_and_prompts_file(tmp_path):
             "ppo_fast.trainer.default_task:addition_reward",
             "--output-dir",
             str(tmp_path / "custom"),
-            "--steps",
-            "1",
-            "--batch-size",
-            "4",
-            "--num-mini-batches",
-            "1",
-            "--num-ppo-epochs",
-            "1",
-            "--sample-every",
-            "0",
+            *"--steps 1 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0".split(),
         ]
     )
     assert code == 0
