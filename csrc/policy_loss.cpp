@@ -342,9 +342,9 @@ void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bo
 
 template <SeqLossMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_cpu(
-    const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-    const at::Tensor& mask, const std::optional<at::Tensor>& weights, double eps_low, double eps_high,
-    c10::string_view agg_name) {
+    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& weights, double eps_low, double eps_high, c10::string_view agg_name) {
+  const char* op = seq_loss_op_name(mode);
   const Agg agg = parse_agg(op, agg_name);
   const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = in.rows, length = in.length;
@@ -398,10 +398,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // Gradients in the compute dtype, then in each input's dtype.
 template <SeqLossMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu(
-    const char* op, const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+    const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
     const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
     const at::Tensor& row_scale_in, const at::Tensor& row_state_in, double eps_low, double eps_high,
     std::array<bool, 4> output_mask) {
+  const char* op = seq_loss_backward_op_name(mode);
   const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = in.rows, length = in.length;
   check_grad_loss(op, grad_loss);
@@ -463,45 +464,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
   return {grad_logp, grad_old, grad_adv, grad_w};
 }
 
-auto gspo_cpu(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-              const at::Tensor& mask, const std::optional<at::Tensor>& weights, double clip_eps_low,
-              double clip_eps_high, c10::string_view agg) {
-  return seq_loss_cpu<SeqLossMode::kGspo>("policy_loss_gspo", logprobs, old_logprobs, advantages, mask, weights,
-                                          clip_eps_low, clip_eps_high, agg);
-}
-auto geo_mean_cpu(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                  const at::Tensor& mask, const std::optional<at::Tensor>& weights, double clip_eps_low,
-                  double clip_eps_high, c10::string_view agg) {
-  return seq_loss_cpu<SeqLossMode::kGeoMean>("policy_loss_geo_mean", logprobs, old_logprobs, advantages, mask, weights,
-                                             clip_eps_low, clip_eps_high, agg);
-}
-auto gspo_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                       const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-                       const at::Tensor& row_scale, const at::Tensor& row_state, double clip_eps_low,
-                       double clip_eps_high, std::array<bool, 4> output_mask) {
-  return seq_loss_backward_cpu<SeqLossMode::kGspo>("policy_loss_gspo_backward", grad_loss, logprobs, old_logprobs,
-                                                   advantages, mask, weights, row_scale, row_state, clip_eps_low,
-                                                   clip_eps_high, output_mask);
-}
-auto geo_mean_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                           const at::Tensor& advantages, const at::Tensor& mask,
-                           const std::optional<at::Tensor>& weights, const at::Tensor& row_scale,
-                           const at::Tensor& row_state, double clip_eps_low, double clip_eps_high,
-                           std::array<bool, 4> output_mask) {
-  return seq_loss_backward_cpu<SeqLossMode::kGeoMean>("policy_loss_geo_mean_backward", grad_loss, logprobs,
-                                                      old_logprobs, advantages, mask, weights, row_scale, row_state,
-                                                      clip_eps_low, clip_eps_high, output_mask);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cpu);
   m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cpu);
-  m.impl("policy_loss_gspo", &gspo_cpu);
-  m.impl("policy_loss_gspo_backward", &gspo_backward_cpu);
-  m.impl("policy_loss_geo_mean", &geo_mean_cpu);
-  m.impl("policy_loss_geo_mean_backward", &geo_mean_backward_cpu);
+  m.impl("policy_loss_gspo", &seq_loss_cpu<SeqLossMode::kGspo>);
+  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cpu<SeqLossMode::kGspo>);
+  m.impl("policy_loss_geo_mean", &seq_loss_cpu<SeqLossMode::kGeoMean>);
+  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cpu<SeqLossMode::kGeoMean>);
 }
 
 }  // namespace ppo_fast

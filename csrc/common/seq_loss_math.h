@@ -11,6 +11,14 @@ namespace ppo_fast {
 // Which sequence-level loss a kernel computes (CPU and CUDA).
 enum class SeqLossMode : int { kGspo = 0, kGeoMean = 1 };
 
+// Each mode's operator names (schemas in csrc/policy_loss.cpp), for the kernels' messages.
+constexpr const char* seq_loss_op_name(SeqLossMode mode) {
+  return mode == SeqLossMode::kGspo ? "policy_loss_gspo" : "policy_loss_geo_mean";
+}
+constexpr const char* seq_loss_backward_op_name(SeqLossMode mode) {
+  return mode == SeqLossMode::kGspo ? "policy_loss_gspo_backward" : "policy_loss_geo_mean_backward";
+}
+
 // Per-row values a sequence-level forward keeps for its backward ([B, kRowState]).
 // GSPO: the row's mean log-ratio s.  GMPO: d row_loss / d (row sum of the kept log-ratios)
 // and d row_loss / d (row sum of the advantages), both already divided by the row's count.

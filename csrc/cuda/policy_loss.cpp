@@ -139,9 +139,9 @@ cuda::SeqInputs<T> seq_inputs(const SeqBuffers& b, double eps_low, double eps_hi
 
 template <SeqLossMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_cuda(
-    const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-    const at::Tensor& mask, const std::optional<at::Tensor>& weights, double eps_low, double eps_high,
-    c10::string_view agg_name) {
+    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
+    const std::optional<at::Tensor>& weights, double eps_low, double eps_high, c10::string_view agg_name) {
+  const char* op = seq_loss_op_name(mode);
   const Agg agg = parse_agg(op, agg_name);
   const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
   const c10::cuda::CUDAGuard guard(logprobs.device());
@@ -166,10 +166,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 template <SeqLossMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cuda(
-    const char* op, const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+    const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
     const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
     const at::Tensor& row_scale_in, const at::Tensor& row_state_in, double eps_low, double eps_high,
     std::array<bool, 4> output_mask) {
+  const char* op = seq_loss_backward_op_name(mode);
   const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
   const int64_t rows = logprobs.size(0);
   check_grad_loss(op, grad_loss);
@@ -209,45 +210,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cud
           weights.has_value() ? in_dtype(g_w, need_w, *weights) : at::empty({0}, logprobs.options())};
 }
 
-auto gspo_cuda(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-               const at::Tensor& mask, const std::optional<at::Tensor>& weights, double clip_eps_low,
-               double clip_eps_high, c10::string_view agg) {
-  return seq_loss_cuda<SeqLossMode::kGspo>("policy_loss_gspo", logprobs, old_logprobs, advantages, mask, weights,
-                                           clip_eps_low, clip_eps_high, agg);
-}
-auto geo_mean_cuda(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                   const at::Tensor& mask, const std::optional<at::Tensor>& weights, double clip_eps_low,
-                   double clip_eps_high, c10::string_view agg) {
-  return seq_loss_cuda<SeqLossMode::kGeoMean>("policy_loss_geo_mean", logprobs, old_logprobs, advantages, mask, weights,
-                                              clip_eps_low, clip_eps_high, agg);
-}
-auto gspo_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                        const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-                        const at::Tensor& row_scale, const at::Tensor& row_state, double clip_eps_low,
-                        double clip_eps_high, std::array<bool, 4> output_mask) {
-  return seq_loss_backward_cuda<SeqLossMode::kGspo>("policy_loss_gspo_backward", grad_loss, logprobs, old_logprobs,
-                                                    advantages, mask, weights, row_scale, row_state, clip_eps_low,
-                                                    clip_eps_high, output_mask);
-}
-auto geo_mean_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                            const at::Tensor& advantages, const at::Tensor& mask,
-                            const std::optional<at::Tensor>& weights, const at::Tensor& row_scale,
-                            const at::Tensor& row_state, double clip_eps_low, double clip_eps_high,
-                            std::array<bool, 4> output_mask) {
-  return seq_loss_backward_cuda<SeqLossMode::kGeoMean>("policy_loss_geo_mean_backward", grad_loss, logprobs,
-                                                       old_logprobs, advantages, mask, weights, row_scale, row_state,
-                                                       clip_eps_low, clip_eps_high, output_mask);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, CUDA, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cuda);
   m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cuda);
-  m.impl("policy_loss_gspo", &gspo_cuda);
-  m.impl("policy_loss_gspo_backward", &gspo_backward_cuda);
-  m.impl("policy_loss_geo_mean", &geo_mean_cuda);
-  m.impl("policy_loss_geo_mean_backward", &geo_mean_backward_cuda);
+  m.impl("policy_loss_gspo", &seq_loss_cuda<SeqLossMode::kGspo>);
+  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cuda<SeqLossMode::kGspo>);
+  m.impl("policy_loss_geo_mean", &seq_loss_cuda<SeqLossMode::kGeoMean>);
+  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cuda<SeqLossMode::kGeoMean>);
 }
 
 }  // namespace ppo_fast
