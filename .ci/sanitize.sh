@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The C++ CPU kernels under AddressSanitizer + UndefinedBehaviorSanitizer (issue 20).
+# The C++ CPU kernels under AddressSanitizer + UndefinedBehaviorSanitizer.
 #
 # Builds ppo_fast._C with PPO_FAST_SANITIZE=address,undefined (setup.py: -fsanitize=
 # address,undefined,float-cast-overflow -fno-sanitize-recover=all, -O1 -g1, CPU kernels
 # only) in a copy of the working tree, never in the tree itself (the main venv's editable
 # install keeps its extension, ppo_fast/_C*.so, in the source tree), then runs from that
 # copy, with the venv's python: the bad-input tests (their C++ calls run in a subprocess,
-# which inherits the sanitizer environment), the non-finite, CPU-op and loss tests, and
-# the native cases of the conformance matrix and of the edge-value reproducers, each file
+# which inherits the sanitizer environment), the native CPU-op tests, and the native cases
+# of the conformance matrix (non-finite rules, edge shapes, opcheck) and of the edge-value reproducers, each file
 # in its own pytest (a report aborts the process it is in, so one abort does not hide the
 # other files' results).
 #
@@ -95,7 +95,7 @@ torch.ops.ppo_fast.token_logprobs(x, torch.randint(0, 11, (4,)), 1.0, True, -100
 print('sanitize: ppo_fast from', ppo_fast.__file__, '| extension', C.__file__)
 ") || { cat "$REPORTS"/* 2>/dev/null >&2 || true; echo "sanitize: the sanitized extension does not load" >&2; exit 1; }
 
-# The test_native_* files whole; of the conformance matrix and the edge values, the native
+# tests/backends/test_native_* whole; of the conformance matrix and the edge values, the native
 # backend's cases (their Triton and reference cases run no C++ kernel).
 echo "== sanitize: pytest under ASan + UBSan"
 t2=$SECONDS
@@ -112,9 +112,8 @@ run_pytest() {  # run_pytest ARGS...: one pytest from the copy, tee'd into the l
     set -e
     [ "$status" -eq 0 ] || { echo "sanitize: pytest $* exited with $status" | tee -a "$LOG"; rc=1; }
 }
-run_pytest tests/test_native_bad_inputs.py
-run_pytest tests/test_native_cpu_ops.py
-run_pytest tests/test_native_losses.py
+run_pytest tests/backends/test_native_bad_inputs.py
+run_pytest tests/backends/test_native_cpu_ops.py
 run_pytest tests/test_conformance.py -k native
 run_pytest tests/test_edge_values.py -k native
 echo "sanitize: pytest in $((SECONDS - t2)) s"

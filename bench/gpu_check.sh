@@ -117,7 +117,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$TEST_WORKERS")
     run_stage "tests (pytest -m 'cuda or triton_on_gpu' ${PARALLEL[*]})" "$TESTS_S" "$TESTS_LOG" \
         "$PY" -m pytest -q -rfEs -p no:cacheprovider "${PARALLEL[@]}" -m "cuda or triton_on_gpu" \
-        --ignore=tests/test_triton_compiles_for_gpu.py --ignore=tests/test_bench_static.py --ignore=tests/test_gpu_check.py tests
+        --ignore=tests/backends/test_triton_compiles_for_gpu.py --ignore=tests/test_bench_static.py --ignore=tests/test_gpu_check.py tests
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$TESTS_LOG" | tail -25 | sed 's/^/  /' | tee -a "$SUMMARY"
 else
     RESULTS+=("tests: NOT RUN (pytest is not installed)")

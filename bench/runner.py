@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import ppo_fast as pf
-from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.backends import serving
 
 from .baselines import OPTIONAL_HEAD_KERNELS, optional_logprob_kernels
 from .cases import TEMPERATURE, Case, primary_output
@@ -39,12 +39,7 @@ class Settings:
 
 def serving_backends(op: str, device_type: str) -> list[str]:
     """Our backends that are available and serve ``op`` on ``device_type``, in registry order."""
-    names = []
-    for name in BACKENDS:
-        info = backend_info(name)
-        if info.available and device_type in info.module.SUPPORTED.get(op, set()):
-            names.append(name)
-    return names
+    return list(serving(op, device_type))
 
 
 def _with_backend(name: str, call_op: Callable[[dict], object]) -> Callable[[dict], object]:

@@ -158,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
   const double nan = std::numeric_limits<double>::quiet_NaN();
   at::Tensor logp = at::where(ignored, 0.0, nan).to(options.dtype());
   at::Tensor entropy = return_entropy ? logp.clone() : at::empty({0}, options);
-  at::Tensor stats = logp.clone();
+  at::Tensor stats = at::where(ignored, 0.0, nan).to(options.dtype()).unsqueeze(-1).repeat({1, 2});
   const int64_t n_used = head.rows.numel();
   if (n_used == 0 || n_rows == 0) return {logp, entropy, stats};
   at::Tensor scratch = at::empty({std::min(head.chunk_rows, n_used), vocab}, options);
@@ -180,7 +180,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
           const int64_t r = row_index[c0 + i];
           const scalar_t* row = base + i * vocab;
           const RowStats<scalar_t> row_stat = log_softmax_row_stats(row, vocab, inv_temp, return_entropy);
-          stats_data[r] = row_stat.lse;
+          stats_data[2 * r] = row_stat.max;
+          stats_data[2 * r + 1] = row_stat.log_sum;
           logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, row_stat);
           if (return_entropy) entropy_data[r] = row_stat.entropy;
         }
@@ -201,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
   const at::ScalarType acc = compute_dtype(hidden);
   TORCH_CHECK(stats_in.scalar_type() == acc, op, ": stats must have dtype ", acc,
               " (as linear_token_logprobs returns it), got ", stats_in.scalar_type());
-  check_same_shape(op, "stats", stats_in, "labels", labels);
+  check_shape(op, "stats", stats_in, stats_shape(labels));
   check_same_device(op, {{"hidden", &hidden}, {"stats", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   for (const auto& [name, grad] :
@@ -258,8 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
             const scalar_t h_ent = has_entropy_grad ? grad_ent_data[r] * inv_temp : scalar_t(0);
             const scalar_t ent = has_entropy_grad ? entropy_data[r] : scalar_t(0);
             if (!logit_softcap) {  // d_logits is linear in (g, h): the scale folds into them
-              log_softmax_row_grad(row, row, vocab, label_data[r], inv_temp, stats_data[r], g * scale, h_ent * scale,
-                                   ent);
+              log_softmax_row_grad(row, row, vocab, label_data[r], inv_temp, stats_data + 2 * r, g * scale,
+                                   h_ent * scale, ent);
               continue;
             }
             // The chain rule through the soft-cap needs the block's logits: saved before they are overwritten.
@@ -268,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
               const int64_t m = std::min(kBlock, vocab - b0);
               scalar_t* block = row + b0;
               std::copy(block, block + m, saved);
-              log_softmax_row_grad(block, block, m, label_data[r] - b0, inv_temp, stats_data[r], g, h_ent, ent);
+              log_softmax_row_grad(block, block, m, label_data[r] - b0, inv_temp, stats_data + 2 * r, g, h_ent, ent);
               through_softcap(block, saved, m, scale, cap);
             }
           }

@@ -1,8 +1,8 @@
 // token_logprobs: its schemas and CPU kernels.  log_softmax(logits / temperature) at the
 // labels (and the entropy) in one pass over each row with an online max / sum-exp, rows in
 // parallel, no [N, V] intermediate.  The backward recomputes the softmax from the saved
-// per-row logsumexp (`stats`).  Also defines the row functions of common/log_softmax_rows.h.
-// A label outside [0, V) that is not ignore_index is never read or written: its row gets
+// per-row (max, log_sum) of logits / temperature (`stats`).  Also defines the row functions of
+// common/log_softmax_rows.h. A label outside [0, V) that is not ignore_index is never read or written: its row gets
 // log-prob NaN, entropy NaN and a zero gradient (the contract's rule where labels are
 // not checked on the host, e.g. under torch.compile or in a direct op call).
 #include <ATen/Parallel.h>
@@ -22,8 +22,8 @@
 namespace ppo_fast {
 
 TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
-  // `entropy` is empty unless return_entropy; `stats` is the per-row logsumexp of
-  // logits / temperature, kept for the backward.  A label outside [0, V) that is not
+  // `entropy` is empty unless return_entropy; `stats` [..., 2] is the per-row max of
+  // z = logits / temperature and log(sum(exp(z - max))), kept for the backward.  A label outside [0, V) that is not
   // ignore_index gives its row NaN log-prob and entropy and no gradient.
   m.def(
       "token_logprobs(Tensor logits, Tensor labels, float temperature, bool return_entropy, int ignore_index) "
@@ -101,19 +101,19 @@ PPO_INLINE void chunk_sum_exp_impl(const acc_t* z, int64_t n, acc_t m, bool want
   *weighted = chunk_weighted;
 }
 
-// out = -g p - h p (log p + entropy) with log p = z - lse, z = row / temperature: the
+// out = -g p - h p (log p + entropy) with log p = (z - max) - log_sum, z = row / temperature: the
 // gradient w.r.t. z of g * logp[label] + h * entropy, except the g * onehot term the
 // caller adds.  z is rounded and stored first, as the forward's scale_max stores it: in
-// one loop the compiler would fuse row * inv_temp - lse into an FMA, whose rounding
+// one loop the compiler would fuse row * inv_temp - max into an FMA, whose rounding
 // differs from the forward's by up to ulp(z), which the gradient multiplies by 1 / T.
 template <typename scalar_t, typename acc_t>
-PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t lse, acc_t g, acc_t h,
-                                acc_t entropy, acc_t* out) {
+PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, acc_t max, acc_t log_sum, acc_t g,
+                                acc_t h, acc_t entropy, acc_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = to_acc(row[i]) * inv_temp;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const acc_t log_p = out[i] - lse;
+    const acc_t log_p = (out[i] - max) - log_sum;  // not z - lse: lse rounds at max's magnitude
     const acc_t p = fast_exp(log_p);
     const acc_t entropy_term = p == 0 ? acc_t(0) : h * p * (log_p + entropy);
     out[i] = -g * p - entropy_term;
@@ -121,13 +121,13 @@ PPO_INLINE void chunk_grad_impl(const scalar_t* row, int64_t n, acc_t inv_temp, 
 }
 
 // The per-CPU clones (float32 compute), one per logits dtype; float64 runs the baseline.
-#define PPO_LOGPROB_CHUNKS(scalar_t)                                                                          \
-  PPO_CPU_CLONES float scale_max_chunk(const scalar_t* row, int64_t n, float inv_temp, float* z) {            \
-    return scale_max_impl(row, n, inv_temp, z);                                                               \
-  }                                                                                                           \
-  PPO_CPU_CLONES void chunk_grad(const scalar_t* row, int64_t n, float inv_temp, float lse, float g, float h, \
-                                 float entropy, float* out) {                                                 \
-    chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);                                               \
+#define PPO_LOGPROB_CHUNKS(scalar_t)                                                                                \
+  PPO_CPU_CLONES float scale_max_chunk(const scalar_t* row, int64_t n, float inv_temp, float* z) {                  \
+    return scale_max_impl(row, n, inv_temp, z);                                                                     \
+  }                                                                                                                 \
+  PPO_CPU_CLONES void chunk_grad(const scalar_t* row, int64_t n, float inv_temp, float max, float log_sum, float g, \
+                                 float h, float entropy, float* out) {                                              \
+    chunk_grad_impl(row, n, inv_temp, max, log_sum, g, h, entropy, out);                                            \
   }
 PPO_LOGPROB_CHUNKS(float)
 PPO_LOGPROB_CHUNKS(c10::BFloat16)
@@ -136,9 +136,9 @@ PPO_LOGPROB_CHUNKS(c10::Half)
 double scale_max_chunk(const double* row, int64_t n, double inv_temp, double* z) {
   return scale_max_impl(row, n, inv_temp, z);
 }
-void chunk_grad(const double* row, int64_t n, double inv_temp, double lse, double g, double h, double entropy,
-                double* out) {
-  chunk_grad_impl(row, n, inv_temp, lse, g, h, entropy, out);
+void chunk_grad(const double* row, int64_t n, double inv_temp, double max, double log_sum, double g, double h,
+                double entropy, double* out) {
+  chunk_grad_impl(row, n, inv_temp, max, log_sum, g, h, entropy, out);
 }
 PPO_CPU_CLONES void chunk_sum_exp(const float* z, int64_t n, float m, bool want_entropy, float* sum, float* weighted) {
   chunk_sum_exp_impl(z, n, m, want_entropy, sum, weighted);
@@ -215,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
   const auto options = logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   at::Tensor logp = at::empty(label.sizes(), options);
   at::Tensor entropy = at::empty(return_entropy ? label.sizes() : at::IntArrayRef{0}, options);
-  at::Tensor stats = at::empty(label.sizes(), options);
+  at::Tensor stats = at::empty(stats_shape(label), options);
   const RowLayout layout = row_layout(logits);
   const int64_t* label_data = label.const_data_ptr<int64_t>();
 
@@ -231,19 +231,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
         const int64_t target = label_data[r];
         if (target == ignore_index) {  // no log-prob, no entropy, no gradient
           logp_data[r] = 0;
-          stats_data[r] = 0;
+          stats_data[2 * r] = stats_data[2 * r + 1] = 0;
           if (return_entropy) entropy_data[r] = 0;
           continue;
         }
         if (out_of_range(target, vocab)) {  // never read: NaN log-prob and entropy, zero gradient
           logp_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
-          stats_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
+          stats_data[2 * r] = stats_data[2 * r + 1] = std::numeric_limits<acc_t>::quiet_NaN();
           if (return_entropy) entropy_data[r] = std::numeric_limits<acc_t>::quiet_NaN();
           continue;
         }
         const scalar_t* row = base + layout.offset(r);
         const RowStats<acc_t> row_stat = row_stats(row, vocab, inv_temp, return_entropy);
-        stats_data[r] = row_stat.lse;
+        stats_data[2 * r] = row_stat.max;
+        stats_data[2 * r + 1] = row_stat.log_sum;
         logp_data[r] = log_prob_of(static_cast<acc_t>(row[target]), inv_temp, row_stat);
         if (return_entropy) entropy_data[r] = row_stat.entropy;
       }
@@ -256,12 +257,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tens
 // g (onehot - p) - h p (log p + entropy).  g and h arrive already divided by the
 // temperature (the chain rule through z).
 template <typename scalar_t, typename acc_t>
-void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t lse,
-              acc_t g, acc_t h, acc_t entropy) {
+void row_grad(const scalar_t* row, scalar_t* grad_row, int64_t vocab, int64_t target, acc_t inv_temp, acc_t max,
+              acc_t log_sum, acc_t g, acc_t h, acc_t entropy) {
   alignas(64) acc_t out[kChunk];
   for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const int64_t n = std::min(kChunk, vocab - c0);
-    chunk_grad(row + c0, n, inv_temp, lse, g, h, entropy, out);
+    chunk_grad(row + c0, n, inv_temp, max, log_sum, g, h, entropy, out);
     if (target >= c0 && target < c0 + n) out[target - c0] += g;
     for (int64_t i = 0; i < n; ++i) grad_row[c0 + i] = static_cast<scalar_t>(out[i]);
   }
@@ -278,7 +279,7 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
   const at::ScalarType acc_dtype = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(stats_in.scalar_type() == acc_dtype, op, ": stats must have dtype ", acc_dtype,
               " (as token_logprobs returns it), got ", stats_in.scalar_type());
-  check_same_shape(op, "stats", stats_in, "labels", labels);
+  check_shape(op, "stats", stats_in, stats_shape(labels));
   check_same_device(op, {{"logits", &logits}, {"stats", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   if (has_logp_grad) {
@@ -325,8 +326,8 @@ at::Tensor token_logprobs_backward_cpu(const std::optional<at::Tensor>& grad_log
         }
         const acc_t g = has_logp_grad ? grad_logp_data[r] * inv_temp : acc_t(0);
         const acc_t h = has_entropy_grad ? grad_ent_data[r] * inv_temp : acc_t(0);
-        row_grad(base + layout.offset(r), grad_row, vocab, target, inv_temp, stats_data[r], g, h,
-                 has_entropy_grad ? entropy_data[r] : acc_t(0));
+        row_grad(base + layout.offset(r), grad_row, vocab, target, inv_temp, stats_data[2 * r], stats_data[2 * r + 1],
+                 g, h, has_entropy_grad ? entropy_data[r] : acc_t(0));
       }
     });
   });
@@ -341,13 +342,13 @@ RowStats<float> log_softmax_row_stats(const float* row, int64_t vocab, float inv
 RowStats<double> log_softmax_row_stats(const double* row, int64_t vocab, double inv_temp, bool want_entropy) {
   return row_stats(row, vocab, inv_temp, want_entropy);
 }
-void log_softmax_row_grad(const float* row, float* grad_row, int64_t vocab, int64_t target, float inv_temp, float lse,
-                          float g, float h, float entropy) {
-  row_grad(row, grad_row, vocab, target, inv_temp, lse, g, h, entropy);
+void log_softmax_row_grad(const float* row, float* grad_row, int64_t vocab, int64_t target, float inv_temp,
+                          const float* stats, float g, float h, float entropy) {
+  row_grad(row, grad_row, vocab, target, inv_temp, stats[0], stats[1], g, h, entropy);
 }
 void log_softmax_row_grad(const double* row, double* grad_row, int64_t vocab, int64_t target, double inv_temp,
-                          double lse, double g, double h, double entropy) {
-  row_grad(row, grad_row, vocab, target, inv_temp, lse, g, h, entropy);
+                          const double* stats, double g, double h, double entropy) {
+  row_grad(row, grad_row, vocab, target, inv_temp, stats[0], stats[1], g, h, entropy);
 }
 float log_softmax_label_logprob(float x, float inv_temp, const RowStats<float>& stats) {
   return log_prob_of(x, inv_temp, stats);

@@ -32,10 +32,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The Triton tests run on CUDA tensors when a GPU is present (else in the interpreter):
-    mark them so that the GPU check (bench/gpu_check.sh) selects them with the CUDA tests."""
+    """The Triton tests (files named test_triton_*, in any folder: tests/backends/) run on CUDA
+    tensors when a GPU is present (else in the interpreter): mark them so that the GPU check
+    (bench/gpu_check.sh) selects them with the CUDA tests."""
     for item in items:
-        if item.module.__name__.startswith("test_triton_"):
+        if item.path.name.startswith("test_triton_"):
             item.add_marker(pytest.mark.triton_on_gpu)
 
 

@@ -14,9 +14,10 @@ verl_F = pytest.importorskip("verl.utils.torch_functional", reason="verl is not 
 
 import ppo_fast.integrations.verl as pv  # noqa: E402
 from ppo_fast.integrations import counts  # noqa: E402
+from ppo_fast.spec import AGG_MODES  # noqa: E402
 
 BACKENDS = ["native", "triton"]
-AGG = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+AGG = list(AGG_MODES)
 
 
 @pytest.fixture(autouse=True)

@@ -70,32 +70,6 @@ def test_masked_values_reach_nothing_and_float32_results():
     assert clean.shape == old.shape
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"mode": "tis"}, ValueError, "mode must be one of"),
-        ({"threshold": 0.0}, ValueError, "threshold must be > 0"),
-        ({"mode": "token_mis", "threshold": 2.0, "threshold_low": 3.0}, ValueError, "threshold_low must be <= 2.0"),
-        ({"mode": "token_tis", "threshold_low": 0.5}, ValueError, "threshold_low applies to the masked modes"),
-        ({"batch_normalize": 1}, TypeError, "batch_normalize must be a bool"),
-    ],
-)
-def test_bad_arguments(kwargs, error, match):
-    old, rollout, mask = _inputs(0)
-    with pytest.raises(error, match=match):
-        pf.rollout_correction_weights(old, rollout, mask, **kwargs)
-
-
-def test_bad_tensors():
-    old, rollout, mask = _inputs(0)
-    with pytest.raises(ValueError, match="rollout_logprobs must have the shape of old_logprobs"):
-        pf.rollout_correction_weights(old, rollout[:, 1:], mask)
-    with pytest.raises(TypeError, match="rollout_logprobs must be a torch.Tensor, got None"):
-        pf.rollout_correction_weights(old, None, mask)
-    with pytest.raises(ValueError, match="mask must have shape"):
-        pf.rollout_correction_weights(old, rollout, mask[1:])
-
-
 @pytest.mark.parametrize("mode", ROLLOUT_CORRECTION_MODES)
 @pytest.mark.parametrize("batch_normalize", [False, True])
 def test_matches_verl(mode, batch_normalize):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ppo_fast as pf
-from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.backends import BACKENDS, serving
 
 COUNTS: Counter = Counter()
 
@@ -229,8 +229,7 @@ def current_backend(peer: str) -> str:
 
 
 def _serves(name: str, op: str, device_type: str) -> bool:
-    info = backend_info(name)
-    return info.available and device_type in info.module.SUPPORTED.get(op, set())
+    return name in serving(op, device_type)
 
 
 @contextlib.contextmanager

@@ -58,7 +58,8 @@ def _fake_linear_token_logprobs(
     _check_head("linear_token_logprobs", hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
     dtype = result_dtype(hidden)
     entropy = hidden.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
-    return hidden.new_empty(labels.shape, dtype=dtype), entropy, hidden.new_empty(labels.shape, dtype=dtype)
+    stats = hidden.new_empty((*labels.shape, 2), dtype=dtype)  # (max, log_sum) of each row
+    return hidden.new_empty(labels.shape, dtype=dtype), entropy, stats
 
 
 def _fake_linear_token_logprobs_backward(

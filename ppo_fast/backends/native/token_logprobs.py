@@ -30,18 +30,19 @@ def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_ind
     _check_logits("token_logprobs", logits, labels, temperature)
     dtype = result_dtype(logits)
     entropy = logits.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
-    return logits.new_empty(labels.shape, dtype=dtype), entropy, logits.new_empty(labels.shape, dtype=dtype)
+    stats = logits.new_empty((*labels.shape, 2), dtype=dtype)  # (max, log_sum) of each row
+    return logits.new_empty(labels.shape, dtype=dtype), entropy, stats
 
 
 def _check_saved_row_stats(op, forward_op, input_name, x, labels, stats, entropy, grad_logprobs, grad_entropy):
     """A log-prob backward's per-row inputs: the forward's stats (and entropy when its gradient
-    is given) in the result dtype of ``x``, the incoming gradients, all of ``labels``' shape."""
+    is given) in the result dtype of ``x``, the incoming gradients, of ``labels``' shape (stats: [..., 2])."""
     dtype = result_dtype(x)
     torch._check(
         stats.dtype == dtype,
         lambda: f"{op}: stats must have dtype {dtype} (as {forward_op} returns it), got {stats.dtype}",
     )
-    check_shape(op, "stats", stats, labels.shape, "labels")
+    check_shape(op, "stats", stats, (*labels.shape, 2))
     check_same_device(op, **{input_name: x, "stats": stats})
     for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         if grad is not None:

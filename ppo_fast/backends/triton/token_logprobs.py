@@ -6,7 +6,7 @@ thread (per 16-byte group of logits) and combined once per row: the logits are
 read once in the forward and once in the backward, and nothing of size ``[N, V]``
 is allocated except the gradient (not even that with ``inplace``).  Temperature
 is folded in: ``z = logits / temperature``.  The hot loops are kept within the
-sm_90 instruction budgets of ``bench.static`` (tests/test_triton_compiles_for_gpu.py).
+sm_90 instruction budgets of ``bench.static`` (tests/backends/test_triton_compiles_for_gpu.py).
 
 Rows are addressed as ``[B, T, V]`` with arbitrary strides on every dim (a
 ``[N, V]`` input is ``B = N, T = 1``), so slices such as ``logits[:, :-1]``, a

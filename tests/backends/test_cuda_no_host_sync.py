@@ -6,16 +6,14 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.backends import BACKENDS, backend_info
+from ppo_fast.backends import serving
 from ppo_fast.spec import OPS, POLICY_LOSS_MODES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _cuda_backends(op):
-    return [
-        n for n in BACKENDS if backend_info(n).available and "cuda" in backend_info(n).module.SUPPORTED.get(op, set())
-    ]
+    return list(serving(op, "cuda"))
 
 
 def _inputs(device):
