@@ -131,7 +131,7 @@ COMPILE_FLAG=()
 run_stage "targets (python -m bench targets)" "$TARGETS_S" "$TARGETS_LOG" \
     "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
 
-# --- fused LM head (#11): its GPU rows alone, before the suite, so that the suite's budget cannot cut them.
+# --- fused LM head: its GPU rows alone, before the suite, so that the suite's budget cannot cut them.
 FUSED_S="${FUSED_S:-150}"
 mkdir -p "$OUT/fused_head"
 run_stage "bench fused LM head (linear_token_logprobs)" "$FUSED_S" "$OUT/fused_head/bench.log" \

@@ -1,4 +1,4 @@
-"""Differential fuzzing of every public op (issue 20).
+"""Differential fuzzing of every public op.
 
 Hypothesis draws op x backend x dtype x layout x poison x hyper-parameter extremes; each
 example runs the op on the drawn backend, on the float32 reference (same inputs, same
@@ -29,7 +29,7 @@ A new op is one row of ``CASES`` (a builder of its inputs and call, its hyper-pa
 strategy, its backends and CI budget); each registered policy-loss mode is a row by itself.
 Budget: CI runs a fixed, derandomized budget (no example database; about 1.5 minutes on 2
 cores); ``pytest --fuzz-examples=2000`` (or ``PPO_FAST_FUZZ_EXAMPLES=2000``) runs that many
-random examples per test, for a nightly job.  ``EXAMPLES`` holds issue 20's regressions.
+random examples per test, for a nightly job.  ``EXAMPLES`` holds known regressions.
 
 PYTEST_DONT_REWRITE (the messages say what differs; pytest's rewriting would add tensor reprs)
 """
@@ -934,7 +934,7 @@ def check(case: Case, spec: Spec, compiled=None):
 # --------------------------------------------------------------------------- the tests
 
 
-# Known regressions of issue 20 (the random draws reach each of them too), as explicit examples.
+# Known regressions (the random draws reach each of them too), as explicit examples.
 _HEAD = {
     "scale": 1.0,
     "labels": "greedy",

@@ -3,7 +3,7 @@
 The script's preflight runs anywhere; its first GPU-only step (the build for the GPU's own
 architecture) must not start without a GPU: the script stops at once, says why, exit 3.
 ``tests/data/targets_cpu_quick.json`` was recorded by
-``python -m bench.targets --device cpu --quick`` on a loaded 2-core AMD EPYC: its timings
+``python -m bench targets --device cpu --quick`` on a loaded 2-core CPU: its timings
 exercise the renderer and are not measurements to quote.
 """
 
