@@ -62,8 +62,10 @@ t1=$SECONDS
     "$PY" setup.py -q build_ext --inplace --build-temp "$WORK/build" >"$WORK/build.log" 2>&1) \
     || { tail -n 60 "$WORK/build.log" >&2; echo "sanitize: the build failed (log: $WORK/build.log)" >&2; exit 1; }
 so=$(ls "$SRC"/ppo_fast/_C*.so)
-ldd "$so" | grep -q libasan || { echo "sanitize: $so does not link libasan" >&2; exit 1; }
-ldd "$so" | grep -q libubsan || { echo "sanitize: $so does not link libubsan" >&2; exit 1; }
+# ldd's output is kept first: `ldd | grep -q` under pipefail fails when grep exits before ldd ends (SIGPIPE).
+linked=$(ldd "$so")
+grep -q libasan <<<"$linked" || { echo "sanitize: $so does not link libasan" >&2; exit 1; }
+grep -q libubsan <<<"$linked" || { echo "sanitize: $so does not link libubsan" >&2; exit 1; }
 echo "sanitize: built in $((SECONDS - t1)) s"
 
 # The sanitizer runtime of the compiler that built the extension, first; libstdc++ after it.
