@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._sampling import truncation as checked_truncation
 from ..backends import resolve
 from .token_logprobs import MIN_TEMPERATURE
 
@@ -47,6 +48,9 @@ def linear_token_logprobs(
     *,
     bias=None,
     temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
     logit_scale=1.0,
     logit_softcap=None,
     return_entropy=False,
@@ -70,6 +74,7 @@ def linear_token_logprobs(
             on CPU in eager mode, else a NaN row with no gradient).
         bias: optional ``[V]`` head bias, ``hidden``'s dtype.
         temperature: the sampling temperature (>= 1e-5), applied after the soft-cap.
+        top_k, top_p, min_p: the sampler's truncations, as in ``token_logprobs``.
         logit_scale: a positive factor on the logits, before the soft-cap.
         logit_softcap: ``None`` or a positive cap ``c``.
         return_entropy: also return the entropy of the softmax.
@@ -83,6 +88,7 @@ def linear_token_logprobs(
     vocab, width = _check_head(hidden, weight, labels, bias)
     check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     temperature = check.real("temperature", temperature, low=MIN_TEMPERATURE)
+    truncation = checked_truncation(top_k, top_p, min_p, weight.shape[0])
     logit_scale = check.real("logit_scale", logit_scale, low=0.0, low_open=True)
     if logit_softcap is not None:
         logit_softcap = check.real("logit_softcap", logit_softcap, low=0.0, low_open=True)
@@ -100,6 +106,7 @@ def linear_token_logprobs(
         logit_softcap=logit_softcap,
         return_entropy=return_entropy,
         ignore_index=ignore_index,
+        truncation=truncation,
     )
     # Every backend gives a label outside [0, V) a NaN row (contract): one pass over the
     # results finds whether the labels need their full check (so does a NaN logit's row).

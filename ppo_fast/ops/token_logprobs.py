@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._sampling import truncation as checked_truncation
 from ..backends import resolve
 
 __all__ = ["token_logprobs"]
@@ -35,8 +36,20 @@ def _rows_view(logits: torch.Tensor) -> torch.Tensor:
         return logits.reshape(-1, logits.shape[-2], vocab)
 
 
-def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100, inplace_backward=False):
-    """Log-probability of ``labels`` under ``log_softmax(logits / temperature)``.
+def token_logprobs(
+    logits,
+    labels,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    return_entropy=False,
+    ignore_index=-100,
+    inplace_backward=False,
+):
+    """Log-probability of ``labels`` under ``log_softmax(logits / temperature)``, or under the
+    distribution a sampler with ``top_k``/``top_p``/``min_p`` drew from.
 
     Args:
         logits: ``[..., V]`` float32, bfloat16 or float16 (float64 for gradcheck).
@@ -45,6 +58,11 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
             (where checking would cost a host sync) their rows give a NaN log-prob and
             entropy and no gradient, and no kernel reads outside the logits.
         temperature: the sampling temperature (>= 1e-5), folded into the softmax.
+        top_k, top_p, min_p: the sampler's truncations (``0``/``-1``, ``1.0``, ``0.0``: off).
+            With any of them on, the softmax is renormalised over the tokens the sampler
+            keeps, in vLLM's order (``ppo_fast._sampling`` states the rule, its ties and
+            where Hugging Face's order differs); a label outside the kept set gives
+            ``-inf``.  The kept set is fixed: the gradient flows through the kept tokens.
         return_entropy: also return the entropy of ``softmax(logits / temperature)``.
         ignore_index: label value whose positions give 0 log-prob and 0 entropy and
             pass no gradient.
@@ -69,6 +87,7 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dim, got V = 0")
     temperature = check.real("temperature", temperature, low=MIN_TEMPERATURE)
+    truncation = checked_truncation(top_k, top_p, min_p, logits.shape[-1])
     ignore_index = check.integer("ignore_index", ignore_index)
     check.flag("return_entropy", return_entropy)
     check.flag("inplace_backward", inplace_backward)
@@ -78,7 +97,7 @@ def token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ign
     rows = _rows_view(logits)
     flat_labels = labels if labels.dim() == rows.dim() - 1 else labels.reshape(rows.shape[:-1])  # a view costs us
     logp, entropy = resolve("token_logprobs", logits.device.type)(
-        rows, flat_labels, temperature, return_entropy, ignore_index, inplace_backward
+        rows, flat_labels, temperature, return_entropy, ignore_index, inplace_backward, truncation=truncation
     )
     # Every backend gives a label outside [0, V) a NaN row (contract): one pass over the
     # results finds whether the labels need their full check (so does a NaN logit's row).

@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..._dtypes import result_dtype
+from ..._sampling import NO_TRUNCATION
 from ._common import check_dim, check_float, check_same_device, check_shape, grad_or_empty, needed_grads, register
 from .token_logprobs import _check_saved_row_stats
 
@@ -126,7 +127,10 @@ def linear_token_logprobs(
     logit_softcap=None,
     return_entropy=False,
     ignore_index=-100,
+    truncation=NO_TRUNCATION,
 ):
+    if truncation.active:
+        raise NotImplementedError("native linear_token_logprobs: top_k/top_p/min_p are not implemented yet")
     logp, entropy, _stats = torch.ops.ppo_fast.linear_token_logprobs(
         hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
     )

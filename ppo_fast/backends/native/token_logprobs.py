@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..._dtypes import result_dtype
+from ..._sampling import NO_TRUNCATION, Truncation
 from ._common import check_float, check_same_device, check_shape, register
 
 SUPPORTED = {"token_logprobs": {"cpu"}}
@@ -90,8 +91,16 @@ register("token_logprobs_backward", _fake_token_logprobs_backward)
 
 
 def token_logprobs(
-    logits, labels, temperature: float, return_entropy: bool, ignore_index: int, inplace_backward: bool = False
+    logits,
+    labels,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+    inplace_backward: bool = False,
+    truncation: Truncation = NO_TRUNCATION,
 ):
+    if truncation.active:
+        raise NotImplementedError("native token_logprobs: top_k/top_p/min_p are not implemented yet")
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
     logp, entropy, _stats = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
     return logp, (entropy if return_entropy else None)

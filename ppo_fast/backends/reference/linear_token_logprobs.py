@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
+from ..._sampling import NO_TRUNCATION, Truncation
 from ._common import CHUNK_ELEMENTS, DEVICES, in_common_dtype
 from .token_logprobs import _logprobs_rows
 
@@ -28,7 +29,7 @@ def linear_logits(
 
 
 def _linear_logprobs_chunk(
-    hidden, weight, bias, labels, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+    hidden, weight, bias, labels, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, truncation
 ):
     """One row chunk: ``token_logprobs`` of its logits.  Rows that are ignored or out of
     range get a zero hidden state first, so that whatever they hold (NaN, inf) reaches
@@ -36,7 +37,7 @@ def _linear_logprobs_chunk(
     used = (labels != ignore_index) & (labels >= 0) & (labels < weight.shape[0])
     hidden = torch.where(used.unsqueeze(-1), hidden, 0.0)
     logits = linear_logits(hidden, weight, bias, logit_scale, logit_softcap)
-    logp, entropy = _logprobs_rows(logits, labels, temperature, return_entropy, ignore_index)
+    logp, entropy = _logprobs_rows(logits, labels, temperature, return_entropy, ignore_index, truncation)
     return (logp, entropy) if return_entropy else (logp,)
 
 
@@ -51,6 +52,7 @@ def linear_token_logprobs(
     logit_softcap: float | None = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    truncation: Truncation = NO_TRUNCATION,
 ):
     """``token_logprobs(softcap(logit_scale * (hidden @ weight.T + bias)) , labels)`` at
     ``temperature``, for ``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)``.
@@ -61,7 +63,7 @@ def linear_token_logprobs(
     """
     # One compute-dtype copy of the head for all chunks (autograd casts its gradient back).
     weight_c, bias_c = in_common_dtype(weight, bias)
-    args = (temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
+    args = (temperature, logit_scale, logit_softcap, return_entropy, ignore_index, truncation)
     checkpointed = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
     outs = []

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._sampling import NO_TRUNCATION
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
 
@@ -603,9 +604,12 @@ def linear_token_logprobs(
     logit_softcap=None,
     return_entropy=False,
     ignore_index=-100,
+    truncation=NO_TRUNCATION,
 ):
     """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
     kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
+    if truncation.active:
+        raise NotImplementedError("triton linear_token_logprobs: top_k/top_p/min_p are not implemented yet")
     logp, entropy, _ = _linear_token_logprobs_op(
         hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
     )

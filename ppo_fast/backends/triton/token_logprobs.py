@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._sampling import NO_TRUNCATION
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
 from ._launch import (
     DEVICES,
@@ -632,7 +633,11 @@ def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats):
 _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
 
 
-def token_logprobs(logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False):
+def token_logprobs(
+    logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False, truncation=NO_TRUNCATION
+):
+    if truncation.active:
+        raise NotImplementedError("triton token_logprobs: top_k/top_p/min_p are not implemented yet")
     """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
     their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one)."""
     logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)

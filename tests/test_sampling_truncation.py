@@ -1,0 +1,258 @@
+"""Sampling-aware log-probs (top_k / top_p / min_p): the rule of ``ppo_fast._sampling``.
+
+The reference is checked against Hugging Face's own logits warpers (the peers' real
+functions, applied in vLLM's order where the two engines' orders differ); every backend that
+serves the log-prob ops is checked against the reference, values and gradients, on every
+dtype, with odd vocabularies, ties, k >= V, p = 1, labels outside the kept set, ignored and
+NaN rows, eager and compiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import ppo_fast as pf
+from ppo_fast._sampling import Truncation
+from ppo_fast.backends import serving
+from ppo_fast.backends.reference.token_logprobs import kept_tokens
+
+TRUNCATIONS = [
+    Truncation(top_k=5),
+    Truncation(top_k=1),
+    Truncation(top_p=0.9),
+    Truncation(top_p=0.3),
+    Truncation(min_p=0.1),
+    Truncation(top_k=50, top_p=0.9),
+    Truncation(top_k=3, top_p=0.5, min_p=0.02),
+    Truncation(top_p=0.9, min_p=0.05),
+]
+IDS = [f"k{t.top_k}-p{t.top_p}-m{t.min_p}" for t in TRUNCATIONS]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def as_kwargs(t: Truncation) -> dict:
+    return {"top_k": t.top_k, "top_p": t.top_p, "min_p": t.min_p}
+
+
+def hf_processed(logits: torch.Tensor, temperature: float, t: Truncation) -> torch.Tensor:
+    """The logits after Hugging Face's warpers, in vLLM's order: min-p, top-k, top-p."""
+    z = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if t.min_p > 0:
+        z = MinPLogitsWarper(t.min_p)(None, z)
+    if t.top_k > 0:
+        z = TopKLogitsWarper(t.top_k)(None, z)
+    if t.top_p < 1:
+        z = TopPLogitsWarper(t.top_p)(None, z)
+    return z
+
+
+def sampled_labels(logits: torch.Tensor, temperature: float, t: Truncation, outside: int = 2) -> torch.Tensor:
+    """Labels drawn from the truncated distribution (as a rollout draws them), and in the
+    first ``outside`` rows a token the sampler dropped where there is one."""
+    z = (logits.double() / temperature).flatten(0, -2)
+    kept = kept_tokens(z, t)
+    labels = torch.multinomial(torch.softmax(torch.where(kept, z, -math.inf), -1), 1)[:, 0]
+    for row in range(min(outside, z.shape[0])):
+        dropped = (~kept[row]).nonzero()
+        if len(dropped):
+            labels[row] = dropped[torch.randint(len(dropped), ())]
+    return labels.view(logits.shape[:-1])
+
+
+def near_edge(logits: torch.Tensor, temperature: float, t: Truncation, tol: float) -> torch.Tensor:
+    """Rows whose top-p edge lies within ``tol`` (relative mass) of a token: there float32
+    sums in another order may keep one token more or less, as two engines may."""
+    z = (logits.double() / temperature).flatten(0, -2)
+    if t.top_p >= 1:
+        return torch.zeros(logits.shape[:-1], dtype=torch.bool)
+    kept = kept_tokens(z, Truncation(t.top_k, 1.0, t.min_p))
+    w = torch.where(kept, torch.exp(z - z.amax(-1, keepdim=True)), 0.0)
+    total = w.sum(-1, keepdim=True)
+    larger = torch.stack([(w * (z > z[:, j : j + 1])).sum(-1) for j in range(z.shape[1])], -1)
+    return ((larger - t.top_p * total).abs() < tol * total).any(-1).view(logits.shape[:-1])
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=IDS)
+@pytest.mark.parametrize("vocab", [7, 101, 4099])
+def test_reference_equals_hugging_face_warpers(truncation, vocab):
+    logits = torch.randn(48, vocab) * 3
+    labels = sampled_labels(logits, 0.7, truncation)
+    want = torch.log_softmax(hf_processed(logits, 0.7, truncation), -1).gather(-1, labels[:, None])[:, 0]
+    with pf.use_backend("reference"):
+        got = pf.token_logprobs(logits, labels, temperature=0.7, **as_kwargs(truncation))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isinf(got[:2]).all() or vocab <= truncation.top_k
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_hugging_face_order_differs_only_with_top_p_and_min_p():
+    """HF generate applies min-p after top-p; the rule follows vLLM (min-p first)."""
+    logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -0.1]])
+    t = Truncation(top_p=0.99, min_p=0.5)
+    hf_order = MinPLogitsWarper(t.min_p)(None, TopPLogitsWarper(t.top_p)(None, logits.clone()))
+    kept = kept_tokens(logits, t)
+    assert kept.tolist() == [[True, True, True, False, False]]
+    assert torch.isfinite(hf_order).tolist() == kept.tolist()  # here the orders agree ...
+    t = Truncation(top_p=0.5, min_p=0.9)  # ... here min-p first leaves 2 tokens, top-p keeps 1 of them
+    assert kept_tokens(logits, t).tolist() == [[True, False, False, False, False]]
+
+
+def test_ties_at_the_edge_are_all_kept():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, 1.0]])
+    assert kept_tokens(logits, Truncation(top_k=2)).tolist() == [[True, True, True, True, False, True]]
+    w = torch.exp(logits - 2.0)
+    p_edge = float(w[0, 0] / w.sum()) + 1e-3  # just past the largest token alone: the tie at 1.0 joins whole
+    assert kept_tokens(logits, Truncation(top_p=p_edge)).tolist() == [[True, True, True, True, False, True]]
+
+
+def test_off_values_and_k_at_least_v_keep_everything():
+    logits = torch.randn(5, 9)
+    labels = torch.randint(0, 9, (5,))
+    plain = pf.token_logprobs(logits, labels)
+    for kwargs in ({"top_k": 0}, {"top_k": -1}, {"top_k": 9}, {"top_k": 1000}, {"top_p": 1.0}, {"min_p": 0.0}):
+        assert torch.equal(pf.token_logprobs(logits, labels, **kwargs), plain), kwargs
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"top_k": -2}, ValueError, "top_k"),
+        ({"top_k": 2.0}, TypeError, "top_k"),
+        ({"top_k": True}, TypeError, "top_k"),
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": 1.5}, ValueError, "top_p"),
+        ({"top_p": math.nan}, ValueError, "top_p"),
+        ({"top_p": "0.9"}, TypeError, "top_p"),
+        ({"min_p": -0.1}, ValueError, "min_p"),
+        ({"min_p": 1.1}, ValueError, "min_p"),
+    ],
+)
+@pytest.mark.parametrize("op", ["token_logprobs", "linear_token_logprobs"])
+def test_bad_truncation_arguments_are_named(op, kwargs, error, words):
+    labels = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(error, match=words):
+        if op == "token_logprobs":
+            pf.token_logprobs(torch.randn(3, 5), labels, **kwargs)
+        else:
+            pf.linear_token_logprobs(torch.randn(3, 4), torch.randn(5, 4), labels, **kwargs)
+
+
+# --------------------------------------------------------------------------- every backend
+
+
+def _compare(got, want, dtype):
+    (logp, ent), (want_logp, want_ent) = got, want
+    assert torch.equal(torch.isneginf(logp), torch.isneginf(want_logp))
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype != torch.float64 else {"rtol": 1e-10, "atol": 1e-10}
+    finite = torch.isfinite(want_logp)
+    torch.testing.assert_close(logp[finite], want_logp[finite], **tol)
+    torch.testing.assert_close(ent, want_ent, **tol, equal_nan=True)
+
+
+def _logits_and_labels(dtype, truncation, shape=(3, 5, 4099), ties=False):
+    logits = torch.randn(shape) * 2
+    if ties:  # integer logits: many ties, at every edge
+        logits = logits.round()
+    logits = logits.to(dtype)
+    labels = sampled_labels(logits.float(), 0.8, truncation)
+    labels[0, -1] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
+def test_token_logprobs_every_backend(backend, dtype, truncation):
+    logits, labels = _logits_and_labels(dtype, truncation, ties=dtype == torch.bfloat16)
+    ambiguous = near_edge(logits.float(), 0.8, truncation, 1e-5)
+    labels[ambiguous] = -100  # only rows where the kept set is unambiguous in float32
+    results = {}
+    for name in ("reference", backend):
+        leaf = logits.clone().requires_grad_()
+        with pf.use_backend(name):
+            logp, ent = pf.token_logprobs(leaf, labels, temperature=0.8, return_entropy=True, **as_kwargs(truncation))
+        finite = torch.isfinite(logp)
+        (torch.where(finite, logp, 0.0).sum() + 0.5 * ent.sum()).backward()
+        results[name] = ((logp.detach(), ent.detach()), leaf.grad)
+    _compare(results[backend][0], results["reference"][0], dtype)
+    tol = {"rtol": 1e-3, "atol": 1e-3} if dtype in (torch.bfloat16, torch.float16) else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(results[backend][1].float(), results["reference"][1].float(), **tol)
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS[:3] + TRUNCATIONS[5:6], ids=IDS[:3] + IDS[5:6])
+@pytest.mark.parametrize("backend", serving("linear_token_logprobs", "cpu"))
+def test_linear_token_logprobs_every_backend(backend, truncation):
+    n, width, vocab = 37, 11, 1031
+    hidden, weight, bias = torch.randn(n, width), torch.randn(vocab, width) / 2, torch.randn(vocab)
+    labels = sampled_labels((hidden @ weight.T + bias) * 1.5, 0.9, truncation)
+    labels[3] = -100
+    ambiguous = near_edge(((hidden @ weight.T + bias) * 1.5)[None], 0.9, truncation, 1e-4)[0]
+    labels[ambiguous] = -100
+    results = {}
+    for name in ("reference", backend):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        with pf.use_backend(name):
+            logp, ent = pf.linear_token_logprobs(
+                *leaves[:2], labels, bias=leaves[2], temperature=0.9, logit_scale=1.5, return_entropy=True,
+                **as_kwargs(truncation),
+            )  # fmt: skip
+        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
+        results[name] = ((logp.detach(), ent.detach()), [leaf.grad for leaf in leaves])
+    _compare(results[backend][0], results["reference"][0], torch.float32)
+    for got, want in zip(results[backend][1], results["reference"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
+def test_nan_row_stays_nan_and_alone(backend):
+    logits = torch.randn(4, 33)
+    logits[1, 7] = math.nan
+    logits[2, 3] = math.inf
+    labels = torch.randint(0, 33, (4,))
+    with pf.use_backend(backend):
+        logp, ent = pf.token_logprobs(logits, labels, top_k=4, top_p=0.8, return_entropy=True)
+    with pf.use_backend("reference"):
+        want, want_ent = pf.token_logprobs(logits, labels, top_k=4, top_p=0.8, return_entropy=True)
+    assert torch.isnan(logp[1]) and torch.isnan(ent[1]) and torch.isnan(logp[2])
+    torch.testing.assert_close(logp, want, equal_nan=True)
+    torch.testing.assert_close(ent, want_ent, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
+def test_compiled_equals_eager(backend):
+    logits, labels = _logits_and_labels(torch.float32, TRUNCATIONS[5], shape=(2, 3, 257))
+
+    def run(x):
+        return pf.token_logprobs(x, labels, temperature=0.8, return_entropy=True, top_k=50, top_p=0.9)
+
+    with pf.use_backend(backend):
+        eager = run(logits)
+        compiled = torch.compile(run, fullgraph=True)(logits)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_gradcheck_reference_float64():
+    logits = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 5, 10])
+    with torch.no_grad():
+        kept = kept_tokens(logits, Truncation(top_k=4, top_p=0.9))
+    labels = torch.where(kept.gather(-1, labels[:, None])[:, 0], labels, kept.float().argmax(-1))
+
+    def fn(x):
+        return pf.token_logprobs(x, labels, top_k=4, top_p=0.9, return_entropy=True)
+
+    with pf.use_backend("reference"):
+        assert torch.autograd.gradcheck(fn, (logits,))
