@@ -210,3 +210,28 @@ def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["rollout/logprob_diff_max"] < 1e-3 and row["time/weight_sync"] > 0 for row in rows), rows
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_top_p_ratio_is_one_with_sampled_support_and_the_kept_mass_with_full(vllm_run):
+    """At top_p = 0.9 the engine samples from the renormalised nucleus: the trainer's log-probs under
+    the same truncation give a rollout-correction ratio of 1, the full-vocabulary ones the kept mass."""
+    import ppo_fast as pf
+    from ppo_fast.trainer.rollout import forward
+
+    trainer = vllm_run["trainer"]
+    prompts = [default_task.prompt(a, 60 - a) for a in range(10, 42)]
+    sampling = dict(max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=0, greedy=False)
+    batch, engine_logprobs = trainer.engine.generate(trainer.tokenizer, prompts, device=trainer.device, **sampling)
+    mask = batch.response_mask
+    with torch.no_grad(), pf.use_backend("reference"):
+        sampled, _, _ = forward(trainer.policy, None, batch, temperature=0.7, truncation={"top_p": 0.9})
+        full, _, _ = forward(trainer.policy, None, batch, temperature=0.7)
+    ratio_sampled = pf.masked_mean(torch.exp(sampled - engine_logprobs), mask).item()
+    ratio_full = pf.masked_mean(torch.exp(full - engine_logprobs), mask).item()
+    kept_mass = pf.masked_mean(torch.exp(full - sampled), mask).item()
+    print(f"top_p=0.9: mean ratio {ratio_sampled:.6f} (sampled), {ratio_full:.6f} (full), kept mass {kept_mass:.6f}")
+    assert ratio_sampled == pytest.approx(1.0, abs=1e-3)
+    assert kept_mass < 0.99, "the nucleus kept the whole vocabulary: the test proves nothing"
+    assert ratio_full == pytest.approx(kept_mass, abs=1e-3)

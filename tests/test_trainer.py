@@ -313,8 +313,8 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
     exp = Experience(batch, old, torch.zeros_like(old), None, None)
     from ppo_fast.trainer.update import ppo_losses
 
-    base, _ = ppo_losses(trainer.policy, None, exp, cfg)
-    with_kl, stats = ppo_losses(
+    base, _, _ = ppo_losses(trainer.policy, None, exp, cfg)
+    with_kl, stats, _ = ppo_losses(
         trainer.policy, None, Experience(batch, old, torch.zeros_like(old), None, None, ref, 0.5), cfg
     )
     kl = pf.masked_mean(pf.kl_estimate(old, ref, "k3"), mask)  # k3: auto in the loss; token-mean: the default agg

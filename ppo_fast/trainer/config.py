@@ -57,6 +57,7 @@ CRITIC_MODES = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "reference", "triton", "native")
+LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
 ROLLOUT_ENGINES = ("hf", "vllm")
 
@@ -164,6 +165,16 @@ class TrainerConfig:
     temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout")
     top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
     top_k: int = _opt(0, "Sample from the k most likely tokens only (0: all).", "rollout")
+    min_p: float = _opt(
+        0.0, "Drop tokens whose probability is below min_p times the most likely one's (0: none).", "rollout"
+    )
+    logprobs_support: str = _opt(
+        "sampled",
+        "Which distribution the old, new and reference log-probs are taken under: sampled (renormalised over the "
+        "tokens --top-k/--top-p/--min-p keep, the distribution the rollouts were drawn from, so the importance ratio "
+        "is consistent) or full (the whole vocabulary at --temperature: the ratio then carries the kept mass).",
+        "rollout",
+    )
     rollout_engine: str = _opt(
         "hf",
         "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
@@ -305,6 +316,12 @@ class TrainerConfig:
 
     # ------------------------------------------------------------------ checks
 
+    def logprob_truncation(self) -> dict:
+        """The truncation keywords of the log-prob ops for the old, new and reference log-probs."""
+        if self.logprobs_support == "full":
+            return {}
+        return {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
+
     def validate(self) -> TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
         positive = (
@@ -351,6 +368,10 @@ class TrainerConfig:
         for name in ("gamma", "lam", "demo_carry_error_rate"):
             _require(name, 0 <= getattr(self, name) <= 1, "must lie in [0, 1]")
         _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
+        _require("min_p", 0 <= self.min_p <= 1, "must lie in [0, 1]")
+        if self.rollout_engine == "hf":
+            # Hugging Face applies min-p after top-p, vLLM (and the log-prob ops) before it.
+            _require("min_p", self.min_p == 0 or self.top_p == 1, "with --top-p < 1 needs --rollout-engine vllm")
         _require("vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization <= 1, "must lie in (0, 1]")
         if self.rollout_engine != "vllm":
             _require(
@@ -555,6 +576,7 @@ CHOICES = {
     "lr_scheduler_type": LR_SCHEDULES,
     "parallel": PARALLEL_MODES,
     "rollout_engine": ROLLOUT_ENGINES,
+    "logprobs_support": LOGPROBS_SUPPORTS,
     "rollout_correction": ("none", *ROLLOUT_CORRECTION_MODES),
 }
 

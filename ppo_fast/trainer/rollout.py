@@ -68,13 +68,16 @@ def generate(
     top_p: float,
     greedy: bool,
     top_k: int = 0,
+    min_p: float = 0.0,
     synced_gpus: bool = False,
 ) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
     ``synced_gpus``: every rank runs the same number of forward passes (sharded weights)."""
     enc = encode_prompts(tokenizer, prompts, policy.device)
     sampling = (
-        dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+        dict(do_sample=False)
+        if greedy
+        else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p or None)
     )
     out = policy.generate(
         **enc,
@@ -162,6 +165,7 @@ class ResponseScorer(torch.nn.Module):
         temperature: float,
         entropy: bool,
         hidden_states: bool,
+        truncation: dict | None = None,
     ):
         # The logits at position t predict token t + 1: the response is scored from the
         # position before its first token to the second to last one.
@@ -188,6 +192,7 @@ class ResponseScorer(torch.nn.Module):
                 labels=response_ids,
                 temperature=temperature,
                 return_entropy=entropy,
+                **(truncation or {}),
                 **head,
             )
         else:
@@ -197,13 +202,19 @@ class ResponseScorer(torch.nn.Module):
             out = self.model(**inputs, output_hidden_states=hidden_states)
             hidden = out.hidden_states[-1] if hidden_states else None
             result = pf.token_logprobs(
-                out.logits[:, start:-1], response_ids, temperature=temperature, return_entropy=entropy
+                out.logits[:, start:-1],
+                response_ids,
+                temperature=temperature,
+                return_entropy=entropy,
+                **(truncation or {}),
             )
         logprobs, token_entropy = result if entropy else (result, None)
         return logprobs, token_entropy, hidden
 
 
-def _response_scores(model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool):
+def _response_scores(
+    model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool, truncation: dict | None
+):
     """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
     scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
     return scorer(
@@ -214,20 +225,29 @@ def _response_scores(model, batch: Batch, *, temperature: float, entropy: bool, 
         temperature=temperature,
         entropy=entropy,
         hidden_states=hidden_states,
+        truncation=truncation,
     )
 
 
 def forward(
-    policy, critic: Critic | None, batch: Batch, *, temperature: float, entropy: bool = False, values: bool = False
+    policy,
+    critic: Critic | None,
+    batch: Batch,
+    *,
+    temperature: float,
+    entropy: bool = False,
+    values: bool = False,
+    truncation: dict | None = None,
 ):
-    """Per-response-token ``(logprobs, entropy or None, values or None)`` under the current weights.
+    """Per-response-token ``(logprobs, entropy or None, values or None)`` under the current weights,
+    at ``temperature`` with the sampler's ``truncation`` (``TrainerConfig.logprob_truncation``).
 
     ``policy`` is a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one.  The values are
     read at the positions whose logits score the response (the state before each token).
     """
     shared_values = values and critic is not None and critic.shared
     logprobs, token_entropy, hidden = _response_scores(
-        policy, batch, temperature=temperature, entropy=entropy, hidden_states=shared_values
+        policy, batch, temperature=temperature, entropy=entropy, hidden_states=shared_values, truncation=truncation
     )
     start = batch.prompt_width - 1
     token_values = None
@@ -241,15 +261,37 @@ def forward(
 
 
 @torch.no_grad()
-def score_old_and_ref(policy, reference, critic, batch: Batch, *, temperature: float, chunk: int):
-    """Old log-probs, reference log-probs and (with a critic) values, in chunks of ``chunk`` rows, dropout off."""
-    old, ref, vals = [], [], []
-    for start in range(0, batch.input_ids.shape[0], chunk):
-        part = batch.rows(slice(start, start + chunk))
-        logp, _, v = forward(policy, critic, part, temperature=temperature, values=critic is not None)
-        ref_logp, _, _ = forward(reference, None, part, temperature=temperature)
-        old.append(logp)
-        ref.append(ref_logp)
-        vals.append(v)
-    values = torch.cat(vals) if critic is not None else None
-    return torch.cat(old), torch.cat(ref), values
+def score_old_and_ref(
+    policy,
+    reference,
+    critic,
+    batch: Batch,
+    *,
+    temperature: float,
+    chunk: int,
+    order: torch.Tensor | None = None,
+    truncation: dict | None = None,
+):
+    """Old log-probs, reference log-probs and (with a critic) values, dropout off, in chunks of
+    ``chunk`` rows taken in ``order`` (a permutation of the rows; by default their own order).
+
+    Scored in the update's first micro-batches (same rows, same layout, same kernels), the
+    old log-probs equal the first micro-batch's new ones bitwise: its ratio is exactly 1."""
+    rows = batch.input_ids.shape[0]
+    order = torch.arange(rows, device=batch.input_ids.device) if order is None else order
+    old = ref = values = None
+    for start in range(0, rows, chunk):
+        index = order[start : start + chunk]
+        part = batch.rows(index)
+        logp, _, v = forward(
+            policy, critic, part, temperature=temperature, values=critic is not None, truncation=truncation
+        )
+        ref_logp, _, _ = forward(reference, None, part, temperature=temperature, truncation=truncation)
+        if old is None:
+            old = logp.new_empty((rows, *logp.shape[1:]))
+            ref = ref_logp.new_empty(old.shape)
+            values = None if v is None else v.new_empty((rows, *v.shape[1:]))
+        old[index], ref[index] = logp, ref_logp
+        if values is not None:
+            values[index] = v
+    return old, ref, values

@@ -135,6 +135,7 @@ class VLLMEngine:
         temperature: float,
         top_p: float,
         top_k: int,
+        min_p: float = 0.0,
         greedy: bool,
         device: torch.device,
     ) -> tuple[Batch, torch.Tensor]:
@@ -151,6 +152,7 @@ class VLLMEngine:
             temperature=0.0 if greedy else temperature,
             top_p=1.0 if greedy else top_p,
             top_k=0 if greedy else top_k,
+            min_p=0.0 if greedy else min_p,
             max_tokens=max_new_tokens,
             stop_token_ids=[tokenizer.eos_token_id],
             logprobs=0,

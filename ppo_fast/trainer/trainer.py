@@ -551,6 +551,7 @@ class PPOTrainer:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
+            min_p=cfg.min_p,
             greedy=False,
         )
         if self.engine is not None:
@@ -591,9 +592,18 @@ class PPOTrainer:
         with timer.phase("rollout"):
             prompts, answers = self._sample_prompts()
             batch, rollout_logprobs = self._generate(prompts)
+            # The first epoch's shuffle, drawn now: the old log-probs are scored in its micro-batches.
+            first_order = torch.randperm(rows, device=self.device)
             with self._autocast():
                 old_logprobs, ref_logprobs, values = score_old_and_ref(
-                    self.policy, self.reference, self.critic, batch, temperature=cfg.temperature, chunk=micro
+                    self.policy,
+                    self.reference,
+                    self.critic,
+                    batch,
+                    temperature=cfg.temperature,
+                    chunk=micro,
+                    order=first_order,
+                    truncation=cfg.logprob_truncation(),
                 )
         mask = batch.response_mask
         loss_weights = None
@@ -632,6 +642,7 @@ class PPOTrainer:
                 step,
                 self._autocast,
                 self.parallel,
+                first_order,
             )
         self._in_update = False
         if self.engine is not None:

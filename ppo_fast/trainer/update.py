@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -72,11 +73,17 @@ def policy_loss_params(cfg) -> dict:
 
 
 def ppo_losses(policy, critic, exp: Experience, cfg):
-    """``(total loss, stats)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss when the KL is not in
-    the reward) + vf_coef * value loss - ent_coef * entropy."""
+    """``(total loss, stats, new log-probs)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss when the
+    KL is not in the reward) + vf_coef * value loss - ent_coef * entropy."""
     mask = exp.batch.response_mask
     logprobs, entropy, values = forward(
-        policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
+        policy,
+        critic,
+        exp.batch,
+        temperature=cfg.temperature,
+        entropy=True,
+        values=exp.old_values is not None,
+        truncation=cfg.logprob_truncation(),
     )
     pg_loss, pg_stats = pf.policy_loss(
         logprobs,
@@ -107,7 +114,31 @@ def ppo_losses(policy, critic, exp: Experience, cfg):
         loss = loss + cfg.vf_coef * v_loss
         stats["loss/value_avg"] = v_loss.detach()
         stats["val/clipfrac_avg"] = v_stats["clipfrac"]
-    return loss, stats
+    return loss, stats, logprobs.detach()
+
+
+def ratio_deviation(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """``max |ratio - 1|`` over the valid tokens (0.0 for none): exactly 0.0 when the update's log-probs are
+    the old ones bitwise, as they are in the first micro-batch with dropout off."""
+    deviation = (torch.exp(logprobs - old_logprobs) - 1).abs()
+    # A token both passes score as -inf (dropped by the sampler in both) has ratio 1 by definition.
+    deviation = torch.where(logprobs == old_logprobs, 0.0, deviation)
+    return deviation[mask].max().item() if bool(mask.any()) else 0.0
+
+
+_warned_ratio = False
+
+
+def _check_ratio_at_start(deviation: float) -> None:
+    global _warned_ratio
+    if deviation != 0.0 and not _warned_ratio:
+        _warned_ratio = True
+        print(
+            f"ppo-fast: warning: the first micro-batch's importance ratio is not 1 before any update "
+            f"(max |ratio - 1| = {deviation:.3g}): the old log-probs and the update's disagree (dropout on, "
+            "another dtype or batch layout, or a non-deterministic kernel); logged as policy/ratio_dev_at_start",
+            file=sys.stderr,
+        )
 
 
 def ppo_update(
@@ -120,6 +151,7 @@ def ppo_update(
     step: int,
     autocast=contextlib.nullcontext,
     parallel=SINGLE,
+    first_order: torch.Tensor | None = None,
 ) -> dict:
     """Run ``num_ppo_epochs`` over ``num_mini_batches`` shuffled minibatches; return the mean stats.
 
@@ -128,6 +160,10 @@ def ppo_update(
     of every rank (``token-mean``: divided by the global token count; see
     ``Parallel.micro_batch_weights``).  A non-finite loss raises before it reaches the
     weights; the caller then keeps the last good checkpoint instead of saving these weights.
+
+    ``first_order`` is the first epoch's shuffle, drawn before the old log-probs were scored in
+    its micro-batches: ``policy/ratio_dev_at_start`` (max |ratio - 1| over the first micro-batch,
+    before any optimizer step) is then exactly 0.0 with dropout off.
     """
     rows = exp.old_logprobs.shape[0]
     minibatch = rows // cfg.num_mini_batches
@@ -137,8 +173,12 @@ def ppo_update(
     policy.train()
     if critic is not None:
         critic.train()
-    for _ in range(cfg.num_ppo_epochs):
-        order = torch.randperm(rows, device=exp.old_logprobs.device)
+    ratio_dev_at_start = None
+    for epoch in range(cfg.num_ppo_epochs):
+        if epoch == 0 and first_order is not None:
+            order = first_order
+        else:
+            order = torch.randperm(rows, device=exp.old_logprobs.device)
         for mb_start in range(0, rows, minibatch):
             optimizer.zero_grad(set_to_none=True)
             micro_rows = [order[start : start + micro] for start in range(mb_start, mb_start + minibatch, micro)]
@@ -147,8 +187,13 @@ def ppo_update(
             )
             for number, (index, weight) in enumerate(zip(micro_rows, weights), 1):
                 with parallel.accumulating(sync=number == len(micro_rows)):
+                    micro_exp = exp.rows(index)
                     with autocast():
-                        loss, stats = ppo_losses(policy, critic, exp.rows(index), cfg)
+                        loss, stats, new_logprobs = ppo_losses(policy, critic, micro_exp, cfg)
+                    if ratio_dev_at_start is None:
+                        mask = micro_exp.batch.response_mask
+                        ratio_dev_at_start = ratio_deviation(new_logprobs, micro_exp.old_logprobs, mask)
+                        _check_ratio_at_start(ratio_dev_at_start)
                     check_finite("loss", loss.detach(), step)
                     (loss * weight).backward()
                 for name, value in stats.items():
@@ -160,4 +205,5 @@ def ppo_update(
     policy.eval()
     if critic is not None:
         critic.eval()
-    return {name: torch.stack(values).mean().item() for name, values in totals.items()}
+    means = {name: torch.stack(values).mean().item() for name, values in totals.items()}
+    return {**means, "policy/ratio_dev_at_start": ratio_dev_at_start}
