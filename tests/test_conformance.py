@@ -1065,3 +1065,72 @@ def test_clip_fractions_lie_in_unit_interval(batch, length, dual, scale, seed, b
         _, vstats = pf.value_loss(logp, old, adv, mask, clip=0.1)
     for value in (stats["clipfrac"], stats["clipfrac_lower"], vstats["clipfrac"]):
         assert 0.0 <= value.item() <= 1.0
+
+
+# --------------------------------------------------------------------------- batch invariance
+
+# Each row op's result for one row, from that row's inputs (``x`` [rows, ...] tensors): a row
+# computed alone must equal, bit for bit, the same row inside a batch of 1,000 shuffled rows.
+BATCH_INVARIANT = {
+    "token_logprobs": (
+        lambda g: {"logits": torch.randn(1000, 301, generator=g) * 3, "labels": torch.randint(0, 301, (1000,))},
+        lambda x, **kw: pf.token_logprobs(x["logits"], x["labels"], return_entropy=True, temperature=0.7, **kw),
+    ),
+    "linear_token_logprobs": (
+        lambda g: {
+            "hidden": torch.randn(1000, HIDDEN, generator=g),
+            "labels": torch.randint(0, 301, (1000,)),
+            "weight": torch.randn(301, HIDDEN, generator=g),
+        },
+        lambda x, **kw: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], return_entropy=True, **kw),
+    ),
+    "kl_penalized_rewards": (
+        lambda g: {
+            "scores": torch.randn(1000, generator=g),
+            "logp": torch.randn(1000, 9, generator=g),
+            "ref": torch.randn(1000, 9, generator=g),
+            "mask": torch.rand(1000, 9, generator=g) < 0.8,
+        },
+        lambda x, **kw: pf.kl_penalized_rewards(
+            x["scores"], x["logp"], x["ref"], x["mask"], kl_coef=0.1, kl_estimator="k3"
+        ),
+    ),
+    "gae": (
+        lambda g: {
+            "rewards": torch.randn(1000, 33, generator=g),
+            "values": torch.randn(1000, 33, generator=g),
+            "mask": torch.rand(1000, 33, generator=g) < 0.8,
+        },
+        lambda x, **kw: pf.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95),
+    ),
+}
+TRUNCATED = ("token_logprobs", "linear_token_logprobs")  # also with top_k/top_p
+
+
+def _batch_invariance_cases():
+    for op in BATCH_INVARIANT:
+        for backend in serving(op, "cpu"):
+            for compiled in (False, True):
+                for truncation in ({}, {"top_k": 40, "top_p": 0.9}) if op in TRUNCATED else ({},):
+                    yield pytest.param(op, backend, compiled, truncation, id=f"{op}-{backend}-{compiled}-{truncation}")
+
+
+def _rows(x: dict, index) -> dict:
+    """The rows ``index`` of every per-row input (a weight [V, H] is shared by every row)."""
+    return {k: v if k == "weight" else v[index] for k, v in x.items()}
+
+
+@pytest.mark.parametrize("op, backend, compiled, truncation", list(_batch_invariance_cases()))
+def test_a_row_is_bitwise_independent_of_its_batch(op, backend, compiled, truncation):
+    make, run = BATCH_INVARIANT[op]
+    x = make(torch.Generator().manual_seed(zlib.crc32(op.encode())))
+    fn = torch.compile(run, fullgraph=True, dynamic=False) if compiled else run
+    # The Triton interpreter runs a program at a time: a batch of 1,000 there costs minutes.
+    rows = 160 if backend == "triton" and not torch.cuda.is_available() else 1000
+    order = torch.randperm(1000)[:rows]
+    with pf.use_backend(backend):
+        batch = fn(_rows(x, order), **truncation)
+        for row in (0, rows // 2 + 17, rows - 1):  # where the row lies in the shuffled batch
+            alone = fn(_rows(x, order[row : row + 1]), **truncation)
+            for got, want in zip(alone, batch):
+                assert torch.equal(got[0], want[row]), (op, backend, row)

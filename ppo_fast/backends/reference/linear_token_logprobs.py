@@ -12,6 +12,22 @@ from .token_logprobs import _logprobs_rows
 SUPPORTED = {"linear_token_logprobs": DEVICES}
 
 
+# The head's matrix products take this many rows at a time, the last block padded with zero
+# rows: BLAS picks its algorithm (and so a row's summation order) by the number of rows, so one
+# fixed shape makes a row's logits independent of the rest of the batch, bit for bit.
+MATMUL_ROWS = 128
+
+
+def _rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` computed in blocks of exactly ``MATMUL_ROWS`` rows of ``a``."""
+    rows = a.shape[0]
+    padded = -(-rows // MATMUL_ROWS) * MATMUL_ROWS
+    if padded != rows:
+        a = torch.cat([a, a.new_zeros(padded - rows, a.shape[1])])
+    blocks = [a[i : i + MATMUL_ROWS] @ b for i in range(0, padded, MATMUL_ROWS)]
+    return torch.cat(blocks)[:rows] if blocks else a.new_zeros(0, b.shape[1])
+
+
 def linear_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -23,7 +39,8 @@ def linear_logits(
     (before the temperature), in the inputs' common compute dtype (float32 for
     float16/bfloat16 inputs: the product accumulates and stays in float32)."""
     hidden, weight, bias = in_common_dtype(hidden, weight, bias)
-    raw = hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
+    raw = _rowwise_matmul(hidden, weight.T)
+    raw = raw if bias is None else raw + bias
     z = raw * logit_scale
     return z if logit_softcap is None else logit_softcap * torch.tanh(z / logit_softcap)
 
