@@ -19,7 +19,7 @@ step() { echo "== [$(( $(date +%s) - started ))s] $*"; }
 
 # torch, transformers and the rest of what ppo_fast's suite runs on must not move: pin them
 # to what is installed (verl's metadata asks for older transformers/tensordict; its core runs
-# on these, see the README's "Drop-in integrations" section).
+# on these, see docs/integrations.md).
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$PY" -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|triton|numpy|tokenizers|safetensors|huggingface[-_]hub)==' > "$work/constraints.txt" || true
@@ -41,7 +41,7 @@ step "verl's own tests: unpatched, patched (native), patched (triton, interprete
 "$PY" tests/peers/run_peer_tests.py verl --tests "$tests" --modes unpatched,native,triton -W ignore::UserWarning || status=1
 
 step "our integration tests"
-"$PY" -m pytest tests/test_integrations_verl.py tests/test_integrations_trl.py tests/test_integrations_openrlhf.py -q -p no:cacheprovider || status=1
+"$PY" -m pytest tests/test_integrations_verl.py tests/test_integrations_verl_worker.py tests/test_integrations_trl.py tests/test_integrations_openrlhf.py -q -p no:cacheprovider || status=1
 
 step "done (exit $status)"
 exit $status

@@ -1,1 +1,1 @@
-"""Benchmark suite of ppo_fast: ``python -m bench --help``; README tables via ``python -m bench report``."""
+"""Benchmark suite of ppo_fast: ``python -m bench --help``; markdown tables and plots via ``python -m bench report``."""

@@ -23,7 +23,7 @@ SUITES = {
     "targets": "the GPU targets, one met/missed line each",
     "vllm_rollout": "rollout speed, --rollout-engine hf against vllm, and the weight sync",
     "static": "the sm_90 code of every kernel, compiled without a GPU, against its budgets",
-    "report": "render result JSON files as the README's markdown (and the plots)",
+    "report": "render result JSON files as markdown tables (and, with --plot, one PNG)",
 }
 
 

@@ -156,7 +156,7 @@ else
         --out "$OUT" --budget-s "$budget" $BENCH_ARGS
     for json in "$OUT"/cuda*.json; do
         [ -f "$json" ] || continue
-        "$PY" -m bench report "$json" --plots >"${json%.json}.md" 2>>"$BENCH_LOG" \
+        "$PY" -m bench report "$json" --plot "${json%.json}.png" >"${json%.json}.md" 2>>"$BENCH_LOG" \
             || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
     done
     grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"

@@ -1,7 +1,7 @@
-"""Render benchmark results: the stdout table, the README markdown and the PNG plots.
+"""Render benchmark results: the stdout table, the markdown tables and the PNG plots.
 
-``python -m bench report bench/results/cpu.json [more.json ...]`` prints the README
-performance section (markdown) for the given result files.
+``python -m bench report bench/results/cpu.json [more.json ...]`` prints the performance
+tables (markdown) of the given result files; ``--plot out.png`` draws their ops into one PNG.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def e2e_note(results: dict) -> str | None:
 
 
 def markdown(results: dict) -> str:
-    """The README performance section for one result file."""
+    """The performance tables of one result file (markdown)."""
     columns = [c for c in _columns(results) if c[0] != "op"]
     title = {"cpu": "CPU", "cuda": "GPU"}[results["device"]]
     machine = results["machine"]
@@ -212,9 +212,11 @@ IMPL_COLORS = {
     "flash-attn-ce": "#bcbd22",
 }
 _SPARE_COLORS = ["#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d"]
-MODE_STYLES = {"fwd": "-", "fwd+bwd": "--"}
-DTYPE_MARKERS = {None: "o", "float32": "o", "bfloat16": "s", "float16": "^", "float64": "D"}
-LINE_MIN_SIZES = 3  # an op measured at fewer sizes is drawn as bars (a line needs a few points)
+BAR_HEIGHT_IN = 0.17  # inches per bar; a group's header and gap add a little more
+METRICS = {
+    "ms": ("median time per call, ms (log scale: shorter is faster)", "median_ms"),
+    "gbps": ("achieved GB/s (longer is faster)", "gbps"),
+}
 
 
 def impl_color(name: str, assigned: dict) -> str:
@@ -225,210 +227,177 @@ def impl_color(name: str, assigned: dict) -> str:
     return assigned[name]
 
 
-def _plot_points(results: dict, op: str, metric: str) -> list[dict]:
-    """Every measured value of ``metric`` for ``op`` (the eager baseline itself excluded)."""
-    points = []
+def yardsticks(case: dict) -> set[str]:
+    """Implementations timed as yardsticks of a case: they compute something else, so they are not compared."""
+    return set(case.get("yardsticks", ()))
+
+
+def machine_label(results: dict) -> str:
+    """The machine and date a result file was measured on, as a plot or page says it."""
+    machine = results["machine"]
+    hardware = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
+    return f"{results['device']}: {hardware}, {results['date'][:10]}"
+
+
+def bar_groups(results: dict, op: str, key: str) -> list[dict]:
+    """One group per (shape, mode) of ``op``: its compared bars (ours first, then the eager baseline and the
+    other baselines) and, apart, its yardsticks."""
+    groups = {}
     for case in results["cases"]:
-        if case["op"] != op:
+        if case["op"] != op or case.get("skipped"):
             continue
+        marks = yardsticks(case)
         for r in case["results"]:
-            if r["status"] == "ok" and r.get(metric) is not None and r["impl"] != case["eager_baseline"]:
-                points.append(
-                    {
-                        "impl": r["impl"],
-                        "mode": r["mode"],
-                        "dtype": case.get("params", {}).get("dtype"),
-                        "shape": case["shape"],
-                        "size": case["size"],
-                        "value": r[metric],
-                        "ours": r["kind"] == "ppo_fast",
-                    }
-                )
-    return points
+            if r["status"] != "ok" or r.get(key) is None:
+                continue
+            group = groups.setdefault((case["shape"], r["mode"]), {"label": f"{case['shape']}, {r['mode']}"})
+            bar = {
+                "impl": r["impl"],
+                "ours": r["kind"] == "ppo_fast",
+                "baseline": r["impl"] == case["eager_baseline"],
+                "value": r[key],
+                "speedup": r.get("speedup"),
+            }
+            group.setdefault("yardsticks" if r["impl"] in marks else "compared", []).append(bar)
+    for group in groups.values():
+        group.setdefault("compared", []).sort(key=lambda b: (not b["ours"], not b["baseline"], b["impl"]))
+        group.setdefault("yardsticks", [])
+    return list(groups.values())
 
 
-def plot(results: dict, out_dir: str, stem: str) -> list[str]:
-    """Speedup (and on GPU, GB/s) per op, one panel per op; returns the files written.
+def _panels(runs: list[dict], key: str) -> list[tuple[dict, str, list[dict]]]:
+    panels = []
+    for results in runs:
+        for op in dict.fromkeys(case["op"] for case in results["cases"]):
+            groups = bar_groups(results, op, key)
+            if groups:
+                panels.append((results, op, groups))
+    return panels
 
-    An op measured at several sizes is drawn as lines against size (colour: implementation,
-    line style: fwd / fwd+bwd, marker: dtype); an op measured at one or two sizes (``--quick``,
-    the CPU subset) as horizontal bars per shape and mode.  Colours are fixed per implementation.
+
+def _panel_height(groups: list[dict]) -> float:
+    bars = sum(len(g["compared"]) + len(g["yardsticks"]) for g in groups)
+    return 0.55 + BAR_HEIGHT_IN * bars + 0.3 * len(groups) + 0.12 * sum(bool(g["yardsticks"]) for g in groups)
+
+
+def plot(results: dict | list[dict], out_dir: str, stem: str) -> list[str]:
+    """Horizontal bars of the median milliseconds per call, one panel per op of every result file given
+    (on GPU also a second figure of the achieved GB/s); returns the files written (``{stem}.png``,
+    ``{stem}-gbps.png``).
+
+    Each bar is named on the axis and labelled with its milliseconds and its speed-up over the eager
+    baseline of its shape and mode.  Yardsticks (timed, not compared: e.g. ``linear-layer``, the head's
+    products alone) are drawn apart, hollow, after their group's compared bars.  Each panel names the
+    machine and the date of its result file.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("speedup", "speedup over the eager baseline (1x = eager; python loop for gae)")]
-    if results["device"] == "cuda":
-        metrics.append(("gbps", "achieved GB/s"))
-    ops = list(dict.fromkeys(case["op"] for case in results["cases"] if not case.get("skipped")))
-    quick = bool(results.get("settings", {}).get("quick"))
+    runs = results if isinstance(results, list) else [results]
     written = []
-    for metric, label in metrics:
-        per_op = {op: _plot_points(results, op, metric) for op in ops}
-        per_op = {op: pts for op, pts in per_op.items() if pts}
-        if not per_op:
+    for metric, (label, key) in METRICS.items():
+        if metric == "gbps" and not any(r["device"] == "cuda" for r in runs):
             continue
-        bars = {op: len({p["size"] for p in pts}) < LINE_MIN_SIZES for op, pts in per_op.items()}
-        heights = [max(1.9, 0.16 * len(pts) + 1.2) if bars[op] else 3.4 for op, pts in per_op.items()]
+        panels = _panels(runs, key)
+        if not panels:
+            continue
+        heights = [_panel_height(groups) for _, _, groups in panels]
         fig, axes = plt.subplots(
-            len(per_op), 1, figsize=(9, sum(heights) + 1.4), squeeze=False, gridspec_kw={"height_ratios": heights}
+            len(panels), 1, figsize=(10, sum(heights) + 1.1), squeeze=False, gridspec_kw={"height_ratios": heights}
         )
         assigned: dict[str, str] = {}
-        used_impls, used_modes, used_dtypes = {}, set(), set()
-        for ax, (op, pts) in zip(axes[:, 0], per_op.items()):
-            for p in pts:
-                used_impls.setdefault(p["impl"], p["ours"])
-                used_modes.add(p["mode"])
-            if bars[op]:
-                _bar_panel(ax, pts, assigned, impl_color)
-            else:
-                used_dtypes |= _line_panel(ax, op, pts, metric, results, assigned)
-            _style_panel(ax, op, metric, label, bars[op])
-        handles = _legend_handles(
-            assigned, used_impls, used_modes, used_dtypes, lines=any(not b for b in bars.values())
-        )
-        fig.legend(
-            handles=handles,
-            loc="upper center",
-            ncol=min(5, len(handles)),
-            fontsize=7,
-            frameon=False,
-            bbox_to_anchor=(0.5, 1 - 0.55 / (sum(heights) + 1.4)),
-        )
-        machine = results["machine"]
-        hardware = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
-        title = f"ppo_fast ops vs eager baselines: {results['device']} ({hardware}), {results['date'][:10]}"
-        if quick:
+        for ax, (run, op, groups) in zip(axes[:, 0], panels):
+            _bar_panel(ax, groups, metric, assigned)
+            ax.set_title(f"{op}  ({machine_label(run)})", fontsize=10, loc="left")
+            ax.set_xlabel(label, fontsize=8)
+            if metric == "gbps" and run.get("copy_bandwidth_gbps"):
+                ax.axvline(run["copy_bandwidth_gbps"], color="grey", linestyle=":", linewidth=1)
+        title = "ppo_fast ops (* ours) against what users run instead: milliseconds per call, speed-up over the eager baseline"
+        if any(r.get("settings", {}).get("quick") for r in runs):
             title += "\n--quick: tiny shapes, timings dominated by per-call overhead: a smoke test, not a speed result"
-        fig.suptitle(title, fontsize=9, y=0.995)
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.95 / (sum(heights) + 1.4)))
-        path = os.path.join(out_dir, f"{stem}-{metric}.png")
+        fig.suptitle(title, fontsize=9)
+        fig.text(
+            0.01, 0.003, "hollow bars: yardsticks, timed but not compared (they compute something else)", fontsize=7
+        )
+        total = sum(heights) + 1.1
+        fig.tight_layout(rect=(0, 0.25 / total, 1, 1 - 0.3 / total), h_pad=1.5)
+        path = os.path.join(out_dir, f"{stem}.png" if metric == "ms" else f"{stem}-{metric}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
 
 
-def _line_panel(ax, op: str, pts: list[dict], metric: str, results: dict, assigned: dict) -> set:
-    """Lines against size: colour per implementation, style per mode, marker per dtype; returns the dtypes drawn."""
-    from matplotlib.ticker import NullFormatter
-
-    series, dtypes = {}, set()
-    for p in pts:
-        series.setdefault((p["impl"], p["mode"], p["dtype"]), []).append((p["size"], p["value"]))
-        dtypes.add(p["dtype"])
-    for (impl, mode, dtype), xy in sorted(series.items(), key=lambda kv: [str(k) for k in kv[0]]):
-        xy.sort()
-        ax.plot(
-            [x for x, _ in xy],
-            [y for _, y in xy],
-            MODE_STYLES.get(mode, ":"),
-            marker=DTYPE_MARKERS.get(dtype, "x"),
-            color=impl_color(impl, assigned),
-            linewidth=1.4,
-            markersize=4,
-        )
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("logit elements (N x V)" if op == "token_logprobs" else "tokens (B x T)", fontsize=8)
-    if metric == "gbps" and results.get("copy_bandwidth_gbps"):
-        ax.axhline(results["copy_bandwidth_gbps"], color="grey", linestyle=":", linewidth=1)
-        ax.text(
-            ax.get_xlim()[0], results["copy_bandwidth_gbps"], " copy bandwidth", fontsize=7, va="bottom", color="grey"
-        )
-    return dtypes
+def _bar_text(bar: dict, metric: str, yardstick: bool) -> str:
+    value = bar["value"]
+    text = f" {value:,.0f}" if value >= 100 else f" {value:.3g}"
+    text += " ms" if metric == "ms" else " GB/s"
+    if yardstick:
+        return text
+    if bar["baseline"]:
+        return text + "  (eager baseline)"
+    return text + (f"  {bar['speedup']:.2f}x" if bar["speedup"] is not None else "")
 
 
-def _style_panel(ax, op: str, metric: str, label: str, bars: bool) -> None:
-    """Axis scales, the 1x line of a speedup, labels, title and grid of one panel."""
+def _bar_panel(ax, groups: list[dict], metric: str, assigned: dict) -> None:
+    """The bars of one op: groups top to bottom, compared bars, then its yardsticks apart."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    if metric == "speedup":
-        (ax.axvline if bars else ax.axhline)(1.0, color="black", linewidth=0.8)
-        axis = ax.xaxis if bars else ax.yaxis
-        (ax.set_xscale if bars else ax.set_yscale)("log")
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-        axis.set_minor_formatter(NullFormatter())
-    (ax.set_xlabel if bars else ax.set_ylabel)(label, fontsize=8)
-    ax.set_title(op, fontsize=10, loc="left")
-    ax.grid(alpha=0.3, which="both" if not bars else "major")
-    ax.tick_params(labelsize=7)
-
-
-def _legend_handles(assigned: dict, used_impls: dict, used_modes: set, used_dtypes: set, lines: bool) -> list:
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    handles = [
-        Patch(color=impl_color(name, assigned), label=name + (" (ppo_fast)" if ours else ""))
-        for name, ours in sorted(used_impls.items(), key=lambda kv: (not kv[1], kv[0]))
-    ]
-    if lines:
-        handles += [
-            Line2D([], [], color="black", linestyle=MODE_STYLES.get(m, ":"), label=m) for m in sorted(used_modes)
-        ]
-        handles += [
-            Line2D([], [], color="black", marker=DTYPE_MARKERS.get(d, "x"), linestyle="", label=d)
-            for d in sorted(used_dtypes, key=str)
-            if d
-        ]
-    elif "fwd+bwd" in used_modes:
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="fwd+bwd (hatched)"))
-    return handles
-
-
-def _bar_panel(ax, pts: list[dict], assigned: dict, color_of) -> None:
-    """Horizontal bars, grouped by (shape, mode), one bar per implementation, value labels."""
-    groups = {}
-    for p in pts:
-        groups.setdefault((p["shape"], p["mode"]), []).append(p)
-    y, ticks, labels = 0.0, [], []
-    for (shape, mode), members in groups.items():
-        members.sort(key=lambda p: (not p["ours"], p["impl"]))
-        start = y
-        for p in members:
-            ax.barh(
-                y,
-                p["value"],
-                height=0.8,
-                color=color_of(p["impl"], assigned),
-                hatch="///" if mode == "fwd+bwd" else None,
-                edgecolor="white" if mode == "fwd+bwd" else None,
-                linewidth=0,
-            )
-            ax.text(
-                p["value"],
-                y,
-                " " + (f"{p['value']:.0f}" if p["value"] >= 100 else f"{p['value']:.3g}"),
-                va="center",
-                fontsize=6,
-            )
-            y += 1
-        ticks.append((start + y - 1) / 2)
-        labels.append(f"{shape}  {mode}")
-        y += 0.6
+    y, ticks, labels, values = 0.0, [], [], []
+    for group in groups:
+        ax.text(0.0, y - 0.15, group["label"], transform=ax.get_yaxis_transform(), fontsize=8, weight="bold")
+        y += 0.75
+        for kind in ("compared", "yardsticks"):
+            if kind == "yardsticks" and group[kind]:
+                y += 0.4
+            for bar in group[kind]:
+                yardstick = kind == "yardsticks"
+                colour = impl_color(bar["impl"], assigned)
+                style = (
+                    {"facecolor": "none", "edgecolor": "#555555", "linestyle": "--"} if yardstick else {"color": colour}
+                )
+                ax.barh(y, bar["value"], height=0.75, linewidth=1.2, **style)
+                ax.text(bar["value"], y, _bar_text(bar, metric, yardstick), va="center", fontsize=7)
+                ticks.append(y)
+                labels.append(bar["impl"] + (" *" if bar["ours"] else "") + (" (yardstick)" if yardstick else ""))
+                values.append(bar["value"])
+                y += 1
+        y += 0.35
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.margins(x=0.15)
+    for tick, label in zip(ax.get_yticklabels(), labels):
+        tick.set_color("black" if label.endswith("*") else "#444444")
+    ax.set_ylim(y - 0.3, -0.8)
+    if metric == "ms":
+        ax.set_xscale("log")
+        lo, hi = min(values), max(values)
+        ax.set_xlim(lo / 1.6, hi * 5)  # room on the right for the longest bar's label
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_xlim(0, max(values) * 1.45)
+    ax.grid(axis="x", alpha=0.3)
+    ax.tick_params(labelsize=7)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="result JSON files written by python -m bench")
-    parser.add_argument("--plots", action="store_true", help="also (re)draw each file's PNG plots beside it")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="also draw every op of the given files into this PNG (one panel per op)"
+    )
     args = parser.parse_args(argv)
-    sections = []
+    runs = []
     for path in args.results:
         with open(path) as f:
-            results = json.load(f)
-        sections.append(markdown(results))
-        if args.plots:
-            stem = os.path.splitext(os.path.basename(path))[0]
-            plot(results, os.path.dirname(os.path.abspath(path)), stem)
-    print("## Performance\n\n" + "\n\n".join(sections))
+            runs.append(json.load(f))
+    print("## Performance\n\n" + "\n\n".join(markdown(results) for results in runs))
+    if args.plot:
+        stem = os.path.splitext(os.path.basename(args.plot))[0]
+        written = plot(runs, os.path.dirname(os.path.abspath(args.plot)), stem)
+        print("wrote " + ", ".join(written), file=sys.stderr)
     return 0
 
 

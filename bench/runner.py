@@ -188,6 +188,7 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
         "size": case.size,
         "params": case.params,
         "eager_baseline": case.eager_baseline,
+        "yardsticks": list(case.yardsticks),
         "results": [],
     }
     try:

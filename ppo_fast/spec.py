@@ -1,5 +1,5 @@
 """The single source of truth for ppo_fast's names, torch-free (the CLI, the trainer's config,
-the README tables, the tests and the C++ parsing in csrc/common/contract.h all derive from it):
+the documentation's tables, the tests and the C++ parsing in csrc/common/contract.h all derive from it):
 the backend ops, the KL estimators, the aggregation modes, the rollout-correction modes, the
 policy-loss modes (``Param``, ``PolicyLossMode``) and the advantage methods' metadata.
 

@@ -300,12 +300,12 @@ def test_trainer_falls_back_to_the_logits_for_a_non_standard_head(capsys):
     assert err.count("\n") == 1 and "logits_scaling" in err
 
 
-def test_readme_example_runs_and_equals_the_unfused_call():
+def test_docs_example_runs_and_equals_the_unfused_call():
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    example = readme.split("### Fused LM head", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "fused-head.md").read_text()
+    example = page.split("```python\n", 1)[1].split("```", 1)[0]
     scope = {}
-    exec(compile(example, "README.md fused head example", "exec"), scope)
+    exec(compile(example, "docs/fused-head.md example", "exec"), scope)
     want = pf.token_logprobs(scope["hidden"] @ scope["lm_head"].weight.T, scope["labels"], temperature=0.7)
     torch.testing.assert_close(scope["logp"], want)

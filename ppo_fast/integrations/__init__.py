@@ -8,7 +8,7 @@ Each ``patch(backend="auto")`` replaces the peer's own functions in place and re
 handle (a context manager); the module's ``unpatch()`` restores the originals.  A peer
 is imported only by its own adapter module.  ``counts()`` tells how many calls our
 replacements served (and handed back to the peer, as ``name:fallback``).
-See the README's "Drop-in integrations" section.
+See docs/integrations.md.
 """
 
 from ._patching import COUNTS, PatchHandle, UnsupportedPeerVersion

@@ -18,7 +18,7 @@ Replaced in ``trl.trainer.utils`` (and every alias in TRL's loaded modules):
 
 TRL 1.16 exposes no GRPO/PPO loss helper as a function (GRPOTrainer's loss is inline in
 ``_compute_loss``), so no loss is replaced.  What still differs is listed in
-the README ("Drop-in integrations").
+docs/integrations.md.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ config objects, the dual clip it always applies (``clip_ratio_c``, 3.0 by defaul
 GRPO epsilon (1e-6), its output dtypes, its errors (``masked_whiten`` of fewer than two
 valid tokens, an unknown ``loss_agg_mode``).  Hyper-parameters outside our ops' domain
 (e.g. ``clip_ratio_low >= 1``, ``cliprange_value <= 0``) go to verl's original function.
-What still differs is listed in the README ("Drop-in integrations").
+What still differs is listed in docs/integrations.md.
 """
 
 from __future__ import annotations

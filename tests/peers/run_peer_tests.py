@@ -8,7 +8,7 @@ process (``--one-mode``): ``unpatched`` runs the peer's own code, ``native`` and
 ``triton`` apply ``patch(backend=...)`` before any test module is imported (Triton on
 the CPU through ``TRITON_INTERPRET=1``).  Exit status 1 when a test that passes
 unpatched does not pass in a patched mode, unless it is listed in ``DEVIATIONS`` with
-its reason (the README's "Drop-in integrations" section lists the same).
+its reason (docs/integrations.md lists the same).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-# nodeid (relative to DIR) -> why it may not pass patched.  Keep the README's "Drop-in integrations" section in step.
+# nodeid (relative to DIR) -> why it may not pass patched.  Keep docs/integrations.md in step.
 DEVIATIONS: dict[str, dict[str, str]] = {
     "verl": {},
 }

@@ -1,0 +1,51 @@
+"""The documentation site: its generated pages are current and every page is in the nav."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def _docs_pages():
+    spec = importlib.util.spec_from_file_location("docs_pages", ROOT / "tools" / "docs_pages.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_pages_are_current():
+    for name, make in _docs_pages().PAGES.items():
+        assert (ROOT / "docs" / name).read_text() == make(), f"docs/{name} is stale: run python tools/docs_pages.py"
+
+
+def test_options_page_has_the_trainers_table():
+    from ppo_fast.trainer.config import options_markdown
+
+    assert options_markdown().strip() in (ROOT / "docs" / "trainer-options.md").read_text()
+
+
+def test_performance_page_reads_every_result_file_and_labels_each_with_its_machine():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    results = sorted(RESULTS.glob("*.json"))
+    for result in results:
+        assert f"`bench/results/{result.name}`" in page, result.name
+    assert page.count("Measured on ") == len(results)
+
+
+def _nav_files(nav) -> list[str]:
+    files = []
+    for item in nav:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        files += _nav_files(value) if isinstance(value, list) else [value]
+    return files
+
+
+def test_every_page_is_in_the_nav():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert sorted(_nav_files(config["nav"])) == pages
