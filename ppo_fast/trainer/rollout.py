@@ -213,7 +213,7 @@ class ResponseScorer(torch.nn.Module):
 
 
 def _response_scores(
-    model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool, truncation: dict | None
+    model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool, truncation: dict | None = None
 ):
     """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
     scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
