@@ -582,6 +582,24 @@ class PPOTrainer:
         rows = [i for i in picks for _ in range(self.cfg.num_samples_per_prompt)]
         return [self.train_set.texts[i] for i in rows], [self.train_set.answers[i] for i in rows]
 
+    def _score_old_and_ref(self, batch, rows: int, micro: int):
+        """``(first epoch's shuffle, old log-probs, reference log-probs, values)``.  The shuffle is
+        drawn first and the old log-probs are scored in its micro-batches, as the update will
+        see them: the first micro-batch's ratio is then exactly 1."""
+        first_order = torch.randperm(rows, device=self.device)
+        with self._autocast():
+            scored = score_old_and_ref(
+                self.policy,
+                self.reference,
+                self.critic,
+                batch,
+                temperature=self.cfg.temperature,
+                chunk=micro,
+                order=first_order,
+                truncation=self.cfg.logprob_truncation(),
+            )
+        return (first_order, *scored)
+
     def train_step(self) -> dict:
         """One PPO iteration; returns its metrics row.  ``self.step`` counts completed iterations."""
         cfg, timer = self.cfg, self.timer
@@ -592,19 +610,7 @@ class PPOTrainer:
         with timer.phase("rollout"):
             prompts, answers = self._sample_prompts()
             batch, rollout_logprobs = self._generate(prompts)
-            # The first epoch's shuffle, drawn now: the old log-probs are scored in its micro-batches.
-            first_order = torch.randperm(rows, device=self.device)
-            with self._autocast():
-                old_logprobs, ref_logprobs, values = score_old_and_ref(
-                    self.policy,
-                    self.reference,
-                    self.critic,
-                    batch,
-                    temperature=cfg.temperature,
-                    chunk=micro,
-                    order=first_order,
-                    truncation=cfg.logprob_truncation(),
-                )
+            first_order, old_logprobs, ref_logprobs, values = self._score_old_and_ref(batch, rows, micro)
         mask = batch.response_mask
         loss_weights = None
         if cfg.rollout_correction != "none":
