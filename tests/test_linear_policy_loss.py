@@ -199,3 +199,11 @@ def test_kl_loss_only_with_ref_logprobs():
     loss, stats = pf.linear_policy_loss(x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"])
     assert "kl_loss" not in stats and set(stats) == {"clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy"}
     torch.testing.assert_close(loss.detach(), stats["pg_loss"])
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla", "gspo"])))
+def test_many_chunks_of_a_wide_vocabulary(mode, backend):
+    """A vocabulary wide enough that the native kernel's chunks hold 64 tokens (GSPO: one whole
+    row of 40 each), so that the chunk boundaries and the gradients' accumulation are crossed."""
+    x = make_inputs(9, dims=(4, 40, 131_072, 5), weighted=True)
+    check_against_two_pass(x, mode, "seq-mean-token-sum", backend, logit_softcap=4.0)
