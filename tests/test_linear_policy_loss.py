@@ -207,3 +207,17 @@ def test_many_chunks_of_a_wide_vocabulary(mode, backend):
     row of 40 each), so that the chunk boundaries and the gradients' accumulation are crossed."""
     x = make_inputs(9, dims=(4, 40, 131_072, 5), weighted=True)
     check_against_two_pass(x, mode, "seq-mean-token-sum", backend, logit_softcap=4.0)
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))
+def test_backward_twice_through_one_graph_accumulates(mode, backend):
+    """retain_graph: a second backward with another incoming gradient adds its own share, and the
+    first's accumulated gradients stay as they were."""
+    x = make_inputs(8)
+    loss, _ = fused(x, mode, "token-mean", backend)
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in leaves(x)]
+    (loss * 3.0).backward(retain_graph=True)
+    (loss * -0.5).backward()
+    for t, g in zip(leaves(x), first):
+        torch.testing.assert_close(t.grad, 3.5 * g)

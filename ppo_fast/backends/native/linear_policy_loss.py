@@ -50,19 +50,35 @@ def _setup(ctx, inputs, output):
     _loss, stats, grad_hidden, grad_weight, grad_bias = output
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
     ctx.has_bias = inputs[7] is not None
+    ctx.carried = 1.0  # the factor the stored gradients carry (see _backward)
     ctx.mark_non_differentiable(stats, grad_hidden, grad_weight, grad_bias)
 
 
 def _backward(ctx, grad_loss, *_unused):
-    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    """The stored gradients times the incoming one.  Eagerly they are scaled in place (the op's own
+    tensors, which nothing else holds: no second copy of d_weight at the backward's peak), keeping
+    the factor they carry so that another backward through the graph (retain_graph) rescales them;
+    traced (torch.compile) the product is out of place."""
+    stored = ctx.saved_tensors
     need = ctx.needs_input_grad
-
-    def scaled(g, wanted):
-        return g * grad_loss.to(g.dtype) if wanted and g.numel() else None
-
+    wanted = (need[0], need[1], ctx.has_bias and need[7])
+    if torch._guards.detect_fake_mode(grad_loss) is not None or torch.compiler.is_compiling():
+        scaled = [g * grad_loss.to(g.dtype) if w and g.numel() else None for g, w in zip(stored, wanted)]
+    else:
+        factor = float(grad_loss)  # a CPU tensor (the op serves CPU only): no device sync
+        if ctx.carried == 0.0 and factor != 0.0:
+            raise RuntimeError(
+                "linear_policy_loss: a second backward through this graph after one with a zero incoming "
+                "gradient (its stored gradients were scaled to 0 in place); call the op again"
+            )
+        if factor != ctx.carried:
+            ratio = factor / ctx.carried if ctx.carried else 0.0
+            for g in stored:
+                g.data.mul_(ratio)  # .data: the saved tensors are ours; their version stays
+            ctx.carried = factor
+        scaled = [g if w and g.numel() else None for g, w in zip(stored, wanted)]
     grads = [None] * 20
-    grads[0], grads[1] = scaled(grad_hidden, need[0]), scaled(grad_weight, need[1])
-    grads[7] = scaled(grad_bias, ctx.has_bias and need[7])
+    grads[0], grads[1], grads[7] = scaled
     return tuple(grads)
 
 
