@@ -13,6 +13,7 @@ from ppo_fast.ops.aggregate import aggregate
 
 from .config import ConfigError, flag
 from .distributed import SINGLE
+from .linear_policy_loss import linear_policy_losses
 from .rollout import Batch, forward
 from .scoring import check_finite
 
@@ -74,6 +75,9 @@ def policy_loss_params(cfg) -> dict:
 def ppo_losses(policy, critic, exp: Experience, cfg):
     """``(total loss, stats)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss when the KL is not in
     the reward) + vf_coef * value loss - ent_coef * entropy."""
+    fused = linear_policy_losses(policy, critic, exp, cfg, policy_loss_params(cfg), _STAT_NAMES)
+    if fused is not None:  # the policy scored through the fused LM head: its loss in one pass
+        return fused
     mask = exp.batch.response_mask
     logprobs, entropy, values = forward(
         policy, critic, exp.batch, temperature=cfg.temperature, entropy=True, values=exp.old_values is not None
