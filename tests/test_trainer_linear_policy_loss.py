@@ -9,6 +9,7 @@ import torch
 
 from ppo_fast.trainer import PPOTrainer, TrainerConfig
 from ppo_fast.trainer import update as update_module
+from ppo_fast.trainer.linear_policy_loss import has_fast_backend
 from ppo_fast.trainer.rollout import forward, generate, scores_through_fused_head
 from ppo_fast.trainer.update import Experience, ppo_losses
 
@@ -51,13 +52,14 @@ def loss_stats_grads(trainer, cfg, exp):
     [
         {"policy_loss": "vanilla", "advantage_method": "grpo", "kl_coef": 0.2},
         {"policy_loss": "gspo", "advantage_method": "grpo", "loss_agg": "seq-mean-token-mean", "kl_coef": 0.2},
-        {"policy_loss": "dro", "advantage_method": "gae", "policy_loss_params": "dro_beta=0.1"},
+        {"policy_loss": "vanilla", "advantage_method": "gae", "loss_agg": "token-sum", "dual_clip": 3.0},
     ],
-    ids=["vanilla-kl-loss", "gspo", "dro-with-critic"],
+    ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic"],
 )
 def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides):
     trainer, cfg, exp = trainer_and_experience(tmp_path, **overrides)
     assert scores_through_fused_head(trainer.policy, exp.old_logprobs.device)
+    assert has_fast_backend(cfg.policy_loss, "cpu"), "the native CPU backend serves vanilla and gspo"
     calls = []
     real = update_module.linear_policy_losses
     monkeypatch.setattr(update_module, "linear_policy_losses", lambda *a: calls.append(1) or real(*a))
@@ -73,3 +75,8 @@ def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides)
     for got, want in zip(fused_grads, grads):
         if want is not None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_modes_without_a_fast_one_pass_op_keep_the_two_pass_path():
+    assert not has_fast_backend("dppo_tv", "cpu")  # the reference only
+    assert not has_fast_backend("clip_cov", "cpu")  # a selection across the batch

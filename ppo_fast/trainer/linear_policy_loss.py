@@ -5,17 +5,28 @@ policy's forward, so under DDP too), then the value loss as ``update.ppo_losses`
 from __future__ import annotations
 
 import ppo_fast as pf
+from ppo_fast.backends import resolved_backend_name
 
 from .rollout import _response_scores, scores_through_fused_head
 
 
+def has_fast_backend(loss_mode: str, device_type: str) -> bool:
+    """Whether a fast backend serves the mode's one-pass op there: the reference's chunked
+    ``autograd.grad`` loop is the oracle, slower than the two-pass path's kernels."""
+    op = pf.policy_loss_modes()[loss_mode].linear_op
+    return op is not None and resolved_backend_name(op, device_type) != "reference"
+
+
 def linear_policy_losses(policy, critic, exp, cfg, mode_params: dict, stat_names: dict):
     """``(total loss, stats)`` of ``update.ppo_losses`` for one micro-batch through
-    ``pf.linear_policy_loss``, or None when the policy is not scored through the fused head or a
-    shared critic reads the policy's hidden states."""
+    ``pf.linear_policy_loss``, or None when the policy is not scored through the fused head, no
+    fast backend serves the mode's one-pass op, or a shared critic reads the policy's hidden states."""
     batch = exp.batch
     needs_values = exp.old_values is not None
-    if not scores_through_fused_head(policy, batch.input_ids.device) or (needs_values and critic.shared):
+    device = batch.input_ids.device
+    if (needs_values and critic.shared) or not has_fast_backend(cfg.policy_loss, device.type):
+        return None
+    if not scores_through_fused_head(policy, device):
         return None
     mask = batch.response_mask
     kl = {}
