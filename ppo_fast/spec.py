@@ -100,6 +100,16 @@ class PolicyLossMode:
     sequence_level: bool = False  # a per-sequence reduction before the ratio (GSPO, GMPO)
     syncs_host: bool = False  # data-dependent selection (a host sync on CUDA, as in verl)
     note: str = ""  # how it differs from verl's mode, if at all
+    # Its per-token gradient depends on its own sequence only, so that pf.linear_policy_loss
+    # computes it in one pass over chunks of whole sequences (op ``linear_op``); False: a
+    # selection across the batch, and pf.linear_policy_loss takes the two-pass path
+    # (linear_token_logprobs, then policy_loss).
+    fused_head: bool = True
+
+    @property
+    def linear_op(self) -> str | None:
+        """The op of this mode's one-pass ``linear_policy_loss`` (None: it takes the two-pass path)."""
+        return f"linear_policy_loss_{self.name}" if self.fused_head else None
 
     def bind(self, given: dict) -> tuple:
         """The mode's parameters, in order, from ``given`` (validated, defaults filled in)."""
@@ -177,6 +187,7 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
             ),
             stats=("clipfrac", "approx_kl"),
             syncs_host=True,
+            fused_head=False,
             note="the cut tokens are drawn with torch.randperm from torch's default CPU generator, as in verl",
         ),
         PolicyLossMode(
@@ -189,6 +200,7 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
             ),
             stats=("approx_kl_abs",),
             syncs_host=True,
+            fused_head=False,
             note="verl reports the mean abs(log r) as ppo_kl; here it is approx_kl_abs",
         ),
         PolicyLossMode(
@@ -238,6 +250,8 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
 }
 
 POLICY_LOSS_OPS = tuple(dict.fromkeys(mode.op for mode in POLICY_LOSS_MODES.values()))
+# The one-pass policy loss through the LM head, one op per mode that allows it.
+LINEAR_POLICY_LOSS_OPS = tuple(mode.linear_op for mode in POLICY_LOSS_MODES.values() if mode.fused_head)
 
 
 def policy_loss_mode(name) -> PolicyLossMode:
@@ -254,7 +268,8 @@ def policy_loss_mode(name) -> PolicyLossMode:
 def describe(mode: PolicyLossMode) -> str:
     """One line: the mode, its parameters with defaults, and what it computes (for --help)."""
     params = ", ".join(f"{p.name}={p.same_as if p.default is None and p.same_as else p.default}" for p in mode.params)
-    return f"{mode.name}({params}): {mode.summary}"
+    two_pass = "" if mode.fused_head else " [linear_policy_loss: two-pass]"
+    return f"{mode.name}({params}): {mode.summary}{two_pass}"
 
 
 # The backend ops: one implementation per backend (a backend declares which it serves).
@@ -270,7 +285,7 @@ OPS = (
     "value_loss",
     "group_sum",
 )
-OPS = OPS + tuple(op for op in POLICY_LOSS_OPS if op not in OPS)
+OPS = OPS + tuple(op for op in POLICY_LOSS_OPS if op not in OPS) + LINEAR_POLICY_LOSS_OPS
 
 
 # --------------------------------------------------------------------------- advantage methods

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 import ppo_fast as pf
 from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.backends import BACKENDS, backend_info, serving
-from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, OPS, POLICY_LOSS_MODES
+from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, LINEAR_POLICY_LOSS_OPS, OPS, POLICY_LOSS_MODES
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
@@ -301,6 +301,62 @@ def build_policy_loss(gen, device, dtype, layout, poison, *, loss_mode, agg, wei
     return Built(leaves, views, call, (0,))
 
 
+def build_linear_policy_loss(
+    gen, device, dtype, layout, poison, *, loss_mode, agg, weighted=False, softcap=None, bias=True, dims=DIMS
+):
+    """pf.linear_policy_loss with the KL and entropy terms: hidden ``[B, T, H]`` in ``layout``
+    (poison at masked tokens or at one valid token), a ``[V, H]`` head; the rollout's tensors
+    are constants of the op."""
+    B, T, V = dims
+    mask = _mask_for(gen, device, layout, dims)
+    hidden = torch.randn(B, T, HIDDEN, generator=gen).to(device, dtype)
+    if layout == "expanded":
+        hidden = hidden[:1].expand(B, T, HIDDEN).clone()
+    weight = (torch.randn(V, HIDDEN, generator=gen) / HIDDEN**0.25).to(device, dtype).requires_grad_(True)
+    head_bias = torch.randn(V, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
+    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
+    if layout == "expanded":
+        labels = labels[:1].expand(B, T).clone()
+    if poison == "masked":
+        hidden = torch.where(mask.unsqueeze(-1), hidden, torch.tensor(math.nan, dtype=dtype, device=device))
+    elif poison == "valid" and bool(mask.any()):
+        hidden.view(-1, HIDDEN)[mask.flatten().nonzero()[0, 0], 3] = math.nan
+    leaf, view, grad_view = laid_out(hidden, layout, grad=True)
+    _, label_view, _ = laid_out(labels, layout, grad=False)
+    names = ("old_logprobs", "advantages", "ref_logprobs") + (("weights",) if weighted else ())
+    _, _, t = _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask, scale=0.5)
+    params = {"dro_beta": 0.3} if loss_mode == "dro" else {}
+    if "clip_eps_high" in {p.name for p in pf.policy_loss_modes()[loss_mode].params}:
+        params["clip_eps_high"] = 0.28
+
+    def call():
+        loss, stats = pf.linear_policy_loss(
+            view,
+            weight,
+            label_view,
+            -t["old_logprobs"].detach().abs() - 0.5,
+            t["advantages"].detach(),
+            mask,
+            loss_mode=loss_mode,
+            agg=agg,
+            weights=t["weights"].detach().abs() if weighted else None,
+            bias=head_bias,
+            temperature=0.7,
+            logit_scale=0.8,
+            logit_softcap=softcap,
+            ref_logprobs=-t["ref_logprobs"].detach().abs() - 0.5,
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            **params,
+        )
+        return loss, *stats.values()
+
+    leaves, views = {"hidden": leaf, "weight": weight}, {"hidden": grad_view, "weight": lambda g: g}
+    if bias:
+        leaves["bias"], views["bias"] = head_bias, lambda g: g
+    return Built(leaves, views, call, (0,))
+
+
 def build_group_sum(gen, device, dtype, layout, poison, *, method, dims=DIMS):
     """group_sum through the public op of each advantage method that runs on the fast backends."""
     mask = _mask_for(gen, device, layout, dims)
@@ -347,6 +403,18 @@ for _mode in POLICY_LOSS_MODES.values():
             + [{"loss_mode": _mode.name, "agg": "token-mean", "weighted": True}],
         ),
     )
+# The one-pass policy loss through the LM head, each mode that allows it its own op.
+for _mode in POLICY_LOSS_MODES.values():
+    if _mode.fused_head:
+        VARIANTS[_mode.linear_op] = (
+            build_linear_policy_loss,
+            [{"loss_mode": _mode.name, "agg": a} for a in AGG_MODES]
+            + [
+                {"loss_mode": _mode.name, "agg": "token-mean", "weighted": True, "bias": False},
+                {"loss_mode": _mode.name, "agg": "token-mean", "softcap": 2.5},
+            ],
+        )
+        LONG_DIMS[_mode.linear_op] = (2, 3, 4099)
 for _op, (_, _variants) in VARIANTS.items():
     _variants.append({**_variants[0], "dims": LONG_DIMS.get(_op, LONG_DIMS["default"])})
 assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
@@ -460,6 +528,8 @@ def _compiled_cases():
     for op in [op for op in OPS if op not in _GRAPH_BREAKING]:
         for device in DEVICES:
             for backend in serving(op, device):
+                if backend == "reference" and op in LINEAR_POLICY_LOSS_OPS:
+                    continue  # its forward takes the gradients with autograd.grad, which Dynamo does not trace
                 yield pytest.param(
                     op,
                     backend,
@@ -545,7 +615,11 @@ GRADCHECK_DIMS = (2, 3, 5)
 
 # Losses whose gradient is by design not their derivative (a stop-gradient inside): their
 # backward is checked against the reference's autograd only (test_backend_matches_reference).
-STOP_GRADIENT_SURROGATES = {"policy_loss_gspo", "policy_loss_cispo", "policy_loss_dppo_tv", "policy_loss_dppo_kl"}
+STOP_GRADIENT_SURROGATES = {
+    op
+    for name in ("gspo", "cispo", "dppo_tv", "dppo_kl")
+    for op in (POLICY_LOSS_MODES[name].op, POLICY_LOSS_MODES[name].linear_op)
+}
 
 
 def _gradcheck_cases():
@@ -902,6 +976,36 @@ for _mode in POLICY_LOSS_MODES.values():
             if m == _mode.name
         ]
     )
+
+
+def _linear_policy(loss_mode, **kwargs):
+    """pf.linear_policy_loss on valid inputs (hidden [2, 3, 4], a [5, 4] head), but for the arguments given."""
+    args = {"hidden": r(2, 3, 4), "weight": r(5, 4), "labels": tensor([[0, 1, 2], [3, 4, 0]])}
+    args.update({name: _default(name) for name in ("old_logprobs", "advantages", "mask")})
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    extra = {"dro_beta": 0.3} if loss_mode == "dro" else {}
+    return pf.linear_policy_loss(*args.values(), loss_mode=loss_mode, **{**extra, **kwargs})
+
+
+for _mode in POLICY_LOSS_MODES.values():
+    if _mode.fused_head:
+        _call = partial(_linear_policy, _mode.name)
+        BAD_INPUTS[_mode.linear_op] = [
+            (lambda c=_call: c(hidden=r(2, 4)), ValueError, r"hidden must be \[B, T, H\]", None),
+            (lambda c=_call: c(labels=tensor([[0, 1], [2, 3]])), ValueError, "labels must have shape", None),
+            (lambda c=_call: c(old_logprobs=r(2, 2)), ValueError, "must have the shape of old_logprobs", None),
+            (lambda c=_call: c(weight=r(5, 3)), ValueError, "hidden's last dim", None),
+            (lambda c=_call: c(kl_coef=0.1), ValueError, "kl_coef=0.1 needs ref_logprobs", None),
+            (lambda c=_call: c(kl_estimator="k4"), ValueError, "kl_estimator", None),
+            (
+                lambda c=_call: c(labels=tensor([[0, 1, 2], [3, 5, 0]])),
+                ValueError,
+                r"labels must lie in \[0, 5\)",
+                None,
+            ),
+            (lambda c=_call: c(not_a_param=1.0), TypeError, "unexpected not_a_param", None),
+            (lambda c=_call: c(agg="mean"), ValueError, "agg must be one of", None),
+        ]
 assert set(BAD_INPUTS) == set(OPS) | {None}
 
 

@@ -423,15 +423,18 @@ def test_non_finite_reward_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
     import ppo_fast as pf
 
-    real_loss = pf.policy_loss
     calls = []
 
-    def nan_on_second_step(*args, **kwargs):
-        loss, stats = real_loss(*args, **kwargs)
-        calls.append(1)
-        return (loss * float("nan"), stats) if len(calls) > 2 else (loss, stats)  # 2 minibatches per step
+    def nan_on_second_step(real_loss):
+        def call(*args, **kwargs):
+            loss, stats = real_loss(*args, **kwargs)
+            calls.append(1)
+            return (loss * float("nan"), stats) if len(calls) > 2 else (loss, stats)  # 2 minibatches per step
 
-    monkeypatch.setattr(pf, "policy_loss", nan_on_second_step)
+        return call
+
+    for name in ("policy_loss", "linear_policy_loss"):  # the update calls the second through the fused head
+        monkeypatch.setattr(pf, name, nan_on_second_step(getattr(pf, name)))
     cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
     with pytest.raises(NonFiniteError, match="step 2: loss is not finite"):
         PPOTrainer(cfg, log=quiet).train()

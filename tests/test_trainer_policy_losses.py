@@ -54,13 +54,17 @@ def test_every_policy_loss_trains_two_steps(tmp_path, mode):
 
 def test_asymmetric_and_dual_clip_reach_the_loss(tmp_path, monkeypatch):
     seen = []
-    real = pf.policy_loss
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
+    def spy(real):
+        def call(*args, **kwargs):
+            seen.append(kwargs)
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(pf, "policy_loss", spy)
+        return call
+
+    # The update calls linear_policy_loss (the fused LM head), else policy_loss.
+    for name in ("policy_loss", "linear_policy_loss"):
+        monkeypatch.setattr(pf, name, spy(getattr(pf, name)))
     cfg = _tiny(
         tmp_path,
         "vanilla",

@@ -322,6 +322,9 @@ class TrainerConfig:
             return {}
         return {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
+    def logprob_truncation_active(self) -> bool:
+        return bool(self.logprob_truncation()) and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
     def validate(self) -> TrainerConfig:
         """Raise ``ValueError`` naming the first bad field; return ``self``."""
         positive = (

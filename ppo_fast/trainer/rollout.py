@@ -166,7 +166,10 @@ class ResponseScorer(torch.nn.Module):
         entropy: bool,
         hidden_states: bool,
         truncation: dict | None = None,
+        policy_loss: dict | None = None,
     ):
+        """``policy_loss``: the keyword arguments of ``pf.linear_policy_loss`` but the head's; then the
+        forward returns its ``(loss, stats)`` (the fused head only: see ``scores_through_fused_head``)."""
         # The logits at position t predict token t + 1: the response is scored from the
         # position before its first token to the second to last one.
         start = input_ids.shape[1] - response_ids.shape[1] - 1
@@ -187,6 +190,10 @@ class ResponseScorer(torch.nn.Module):
                 else head["weight"].dtype
             )
             head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
+            if policy_loss is not None:  # the update's loss and its gradients in one pass through the head
+                return pf.linear_policy_loss(
+                    hidden[:, start:-1].to(dtype), labels=response_ids, temperature=temperature, **head, **policy_loss
+                )
             result = pf.linear_token_logprobs(
                 hidden[:, start:-1].to(dtype),
                 labels=response_ids,
@@ -196,6 +203,8 @@ class ResponseScorer(torch.nn.Module):
                 **head,
             )
         else:
+            if policy_loss is not None:
+                raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
             if head not in _fallbacks_logged:
                 _fallbacks_logged.add(head)
                 print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {head}", file=sys.stderr)
@@ -212,8 +221,23 @@ class ResponseScorer(torch.nn.Module):
         return logprobs, token_entropy, hidden
 
 
+def scores_through_fused_head(policy, device: torch.device) -> bool:
+    """Whether ``policy`` (a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one) scores its
+    responses through the fused LM head."""
+    scorer = getattr(policy, "module", policy)
+    model = scorer.model if isinstance(scorer, ResponseScorer) else scorer
+    return _fused_head(model, device)[0] is not None
+
+
 def _response_scores(
-    model, batch: Batch, *, temperature: float, entropy: bool, hidden_states: bool, truncation: dict | None = None
+    model,
+    batch: Batch,
+    *,
+    temperature: float,
+    entropy: bool,
+    hidden_states: bool,
+    truncation: dict | None = None,
+    policy_loss: dict | None = None,
 ):
     """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
     scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
@@ -226,6 +250,7 @@ def _response_scores(
         entropy=entropy,
         hidden_states=hidden_states,
         truncation=truncation,
+        policy_loss=policy_loss,
     )
 
 

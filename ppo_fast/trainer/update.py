@@ -14,6 +14,7 @@ from ppo_fast.ops.aggregate import aggregate
 
 from .config import ConfigError, flag
 from .distributed import SINGLE
+from .linear_policy_loss import linear_policy_losses
 from .rollout import Batch, forward
 from .scoring import check_finite
 
@@ -72,9 +73,17 @@ def policy_loss_params(cfg) -> dict:
     return params
 
 
-def ppo_losses(policy, critic, exp: Experience, cfg):
-    """``(total loss, stats, new log-probs)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss when the
-    KL is not in the reward) + vf_coef * value loss - ent_coef * entropy."""
+def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True):
+    """``(total loss, stats, new log-probs or None)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss
+    when the KL is not in the reward) + vf_coef * value loss - ent_coef * entropy.
+
+    Through the fused LM head the policy loss is one pass (``pf.linear_policy_loss``), which gives no
+    per-token log-probs: ``need_logprobs`` (the first micro-batch, whose ratio is checked) and a
+    truncated sampling support (which the one-pass op does not take) keep the two-pass path."""
+    if not need_logprobs and not cfg.logprob_truncation_active():
+        fused = linear_policy_losses(policy, critic, exp, cfg, policy_loss_params(cfg), _STAT_NAMES)
+        if fused is not None:  # the policy scored through the fused LM head: its loss in one pass
+            return (*fused, None)
     mask = exp.batch.response_mask
     logprobs, entropy, values = forward(
         policy,
@@ -189,7 +198,9 @@ def ppo_update(
                 with parallel.accumulating(sync=number == len(micro_rows)):
                     micro_exp = exp.rows(index)
                     with autocast():
-                        loss, stats, new_logprobs = ppo_losses(policy, critic, micro_exp, cfg)
+                        loss, stats, new_logprobs = ppo_losses(
+                            policy, critic, micro_exp, cfg, need_logprobs=ratio_dev_at_start is None
+                        )
                     if ratio_dev_at_start is None:
                         mask = micro_exp.batch.response_mask
                         ratio_dev_at_start = ratio_deviation(new_logprobs, micro_exp.old_logprobs, mask)

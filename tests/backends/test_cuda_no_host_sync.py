@@ -69,6 +69,20 @@ for _mode in POLICY_LOSS_MODES.values():
                 **({"dro_beta": 0.1} if name == "dro" else {}),
             )[:1],
         )
+    if _mode.fused_head:
+        CALLS[_mode.linear_op] = lambda r, m, fm, y, s, name=_mode.name: pf.linear_policy_loss(
+            r(*s[:2], 64).requires_grad_(),
+            r(s[2], 64).requires_grad_(),
+            y,
+            -r(*s[:2]).abs(),
+            r(*s[:2]),
+            m,
+            loss_mode=name,
+            ref_logprobs=-r(*s[:2]).abs(),
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            **({"dro_beta": 0.1} if name == "dro" else {}),
+        )[:1]
 SYNCING_OPS = {mode.op for mode in POLICY_LOSS_MODES.values() if mode.syncs_host}
 assert set(CALLS) == set(OPS) - SYNCING_OPS
 

@@ -1,0 +1,129 @@
+"""Native linear_policy_loss (csrc/linear_policy_loss.cpp): the fake kernel and the autograd, whose
+backward only scales the gradients the forward returned by the incoming gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._dtypes import result_dtype
+from ...spec import AGG_MODES, KL_ESTIMATORS
+from ._common import check_choice, check_dim, check_float, check_same_device, check_shape, register
+
+# The modes csrc/linear_policy_loss.cpp computes (its loss epilogue), on CPU tensors.
+MODES = ("vanilla", "gspo")
+SUPPORTED = {f"linear_policy_loss_{mode}": {"cpu"} for mode in MODES}
+_STATS = 6  # pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl (float64)
+
+
+def _fake(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperature, logit_scale, logit_softcap,
+          ignore_index, kl_coef, kl_estimator, entropy_coef, loss_mode, params, agg, output_mask):  # fmt: skip
+    op = "linear_policy_loss"
+    check_float(op, "hidden", hidden)
+    check_dim(op, "hidden", hidden, 3)
+    check_float(op, "weight", weight)
+    check_dim(op, "weight", weight, 2)
+    check_shape(op, "labels", labels, hidden.shape[:2])
+    for name, x in (("old_logprobs", old), ("advantages", adv), ("weights", weights), ("ref_logprobs", ref)):
+        if x is not None:
+            check_float(op, name, x)
+            check_shape(op, name, x, hidden.shape[:2], "labels")
+    check_same_device(op, hidden=hidden, weight=weight, labels=labels, old_logprobs=old, mask=mask)
+    check_choice(op, "agg", agg, AGG_MODES)
+    check_choice(op, "kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_choice(op, "loss_mode", loss_mode, MODES)
+    double = torch.float64
+
+    def grad(x, wanted):
+        return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted else x.new_empty((0,))
+
+    grad_bias = grad(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
+    return (
+        hidden.new_empty((), dtype=double),
+        hidden.new_empty((_STATS,), dtype=double),
+        grad(hidden, output_mask[0]),
+        grad(weight, output_mask[1]),
+        grad_bias,
+    )
+
+
+def _setup(ctx, inputs, output):
+    _loss, stats, grad_hidden, grad_weight, grad_bias = output
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+    ctx.has_bias = inputs[7] is not None
+    ctx.carried = 1.0  # the factor the stored gradients carry (see _backward)
+    ctx.mark_non_differentiable(stats, grad_hidden, grad_weight, grad_bias)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    """The stored gradients times the incoming one.  Eagerly they are scaled in place (the op's own
+    tensors, which nothing else holds: no second copy of d_weight at the backward's peak), keeping
+    the factor they carry so that another backward through the graph (retain_graph) rescales them;
+    traced (torch.compile) the product is out of place."""
+    stored = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    wanted = (need[0], need[1], ctx.has_bias and need[7])
+    if torch._guards.detect_fake_mode(grad_loss) is not None or torch.compiler.is_compiling():
+        scaled = [g * grad_loss.to(g.dtype) if w and g.numel() else None for g, w in zip(stored, wanted)]
+    else:
+        factor = float(grad_loss)  # a CPU tensor (the op serves CPU only): no device sync
+        if ctx.carried == 0.0 and factor != 0.0:
+            raise RuntimeError(
+                "linear_policy_loss: a second backward through this graph after one with a zero incoming "
+                "gradient (its stored gradients were scaled to 0 in place); call the op again"
+            )
+        if factor != ctx.carried:
+            ratio = factor / ctx.carried if ctx.carried else 0.0
+            for g in stored:
+                g.data.mul_(ratio)  # .data: the saved tensors are ours; their version stays
+            ctx.carried = factor
+        scaled = [g if w and g.numel() else None for g, w in zip(stored, wanted)]
+    grads = [None] * 20
+    grads[0], grads[1], grads[7] = scaled
+    return tuple(grads)
+
+
+register("linear_policy_loss", _fake, _backward, _setup)
+
+
+def _run(mode, hidden, weight, labels, old, adv, mask, weights, bias, ref, head_and_terms, params, agg):
+    wanted = torch.is_grad_enabled()
+    output_mask = [
+        wanted and hidden.requires_grad,
+        wanted and weight.requires_grad,
+        wanted and bias is not None and bias.requires_grad,
+    ]
+    params = [float(p) for p in params if p is not None]  # vanilla's dual_clip: only when on
+    loss, stats, *_grads = torch.ops.ppo_fast.linear_policy_loss(
+        hidden, weight, labels, old, adv, mask, weights, bias, ref, *head_and_terms, mode, params, agg, output_mask
+    )
+    policy_dtype = result_dtype(hidden, old, adv, weights)
+    total_dtype = result_dtype(hidden, old, adv, weights, ref)
+    entropy_dtype = result_dtype(hidden)
+    pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl = stats.unbind()
+    out = [
+        loss.to(total_dtype),
+        pg_loss.to(policy_dtype),
+        entropy.to(entropy_dtype),
+        kl_loss.to(total_dtype),
+        clipfrac.to(torch.float32),
+        clipfrac_lower.to(torch.float32),  # GSPO's: a constant 0, as in verl
+        approx_kl.to(policy_dtype),
+    ]
+    return out
+
+
+def _linear_policy_loss_op(mode):
+    def run(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, temperature,
+            logit_scale, logit_softcap, ignore_index, kl_coef, kl_estimator, entropy_coef, *params_and_agg):  # fmt: skip
+        *params, agg = params_and_agg
+        head_and_terms = (temperature, logit_scale, logit_softcap, ignore_index, kl_coef, kl_estimator, entropy_coef)
+        out = _run(mode, hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs,
+                   head_and_terms, params, agg)  # fmt: skip
+        return tuple(o.detach() if i else o for i, o in enumerate(out))
+
+    run.__name__ = run.__qualname__ = f"linear_policy_loss_{mode}"
+    return run
+
+
+linear_policy_loss_vanilla = _linear_policy_loss_op("vanilla")
+linear_policy_loss_gspo = _linear_policy_loss_op("gspo")

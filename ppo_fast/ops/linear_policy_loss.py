@@ -1,0 +1,143 @@
+"""Public op: the policy loss straight from the last hidden states and the LM head, its
+gradients taken in one pass over chunks of whole sequences (a fused LM head and loss)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validation as check
+from ..backends import reference, resolve
+from ..spec import AGG_MODES, KL_ESTIMATORS, policy_loss_mode
+from .linear_token_logprobs import _check_head, linear_token_logprobs
+from .policy_loss import policy_loss
+from .token_logprobs import MIN_TEMPERATURE
+
+__all__ = ["linear_policy_loss"]
+
+
+def linear_policy_loss(
+    hidden,
+    weight,
+    labels,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    loss_mode="vanilla",
+    agg=None,
+    weights=None,
+    bias=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+    ignore_index=-100,
+    ref_logprobs=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+    **mode_params,
+):
+    """The policy loss of ``loss_mode`` on the LM head's log-probs, plus the KL-to-reference and
+    entropy-bonus terms, with no ``[B, T, V]`` logits.
+
+    The value and gradients of ``policy_loss(logp, old_logprobs, advantages, mask, ...) -
+    entropy_coef * masked_mean(entropy, mask) + kl_coef * aggregate(kl_estimate(logp,
+    ref_logprobs, kl_estimator), mask, agg)`` with ``logp, entropy = linear_token_logprobs(hidden,
+    weight, labels, ...)``, computed in one pass: each chunk of whole sequences gets its logits,
+    log-probs and entropy, the loss's gradient and at once its share of ``d_hidden``,
+    ``d_weight`` and ``d_bias`` (three matrix products per chunk, no recompute); the backward
+    only scales them by the incoming gradient.  The aggregation's normalisers (valid tokens,
+    responses) come from ``mask`` before the pass.  Modes whose token selection spans the batch
+    (``fused_head=False`` in ``pf.policy_loss_modes()``: ``clip_cov``, ``kl_cov``) take the two-pass
+    path (``linear_token_logprobs``, then ``policy_loss``).
+
+    Args:
+        hidden: ``[B, T, H]`` last hidden states of whole sequences; weight ``[V, H]``, bias
+            ``[V]``, temperature, logit_scale, logit_softcap, ignore_index: as in
+            ``pf.linear_token_logprobs``.
+        labels: ``[B, T]`` the sampled tokens; positions where ``mask`` is False are not read.
+        old_logprobs, advantages, mask, loss_mode, agg, weights, mode_params: as in ``pf.policy_loss``.
+        ref_logprobs: optional ``[B, T]`` reference log-probs of the KL loss term (``kl_coef``).
+        kl_estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (``pf.kl_estimate``).
+        entropy_coef: weight of the entropy bonus (the token mean of the entropy, subtracted).
+
+    Returns:
+        ``(loss, stats)``: the 0-dim total loss, differentiable w.r.t. ``hidden``, ``weight`` and
+        ``bias`` (old_logprobs, advantages, weights and ref_logprobs are constants), and 0-dim
+        detached stats: the mode's ``stats``, ``pg_loss`` (the policy loss alone), ``entropy``
+        (its token mean) and, with ``ref_logprobs``, ``kl_loss``.
+    """
+    mode = policy_loss_mode(loss_mode)
+    params = mode.bind(mode_params)
+    mask, labels = _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs)
+    agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
+    head = (
+        check.real("temperature", temperature, low=MIN_TEMPERATURE),
+        check.real("logit_scale", logit_scale, low=0.0, low_open=True),
+        None if logit_softcap is None else check.real("logit_softcap", logit_softcap, low=0.0, low_open=True),
+        check.integer("ignore_index", ignore_index),
+    )
+    kl_coef = check.real("kl_coef", kl_coef, low=0.0)
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs ([B, T] reference log-probs), got None")
+    terms = (
+        kl_coef,
+        check.choice("kl_estimator", kl_estimator, KL_ESTIMATORS),
+        check.real("entropy_coef", entropy_coef),
+    )
+    labels = torch.where(mask, labels, head[3])  # masked tokens: ignored rows of the head
+    if labels.numel() and check.host_checks_free(labels):
+        check.labels_in_range(labels, weight.shape[0], head[3])
+    if not mode.fused_head:
+        return _two_pass(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, head,
+                         terms, mode, params, agg)  # fmt: skip
+    loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
+        hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, *head, *terms, *params, agg
+    )
+    return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
+
+
+def _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs):
+    """The tensors' dtypes, shapes and devices; returns ``(mask as bool, labels as int64)``."""
+    check.tensor("hidden", hidden, dtypes=None)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, H] (whole sequences), got shape {tuple(hidden.shape)}")
+    _check_head(hidden, weight, labels, bias)
+    mask = check.loss_inputs(
+        {"old_logprobs": old_logprobs, "advantages": advantages, "weights": weights, "ref_logprobs": ref_logprobs},
+        mask,
+        optional=("weights", "ref_logprobs"),
+    )
+    check.same_shape("labels", labels, old_logprobs=old_logprobs)
+    check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias, old_logprobs=old_logprobs)
+    return mask, labels.long()
+
+
+def _stats(mode, stats, pg_loss, entropy, kl_loss) -> dict:
+    out = {**dict(zip(mode.stats, stats)), "pg_loss": pg_loss, "entropy": entropy}
+    if kl_loss is not None:
+        out["kl_loss"] = kl_loss
+    return out
+
+
+def _two_pass(hidden, weight, labels, old, adv, mask, weights, bias, ref, head, terms, mode, params, agg):
+    """``linear_token_logprobs`` then ``policy_loss`` and the extra terms (modes whose token
+    selection spans the batch)."""
+    temperature, logit_scale, logit_softcap, ignore_index = head
+    kl_coef, kl_estimator, entropy_coef = terms
+    logp, entropy = linear_token_logprobs(
+        hidden, weight, labels, bias=bias, temperature=temperature, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, return_entropy=True, ignore_index=ignore_index,
+    )  # fmt: skip
+    pg_loss, stats = policy_loss(
+        logp, old, adv, mask, loss_mode=mode.name, agg=agg, weights=weights,
+        **{p.name: v for p, v in zip(mode.params, params)},
+    )  # fmt: skip
+    entropy_mean = reference.masked_mean(entropy, mask)
+    loss = pg_loss - entropy_coef * entropy_mean
+    kl_loss = None
+    if ref is not None:
+        kl_loss = reference.aggregate(reference.kl_estimate(logp, ref, kl_estimator), mask, agg)
+        loss = loss + kl_coef * kl_loss
+        kl_loss = kl_loss.detach()
+    return loss, _stats(mode, list(stats.values()), pg_loss.detach(), entropy_mean.detach(), kl_loss)

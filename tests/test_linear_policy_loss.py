@@ -1,0 +1,223 @@
+"""pf.linear_policy_loss against the two-pass composition it fuses: linear_token_logprobs, then
+policy_loss plus the entropy bonus and the KL loss term, values, stats and the gradients w.r.t.
+hidden, weight and bias, on every backend that serves it (chunks of whole sequences forced small)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ppo_fast as pf
+from ppo_fast.backends import serving
+from ppo_fast.backends.reference import linear_policy_loss as reference_module
+from ppo_fast.spec import AGG_MODES, POLICY_LOSS_MODES
+
+FUSED = [name for name, mode in POLICY_LOSS_MODES.items() if mode.fused_head]
+TWO_PASS = [name for name, mode in POLICY_LOSS_MODES.items() if not mode.fused_head]
+TOLERANCE = {
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+    torch.float64: {"rtol": 1e-9, "atol": 1e-11},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-3},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-4},
+}
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """The reference's chunks: two sequences of the cases below, so that every case has several."""
+    monkeypatch.setattr(reference_module, "CHUNK_ELEMENTS", 2 * 7 * 53)
+
+
+def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, weighted=False, ignore_index=-100):
+    gen = torch.Generator().manual_seed(seed)
+    B, T, V, H = dims
+    hidden = torch.randn(B, T, H, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) / H**0.25).to(dtype).requires_grad_()
+    head_bias = torch.randn(V, generator=gen).to(dtype).requires_grad_() if bias else None
+    mask = torch.rand(B, T, generator=gen) < 0.7
+    mask[0] = False  # a response without tokens
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    labels = torch.where(torch.rand(B, T, generator=gen) < 0.15, ignore_index, labels)  # ignored valid tokens
+    junk = torch.where(mask, 0.0, torch.nan)  # masked tokens of the rollout's tensors hold NaN: never read
+    old = -torch.rand(B, T, generator=gen).to(dtype) - 0.1 + junk.to(dtype)
+    adv = torch.randn(B, T, generator=gen).to(dtype) + junk.to(dtype)
+    ref = -torch.rand(B, T, generator=gen).to(dtype) - 0.1
+    weights = (torch.rand(B, T, generator=gen) + 0.5).to(dtype) if weighted else None
+    return dict(hidden=hidden, weight=weight, bias=head_bias, labels=labels, old=old, adv=adv, mask=mask, ref=ref,
+                weights=weights)  # fmt: skip
+
+
+def mode_params(name):
+    params = {"dro_beta": 0.3} if name == "dro" else {}
+    if "clip_eps_high" in {p.name for p in POLICY_LOSS_MODES[name].params}:
+        params["clip_eps_high"] = 0.28
+    return params
+
+
+def fused(x, mode, agg, backend, **head):
+    with pf.use_backend(backend):
+        return pf.linear_policy_loss(
+            x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], loss_mode=mode, agg=agg,
+            weights=x["weights"], bias=x["bias"], ref_logprobs=x["ref"], kl_coef=0.1, kl_estimator="k3",
+            entropy_coef=0.01, **head, **mode_params(mode),
+        )  # fmt: skip
+
+
+def two_pass(x, mode, agg, *, temperature=1.0, logit_scale=1.0, logit_softcap=None, ignore_index=-100):
+    """The composition, on the reference backend."""
+    with pf.use_backend("reference"):
+        labels = torch.where(x["mask"], x["labels"], ignore_index)
+        logp, entropy = pf.linear_token_logprobs(
+            x["hidden"], x["weight"], labels, bias=x["bias"], temperature=temperature, logit_scale=logit_scale,
+            logit_softcap=logit_softcap, return_entropy=True, ignore_index=ignore_index,
+        )  # fmt: skip
+        pg_loss, stats = pf.policy_loss(
+            logp, x["old"], x["adv"], x["mask"], loss_mode=mode, agg=agg, weights=x["weights"], **mode_params(mode)
+        )
+        entropy_mean = pf.masked_mean(entropy, x["mask"])
+        kl_loss = pf.aggregate(pf.kl_estimate(logp, x["ref"], "k3"), x["mask"], agg)
+    loss = pg_loss - 0.01 * entropy_mean + 0.1 * kl_loss
+    stats = {**stats, "pg_loss": pg_loss.detach(), "entropy": entropy_mean.detach(), "kl_loss": kl_loss.detach()}
+    return loss, stats
+
+
+def leaves(x):
+    return [t for t in (x["hidden"], x["weight"], x["bias"]) if t is not None]
+
+
+def check_against_two_pass(x, mode, agg, backend, dtype=torch.float32, **head):
+    loss, stats = fused(x, mode, agg, backend, **head)
+    grads = torch.autograd.grad(loss * 1.7, leaves(x))  # the backward scales by the incoming gradient
+    if mode in TWO_PASS:
+        torch.manual_seed(0)
+    want_loss, want_stats = two_pass(x, mode, agg, **head)
+    want_grads = torch.autograd.grad(want_loss * 1.7, leaves(x))
+    tol = TOLERANCE[dtype]
+    assert loss.dtype == want_loss.dtype and loss.shape == ()
+    torch.testing.assert_close(loss, want_loss, **tol)
+    assert stats.keys() == want_stats.keys()
+    for name, want in want_stats.items():
+        stat_tol = TOLERANCE[torch.float32] if want.dtype == torch.float32 else tol  # clip fractions are float32
+        torch.testing.assert_close(stats[name], want, **stat_tol, msg=lambda m: f"stat {name}: {m}")
+        assert not stats[name].requires_grad
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, want_grads):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        scale = float(want.abs().max()) if want.numel() else 1.0
+        torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * max(scale, 1.0),
+                                   msg=lambda m: f"grad of {name}: {m}")  # fmt: skip
+
+
+def cases(modes):
+    for mode in modes:
+        op = POLICY_LOSS_MODES[mode].linear_op or POLICY_LOSS_MODES[mode].op
+        for backend in serving(op, "cpu"):
+            yield pytest.param(mode, backend, id=f"{mode}-{backend}")
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("mode, backend", list(cases(FUSED)))
+def test_every_mode_and_agg_equals_the_two_pass_composition(mode, backend, agg):
+    check_against_two_pass(make_inputs(zlib.crc32(f"{mode}-{agg}".encode()), weighted=True), mode, agg, backend)
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(FUSED)))
+@pytest.mark.parametrize(
+    "head",
+    [
+        {"temperature": 0.6},
+        {"temperature": 1.3, "logit_scale": 0.7, "logit_softcap": 3.0},
+        {"ignore_index": 5},  # a pad id inside [0, V): its tokens are ignored
+    ],
+    ids=["temperature", "scale-softcap", "pad-id"],
+)
+def test_head_options_equal_the_two_pass_composition(mode, backend, head):
+    x = make_inputs(7, bias=False, ignore_index=head.get("ignore_index", -100))
+    check_against_two_pass(x, mode, "token-mean", backend, **head)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla", "gspo", "geo_mean", "dro"])))
+def test_dtypes_equal_the_two_pass_composition(mode, backend, dtype):
+    check_against_two_pass(make_inputs(11, dtype=dtype), mode, "seq-mean-token-mean", backend, dtype)
+
+
+@pytest.mark.parametrize("mode", TWO_PASS)
+def test_batch_wide_selection_modes_take_the_two_pass_path(mode):
+    assert not pf.policy_loss_modes()[mode].fused_head and pf.policy_loss_modes()[mode].linear_op is None
+    x = make_inputs(3)
+    torch.manual_seed(0)  # clip_cov draws the tokens it cuts
+    check_against_two_pass(x, mode, "token-mean", "auto")
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla", "gspo"])))
+def test_without_gradients_the_same_loss(mode, backend):
+    x = make_inputs(5)
+    with torch.no_grad():
+        loss, stats = fused(x, mode, "token-mean", backend)
+    want, want_stats = fused(x, mode, "token-mean", backend)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(stats, want_stats)
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))
+def test_everything_masked_gives_zero_loss_and_gradients(mode, backend):
+    x = make_inputs(2)
+    x["mask"] = torch.zeros_like(x["mask"])
+    loss, stats = fused(x, mode, "token-mean", backend)
+    grads = torch.autograd.grad(loss, leaves(x))
+    assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in stats.values())
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+class CountProducts(TorchDispatchMode):
+    PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in self.PRODUCTS
+        return func(*args, **(kwargs or {}))
+
+
+def test_reference_takes_three_products_per_chunk_and_none_in_the_backward():
+    x = make_inputs(4)  # 5 sequences, 2 per chunk: 3 chunks
+    with CountProducts() as forward:
+        loss, _ = fused(x, "vanilla", "token-mean", "reference")
+    with CountProducts() as backward:
+        loss.backward()
+    assert (forward.count, backward.count) == (3 * 3, 0)
+
+
+def test_kl_loss_only_with_ref_logprobs():
+    x = make_inputs(6)
+    loss, stats = pf.linear_policy_loss(x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"])
+    assert "kl_loss" not in stats and set(stats) == {"clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy"}
+    torch.testing.assert_close(loss.detach(), stats["pg_loss"])
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla", "gspo"])))
+def test_many_chunks_of_a_wide_vocabulary(mode, backend):
+    """A vocabulary wide enough that the native kernel's chunks hold 64 tokens (GSPO: one whole
+    row of 40 each), so that the chunk boundaries and the gradients' accumulation are crossed."""
+    x = make_inputs(9, dims=(4, 40, 131_072, 5), weighted=True)
+    check_against_two_pass(x, mode, "seq-mean-token-sum", backend, logit_softcap=4.0)
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))
+def test_backward_twice_through_one_graph_accumulates(mode, backend):
+    """retain_graph: a second backward with another incoming gradient adds its own share, and the
+    first's accumulated gradients stay as they were."""
+    x = make_inputs(8)
+    loss, _ = fused(x, mode, "token-mean", backend)
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in leaves(x)]
+    (loss * 3.0).backward(retain_graph=True)
+    (loss * -0.5).backward()
+    for t, g in zip(leaves(x), first):
+        torch.testing.assert_close(t.grad, 3.5 * g)
