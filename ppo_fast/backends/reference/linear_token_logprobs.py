@@ -46,7 +46,16 @@ def linear_logits(
 
 
 def _linear_logprobs_chunk(
-    hidden, weight, bias, labels, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, truncation
+    hidden,
+    weight,
+    bias,
+    labels,
+    temperature,
+    logit_scale,
+    logit_softcap,
+    return_entropy,
+    ignore_index,
+    truncation=NO_TRUNCATION,
 ):
     """One row chunk: ``token_logprobs`` of its logits.  Rows that are ignored or out of
     range get a zero hidden state first, so that whatever they hold (NaN, inf) reaches
