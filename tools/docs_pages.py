@@ -225,8 +225,39 @@ def _peer_sections() -> list[str]:
     return out
 
 
+def _linear_policy_loss_table(data: dict) -> str:
+    lines = [
+        "| mode | backend | implementation | best s | vs two-pass (time) | peak extra MiB | vs two-pass (peak) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode in data["modes"]:
+        for r in mode["results"]:
+            ratio = r.get("time_vs_two-pass")
+            peak = r.get("peak_vs_two-pass")
+            lines.append(
+                f"| {mode['mode']} | {mode['backend']} | {r['impl']} | {r['best_s']:.2f} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r['peak_extra_bytes'] / (1 << 20):.1f} | "
+                f"{'-' if peak is None else f'{peak:.2f}x'} |"
+            )
+    return "\n".join(lines)
+
+
 def _other_sections() -> list[str]:
     out = []
+    data = _load("linear-policy-loss-cpu.json")
+    if data:
+        out += [
+            "## The policy loss through the LM head",
+            "",
+            f"`python -m bench linear_policy_loss`: {data['case']}, {data['what']}.  `pf.linear_policy_loss`",
+            "(three matrix products) against `pf.linear_token_logprobs` + `pf.policy_loss` (four), with the",
+            "entropy (`two-pass`, as the trainer computes it) and without.",
+            "",
+            measured_on(data, "linear-policy-loss-cpu.json"),
+            "",
+            _linear_policy_loss_table(data),
+            "",
+        ]
     data = _load("overhead-cpu.json")
     if data:
         out += [
