@@ -429,6 +429,27 @@ def linear_token_logprobs_forward(
     return logp, entropy, stats
 
 
+def linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index):
+    """The forward's ``u`` of rows ``[start, stop)``, ``[stop - start, V]`` in the compute dtype (rows not to
+    compute hold the bias alone), by the forward's tiles (``_linear_logits_kernel``)."""
+    dtype = result_dtype(hidden, weight, bias)
+    vocab, hidden_size = weight.shape
+    u = torch.empty(
+        (stop - start, vocab), dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=hidden.device
+    )
+    block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype)
+    _linear_logits_kernel[(triton.cdiv(stop - start, block_n), triton.cdiv(vocab, block_v))](
+        hidden, weight, weight if bias is None else bias, labels, u,
+        start, stop, vocab, hidden_size,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
+        *_scalars(1.0, logit_scale, logit_softcap)[:4], ignore_index,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
+        ACC=compute_dtype(dtype), DOT_PRECISION=_dot_precision(hidden.dtype),
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
+    )  # fmt: skip
+    return u
+
+
 def linear_truncation_thresholds(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -449,27 +470,16 @@ def linear_truncation_thresholds(
     ``scratch_bytes`` (default ``LOGITS_SCRATCH_BYTES``; never ``[N, V]``), and the thresholds found
     there (``_truncation``), each halfway to the row's next lower value so that the forward's and the
     backward's own products (other tiles, other rounding) keep the same tokens."""
-    n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
-    dtype = result_dtype(hidden, weight, bias)
-    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    n_rows, vocab, _ = _check_inputs(hidden, weight, labels, bias)
+    acc_dtype = torch.float64 if result_dtype(hidden, weight, bias) == torch.float64 else torch.float32
     tau = torch.empty(n_rows, dtype=acc_dtype, device=hidden.device)
-    block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype)
+    block_n = _tiles("forward", hidden.dtype)[0]
     chunk = max(block_n, (scratch_bytes or LOGITS_SCRATCH_BYTES) // (vocab * acc_dtype.itemsize) // block_n * block_n)
     post = (logit_softcap if logit_softcap is not None else logit_scale) / temperature
-    scalars = _scalars(temperature, logit_scale, logit_softcap)[:4]
     with device_guard(hidden):
         for start in range(0, n_rows, chunk):
             stop = min(n_rows, start + chunk)
-            u = torch.empty((stop - start, vocab), dtype=acc_dtype, device=hidden.device)
-            _linear_logits_kernel[(triton.cdiv(stop - start, block_n), triton.cdiv(vocab, block_v))](
-                hidden, weight, weight if bias is None else bias, labels, u,
-                start, stop, vocab, hidden_size,
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
-                *scalars, ignore_index,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
-                ACC=compute_dtype(dtype), DOT_PRECISION=_dot_precision(hidden.dtype),
-                BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
-            )  # fmt: skip
+            u = linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index)
             tau[start:stop] = thresholds(
                 u, labels[start:stop], (1, vocab, 0, 1), (labels.stride(0), 0), post, ignore_index, truncation,
                 acc_dtype, midpoint=True, input_dtype=acc_dtype,
@@ -856,4 +866,30 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
                     block=None,
                 )
             )
-    return out
+    return out + _truncated_static_variants(rows, hidden, vocab)
+
+
+def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]:
+    """The truncation's launches of the fused head (bf16): the logits of a chunk of rows for the thresholds
+    (``_truncation``'s kernel is token_logprobs' variant), the TRUNCATED forward and backward."""
+    x, w, labels = (
+        _meta((rows, hidden), torch.bfloat16),
+        _meta((vocab, hidden), torch.bfloat16),
+        _meta((rows,), torch.int64),
+    )
+    row, stats = _meta((rows,), torch.float32), _meta((rows, 2), torch.float32)
+    options = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
+    chunk = LOGITS_SCRATCH_BYTES // (4 * vocab)
+    launches = {
+        "logits rows (thresholds' input)": lambda: linear_logits_rows(x, w, labels, None, 0, chunk, 1.0, None, -100),
+        "fwd truncated": lambda: linear_token_logprobs_forward(x, w, labels, None, **options, return_entropy=True, tau=row),
+        "bwd truncated": lambda: linear_token_logprobs_backward(
+            row, row, x, w, labels, None, stats, row, **options, needs_hidden=True, needs_weight=True, needs_bias=False,
+            tau=row,
+        ),
+    }  # fmt: skip
+    shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}] bf16"
+    return [
+        dict(name=f"linear_token_logprobs {what} {shape}", budget_key=None, bytes_per_element=None, run=run, block=None)
+        for what, run in launches.items()
+    ]

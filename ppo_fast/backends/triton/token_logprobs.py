@@ -40,7 +40,7 @@ from ._launch import (
     lead_view,
     not_differentiable,
 )
-from ._truncation import thresholds
+from ._truncation import _truncation_threshold_kernel, thresholds  # noqa: F401  (the kernel: for bench.static)
 
 SUPPORTED = {"token_logprobs": DEVICES}
 
@@ -820,4 +820,51 @@ def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
     variants += layout("bf16", 32008, grads=((True, False),))  # V % 8 == 0 but not % 16
     variants += layout("bf16", 50257, entropy_flags=(False,), grads=((True, False),))  # odd V: no vector loads possible
     variants += layout("bf16", vocab, lead=(8, 2048), slice_last=True, entropy_flags=(False,), grads=((True, False),))
-    return variants
+    return variants + _truncated_static_variants(rows, vocab)
+
+
+def _truncated_static_variants(rows: int, vocab: int) -> list[dict]:
+    """The truncation's launches for ``bench.static``: the threshold kernel per truncation (its hot loop is
+    one bisection step: a pass over the row, counted per logit) and the TRUNCATED forward and backward."""
+    out, acc = [], torch.float32
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+
+        def inputs(dtype=dtype):
+            logits = torch.empty((rows, vocab), dtype=dtype, device="meta")
+            return logits, torch.empty((rows,), dtype=torch.int64, device="meta")
+
+        shape = f"{dtype_name} [{rows}, {vocab}]"
+        for what, truncation in (("top_k=50", Truncation(top_k=50)), ("top_p=0.9", Truncation(top_p=0.9))):
+            out.append(
+                dict(
+                    name=f"token_logprobs thresholds {what} {shape}",
+                    budget_key=None,
+                    bytes_per_element=dtype.itemsize,
+                    run=lambda t=truncation, inputs=inputs: truncation_thresholds(*inputs(), 0.7, -100, t),
+                )
+            )
+
+        def forward(inputs=inputs):
+            logits, labels = inputs()
+            tau = torch.empty((rows,), dtype=acc, device="meta")
+            return token_logprobs_forward(logits, labels, 0.7, True, -100, tau=tau)
+
+        def backward(inputs=inputs):
+            logits, labels = inputs()
+            row, stats = (
+                torch.empty((rows,), dtype=acc, device="meta"),
+                torch.empty((rows, 2), dtype=acc, device="meta"),
+            )
+            return token_logprobs_backward(row, row, logits, labels, stats, row, 0.7, -100, tau=row)
+
+        for name, run, size in (("fwd+entropy", forward, 1), ("bwd(logp+entropy)", backward, 2)):
+            out.append(
+                dict(
+                    name=f"token_logprobs {name} truncated {shape}",
+                    budget_key=None,
+                    bytes_per_element=size * dtype.itemsize,
+                    run=run,
+                    vector_loads_expected=dtype == torch.bfloat16,
+                )
+            )
+    return out
