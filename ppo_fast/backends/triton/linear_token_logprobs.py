@@ -47,9 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._sampling import NO_TRUNCATION
+from ..._sampling import NO_TRUNCATION, Truncation
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
+from ._truncation import thresholds
 
 SUPPORTED = {"linear_token_logprobs": DEVICES}
 
@@ -73,6 +74,8 @@ _IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (64, 64, 16, 4)}
 _NUM_STAGES = 3
 # At most this much float32 scratch for a bf16/fp16 ``d_weight``: larger heads run the backward in vocabulary chunks.
 WEIGHT_SCRATCH_BYTES = 32 << 20
+# At most this much scratch for the logits of the rows whose truncation thresholds are found at once.
+LOGITS_SCRATCH_BYTES = 256 << 20
 
 
 @triton.jit
@@ -142,16 +145,19 @@ def _raw_logits(
 
 @triton.jit
 def _linear_token_logprobs_fwd_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr, tau_ptr,
     n_rows, vocab, hidden_size,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, inv_temperature, inv_temperature_lo, ignore_index,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, RETURN_ENTROPY: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
+    tau = tl.full([BLOCK_N], float("-inf"), ACC)
+    if TRUNCATED:  # each row's threshold on u (``_truncation``): the tokens below it are -inf
+        tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("-inf")).to(ACC)
     inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
     cap = scalar(logit_softcap, logit_softcap_lo, ACC)
     # z = u * post with u = tanh(raw * scale / cap), post = cap / T, or u = raw, post = scale / T.
@@ -182,6 +188,8 @@ def _linear_token_logprobs_fwd_kernel(
         )  # fmt: skip
         u = _tanh(raw * pre) if HAS_SOFTCAP else raw
         u = tl.where(col_ok[None, :], u, float("-inf"))
+        if TRUNCATED:
+            u = tl.where(u < tau[:, None], float("-inf"), u)
         chosen += tl.sum(tl.where(cols[None, :] == label[:, None], u, 0.0), 1)
         new_max = tl.maximum(run_max, tl.max(u, 1))
         # While every u so far is -inf, shift by 0 so that -inf - -inf never appears.
@@ -211,9 +219,39 @@ def _linear_token_logprobs_fwd_kernel(
 
 
 @triton.jit
+def _linear_logits_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, out_ptr,
+    row_start, row_stop, vocab, hidden_size,
+    hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
+    logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, ignore_index,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """The forward's ``u`` (the logits before ``post``) of rows ``[row_start, row_stop)``, one
+    ``[BLOCK_N, BLOCK_V]`` tile a program, into ``out [row_stop - row_start, V]`` (contiguous): the
+    truncation thresholds' input, formed by the forward's own tile code."""
+    rows = row_start + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    col_ok = cols < vocab
+    label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, row_stop, vocab, ignore_index)
+    raw = _raw_logits(
+        hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_ok, col_ok, hidden_size,
+        hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride,
+        HAS_BIAS, ACC, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+    )  # fmt: skip
+    if HAS_SOFTCAP:
+        pre = scalar(logit_scale, logit_scale_lo, ACC) / scalar(logit_softcap, logit_softcap_lo, ACC)
+        u = _tanh(raw * pre)
+    else:
+        u = raw
+    in_rows = rows < row_stop
+    tl.store(out_ptr + (rows - row_start)[:, None] * vocab + cols[None, :], u, mask=in_rows[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _linear_token_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, stats_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    d_hidden_ptr, d_weight_ptr, d_bias_ptr,
+    d_hidden_ptr, d_weight_ptr, d_bias_ptr, tau_ptr,
     n_rows, vocab, hidden_size, vocab_start, vocab_stop,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     grad_logp_stride, grad_entropy_stride,
@@ -221,7 +259,7 @@ def _linear_token_logprobs_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     NEEDS_HIDDEN: tl.constexpr, NEEDS_WEIGHT: tl.constexpr, NEEDS_BIAS: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_V]`` tile of the logits' gradient, added into the float32 (or
     float64) ``d_hidden [N, H]``, ``d_weight [vocab_stop - vocab_start, H]`` (this launch's
@@ -248,6 +286,9 @@ def _linear_token_logprobs_bwd_kernel(
         else:
             u = raw
             post = scale * inv_t
+        if TRUNCATED:  # the dropped tokens as in the forward (after dz_draw, which needs their u): p = 0
+            tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("-inf")).to(ACC)
+            u = tl.where(u < tau[:, None], float("-inf"), u)
         shift = tl.load(stats_ptr + 2 * rows, mask=row_ok, other=0.0).to(ACC)
         log_sum = tl.load(stats_ptr + (2 * rows + 1), mask=row_ok, other=0.0).to(ACC)
         # Rows not to compute have no stats: p = 0 there (no overflow to mask afterwards).
@@ -350,6 +391,7 @@ def linear_token_logprobs_forward(
     ignore_index: int,
     return_entropy: bool,
     blocks: tuple[int, int, int] | None = None,
+    tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(logp [N], entropy [N] or None, stats [N, 2])`` for ``hidden [N, H]``, ``weight [V, H]``,
     ``labels [N]`` (any integer dtype), ``bias [V]`` or None, all of any strides.
@@ -358,7 +400,8 @@ def linear_token_logprobs_forward(
     backward, each row's max of the logits before the temperature and the scale (of the
     softcap's tanh with one) and ``log(sum(exp(z - max z)))`` (0 for rows that are ignored
     or out of range: they read nothing).  ``blocks = (BLOCK_N, BLOCK_V, BLOCK_H)`` overrides the tile
-    sizes (each >= 16; tests use small ones to cross tile boundaries).
+    sizes (each >= 16; tests use small ones to cross tile boundaries).  ``tau [N]`` (from
+    :func:`linear_truncation_thresholds`): the softmax over each row's tokens with ``u >= tau`` only.
     """
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     dtype = result_dtype(hidden, weight, bias)
@@ -374,14 +417,74 @@ def linear_token_logprobs_forward(
     with device_guard(hidden):
         _linear_token_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
             hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, stats,
+            logp if tau is None else tau,
             n_rows, vocab, hidden_size,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
             *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None, RETURN_ENTROPY=return_entropy,
             ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype),
-            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
+            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, TRUNCATED=tau is not None,
+            num_warps=num_warps, num_stages=_NUM_STAGES,
         )  # fmt: skip
     return logp, entropy, stats
+
+
+def linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index):
+    """The forward's ``u`` of rows ``[start, stop)``, ``[stop - start, V]`` in the compute dtype (rows not to
+    compute hold the bias alone), by the forward's tiles (``_linear_logits_kernel``)."""
+    dtype = result_dtype(hidden, weight, bias)
+    vocab, hidden_size = weight.shape
+    u = torch.empty(
+        (stop - start, vocab), dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=hidden.device
+    )
+    block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype)
+    _linear_logits_kernel[(triton.cdiv(stop - start, block_n), triton.cdiv(vocab, block_v))](
+        hidden, weight, weight if bias is None else bias, labels, u,
+        start, stop, vocab, hidden_size,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
+        *_scalars(1.0, logit_scale, logit_softcap)[:4], ignore_index,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
+        ACC=compute_dtype(dtype), DOT_PRECISION=_dot_precision(hidden.dtype),
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
+    )  # fmt: skip
+    return u
+
+
+def linear_truncation_thresholds(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    ignore_index: int,
+    truncation: Truncation,
+    scratch_bytes: int | None = None,
+) -> torch.Tensor:
+    """Each row's threshold on ``u`` (``tau [N]`` in the compute dtype, ``-inf``: not truncated).
+
+    The logits are needed whole per row: they are formed again (one more matrix product than the
+    forward alone) by the forward's tile code, a chunk of rows at a time into a scratch of at most
+    ``scratch_bytes`` (default ``LOGITS_SCRATCH_BYTES``; never ``[N, V]``), and the thresholds found
+    there (``_truncation``), each halfway to the row's next lower value so that the forward's and the
+    backward's own products (other tiles, other rounding) keep the same tokens."""
+    n_rows, vocab, _ = _check_inputs(hidden, weight, labels, bias)
+    acc_dtype = torch.float64 if result_dtype(hidden, weight, bias) == torch.float64 else torch.float32
+    tau = torch.empty(n_rows, dtype=acc_dtype, device=hidden.device)
+    block_n = _tiles("forward", hidden.dtype)[0]
+    chunk = max(block_n, (scratch_bytes or LOGITS_SCRATCH_BYTES) // (vocab * acc_dtype.itemsize) // block_n * block_n)
+    post = (logit_softcap if logit_softcap is not None else logit_scale) / temperature
+    with device_guard(hidden):
+        for start in range(0, n_rows, chunk):
+            stop = min(n_rows, start + chunk)
+            u = linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index)
+            tau[start:stop] = thresholds(
+                u, labels[start:stop], (1, vocab, 0, 1), (labels.stride(0), 0), post, ignore_index, truncation,
+                acc_dtype, midpoint=True, input_dtype=acc_dtype,
+            )  # fmt: skip
+    return tau
 
 
 def _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy):
@@ -394,6 +497,15 @@ def _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy):
         check_shape(name, x, (n_rows,))
     if grad_entropy is not None and entropy is None:
         raise ValueError("the entropy gradient needs the forward's entropy")
+
+
+def _saved_thresholds(hidden: torch.Tensor, n_rows: int, tau: torch.Tensor | None) -> torch.Tensor | None:
+    """The forward's ``tau [N]`` as the backward reads it (contiguous), or None: not truncated."""
+    if tau is None:
+        return None
+    check_same_device(hidden=hidden, tau=tau)
+    check_shape("tau", tau, (n_rows,))
+    return tau.contiguous()
 
 
 def linear_token_logprobs_backward(
@@ -415,6 +527,7 @@ def linear_token_logprobs_backward(
     needs_bias: bool,
     blocks: tuple[int, int, int] | None = None,
     weight_scratch_bytes: int | None = None,
+    tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
 
@@ -423,9 +536,9 @@ def linear_token_logprobs_backward(
     float32 scratch of a bf16/fp16 ``d_weight`` (default ``WEIGHT_SCRATCH_BYTES``; tests cross chunks with it)."""
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
+    tau = _saved_thresholds(hidden, n_rows, tau)  # the forward's truncation thresholds, or None
     needs_bias = needs_bias and bias is not None
-    dtype = result_dtype(hidden, weight, bias)
-    acc = compute_dtype(dtype)
+    acc = compute_dtype(result_dtype(hidden, weight, bias))
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
     device = hidden.device
     # Accumulated in the compute dtype; bf16/fp16 results are cast from float32 scratch.
@@ -458,7 +571,7 @@ def linear_token_logprobs_backward(
                     hidden, weight, weight if bias is None else bias, labels, stats, entropy,
                     stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
                     stats if d_hidden is None else d_hidden, stats if d_weight_chunk is None else d_weight_chunk,
-                    stats if d_bias is None else d_bias,
+                    stats if d_bias is None else d_bias, stats if tau is None else tau,
                     n_rows, vocab, hidden_size, start, stop,
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
                     labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
@@ -466,7 +579,7 @@ def linear_token_logprobs_backward(
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
                     HAS_GRAD_LOGP=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
                     NEEDS_HIDDEN=needs_hidden, NEEDS_WEIGHT=needs_weight, NEEDS_BIAS=needs_bias,
-                    ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype),
+                    ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype), TRUNCATED=tau is not None,
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
                 )  # fmt: skip
                 if d_weight_chunk is not d_weight:
@@ -523,12 +636,13 @@ def _linear_token_logprobs_backward_op(
     needs_hidden: bool,
     needs_weight: bool,
     needs_bias: bool,
+    tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
     grads = linear_token_logprobs_backward(
         grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy if grad_entropy is not None else None,
         temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
-        needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias,
+        needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias, tau=tau,
     )  # fmt: skip
     return tuple(
         stats.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight))
@@ -537,7 +651,7 @@ def _linear_token_logprobs_backward_op(
 
 @_linear_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, temperature, logit_scale, logit_softcap, ignore_index,
-      needs_hidden, needs_weight, needs_bias):  # fmt: skip
+      needs_hidden, needs_weight, needs_bias, tau=None):  # fmt: skip
     needs_bias = needs_bias and bias is not None
     return (
         hidden.new_empty(hidden.shape if needs_hidden else (0,)),
@@ -564,33 +678,72 @@ def _linear_token_logprobs_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_tau=None):
     not_differentiable(ctx, labels=2)
-    hidden, weight, labels, bias, stats, entropy = ctx.saved_tensors
+    hidden, weight, labels, bias, stats, entropy, *tau = ctx.saved_tensors
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
     if grad_logprobs is None and grad_entropy is None:
-        return None, None, None, None, None, None, None, None, None
+        return (None,) * len(ctx.needs_input_grad)
     d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
         grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, ctx.temperature, ctx.logit_scale,
-        ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias,
+        ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias, *tau,
     )  # fmt: skip
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
-    return (
-        pick(d_hidden, needs_hidden),
-        pick(d_weight, needs_weight),
-        None,
-        pick(d_bias, needs_bias),
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    grads = (pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias))
+    return grads + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 _linear_token_logprobs_op.register_autograd(_linear_token_logprobs_backward, setup_context=_linear_token_logprobs_setup)
+
+
+@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_truncated", mutates_args=())
+def _linear_token_logprobs_truncated_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    logit_softcap: float | None,
+    return_entropy: bool,
+    ignore_index: int,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, stats, tau)`` under the sampler's truncation; ``tau [N]`` is for the backward."""
+    options = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    tau = linear_truncation_thresholds(
+        hidden, weight, labels, bias, **options, ignore_index=ignore_index, truncation=Truncation(top_k, top_p, min_p)
+    )
+    logp, entropy, stats = linear_token_logprobs_forward(
+        hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
+    )
+    return logp, (entropy if return_entropy else logp.new_empty(0)), stats, tau
+
+
+@_linear_token_logprobs_truncated_op.register_fake
+def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, top_k, top_p,
+      min_p):  # fmt: skip
+    logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
+    entropy = logp.new_empty(logp.shape if return_entropy else (0,))
+    return logp, entropy, logp.new_empty(logp.shape + (2,)), logp.new_empty(logp.shape)
+
+
+def _linear_token_logprobs_truncated_setup(ctx, inputs, output):
+    hidden, weight, labels, bias = inputs[:4]
+    ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs[4:9]
+    _, entropy, stats, tau = output
+    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, tau)
+    ctx.mark_non_differentiable(stats, tau)
+    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
+
+
+_linear_token_logprobs_truncated_op.register_autograd(
+    _linear_token_logprobs_backward, setup_context=_linear_token_logprobs_truncated_setup
+)
 
 
 def linear_token_logprobs(
@@ -608,11 +761,11 @@ def linear_token_logprobs(
 ):
     """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
     kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
-    if truncation.active:
-        raise NotImplementedError("triton linear_token_logprobs: top_k/top_p/min_p are not implemented yet")
-    logp, entropy, _ = _linear_token_logprobs_op(
-        hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
-    )
+    args = (hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
+    if truncation.active:  # the softmax over the tokens the sampler keeps (``_truncation``)
+        logp, entropy, _, _ = _linear_token_logprobs_truncated_op(*args, *truncation)
+    else:
+        logp, entropy, _ = _linear_token_logprobs_op(*args)
     return logp, (entropy if return_entropy else None)
 
 
@@ -713,4 +866,30 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
                     block=None,
                 )
             )
-    return out
+    return out + _truncated_static_variants(rows, hidden, vocab)
+
+
+def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]:
+    """The truncation's launches of the fused head (bf16): the logits of a chunk of rows for the thresholds
+    (``_truncation``'s kernel is token_logprobs' variant), the TRUNCATED forward and backward."""
+    x, w, labels = (
+        _meta((rows, hidden), torch.bfloat16),
+        _meta((vocab, hidden), torch.bfloat16),
+        _meta((rows,), torch.int64),
+    )
+    row, stats = _meta((rows,), torch.float32), _meta((rows, 2), torch.float32)
+    options = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
+    chunk = LOGITS_SCRATCH_BYTES // (4 * vocab)
+    launches = {
+        "logits rows (thresholds' input)": lambda: linear_logits_rows(x, w, labels, None, 0, chunk, 1.0, None, -100),
+        "fwd truncated": lambda: linear_token_logprobs_forward(x, w, labels, None, **options, return_entropy=True, tau=row),
+        "bwd truncated": lambda: linear_token_logprobs_backward(
+            row, row, x, w, labels, None, stats, row, **options, needs_hidden=True, needs_weight=True, needs_bias=False,
+            tau=row,
+        ),
+    }  # fmt: skip
+    shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}] bf16"
+    return [
+        dict(name=f"linear_token_logprobs {what} {shape}", budget_key=None, bytes_per_element=None, run=run, block=None)
+        for what, run in launches.items()
+    ]

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._sampling import NO_TRUNCATION
+from ..._sampling import NO_TRUNCATION, Truncation
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
 from ._launch import (
     DEVICES,
@@ -40,6 +40,7 @@ from ._launch import (
     lead_view,
     not_differentiable,
 )
+from ._truncation import _truncation_threshold_kernel, thresholds  # noqa: F401  (the kernel: for bench.static)
 
 SUPPORTED = {"token_logprobs": DEVICES}
 
@@ -178,6 +179,7 @@ def _token_logprobs_fwd_kernel(
     logp_ptr,
     entropy_ptr,
     stats_ptr,
+    tau_ptr,
     rows_per_outer,
     outer_step,
     inner_step,
@@ -193,6 +195,7 @@ def _token_logprobs_fwd_kernel(
     BLOCK_V: tl.constexpr,
     GROUP: tl.constexpr,
     BF16_PAIRS: tl.constexpr,
+    TRUNCATED: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     # int64 row: every product below (row index * stride) is int64, whatever the strides' type.
@@ -219,12 +222,19 @@ def _token_logprobs_fwd_kernel(
     offsets = cols * vocab_stride
     step = tl.full([], BLOCK_V, tl.int64) * vocab_stride
     block_ptr = row_ptr
+    tau = tl.full([], float("-inf"), ACC)
+    if TRUNCATED:  # the tokens the sampler dropped (x < tau) are -inf: out of the softmax
+        tau = tl.load(tau_ptr + row).to(ACC)
     for _ in range(0, full_end, BLOCK_V):
         x = _load_full_block(block_ptr, offsets, ACC, GROUP, BLOCK_V, BF16_PAIRS)
+        if TRUNCATED:
+            x = tl.where(x < tau, float("-inf"), x)
         run_max, sum_exp, weighted = _online_update(x, run_max, sum_exp, weighted, scale2, RETURN_ENTROPY)
         block_ptr += step
     if full_end < row_vocab:
         x = tl.load(block_ptr + offsets, mask=cols < row_vocab - full_end, other=float("-inf")).to(ACC)
+        if TRUNCATED:
+            x = tl.where(x < tau, float("-inf"), x)
         run_max, sum_exp, weighted = _online_update(x, run_max, sum_exp, weighted, scale2, RETURN_ENTROPY)
 
     # The groups combined once: re-based to the row's max.
@@ -236,6 +246,8 @@ def _token_logprobs_fwd_kernel(
     log_sum = tl.log(total)
     # Row 0's address for a row whose label is not a column (never a read outside the row).
     chosen = tl.load(row_ptr + tl.where(in_vocab, label, 0) * vocab_stride, mask=valid & in_vocab, other=0.0).to(ACC)
+    if TRUNCATED:
+        chosen = tl.where(chosen < tau, float("-inf"), chosen)  # a dropped label: log-prob -inf
     # (x - max) / T - log_sum, as the online pass shifts: never z - logsumexp, which rounds
     # at the scaled logits' magnitude (ulp(x / T), large at a low temperature), nor
     # x / T - max / T, which an FMA would round differently from the backward.
@@ -279,6 +291,7 @@ def _token_logprobs_bwd_kernel(
     entropy_ptr,
     grad_logp_ptr,
     grad_entropy_ptr,
+    tau_ptr,
     rows_per_outer,
     outer_step,
     inner_step,
@@ -302,6 +315,7 @@ def _token_logprobs_bwd_kernel(
     BLOCK_V: tl.constexpr,
     GROUP: tl.constexpr,
     BF16_PAIRS: tl.constexpr,
+    TRUNCATED: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     outer = row // rows_per_outer
@@ -348,8 +362,14 @@ def _token_logprobs_bwd_kernel(
         # The label column is read before the loop (an in-place backward overwrites it) and
         # written again after it with its extra g_logp term: no compare per logit.
         label_x = tl.load(row_ptr + label * vocab_stride).to(ACC)
+        tau = tl.full([], float("-inf"), ACC)
+        if TRUNCATED:  # the dropped tokens (x < tau) are -inf, as in the forward: p = 0, no gradient
+            tau = tl.load(tau_ptr + row).to(ACC)
+            label_x = tl.where(label_x < tau, float("-inf"), label_x)
         for _ in range(0, full_end, BLOCK_V):
             x = _load_full_block(block_ptr, offsets, ACC, GROUP, BLOCK_V, BF16_PAIRS)
+            if TRUNCATED:
+                x = tl.where(x < tau, float("-inf"), x)
             g = _grad_block(x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY)
             tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr))
             block_ptr += step
@@ -357,6 +377,8 @@ def _token_logprobs_bwd_kernel(
         if full_end < vocab:
             in_row = cols < vocab - full_end
             x = tl.load(block_ptr + offsets, mask=in_row, other=float("-inf")).to(ACC)
+            if TRUNCATED:
+                x = tl.where(x < tau, float("-inf"), x)
             g = _grad_block(x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY)
             tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr), mask=in_row)
         # Every thread's store to the label column is done (and visible) before it is rewritten.
@@ -379,6 +401,7 @@ def token_logprobs_forward(
     return_entropy: bool,
     ignore_index: int,
     block_v: int | None = None,
+    tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(logp, entropy or None, stats)``; logp and entropy have ``labels``' shape.
 
@@ -393,7 +416,8 @@ def token_logprobs_forward(
     elements as there are rows, normally the leading shape.  A label that is
     neither ``ignore_index`` nor in ``[0, V)`` gives NaN log-prob and entropy and
     is never used as an address.  ``block_v`` overrides the heuristic (tests use it
-    to cross block boundaries with a small V).
+    to cross block boundaries with a small V).  ``tau`` (``[rows]``, from
+    :func:`truncation_thresholds`): the softmax over the logits ``>= tau`` of each row only.
     """
     lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
     check_same_device(logits=logits, labels=labels)
@@ -416,6 +440,7 @@ def token_logprobs_forward(
             logp,
             entropy if return_entropy else logp,  # unused when not RETURN_ENTROPY
             stats,
+            logp if tau is None else tau,  # unused when not TRUNCATED
             rows_per_outer,
             outer_stride // group,
             inner_stride // group,
@@ -430,9 +455,32 @@ def token_logprobs_forward(
             BLOCK_V=block,
             GROUP=group,
             BF16_PAIRS=logits.dtype == torch.bfloat16 and group >= 2,
+            TRUNCATED=tau is not None,
             num_warps=num_warps,
         )
     return logp, entropy, stats
+
+
+def truncation_thresholds(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, truncation: Truncation
+) -> torch.Tensor:
+    """Each row's threshold ``tau`` (a logit of the row, before the temperature; ``-inf``: not truncated),
+    ``[rows]`` in the compute dtype: the sampler keeps the logits ``>= tau`` (``_truncation``)."""
+    lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
+    check_same_device(logits=logits, labels=labels)
+    labels_view, labels_outer_stride, labels_inner_stride = lead_view("labels", labels, lead_shape)
+    acc = torch.float64 if result_dtype(logits) == torch.float64 else torch.float32
+    with device_guard(logits):
+        return thresholds(
+            logits,
+            labels_view,
+            (rows_per_outer, outer_stride, inner_stride, vocab_stride),
+            (labels_outer_stride, labels_inner_stride),
+            1.0 / temperature,
+            ignore_index,
+            truncation,
+            acc,
+        )
 
 
 def _saved_views(lead_shape, rows, stats, entropy, grad_logprobs, grad_entropy):
@@ -455,6 +503,16 @@ def _saved_views(lead_shape, rows, stats, entropy, grad_logprobs, grad_entropy):
     return stats, entropy, grad_logprobs, grad_entropy
 
 
+def _row_thresholds(logits: torch.Tensor, tau: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The forward's thresholds as the backward reads them: ``[rows]``, contiguous, on the logits' device."""
+    if tau is None:
+        return None
+    check_same_device(logits=logits, tau=tau)
+    if tau.numel() != rows:
+        raise ValueError(f"tau must have {rows} elements (1 per row), got shape {tuple(tau.shape)}")
+    return tau.reshape(rows).contiguous()
+
+
 def token_logprobs_backward(
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -466,6 +524,7 @@ def token_logprobs_backward(
     ignore_index: int,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
+    tau: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. ``logits`` (in their dtype), the softmax recomputed from the forward's ``stats``.
 
@@ -473,15 +532,8 @@ def token_logprobs_backward(
     ``grad_entropy``); any strides.  Written into ``out`` when given (``logits`` itself: each block is read
     before it is overwritten, so ``out`` must not overlap itself, as the caller checks), else a new tensor."""
     lead_shape, rows_per_outer, outer_stride, inner_stride, vocab_stride = _row_layout(logits)
-    check_same_device(
-        logits=logits,
-        labels=labels,
-        stats=stats,
-        entropy=entropy,
-        grad_logprobs=grad_logprobs,
-        grad_entropy=grad_entropy,
-        out=out,
-    )
+    devices = dict(logits=logits, labels=labels, stats=stats, entropy=entropy, out=out)
+    check_same_device(**devices, grad_logprobs=grad_logprobs, grad_entropy=grad_entropy)
     if out is not None and (out.shape != logits.shape or out.dtype != logits.dtype):
         raise ValueError(f"out must have the logits' shape {tuple(logits.shape)} and dtype {logits.dtype}")
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out
@@ -494,6 +546,7 @@ def token_logprobs_backward(
         lead_shape, rows, stats, entropy, grad_logprobs, grad_entropy
     )
     _, _, grad_outer_stride, grad_inner_stride, grad_vocab_stride = _row_layout(grad)
+    tau = _row_thresholds(logits, tau, rows)
     block, num_warps = _launch_config(logits.shape[-1], block_v, logits.element_size(), backward=True)
     group = _group(
         block,
@@ -510,6 +563,7 @@ def token_logprobs_backward(
             entropy,
             grad_logprobs,
             grad_entropy,
+            stats if tau is None else tau,  # unused when not TRUNCATED
             rows_per_outer,
             outer_stride // group,
             inner_stride // group,
@@ -530,6 +584,7 @@ def token_logprobs_backward(
             BLOCK_V=block,
             GROUP=group,
             BF16_PAIRS=logits.dtype == torch.bfloat16 and group >= 2,
+            TRUNCATED=tau is not None,
             num_warps=num_warps,
         )
     return grad
@@ -569,14 +624,15 @@ def _token_logprobs_backward_op(
     entropy: torch.Tensor,
     temperature: float,
     ignore_index: int,
+    tau: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return token_logprobs_backward(
-        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index
+        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, tau=tau
     )
 
 
 @_token_logprobs_backward_op.register_fake
-def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
+def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, tau=None):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -590,17 +646,18 @@ def _token_logprobs_backward_inplace_op(
     entropy: torch.Tensor,
     temperature: float,
     ignore_index: int,
+    tau: torch.Tensor | None = None,
 ) -> None:
     """Writes the gradient into ``logits``; only for logits whose memory is non-overlapping and dense."""
     if not is_non_overlapping_and_dense(logits):
         raise ValueError("an in-place backward needs logits whose memory is non-overlapping and dense")
     token_logprobs_backward(
-        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits
+        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits, tau=tau
     )
 
 
 @_token_logprobs_backward_inplace_op.register_fake
-def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
+def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, tau=None):
     return None
 
 
@@ -616,31 +673,85 @@ def _token_logprobs_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats):
-    not_differentiable(ctx, labels=1)
-    logits, labels, stats, entropy = ctx.saved_tensors
+def _logits_gradient(ctx, grad_logprobs, grad_entropy, logits, labels, stats, entropy, tau=None):
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     args = (grad_logprobs, grad_entropy, logits, labels, stats, entropy, ctx.temperature, ctx.ignore_index)
     if ctx.inplace_backward:
-        _token_logprobs_backward_inplace_op(*args)
-        grad_logits = logits
-    else:
-        grad_logits = _token_logprobs_backward_op(*args)
+        _token_logprobs_backward_inplace_op(*args, tau)
+        return logits
+    return _token_logprobs_backward_op(*args, tau)
+
+
+def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats):
+    not_differentiable(ctx, labels=1)
+    grad_logits = _logits_gradient(ctx, grad_logprobs, grad_entropy, *ctx.saved_tensors)
     return grad_logits, None, None, None, None, None
 
 
 _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
 
 
+@torch.library.custom_op("ppo_fast_triton::token_logprobs_truncated", mutates_args=())
+def _token_logprobs_truncated_op(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+    inplace_backward: bool,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, stats, tau)`` under the sampler's truncation: ``tau [rows]`` each row's
+    threshold (``truncation_thresholds``), kept for the backward with ``stats``."""
+    tau = truncation_thresholds(logits, labels, temperature, ignore_index, Truncation(top_k, top_p, min_p))
+    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index, tau=tau)
+    return logp, (entropy if return_entropy else logp.new_empty(0)), stats, tau
+
+
+@_token_logprobs_truncated_op.register_fake
+def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward, top_k, top_p, min_p):
+    logp = labels.new_empty(labels.shape, dtype=result_dtype(logits))
+    entropy = logp.new_empty(labels.shape if return_entropy else (0,))
+    return logp, entropy, logp.new_empty(labels.shape + (2,)), logp.new_empty((labels.numel(),))
+
+
+def _token_logprobs_truncated_setup(ctx, inputs, output):
+    logits, labels, ctx.temperature, ctx.return_entropy, ctx.ignore_index, inplace_backward = inputs[:6]
+    ctx.inplace_backward = inplace_backward and is_non_overlapping_and_dense(logits)  # as _token_logprobs_setup
+    _, entropy, stats, tau = output
+    ctx.save_for_backward(logits, labels, stats, entropy, tau)
+    ctx.mark_non_differentiable(stats, tau)
+    ctx.set_materialize_grads(False)
+
+
+def _token_logprobs_truncated_backward(ctx, grad_logprobs, grad_entropy, _grad_stats, _grad_tau):
+    not_differentiable(ctx, labels=1)
+    grad_logits = _logits_gradient(ctx, grad_logprobs, grad_entropy, *ctx.saved_tensors)
+    return grad_logits, None, None, None, None, None, None, None, None
+
+
+_token_logprobs_truncated_op.register_autograd(
+    _token_logprobs_truncated_backward, setup_context=_token_logprobs_truncated_setup
+)
+
+
 def token_logprobs(
     logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False, truncation=NO_TRUNCATION
 ):
-    if truncation.active:
-        raise NotImplementedError("triton token_logprobs: top_k/top_p/min_p are not implemented yet")
     """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
-    their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one)."""
-    logp, entropy, _ = _token_logprobs_op(logits, labels, temperature, return_entropy, ignore_index, inplace_backward)
+    their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one).
+    With ``truncation`` active, the softmax is over the tokens the sampler keeps (``_truncation``)."""
+    if truncation.active:
+        logp, entropy, _, _ = _token_logprobs_truncated_op(
+            logits, labels, temperature, return_entropy, ignore_index, inplace_backward, *truncation
+        )
+    else:
+        logp, entropy, _ = _token_logprobs_op(
+            logits, labels, temperature, return_entropy, ignore_index, inplace_backward
+        )
     return logp, (entropy if return_entropy else None)
 
 
@@ -709,4 +820,51 @@ def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
     variants += layout("bf16", 32008, grads=((True, False),))  # V % 8 == 0 but not % 16
     variants += layout("bf16", 50257, entropy_flags=(False,), grads=((True, False),))  # odd V: no vector loads possible
     variants += layout("bf16", vocab, lead=(8, 2048), slice_last=True, entropy_flags=(False,), grads=((True, False),))
-    return variants
+    return variants + _truncated_static_variants(rows, vocab)
+
+
+def _truncated_static_variants(rows: int, vocab: int) -> list[dict]:
+    """The truncation's launches for ``bench.static``: the threshold kernel per truncation (its hot loop is
+    one bisection step: a pass over the row, counted per logit) and the TRUNCATED forward and backward."""
+    out, acc = [], torch.float32
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+
+        def inputs(dtype=dtype):
+            logits = torch.empty((rows, vocab), dtype=dtype, device="meta")
+            return logits, torch.empty((rows,), dtype=torch.int64, device="meta")
+
+        shape = f"{dtype_name} [{rows}, {vocab}]"
+        for what, truncation in (("top_k=50", Truncation(top_k=50)), ("top_p=0.9", Truncation(top_p=0.9))):
+            out.append(
+                dict(
+                    name=f"token_logprobs thresholds {what} {shape}",
+                    budget_key=None,
+                    bytes_per_element=dtype.itemsize,
+                    run=lambda t=truncation, inputs=inputs: truncation_thresholds(*inputs(), 0.7, -100, t),
+                )
+            )
+
+        def forward(inputs=inputs):
+            logits, labels = inputs()
+            tau = torch.empty((rows,), dtype=acc, device="meta")
+            return token_logprobs_forward(logits, labels, 0.7, True, -100, tau=tau)
+
+        def backward(inputs=inputs):
+            logits, labels = inputs()
+            row, stats = (
+                torch.empty((rows,), dtype=acc, device="meta"),
+                torch.empty((rows, 2), dtype=acc, device="meta"),
+            )
+            return token_logprobs_backward(row, row, logits, labels, stats, row, 0.7, -100, tau=row)
+
+        for name, run, size in (("fwd+entropy", forward, 1), ("bwd(logp+entropy)", backward, 2)):
+            out.append(
+                dict(
+                    name=f"token_logprobs {name} truncated {shape}",
+                    budget_key=None,
+                    bytes_per_element=size * dtype.itemsize,
+                    run=run,
+                    vector_loads_expected=dtype == torch.bfloat16,
+                )
+            )
+    return out
