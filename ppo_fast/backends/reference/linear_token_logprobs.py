@@ -21,11 +21,13 @@ MATMUL_ROWS = 128
 def _rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` computed in blocks of exactly ``MATMUL_ROWS`` rows of ``a``."""
     rows = a.shape[0]
+    if rows == 0:  # no row: the empty product, so that the empty result is in the autograd graph
+        return a @ b
     padded = -(-rows // MATMUL_ROWS) * MATMUL_ROWS
     if padded != rows:
         a = torch.cat([a, a.new_zeros(padded - rows, a.shape[1])])
     blocks = [a[i : i + MATMUL_ROWS] @ b for i in range(0, padded, MATMUL_ROWS)]
-    return torch.cat(blocks)[:rows] if blocks else a.new_zeros(0, b.shape[1])
+    return torch.cat(blocks)[:rows]
 
 
 def linear_logits(
