@@ -92,20 +92,37 @@ def _sequence_inputs(batch: int, length: int, device: torch.device) -> dict:
 # --------------------------------------------------------------------------- cases
 
 
-def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
+def truncation_label(truncation: dict | None) -> str:
+    """The shape label's suffix of a sampling-truncated row, e.g. " top_k=50"."""
+    return "".join(f" {name}={value}" for name, value in (truncation or {}).items())
+
+
+def _truncated(case: Case, truncation: dict | None) -> Case:
+    """``case`` as a row of the sampling-truncated op: no baseline computes that distribution, so
+    only our backends are timed (against the plain row of the same shape)."""
+    if not truncation:
+        return case
+    case.baselines, case.eager_baseline, case.compile_targets = {}, None, {}
+    case.params["truncation"] = dict(truncation)
+    case.notes.append("sampling-truncated: our backends only (no baseline computes the truncated distribution)")
+    return case
+
+
+def logprob_case(n: int, vocab: int, dtype: torch.dtype, truncation: dict | None = None) -> Case:
     elt = torch.tensor([], dtype=dtype).element_size()
     logits_bytes = n * vocab * elt
     per_row = 8 + 4  # label in, log-prob out
+    truncation_kwargs = truncation or {}
 
     def eager(x):
         return baselines.eager_logprobs(x["logits"], x["labels"], TEMPERATURE)
 
-    return Case(
+    case = Case(
         op="token_logprobs",
-        shape=f"N={n} V={vocab} {str(dtype).replace('torch.', '')}",
+        shape=f"N={n} V={vocab} {str(dtype).replace('torch.', '')}{truncation_label(truncation)}",
         size=n * vocab,
         make_inputs=lambda device: _logprob_inputs(n, vocab, dtype, device),
-        call_op=lambda x: pf.token_logprobs(x["logits"], x["labels"], temperature=TEMPERATURE),
+        call_op=lambda x: pf.token_logprobs(x["logits"], x["labels"], temperature=TEMPERATURE, **truncation_kwargs),
         baselines={
             "eager": eager,
             **baselines.trl_logprob_baseline(
@@ -127,6 +144,7 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype) -> Case:
             "return_entropy": False,
         },
     )
+    return _truncated(case, truncation)
 
 
 def _head_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -152,8 +170,9 @@ def _fresh_head_grad(fn: Callable[[dict], object]) -> Callable[[dict], object]:
     return run
 
 
-def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> Case:
+def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, truncation: dict | None = None) -> Case:
     elt = torch.tensor([], dtype=dtype).element_size()
+    truncation_kwargs = truncation or {}
     product_flops = 2 * n * hidden * vocab
 
     def eager(x):
@@ -168,13 +187,15 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
         **baselines.trl_fused_head_baseline(TEMPERATURE),
         "linear-layer": lambda x: baselines.linear_layer_yardstick(x["hidden"], x["weight"]),
     }
-    return Case(
+    case = Case(
         op="linear_token_logprobs",
-        shape=f"N={n} H={hidden} V={vocab} {str(dtype).replace('torch.', '')}",
+        shape=f"N={n} H={hidden} V={vocab} {str(dtype).replace('torch.', '')}{truncation_label(truncation)}",
         size=n * vocab,
         make_inputs=lambda device: _head_inputs(n, hidden, vocab, dtype, device),
         call_op=_fresh_head_grad(
-            lambda x: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], temperature=TEMPERATURE)
+            lambda x: pf.linear_token_logprobs(
+                x["hidden"], x["weight"], x["labels"], temperature=TEMPERATURE, **truncation_kwargs
+            )
         ),
         baselines={name: _fresh_head_grad(fn) for name, fn in calls.items()},
         eager_baseline="eager",
@@ -197,6 +218,7 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
         yardsticks=("linear-layer",),
         flops={"fwd": product_flops, "fwd+bwd": 3 * product_flops},
     )
+    return _truncated(case, truncation)
 
 
 def gae_case(batch: int, length: int) -> Case:
@@ -301,26 +323,41 @@ _LOSS_CASES = {"clipped_policy_loss": policy_loss_case, "value_loss": value_loss
 # Losses take [B, T]; N tokens are laid out as rows of this many.
 _LOSS_ROW = 4096
 
+# The sampling truncations timed next to a plain row (the shape tuples' last element).
+TOP_K, TOP_P = {"top_k": 50}, {"top_p": 0.9}
+
 # The GPU shapes.
 GPU_SHAPES = {
-    "token_logprobs": [(n, v, torch.bfloat16) for n in (4096, 16384, 65536) for v in (32000, 128256, 151936, 262144)],
+    "token_logprobs": [(n, v, torch.bfloat16) for n in (4096, 16384, 65536) for v in (32000, 128256, 151936, 262144)]
+    + [(16384, 151936, torch.bfloat16, TOP_K), (16384, 151936, torch.bfloat16, TOP_P)],
     # (N, H, V, dtype): a Qwen2.5-0.5B-like and a Llama-3-8B-like head.
-    "linear_token_logprobs": [(16384, 896, 151936, torch.bfloat16), (8192, 4096, 128256, torch.bfloat16)],
+    "linear_token_logprobs": [
+        (16384, 896, 151936, torch.bfloat16),
+        (16384, 896, 151936, torch.bfloat16, TOP_P),
+        (8192, 4096, 128256, torch.bfloat16),
+    ],
     "sequence": [(256, 1024), (64, 8192), (16, 32768), (1, 32768)],
     "loss_tokens": [16384, 262144, 1 << 20],
 }
 # CPU: the CPU targets plus a few neighbours that finish in minutes on 2 cores.
 CPU_SHAPES = {
-    "token_logprobs": [(2048, 32000, torch.float32), (2048, 32000, torch.bfloat16), (512, 151936, torch.bfloat16)],
-    # The last: float32 logits of 1.07 GB, the CPU goal shape of the fused head.
-    "linear_token_logprobs": [(1024, 256, 32768, torch.float32), (8192, 256, 32768, torch.float32)],
+    "token_logprobs": [
+        *[(2048, 32000, dtype, *t) for dtype in (torch.float32, torch.bfloat16) for t in ((), (TOP_K,), (TOP_P,))],
+        (512, 151936, torch.bfloat16),
+    ],
+    # The last two: float32 logits of 1.07 GB, the CPU goal shape of the fused head.
+    "linear_token_logprobs": [
+        (1024, 256, 32768, torch.float32),
+        (8192, 256, 32768, torch.float32),
+        (8192, 256, 32768, torch.float32, TOP_P),
+    ],
     "sequence": [(16, 4096), (256, 1024)],
     "loss_tokens": [16384, 262144],
 }
 CPU_NOTE = (
     "CPU subset of the GPU shapes (full sizes would take hours on a few cores): "
-    "token_logprobs [2048, 32000] fp32 and bf16 and [512, 151936] bf16; linear_token_logprobs N=1024 and 8192, "
-    "H=256, V=32768 fp32; GAE/KL [16, 4096] and [256, 1024]; "
+    "token_logprobs [2048, 32000] fp32 and bf16 (plain, top_k=50, top_p=0.9) and [512, 151936] bf16; "
+    "linear_token_logprobs N=1024 and 8192 (plain, and top_p=0.9 at 8192), H=256, V=32768 fp32; GAE/KL [16, 4096] and [256, 1024]; "
     "losses 16k and 262k tokens"
 )
 QUICK_SHAPES = {
@@ -344,7 +381,7 @@ def build_cases(ops: tuple[str, ...], shapes: dict) -> list[Case]:
     per_op = {}
     for op in (op for op in OPS if op in ops):
         if op == "token_logprobs":
-            per_op[op] = [logprob_case(n, v, dtype) for n, v, dtype in shapes["token_logprobs"]]
+            per_op[op] = [logprob_case(*shape) for shape in shapes["token_logprobs"]]
         elif op == "linear_token_logprobs":
             per_op[op] = [linear_logprob_case(*shape) for shape in shapes["linear_token_logprobs"]]
         elif op in _SEQUENCE_CASES:

@@ -57,6 +57,8 @@ def implementations(
     impls = [(name, "ppo_fast", _with_backend(name, case.call_op)) for name in serving_backends(case.op, device_type)]
     impls += [(name, "baseline", fn) for name, fn in case.baselines.items()]
     notes = list(case.notes)
+    if case.params.get("truncation"):  # the optional kernels compute the untruncated distribution
+        return impls, notes
     if case.op == "token_logprobs":
         found, skipped = optional_logprob_kernels(device_type)
         impls += [(name, "baseline", _logits_labels_call(fn)) for name, fn in found.items()]

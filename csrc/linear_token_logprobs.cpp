@@ -19,6 +19,7 @@
 #include <limits>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/log_softmax_rows.h"
@@ -28,11 +29,12 @@ namespace ppo_fast {
 TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
   // Log-probs of labels [N] under softcap(logit_scale * (hidden [N, H] @ weight.T [H, V]
   // + bias)) / temperature, without the [N, V] logits (float? logit_softcap: None for no
-  // cap); `entropy` and `stats` as token_logprobs returns them.
+  // cap); `entropy` and `stats` as token_logprobs returns them, the truncations too (applied to
+  // the softcapped logits / temperature, their threshold on those).
   m.def(
       "linear_token_logprobs(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, float temperature, "
-      "float logit_scale, float? logit_softcap, bool return_entropy, int ignore_index) "
-      "-> (Tensor logprobs, Tensor entropy, Tensor stats)");
+      "float logit_scale, float? logit_softcap, bool return_entropy, int ignore_index, int top_k=0, float top_p=1.0, "
+      "float min_p=0.0) -> (Tensor logprobs, Tensor entropy, Tensor stats)");
   m.def(
       "linear_token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
       "Tensor labels, Tensor? bias, Tensor stats, Tensor entropy, float temperature, float logit_scale, "
@@ -146,10 +148,14 @@ at::Tensor chunk_logits(const Head& head, const at::Tensor& hidden, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& bias,
     double temperature, double logit_scale, std::optional<double> logit_softcap, bool return_entropy,
-    int64_t ignore_index) {
+    int64_t ignore_index, int64_t top_k, double top_p, double min_p) {
   constexpr const char* op = "linear_token_logprobs";
   const HeadArgs args{temperature, logit_scale, logit_softcap, ignore_index};
   check_inputs(op, hidden, weight, labels, bias, args);
+  const Truncation truncation{top_k, top_p, min_p};
+  check_truncation(op, truncation);
+  const bool truncated = truncation.active();
+  const int64_t width = stats_width(truncated);
   const Head head = prepare(hidden, weight, labels, bias, ignore_index);
   const int64_t n_rows = hidden.size(0), vocab = head.vocab;
   const auto options = hidden.options().dtype(compute_dtype(hidden));
@@ -158,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
   const double nan = std::numeric_limits<double>::quiet_NaN();
   at::Tensor logp = at::where(ignored, 0.0, nan).to(options.dtype());
   at::Tensor entropy = return_entropy ? logp.clone() : at::empty({0}, options);
-  at::Tensor stats = at::where(ignored, 0.0, nan).to(options.dtype()).unsqueeze(-1).repeat({1, 2});
+  at::Tensor stats = at::where(ignored, 0.0, nan).to(options.dtype()).unsqueeze(-1).repeat({1, width});
   const int64_t n_used = head.rows.numel();
   if (n_used == 0 || n_rows == 0) return {logp, entropy, stats};
   at::Tensor scratch = at::empty({std::min(head.chunk_rows, n_used), vocab}, options);
@@ -176,13 +182,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_cpu(
       chunk_logits(head, hidden, head.rows.narrow(0, c0, n), logits, args);
       const scalar_t* base = logits.const_data_ptr<scalar_t>();
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        std::vector<scalar_t> kept_scratch(truncated ? 3 * vocab : 0);  // a truncated row's selection
         for (int64_t i = begin; i < end; ++i) {
           const int64_t r = row_index[c0 + i];
           const scalar_t* row = base + i * vocab;
-          const RowStats<scalar_t> row_stat = log_softmax_row_stats(row, vocab, inv_temp, return_entropy);
-          stats_data[2 * r] = row_stat.max;
-          stats_data[2 * r + 1] = row_stat.log_sum;
-          logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, row_stat);
+          scalar_t* row_stats_out = stats_data + width * r;
+          RowStats<scalar_t> row_stat;
+          if (truncated) {
+            row_stat = log_softmax_row_stats_kept(row, vocab, inv_temp, return_entropy, truncation, kept_scratch.data(),
+                                                  row_stats_out + 2);
+            logp_data[r] = log_softmax_label_logprob_kept(row[label_data[r]], inv_temp, row_stat, row_stats_out[2]);
+          } else {
+            row_stat = log_softmax_row_stats(row, vocab, inv_temp, return_entropy);
+            logp_data[r] = log_softmax_label_logprob(row[label_data[r]], inv_temp, row_stat);
+          }
+          row_stats_out[0] = row_stat.max;
+          row_stats_out[1] = row_stat.log_sum;
           if (return_entropy) entropy_data[r] = row_stat.entropy;
         }
       });
@@ -202,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
   const at::ScalarType acc = compute_dtype(hidden);
   TORCH_CHECK(stats_in.scalar_type() == acc, op, ": stats must have dtype ", acc,
               " (as linear_token_logprobs returns it), got ", stats_in.scalar_type());
-  check_shape(op, "stats", stats_in, stats_shape(labels));
+  const int64_t stats_cols = checked_stats_width(op, stats_in, labels);
   check_same_device(op, {{"hidden", &hidden}, {"stats", &stats_in}});
   const bool has_logp_grad = grad_logprobs.has_value(), has_entropy_grad = grad_entropy.has_value();
   for (const auto& [name, grad] :
@@ -258,9 +273,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
             const scalar_t g = has_logp_grad ? grad_logp_data[r] * inv_temp : scalar_t(0);
             const scalar_t h_ent = has_entropy_grad ? grad_ent_data[r] * inv_temp : scalar_t(0);
             const scalar_t ent = has_entropy_grad ? entropy_data[r] : scalar_t(0);
+            const scalar_t* row_stat = stats_data + stats_cols * r;
             if (!logit_softcap) {  // d_logits is linear in (g, h): the scale folds into them
-              log_softmax_row_grad(row, row, vocab, label_data[r], inv_temp, stats_data + 2 * r, g * scale,
-                                   h_ent * scale, ent);
+              if (stats_cols == 3) {
+                log_softmax_row_grad_kept(row, row, vocab, label_data[r], inv_temp, row_stat, g * scale, h_ent * scale,
+                                          ent);
+              } else {
+                log_softmax_row_grad(row, row, vocab, label_data[r], inv_temp, row_stat, g * scale, h_ent * scale, ent);
+              }
               continue;
             }
             // The chain rule through the soft-cap needs the block's logits: saved before they are overwritten.
@@ -269,7 +289,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
               const int64_t m = std::min(kBlock, vocab - b0);
               scalar_t* block = row + b0;
               std::copy(block, block + m, saved);
-              log_softmax_row_grad(block, block, m, label_data[r] - b0, inv_temp, stats_data + 2 * r, g, h_ent, ent);
+              if (stats_cols == 3) {
+                log_softmax_row_grad_kept(block, block, m, label_data[r] - b0, inv_temp, row_stat, g, h_ent, ent);
+              } else {
+                log_softmax_row_grad(block, block, m, label_data[r] - b0, inv_temp, row_stat, g, h_ent, ent);
+              }
               through_softcap(block, saved, m, scale, cap);
             }
           }

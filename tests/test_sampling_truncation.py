@@ -256,3 +256,97 @@ def test_gradcheck_reference_float64():
 
     with pf.use_backend("reference"):
         assert torch.autograd.gradcheck(fn, (logits,))
+
+
+# --------------------------------------------------------------------------- native edge rows
+
+native_only = pytest.mark.skipif("native" not in serving("token_logprobs", "cpu"), reason="native backend not built")
+
+
+def _edge_logits(vocab: int, dtype) -> torch.Tensor:
+    """Rows that stress the selection: all tied, two values, a -inf half, one huge logit, integer ties."""
+    rows = torch.randn(6, vocab) * 2
+    rows[0] = 1.5  # all tied: every truncation keeps the whole row
+    rows[1] = torch.where(torch.arange(vocab) % 3 == 0, 2.0, -1.0)  # two values, many ties at each edge
+    rows[2, ::2] = -math.inf  # the dropped -inf half has probability 0 either way
+    rows[3, vocab // 2] = 40.0  # one token holds the mass
+    rows[4] = rows[4].round()
+    return rows.to(dtype)
+
+
+@native_only
+@pytest.mark.parametrize(
+    "truncation", [Truncation(top_k=1), Truncation(top_p=0.6), Truncation(top_k=7, top_p=0.8, min_p=0.01)], ids=str
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [3, 1031, 5003])
+def test_native_edge_rows_equal_reference(vocab, dtype, truncation):
+    logits = _edge_logits(vocab, dtype)
+    labels = sampled_labels(logits.float(), 0.9, truncation, outside=6)
+    labels[near_edge(logits.float(), 0.9, truncation, 1e-5)] = -100
+    results = {}
+    for name in ("reference", "native"):
+        leaf = logits.clone().requires_grad_()
+        with pf.use_backend(name):
+            logp, ent = pf.token_logprobs(leaf, labels, temperature=0.9, return_entropy=True, **as_kwargs(truncation))
+        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
+        results[name] = ((logp.detach(), ent.detach()), leaf.grad)
+    _compare(results["native"][0], results["reference"][0], dtype)
+    tol = {"rtol": 1e-3, "atol": 1e-3} if dtype in (torch.bfloat16, torch.float16) else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(results["native"][1].float(), results["reference"][1].float(), **tol)
+
+
+@native_only
+def test_native_dropped_label_is_minus_inf_and_gets_no_one_hot():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -math.inf]])
+    for label in (3, 4):  # outside top-k = 2: a finite and a -inf logit
+        leaf = logits.clone().requires_grad_()
+        with pf.use_backend("native"):
+            logp = pf.token_logprobs(leaf, torch.tensor([label]), top_k=2)
+        assert torch.isneginf(logp).all()
+        logp.sum().backward()  # the gradient of -inf: the kept tokens' -p, nothing at the label
+        p = torch.softmax(logits[0, :2], -1)
+        torch.testing.assert_close(leaf.grad[0], torch.cat([-p, torch.zeros(3)]))
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_truncated_rows_are_bitwise_independent_of_threads(dtype):
+    logits, labels = _logits_and_labels(dtype, TRUNCATIONS[6], shape=(4, 9, 3001))
+    outputs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for t in (Truncation(top_p=0.9), TRUNCATIONS[6]):
+                leaf = logits.clone().requires_grad_()
+                with pf.use_backend("native"):
+                    logp, ent = pf.token_logprobs(leaf, labels, return_entropy=True, **as_kwargs(t))
+                (torch.where(torch.isfinite(logp), logp, 0.0).sum() + ent.sum()).backward()
+                outputs.append((logp, ent, leaf.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(outputs[:2], outputs[2:]):
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+
+
+@native_only
+@pytest.mark.parametrize("truncation", [Truncation(top_p=0.9, min_p=0.05), Truncation(top_k=3)], ids=str)
+def test_native_fused_head_with_softcap_equals_reference(truncation):
+    n, width, vocab = 29, 8, 2053
+    hidden, weight = torch.randn(n, width), torch.randn(vocab, width)
+    kwargs = {"temperature": 0.7, "logit_scale": 2.0, "logit_softcap": 5.0, "return_entropy": True}
+    z = torch.tanh(hidden @ weight.T * 2.0 / 5.0) * 5.0
+    labels = sampled_labels(z, 0.7, truncation)
+    labels[near_edge(z[None], 0.7, truncation, 1e-4)[0]] = -100
+    results = {}
+    for name in ("reference", "native"):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+        with pf.use_backend(name):
+            logp, ent = pf.linear_token_logprobs(*leaves, labels, **kwargs, **as_kwargs(truncation))
+        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
+        results[name] = ((logp.detach(), ent.detach()), [leaf.grad for leaf in leaves])
+    _compare(results["native"][0], results["reference"][0], torch.float32)
+    for got, want in zip(results["native"][1], results["reference"][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

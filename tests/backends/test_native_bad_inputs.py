@@ -62,6 +62,7 @@ ARGUMENTS = {
     **dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, agg="token-mean", clip=0.2, kl_estimator="k3"),
     **dict(kl_coef=0.1, gamma=1.0, lam=0.95, temperature=1.0, logit_scale=1.0, logit_softcap=30.0),
     **dict(return_entropy=True, ignore_index=-100, name="mask"),
+    **dict(top_k=0, top_p=1.0, min_p=0.0),  # the sampler's truncations: off
     **dict.fromkeys(("rewards_dtype", "values_dtype", "scores_dtype"), torch.float32),
 }
 OWN = {"bool_mask": {"mask": lambda: torch.tensor([[0.0, 1.0], [1.0, -0.0]])}}
@@ -234,9 +235,15 @@ TABLE = {
         ),
         ("logprobs-logits-int", dict(logits=torch.zeros(N, V, dtype=I64)), FLOAT),
         ("logprobs-temperature", dict(temperature=0.0), "temperature must be finite and > 0"),
+        ("logprobs-top-k", dict(top_k=-2), "top_k must be >= 0"),
+        ("logprobs-top-p-zero", dict(top_p=0.0), "top_p must lie in (0, 1]"),
+        ("logprobs-top-p-nan", dict(top_p=float("nan")), "top_p must lie in (0, 1]"),
+        ("logprobs-min-p", dict(min_p=1.5), "min_p must lie in [0, 1]"),
     ],
     "token_logprobs_backward": [
         ("logprobs-bwd-stats-shape", dict(stats=randn(N - 1, 2)), f"stats must have shape [{N}, 2]"),
+        ("logprobs-bwd-stats-width", dict(stats=randn(N, 4)), f"stats must have shape [{N}, 2]"),
+        ("logprobs-bwd-stats-kept-rows", dict(stats=randn(N + 1, 3)), f"stats must have shape [{N}, 3]"),
         ("logprobs-bwd-stats-dtype", dict(stats=randn(N, 2, dtype=F16)), "stats must have dtype"),
         ("logprobs-bwd-entropy-shape", dict(entropy=randn(0)), f"entropy {SHAPE} labels"),
         ("logprobs-bwd-grad-shape", dict(grad_logprobs=randn(N, 2)), f"grad_logprobs {SHAPE} labels"),
@@ -259,9 +266,13 @@ TABLE = {
         ("head-temperature", dict(temperature=0.0), "temperature must be finite and > 0"),
         ("head-logit-scale", dict(logit_scale=float("inf")), "logit_scale must be finite and > 0"),
         ("head-softcap", dict(logit_softcap=-1.0), "logit_softcap"),
+        ("head-top-k", dict(top_k=-5), "top_k must be >= 0"),
+        ("head-top-p", dict(top_p=1.01), "top_p must lie in (0, 1]"),
+        ("head-min-p", dict(min_p=-0.5), "min_p must lie in [0, 1]"),
     ],
     "linear_token_logprobs_backward": [
         ("head-bwd-stats-shape", dict(stats=randn(N - 1, 2)), f"stats must have shape [{N}, 2]"),
+        ("head-bwd-stats-kept-rows", dict(stats=randn(N - 1, 3)), f"stats must have shape [{N}, 3]"),
         ("head-bwd-stats-dtype", dict(stats=randn(N, 2, dtype=F16)), "stats must have dtype"),
         ("head-bwd-entropy-shape", dict(entropy=randn(0)), f"entropy {SHAPE} labels"),
         ("head-bwd-grad-shape", dict(grad_logprobs=randn(N, 2)), f"grad_logprobs {SHAPE} labels"),

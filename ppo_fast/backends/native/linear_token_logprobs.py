@@ -9,7 +9,7 @@ import torch
 from ..._dtypes import result_dtype
 from ..._sampling import NO_TRUNCATION
 from ._common import check_dim, check_float, check_same_device, check_shape, grad_or_empty, needed_grads, register
-from .token_logprobs import _check_saved_row_stats
+from .token_logprobs import _check_saved_row_stats, check_truncation
 
 SUPPORTED = {"linear_token_logprobs": {"cpu"}}
 
@@ -54,12 +54,24 @@ def _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logi
 
 
 def _fake_linear_token_logprobs(
-    hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+    hidden,
+    weight,
+    labels,
+    bias,
+    temperature,
+    logit_scale,
+    logit_softcap,
+    return_entropy,
+    ignore_index,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
 ):
     _check_head("linear_token_logprobs", hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
+    width = check_truncation("linear_token_logprobs", top_k, top_p, min_p)
     dtype = result_dtype(hidden)
     entropy = hidden.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
-    stats = hidden.new_empty((*labels.shape, 2), dtype=dtype)  # (max, log_sum) of each row
+    stats = hidden.new_empty((*labels.shape, width), dtype=dtype)  # (max, log_sum[, threshold]) of each row
     return hidden.new_empty(labels.shape, dtype=dtype), entropy, stats
 
 
@@ -88,7 +100,7 @@ def _fake_linear_token_logprobs_backward(
 
 
 def _setup_linear_token_logprobs(ctx, inputs, output):
-    hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index = inputs
+    hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index = inputs[:9]
     _logp, entropy, stats = output
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy)
     ctx.args = (temperature, logit_scale, logit_softcap, ignore_index)
@@ -102,12 +114,12 @@ def _backward_linear_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_stat
     hidden, weight, labels, bias, stats, entropy = ctx.saved_tensors
     needed = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
     if grad_logprobs is None and grad_entropy is None:
-        return (None,) * 9
+        return (None,) * 12
     grads = torch.ops.ppo_fast.linear_token_logprobs_backward(
         grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, *ctx.args, needed
     )
     grad_hidden, grad_weight, grad_bias = needed_grads(grads, needed)
-    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+    return grad_hidden, grad_weight, None, grad_bias, *(None,) * 8
 
 
 register(
@@ -129,9 +141,7 @@ def linear_token_logprobs(
     ignore_index=-100,
     truncation=NO_TRUNCATION,
 ):
-    if truncation.active:
-        raise NotImplementedError("native linear_token_logprobs: top_k/top_p/min_p are not implemented yet")
     logp, entropy, _stats = torch.ops.ppo_fast.linear_token_logprobs(
-        hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index
+        hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, *truncation
     )
     return logp, (entropy if return_entropy else None)

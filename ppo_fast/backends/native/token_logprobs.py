@@ -27,23 +27,34 @@ def _check_logits(op, logits, labels, temperature):
     torch._check(0 < temperature < math.inf, lambda: f"{op}: temperature must be finite and > 0, got {temperature}")
 
 
-def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_index):
+def check_truncation(op, top_k, top_p, min_p):
+    """csrc/token_logprobs.cpp's check_truncation; returns the stats' width (3 when truncated)."""
+    torch._check(top_k >= -1, lambda: f"{op}: top_k must be >= 0 (0 or -1: off), got {top_k}")
+    torch._check(0 < top_p <= 1, lambda: f"{op}: top_p must lie in (0, 1], got {top_p}")
+    torch._check(0 <= min_p <= 1, lambda: f"{op}: min_p must lie in [0, 1], got {min_p}")
+    return 3 if Truncation(top_k, top_p, min_p).active else 2
+
+
+def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_index, top_k=0, top_p=1.0, min_p=0.0):
     _check_logits("token_logprobs", logits, labels, temperature)
+    width = check_truncation("token_logprobs", top_k, top_p, min_p)
     dtype = result_dtype(logits)
     entropy = logits.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
-    stats = logits.new_empty((*labels.shape, 2), dtype=dtype)  # (max, log_sum) of each row
+    stats = logits.new_empty((*labels.shape, width), dtype=dtype)  # (max, log_sum[, threshold]) of each row
     return logits.new_empty(labels.shape, dtype=dtype), entropy, stats
 
 
 def _check_saved_row_stats(op, forward_op, input_name, x, labels, stats, entropy, grad_logprobs, grad_entropy):
     """A log-prob backward's per-row inputs: the forward's stats (and entropy when its gradient
-    is given) in the result dtype of ``x``, the incoming gradients, of ``labels``' shape (stats: [..., 2])."""
+    is given) in the result dtype of ``x``, the incoming gradients, of ``labels``' shape (stats:
+    [..., 2], or [..., 3] with the kept set's threshold when the forward truncated)."""
     dtype = result_dtype(x)
     torch._check(
         stats.dtype == dtype,
         lambda: f"{op}: stats must have dtype {dtype} (as {forward_op} returns it), got {stats.dtype}",
     )
-    check_shape(op, "stats", stats, (*labels.shape, 2))
+    width = 3 if stats.dim() == labels.dim() + 1 and stats.shape[-1] == 3 else 2
+    check_shape(op, "stats", stats, (*labels.shape, width))
     check_same_device(op, **{input_name: x, "stats": stats})
     for name, grad in (("grad_logprobs", grad_logprobs), ("grad_entropy", grad_entropy)):
         if grad is not None:
@@ -66,7 +77,7 @@ def _fake_token_logprobs_backward(
 
 
 def _setup_token_logprobs(ctx, inputs, output):
-    logits, labels, temperature, return_entropy, ignore_index = inputs
+    logits, labels, temperature, return_entropy, ignore_index = inputs[:5]  # the truncation lives in stats
     _logp, entropy, stats = output
     ctx.save_for_backward(logits, labels, stats, entropy)
     ctx.args = (temperature, ignore_index)
@@ -78,12 +89,12 @@ def _setup_token_logprobs(ctx, inputs, output):
 def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_stats):
     grad_entropy = grad_entropy if ctx.return_entropy else None
     if grad_logprobs is None and grad_entropy is None:
-        return None, None, None, None, None
+        return (None,) * 8
     logits, labels, stats, entropy = ctx.saved_tensors
     grad = torch.ops.ppo_fast.token_logprobs_backward(
         grad_logprobs, grad_entropy, logits, labels, stats, entropy, *ctx.args
     )
-    return grad, None, None, None, None
+    return grad, *(None,) * 7
 
 
 register("token_logprobs", _fake_token_logprobs, _backward_token_logprobs, _setup_token_logprobs)
@@ -99,8 +110,8 @@ def token_logprobs(
     inplace_backward: bool = False,
     truncation: Truncation = NO_TRUNCATION,
 ):
-    if truncation.active:
-        raise NotImplementedError("native token_logprobs: top_k/top_p/min_p are not implemented yet")
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
-    logp, entropy, _stats = torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, return_entropy, ignore_index)
+    logp, entropy, _stats = torch.ops.ppo_fast.token_logprobs(
+        logits, labels, temperature, return_entropy, ignore_index, *truncation
+    )
     return logp, (entropy if return_entropy else None)
