@@ -1,0 +1,125 @@
+"""The ppo-fast command's answers to mistakes: no abbreviated flags (a hint instead), negative
+numbers as values, and errors in the options, config file, prompts files and model folders
+reported before torch is imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ppo_fast_cli
+from ppo_fast.trainer import config as config_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stderr_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["train", "--learning-rat", "1e-4"], "--learning-rat: did you mean --learning-rate?"),
+        (["train", "--learning-rat=1e-4"], "--learning-rat: did you mean --learning-rate?"),
+        (["train", "--lr", "1e-4"], "unrecognized arguments: --lr 1e-4"),
+        (["train", "--kl-coeff", "0.1"], "--kl-coeff: did you mean --kl-coef?"),
+    ],
+)
+def test_abbreviated_or_mistyped_flags_are_refused_with_a_hint(argv, hint, capsys):
+    """A prefix (--learning-rat, --lr) is no longer taken for the flag it starts."""
+    with pytest.raises(SystemExit) as stop:
+        ppo_fast_cli.main(argv)
+    assert stop.value.code == 2
+    assert hint in _stderr_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "text, value", [("-1e-4", -1e-4), ("-1E+2", -100.0), ("-0.5", -0.5), ("-.5", -0.5), ("-2", -2.0)]
+)
+def test_negative_numbers_are_values(text, value):
+    parser, _ = config_module.build_parser()
+    args = parser.parse_args(["train", "--learning-rate", text, "--kl-coef", text, "--seed", "-3"])
+    assert args.learning_rate == value and args.kl_coef == value and args.seed == -3
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--learning-rate", "learning_rate (--learning-rate) must be > 0"),
+        ("--kl-coef", "kl_coef (--kl-coef) must be >= 0"),
+    ],
+)
+def test_a_negative_value_meets_the_options_own_check(flag, message, tmp_path, capsys):
+    assert ppo_fast_cli.main(["train", flag, "-1e-4", "--output-dir", str(tmp_path / "x")]) == 1
+    assert message in _stderr_line(capsys)
+
+
+# One subprocess runs every case: each must fail with its one line while torch is still not imported.
+_FAST_ERRORS = """
+import json, sys
+import ppo_fast_cli
+results = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = ppo_fast_cli.main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    results.append([code, 'torch' in sys.modules, 'transformers' in sys.modules])
+print('RESULTS', json.dumps(results))
+"""
+
+
+def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
+    (tmp_path / "bad.yaml").write_text("steps: [1\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"answer": "b"}\n')
+    (tmp_path / "good.txt").write_text("1+1=\n")
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text("{}")
+    half_bpe = tmp_path / "half_bpe"
+    half_bpe.mkdir()
+    (half_bpe / "config.json").write_text("{}")
+    (half_bpe / "vocab.json").write_text("{}")
+    custom = ["--prompts-file", str(tmp_path / "good.txt"), "--reward-fn", "r:f"]
+    out = str(tmp_path / "out")
+    cases = [
+        (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
+        (["train", "--steps", "0", "--output-dir", out], "steps (--steps) must be >= 1"),
+        (["train", "--prompts-file", str(tmp_path / "bad.jsonl"), "--output-dir", out], "line 2: no 'prompt' field"),
+        (["train", "--eval-prompts-file", str(tmp_path / "none.txt"), "--output-dir", out], "none.txt: no such file"),
+        (
+            ["train", "--model-name-or-path", str(tmp_path / "nowhere"), *custom, "--output-dir", out],
+            "no such directory",
+        ),
+        (
+            ["train", "--model-name-or-path", str(no_tokenizer), *custom, "--output-dir", out],
+            "no tokenizer in this folder: tokenizer.json (or another tokenizer's files",
+        ),
+        (
+            ["train", "--model-name-or-path", str(half_bpe), *custom, "--output-dir", out],
+            "merges.txt (next to vocab.json) is missing",
+        ),
+        (["train", "--reward-model", str(no_tokenizer), "--output-dir", out], "--reward-model"),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", _FAST_ERRORS, json.dumps([argv for argv, _ in cases])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    results = json.loads(run.stdout.split("RESULTS", 1)[1])
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(errors) == len(cases), run.stderr
+    for (argv, expected), (code, torch_loaded, transformers_loaded), line in zip(cases, results, errors):
+        assert code == 1, (argv, line)
+        assert line.startswith("ppo-fast: error: ") and expected in line, (argv, line)
+        assert not torch_loaded and not transformers_loaded, argv
+    assert not Path(out).exists()
