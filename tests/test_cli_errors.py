@@ -123,3 +123,81 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         assert line.startswith("ppo-fast: error: ") and expected in line, (argv, line)
         assert not torch_loaded and not transformers_loaded, argv
     assert not Path(out).exists()
+
+
+# ---------------------------------------------------------------------- reward functions
+
+
+def _scorer_error(fn, count: int = 2) -> str:
+    import torch
+
+    from ppo_fast.trainer.scoring import FunctionScorer, RewardError
+
+    with pytest.raises(RewardError) as caught:
+        FunctionScorer(fn)(["p"] * count, ["r"] * count, torch.device("cpu"))
+    return str(caught.value)
+
+
+def test_a_reward_function_that_raises_is_named_with_its_file_and_line(tmp_path, monkeypatch):
+    from ppo_fast.trainer.scoring import load_reward_fn
+
+    (tmp_path / "server_rewards.py").write_text(
+        "def helper():\n    raise RuntimeError('my reward server is down')\n\n\ndef raises(prompts, responses):\n"
+        "    return helper()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    message = _scorer_error(load_reward_fn(str(tmp_path / "server_rewards.py") + ":raises"))
+    # The innermost line of the reward function's own file: where it raised (helper's line 2).
+    assert message == (
+        "reward function raises() raised RuntimeError: my reward server is down "
+        f"(at {tmp_path / 'server_rewards.py'}:2)"
+    )
+
+
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        (lambda n: ["0.5"] * n, "returned a str ('0.5') as the score of response 0; expected a list of 2 numbers"),
+        (lambda n: [1.0, None], "returned None as the score of response 1; expected a list of 2 numbers"),
+        (lambda n: None, "returned None; expected a list of 2 numbers (one per response)"),
+        (lambda n: "1", "returned a str ('1'); expected a list of 2 numbers"),
+        (lambda n: [1.0] * (n + 1), "returned 3 scores; expected a list of 2 numbers"),
+        (lambda n: [[1.0]] * n, "returned a list ([1.0]) as the score of response 0"),
+        (lambda n: 1.0, "returned a float (1.0); expected a list of 2 numbers"),
+    ],
+)
+def test_non_numeric_scores_name_what_was_returned(returned, expected):
+    def score(prompts, responses):
+        return returned(len(responses))
+
+    assert expected in _scorer_error(score)
+
+
+def test_numbers_of_every_kind_are_scores():
+    import numpy as np
+    import torch
+
+    from ppo_fast.trainer.scoring import FunctionScorer
+
+    for raw in ([1, 0.5], (1.0, 2), np.array([1.0, 0.5]), torch.tensor([1, 0]), [torch.tensor(1.0), np.float32(2)]):
+        scores = FunctionScorer(lambda p, r, *, raw=raw: raw)(["p", "q"], ["x", "y"], torch.device("cpu"))
+        assert scores.dtype == torch.float32 and scores.tolist() == [float(v) for v in raw]
+
+
+TINY = "--steps 1 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10".split()
+
+
+def test_debug_prints_the_reward_functions_traceback(tmp_path, monkeypatch, capsys):
+    from ppo_fast.cli import main
+
+    (tmp_path / "down.py").write_text("def raises(prompts, responses):\n    raise RuntimeError('server down')\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--reward-fn", "down.py:raises", "--eval-size", "0", *TINY]
+    assert main([*argv, "--output-dir", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    line = f"ppo-fast: error: reward function raises() raised RuntimeError: server down (at {tmp_path / 'down.py'}:2)"
+    assert line in err.splitlines() and "Traceback" not in err and err.count("server down") == 1
+    assert main([*argv, "--output-dir", str(tmp_path / "b"), "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'down.py", line 2, in raises' in err
+    assert err.splitlines()[-1] == line
