@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         if cfg.debug:  # the whole story: a reward function's own traceback is the cause
             traceback.print_exception(err)
         return _fail(str(err))
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the PPO loop: stop at once, quietly
+        print(f"ppo-fast: stopped; the last complete checkpoint in {cfg.output_dir} is kept", file=sys.stderr)
+        return 130
     except OSError as err:
         if err.errno not in _DISK_ERRORS:
             raise

@@ -201,3 +201,33 @@ def test_debug_prints_the_reward_functions_traceback(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and 'down.py", line 2, in raises' in err
     assert err.splitlines()[-1] == line
+
+
+# ---------------------------------------------------------------------- quiet by default
+
+
+def test_transformers_output_only_with_verbose(tmp_path, capsys):
+    """The warm-up model's save ("Writing model shards") and load bars, and transformers'
+    warnings, appear with --verbose only; tensorboard is not mentioned unless asked for."""
+    from ppo_fast.cli import main
+
+    argv = ["train", "--eval-size", "0", "--save-every", "0", *TINY]
+    assert main([*argv, "--output-dir", str(tmp_path / "quiet")]) == 0
+    quiet = capsys.readouterr()
+    assert "Writing model shards" not in quiet.err and "Loading weights" not in quiet.err
+    assert "tensorboard" not in (quiet.out + quiet.err).lower()
+    assert main([*argv, "--output-dir", str(tmp_path / "verbose"), "--verbose"]) == 0
+    assert "Writing model shards" in capsys.readouterr().err
+
+
+def test_report_to_tensorboard_without_tensorboard_is_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from ppo_fast.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert main(["train", "--report-to", "tensorboard", "--output-dir", str(tmp_path / "run")]) == 1
+    line = _stderr_line(capsys)
+    assert line == "ppo-fast: error: --report-to tensorboard: tensorboard is not installed (pip install tensorboard)"
+    assert not (tmp_path / "run").exists()

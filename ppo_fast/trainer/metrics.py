@@ -42,9 +42,10 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` (and TensorBoard scalars when installed)."""
+    """Appends one JSON object per step to ``metrics.jsonl``, and TensorBoard scalars for
+    ``report_to`` ``tensorboard``, or ``auto`` when tensorboard is installed (silently skipped if not)."""
 
-    def __init__(self, output_dir: Path, resume_step: int | None, log=print):
+    def __init__(self, output_dir: Path, resume_step: int | None, report_to: str = "auto"):
         self.path = output_dir / METRICS_FILE
         if resume_step is None:
             self.path.unlink(missing_ok=True)
@@ -53,7 +54,7 @@ class MetricsWriter:
             kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self.file = self.path.open("a")
-        self.tensorboard = _tensorboard_writer(output_dir / TENSORBOARD_DIR, log)
+        self.tensorboard = None if report_to == "none" else _tensorboard_writer(output_dir / TENSORBOARD_DIR, report_to)
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -69,11 +70,12 @@ class MetricsWriter:
             self.tensorboard.close()
 
 
-def _tensorboard_writer(log_dir: Path, log):
+def _tensorboard_writer(log_dir: Path, report_to: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        log("tensorboard is not installed: metrics go to metrics.jsonl only")
+        if report_to == "tensorboard":  # asked for: the trainer checked it is installed, so this is a real failure
+            raise
         return None
     return SummaryWriter(str(log_dir))
 

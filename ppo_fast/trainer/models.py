@@ -65,6 +65,20 @@ def load_pretrained(option: str, name: str, loader, **kwargs):
         raise ConfigError(f"{option} {name}: cannot load it: {where}{reason}") from err
 
 
+def third_party_output(verbose: bool) -> None:
+    """transformers' warnings (``loss_type=None``, ``attention_mask``, ...) and its progress bars
+    ("Loading weights", "Writing model shards") shown with ``verbose``, else hidden: the trainer
+    reports loading and saving itself.  Errors are always shown."""
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        hf_logging.set_verbosity_warning()
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
 class ValueHead(nn.Module):
     """A linear layer from the last hidden state to one scalar per position (zero-initialised)."""
 
