@@ -542,6 +542,18 @@ def test_a_step_without_learning_signal_is_warned_once(tmp_path, method, samples
         assert ("same reward" if method == "grpo" else "every response got the reward 0") in warnings[0]
 
 
+def test_the_plot_names_the_model_and_what_the_evaluation_measures(tmp_path):
+    from ppo_fast.trainer.metrics import ACCURACY
+
+    trainer = PPOTrainer(tiny(tmp_path, eval_size=0), log=quiet)
+    title = trainer._plot_title()
+    assert title.startswith("built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters)")
+    assert "64x2" not in title
+    assert trainer._score_name() == ACCURACY
+    other = PPOTrainer(tiny(tmp_path, "other", eval_size=0), reward_fn=lambda p, r: [0.0] * len(r), log=quiet)
+    assert other._score_name() == "mean reward"
+
+
 def test_reward_model_scores_one_number_per_response(tmp_path):
     from transformers import GPT2Config, GPT2ForSequenceClassification
 

@@ -109,7 +109,10 @@ PANELS = (
     ("objective/kl_coef", "KL coefficient"),
     ("objective/response_length", "response length (tokens)"),
 )
-EVAL_KEYS = (("eval/score", "score (reward)"), ("eval/exact_match", "exact match"))
+# The held-out metrics and their labels; eval/score is the run's reward of greedy responses, named by
+# plot_curves' score_name (the built-in task's reward is 1 for a right sum: its mean is the accuracy).
+EVAL_KEYS = (("eval/score", "mean reward"), ("eval/exact_match", "exact match"))
+ACCURACY = "accuracy (sums exactly right)"
 MAX_PANELS = 8
 
 
@@ -134,7 +137,11 @@ def _informative(values: list[float]) -> bool:
 
 
 def plot_panels(
-    rows: list[dict], before: dict | None = None, after: dict | None = None, after_step: int | None = None
+    rows: list[dict],
+    before: dict | None = None,
+    after: dict | None = None,
+    after_step: int | None = None,
+    score_name: str = EVAL_KEYS[0][1],
 ) -> tuple[dict, list]:
     """What ``curves.png`` shows: ``(evals, panels)``.
 
@@ -146,6 +153,7 @@ def plot_panels(
     before, after = before or {}, after or {}
     evals = {}
     for key, name in EVAL_KEYS:
+        name = score_name if key == "eval/score" else name
         points = [(0, before[key])] if key in before else []
         points += [(row["step"], row[key]) for row in rows if key in row]
         if key in after and after_step is not None:
@@ -167,11 +175,13 @@ def plot_curves(
     after: dict | None = None,
     after_step: int | None = None,
     title: str = "",
+    score_name: str = EVAL_KEYS[0][1],
 ) -> Path | None:
     """Draw ``curves.png`` (see :func:`plot_panels`): the held-out evaluation with its
     before and final points, and the informative training curves, raw (faint) and
-    smoothed, under a title with the run's settings.  None if there is nothing to draw."""
-    evals, panels = plot_panels(read_metrics(output_dir / METRICS_FILE), before, after, after_step)
+    smoothed, under a title with the run's settings; ``score_name`` says what ``eval/score``
+    measures.  None if there is nothing to draw."""
+    evals, panels = plot_panels(read_metrics(output_dir / METRICS_FILE), before, after, after_step, score_name)
     if not panels and not evals:
         return None
     import matplotlib
@@ -207,7 +217,8 @@ def plot_curves(
                     fontweight="bold",
                 )
             summary.append(f"{name.split(' (')[0]} {values[0]:.3f} -> {values[-1]:.3f}")
-        ax.set_title(f"held-out eval, greedy: {', '.join(summary)}", fontsize=10)
+        ax.set_title(f"held-out prompts, greedy decoding: {', '.join(summary)}", fontsize=10)
+        ax.set_ylabel(" / ".join(name for name, _ in evals.values()), fontsize=8)
         ax.margins(y=0.15)
         ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)

@@ -21,7 +21,7 @@ import ppo_fast as pf
 from . import checkpoint, default_task, distributed, resume, run_folder
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, GROUP_METHODS, ConfigError, TrainerConfig
 from .estimate import estimate
-from .metrics import MetricsWriter, PhaseTimer, plot_curves
+from .metrics import ACCURACY, EVAL_KEYS, MetricsWriter, PhaseTimer, plot_curves
 from .models import (
     build_critic,
     check_pretrained,
@@ -832,7 +832,14 @@ class PPOTrainer:
                     self.log("stopped early: no final held-out evaluation (--resume continues the run)")
         if not self.parallel.main:
             return {"stop_reason": stop_reason, "steps_done": self.step}
-        plot = plot_curves(self.output_dir, before=before, after=after, after_step=self.step, title=self._plot_title())
+        plot = plot_curves(
+            self.output_dir,
+            before=before,
+            after=after,
+            after_step=self.step,
+            title=self._plot_title(),
+            score_name=self._score_name(),
+        )
         summary = {
             "stop_reason": stop_reason,
             "steps_done": self.step,
@@ -886,11 +893,7 @@ class PPOTrainer:
 
     def _plot_title(self) -> str:
         cfg = self.cfg
-        model = (
-            "built-in addition task (GPT-2 64x2)"
-            if self.builtin
-            else (cfg.model_name_or_path or type(self.policy).__name__)
-        )
+        model = self._model_in_words()
         reward = (
             f"reward {cfg.reward_fn}"
             if cfg.reward_fn
@@ -908,6 +911,23 @@ class PPOTrainer:
             f"{model}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
             f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}"
         )
+
+    def _model_in_words(self) -> str:
+        """``built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters), ...``."""
+        config = self.policy.config
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+        kind = {"gpt2": "GPT-2"}.get(getattr(config, "model_type", ""), getattr(config, "model_type", "") or "model")
+        shape = f" of {layers} layers, width {width}" if layers and width else ""
+        count = sum(p.numel() for p in self.policy.parameters())
+        size = f"a {kind}{shape} ({f'{count / 1e6:.1f}M' if count >= 1e6 else f'{count / 1e3:.0f}k'} parameters)"
+        if self.builtin:
+            return f"built-in addition task: {size}, warmed up on a sloppy teacher's sums"
+        return f"{self.cfg.model_name_or_path or type(self.policy).__name__}: {size}"
+
+    def _score_name(self) -> str:
+        """What ``eval/score`` measures: the accuracy for the built-in task's reward, else the mean reward."""
+        return ACCURACY if getattr(self.scorer, "fn", None) is default_task.addition_reward else EVAL_KEYS[0][1]
 
     def _save_after_interrupt(self, rng_at_step_start: dict) -> None:
         """Ctrl-C inside a step: the partial step is dropped and the last completed one saved.
