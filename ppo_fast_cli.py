@@ -6,8 +6,9 @@ options from ``ppo_fast/trainer/config.py`` (standard library only) on its own, 
 ``ppo-fast --help``, ``ppo-fast train --help``, ``ppo-fast options``, a mistyped
 flag, a bad option value and a ``train`` into an ``--output-dir`` that already holds a
 run (without ``--resume`` or ``--overwrite``; ``ppo_fast/trainer/run_folder.py``, loaded
-alone too) answer at once; only a command that runs imports the package
-(``ppo_fast.cli.run``).
+alone too), a prompts file that cannot be read (``prompts.py``) and a local model
+folder without its config or tokenizer (``model_folder.py``) answer at once; only a
+command that runs imports the package (``ppo_fast.cli.run``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 _CONFIG_MODULE = "_ppo_fast_trainer_config"
 _RUN_FOLDER_MODULE = "_ppo_fast_trainer_run_folder"
+_PROMPTS_MODULE = "_ppo_fast_trainer_prompts"
+_MODEL_FOLDER_MODULE = "_ppo_fast_trainer_model_folder"
 
 
 def _trainer_module(name: str, alias: str):
@@ -49,7 +52,26 @@ def _refused(config, args) -> str | None:
     except config.ConfigError as err:
         return str(err)
     run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
-    return run_folder.refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    refused = run_folder.refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    return refused or _input_problem(config, cfg)
+
+
+def _input_problem(config, cfg) -> str | None:
+    """A prompts file that cannot be read, or a local model folder that cannot be loaded."""
+    prompts = _trainer_module("prompts", _PROMPTS_MODULE)
+    for option in ("prompts_file", "eval_prompts_file"):
+        if getattr(cfg, option) is not None:
+            try:
+                prompts.read_prompts(getattr(cfg, option), config.flag(option))
+            except config.ConfigError as err:
+                return str(err)
+    model_folder = _trainer_module("model_folder", _MODEL_FOLDER_MODULE)
+    for option in ("model_name_or_path", "reward_model"):
+        name = getattr(cfg, option)
+        refused = name is not None and model_folder.problem(config.flag(option), name)
+        if refused:
+            return refused
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

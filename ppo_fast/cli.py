@@ -4,7 +4,8 @@ The console script starts in ``ppo_fast_cli`` (top level), which parses the comm
 without importing torch and calls :func:`run`; ``python -m ppo_fast`` and tests call
 :func:`main`.  A user error (a bad option, a missing file or model, a reward function
 that cannot be imported, ...) is reported as one ``ppo-fast: error: ...`` line and exit
-status 1 (2 for a bad command line); a bug still shows its traceback.
+status 1 (2 for a bad command line), after its full traceback with ``--debug``; a bug
+still shows its traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+import traceback
 
 # A full disk (or quota) or an output directory that cannot be written: a user's problem, one line.
 _DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
@@ -54,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = PPOTrainer(cfg).train()
     except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError, RankLost) as err:
+        if cfg.debug:  # the whole story: a reward function's own traceback is the cause
+            traceback.print_exception(err)
         return _fail(str(err))
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the PPO loop: stop at once, quietly
+        print(f"ppo-fast: stopped; the last complete checkpoint in {cfg.output_dir} is kept", file=sys.stderr)
+        return 130
     except OSError as err:
         if err.errno not in _DISK_ERRORS:
             raise

@@ -83,7 +83,7 @@ def test_console_script_points_at_the_launcher():
     "argv, expected",
     [
         (["train", "--steps", "three"], "argument --steps: invalid int value: 'three'"),
-        (["train", "--kl-coeff", "0.1"], "--kl-coeff -> --kl-coef?"),
+        (["train", "--kl-coeff", "0.1"], "--kl-coeff: did you mean --kl-coef?"),
         (["train", "--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
         (["trian"], "invalid choice: 'trian'"),
     ],
@@ -188,7 +188,8 @@ def test_prompt_file_errors_are_one_line_before_loading_models(tmp_path, capsys,
         path.write_text(text)
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")  # never read: the prompt file fails first
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text("{}")  # never read: the prompt file fails first
     code = main(
         [
             "train",

@@ -28,7 +28,9 @@ def _rows(n: int) -> list[dict]:
 
 def test_curves_show_the_eval_before_and_after_and_only_informative_panels():
     evals, panels = metrics.plot_panels(_rows(10), before={"eval/score": 0.6}, after={"eval/score": 0.9}, after_step=10)
-    assert evals == {"eval/score": ("score (reward)", [(0, 0.6), (5, 0.7), (10, 0.9)])}
+    assert evals == {"eval/score": ("mean reward", [(0, 0.6), (5, 0.7), (10, 0.9)])}
+    named = metrics.plot_panels(_rows(10), before={"eval/score": 0.6}, score_name=metrics.ACCURACY)[0]
+    assert named["eval/score"][0] == "accuracy (sums exactly right)"
     # A fixed KL coefficient and an all-zero clip fraction are constant: no panel.
     assert [key for key, _, _ in panels] == ["objective/scores", "objective/kl", "loss/policy_avg"]
     exact = metrics.plot_panels(

@@ -397,13 +397,13 @@ def test_reward_fn_that_raises_is_named(tmp_path):
     def broken_reward(prompts, responses):
         raise KeyError("answer")
 
-    with pytest.raises(RewardError, match="broken_reward raised KeyError"):
+    with pytest.raises(RewardError, match=r"broken_reward\(\) raised KeyError: .answer. \(at .*test_trainer.py:\d+\)"):
         PPOTrainer(tiny(tmp_path, eval_size=0), reward_fn=broken_reward, log=quiet).train()
 
 
 @pytest.mark.parametrize("bad", [lambda p, r: [1.0] * (len(r) - 1), lambda p, r: [[1.0]] * len(r), lambda p, r: "1"])
 def test_reward_fn_with_wrong_output_is_rejected(tmp_path, bad):
-    with pytest.raises(RewardError, match="must return"):
+    with pytest.raises(RewardError, match=r"expected a list of \d+ numbers"):
         PPOTrainer(tiny(tmp_path, eval_size=0), reward_fn=bad, log=quiet).train()
 
 
@@ -460,6 +460,101 @@ def test_keyboard_interrupt_saves_a_checkpoint_and_resume_finishes(tmp_path):
     assert "resuming with changed options: kl_coef 0.05 -> 0.1" in messages
     assert resumed.train()["steps_done"] == 3
     assert [r["step"] for r in rows(cfg)] == [1, 2, 3]
+
+
+_CTRL_C_REWARD = """
+import os, signal
+from ppo_fast.trainer.default_task import addition_reward
+calls = []
+
+def reward(prompts, responses):
+    if len(prompts) == 4:  # a training step (the held-out prompts come 16 at a time)
+        calls.append(1)
+        if len(calls) == 1:
+            for _ in range({presses}):
+                os.kill(os.getpid(), signal.SIGINT)
+    return addition_reward(prompts, responses)
+"""
+
+
+def _ctrl_c_run(tmp_path, monkeypatch, presses: int, *extra: str) -> int:
+    (tmp_path / f"ctrl_c_{presses}.py").write_text(_CTRL_C_REWARD.format(presses=presses))
+    monkeypatch.chdir(tmp_path)
+    return main(
+        [
+            "train",
+            "--reward-fn",
+            f"ctrl_c_{presses}.py:reward",
+            "--output-dir",
+            str(tmp_path / "run"),
+            *"--steps 2 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10".split(),
+            *"--eval-size 16 --eval-every 0".split(),
+            *extra,
+        ]
+    )
+
+
+def test_ctrl_c_saves_exits_130_without_the_final_evaluation_and_resume_says_where(tmp_path, monkeypatch, capsys):
+    assert _ctrl_c_run(tmp_path, monkeypatch, 1) == 130
+    out = capsys.readouterr().out
+    assert "Ctrl-C: stopping after this step" in out and "no final held-out evaluation" in out
+    assert out.count("held-out greedy") == 1  # before PPO only
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
+    assert summary["eval_after"] is None and summary["eval_before"] is not None
+    assert checkpoint.latest(tmp_path / "run").name == "step-000001"
+
+    assert _ctrl_c_run(tmp_path, monkeypatch, 0, "--resume") == 0
+    out = capsys.readouterr().out
+    assert "before PPO" not in out
+    resumed_at = next(line for line in out.splitlines() if line.startswith("resumed at step 1: held-out greedy score"))
+    at_resume = resumed_at.rsplit(" ", 1)[1]
+    final = next(line for line in out.splitlines() if line.startswith("held-out greedy score ") and "->" in line)
+    assert final.startswith(f"held-out greedy score {at_resume} -> ") and final.endswith(", from step 1)")
+    resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert resumed["eval_before"] == summary["eval_before"] and resumed["eval_after"] is not None
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
+    assert _ctrl_c_run(tmp_path, monkeypatch, 2) == 130
+    captured = capsys.readouterr()
+    errors = [line.strip() for line in captured.err.splitlines() if line.strip()]
+    assert errors[-1] == f"ppo-fast: stopped; the last complete checkpoint in {tmp_path / 'run'} is kept"
+    assert all(line.startswith("PPO:") for line in errors[:-1]), errors  # our progress bar, no traceback
+    assert captured.out.count("held-out greedy") == 1  # before PPO; nothing after the second Ctrl-C
+    assert checkpoint.latest(tmp_path / "run") is None and not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "method, samples, reward, warned",
+    [
+        ("grpo", 2, lambda p, r: [float(i // 2) for i in range(len(r))], True),  # equal within each group
+        ("rloo", 2, lambda p, r: [float(i) for i in range(len(r))], False),
+        ("gae", 1, lambda p, r: [0.0] * len(r), True),
+        ("gae", 1, lambda p, r: [float(i % 2) for i in range(len(r))], False),
+    ],
+)
+def test_a_step_without_learning_signal_is_warned_once(tmp_path, method, samples, reward, warned):
+    messages = []
+    cfg = tiny(tmp_path, eval_size=0, advantage_method=method, num_samples_per_prompt=samples, batch_size=4)
+    PPOTrainer(cfg, reward_fn=reward, log=messages.append).train()
+    warnings = [m for m in messages if m.startswith("warning: step 1:")]
+    assert len(warnings) == (1 if warned else 0), messages
+    assert not [m for m in messages if m.startswith("warning: step 2")]
+    if warned:
+        assert ("same reward" if method == "grpo" else "every response got the reward 0") in warnings[0]
+
+
+def test_the_plot_names_the_model_and_what_the_evaluation_measures(tmp_path):
+    from ppo_fast.trainer.metrics import ACCURACY
+
+    trainer = PPOTrainer(tiny(tmp_path, eval_size=0), log=quiet)
+    title = trainer._plot_title()
+    assert title.startswith("built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters)")
+    assert "64x2" not in title
+    assert trainer._score_name() == ACCURACY
+    other = PPOTrainer(tiny(tmp_path, "other", eval_size=0), reward_fn=lambda p, r: [0.0] * len(r), log=quiet)
+    assert other._score_name() == "mean reward"
 
 
 def test_reward_model_scores_one_number_per_response(tmp_path):

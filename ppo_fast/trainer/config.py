@@ -17,6 +17,7 @@ import difflib
 import importlib
 import importlib.util
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ BACKEND_CHOICES = ("auto", "reference", "triton", "native")
 LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
 ROLLOUT_ENGINES = ("hf", "vllm")
+REPORT_TO = ("auto", "none", "tensorboard")
 
 # --response-length when it is not given: the built-in task's answers are at most 3
 # digits and an EOS; a custom model gets a length that fits a short answer.
@@ -116,6 +118,16 @@ class TrainerConfig:
         "many steps; always before and after PPO (0: only before and after).",
         "run",
     )
+    report_to: str = _opt(
+        "auto",
+        "Where metrics go besides metrics.jsonl: auto (TensorBoard when installed), none, or tensorboard "
+        "(an error when it is not installed).",
+        "run",
+    )
+    verbose: bool = _opt(
+        False, "Show transformers' own warnings and progress bars (hidden by default: ppo-fast reports).", "run"
+    )
+    debug: bool = _opt(False, "On an error, print the full traceback (a reward function's included).", "run")
 
     # --- models and rewards
     model_name_or_path: str | None = _opt(
@@ -580,6 +592,7 @@ CHOICES = {
     "parallel": PARALLEL_MODES,
     "rollout_engine": ROLLOUT_ENGINES,
     "logprobs_support": LOGPROBS_SUPPORTS,
+    "report_to": REPORT_TO,
     "rollout_correction": ("none", *ROLLOUT_CORRECTION_MODES),
 }
 
@@ -587,8 +600,19 @@ CHOICES = {
 # ---------------------------------------------------------------------- command line
 
 
+# A negative number as an option's value (``--learning-rate -1e-4``); argparse's own pattern
+# misses exponents and so takes ``-1e-4`` for an option.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
+
+
 class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line as one ``ppo-fast: error: ...`` line (exit status 2)."""
+    """Reports a bad command line as one ``ppo-fast: error: ...`` line (exit status 2); takes
+    no abbreviated flags (``--learning-rat`` is an error with a hint, not ``--learning-rate``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
@@ -605,11 +629,12 @@ class _Parser(argparse.ArgumentParser):
             known = [flag(f.name) for f in dataclasses.fields(TrainerConfig)] + ["--config", "--markdown", "--help"]
             guesses = []
             for word in message.split(":", 1)[1].split():
-                close = difflib.get_close_matches(word.split("=")[0], known, n=1)
+                name = word.split("=")[0]
+                close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
                 if close:
-                    guesses.append(f"{word.split('=')[0]} -> {close[0]}?")
+                    guesses.append(f"{name}: did you mean {close[0]}?")
             if guesses:
-                message += f" (did you mean: {', '.join(guesses)})"
+                message += f" ({'; '.join(guesses)})"
         where = f" {sub}" if sub else ""
         self.exit(2, f"ppo-fast: error: {message}; `ppo-fast{where} --help` lists the options\n")
 

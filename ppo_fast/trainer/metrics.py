@@ -42,9 +42,10 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` (and TensorBoard scalars when installed)."""
+    """Appends one JSON object per step to ``metrics.jsonl``, and TensorBoard scalars for
+    ``report_to`` ``tensorboard``, or ``auto`` when tensorboard is installed (silently skipped if not)."""
 
-    def __init__(self, output_dir: Path, resume_step: int | None, log=print):
+    def __init__(self, output_dir: Path, resume_step: int | None, report_to: str = "auto"):
         self.path = output_dir / METRICS_FILE
         if resume_step is None:
             self.path.unlink(missing_ok=True)
@@ -53,7 +54,7 @@ class MetricsWriter:
             kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self.file = self.path.open("a")
-        self.tensorboard = _tensorboard_writer(output_dir / TENSORBOARD_DIR, log)
+        self.tensorboard = None if report_to == "none" else _tensorboard_writer(output_dir / TENSORBOARD_DIR, report_to)
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -69,11 +70,12 @@ class MetricsWriter:
             self.tensorboard.close()
 
 
-def _tensorboard_writer(log_dir: Path, log):
+def _tensorboard_writer(log_dir: Path, report_to: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        log("tensorboard is not installed: metrics go to metrics.jsonl only")
+        if report_to == "tensorboard":  # asked for: the trainer checked it is installed, so this is a real failure
+            raise
         return None
     return SummaryWriter(str(log_dir))
 
@@ -107,7 +109,10 @@ PANELS = (
     ("objective/kl_coef", "KL coefficient"),
     ("objective/response_length", "response length (tokens)"),
 )
-EVAL_KEYS = (("eval/score", "score (reward)"), ("eval/exact_match", "exact match"))
+# The held-out metrics and their labels; eval/score is the run's reward of greedy responses, named by
+# plot_curves' score_name (the built-in task's reward is 1 for a right sum: its mean is the accuracy).
+EVAL_KEYS = (("eval/score", "mean reward"), ("eval/exact_match", "exact match"))
+ACCURACY = "accuracy (sums exactly right)"
 MAX_PANELS = 8
 
 
@@ -132,7 +137,11 @@ def _informative(values: list[float]) -> bool:
 
 
 def plot_panels(
-    rows: list[dict], before: dict | None = None, after: dict | None = None, after_step: int | None = None
+    rows: list[dict],
+    before: dict | None = None,
+    after: dict | None = None,
+    after_step: int | None = None,
+    score_name: str = EVAL_KEYS[0][1],
 ) -> tuple[dict, list]:
     """What ``curves.png`` shows: ``(evals, panels)``.
 
@@ -144,6 +153,7 @@ def plot_panels(
     before, after = before or {}, after or {}
     evals = {}
     for key, name in EVAL_KEYS:
+        name = score_name if key == "eval/score" else name
         points = [(0, before[key])] if key in before else []
         points += [(row["step"], row[key]) for row in rows if key in row]
         if key in after and after_step is not None:
@@ -165,11 +175,13 @@ def plot_curves(
     after: dict | None = None,
     after_step: int | None = None,
     title: str = "",
+    score_name: str = EVAL_KEYS[0][1],
 ) -> Path | None:
     """Draw ``curves.png`` (see :func:`plot_panels`): the held-out evaluation with its
     before and final points, and the informative training curves, raw (faint) and
-    smoothed, under a title with the run's settings.  None if there is nothing to draw."""
-    evals, panels = plot_panels(read_metrics(output_dir / METRICS_FILE), before, after, after_step)
+    smoothed, under a title with the run's settings; ``score_name`` says what ``eval/score``
+    measures.  None if there is nothing to draw."""
+    evals, panels = plot_panels(read_metrics(output_dir / METRICS_FILE), before, after, after_step, score_name)
     if not panels and not evals:
         return None
     import matplotlib
@@ -205,7 +217,8 @@ def plot_curves(
                     fontweight="bold",
                 )
             summary.append(f"{name.split(' (')[0]} {values[0]:.3f} -> {values[-1]:.3f}")
-        ax.set_title(f"held-out eval, greedy: {', '.join(summary)}", fontsize=10)
+        ax.set_title(f"held-out prompts, greedy decoding: {', '.join(summary)}", fontsize=10)
+        ax.set_ylabel(" / ".join(name for name, _ in evals.values()), fontsize=8)
         ax.margins(y=0.15)
         ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)

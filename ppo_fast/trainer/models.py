@@ -11,25 +11,18 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from . import model_folder
 from .config import ConfigError
 
 
 def check_pretrained(option: str, name: str) -> None:
     """Fail early (before any model is loaded) when ``name`` is neither a saved model
     folder nor a Hugging Face hub id that can be resolved (cached or downloadable)."""
-    path = Path(name).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ConfigError(f"{option} {name}: is a file; give the folder written by save_pretrained()")
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"{option} {name}: no config.json in this folder; give the folder written by save_pretrained()"
-            )
+    refused = model_folder.problem(option, name)
+    if refused:
+        raise ConfigError(refused)
+    if Path(name).expanduser().exists():
         return
-    # A hub id is "name" or "org/name"; anything else is meant as a local folder.
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-    if looks_local:
-        raise ConfigError(f"{option} {name}: no such directory (relative paths start from {os.getcwd()})")
     from transformers import AutoConfig
 
     try:  # a hub id already in the local cache
@@ -70,6 +63,20 @@ def load_pretrained(option: str, name: str, loader, **kwargs):
         local = Path(name).expanduser().exists()
         where = "" if local else f"no local folder {name!r} (relative to {os.getcwd()}), and as a Hugging Face hub id: "
         raise ConfigError(f"{option} {name}: cannot load it: {where}{reason}") from err
+
+
+def third_party_output(verbose: bool) -> None:
+    """transformers' warnings (``loss_type=None``, ``attention_mask``, ...) and its progress bars
+    ("Loading weights", "Writing model shards") shown with ``verbose``, else hidden: the trainer
+    reports loading and saving itself.  Errors are always shown."""
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        hf_logging.set_verbosity_warning()
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 class ValueHead(nn.Module):

@@ -4,15 +4,22 @@ or ``.json`` (one list), each prompt with an optional reference answer.
 A JSON record is a string (the prompt) or an object ``{"prompt": ..., "answer": ...}``
 (``answer`` optional; a number is read as its text).  Anything else is a ``ConfigError``
 that names the option, the file and the line or item.
+
+Standard library only: the ``ppo-fast`` launcher loads this file on its own to report a bad
+prompts file before torch is imported.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError
+try:
+    from .config import ConfigError
+except ImportError:  # loaded on its own by the ppo-fast launcher, next to config.py loaded on its own
+    ConfigError = (sys.modules.get("ppo_fast.trainer.config") or sys.modules["_ppo_fast_trainer_config"]).ConfigError
 
 SUFFIXES = (".txt", ".jsonl", ".json")
 RECORD = '{"prompt": "...", "answer": "..."} (answer optional)'

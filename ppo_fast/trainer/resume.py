@@ -18,8 +18,8 @@ REFUSED = {
 # Refused for the built-in task: they make another warm-up model, and so another KL reference
 # (and, for the seed and eval_size, another held-out split).
 REFUSED_BUILTIN = ("sft_steps", "sft_batch_size", "sft_learning_rate", "demo_carry_error_rate", "eval_size")
-# Not compared: where the run is, how it was started there, and how long it goes on.
-IGNORED = ("output_dir", "resume", "overwrite", "steps")
+# Not compared: where the run is, how it was started there, how long it goes on, and what it prints.
+IGNORED = ("output_dir", "resume", "overwrite", "steps", "verbose", "debug", "report_to")
 
 
 def check(saved: dict, cfg: TrainerConfig, builtin: bool, where: str) -> list[str]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import numbers
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -94,6 +96,24 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
+def _show(value, limit: int = 60) -> str:
+    """``a str ('0.5')``, ``None``: what a reward function returned, short."""
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text if len(text) <= limit else text[:limit] + '...'})"
+
+
+def _where_raised(fn, err: BaseException) -> str:
+    """``/path/rewards.py:12``: the innermost line of the reward function's own file in the
+    traceback (where it raised, or called what raised), else the innermost line."""
+    frames = traceback.extract_tb(err.__traceback__)
+    code = getattr(inspect.unwrap(fn), "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    own = [f for f in frames if code is not None and f.filename == code.co_filename]
+    frame = (own or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else "unknown line"
+
+
 def _takes_answers(fn: Callable) -> bool:
     """Whether ``fn`` accepts a third positional argument (the reference answers)."""
     try:
@@ -130,21 +150,42 @@ class FunctionScorer:
             else:
                 raw = self.fn(list(prompts), list(responses))
         except Exception as err:  # KeyboardInterrupt passes through on purpose
-            raise RewardError(f"reward function {self.name} raised {type(err).__name__}: {err}") from err
-        if isinstance(raw, (str, bytes)):
-            raise RewardError(f"reward function {self.name} must return numbers, got {type(raw).__name__}")
-        try:
-            scores = torch.as_tensor(raw, dtype=torch.float32)
-        except (TypeError, ValueError, RuntimeError) as err:
             raise RewardError(
-                f"reward function {self.name} must return numbers, got {type(raw).__name__}: {err}"
+                # "name()": a function named like a verb ("raises") still reads as a call.
+                f"reward function {self.name}() raised {_one_line(err)} (at {_where_raised(self.fn, err)})"
             ) from err
-        if scores.shape != (len(responses),):
-            raise RewardError(
-                f"reward function {self.name} must return {len(responses)} scores (one per response), "
-                f"got shape {tuple(scores.shape)}"
-            )
-        return scores.detach().to(device)
+        return self._scores(raw, len(responses)).to(device)
+
+    def _scores(self, raw, count: int) -> torch.Tensor:
+        """``raw`` as ``count`` float32 scores; ``RewardError`` naming what was returned instead."""
+        expected = f"a list of {count} numbers (one per response)"
+        if isinstance(raw, torch.Tensor):
+            scores = raw.detach()
+            if scores.is_complex() or scores.dtype == torch.bool or scores.shape != (count,):
+                raise RewardError(
+                    f"reward function {self.name} returned a {scores.dtype} tensor of shape "
+                    f"{tuple(scores.shape)}; expected {expected}"
+                )
+            return scores.float()
+        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) and not hasattr(raw, "__array__"):
+            raise RewardError(f"reward function {self.name} returned {_show(raw)}; expected {expected}")
+        items = list(raw)
+        if len(items) != count:
+            raise RewardError(f"reward function {self.name} returned {len(items)} scores; expected {expected}")
+        for index, item in enumerate(items):
+            if (
+                isinstance(item, torch.Tensor)
+                and item.numel() == 1
+                and item.dtype != torch.bool
+                and not item.is_complex()
+            ):
+                item = item.item()  # a list of one-number tensors
+            if isinstance(item, bool) or not isinstance(item, numbers.Real):
+                raise RewardError(
+                    f"reward function {self.name} returned {_show(item)} as the score of response {index}; "
+                    f"expected {expected}"
+                )
+        return torch.tensor([float(item) for item in items], dtype=torch.float32)
 
 
 class RewardModelScorer:

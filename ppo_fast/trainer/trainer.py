@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -18,9 +19,9 @@ from tqdm.auto import tqdm
 import ppo_fast as pf
 
 from . import checkpoint, default_task, distributed, resume, run_folder
-from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
+from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, GROUP_METHODS, ConfigError, TrainerConfig
 from .estimate import estimate
-from .metrics import MetricsWriter, PhaseTimer, plot_curves
+from .metrics import ACCURACY, EVAL_KEYS, MetricsWriter, PhaseTimer, plot_curves
 from .models import (
     build_critic,
     check_pretrained,
@@ -28,6 +29,7 @@ from .models import (
     enable_activation_checkpointing,
     frozen_reference,
     load_pretrained,
+    third_party_output,
 )
 from .prompts import Prompts, exact_match
 from .prompts import read_prompts as _read_prompt_file
@@ -129,6 +131,10 @@ def _eval_text(first: dict, second: dict | None = None) -> str:
     return ", ".join(parts)
 
 
+class StopNow(KeyboardInterrupt):
+    """A second Ctrl-C (or SIGTERM): the run stops at once, nothing more is saved or evaluated."""
+
+
 class _DeferredInterrupt:
     """Turns the first Ctrl-C (SIGINT) or SIGTERM (what schedulers send) into a request to stop
     after the current step; a second one interrupts at once."""
@@ -147,7 +153,7 @@ class _DeferredInterrupt:
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            raise StopNow
         self.requested = True
         self.log(f"{self.SIGNALS[signum]}: stopping after this step (again to stop at once)")
 
@@ -180,6 +186,7 @@ class PPOTrainer:
         self.created = time.perf_counter()
         self.cfg = cfg.validate()
         self.log = log or tqdm.write
+        third_party_output(cfg.verbose)
         self.output_dir = Path(cfg.output_dir)
 
         # Everything a user can get wrong is checked here, before any model is loaded.
@@ -226,6 +233,7 @@ class PPOTrainer:
         self.step = 0
         self.resumed_from = None
         self._in_update = False
+        self._warned_no_signal = False
         self.timer = PhaseTimer()
         self.engine = self._start_engine() if cfg.rollout_engine == "vllm" else None
         # The PPO phase's random streams start from the seed, whether or not the
@@ -266,6 +274,8 @@ class PPOTrainer:
             tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
             cfg.advantage_method,
         )
+        if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("--report-to tensorboard: tensorboard is not installed (pip install tensorboard)")
         if cfg.rollout_engine == "vllm":
             check_installed()
             if cfg.vllm_sleep and self.device.type != "cuda":
@@ -625,6 +635,7 @@ class PPOTrainer:
             responses = decode_responses(self.tokenizer, batch)
             scores = self.scorer(prompts, responses, self.device, answers)
             check_finite(f"reward ({self.scorer.name})", scores, step)
+            self._warn_if_no_signal(scores, step)
         with timer.phase("estimate"):
             est = self._estimate(scores, old_logprobs, ref_logprobs, values, mask, prompts, answers)
         self._in_update = True
@@ -675,6 +686,28 @@ class PPOTrainer:
             loss_weights,
             values,
         )
+
+    def _warn_if_no_signal(self, scores: torch.Tensor, step: int) -> None:
+        """Warn once when a step's rewards cannot teach anything: equal within every group for
+        the group estimators (every advantage is 0), equal over the whole batch otherwise."""
+        if self._warned_no_signal:
+            return
+        cfg = self.cfg
+        if cfg.advantage_method in GROUP_METHODS:
+            groups = scores.view(-1, cfg.num_samples_per_prompt)
+            if bool((groups == groups[:, :1]).all()):
+                self._warned_no_signal = True
+                self.log(
+                    f"warning: step {step}: the {cfg.num_samples_per_prompt} responses to each prompt got the same "
+                    f"reward, so every {cfg.advantage_method} advantage is 0 and this step teaches nothing; check "
+                    "that the reward tells responses apart (or raise --temperature)"
+                )
+        elif bool((scores == scores[0]).all()):
+            self._warned_no_signal = True
+            self.log(
+                f"warning: step {step}: every response got the reward {scores[0].item():g}, so the reward carries "
+                f"no learning signal ({cfg.advantage_method} learns only from the KL penalty); check the reward function"
+            )
 
     def _estimate(self, scores, old_logprobs, ref_logprobs, values, mask, prompts, answers):
         """The advantages and returns of a batch (the KL in the reward or not, the whitening)."""
@@ -768,11 +801,11 @@ class PPOTrainer:
         if self.step >= cfg.steps:  # --resume of a run that already did its steps
             return self._nothing_to_do()
         with pf.use_backend(cfg.backend), self.parallel.guard():
-            before = self.evaluate_all(self.reference)
-            if before:
-                self.log(f"held-out greedy {_eval_text(before)} before PPO ({len(self.eval_prompts)} prompts)")
+            before, start = self._evaluate_start()
             main = self.parallel.main
-            writer = MetricsWriter(self.output_dir, self.resumed_from, self.log) if main else distributed.NO_METRICS
+            writer = (
+                MetricsWriter(self.output_dir, self.resumed_from, cfg.report_to) if main else distributed.NO_METRICS
+            )
             bar = tqdm(total=cfg.steps, initial=self.step, desc="PPO", dynamic_ncols=True, disable=not main)
             stop_reason = "done"
             try:
@@ -781,6 +814,8 @@ class PPOTrainer:
                         rng_at_step_start = checkpoint.rng_state()
                         try:
                             row = self.train_step()
+                        except StopNow:
+                            raise
                         except KeyboardInterrupt:
                             stop_reason = "interrupted"
                             self._save_after_interrupt(rng_at_step_start)
@@ -807,10 +842,21 @@ class PPOTrainer:
             if stop_reason == "done":
                 path = self.save_checkpoint()
                 self.log(f"saved {path}")
-            after = self.evaluate_all(self.policy)
+                after = self.evaluate_all(self.policy)
+            else:  # stopped early: the user wants out, not a final evaluation (--resume finishes the run)
+                after = {}
+                if self.eval_prompts:
+                    self.log("stopped early: no final held-out evaluation (--resume continues the run)")
         if not self.parallel.main:
             return {"stop_reason": stop_reason, "steps_done": self.step}
-        plot = plot_curves(self.output_dir, before=before, after=after, after_step=self.step, title=self._plot_title())
+        plot = plot_curves(
+            self.output_dir,
+            before=before,
+            after=after,
+            after_step=self.step,
+            title=self._plot_title(),
+            score_name=self._score_name(),
+        )
         summary = {
             "stop_reason": stop_reason,
             "steps_done": self.step,
@@ -827,8 +873,29 @@ class PPOTrainer:
         if self.timer.total:
             self.log(self.timer.breakdown())
         if after:
-            self.log(f"held-out greedy {_eval_text(before, after)} (wall time {summary['wall_time_s']:.0f}s)")
+            since = f", from step {self.resumed_from}" if self.resumed_from is not None else ""
+            self.log(f"held-out greedy {_eval_text(start, after)} (wall time {summary['wall_time_s']:.0f}s{since})")
         return summary
+
+    def _evaluate_start(self) -> tuple[dict, dict]:
+        """``(the run's start, where this process starts)``: the reference's held-out scores for a
+        new run; for ``--resume``, the policy's at the resumed step, with the run's start as
+        its summary.json recorded it (empty if it did not)."""
+        if self.resumed_from is None:
+            before = self.evaluate_all(self.reference)
+            if before:
+                self.log(f"held-out greedy {_eval_text(before)} before PPO ({len(self.eval_prompts)} prompts)")
+            return before, before
+        start = self.evaluate_all(self.policy)
+        self.log(f"resumed at step {self.step}" + (f": held-out greedy {_eval_text(start)}" if start else ""))
+        summary_file = self.output_dir / SUMMARY_FILE
+        earlier = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        before = {
+            key: earlier[name]
+            for key, name in (("eval/score", "eval_before"), ("eval/exact_match", "exact_match_before"))
+            if isinstance(earlier.get(name), (int, float))
+        }
+        return before, start
 
     def _nothing_to_do(self) -> dict:
         """The run in output_dir already did ``cfg.steps`` steps: report it, change nothing."""
@@ -843,11 +910,7 @@ class PPOTrainer:
 
     def _plot_title(self) -> str:
         cfg = self.cfg
-        model = (
-            "built-in addition task (GPT-2 64x2)"
-            if self.builtin
-            else (cfg.model_name_or_path or type(self.policy).__name__)
-        )
+        model = self._model_in_words()
         reward = (
             f"reward {cfg.reward_fn}"
             if cfg.reward_fn
@@ -865,6 +928,23 @@ class PPOTrainer:
             f"{model}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
             f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {self.step} steps, seed {cfg.seed}"
         )
+
+    def _model_in_words(self) -> str:
+        """``built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters), ...``."""
+        config = self.policy.config
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+        kind = {"gpt2": "GPT-2"}.get(getattr(config, "model_type", ""), getattr(config, "model_type", "") or "model")
+        shape = f" of {layers} layers, width {width}" if layers and width else ""
+        count = sum(p.numel() for p in self.policy.parameters())
+        size = f"a {kind}{shape} ({f'{count / 1e6:.1f}M' if count >= 1e6 else f'{count / 1e3:.0f}k'} parameters)"
+        if self.builtin:
+            return f"built-in addition task: {size}, warmed up on a sloppy teacher's sums"
+        return f"{self.cfg.model_name_or_path or type(self.policy).__name__}: {size}"
+
+    def _score_name(self) -> str:
+        """What ``eval/score`` measures: the accuracy for the built-in task's reward, else the mean reward."""
+        return ACCURACY if getattr(self.scorer, "fn", None) is default_task.addition_reward else EVAL_KEYS[0][1]
 
     def _save_after_interrupt(self, rng_at_step_start: dict) -> None:
         """Ctrl-C inside a step: the partial step is dropped and the last completed one saved.

@@ -1,0 +1,233 @@
+"""The ppo-fast command's answers to mistakes: no abbreviated flags (a hint instead), negative
+numbers as values, and errors in the options, config file, prompts files and model folders
+reported before torch is imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ppo_fast_cli
+from ppo_fast.trainer import config as config_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stderr_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["train", "--learning-rat", "1e-4"], "--learning-rat: did you mean --learning-rate?"),
+        (["train", "--learning-rat=1e-4"], "--learning-rat: did you mean --learning-rate?"),
+        (["train", "--lr", "1e-4"], "unrecognized arguments: --lr 1e-4"),
+        (["train", "--kl-coeff", "0.1"], "--kl-coeff: did you mean --kl-coef?"),
+    ],
+)
+def test_abbreviated_or_mistyped_flags_are_refused_with_a_hint(argv, hint, capsys):
+    """A prefix (--learning-rat, --lr) is no longer taken for the flag it starts."""
+    with pytest.raises(SystemExit) as stop:
+        ppo_fast_cli.main(argv)
+    assert stop.value.code == 2
+    assert hint in _stderr_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "text, value", [("-1e-4", -1e-4), ("-1E+2", -100.0), ("-0.5", -0.5), ("-.5", -0.5), ("-2", -2.0)]
+)
+def test_negative_numbers_are_values(text, value):
+    parser, _ = config_module.build_parser()
+    args = parser.parse_args(["train", "--learning-rate", text, "--kl-coef", text, "--seed", "-3"])
+    assert args.learning_rate == value and args.kl_coef == value and args.seed == -3
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--learning-rate", "learning_rate (--learning-rate) must be > 0"),
+        ("--kl-coef", "kl_coef (--kl-coef) must be >= 0"),
+    ],
+)
+def test_a_negative_value_meets_the_options_own_check(flag, message, tmp_path, capsys):
+    assert ppo_fast_cli.main(["train", flag, "-1e-4", "--output-dir", str(tmp_path / "x")]) == 1
+    assert message in _stderr_line(capsys)
+
+
+# One subprocess runs every case: each must fail with its one line while torch is still not imported.
+_FAST_ERRORS = """
+import json, sys
+import ppo_fast_cli
+results = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = ppo_fast_cli.main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    results.append([code, 'torch' in sys.modules, 'transformers' in sys.modules])
+print('RESULTS', json.dumps(results))
+"""
+
+
+def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
+    (tmp_path / "bad.yaml").write_text("steps: [1\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"answer": "b"}\n')
+    (tmp_path / "good.txt").write_text("1+1=\n")
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text("{}")
+    half_bpe = tmp_path / "half_bpe"
+    half_bpe.mkdir()
+    (half_bpe / "config.json").write_text("{}")
+    (half_bpe / "vocab.json").write_text("{}")
+    custom = ["--prompts-file", str(tmp_path / "good.txt"), "--reward-fn", "r:f"]
+    out = str(tmp_path / "out")
+    cases = [
+        (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
+        (["train", "--steps", "0", "--output-dir", out], "steps (--steps) must be >= 1"),
+        (["train", "--prompts-file", str(tmp_path / "bad.jsonl"), "--output-dir", out], "line 2: no 'prompt' field"),
+        (["train", "--eval-prompts-file", str(tmp_path / "none.txt"), "--output-dir", out], "none.txt: no such file"),
+        (
+            ["train", "--model-name-or-path", str(tmp_path / "nowhere"), *custom, "--output-dir", out],
+            "no such directory",
+        ),
+        (
+            ["train", "--model-name-or-path", str(no_tokenizer), *custom, "--output-dir", out],
+            "no tokenizer in this folder: tokenizer.json (or another tokenizer's files",
+        ),
+        (
+            ["train", "--model-name-or-path", str(half_bpe), *custom, "--output-dir", out],
+            "merges.txt (next to vocab.json) is missing",
+        ),
+        (["train", "--reward-model", str(no_tokenizer), "--output-dir", out], "--reward-model"),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", _FAST_ERRORS, json.dumps([argv for argv, _ in cases])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    results = json.loads(run.stdout.split("RESULTS", 1)[1])
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(errors) == len(cases), run.stderr
+    for (argv, expected), (code, torch_loaded, transformers_loaded), line in zip(cases, results, errors):
+        assert code == 1, (argv, line)
+        assert line.startswith("ppo-fast: error: ") and expected in line, (argv, line)
+        assert not torch_loaded and not transformers_loaded, argv
+    assert not Path(out).exists()
+
+
+# ---------------------------------------------------------------------- reward functions
+
+
+def _scorer_error(fn, count: int = 2) -> str:
+    import torch
+
+    from ppo_fast.trainer.scoring import FunctionScorer, RewardError
+
+    with pytest.raises(RewardError) as caught:
+        FunctionScorer(fn)(["p"] * count, ["r"] * count, torch.device("cpu"))
+    return str(caught.value)
+
+
+def test_a_reward_function_that_raises_is_named_with_its_file_and_line(tmp_path, monkeypatch):
+    from ppo_fast.trainer.scoring import load_reward_fn
+
+    (tmp_path / "server_rewards.py").write_text(
+        "def helper():\n    raise RuntimeError('my reward server is down')\n\n\ndef raises(prompts, responses):\n"
+        "    return helper()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    message = _scorer_error(load_reward_fn(str(tmp_path / "server_rewards.py") + ":raises"))
+    # The innermost line of the reward function's own file: where it raised (helper's line 2).
+    assert message == (
+        "reward function raises() raised RuntimeError: my reward server is down "
+        f"(at {tmp_path / 'server_rewards.py'}:2)"
+    )
+
+
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        (lambda n: ["0.5"] * n, "returned a str ('0.5') as the score of response 0; expected a list of 2 numbers"),
+        (lambda n: [1.0, None], "returned None as the score of response 1; expected a list of 2 numbers"),
+        (lambda n: None, "returned None; expected a list of 2 numbers (one per response)"),
+        (lambda n: "1", "returned a str ('1'); expected a list of 2 numbers"),
+        (lambda n: [1.0] * (n + 1), "returned 3 scores; expected a list of 2 numbers"),
+        (lambda n: [[1.0]] * n, "returned a list ([1.0]) as the score of response 0"),
+        (lambda n: 1.0, "returned a float (1.0); expected a list of 2 numbers"),
+    ],
+)
+def test_non_numeric_scores_name_what_was_returned(returned, expected):
+    def score(prompts, responses):
+        return returned(len(responses))
+
+    assert expected in _scorer_error(score)
+
+
+def test_numbers_of_every_kind_are_scores():
+    import numpy as np
+    import torch
+
+    from ppo_fast.trainer.scoring import FunctionScorer
+
+    for raw in ([1, 0.5], (1.0, 2), np.array([1.0, 0.5]), torch.tensor([1, 0]), [torch.tensor(1.0), np.float32(2)]):
+        scores = FunctionScorer(lambda p, r, *, raw=raw: raw)(["p", "q"], ["x", "y"], torch.device("cpu"))
+        assert scores.dtype == torch.float32 and scores.tolist() == [float(v) for v in raw]
+
+
+TINY = "--steps 1 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10".split()
+
+
+def test_debug_prints_the_reward_functions_traceback(tmp_path, monkeypatch, capsys):
+    from ppo_fast.cli import main
+
+    (tmp_path / "down.py").write_text("def raises(prompts, responses):\n    raise RuntimeError('server down')\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--reward-fn", "down.py:raises", "--eval-size", "0", *TINY]
+    assert main([*argv, "--output-dir", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    line = f"ppo-fast: error: reward function raises() raised RuntimeError: server down (at {tmp_path / 'down.py'}:2)"
+    assert line in err.splitlines() and "Traceback" not in err and err.count("server down") == 1
+    assert main([*argv, "--output-dir", str(tmp_path / "b"), "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'down.py", line 2, in raises' in err
+    assert err.splitlines()[-1] == line
+
+
+# ---------------------------------------------------------------------- quiet by default
+
+
+def test_transformers_output_only_with_verbose(tmp_path, capsys):
+    """The warm-up model's save ("Writing model shards") and load bars, and transformers'
+    warnings, appear with --verbose only; tensorboard is not mentioned unless asked for."""
+    from ppo_fast.cli import main
+
+    argv = ["train", "--eval-size", "0", "--save-every", "0", *TINY]
+    assert main([*argv, "--output-dir", str(tmp_path / "quiet")]) == 0
+    quiet = capsys.readouterr()
+    assert "Writing model shards" not in quiet.err and "Loading weights" not in quiet.err
+    assert "tensorboard" not in (quiet.out + quiet.err).lower()
+    assert main([*argv, "--output-dir", str(tmp_path / "verbose"), "--verbose"]) == 0
+    assert "Writing model shards" in capsys.readouterr().err
+
+
+def test_report_to_tensorboard_without_tensorboard_is_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from ppo_fast.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert main(["train", "--report-to", "tensorboard", "--output-dir", str(tmp_path / "run")]) == 1
+    line = _stderr_line(capsys)
+    assert line == "ppo-fast: error: --report-to tensorboard: tensorboard is not installed (pip install tensorboard)"
+    assert not (tmp_path / "run").exists()
