@@ -126,16 +126,34 @@ Head prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
   return head;
 }
 
+// BLAS picks its algorithm (and with it a row's summation order) by the number of rows: the
+// head's products take exactly this many rows, the last block padded with zero rows, so a row's
+// logits do not depend on the rest of the batch, bit for bit (as the reference's MATMUL_ROWS).
+constexpr int64_t kMatmulRows = 128;
+
+// logits = h @ W.T in blocks of exactly kMatmulRows rows.
+void rowwise_matmul(const at::Tensor& h, const at::Tensor& weight, at::Tensor& logits) {
+  const int64_t n = h.size(0);
+  for (int64_t b0 = 0; b0 < n; b0 += kMatmulRows) {
+    const int64_t m = std::min(kMatmulRows, n - b0);
+    at::Tensor out = logits.narrow(0, b0, m);
+    if (m == kMatmulRows) {
+      at::mm_out(out, h.narrow(0, b0, m), weight.t());
+      continue;
+    }
+    at::Tensor padded = at::zeros({kMatmulRows, h.size(1)}, h.options());
+    padded.narrow(0, 0, m).copy_(h.narrow(0, b0, m));
+    out.copy_(at::mm(padded, weight.t()).narrow(0, 0, m));
+  }
+}
+
 // scratch[:n] = softcap(logit_scale * (hidden[rows] @ W.T + b)): the chunk's logits
 // before the temperature, and the chunk's hidden states in the compute type.
 at::Tensor chunk_logits(const Head& head, const at::Tensor& hidden, const at::Tensor& rows, at::Tensor& logits,
                         const HeadArgs& args) {
   const at::Tensor h = hidden.index_select(0, rows).to(logits.scalar_type());
-  if (head.bias.defined()) {
-    at::addmm_out(logits, head.bias, h, head.weight.t());
-  } else {
-    at::mm_out(logits, h, head.weight.t());
-  }
+  rowwise_matmul(h, head.weight, logits);
+  if (head.bias.defined()) logits.add_(head.bias);
   if (args.logit_softcap) {
     const double cap = *args.logit_softcap;
     logits.mul_(args.logit_scale / cap).tanh_().mul_(cap);
