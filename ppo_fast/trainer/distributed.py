@@ -301,7 +301,8 @@ def _own_address() -> str:
 def _from_the_backend(err: Exception) -> bool:
     """An error raised by the communication backend (a peer gone, a timeout), not by the model."""
     return isinstance(err, dist.DistError) or any(
-        name in str(err) for name in ("gloo", "NCCL", "Connection reset by peer")
+        name in str(err)
+        for name in ("gloo", "NCCL", "Connection reset by peer", "Application timeout caused pair closure")
     )
 
 
