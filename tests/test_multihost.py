@@ -295,8 +295,7 @@ def test_max_restarts_restarts_the_group_and_the_run_continues_from_its_checkpoi
     assert "torchrun restart: continuing the run this job started in" in said, said
     assert "resumed from" in said
     steps = [r["step"] for r in read_metrics(out / METRICS_FILE)]
-    assert steps[-1] == 400 and sorted(set(steps)) == list(range(1, 401)), steps
-    assert len(steps) > 400  # the steps after the restart's checkpoint ran twice: rows appended after a resume
+    assert steps == list(range(1, 401)), steps  # the resumed run continues the metrics, each step once
     assert checkpoint.load_state(checkpoint.latest(out)).step == 400
 
 
