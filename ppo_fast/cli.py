@@ -38,14 +38,14 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``train`` command; returns the exit status."""
     from .trainer.config import ConfigError, config_from_args
-    from .trainer.run_folder import refusal
+    from .trainer.run_folder import elastic_restart, refusal
 
     try:
         cfg = config_from_args(args)
     except ConfigError as err:
         return _fail(str(err))
     # A folder that holds a run, before the trainer is imported (PPOTrainer checks it again, for every rank).
-    refused = refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    refused = None if elastic_restart() else refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     if refused:
         return _fail(refused)
 

@@ -188,3 +188,28 @@ def eval_trainer(out_dir: str):
     held_out = default_task.prompts(cfg)[1]
     answers = [str(sum(int(x) for x in p.rstrip("=").split("+"))) for p in held_out]
     return PPOTrainer(cfg, reward_fn=response_length, eval_prompts=held_out, eval_answers=answers, log=lambda _: None)
+
+
+def under_torchrun(out: str, seed: int) -> None:
+    """The equivalence step in a process group started by ``torchrun`` (``env://``, one process
+    per node), and each rank's shard of the built-in task's prompts; rank 0 saves both."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = {
+        (mode, agg): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg)
+        for mode in ("ddp", "fsdp")
+        for agg in AGGS
+    }
+    parallel = Parallel(rank=rank, world_size=world_size)
+    count = len(default_task.prompts(TrainerConfig(batch_size=6, eval_size=0))[0])
+    shards = parallel.gather_objects(list(parallel.shard(count)))
+    if rank == 0:
+        torch.save({"results": results, "shards": shards, "count": count}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    under_torchrun(sys.argv[1], int(sys.argv[2]))

@@ -220,12 +220,19 @@ def test_a_failed_collective_inside_ddp_or_fsdp_is_a_lost_rank():
 
     guard = Parallel(rank=1, world_size=2).guard
     gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:52099: Connection reset by peer."
-    with pytest.raises(RankLost, match=r"^rank 1: another rank stopped answering \(\[/pytorch/third_party/gloo"):
+    with pytest.raises(
+        RankLost, match=r"^rank 1: another rank stopped answering: rank 0 is lost \(\[/pytorch/third_party/gloo"
+    ):
         with guard():
             raise RuntimeError(gloo)
     with pytest.raises(RankLost, match="another rank stopped answering"):
         with guard():
             raise torch.distributed.DistBackendError("NCCL communicator was aborted")
+    with pytest.raises(
+        RankLost, match=r"^rank 1: another rank stopped answering: rank 0 is lost \(Application timeout"
+    ):
+        with guard():  # a cut link: gloo's timeout inside DDP's backward
+            raise RuntimeError("Application timeout caused pair closure")
     with pytest.raises(
         RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied$"
     ):  # the model's own error stays

@@ -78,7 +78,7 @@ class Parallel:
         except (RuntimeError, dist.DistError) as err:
             if isinstance(err, RankLost) or not self.active or not _from_the_backend(err):
                 raise
-            raise _rank_lost(err, self.rank) from err
+            raise _rank_lost(err, self.rank, self.world_size) from err
 
     def sums(self, values: list[float]) -> list[float]:
         """Each value summed over ranks (in float64)."""
@@ -258,18 +258,51 @@ def _collective(fn, *args):
         raise _rank_lost(err) from err
 
 
-def _rank_lost(err: Exception, rank: int | None = None) -> RankLost:
+# Each rank's address on the network the process group uses, by rank (gathered by ``init``):
+# a backend error names the peer's address, the error line names the rank.
+_addresses: list[str] = []
+
+
+def _rank_lost(err: Exception, rank: int | None = None, world_size: int | None = None) -> RankLost:
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
     reason = " ".join(str(err).split())[:200]
     return RankLost(
-        f"rank {dist.get_rank() if rank is None else rank}: another rank stopped answering ({reason}); stopping. "
-        "Its own log says why; the last complete checkpoint is kept"
+        f"rank {rank}: another rank stopped answering: {_lost_ranks(str(err), rank, world_size)} "
+        f"({reason}); stopping. Its own log says why; the last complete checkpoint is kept"
     )
+
+
+def _lost_ranks(message: str, rank: int, world_size: int) -> str:
+    """Which rank is lost: the ranks at the address the backend's error names (not this rank's
+    own), else the only other rank of two; else unknown (a timeout names no peer)."""
+    others = [r for r in range(world_size) if r != rank]
+    named = [r for r in others if r < len(_addresses) and f"[{_addresses[r]}]" in message]
+    if named and len({_addresses[r] for r in named}) == 1 and _addresses[named[0]] != _addresses[rank]:
+        return " or ".join(f"rank {r}" for r in named) + f" at {_addresses[named[0]]} is lost"
+    if len(others) == 1:
+        where = f" at {_addresses[others[0]]}" if len(_addresses) == world_size else ""
+        return f"rank {others[0]}{where} is lost"
+    return "which rank is lost is not known (a timeout; each rank's log says whether it is alive)"
+
+
+def _own_address() -> str:
+    """The local address on the route to the rendezvous host (``MASTER_ADDR``)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
+            return probe.getsockname()[0]
+    except OSError:
+        return "unknown"
 
 
 def _from_the_backend(err: Exception) -> bool:
     """An error raised by the communication backend (a peer gone, a timeout), not by the model."""
     return isinstance(err, dist.DistError) or any(
-        name in str(err) for name in ("gloo", "NCCL", "Connection reset by peer")
+        name in str(err)
+        for name in ("gloo", "NCCL", "Connection reset by peer", "Application timeout caused pair closure")
     )
 
 
@@ -300,7 +333,9 @@ def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.devi
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout)
         )
-    return Parallel(rank=rank, world_size=world_size, mode=cfg.parallel, shard_reference=cfg.shard_reference), device
+    parallel = Parallel(rank=rank, world_size=world_size, mode=cfg.parallel, shard_reference=cfg.shard_reference)
+    _addresses[:] = parallel.gather_objects(_own_address())
+    return parallel, device
 
 
 class _NoMetrics:
@@ -367,6 +402,60 @@ def load_sharded(folder, policy, critic, optimizer) -> None:
     set_state_dict(
         _models(policy, critic), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
+
+
+# ---------------------------------------------------------------------- elastic restarts
+
+ELASTIC_FILE = "elastic_job.json"  # which torchrun job started the run in output_dir
+
+
+def elastic_restart_count() -> int:
+    """How many times ``torchrun --max-restarts`` has restarted this process group (0: the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _agent_identity() -> str:
+    """This process's torchrun agent (its parent): host, pid and start time, unique to one torchrun
+    invocation on that host and the same across its restarts."""
+    import socket
+
+    agent = os.getppid()
+    try:
+        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}/{agent}/{started}"
+
+
+def claim_for_elastic_restarts(parallel: Parallel, output_dir: Path) -> None:
+    """On the first start under torchrun (every rank calls it, after the folder was claimed): rank 0
+    records the job (its run id and every rank's agent) in ``output_dir``, so that a restart of this
+    job, and only of this job, continues the run there."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or elastic_restart_count() > 0:
+        return
+    agents = parallel.gather_objects(_agent_identity())
+    if parallel.main:
+        record = {"run_id": os.environ["TORCHELASTIC_RUN_ID"], "agents": sorted(set(agents))}
+        (output_dir / ELASTIC_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def restart_of_this_job(parallel: Parallel, output_dir: Path) -> bool:
+    """True on every rank when this is a torchrun restart of the job that started the run in
+    ``output_dir``: the same run id, and every rank's agent one of those that started it (a new
+    torchrun command has new agents, so a user's run is never continued unasked)."""
+    if elastic_restart_count() == 0:
+        return False
+    agents = set(parallel.gather_objects(_agent_identity()))
+    verdict = False
+    if parallel.main:
+        try:
+            record = json.loads((output_dir / ELASTIC_FILE).read_text())
+            verdict = record.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID") and agents <= set(
+                record.get("agents", [])
+            )
+        except (OSError, ValueError, AttributeError):
+            verdict = False
+    return bool(parallel.from_main(verdict))
 
 
 def shutdown() -> None:

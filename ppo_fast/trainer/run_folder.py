@@ -19,6 +19,7 @@ its own to refuse such a folder before torch is imported; the trainer checks it 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,12 @@ def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | N
         f"--output-dir {output_dir} already holds a run ({describe(found, output_dir)}); "
         "pass --resume to continue it, or --overwrite to replace it"
     )
+
+
+def elastic_restart() -> bool:
+    """A ``torchrun --max-restarts`` restart: the launchers leave the folder to the trainer, which
+    continues the run only if this torchrun job started it (``distributed.restart_of_this_job``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def remove_run(output_dir: str | Path) -> list[Path]:

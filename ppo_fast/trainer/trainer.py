@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -194,6 +195,9 @@ class PPOTrainer:
         if not self.parallel.main:  # rank 0 speaks for the run
             self.log = _silent
         self._check_options()
+        if distributed.restart_of_this_job(self.parallel, self.output_dir):  # torchrun --max-restarts
+            cfg = self.cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
+            self.log(f"torchrun restart: continuing the run this job started in {self.output_dir}")
         builtin = policy is None and cfg.model_name_or_path is None
         self.builtin = builtin
         self.response_length = cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH)
@@ -208,6 +212,7 @@ class PPOTrainer:
         self._claim_output_dir()  # nothing is written to output_dir before this
 
         check_writable(self.output_dir)
+        distributed.claim_for_elastic_restarts(self.parallel, self.output_dir)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)

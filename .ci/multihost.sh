@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The multi-host tests (tests/test_multihost.py): network namespaces joined by a bridge, torchrun
+# in each. Needs root and iproute2 (ip, tc), installed here if missing. Usage: .ci/multihost.sh [VENV]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv}"
+if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq iproute2
+fi
+PYTHONPATH="$PWD" "$venv/bin/python" -m pytest tests/test_multihost.py -m multihost -q -rs
