@@ -46,3 +46,17 @@ def _seed_everything(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason why tests skipped (no GPU, a peer or vLLM not installed, ...), with its count."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_sep("-", "why tests skipped")
+        for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{count:5d}  {reason}")

@@ -175,7 +175,11 @@ def _logits_and_labels(dtype, truncation, shape=(3, 5, 4099), ties=False):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
 def test_token_logprobs_every_backend(backend, dtype, truncation):
-    logits, labels = _logits_and_labels(dtype, truncation, ties=dtype == torch.bfloat16)
+    # Past the native chunks (1,024) and the Triton blocks (4,096) in float32; the Triton interpreter
+    # runs a program at a time, so its other dtypes take a narrower row.
+    interpreted = backend == "triton" and not torch.cuda.is_available()
+    vocab = 1031 if interpreted and dtype != torch.float32 else 4099
+    logits, labels = _logits_and_labels(dtype, truncation, shape=(3, 5, vocab), ties=dtype == torch.bfloat16)
     ambiguous = near_edge(logits.float(), 0.8, truncation, 1e-5)
     labels[ambiguous] = -100  # only rows where the kept set is unambiguous in float32
     results = {}
