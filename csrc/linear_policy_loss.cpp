@@ -111,8 +111,8 @@ void check_args(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
   TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight must have hidden's dtype");
   TORCH_CHECK(labels.scalar_type() == at::kLong, kOp, ": labels must be int64, got ", labels.scalar_type());
   check_shape(kOp, "labels", labels, {hidden.size(0), hidden.size(1)});
-  check_policy_inputs(kOp, old, old, adv, mask, weights);
   check_same_shape(kOp, "old_logprobs", old, "labels", labels);
+  check_policy_inputs(kOp, old, old, adv, mask, weights);
   check_same_device(kOp, {{"hidden", &hidden}, {"weight", &weight}, {"labels", &labels}, {"old_logprobs", &old}});
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == hidden.scalar_type(), kOp, ": bias must have hidden's dtype");

@@ -65,7 +65,18 @@ ARGUMENTS = {
     **dict(top_k=0, top_p=1.0, min_p=0.0),  # the sampler's truncations: off
     **dict.fromkeys(("rewards_dtype", "values_dtype", "scores_dtype"), torch.float32),
 }
-OWN = {"bool_mask": {"mask": lambda: torch.tensor([[0.0, 1.0], [1.0, -0.0]])}}
+OWN = {
+    "bool_mask": {"mask": lambda: torch.tensor([[0.0, 1.0], [1.0, -0.0]])},
+    # The policy loss through the head: hidden [B, T, H] and labels [B, T], vanilla's two clips.
+    "linear_policy_loss": {
+        "hidden": lambda: randn(B, T, H),
+        "labels": lambda: torch.randint(0, V, (B, T)),
+        "loss_mode": "vanilla",
+        "params": [0.2, 0.28],
+        "entropy_coef": 0.01,
+        "output_mask": [True, True, True],  # d hidden, d weight, d bias
+    },
+}
 
 
 def good_args(op):
@@ -73,7 +84,8 @@ def good_args(op):
     schema = getattr(torch.ops.ppo_fast, op).default._schema
     made = {}
     for a in schema.arguments:
-        value = [True] * len(schema.returns) if a.name == "output_mask" else OWN.get(op, {}).get(a.name)
+        value = OWN.get(op, {}).get(a.name)
+        value = [True] * len(schema.returns) if value is None and a.name == "output_mask" else value
         value = ARGUMENTS[a.name] if value is None else value
         made[a.name] = value() if callable(value) else value
     return made
@@ -252,6 +264,26 @@ TABLE = {
         ("logprobs-bwd-logits-3d", dict(logits=randn(2, N, V)), LABELS_SHAPE),
     ],
     # linear_token_logprobs: the fused LM head
+    "linear_policy_loss": [
+        ("linear-policy-hidden-2d", dict(hidden=randn(B, H)), "hidden must be 3-D"),
+        ("linear-policy-hidden-int", dict(hidden=torch.zeros(B, T, H, dtype=I64)), FLOAT),
+        ("linear-policy-weight-width", dict(weight=randn(V, H + 1)), "weight"),
+        (
+            "linear-policy-weight-dtype",
+            dict(weight=randn(V, H, dtype=torch.float64)),
+            "weight must have hidden's dtype",
+        ),
+        ("linear-policy-labels-int32", dict(labels=torch.zeros(B, T, dtype=I32)), "labels must be int64"),
+        ("linear-policy-labels-shape", dict(labels=torch.zeros(B, T + 1, dtype=I64)), "labels must have shape"),
+        ("linear-policy-old-shape", dict(old_logprobs=randn(B, T - 1)), "old_logprobs"),
+        ("linear-policy-mask-dtype", dict(mask=ones(B, T, dtype=F32)), BOOL_MASK),
+        ("linear-policy-bias-shape", dict(bias=randn(V + 1)), "bias must have shape"),
+        ("linear-policy-ref-shape", dict(ref_logprobs=randn(B, T + 1)), "ref_logprobs"),
+        ("linear-policy-mode", dict(loss_mode="cispo"), "loss_mode must be 'vanilla' or 'gspo'"),
+        ("linear-policy-params", dict(params=[0.2]), "loss_mode 'vanilla'"),
+        ("linear-policy-temperature", dict(temperature=0.0), "temperature must be finite and > 0"),
+        ("linear-policy-agg", dict(agg="tokens-mean"), "agg must be one of"),
+    ],
     "linear_token_logprobs": [
         ("head-hidden-3d", dict(hidden=randn(1, N, H)), "hidden must be 2-D"),
         ("head-hidden-int", dict(hidden=torch.zeros(N, H, dtype=I64)), FLOAT),

@@ -3,6 +3,8 @@ backward only scales the gradients the forward returned by the incoming gradient
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..._dtypes import result_dtype
@@ -15,22 +17,56 @@ SUPPORTED = {f"linear_policy_loss_{mode}": {"cpu"} for mode in MODES}
 _STATS = 6  # pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl (float64)
 
 
-def _fake(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperature, logit_scale, logit_softcap,
-          ignore_index, kl_coef, kl_estimator, entropy_coef, loss_mode, params, agg, output_mask):  # fmt: skip
-    op = "linear_policy_loss"
+def _check_tensors(op, hidden, weight, labels, old, adv, mask, weights, bias, ref):
+    """The checks of csrc/linear_policy_loss.cpp's check_args on the tensors, in its order."""
     check_float(op, "hidden", hidden)
     check_dim(op, "hidden", hidden, 3)
     check_float(op, "weight", weight)
     check_dim(op, "weight", weight, 2)
+    torch._check(
+        weight.shape[1] == hidden.shape[2] and weight.shape[0] > 0,
+        lambda: (
+            f"{op}: weight must be [V, H] with V > 0 and H = hidden.size(2) = {hidden.shape[2]}, got shape "
+            f"{list(weight.shape)}"
+        ),
+    )
+    torch._check(weight.dtype == hidden.dtype, lambda: f"{op}: weight must have hidden's dtype")
+    torch._check(labels.dtype == torch.int64, lambda: f"{op}: labels must be int64, got {labels.dtype}")
     check_shape(op, "labels", labels, hidden.shape[:2])
     for name, x in (("old_logprobs", old), ("advantages", adv), ("weights", weights), ("ref_logprobs", ref)):
         if x is not None:
             check_float(op, name, x)
             check_shape(op, name, x, hidden.shape[:2], "labels")
-    check_same_device(op, hidden=hidden, weight=weight, labels=labels, old_logprobs=old, mask=mask)
+    torch._check(mask.dtype == torch.bool, lambda: f"{op}: mask must be a bool tensor, got {mask.dtype}")
+    check_shape(op, "mask", mask, hidden.shape[:2], "labels")
+    if bias is not None:
+        torch._check(bias.dtype == hidden.dtype, lambda: f"{op}: bias must have hidden's dtype")
+        check_shape(op, "bias", bias, (weight.shape[0],))
+    present = dict(weight=weight, labels=labels, old_logprobs=old, advantages=adv, mask=mask)
+    present.update({k: v for k, v in dict(weights=weights, bias=bias, ref_logprobs=ref).items() if v is not None})
+    check_same_device(op, hidden=hidden, **present)
+
+
+def _fake(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperature, logit_scale, logit_softcap,
+          ignore_index, kl_coef, kl_estimator, entropy_coef, loss_mode, params, agg, output_mask):  # fmt: skip
+    op = "linear_policy_loss"
+    _check_tensors(op, hidden, weight, labels, old, adv, mask, weights, bias, ref)
     check_choice(op, "agg", agg, AGG_MODES)
     check_choice(op, "kl_estimator", kl_estimator, KL_ESTIMATORS)
-    check_choice(op, "loss_mode", loss_mode, MODES)
+    torch._check(
+        loss_mode in MODES,
+        lambda: f"{op}: loss_mode must be 'vanilla' or 'gspo' on the native CPU backend, got '{loss_mode}'",
+    )
+    torch._check(
+        len(params) == 2 or (loss_mode == "vanilla" and len(params) == 3),
+        lambda: f"{op}: loss_mode '{loss_mode}' takes clip_eps_low, clip_eps_high, got {len(params)} parameters",
+    )
+    for name, value in (("temperature", temperature), ("logit_scale", logit_scale)):
+        torch._check(0 < value < math.inf, lambda name=name: f"{op}: {name} must be finite and > 0")
+    torch._check(
+        logit_softcap is None or 0 < logit_softcap < math.inf,
+        lambda: f"{op}: logit_softcap must be None or finite and > 0",
+    )
     double = torch.float64
 
     def grad(x, wanted):
