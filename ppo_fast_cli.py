@@ -52,7 +52,7 @@ def _refused(config, args) -> str | None:
     except config.ConfigError as err:
         return str(err)
     run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
-    if run_folder.elastic_restart():  # the trainer decides (it continues only this job's own run)
+    if run_folder.elastic_restart(cfg.output_dir):  # the trainer decides (it continues only this job's own run)
         return _input_problem(config, cfg)
     refused = run_folder.refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     return refused or _input_problem(config, cfg)

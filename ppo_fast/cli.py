@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(str(err))
     # A folder that holds a run, before the trainer is imported (PPOTrainer checks it again, for every rank).
-    refused = None if elastic_restart() else refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    refused = (
+        None if elastic_restart(cfg.output_dir) else refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    )
     if refused:
         return _fail(refused)
 

@@ -28,6 +28,7 @@ from torch import nn
 
 import ppo_fast as pf
 
+from . import run_folder
 from .config import ConfigError, TrainerConfig
 from .rollout import ResponseScorer
 
@@ -406,25 +407,14 @@ def load_sharded(folder, policy, critic, optimizer) -> None:
 
 # ---------------------------------------------------------------------- elastic restarts
 
-ELASTIC_FILE = "elastic_job.json"  # which torchrun job started the run in output_dir
+ELASTIC_FILE = run_folder.ELASTIC_FILE
+_agent_identity = run_folder.agent_identity
 
 
 def elastic_restart_count() -> int:
-    """How many times ``torchrun --max-restarts`` has restarted this process group (0: the first start)."""
+    """How many times ``torchrun --max-restarts`` has restarted this agent's workers (0: the first start,
+    and also a restart of a healthy node's workers after another node's failed)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def _agent_identity() -> str:
-    """This process's torchrun agent (its parent): host, pid and start time, unique to one torchrun
-    invocation on that host and the same across its restarts."""
-    import socket
-
-    agent = os.getppid()
-    try:
-        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "?"
-    return f"{socket.gethostname()}/{agent}/{started}"
 
 
 def claim_for_elastic_restarts(parallel: Parallel, output_dir: Path) -> None:
@@ -433,6 +423,8 @@ def claim_for_elastic_restarts(parallel: Parallel, output_dir: Path) -> None:
     job, and only of this job, continues the run there."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or elastic_restart_count() > 0:
         return
+    if (output_dir / ELASTIC_FILE).exists() and run_folder.elastic_restart(output_dir):
+        return  # a healthy node's workers restarted (count 0): the job's record stands
     agents = parallel.gather_objects(_agent_identity())
     if parallel.main:
         record = {"run_id": os.environ["TORCHELASTIC_RUN_ID"], "agents": sorted(set(agents))}
@@ -443,7 +435,7 @@ def restart_of_this_job(parallel: Parallel, output_dir: Path) -> bool:
     """True on every rank when this is a torchrun restart of the job that started the run in
     ``output_dir``: the same run id, and every rank's agent one of those that started it (a new
     torchrun command has new agents, so a user's run is never continued unasked)."""
-    if elastic_restart_count() == 0:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     agents = set(parallel.gather_objects(_agent_identity()))
     verdict = False

@@ -19,6 +19,7 @@ its own to refuse such a folder before torch is imported; the trainer checks it 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -82,10 +83,40 @@ def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | N
     )
 
 
-def elastic_restart() -> bool:
-    """A ``torchrun --max-restarts`` restart: the launchers leave the folder to the trainer, which
-    continues the run only if this torchrun job started it (``distributed.restart_of_this_job``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+ELASTIC_FILE = "elastic_job.json"  # which torchrun job started the run in output_dir
+
+
+def agent_identity() -> str:
+    """This process's torchrun agent (its parent): host, pid and start time, unique to one torchrun
+    invocation on that host and the same across its restarts."""
+    import socket
+
+    agent = os.getppid()
+    try:
+        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}/{agent}/{started}"
+
+
+def elastic_restart(output_dir: str | Path) -> bool:
+    """A ``torchrun --max-restarts`` restart of the job that started the run in ``output_dir``: the
+    launchers leave the folder to the trainer, which continues the run only if every rank's agent
+    started it (``distributed.restart_of_this_job``).  Not only the restart count: when one node's
+    workers fail, the other nodes' agents restart theirs as a membership change, count unchanged."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return True
+    try:
+        record = json.loads((Path(output_dir) / ELASTIC_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(record, dict)
+        and record.get("run_id") == os.environ["TORCHELASTIC_RUN_ID"]
+        and agent_identity() in record.get("agents", [])
+    )
 
 
 def remove_run(output_dir: str | Path) -> list[Path]:
