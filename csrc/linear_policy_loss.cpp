@@ -240,10 +240,7 @@ void run_chunk(const Problem& p, const at::Tensor& hidden2d, const at::Tensor& w
         scalar_t* block = row + b0;
         std::copy(block, block + m, saved);
         log_softmax_row_grad(block, block, m, labels[r] - b0, inv_temp, &row_stats[2 * i], g, h_ent, ent);
-        for (int64_t j = 0; j < m; ++j) {
-          const scalar_t t = saved[j] / cap;
-          block[j] *= scale * (scalar_t(1) - t * t);
-        }
+        through_softcap(block, saved, m, scale, cap);
       }
     }
   });

@@ -51,16 +51,6 @@ constexpr int64_t kScratchLogits = int64_t(1) << 23;
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kBlock = 1024;  // softcap backward: logits saved at a time (as token_logprobs.cpp's chunks)
 
-// grad[j] *= d softcap(scale x) / dx = scale (1 - tanh^2), with tanh = softcapped[j] / cap.
-template <typename scalar_t>
-void through_softcap(scalar_t* grad, const scalar_t* softcapped, int64_t n, scalar_t scale, scalar_t cap) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t t = softcapped[j] / cap;
-    grad[j] *= scale * (scalar_t(1) - t * t);
-  }
-}
-
 struct HeadArgs {
   double temperature, logit_scale;
   std::optional<double> logit_softcap;

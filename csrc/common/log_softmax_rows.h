@@ -80,4 +80,14 @@ void log_softmax_row_grad_kept(const double* row, double* grad_row, int64_t voca
 float log_softmax_label_logprob_kept(float x, float inv_temp, const RowStats<float>& stats, float threshold);
 double log_softmax_label_logprob_kept(double x, double inv_temp, const RowStats<double>& stats, double threshold);
 
+// grad[j] *= d softcap(scale x) / dx = scale (1 - tanh^2), with tanh = softcapped[j] / cap.
+template <typename scalar_t>
+inline void through_softcap(scalar_t* grad, const scalar_t* softcapped, int64_t n, scalar_t scale, scalar_t cap) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t t = softcapped[j] / cap;
+    grad[j] *= scale * (scalar_t(1) - t * t);
+  }
+}
+
 }  // namespace ppo_fast
