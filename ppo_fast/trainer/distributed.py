@@ -307,6 +307,51 @@ def _from_the_backend(err: Exception) -> bool:
     )
 
 
+def _restartable_shared_store() -> bool:
+    """``torchrun --max-restarts`` with the agents' store shared with the workers (torch's default)."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+    )
+
+
+_NONCE_KEY = "ppo_fast/attempt_nonce"
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """A store of this attempt's own for the process group, under ``torchrun --max-restarts``.
+
+    The agents' shared store outlives a restart, and with it the keys the previous attempt's
+    workers wrote, gloo's peer addresses among them: a restarted rank that reads its peer's
+    old address before the peer has written its new one connects to a closed port and fails.
+    So rank 0 serves a new store and advertises it (address, port, nonce) in the shared one;
+    the others take an advert only when they reach a store holding its nonce (the previous
+    attempt's store died with its workers, and a reused port holds another nonce)."""
+    import secrets
+    import time
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    shared = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    advert = f"ppo_fast/attempt_store/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    if rank == 0:
+        own = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = secrets.token_hex(16)
+        own.set(_NONCE_KEY, nonce)
+        shared.set(advert, f"{addr} {own.port} {nonce}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, own_port, nonce = shared.get(advert).decode().split()
+        with contextlib.suppress(RuntimeError):  # the previous attempt's store: gone, or another nonce
+            own = dist.TCPStore(host, int(own_port), is_master=False, timeout=datetime.timedelta(seconds=2))
+            if own.get(_NONCE_KEY).decode() == nonce:
+                own.set_timeout(timeout)
+                return own
+        if time.monotonic() > deadline:
+            raise RankLost(f"rank {rank}: rank 0's store for this attempt never answered (--dist-timeout)")
+        time.sleep(0.2)
+
+
 def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.device]:
     """Join the process group when started by ``torchrun`` with more than one process;
     returns this rank's :class:`Parallel` and device (``cuda:LOCAL_RANK`` on GPUs)."""
@@ -331,9 +376,11 @@ def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.devi
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout)
-        )
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+        group = {}
+        if _restartable_shared_store():
+            group = {"store": _attempt_store(rank, world_size, timeout), "rank": rank, "world_size": world_size}
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, **group)
     parallel = Parallel(rank=rank, world_size=world_size, mode=cfg.parallel, shard_reference=cfg.shard_reference)
     _addresses[:] = parallel.gather_objects(_own_address())
     return parallel, device
