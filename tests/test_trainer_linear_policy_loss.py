@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ppo_fast as pf
 from ppo_fast.trainer import PPOTrainer, TrainerConfig
 from ppo_fast.trainer import update as update_module
 from ppo_fast.trainer.linear_policy_loss import has_fast_backend
@@ -53,13 +54,14 @@ def loss_stats_grads(trainer, cfg, exp):
         {"policy_loss": "vanilla", "advantage_method": "grpo", "kl_coef": 0.2},
         {"policy_loss": "gspo", "advantage_method": "grpo", "loss_agg": "seq-mean-token-mean", "kl_coef": 0.2},
         {"policy_loss": "vanilla", "advantage_method": "gae", "loss_agg": "token-sum", "dual_clip": 3.0},
+        {"policy_loss": "dro", "advantage_method": "grpo", "policy_loss_params": "dro_beta=0.1", "kl_coef": 0.2},
     ],
-    ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic"],
+    ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic", "dro"],
 )
 def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides):
     trainer, cfg, exp = trainer_and_experience(tmp_path, **overrides)
     assert scores_through_fused_head(trainer.policy, exp.old_logprobs.device)
-    assert has_fast_backend(cfg.policy_loss, "cpu"), "the native CPU backend serves vanilla and gspo"
+    assert has_fast_backend(cfg.policy_loss, "cpu"), "the native CPU backend serves every one-pass mode"
     calls = []
     real = update_module.linear_policy_losses
     monkeypatch.setattr(update_module, "linear_policy_losses", lambda *a: calls.append(1) or real(*a))
@@ -78,5 +80,7 @@ def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides)
 
 
 def test_modes_without_a_fast_one_pass_op_keep_the_two_pass_path():
-    assert not has_fast_backend("dppo_tv", "cpu")  # the reference only
+    modes = pf.policy_loss_modes()
+    for name, mode in modes.items():  # the native CPU backend serves every one-pass mode
+        assert has_fast_backend(name, "cpu") == mode.fused_head, name
     assert not has_fast_backend("clip_cov", "cpu")  # a selection across the batch

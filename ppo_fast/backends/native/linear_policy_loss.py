@@ -1,5 +1,9 @@
 """Native linear_policy_loss (csrc/linear_policy_loss.cpp): the fake kernel and the autograd, whose
-backward only scales the gradients the forward returned by the incoming gradient."""
+backward only scales the gradients the forward returned by the incoming gradient.  The C++ op holds
+the vanilla and GSPO epilogues; the other modes whose per-token gradient is local to a sequence run
+the same one pass with the native log-softmax rows (``reference.linear_policy_loss.one_pass_on_rows``:
+the products by BLAS, the rows and their gradient by csrc/token_logprobs.cpp, the mode's per-token
+gradient from its reference function on the chunk's ``[rows, T]`` log-probs)."""
 
 from __future__ import annotations
 
@@ -8,12 +12,12 @@ import math
 import torch
 
 from ..._dtypes import result_dtype
-from ...spec import AGG_MODES, KL_ESTIMATORS
+from ...spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES
+from ..reference.linear_policy_loss import RowKernels, rows_ops
 from ._common import check_choice, check_dim, check_float, check_same_device, check_shape, register
 
 # The modes csrc/linear_policy_loss.cpp computes (its loss epilogue), on CPU tensors.
 MODES = ("vanilla", "gspo")
-SUPPORTED = {f"linear_policy_loss_{mode}": {"cpu"} for mode in MODES}
 _STATS = 6  # pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl (float64)
 
 
@@ -163,3 +167,22 @@ def _linear_policy_loss_op(mode):
 
 linear_policy_loss_vanilla = _linear_policy_loss_op("vanilla")
 linear_policy_loss_gspo = _linear_policy_loss_op("gspo")
+
+
+def _rows_forward(logits, labels, temperature, ignore_index):
+    return torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, True, ignore_index)
+
+
+def _rows_backward(grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
+    return torch.ops.ppo_fast.token_logprobs_backward(
+        grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index
+    )
+
+
+_ON_ROWS = rows_ops(
+    "ppo_fast_native",
+    RowKernels(_rows_forward, _rows_backward),
+    [m for m in POLICY_LOSS_MODES.values() if m.fused_head and m.name not in MODES],
+)
+globals().update(_ON_ROWS)
+SUPPORTED = {f"linear_policy_loss_{mode}": {"cpu"} for mode in MODES} | {op: {"cpu"} for op in _ON_ROWS}

@@ -1,0 +1,29 @@
+"""Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
+sequences (``reference.linear_policy_loss.one_pass_on_rows``): the products by cuBLAS, each chunk's
+log-softmax rows and their gradient by this backend's token_logprobs kernels, the gradient written
+into the chunk's logits buffer; every mode whose per-token gradient is local to a sequence."""
+
+from __future__ import annotations
+
+from ...spec import POLICY_LOSS_MODES
+from ..reference.linear_policy_loss import RowKernels, rows_ops
+from ._launch import DEVICES
+from .token_logprobs import token_logprobs_backward, token_logprobs_forward
+
+
+def _forward(logits, labels, temperature, ignore_index):
+    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, True, ignore_index)
+    return logp, entropy, stats
+
+
+def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
+    return token_logprobs_backward(
+        grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits
+    )
+
+
+_FUNCTIONS = rows_ops(
+    "ppo_fast_triton", RowKernels(_forward, _backward), [m for m in POLICY_LOSS_MODES.values() if m.fused_head]
+)
+SUPPORTED = {op: DEVICES for op in _FUNCTIONS}
+globals().update(_FUNCTIONS)
