@@ -40,11 +40,17 @@ def make_inputs(tokens, length, hidden, vocab, seed=0):
     }
 
 
+# The modes' required parameters (the others take their defaults).
+MODE_PARAMS = {"dro": {"dro_beta": 0.1}}
+
+
 def implementations(mode):
+    params = MODE_PARAMS.get(mode, {})
+
     def fused(x):
         loss, _ = pf.linear_policy_loss(
             x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], loss_mode=mode,
-            temperature=TEMPERATURE, entropy_coef=0.01,
+            temperature=TEMPERATURE, entropy_coef=0.01, **params,
         )  # fmt: skip
         return loss
 
@@ -55,7 +61,7 @@ def implementations(mode):
                 x["hidden"], x["weight"], labels, temperature=TEMPERATURE, return_entropy=entropy
             )
             logp = out[0] if entropy else out
-            loss, _ = pf.policy_loss(logp, x["old"], x["adv"], x["mask"], loss_mode=mode)
+            loss, _ = pf.policy_loss(logp, x["old"], x["adv"], x["mask"], loss_mode=mode, **params)
             return loss - 0.01 * pf.masked_mean(out[1], x["mask"]) if entropy else loss
 
         return run

@@ -55,8 +55,12 @@ def _load_text(data: dict) -> str:
             return "load average " + (
                 ", ".join(f"{v:.1f}" for v in value) if isinstance(value, list) else f"{value:.1f}"
             )
-    if "load_average_before" in data:
-        return f"load average {data['load_average_before']:.1f} before, {data['load_average_after']:.1f} after"
+    for where in (data, machine):
+        if "load_average_before" in where:
+            before, after = (where[f"load_average_{when}"] for when in ("before", "after"))
+            if isinstance(before, list):
+                before, after = before[0], after[0]
+            return f"load average {before:.1f} before, {after:.1f} after"
     return "load not recorded"
 
 
@@ -242,8 +246,33 @@ def _linear_policy_loss_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _truncation_table(data: dict) -> str:
+    lines = [
+        "| case | truncation | pass | plain ms | truncated ms | ratio | goal |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['case']} | {r['truncation']} | {r['mode']} | {r['plain_ms']:.1f} | {r['truncated_ms']:.1f} | "
+            f"{r['ratio']:.2f}x | <= {r['goal']}x |"
+        )
+    return "\n".join(lines)
+
+
 def _other_sections() -> list[str]:
     out = []
+    data = _load("truncation-cpu.json")
+    if data:
+        out += [
+            "## Sampling-aware log-probs",
+            "",
+            f"`python -m bench truncation`: {data['what']}, on the `{data['backend']}` backend.",
+            "",
+            measured_on(data, "truncation-cpu.json"),
+            "",
+            _truncation_table(data),
+            "",
+        ]
     data = _load("linear-policy-loss-cpu.json")
     if data:
         out += [
