@@ -7,19 +7,20 @@ from __future__ import annotations
 
 from ...spec import POLICY_LOSS_MODES
 from ..reference.linear_policy_loss import RowKernels, rows_ops
-from ._launch import DEVICES
+from ._launch import DEVICES, device_guard
 from .token_logprobs import token_logprobs_backward, token_logprobs_forward
 
 
 def _forward(logits, labels, temperature, ignore_index):
-    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, True, ignore_index)
-    return logp, entropy, stats
+    with device_guard(logits):
+        return token_logprobs_forward(logits, labels, temperature, True, ignore_index)
 
 
 def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
-    return token_logprobs_backward(
-        grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits
-    )
+    with device_guard(logits):
+        return token_logprobs_backward(
+            grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits
+        )
 
 
 _FUNCTIONS = rows_ops(
@@ -27,3 +28,9 @@ _FUNCTIONS = rows_ops(
 )
 SUPPORTED = {op: DEVICES for op in _FUNCTIONS}
 globals().update(_FUNCTIONS)
+
+
+def static_variants() -> list[dict]:
+    """None of its own for ``bench.static``: the loop launches token_logprobs' kernels, whose variants
+    that module lists."""
+    return []
