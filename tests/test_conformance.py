@@ -1240,8 +1240,30 @@ def _rows(x: dict, index) -> dict:
     return {k: v if k == "weight" else v[index] for k, v in x.items()}
 
 
+def _numpy_matmul_is_row_invariant() -> bool:
+    """Whether NumPy's matmul rounds a row the same wherever it lies in the left operand.  The Triton
+    interpreter runs ``tl.dot`` as NumPy's matmul, and some BLAS builds (OpenBLAS on AMD EPYC, seen
+    here) round a row by its position in the tile: an artifact of the interpreter, not of a kernel."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 11), dtype=np.float32), rng.standard_normal((11, 64), dtype=np.float32)
+    full = a @ b
+    alone = np.zeros_like(a)
+    for r in range(a.shape[0]):
+        alone[0] = a[r]
+        if not np.array_equal((alone @ b)[0], full[r]):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("op, backend, compiled, truncation", list(_batch_invariance_cases()))
 def test_a_row_is_bitwise_independent_of_its_batch(op, backend, compiled, truncation):
+    if op == "linear_token_logprobs" and backend == "triton" and not torch.cuda.is_available():
+        if not _numpy_matmul_is_row_invariant():
+            pytest.skip(
+                "the Triton interpreter's tl.dot is NumPy's matmul, which rounds a row by its tile position here"
+            )
     make, run = BATCH_INVARIANT[op]
     x = make(torch.Generator().manual_seed(zlib.crc32(op.encode())))
     if compiled:  # the op's call site is compiled anew for each case, not against the recompile limit
