@@ -228,7 +228,7 @@ def one_pass_on_rows(rows: RowKernels, mode, hidden, weight, labels, old, adv, m
             logits *= logit_scale
         capped = None
         if logit_softcap is not None:
-            capped = torch.tanh(logits / logit_softcap)  # kept for the chain rule: the logits' buffer is reused
+            capped = logits.div_(logit_softcap).tanh()  # kept for the chain rule: the logits' buffer is reused
             logits = torch.mul(capped, logit_softcap, out=logits)
         logp, entropy, saved = rows.forward(logits, chunk_labels, temperature, ignore_index)
         shape = labels[rs].shape
@@ -243,8 +243,8 @@ def one_pass_on_rows(rows: RowKernels, mode, hidden, weight, labels, old, adv, m
         d_logits = rows.backward(
             grad_logp.reshape(-1), grad_entropy, logits, chunk_labels, saved, entropy, temperature, ignore_index
         )
-        if capped is not None:
-            d_logits *= 1.0 - capped * capped
+        if capped is not None:  # d tanh = 1 - tanh^2, formed in the buffer of tanh (not read again)
+            d_logits *= capped.square_().neg_().add_(1.0)
         if logit_scale != 1.0:
             d_logits *= logit_scale
         if d_hidden is not None:
