@@ -91,7 +91,9 @@ class Hosts:
             _ip("-n", ns, "link", "set", IFNAME, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
-    def torchrun(self, node: int, nodes: int, out: Path, *args: str, restarts: int = 0) -> subprocess.Popen:
+    def torchrun(
+        self, node: int, nodes: int, out: Path, *args: str, restarts: int = 0, env: dict | None = None
+    ) -> subprocess.Popen:
         """``torchrun`` on node ``node`` of ``nodes`` (the store on node 0), in its own process group."""
         command = [
             *f"ip netns exec {self.names[node]}".split(),
@@ -102,7 +104,7 @@ class Hosts:
             *f"--max-restarts {restarts}".split(),
             *args,
         ]
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
         log = open(out.parent / f"{out.name}-node{node}.log", "w")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -111,11 +113,10 @@ class Hosts:
         self.procs.append(proc)
         return proc
 
-    def train(self, nodes: int, out: Path, *args: str, restarts: int = 0) -> list[subprocess.Popen]:
-        return [
-            self.torchrun(i, nodes, out, "-m", "ppo_fast", "train", "--output-dir", str(out), *args, restarts=restarts)
-            for i in range(nodes)
-        ]
+    def train(self, nodes: int, out: Path, *args: str, restarts: int = 0, env: dict | None = None) -> list:
+        """``ppo-fast train`` on every node; ``env[i]``: node i's extra environment."""
+        command = ("-m", "ppo_fast", "train", "--output-dir", str(out), *args)
+        return [self.torchrun(i, nodes, out, *command, restarts=restarts, env=(env or {}).get(i)) for i in range(nodes)]
 
     def kill(self, node: int) -> None:
         """Every process of node ``node`` (torchrun starts its workers in sessions of their own)."""
@@ -284,9 +285,14 @@ def test_a_lost_node_ends_the_survivor_with_one_line_and_keeps_the_last_checkpoi
 
 def test_max_restarts_restarts_the_group_and_the_run_continues_from_its_checkpoint(hosts, tmp_path):
     net = hosts(2)
-    out = tmp_path / "run"
-    procs = net.train(2, out, "--steps", "400", "--save-every", "1", "--dist-timeout", "30", *TINY, restarts=1)
+    out, held = tmp_path / "run", tmp_path / "held"
+    hold = {1: {"PPO_FAST_TEST_HOLD": f"2:{held}"}}  # node 1's rank stops after step 2, until killed (once)
+    procs = net.train(2, out, "--steps", "4", "--save-every", "1", "--dist-timeout", "30", *TINY, restarts=1, env=hold)
     _wait_for_checkpoint(out, 2, procs)
+    deadline = time.monotonic() + 400
+    while not held.exists():
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "\n".join(map(_log, procs))
+        time.sleep(0.2)
     worker = subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True).stdout.split()
     assert len(worker) == 1, worker  # node 1's one training process, under its torchrun agent
     os.kill(int(worker[0]), signal.SIGKILL)
@@ -295,8 +301,8 @@ def test_max_restarts_restarts_the_group_and_the_run_continues_from_its_checkpoi
     assert "torchrun restart: continuing the run this job started in" in said, said
     assert "resumed from" in said
     steps = [r["step"] for r in read_metrics(out / METRICS_FILE)]
-    assert steps == list(range(1, 401)), steps  # the resumed run continues the metrics, each step once
-    assert checkpoint.load_state(checkpoint.latest(out)).step == 400
+    assert steps == [1, 2, 3, 4], steps  # the resumed run continues the metrics, each step once
+    assert checkpoint.load_state(checkpoint.latest(out)).step == 4
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,19 @@ def check_writable(output_dir: Path) -> None:
     checkpoint.remove_stale(output_dir)
 
 
+def _hold_for_a_test(step: int) -> None:
+    """Test-only: ``PPO_FAST_TEST_HOLD=STEP:PATH`` holds this process after step STEP (its checkpoint
+    saved) until it is killed, once per PATH (created here), so that a multi-host test kills a rank
+    mid-run without a long run (tests/test_multihost.py)."""
+    held = os.environ.get("PPO_FAST_TEST_HOLD")
+    if held:
+        at, path = held.split(":", 1)
+        if step == int(at) and not os.path.exists(path):
+            Path(path).touch()
+            while True:
+                time.sleep(1)
+
+
 def _silent(_message: str) -> None:
     pass
 
@@ -841,6 +854,7 @@ class PPOTrainer:
                             break
                         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                             self.save_checkpoint()
+                        _hold_for_a_test(self.step)
             finally:
                 bar.close()
                 writer.close()
