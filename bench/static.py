@@ -95,6 +95,7 @@ class KernelReport:
     budget: float | None = None
     vector_loads_expected: bool = False
     signature: str = ""
+    addressing: list[str] = dataclasses.field(default_factory=list)  # int32 address arithmetic found in the TTIR
 
     @property
     def issue_limit_gbps(self) -> float | None:
@@ -113,7 +114,35 @@ class KernelReport:
             out.append(f"{self.instructions_per_element} instructions per element > budget {self.budget}")
         if self.vector_loads_expected and (self.ldg128 == 0 or self.ldg128 != self.ldg):
             out.append(f"hot-loop global loads not all 128-bit ({self.ldg128} of {self.ldg})")
-        return out
+        return out + self.addressing
+
+
+def int64_problems(ttir: str, int_args: list[str]) -> list[str]:
+    """A Python int that fits reaches a kernel as ``i32``, so ``t * stride`` in int32 wraps once
+    ``T * stride`` passes 2**31: every ``tt.addptr`` offset must be i64, and no i32 multiply may
+    take an int argument of the kernel."""
+    found = []
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        if "tt.addptr" in code:
+            offset_type = code.rsplit(",", 1)[-1].strip()
+            if not (offset_type == "i64" or offset_type.endswith("xi64>")):
+                found.append(f"32-bit address offset: {code.strip()}")
+        if "arith.muli" in code and re.search(r":\s*(i32|tensor<[0-9x]*xi32>)\s*$", code):
+            operands = re.findall(r"%([A-Za-z_][A-Za-z0-9_]*)\b", code.split("=", 1)[1])
+            if set(operands) & set(int_args):
+                found.append(f"int32 product of an argument: {code.strip()}")
+    return found
+
+
+def write_json(path: pathlib.Path, reports: list[KernelReport]) -> None:
+    """Every number of ``reports``, and each one's problems (``--json``; read back by ``read_json``)."""
+    path.write_text(json.dumps([dataclasses.asdict(r) | {"problems": r.problems()} for r in reports], indent=1))
+
+
+def read_json(path: pathlib.Path) -> list[KernelReport]:
+    fields = {f.name for f in dataclasses.fields(KernelReport)}
+    return [KernelReport(**{k: v for k, v in r.items() if k in fields}) for r in json.loads(path.read_text())]
 
 
 # --------------------------------------------------------------------------- SASS analysis
@@ -332,17 +361,17 @@ def _ptxas_resources(ptx: str) -> dict[str, int]:
 def triton_kernels() -> list[str]:
     """The names of every ``@triton.jit`` kernel (``*_kernel``) in the Triton backend's op
     modules: the variants must launch each at least once."""
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import KernelInterface  # a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction
 
     names = set()
     for module in triton_op_modules():
         names |= {
-            name for name, obj in vars(module).items() if isinstance(obj, JITFunction) and name.endswith("_kernel")
+            name for name, obj in vars(module).items() if isinstance(obj, KernelInterface) and name.endswith("_kernel")
         }
     return sorted(names)
 
 
-def analyse_triton(variants: list[Variant] | None = None, keep_ttir: bool = False) -> list[KernelReport]:
+def analyse_triton(variants: list[Variant] | None = None) -> list[KernelReport]:
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", 90, WARP)  # what the driver reports for an H100/H200
@@ -370,10 +399,10 @@ def analyse_triton(variants: list[Variant] | None = None, keep_ttir: bool = Fals
             budget=BUDGETS.get(variant.budget_key),
             vector_loads_expected=variant.vector_loads_expected,
             signature=_signature_text(launch),
+            addressing=int64_problems(
+                compiled.asm["ttir"], [n for n, k in launch.signature.items() if k in ("i32", "i64")]
+            ),
         )
-        if keep_ttir:
-            report.ttir = compiled.asm["ttir"]
-            report.int_args = [n for n, k in launch.signature.items() if k in ("i32", "i64")]
         reports.append(report)
     return reports
 
@@ -475,19 +504,28 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=pathlib.Path, help="also write every number here")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels (no nvcc needed)")
     parser.add_argument("--only", help="only the Triton variants whose name contains this")
+    parser.add_argument(
+        "--triton-report",
+        type=pathlib.Path,
+        metavar="JSON",
+        help="the Triton kernels' reports from this file (written by --json, e.g. by "
+        "tests/backends/test_triton_compiles_for_gpu.py in the same CI run) instead of compiling them again",
+    )
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        parser.error("TRITON_INTERPRET=1 is set: Triton cannot compile under the interpreter")
-    variants = [v for v in triton_variants() if not args.only or args.only in v.name]
-    reports = analyse_triton(variants)
+    if args.triton_report:
+        reports = [r for r in read_json(args.triton_report) if r.name in {v.name for v in triton_variants()}]
+        if [r.name for r in reports] != [v.name for v in triton_variants()]:
+            parser.error(f"{args.triton_report} does not report this tree's Triton variants: compile them again")
+    else:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            parser.error("TRITON_INTERPRET=1 is set: Triton cannot compile under the interpreter")
+        reports = analyse_triton([v for v in triton_variants() if not args.only or args.only in v.name])
     if not args.no_cuda and not args.only:
         reports += analyse_cuda()
     print(markdown(reports))
     failures = [f"{r.name}: {p}" for r in reports for p in r.problems()]
     if args.json:
-        args.json.write_text(
-            json.dumps([dataclasses.asdict(r) | {"problems": r.problems()} for r in reports], indent=1)
-        )
+        write_json(args.json, reports)
     for failure in failures:
         print("BUDGET MISSED:", failure, file=sys.stderr)
     return 1 if failures else 0
