@@ -6,6 +6,7 @@ extension is built; triton through the interpreter), so every backend meets the 
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -282,3 +283,29 @@ def test_explicit_backend_that_cannot_serve_raises():
                 call()
     with pf.use_backend("reference"):
         assert pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1])).shape == (2,)
+
+
+@pytest.mark.skipif("native" not in serving("token_logprobs", "cpu"), reason="native backend not built")
+def test_a_backend_that_fails_to_import_stops_a_ci_run(tmp_path):
+    """CI's guard (PPO_FAST_REQUIRE_BACKENDS, tests/conftest.py): in a copy of the package whose native
+    registration raises, pytest stops before any test with the import error, instead of running
+    without the native tests."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "ppo_fast", tmp_path / "ppo_fast", ignore=shutil.ignore_patterns("__pycache__"))
+    registration = tmp_path / "ppo_fast" / "backends" / "native" / "gae.py"
+    registration.write_text(registration.read_text() + "\nraise AssertionError('a broken registration')\n")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(root / "tests" / "conftest.py", tmp_path / "tests")
+    (tmp_path / "tests" / "test_one.py").write_text("def test_one():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PPO_FAST_REQUIRE_BACKENDS": "native,triton"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    said = run.stdout + run.stderr
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, said
+    assert "native: import of ppo_fast.backends.native failed: AssertionError: a broken registration" in said, said
+    assert "1 passed" not in said

@@ -167,6 +167,17 @@ def available_backends() -> dict[str, str]:
     }
 
 
+def require_available(names) -> None:
+    """Raise :class:`BackendUnavailableError` naming every one of ``names`` that is unavailable, with
+    why (its import error): for CI, where a backend that should work must not quietly drop out."""
+    names = [_validate_name(name) for name in names]
+    missing = {name: backend_info(name).detail for name in names if not backend_info(name).available}
+    if missing:
+        raise BackendUnavailableError(
+            "required backends are unavailable: " + "; ".join(f"{name}: {why}" for name, why in missing.items())
+        )
+
+
 def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
     info = backend_info(name)
     if not info.available:
