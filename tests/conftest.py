@@ -1,6 +1,10 @@
 """Test setup: Triton kernels run on the CPU through the interpreter unless a GPU is present."""
 
 import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import zlib
 
 import torch
@@ -16,6 +20,13 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="also run the full tier: the exhaustive cross-products (tests marked `full`) that the default, "
+        "fast tier samples (same as PPO_FAST_FULL=1; docs/testing.md)",
+    )
+    parser.addoption(
         "--fuzz-examples",
         type=int,
         default=None,
@@ -29,15 +40,90 @@ def pytest_configure(config):
     examples = config.getoption("--fuzz-examples", default=None)
     if examples:  # read by tests/test_fuzz.py when it is imported (after this hook)
         os.environ["PPO_FAST_FUZZ_EXAMPLES"] = str(examples)
+    if full_tier(config):  # read by tests/test_fuzz.py (its CI budget) and by subprocesses
+        os.environ["PPO_FAST_FULL"] = "1"
+
+
+def pytest_sessionstart(session):
+    """``PPO_FAST_REQUIRE_BACKENDS=native,triton`` (CI): a backend that should be available here and
+    is not (its import failed, the extension is missing) stops the run with why, instead of every
+    test of that backend dropping out of the parametrization."""
+    required = [name for name in os.environ.get("PPO_FAST_REQUIRE_BACKENDS", "").split(",") if name.strip()]
+    if required:
+        from ppo_fast.backends import BackendUnavailableError, require_available
+
+        try:
+            require_available([name.strip() for name in required])
+        except (BackendUnavailableError, ValueError) as err:
+            pytest.exit(f"PPO_FAST_REQUIRE_BACKENDS: {err}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def full_tier(config) -> bool:
+    """Whether the full tier runs: ``--full``, ``PPO_FAST_FULL=1``, or a ``-m`` that names it."""
+    return bool(
+        config.getoption("--full") or os.environ.get("PPO_FAST_FULL") == "1" or "full" in (config.getoption("-m") or "")
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     """The Triton tests (files named test_triton_*, in any folder: tests/backends/) run on CUDA
     tensors when a GPU is present (else in the interpreter): mark them so that the GPU check
-    (bench/gpu_check.sh) selects them with the CUDA tests."""
+    (bench/gpu_check.sh) selects them with the CUDA tests.  The full tier's tests are deselected
+    unless asked for (counted in the summary)."""
     for item in items:
         if item.path.name.startswith("test_triton_"):
             item.add_marker(pytest.mark.triton_on_gpu)
+    if not full_tier(config):
+        dropped = [item for item in items if item.get_closest_marker("full")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]
+            config.stash[_FULL_DESELECTED] = len(dropped)
+    # The sm_90 compile's tests last: their compile runs in the background from the start (below).
+    # Under pytest-xdist first instead: the worker that takes them compiles while the other runs tests.
+    items.sort(key=lambda item: (item.path.name == STATIC_TESTS) != _XDIST)
+
+
+_FULL_DESELECTED = pytest.StashKey[int]()
+STATIC_TESTS = "test_triton_compiles_for_gpu.py"
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+_STATIC = pytest.StashKey[tuple]()
+
+
+def pytest_collection_finish(session):
+    """The sm_90 compile of every Triton kernel (``python -m bench static``, a subprocess: it cannot
+    run under TRITON_INTERPRET=1) starts as soon as its tests are selected, so that it runs on the
+    other core while the suite runs; the ``static_report`` fixture waits for it."""
+    if not _XDIST and any(item.path.name == STATIC_TESTS for item in session.items):
+        _start_static_compile(session.config)
+
+
+def _start_static_compile(config) -> tuple:
+    if _STATIC not in config.stash:
+        root = pathlib.Path(__file__).resolve().parents[1]
+        out = pathlib.Path(os.environ.get("PPO_FAST_STATIC_REPORT") or tempfile.mkdtemp(prefix="ppo-fast-static-"))
+        out = out / "triton.json" if out.is_dir() else out
+        out.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "bench", "static", "--no-cuda", "--json", str(out)]
+        log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (read and closed by static_report)
+        proc = subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True)
+        config.stash[_STATIC] = (proc, out, log)
+    return config.stash[_STATIC]
+
+
+@pytest.fixture(scope="session")
+def static_report(request):
+    """``(path of the JSON report, the compile's output)`` once the background compile has ended."""
+    proc, out, log = _start_static_compile(request.config)
+    try:
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    return out, log.read()
 
 
 @pytest.fixture(autouse=True)
@@ -48,8 +134,13 @@ def _seed_everything(request):
     yield
 
 
-def pytest_terminal_summary(terminalreporter):
-    """One line per reason why tests skipped (no GPU, a peer or vLLM not installed, ...), with its count."""
+def pytest_terminal_summary(terminalreporter, config):
+    """One line per reason why tests skipped (no GPU, a peer or vLLM not installed, ...), with its
+    count; and how many tests of the full tier were left out."""
+    if not full_tier(config):  # (under pytest-xdist the workers deselect, and only they know how many)
+        left_out = config.stash.get(_FULL_DESELECTED, 0)
+        count = f"{left_out} tests" if left_out else "the cases marked full"
+        terminalreporter.write_sep("-", f"fast tier: {count} of the full tier not run (run them with --full)")
     reasons: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = report.longrepr

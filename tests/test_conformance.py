@@ -18,13 +18,16 @@ properties of the ops.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import os
 import sys
 import zlib
 from collections.abc import Callable
 from functools import partial
 
 import pytest
+import tiers
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -435,33 +438,59 @@ assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
 
 
 def _matrix():
+    """Every op x backend x device on every dtype, layout, poison and variant.  The fast tier takes
+    every pair of dtype, layout and poison (every value once on the interpreted Triton) and every
+    variant on the contiguous clean float32 cell; the rest is the full tier (``--full``)."""
+    cells = list(itertools.product(FLOATS, LAYOUTS, POISONS))  # the first: contiguous clean float32
     for op in OPS:
         _, variants = VARIANTS[op]
         for device in DEVICES:
             for backend in fast(op, device):
-                for dtype in FLOATS:
-                    for layout in LAYOUTS:
-                        for poison in POISONS:
-                            # Every variant on the contiguous clean float32 case; one per other cell.
-                            chosen = (
-                                variants
-                                if (layout, poison, dtype) == ("contiguous", "clean", torch.float32)
-                                else variants[:1]
-                            )
-                            for variant in chosen:
-                                label = "-".join(f"{k}={v}" for k, v in variant.items())
-                                yield pytest.param(
-                                    op,
-                                    backend,
-                                    device,
-                                    dtype,
-                                    layout,
-                                    poison,
-                                    variant,
-                                    marks=[pytest.mark.cuda] if device == "cuda" else [],
-                                    id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}"
-                                    + (f"-{label}" if label else ""),
-                                )
+                fast_tier = {cells[i] for i in tiers.covering(cells, strength=_strength(backend, device))}
+                for dtype, layout, poison in cells:
+                    # Every variant on the contiguous clean float32 case; one per other cell.
+                    chosen = (
+                        variants if (layout, poison, dtype) == ("contiguous", "clean", torch.float32) else variants[:1]
+                    )
+                    for variant in chosen:
+                        label = "-".join(f"{k}={v}" for k, v in variant.items())
+                        marks = [pytest.mark.cuda] if device == "cuda" else []
+                        if (dtype, layout, poison) not in fast_tier:
+                            marks.append(tiers.FULL)
+                        yield pytest.param(
+                            op,
+                            backend,
+                            device,
+                            dtype,
+                            layout,
+                            poison,
+                            variant,
+                            marks=marks,
+                            id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}"
+                            + (f"-{label}" if label else ""),
+                        )
+
+
+def _strength(backend: str, device: str) -> int:
+    """Pairs of the matrix's axes in the fast tier; each value once on the interpreted Triton (slow)."""
+    return 1 if backend == "triton" and device == "cpu" else 2
+
+
+def test_the_fast_tier_covers_every_value_and_pair_of_every_op_and_backend():
+    """The fast tier drops no rule: per op x backend x device, every variant, and every pair of
+    dtype, layout and poison (every value, on the interpreted Triton) has a cell without the ``full`` mark."""
+    cells: dict[tuple, set] = {}
+    for param in _matrix():
+        if not tiers.is_full(param):
+            op, backend, device, dtype, layout, poison, variant = param.values
+            cells.setdefault((op, backend, device), set()).add((dtype, layout, poison, repr(variant)))
+    assert set(cells) == {(op, b, d) for op in OPS for d in DEVICES for b in fast(op, d)}
+    axes = (FLOATS, LAYOUTS, POISONS)
+    for (op, backend, device), got in cells.items():
+        for chosen in itertools.combinations(range(3), _strength(backend, device)):
+            want = set(itertools.product(*(axes[i] for i in chosen)))
+            assert {tuple(c[i] for i in chosen) for c in got} == want, (op, backend, device, chosen)
+        assert {c[3] for c in got} == {repr(v) for v in VARIANTS[op][1]}, (op, backend, device)
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -637,16 +666,26 @@ STOP_GRADIENT_SURROGATES = {
 
 
 def _gradcheck_cases():
-    for op in [op for op in OPS if op not in STOP_GRADIENT_SURROGATES]:
+    """Every op x backend x variant.  The fast tier takes the first variant and one more (each op
+    another), and on the interpreted Triton torch's fast gradcheck (a random projection of the
+    Jacobian: two evaluations instead of one per input element); the full tier all of them, whole."""
+    for k, op in enumerate(op for op in OPS if op not in STOP_GRADIENT_SURROGATES):
         for backend in serving(op, "cpu"):
-            for i, variant in enumerate(VARIANTS[op][1][:-1]):  # not the long rows
+            variants = VARIANTS[op][1][:-1]  # not the long rows
+            for i, variant in enumerate(variants):
                 if backend == "triton" and op in LINEAR_POLICY_LOSS_OPS and (i or op != _VANILLA_LOOP):
                     continue
-                yield pytest.param(op, backend, variant, id=f"{op}-{backend}-{i}")
+                for fast_mode in (True, False) if backend == "triton" else (False,):
+                    # The one-pass losses' variants (aggs, soft-cap) are the two-pass ops' (checked above): one here.
+                    more = () if op in LINEAR_POLICY_LOSS_OPS else (1 + k % max(1, len(variants) - 1),)
+                    sampled = i in (0, *more) and (fast_mode or backend != "triton")
+                    marks = [] if sampled else [tiers.FULL]
+                    name = f"{op}-{backend}-{i}" + ("-fast" if fast_mode else "")
+                    yield pytest.param(op, backend, variant, fast_mode, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("op, backend, variant", list(_gradcheck_cases()))
-def test_gradcheck_float64(op, backend, variant):
+@pytest.mark.parametrize("op, backend, variant, fast_mode", list(_gradcheck_cases()))
+def test_gradcheck_float64(op, backend, variant, fast_mode):
     """Every backend's backward against finite differences (float64 inputs are computed in float64)."""
     builder, _ = VARIANTS[op]
     built = builder(
@@ -663,7 +702,7 @@ def test_gradcheck_float64(op, backend, variant):
             outputs = built.call()
         return tuple(outputs[i] for i in built.differentiable)
 
-    assert torch.autograd.gradcheck(differentiable_outputs, tuple(built.leaves.values()))
+    assert torch.autograd.gradcheck(differentiable_outputs, tuple(built.leaves.values()), fast_mode=fast_mode)
 
 
 # --------------------------------------------------------------------------- opcheck of the native operators
@@ -716,9 +755,11 @@ def test_every_native_operator_is_exercised(native_operator_calls):
 
 @pytest.mark.parametrize("operator", _native_operators())
 def test_opcheck_native_operator(operator, native_operator_calls):
-    """Schema, fake kernel, autograd registration and dispatch of every call the matrix makes."""
+    """Schema, fake kernel, autograd registration and dispatch of every call the matrix makes (the
+    fast tier: the first two, a forward and its backward of every input)."""
     differentiable = not operator.endswith("_backward") and operator != "bool_mask"
-    for func, args, kwargs in native_operator_calls[operator]:
+    calls = native_operator_calls[operator]
+    for func, args, kwargs in calls if os.environ.get("PPO_FAST_FULL") == "1" else calls[:2]:
         args = tree_map(
             lambda a: (
                 a.clone().requires_grad_(differentiable and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
@@ -755,7 +796,15 @@ def _label_cases(labels, inplace=False):
                 yield pytest.param(op, backend, VOCAB, True, id=f"{op}-{backend}-{VOCAB}-inplace")
 
 
-@pytest.mark.parametrize("op, backend, bad_label, inplace", list(_label_cases(BAD_LABELS, inplace=True)))
+def _compiled_label_cases():
+    """The fast tier: three labels per op x backend (past V, negative, huge), two on the interpreted Triton."""
+    for param in _label_cases(BAD_LABELS, inplace=True):
+        op, backend, label, inplace = param.values
+        keep = (VOCAB, -(10**11)) if backend == "triton" else (VOCAB, -1, 10**11)
+        yield param if label in keep else pytest.param(*param.values, marks=[tiers.FULL], id=param.id)
+
+
+@pytest.mark.parametrize("op, backend, bad_label, inplace", list(_compiled_label_cases()))
 def test_out_of_range_label_compiled_gives_nan_and_no_gradient(op, backend, bad_label, inplace):
     """Under torch.compile the label check (a host sync) is skipped: the row's log-prob and
     entropy are NaN, its gradient is 0 (a gradient flows into the NaN row too), and the other
@@ -781,8 +830,18 @@ def test_out_of_range_label_compiled_gives_nan_and_no_gradient(op, backend, bad_
         torch.testing.assert_close(got, x.grad)
 
 
-@pytest.mark.parametrize("label_dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
-@pytest.mark.parametrize("op, backend, _, __", list(_label_cases([50])))
+SMALL_LABEL_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _small_label_cases():
+    """Every op x backend x small label dtype; the fast tier one dtype per op x backend, each dtype at least once."""
+    for k, param in enumerate(_label_cases([50])):
+        for j, label_dtype in enumerate(SMALL_LABEL_DTYPES):
+            marks = [] if j == k % len(SMALL_LABEL_DTYPES) else [tiers.FULL]
+            yield pytest.param(*param.values, label_dtype, marks=marks, id=f"{param.id}-{str(label_dtype)[6:]}")
+
+
+@pytest.mark.parametrize("op, backend, _, __, label_dtype", list(_small_label_cases()))
 def test_out_of_range_small_integer_labels_compiled(op, backend, _, __, label_dtype):
     leaves, fn = scored(op, 4, 50)
     labels = torch.tensor([0, 49, 100, 120], dtype=label_dtype)
@@ -1026,12 +1085,23 @@ assert set(BAD_INPUTS) == set(OPS) | {None}
 
 
 def _bad_input_cases():
+    """Every check on every backend, eager and fullgraph; the fast tier compiles with Inductor
+    (a build per case) on one backend per check, each check another."""
     for op, cases in BAD_INPUTS.items():
         for i, (call, error, match, traced) in enumerate(cases):
-            for backend in serving(op, "cpu") if op else ["auto"]:
+            backends = serving(op, "cpu") if op else ["auto"]
+            for j, backend in enumerate(backends):
                 for mode in ("eager", "compiled", "fullgraph") if traced else ("eager",):
+                    sampled = mode != "compiled" or j == i % len(backends)
                     yield pytest.param(
-                        backend, mode, call, error, match, traced, id=f"{op or 'api'}-{i}-{backend}-{mode}"
+                        backend,
+                        mode,
+                        call,
+                        error,
+                        match,
+                        traced,
+                        marks=[] if sampled else [tiers.FULL],
+                        id=f"{op or 'api'}-{i}-{backend}-{mode}",
                     )
 
 
@@ -1228,11 +1298,26 @@ TRUNCATED = ("token_logprobs", "linear_token_logprobs")  # also with top_k/top_p
 
 
 def _batch_invariance_cases():
+    """Every op x backend x eager/compiled x truncation.  The fast tier: eager on every op x
+    backend, compiled on the fast backends (the reference's Inductor build on one op), truncated
+    outside the interpreted Triton (its threshold passes cost a minute there)."""
     for op in BATCH_INVARIANT:
         for backend in serving(op, "cpu"):
             for compiled in (False, True):
                 for truncation in ({}, {"top_k": 40, "top_p": 0.9}) if op in TRUNCATED else ({},):
-                    yield pytest.param(op, backend, compiled, truncation, id=f"{op}-{backend}-{compiled}-{truncation}")
+                    sampled = (
+                        (not compiled or backend != "reference" or op == "kl_penalized_rewards")
+                        and not (truncation and backend == "triton")
+                        and not (truncation and compiled and backend == "reference")
+                    )
+                    yield pytest.param(
+                        op,
+                        backend,
+                        compiled,
+                        truncation,
+                        marks=[] if sampled else [tiers.FULL],
+                        id=f"{op}-{backend}-{compiled}-{truncation}",
+                    )
 
 
 def _rows(x: dict, index) -> dict:

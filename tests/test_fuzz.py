@@ -27,8 +27,8 @@ from ``ppo_fast.contract``:
 
 A new op is one row of ``CASES`` (a builder of its inputs and call, its hyper-parameter
 strategy, its backends and CI budget); each registered policy-loss mode is a row by itself.
-Budget: CI runs a fixed, derandomized budget (no example database; about 1.5 minutes on 2
-cores); ``pytest --fuzz-examples=2000`` (or ``PPO_FAST_FUZZ_EXAMPLES=2000``) runs that many
+Budget: a fixed, derandomized budget per row (no example database): the fast tier runs half of
+it, ``--full`` all of it (about 1.5 minutes on 2 cores); ``pytest --fuzz-examples=2000`` (or ``PPO_FAST_FUZZ_EXAMPLES=2000``) runs that many
 random examples per test, for a nightly job.  ``EXAMPLES`` holds known regressions.
 
 PYTEST_DONT_REWRITE (the messages say what differs; pytest's rewriting would add tensor reprs)
@@ -72,6 +72,8 @@ def budget(ci_examples: int, scale: float = 1.0, shrink: bool = True) -> setting
     fixed = dict(derandomize=True, database=None) if not NIGHTLY else {}
     skip = {Phase.explicit} if os.environ.get("PPO_FAST_FUZZ_DRAWS_ONLY") == "1" else set()
     fixed["phases"] = [p for p in Phase if p not in skip | (set() if shrink else {Phase.shrink})]
+    if not NIGHTLY and os.environ.get("PPO_FAST_FULL") != "1":
+        ci_examples = max(1, ci_examples // 2)  # the fast tier: half the full tier's budget
     return settings(
         max_examples=max(1, int(NIGHTLY * scale)) if NIGHTLY else ci_examples,
         deadline=None,

@@ -110,36 +110,46 @@ def check_against_two_pass(x, mode, agg, backend, dtype=torch.float32, **head):
                                    msg=lambda m: f"grad of {name}: {m}")  # fmt: skip
 
 
-def cases(modes):
+def cases(modes, marks=()):
     for mode in modes:
         op = POLICY_LOSS_MODES[mode].linear_op or POLICY_LOSS_MODES[mode].op
         for backend in serving(op, "cpu"):
-            yield pytest.param(mode, backend, id=f"{mode}-{backend}")
+            yield pytest.param(mode, backend, id=f"{mode}-{backend}", marks=marks)
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("mode, backend", list(cases(FUSED)))
+def rotated(options, ids, modes=FUSED):
+    """Every mode x backend x option; the fast tier one option per mode x backend, each in turn."""
+    for i, mode in enumerate(modes):
+        for b, case in enumerate(cases([mode])):
+            for j, (option, name) in enumerate(zip(options, ids)):
+                marks = [] if j == (i + b) % len(options) else [pytest.mark.full]
+                yield pytest.param(*case.values, option, marks=marks, id=f"{case.id}-{name}")
+
+
+@pytest.mark.parametrize("mode, backend, agg", list(rotated(AGG_MODES, AGG_MODES)))
 def test_every_mode_and_agg_equals_the_two_pass_composition(mode, backend, agg):
     check_against_two_pass(make_inputs(zlib.crc32(f"{mode}-{agg}".encode()), weighted=True), mode, agg, backend)
 
 
-@pytest.mark.parametrize("mode, backend", list(cases(FUSED)))
-@pytest.mark.parametrize(
-    "head",
-    [
-        {"temperature": 0.6},
-        {"temperature": 1.3, "logit_scale": 0.7, "logit_softcap": 3.0},
-        {"ignore_index": 5},  # a pad id inside [0, V): its tokens are ignored
-    ],
-    ids=["temperature", "scale-softcap", "pad-id"],
-)
+HEAD_OPTIONS = [
+    {"temperature": 0.6},
+    {"temperature": 1.3, "logit_scale": 0.7, "logit_softcap": 3.0},
+    {"ignore_index": 5},  # a pad id inside [0, V): its tokens are ignored
+]
+
+
+@pytest.mark.parametrize("mode, backend, head", list(rotated(HEAD_OPTIONS, ["temperature", "scale-softcap", "pad-id"])))
 def test_head_options_equal_the_two_pass_composition(mode, backend, head):
     x = make_inputs(7, bias=False, ignore_index=head.get("ignore_index", -100))
     check_against_two_pass(x, mode, "token-mean", backend, **head)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode, backend", list(cases(["vanilla", "gspo", "geo_mean", "dro"])))
+DTYPES = [torch.float64, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize(
+    "mode, backend, dtype", list(rotated(DTYPES, [str(d)[6:] for d in DTYPES], ["vanilla", "gspo", "geo_mean", "dro"]))
+)
 def test_dtypes_equal_the_two_pass_composition(mode, backend, dtype):
     check_against_two_pass(make_inputs(11, dtype=dtype), mode, "seq-mean-token-mean", backend, dtype)
 
@@ -201,7 +211,13 @@ def test_kl_loss_only_with_ref_logprobs():
     torch.testing.assert_close(loss.detach(), stats["pg_loss"])
 
 
-@pytest.mark.parametrize("mode, backend", list(cases(["vanilla", "gspo"])))
+@pytest.mark.parametrize(
+    "mode, backend",
+    [
+        p if p.values[1] == "native" else pytest.param(*p.values, marks=pytest.mark.full, id=p.id)
+        for p in cases(["vanilla", "gspo"])
+    ],
+)  # fast tier: the native kernel's chunks
 def test_many_chunks_of_a_wide_vocabulary(mode, backend):
     """A vocabulary wide enough that the native kernel's chunks hold 64 tokens (GSPO: one whole
     row of 40 each), so that the chunk boundaries and the gradients' accumulation are crossed."""

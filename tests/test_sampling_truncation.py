@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiers
 import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -171,14 +172,37 @@ def _logits_and_labels(dtype, truncation, shape=(3, 5, 4099), ties=False):
     return logits, labels
 
 
-@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
+def _interpreted(backend: str) -> bool:
+    return backend == "triton" and not torch.cuda.is_available()
+
+
+def _fast_backends(op: str) -> list[str]:
+    """The backends compared with the reference (the reference itself against the warpers, above)."""
+    return [name for name in serving(op, "cpu") if name != "reference"]
+
+
+def _cost(row) -> float:
+    """What a case costs, for the fast tier's covering: the interpreted Triton's float32 rows are the widest."""
+    return (10.0 if row[1] in (torch.float32, torch.float64, None) else 3.0) if _interpreted(row[0]) else 1.0
+
+
+# The fast tier: every pair of backend, dtype and truncation (tests/tiers.py), the cheapest first.
+@pytest.mark.parametrize(
+    "backend, dtype, truncation",
+    tiers.sampled(
+        [
+            pytest.param(b, d, t, id=f"{b}-{str(d)[6:]}-{i}")
+            for b in _fast_backends("token_logprobs")
+            for d in DTYPES
+            for t, i in zip(TRUNCATIONS, IDS)
+        ],
+        cost=_cost,
+    ),
+)
 def test_token_logprobs_every_backend(backend, dtype, truncation):
     # Past the native chunks (1,024) and the Triton blocks (4,096) in float32; the Triton interpreter
     # runs a program at a time, so its other dtypes take a narrower row.
-    interpreted = backend == "triton" and not torch.cuda.is_available()
-    vocab = 1031 if interpreted and dtype != torch.float32 else 4099
+    vocab = 1031 if _interpreted(backend) and dtype != torch.float32 else 4099
     logits, labels = _logits_and_labels(dtype, truncation, shape=(3, 5, vocab), ties=dtype == torch.bfloat16)
     ambiguous = near_edge(logits.float(), 0.8, truncation, 1e-5)
     labels[ambiguous] = -100  # only rows where the kept set is unambiguous in float32
@@ -195,9 +219,19 @@ def test_token_logprobs_every_backend(backend, dtype, truncation):
     torch.testing.assert_close(results[backend][1].float(), results["reference"][1].float(), **tol)
 
 
-@pytest.mark.parametrize("truncation", TRUNCATIONS[:3] + TRUNCATIONS[5:6], ids=IDS[:3] + IDS[5:6])
-@pytest.mark.parametrize("backend", serving("linear_token_logprobs", "cpu"))
-def test_linear_token_logprobs_every_backend(backend, truncation):
+@pytest.mark.parametrize(
+    "backend, dtype, truncation",
+    tiers.sampled(
+        [
+            pytest.param(b, None, t, id=f"{b}-{i}")
+            for b in _fast_backends("linear_token_logprobs")
+            for t, i in zip(TRUNCATIONS[:3] + TRUNCATIONS[5:6], IDS[:3] + IDS[5:6])
+        ],
+        strength=1,
+        cost=_cost,
+    ),
+)
+def test_linear_token_logprobs_every_backend(backend, dtype, truncation):
     n, width, vocab = 37, 11, 1031
     hidden, weight, bias = torch.randn(n, width), torch.randn(vocab, width) / 2, torch.randn(vocab)
     labels = sampled_labels((hidden @ weight.T + bias) * 1.5, 0.9, truncation)

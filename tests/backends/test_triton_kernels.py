@@ -335,7 +335,7 @@ def _backward_case(op, block):
     )
 
 
-@pytest.mark.parametrize("small_blocks", [True, False])
+@pytest.mark.parametrize("small_blocks", [True, pytest.param(False, marks=pytest.mark.full)])  # fast tier: the carries
 @pytest.mark.parametrize("op", ["token_logprobs", "kl_estimate", "kl_penalized_rewards", "gae"])
 def test_backward_launchers_read_incoming_gradients_in_any_layout(op, small_blocks):
     """Transposed, sliced, expanded and stride-0 incoming gradients (and a None one) give bit for

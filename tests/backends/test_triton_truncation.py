@@ -4,6 +4,7 @@ chunked logits (chunk boundaries change no threshold) and its thresholds' margin
 and gradients against the reference: tests/test_sampling_truncation.py."""
 
 import pytest
+import tiers
 import torch
 
 pytest.importorskip("triton")
@@ -16,8 +17,17 @@ from ppo_fast.backends.triton import token_logprobs as tlp  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("top_k", [1, 7, 40])
+@pytest.mark.parametrize(
+    "dtype, top_k",
+    tiers.sampled(
+        [
+            pytest.param(d, k, id=f"{str(d)[6:]}-{k}")
+            for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+            for k in (1, 7, 40)
+        ],
+        strength=1,
+    ),
+)
 def test_top_k_threshold_is_the_kth_value_with_its_ties(dtype, top_k):
     logits = (torch.randn(9, 131, device=DEVICE) * 3).round().to(dtype)  # integer logits: ties everywhere
     logits[0] = 2.0  # one all-equal row: every token is kept
@@ -43,9 +53,9 @@ def test_rows_not_truncated_get_minus_inf():
     assert torch.isneginf(tau).all()
 
 
-@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("softcap", [None, pytest.param(2.5, marks=pytest.mark.full)])  # the soft-cap: the matrix
 def test_fused_head_thresholds_chunked_and_with_a_margin(softcap):
-    n, width, vocab = 70, 8, 97
+    n, width, vocab = 40, 8, 97  # past the forward's 32-row tile: chunks of 32 and 8 rows
     hidden, weight = torch.randn(n, width, device=DEVICE), torch.randn(vocab, width, device=DEVICE)
     labels = torch.randint(0, vocab, (n,), device=DEVICE)
     labels[5] = -100

@@ -1,0 +1,47 @@
+"""The two tiers of the suite (docs/testing.md): the fast tier (the default) runs every rule on every
+op x backend at least once; the full tier (``--full``) adds the rest of each cross-product.  A
+cross-product is sampled by a covering: the cases in which every value of each axis (strength 1),
+or every pair of values of two axes (strength 2), occurs at least once.  The cases left out are
+marked ``full`` (tests/conftest.py deselects them unless asked for)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import pytest
+
+FULL = pytest.mark.full
+
+
+def covering(rows: Sequence[tuple], strength: int = 2, cost: Callable[[tuple], float] | None = None) -> set[int]:
+    """Indices of rows (one value per axis) in which every combination of ``strength`` axes' values
+    that occurs in ``rows`` occurs too.  Greedy: the first row, then the row that covers the most
+    combinations not yet covered, the cheaper one (``cost``) first among equals."""
+
+    def combos(row: tuple) -> set:
+        return {(axes, tuple(repr(row[a]) for a in axes)) for axes in itertools.combinations(range(len(row)), strength)}
+
+    if not rows:
+        return set()
+    wanted = set().union(*(combos(row) for row in rows))
+    kept, covered = {0}, combos(rows[0])
+    while covered != wanted:
+        best = max(
+            (i for i in range(len(rows)) if i not in kept),
+            key=lambda i: (len(combos(rows[i]) - covered), -(cost(rows[i]) if cost else 0), -i),
+        )
+        kept.add(best)
+        covered |= combos(rows[best])
+    return kept
+
+
+def sampled(params: Sequence, strength: int = 2, cost: Callable[[tuple], float] | None = None) -> list:
+    """``params`` (``pytest.param`` or tuples of values), those outside a covering marked ``full``."""
+    params = [p if hasattr(p, "values") else pytest.param(*p) for p in params]
+    kept = covering([p.values for p in params], strength, cost)
+    return [p if i in kept else pytest.param(*p.values, marks=[*p.marks, FULL], id=p.id) for i, p in enumerate(params)]
+
+
+def is_full(param) -> bool:
+    return any(mark.name == "full" for mark in param.marks)
