@@ -7,4 +7,4 @@ venv="${1:-.venv}"
 if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
   apt-get update -qq && apt-get install -y -qq iproute2
 fi
-PYTHONPATH="$PWD" "$venv/bin/python" -m pytest tests/test_multihost.py -m multihost -q -rs
+PYTHONPATH="$PWD" "$venv/bin/python" -m pytest tests/test_multihost.py -m multihost -n 0 -q -rs  # one at a time: the hosts share addresses

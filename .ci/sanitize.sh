@@ -108,7 +108,7 @@ run_pytest() {  # run_pytest ARGS...: one pytest from the copy, tee'd into the l
     echo "== sanitize: pytest $*" | tee -a "$LOG"
     set +e
     (cd "$SRC" && env "${san_env[@]}" timeout "${SANITIZE_TIMEOUT:-900}" "$PY" -m pytest -p no:cacheprovider \
-        -q -rfE --tb=short --capture=sys -W ignore::DeprecationWarning -m "not cuda" "$@" ${SANITIZE_PYTEST_ARGS:-}) 2>&1 |
+        -n 0 -q -rfE --tb=short --capture=sys -W ignore::DeprecationWarning -m "not cuda" "$@" ${SANITIZE_PYTEST_ARGS:-}) 2>&1 |
         tee -a "$LOG"
     status=${PIPESTATUS[0]}
     set -e

@@ -35,7 +35,7 @@ echo "vllm: ppo_fast built in $((SECONDS - t1)) s"
 t2=$SECONDS
 LOG=$VENV/pytest.log
 rc=0
-(cd "$SRC" && "$PY" -m pytest tests/test_rollout_vllm.py -p no:cacheprovider -q -rfEs --tb=short) 2>&1 | tee "$LOG" || rc=$?
+(cd "$SRC" && "$PY" -m pytest tests/test_rollout_vllm.py -n 0 -p no:cacheprovider -q -rfEs --tb=short) 2>&1 | tee "$LOG" || rc=$?
 echo "vllm: pytest in $((SECONDS - t2)) s, total $((SECONDS - t0)) s, exit status $rc"
 if [ "$rc" -eq 0 ] && grep -q "SKIPPED" "$LOG"; then
     echo "vllm: FAILED: tests were skipped in the vLLM venv (see above)" >&2

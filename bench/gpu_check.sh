@@ -113,8 +113,8 @@ fi
 TESTS_LOG="$OUT/tests.log"
 : >"$TESTS_LOG"
 if "$PY" -c "import pytest" 2>/dev/null; then
-    PARALLEL=()
-    "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$TEST_WORKERS")
+    PARALLEL=(-o addopts=)  # pyproject's -n needs pytest-xdist, which a bare image may lack
+    "$PY" -c "import xdist" 2>/dev/null && PARALLEL+=(-n "$TEST_WORKERS")
     run_stage "tests (pytest -m 'cuda or triton_on_gpu' ${PARALLEL[*]})" "$TESTS_S" "$TESTS_LOG" \
         "$PY" -m pytest -q -rfEs -p no:cacheprovider "${PARALLEL[@]}" -m "cuda or triton_on_gpu" \
         --ignore=tests/backends/test_triton_compiles_for_gpu.py --ignore=tests/test_bench_static.py --ignore=tests/test_gpu_check.py tests

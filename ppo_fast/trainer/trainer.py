@@ -94,9 +94,9 @@ def check_writable(output_dir: Path) -> None:
 
 
 def _hold_for_a_test(step: int) -> None:
-    """Test-only: ``PPO_FAST_TEST_HOLD=STEP:PATH`` holds this process after step STEP (its checkpoint
-    saved) until it is killed, once per PATH (created here), so that a multi-host test kills a rank
-    mid-run without a long run (tests/test_multihost.py)."""
+    """Test-only: ``PPO_FAST_TEST_HOLD=STEP:PATH`` holds this process once it has saved step STEP's
+    checkpoint, until it is killed, once per PATH (created here), so that a multi-host test kills a
+    rank mid-run without a long run (tests/test_multihost.py)."""
     held = os.environ.get("PPO_FAST_TEST_HOLD")
     if held:
         at, path = held.split(":", 1)
@@ -509,7 +509,7 @@ class PPOTrainer:
                 torch.save(self.critic.state_dict(), folder / checkpoint.CRITIC_FILE)
             torch.save(vars(state), folder / checkpoint.STATE_FILE)
 
-        return checkpoint.save(
+        path = checkpoint.save(
             self.output_dir,
             self.step,
             write,
@@ -517,6 +517,8 @@ class PPOTrainer:
             main=parallel.main,
             barrier=parallel.barrier,
         )
+        _hold_for_a_test(self.step)
+        return path
 
     # ------------------------------------------------------------------ evaluation
 
@@ -854,7 +856,6 @@ class PPOTrainer:
                             break
                         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                             self.save_checkpoint()
-                        _hold_for_a_test(self.step)
             finally:
                 bar.close()
                 writer.close()
