@@ -139,8 +139,8 @@ def pytest_terminal_summary(terminalreporter, config):
     count; and how many tests of the full tier were left out."""
     if not full_tier(config):  # (under pytest-xdist the workers deselect, and only they know how many)
         left_out = config.stash.get(_FULL_DESELECTED, 0)
-        count = f"{left_out} tests" if left_out else "the cases marked full"
-        terminalreporter.write_sep("-", f"fast tier: {count} of the full tier not run (run them with --full)")
+        count = f"{left_out} tests of the full tier" if left_out else "the full tier's tests"
+        terminalreporter.write_sep("-", f"fast tier: {count} not run (run them with --full)")
     reasons: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = report.longrepr

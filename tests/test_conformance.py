@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable
 from functools import partial
 
+import harness
 import pytest
 import tiers
 import torch
@@ -40,7 +41,7 @@ from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, LINEAR_POLICY_LOSS_OPS, OPS,
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
-LAYOUTS = ("contiguous", "sliced", "transposed", "expanded")
+LAYOUTS = harness.LAYOUTS
 POISONS = ("clean", "masked", "valid")
 DIMS = (3, 6, 37)  # B, T, V of most cases
 # Long rows: past the native CPU kernels' chunks (1024 logits, 256 tokens) and the Triton
@@ -81,28 +82,9 @@ def test_every_backend_declares_only_contract_ops():
 
 
 def laid_out(values: torch.Tensor, layout: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor, Callable]:
-    """``(leaf, view, grad_of_view)``: ``view`` holds ``values`` (for ``expanded``, its
-    first row repeated) in ``layout``; ``grad_of_view`` maps ``leaf.grad`` to the view's shape."""
-    if layout == "contiguous":
-        leaf = values.clone()
-        view_of = lambda t: t  # noqa: E731
-    elif layout == "sliced":  # every other column of a wider storage whose gaps hold NaN
-        # The gaps hold NaN, or an out-of-range label: a kernel that reads them is caught.
-        junk = math.nan if values.is_floating_point() else -(2**40)
-        wide = torch.full(
-            (values.shape[0], 2 * values.shape[1]) + values.shape[2:], junk, dtype=values.dtype, device=values.device
-        )
-        wide[:, 1::2] = values
-        leaf = wide
-        view_of = lambda t: t[:, 1::2]  # noqa: E731
-    elif layout == "transposed":
-        leaf = values.transpose(0, 1).contiguous()
-        view_of = lambda t: t.transpose(0, 1)  # noqa: E731
-    elif layout == "expanded":
-        leaf = values[:1].clone()
-        view_of = lambda t: t.expand(values.shape)  # noqa: E731
-    else:
-        raise AssertionError(layout)
+    """``(leaf, view, grad_of_view)``: ``view`` holds ``values`` (for ``expanded``, its first row
+    repeated) in ``layout`` (tests/harness.py); ``grad_of_view`` maps ``leaf.grad`` to the view's shape."""
+    leaf, view_of = harness.laid_out(values, layout)
     if grad:
         leaf.requires_grad_(True)
     return leaf, view_of(leaf), view_of

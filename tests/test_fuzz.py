@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from harness import LAYOUTS, laid_out
 from hypothesis import HealthCheck, Phase, assume, example, given, note, settings
 from hypothesis import strategies as st
 
@@ -57,7 +58,6 @@ pytestmark = pytest.mark.fuzz
 NIGHTLY = int(os.environ.get("PPO_FAST_FUZZ_EXAMPLES") or 0)
 F64 = torch.float64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": F64}
-LAYOUTS = ("contiguous", "sliced", "transposed", "expanded")
 DTYPE_DRAWS = ("float32", "float32", "bfloat16", "float32", "float16", "float64")  # float32 half of the time
 POISONS = ("clean", "masked", "valid", "valid", "bad_label")  # valid twice: nan / +inf / -inf share it
 C_REF, K_REL, K_ABS = 16.0, 8.0, 2.0  # the accuracy bound's factors (module docstring)
@@ -649,24 +649,6 @@ def specs(draw, case: Case, compiled: bool = False):
 
 
 # --------------------------------------------------------------------------- running one backend
-
-
-def laid_out(values: torch.Tensor, layout: str) -> tuple[torch.Tensor, Callable]:
-    """``(leaf, view_of)``: ``view_of(leaf)`` holds ``values`` in ``layout`` (sliced: the gaps hold junk)."""
-    if layout == "sliced":  # every other column (row, for 1-D) of a storage twice as wide
-        junk = math.nan if values.is_floating_point() else (True if values.dtype == torch.bool else -(2**40))
-        view_of = (lambda t: t[:, 1::2]) if values.dim() > 1 else (lambda t: t[1::2])
-        shape = (
-            (values.shape[0], 2 * values.shape[1], *values.shape[2:]) if values.dim() > 1 else (2 * values.shape[0],)
-        )
-        wide = torch.full(shape, junk, dtype=values.dtype)
-        view_of(wide).copy_(values)
-        return wide, view_of
-    if layout == "transposed" and values.dim() > 1:
-        return values.transpose(0, 1).contiguous(), lambda t: t.transpose(0, 1)
-    if layout == "expanded" and values.dim() > 0 and values.shape[0] > 0:
-        return values[:1].clone(), lambda t: t.expand(values.shape)
-    return values.clone(), lambda t: t
 
 
 def poisoned(built: Built, spec: Spec, gen) -> dict[str, torch.Tensor]:
