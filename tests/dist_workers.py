@@ -206,6 +206,9 @@ def under_torchrun(out: str, seed: int) -> None:
     shards = parallel.gather_objects(list(parallel.shard(count)))
     if rank == 0:
         torch.save({"results": results, "shards": shards, "count": count}, out)
+    # Every rank's last sends delivered before any rank tears gloo down: over a slow link (the tbf
+    # test) a rank that tore down with its gather still in flight died with "terminate called".
+    dist.barrier()
     dist.destroy_process_group()
 
 
