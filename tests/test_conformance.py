@@ -435,21 +435,12 @@ def _matrix():
                         variants if (layout, poison, dtype) == ("contiguous", "clean", torch.float32) else variants[:1]
                     )
                     for variant in chosen:
-                        label = "-".join(f"{k}={v}" for k, v in variant.items())
-                        marks = [pytest.mark.cuda] if device == "cuda" else []
-                        if (dtype, layout, poison) not in fast_tier:
-                            marks.append(tiers.FULL)
-                        yield pytest.param(
-                            op,
-                            backend,
-                            device,
-                            dtype,
-                            layout,
-                            poison,
-                            variant,
-                            marks=marks,
-                            id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}"
-                            + (f"-{label}" if label else ""),
+                        label = "".join(f"-{k}={v}" for k, v in variant.items())
+                        yield tiers.case(
+                            *(op, backend, device, dtype, layout, poison, variant),
+                            fast=(dtype, layout, poison) in fast_tier,
+                            id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}{label}",
+                            marks=[pytest.mark.cuda] if device == "cuda" else [],
                         )
 
 
@@ -661,9 +652,8 @@ def _gradcheck_cases():
                     # The one-pass losses' variants (aggs, soft-cap) are the two-pass ops' (checked above): one here.
                     more = () if op in LINEAR_POLICY_LOSS_OPS else (1 + k % max(1, len(variants) - 1),)
                     sampled = i in (0, *more) and (fast_mode or backend != "triton")
-                    marks = [] if sampled else [tiers.FULL]
                     name = f"{op}-{backend}-{i}" + ("-fast" if fast_mode else "")
-                    yield pytest.param(op, backend, variant, fast_mode, marks=marks, id=name)
+                    yield tiers.case(op, backend, variant, fast_mode, fast=sampled, id=name)
 
 
 @pytest.mark.parametrize("op, backend, variant, fast_mode", list(_gradcheck_cases()))
@@ -783,7 +773,7 @@ def _compiled_label_cases():
     for param in _label_cases(BAD_LABELS, inplace=True):
         op, backend, label, inplace = param.values
         keep = (VOCAB, -(10**11)) if backend == "triton" else (VOCAB, -1, 10**11)
-        yield param if label in keep else pytest.param(*param.values, marks=[tiers.FULL], id=param.id)
+        yield tiers.case(*param.values, fast=label in keep, id=param.id)
 
 
 @pytest.mark.parametrize("op, backend, bad_label, inplace", list(_compiled_label_cases()))
@@ -819,8 +809,8 @@ def _small_label_cases():
     """Every op x backend x small label dtype; the fast tier one dtype per op x backend, each dtype at least once."""
     for k, param in enumerate(_label_cases([50])):
         for j, label_dtype in enumerate(SMALL_LABEL_DTYPES):
-            marks = [] if j == k % len(SMALL_LABEL_DTYPES) else [tiers.FULL]
-            yield pytest.param(*param.values, label_dtype, marks=marks, id=f"{param.id}-{str(label_dtype)[6:]}")
+            name = f"{param.id}-{str(label_dtype)[6:]}"
+            yield tiers.case(*param.values, label_dtype, fast=j == k % len(SMALL_LABEL_DTYPES), id=name)
 
 
 @pytest.mark.parametrize("op, backend, _, __, label_dtype", list(_small_label_cases()))
@@ -1075,16 +1065,8 @@ def _bad_input_cases():
             for j, backend in enumerate(backends):
                 for mode in ("eager", "compiled", "fullgraph") if traced else ("eager",):
                     sampled = mode != "compiled" or j == i % len(backends)
-                    yield pytest.param(
-                        backend,
-                        mode,
-                        call,
-                        error,
-                        match,
-                        traced,
-                        marks=[] if sampled else [tiers.FULL],
-                        id=f"{op or 'api'}-{i}-{backend}-{mode}",
-                    )
+                    name = f"{op or 'api'}-{i}-{backend}-{mode}"
+                    yield tiers.case(backend, mode, call, error, match, traced, fast=sampled, id=name)
 
 
 @pytest.mark.parametrize("backend, mode, call, error, match, traced", list(_bad_input_cases()))
@@ -1292,14 +1274,8 @@ def _batch_invariance_cases():
                         and not (truncation and backend == "triton")
                         and not (truncation and compiled and backend == "reference")
                     )
-                    yield pytest.param(
-                        op,
-                        backend,
-                        compiled,
-                        truncation,
-                        marks=[] if sampled else [tiers.FULL],
-                        id=f"{op}-{backend}-{compiled}-{truncation}",
-                    )
+                    name = f"{op}-{backend}-{compiled}-{truncation}"
+                    yield tiers.case(op, backend, compiled, truncation, fast=sampled, id=name)
 
 
 def _rows(x: dict, index) -> dict:

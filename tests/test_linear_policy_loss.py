@@ -7,6 +7,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+import tiers
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -122,8 +123,7 @@ def rotated(options, ids, modes=FUSED):
     for i, mode in enumerate(modes):
         for b, case in enumerate(cases([mode])):
             for j, (option, name) in enumerate(zip(options, ids)):
-                marks = [] if j == (i + b) % len(options) else [pytest.mark.full]
-                yield pytest.param(*case.values, option, marks=marks, id=f"{case.id}-{name}")
+                yield tiers.case(*case.values, option, fast=j == (i + b) % len(options), id=f"{case.id}-{name}")
 
 
 @pytest.mark.parametrize("mode, backend, agg", list(rotated(AGG_MODES, AGG_MODES)))

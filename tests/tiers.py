@@ -43,5 +43,10 @@ def sampled(params: Sequence, strength: int = 2, cost: Callable[[tuple], float] 
     return [p if i in kept else pytest.param(*p.values, marks=[*p.marks, FULL], id=p.id) for i, p in enumerate(params)]
 
 
+def case(*values, fast: bool, id: str, marks=()):
+    """One ``pytest.param``: in the fast tier when ``fast``, else marked ``full``."""
+    return pytest.param(*values, marks=[*marks] if fast else [*marks, FULL], id=id)
+
+
 def is_full(param) -> bool:
     return any(mark.name == "full" for mark in param.marks)
