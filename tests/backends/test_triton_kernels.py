@@ -766,3 +766,24 @@ def test_fused_head_entropy_gradient_of_a_near_certain_row_against_float64():
     truth = grads["reference", torch.float64].double().cpu()
     own_error = (grads["reference", torch.float32].double().cpu() - truth).abs()
     assert ((grads["triton", torch.float32].double().cpu() - truth).abs() <= 16 * own_error + 1e-30).all()
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_float32_head_under_the_new_tf32_api(precision):
+    """transformers' ``tf32=True`` sets torch's ``fp32_precision`` API, after which reading the legacy
+    ``allow_tf32`` raises: the fused head follows the new setting instead of crashing."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    hidden, weight, labels = rand(5, 7), rand(13, 7), ints(13, 5)
+    try:
+        matmul.fp32_precision = precision
+        assert tlin._dot_precision(torch.float32) == precision
+        with pf.use_backend("triton"):
+            got = pf.linear_token_logprobs(hidden, weight, labels)
+        with tlin._allow_tf32(precision != "tf32"):  # the switch flips through the same API, and back
+            assert tlin._dot_precision(torch.float32) != precision
+        assert matmul.fp32_precision == precision
+    finally:
+        matmul.fp32_precision = saved
+    want = torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -349,7 +349,16 @@ def _tiles(direction: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     """float32 products as ``hidden @ weight.T`` would do them (TF32 only when torch allows it)."""
-    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "tf32" if dtype == torch.float32 and _tf32_allowed() else "ieee"
+
+
+def _tf32_allowed() -> bool:
+    """torch's TF32 switch for float32 matmuls: the ``fp32_precision`` API's setting where it has one
+    (reading the legacy ``allow_tf32`` raises once that API set "tf32", as transformers' ``tf32=True``
+    does), else the legacy flag."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    return precision == "tf32" if precision != "none" else bool(matmul.allow_tf32)
 
 
 def _check_inputs(hidden, weight, labels, bias) -> tuple[int, int, int]:
@@ -771,12 +780,14 @@ def linear_token_logprobs(
 
 @contextlib.contextmanager
 def _allow_tf32(allowed: bool):
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allowed
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"  # the new API where torch has it
+    saved = getattr(matmul, name)
+    setattr(matmul, name, ("tf32" if allowed else "ieee") if name == "fp32_precision" else allowed)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        setattr(matmul, name, saved)
 
 
 def _meta(shape, dtype):
