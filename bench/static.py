@@ -512,9 +512,10 @@ def main(argv=None) -> int:
         "tests/backends/test_triton_compiles_for_gpu.py in the same CI run) instead of compiling them again",
     )
     args = parser.parse_args(argv)
+    names = [v.name for v in triton_variants()]
     if args.triton_report:
-        reports = [r for r in read_json(args.triton_report) if r.name in {v.name for v in triton_variants()}]
-        if [r.name for r in reports] != [v.name for v in triton_variants()]:
+        reports = [r for r in read_json(args.triton_report) if r.name in names]
+        if [r.name for r in reports] != names:
             parser.error(f"{args.triton_report} does not report this tree's Triton variants: compile them again")
     else:
         if os.environ.get("TRITON_INTERPRET") == "1":

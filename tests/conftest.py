@@ -122,8 +122,9 @@ def static_report(request):
     finally:
         if proc.poll() is None:
             proc.kill()
-    log.seek(0)
-    return out, log.read()
+    with log:
+        log.seek(0)
+        return out, log.read()
 
 
 @pytest.fixture(autouse=True)

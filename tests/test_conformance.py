@@ -771,7 +771,7 @@ def _label_cases(labels, inplace=False):
 def _compiled_label_cases():
     """The fast tier: three labels per op x backend (past V, negative, huge), two on the interpreted Triton."""
     for param in _label_cases(BAD_LABELS, inplace=True):
-        op, backend, label, inplace = param.values
+        _, backend, label, _ = param.values
         keep = (VOCAB, -(10**11)) if backend == "triton" else (VOCAB, -1, 10**11)
         yield tiers.case(*param.values, fast=label in keep, id=param.id)
 

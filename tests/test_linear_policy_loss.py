@@ -111,11 +111,11 @@ def check_against_two_pass(x, mode, agg, backend, dtype=torch.float32, **head):
                                    msg=lambda m: f"grad of {name}: {m}")  # fmt: skip
 
 
-def cases(modes, marks=()):
+def cases(modes):
     for mode in modes:
         op = POLICY_LOSS_MODES[mode].linear_op or POLICY_LOSS_MODES[mode].op
         for backend in serving(op, "cpu"):
-            yield pytest.param(mode, backend, id=f"{mode}-{backend}", marks=marks)
+            yield pytest.param(mode, backend, id=f"{mode}-{backend}")
 
 
 def rotated(options, ids, modes=FUSED):
@@ -213,10 +213,7 @@ def test_kl_loss_only_with_ref_logprobs():
 
 @pytest.mark.parametrize(
     "mode, backend",
-    [
-        p if p.values[1] == "native" else pytest.param(*p.values, marks=pytest.mark.full, id=p.id)
-        for p in cases(["vanilla", "gspo"])
-    ],
+    [tiers.case(*p.values, fast=p.values[1] == "native", id=p.id) for p in cases(["vanilla", "gspo"])],
 )  # fast tier: the native kernel's chunks
 def test_many_chunks_of_a_wide_vocabulary(mode, backend):
     """A vocabulary wide enough that the native kernel's chunks hold 64 tokens (GSPO: one whole

@@ -40,7 +40,7 @@ def sampled(params: Sequence, strength: int = 2, cost: Callable[[tuple], float] 
     """``params`` (``pytest.param`` or tuples of values), those outside a covering marked ``full``."""
     params = [p if hasattr(p, "values") else pytest.param(*p) for p in params]
     kept = covering([p.values for p in params], strength, cost)
-    return [p if i in kept else pytest.param(*p.values, marks=[*p.marks, FULL], id=p.id) for i, p in enumerate(params)]
+    return [case(*p.values, fast=i in kept, id=p.id, marks=p.marks) for i, p in enumerate(params)]
 
 
 def case(*values, fast: bool, id: str, marks=()):
