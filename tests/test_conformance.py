@@ -17,13 +17,10 @@ properties of the ops.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
-import sys
 import zlib
-from collections.abc import Callable
 from functools import partial
 
 import harness
@@ -43,12 +40,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
 LAYOUTS = harness.LAYOUTS
 POISONS = ("clean", "masked", "valid")
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 DIMS = (3, 6, 37)  # B, T, V of most cases
 # Long rows: past the native CPU kernels' chunks (1024 logits, 256 tokens) and the Triton
 # kernels' widest blocks (4096 logits, 1024 tokens), so that the carries between chunks
 # are compared too.
-LONG_DIMS = {"token_logprobs": (2, 3, 4099), "linear_token_logprobs": (2, 3, 4099), "default": (2, 1100, 0)}
-HIDDEN = 11  # H of linear_token_logprobs: odd, not a multiple of any tile
+LONG_DIMS = {"logits": (2, 3, 4099), "hidden": (2, 3, 4099), "tokens": (2, 1100, 0)}
+HIDDEN = 11  # H of the LM-head ops: odd, not a multiple of any tile
 
 
 # The Triton one-pass loss runs every mode through one loop whose mode-specific part is the
@@ -78,345 +76,122 @@ def test_every_backend_declares_only_contract_ops():
     assert set(backend_info("reference").module.SUPPORTED) == set(OPS)
 
 
-# --------------------------------------------------------------------------- inputs
+# --------------------------------------------------------------------------- inputs (tests/harness.py)
+
+_LOGITS = {"temperature": 0.7, "scale": 3.0, "labels": "random", "ignored": 0.25, "ignore_index": -100, "entropy": True}
+_HEAD = {**_LOGITS, "scale": 1.0, "logit_scale": 0.8, "softcap": None, "bias": True, "weight_layout": "contiguous"}
 
 
-def laid_out(values: torch.Tensor, layout: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor, Callable]:
-    """``(leaf, view, grad_of_view)``: ``view`` holds ``values`` (for ``expanded``, its first row
-    repeated) in ``layout`` (tests/harness.py); ``grad_of_view`` maps ``leaf.grad`` to the view's shape."""
-    leaf, view_of = harness.laid_out(values, layout)
-    if grad:
-        leaf.requires_grad_(True)
-    return leaf, view_of(leaf), view_of
-
-
-# Set by the all-masked edge case: every mask 0 and every label ignored.
-MASK_EVERYTHING = False
-
-
-def random_mask(gen: torch.Generator, shape, device) -> torch.Tensor:
-    """Interior holes, one all-masked row and one full row."""
-    mask = torch.rand(shape, generator=gen) < 0.65
-    if shape[0]:
-        mask[0] = False
-        mask[-1] = True
-    return (mask & (not MASK_EVERYTHING)).to(device)
-
-
-@dataclasses.dataclass
-class Built:
-    leaves: dict[str, torch.Tensor]  # name -> leaf (requires grad)
-    views: dict[str, Callable]  # name -> leaf.grad to the op's input shape
-    call: Callable[[], tuple[torch.Tensor, ...]]  # the public op on the laid-out inputs
-    differentiable: tuple[int, ...]  # which outputs carry gradient
-
-
-def _poisoned(x: torch.Tensor, mask: torch.Tensor, poison: str, gen: torch.Generator) -> torch.Tensor:
-    """NaN/inf at masked positions (``masked``) or NaN at one valid position (``valid``)."""
-    x = x.clone()
-    if poison == "masked":
-        junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
-        pick = torch.randint(0, 3, x.shape, generator=gen).to(x.device)
-        x = torch.where(mask, x, junk[pick])
-    elif poison == "valid":
-        index = mask.flatten().nonzero()[0, 0]
-        x.view(-1)[index] = math.nan
-    return x
-
-
-def build_logprobs(gen, device, dtype, layout, poison, *, entropy=True, dims=DIMS):
-    B, T, V = dims
-    logits = (torch.randn(B, T, V, generator=gen) * 3).to(device, dtype)
-    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
-    ignored = (torch.rand(B, T, generator=gen) < 0.25).to(device) | MASK_EVERYTHING
-    labels = torch.where(ignored, -100, labels)
-    if layout == "expanded":
-        labels = labels[:1].expand(B, T).clone()
-        ignored = labels == -100
-    if poison == "masked":  # ignored rows hold NaN/inf logits
-        logits = torch.where(ignored.unsqueeze(-1), torch.tensor(math.nan, dtype=dtype, device=device), logits)
-        logits[..., 0] = torch.where(ignored, torch.tensor(math.inf, dtype=dtype, device=device), logits[..., 0])
-    elif poison == "valid":
-        row = (~ignored).flatten().nonzero()[0, 0]
-        logits.view(-1, V)[row, 3] = math.nan
-    leaf, view, grad_view = laid_out(logits, layout, grad=True)
-    _, label_view, _ = laid_out(labels, layout, grad=False)
-
-    def call():
-        out = pf.token_logprobs(view, label_view, temperature=0.7, return_entropy=entropy)
-        return out if entropy else (out,)
-
-    return Built({"logits": leaf}, {"logits": grad_view}, call, (0, 1) if entropy else (0,))
-
-
-def build_linear_logprobs(gen, device, dtype, layout, poison, *, entropy=True, bias=True, softcap=None, dims=DIMS):
-    """``hidden [B, T, H]`` in ``layout`` (poison in its rows), a ``[V, H]`` head and a ``[V]`` bias."""
-    B, T, V = dims
-    hidden = torch.randn(B, T, HIDDEN, generator=gen).to(device, dtype)
-    weight = (torch.randn(V, HIDDEN, generator=gen) / HIDDEN**0.25).to(device, dtype).requires_grad_(True)
-    head_bias = torch.randn(V, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
-    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
-    labels = torch.where((torch.rand(B, T, generator=gen) < 0.25).to(device) | MASK_EVERYTHING, -100, labels)
-    if layout == "expanded":
-        labels = labels[:1].expand(B, T).clone()
-    ignored = labels == -100
-    if poison == "masked":  # ignored rows hold NaN/inf hidden states
-        hidden = torch.where(ignored.unsqueeze(-1), torch.tensor(math.nan, dtype=dtype, device=device), hidden)
-        hidden[..., 0] = torch.where(ignored, torch.tensor(math.inf, dtype=dtype, device=device), hidden[..., 0])
-    elif poison == "valid":
-        row = (~ignored).flatten().nonzero()[0, 0]
-        hidden.view(-1, HIDDEN)[row, 3] = math.nan
-    leaf, view, grad_view = laid_out(hidden, layout, grad=True)
-    _, label_view, _ = laid_out(labels, layout, grad=False)
-
-    def call():
-        out = pf.linear_token_logprobs(
-            view,
-            weight,
-            label_view,
-            bias=head_bias,
-            temperature=0.7,
-            logit_scale=0.8,
-            logit_softcap=softcap,
-            return_entropy=entropy,
-        )
-        return out if entropy else (out,)
-
-    leaves, views = {"hidden": leaf, "weight": weight}, {"hidden": grad_view, "weight": lambda g: g}
-    if bias:
-        leaves["bias"], views["bias"] = head_bias, lambda g: g
-    return Built(leaves, views, call, (0, 1) if entropy else (0,))
-
-
-def _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask=None, scale=1.0):
-    B, T, _ = dims
-    leaves, views, tensors = {}, {}, {}
-    check_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
-    for name in names:
-        x = (torch.randn(B, T, generator=gen) * scale).to(device, dtype)
-        if layout == "expanded":
-            x = x[:1].expand(B, T)
-        x = _poisoned(x, check_mask, poison, gen)
-        leaves[name], tensors[name], views[name] = laid_out(x, layout, grad=True)
-    return leaves, views, tensors
-
-
-def build_kl_estimate(gen, device, dtype, layout, poison, *, kl_estimator, dims=DIMS):
-    if poison == "masked":
-        pytest.skip("kl_estimate has no mask")
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), dims)
-    return Built(leaves, views, lambda: (pf.kl_estimate(t["logprobs"], t["ref_logprobs"], kl_estimator),), (0,))
-
-
-def _mask_for(gen, device, layout, dims):
-    B, T, _ = dims
-    mask = random_mask(gen, (B, T), device)
-    if layout == "expanded":
-        mask = mask[1:2].expand(B, T)
-    return mask
-
-
-def build_kl_penalized_rewards(gen, device, dtype, layout, poison, *, kl_estimator, dims=DIMS):
-    mask = _mask_for(gen, device, layout, dims)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("logprobs", "ref_logprobs"), dims, mask)
-    scores = torch.randn(dims[0], generator=gen).to(device, dtype)
-    if poison == "masked" and dims[0] and not mask[0].any():  # the score of a row without valid tokens is never read
-        scores[0] = math.nan
-    scores.requires_grad_(True)
-    leaves["scores"], views["scores"] = scores, lambda g: g
-
-    def call():
-        return pf.kl_penalized_rewards(
-            scores, t["logprobs"], t["ref_logprobs"], mask, kl_coef=0.3, kl_estimator=kl_estimator
-        )
-
-    return Built(leaves, views, call, (0, 1))
-
-
-def build_gae(gen, device, dtype, layout, poison, *, gamma=0.99, lam=0.95, dims=DIMS):
-    mask = _mask_for(gen, device, layout, dims)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("rewards", "values"), dims, mask)
-    return Built(leaves, views, lambda: pf.gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam), (0, 1))
-
-
-def build_clipped_policy_loss(gen, device, dtype, layout, poison, *, agg, dual_clip=None, weighted=False, dims=DIMS):
-    mask = _mask_for(gen, device, layout, dims)
-    names = ("logprobs", "old_logprobs", "advantages") + (("weights",) if weighted else ())
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask, scale=0.5)
-
-    def call():
-        loss, stats = pf.clipped_policy_loss(
-            t["logprobs"],
-            t["old_logprobs"],
-            t["advantages"],
-            mask,
-            clip_eps_low=0.2,
-            clip_eps_high=0.28,
-            dual_clip=dual_clip,
-            agg=agg,
-            weights=t.get("weights"),
-        )
-        return loss, stats["clipfrac"], stats["clipfrac_lower"], stats["approx_kl"]
-
-    return Built(leaves, views, call, (0,))
-
-
-def build_value_loss(gen, device, dtype, layout, poison, *, agg, clip=0.2, dims=DIMS):
-    mask = _mask_for(gen, device, layout, dims)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("values", "old_values", "returns"), dims, mask)
-
-    def call():
-        loss, stats = pf.value_loss(t["values"], t["old_values"], t["returns"], mask, clip=clip, agg=agg)
-        return loss, stats["clipfrac"]
-
-    return Built(leaves, views, call, (0,))
-
-
-def build_policy_loss(gen, device, dtype, layout, poison, *, loss_mode, agg, weighted=False, dims=DIMS):
-    """A registered policy-loss mode; log-probs made negative (DPPO reads p = exp(logp)),
-    weights positive (GMPO takes their log)."""
-    mask = _mask_for(gen, device, layout, dims)
-    names = ("logprobs", "old_logprobs", "advantages") + (("weights",) if weighted else ())
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask, scale=0.5)
-    params = {"dro_beta": 0.3} if loss_mode == "dro" else {}
-    if "clip_eps_high" in {p.name for p in pf.policy_loss_modes()[loss_mode].params}:
+def _loss(mode: str, agg: str, **more) -> dict:
+    """A policy-loss mode's knobs (tests/harness.py's builders) at moderate log-ratios and advantages."""
+    params = {"dro_beta": 0.3} if mode == "dro" else {}
+    if "clip_eps_high" in {p.name for p in POLICY_LOSS_MODES[mode].params}:
         params["clip_eps_high"] = 0.28
-
-    def call():
-        if pf.policy_loss_modes()[loss_mode].syncs_host:
-            torch.manual_seed(0)  # clip_cov draws the tokens it cuts (never compiled: it syncs the host)
-        loss, stats = pf.policy_loss(
-            -t["logprobs"].abs() - 0.05,
-            -t["old_logprobs"].abs() - 0.05,
-            t["advantages"],
-            mask,
-            loss_mode=loss_mode,
-            agg=agg,
-            weights=t["weights"].abs() if weighted else None,
-            **params,
-        )
-        return loss, *stats.values()
-
-    return Built(leaves, views, call, (0,))
+    params.update(more.pop("params", {}))
+    knobs = {"loss_mode": mode, "agg": agg, "weighted": False, "entry": "policy_loss", "ratio": "normal"}
+    return {**knobs, "adv_scale": 1.0, "adv_sign": "mixed", "params": tuple(params.items()), **more}
 
 
-def build_linear_policy_loss(
-    gen, device, dtype, layout, poison, *, loss_mode, agg, weighted=False, softcap=None, bias=True, dims=DIMS
-):
-    """pf.linear_policy_loss with the KL and entropy terms: hidden ``[B, T, H]`` in ``layout``
-    (poison at masked tokens or at one valid token), a ``[V, H]`` head; the rollout's tensors
-    are constants of the op."""
-    B, T, V = dims
-    mask = _mask_for(gen, device, layout, dims)
-    hidden = torch.randn(B, T, HIDDEN, generator=gen).to(device, dtype)
-    if layout == "expanded":
-        hidden = hidden[:1].expand(B, T, HIDDEN).clone()
-    weight = (torch.randn(V, HIDDEN, generator=gen) / HIDDEN**0.25).to(device, dtype).requires_grad_(True)
-    head_bias = torch.randn(V, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
-    labels = torch.randint(0, V, (B, T), generator=gen).to(device)
-    if layout == "expanded":
-        labels = labels[:1].expand(B, T).clone()
-    if poison == "masked":
-        hidden = torch.where(mask.unsqueeze(-1), hidden, torch.tensor(math.nan, dtype=dtype, device=device))
-    elif poison == "valid" and bool(mask.any()):
-        hidden.view(-1, HIDDEN)[mask.flatten().nonzero()[0, 0], 3] = math.nan
-    leaf, view, grad_view = laid_out(hidden, layout, grad=True)
-    _, label_view, _ = laid_out(labels, layout, grad=False)
-    names = ("old_logprobs", "advantages", "ref_logprobs") + (("weights",) if weighted else ())
-    _, _, t = _pair_inputs(gen, device, dtype, layout, poison, names, dims, mask, scale=0.5)
-    params = {"dro_beta": 0.3} if loss_mode == "dro" else {}
-    if "clip_eps_high" in {p.name for p in pf.policy_loss_modes()[loss_mode].params}:
-        params["clip_eps_high"] = 0.28
-
-    def call():
-        loss, stats = pf.linear_policy_loss(
-            view,
-            weight,
-            label_view,
-            -t["old_logprobs"].detach().abs() - 0.5,
-            t["advantages"].detach(),
-            mask,
-            loss_mode=loss_mode,
-            agg=agg,
-            weights=t["weights"].detach().abs() if weighted else None,
-            bias=head_bias,
-            temperature=0.7,
-            logit_scale=0.8,
-            logit_softcap=softcap,
-            ref_logprobs=-t["ref_logprobs"].detach().abs() - 0.5,
-            kl_coef=0.1,
-            entropy_coef=0.01,
-            **params,
-        )
-        return loss, *stats.values()
-
-    leaves, views = {"hidden": leaf, "weight": weight}, {"hidden": grad_view, "weight": lambda g: g}
-    if bias:
-        leaves["bias"], views["bias"] = head_bias, lambda g: g
-    return Built(leaves, views, call, (0,))
+def _one_pass(mode: str, agg: str, **more) -> dict:
+    return _loss(mode, agg, **{**_HEAD, "kl_coef": 0.1, "entropy_coef": 0.01, **more})
 
 
-def build_group_sum(gen, device, dtype, layout, poison, *, method, dims=DIMS):
-    """group_sum through the public op of each advantage method that runs on the fast backends."""
-    mask = _mask_for(gen, device, layout, dims)
-    leaves, views, t = _pair_inputs(gen, device, dtype, layout, poison, ("scores",), dims, mask)
-    ids = (torch.randint(0, 3, (dims[0],), generator=gen) * 5 - 2).to(device)  # uneven groups, singletons
-    if layout == "expanded":  # equal rows: in a group of them d advantage / d score ~ 1/epsilon overflows float16
-        ids = torch.arange(dims[0], device=device)
-
-    return Built(leaves, views, lambda: (pf.group_advantages(t["scores"], ids, mask, method=method),), (0,))
-
-
-# op -> (builder, its variants, the input dtypes it takes)
-FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# op -> (its builder, the shape of its dims, its variants: the builder's knobs)
 VARIANTS = {
-    "token_logprobs": (build_logprobs, [{"entropy": True}, {"entropy": False}]),
+    "token_logprobs": (harness.build_token_logprobs, "logits", [_LOGITS, {**_LOGITS, "entropy": False}]),
     "linear_token_logprobs": (
-        build_linear_logprobs,
-        [{"entropy": True}, {"entropy": False, "bias": False}, {"entropy": True, "softcap": 2.5}],
+        harness.build_linear_token_logprobs,
+        "hidden",
+        [_HEAD, {**_HEAD, "entropy": False, "bias": False}, {**_HEAD, "softcap": 2.5}],
     ),
-    "kl_estimate": (build_kl_estimate, [{"kl_estimator": e} for e in KL_ESTIMATORS]),
-    "kl_penalized_rewards": (build_kl_penalized_rewards, [{"kl_estimator": e} for e in KL_ESTIMATORS]),
-    "gae": (build_gae, [{}, {"gamma": 1.0, "lam": 1.0}]),
+    "kl_estimate": (harness.build_kl_estimate, "tokens", [{"ratio": "normal"}]),  # every estimator in one case
+    "kl_penalized_rewards": (
+        harness.build_kl_penalized_rewards,
+        "tokens",
+        [{"kl_estimator": e, "ratio": "normal", "kl_coef": 0.3} for e in KL_ESTIMATORS],
+    ),
+    "gae": (harness.build_gae, "tokens", [{"gamma": g, "lam": lam, "scale": 1.0} for g, lam in ((0.99, 0.95), (1, 1))]),
     "clipped_policy_loss": (
-        build_clipped_policy_loss,
-        [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "dual_clip": 3.0, "weighted": True}],
+        harness.build_policy_loss,
+        "tokens",
+        [_loss("vanilla", a, entry="clipped_policy_loss") for a in AGG_MODES]
+        + [_loss("vanilla", "token-mean", entry="clipped_policy_loss", weighted=True, params={"dual_clip": 3.0})],
     ),
-    "value_loss": (build_value_loss, [{"agg": a} for a in AGG_MODES] + [{"agg": "token-mean", "clip": None}]),
-    "group_sum": (
-        build_group_sum,
+    "value_loss": (
+        harness.build_value_loss,
+        "tokens",
         [
-            {"method": name}
+            {"clip": c, "agg": a, "old_values": True, "spread": 1.0}
+            for c, a in [(0.2, a) for a in AGG_MODES] + [(None, "token-mean")]
+        ],
+    ),
+    "group_sum": (  # through the public op of each advantage method that runs on the fast backends
+        harness.build_group_advantages,
+        "tokens",
+        [
+            {"method": name, "params": (), "token_scores": True, "groups": 3, "ties": False, "scale": 1.0}
             for name, entry in ADVANTAGE_METHODS.items()
             if entry.fn is not None and set(FAST_BACKENDS) <= set(entry.backends)
         ],
     ),
 }
-# Every registered policy-loss mode other than vanilla (clipped_policy_loss above) is its own op.
+# Every registered policy-loss mode other than vanilla (clipped_policy_loss above) is its own op,
+# and the one-pass loss through the LM head of each mode that allows it.
 for _mode in POLICY_LOSS_MODES.values():
-    VARIANTS.setdefault(
-        _mode.op,
-        (
-            build_policy_loss,
-            [{"loss_mode": _mode.name, "agg": a} for a in AGG_MODES]
-            + [{"loss_mode": _mode.name, "agg": "token-mean", "weighted": True}],
-        ),
-    )
-# The one-pass policy loss through the LM head, each mode that allows it its own op.
-for _mode in POLICY_LOSS_MODES.values():
+    variants = [_loss(_mode.name, a) for a in AGG_MODES] + [_loss(_mode.name, "token-mean", weighted=True)]
+    VARIANTS.setdefault(_mode.op, (harness.build_policy_loss, "tokens", variants))
     if _mode.fused_head:
         VARIANTS[_mode.linear_op] = (
-            build_linear_policy_loss,
-            [{"loss_mode": _mode.name, "agg": a} for a in AGG_MODES]
+            harness.build_linear_policy_loss,
+            "hidden",
+            [_one_pass(_mode.name, a) for a in AGG_MODES]
             + [
-                {"loss_mode": _mode.name, "agg": "token-mean", "weighted": True, "bias": False},
-                {"loss_mode": _mode.name, "agg": "token-mean", "softcap": 2.5},
+                _one_pass(_mode.name, "token-mean", weighted=True, bias=False),
+                _one_pass(_mode.name, "token-mean", softcap=2.5),
             ],
         )
-        LONG_DIMS[_mode.linear_op] = (2, 3, 4099)
-for _op, (_, _variants) in VARIANTS.items():
-    _variants.append({**_variants[0], "dims": LONG_DIMS.get(_op, LONG_DIMS["default"])})
+for _op, (_, _shape, _variants) in VARIANTS.items():
+    _variants.append({**_variants[0], "dims": LONG_DIMS[_shape]})
 assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
+
+
+def built_case(op, variant, dtype=torch.float32, layout="contiguous", poison="clean", device="cpu", **more):
+    """``(built, spec, values)``: the op's inputs (tests/harness.py) for a cell of the matrix;
+    ``more``: the Spec's seed, dims ``(B, T, V)`` (else the variant's, else DIMS) or all_masked."""
+    build, shape, _ = VARIANTS[op]
+    knobs = {k: v for k, v in variant.items() if k != "dims"}
+    B, T, V = more.pop("dims", variant.get("dims", DIMS))
+    dims = {"logits": (B, T, V), "hidden": (B, T, HIDDEN, V), "tokens": (B, T)}[shape]
+    spec = harness.Spec(
+        "reference",
+        str(dtype)[6:],
+        layout,
+        "valid nan" if poison == "valid" else poison,
+        dims,
+        knobs,
+        device=device,
+        **more,
+    )
+    gen = torch.Generator().manual_seed(spec.seed)
+    built = build(spec, gen, knobs)
+    return built, spec, harness.poisoned(built, spec, gen)
+
+
+def run_case(backend, op, variant, **cell) -> tuple[harness.Run, harness.Run, dict]:
+    """The op on ``backend`` and on the reference (outputs and the gradients of the same projection),
+    and the float inputs' values."""
+    built, spec, values = built_case(op, variant, **cell)
+    dtype = harness.DTYPES[spec.dtype]
+    want = harness.run(built, spec, values, "reference", dtype)
+    got = harness.run(built, spec, values, backend, dtype, want.projection)
+    for result in (want, got):
+        if result.error is not None:
+            raise result.error
+    return got, want, values
+
+
+def _label(variant: dict, first: dict) -> str:
+    return "".join(f"-{k}={v}" for k, v in variant.items() if first.get(k) != v)
 
 
 def _matrix():
@@ -425,7 +200,7 @@ def _matrix():
     variant on the contiguous clean float32 cell; the rest is the full tier (``--full``)."""
     cells = list(itertools.product(FLOATS, LAYOUTS, POISONS))  # the first: contiguous clean float32
     for op in OPS:
-        _, variants = VARIANTS[op]
+        variants = VARIANTS[op][2]
         for device in DEVICES:
             for backend in fast(op, device):
                 fast_tier = {cells[i] for i in tiers.covering(cells, strength=_strength(backend, device))}
@@ -435,7 +210,7 @@ def _matrix():
                         variants if (layout, poison, dtype) == ("contiguous", "clean", torch.float32) else variants[:1]
                     )
                     for variant in chosen:
-                        label = "".join(f"-{k}={v}" for k, v in variant.items())
+                        label = _label(variant, variants[0])
                         yield tiers.case(
                             *(op, backend, device, dtype, layout, poison, variant),
                             fast=(dtype, layout, poison) in fast_tier,
@@ -463,7 +238,7 @@ def test_the_fast_tier_covers_every_value_and_pair_of_every_op_and_backend():
         for chosen in itertools.combinations(range(3), _strength(backend, device)):
             want = set(itertools.product(*(axes[i] for i in chosen)))
             assert {tuple(c[i] for i in chosen) for c in got} == want, (op, backend, device, chosen)
-        assert {c[3] for c in got} == {repr(v) for v in VARIANTS[op][1]}, (op, backend, device)
+        assert {c[3] for c in got} == {repr(v) for v in VARIANTS[op][2]}, (op, backend, device)
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -483,52 +258,38 @@ def _grad_tolerance(dtype: torch.dtype) -> dict:
     }[dtype]
 
 
-def run_case(backend, op, device, dtype, layout, poison, variant, seed):
-    """Outputs and input gradients of the op on ``backend``, from inputs made with ``seed``."""
-    builder, _ = VARIANTS[op]
-    built = builder(torch.Generator().manual_seed(seed), device, dtype, layout, poison, **variant)
-    with pf.use_backend(backend):
-        outputs = built.call()
-    weights_gen = torch.Generator().manual_seed(seed + 1)
-    total = 0.0
-    for i in built.differentiable:
-        w = torch.randn(outputs[i].shape, generator=weights_gen, dtype=torch.float64).to(device, outputs[i].dtype)
-        total = total + torch.where(torch.isfinite(outputs[i]), outputs[i] * w, 0.0).sum()
-    leaves = list(built.leaves.values())
-    grads = torch.autograd.grad(total, leaves, allow_unused=True)
-    return [o.detach() for o in outputs], {name: g for name, g in zip(built.leaves, grads)}
-
-
 @pytest.mark.parametrize("op, backend, device, dtype, layout, poison, variant", list(_matrix()))
 def test_backend_matches_reference(op, backend, device, dtype, layout, poison, variant, request):
+    if poison == "masked" and op == "kl_estimate":
+        pytest.skip("kl_estimate has no mask")
     seed = zlib.crc32(request.node.nodeid.encode())
-    expected_out, expected_grads = run_case("reference", op, device, dtype, layout, poison, variant, seed)
-    got_out, got_grads = run_case(backend, op, device, dtype, layout, poison, variant, seed)
-    for i, (got, want) in enumerate(zip(got_out, expected_out)):
-        assert got.dtype == want.dtype and got.shape == want.shape, (
-            f"output {i}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    cell = dict(dtype=dtype, layout=layout, poison=poison, device=device, seed=seed)
+    got, want, _ = run_case(backend, op, variant, **cell)
+    for i, (o, r) in enumerate(zip(got.outputs, want.outputs, strict=True)):
+        assert o.dtype == r.dtype and o.shape == r.shape, (
+            f"output {i}: {o.dtype}{tuple(o.shape)} vs {r.dtype}{tuple(r.shape)}"
         )
-        torch.testing.assert_close(got, want, equal_nan=True, **_tolerance(dtype), msg=lambda m: f"output {i}: {m}")
-    for name, want in expected_grads.items():
-        got = got_grads[name]
-        if want is None:  # an input the op does not read (value_loss's old_values without clipping)
-            assert got is None, f"{backend}: a gradient for {name}, which the reference does not read"
+        torch.testing.assert_close(o, r, equal_nan=True, **_tolerance(dtype), msg=lambda m: f"output {i}: {m}")
+    for name, r in want.grads.items():
+        g = got.grads[name]
+        if r is None:  # an input the op does not read (value_loss's old_values without clipping)
+            assert g is None, f"{backend}: a gradient for {name}, which the reference does not read"
             continue
-        assert got is not None, f"{backend}: no gradient for {name} (the reference has one)"
-        assert got.dtype == want.dtype, f"grad {name}: {got.dtype} vs {want.dtype}"
+        assert g is not None, f"{backend}: no gradient for {name} (the reference has one)"
+        assert g.dtype == r.dtype, f"grad {name}: {g.dtype} vs {r.dtype}"
         if poison == "valid":  # the gradient at a NaN input itself is unspecified; the rest must agree
-            keep = torch.isfinite(want)
-            got, want = got[keep], want[keep]
+            keep = torch.isfinite(r)
+            g, r = g[keep], r[keep]
         tolerance = _grad_tolerance(dtype)
-        if op == "linear_token_logprobs" and dtype in (torch.bfloat16, torch.float16) and want.numel():
+        if op == "linear_token_logprobs" and dtype in (torch.bfloat16, torch.float16) and r.numel():
             # A fused head may round d_logits to the input dtype before its products (as
             # tensor cores need): an error of that precision times the gradient's scale.
-            tolerance["atol"] = max(tolerance["atol"], tolerance["rtol"] * float(want.abs().max()))
-        torch.testing.assert_close(got, want, equal_nan=True, **tolerance, msg=lambda m: f"grad of {name}: {m}")
+            tolerance["atol"] = max(tolerance["atol"], tolerance["rtol"] * float(r.abs().max()))
+        torch.testing.assert_close(g, r, equal_nan=True, **tolerance, msg=lambda m: f"grad of {name}: {m}")
     if poison == "masked":  # masked NaN/inf reaches nothing
-        for i, out in enumerate(got_out):
+        for i, out in enumerate(got.outputs):
             assert torch.isfinite(out).all(), f"output {i} is not finite: masked values leaked"
-        for name, g in got_grads.items():
+        for name, g in got.grads.items():
             assert g is None or torch.isfinite(g).all(), f"grad of {name} is not finite: masked values leaked"
 
 
@@ -558,20 +319,14 @@ def _compiled_cases():
 @pytest.mark.parametrize("op, backend, device", list(_compiled_cases()))
 def test_compiled_fullgraph_matches_eager(op, backend, device):
     """One graph (fullgraph=True) through the public op, forward and backward, equal to eager."""
-    builder, variants = VARIANTS[op]
-
-    def outputs_and_grads(compile_it):
-        built = builder(torch.Generator().manual_seed(7), device, torch.float32, "contiguous", "clean", **variants[0])
-        call = torch.compile(built.call, fullgraph=True, backend="aot_eager") if compile_it else built.call
-        with pf.use_backend(backend):
-            outs = call()
-        total = sum(outs[i].sum() for i in built.differentiable)
-        return [o.detach() for o in outs], torch.autograd.grad(total, list(built.leaves.values()), allow_unused=True)
-
+    built, spec, values = built_case(op, VARIANTS[op][2][0], device=device, seed=7)
     torch._dynamo.reset()
-    eager_out, eager_grads = outputs_and_grads(False)
-    compiled_out, compiled_grads = outputs_and_grads(True)
-    for got, want in zip(compiled_out + list(compiled_grads), eager_out + list(eager_grads)):
+    eager = harness.run(built, spec, values, backend, torch.float32)
+    compiled = harness.run(built, spec, values, backend, torch.float32, eager.projection, compiled=False)
+    for result in (eager, compiled):
+        if result.error is not None:
+            raise result.error
+    for got, want in zip(compiled.outputs + list(compiled.grads.values()), eager.outputs + list(eager.grads.values())):
         if want is None:  # an input the op does not read (GSPO's old_logprobs)
             assert got is None
             continue
@@ -600,28 +355,21 @@ def _edge_cases():
 
 
 @pytest.mark.parametrize("op, backend, device, edge", list(_edge_cases()))
-def test_edge_shapes_match_reference(op, backend, device, edge, monkeypatch):
+def test_edge_shapes_match_reference(op, backend, device, edge):
     """One token, empty responses, an empty batch: the reference's shapes, values and
     gradients.  With everything masked every output and every gradient is 0."""
-    monkeypatch.setattr(sys.modules[__name__], "MASK_EVERYTHING", edge == "all-masked")
-    variant = {**VARIANTS[op][1][0], "dims": EDGE_SHAPES[edge]}
-    want_out, want_grads = run_case("reference", op, device, torch.float32, "contiguous", "clean", variant, 11)
-    got_out, got_grads = run_case(backend, op, device, torch.float32, "contiguous", "clean", variant, 11)
-    for got, want in zip(got_out, want_out):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-    for name, leaf in built_leaves(op, device, variant).items():  # no gradient: a zero one
-        got, want = (g[name] if g[name] is not None else torch.zeros_like(leaf) for g in (got_grads, want_grads))
-        assert got.shape == want.shape == leaf.shape, name
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    cell = dict(device=device, seed=11, dims=EDGE_SHAPES[edge], all_masked=edge == "all-masked")
+    got, want, values = run_case(backend, op, VARIANTS[op][2][0], **cell)
+    for o, r in zip(got.outputs, want.outputs, strict=True):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        torch.testing.assert_close(o, r, rtol=2e-5, atol=2e-5)
+    for name in want.grads:  # no gradient: a zero one
+        g, r = (x.grads[name] if x.grads[name] is not None else torch.zeros_like(values[name]) for x in (got, want))
+        assert g.shape == r.shape == values[name].shape, name
+        torch.testing.assert_close(g, r.to(g.dtype), rtol=2e-5, atol=2e-5)
     if edge == "all-masked":
-        assert all(torch.count_nonzero(out) == 0 for out in got_out)
-        assert all(g is None or torch.count_nonzero(g) == 0 for g in got_grads.values())
-
-
-def built_leaves(op, device, variant):
-    builder, _ = VARIANTS[op]
-    return builder(torch.Generator().manual_seed(11), device, torch.float32, "contiguous", "clean", **variant).leaves
+        assert all(torch.count_nonzero(out) == 0 for out in got.outputs)
+        assert all(g is None or torch.count_nonzero(g) == 0 for g in got.grads.values())
 
 
 # --------------------------------------------------------------------------- gradcheck
@@ -644,7 +392,7 @@ def _gradcheck_cases():
     Jacobian: two evaluations instead of one per input element); the full tier all of them, whole."""
     for k, op in enumerate(op for op in OPS if op not in STOP_GRADIENT_SURROGATES):
         for backend in serving(op, "cpu"):
-            variants = VARIANTS[op][1][:-1]  # not the long rows
+            variants = VARIANTS[op][2][:-1]  # not the long rows
             for i, variant in enumerate(variants):
                 if backend == "triton" and op in LINEAR_POLICY_LOSS_OPS and (i or op != _VANILLA_LOOP):
                     continue
@@ -659,22 +407,15 @@ def _gradcheck_cases():
 @pytest.mark.parametrize("op, backend, variant, fast_mode", list(_gradcheck_cases()))
 def test_gradcheck_float64(op, backend, variant, fast_mode):
     """Every backend's backward against finite differences (float64 inputs are computed in float64)."""
-    builder, _ = VARIANTS[op]
-    built = builder(
-        torch.Generator().manual_seed(3),
-        "cpu",
-        torch.float64,
-        "contiguous",
-        "clean",
-        **{**variant, "dims": GRADCHECK_DIMS},
-    )
+    built, spec, values = built_case(op, variant, dtype=torch.float64, seed=3, dims=GRADCHECK_DIMS)
+    tensors, leaves, views = harness.tensors_of(built, spec, values, torch.float64)
 
-    def differentiable_outputs(*_leaves):  # gradcheck perturbs the leaves in place; call() reads them
+    def differentiable_outputs(*xs):
         with pf.use_backend(backend):
-            outputs = built.call()
+            outputs = built.call({**tensors, **{name: views[name](x) for name, x in zip(leaves, xs)}})
         return tuple(outputs[i] for i in built.differentiable)
 
-    assert torch.autograd.gradcheck(differentiable_outputs, tuple(built.leaves.values()), fast_mode=fast_mode)
+    assert torch.autograd.gradcheck(differentiable_outputs, tuple(leaves.values()), fast_mode=fast_mode)
 
 
 # --------------------------------------------------------------------------- opcheck of the native operators
@@ -704,14 +445,12 @@ def native_operator_calls():
 
     with Record(), pf.use_backend("native"):
         for op in [op for op in OPS if "native" in serving(op, "cpu")]:
-            builder, variants = VARIANTS[op]
-            for variant in variants[:-1]:
-                built = builder(
-                    torch.Generator().manual_seed(5), "cpu", torch.float32, "contiguous", "clean", **variant
-                )
-                outputs = built.call()
+            for variant in VARIANTS[op][2][:-1]:
+                built, spec, values = built_case(op, variant, seed=5)
+                tensors, leaves, _ = harness.tensors_of(built, spec, values, torch.float32)
+                outputs = built.call(tensors)
                 total = sum(outputs[i].sum() for i in built.differentiable)
-                leaves = list(built.leaves.values())
+                leaves = list(leaves.values())
                 for subset in (leaves, leaves[:1], leaves[1:2]):  # every input, the first only, the second only
                     if subset:
                         torch.autograd.grad(total, subset, retain_graph=True, allow_unused=True)

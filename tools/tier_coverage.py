@@ -40,7 +40,7 @@ def main() -> int:
             variants = len({repr(c[3]) for c in fast})
             pairs = sum(len({(c[i], c[j]) for c in fast}) for i, j in itertools.combinations(range(3), 2))
             all_pairs = sum(len(axes[i]) * len(axes[j]) for i, j in itertools.combinations(range(3), 2))
-            n_variants = len(matrix.VARIANTS[op][1])
+            n_variants = len(matrix.VARIANTS[op][2])
             strength = matrix._strength(backend, device)
             lost += covered != [len(a) for a in axes] or variants != n_variants
             lost += strength == 2 and pairs != all_pairs
