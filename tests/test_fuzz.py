@@ -25,11 +25,12 @@ from ``ppo_fast.contract``:
   zeros or None silently);
 * ``torch.compile(fullgraph=True)`` (some examples ``dynamic=True``) follows the same rules.
 
-A new op is one row of ``CASES`` (a builder of its inputs and call, its hyper-parameter
+A new op is one row of ``CASES`` (its inputs' builder in tests/harness.py, its hyper-parameter
 strategy, its backends and CI budget); each registered policy-loss mode is a row by itself.
 Budget: a fixed, derandomized budget per row (no example database): the fast tier runs half of
 it, ``--full`` all of it (about 1.5 minutes on 2 cores); ``pytest --fuzz-examples=2000`` (or ``PPO_FAST_FUZZ_EXAMPLES=2000``) runs that many
-random examples per test, for a nightly job.  ``EXAMPLES`` holds known regressions.
+random examples per test, for a nightly job.  The regressions the fuzzer found are tests of their own,
+sharper than its bounds, in tests/test_edge_values.py.
 
 PYTEST_DONT_REWRITE (the messages say what differs; pytest's rewriting would add tensor reprs)
 """
@@ -61,7 +62,7 @@ from harness import (
     poisoned,
     run,
 )
-from hypothesis import HealthCheck, Phase, assume, example, given, note, settings
+from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from hypothesis import strategies as st
 
 from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
@@ -81,11 +82,9 @@ F64_FLOOR = (1e-10, 1e-11)  # float64's (eps, tiny): no float128 truth measures 
 
 
 def budget(ci_examples: int, scale: float = 1.0, shrink: bool = True) -> settings:
-    """A fixed, database-less, derandomized budget for CI; N random examples when asked.
-    ``PPO_FAST_FUZZ_DRAWS_ONLY=1`` skips the explicit examples (do the draws find a bug alone?)."""
+    """A fixed, database-less, derandomized budget for CI; N random examples when asked."""
     fixed = dict(derandomize=True, database=None) if not NIGHTLY else {}
-    skip = {Phase.explicit} if os.environ.get("PPO_FAST_FUZZ_DRAWS_ONLY") == "1" else set()
-    fixed["phases"] = [p for p in Phase if p not in skip | (set() if shrink else {Phase.shrink})]
+    fixed["phases"] = [p for p in Phase if shrink or p != Phase.shrink]
     if not NIGHTLY and os.environ.get("PPO_FAST_FULL") != "1":
         ci_examples = max(1, ci_examples // 2)  # the fast tier: half the full tier's budget
     return settings(
@@ -545,87 +544,12 @@ def check(case: Case, spec: Spec, compiled=None):
 # --------------------------------------------------------------------------- the tests
 
 
-# Known regressions (the random draws reach each of them too), as explicit examples.
-_HEAD = {
-    "scale": 1.0,
-    "labels": "greedy",
-    "ignored": 0.0,
-    "ignore_index": -100,
-    "entropy": False,
-    "logit_scale": 1.0,
-    "softcap": None,
-    "bias": False,
-    "weight_layout": "contiguous",
-}
-_LOSS = {"params": (), "entry": "policy_loss", "agg": "token-mean", "weighted": False, "adv_scale": 1.0}
-EXAMPLES = {
-    "linear_token_logprobs": [
-        # ignore_index a valid token id, NaN in those rows' hidden states: 0 and no gradient there.
-        Spec(
-            "native",
-            "float32",
-            "contiguous",
-            "masked",
-            (1, 3, 4, 5),
-            {**_HEAD, "temperature": 1.0, "labels": "random", "ignored": 0.5, "ignore_index": 0},
-            seed=1,
-        ),
-        # greedy labels at T = 1e-3: d_hidden is 0, as the reference's (native's was not).
-        Spec("native", "float32", "contiguous", "clean", (2, 3, 8, 11), {**_HEAD, "temperature": 1e-3}),
-    ],
-    # logits ~1e3 at the minimum temperature, greedy labels: the gradient is 0 (native's was ~1e4-1e5).
-    "token_logprobs": [
-        Spec(
-            "native",
-            "float32",
-            "contiguous",
-            "clean",
-            (2, 3, 7),
-            {
-                "temperature": MIN_TEMPERATURE,
-                "scale": 1e3,
-                "labels": "greedy",
-                "ignored": 0.0,
-                "ignore_index": -100,
-                "entropy": False,
-            },
-        )
-    ],
-    # k3 at log-ratios 1e-4..1e-3: within 1e-4 of float64 (float32 exp(r) - r - 1 cancels to 0).
-    "kl_estimate": [Spec("reference", "float32", "contiguous", "clean", (3, 5), {"ratio": "tiny"})],
-    # exp(mean log-ratio) at float32's overflow (85..92): the reference's inf or value (native saturated below it).
-    "policy_loss_geo_mean": [
-        Spec(
-            "native",
-            "float32",
-            "contiguous",
-            "clean",
-            (2, 1),
-            {**_LOSS, "loss_mode": "geo_mean", "ratio": "huge", "adv_sign": "negative"},
-        )
-    ],
-    # -inf log-prob at a valid token: NaN as the reference (native gave a finite loss).
-    "policy_loss_gspo": [
-        Spec(
-            "native",
-            "float32",
-            "contiguous",
-            "valid -inf",
-            (2, 3),
-            {**_LOSS, "loss_mode": "gspo", "ratio": "normal", "adv_sign": "mixed"},
-        )
-    ],
-}
-
-
 def _make_test(case: Case):
     @budget(case.ci_examples)
     @given(spec=specs(case))
     def test(spec):
         check(case, spec)
 
-    for spec in EXAMPLES.get(case.name, []):
-        test = example(spec=spec)(test)
     test.__name__ = f"test_fuzz_{case.name}"
     test.__doc__ = f"{case.name}: every backend against the reference and float64 (module docstring)."
     return test
