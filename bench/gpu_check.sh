@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# GPU check on a fresh machine without network, targets first, within ~9 minutes:
-#   0. preflight (no GPU needed): versions, tools; stops here, exit 3, when no CUDA GPU is visible
-#   1. build the extension for this GPU's architecture only
-#   2. the GPU tests in parallel (pytest -n, when pytest-xdist is installed), without the
-#      compile-only tests (the static report covers those without a GPU)
-#   3. the targets (python -m bench targets): log-probs [16384, 151936] bf16, GAE [64, 8192],
-#      the losses at 16M and 1M tokens, the fused LM head if present
-#   4. the rest of the benchmark suite with the time left (no torch.compile baselines
-#      unless COMPILE=1)
-#   5. where vllm is installed: rollout speed, hf against vllm (bench/vllm_rollout.py)
-# Every stage runs under its own hard time limit and writes into $OUT as it goes, so a
-# timeout still leaves what was measured; a failed stage does not stop the next one.
-# The last lines of summary.txt: one per target (met / missed, with the number), then
-# one per stage.
+# GPU check on a lent machine (no package index there: what its image lacks comes as wheels in
+# $WHEELS, made here by bench/gpu_wheels.sh), all inside TOTAL_S (480 s):
+#   preflight   versions; the wheels installed without an index, the image's torch and triton
+#               pinned; the packages the tests and baselines import; nvcc against torch's CUDA;
+#               ninja.  Without a GPU it stops here, exit 3 (unless REHEARSAL=1)
+#   build       ppo_fast._C with its CUDA kernels for this GPU's architecture (ninja)
+#   tests-*     the GPU tests in stages: native CUDA and no host sync, the Triton kernels, the
+#               conformance matrix, its torch.compile cases, the rest; one line per test in
+#               tests-*.log as it ends, so a stage cut by its limit keeps every name
+#   targets     python -m bench targets (saved as measured)
+#   fused-head  the fused LM head's benchmark rows
+#   bench       the rest of the benchmark suite, with the time left
+# Each stage must end by its deadline, the share of TOTAL_S up to it (DEADLINE below): a stage
+# that ends early leaves its time to the next.  A TERM or INT (the device call's limit) stops the
+# stage in flight and still writes the summary.  The last lines of summary.txt: one per target
+# (met / missed, with the number), then one per stage.
 #
-#   bash bench/gpu_check.sh            # from the repo root; results in $OUT (default bench/results)
+#   bash bench/gpu_wheels.sh                 # here, once: the wheels for the device call (carry .whl)
+#   bash bench/gpu_check.sh                  # on the GPU machine, from the repo root; results in $OUT
+#   REHEARSAL=1 bash bench/gpu_check.sh      # without a GPU (CI): the preflight with its installs, the
+#                                            # build for sm_90, every test stage's collection (no error,
+#                                            # no empty stage), the plan, the summary; nothing measured
 #
-# Stage limits (seconds): BUILD_S (200), TESTS_S (120), TARGETS_S (150), FUSED_S (150, the
-# fused LM head's own cases after the targets), VLLM_S (180); the
-# suite gets the rest of TOTAL_S (540) less VLLM_S where vllm is installed.  TEST_WORKERS
-# (8): pytest -n.  Extra benchmark flags: BENCH_ARGS.
+# Environment: OUT (bench/results), PYTHON (python3), TOTAL_S (480), WHEELS (.whl), TEST_WORKERS
+# (8, pytest -n), BENCH_ARGS (extra benchmark flags), COMPILE=1 (torch.compile baselines too).
 # Exit status: 0 only if every stage passed; 3 without a GPU (nothing built or measured).
 set -u
 
@@ -27,30 +31,76 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-TOTAL_S="${TOTAL_S:-540}"
-BUILD_S="${BUILD_S:-200}"
-TESTS_S="${TESTS_S:-120}"
-TARGETS_S="${TARGETS_S:-150}"
+TOTAL_S="${TOTAL_S:-480}"
+REHEARSAL="${REHEARSAL:-0}"
+WHEELS="${WHEELS:-.whl}"
 TEST_WORKERS="${TEST_WORKERS:-8}"
 BENCH_ARGS="${BENCH_ARGS:-}"
+export PYTHONUNBUFFERED=1
+# A backend that does not load stops the tests with its import error instead of its tests skipping.
+export PPO_FAST_REQUIRE_BACKENDS="${PPO_FAST_REQUIRE_BACKENDS-native,triton}"
 START=$(date +%s)
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 declare -a RESULTS=()
+STAGE=""
+CHILD=""
+
+# Percent of TOTAL_S by which each stage must have ended.
+declare -A DEADLINE=(
+    [preflight]=6 [build]=26
+    [tests-native]=31 [tests-triton]=39 [tests-matrix]=48 [tests-compile]=53 [tests-rest]=58
+    [targets]=73 [fused-head]=83 [bench]=100
+)
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
 elapsed() { echo $(($(date +%s) - START)); }
+left_for() { echo $((START + TOTAL_S * DEADLINE[$1] / 100 - $(date +%s))); }
 
-# run_stage NAME LIMIT_S LOG CMD...: runs CMD under a hard time limit, records its status.
+finish() {
+    trap - TERM INT
+    say ""
+    say "summary after $(elapsed)s of ${TOTAL_S}s$([ "$REHEARSAL" = 1 ] && echo ' (rehearsal: no GPU, nothing measured)'):"
+    if [ -f "$OUT/targets.json" ]; then
+        "$PY" -m bench targets --summary "$OUT/targets.json" 2>&1 | sed 's/^/  /' | tee -a "$SUMMARY"
+    fi
+    local status=${1:-0}
+    for line in "${RESULTS[@]}"; do
+        say "  $line"
+        case "$line" in *": ok in "* | *": skipped "*) ;; *) status=1 ;; esac
+    done
+    say "files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    exit "$status"
+}
+
+on_signal() {
+    RESULTS+=("interrupted by $1 after $(elapsed)s${STAGE:+, during $STAGE}")
+    [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
+    finish 1
+}
+trap 'on_signal TERM' TERM
+trap 'on_signal INT' INT
+
+# run_stage NAME LOG CMD...: CMD until the stage's deadline (killed there), its verdict recorded.
+# It runs in the background so that a TERM to this script is handled at once.
 run_stage() {
-    local name="$1" limit="$2" log="$3"
-    shift 3
-    local t0=$(date +%s)
+    local name="$1" log="$2"
+    shift 2
+    local limit t0=$(date +%s)
+    limit=$(left_for "$name")
+    if [ "$limit" -lt 5 ]; then
+        RESULTS+=("$name: NOT RUN (its deadline, ${DEADLINE[$name]}% of ${TOTAL_S}s, has passed)")
+        return 1
+    fi
+    STAGE=$name
     echo "== $name (limit ${limit}s): $*" | tee -a "$log"
-    timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >>"$log" 2>&1 &
+    CHILD=$!
+    wait "$CHILD"
     local rc=$?
-    local took=$(($(date +%s) - t0))
-    local verdict="ok"
+    CHILD=""
+    STAGE=""
+    local took=$(($(date +%s) - t0)) verdict="ok"
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         verdict="TIMEOUT"
     elif [ "$rc" -eq 5 ] && [[ "$name" == tests* ]]; then
@@ -63,112 +113,151 @@ run_stage() {
     return "$rc"
 }
 
-finish() {
-    say ""
-    say "summary after $(elapsed)s:"
-    if [ -f "$OUT/targets.json" ]; then
-        "$PY" -m bench targets --summary "$OUT/targets.json" 2>&1 | sed 's/^/  /' | tee -a "$SUMMARY"
-    fi
-    local status=0
-    for line in "${RESULTS[@]}"; do
-        say "  $line"
-        case "$line" in *": ok in "*) ;; *) status=1 ;; esac
-    done
-    say "files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-    exit "$status"
-}
-
-# --- 0. preflight: everything here runs without a GPU.
-say "ppo_fast GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+# --- preflight: no GPU needed.
+say "ppo_fast GPU check$([ "$REHEARSAL" = 1 ] && echo ' REHEARSAL'), $(date -u +%Y-%m-%dT%H:%M:%SZ), ${TOTAL_S}s in all"
 say "git: $(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout')"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$SUMMARY"
-"$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
-import importlib.util, sys, torch
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$SUMMARY"
+else
+    say "gpu: no nvidia-smi"
+fi
+PREFLIGHT_LOG="$OUT/preflight.log"
+: >"$PREFLIGHT_LOG"
+# Nothing installed here may replace the image's torch or triton.
+"$PY" -c "import torch, triton; print(f'torch=={torch.__version__}'); print(f'triton=={triton.__version__}')" \
+    >"$OUT/constraints.txt" 2>>"$PREFLIGHT_LOG"
+WHEEL_FILES=("$WHEELS"/*.whl)
+if [ -f "${WHEEL_FILES[0]}" ]; then
+    # One at a time: a wheel that does not fit this Python is reported, the others still installed.
+    run_stage preflight "$PREFLIGHT_LOG" bash -c 'rc=0; for w in "${@:3}"; do
+        "$1" -m pip install -q --no-index --no-deps --no-cache-dir -c "$2" "$w" || rc=1; done; exit $rc' \
+        _ "$PY" "$OUT/constraints.txt" "${WHEEL_FILES[@]}"
+else
+    say "wheels: none in $WHEELS (bench/gpu_wheels.sh makes them): the baselines the image lacks will not run"
+fi
+"$PY" - "$OUT/preflight.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import importlib, json, sys
+
+import torch
+
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}), cuda available: {torch.cuda.is_available()}")
-for name in ("triton", "pytest", "xdist", "hypothesis", "transformers", "matplotlib", "ninja", "liger_kernel", "flash_attn"):
-    found = importlib.util.find_spec(name) is not None
-    version = " " + __import__(name).__version__ if found and name in ("triton", "transformers") else ""
-    print(f"  {name}: {'installed' + version if found else 'missing'}")
+# What the tests import (collection fails without it), then the real baselines the benchmarks compare with.
+needed = ["triton", "pytest", "xdist", "hypothesis", "yaml", "numpy", "transformers", "safetensors", "tqdm", "matplotlib", "ninja"]
+baselines = {"liger_kernel": "liger_kernel.transformers", "cut_cross_entropy": "cut_cross_entropy", "trl": "trl.trainer.utils"}
+found = {}
+for name, module in [(n, n) for n in needed] + list(baselines.items()):
+    try:
+        found[name] = getattr(importlib.import_module(module.split(".")[0]), "__version__", "installed")
+        importlib.import_module(module)
+    except Exception as err:  # any import error: what the user would see
+        found[name] = None
+        print(f"  {name}: MISSING ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+print("  present: " + ", ".join(f"{n} {v}" for n, v in found.items() if v))
+missing = [n for n in needed if not found[n]]
+json.dump({"found": found, "missing_for_tests": missing}, open(sys.argv[1], "w"), indent=1)
+sys.exit(1 if missing else 0)
 EOF
-# The first GPU-only step is the build (it compiles for the GPU's own architecture): without a GPU, stop here.
+[ "${PIPESTATUS[0]}" -eq 0 ] || RESULTS+=("preflight: FAILED (a package the tests import is missing: $OUT/preflight.json)")
+TORCH_CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
+NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+NVCC_VERSION=$("$NVCC" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+if [ -z "$NVCC_VERSION" ]; then
+    RESULTS+=("preflight: FAILED (no nvcc: the CUDA kernels cannot be built, their tests would skip)")
+elif [ "${NVCC_VERSION%%.*}" != "${TORCH_CUDA%%.*}" ]; then
+    RESULTS+=("preflight: FAILED (nvcc $NVCC_VERSION, torch built with CUDA $TORCH_CUDA: another major version)")
+fi
+say "nvcc: ${NVCC_VERSION:-missing} ($NVCC), torch's CUDA: ${TORCH_CUDA:-none}"
+if command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null; then
+    say "ninja: present (parallel build)"
+else
+    RESULTS+=("preflight: FAILED (no ninja: the build would be serial)")
+fi
+
+# The first GPU-only step is the build for the GPU's own architecture: without a GPU, stop here.
 ARCH=$("$PY" -c "import torch; assert torch.cuda.is_available(); print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)
-if [ -z "$ARCH" ]; then
+if [ -z "$ARCH" ] && [ "$REHEARSAL" = 1 ]; then
+    ARCH=9.0 # the H200's
+elif [ -z "$ARCH" ]; then
     say "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False): stopping before the build; nothing measured"
     exit 3
 fi
+say "plan (${TOTAL_S}s): $(for s in preflight build tests-native tests-triton tests-matrix tests-compile tests-rest targets fused-head bench; do
+    printf '%s by %ss, ' "$s" $((TOTAL_S * DEADLINE[$s] / 100))
+done)"
 
-# --- 1. build: CUDA kernels for this GPU's architecture only; CPU-only build if CUDA cannot be built.
+# --- build: the CUDA kernels for this GPU's architecture.
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$ARCH}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 BUILD_LOG="$OUT/build.log"
 : >"$BUILD_LOG"
-if ! PPO_FAST_BUILD_CUDA=1 run_stage "build (with CUDA, arch $TORCH_CUDA_ARCH_LIST)" "$BUILD_S" "$BUILD_LOG" \
-    "$PY" setup.py build_ext --inplace; then
-    PPO_FAST_BUILD_CUDA=0 run_stage "build (CPU only, after the CUDA build failed)" 120 "$BUILD_LOG" \
-        "$PY" setup.py build_ext --inplace
-fi
-"$PY" -c "import ppo_fast as pf; [print(f'backend {k}: {v}') for k, v in pf.available_backends().items()]" 2>&1 | tee -a "$SUMMARY"
+PPO_FAST_BUILD_CUDA=1 run_stage build "$BUILD_LOG" "$PY" setup.py build_ext --inplace
+"$PY" -c "import ppo_fast as pf, ppo_fast._C as C
+print('CUDA kernels built:', C.built_with_cuda())
+[print(f'backend {k}: {v}') for k, v in pf.available_backends().items()]
+assert C.built_with_cuda()" 2>&1 | tee -a "$SUMMARY" "$BUILD_LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || RESULTS+=("build: FAILED (ppo_fast._C without its CUDA kernels: see build.log)")
 
-# --- 2. GPU tests, in parallel, without the compile-only tests.
-TESTS_LOG="$OUT/tests.log"
-: >"$TESTS_LOG"
-if "$PY" -c "import pytest" 2>/dev/null; then
-    PARALLEL=(-o addopts=)  # pyproject's -n needs pytest-xdist, which a bare image may lack
-    "$PY" -c "import xdist" 2>/dev/null && PARALLEL+=(-n "$TEST_WORKERS")
-    run_stage "tests (pytest -m 'cuda or triton_on_gpu' ${PARALLEL[*]})" "$TESTS_S" "$TESTS_LOG" \
-        "$PY" -m pytest -q -rfEs -p no:cacheprovider "${PARALLEL[@]}" -m "cuda or triton_on_gpu" \
-        --ignore=tests/backends/test_triton_compiles_for_gpu.py --ignore=tests/test_bench_static.py --ignore=tests/test_gpu_check.py tests
-    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$TESTS_LOG" | tail -25 | sed 's/^/  /' | tee -a "$SUMMARY"
-else
-    RESULTS+=("tests: NOT RUN (pytest is not installed)")
+# --- the GPU tests, in stages.
+PYTEST=("$PY" -m pytest -p no:cacheprovider -o addopts= -rfEs --tb=short -m "cuda or triton_on_gpu")
+"$PY" -c "import xdist" 2>/dev/null && [ "$REHEARSAL" != 1 ] && PYTEST+=(-n "$TEST_WORKERS")
+STAGED=(tests/backends/test_native_cuda.py tests/backends/test_cuda_no_host_sync.py
+    tests/backends/test_triton_kernels.py tests/backends/test_triton_truncation.py tests/test_conformance.py)
+# Compile-only tests: the static report (bench static) covers them without a GPU.
+COMPILE_ONLY=(tests/backends/test_triton_compiles_for_gpu.py tests/test_bench_static.py tests/test_gpu_check.py)
+# test_stage NAME [per-device] PYTEST_ARGS...: "per-device": cells made for each device present
+# (the conformance matrix), so that without a GPU none is collected, which the rehearsal allows.
+test_stage() {
+    local name=$1 log="$OUT/$1.log" allow_none=0
+    shift
+    [ "$1" = per-device ] && allow_none=1 && shift
+    : >"$log"
+    if [ "$REHEARSAL" = 1 ]; then
+        run_stage "$name" "$log" bash -c '"${@:2}"; rc=$?; [ "$rc" = 5 ] && [ "$1" = 1 ] && rc=0; exit $rc' \
+            _ "$allow_none" "${PYTEST[@]}" --collect-only -q "$@"
+        local collected
+        collected=$(grep -E "tests? (collected|deselected)|no tests ran" "$log" | tail -1)
+        say "  $name: ${collected:-nothing collected}$([ "$allow_none" = 1 ] && echo ' (its CUDA cells exist only where a GPU is)')"
+    else
+        run_stage "$name" "$log" "${PYTEST[@]}" -v "$@"
+        grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$log" | tail -15 | sed "s/^/  /" | tee -a "$SUMMARY"
+    fi
+}
+test_stage tests-native "${STAGED[@]:0:2}"
+test_stage tests-triton "${STAGED[@]:2:2}"
+test_stage tests-matrix per-device tests/test_conformance.py -k "not compiled"
+test_stage tests-compile per-device tests/test_conformance.py -k compiled
+test_stage tests-rest tests $(printf -- '--ignore=%s ' "${STAGED[@]}" "${COMPILE_ONLY[@]}")
+
+if [ "$REHEARSAL" = 1 ]; then
+    for s in targets fused-head bench; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
+    finish
 fi
 
-# --- 3. the targets, each saved to targets.json as it is measured.
-TARGETS_LOG="$OUT/targets.log"
-: >"$TARGETS_LOG"
+# --- the targets, each saved to targets.json as it is measured.
 COMPILE_FLAG=()
 [ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
-run_stage "targets (python -m bench targets)" "$TARGETS_S" "$TARGETS_LOG" \
-    "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $((TARGETS_S * 3 / 4)) "${COMPILE_FLAG[@]}"
+run_stage targets "$OUT/targets.log" \
+    "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $(($(left_for targets) * 3 / 4)) "${COMPILE_FLAG[@]}"
 
-# --- fused LM head: its GPU rows alone, before the suite, so that the suite's budget cannot cut them.
-FUSED_S="${FUSED_S:-150}"
+# --- the fused LM head's rows alone, before the suite, so that the suite's budget cannot cut them.
 mkdir -p "$OUT/fused_head"
-run_stage "bench fused LM head (linear_token_logprobs)" "$FUSED_S" "$OUT/fused_head/bench.log" \
+run_stage fused-head "$OUT/fused_head/bench.log" \
     "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
-# --- end of the fused LM head block
 
-# --- 4. the rest of the suite with the time left; it saves its JSON after every case.
-VLLM_S="${VLLM_S:-180}"
-HAS_VLLM=0
-"$PY" -c "import vllm" 2>/dev/null && HAS_VLLM=1
+# --- the rest of the suite with the time left; it saves its JSON after every case.
 BENCH_LOG="$OUT/bench.log"
 : >"$BENCH_LOG"
-left=$((TOTAL_S - $(elapsed) - HAS_VLLM * VLLM_S))
-if [ "$left" -lt 60 ]; then
-    RESULTS+=("bench: NOT RUN (only ${left}s left of ${TOTAL_S}s)")
-else
-    budget=$((left * 2 / 3))  # stop starting cases early enough for the one in flight and the report
-    [ "${COMPILE:-0}" = "1" ] || BENCH_ARGS="--no-compile $BENCH_ARGS"
-    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    run_stage "bench (python -m bench --device cuda $BENCH_ARGS, case budget ${budget}s)" "$left" "$BENCH_LOG" \
-        "$PY" -m bench --device cuda --ops token_logprobs,gae,kl_penalized_rewards,clipped_policy_loss,value_loss \
-        --out "$OUT" --budget-s "$budget" $BENCH_ARGS
-    for json in "$OUT"/cuda*.json; do
-        [ -f "$json" ] || continue
-        "$PY" -m bench report "$json" --plot "${json%.json}.png" >"${json%.json}.md" 2>>"$BENCH_LOG" \
-            || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
-    done
-    grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
-fi
-
-# --- 5. rollout speed, hf against vllm (bench/vllm_rollout.py), only where vllm is installed.
-if [ "$HAS_VLLM" = "1" ]; then
-    run_stage "vllm rollout (python -m bench vllm_rollout --device cuda)" "$VLLM_S" "$OUT/vllm.log" \
-        "$PY" -m bench vllm_rollout --device cuda --model llama-50M --batch 256 --response-length 128 --out "$OUT"
-    grep -E "^\|" "$OUT/vllm.log" | sed 's/^/  /' | tee -a "$SUMMARY"
-else
-    say "vllm rollout: not run (vllm is not installed; not a failure)"
-fi
+budget=$(($(left_for bench) * 2 / 3)) # stop starting cases early enough for the one in flight and the report
+[ "${COMPILE:-0}" = "1" ] || BENCH_ARGS="--no-compile $BENCH_ARGS"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+run_stage bench "$BENCH_LOG" \
+    "$PY" -m bench --device cuda --ops token_logprobs,gae,kl_penalized_rewards,clipped_policy_loss,value_loss \
+    --out "$OUT" --budget-s "$budget" $BENCH_ARGS
+for json in "$OUT"/cuda*.json; do
+    [ -f "$json" ] || continue
+    "$PY" -m bench report "$json" --plot "${json%.json}.png" >"${json%.json}.md" 2>>"$BENCH_LOG" \
+        || RESULTS+=("report of $(basename "$json"): FAILED (see bench.log)")
+done
+grep -E "^FAILED|^  .*: (error|mismatch)" "$BENCH_LOG" | head -20 | sed 's/^/  /' | tee -a "$SUMMARY"
 
 finish

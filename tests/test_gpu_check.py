@@ -32,8 +32,33 @@ def test_gpu_check_stops_before_the_build_without_a_gpu(tmp_path):
     assert "no CUDA GPU visible" in result.stdout
     summary = (tmp_path / "summary.txt").read_text()
     assert "ppo_fast GPU check" in summary and "no CUDA GPU visible" in summary
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.txt"]  # nothing built, tested or measured
+    assert {p.name for p in tmp_path.iterdir()} == {"summary.txt", "constraints.txt", "preflight.log", "preflight.json"}
+    assert json.loads((tmp_path / "preflight.json").read_text())["missing_for_tests"] == []
     assert took < 120, f"the dry run took {took:.0f} s"
+
+
+def test_a_term_mid_stage_stops_it_and_still_writes_the_summary(tmp_path):
+    """The rehearsal (no GPU) up to the build, whose command hangs here; a TERM, as the device
+    call's limit sends, ends the stage in flight and the script with the summary written."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\n[ "$1" = setup.py ] && exec sleep 300\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(python), CUDA_VISIBLE_DEVICES="", REHEARSAL="1", TOTAL_S="480")
+    script = subprocess.Popen(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, stdout=subprocess.PIPE, text=True
+    )
+    for line in script.stdout:
+        if line.startswith("plan (480s): "):
+            assert "build by 124s" in line and line.rstrip(", \n").endswith("bench by 480s")
+            break
+    time.sleep(1)
+    script.terminate()
+    rest = script.stdout.read()
+    assert script.wait(timeout=60) == 1
+    summary = (out / "summary.txt").read_text()
+    assert "interrupted by TERM after" in summary and "during build" in summary and "summary after" in rest
+    assert "== build (limit " in (out / "build.log").read_text()
 
 
 def _row(entry):
