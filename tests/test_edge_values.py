@@ -469,3 +469,20 @@ def test_a_loss_beyond_float32_is_inf_not_an_error(loss):
         with pf.use_backend(backend):
             value = call()[0]
         assert value.item() == math.inf, (backend, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", serving("linear_token_logprobs", "cpu"))
+def test_hidden_size_zero_gives_the_uniform_distribution(backend, dtype):
+    """H = 0: every logit is 0 (the bias), log p = -log V; the backward's scratch sizing divided by H."""
+    hidden, weight = torch.randn(2, 3, 0, dtype=dtype, requires_grad=True), torch.randn(5, 0, dtype=dtype)
+    labels, mask = torch.tensor([[0, 4, -100], [1, 2, 3]]), torch.ones(2, 3, dtype=torch.bool)
+    with pf.use_backend(backend):
+        logp, entropy = pf.linear_token_logprobs(hidden, weight.requires_grad_(), labels, return_entropy=True)
+        grads = torch.autograd.grad(logp.sum() + entropy.sum(), (hidden, weight))
+        loss, _ = pf.linear_policy_loss(hidden, weight, labels, -torch.ones(2, 3), torch.ones(2, 3), mask)
+        loss.backward()
+    want = torch.where(labels == -100, 0.0, -math.log(5))
+    torch.testing.assert_close(logp, want)
+    torch.testing.assert_close(entropy, torch.where(labels == -100, 0.0, math.log(5)))
+    assert [g.shape for g in grads] == [hidden.shape, weight.shape] and torch.isfinite(loss)

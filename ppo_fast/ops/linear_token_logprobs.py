@@ -97,7 +97,7 @@ def linear_token_logprobs(
     labels = labels.long()
     check_labels = labels.numel() and check.host_checks_free(labels)
     logp, entropy = resolve("linear_token_logprobs", hidden.device.type)(
-        hidden if hidden.dim() == 2 else hidden.reshape(-1, width),
+        hidden if hidden.dim() == 2 else hidden.reshape(labels.numel(), width),
         weight,
         labels if labels.dim() == 1 else labels.reshape(-1),
         bias=bias,

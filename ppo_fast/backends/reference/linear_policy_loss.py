@@ -90,7 +90,7 @@ def _one_pass(mode, hidden, weight, labels, old, adv, mask, weights, bias, ref, 
         with torch.enable_grad():
             h = hidden[rs].detach().requires_grad_(d_hidden is not None)
             logp, entropy = _linear_logprobs_chunk(
-                h.reshape(-1, width), w_leaf, b_leaf, labels[rs].reshape(-1), *head[:3], True, head[3]
+                h.reshape(labels[rs].numel(), width), w_leaf, b_leaf, labels[rs].reshape(-1), *head[:3], True, head[3]
             )
             shape = labels[rs].shape
             out = _chunk_terms(
@@ -220,7 +220,9 @@ def one_pass_on_rows(rows: RowKernels, mode, hidden, weight, labels, old, adv, m
         rs = slice(b0, b0 + step)
         chunk_labels = labels[rs].reshape(-1)
         used = ((chunk_labels != ignore_index) & (chunk_labels >= 0) & (chunk_labels < vocab)).unsqueeze(-1)
-        h = torch.where(used, hidden_c[rs].reshape(-1, width), 0.0)  # whatever unused rows hold reaches nothing
+        h = torch.where(
+            used, hidden_c[rs].reshape(chunk_labels.numel(), width), 0.0
+        )  # whatever unused rows hold reaches nothing
         logits = h @ weight_c.T
         if bias_c is not None:
             logits += bias_c

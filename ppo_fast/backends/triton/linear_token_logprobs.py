@@ -566,7 +566,8 @@ def linear_token_logprobs_backward(
         chunk = vocab
         if needs_weight and weight.dtype != acc_dtype:
             chunk = max(
-                block_v, (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * hidden_size) // block_v * block_v
+                block_v,
+                (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * max(1, hidden_size)) // block_v * block_v,
             )
         stats = stats.contiguous()
         entropy = stats if entropy is None else entropy.contiguous()
