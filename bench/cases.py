@@ -65,10 +65,20 @@ def _right_padded_mask(batch: int, length: int, device: torch.device) -> torch.T
     return torch.arange(length, device=device) < lengths
 
 
+def rows_read(n: int) -> int:
+    """The rows a kernel reads: the others' labels are ignore_index (exactly MASKED_ROW_FRACTION of them)."""
+    return n - round(n * MASKED_ROW_FRACTION)
+
+
+def _labels(n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    labels = torch.randint(0, vocab, (n,), device=device)
+    labels[torch.randperm(n, device=device)[rows_read(n) :]] = baselines.IGNORE_INDEX
+    return labels
+
+
 def _logprob_inputs(n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
     logits = torch.randn(n, vocab, dtype=dtype, device=device)
-    labels = torch.randint(0, vocab, (n,), device=device)
-    labels[torch.rand(n, device=device) < MASKED_ROW_FRACTION] = baselines.IGNORE_INDEX
+    labels = _labels(n, vocab, device)
     return {"logits": logits, "labels": labels, "grad_out": torch.randn(n, device=device)}
 
 
@@ -110,7 +120,7 @@ def _truncated(case: Case, truncation: dict | None) -> Case:
 
 def logprob_case(n: int, vocab: int, dtype: torch.dtype, truncation: dict | None = None) -> Case:
     elt = torch.tensor([], dtype=dtype).element_size()
-    logits_bytes = n * vocab * elt
+    row_bytes = vocab * elt
     per_row = 8 + 4  # label in, log-prob out
     truncation_kwargs = truncation or {}
 
@@ -133,9 +143,10 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype, truncation: dict | None
         # The reference's own row-chunk loop would be unrolled by dynamo (N·V / 2^24 chunks,
         # a thousand at the largest shape); the same math unchunked is what gets compiled.
         compile_targets={"compile(eager)": eager},
-        # forward reads the logits once; backward reads them again and writes the gradient
-        fwd_bytes=logits_bytes + n * per_row,
-        bwd_bytes=2 * logits_bytes + n * (8 + 4),
+        # The forward reads the logits of the rows it scores once (an ignored row's never); the
+        # backward reads them again and writes the whole gradient (zeros in the ignored rows).
+        fwd_bytes=rows_read(n) * row_bytes + n * per_row,
+        bwd_bytes=rows_read(n) * row_bytes + n * row_bytes + n * (8 + 4),
         grad_input="logits",
         params={
             "dtype": str(dtype).replace("torch.", ""),
@@ -150,8 +161,7 @@ def logprob_case(n: int, vocab: int, dtype: torch.dtype, truncation: dict | None
 def _head_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
     # Logits of unit scale, as a trained head gives; the head always collects its gradient.
     weight = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
-    labels = torch.randint(0, vocab, (n,), device=device)
-    labels[torch.rand(n, device=device) < MASKED_ROW_FRACTION] = baselines.IGNORE_INDEX
+    labels = _labels(n, vocab, device)
     return {
         "hidden": torch.randn(n, hidden, device=device, dtype=dtype),
         "weight": weight,
@@ -200,9 +210,10 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, tru
         baselines={name: _fresh_head_grad(fn) for name, fn in calls.items()},
         eager_baseline="eager",
         compile_targets={},
-        # hidden and head in, log-probs out; the backward reads them again and writes both gradients
-        fwd_bytes=(n + vocab) * hidden * elt + n * 12,
-        bwd_bytes=2 * (n + vocab) * hidden * elt + n * 12,
+        # the scored rows' hidden states and the head in, log-probs out; the backward reads them
+        # again and writes both gradients (d_hidden whole: zeros in the ignored rows)
+        fwd_bytes=(rows_read(n) + vocab) * hidden * elt + n * 12,
+        bwd_bytes=(rows_read(n) + vocab) * hidden * elt + (n + vocab) * hidden * elt + n * 12,
         grad_input="hidden",
         params={
             "dtype": str(dtype).replace("torch.", ""),

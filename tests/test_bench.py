@@ -341,3 +341,17 @@ def test_python_m_bench_runs_a_suite_once(tmp_path):
         out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.count("usage:") == 1, out.stdout
+
+
+def test_bytes_moved_count_only_the_rows_a_kernel_reads():
+    """The bandwidth figures' bytes, counted by hand: the ignored rows' logits (hidden states) are
+    never read; the gradient is written whole.  10 rows, 3 of them ignored, V = 7, H = 5, float32."""
+    logits = cases.logprob_case(10, 7, torch.float32)
+    labels = logits.make_inputs(torch.device("cpu"))["labels"]
+    assert int((labels == -100).sum()) == 3
+    assert logits.fwd_bytes == 7 * 7 * 4 + 10 * (8 + 4)  # 7 rows of logits read; labels in, log-probs out
+    assert logits.bwd_bytes == 7 * 7 * 4 + 10 * 7 * 4 + 10 * (8 + 4)  # read again, the gradient out
+    head = cases.linear_logprob_case(10, 5, 7, torch.float32)
+    assert int((head.make_inputs(torch.device("cpu"))["labels"] == -100).sum()) == 3
+    assert head.fwd_bytes == (7 + 7) * 5 * 4 + 10 * 12
+    assert head.bwd_bytes == (7 + 7) * 5 * 4 + (10 + 7) * 5 * 4 + 10 * 12
