@@ -435,7 +435,7 @@ acc_t kept_threshold(const acc_t* z, int64_t vocab, acc_t m, const Truncation& t
   acc_t lower = std::numeric_limits<acc_t>::lowest();
   if (t.min_p > 0) lower = min_above(z, vocab, m, min_p_cutoff<acc_t>(t.min_p));
   const int64_t k = t.top_k;
-  if (k > 0 && 2 * k <= vocab) {  // k blocks' maxima: at least k tokens are >= the least of them
+  if (k > 0 && k <= vocab / 2) {  // k blocks' maxima: at least k tokens are >= the least of them
     const int64_t block = vocab / k;
     acc_t least = std::numeric_limits<acc_t>::infinity();
     for (int64_t b = 0; b < k; ++b)

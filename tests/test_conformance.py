@@ -790,6 +790,7 @@ for _mode in POLICY_LOSS_MODES.values():
                 None,
             ),
             (lambda c=_call: c(not_a_param=1.0), TypeError, "unexpected not_a_param", None),
+            (lambda c=_call: c(top_p=0.9), ValueError, r"takes no sampling truncation \(got top_p\)", None),
             (lambda c=_call: c(agg="mean"), ValueError, "agg must be one of", None),
         ]
 assert set(BAD_INPUTS) == set(OPS) | {None}

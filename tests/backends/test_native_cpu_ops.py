@@ -334,3 +334,31 @@ def test_bitwise_deterministic_across_calls_and_threads():
         torch.set_num_threads(threads)
     for again in outputs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(again, outputs[0]))
+
+
+# --------------------------------------------------------------------------- integer arguments at their extremes
+
+EXTREME_CALLS = """
+import sys, torch, ppo_fast
+x, h, w = torch.randn(3, 11), torch.randn(3, 4), torch.randn(11, 4)
+y = torch.tensor([1, 5, -100])
+for k in (6, 11, 12, 2**31, 2**62, 2**63 - 1):
+    for ignore in (-100, -(2**63), 2**63 - 1):
+        args = (1.0, True, ignore, k)
+        a = torch.ops.ppo_fast.token_logprobs(x, y, *args)[:2]
+        b = torch.ops.ppo_fast.linear_token_logprobs(h, w, y, None, 1.0, 1.0, None, *args[1:])[:2]
+        if k >= 11:  # top_k >= V keeps every token: the untruncated row
+            for got, off in ((a, torch.ops.ppo_fast.token_logprobs(x, y, 1.0, True, ignore)[:2]),
+                             (b, torch.ops.ppo_fast.linear_token_logprobs(h, w, y, None, 1.0, 1.0, None, True, ignore)[:2])):
+                for g, o in zip(got, off):
+                    torch.testing.assert_close(g, o, equal_nan=True)
+print("ok")
+"""
+
+
+def test_top_k_and_ignore_index_at_their_extremes_return():
+    """Direct calls with top_k and ignore_index at int64's ends: an answer (top_k >= V: the untruncated
+    row), never a hang (2 * top_k overflowed, and the scan then ran 2^62 times) or a crash.  In a
+    child process with a timeout, so that a hang fails this test."""
+    done = subprocess.run([sys.executable, "-c", EXTREME_CALLS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
