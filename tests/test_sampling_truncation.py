@@ -334,17 +334,26 @@ def test_native_edge_rows_equal_reference(vocab, dtype, truncation):
     torch.testing.assert_close(results["native"][1].float(), results["reference"][1].float(), **tol)
 
 
-@native_only
-def test_native_dropped_label_is_minus_inf_and_gets_no_one_hot():
+@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
+def test_dropped_label_is_minus_inf_and_gets_no_one_hot(backend):
+    """A label the sampler dropped: log-prob -inf, and its cotangent (not zeroed here) reaches only
+    the kept tokens (-p each), never the label's logit (nor, through the fused head, its weight row)."""
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -math.inf]])
+    p = torch.softmax(logits[0, :2], -1)
     for label in (3, 4):  # outside top-k = 2: a finite and a -inf logit
         leaf = logits.clone().requires_grad_()
-        with pf.use_backend("native"):
+        with pf.use_backend(backend):
             logp = pf.token_logprobs(leaf, torch.tensor([label]), top_k=2)
         assert torch.isneginf(logp).all()
-        logp.sum().backward()  # the gradient of -inf: the kept tokens' -p, nothing at the label
-        p = torch.softmax(logits[0, :2], -1)
+        logp.sum().backward()
         torch.testing.assert_close(leaf.grad[0], torch.cat([-p, torch.zeros(3)]))
+    hidden, weight = torch.eye(4)[:1], torch.tensor([[3.0, 0, 0, 0], [2.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 0, 0, 0]])
+    weight.requires_grad_()
+    with pf.use_backend(backend):
+        logp = pf.linear_token_logprobs(hidden, weight, torch.tensor([3]), top_k=2)
+    logp.sum().backward()
+    assert torch.isneginf(logp).all() and weight.grad[2:].abs().sum() == 0
+    torch.testing.assert_close(weight.grad[:2, 0], -p)
 
 
 @native_only

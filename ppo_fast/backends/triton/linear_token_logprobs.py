@@ -286,8 +286,10 @@ def _linear_token_logprobs_bwd_kernel(
         else:
             u = raw
             post = scale * inv_t
+        one_hot = cols[None, :] == label[:, None]
         if TRUNCATED:  # the dropped tokens as in the forward (after dz_draw, which needs their u): p = 0
             tau = tl.load(tau_ptr + rows, mask=row_ok, other=float("-inf")).to(ACC)
+            one_hot = one_hot & ~(u < tau[:, None])  # a dropped label's log-prob is -inf, a constant
             u = tl.where(u < tau[:, None], float("-inf"), u)
         shift = tl.load(stats_ptr + 2 * rows, mask=row_ok, other=0.0).to(ACC)
         log_sum = tl.load(stats_ptr + (2 * rows + 1), mask=row_ok, other=0.0).to(ACC)
@@ -297,7 +299,7 @@ def _linear_token_logprobs_bwd_kernel(
         dz = tl.zeros([BLOCK_N, BLOCK_V], ACC)
         if HAS_GRAD_LOGP:
             g_logp = tl.load(grad_logp_ptr + rows * grad_logp_stride, mask=row_ok, other=0.0).to(ACC)
-            dz += g_logp[:, None] * (tl.where(cols[None, :] == label[:, None], 1.0, 0.0) - p)
+            dz += g_logp[:, None] * (tl.where(one_hot, 1.0, 0.0) - p)
         if HAS_GRAD_ENTROPY:
             g_entropy = tl.load(grad_entropy_ptr + rows * grad_entropy_stride, mask=row_ok, other=0.0).to(ACC)
             entropy = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0).to(ACC)

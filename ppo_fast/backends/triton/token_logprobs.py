@@ -362,9 +362,11 @@ def _token_logprobs_bwd_kernel(
         # The label column is read before the loop (an in-place backward overwrites it) and
         # written again after it with its extra g_logp term: no compare per logit.
         label_x = tl.load(row_ptr + label * vocab_stride).to(ACC)
+        one_hot = g_logp * inv_t
         tau = tl.full([], float("-inf"), ACC)
         if TRUNCATED:  # the dropped tokens (x < tau) are -inf, as in the forward: p = 0, no gradient
             tau = tl.load(tau_ptr + row).to(ACC)
+            one_hot = tl.where(label_x < tau, 0.0, one_hot)  # a dropped label's log-prob is -inf, a constant
             label_x = tl.where(label_x < tau, float("-inf"), label_x)
         for _ in range(0, full_end, BLOCK_V):
             x = _load_full_block(block_ptr, offsets, ACC, GROUP, BLOCK_V, BF16_PAIRS)
@@ -383,7 +385,7 @@ def _token_logprobs_bwd_kernel(
             tl.store(grad_block_ptr + grad_offsets, cast_for_store(g, grad_ptr), mask=in_row)
         # Every thread's store to the label column is done (and visible) before it is rewritten.
         tl.debug_barrier()
-        label_g = _grad_block(label_x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY) + g_logp * inv_t
+        label_g = _grad_block(label_x, scale2, shift_x, coef_p, coef_log2, HAS_GRAD_ENTROPY) + one_hot
         tl.store(grad_row_ptr + label * grad_vocab_stride, cast_for_store(label_g, grad_ptr))
     else:
         zeros = tl.zeros([BLOCK_V // GROUP, GROUP], ACC)
