@@ -433,7 +433,7 @@ def test_non_finite_loss_stops_before_the_step_is_saved(tmp_path, monkeypatch):
 
         return call
 
-    for name in ("policy_loss", "linear_policy_loss"):  # the update calls the second through the fused head
+    for name in ("policy_objective", "linear_policy_loss"):  # the update's two paths (the second: the fused head)
         monkeypatch.setattr(pf, name, nan_on_second_step(getattr(pf, name)))
     cfg = tiny(tmp_path, steps=3, save_every=1, eval_size=0)
     with pytest.raises(NonFiniteError, match="step 2: loss is not finite"):

@@ -63,11 +63,11 @@ def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides)
     assert scores_through_fused_head(trainer.policy, exp.old_logprobs.device)
     assert has_fast_backend(cfg.policy_loss, "cpu"), "the native CPU backend serves every one-pass mode"
     calls = []
-    real = update_module.linear_policy_losses
-    monkeypatch.setattr(update_module, "linear_policy_losses", lambda *a: calls.append(1) or real(*a))
+    real = update_module.linear_policy_objective
+    monkeypatch.setattr(update_module, "linear_policy_objective", lambda *a: calls.append(1) or real(*a))
     fused_loss, fused_stats, fused_grads = loss_stats_grads(trainer, cfg, exp)
-    assert calls, "the update did not go through linear_policy_losses"
-    monkeypatch.setattr(update_module, "linear_policy_losses", lambda *a: None)  # the two-pass path
+    assert calls, "the update did not go through linear_policy_objective"
+    monkeypatch.setattr(update_module, "linear_policy_objective", lambda *a: None)  # the two-pass path
     loss, stats, grads = loss_stats_grads(trainer, cfg, exp)
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
     assert list(fused_stats) == list(stats)

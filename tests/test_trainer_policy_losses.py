@@ -62,8 +62,8 @@ def test_asymmetric_and_dual_clip_reach_the_loss(tmp_path, monkeypatch):
 
         return call
 
-    # The update calls linear_policy_loss (the fused LM head), else policy_loss.
-    for name in ("policy_loss", "linear_policy_loss"):
+    # The update calls linear_policy_loss (the fused LM head), else policy_objective.
+    for name in ("policy_objective", "linear_policy_loss"):
         monkeypatch.setattr(pf, name, spy(getattr(pf, name)))
     cfg = _tiny(
         tmp_path,

@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from ..backends import reference, resolve
+from ..backends import resolve
 from ..spec import AGG_MODES, KL_ESTIMATORS, policy_loss_mode
+from .aggregate import aggregate, masked_mean
+from .kl_penalized_rewards import kl_estimate
 from .linear_token_logprobs import _check_head, linear_token_logprobs
 from .policy_loss import policy_loss
 from .token_logprobs import MIN_TEMPERATURE
 
-__all__ = ["linear_policy_loss"]
+__all__ = ["linear_policy_loss", "policy_objective"]
 
 
 def linear_policy_loss(
@@ -127,23 +129,54 @@ def _stats(mode, stats, pg_loss, entropy, kl_loss) -> dict:
 
 
 def _two_pass(hidden, weight, labels, old, adv, mask, weights, bias, ref, head, terms, mode, params, agg):
-    """``linear_token_logprobs`` then ``policy_loss`` and the extra terms (modes whose token
-    selection spans the batch)."""
+    """``linear_token_logprobs`` then ``policy_objective`` (modes whose token selection spans the batch)."""
     temperature, logit_scale, logit_softcap, ignore_index = head
     kl_coef, kl_estimator, entropy_coef = terms
     logp, entropy = linear_token_logprobs(
         hidden, weight, labels, bias=bias, temperature=temperature, logit_scale=logit_scale,
         logit_softcap=logit_softcap, return_entropy=True, ignore_index=ignore_index,
     )  # fmt: skip
-    pg_loss, stats = policy_loss(
-        logp, old, adv, mask, loss_mode=mode.name, agg=agg, weights=weights,
+    return policy_objective(
+        logp, entropy, old, adv, mask, loss_mode=mode.name, agg=agg, weights=weights, ref_logprobs=ref,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         **{p.name: v for p, v in zip(mode.params, params)},
     )  # fmt: skip
-    entropy_mean = reference.masked_mean(entropy, mask)
-    loss = pg_loss - entropy_coef * entropy_mean
+
+
+def policy_objective(
+    logprobs,
+    entropy,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    loss_mode="vanilla",
+    agg=None,
+    weights=None,
+    ref_logprobs=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+    **mode_params,
+):
+    """The loss ``linear_policy_loss`` takes in one pass, from log-probs and entropy already scored:
+    ``policy_loss(logprobs, ...) - entropy_coef * masked_mean(entropy, mask) + kl_coef *
+    aggregate(kl_estimate(logprobs, ref_logprobs, kl_estimator), mask, agg)``.
+
+    Returns ``(loss, stats)`` with ``linear_policy_loss``'s stats: the mode's, ``pg_loss``,
+    ``entropy`` (its token mean) and, with ``ref_logprobs``, ``kl_loss``; differentiable wherever
+    its inputs are.
+    """
+    mode = policy_loss_mode(loss_mode)
+    agg = mode.default_agg if agg is None else agg
+    pg_loss, stats = policy_loss(
+        logprobs, old_logprobs, advantages, mask, loss_mode=mode.name, agg=agg, weights=weights, **mode_params
+    )
+    entropy_mean = masked_mean(entropy, mask)
+    loss = pg_loss - check.real("entropy_coef", entropy_coef) * entropy_mean
     kl_loss = None
-    if ref is not None:
-        kl_loss = reference.aggregate(reference.kl_estimate(logp, ref, kl_estimator), mask, agg)
-        loss = loss + kl_coef * kl_loss
+    if ref_logprobs is not None:
+        kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, kl_estimator), mask, agg)
+        loss = loss + check.real("kl_coef", kl_coef, low=0.0) * kl_loss
         kl_loss = kl_loss.detach()
     return loss, _stats(mode, list(stats.values()), pg_loss.detach(), entropy_mean.detach(), kl_loss)

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 import torch
 
 import ppo_fast as pf
-from ppo_fast.ops.aggregate import aggregate
 
 from .config import ConfigError, flag
 from .distributed import SINGLE
-from .linear_policy_loss import linear_policy_losses
+from .linear_policy_loss import linear_policy_objective
 from .rollout import Batch, forward
 from .scoring import check_finite
 
@@ -73,18 +72,49 @@ def policy_loss_params(cfg) -> dict:
     return params
 
 
-def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True):
-    """``(total loss, stats, new log-probs or None)`` for one micro-batch: clipped policy loss (+ kl_coef * KL loss
-    when the KL is not in the reward) + vf_coef * value loss - ent_coef * entropy.
+def loss_terms(exp: Experience, cfg) -> dict:
+    """The policy objective's keyword arguments (``pf.policy_objective``, ``pf.linear_policy_loss``), the
+    same for both paths: the mode and its parameters, the aggregation, the rollout-correction weights,
+    the entropy bonus and, when the KL is not in the reward, the KL loss term."""
+    terms = {"loss_mode": cfg.policy_loss, "agg": cfg.loss_agg, "weights": exp.weights, "entropy_coef": cfg.ent_coef}
+    if exp.ref_logprobs is not None:
+        terms.update(ref_logprobs=exp.ref_logprobs, kl_coef=exp.kl_coef, kl_estimator=cfg.kl_estimator_used)
+    return {**terms, **policy_loss_params(cfg)}
 
-    Through the fused LM head the policy loss is one pass (``pf.linear_policy_loss``), which gives no
-    per-token log-probs: ``need_logprobs`` (the first micro-batch, whose ratio is checked) and a
-    truncated sampling support (which the one-pass op does not take) keep the two-pass path."""
+
+def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg) -> tuple[torch.Tensor, dict]:
+    """The one composition of the update's loss: the policy objective (the policy loss with its
+    entropy bonus and KL loss term, from either path) + vf_coef * the value loss, and every metric's name."""
+    policy_stats = dict(policy_stats)
+    stats = {"loss/policy_avg": policy_stats.pop("pg_loss"), "policy/entropy_avg": policy_stats.pop("entropy")}
+    kl_loss = policy_stats.pop("kl_loss", None)
+    stats.update({f"policy/{_STAT_NAMES.get(name, name)}_avg": value for name, value in policy_stats.items()})
+    if kl_loss is not None:
+        stats["loss/kl_avg"] = kl_loss
+    loss = policy_loss
+    if values is not None:
+        mask = exp.batch.response_mask
+        v_loss, v_stats = pf.value_loss(
+            values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg
+        )
+        loss = loss + cfg.vf_coef * v_loss
+        stats["loss/value_avg"] = v_loss.detach()
+        stats["val/clipfrac_avg"] = v_stats["clipfrac"]
+    return loss, stats
+
+
+def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True):
+    """``(total loss, stats, new log-probs or None)`` for one micro-batch (``training_loss``).
+
+    The two paths differ only in how they get the policy objective.  Through the fused LM head it is
+    one pass (``pf.linear_policy_loss``), which gives no per-token log-probs: ``need_logprobs`` (the
+    first micro-batch, whose ratio is checked) and a truncated sampling support (which the one-pass
+    op does not take) keep the two-pass path: log-probs and entropy, then ``pf.policy_objective``."""
+    terms = loss_terms(exp, cfg)
     if not need_logprobs and not cfg.logprob_truncation_active():
-        fused = linear_policy_losses(policy, critic, exp, cfg, policy_loss_params(cfg), _STAT_NAMES)
-        if fused is not None:  # the policy scored through the fused LM head: its loss in one pass
-            return (*fused, None)
-    mask = exp.batch.response_mask
+        fused = linear_policy_objective(policy, critic, exp, cfg, terms)
+        if fused is not None:
+            return (*training_loss(*fused, exp, cfg), None)
     logprobs, entropy, values = forward(
         policy,
         critic,
@@ -94,36 +124,9 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True)
         values=exp.old_values is not None,
         truncation=cfg.logprob_truncation(),
     )
-    pg_loss, pg_stats = pf.policy_loss(
-        logprobs,
-        exp.old_logprobs,
-        exp.advantages,
-        mask,
-        loss_mode=cfg.policy_loss,
-        agg=cfg.loss_agg,
-        weights=exp.weights,
-        **policy_loss_params(cfg),
-    )
-    mean_entropy = pf.masked_mean(entropy, mask)
-    loss = pg_loss - cfg.ent_coef * mean_entropy
-    if exp.ref_logprobs is not None:  # the KL to the reference as a loss term, aggregated as the policy loss
-        kl_loss = aggregate(pf.kl_estimate(logprobs, exp.ref_logprobs, cfg.kl_estimator_used), mask, cfg.loss_agg)
-        loss = loss + exp.kl_coef * kl_loss
-    stats = {
-        "loss/policy_avg": pg_loss.detach(),
-        "policy/entropy_avg": mean_entropy.detach(),
-        **{f"policy/{_STAT_NAMES.get(name, name)}_avg": value for name, value in pg_stats.items()},
-    }
-    if exp.ref_logprobs is not None:
-        stats["loss/kl_avg"] = kl_loss.detach()
-    if values is not None:
-        v_loss, v_stats = pf.value_loss(
-            values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg
-        )
-        loss = loss + cfg.vf_coef * v_loss
-        stats["loss/value_avg"] = v_loss.detach()
-        stats["val/clipfrac_avg"] = v_stats["clipfrac"]
-    return loss, stats, logprobs.detach()
+    mask = exp.batch.response_mask
+    objective, stats = pf.policy_objective(logprobs, entropy, exp.old_logprobs, exp.advantages, mask, **terms)
+    return (*training_loss(objective, stats, values, exp, cfg), logprobs.detach())
 
 
 def ratio_deviation(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
