@@ -53,6 +53,7 @@ from harness import (
     build_group_advantages,
     build_kl_estimate,
     build_kl_penalized_rewards,
+    build_linear_policy_loss,
     build_linear_token_logprobs,
     build_masked_stats,
     build_policy_loss,
@@ -166,6 +167,26 @@ def loss_knobs(name):
             "adv_scale": st.sampled_from([1.0, 1e-3, 30.0]),
             "adv_sign": st.sampled_from(["mixed", "negative", "positive"]),
         }
+    )
+
+
+def one_pass_knobs():
+    """A one-pass mode (drawn), its loss knobs and the head's, the KL and entropy terms' weights.  The
+    temperature from 0.3: below, the logits' float32 rounding (any evaluation order's) outgrows the float32
+    reference's own error, a bound the linear_token_logprobs row has (its builder's ``rounding``) and this
+    one has not, so the lowest temperatures are fuzzed there."""
+    modes = [name for name, mode in POLICY_LOSS_MODES.items() if mode.fused_head]
+    head = {
+        "temperature": st.one_of(st.sampled_from([0.3, 1.0, 4.0]), st.floats(0.3, 4.0)),
+        "scale": st.sampled_from([1.0, 30.0, 4.0]),
+        "logit_scale": st.sampled_from([1.0, 0.8, 3.0]),
+        "softcap": st.sampled_from([None, 2.5, 30.0]),
+        "bias": st.booleans(),
+        "kl_coef": st.sampled_from([0.0, 0.1, 1e3]),
+        "entropy_coef": st.sampled_from([0.0, 0.01, -1.0, 1e3]),
+    }
+    return st.sampled_from(modes).flatmap(
+        lambda name: st.tuples(loss_knobs(name), st.fixed_dictionaries(head)).map(lambda ks: {**ks[0], **ks[1]})
     )
 
 
@@ -330,6 +351,17 @@ CASES = {
         ),
     ]
 }
+# The one-pass loss, every mode that has one (drawn), on the backends that serve its op but the
+# interpreted Triton (its loop is the matrix's and the two-pass comparison's; slow here).
+CASES["linear_policy_loss"] = Case(
+    "linear_policy_loss",
+    build_linear_policy_loss,
+    st.tuples(size(2, 1, 3), size(3, 1, 5, 2), st.integers(1, 12), st.integers(1, 40)),
+    lambda d: one_pass_knobs(),
+    lambda k: [b for b in serving(POLICY_LOSS_MODES[k["loss_mode"]].linear_op) if b != "triton"],
+    60,
+    compiles=False,  # the reference's forward takes gradients with autograd.grad, which Dynamo does not trace
+)
 # Each registered policy-loss mode is a row: a bigger budget where a fast backend serves it.
 for _mode in POLICY_LOSS_MODES.values():
     CASES[f"policy_loss_{_mode.name}"] = Case(
