@@ -123,9 +123,15 @@ else
 fi
 PREFLIGHT_LOG="$OUT/preflight.log"
 : >"$PREFLIGHT_LOG"
-# Nothing installed here may replace the image's torch or triton.
-"$PY" -c "import torch, triton; print(f'torch=={torch.__version__}'); print(f'triton=={triton.__version__}')" \
-    >"$OUT/constraints.txt" 2>>"$PREFLIGHT_LOG"
+# torch imported once: its versions (nothing installed here may replace the image's torch or
+# triton: constraints.txt), its CUDA and the GPU's architecture.
+eval "$("$PY" - "$OUT/constraints.txt" <<'EOF' 2>>"$PREFLIGHT_LOG"
+import sys, torch, triton
+open(sys.argv[1], "w").write(f"torch=={torch.__version__}\ntriton=={triton.__version__}\n")
+arch = "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else ""
+print(f"TORCH_CUDA={torch.version.cuda or ''} ARCH={arch} TORCH_LINE='torch {torch.__version__} (cuda {torch.version.cuda}), cuda available: {torch.cuda.is_available()}'")
+EOF
+)"
 WHEEL_FILES=("$WHEELS"/*.whl)
 if [ -f "${WHEEL_FILES[0]}" ]; then
     # One at a time: a wheel that does not fit this Python is reported, the others still installed.
@@ -135,17 +141,19 @@ if [ -f "${WHEEL_FILES[0]}" ]; then
 else
     say "wheels: none in $WHEELS (bench/gpu_wheels.sh makes them): the baselines the image lacks will not run"
 fi
-"$PY" - "$OUT/preflight.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
-import importlib, json, sys
+"$PY" - "$OUT/preflight.json" "${TORCH_LINE:-torch: not importable}" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import importlib, importlib.metadata, importlib.util, json, sys
 
-import torch
-
-print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}), cuda available: {torch.cuda.is_available()}")
+print(f"python {sys.version.split()[0]}, {sys.argv[2]}")
 # What the tests import (collection fails without it), then the real baselines the benchmarks compare with.
 needed = ["triton", "pytest", "xdist", "hypothesis", "yaml", "numpy", "transformers", "safetensors", "tqdm", "matplotlib", "ninja"]
 baselines = {"liger_kernel": "liger_kernel.transformers", "cut_cross_entropy": "cut_cross_entropy", "trl": "trl.trainer.utils"}
 found = {}
-for name, module in [(n, n) for n in needed] + list(baselines.items()):
+for name in needed:  # found, not imported (slow): the tests' collection imports them
+    found[name] = importlib.metadata.version(dist) if (dist := {"yaml": "pyyaml", "xdist": "pytest-xdist"}.get(name, name)) and importlib.util.find_spec(name) else None
+    if not found[name]:
+        print(f"  {name}: MISSING")
+for name, module in baselines.items():  # imported: a baseline without its own needs is missing too
     try:
         found[name] = getattr(importlib.import_module(module.split(".")[0]), "__version__", "installed")
         importlib.import_module(module)
@@ -158,7 +166,6 @@ json.dump({"found": found, "missing_for_tests": missing}, open(sys.argv[1], "w")
 sys.exit(1 if missing else 0)
 EOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || RESULTS+=("preflight: FAILED (a package the tests import is missing: $OUT/preflight.json)")
-TORCH_CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
 NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
 NVCC_VERSION=$("$NVCC" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
 if [ -z "$NVCC_VERSION" ]; then
@@ -174,10 +181,9 @@ else
 fi
 
 # The first GPU-only step is the build for the GPU's own architecture: without a GPU, stop here.
-ARCH=$("$PY" -c "import torch; assert torch.cuda.is_available(); print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)
-if [ -z "$ARCH" ] && [ "$REHEARSAL" = 1 ]; then
+if [ -z "${ARCH:-}" ] && [ "$REHEARSAL" = 1 ]; then
     ARCH=9.0 # the H200's
-elif [ -z "$ARCH" ]; then
+elif [ -z "${ARCH:-}" ]; then
     say "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False): stopping before the build; nothing measured"
     exit 3
 fi
