@@ -40,12 +40,8 @@ def make_inputs(tokens, length, hidden, vocab, seed=0):
     }
 
 
-# The modes' required parameters (the others take their defaults).
-MODE_PARAMS = {"dro": {"dro_beta": 0.1}}
-
-
 def implementations(mode):
-    params = MODE_PARAMS.get(mode, {})
+    params = pf.policy_loss_modes()[mode].example_params()  # the required ones; the others: defaults
 
     def fused(x):
         loss, _ = pf.linear_policy_loss(

@@ -64,6 +64,7 @@ class Param:
     optional: bool = False
     same_as: str | None = None
     doc: str = ""
+    example: float | None = None  # a value for a required parameter (no default): docs, tests, benchmarks
 
     def check(self, value):
         if value is None:
@@ -110,6 +111,10 @@ class PolicyLossMode:
     def linear_op(self) -> str | None:
         """The op of this mode's one-pass ``linear_policy_loss`` (None: it takes the two-pass path)."""
         return f"linear_policy_loss_{self.name}" if self.fused_head else None
+
+    def example_params(self) -> dict[str, float]:
+        """Its required parameters (no default) at their example values: a call that binds."""
+        return {p.name: p.example for p in self.params if p.default is None and not p.optional and not p.same_as}
 
     def bind(self, given: dict) -> tuple:
         """The mode's parameters, in order, from ``given`` (validated, defaults filled in)."""
@@ -243,7 +248,16 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
             "dro",
             "policy_loss_dro",
             "DRO: -(A * log-prob - dro_beta/2 * (log r)^2)",
-            (Param("dro_beta", None, 0.0, low_open=True, doc="weight of the quadratic log-ratio penalty, > 0"),),
+            (
+                Param(
+                    "dro_beta",
+                    None,
+                    0.0,
+                    low_open=True,
+                    doc="weight of the quadratic log-ratio penalty, > 0",
+                    example=0.1,
+                ),
+            ),
             stats=("approx_kl",),
         ),
     )

@@ -84,7 +84,7 @@ _HEAD = {**_LOGITS, "scale": 1.0, "logit_scale": 0.8, "softcap": None, "bias": T
 
 def _loss(mode: str, agg: str, **more) -> dict:
     """A policy-loss mode's knobs (tests/harness.py's builders) at moderate log-ratios and advantages."""
-    params = {"dro_beta": 0.3} if mode == "dro" else {}
+    params = POLICY_LOSS_MODES[mode].example_params()
     if "clip_eps_high" in {p.name for p in POLICY_LOSS_MODES[mode].params}:
         params["clip_eps_high"] = 0.28
     params.update(more.pop("params", {}))
@@ -748,7 +748,7 @@ MODE_PARAMETERS = [
 ]
 for _mode in POLICY_LOSS_MODES.values():
     _traced = T if any(fast(_mode.op, device) for device in DEVICES) else None
-    _mode_policy = partial(_policy, loss_mode=_mode.name, **({"dro_beta": 0.3} if _mode.name == "dro" else {}))
+    _mode_policy = partial(_policy, loss_mode=_mode.name, **_mode.example_params())
     BAD_INPUTS.setdefault(_mode.op, []).extend(
         [
             (lambda p=_mode_policy: p(old_logprobs=r(2, 2)), ValueError, "old_logprobs must have the shape", _traced),
@@ -769,7 +769,7 @@ def _linear_policy(loss_mode, **kwargs):
     args = {"hidden": r(2, 3, 4), "weight": r(5, 4), "labels": tensor([[0, 1, 2], [3, 4, 0]])}
     args.update({name: _default(name) for name in ("old_logprobs", "advantages", "mask")})
     args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
-    extra = {"dro_beta": 0.3} if loss_mode == "dro" else {}
+    extra = POLICY_LOSS_MODES[loss_mode].example_params()
     return pf.linear_policy_loss(*args.values(), loss_mode=loss_mode, **{**extra, **kwargs})
 
 

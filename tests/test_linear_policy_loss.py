@@ -52,7 +52,7 @@ def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, we
 
 
 def mode_params(name):
-    params = {"dro_beta": 0.3} if name == "dro" else {}
+    params = POLICY_LOSS_MODES[name].example_params()
     if "clip_eps_high" in {p.name for p in POLICY_LOSS_MODES[name].params}:
         params["clip_eps_high"] = 0.28
     return params

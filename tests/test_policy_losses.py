@@ -344,7 +344,7 @@ def test_default_aggregation_and_parameters():
     leaves, mask = _inputs(9)
     lp, old, adv, _ = leaves
     for mode, entry in pf.policy_loss_modes().items():
-        params = {"dro_beta": 0.3} if mode == "dro" else {}
+        params = entry.example_params()
         torch.manual_seed(0)
         default, _ = pf.policy_loss(lp, old, adv, mask, loss_mode=mode, **params)
         torch.manual_seed(0)
@@ -391,3 +391,8 @@ def test_native_serves_a_mode_only_where_its_kernels_are_registered():
         for device in (d for d in ("cpu", "cuda") if "native" in serving(mode.op, d)):
             for op in (mode.op, f"{mode.op}_backward"):
                 assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{op}", device.upper()), (op, device)
+
+
+def test_every_required_parameter_has_an_example_that_binds():
+    for mode in pf.policy_loss_modes().values():
+        assert set(mode.bind(mode.example_params())) >= set(mode.example_params().values())

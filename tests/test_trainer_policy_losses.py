@@ -10,8 +10,8 @@ from ppo_fast.trainer import PPOTrainer, TrainerConfig
 from ppo_fast.trainer.config import POLICY_LOSSES, ConfigError
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 
-# The parameters a mode needs beyond the defaults (dro has no default beta).
-NEEDED = {"dro": "dro_beta=0.1"}
+# The parameters a mode needs beyond the defaults, at their example values.
+NEEDED = {n: ",".join(f"{k}={v}" for k, v in m.example_params().items()) for n, m in pf.policy_loss_modes().items()}
 
 
 def test_config_choices_are_the_registry():

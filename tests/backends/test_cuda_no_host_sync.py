@@ -66,7 +66,7 @@ for _mode in POLICY_LOSS_MODES.values():
                 r(*s[:2]).requires_grad_(),
                 fm,
                 loss_mode=name,
-                **({"dro_beta": 0.1} if name == "dro" else {}),
+                **POLICY_LOSS_MODES[name].example_params(),
             )[:1],
         )
     if _mode.fused_head:
@@ -81,7 +81,7 @@ for _mode in POLICY_LOSS_MODES.values():
             ref_logprobs=-r(*s[:2]).abs(),
             kl_coef=0.1,
             entropy_coef=0.01,
-            **({"dro_beta": 0.1} if name == "dro" else {}),
+            **POLICY_LOSS_MODES[name].example_params(),
         )[:1]
 SYNCING_OPS = {mode.op for mode in POLICY_LOSS_MODES.values() if mode.syncs_host}
 assert set(CALLS) == set(OPS) - SYNCING_OPS

@@ -55,7 +55,7 @@ def test_rows_not_truncated_get_minus_inf():
 
 @pytest.mark.parametrize("softcap", [None, pytest.param(2.5, marks=pytest.mark.full)])  # the soft-cap: the matrix
 def test_fused_head_thresholds_chunked_and_with_a_margin(softcap):
-    n, width, vocab = 40, 8, 97  # past the forward's 32-row tile: chunks of 32 and 8 rows
+    n, width, vocab = 34, 8, 67  # past the forward's 32-row tile: chunks of 32 and 2 rows
     hidden, weight = torch.randn(n, width, device=DEVICE), torch.randn(vocab, width, device=DEVICE)
     labels = torch.randint(0, vocab, (n,), device=DEVICE)
     labels[5] = -100
