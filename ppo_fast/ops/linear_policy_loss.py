@@ -70,13 +70,7 @@ def linear_policy_loss(
         (its token mean) and, with ``ref_logprobs``, ``kl_loss``.
     """
     mode = policy_loss_mode(loss_mode)
-    truncated = [name for name in ("top_k", "top_p", "min_p") if name in mode_params]
-    if truncated:  # not a mode parameter: say so instead of blaming the mode
-        raise ValueError(
-            f"linear_policy_loss takes no sampling truncation (got {', '.join(truncated)}): score the tokens with "
-            f"pf.linear_token_logprobs(..., {truncated[0]}=...) and pass the log-probs to pf.policy_loss"
-        )
-    params = mode.bind(mode_params)
+    params = mode.bind(_without_truncation(mode_params))
     mask, labels = _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs)
     agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
     head = (
@@ -103,6 +97,18 @@ def linear_policy_loss(
         hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, *head, *terms, *params, agg
     )
     return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
+
+
+def _without_truncation(mode_params: dict) -> dict:
+    """``mode_params``, checked for the sampler's truncation, which is not a mode parameter: say so
+    instead of blaming the mode."""
+    truncated = [name for name in ("top_k", "top_p", "min_p") if name in mode_params]
+    if truncated:
+        raise ValueError(
+            f"linear_policy_loss takes no sampling truncation (got {', '.join(truncated)}): score the tokens with "
+            f"pf.linear_token_logprobs(..., {truncated[0]}=...) and pass the log-probs to pf.policy_loss"
+        )
+    return mode_params
 
 
 def _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs):

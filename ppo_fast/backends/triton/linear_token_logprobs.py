@@ -566,11 +566,9 @@ def linear_token_logprobs_backward(
     if has_work and (needs_hidden or needs_weight or needs_bias):
         block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
         chunk = vocab
-        if needs_weight and weight.dtype != acc_dtype:
-            chunk = max(
-                block_v,
-                (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * max(1, hidden_size)) // block_v * block_v,
-            )
+        if needs_weight and weight.dtype != acc_dtype:  # H = 0: sized as for one column
+            scratch_columns = (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * max(1, hidden_size))
+            chunk = max(block_v, scratch_columns // block_v * block_v)
         stats = stats.contiguous()
         entropy = stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
