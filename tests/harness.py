@@ -150,6 +150,13 @@ def build_token_logprobs(spec, gen, k):
     return Built(inputs, {"labels": labels}, call, (0, 1) if k["entropy"] else (0,), {0: ignored, 1: ignored})
 
 
+def head_options(t: dict, k: dict) -> dict:
+    """The LM head's bias and options of the fused-head ops, from the laid-out tensors and the knobs."""
+    return dict(
+        bias=t.get("bias"), temperature=k["temperature"], logit_scale=k["logit_scale"], logit_softcap=k["softcap"]
+    )
+
+
 def build_linear_token_logprobs(spec, gen, k):
     B, T, H, V = spec.dims
     hidden = rounded(torch.randn(B, T, H, generator=gen, dtype=F64) * k["scale"], spec)
@@ -165,10 +172,7 @@ def build_linear_token_logprobs(spec, gen, k):
             t["hidden"],
             w,
             t["labels"],
-            bias=t.get("bias"),
-            temperature=k["temperature"],
-            logit_scale=k["logit_scale"],
-            logit_softcap=k["softcap"],
+            **head_options(t, k),
             return_entropy=k["entropy"],
             ignore_index=k["ignore_index"],
         )
@@ -307,10 +311,7 @@ def build_linear_policy_loss(spec, gen, k):
             loss_mode=k["loss_mode"],
             agg=k["agg"],
             weights=t.get("weights"),
-            bias=t.get("bias"),
-            temperature=k["temperature"],
-            logit_scale=k["logit_scale"],
-            logit_softcap=k["softcap"],
+            **head_options(t, k),
             ref_logprobs=t["ref_logprobs"],
             kl_coef=k["kl_coef"],
             entropy_coef=k["entropy_coef"],
