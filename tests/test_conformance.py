@@ -709,6 +709,12 @@ BAD_INPUTS = {
     ],
     None: [
         (lambda: _adv(method="grpo_passk"), ValueError, "at least 2 responses in every group", None),
+        (
+            lambda: pf.policy_objective(*[r(2, 3)] * 4, _default("mask"), kl_coef=0.1),
+            ValueError,
+            "needs ref_logprobs",
+            None,
+        ),
         (lambda: _adv(method="gae"), ValueError, "method must be one of .*gae needs values", None),
         (lambda: _adv(method="ppo"), ValueError, "method must be one of", None),
         (lambda: _adv(method="remax", group_ids=None), TypeError, "needs baselines", None),

@@ -79,14 +79,7 @@ def linear_policy_loss(
         None if logit_softcap is None else check.real("logit_softcap", logit_softcap, low=0.0, low_open=True),
         check.integer("ignore_index", ignore_index),
     )
-    kl_coef = check.real("kl_coef", kl_coef, low=0.0)
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs ([B, T] reference log-probs), got None")
-    terms = (
-        kl_coef,
-        check.choice("kl_estimator", kl_estimator, KL_ESTIMATORS),
-        check.real("entropy_coef", entropy_coef),
-    )
+    terms = _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs)
     labels = torch.where(mask, labels, head[3])  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
         check.labels_in_range(labels, weight.shape[0], head[3])
@@ -97,6 +90,14 @@ def linear_policy_loss(
         hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, *head, *terms, *params, agg
     )
     return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
+
+
+def _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs) -> tuple:
+    """``(kl_coef, kl_estimator, entropy_coef)`` of the KL loss term and the entropy bonus, checked."""
+    kl_coef = check.real("kl_coef", kl_coef, low=0.0)
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs ([B, T] reference log-probs), got None")
+    return kl_coef, check.choice("kl_estimator", kl_estimator, KL_ESTIMATORS), check.real("entropy_coef", entropy_coef)
 
 
 def _without_truncation(mode_params: dict) -> dict:
@@ -175,14 +176,15 @@ def policy_objective(
     """
     mode = policy_loss_mode(loss_mode)
     agg = mode.default_agg if agg is None else agg
+    kl_coef, kl_estimator, entropy_coef = _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs)
     pg_loss, stats = policy_loss(
         logprobs, old_logprobs, advantages, mask, loss_mode=mode.name, agg=agg, weights=weights, **mode_params
     )
     entropy_mean = masked_mean(entropy, mask)
-    loss = pg_loss - check.real("entropy_coef", entropy_coef) * entropy_mean
+    loss = pg_loss - entropy_coef * entropy_mean
     kl_loss = None
     if ref_logprobs is not None:
         kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, kl_estimator), mask, agg)
-        loss = loss + check.real("kl_coef", kl_coef, low=0.0) * kl_loss
+        loss = loss + kl_coef * kl_loss
         kl_loss = kl_loss.detach()
     return loss, _stats(mode, list(stats.values()), pg_loss.detach(), entropy_mean.detach(), kl_loss)

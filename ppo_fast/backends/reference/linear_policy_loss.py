@@ -220,9 +220,8 @@ def one_pass_on_rows(rows: RowKernels, mode, hidden, weight, labels, old, adv, m
         rs = slice(b0, b0 + step)
         chunk_labels = labels[rs].reshape(-1)
         used = ((chunk_labels != ignore_index) & (chunk_labels >= 0) & (chunk_labels < vocab)).unsqueeze(-1)
-        h = torch.where(
-            used, hidden_c[rs].reshape(chunk_labels.numel(), width), 0.0
-        )  # whatever unused rows hold reaches nothing
+        # whatever unused rows hold reaches nothing (rows counted by the labels: H may be 0)
+        h = torch.where(used, hidden_c[rs].reshape(chunk_labels.numel(), width), 0.0)
         logits = h @ weight_c.T
         if bias_c is not None:
             logits += bias_c
