@@ -27,7 +27,6 @@ def main() -> int:
         op, backend, device = param.values[:3]
         group = groups.setdefault((op, backend, device), {"fast": [], "full": []})
         group["full" if tiers.is_full(param) else "fast"].append(param.values[3:])
-    axes = (matrix.FLOATS, matrix.LAYOUTS, matrix.POISONS)
     print("| op | backend | device | fast cells | full-tier cells | dtypes | layouts | poisons | variants | pairs |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     lost = 0
@@ -35,7 +34,7 @@ def main() -> int:
         for (name, backend, device), group in groups.items():
             if name != op:
                 continue
-            fast = group["fast"]
+            fast, axes = group["fast"], matrix.axes(op)
             covered = [len({c[i] for c in fast}) for i in range(3)]
             variants = len({repr(c[3]) for c in fast})
             pairs = sum(len({(c[i], c[j]) for c in fast}) for i, j in itertools.combinations(range(3), 2))
