@@ -124,7 +124,8 @@ fi
 PREFLIGHT_LOG="$OUT/preflight.log"
 : >"$PREFLIGHT_LOG"
 # torch imported once: its versions (nothing installed here may replace the image's torch or
-# triton: constraints.txt), its CUDA and the GPU's architecture.
+# triton: constraints.txt), its CUDA and the GPU's architecture (all empty when torch does not import).
+TORCH_CUDA="" ARCH="" TORCH_LINE=""
 eval "$("$PY" - "$OUT/constraints.txt" <<'EOF' 2>>"$PREFLIGHT_LOG"
 import sys, torch, triton
 open(sys.argv[1], "w").write(f"torch=={torch.__version__}\ntriton=={triton.__version__}\n")
@@ -148,9 +149,14 @@ print(f"python {sys.version.split()[0]}, {sys.argv[2]}")
 # What the tests import (collection fails without it), then the real baselines the benchmarks compare with.
 needed = ["triton", "pytest", "xdist", "hypothesis", "yaml", "numpy", "transformers", "safetensors", "tqdm", "matplotlib", "ninja"]
 baselines = {"liger_kernel": "liger_kernel.transformers", "cut_cross_entropy": "cut_cross_entropy", "trl": "trl.trainer.utils"}
+def version(name):
+    try:
+        return importlib.metadata.version({"yaml": "pyyaml", "xdist": "pytest-xdist"}.get(name, name))
+    except importlib.metadata.PackageNotFoundError:
+        return "found"
 found = {}
 for name in needed:  # found, not imported (slow): the tests' collection imports them
-    found[name] = importlib.metadata.version(dist) if (dist := {"yaml": "pyyaml", "xdist": "pytest-xdist"}.get(name, name)) and importlib.util.find_spec(name) else None
+    found[name] = version(name) if importlib.util.find_spec(name) else None
     if not found[name]:
         print(f"  {name}: MISSING")
 for name, module in baselines.items():  # imported: a baseline without its own needs is missing too
@@ -181,9 +187,9 @@ else
 fi
 
 # The first GPU-only step is the build for the GPU's own architecture: without a GPU, stop here.
-if [ -z "${ARCH:-}" ] && [ "$REHEARSAL" = 1 ]; then
+if [ -z "$ARCH" ] && [ "$REHEARSAL" = 1 ]; then
     ARCH=9.0 # the H200's
-elif [ -z "${ARCH:-}" ]; then
+elif [ -z "$ARCH" ]; then
     say "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False): stopping before the build; nothing measured"
     exit 3
 fi
