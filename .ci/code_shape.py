@@ -1,6 +1,8 @@
 """Checks of the code's shape that no linter makes (CI; exit 1 on a finding):
 
 * no function over 80 lines in ppo_fast/ or bench/, except Triton kernels (``@triton.jit``);
+* in the trainer (ppo_fast/trainer/) no function with more than 6 positional parameters (it
+  passes objects), and the loop's module, trainer.py, at most 400 lines;
 * no import cycle among the modules of ppo_fast/ and of bench/ (module-level imports);
 * the contract's names (the agg modes, KL estimators, rollout-correction and policy-loss
   mode names) spelled out as a tuple of strings only in ppo_fast/spec.py.
@@ -15,6 +17,9 @@ import sys
 from pathlib import Path
 
 MAX_FUNCTION_LINES = 80
+MAX_POSITIONAL = 6
+TRAINER = Path("ppo_fast") / "trainer"
+MAX_LOOP_LINES = 400
 PACKAGES = ("ppo_fast", "bench")
 
 
@@ -35,6 +40,20 @@ def long_functions(root: Path, path: Path, tree: ast.AST) -> list[str]:
             if length > MAX_FUNCTION_LINES:
                 found.append(
                     f"{path.relative_to(root)}:{node.lineno}: {node.name} has {length} lines (> {MAX_FUNCTION_LINES})"
+                )
+    return found
+
+
+def long_argument_lists(root: Path, path: Path, tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args
+            count = len([a for a in args if a.arg not in ("self", "cls")])
+            if count > MAX_POSITIONAL:
+                found.append(
+                    f"{path.relative_to(root)}:{node.lineno}: {node.name} takes {count} positional parameters "
+                    f"(> {MAX_POSITIONAL}: pass an object, or make them keyword-only)"
                 )
     return found
 
@@ -119,8 +138,14 @@ def main(root: Path) -> int:
             problems.append("import cycle: " + " -> ".join(cycle))
         for f, t in trees.items():
             problems += long_functions(root, f, t)
+            if f.parent == root / TRAINER:
+                problems += long_argument_lists(root, f, t)
             if f.name != "spec.py":
                 problems += contract_copies(root, f, t, names)
+    loop = root / TRAINER / "trainer.py"
+    lines = len(loop.read_text().splitlines())
+    if lines > MAX_LOOP_LINES:
+        problems.append(f"{loop.relative_to(root)} has {lines} lines (> {MAX_LOOP_LINES}): give a room its own module")
     for p in problems:
         print(p)
     print(f"code shape: {len(problems)} problem(s)")

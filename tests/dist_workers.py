@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ppo_fast.trainer import TrainerConfig, default_task, rollout
 from ppo_fast.trainer.distributed import SINGLE, Parallel
-from ppo_fast.trainer.estimate import estimate
+from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.models import build_critic, frozen_reference
 from ppo_fast.trainer.rollout import generate, score_old_and_ref
 from ppo_fast.trainer.update import Experience, ppo_losses, ppo_update
@@ -65,14 +65,16 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
         ref,
         values,
         batch.response_mask,
-        advantage_method="gae",
-        kl_coef=0.1,
-        kl_estimator="k1",
-        kl_in_reward=True,
-        gamma=1.0,
-        lam=0.95,
-        whiten=True,
-        group_size=1,
+        EstimateOptions(
+            advantage_method="gae",
+            kl_coef=0.1,
+            kl_estimator="k1",
+            kl_in_reward=True,
+            gamma=1.0,
+            lam=0.95,
+            whiten=True,
+            group_size=1,
+        ),
         whitener=parallel.masked_whiten,
     )
     exp = Experience(batch, old, est.advantages, values, est.returns)
@@ -140,7 +142,7 @@ def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int)
 def eval_shards(rank: int, world_size: int, init_file: str, out_dir: str, out: str) -> None:
     """Entry point of ``torch.multiprocessing.spawn``: the built-in job's held-out evaluation under
     DDP, each rank counting the prompts it decoded; rank 0 saves the metrics and the counts."""
-    from ppo_fast.trainer import trainer as trainer_module
+    from ppo_fast.trainer import evaluation
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -152,8 +154,8 @@ def eval_shards(rank: int, world_size: int, init_file: str, out_dir: str, out: s
         timeout=datetime.timedelta(seconds=60),
     )
     decoded = []
-    original = trainer_module.generate
-    trainer_module.generate = lambda model, tokenizer, prompts, **kw: (
+    original = evaluation.generate
+    evaluation.generate = lambda model, tokenizer, prompts, **kw: (
         decoded.append(len(prompts)) or original(model, tokenizer, prompts, **kw)
     )
     trainer = eval_trainer(out_dir)

@@ -19,9 +19,9 @@ import torch
 
 from ppo_fast.cli import main
 from ppo_fast.trainer import PPOTrainer, TrainerConfig, checkpoint
+from ppo_fast.trainer.checkpoint import REFUSED_BUILTIN
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
-from ppo_fast.trainer.resume import REFUSED_BUILTIN
-from ppo_fast.trainer.trainer import lr_lambda
+from ppo_fast.trainer.setup import lr_lambda
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(

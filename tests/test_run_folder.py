@@ -21,7 +21,7 @@ import ppo_fast_cli
 from ppo_fast.cli import main
 from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, run_folder
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
-from ppo_fast.trainer.trainer import SUMMARY_FILE
+from ppo_fast.trainer.run_folder import SUMMARY_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FLAGS = (
@@ -215,7 +215,7 @@ def test_resume_into_a_folder_without_a_run_starts_from_scratch(tmp_path):
 
 
 def _claim(tmp_path, *, rank: int, overwrite: bool, verdict_of_rank_0):
-    """``PPOTrainer._claim_output_dir`` as rank ``rank`` of two, rank 0's verdict given."""
+    """``checkpoint.claim_output_dir`` as rank ``rank`` of two, rank 0's verdict given."""
     out = tmp_path / "out"
     (out / "checkpoints" / "step-000001").mkdir(parents=True, exist_ok=True)
     (out / METRICS_FILE).write_text("{}\n")
@@ -231,7 +231,7 @@ def _claim(tmp_path, *, rank: int, overwrite: bool, verdict_of_rank_0):
         log=quiet,
         parallel=SimpleNamespace(main=rank == 0, from_main=from_main),
     )
-    return out, sent, lambda: PPOTrainer._claim_output_dir(fake)
+    return out, sent, lambda: checkpoint.claim_output_dir(fake)
 
 
 def test_only_rank_0_looks_and_deletes_and_every_rank_follows_it(tmp_path):

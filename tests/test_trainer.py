@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import ppo_fast as pf
 from ppo_fast.cli import main
 from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig, checkpoint, default_task
-from ppo_fast.trainer.estimate import estimate
+from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.models import activation_checkpointing_on
 from ppo_fast.trainer.rollout import Batch, forward, generate, response_mask_until_eos
 from ppo_fast.trainer.scoring import RewardModelScorer
-from ppo_fast.trainer.trainer import lr_lambda
+from ppo_fast.trainer.setup import lr_lambda
 from ppo_fast.trainer.update import Experience, ppo_update
 
 TRL_KEYS = {
@@ -257,14 +257,16 @@ def _estimate(scores, kl_per_response, estimator, kl_in_reward, group_size):
         torch.zeros_like(logprobs),
         None,
         mask,
-        advantage_method=estimator,
-        kl_coef=1.0,
-        kl_estimator="k1",
-        kl_in_reward=kl_in_reward,
-        gamma=1.0,
-        lam=1.0,
-        whiten=False,
-        group_size=group_size,
+        EstimateOptions(
+            advantage_method=estimator,
+            kl_coef=1.0,
+            kl_estimator="k1",
+            kl_in_reward=kl_in_reward,
+            gamma=1.0,
+            lam=1.0,
+            whiten=False,
+            group_size=group_size,
+        ),
     ).advantages[:, 0]
 
 
@@ -547,14 +549,15 @@ def test_a_step_without_learning_signal_is_warned_once(tmp_path, method, samples
 
 def test_the_plot_names_the_model_and_what_the_evaluation_measures(tmp_path):
     from ppo_fast.trainer.metrics import ACCURACY
+    from ppo_fast.trainer.report import plot_title, score_name
 
     trainer = PPOTrainer(tiny(tmp_path, eval_size=0), log=quiet)
-    title = trainer._plot_title()
+    title = plot_title(trainer)
     assert title.startswith("built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters)")
     assert "64x2" not in title
-    assert trainer._score_name() == ACCURACY
+    assert score_name(trainer.scorer) == ACCURACY
     other = PPOTrainer(tiny(tmp_path, "other", eval_size=0), reward_fn=lambda p, r: [0.0] * len(r), log=quiet)
-    assert other._score_name() == "mean reward"
+    assert score_name(other.scorer) == "mean reward"
 
 
 def test_reward_model_scores_one_number_per_response(tmp_path):

@@ -12,6 +12,13 @@ never leaves a half-written ``step-*`` behind; stale temporary folders are remov
 the latest ``keep`` checkpoints are kept (``--keep-checkpoints``, 2 by default; 0 keeps all).
 Everything is read back with ``weights_only=True`` (a checkpoint cannot run code), and a
 damaged checkpoint is skipped for the previous one with a message naming the bad file.
+
+This module owns the run folder's checkpoints for the trainer: what one holds (``save_run``),
+how a new run claims its folder (``claim_output_dir``, see ``run_folder``) and how a run is
+resumed (``find_resumable``, ``restore``).  Every option applies from the resumed step on (the
+learning rate, weight decay and schedule are set on the restored optimizer, a changed
+``--kl-coef`` replaces the current coefficient), except those in ``REFUSED``, which would
+silently make another run: they are refused with one line.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ import json
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from .config import CRITIC_METHODS, ConfigError
+from . import distributed, run_folder
+from .config import CRITIC_METHODS, ConfigError, TrainerConfig, flag
 from .run_folder import CHECKPOINTS, TMP_PREFIX
 
 STATE_FILE = "trainer_state.pt"
@@ -34,6 +43,18 @@ CRITIC_FILE = "critic.pt"
 POLICY_DIR = "policy"
 SHARDED_DIR = "sharded"
 KEEP_LAST = 2  # the default of --keep-checkpoints
+
+# Refused on --resume in every run.
+REFUSED = {
+    "seed": "the run's random streams continue from the checkpoint",
+    "critic": "the critic's weights and optimizer state have that layout",
+    "parallel": "fsdp checkpoints are sharded, ddp ones are not",
+}
+# Refused for the built-in task: they make another warm-up model, and so another KL reference
+# (and, for the seed and eval_size, another held-out split).
+REFUSED_BUILTIN = ("sft_steps", "sft_batch_size", "sft_learning_rate", "demo_carry_error_rate", "eval_size")
+# Not compared: where the run is, how it was started there, how long it goes on, and what it prints.
+IGNORED = ("output_dir", "resume", "overwrite", "steps", "verbose", "debug", "report_to")
 
 
 def rng_state() -> dict:
@@ -228,3 +249,181 @@ def load_latest_usable(
             "start a new run in another --output-dir"
         )
     return None
+
+
+# ---------------------------------------------------------------------- --resume: the options
+
+
+def check_options(saved: dict, cfg: TrainerConfig, builtin: bool, where: str) -> list[str]:
+    """``ConfigError`` for a refused change; else the applied changes as ``name old -> new``."""
+    changed = {
+        name: old
+        for name, old in saved.items()
+        if name not in IGNORED and hasattr(cfg, name) and getattr(cfg, name) != old
+    }
+    refused = dict(REFUSED)
+    if builtin:
+        refused.update(
+            {name: "the built-in task's warm-up model (the KL reference) depends on it" for name in REFUSED_BUILTIN}
+        )
+    old_method = saved.get("advantage_method", cfg.advantage_method)
+    if (old_method in CRITIC_METHODS) != cfg.uses_critic:
+        refused["advantage_method"] = "with a critic" if old_method in CRITIC_METHODS else "without a critic"
+    for name, old in changed.items():
+        if name in refused:
+            raise ConfigError(
+                f"{where} was trained with {flag(name)} {_show(old)} ({refused[name]}); resume with "
+                f"{flag(name)} {_show(old)}, or start a new run in another --output-dir"
+            )
+    return [f"{name} {old!r} -> {getattr(cfg, name)!r}" for name, old in changed.items()]
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _apply_optimizer_options(optimizer, scheduler, cfg: TrainerConfig, lr_factor) -> None:
+    """Set this run's learning rate, weight decay and schedule on a restored optimizer and scheduler
+    (their state dicts hold the values the run was started with)."""
+    scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
+    lrs = []
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.learning_rate
+        group["weight_decay"] = cfg.weight_decay
+        group["lr"] = cfg.learning_rate * lr_factor(scheduler.last_epoch)
+        lrs.append(group["lr"])
+    scheduler._last_lr = lrs
+
+
+# ---------------------------------------------------------------------- the trainer's run folder
+
+
+def claim_output_dir(trainer) -> None:
+    """A new run (no ``--resume``) in a folder that holds a run: ``ConfigError`` in one line,
+    nothing touched; with ``--overwrite`` the old run's artifacts are removed first (see
+    ``run_folder``).  Rank 0 looks and removes, alone; every rank follows its verdict."""
+    cfg, output_dir, parallel = trainer.cfg, trainer.output_dir, trainer.parallel
+    if cfg.resume:
+        return
+    verdict = None
+    if parallel.main:
+        verdict = run_folder.refusal(output_dir, resume=False, overwrite=cfg.overwrite)
+        found = run_folder.artifacts(output_dir) if verdict is None and cfg.overwrite else []
+        if found:
+            what = run_folder.describe(found, output_dir)
+            try:
+                run_folder.remove_run(output_dir)
+            except OSError as err:
+                verdict = (
+                    f"--overwrite: cannot remove {err.filename or output_dir} ({err.strerror or err}); "
+                    f"remove the old run in {output_dir} yourself, or choose another --output-dir"
+                )
+            else:
+                trainer.log(f"--overwrite: removed the previous run in {output_dir} ({what})")
+    verdict = parallel.from_main(verdict)
+    if verdict is not None:
+        raise ConfigError(verdict)
+
+
+def find_resumable(trainer) -> Loaded | None:
+    """The newest usable checkpoint, read whole; ``ConfigError`` if this run's options
+    cannot continue it (checked before any model is loaded)."""
+
+    def check_state(path: Path, state: TrainerState) -> None:
+        check_options(state.config, trainer.cfg, trainer.builtin, f"--resume: the checkpoint {path}")
+
+    sharded = trainer.cfg.parallel == "fsdp"
+    loaded = load_latest_usable(trainer.output_dir, trainer.log, sharded=sharded, check_state=check_state)
+    if loaded is None:
+        trainer.log(f"--resume: no checkpoint in {trainer.output_dir / CHECKPOINTS}, starting from scratch")
+    return loaded
+
+
+def _load_weights(trainer, loaded: Loaded) -> None:
+    try:
+        if trainer.cfg.parallel == "fsdp":  # resharded to this world size by torch.distributed.checkpoint
+            distributed.load_sharded(loaded.path / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer)
+        else:
+            trainer.policy.load_state_dict(loaded.policy)
+            if trainer.critic is not None:
+                trainer.critic.load_state_dict(loaded.critic)
+            trainer.optimizer.load_state_dict(loaded.state.optimizer)
+    except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, groups
+        reason = " ".join(str(err).split())[:300]
+        raise ConfigError(
+            f"--resume: the checkpoint {loaded.path} does not fit this run's model ({reason}); "
+            "resume with the options the run was started with, or use another --output-dir"
+        ) from err
+
+
+def restore(trainer, loaded: Loaded, lr_factor) -> int:
+    """Put the trainer where the checkpoint left it (weights, optimizer with this run's options,
+    schedule, KL coefficient, random streams); return its step."""
+    state, cfg, parallel = loaded.state, trainer.cfg, trainer.parallel
+    changed = check_options(state.config, cfg, trainer.builtin, f"--resume: the checkpoint {loaded.path}")
+    if changed:
+        trainer.log("resuming with changed options: " + ", ".join(changed))
+    _load_weights(trainer, loaded)
+    trainer.scheduler.load_state_dict(state.scheduler)
+    _apply_optimizer_options(trainer.optimizer, trainer.scheduler, cfg, lr_factor)
+    # A --kl-coef given anew replaces the current (possibly adapted) coefficient.
+    kl_changed = state.config.get("kl_coef", cfg.kl_coef) != cfg.kl_coef
+    trainer.kl_control.value = cfg.kl_coef if kl_changed else state.kl_coef
+    rngs = state.rng_per_rank or [state.rng]
+    if len(rngs) == parallel.world_size:
+        set_rng_state(rngs[parallel.rank])
+    else:  # weights, optimizer, schedule and KL continue exactly; the random streams start anew
+        seed_all(cfg.seed + parallel.rank + parallel.world_size * state.step)
+        trainer.log(
+            f"--resume: the checkpoint was saved by {len(rngs)} process(es), this run has "
+            f"{parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)"
+        )
+    trainer.log(f"resumed from {loaded.path} (step {state.step})")
+    return state.step
+
+
+def save_run(trainer, rng: dict | None = None) -> Path:
+    """Checkpoint the trainer at its step.  Every rank calls this (the sharded state and the RNG
+    states are gathered); rank 0 writes the policy, tokenizer, critic and trainer state."""
+    parallel, sharded = trainer.parallel, trainer.cfg.parallel == "fsdp"
+    rng = rng or rng_state()
+    state = TrainerState(
+        step=trainer.step,
+        optimizer={} if sharded else trainer.optimizer.state_dict(),
+        scheduler=trainer.scheduler.state_dict(),
+        kl_coef=trainer.kl_control.value,
+        rng=rng,
+        config=trainer.cfg.to_dict(),
+        world_size=parallel.world_size,
+        rng_per_rank=parallel.gather_objects(rng) if parallel.active else None,
+    )
+
+    def write(folder: Path) -> None:
+        full_policy = distributed.full_state_dict(trainer.policy) if sharded else None  # gathered on rank 0
+        if sharded:
+            distributed.save_sharded(folder / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer)
+        if not parallel.main:
+            return
+        distributed.save_pretrained(trainer.policy, folder / POLICY_DIR, full_policy)
+        trainer.tokenizer.save_pretrained(folder / POLICY_DIR)
+        if trainer.critic is not None and not sharded:
+            torch.save(trainer.critic.state_dict(), folder / CRITIC_FILE)
+        torch.save(vars(state), folder / STATE_FILE)
+
+    keep = trainer.cfg.keep_checkpoints
+    path = save(trainer.output_dir, trainer.step, write, keep=keep, main=parallel.main, barrier=parallel.barrier)
+    _hold_for_a_test(trainer.step)
+    return path
+
+
+def _hold_for_a_test(step: int) -> None:
+    """Test-only: ``PPO_FAST_TEST_HOLD=STEP:PATH`` holds this process once it has saved step STEP's
+    checkpoint, until it is killed, once per PATH (created here), so that a multi-host test kills a
+    rank mid-run without a long run (tests/test_multihost.py)."""
+    held = os.environ.get("PPO_FAST_TEST_HOLD")
+    if held:
+        at, path = held.split(":", 1)
+        if step == int(at) and not os.path.exists(path):
+            Path(path).touch()
+            while True:
+                time.sleep(1)

@@ -23,45 +23,69 @@ def group_ids(rows: int, group_size: int, device) -> torch.Tensor:
     return torch.arange(rows // group_size, device=device).repeat_interleave(group_size)
 
 
+@dataclass(frozen=True)
+class EstimateOptions:
+    """How a batch's advantages are estimated (the trainer's options of that name)."""
+
+    advantage_method: str
+    kl_coef: float
+    kl_estimator: str
+    kl_in_reward: bool
+    gamma: float
+    lam: float
+    whiten: bool
+    group_size: int
+    grpo_norm_by_std: bool = True
+
+    @classmethod
+    def of(cls, cfg, kl_coef: float) -> EstimateOptions:
+        """The options of ``cfg`` (a TrainerConfig) with the KL controller's current ``kl_coef``."""
+        return cls(
+            advantage_method=cfg.advantage_method,
+            kl_coef=kl_coef,
+            kl_estimator=cfg.kl_estimator_used,
+            kl_in_reward=cfg.kl_in_reward,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            whiten=cfg.whiten_advantages,
+            group_size=cfg.num_samples_per_prompt,
+            grpo_norm_by_std=cfg.grpo_norm_by_std,
+        )
+
+
 def estimate(
     scores,
     logprobs,
     ref_logprobs,
     values,
     mask,
+    options: EstimateOptions,
     *,
-    advantage_method: str,
-    kl_coef: float,
-    kl_estimator: str,
-    kl_in_reward: bool,
-    gamma: float,
-    lam: float,
-    whiten: bool,
-    group_size: int,
-    grpo_norm_by_std: bool = True,
     baselines: torch.Tensor | None = None,
     whitener=pf.masked_whiten,
 ) -> Estimate:
     """Per-token rewards, then advantages (and value targets for GAE).
 
-    With ``kl_in_reward`` the reward is ``score - kl_coef * KL`` per token (the critic-free
+    With ``options.kl_in_reward`` the reward is ``score - kl_coef * KL`` per token (the critic-free
     estimators then see the score minus the summed KL); otherwise it is the score alone and
     the KL goes into the loss (``update.ppo_losses``).  ``baselines`` are remax's greedy rewards.  ``whitener(x, mask)`` whitens
     (with statistics over all ranks in a distributed run).
     """
+    o = options
+    kl_coef = o.kl_coef if o.kl_in_reward else 0.0
     rewards, kl = pf.kl_penalized_rewards(
-        scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef if kl_in_reward else 0.0, kl_estimator=kl_estimator
+        scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef, kl_estimator=o.kl_estimator
     )
-    method = pf.advantage_methods()[advantage_method]
+    method = pf.advantage_methods()[o.advantage_method]
     if method.needs_critic:
-        advantages, returns = pf.gae(rewards, values, mask, gamma=gamma, lam=lam)
-        if whiten:
+        advantages, returns = pf.gae(rewards, values, mask, gamma=o.gamma, lam=o.lam)
+        if o.whiten:
             advantages = whitener(advantages, mask)
         return Estimate(advantages, returns, rewards, kl)
-    offered = {"gamma": gamma, "norm_by_std": grpo_norm_by_std, "baselines": baselines}
+    offered = {"gamma": o.gamma, "norm_by_std": o.grpo_norm_by_std, "baselines": baselines}
     params = {name: value for name, value in offered.items() if name in method.params}
-    ids = group_ids(rewards.shape[0], group_size, rewards.device) if method.needs_groups else None
-    advantages = pf.group_advantages(rewards, ids, mask, method=advantage_method, **params)
-    if whiten and not method.normalized:
+    ids = group_ids(rewards.shape[0], o.group_size, rewards.device) if method.needs_groups else None
+    advantages = pf.group_advantages(rewards, ids, mask, method=o.advantage_method, **params)
+    if o.whiten and not method.normalized:
         advantages = whitener(advantages, mask)
     return Estimate(advantages, None, rewards, kl)

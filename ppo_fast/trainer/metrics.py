@@ -6,9 +6,69 @@ import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+import ppo_fast as pf
+
+from .estimate import Estimate
+from .rollout import Rollouts
+from .rollout_vllm import mismatch_metrics
 from .run_folder import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+
+
+@dataclass
+class StepRecord:
+    """What one PPO iteration did, as its metrics row reports it (this rank's share)."""
+
+    step: int
+    rows: int  # this rank's responses
+    seconds: float
+    lr: float
+    rollouts: Rollouts
+    est: Estimate
+    update_stats: dict  # ppo_update's means
+    sequence_kl: float  # the mean summed KL over every rank's responses
+    kl_coef: float  # the coefficient this step's rewards and loss used
+    phase_seconds: dict
+
+
+def _masked_variance(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return pf.masked_mean((x - pf.masked_mean(x, mask)).square(), mask)
+
+
+def step_row(record: StepRecord, kl_in_reward: bool, world_size: int) -> dict:
+    """The step's metrics row (this rank's values; the caller reduces them over the ranks)."""
+    r, est = record.rollouts, record.est
+    mask = r.mask
+    non_score = (-record.kl_coef * est.kl).sum(-1).mean().item() if kl_in_reward else 0.0
+    row = {
+        "step": record.step,
+        "episode": record.step * record.rows * world_size,
+        "lr": record.lr,
+        "objective/scores": r.scores.mean().item(),
+        "objective/kl": record.sequence_kl,
+        "objective/kl_coef": record.kl_coef,
+        "objective/entropy": (-r.old_logprobs * mask).sum(-1).mean().item(),
+        "objective/non_score_reward": non_score,
+        "objective/rlhf_reward": r.scores.mean().item() + non_score,
+        "objective/response_length": mask.sum(-1).float().mean().item(),
+        **record.update_stats,
+    }
+    if r.engine_logprobs is not None:
+        row.update(mismatch_metrics(r.old_logprobs, r.engine_logprobs, mask))
+    if r.loss_weights is not None:
+        row["rollout/correction_weight_mean"] = pf.masked_mean(r.loss_weights, mask).item()
+    if r.values is not None:
+        unexplained = _masked_variance(est.returns - r.values, mask)
+        row["val/explained_variance"] = (1.0 - unexplained / _masked_variance(est.returns, mask).clamp_min(1e-8)).item()
+        row["val/mean"] = pf.masked_mean(r.values, mask).item()
+    row.update({f"time/{name}": secs for name, secs in record.phase_seconds.items()})
+    row["time/step"] = record.seconds
+    row["throughput/tokens_per_s"] = int(mask.sum()) / record.seconds
+    return row
 
 
 class PhaseTimer:

@@ -37,6 +37,30 @@ class Batch:
         return Batch(self.input_ids[index], self.attention_mask[index], self.prompt_width)
 
 
+@dataclass
+class Rollouts:
+    """One step's rollouts, filled in as the loop goes: the prompts drawn (one row per response),
+    the responses and the log-probs they were sampled with by the engine (None: sampled by the
+    policy itself), the first epoch's shuffle, the policy's, reference's and critic's scores in it,
+    the rollout-correction weights, then the responses' text and rewards."""
+
+    prompts: list[str]
+    answers: list[str | None]
+    batch: Batch
+    engine_logprobs: torch.Tensor | None
+    first_order: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor | None
+    loss_weights: torch.Tensor | None = None
+    responses: list[str] | None = None
+    scores: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.batch.response_mask
+
+
 def response_mask_until_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """True up to and including each row's first EOS (everything if there is none)."""
     is_eos = response_ids == eos_token_id

@@ -160,6 +160,7 @@ def ppo_update(
     scheduler,
     exp: Experience,
     cfg,
+    *,
     step: int,
     autocast=contextlib.nullcontext,
     parallel=SINGLE,

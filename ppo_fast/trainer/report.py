@@ -1,0 +1,114 @@
+"""What a run tells its user: the progress bar and samples, the summary (summary.json and the
+last lines), the plot's title."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from . import default_task
+from .evaluation import in_words
+from .metrics import ACCURACY, EVAL_KEYS, plot_curves
+from .run_folder import SUMMARY_FILE
+
+
+def progress(trainer, bar, row: dict) -> None:
+    """The bar's step and its reward, KL and throughput; every ``--sample-every`` steps, samples."""
+    cfg = trainer.cfg
+    bar.update(1)
+    bar.set_postfix(
+        reward=f"{row['objective/scores']:.3f}",
+        kl=f"{row['objective/kl']:.3f}",
+        tok_s=f"{row['throughput/tokens_per_s']:.0f}",
+    )
+    if cfg.sample_every and (row["step"] % cfg.sample_every == 0 or row["step"] == 1):
+        lines = [f"step {row['step']} samples:"]
+        for prompt, response, score in trainer.last_samples[: cfg.num_samples_to_print]:
+            lines.append(f"  {prompt!r} -> {response!r}  (score {score:.2f})")
+        trainer.log("\n".join(lines))
+
+
+def summary(trainer, stop_reason: str, evals: tuple[dict, dict, dict]) -> dict:
+    """The run's summary, written to summary.json, with its plot; ``evals`` are the held-out scores
+    at the run's start, at this process's start and at the end (empty where not evaluated)."""
+    before, start, after = evals
+    plot = plot_curves(
+        trainer.output_dir,
+        before=before,
+        after=after,
+        after_step=trainer.step,
+        title=plot_title(trainer),
+        score_name=score_name(trainer.scorer),
+    )
+    result = {
+        "stop_reason": stop_reason,
+        "steps_done": trainer.step,
+        "eval_before": before.get("eval/score"),
+        "eval_after": after.get("eval/score"),
+        "wall_time_s": time.perf_counter() - trainer.created,  # warm-up and loading included
+        "phase_time_s": dict(trainer.timer.total),
+        "plot": str(plot) if plot else None,
+    }
+    if "eval/exact_match" in before:
+        result["exact_match_before"] = before["eval/exact_match"]
+        result["exact_match_after"] = after.get("eval/exact_match")
+    (trainer.output_dir / SUMMARY_FILE).write_text(json.dumps(result, indent=2))
+    if trainer.timer.total:
+        trainer.log(trainer.timer.breakdown())
+    if after:
+        since = f", from step {trainer.resumed_from}" if trainer.resumed_from is not None else ""
+        trainer.log(f"held-out greedy {in_words(start, after)} (wall time {result['wall_time_s']:.0f}s{since})")
+    return result
+
+
+def nothing_to_do(trainer) -> dict:
+    """The run in output_dir already did ``cfg.steps`` steps: report it, change nothing."""
+    trainer.log(
+        f"--resume: the run in {trainer.output_dir} already did {trainer.step} steps (--steps {trainer.cfg.steps}); "
+        f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run."
+    )
+    summary_file = trainer.output_dir / SUMMARY_FILE
+    result = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    result.update(stop_reason="done", steps_done=trainer.step)
+    return result
+
+
+def plot_title(trainer) -> str:
+    cfg = trainer.cfg
+    if cfg.reward_fn:
+        reward = f"reward {cfg.reward_fn}"
+    elif cfg.reward_model:
+        reward = f"reward model {cfg.reward_model}"
+    else:
+        reward = f"reward {trainer.scorer.name}"
+    kl = (
+        f"KL coef {cfg.kl_coef:g}"
+        + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
+        + f" ({cfg.kl_estimator_used}, in the {'reward' if cfg.kl_in_reward else 'loss'})"
+    )
+    critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
+    return (
+        f"{model_in_words(trainer)}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
+        f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {trainer.step} steps, "
+        f"seed {cfg.seed}"
+    )
+
+
+def model_in_words(trainer) -> str:
+    """``built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters), ...``."""
+    policy = trainer.policy
+    config = policy.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    kind = {"gpt2": "GPT-2"}.get(getattr(config, "model_type", ""), getattr(config, "model_type", "") or "model")
+    shape = f" of {layers} layers, width {width}" if layers and width else ""
+    count = sum(p.numel() for p in policy.parameters())
+    size = f"a {kind}{shape} ({f'{count / 1e6:.1f}M' if count >= 1e6 else f'{count / 1e3:.0f}k'} parameters)"
+    if trainer.builtin:
+        return f"built-in addition task: {size}, warmed up on a sloppy teacher's sums"
+    return f"{trainer.cfg.model_name_or_path or type(policy).__name__}: {size}"
+
+
+def score_name(scorer) -> str:
+    """What ``eval/score`` measures: the accuracy for the built-in task's reward, else the mean reward."""
+    return ACCURACY if getattr(scorer, "fn", None) is default_task.addition_reward else EVAL_KEYS[0][1]

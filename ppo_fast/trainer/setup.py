@@ -1,0 +1,268 @@
+"""The trainer's setup: every option checked before a model is loaded, then the data, the
+reward, the models, their optimiser and the rollout engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import ppo_fast as pf
+
+from . import checkpoint, default_task, run_folder
+from .config import ConfigError, TrainerConfig
+from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
+from .prompts import Prompts, read_prompts
+from .rollout_vllm import VLLMEngine, check_installed
+from .scoring import load_reward_fn
+from .update import policy_loss_params
+
+# The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
+TRAINER_OPS = ("token_logprobs", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
+
+
+@dataclass
+class Given:
+    """What a Python caller passes instead of the config's paths and names (None: from the config)."""
+
+    policy: object = None
+    tokenizer: object = None
+    reward_fn: Callable | None = None
+    prompts: list[str] | None = None
+    eval_prompts: list[str] | None = None
+    answers: list[str | None] | None = None
+    eval_answers: list[str | None] | None = None
+
+
+@dataclass
+class Models:
+    """The policy, its frozen reference, the critic (or None), what the update calls (the models or
+    their DDP wrappers), the optimiser, its schedule and the KL controller."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    critic: torch.nn.Module | None
+    train_policy: torch.nn.Module
+    train_critic: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    kl_control: object
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
+    return torch.device(name)
+
+
+def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_method: str | None = None) -> None:
+    """``ConfigError`` unless backend ``name`` serves every op the trainer uses on ``device``
+    (and implements the critic-free ``advantage_method``, if given)."""
+    if name == "auto":
+        return
+    from ppo_fast.backends import resolve
+
+    method = pf.advantage_methods().get(advantage_method)
+    wanted = [(op, None, None) for op in ops]
+    if method is not None and method.fn is not None:
+        wanted.append(("group_sum", method.backends, f"--advantage-method {advantage_method}"))
+    with pf.use_backend(name):
+        for op, implemented_by, label in wanted:
+            try:
+                resolve(op, device.type, implemented_by, label)
+            except pf.BackendUnavailableError as err:
+                raise ConfigError(
+                    f"--backend {name} cannot run this job on {device.type}: {err}; "
+                    "use --backend auto (the fastest available backend per op)"
+                ) from None
+
+
+def check_options(cfg: TrainerConfig, device: torch.device) -> None:
+    """What the options can get wrong beyond their own values: the backends' ops, vLLM."""
+    policy_loss_params(cfg)
+    ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
+    policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
+    check_backend(
+        cfg.backend,
+        device,
+        tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
+        cfg.advantage_method,
+    )
+    if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--report-to tensorboard: tensorboard is not installed (pip install tensorboard)")
+    if cfg.rollout_engine == "vllm":
+        check_installed()
+        if cfg.vllm_sleep and device.type != "cuda":
+            raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
+
+
+def check_writable(output_dir: Path) -> None:
+    """Create ``output_dir`` and make sure a file can be written there (``ConfigError`` if not),
+    before any model is loaded; leftovers of an unfinished checkpoint are removed."""
+    probe = output_dir / f".ppo-fast-write-test-{os.getpid()}"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"--output-dir {output_dir}: cannot write there ({err.strerror or err}); choose a writable --output-dir"
+        ) from None
+    checkpoint.remove_stale(output_dir)
+
+
+def datasets_and_reward(cfg: TrainerConfig, given: Given, builtin: bool) -> tuple:
+    """``(training prompts, held-out prompts, reward function)``; the prompts None where the
+    built-in task's are used, the reward function None for a reward model."""
+    if given.prompts is not None:
+        train_set = Prompts(list(given.prompts), list(given.answers) if given.answers is not None else [])
+    elif cfg.prompts_file is not None:
+        train_set = read_prompts(cfg.prompts_file, "--prompts-file")
+    elif builtin:
+        train_set = None  # the built-in task's, once its warm-up model is loaded
+    else:
+        raise ConfigError("--prompts-file is required with a custom model (or pass prompts= from Python)")
+    if given.eval_prompts is not None:
+        answers = list(given.eval_answers) if given.eval_answers is not None else []
+        eval_set = Prompts(list(given.eval_prompts), answers)
+    elif cfg.eval_prompts_file is not None:
+        eval_set = read_prompts(cfg.eval_prompts_file, "--eval-prompts-file")
+    else:
+        eval_set = None
+    reward_fn = given.reward_fn
+    if reward_fn is None and cfg.reward_fn is not None:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+    if reward_fn is None and cfg.reward_model is None:
+        if not builtin:
+            raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
+        reward_fn = default_task.addition_reward
+    return train_set, eval_set, reward_fn
+
+
+def load_policy(cfg: TrainerConfig, given: Given, trainer) -> tuple:
+    """``(policy, tokenizer)``: the given ones, the built-in task's warm-up model (trained or read
+    from its cache; one rank trains, the others load), or a pretrained model.  The tokenizer pads
+    with its EOS token if it has no pad token."""
+    policy, tokenizer = given.policy, given.tokenizer
+    if policy is None and cfg.model_name_or_path is None:
+        with trainer.parallel.main_first():
+            policy, tokenizer = default_task.load_or_warm_up(cfg, trainer.device, trainer.log)
+    elif policy is None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM)
+        policy = policy.to(trainer.device)
+        tokenizer = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoTokenizer)
+    if tokenizer is None:
+        raise ConfigError("tokenizer= is required when a policy model object is passed")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return policy, tokenizer
+
+
+def prompt_sets(cfg: TrainerConfig, train_set: Prompts | None, eval_set: Prompts | None, builtin: bool) -> tuple:
+    """``(training prompts, held-out prompts)``: the built-in task's where none were given."""
+    if builtin:
+        builtin_train, builtin_eval = default_task.prompts(cfg)
+        train_set = train_set or Prompts(builtin_train)
+        eval_set = Prompts(builtin_eval) if eval_set is None else eval_set
+    return train_set, eval_set or Prompts([])
+
+
+def lr_lambda(cfg: TrainerConfig, total_updates: int) -> Callable[[int], float]:
+    """Linear warm-up over ``warmup_steps`` optimizer steps, then constant, linear or cosine decay."""
+
+    def factor(update: int) -> float:
+        if update < cfg.warmup_steps:
+            return (update + 1) / cfg.warmup_steps
+        progress = min(1.0, (update - cfg.warmup_steps) / max(1, total_updates - cfg.warmup_steps))
+        if cfg.lr_scheduler_type == "linear":
+            return 1.0 - progress
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def schedule(cfg: TrainerConfig) -> Callable[[int], float]:
+    """The learning-rate factor of the run's optimizer steps (``lr_lambda`` over all of them)."""
+    return lr_lambda(cfg, cfg.steps * cfg.num_ppo_epochs * cfg.num_mini_batches)
+
+
+def build_models(cfg: TrainerConfig, policy, parallel, device: torch.device) -> Models:
+    """The policy, its frozen reference, the critic, their wrappers, the optimiser and the KL control."""
+    policy = policy.to(device).eval()
+    if cfg.disable_dropout:
+        disable_dropout(policy)
+    reference = frozen_reference(policy)
+    critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
+    if cfg.gradient_checkpointing:
+        enable_activation_checkpointing(policy)
+        if critic is not None and not critic.shared:
+            enable_activation_checkpointing(critic.backbone)
+    # What the update calls: the models themselves, or their DDP wrappers (FSDP2 shards in place).
+    train_policy, train_critic = parallel.prepare(policy, critic, reference)
+    params = list(policy.parameters()) + (list(critic.parameters()) if critic is not None else [])
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg))
+    if cfg.adaptive_kl:
+        kl_control = pf.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+    else:
+        kl_control = pf.FixedKLController(cfg.kl_coef)
+    return Models(policy, reference, critic, train_policy, train_critic, optimizer, scheduler, kl_control)
+
+
+def start_engine(trainer) -> VLLMEngine:
+    """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
+    vLLM seeds torch's generator when it starts)."""
+    cfg = trainer.cfg
+    longest = max(len(ids) for ids in trainer.tokenizer(trainer.prompts).input_ids)
+    cuda_bf16 = trainer.device.type == "cuda" and cfg.bf16
+    dtype = torch.bfloat16 if cuda_bf16 else next(trainer.policy.parameters()).dtype
+    engine = VLLMEngine(
+        trainer.policy,
+        model_dir=trainer.output_dir / run_folder.VLLM_MODEL_DIR,
+        max_model_len=longest + trainer.response_length,
+        max_num_seqs=trainer.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt,
+        dtype=dtype,
+        seed=cfg.seed,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        sleep=cfg.vllm_sleep,
+    )
+    trainer.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
+    return engine
+
+
+def fit_response_length(trainer, policy) -> int:
+    """The response length that keeps prompt + response within the model's positions: the default
+    one is shortened to fit; a given one that does not fit is a ``ConfigError``."""
+    length, given = trainer.response_length, trainer.cfg.response_length is not None
+    config = getattr(policy, "config", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not positions:
+        return length
+    longest = max(len(ids) for ids in trainer.tokenizer(trainer.prompts + trainer.eval_prompts).input_ids)
+    room = positions - longest
+    if given and length > room:
+        raise ConfigError(
+            f"--response-length {length} does not fit: the longest prompt has {longest} tokens "
+            f"and the model {positions} positions; use --response-length {max(room, 1)} or less"
+        )
+    if not given and room < 1:
+        raise ConfigError(
+            f"the longest prompt has {longest} tokens, the model only {positions} positions; shorten the prompts"
+        )
+    if not given and room < length:
+        trainer.log(f"response length {room}: the model has {positions} positions, the longest prompt {longest} tokens")
+        return room
+    return length
