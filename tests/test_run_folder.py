@@ -121,15 +121,12 @@ def test_the_trainer_itself_refuses_a_run_folder(run):
     "artifact, named",
     [
         ("checkpoints/step-000007/", "checkpoints/step-000007"),
-        ("checkpoints/.tmp-step-000007/", "checkpoints/.tmp-step-000007"),
         (METRICS_FILE, METRICS_FILE),
         (SUMMARY_FILE, SUMMARY_FILE),
         ("curves.png", "curves.png"),
-        ("tensorboard/", "tensorboard/"),
-        ("vllm_model/", "vllm_model/"),
     ],
 )
-def test_any_of_the_trainers_artifacts_makes_a_run(tmp_path, capsys, artifact, named):
+def test_a_completed_step_makes_a_run(tmp_path, capsys, artifact, named):
     out = tmp_path / "out"
     path = out / artifact.rstrip("/")
     if artifact.endswith("/"):
@@ -145,6 +142,33 @@ def test_any_of_the_trainers_artifacts_makes_a_run(tmp_path, capsys, artifact, n
         "pass --resume to continue it, or --overwrite to replace it"
     )
     assert snapshot(out) == before
+
+
+def test_the_leftovers_of_a_run_that_completed_no_step_are_not_a_run(tmp_path):
+    # What a run that failed in its first step leaves (a reward that raised, say): the next run
+    # starts without --overwrite, removes them and says so; the user's files stay.
+    out = tmp_path / "out"
+    for folder in ("checkpoints/.tmp-step-000001", "tensorboard", "vllm_model"):
+        (out / folder).mkdir(parents=True)
+    (out / METRICS_FILE).write_text("\n")
+    (out / "notes.txt").write_text("mine")
+    assert not run_folder.completed_a_step(out)
+    assert run_folder.refusal(out, resume=False, overwrite=False) is None
+    said = []
+    fake = SimpleNamespace(
+        cfg=TrainerConfig(output_dir=str(out)),
+        output_dir=out,
+        log=said.append,
+        parallel=SimpleNamespace(main=True, from_main=lambda verdict: verdict),
+    )
+    checkpoint.claim_output_dir(fake)
+    assert run_folder.artifacts(out) == [] and (out / "notes.txt").read_text() == "mine"
+    assert said == [
+        f"--output-dir: removed the leftovers of a run that completed no step in {out} "
+        "(checkpoints/.tmp-step-000001, metrics.jsonl, tensorboard/, vllm_model/)"
+    ]
+    (out / METRICS_FILE).write_text('{"step": 1}\n')  # one metrics row: a run
+    assert run_folder.completed_a_step(out) and run_folder.refusal(out, resume=False, overwrite=False)
 
 
 def test_overwrite_with_resume_is_one_line(run, capsys):

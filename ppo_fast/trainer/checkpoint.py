@@ -308,18 +308,22 @@ def claim_output_dir(trainer) -> None:
     verdict = None
     if parallel.main:
         verdict = run_folder.refusal(output_dir, resume=False, overwrite=cfg.overwrite)
-        found = run_folder.artifacts(output_dir) if verdict is None and cfg.overwrite else []
-        if found:
+        found = run_folder.artifacts(output_dir) if verdict is None else []
+        # Leftovers of a run that completed no step go without --overwrite: they hold no result.
+        leftovers = bool(found) and not run_folder.completed_a_step(output_dir)
+        if found and (cfg.overwrite or leftovers):
             what = run_folder.describe(found, output_dir)
+            option = "--output-dir" if leftovers else "--overwrite"
             try:
                 run_folder.remove_run(output_dir)
             except OSError as err:
                 verdict = (
-                    f"--overwrite: cannot remove {err.filename or output_dir} ({err.strerror or err}); "
+                    f"{option}: cannot remove {err.filename or output_dir} ({err.strerror or err}); "
                     f"remove the old run in {output_dir} yourself, or choose another --output-dir"
                 )
             else:
-                trainer.log(f"--overwrite: removed the previous run in {output_dir} ({what})")
+                old = "the leftovers of a run that completed no step" if leftovers else "the previous run"
+                trainer.log(f"{option}: removed {old} in {output_dir} ({what})")
     verdict = parallel.from_main(verdict)
     if verdict is not None:
         raise ConfigError(verdict)

@@ -10,7 +10,10 @@ those artifacts first (:func:`remove_run`), and nothing else: files the user put
 and so does the warm-up cache (``warmup/``), a cache rather than a run (it is reused only
 when made with the same warm-up settings, and copying it into a new folder is how two runs
 share the built-in task's warm-up model).  A missing or empty folder, or one with other
-files only, is used as it is.
+files only, is used as it is.  A run that completed no step (no finished checkpoint, no
+metrics row, no summary or plot: it stopped at its first step) is not a run: its leftovers
+(an empty metrics.jsonl, tensorboard/, vllm_model/, an unfinished checkpoint) are removed by
+the next run, which says so (:func:`completed_a_step`).
 
 Standard library only: the ``ppo-fast`` launcher (``ppo_fast_cli.py``) loads this file on
 its own to refuse such a folder before torch is imported; the trainer checks it again
@@ -68,6 +71,25 @@ def describe(found: list[Path], output_dir: str | Path) -> str:
     return ", ".join(parts)
 
 
+def completed_a_step(output_dir: str | Path) -> bool:
+    """Whether the run in ``output_dir`` completed a step: a finished checkpoint, a metrics row, a
+    summary or a plot (an unreadable metrics file counts as a row: nothing is removed unseen)."""
+    root = Path(output_dir)
+    checkpoints = root / CHECKPOINTS
+    if checkpoints.is_dir() and any(checkpoints.glob(STEP_PREFIX + "*")):
+        return True
+    if any((root / name).exists() for name in (SUMMARY_FILE, PLOT_FILE)):
+        return True
+    metrics = root / METRICS_FILE
+    if not (metrics.exists() or metrics.is_symlink()):
+        return False
+    try:
+        with open(metrics, "rb") as f:
+            return any(line.strip() for line in f)
+    except OSError:
+        return True
+
+
 def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | None:
     """Why a run with these options may not start in ``output_dir`` (the error line, without
     ``ppo-fast: error:``), or None: a new run (no ``--resume``, no ``--overwrite``) in a folder
@@ -75,7 +97,7 @@ def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | N
     if resume or overwrite:
         return None
     found = artifacts(output_dir)
-    if not found:
+    if not found or not completed_a_step(output_dir):
         return None
     return (
         f"--output-dir {output_dir} already holds a run ({describe(found, output_dir)}); "
