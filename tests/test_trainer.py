@@ -547,17 +547,27 @@ def test_a_step_without_learning_signal_is_warned_once(tmp_path, method, samples
         assert ("same reward" if method == "grpo" else "every response got the reward 0") in warnings[0]
 
 
-def test_the_plot_names_the_model_and_what_the_evaluation_measures(tmp_path):
+def test_the_plot_names_the_model_and_what_the_evaluation_measures_and_a_custom_reward_on_it_is_said(tmp_path):
     from ppo_fast.trainer.metrics import ACCURACY
     from ppo_fast.trainer.report import plot_title, score_name
 
-    trainer = PPOTrainer(tiny(tmp_path, eval_size=0), log=quiet)
+    said = []
+    trainer = PPOTrainer(tiny(tmp_path, eval_size=0), log=said.append)
     title = plot_title(trainer)
     assert title.startswith("built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters)")
     assert "64x2" not in title
     assert score_name(trainer.scorer) == ACCURACY
-    other = PPOTrainer(tiny(tmp_path, "other", eval_size=0), reward_fn=lambda p, r: [0.0] * len(r), log=quiet)
+    other_said = []
+    other = PPOTrainer(
+        tiny(tmp_path, "other", eval_size=0), reward_fn=lambda p, r: [0.0] * len(r), log=other_said.append
+    )
     assert score_name(other.scorer) == "mean reward"
+    # Your own reward on the built-in model (a forgotten --model-name-or-path) is said in one line.
+    assert not [m for m in said if "--model-name-or-path" in m]
+    assert [m for m in other_said if m.startswith("note: no --model-name-or-path")] == [
+        "note: no --model-name-or-path: the built-in addition task's small GPT-2 is the policy, trained with your "
+        "--reward-fn; pass --model-name-or-path to train your own model"
+    ]
 
 
 def test_reward_model_scores_one_number_per_response(tmp_path):

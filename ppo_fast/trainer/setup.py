@@ -120,6 +120,28 @@ def check_writable(output_dir: Path) -> None:
     checkpoint.remove_stale(output_dir)
 
 
+def builtin_model_notice(cfg: TrainerConfig, given: Given) -> str | None:
+    """One line when the built-in task's model would train on the user's own prompts or reward
+    (a forgotten ``--model-name-or-path``); None otherwise."""
+    if given.policy is not None or cfg.model_name_or_path is not None:
+        return None
+    yours = [
+        what
+        for what, set_ in (
+            ("--prompts-file", cfg.prompts_file is not None or given.prompts is not None),
+            ("--reward-fn", cfg.reward_fn is not None or given.reward_fn is not None),
+            ("--reward-model", cfg.reward_model is not None),
+        )
+        if set_
+    ]
+    if not yours:
+        return None
+    return (
+        f"note: no --model-name-or-path: the built-in addition task's small GPT-2 is the policy, trained with your "
+        f"{' and '.join(yours)}; pass --model-name-or-path to train your own model"
+    )
+
+
 def datasets_and_reward(cfg: TrainerConfig, given: Given, builtin: bool) -> tuple:
     """``(training prompts, held-out prompts, reward function)``; the prompts None where the
     built-in task's are used, the reward function None for a reward model."""

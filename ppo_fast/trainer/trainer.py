@@ -105,6 +105,8 @@ class PPOTrainer:
         self.response_length = cfg.response_length or (
             BUILTIN_RESPONSE_LENGTH if self.builtin else CUSTOM_RESPONSE_LENGTH
         )
+        if notice := setup.builtin_model_notice(cfg, given):
+            self.log(notice)
         if policy is None and not self.builtin:
             check_pretrained("--model-name-or-path", cfg.model_name_or_path)
         if reward_fn is None and cfg.reward_model is not None:
