@@ -69,7 +69,7 @@ def run(finished, tmp_path) -> Path:
 
 
 def refused_line(run: Path) -> str:
-    items = "checkpoints/step-000002 and 1 older, metrics.jsonl, summary.json, curves.png"
+    items = "checkpoints/step-000002 and 1 older, metrics.jsonl, summary.json, curves.png, run_config.yaml, train.log"
     if (run / "tensorboard").exists():  # when tensorboard is installed
         items += ", tensorboard/"
     return (

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import ppo_fast as pf
 from ppo_fast.cli import main
 from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig, checkpoint, default_task
+from ppo_fast.trainer.config import read_config_file
 from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.models import activation_checkpointing_on
@@ -69,9 +70,10 @@ def rows(cfg: TrainerConfig) -> list[dict]:
 # ---------------------------------------------------------------------- end to end
 
 
-def test_smoke_run_writes_metrics_checkpoint_and_plot(tmp_path):
-    cfg = tiny(tmp_path, steps=3, save_every=2, eval_every=2)
-    summary = PPOTrainer(cfg, log=quiet).train()
+def test_smoke_run_writes_metrics_checkpoint_plot_options_log_and_best(tmp_path):
+    cfg = tiny(tmp_path, steps=3, save_every=2, eval_every=2, keep_best=True)
+    said = []
+    summary = PPOTrainer(cfg, log=said.append).train()
     assert summary["stop_reason"] == "done" and summary["steps_done"] == 3
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
     metrics = rows(cfg)
@@ -93,6 +95,17 @@ def test_smoke_run_writes_metrics_checkpoint_and_plot(tmp_path):
     assert state.step == 3 and state.config["steps"] == 3
     critic_state = torch.load(final / "critic.pt")
     assert "head.summary.weight" in critic_state and any(k.startswith("backbone.") for k in critic_state)
+    # The run folder remembers the run: its options (read back by --config), what it said, its best policy.
+    assert TrainerConfig.from_dict(read_config_file(out / "run_config.yaml")) == cfg
+    log = (out / "train.log").read_text().splitlines()
+    assert log[0].startswith("--- ") and log[1:] == said
+    scores = {2: metrics[1]["eval/score"], 3: summary["eval_after"]}
+    best_step = 2 if scores[2] >= scores[3] else 3  # a tie keeps the earlier
+    assert summary["best"] == {"step": best_step, "eval_score": scores[best_step], "path": "best"}
+    assert AutoModelForCausalLM.from_pretrained(out / "best").config.n_layer == model.config.n_layer
+    if best_step == 3:  # the last policy: the final checkpoint's weights
+        for name, value in AutoModelForCausalLM.from_pretrained(out / "best").state_dict().items():
+            torch.testing.assert_close(value, model.state_dict()[name], rtol=0, atol=0)
     # The warm-up is cached: a new run in a folder holding the cache reuses it, unless its settings changed
     # (the finished run's own folder is refused without --resume: tests/test_run_folder.py).
     shutil.copytree(out / "warmup", tmp_path / "cached" / "warmup")

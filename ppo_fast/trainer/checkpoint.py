@@ -87,6 +87,7 @@ class TrainerState:
     config: dict
     world_size: int = 1
     rng_per_rank: list | None = None  # every rank's RNG state, by rank
+    best: dict | None = None  # --keep-best: {"step", "eval/score"} of output_dir/best
 
 
 @dataclass
@@ -382,8 +383,34 @@ def restore(trainer, loaded: Loaded, lr_factor) -> int:
             f"--resume: the checkpoint was saved by {len(rngs)} process(es), this run has "
             f"{parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)"
         )
+    trainer.best = state.best
     trainer.log(f"resumed from {loaded.path} (step {state.step})")
     return state.step
+
+
+def keep_if_best(trainer, scores: dict) -> None:
+    """``--keep-best``: when ``scores["eval/score"]`` (the policy's held-out score at this step) beats
+    the best so far, the policy and tokenizer replace ``output_dir/best`` (written aside, then
+    renamed).  Every rank calls this (a sharded policy is gathered)."""
+    score, parallel = scores.get("eval/score"), trainer.parallel
+    if not trainer.cfg.keep_best or score is None:
+        return
+    # Rank 0 decides for every rank (their scores could differ in the last bit; the save is collective).
+    score = parallel.from_main(score if trainer.best is None or score > trainer.best["eval/score"] else None)
+    if score is None:
+        return
+    sharded = trainer.cfg.parallel == "fsdp"
+    full_policy = distributed.full_state_dict(trainer.policy) if sharded else None
+    if parallel.main:
+        best, tmp = trainer.output_dir / run_folder.BEST_DIR, trainer.output_dir / f".tmp-{run_folder.BEST_DIR}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        distributed.save_pretrained(trainer.policy, tmp, full_policy)
+        trainer.tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        shutil.rmtree(best, ignore_errors=True)
+        tmp.rename(best)
+    parallel.barrier()
+    trainer.best = {"step": trainer.step, "eval/score": score}
 
 
 def save_run(trainer, rng: dict | None = None) -> Path:
@@ -400,6 +427,7 @@ def save_run(trainer, rng: dict | None = None) -> Path:
         config=trainer.cfg.to_dict(),
         world_size=parallel.world_size,
         rng_per_rank=parallel.gather_objects(rng) if parallel.active else None,
+        best=trainer.best,
     )
 
     def write(folder: Path) -> None:

@@ -125,14 +125,21 @@ class TrainerConfig:
     resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run")
     overwrite: bool = _opt(
         False,
-        "Replace the run in output_dir: its checkpoints, metrics.jsonl, summary.json, curves.png, tensorboard/ and "
-        "vllm_model/ are deleted first (other files and the warm-up cache are kept). Without --overwrite or --resume, "
+        "Replace the run in output_dir: its checkpoints, metrics.jsonl, summary.json, curves.png, best/, "
+        "run_config.yaml, train.log, tensorboard/ and vllm_model/ are deleted first (other files and the warm-up "
+        "cache are kept). Without --overwrite or --resume, "
         "an output_dir that already holds a run is refused. Not with --resume.",
         "run",
     )
     save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run", bounds=">= 0")
     keep_checkpoints: int = _opt(
         2, "How many of the latest checkpoints to keep in output_dir/checkpoints (0: all).", "run", bounds=">= 0"
+    )
+    keep_best: bool = _opt(
+        False,
+        "Keep the policy at its best held-out score (eval/score, at every --eval-every evaluation and the last) in "
+        "output_dir/best, a save_pretrained folder; summary.json names its step and score.",
+        "run",
     )
     sample_every: int = _opt(
         25, "Print a few sample completions every this many steps (0: never).", "run", bounds=">= 0"

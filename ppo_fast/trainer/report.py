@@ -9,7 +9,44 @@ import time
 from . import default_task
 from .evaluation import in_words
 from .metrics import ACCURACY, EVAL_KEYS, plot_curves
-from .run_folder import SUMMARY_FILE
+from .run_folder import BEST_DIR, CONFIG_FILE, LOG_FILE, SUMMARY_FILE
+
+
+class RunLog:
+    """The run's messages: to ``log`` (the console), and once the run folder is claimed also to its
+    ``train.log`` (the messages said before, first)."""
+
+    def __init__(self, log):
+        self.log, self.said, self.path = log, [], None
+
+    def __call__(self, message: str) -> None:
+        self.log(message)
+        if self.path is None:
+            self.said.append(message)
+        else:
+            self._append([message])
+
+    def open(self, path) -> None:
+        """Write to ``path`` from now on (appending: a resumed run goes on in the same log)."""
+        self.path = path
+        self._append([time.strftime("--- %Y-%m-%d %H:%M:%S"), *self.said])
+        self.said = []
+
+    def _append(self, messages: list[str]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:  # opened per message: no handle outlives the run
+            f.write("".join(m + "\n" for m in messages))
+
+
+def start_run_folder(trainer) -> None:
+    """Once the run folder is claimed (rank 0): the run's resolved options to ``run_config.yaml``
+    (``ppo-fast train --config`` reads it back), and its messages to ``train.log`` from now on."""
+    import yaml
+
+    if not trainer.parallel.main:
+        return
+    text = yaml.safe_dump(trainer.cfg.to_dict(), sort_keys=False)
+    (trainer.output_dir / CONFIG_FILE).write_text(text)
+    trainer.log.open(trainer.output_dir / LOG_FILE)
 
 
 def progress(trainer, bar, row: dict) -> None:
@@ -52,6 +89,9 @@ def summary(trainer, stop_reason: str, evals: tuple[dict, dict, dict]) -> dict:
     if "eval/exact_match" in before:
         result["exact_match_before"] = before["eval/exact_match"]
         result["exact_match_after"] = after.get("eval/exact_match")
+    if trainer.best:
+        result["best"] = {"step": trainer.best["step"], "eval_score": trainer.best["eval/score"], "path": BEST_DIR}
+        trainer.log(f"best held-out score {trainer.best['eval/score']:.3f} at step {trainer.best['step']}: {BEST_DIR}/")
     (trainer.output_dir / SUMMARY_FILE).write_text(json.dumps(result, indent=2))
     if trainer.timer.total:
         trainer.log(trainer.timer.breakdown())

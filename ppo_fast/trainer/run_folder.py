@@ -2,8 +2,8 @@
 
 A folder *holds a run* when it has any of the trainer's own artifacts (:func:`artifacts`):
 a checkpoint (``checkpoints/step-*``, or ``checkpoints/.tmp-step-*`` whose writing never
-finished), ``metrics.jsonl``, ``summary.json``, ``curves.png``, ``tensorboard/`` or
-``vllm_model/``.  A new run there (no ``--resume``) would prune the old run's checkpoints,
+finished), ``metrics.jsonl``, ``summary.json``, ``curves.png``, ``best/``,
+``run_config.yaml``, ``train.log``, ``tensorboard/`` or ``vllm_model/``.  A new run there (no ``--resume``) would prune the old run's checkpoints,
 overwrite its metrics and leave a folder that ``--resume`` continues with mixed rows, so it
 is refused in one line (:func:`refusal`) before anything is written; ``--overwrite`` removes
 those artifacts first (:func:`remove_run`), and nothing else: files the user put there stay,
@@ -36,6 +36,9 @@ PLOT_FILE = "curves.png"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 VLLM_MODEL_DIR = "vllm_model"
+CONFIG_FILE = "run_config.yaml"  # the run's resolved options, reloadable with --config
+LOG_FILE = "train.log"  # what the run said on the console
+BEST_DIR = "best"  # --keep-best: the policy at its best held-out score
 WARMUP_DIR = "warmup"  # a cache: neither makes a run nor is removed by --overwrite
 
 
@@ -48,7 +51,16 @@ def artifacts(output_dir: str | Path) -> list[Path]:
     checkpoints = root / CHECKPOINTS
     found = sorted(checkpoints.glob(STEP_PREFIX + "*"), reverse=True) if checkpoints.is_dir() else []
     found += sorted(checkpoints.glob(TMP_PREFIX + "*")) if checkpoints.is_dir() else []
-    for name in (METRICS_FILE, SUMMARY_FILE, PLOT_FILE, TENSORBOARD_DIR, VLLM_MODEL_DIR):
+    for name in (
+        METRICS_FILE,
+        SUMMARY_FILE,
+        PLOT_FILE,
+        BEST_DIR,
+        CONFIG_FILE,
+        LOG_FILE,
+        TENSORBOARD_DIR,
+        VLLM_MODEL_DIR,
+    ):
         path = root / name
         if path.exists() or path.is_symlink():
             found.append(path)

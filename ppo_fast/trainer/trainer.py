@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,42 +25,12 @@ from .metrics import MetricsWriter, PhaseTimer, StepRecord, step_row
 from .models import check_pretrained, third_party_output
 from .rollout import Rollouts, decode_responses, generate, score_old_and_ref
 from .scoring import FunctionScorer, RewardModelScorer, check_finite
+from .stops import DeferredInterrupt, StopNow
 from .update import Experience, ppo_update
 
 
 def _silent(_message: str) -> None:
     pass
-
-
-class StopNow(KeyboardInterrupt):
-    """A second Ctrl-C (or SIGTERM): the run stops at once, nothing more is saved or evaluated."""
-
-
-class _DeferredInterrupt:
-    """Turns the first Ctrl-C (SIGINT) or SIGTERM (what schedulers send) into a request to stop
-    after the current step; a second one interrupts at once."""
-
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-
-    def __init__(self, log):
-        self.requested = False
-        self.log = log
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise StopNow
-        self.requested = True
-        self.log(f"{self.SIGNALS[signum]}: stopping after this step (again to stop at once)")
-
-    def __exit__(self, *exc):
-        for signum, previous in self.previous.items():
-            signal.signal(signum, previous)
 
 
 class PPOTrainer:
@@ -89,7 +57,7 @@ class PPOTrainer:
         given = setup.Given(policy, tokenizer, reward_fn, prompts, eval_prompts, answers, eval_answers)
         self.created = time.perf_counter()
         self.cfg = cfg.validate()
-        self.log = log or tqdm.write
+        self.log = report.RunLog(log or tqdm.write)
         third_party_output(cfg.verbose)
         self.output_dir = Path(cfg.output_dir)
 
@@ -116,6 +84,7 @@ class PPOTrainer:
         checkpoint.claim_output_dir(self)  # nothing is written to output_dir before this
 
         setup.check_writable(self.output_dir)
+        report.start_run_folder(self)  # run_config.yaml, train.log
         distributed.claim_for_elastic_restarts(self.parallel, self.output_dir)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
@@ -136,7 +105,7 @@ class PPOTrainer:
         self.train_policy, self.train_critic = models.train_policy, models.train_critic
         self.optimizer, self.scheduler, self.kl_control = models.optimizer, models.scheduler, models.kl_control
         self.step = 0
-        self.resumed_from = None
+        self.resumed_from = self.best = None
         self._in_update = False
         self._warned_no_signal = False
         self.last_samples = []
@@ -340,6 +309,7 @@ class PPOTrainer:
             if stop_reason == "done":
                 self.log(f"saved {self.save_checkpoint()}")
                 after = self.evaluate_all(self.policy)
+                checkpoint.keep_if_best(self, after)
             else:  # stopped early: the user wants out, not a final evaluation (--resume finishes the run)
                 after = {}
                 if self.eval_prompts:
@@ -355,7 +325,7 @@ class PPOTrainer:
         writer = MetricsWriter(self.output_dir, self.resumed_from, cfg.report_to) if main else distributed.NO_METRICS
         bar = tqdm(total=cfg.steps, initial=self.step, desc="PPO", dynamic_ncols=True, disable=not main)
         try:
-            with _DeferredInterrupt(self.log) as interrupt:
+            with DeferredInterrupt(self.log) as interrupt:
                 while self.step < cfg.steps:
                     rng_at_step_start = checkpoint.rng_state()
                     try:
@@ -368,6 +338,7 @@ class PPOTrainer:
                     more = self.step < cfg.steps
                     if cfg.eval_every and self.step % cfg.eval_every == 0 and more and self.eval_prompts:
                         row.update(self.evaluate_all(self.policy))
+                        checkpoint.keep_if_best(self, row)
                         self.log(f"step {self.step}: held-out greedy {evaluation.in_words(row)}")
                     writer.write(row)
                     report.progress(self, bar, row)
