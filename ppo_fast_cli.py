@@ -7,8 +7,10 @@ options from ``ppo_fast/trainer/config.py`` (standard library only) on its own, 
 flag, a bad option value and a ``train`` into an ``--output-dir`` that already holds a
 run (without ``--resume`` or ``--overwrite``; ``ppo_fast/trainer/run_folder.py``, loaded
 alone too), a prompts file that cannot be read (``prompts.py``) and a local model
-folder without its config or tokenizer (``model_folder.py``) answer at once; only a
-command that runs imports the package (``ppo_fast.cli.run``).
+folder without its config or tokenizer (``model_folder.py``), a ``--reward-fn`` whose file,
+module or function is not there (``reward_source.py``) and a ``--resume`` of a run that
+already did its ``--steps`` answer at once; only a command that runs imports the package
+(``ppo_fast.cli.run``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _CONFIG_MODULE = "_ppo_fast_trainer_config"
 _RUN_FOLDER_MODULE = "_ppo_fast_trainer_run_folder"
 _PROMPTS_MODULE = "_ppo_fast_trainer_prompts"
 _MODEL_FOLDER_MODULE = "_ppo_fast_trainer_model_folder"
+_REWARD_SOURCE_MODULE = "_ppo_fast_trainer_reward_source"
 
 
 def _trainer_module(name: str, alias: str):
@@ -73,7 +76,19 @@ def _input_problem(config, cfg) -> str | None:
         refused = name is not None and model_folder.problem(config.flag(option), name)
         if refused:
             return refused
+    if cfg.reward_fn is not None:
+        return _trainer_module("reward_source", _REWARD_SOURCE_MODULE).problem(cfg.reward_fn)
     return None
+
+
+def _nothing_to_do(config, args) -> str | None:
+    """``--resume`` of a run that finished its ``--steps``: what the trainer would say, without torch."""
+    cfg = config.config_from_args(args)
+    run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
+    done = run_folder.finished_steps(cfg.output_dir) if cfg.resume else None
+    if done is None or done < cfg.steps or run_folder.elastic_restart(cfg.output_dir):
+        return None
+    return run_folder.nothing_to_do(cfg.output_dir, done, cfg.steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print(f"ppo-fast: error: {refused}", file=sys.stderr)
         return 1
+    done = _nothing_to_do(config, args)
+    if done:
+        print(done)
+        return 0
     from ppo_fast.cli import run
 
     return run(args)

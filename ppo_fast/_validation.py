@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import functools
-import math
 from numbers import Real
 
 import torch
+
+from .spec import real_in_range
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
 INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -123,15 +123,7 @@ def real(
     # A symbolic float (torch.compile(dynamic=True)) stays symbolic: the comparisons below
     # become guards, so a value that fails them recompiles and raises here.
     value = value if isinstance(value, (torch.SymFloat, torch.SymInt)) else float(value)
-    if value != value or value == math.inf or value == -math.inf:
-        raise ValueError(f"{name} must be finite, got {value}")
-    if abs(value) > FLOAT32_MAX:
-        raise ValueError(f"{name} must lie within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), got {value}")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    if high is not None and (value > high or (high_open and value == high)):
-        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
-    return value
+    return real_in_range(name, value, low=low, high=high, low_open=low_open, high_open=high_open)
 
 
 def choice(name: str, value, choices: tuple[str, ...]) -> str:

@@ -30,6 +30,7 @@ parameter name), and one row in ``tests/test_group_advantages.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.
@@ -69,11 +70,29 @@ class Param:
     def check(self, value):
         if value is None:
             return None
-        from . import _validation as check  # torch, imported only when a value is checked
+        bounds = dict(low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return real_in_range(self.name, float(value), **bounds)  # no torch: the CLI checks a config with it
+        from . import _validation as check  # torch's symbolic numbers, a wrong type
 
-        return check.real(
-            self.name, value, low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open
-        )
+        return check.real(self.name, value, **bounds)
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
+def real_in_range(name: str, value: float, *, low=None, high=None, low_open=False, high_open=False) -> float:
+    """``value`` if finite, within float32's range (the kernels compute in float32) and within
+    [low, high] (open ends where asked); else ``ValueError`` naming it."""
+    if value != value or value == math.inf or value == -math.inf:
+        raise ValueError(f"{name} must be finite, got {value}")
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must lie within float32's range (|{name}| <= {FLOAT32_MAX:.4g}), got {value}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
+    return value
 
 
 CLIP_EPS_LOW = Param(

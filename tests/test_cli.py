@@ -306,7 +306,7 @@ def test_reward_fn_import_errors(tmp_path, monkeypatch):
         match=r"no module 'nowhere_rewards' in the working directory .* --reward-fn path/to/nowhere_rewards.py:f",
     ):
         load_reward_fn("nowhere_rewards:f")
-    (tmp_path / "broken_rewards.py").write_text("import not_a_package_anywhere\n")
+    (tmp_path / "broken_rewards.py").write_text("import not_a_package_anywhere\n\n\ndef f(p, r):\n    return [0.0]\n")
     with pytest.raises(
         ConfigError,
         match="importing 'broken_rewards' failed: ModuleNotFoundError: No module named 'not_a_package_anywhere'",

@@ -87,7 +87,10 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
     half_bpe.mkdir()
     (half_bpe / "config.json").write_text("{}")
     (half_bpe / "vocab.json").write_text("{}")
-    custom = ["--prompts-file", str(tmp_path / "good.txt"), "--reward-fn", "r:f"]
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import math\n\n\ndef score(prompts, responses):\n    return [math.pi] * len(responses)\n")
+    (tmp_path / "broken.py").write_text("def score(:\n")
+    custom = ["--prompts-file", str(tmp_path / "good.txt"), "--reward-fn", f"{rewards}:score"]
     out = str(tmp_path / "out")
     cases = [
         (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
@@ -107,6 +110,14 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
             "merges.txt (next to vocab.json) is missing",
         ),
         (["train", "--reward-model", str(no_tokenizer), "--output-dir", out], "--reward-model"),
+        (
+            ["train", "--reward-fn", f"{rewards}:exact", "--output-dir", out],
+            "has no function 'exact' (it defines: score)",
+        ),
+        (["train", "--reward-fn", f"{tmp_path / 'none.py'}:f", "--output-dir", out], "none.py:f: no such file"),
+        (["train", "--reward-fn", f"{tmp_path / 'broken.py'}:f", "--output-dir", out], "SyntaxError: "),
+        (["train", "--policy-loss", "dro", "--output-dir", out], "needs dro_beta"),
+        (["train", "--policy-loss", "sapo", "--policy-loss-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
     ]
     run = subprocess.run(
         [sys.executable, "-c", _FAST_ERRORS, json.dumps([argv for argv, _ in cases])],
@@ -123,6 +134,23 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         assert line.startswith("ppo-fast: error: ") and expected in line, (argv, line)
         assert not torch_loaded and not transformers_loaded, argv
     assert not Path(out).exists()
+
+
+def test_resume_of_a_finished_run_says_nothing_to_do_before_torch_is_imported(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000003").mkdir(parents=True)
+    (run / "summary.json").write_text('{"stop_reason": "done", "steps_done": 3}')
+    argv = [["train", "--resume", "--steps", str(steps), "--output-dir", str(run)] for steps in (3, 2)]
+    out = subprocess.run(
+        [sys.executable, "-c", _FAST_ERRORS, json.dumps(argv)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    said, results = out.stdout.split("RESULTS", 1)
+    assert json.loads(results) == [[0, False, False], [0, False, False]], out.stderr
+    assert said.splitlines() == [
+        f"--resume: the run in {run} already did 3 steps (--steps {steps}); nothing to do. Give a larger --steps "
+        "to train on, or another --output-dir for a new run."
+        for steps in (3, 2)
+    ]
 
 
 # ---------------------------------------------------------------------- reward functions

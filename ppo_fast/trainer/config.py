@@ -424,8 +424,8 @@ class TrainerConfig:
                 "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)",
             )
             _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
-        self.policy_loss_param_values()
         self._validate_combinations()
+        self.policy_loss_kwargs()
         return self
 
     def _validate_combinations(self) -> None:
@@ -474,6 +474,23 @@ class TrainerConfig:
                 bool(module and function),
                 f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}",
             )
+
+    def policy_loss_kwargs(self) -> dict:
+        """The keyword parameters of ``policy_loss``'s mode: the clips it takes and ``policy_loss_params``
+        (bound by spec.py's registry, without torch); ``ConfigError`` for one it does not take, a
+        missing one or a bad value."""
+        mode = POLICY_LOSS_MODES[self.policy_loss]
+        takes = {p.name for p in mode.params}
+        clips = {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high, "dual_clip": self.dual_clip}
+        for name in ("clip_eps_high", "dual_clip"):
+            _require(name, clips[name] is None or name in takes, f"does not apply to --policy-loss {self.policy_loss}")
+        params = {name: value for name, value in clips.items() if name in takes and value is not None}
+        params.update(self.policy_loss_param_values())
+        try:
+            mode.bind(params)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"invalid config: --policy-loss {self.policy_loss}: {err}") from None
+        return params
 
     def policy_loss_param_values(self) -> dict[str, float]:
         """``policy_loss_params`` as ``{name: value}`` (which names the mode takes is checked

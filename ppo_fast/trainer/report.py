@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import default_task
+from . import default_task, run_folder
 from .evaluation import in_words
 from .metrics import ACCURACY, EVAL_KEYS, plot_curves
 from .run_folder import BEST_DIR, CONFIG_FILE, LOG_FILE, SUMMARY_FILE
@@ -103,10 +103,7 @@ def summary(trainer, stop_reason: str, evals: tuple[dict, dict, dict]) -> dict:
 
 def nothing_to_do(trainer) -> dict:
     """The run in output_dir already did ``cfg.steps`` steps: report it, change nothing."""
-    trainer.log(
-        f"--resume: the run in {trainer.output_dir} already did {trainer.step} steps (--steps {trainer.cfg.steps}); "
-        f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run."
-    )
+    trainer.log(run_folder.nothing_to_do(trainer.output_dir, trainer.step, trainer.cfg.steps))
     summary_file = trainer.output_dir / SUMMARY_FILE
     result = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     result.update(stop_reason="done", steps_done=trainer.step)

@@ -102,6 +102,29 @@ def completed_a_step(output_dir: str | Path) -> bool:
         return True
 
 
+def finished_steps(output_dir: str | Path) -> int | None:
+    """The steps of the run in ``output_dir`` if it finished (its summary says done, and its last
+    checkpoint is that step's), else None."""
+    root = Path(output_dir)
+    try:
+        summary = json.loads((root / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    steps = summary.get("steps_done") if isinstance(summary, dict) and summary.get("stop_reason") == "done" else None
+    if not isinstance(steps, int) or not (root / CHECKPOINTS / f"{STEP_PREFIX}{steps:06d}").is_dir():
+        return None
+    newer = [p for p in (root / CHECKPOINTS).glob(STEP_PREFIX + "*") if p.name > f"{STEP_PREFIX}{steps:06d}"]
+    return None if newer else steps
+
+
+def nothing_to_do(output_dir: str | Path, steps_done: int, steps: int) -> str:
+    """What ``--resume`` says of a run that already did its ``--steps``."""
+    return (
+        f"--resume: the run in {output_dir} already did {steps_done} steps (--steps {steps}); "
+        f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run."
+    )
+
+
 def refusal(output_dir: str | Path, *, resume: bool, overwrite: bool) -> str | None:
     """Why a run with these options may not start in ``output_dir`` (the error line, without
     ``ppo-fast: error:``), or None: a new run (no ``--resume``, no ``--overwrite``) in a folder

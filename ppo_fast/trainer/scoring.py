@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import reward_source
 from .config import ConfigError
 
 
@@ -29,21 +30,18 @@ def load_reward_fn(spec: str) -> Callable:
     a ``.py`` file's folder is put on ``sys.path`` so that it can import its neighbours.
     """
     where = f"--reward-fn {spec}"
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{where}: must look like 'module:function' or 'path/to/file.py:function'")
-    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+    found = reward_source.problem(spec)  # a missing file, module or function: seen without running it
+    if found:
+        raise ConfigError(found)
+    module_name, attr = reward_source.split(spec)
+    if reward_source.is_file(module_name):
         module = _import_file(Path(module_name), where)
     else:
         cwd = os.getcwd()
         if _find_module(module_name) is None and cwd not in sys.path and "" not in sys.path:
             sys.path.append(cwd)
         if _find_module(module_name) is None:
-            raise ConfigError(
-                f"{where}: no module {module_name!r} in the working directory ({cwd}) or on the Python path; "
-                f"run from the folder that holds {module_name.replace('.', '/')}.py, or give its path: "
-                f"--reward-fn path/to/{module_name.rsplit('.', 1)[-1]}.py:{attr}"
-            )
+            raise ConfigError(reward_source.no_module(spec))
         try:
             module = importlib.import_module(module_name)
         except Exception as err:  # the user's module raised while being imported

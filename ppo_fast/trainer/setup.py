@@ -20,7 +20,6 @@ from .models import build_critic, disable_dropout, enable_activation_checkpointi
 from .prompts import Prompts, read_prompts
 from .rollout_vllm import VLLMEngine, check_installed
 from .scoring import load_reward_fn
-from .update import policy_loss_params
 
 # The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
 TRAINER_OPS = ("token_logprobs", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
@@ -86,7 +85,6 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
 
 def check_options(cfg: TrainerConfig, device: torch.device) -> None:
     """What the options can get wrong beyond their own values: the backends' ops, vLLM."""
-    policy_loss_params(cfg)
     ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
     policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
     check_backend(

@@ -11,7 +11,6 @@ import torch
 
 import ppo_fast as pf
 
-from .config import ConfigError, flag
 from .distributed import SINGLE
 from .linear_policy_loss import linear_policy_objective
 from .rollout import Batch, forward
@@ -52,26 +51,6 @@ class Experience:
 _STAT_NAMES = {"approx_kl": "approxkl", "approx_kl_abs": "approxkl_abs"}
 
 
-def policy_loss_params(cfg) -> dict:
-    """The keyword parameters of ``cfg.policy_loss`` from the config: the clips the mode takes
-    and ``policy_loss_params``; ``ConfigError`` for one it does not take or a bad value."""
-    mode = pf.policy_loss_modes()[cfg.policy_loss]
-    takes = {p.name for p in mode.params}
-    clips = {"clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high, "dual_clip": cfg.dual_clip}
-    for name in ("clip_eps_high", "dual_clip"):
-        if clips[name] is not None and name not in takes:
-            raise ConfigError(
-                f"invalid config: {name} ({flag(name)}) does not apply to --policy-loss {cfg.policy_loss}"
-            )
-    params = {name: value for name, value in clips.items() if name in takes and value is not None}
-    params.update(cfg.policy_loss_param_values())
-    try:
-        mode.bind(params)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"invalid config: --policy-loss {cfg.policy_loss}: {err}") from None
-    return params
-
-
 def loss_terms(exp: Experience, cfg) -> dict:
     """The policy objective's keyword arguments (``pf.policy_objective``, ``pf.linear_policy_loss``), the
     same for both paths: the mode and its parameters, the aggregation, the rollout-correction weights,
@@ -79,7 +58,7 @@ def loss_terms(exp: Experience, cfg) -> dict:
     terms = {"loss_mode": cfg.policy_loss, "agg": cfg.loss_agg, "weights": exp.weights, "entropy_coef": cfg.ent_coef}
     if exp.ref_logprobs is not None:
         terms.update(ref_logprobs=exp.ref_logprobs, kl_coef=exp.kl_coef, kl_estimator=cfg.kl_estimator_used)
-    return {**terms, **policy_loss_params(cfg)}
+    return {**terms, **cfg.policy_loss_kwargs()}
 
 
 def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg) -> tuple[torch.Tensor, dict]:
