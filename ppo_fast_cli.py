@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "options":
         print(config.options_markdown() if args.markdown else train_parser.format_help())
         return 0
+    if args.command in ("eval", "generate"):
+        from ppo_fast.cli import run
+
+        return run(args)
     refused = _refused(config, args)
     if refused:
         print(f"ppo-fast: error: {refused}", file=sys.stderr)

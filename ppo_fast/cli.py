@@ -1,4 +1,5 @@
-"""The ``ppo-fast`` command: ``ppo-fast train [options]`` and ``ppo-fast options [--markdown]``.
+"""The ``ppo-fast`` command: ``ppo-fast train [options]``, ``ppo-fast eval|generate PATH`` (a trained
+policy, ``ppo_fast.trainer.saved``) and ``ppo-fast options [--markdown]``.
 
 The console script starts in ``ppo_fast_cli`` (top level), which parses the command line
 without importing torch and calls :func:`run`; ``python -m ppo_fast`` and tests call
@@ -36,8 +37,16 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the parsed ``train`` command; returns the exit status."""
+    """Run the parsed ``train``, ``eval`` or ``generate`` command; returns the exit status."""
     from .trainer.config import ConfigError, config_from_args
+
+    if args.command in ("eval", "generate"):
+        from .trainer import saved
+
+        try:
+            return saved.run(args)
+        except ConfigError as err:
+            return _fail(str(err))
     from .trainer.run_folder import elastic_restart, refusal
 
     try:

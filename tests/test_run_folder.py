@@ -328,3 +328,32 @@ def test_two_ranks_overwrite_a_run_folder_together(tmp_path):
     assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1]
     assert [p.name for p in checkpoint.candidates(out)] == ["step-000001"]
     assert (out / "notes.txt").read_text() == "the user's"
+
+
+def test_eval_and_generate_a_finished_run(finished, tmp_path, monkeypatch, capsys):
+    """`ppo-fast eval` scores the last checkpoint's policy as the trainer's final evaluation did (the
+    run's own held-out prompts and reward); with another reward it agrees with `ppo-fast generate`'s
+    greedy responses to the same prompts scored by hand."""
+    import json
+
+    from ppo_fast.trainer import default_task
+
+    def said() -> list[dict]:
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    assert main(["eval", str(finished), "--device", "cpu"]) == 0
+    (result,) = said()
+    assert result["eval/score"] == json.loads((finished / SUMMARY_FILE).read_text())["eval_after"]
+    assert result["prompts"] == 16 and result["policy"] == str(finished / "checkpoints" / "step-000002" / "policy")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lengths.py").write_text("def score(prompts, responses):\n    return [len(r) / 4 for r in responses]\n")
+    held_out = default_task.prompts(TrainerConfig(**TINY))[1]
+    (tmp_path / "held_out.txt").write_text("\n".join(held_out) + "\n")
+    assert main(["eval", str(finished / "checkpoints" / "step-000002"), "--reward-fn", "lengths.py:score"]) == 0
+    (by_length,) = said()
+    assert main(["generate", str(finished), "--prompts-file", "held_out.txt"]) == 0
+    responses = said()
+    assert [r["prompt"] for r in responses] == held_out
+    assert by_length["eval/score"] == pytest.approx(sum(len(r["response"]) / 4 for r in responses) / len(held_out))
+    assert main(["eval", str(finished), "--best"]) == 1
+    assert "no best/ (the run was not made with --keep-best)" in capsys.readouterr().err

@@ -709,7 +709,39 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_arguments(train)
     options = commands.add_parser("options", help="list the training options")
     options.add_argument("--markdown", action="store_true", help="as a Markdown table (for the README)")
+    _add_saved_commands(commands)
     return parser, train
+
+
+def _add_saved_commands(commands) -> None:
+    """``eval`` and ``generate``: a trained policy after the run (ppo_fast.trainer.saved)."""
+    where = (
+        "a run folder (its latest checkpoint's policy), a checkpoint (checkpoints/step-N) or a policy folder "
+        "(save_pretrained's)"
+    )
+    evaluate = commands.add_parser(
+        "eval",
+        help="score a trained policy's greedy responses on held-out prompts",
+        description="Score a trained policy's greedy responses to held-out prompts with the run's reward "
+        "(the run's own held-out prompts and reward unless given); prints one JSON line.",
+    )
+    sample = commands.add_parser(
+        "generate",
+        help="sample responses from a trained policy",
+        description="Responses of a trained policy (greedy unless --temperature); one JSON line per prompt.",
+    )
+    for command in (evaluate, sample):
+        command.add_argument("path", metavar="PATH", help=where)
+        command.add_argument("--best", action="store_true", help="the run folder's best/ (--keep-best) policy")
+        command.add_argument("--device", default="auto", choices=DEVICES, help="auto (cuda if available), cpu or cuda")
+    evaluate.add_argument("--eval-prompts-file", metavar="FILE", help="held-out prompts (default: the run's)")
+    evaluate.add_argument(
+        "--reward-fn", metavar="SPEC", help="module:function or file.py:function (default: the run's)"
+    )
+    sample.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for more)")
+    sample.add_argument("--prompts-file", metavar="FILE", help="prompts, in --prompts-file's formats")
+    sample.add_argument("--max-new-tokens", type=int, metavar="N", help="default: the run's response length")
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:

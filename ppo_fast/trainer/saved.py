@@ -1,0 +1,162 @@
+"""A trained policy after the run: ``ppo-fast eval`` scores it on held-out prompts, ``ppo-fast
+generate`` samples from it.
+
+``PATH`` is a run folder (its latest checkpoint's policy, or ``best/`` with ``--best``), a
+checkpoint (``checkpoints/step-N``) or a policy folder (``save_pretrained``'s).  The run's options
+come from its ``run_config.yaml`` (or the checkpoint's trainer state), so the built-in task's
+held-out prompts and reward, or a custom run's ``--eval-prompts-file`` and reward, are found
+as the run used them; the command's own options override them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from . import checkpoint, default_task, run_folder
+from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig, read_config_file
+from .distributed import SINGLE
+from .evaluation import held_out
+from .models import third_party_output
+from .prompts import Prompts, read_prompts
+from .rollout import decode_responses, generate
+from .scoring import FunctionScorer, RewardModelScorer, load_reward_fn
+from .setup import resolve_device
+
+
+@dataclasses.dataclass
+class Saved:
+    policy_dir: Path  # a save_pretrained folder (model and tokenizer)
+    cfg: TrainerConfig  # the run's options (defaults where none were found)
+    builtin: bool  # the built-in task's run
+
+
+def find(path: str, best: bool = False) -> Saved:
+    """The policy folder ``path`` names, and the options of the run that made it."""
+    root = Path(path)
+    if (root / "config.json").is_file():
+        policy, checkpoint_dir = root, root.parent if root.name == checkpoint.POLICY_DIR else None
+    elif (root / checkpoint.POLICY_DIR / "config.json").is_file():
+        policy, checkpoint_dir = root / checkpoint.POLICY_DIR, root
+    elif root.is_dir() and (best or checkpoint.latest(root)):
+        checkpoint_dir = None if best else checkpoint.latest(root)
+        policy = root / run_folder.BEST_DIR if best else checkpoint_dir / checkpoint.POLICY_DIR
+        if not (policy / "config.json").is_file():
+            raise ConfigError(f"{path}: no {run_folder.BEST_DIR}/ (the run was not made with --keep-best)")
+    else:
+        raise ConfigError(
+            f"{path}: not a run folder with a checkpoint, a checkpoint (checkpoints/step-N) or a policy folder "
+            "(config.json)"
+        )
+    cfg = _options(policy, checkpoint_dir)
+    return Saved(policy, cfg, builtin=cfg.model_name_or_path is None)
+
+
+def _options(policy: Path, checkpoint_dir: Path | None) -> TrainerConfig:
+    """The run's options: its run_config.yaml, else the checkpoint's trainer state, else the defaults."""
+    for folder in (policy.parent, policy.parent.parent.parent):  # best/ or policy/ of checkpoints/step-N
+        if (folder / run_folder.CONFIG_FILE).is_file():
+            return TrainerConfig.from_dict(read_config_file(folder / run_folder.CONFIG_FILE))
+    if checkpoint_dir is not None and (checkpoint_dir / checkpoint.STATE_FILE).is_file():
+        return TrainerConfig.from_dict(checkpoint.load_state(checkpoint_dir).config)
+    return TrainerConfig()
+
+
+def load(saved: Saved, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    third_party_output(saved.cfg.verbose)
+
+    policy = AutoModelForCausalLM.from_pretrained(saved.policy_dir).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(saved.policy_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return policy, tokenizer
+
+
+def response_length(saved: Saved, given: int | None) -> int:
+    default = BUILTIN_RESPONSE_LENGTH if saved.builtin else CUSTOM_RESPONSE_LENGTH
+    return given or saved.cfg.response_length or default
+
+
+def evaluate(path: str, *, best=False, eval_prompts_file=None, reward_fn=None, device="auto") -> dict:
+    """The held-out scores of the saved policy, as the trainer's evaluation computes them."""
+    saved = find(path, best)
+    cfg = saved.cfg
+    if eval_prompts_file or cfg.eval_prompts_file:
+        eval_set = read_prompts(eval_prompts_file or cfg.eval_prompts_file, "--eval-prompts-file")
+    elif saved.builtin:
+        eval_set = Prompts(default_task.prompts(cfg)[1])
+    else:
+        raise ConfigError(f"{path}: the run had no held-out prompts; give --eval-prompts-file")
+    device = resolve_device(device)
+    if reward_fn or cfg.reward_fn:
+        scorer = FunctionScorer(load_reward_fn(reward_fn or cfg.reward_fn))
+    elif cfg.reward_model:
+        scorer = RewardModelScorer(cfg.reward_model, device)
+    elif saved.builtin:
+        scorer = FunctionScorer(default_task.addition_reward)
+    else:
+        raise ConfigError(f"{path}: the run's reward is not known; give --reward-fn")
+    policy, tokenizer = load(saved, device)
+    context = SimpleNamespace(
+        eval_set=eval_set,
+        parallel=SINGLE,
+        tokenizer=tokenizer,
+        response_length=response_length(saved, None),
+        scorer=scorer,
+        device=device,
+    )
+    scores = held_out(context, policy)
+    return {"policy": str(saved.policy_dir), "prompts": len(eval_set.texts), **scores}
+
+
+def sample(path: str, prompts: list[str], *, best=False, max_new_tokens=None, temperature=0.0, device="auto"):
+    """``[(prompt, response)]``: greedy responses (``temperature`` 0) or samples at ``temperature``."""
+    saved = find(path, best)
+    device = resolve_device(device)
+    policy, tokenizer = load(saved, device)
+    with torch.no_grad():
+        batch = generate(
+            policy,
+            tokenizer,
+            prompts,
+            max_new_tokens=response_length(saved, max_new_tokens),
+            temperature=temperature or 1.0,
+            top_p=1.0,
+            greedy=not temperature,
+        )
+    return list(zip(prompts, decode_responses(tokenizer, batch)))
+
+
+def run(args) -> int:
+    """``ppo-fast eval`` / ``ppo-fast generate``: one JSON line per result on stdout."""
+    if args.command == "eval":
+        result = evaluate(
+            args.path,
+            best=args.best,
+            eval_prompts_file=args.eval_prompts_file,
+            reward_fn=args.reward_fn,
+            device=args.device,
+        )
+        print(json.dumps(result))
+        return 0
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += read_prompts(args.prompts_file, "--prompts-file").texts
+    if not prompts:
+        raise ConfigError("generate: give --prompt TEXT (one or more) or --prompts-file FILE")
+    for prompt, response in sample(
+        args.path,
+        prompts,
+        best=args.best,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        device=args.device,
+    ):
+        print(json.dumps({"prompt": prompt, "response": response}))
+    return 0
