@@ -24,15 +24,15 @@ ROWS = 8  # the whole batch; world 2 gives each rank 4
 
 
 def config(agg: str) -> TrainerConfig:
-    # The entropy bonus is a token mean whatever loss_agg is: with a seq-mean-* mode it is left out here.
+    # The entropy bonus is a token mean whatever agg is: with a seq-mean-* mode it is left out here.
     return TrainerConfig(
         num_ppo_epochs=1,
         num_mini_batches=1,
         gradient_accumulation_steps=2,
         max_grad_norm=0.5,
-        loss_agg=agg,
+        agg=agg,
         vf_coef=0.5,
-        ent_coef=0.01 if agg == "token-mean" else 0.0,
+        entropy_coef=0.01 if agg == "token-mean" else 0.0,
     )
 
 

@@ -214,7 +214,7 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(capsys):
 )
 def test_a_refused_option_change_is_one_line(run, capsys, name, value):
     flag = "--" + name.replace("_", "-")
-    extra = ["--num-samples-per-prompt", "2"] if name == "advantage_method" else []
+    extra = ["--group-size", "2"] if name == "advantage_method" else []
     assert (
         main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS, flag, str(value), *extra])
         == 1
@@ -254,7 +254,7 @@ def test_grpo_and_rloo_may_swap_on_resume(tmp_path):
         output_dir=str(tmp_path / "g"),
         steps=1,
         advantage_method="grpo",
-        num_samples_per_prompt=2,
+        group_size=2,
         **dict(TINY, batch_size=2),
     )
     PPOTrainer(cfg, log=quiet).train()

@@ -358,7 +358,7 @@ def test_resume_with_another_critic_mode_is_one_line(finished_run, tmp_path, cap
                 "train",
                 "--output-dir",
                 str(run),
-                *"--resume --advantage-method grpo --num-samples-per-prompt 2 --steps 2".split(),
+                *"--resume --advantage-method grpo --group-size 2 --steps 2".split(),
             ]
         )
         == 1
@@ -496,3 +496,27 @@ def test_keep_checkpoints(tmp_path):
     )
     PPOTrainer(cfg, log=quiet).train()
     assert len(list((tmp_path / "k" / "checkpoints").glob("step-*"))) == 3
+
+
+def test_renamed_options_keep_working_for_a_release_with_a_warning(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text("policy_loss: gspo\nloss_agg: token-sum\n")
+    parser, _ = config_module.build_parser()
+    argv = ["train", "--config", str(old), "--ent-coef", "0.01", "--num-samples-per-prompt", "2"]
+    cfg = config_module.config_from_args(parser.parse_args(argv + ["--cliprange-value", "0.3"]))
+    assert (cfg.loss_mode, cfg.agg, cfg.entropy_coef, cfg.group_size, cfg.value_clip) == (
+        "gspo",
+        "token-sum",
+        0.01,
+        2,
+        0.3,
+    )
+    warnings = capsys.readouterr().err.splitlines()
+    assert warnings == [
+        "ppo-fast: warning: --ent-coef is now --entropy-coef; the old name goes in the next release",
+        "ppo-fast: warning: --num-samples-per-prompt is now --group-size; the old name goes in the next release",
+        "ppo-fast: warning: --cliprange-value is now --value-clip; the old name goes in the next release",
+        f"ppo-fast: warning: --config {old}: policy_loss is now loss_mode; the old name goes in the next release",
+        f"ppo-fast: warning: --config {old}: loss_agg is now agg; the old name goes in the next release",
+    ]
+    assert "--policy-loss" not in parser._subparsers._group_actions[0].choices["train"].format_help()

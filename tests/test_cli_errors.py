@@ -116,8 +116,8 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         ),
         (["train", "--reward-fn", f"{tmp_path / 'none.py'}:f", "--output-dir", out], "none.py:f: no such file"),
         (["train", "--reward-fn", f"{tmp_path / 'broken.py'}:f", "--output-dir", out], "SyntaxError: "),
-        (["train", "--policy-loss", "dro", "--output-dir", out], "needs dro_beta"),
-        (["train", "--policy-loss", "sapo", "--policy-loss-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
+        (["train", "--loss-mode", "dro", "--output-dir", out], "needs dro_beta"),
+        (["train", "--loss-mode", "sapo", "--loss-mode-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
     ]
     run = subprocess.run(
         [sys.executable, "-c", _FAST_ERRORS, json.dumps([argv for argv, _ in cases])],

@@ -39,7 +39,7 @@ def run(tmp_path, name, **overrides) -> list[dict]:
         dict(num_mini_batches=1, gradient_accumulation_steps=1),
         dict(num_mini_batches=2, gradient_accumulation_steps=1),
         dict(num_mini_batches=2, gradient_accumulation_steps=2),
-        dict(num_mini_batches=1, gradient_accumulation_steps=4, num_samples_per_prompt=2, advantage_method="grpo"),
+        dict(num_mini_batches=1, gradient_accumulation_steps=4, group_size=2, advantage_method="grpo"),
     ],
     ids=["1x1", "2x1", "2x2", "1x4-grpo"],
 )

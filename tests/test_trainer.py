@@ -167,9 +167,7 @@ def test_gradient_checkpointing_run(tmp_path):
 @pytest.mark.parametrize("estimator", [name for name, m in pf.advantage_methods().items() if not m.needs_critic])
 def test_critic_free_estimators_run_without_a_critic(tmp_path, estimator):
     """Every registered critic-free estimator, two steps, with the KL in the loss (their default)."""
-    cfg = tiny(
-        tmp_path, advantage_method=estimator, num_samples_per_prompt=4, batch_size=4, steps=2, sft_steps=2, eval_size=4
-    )
+    cfg = tiny(tmp_path, advantage_method=estimator, group_size=4, batch_size=4, steps=2, sft_steps=2, eval_size=4)
     trainer = PPOTrainer(cfg, log=quiet)
     assert trainer.critic is None
     trainer.train()
@@ -305,12 +303,12 @@ def test_kl_in_the_loss_leaves_equal_score_groups_at_exactly_zero():
     torch.testing.assert_close(in_reward, torch.tensor([0.3873, -1.1619, 1.1619, -0.3873]), atol=1e-4, rtol=0)
     for estimator in ("grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline"):
         assert torch.equal(_estimate([1.0] * 4, kl, estimator, False, 4), torch.zeros(4)), estimator
-    assert not TrainerConfig(advantage_method="grpo", num_samples_per_prompt=2).validate().kl_in_reward
+    assert not TrainerConfig(advantage_method="grpo", group_size=2).validate().kl_in_reward
     assert TrainerConfig(advantage_method="gae").validate().kl_in_reward
 
 
 def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
-    cfg = tiny(tmp_path, advantage_method="grpo", num_samples_per_prompt=2, batch_size=2, kl_coef=0.5)
+    cfg = tiny(tmp_path, advantage_method="grpo", group_size=2, batch_size=2, kl_coef=0.5)
     trainer = PPOTrainer(cfg, log=quiet)
     batch = generate(
         trainer.policy,
@@ -352,7 +350,7 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tmp_path):
         ("advantage_method", "ppo2"),
         ("critic", "tied"),
         ("num_mini_batches", 3),
-        ("loss_agg", "mean"),
+        ("agg", "mean"),
     ],
 )
 def test_bad_config_values_fail_naming_the_field(field, value):
@@ -361,9 +359,7 @@ def test_bad_config_values_fail_naming_the_field(field, value):
 
 
 def test_group_estimators_need_several_samples():
-    with pytest.raises(
-        ValueError, match=r"num_samples_per_prompt \(--num-samples-per-prompt\) must be >= 2 for advantage_method=grpo"
-    ):
+    with pytest.raises(ValueError, match=r"group_size \(--group-size\) must be >= 2 for advantage_method=grpo"):
         TrainerConfig(advantage_method="grpo").validate()
 
 
@@ -551,7 +547,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
 )
 def test_a_step_without_learning_signal_is_warned_once(tmp_path, method, samples, reward, warned):
     messages = []
-    cfg = tiny(tmp_path, eval_size=0, advantage_method=method, num_samples_per_prompt=samples, batch_size=4)
+    cfg = tiny(tmp_path, eval_size=0, advantage_method=method, group_size=samples, batch_size=4)
     PPOTrainer(cfg, reward_fn=reward, log=messages.append).train()
     warnings = [m for m in messages if m.startswith("warning: step 1:")]
     assert len(warnings) == (1 if warned else 0), messages

@@ -20,8 +20,8 @@ def quiet(_message: str) -> None:
 
 
 def trainer_and_experience(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), steps=1, batch_size=4, num_samples_per_prompt=2, sft_steps=2,
-                  eval_size=4, sample_every=0, save_every=0, ent_coef=0.01)  # fmt: skip
+    values = dict(output_dir=str(tmp_path / "run"), steps=1, batch_size=4, group_size=2, sft_steps=2,
+                  eval_size=4, sample_every=0, save_every=0, entropy_coef=0.01)  # fmt: skip
     values.update(overrides)
     cfg = TrainerConfig(**values)
     trainer = PPOTrainer(cfg, log=quiet)
@@ -51,17 +51,17 @@ def loss_stats_grads(trainer, cfg, exp):
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"policy_loss": "vanilla", "advantage_method": "grpo", "kl_coef": 0.2},
-        {"policy_loss": "gspo", "advantage_method": "grpo", "loss_agg": "seq-mean-token-mean", "kl_coef": 0.2},
-        {"policy_loss": "vanilla", "advantage_method": "gae", "loss_agg": "token-sum", "dual_clip": 3.0},
-        {"policy_loss": "dro", "advantage_method": "grpo", "policy_loss_params": "dro_beta=0.1", "kl_coef": 0.2},
+        {"loss_mode": "vanilla", "advantage_method": "grpo", "kl_coef": 0.2},
+        {"loss_mode": "gspo", "advantage_method": "grpo", "agg": "seq-mean-token-mean", "kl_coef": 0.2},
+        {"loss_mode": "vanilla", "advantage_method": "gae", "agg": "token-sum", "dual_clip": 3.0},
+        {"loss_mode": "dro", "advantage_method": "grpo", "loss_mode_params": "dro_beta=0.1", "kl_coef": 0.2},
     ],
     ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic", "dro"],
 )
 def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides):
     trainer, cfg, exp = trainer_and_experience(tmp_path, **overrides)
     assert scores_through_fused_head(trainer.policy, exp.old_logprobs.device)
-    assert has_fast_backend(cfg.policy_loss, "cpu"), "the native CPU backend serves every one-pass mode"
+    assert has_fast_backend(cfg.loss_mode, "cpu"), "the native CPU backend serves every one-pass mode"
     calls = []
     real = update_module.linear_policy_objective
     monkeypatch.setattr(update_module, "linear_policy_objective", lambda *a: calls.append(1) or real(*a))

@@ -1,4 +1,4 @@
-"""The trainer on every registered policy-loss mode (--policy-loss), and its options' checks."""
+"""The trainer on every registered policy-loss mode (--loss-mode), and its options' checks."""
 
 import math
 from pathlib import Path
@@ -23,7 +23,7 @@ def _tiny(tmp_path, mode, **overrides):
         output_dir=str(tmp_path / mode),
         steps=2,
         batch_size=4,
-        num_samples_per_prompt=4,
+        group_size=4,
         num_mini_batches=2,
         num_ppo_epochs=1,
         sft_steps=2,
@@ -32,8 +32,8 @@ def _tiny(tmp_path, mode, **overrides):
         save_every=0,
         learning_rate=1e-3,
         advantage_method="grpo",
-        policy_loss=mode,
-        policy_loss_params=NEEDED.get(mode, ""),
+        loss_mode=mode,
+        loss_mode_params=NEEDED.get(mode, ""),
     )
     values.update(overrides)
     return TrainerConfig(**values)
@@ -72,7 +72,7 @@ def test_asymmetric_and_dual_clip_reach_the_loss(tmp_path, monkeypatch):
         clip_eps_low=0.1,
         clip_eps_high=0.28,
         dual_clip=3.0,
-        loss_agg="seq-mean-token-mean",
+        agg="seq-mean-token-mean",
     )
     PPOTrainer(cfg, log=lambda _: None).train()
     assert seen and all(
@@ -89,28 +89,28 @@ def test_asymmetric_and_dual_clip_reach_the_loss(tmp_path, monkeypatch):
     "overrides, match",
     [
         (
-            {"policy_loss": "gpg", "clip_eps_high": 0.3},
-            r"clip_eps_high \(--clip-eps-high\) does not apply to --policy-loss gpg",
+            {"loss_mode": "gpg", "clip_eps_high": 0.3},
+            r"clip_eps_high \(--clip-eps-high\) does not apply to --loss-mode gpg",
         ),
-        ({"policy_loss": "gspo", "dual_clip": 3.0}, r"dual_clip \(--dual-clip\) does not apply to --policy-loss gspo"),
-        ({"policy_loss": "dro", "policy_loss_params": ""}, r"--policy-loss dro: .*needs dro_beta"),
-        ({"policy_loss": "sapo", "policy_loss_params": "tau=1"}, r"--policy-loss sapo: .*got unexpected tau"),
-        ({"policy_loss": "sapo", "policy_loss_params": "tau_pos=-1"}, r"tau_pos must be > 0"),
+        ({"loss_mode": "gspo", "dual_clip": 3.0}, r"dual_clip \(--dual-clip\) does not apply to --loss-mode gspo"),
+        ({"loss_mode": "dro", "loss_mode_params": ""}, r"--loss-mode dro: .*needs dro_beta"),
+        ({"loss_mode": "sapo", "loss_mode_params": "tau=1"}, r"--loss-mode sapo: .*got unexpected tau"),
+        ({"loss_mode": "sapo", "loss_mode_params": "tau_pos=-1"}, r"tau_pos must be > 0"),
     ],
 )
 def test_bad_policy_loss_options_fail_before_loading(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
-        PPOTrainer(_tiny(tmp_path, overrides.pop("policy_loss"), **overrides), log=lambda _: None)
+        PPOTrainer(_tiny(tmp_path, overrides.pop("loss_mode"), **overrides), log=lambda _: None)
 
 
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("policy_loss", "ppo"),
+        ("loss_mode", "ppo"),
         ("clip_eps_high", 0.0),
         ("dual_clip", 1.0),
-        ("policy_loss_params", "tau_pos"),
-        ("policy_loss_params", "tau_pos=x"),
+        ("loss_mode_params", "tau_pos"),
+        ("loss_mode_params", "tau_pos=x"),
     ],
 )
 def test_bad_values_fail_naming_the_field(field, value):

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import distributed, run_folder
-from .config import CRITIC_METHODS, ConfigError, TrainerConfig, flag
+from .config import CRITIC_METHODS, RENAMED, ConfigError, TrainerConfig, flag
 from .run_folder import CHECKPOINTS, TMP_PREFIX
 
 STATE_FILE = "trainer_state.pt"
@@ -257,6 +257,7 @@ def load_latest_usable(
 
 def check_options(saved: dict, cfg: TrainerConfig, builtin: bool, where: str) -> list[str]:
     """``ConfigError`` for a refused change; else the applied changes as ``name old -> new``."""
+    saved = {RENAMED.get(name, name): value for name, value in saved.items()}  # a checkpoint of before a rename
     changed = {
         name: old
         for name, old in saved.items()

@@ -80,6 +80,35 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Options renamed to the ops' names (old -> new): the old flag and config key still work, with a
+# one-line warning, until the next release.
+RENAMED = {
+    "policy_loss": "loss_mode",
+    "policy_loss_params": "loss_mode_params",
+    "loss_agg": "agg",
+    "ent_coef": "entropy_coef",
+    "cliprange_value": "value_clip",
+    "num_samples_per_prompt": "group_size",
+}
+
+
+def renamed_warning(old: str, source: str | None = None) -> str:
+    """``--policy-loss is now --loss-mode; ...`` (a flag), or with ``source`` the config key's."""
+    what = f"{source}: {old} is now {RENAMED[old]}" if source else f"{flag(old)} is now {flag(RENAMED[old])}"
+    return f"ppo-fast: warning: {what}; the old name goes in the next release"
+
+
+def current_names(values: dict, source: str) -> dict:
+    """``values`` with the renamed options' old keys under their new names (a warning each)."""
+    out = {}
+    for name, value in values.items():
+        if name in RENAMED:
+            print(renamed_warning(name, source), file=sys.stderr)
+            name = RENAMED[name]
+        out[name] = value
+    return out
+
+
 def _opt(default, help_text: str, group: str, *, choices: tuple | None = None, bounds: str | None = None):
     """A field with its help, its --help group, and its values: ``choices``, or ``bounds`` such as
     ``">= 1"``, ``"> 0"``, ``"[0, 1]"`` or ``"(0, 1]"`` (checked by ``validate``; None passes)."""
@@ -205,9 +234,7 @@ class TrainerConfig:
 
     # --- rollout
     batch_size: int = _opt(64, "Prompts per PPO iteration.", "rollout", bounds=">= 1")
-    num_samples_per_prompt: int = _opt(
-        1, "Responses sampled per prompt (>= 2 for grpo and rloo).", "rollout", bounds=">= 1"
-    )
+    group_size: int = _opt(1, "Responses sampled per prompt (>= 2 for grpo and rloo).", "rollout", bounds=">= 1")
     response_length: int | None = _opt(
         None,
         f"Maximum new tokens per response (generation stops at EOS). Unset: {BUILTIN_RESPONSE_LENGTH} for the "
@@ -269,7 +296,7 @@ class TrainerConfig:
     advantage_method: str = _opt(
         "gae",
         f"Advantage estimator (ppo_fast.advantage_methods()): gae uses the critic; "
-        f"{', '.join(GROUP_METHODS)} compare the responses to one prompt (num_samples_per_prompt >= 2); "
+        f"{', '.join(GROUP_METHODS)} compare the responses to one prompt (group_size >= 2); "
         "reinforce_plus_plus (returns whitened over the batch) and remax (minus the greedy response's reward) need neither.",
         "estimate",
         choices=ADVANTAGE_METHOD_NAMES,
@@ -321,11 +348,11 @@ class TrainerConfig:
     warmup_steps: int = _opt(0, "Optimizer steps of linear learning-rate warm-up.", "optimize", bounds=">= 0")
     weight_decay: float = _opt(0.0, "AdamW weight decay.", "optimize", bounds=">= 0")
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm (0: no clipping).", "optimize", bounds=">= 0")
-    policy_loss: str = _opt(
+    loss_mode: str = _opt(
         "vanilla",
         "Policy loss (pf.policy_loss_modes(); verl 0.9.1's loss_mode): "
         + _POLICY_LOSS_LIST
-        + "; its parameters besides the clips via --policy-loss-params.",
+        + "; its parameters besides the clips via --loss-mode-params.",
         "optimize",
         choices=POLICY_LOSSES,
     )
@@ -345,16 +372,16 @@ class TrainerConfig:
         "optimize",
         bounds="> 1",
     )
-    policy_loss_params: str = _opt(
+    loss_mode_params: str = _opt(
         "",
         "The policy loss's other parameters as name=value pairs separated by commas, e.g. 'tau_pos=1,tau_neg=1.05' "
         "(sapo) or 'dro_beta=0.1' (dro, required); see pf.policy_loss_modes().",
         "optimize",
     )
-    cliprange_value: float = _opt(0.2, "Value clip range around the rollout values.", "optimize", bounds="> 0")
+    value_clip: float = _opt(0.2, "Value clip range around the rollout values.", "optimize", bounds="> 0")
     vf_coef: float = _opt(0.1, "Value loss coefficient.", "optimize", bounds=">= 0")
-    ent_coef: float = _opt(0.0, "Entropy bonus coefficient.", "optimize", bounds=">= 0")
-    loss_agg: str = _opt("token-mean", f"Loss aggregation: {', '.join(AGG_MODES)}.", "optimize", choices=AGG_MODES)
+    entropy_coef: float = _opt(0.0, "Entropy bonus coefficient.", "optimize", bounds=">= 0")
+    agg: str = _opt("token-mean", f"Loss aggregation: {', '.join(AGG_MODES)}.", "optimize", choices=AGG_MODES)
 
     # --- built-in task (used when model_name_or_path is unset)
     sft_steps: int = _opt(
@@ -432,11 +459,11 @@ class TrainerConfig:
         """The choices and the options that depend on one another."""
         for name, choices in CHOICES.items():
             _require(name, getattr(self, name) in choices, f"must be one of {', '.join(choices)}")
-        rows = self.batch_size * self.num_samples_per_prompt
+        rows = self.batch_size * self.group_size
         _require(
             "num_mini_batches",
             rows % self.num_mini_batches == 0,
-            f"must divide batch_size * num_samples_per_prompt = {rows}",
+            f"must divide batch_size * group_size = {rows}",
         )
         _require(
             "gradient_accumulation_steps",
@@ -445,8 +472,8 @@ class TrainerConfig:
         )
         if self.advantage_method in GROUP_METHODS:
             _require(
-                "num_samples_per_prompt",
-                self.num_samples_per_prompt >= 2,
+                "group_size",
+                self.group_size >= 2,
                 f"must be >= 2 for advantage_method={self.advantage_method}",
             )
         _require(
@@ -476,34 +503,34 @@ class TrainerConfig:
             )
 
     def policy_loss_kwargs(self) -> dict:
-        """The keyword parameters of ``policy_loss``'s mode: the clips it takes and ``policy_loss_params``
+        """The keyword parameters of ``loss_mode``'s mode: the clips it takes and ``loss_mode_params``
         (bound by spec.py's registry, without torch); ``ConfigError`` for one it does not take, a
         missing one or a bad value."""
-        mode = POLICY_LOSS_MODES[self.policy_loss]
+        mode = POLICY_LOSS_MODES[self.loss_mode]
         takes = {p.name for p in mode.params}
         clips = {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high, "dual_clip": self.dual_clip}
         for name in ("clip_eps_high", "dual_clip"):
-            _require(name, clips[name] is None or name in takes, f"does not apply to --policy-loss {self.policy_loss}")
+            _require(name, clips[name] is None or name in takes, f"does not apply to --loss-mode {self.loss_mode}")
         params = {name: value for name, value in clips.items() if name in takes and value is not None}
-        params.update(self.policy_loss_param_values())
+        params.update(self.loss_mode_param_values())
         try:
             mode.bind(params)
         except (TypeError, ValueError) as err:
-            raise ConfigError(f"invalid config: --policy-loss {self.policy_loss}: {err}") from None
+            raise ConfigError(f"invalid config: --loss-mode {self.loss_mode}: {err}") from None
         return params
 
-    def policy_loss_param_values(self) -> dict[str, float]:
-        """``policy_loss_params`` as ``{name: value}`` (which names the mode takes is checked
+    def loss_mode_param_values(self) -> dict[str, float]:
+        """``loss_mode_params`` as ``{name: value}`` (which names the mode takes is checked
         by the trainer, against the registry)."""
         values = {}
-        for item in filter(None, (part.strip() for part in self.policy_loss_params.split(","))):
+        for item in filter(None, (part.strip() for part in self.loss_mode_params.split(","))):
             name, sep, value = item.partition("=")
             try:
                 values[name.strip()] = float(value)
             except ValueError:
                 sep = ""
             _require(
-                "policy_loss_params",
+                "loss_mode_params",
                 bool(sep and name.strip()),
                 f"must be name=value pairs separated by commas, got {item!r}",
             )
@@ -533,6 +560,7 @@ class TrainerConfig:
     def from_dict(cls, values: dict, source: str = "config") -> TrainerConfig:
         """Build a config from ``{field: value}``; numbers written as strings (YAML reads
         ``1e-4`` as a string) are converted, anything else of the wrong type is an error."""
+        values = current_names(values, source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -649,10 +677,11 @@ class _Parser(argparse.ArgumentParser):
         sub = (
             command[1]
             if len(command) > 1
-            else next((a for a in getattr(self, "_argv", []) if a in ("train", "options")), "")
+            else next((a for a in getattr(self, "_argv", []) if a in ("train", "options", "eval", "generate")), "")
         )
         if message.startswith("unrecognized arguments:"):
             known = [flag(f.name) for f in dataclasses.fields(TrainerConfig)] + ["--config", "--markdown", "--help"]
+            known += [flag(old) for old in RENAMED]
             guesses = []
             for word in message.split(":", 1)[1].split():
                 name = word.split("=")[0]
@@ -683,6 +712,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag(f.name), type=_flag_type(base), default=None, metavar=base.__name__.upper(), help=help_text
             )
+    for old, new in RENAMED.items():  # the old flags, hidden from --help
+        kind = {"choices": CHOICES[new]} if new in CHOICES else {"type": _flag_type(_base_type(hints[new]))}
+        parser.add_argument(flag(old), dest=new, action=_Renamed, default=None, help=argparse.SUPPRESS, **kind)
+
+
+class _Renamed(argparse.Action):
+    """A renamed option's old flag: stores under the new name and says so in one line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(renamed_warning(option_string[2:].replace("-", "_")), file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _flag_type(base):

@@ -365,11 +365,11 @@ def init(cfg: TrainerConfig, device: torch.device) -> tuple[Parallel, torch.devi
             f"--batch-size {cfg.batch_size} must be a multiple of the world size {world_size} "
             "(each rank samples batch_size / world_size prompts)"
         )
-    rows = per_rank * cfg.num_samples_per_prompt
+    rows = per_rank * cfg.group_size
     if rows % (cfg.num_mini_batches * cfg.gradient_accumulation_steps):
         raise ConfigError(
             f"each of the {world_size} ranks has {rows} rollouts per step (--batch-size {cfg.batch_size} / "
-            f"{world_size} x --num-samples-per-prompt {cfg.num_samples_per_prompt}), which --num-mini-batches "
+            f"{world_size} x --group-size {cfg.group_size}), which --num-mini-batches "
             f"{cfg.num_mini_batches} x --gradient-accumulation-steps {cfg.gradient_accumulation_steps} must divide"
         )
     if device.type == "cuda":

@@ -48,7 +48,7 @@ class EstimateOptions:
             gamma=cfg.gamma,
             lam=cfg.lam,
             whiten=cfg.whiten_advantages,
-            group_size=cfg.num_samples_per_prompt,
+            group_size=cfg.group_size,
             grpo_norm_by_std=cfg.grpo_norm_by_std,
         )
 

@@ -25,7 +25,7 @@ def linear_policy_objective(policy, critic, exp, cfg, terms: dict):
     batch = exp.batch
     needs_values = exp.old_values is not None
     device = batch.input_ids.device
-    if (needs_values and critic.shared) or not has_fast_backend(cfg.policy_loss, device.type):
+    if (needs_values and critic.shared) or not has_fast_backend(cfg.loss_mode, device.type):
         return None
     if not scores_through_fused_head(policy, device):
         return None

@@ -126,7 +126,7 @@ def plot_title(trainer) -> str:
     critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
     return (
         f"{model_in_words(trainer)}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
-        f"batch {cfg.batch_size}x{cfg.num_samples_per_prompt}, {cfg.num_ppo_epochs} epochs, {trainer.step} steps, "
+        f"batch {cfg.batch_size}x{cfg.group_size}, {cfg.num_ppo_epochs} epochs, {trainer.step} steps, "
         f"seed {cfg.seed}"
     )
 

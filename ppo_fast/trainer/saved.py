@@ -18,7 +18,14 @@ from types import SimpleNamespace
 import torch
 
 from . import checkpoint, default_task, run_folder
-from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig, read_config_file
+from .config import (
+    BUILTIN_RESPONSE_LENGTH,
+    CUSTOM_RESPONSE_LENGTH,
+    RENAMED,
+    ConfigError,
+    TrainerConfig,
+    read_config_file,
+)
 from .distributed import SINGLE
 from .evaluation import held_out
 from .models import third_party_output
@@ -62,7 +69,8 @@ def _options(policy: Path, checkpoint_dir: Path | None) -> TrainerConfig:
         if (folder / run_folder.CONFIG_FILE).is_file():
             return TrainerConfig.from_dict(read_config_file(folder / run_folder.CONFIG_FILE))
     if checkpoint_dir is not None and (checkpoint_dir / checkpoint.STATE_FILE).is_file():
-        return TrainerConfig.from_dict(checkpoint.load_state(checkpoint_dir).config)
+        saved = checkpoint.load_state(checkpoint_dir).config
+        return TrainerConfig.from_dict({RENAMED.get(name, name): value for name, value in saved.items()})
     return TrainerConfig()
 
 

@@ -86,7 +86,7 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
 def check_options(cfg: TrainerConfig, device: torch.device) -> None:
     """What the options can get wrong beyond their own values: the backends' ops, vLLM."""
     ops = TRAINER_OPS if cfg.uses_critic else tuple(op for op in TRAINER_OPS if op not in ("gae", "value_loss"))
-    policy_op = pf.policy_loss_modes()[cfg.policy_loss].op  # the registry's op of this loss mode
+    policy_op = pf.policy_loss_modes()[cfg.loss_mode].op  # the registry's op of this loss mode
     check_backend(
         cfg.backend,
         device,
@@ -253,7 +253,7 @@ def start_engine(trainer) -> VLLMEngine:
         trainer.policy,
         model_dir=trainer.output_dir / run_folder.VLLM_MODEL_DIR,
         max_model_len=longest + trainer.response_length,
-        max_num_seqs=trainer.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt,
+        max_num_seqs=trainer.parallel.per_rank(cfg.batch_size) * cfg.group_size,
         dtype=dtype,
         seed=cfg.seed,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,

@@ -133,7 +133,7 @@ class PPOTrainer:
         """One PPO iteration; returns its metrics row.  ``self.step`` counts completed iterations."""
         cfg, timer = self.cfg, self.timer
         step = self.step + 1
-        rows = self.parallel.per_rank(cfg.batch_size) * cfg.num_samples_per_prompt
+        rows = self.parallel.per_rank(cfg.batch_size) * cfg.group_size
         start = time.perf_counter()
         with timer.phase("rollout"):
             r = self._rollout(rows)
@@ -196,7 +196,7 @@ class PPOTrainer:
         cfg = self.cfg
         shard = self.parallel.shard(len(self.prompts))
         picks = [shard[i] for i in torch.randint(len(shard), (self.parallel.per_rank(cfg.batch_size),)).tolist()]
-        drawn = [i for i in picks for _ in range(cfg.num_samples_per_prompt)]
+        drawn = [i for i in picks for _ in range(cfg.group_size)]
         prompts = [self.train_set.texts[i] for i in drawn]
         answers = [self.train_set.answers[i] for i in drawn]
         batch, engine_logprobs = self._generate(prompts)
@@ -271,11 +271,11 @@ class PPOTrainer:
             return
         cfg = self.cfg
         if cfg.advantage_method in GROUP_METHODS:
-            groups = scores.view(-1, cfg.num_samples_per_prompt)
+            groups = scores.view(-1, cfg.group_size)
             if bool((groups == groups[:, :1]).all()):
                 self._warned_no_signal = True
                 self.log(
-                    f"warning: step {step}: the {cfg.num_samples_per_prompt} responses to each prompt got the same "
+                    f"warning: step {step}: the {cfg.group_size} responses to each prompt got the same "
                     f"reward, so every {cfg.advantage_method} advantage is 0 and this step teaches nothing; check "
                     "that the reward tells responses apart (or raise --temperature)"
                 )

@@ -55,7 +55,7 @@ def loss_terms(exp: Experience, cfg) -> dict:
     """The policy objective's keyword arguments (``pf.policy_objective``, ``pf.linear_policy_loss``), the
     same for both paths: the mode and its parameters, the aggregation, the rollout-correction weights,
     the entropy bonus and, when the KL is not in the reward, the KL loss term."""
-    terms = {"loss_mode": cfg.policy_loss, "agg": cfg.loss_agg, "weights": exp.weights, "entropy_coef": cfg.ent_coef}
+    terms = {"loss_mode": cfg.loss_mode, "agg": cfg.agg, "weights": exp.weights, "entropy_coef": cfg.entropy_coef}
     if exp.ref_logprobs is not None:
         terms.update(ref_logprobs=exp.ref_logprobs, kl_coef=exp.kl_coef, kl_estimator=cfg.kl_estimator_used)
     return {**terms, **cfg.policy_loss_kwargs()}
@@ -73,9 +73,7 @@ def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg)
     loss = policy_loss
     if values is not None:
         mask = exp.batch.response_mask
-        v_loss, v_stats = pf.value_loss(
-            values, exp.old_values, exp.returns, mask, clip=cfg.cliprange_value, agg=cfg.loss_agg
-        )
+        v_loss, v_stats = pf.value_loss(values, exp.old_values, exp.returns, mask, clip=cfg.value_clip, agg=cfg.agg)
         loss = loss + cfg.vf_coef * v_loss
         stats["loss/value_avg"] = v_loss.detach()
         stats["val/clipfrac_avg"] = v_stats["clipfrac"]
@@ -174,9 +172,7 @@ def ppo_update(
         for mb_start in range(0, rows, minibatch):
             optimizer.zero_grad(set_to_none=True)
             micro_rows = [order[start : start + micro] for start in range(mb_start, mb_start + minibatch, micro)]
-            weights = parallel.micro_batch_weights(
-                [exp.batch.response_mask[index] for index in micro_rows], cfg.loss_agg
-            )
+            weights = parallel.micro_batch_weights([exp.batch.response_mask[index] for index in micro_rows], cfg.agg)
             for number, (index, weight) in enumerate(zip(micro_rows, weights), 1):
                 with parallel.accumulating(sync=number == len(micro_rows)):
                     micro_exp = exp.rows(index)
