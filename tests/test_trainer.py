@@ -13,7 +13,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ppo_fast as pf
 from ppo_fast.cli import main
-from ppo_fast.trainer import NonFiniteError, PPOTrainer, RewardError, TrainerConfig, checkpoint, default_task
+from ppo_fast.trainer import (
+    ConfigError,
+    NonFiniteError,
+    PPOTrainer,
+    RewardError,
+    TrainerConfig,
+    checkpoint,
+    default_task,
+)
 from ppo_fast.trainer.config import read_config_file
 from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
@@ -286,6 +294,27 @@ def test_grpo_advantages_match_a_hand_computation():
     a = 0.5 / (0.5773503 + 1e-6)
     expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(_estimate([1.0, 0, 0, 1, 2, 2, 2, 2], [0.0] * 8, "grpo", False, 4), expected)
+
+
+def test_the_advantage_methods_parameters_reach_the_estimator_through_one_option():
+    cfg = TrainerConfig(advantage_method="grpo", group_size=2, advantage_params="epsilon=0.5").validate()
+    options = EstimateOptions.of(cfg, kl_coef=0.0)
+    assert options.params == {"epsilon": 0.5}
+    logprobs = torch.zeros(4, 1)
+    mask = torch.ones_like(logprobs, dtype=torch.bool)
+    advantages = estimate(torch.tensor([1.0, 0, 3, 3]), logprobs, logprobs, None, mask, options).advantages[:, 0]
+    a = 0.5 / (0.5**0.5 + 0.5)  # group 1: mean 0.5, unbiased std sqrt(0.5); group 2 equal
+    torch.testing.assert_close(advantages, torch.tensor([a, -a, 0.0, 0.0]))
+    for method, params, said in (
+        ("grpo", "norm_by_std=false", "takes no norm_by_std: give --grpo-norm-by-std"),
+        ("rloo", "zero_singletons=maybe", "zero_singletons must be true or false"),
+        ("gpg", "epsilon=1", "--advantage-method gpg takes f_norm; got 'epsilon'"),
+        ("grpo", "epsilon=nan", "epsilon must be a finite number"),
+    ):
+        with pytest.raises(ConfigError, match=f"advantage_params \\(--advantage-params\\) {said}"):
+            TrainerConfig(advantage_method=method, group_size=2, advantage_params=params).validate()
+    with pytest.raises(ConfigError, match="takes no clip_eps_low: give --clip-eps-low"):
+        TrainerConfig(loss_mode_params="clip_eps_low=0.1").validate()
 
 
 def test_rloo_advantages_match_a_hand_computation():

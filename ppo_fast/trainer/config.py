@@ -17,6 +17,7 @@ import difflib
 import importlib
 import importlib.util
 import json
+import math
 import re
 import sys
 import typing
@@ -306,6 +307,12 @@ class TrainerConfig:
         "grpo and grpo_passk: divide by the group's std (--no-grpo-norm-by-std: Dr. GRPO, mean-centred only).",
         "estimate",
     )
+    advantage_params: str = _opt(
+        "",
+        "The advantage method's other parameters as name=value pairs separated by commas, e.g. 'epsilon=1e-4' "
+        "(grpo), 'zero_singletons=true' (rloo), 'f_norm=2' (gpg); see pf.advantage_methods().",
+        "estimate",
+    )
     kl_placement: str = _opt(
         "auto",
         "Where the KL to the reference goes: 'reward' (kl_coef * KL subtracted from the reward, as in PPO-RLHF), "
@@ -453,6 +460,7 @@ class TrainerConfig:
             _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
         self._validate_combinations()
         self.policy_loss_kwargs()
+        self.advantage_kwargs()
         return self
 
     def _validate_combinations(self) -> None:
@@ -521,19 +529,32 @@ class TrainerConfig:
 
     def loss_mode_param_values(self) -> dict[str, float]:
         """``loss_mode_params`` as ``{name: value}`` (which names the mode takes is checked
-        by the trainer, against the registry)."""
+        against the registry by ``loss_mode_kwargs``); the clips have flags of their own."""
+        values = {name: _number("loss_mode_params", name, text) for name, text in _pairs(self, "loss_mode_params")}
+        for name in set(values) & {"clip_eps_low", "clip_eps_high", "dual_clip"}:
+            _require("loss_mode_params", False, f"takes no {name}: give {flag(name)}")
+        return values
+
+    def advantage_kwargs(self) -> dict:
+        """``advantage_params`` as the advantage method's keyword parameters, typed by their defaults
+        in the registry; ``ConfigError`` for one the method does not take or one with a flag of its own."""
+        takes = ADVANTAGE_METHODS[self.advantage_method].params
+        own = {"norm_by_std": "--grpo-norm-by-std", "gamma": "--gamma"}
         values = {}
-        for item in filter(None, (part.strip() for part in self.loss_mode_params.split(","))):
-            name, sep, value = item.partition("=")
-            try:
-                values[name.strip()] = float(value)
-            except ValueError:
-                sep = ""
+        for name, text in _pairs(self, "advantage_params"):
+            _require("advantage_params", name not in own, f"takes no {name}: give {own.get(name)}")
+            settable = sorted(set(takes) - set(own) - {"baselines"})
             _require(
-                "loss_mode_params",
-                bool(sep and name.strip()),
-                f"must be name=value pairs separated by commas, got {item!r}",
+                "advantage_params",
+                name in settable,
+                f"--advantage-method {self.advantage_method} takes {', '.join(settable) or 'no parameters'}; "
+                f"got {name!r}",
             )
+            if isinstance(takes[name], bool):
+                _require("advantage_params", text.lower() in ("true", "false"), f"{name} must be true or false")
+                values[name] = text.lower() == "true"
+            else:
+                values[name] = _number("advantage_params", name, text)
         return values
 
     @property
@@ -599,6 +620,26 @@ def read_config_file(path: str | Path) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of option names to values (like `kl_coef: 0.05`)")
     return values
+
+
+def _pairs(cfg: TrainerConfig, field_name: str) -> list[tuple[str, str]]:
+    """The ``name=value`` pairs of a comma-separated field (``ConfigError`` naming the field)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in getattr(cfg, field_name).split(","))):
+        name, sep, value = item.partition("=")
+        ok = bool(sep and name.strip() and value.strip())
+        _require(field_name, ok, f"must be name=value pairs separated by commas, got {item!r}")
+        pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+def _number(field_name: str, name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    _require(field_name, math.isfinite(value), f"{name} must be a finite number, got {text!r}")
+    return value
 
 
 def _require(name: str, ok: bool, message: str) -> None:

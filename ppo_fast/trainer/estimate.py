@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ class EstimateOptions:
     whiten: bool
     group_size: int
     grpo_norm_by_std: bool = True
+    params: dict = field(default_factory=dict)  # the method's other parameters (--advantage-params)
 
     @classmethod
     def of(cls, cfg, kl_coef: float) -> EstimateOptions:
@@ -50,6 +51,7 @@ class EstimateOptions:
             whiten=cfg.whiten_advantages,
             group_size=cfg.group_size,
             grpo_norm_by_std=cfg.grpo_norm_by_std,
+            params=cfg.advantage_kwargs(),
         )
 
 
@@ -82,7 +84,7 @@ def estimate(
         if o.whiten:
             advantages = whitener(advantages, mask)
         return Estimate(advantages, returns, rewards, kl)
-    offered = {"gamma": o.gamma, "norm_by_std": o.grpo_norm_by_std, "baselines": baselines}
+    offered = {"gamma": o.gamma, "norm_by_std": o.grpo_norm_by_std, "baselines": baselines, **o.params}
     params = {name: value for name, value in offered.items() if name in method.params}
     ids = group_ids(rewards.shape[0], o.group_size, rewards.device) if method.needs_groups else None
     advantages = pf.group_advantages(rewards, ids, mask, method=o.advantage_method, **params)
