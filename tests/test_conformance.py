@@ -310,12 +310,13 @@ def _compiled_cases():
     for op in [op for op in OPS if op not in _GRAPH_BREAKING]:
         for device in DEVICES:
             for backend in serving(op, device):
-                if backend == "reference" and op in LINEAR_POLICY_LOSS_OPS:
-                    continue  # its forward takes the gradients with autograd.grad, which Dynamo does not trace
-                yield pytest.param(
+                # The reference one-pass loss is a plain composition: one of its modes in the fast tier.
+                sampled = backend == "reference" and op in LINEAR_POLICY_LOSS_OPS and op != "linear_policy_loss_gpg"
+                yield tiers.case(
                     op,
                     backend,
                     device,
+                    fast=not sampled,
                     marks=[pytest.mark.cuda] if device == "cuda" else [],
                     id=f"{op}-{backend}-{device}",
                 )

@@ -9,6 +9,7 @@ gradients, symbolic hyper-parameters under torch.compile(dynamic=True), result d
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -252,20 +253,36 @@ def _second_order_cases():
     yield "clipped_policy_loss", lambda x: pf.policy_loss(x, lp, lp, mask)[0], lp.clone()
     yield "value_loss", lambda x: pf.value_loss(x, lp, lp, mask)[0], lp.clone()
     yield "policy_loss_gspo", lambda x: pf.policy_loss(x, lp, lp, mask, loss_mode="gspo")[0], lp.clone()
+    weight, labels, adv = torch.randn(7, 3, dtype=torch.float64), torch.randint(0, 7, (2, 4)), torch.randn(2, 4)
+    for mode in ("vanilla", "gpg"):  # the native kernel's epilogue and the rows' loop
+        yield (
+            f"linear_policy_loss_{mode}",
+            partial(_linear_policy_loss, weight, labels, lp - 1.0, adv.double(), mask, mode),
+            torch.randn(2, 4, 3, dtype=torch.float64),
+        )
+
+
+def _linear_policy_loss(weight, labels, old, adv, mask, mode, hidden, two_pass=False):
+    if two_pass:  # linear_token_logprobs, then the objective: the two-pass composition
+        logp, entropy = pf.linear_token_logprobs(hidden, weight, labels, return_entropy=True)
+        return pf.policy_objective(logp, entropy, old, adv, mask, loss_mode=mode)[0]
+    return pf.linear_policy_loss(hidden, weight, labels, old, adv, mask, loss_mode=mode)[0]
 
 
 @pytest.mark.parametrize("case", list(_second_order_cases()), ids=lambda c: c[0])
 def test_second_order_gradients_match_the_reference_or_raise(case):
     op, fn, x = case
 
-    def second(name):
+    def second(name, f=fn):
         leaf = x.clone().requires_grad_()
         with pf.use_backend(name):
-            out = first(fn(leaf))
+            out = first(f(leaf))
             (g,) = torch.autograd.grad((out**2).sum(), leaf, create_graph=True)
             return torch.autograd.grad(g.sum(), leaf)[0]
 
     want = second("reference")
+    if op.startswith("linear_policy_loss"):  # not a silent zero: the two-pass composition's, on the reference
+        torch.testing.assert_close(want, second("reference", partial(fn, two_pass=True)))
     for backend in serving(op, "cpu"):
         if backend == "reference":
             continue

@@ -195,13 +195,15 @@ class CountProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_reference_takes_three_products_per_chunk_and_none_in_the_backward():
+def test_reference_takes_three_products_per_chunk():
+    """The reference is a plain composition over chunks (so it differentiates twice): the logits'
+    product per chunk in the forward, d_hidden's and d_weight's in the backward."""
     x = make_inputs(4)  # 5 sequences, 2 per chunk: 3 chunks
     with CountProducts() as forward:
         loss, _ = fused(x, "vanilla", "token-mean", "reference")
     with CountProducts() as backward:
         loss.backward()
-    assert (forward.count, backward.count) == (3 * 3, 0)
+    assert (forward.count, backward.count) == (3, 3 * 2)
 
 
 def test_kl_loss_only_with_ref_logprobs():
@@ -220,6 +222,21 @@ def test_many_chunks_of_a_wide_vocabulary(mode, backend):
     row of 40 each), so that the chunk boundaries and the gradients' accumulation are crossed."""
     x = make_inputs(9, dims=(4, 40, 131_072, 5), weighted=True)
     check_against_two_pass(x, mode, "seq-mean-token-sum", backend, logit_softcap=4.0)
+
+
+@pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))
+def test_a_gradient_handed_out_is_never_changed_by_a_later_backward(mode, backend):
+    """What autograd returns is the caller's: a second backward through the graph (retain_graph)
+    with another incoming gradient leaves the first's tensors as they were."""
+    x = make_inputs(8)
+    loss, _ = fused(x, mode, "token-mean", backend)
+    first = torch.autograd.grad(loss, leaves(x), retain_graph=True)
+    kept = [g.clone() for g in first]
+    again = torch.autograd.grad(loss * 3.0, leaves(x))
+    for g, k, a in zip(first, kept, again):
+        assert g is not a and g.data_ptr() != a.data_ptr()
+        torch.testing.assert_close(g, k, rtol=0, atol=0)
+        torch.testing.assert_close(a, 3.0 * k)
 
 
 @pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))

@@ -13,6 +13,7 @@ import torch
 
 from ..._dtypes import result_dtype
 from ...spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES
+from .._first_order import first_order_only
 from ..reference.linear_policy_loss import RowKernels, rows_ops
 from ._common import check_choice, check_dim, check_float, check_same_device, check_shape, register
 
@@ -86,40 +87,30 @@ def _fake(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperatur
     )
 
 
+# The op's inputs, in its schema's order: its backward returns a gradient for hidden, weight and bias.
+_INPUTS = ("hidden", "weight", "labels", "old_logprobs", "advantages", "mask", "weights", "bias", "ref_logprobs",
+           "temperature", "logit_scale", "logit_softcap", "ignore_index", "kl_coef", "kl_estimator", "entropy_coef",
+           "loss_mode", "params", "agg", "output_mask")  # fmt: skip
+
+
 def _setup(ctx, inputs, output):
     _loss, stats, grad_hidden, grad_weight, grad_bias = output
-    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-    ctx.has_bias = inputs[7] is not None
-    ctx.carried = 1.0  # the factor the stored gradients carry (see _backward)
+    differentiable = [inputs[_INPUTS.index(name)] for name in ("hidden", "weight", "bias")]
+    ctx.has_bias = differentiable[2] is not None
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, *differentiable)
     ctx.mark_non_differentiable(stats, grad_hidden, grad_weight, grad_bias)
 
 
 def _backward(ctx, grad_loss, *_unused):
-    """The stored gradients times the incoming one.  Eagerly they are scaled in place (the op's own
-    tensors, which nothing else holds: no second copy of d_weight at the backward's peak), keeping
-    the factor they carry so that another backward through the graph (retain_graph) rescales them;
-    traced (torch.compile) the product is out of place."""
-    stored = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    wanted = (need[0], need[1], ctx.has_bias and need[7])
-    if torch._guards.detect_fake_mode(grad_loss) is not None or torch.compiler.is_compiling():
-        scaled = [g * grad_loss.to(g.dtype) if w and g.numel() else None for g, w in zip(stored, wanted)]
-    else:
-        factor = float(grad_loss)  # a CPU tensor (the op serves CPU only): no device sync
-        if ctx.carried == 0.0 and factor != 0.0:
-            raise RuntimeError(
-                "linear_policy_loss: a second backward through this graph after one with a zero incoming "
-                "gradient (its stored gradients were scaled to 0 in place); call the op again"
-            )
-        if factor != ctx.carried:
-            ratio = factor / ctx.carried if ctx.carried else 0.0
-            for g in stored:
-                g.data.mul_(ratio)  # .data: the saved tensors are ours; their version stays
-            ctx.carried = factor
-        scaled = [g if w and g.numel() else None for g, w in zip(stored, wanted)]
-    grads = [None] * 20
-    grads[0], grads[1], grads[7] = scaled
-    return tuple(grads)
+    """The stored gradients times the incoming one, out of place: what autograd hands out is never
+    the op's own storage (a later backward through the graph, retain_graph, scales it anew)."""
+    need = dict(zip(_INPUTS, ctx.needs_input_grad))
+    wanted = (need["hidden"], need["weight"], ctx.has_bias and need["bias"])
+    stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
+    scaled = [g * grad_loss.to(g.dtype) if w and g.numel() else None for g, w in zip(stored, wanted)]
+    scaled = first_order_only(scaled, "linear_policy_loss", "native", differentiable)
+    scaled = dict(zip(("hidden", "weight", "bias"), scaled))
+    return tuple(scaled.get(name) for name in _INPUTS)
 
 
 register("linear_policy_loss", _fake, _backward, _setup)

@@ -1,16 +1,18 @@
-"""Reference linear_policy_loss: the policy loss through the LM head in one pass over chunks of
-whole sequences, each chunk's gradients taken by ``torch.autograd.grad`` in the forward (the
-oracle of the fused backends)."""
+"""Reference linear_policy_loss: the policy loss through the LM head over chunks of whole
+sequences, a plain differentiable composition (the oracle of the fused backends: it differentiates
+twice and compiles with fullgraph); and the fast backends' one-pass loop, which takes each chunk's
+gradients in the forward with one chunk of logits alive."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..._dtypes import result_dtype
 from ...spec import POLICY_LOSS_MODES
+from .._first_order import first_order_only
 from . import policy_loss as _losses
 from ._common import CHUNK_ELEMENTS, DEVICES, in_common_dtype
 from .aggregate import aggregate, masked_mean
@@ -55,74 +57,28 @@ def _chunk_terms(logp, entropy, old, adv, mask, weights, ref, mode_fn, params, a
     return loss, pg.detach(), entropy_mean.detach(), kl_loss.detach(), *(s * token_scale.to(s.dtype) for s in stats)
 
 
-class _Precomputed(torch.autograd.Function):
-    """The loss whose gradients w.r.t. hidden, weight and bias were taken in the forward: the
-    backward only scales them by the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, loss, d_hidden, d_weight, d_bias, hidden, weight, bias):
-        ctx.save_for_backward(d_hidden, d_weight, d_bias)
-        return loss.clone()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        d_hidden, d_weight, d_bias = ctx.saved_tensors
-        scaled = [None if d is None else d * grad.to(d.dtype) for d in (d_hidden, d_weight, d_bias)]
-        return None, None, None, None, *scaled
-
-
 def _one_pass(mode, hidden, weight, labels, old, adv, mask, weights, bias, ref, head, terms, params, agg):
+    """The loss as a plain differentiable composition over chunks of whole sequences: every chunk's
+    graph is kept, so it differentiates twice and compiles with fullgraph (the fast backends hold
+    one chunk of logits at a time and take the gradients in their forward)."""
     mode_fn = getattr(_losses, mode.op)
     rows, length, width = hidden.shape
     weight_c, bias_c = in_common_dtype(weight, bias)
-    wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    w_leaf = weight_c.detach().requires_grad_(wanted and weight.requires_grad)
-    b_leaf = None if bias is None else bias_c.detach().requires_grad_(wanted and bias.requires_grad)
     scales = loss_scales(mask, agg)
-    d_hidden = torch.zeros_like(hidden) if wanted and hidden.requires_grad else None
-    d_weight = torch.zeros_like(weight_c) if w_leaf.requires_grad else None
-    d_bias = torch.zeros_like(bias_c) if b_leaf is not None and b_leaf.requires_grad else None
     step = max(1, CHUNK_ELEMENTS // max(1, length * weight.shape[0]))  # whole sequences per chunk
     totals = None
     for b0 in range(0, max(rows, 1), step):
         rs = slice(b0, b0 + step)
-        with torch.enable_grad():
-            h = hidden[rs].detach().requires_grad_(d_hidden is not None)
-            logp, entropy = _linear_logprobs_chunk(
-                h.reshape(labels[rs].numel(), width), w_leaf, b_leaf, labels[rs].reshape(-1), *head[:3], True, head[3]
-            )
-            shape = labels[rs].shape
-            out = _chunk_terms(
-                logp.view(shape),
-                entropy.view(shape),
-                old[rs],
-                adv[rs],
-                mask[rs],
-                None if weights is None else weights[rs],
-                None if ref is None else ref[rs],
-                mode_fn,
-                params,
-                agg,
-                terms,
-                scales,
-            )
-            leaves = [x for x in (h, w_leaf, b_leaf) if x is not None and x.requires_grad]
-            grads = list(torch.autograd.grad(out[0], leaves)) if leaves else []
-        if d_hidden is not None:
-            d_hidden[rs] = grads.pop(0)
-        if d_weight is not None:
-            d_weight += grads.pop(0)
-        if d_bias is not None:
-            d_bias += grads.pop(0)
-        out = [o.detach() for o in out]
-        totals = out if totals is None else [t + o for t, o in zip(totals, out)]
+        shape = labels[rs].shape
+        logp, entropy = _linear_logprobs_chunk(
+            hidden[rs].reshape(labels[rs].numel(), width), weight_c, bias_c, labels[rs].reshape(-1), *head[:3], True,
+            head[3],
+        )  # fmt: skip
+        chunk = [None if x is None else x[rs] for x in (old, adv, mask, weights, ref)]
+        out = _chunk_terms(logp.view(shape), entropy.view(shape), *chunk, mode_fn, params, agg, terms, scales)
+        totals = list(out) if totals is None else [t + o for t, o in zip(totals, out)]
     loss, *stats = totals
-    if not wanted:
-        return loss, *stats
-    d_weight = None if d_weight is None else d_weight.to(weight.dtype)
-    d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-    return _Precomputed.apply(loss, d_hidden, d_weight, d_bias, hidden, weight, bias), *stats
+    return loss, *(s.detach() for s in stats)
 
 
 def _linear_policy_loss_op(mode):
@@ -274,8 +230,7 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
     loop above on ``rows``), with its fake kernel and an autograd whose backward scales the stored
     gradients by the incoming one.  Mode parameters travel as floats (NaN: not given)."""
 
-    @torch.library.custom_op(f"{namespace}::linear_policy_loss", mutates_args=())
-    def op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor,
+    def one_pass(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor,
            advantages: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None, bias: torch.Tensor | None,
            ref_logprobs: torch.Tensor | None, temperature: float, logit_scale: float, logit_softcap: float | None,
            ignore_index: int, kl_coef: float, kl_estimator: str, entropy_coef: float, loss_mode: str,
@@ -285,6 +240,9 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
             bias, ref_logprobs, (temperature, logit_scale, logit_softcap, ignore_index),
             (kl_coef, kl_estimator, entropy_coef), _unpacked(params), agg, output_mask,
         )  # fmt: skip
+
+    names = list(inspect.signature(one_pass).parameters)  # the schema's order
+    op = torch.library.custom_op(f"{namespace}::linear_policy_loss", one_pass, mutates_args=())
 
     @op.register_fake
     def _(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperature, logit_scale, logit_softcap,
@@ -298,16 +256,19 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
         return [*terms, *grads]
 
     def setup(ctx, inputs, output):
-        ctx.save_for_backward(*output[-3:])
-        ctx.no_params = not inputs[17]  # torch takes an empty list for a list of tensors: its gradient is []
+        ctx.save_for_backward(*output[-3:], *(inputs[names.index(n)] for n in ("hidden", "weight", "bias")))
+        ctx.no_params = not inputs[names.index("params")]  # an empty list of floats: its gradient is []
+        ctx.backend = namespace.removeprefix("ppo_fast_")
         ctx.mark_non_differentiable(*output[1:])
 
     def backward(ctx, grads_out):
-        stored = ctx.saved_tensors
         grad = grads_out[0]
+        stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
         scaled = [g * grad.to(g.dtype) if g.numel() else None for g in stored]
-        params = [] if ctx.no_params else None
-        return scaled[0], scaled[1], *(None,) * 5, scaled[2], *(None,) * 9, params, None, None
+        scaled = first_order_only(scaled, "linear_policy_loss", ctx.backend, differentiable)
+        by_name = dict(zip(("hidden", "weight", "bias"), scaled))
+        by_name["params"] = [] if ctx.no_params else None
+        return tuple(by_name.get(name) for name in names)
 
     op.register_autograd(backward, setup_context=setup)
 
