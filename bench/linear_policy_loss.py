@@ -45,9 +45,17 @@ def implementations(mode):
 
     def fused(x):
         loss, _ = pf.linear_policy_loss(
-            x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], loss_mode=mode,
-            temperature=TEMPERATURE, entropy_coef=0.01, **params,
-        )  # fmt: skip
+            x["hidden"],
+            x["weight"],
+            x["labels"],
+            x["old"],
+            x["adv"],
+            x["mask"],
+            loss_mode=mode,
+            temperature=TEMPERATURE,
+            entropy_coef=0.01,
+            **params,
+        )
         return loss
 
     def two_pass(entropy):

@@ -54,9 +54,17 @@ def _rows(name: str, specs: list, rounds: int, goal_key=None) -> list[dict]:
             ratio = best[(label, mode)] / plain
             goal = GOALS[goal_key or mode]
             rows.append(
-                {"case": name, "truncation": label, "mode": mode, "plain_ms": plain * 1e3,
-                 "truncated_ms": best[(label, mode)] * 1e3, "ratio": ratio, "goal": goal, "met": ratio <= goal}
-            )  # fmt: skip
+                {
+                    "case": name,
+                    "truncation": label,
+                    "mode": mode,
+                    "plain_ms": plain * 1e3,
+                    "truncated_ms": best[(label, mode)] * 1e3,
+                    "ratio": ratio,
+                    "goal": goal,
+                    "met": ratio <= goal,
+                }
+            )
     return rows
 
 
@@ -79,8 +87,10 @@ def main(argv=None) -> int:
     head += [("top_p=0.9", cases.linear_logprob_case(8192, 256, 32768, torch.float32, {"top_p": 0.9}))]
     rows += _rows("linear_token_logprobs N=8192 H=256 V=32768 float32", head, args.head_rounds, "head")
     for r in rows:
-        print(f"{r['case']:55s} {r['truncation']:10s} {r['mode']:8s} {r['plain_ms']:9.1f} ms -> "
-              f"{r['truncated_ms']:9.1f} ms  {r['ratio']:.2f}x (goal <= {r['goal']}x)")  # fmt: skip
+        print(
+            f"{r['case']:55s} {r['truncation']:10s} {r['mode']:8s} {r['plain_ms']:9.1f} ms -> "
+            f"{r['truncated_ms']:9.1f} ms  {r['ratio']:.2f}x (goal <= {r['goal']}x)"
+        )
     write_json(
         args.out,
         {
@@ -92,7 +102,7 @@ def main(argv=None) -> int:
                 **machine(torch.device("cpu")),
                 "load_average_before": load_before,
                 "load_average_after": load_average(),
-            },  # fmt: skip
+            },
             "versions": versions(),
             "rows": rows,
         },

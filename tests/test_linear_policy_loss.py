@@ -47,8 +47,17 @@ def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, we
     adv = torch.randn(B, T, generator=gen).to(dtype) + junk.to(dtype)
     ref = -torch.rand(B, T, generator=gen).to(dtype) - 0.1
     weights = (torch.rand(B, T, generator=gen) + 0.5).to(dtype) if weighted else None
-    return dict(hidden=hidden, weight=weight, bias=head_bias, labels=labels, old=old, adv=adv, mask=mask, ref=ref,
-                weights=weights)  # fmt: skip
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        bias=head_bias,
+        labels=labels,
+        old=old,
+        adv=adv,
+        mask=mask,
+        ref=ref,
+        weights=weights,
+    )
 
 
 def mode_params(name):
@@ -61,10 +70,23 @@ def mode_params(name):
 def fused(x, mode, agg, backend, **head):
     with pf.use_backend(backend):
         return pf.linear_policy_loss(
-            x["hidden"], x["weight"], x["labels"], x["old"], x["adv"], x["mask"], loss_mode=mode, agg=agg,
-            weights=x["weights"], bias=x["bias"], ref_logprobs=x["ref"], kl_coef=0.1, kl_estimator="k3",
-            entropy_coef=0.01, **head, **mode_params(mode),
-        )  # fmt: skip
+            x["hidden"],
+            x["weight"],
+            x["labels"],
+            x["old"],
+            x["adv"],
+            x["mask"],
+            loss_mode=mode,
+            agg=agg,
+            weights=x["weights"],
+            bias=x["bias"],
+            ref_logprobs=x["ref"],
+            kl_coef=0.1,
+            kl_estimator="k3",
+            entropy_coef=0.01,
+            **head,
+            **mode_params(mode),
+        )
 
 
 def two_pass(x, mode, agg, *, temperature=1.0, logit_scale=1.0, logit_softcap=None, ignore_index=-100):
@@ -72,9 +94,16 @@ def two_pass(x, mode, agg, *, temperature=1.0, logit_scale=1.0, logit_softcap=No
     with pf.use_backend("reference"):
         labels = torch.where(x["mask"], x["labels"], ignore_index)
         logp, entropy = pf.linear_token_logprobs(
-            x["hidden"], x["weight"], labels, bias=x["bias"], temperature=temperature, logit_scale=logit_scale,
-            logit_softcap=logit_softcap, return_entropy=True, ignore_index=ignore_index,
-        )  # fmt: skip
+            x["hidden"],
+            x["weight"],
+            labels,
+            bias=x["bias"],
+            temperature=temperature,
+            logit_scale=logit_scale,
+            logit_softcap=logit_softcap,
+            return_entropy=True,
+            ignore_index=ignore_index,
+        )
         pg_loss, stats = pf.policy_loss(
             logp, x["old"], x["adv"], x["mask"], loss_mode=mode, agg=agg, weights=x["weights"], **mode_params(mode)
         )
@@ -107,8 +136,9 @@ def check_against_two_pass(x, mode, agg, backend, dtype=torch.float32, **head):
     for name, got, want in zip(("hidden", "weight", "bias"), grads, want_grads):
         assert got.dtype == want.dtype and got.shape == want.shape
         scale = float(want.abs().max()) if want.numel() else 1.0
-        torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * max(scale, 1.0),
-                                   msg=lambda m: f"grad of {name}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            got, want, rtol=tol["rtol"], atol=tol["atol"] * max(scale, 1.0), msg=lambda m: f"grad of {name}: {m}"
+        )
 
 
 def cases(modes):

@@ -243,9 +243,14 @@ def test_linear_token_logprobs_every_backend(backend, truncation):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         with pf.use_backend(name):
             logp, ent = pf.linear_token_logprobs(
-                *leaves[:2], labels, bias=leaves[2], temperature=0.9, logit_scale=1.5, return_entropy=True,
+                *leaves[:2],
+                labels,
+                bias=leaves[2],
+                temperature=0.9,
+                logit_scale=1.5,
+                return_entropy=True,
                 **as_kwargs(truncation),
-            )  # fmt: skip
+            )
         (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
         results[name] = ((logp.detach(), ent.detach()), [leaf.grad for leaf in leaves])
     _compare(results[backend][0], results["reference"][0], torch.float32)

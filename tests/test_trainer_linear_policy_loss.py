@@ -20,18 +20,35 @@ def quiet(_message: str) -> None:
 
 
 def trainer_and_experience(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), steps=1, batch_size=4, group_size=2, sft_steps=2,
-                  eval_size=4, sample_every=0, save_every=0, entropy_coef=0.01)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        steps=1,
+        batch_size=4,
+        group_size=2,
+        sft_steps=2,
+        eval_size=4,
+        sample_every=0,
+        save_every=0,
+        entropy_coef=0.01,
+    )
     values.update(overrides)
     cfg = TrainerConfig(**values)
     trainer = PPOTrainer(cfg, log=quiet)
     torch.manual_seed(0)
-    batch = generate(trainer.policy, trainer.tokenizer, ["1+2=", "3+4=", "5+6=", "7+8="], max_new_tokens=4,
-                     temperature=1.0, top_p=1.0, greedy=False)  # fmt: skip
+    batch = generate(
+        trainer.policy,
+        trainer.tokenizer,
+        ["1+2=", "3+4=", "5+6=", "7+8="],
+        max_new_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        greedy=False,
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        old, _, values = forward(trainer.policy, trainer.critic, batch, temperature=cfg.temperature,
-                                 values=trainer.critic is not None)  # fmt: skip
+        old, _, values = forward(
+            trainer.policy, trainer.critic, batch, temperature=cfg.temperature, values=trainer.critic is not None
+        )
     old = old - 0.2 * torch.rand(old.shape, generator=gen)
     advantages = torch.randn(old.shape, generator=gen)
     ref = old - 0.3 * torch.rand(old.shape, generator=gen)

@@ -7,6 +7,7 @@ import torch
 
 from .. import _validation as check
 from ..backends import resolve
+from ..backends._one_pass import Head, PerToken, Terms
 from ..spec import AGG_MODES, KL_ESTIMATORS, policy_loss_mode
 from .aggregate import aggregate, masked_mean
 from .kl_penalized_rewards import kl_estimate
@@ -73,21 +74,21 @@ def linear_policy_loss(
     params = mode.bind(_without_truncation(mode_params))
     mask, labels = _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs)
     agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
-    head = (
+    head = Head(
         check.real("temperature", temperature, low=MIN_TEMPERATURE),
         check.real("logit_scale", logit_scale, low=0.0, low_open=True),
         None if logit_softcap is None else check.real("logit_softcap", logit_softcap, low=0.0, low_open=True),
         check.integer("ignore_index", ignore_index),
     )
-    terms = _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs)
-    labels = torch.where(mask, labels, head[3])  # masked tokens: ignored rows of the head
+    terms = Terms(*_checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs))
+    labels = torch.where(mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
-        check.labels_in_range(labels, weight.shape[0], head[3])
+        check.labels_in_range(labels, weight.shape[0], head.ignore_index)
+    x = PerToken(old_logprobs, advantages, mask, weights, ref_logprobs)
     if not mode.fused_head:
-        return _two_pass(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, head,
-                         terms, mode, params, agg)  # fmt: skip
+        return _two_pass(hidden, weight, labels, x, bias=bias, head=head, terms=terms, objective=(mode, params, agg))
     loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
-        hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, *head, *terms, *params, agg
+        hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=agg
     )
     return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
 
@@ -135,19 +136,34 @@ def _stats(mode, stats, pg_loss, entropy, kl_loss) -> dict:
     return out
 
 
-def _two_pass(hidden, weight, labels, old, adv, mask, weights, bias, ref, head, terms, mode, params, agg):
+def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, objective):
     """``linear_token_logprobs`` then ``policy_objective`` (modes whose token selection spans the batch)."""
-    temperature, logit_scale, logit_softcap, ignore_index = head
-    kl_coef, kl_estimator, entropy_coef = terms
+    mode, params, agg = objective
     logp, entropy = linear_token_logprobs(
-        hidden, weight, labels, bias=bias, temperature=temperature, logit_scale=logit_scale,
-        logit_softcap=logit_softcap, return_entropy=True, ignore_index=ignore_index,
-    )  # fmt: skip
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=head.temperature,
+        logit_scale=head.logit_scale,
+        logit_softcap=head.logit_softcap,
+        return_entropy=True,
+        ignore_index=head.ignore_index,
+    )
+    mode_params = {p.name: v for p, v in zip(mode.params, params)}
     return policy_objective(
-        logp, entropy, old, adv, mask, loss_mode=mode.name, agg=agg, weights=weights, ref_logprobs=ref,
-        kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        **{p.name: v for p, v in zip(mode.params, params)},
-    )  # fmt: skip
+        logp,
+        entropy,
+        x.old,
+        x.adv,
+        x.mask,
+        loss_mode=mode.name,
+        agg=agg,
+        weights=x.weights,
+        ref_logprobs=x.ref,
+        **terms._asdict(),
+        **mode_params,
+    )
 
 
 def policy_objective(

@@ -1,7 +1,7 @@
 """Native linear_policy_loss (csrc/linear_policy_loss.cpp): the fake kernel and the autograd, whose
 backward only scales the gradients the forward returned by the incoming gradient.  The C++ op holds
 the vanilla and GSPO epilogues; the other modes whose per-token gradient is local to a sequence run
-the same one pass with the native log-softmax rows (``reference.linear_policy_loss.one_pass_on_rows``:
+the same one pass with the native log-softmax rows (``backends._one_pass.one_pass_on_rows``:
 the products by BLAS, the rows and their gradient by csrc/token_logprobs.cpp, the mode's per-token
 gradient from its reference function on the chunk's ``[rows, T]`` log-probs)."""
 
@@ -13,8 +13,7 @@ import torch
 
 from ..._dtypes import result_dtype
 from ...spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES
-from .._first_order import first_order_only
-from ..reference.linear_policy_loss import RowKernels, rows_ops
+from .._one_pass import Head, PerToken, RowKernels, Terms, first_order_only, rows_ops
 from ._common import check_choice, check_dim, check_float, check_same_device, check_shape, register
 
 # The modes csrc/linear_policy_loss.cpp computes (its loss epilogue), on CPU tensors.
@@ -52,8 +51,28 @@ def _check_tensors(op, hidden, weight, labels, old, adv, mask, weights, bias, re
     check_same_device(op, hidden=hidden, **present)
 
 
-def _fake(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperature, logit_scale, logit_softcap,
-          ignore_index, kl_coef, kl_estimator, entropy_coef, loss_mode, params, agg, output_mask):  # fmt: skip
+def _fake(
+    hidden,
+    weight,
+    labels,
+    old,
+    adv,
+    mask,
+    weights,
+    bias,
+    ref,
+    temperature,
+    logit_scale,
+    logit_softcap,
+    ignore_index,
+    kl_coef,
+    kl_estimator,
+    entropy_coef,
+    loss_mode,
+    params,
+    agg,
+    output_mask,
+):
     op = "linear_policy_loss"
     _check_tensors(op, hidden, weight, labels, old, adv, mask, weights, bias, ref)
     check_choice(op, "agg", agg, AGG_MODES)
@@ -88,9 +107,28 @@ def _fake(hidden, weight, labels, old, adv, mask, weights, bias, ref, temperatur
 
 
 # The op's inputs, in its schema's order: its backward returns a gradient for hidden, weight and bias.
-_INPUTS = ("hidden", "weight", "labels", "old_logprobs", "advantages", "mask", "weights", "bias", "ref_logprobs",
-           "temperature", "logit_scale", "logit_softcap", "ignore_index", "kl_coef", "kl_estimator", "entropy_coef",
-           "loss_mode", "params", "agg", "output_mask")  # fmt: skip
+_INPUTS = (
+    "hidden",
+    "weight",
+    "labels",
+    "old_logprobs",
+    "advantages",
+    "mask",
+    "weights",
+    "bias",
+    "ref_logprobs",
+    "temperature",
+    "logit_scale",
+    "logit_softcap",
+    "ignore_index",
+    "kl_coef",
+    "kl_estimator",
+    "entropy_coef",
+    "loss_mode",
+    "params",
+    "agg",
+    "output_mask",
+)
 
 
 def _setup(ctx, inputs, output):
@@ -116,40 +154,26 @@ def _backward(ctx, grad_loss, *_unused):
 register("linear_policy_loss", _fake, _backward, _setup)
 
 
-def _run(mode, hidden, weight, labels, old, adv, mask, weights, bias, ref, head_and_terms, params, agg):
-    wanted = torch.is_grad_enabled()
-    output_mask = [
-        wanted and hidden.requires_grad,
-        wanted and weight.requires_grad,
-        wanted and bias is not None and bias.requires_grad,
-    ]
-    params = [float(p) for p in params if p is not None]  # vanilla's dual_clip: only when on
-    loss, stats, *_grads = torch.ops.ppo_fast.linear_policy_loss(
-        hidden, weight, labels, old, adv, mask, weights, bias, ref, *head_and_terms, mode, params, agg, output_mask
-    )
-    policy_dtype = result_dtype(hidden, old, adv, weights)
-    total_dtype = result_dtype(hidden, old, adv, weights, ref)
-    entropy_dtype = result_dtype(hidden)
-    pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl = stats.unbind()
-    out = [
-        loss.to(total_dtype),
-        pg_loss.to(policy_dtype),
-        entropy.to(entropy_dtype),
-        kl_loss.to(total_dtype),
-        clipfrac.to(torch.float32),
-        clipfrac_lower.to(torch.float32),  # GSPO's: a constant 0, as in verl
-        approx_kl.to(policy_dtype),
-    ]
-    return out
-
-
 def _linear_policy_loss_op(mode):
-    def run(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs, temperature,
-            logit_scale, logit_softcap, ignore_index, kl_coef, kl_estimator, entropy_coef, *params_and_agg):  # fmt: skip
-        *params, agg = params_and_agg
-        head_and_terms = (temperature, logit_scale, logit_softcap, ignore_index, kl_coef, kl_estimator, entropy_coef)
-        out = _run(mode, hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs,
-                   head_and_terms, params, agg)  # fmt: skip
+    def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg):
+        grad = torch.is_grad_enabled()
+        output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        floats = [float(p) for p in params if p is not None]  # vanilla's dual_clip: only when on
+        loss, stats, *_grads = torch.ops.ppo_fast.linear_policy_loss(
+            hidden, weight, labels, *x[:3], x.weights, bias, x.ref, *head, *terms, mode, floats, agg, output_mask
+        )
+        policy_dtype = result_dtype(hidden, x.old, x.adv, x.weights)
+        total_dtype = result_dtype(hidden, x.old, x.adv, x.weights, x.ref)
+        pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl = stats.unbind()
+        out = (
+            loss.to(total_dtype),
+            pg_loss.to(policy_dtype),
+            entropy.to(result_dtype(hidden)),
+            kl_loss.to(total_dtype),
+            clipfrac.to(torch.float32),
+            clipfrac_lower.to(torch.float32),  # GSPO's: a constant 0, as in verl
+            approx_kl.to(policy_dtype),
+        )
         return tuple(o.detach() if i else o for i, o in enumerate(out))
 
     run.__name__ = run.__qualname__ = f"linear_policy_loss_{mode}"

@@ -91,12 +91,32 @@ def _mass_at_least(
 
 @triton.jit
 def _truncation_threshold_kernel(
-    logits_ptr, labels_ptr, tau_ptr,
-    rows_per_outer, outer_stride, inner_stride, vocab_stride, labels_outer_stride, labels_inner_stride,
-    vocab, ignore_index, scale, scale_lo, top_k, top_p, top_p_lo, log2_min_p, log2_min_p_lo,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MIDPOINT: tl.constexpr,
-    ACC: tl.constexpr, KEY_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    labels_ptr,
+    tau_ptr,
+    rows_per_outer,
+    outer_stride,
+    inner_stride,
+    vocab_stride,
+    labels_outer_stride,
+    labels_inner_stride,
+    vocab,
+    ignore_index,
+    scale,
+    scale_lo,
+    top_k,
+    top_p,
+    top_p_lo,
+    log2_min_p,
+    log2_min_p_lo,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    MIDPOINT: tl.constexpr,
+    ACC: tl.constexpr,
+    KEY_SHIFT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     outer = row // rows_per_outer
     inner = row % rows_per_outer
@@ -197,12 +217,27 @@ def thresholds(
     acc = tl.float64 if acc_dtype == torch.float64 else tl.float32
     log2_min_p = math.log2(truncation.min_p) if truncation.min_p > 0 else 0.0
     _truncation_threshold_kernel[(rows,)](
-        logits, labels, tau,
-        rows_per_outer, outer_stride, inner_stride, vocab_stride, *labels_strides,
-        logits.shape[-1], ignore_index, *split_scalar(scale), max(truncation.top_k, 1),
-        *split_scalar(truncation.top_p), *split_scalar(log2_min_p),
-        HAS_TOP_K=truncation.top_k > 0, HAS_TOP_P=truncation.top_p < 1, HAS_MIN_P=truncation.min_p > 0,
-        MIDPOINT=midpoint, ACC=acc, KEY_SHIFT=key_shift(input_dtype or logits.dtype),
-        BLOCK_V=min(THRESHOLD_BLOCK_V, triton.next_power_of_2(logits.shape[-1])), num_warps=8,
-    )  # fmt: skip
+        logits,
+        labels,
+        tau,
+        rows_per_outer,
+        outer_stride,
+        inner_stride,
+        vocab_stride,
+        *labels_strides,
+        logits.shape[-1],
+        ignore_index,
+        *split_scalar(scale),
+        max(truncation.top_k, 1),
+        *split_scalar(truncation.top_p),
+        *split_scalar(log2_min_p),
+        HAS_TOP_K=truncation.top_k > 0,
+        HAS_TOP_P=truncation.top_p < 1,
+        HAS_MIN_P=truncation.min_p > 0,
+        MIDPOINT=midpoint,
+        ACC=acc,
+        KEY_SHIFT=key_shift(input_dtype or logits.dtype),
+        BLOCK_V=min(THRESHOLD_BLOCK_V, triton.next_power_of_2(logits.shape[-1])),
+        num_warps=8,
+    )
     return tau

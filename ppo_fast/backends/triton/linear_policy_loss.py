@@ -1,12 +1,12 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
-sequences (``reference.linear_policy_loss.one_pass_on_rows``): the products by cuBLAS, each chunk's
+sequences (``backends._one_pass.one_pass_on_rows``): the products by cuBLAS, each chunk's
 log-softmax rows and their gradient by this backend's token_logprobs kernels, the gradient written
 into the chunk's logits buffer; every mode whose per-token gradient is local to a sequence."""
 
 from __future__ import annotations
 
 from ...spec import POLICY_LOSS_MODES
-from ..reference.linear_policy_loss import RowKernels, rows_ops
+from .._one_pass import RowKernels, rows_ops
 from ._launch import DEVICES, device_guard
 from .token_logprobs import token_logprobs_backward, token_logprobs_forward
 

@@ -1,0 +1,360 @@
+"""The one-pass policy loss's shared machinery (``pf.linear_policy_loss``): its argument bundles,
+one chunk's terms, and the fast backends' loop over chunks of whole sequences on their own
+log-softmax rows, with its custom op.  Each backend's ``linear_policy_loss_<mode>`` takes
+``(hidden, weight, labels, per_token, *, bias, head, terms, params, agg)``."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import NamedTuple
+
+import torch
+
+from .._dtypes import result_dtype
+from ..spec import POLICY_LOSS_MODES
+from .reference import policy_loss as _losses
+from .reference._common import CHUNK_ELEMENTS, in_common_dtype
+from .reference.aggregate import aggregate, masked_mean
+from .reference.kl_penalized_rewards import kl_estimate
+
+
+class Head(NamedTuple):
+    """How the LM head's logits become log-probs (``pf.linear_token_logprobs``'s options)."""
+
+    temperature: float
+    logit_scale: float
+    logit_softcap: float | None
+    ignore_index: int
+
+
+class Terms(NamedTuple):
+    """The loss's terms besides the policy loss: the KL loss term and the entropy bonus."""
+
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+
+
+class PerToken(NamedTuple):
+    """The ``[B, T]`` inputs of the policy loss (``weights`` and ``ref`` may be None)."""
+
+    old: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor | None
+    ref: torch.Tensor | None
+
+    def rows(self, rs: slice) -> PerToken:
+        return PerToken(*(None if x is None else x[rs] for x in self))
+
+
+class Objective(NamedTuple):
+    """The policy-loss mode, its parameters (bound, in order) and the aggregation."""
+
+    mode: object  # spec.PolicyLossMode
+    params: tuple
+    agg: str
+
+
+def loss_scales(mask: torch.Tensor, agg: str):
+    """``(per_row, per_token)``: what one chunk's ``agg`` loss and masked means are multiplied by
+    so that the chunks' sum is the batch's: the chunk's share of the batch's normaliser (valid
+    tokens for ``token-mean`` and the masked means, responses with a token for ``seq-mean-*``,
+    1 for ``token-sum``), known from the mask before the pass.  Functions of the chunk's mask,
+    in float64 (each term casts it to its own dtype)."""
+    total_tokens = mask.sum(dtype=torch.float64).clamp_min(1)
+    total_rows = mask.any(-1).sum(dtype=torch.float64).clamp_min(1)
+
+    def per_row(chunk_mask):
+        if agg == "token-sum":
+            return torch.ones((), dtype=torch.float64, device=mask.device)
+        if agg == "token-mean":
+            return chunk_mask.sum(dtype=torch.float64) / total_tokens
+        return chunk_mask.any(-1).sum(dtype=torch.float64) / total_rows
+
+    return per_row, lambda chunk_mask: chunk_mask.sum(dtype=torch.float64) / total_tokens
+
+
+def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, scales) -> tuple:
+    """One chunk's share of ``(loss, pg_loss, entropy mean, kl_loss, *mode stats)``."""
+    mode_fn = getattr(_losses, objective.mode.op)
+    row_scale, token_scale = scales[0](x.mask), scales[1](x.mask)
+    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, x.weights, *objective.params, objective.agg)
+    pg = pg * row_scale.to(pg.dtype)
+    entropy_mean = masked_mean(entropy, x.mask) * token_scale.to(entropy.dtype)
+    loss = pg - terms.entropy_coef * entropy_mean
+    if x.ref is not None:
+        kl = aggregate(kl_estimate(logp, x.ref, terms.kl_estimator), x.mask, objective.agg) * row_scale.to(pg.dtype)
+        loss = loss + terms.kl_coef * kl
+    else:
+        kl = torch.zeros((), dtype=pg.dtype, device=pg.device)
+    return loss, pg.detach(), entropy_mean.detach(), kl.detach(), *(s * token_scale.to(s.dtype) for s in stats)
+
+
+# --------------------------------------------------------------------------- the fast backends' loop
+
+
+class RowKernels(NamedTuple):
+    """A backend's log-softmax rows for :func:`one_pass_on_rows`: ``forward(logits [n, V], labels [n],
+    temperature, ignore_index) -> (logp, entropy, saved)`` (float32, or float64 for float64 logits)
+    and ``backward(grad_logp, grad_entropy or None, logits, labels, saved, entropy, temperature,
+    ignore_index) -> d_logits`` (it may write into ``logits``, which are not read again)."""
+
+    forward: object
+    backward: object
+
+
+def _per_token_grads(logp, entropy, x: PerToken, objective: Objective, terms: Terms, scales):
+    """One chunk's terms and the gradients of its loss w.r.t. its log-probs and entropies ([rows, T]
+    vectors: the mode's per-token gradient by autograd, local to the chunk's sequences).  A custom
+    op's implementation runs with the autograd (and, compiled, the functorch) dispatch keys
+    excluded: they are restored around these few vector operations."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded - excluded):
+        with torch.enable_grad():
+            lp = logp.detach().requires_grad_(True)
+            en = entropy.detach().requires_grad_(terms.entropy_coef != 0.0)
+            out = chunk_terms(lp, en, x, objective, terms, scales)
+            leaves = [lp, en] if en.requires_grad else [lp]
+            grads = torch.autograd.grad(out[0], leaves) if out[0].requires_grad else [torch.zeros_like(lp)]
+    return [o.detach() for o in out], grads[0], (grads[1] if len(grads) > 1 else None)
+
+
+class _Chunk(NamedTuple):
+    """One chunk's rows of the head: their labels, which of them a label uses, their hidden states
+    (zero where unused: whatever they hold reaches nothing) and logits (after scale and softcap),
+    and the softcap's tanh (kept for the chain rule)."""
+
+    labels: torch.Tensor
+    used: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    capped: torch.Tensor | None
+
+
+def _chunk_logits(hidden_c, weight_c, bias_c, labels, head: Head) -> _Chunk:
+    labels = labels.reshape(-1)
+    used = ((labels != head.ignore_index) & (labels >= 0) & (labels < weight_c.shape[0])).unsqueeze(-1)
+    h = torch.where(used, hidden_c.reshape(labels.numel(), hidden_c.shape[-1]), 0.0)  # rows by the labels: H may be 0
+    logits = h @ weight_c.T
+    if bias_c is not None:
+        logits += bias_c
+    if head.logit_scale != 1.0:
+        logits *= head.logit_scale
+    capped = None
+    if head.logit_softcap is not None:
+        capped = logits.div_(head.logit_softcap).tanh()  # kept for the chain rule: the logits' buffer is reused
+        logits = torch.mul(capped, head.logit_softcap, out=logits)
+    return _Chunk(labels, used, h, logits, capped)
+
+
+def _logits_gradient(rows: RowKernels, chunk: _Chunk, grads, saved, entropy, head: Head):
+    """d loss / d (the chunk's raw logits), written into the logits' buffer where the backend can."""
+    grad_logp, grad_entropy = grads
+    grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1)
+    d_logits = rows.backward(
+        grad_logp.reshape(-1),
+        grad_entropy,
+        chunk.logits,
+        chunk.labels,
+        saved,
+        entropy,
+        head.temperature,
+        head.ignore_index,
+    )
+    if chunk.capped is not None:  # d tanh = 1 - tanh^2, formed in the buffer of tanh (not read again)
+        d_logits *= chunk.capped.square_().neg_().add_(1.0)
+    if head.logit_scale != 1.0:
+        d_logits *= head.logit_scale
+    return d_logits
+
+
+def one_pass_on_rows(
+    rows: RowKernels, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask
+):
+    """``pf.linear_policy_loss`` in one pass over chunks of whole sequences, on a fast backend's
+    kernels: per chunk, the logits by one product (BLAS or cuBLAS, in the inputs' common compute
+    dtype, as the reference), the rows' log-probs and entropy by ``rows.forward``, the loss's
+    per-token gradient from the mode's reference function on those ``[rows, T]`` vectors, the
+    logits' gradient by ``rows.backward`` (into the logits' buffer where the backend can), then
+    ``d_hidden`` and ``d_weight`` by two products: three products, one chunk of logits alive.
+
+    Returns ``[loss, pg_loss, entropy, kl_loss, *mode stats, d_hidden, d_weight, d_bias]`` (a
+    gradient not asked for by ``output_mask`` is an empty tensor)."""
+    batch, length, _ = hidden.shape
+    hidden_c, weight_c, bias_c = in_common_dtype(hidden, weight, bias)
+    scales = loss_scales(x.mask, objective.agg)
+    d_hidden = torch.zeros_like(hidden_c) if output_mask[0] else None
+    d_weight = torch.zeros_like(weight_c) if output_mask[1] else None
+    d_bias = torch.zeros_like(bias_c) if bias is not None and output_mask[2] else None
+    wanted = any(d is not None for d in (d_hidden, d_weight, d_bias))
+    step = max(1, CHUNK_ELEMENTS // max(1, length * weight.shape[0]))  # whole sequences per chunk
+    totals = None
+    for b0 in range(0, max(batch, 1), step):
+        rs = slice(b0, b0 + step)
+        chunk = _chunk_logits(hidden_c[rs], weight_c, bias_c, labels[rs], head)
+        logp, entropy, saved = rows.forward(chunk.logits, chunk.labels, head.temperature, head.ignore_index)
+        shape = labels[rs].shape
+        out, *grads = _per_token_grads(logp.view(shape), entropy.view(shape), x.rows(rs), objective, terms, scales)
+        totals = out if totals is None else [t + o for t, o in zip(totals, out)]
+        if not wanted:
+            continue
+        d_logits = _logits_gradient(rows, chunk, grads, saved, entropy, head)
+        if d_hidden is not None:
+            d_hidden[rs] = torch.where(chunk.used, d_logits @ weight_c, 0.0).view(d_hidden[rs].shape)
+        if d_weight is not None:
+            d_weight.addmm_(d_logits.T, chunk.hidden)
+        if d_bias is not None:
+            d_bias += d_logits.sum(0)
+    grads = [  # an output of a custom op aliases no other: an empty tensor each
+        hidden.new_empty((0,)) if d is None else d.to(t.dtype)
+        for d, t in ((d_hidden, hidden), (d_weight, weight), (d_bias, bias))
+    ]
+    return [*totals, *grads]
+
+
+def fake_terms(hidden, x: PerToken, objective: Objective, terms: Terms) -> list:
+    """The terms' shapes and dtypes (the fake kernel): the mode's function on fake log-probs."""
+    logp = x.old.new_empty(x.old.shape, dtype=result_dtype(hidden))
+    out = chunk_terms(logp, logp, x, objective, terms, loss_scales(x.mask, objective.agg))
+    return [torch.empty_like(o) for o in out]
+
+
+def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
+    """``{linear_op: fn}`` for ``modes`` on one custom op ``{namespace}::linear_policy_loss`` (the
+    loop above on ``rows``), with its fake kernel and an autograd whose backward scales the stored
+    gradients by the incoming one.  Mode parameters travel as floats (NaN: not given)."""
+
+    def one_pass(
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        temperature: float,
+        logit_scale: float,
+        logit_softcap: float | None,
+        ignore_index: int,
+        kl_coef: float,
+        kl_estimator: str,
+        entropy_coef: float,
+        loss_mode: str,
+        params: list[float],
+        agg: str,
+        output_mask: list[bool],
+    ) -> list[torch.Tensor]:
+        return one_pass_on_rows(
+            rows,
+            hidden,
+            weight,
+            labels,
+            PerToken(old_logprobs, advantages, mask, weights, ref_logprobs),
+            bias=bias,
+            objective=Objective(POLICY_LOSS_MODES[loss_mode], _unpacked(params), agg),
+            head=Head(temperature, logit_scale, logit_softcap, ignore_index),
+            terms=Terms(kl_coef, kl_estimator, entropy_coef),
+            output_mask=output_mask,
+        )
+
+    names = list(inspect.signature(one_pass).parameters)  # the schema's order
+    op = torch.library.custom_op(f"{namespace}::linear_policy_loss", one_pass, mutates_args=())
+
+    _register_fake(op, names)
+    _register_autograd(op, names, namespace.removeprefix("ppo_fast_"))
+
+    def runner(mode):
+        def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg):
+            grad = torch.is_grad_enabled()
+            output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+            floats = [math.nan if p is None else float(p) for p in params]
+            out = op(
+                hidden,
+                weight,
+                labels,
+                *x[:3],
+                x.weights,
+                bias,
+                x.ref,
+                *head,
+                *terms,
+                mode.name,
+                floats,
+                agg,
+                output_mask,
+            )
+            return tuple(out[:-3])
+
+        run.__name__ = run.__qualname__ = mode.linear_op
+        return run
+
+    return {mode.linear_op: runner(mode) for mode in modes}
+
+
+def _register_fake(op, names: list[str]) -> None:
+    """The op's fake kernel: the terms' shapes and dtypes, and the gradients asked for."""
+
+    def fake(*args):
+        a = dict(zip(names, args))
+        x = PerToken(*(a[n] for n in ("old_logprobs", "advantages", "mask", "weights", "ref_logprobs")))
+        objective = Objective(POLICY_LOSS_MODES[a["loss_mode"]], _unpacked(a["params"]), a["agg"])
+        terms = fake_terms(a["hidden"], x, objective, Terms(a["kl_coef"], a["kl_estimator"], a["entropy_coef"]))
+        grads = [
+            torch.empty_like(a[n]) if a[n] is not None and wanted else a["hidden"].new_empty((0,))
+            for n, wanted in zip(("hidden", "weight", "bias"), a["output_mask"])
+        ]
+        return [*terms, *grads]
+
+    op.register_fake(fake)
+
+
+def _register_autograd(op, names: list[str], backend: str) -> None:
+    """The op's autograd: the backward scales the gradients the forward returned by the incoming one."""
+
+    def setup(ctx, inputs, output):
+        a = dict(zip(names, inputs))
+        ctx.save_for_backward(*output[-3:], a["hidden"], a["weight"], a["bias"])
+        ctx.no_params = not a["params"]  # an empty list of floats: its gradient is []
+        ctx.mark_non_differentiable(*output[1:])
+
+    def backward(ctx, grads_out):
+        stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
+        scaled = [g * grads_out[0].to(g.dtype) if g.numel() else None for g in stored]
+        scaled = first_order_only(scaled, "linear_policy_loss", backend, differentiable)
+        by_name = dict(zip(("hidden", "weight", "bias"), scaled), params=[] if ctx.no_params else None)
+        return tuple(by_name.get(name) for name in names)
+
+    op.register_autograd(backward, setup_context=setup)
+
+
+def _unpacked(params) -> tuple:
+    return tuple(None if math.isnan(p) else p for p in params)
+
+
+# --------------------------------------------------------------------------- second order
+
+
+def first_order_only(grads: list, op: str, backend: str, inputs: tuple) -> list:
+    """Gradients a backend computed in its forward are constants to autograd: a second-order
+    gradient through them would be a silent zero.  ``grads`` unchanged, unless autograd is building
+    a graph of this backward (``create_graph``): then each one raises when differentiated, also
+    towards ``inputs`` (the op's differentiable inputs, so that a gradient taken w.r.t. them
+    reaches the error instead of missing it)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return grads
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    anchors = [t for t in inputs if t is not None and t.requires_grad]
+    error = torch._C._functions.DelayedError(
+        f"{op}: second-order gradients (create_graph=True) are not supported on the {backend} backend (its "
+        "gradients are computed in the forward); use pf.use_backend('reference') for them",
+        len(present) + len(anchors),
+    )
+    marked = error(*[g.detach().requires_grad_() for g in present], *anchors)
+    marked = iter(marked if isinstance(marked, tuple) else (marked,))
+    return [None if g is None else next(marked) for g in grads]
