@@ -52,11 +52,9 @@ constexpr int64_t kMinRows = 64;
 constexpr int64_t kBlock = 1024;  // soft-cap backward: logits saved at a time
 enum StatIndex : int { kPg = 0, kEntropy = 1, kKlLoss = 2, kClip = 3, kClipLow = 4, kApproxKl = 5, kStats = 6 };
 
-enum class Mode { kVanilla, kGspo };
-
-Mode parse_mode(c10::string_view name) {
-  if (name == "vanilla") return Mode::kVanilla;
-  if (name == "gspo") return Mode::kGspo;
+PolicyMode parse_mode(c10::string_view name) {
+  if (name == "vanilla") return PolicyMode::kVanilla;
+  if (name == "gspo") return PolicyMode::kGspo;
   TORCH_CHECK(false, kOp, ": loss_mode must be 'vanilla' or 'gspo' on the native CPU backend, got '", name, "'");
 }
 
@@ -83,12 +81,12 @@ double kl_grad(KlEstimator estimator, double logp, double ref, double g) {
 
 struct Problem {
   int64_t rows, length, width, vocab;
-  Mode mode;
+  PolicyMode mode;
   Agg agg;
   KlEstimator estimator;
   double temperature, logit_scale, kl_coef, entropy_coef;
   std::optional<double> softcap;
-  double clip_low, clip_high;  // ratio bounds 1 - eps_low, 1 + eps_high
+  double ratio_low, ratio_high;  // 1 - clip_eps_low, 1 + clip_eps_high
   std::optional<double> dual_clip;
   bool has_ref, has_weights;
 };
@@ -163,11 +161,11 @@ double token_grad(const Problem& p, const LossInputs& in, int64_t i, double logp
   const double od = in.old.const_data_ptr<double>()[i], ad = in.adv.const_data_ptr<double>()[i];
   const double g = row_scale_b * in.weights.const_data_ptr<double>()[i];
   double grad;
-  if (p.mode == Mode::kVanilla) {
-    const PolicyBounds<double> bounds{p.clip_low, p.clip_high, p.dual_clip.value_or(0.0), p.dual_clip ? 1.0 : 0.0};
+  if (p.mode == PolicyMode::kVanilla) {
+    const PolicyBounds<double> bounds{p.ratio_low, p.ratio_high, p.dual_clip.value_or(0.0), p.dual_clip ? 1.0 : 0.0};
     grad = policy_grad(policy_term(logp, od, ad, bounds), bounds, g).logp;
   } else {
-    grad = gspo_grad(gspo_term(seq_log_ratio, logp, ad, p.clip_low, p.clip_high), p.clip_low, p.clip_high, g).logp;
+    grad = gspo_grad(gspo_term(seq_log_ratio, logp, ad, p.ratio_low, p.ratio_high), p.ratio_low, p.ratio_high, g).logp;
   }
   if (p.has_ref && p.kl_coef != 0.0)
     grad += kl_grad(p.estimator, logp, in.ref.const_data_ptr<double>()[i], p.kl_coef * row_scale_b);
@@ -216,7 +214,7 @@ void run_chunk(const Problem& p, const at::Tensor& hidden2d, const at::Tensor& w
   // GSPO: the mean log-ratio of each row the chunk covers (all of its tokens are in the chunk).
   std::vector<double> seq;
   const int64_t b_first = n ? row_index[0] / p.length : 0, b_last = n ? row_index[n - 1] / p.length : -1;
-  if (p.mode == Mode::kGspo) {
+  if (p.mode == PolicyMode::kGspo) {
     seq.assign(b_last - b_first + 1, 0.0);
     for (int64_t b = b_first; b <= b_last; ++b) seq[b - b_first] = row_mean_log_ratio(p, logp, in, b);
   }
@@ -225,7 +223,7 @@ void run_chunk(const Problem& p, const at::Tensor& hidden2d, const at::Tensor& w
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = row_index[i], b = r / p.length;
-      const double s = p.mode == Mode::kGspo ? seq[b - b_first] : 0.0;
+      const double s = p.mode == PolicyMode::kGspo ? seq[b - b_first] : 0.0;
       const scalar_t g = static_cast<scalar_t>(token_grad(p, in, r, logp[r], s, scales[b])) * inv_temp;
       const scalar_t h_ent = static_cast<scalar_t>(h_entropy) * inv_temp;
       const scalar_t ent = static_cast<scalar_t>(entropy[r]);
@@ -254,7 +252,7 @@ void run_chunk(const Problem& p, const at::Tensor& hidden2d, const at::Tensor& w
 std::vector<std::pair<int64_t, int64_t>> chunks(const Problem& p, const at::Tensor& used, int64_t chunk_rows) {
   std::vector<std::pair<int64_t, int64_t>> out;
   const int64_t n = used.numel();
-  if (p.mode == Mode::kVanilla) {
+  if (p.mode == PolicyMode::kVanilla) {
     for (int64_t c0 = 0; c0 < n; c0 += chunk_rows) out.push_back({c0, std::min(n, c0 + chunk_rows)});
     return out;
   }
@@ -283,20 +281,20 @@ std::array<double, kStats + 1> reduce(const Problem& p, const LossInputs& in, co
   const bool* on = in.mask.const_data_ptr<bool>();
   const double *od = in.old.const_data_ptr<double>(), *ad = in.adv.const_data_ptr<double>();
   const double *w = in.weights.const_data_ptr<double>(), *rf = in.ref.const_data_ptr<double>();
-  const PolicyBounds<double> bounds{p.clip_low, p.clip_high, p.dual_clip.value_or(0.0), p.dual_clip ? 1.0 : 0.0};
+  const PolicyBounds<double> bounds{p.ratio_low, p.ratio_high, p.dual_clip.value_or(0.0), p.dual_clip ? 1.0 : 0.0};
   at::parallel_for(0, p.rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       double* acc = &parts[b * kParts];
-      const double s = p.mode == Mode::kGspo ? row_mean_log_ratio(p, logp, in, b) : 0.0;
+      const double s = p.mode == PolicyMode::kGspo ? row_mean_log_ratio(p, logp, in, b) : 0.0;
       for (int64_t i = b * p.length; i < (b + 1) * p.length; ++i) {
         if (!on[i]) continue;
-        if (p.mode == Mode::kVanilla) {
+        if (p.mode == PolicyMode::kVanilla) {
           const PolicyTerm<double> t = policy_term(logp[i], od[i], ad[i], bounds);
           acc[kPg] += t.pg * w[i];
           acc[kClip] += t.is_clipped;
           acc[kClipLow] += t.is_capped;
         } else {
-          const GspoTerm<double> t = gspo_term(s, logp[i], ad[i], p.clip_low, p.clip_high);
+          const GspoTerm<double> t = gspo_term(s, logp[i], ad[i], p.ratio_low, p.ratio_high);
           acc[kPg] += t.pg * w[i];
           acc[kClip] += t.is_clipped;
         }
@@ -339,11 +337,11 @@ Problem problem(const at::Tensor& hidden, const at::Tensor& weight, double tempe
             std::nullopt,
             has_ref,
             has_weights};
-  TORCH_CHECK(params.size() == 2 || (p.mode == Mode::kVanilla && params.size() == 3), kOp, ": loss_mode '", loss_mode,
-              "' takes clip_eps_low, clip_eps_high", p.mode == Mode::kVanilla ? "[, dual_clip]" : "", ", got ",
-              params.size(), " parameters");
-  p.clip_low = 1.0 - params[0];
-  p.clip_high = 1.0 + params[1];
+  TORCH_CHECK(params.size() == 2 || (p.mode == PolicyMode::kVanilla && params.size() == 3), kOp, ": loss_mode '",
+              loss_mode, "' takes clip_eps_low, clip_eps_high", p.mode == PolicyMode::kVanilla ? "[, dual_clip]" : "",
+              ", got ", params.size(), " parameters");
+  p.ratio_low = 1.0 - params[0];
+  p.ratio_high = 1.0 + params[1];
   if (params.size() == 3) p.dual_clip = params[2];
   TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), kOp, ": temperature must be finite and > 0");
   TORCH_CHECK(logit_scale > 0.0 && std::isfinite(logit_scale), kOp, ": logit_scale must be finite and > 0");

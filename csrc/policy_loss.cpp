@@ -295,10 +295,10 @@ SeqInputs seq_inputs(const char* op, const at::Tensor& logprobs, const at::Tenso
 }
 
 // One row's forward: its partial sums and its state (seq_loss_math.h).
-template <SeqLossMode mode, typename T>
+template <PolicyMode mode, typename T>
 void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bool* on, int64_t n, T eps_low,
                      T eps_high, double* acc, T* state) {
-  if constexpr (mode == SeqLossMode::kGspo) {
+  if constexpr (mode == PolicyMode::kGspo) {
     T log_ratio_sum = 0, count = 0;
     for (int64_t i = 0; i < n; ++i) {
       log_ratio_sum += on[i] ? lp[i] - od[i] : T(0);
@@ -340,7 +340,7 @@ void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bo
   }
 }
 
-template <SeqLossMode mode>
+template <PolicyMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& weights, double eps_low, double eps_high, c10::string_view agg_name) {
@@ -378,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       const double scale = row_scale(agg, count, total_count, nonempty, length);
       total += scale * partials[b * kPolicyPartials + kPgSum];
       // GMPO's backward differentiates the row loss, which each of the row's tokens carries.
-      scale_out[b] = static_cast<T>(mode == SeqLossMode::kGeoMean ? scale * count : scale);
+      scale_out[b] = static_cast<T>(mode == PolicyMode::kGeoMean ? scale * count : scale);
     }
     return total;
   });
@@ -396,7 +396,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 // Gradients in the compute dtype, then in each input's dtype.
-template <SeqLossMode mode>
+template <PolicyMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu(
     const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
     const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
@@ -416,7 +416,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
   const at::Tensor scales = row_scale_in.to(in.dtype).contiguous(), states = row_state_in.to(in.dtype).contiguous();
   const double upstream = grad_loss.item<double>();  // a CPU tensor: no device sync
   // GSPO passes no gradient to old_logprobs (its sequence ratio is detached).
-  const bool need_logp = output_mask[0], need_old = output_mask[1] && mode == SeqLossMode::kGeoMean;
+  const bool need_logp = output_mask[0], need_old = output_mask[1] && mode == PolicyMode::kGeoMean;
   const bool need_adv = output_mask[2], need_w = output_mask[3] && in.weights.defined();
   at::Tensor g_lp = grad_like(logprobs, need_logp || need_old, in.dtype),
              g_ad = grad_like(advantages, need_adv, in.dtype);
@@ -439,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
         for (int64_t i = b * length; i < (b + 1) * length; ++i) {
           const T wi = w ? w[i] : T(1);
           T d_lp, d_ad, d_w;
-          if constexpr (mode == SeqLossMode::kGspo) {
+          if constexpr (mode == PolicyMode::kGspo) {
             const GspoTerm<T> t = gspo_term(st[0], lp[i], ad[i], T(1) - low, T(1) + high);
             const PolicyGrad<T> g = gspo_grad(t, T(1) - low, T(1) + high, g_row * wi);
             d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
@@ -469,10 +469,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cpu);
   m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cpu);
-  m.impl("policy_loss_gspo", &seq_loss_cpu<SeqLossMode::kGspo>);
-  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cpu<SeqLossMode::kGspo>);
-  m.impl("policy_loss_geo_mean", &seq_loss_cpu<SeqLossMode::kGeoMean>);
-  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cpu<SeqLossMode::kGeoMean>);
+  m.impl("policy_loss_gspo", &seq_loss_cpu<PolicyMode::kGspo>);
+  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cpu<PolicyMode::kGspo>);
+  m.impl("policy_loss_geo_mean", &seq_loss_cpu<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cpu<PolicyMode::kGeoMean>);
 }
 
 }  // namespace ppo_fast

@@ -109,7 +109,7 @@ inline PolicyParams policy_params(double clip_eps_low, double clip_eps_high, std
 // The bounds in the compute type, read once per chunk rather than per token.
 template <typename T>
 struct PolicyBounds {
-  T low, high, dual, has_dual;
+  T ratio_low, ratio_high, dual, has_dual;
 };
 
 template <typename T>
@@ -136,7 +136,7 @@ PPO_HD PolicyTerm<T> policy_term(T logp, T old, T adv, PolicyBounds<T> bounds) {
   PolicyTerm<T> t;
   t.diff = logp - old;
   t.ratio = exp_of(clamp_of(t.diff, T(-20), T(20)));
-  t.ratio_clipped = clamp_of(t.ratio, bounds.low, bounds.high);
+  t.ratio_clipped = clamp_of(t.ratio, bounds.ratio_low, bounds.ratio_high);
   t.neg_adv = -adv;
   t.unclipped = t.neg_adv * t.ratio;
   t.clipped = t.neg_adv * t.ratio_clipped;
@@ -168,7 +168,8 @@ PPO_HD PolicyGrad<T> policy_grad(const PolicyTerm<T>& t, PolicyBounds<T> bounds,
   const T g_clipped = max_grad_to(t.clipped, t.unclipped, g_pg0);
   // unclipped = -A ratio, clipped = -A ratio_clipped, cap = -A dual
   const T g_neg_adv = g_unclipped * t.ratio + g_clipped * t.ratio_clipped + g_cap * bounds.dual;
-  const T g_ratio = g_unclipped * t.neg_adv + clamp_grad(t.ratio, bounds.low, bounds.high, g_clipped * t.neg_adv);
+  const T g_ratio =
+      g_unclipped * t.neg_adv + clamp_grad(t.ratio, bounds.ratio_low, bounds.ratio_high, g_clipped * t.neg_adv);
   // ratio = exp(clamp(diff, -20, 20)), diff = logp - old
   const T g_diff = clamp_grad(t.diff, T(-20), T(20), g_ratio * t.ratio);
   return {g_diff, -g_neg_adv};

@@ -8,15 +8,16 @@
 
 namespace ppo_fast {
 
-// Which sequence-level loss a kernel computes (CPU and CUDA).
-enum class SeqLossMode : int { kGspo = 0, kGeoMean = 1 };
+// The policy-loss modes the native kernels compute (CPU and CUDA): the sequence-level losses'
+// kernels take kGspo and kGeoMean, the one-pass loss (csrc/linear_policy_loss.cpp) kVanilla and kGspo.
+enum class PolicyMode : int { kVanilla = 0, kGspo = 1, kGeoMean = 2 };
 
 // Each mode's operator names (schemas in csrc/policy_loss.cpp), for the kernels' messages.
-constexpr const char* seq_loss_op_name(SeqLossMode mode) {
-  return mode == SeqLossMode::kGspo ? "policy_loss_gspo" : "policy_loss_geo_mean";
+constexpr const char* seq_loss_op_name(PolicyMode mode) {
+  return mode == PolicyMode::kGspo ? "policy_loss_gspo" : "policy_loss_geo_mean";
 }
-constexpr const char* seq_loss_backward_op_name(SeqLossMode mode) {
-  return mode == SeqLossMode::kGspo ? "policy_loss_gspo_backward" : "policy_loss_geo_mean_backward";
+constexpr const char* seq_loss_backward_op_name(PolicyMode mode) {
+  return mode == PolicyMode::kGspo ? "policy_loss_gspo_backward" : "policy_loss_geo_mean_backward";
 }
 
 // Per-row values a sequence-level forward keeps for its backward ([B, kRowState]).
@@ -36,11 +37,11 @@ struct GspoTerm {
 };
 
 template <typename T>
-PPO_HD GspoTerm<T> gspo_term(T s, T logp, T adv, T low, T high) {
+PPO_HD GspoTerm<T> gspo_term(T s, T logp, T adv, T ratio_low, T ratio_high) {
   GspoTerm<T> t;
   t.log_ratio = (logp - logp) + s;
   t.ratio = exp_of(t.log_ratio > T(10) ? T(10) : t.log_ratio);  // NaN stays NaN
-  t.ratio_clipped = clamp_of(t.ratio, low, high);
+  t.ratio_clipped = clamp_of(t.ratio, ratio_low, ratio_high);
   t.neg_adv = -adv;
   t.unclipped = t.neg_adv * t.ratio;
   t.clipped = t.neg_adv * t.ratio_clipped;
@@ -51,10 +52,10 @@ PPO_HD GspoTerm<T> gspo_term(T s, T logp, T adv, T low, T high) {
 
 // d (g * pg) / d logprobs (through the token's own pi / sg(pi)) and / d advantages.
 template <typename T>
-PPO_HD PolicyGrad<T> gspo_grad(const GspoTerm<T>& t, T low, T high, T g) {
+PPO_HD PolicyGrad<T> gspo_grad(const GspoTerm<T>& t, T ratio_low, T ratio_high, T g) {
   const T g_unclipped = max_grad_to(t.unclipped, t.clipped, g);
   const T g_clipped = max_grad_to(t.clipped, t.unclipped, g);
-  const T g_ratio = g_unclipped * t.neg_adv + clamp_grad(t.ratio, low, high, g_clipped * t.neg_adv);
+  const T g_ratio = g_unclipped * t.neg_adv + clamp_grad(t.ratio, ratio_low, ratio_high, g_clipped * t.neg_adv);
   const T g_log = t.log_ratio <= T(10) ? g_ratio * t.ratio : T(0);  // torch.clamp(max=10): closed range, none for NaN
   return {g_log, -(g_unclipped * t.ratio + g_clipped * t.ratio_clipped)};
 }

@@ -137,7 +137,7 @@ cuda::SeqInputs<T> seq_inputs(const SeqBuffers& b, double eps_low, double eps_hi
           eps_high};
 }
 
-template <SeqLossMode mode>
+template <PolicyMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_cuda(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
     const std::optional<at::Tensor>& weights, double eps_low, double eps_high, c10::string_view agg_name) {
@@ -164,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
 }
 
-template <SeqLossMode mode>
+template <PolicyMode mode>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cuda(
     const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
     const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
@@ -185,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cud
   const at::Tensor upstream = grad_loss.reshape({}).to(b.dtype).contiguous();
   const at::Tensor scales = row_scale_in.to(b.dtype).contiguous(), states = row_state_in.to(b.dtype).contiguous();
   // GSPO passes no gradient to old_logprobs (its sequence ratio is detached).
-  const bool need_logp = output_mask[0], need_old = output_mask[1] && mode == SeqLossMode::kGeoMean;
+  const bool need_logp = output_mask[0], need_old = output_mask[1] && mode == PolicyMode::kGeoMean;
   const bool need_adv = output_mask[2], need_w = output_mask[3] && b.weights.defined();
   const auto options = logprobs.options().dtype(b.dtype);
   at::Tensor g_lp = need_logp || need_old ? at::empty(logprobs.sizes(), options) : at::Tensor();
@@ -215,10 +215,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cud
 TORCH_LIBRARY_IMPL(ppo_fast, CUDA, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cuda);
   m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cuda);
-  m.impl("policy_loss_gspo", &seq_loss_cuda<SeqLossMode::kGspo>);
-  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cuda<SeqLossMode::kGspo>);
-  m.impl("policy_loss_geo_mean", &seq_loss_cuda<SeqLossMode::kGeoMean>);
-  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cuda<SeqLossMode::kGeoMean>);
+  m.impl("policy_loss_gspo", &seq_loss_cuda<PolicyMode::kGspo>);
+  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cuda<PolicyMode::kGspo>);
+  m.impl("policy_loss_geo_mean", &seq_loss_cuda<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cuda<PolicyMode::kGeoMean>);
 }
 
 }  // namespace ppo_fast

@@ -83,7 +83,7 @@ __device__ void block_sum(const double (&values)[K], double* shared, double (&to
   __syncthreads();
 }
 
-template <typename T, SeqLossMode mode>
+template <typename T, PolicyMode mode>
 __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
   __shared__ double shared[7 * kThreads];
   const int64_t row = blockIdx.x, start = row * in.length;
@@ -94,7 +94,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
   const T* w = in.weights ? in.weights + start : nullptr;
   const bool* on = in.mask + start;
   double* acc = partials + row * kParts;
-  if constexpr (mode == SeqLossMode::kGspo) {
+  if constexpr (mode == PolicyMode::kGspo) {
     double sums[2] = {0, 0}, totals[2];
     for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
       sums[0] += on[i] ? static_cast<double>(lp[i] - od[i]) : 0.0;
@@ -141,7 +141,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
 }
 
 // One block: the aggregation over the rows (reference.aggregate) and the stats.
-template <typename T, SeqLossMode mode>
+template <typename T, PolicyMode mode>
 __global__ void finish_kernel(const double* partials, int64_t rows, int64_t length, int64_t agg, SeqOutputs<T> out) {
   __shared__ double shared[(kParts + 1) * kThreads];
   double counts[2] = {0, 0}, count_totals[2];  // tokens, rows with tokens
@@ -154,7 +154,7 @@ __global__ void finish_kernel(const double* partials, int64_t rows, int64_t leng
   for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
     const double count = partials[b * kParts + kCount];
     const double scale = row_scale(agg, count, count_totals[0], count_totals[1], length);
-    out.row_scale[b] = static_cast<T>(mode == SeqLossMode::kGeoMean ? scale * count : scale);
+    out.row_scale[b] = static_cast<T>(mode == PolicyMode::kGeoMean ? scale * count : scale);
     sums[0] += scale * partials[b * kParts + kPgSum];
     for (int k = kCount; k < kParts; ++k) sums[k + 1] += partials[b * kParts + k];
   }
@@ -168,7 +168,7 @@ __global__ void finish_kernel(const double* partials, int64_t rows, int64_t leng
   }
 }
 
-template <typename T, SeqLossMode mode>
+template <typename T, PolicyMode mode>
 __global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* row_scale, const T* row_state,
                                 SeqGrads<T> grads) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -180,7 +180,7 @@ __global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* ro
   const T wi = in.weights ? in.weights[i] : T(1);
   const bool on = in.mask[i];
   T d_lp, d_ad, d_w;
-  if constexpr (mode == SeqLossMode::kGspo) {
+  if constexpr (mode == PolicyMode::kGspo) {
     const GspoTerm<T> t = gspo_term(st[0], in.logprobs[i], in.advantages[i], T(1) - low, T(1) + high);
     const PolicyGrad<T> g = gspo_grad(t, T(1) - low, T(1) + high, g_row * wi);
     d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
@@ -195,14 +195,14 @@ __global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* ro
   if (grads.weights) grads.weights[i] = on ? d_w : T(0);
 }
 
-template <typename T, SeqLossMode mode>
+template <typename T, PolicyMode mode>
 void forward(const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out, cudaStream_t stream) {
   if (in.rows > 0)
     rows_kernel<T, mode><<<static_cast<unsigned>(in.rows), kThreads, 0, stream>>>(in, out.partials, out.row_state);
   finish_kernel<T, mode><<<1, kThreads, 0, stream>>>(out.partials, in.rows, in.length, agg, out);
 }
 
-template <typename T, SeqLossMode mode>
+template <typename T, PolicyMode mode>
 void backward(const SeqInputs<T>& in, const T* grad_loss, const T* row_scale, const T* row_state,
               const SeqGrads<T>& grads, cudaStream_t stream) {
   const int64_t n = in.rows * in.length;
@@ -231,30 +231,30 @@ void policy_loss_backward(const PolicyInputs& in, const void* grad_loss, const v
 }
 
 template <typename T>
-void seq_loss_forward(SeqLossMode mode, const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out,
+void seq_loss_forward(PolicyMode mode, const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out,
                       cudaStream_t stream) {
-  if (mode == SeqLossMode::kGspo)
-    forward<T, SeqLossMode::kGspo>(in, agg, out, stream);
+  if (mode == PolicyMode::kGspo)
+    forward<T, PolicyMode::kGspo>(in, agg, out, stream);
   else
-    forward<T, SeqLossMode::kGeoMean>(in, agg, out, stream);
+    forward<T, PolicyMode::kGeoMean>(in, agg, out, stream);
 }
 
 template <typename T>
-void seq_loss_backward(SeqLossMode mode, const SeqInputs<T>& in, const T* grad_loss, const T* row_scale,
+void seq_loss_backward(PolicyMode mode, const SeqInputs<T>& in, const T* grad_loss, const T* row_scale,
                        const T* row_state, const SeqGrads<T>& grads, cudaStream_t stream) {
-  if (mode == SeqLossMode::kGspo)
-    backward<T, SeqLossMode::kGspo>(in, grad_loss, row_scale, row_state, grads, stream);
+  if (mode == PolicyMode::kGspo)
+    backward<T, PolicyMode::kGspo>(in, grad_loss, row_scale, row_state, grads, stream);
   else
-    backward<T, SeqLossMode::kGeoMean>(in, grad_loss, row_scale, row_state, grads, stream);
+    backward<T, PolicyMode::kGeoMean>(in, grad_loss, row_scale, row_state, grads, stream);
 }
 
-template void seq_loss_forward<float>(SeqLossMode, const SeqInputs<float>&, int64_t, const SeqOutputs<float>&,
+template void seq_loss_forward<float>(PolicyMode, const SeqInputs<float>&, int64_t, const SeqOutputs<float>&,
                                       cudaStream_t);
-template void seq_loss_forward<double>(SeqLossMode, const SeqInputs<double>&, int64_t, const SeqOutputs<double>&,
+template void seq_loss_forward<double>(PolicyMode, const SeqInputs<double>&, int64_t, const SeqOutputs<double>&,
                                        cudaStream_t);
-template void seq_loss_backward<float>(SeqLossMode, const SeqInputs<float>&, const float*, const float*, const float*,
+template void seq_loss_backward<float>(PolicyMode, const SeqInputs<float>&, const float*, const float*, const float*,
                                        const SeqGrads<float>&, cudaStream_t);
-template void seq_loss_backward<double>(SeqLossMode, const SeqInputs<double>&, const double*, const double*,
+template void seq_loss_backward<double>(PolicyMode, const SeqInputs<double>&, const double*, const double*,
                                         const double*, const SeqGrads<double>&, cudaStream_t);
 
 }  // namespace cuda

@@ -55,10 +55,10 @@ struct SeqGrads {
 };
 
 template <typename T>
-void seq_loss_forward(SeqLossMode mode, const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out,
+void seq_loss_forward(PolicyMode mode, const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out,
                       cudaStream_t stream);
 template <typename T>
-void seq_loss_backward(SeqLossMode mode, const SeqInputs<T>& in, const T* grad_loss, const T* row_scale,
+void seq_loss_backward(PolicyMode mode, const SeqInputs<T>& in, const T* grad_loss, const T* row_scale,
                        const T* row_state, const SeqGrads<T>& grads, cudaStream_t stream);
 
 }  // namespace cuda

@@ -39,7 +39,9 @@ def _check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights):
     check_same_device(op, logprobs=logprobs, mask=mask)
 
 
-def _fake_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, agg):
+def _fake_clipped_policy_loss(
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
+):
     _check_policy_inputs("clipped_policy_loss", logprobs, old_logprobs, advantages, mask, weights)
     check_choice("clipped_policy_loss", "agg", agg, AGG_MODES)
     dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
@@ -51,7 +53,17 @@ def _fake_clipped_policy_loss(logprobs, old_logprobs, advantages, mask, weights,
 
 
 def _fake_clipped_policy_loss_backward(
-    grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, clip_low, clip_high, dual_clip, output_mask
+    grad_loss,
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    weights,
+    row_scale,
+    clip_eps_low,
+    clip_eps_high,
+    dual_clip,
+    output_mask,
 ):
     op = "clipped_policy_loss_backward"
     _check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights)
@@ -66,10 +78,10 @@ def _fake_clipped_policy_loss_backward(
 
 
 def _setup_clipped_policy_loss(ctx, inputs, output):
-    logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual_clip, _agg = inputs
+    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, _agg = inputs
     _loss, clipfrac, clipfrac_lower, approx_kl, row_scale = output
     ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale)
-    ctx.clip = (clip_low, clip_high, dual_clip)
+    ctx.clip = (clip_eps_low, clip_eps_high, dual_clip)
     ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale)  # detached in the reference
 
 
