@@ -560,7 +560,7 @@ def _opcheck_cases():
     x, y = torch.randn(6, 4, device=DEVICE).t().requires_grad_(), rand(4, 6).requires_grad_()
     mask, scores, labels = torch.rand(4, 6, device=DEVICE) < 0.6, rand(4).requires_grad_(), ints(9, 5, 2)
     logits = torch.randn(2, 5, 9, device=DEVICE).transpose(0, 1).requires_grad_()
-    _, entropy, stats = tlp._token_logprobs_op(logits.detach(), labels, 0.7, True, IGNORE, False)
+    _, entropy, stats, _ = tlp._token_logprobs_op(logits.detach(), labels, 0.7, True, IGNORE, False)
     g, g_t = torch.randn(2, 5, device=DEVICE).t(), torch.randn(6, 4, device=DEVICE).t()
     saved = (logits.detach(), labels, stats, entropy, 0.7, IGNORE)
     last = torch.tensor([5, 4, 3, -1], dtype=torch.int32, device=DEVICE)
@@ -571,6 +571,7 @@ def _opcheck_cases():
         "gae": (tgae._gae_op, (x, y, mask, 0.9, 0.8)),
         "token_logprobs": (tlp._token_logprobs_op, (logits, labels, 0.7, True, IGNORE, False)),
         "token_logprobs no entropy": (tlp._token_logprobs_op, (logits, labels, 0.7, False, IGNORE, False)),
+        "token_logprobs truncated": (tlp._token_logprobs_op, (logits, labels, 0.7, True, IGNORE, False, 3, 0.9, 0.1)),
         "token_logprobs_backward": (tlp._token_logprobs_backward_op, (g, g[:1].expand(5, 2), *saved)),
         "token_logprobs_backward entropy only": (tlp._token_logprobs_backward_op, (None, g, *saved)),
         "kl_estimate_backward": (tkl._kl_estimate_backward_op, (g_t, x.detach(), y.detach(), "k3")),
@@ -581,6 +582,7 @@ def _opcheck_cases():
 
 
 OPCHECK_CASES = ["kl_estimate", "kl_penalized_rewards", "gae", "token_logprobs", "token_logprobs no entropy"]
+OPCHECK_CASES += ["token_logprobs truncated"]
 OPCHECK_CASES += ["token_logprobs_backward", "token_logprobs_backward entropy only", "kl_estimate_backward"]
 OPCHECK_CASES += ["kl_penalized_rewards_backward", "kl_penalized_rewards_backward kl only", "gae_backward"]
 

@@ -614,19 +614,34 @@ def _linear_token_logprobs_op(
     logit_softcap: float | None,
     return_entropy: bool,
     ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` is for the backward."""
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, stats, tau)``; entropy is empty without ``return_entropy``; ``stats`` and, under the
+    sampler's truncation, ``tau [N]`` (each row's threshold) are for the backward."""
+    options = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    truncation = Truncation(top_k, top_p, min_p)
+    tau = None
+    if truncation.active:
+        tau = linear_truncation_thresholds(
+            hidden, weight, labels, bias, **options, ignore_index=ignore_index, truncation=truncation
+        )
     logp, entropy, stats = linear_token_logprobs_forward(
-        hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap,
-        ignore_index=ignore_index, return_entropy=return_entropy,
-    )  # fmt: skip
-    return logp, (entropy if return_entropy else logp.new_empty(0)), stats
+        hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
+    )
+    # An output of a custom op aliases no other: an empty tensor each for what is not computed.
+    entropy = entropy if return_entropy else logp.new_empty(0)
+    return logp, entropy, stats, (logp.new_empty(0) if tau is None else tau)
 
 
 @_linear_token_logprobs_op.register_fake
-def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index):
+def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, top_k=0,
+      top_p=1.0, min_p=0.0):  # fmt: skip
     logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
-    return logp, logp.new_empty(logp.shape if return_entropy else (0,)), logp.new_empty(logp.shape + (2,))
+    entropy = logp.new_empty(logp.shape if return_entropy else (0,))
+    tau = logp.new_empty(logp.shape if Truncation(top_k, top_p, min_p).active else (0,))
+    return logp, entropy, logp.new_empty(logp.shape + (2,)), tau
 
 
 @torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
@@ -671,26 +686,19 @@ def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy,
 
 
 def _linear_token_logprobs_setup(ctx, inputs, output):
-    (
-        hidden,
-        weight,
-        labels,
-        bias,
-        ctx.temperature,
-        ctx.logit_scale,
-        ctx.logit_softcap,
-        ctx.return_entropy,
-        ctx.ignore_index,
-    ) = inputs
-    _, entropy, stats = output
-    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy)
-    ctx.mark_non_differentiable(stats)
+    hidden, weight, labels, bias = inputs[:4]
+    ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs[4:9]
+    ctx.truncated = Truncation(*inputs[9:]).active
+    _, entropy, stats, tau = output
+    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, tau)
+    ctx.mark_non_differentiable(stats, tau)
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_tau=None):
+def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_tau):
     not_differentiable(ctx, labels=2)
-    hidden, weight, labels, bias, stats, entropy, *tau = ctx.saved_tensors
+    hidden, weight, labels, bias, stats, entropy, tau = ctx.saved_tensors
+    tau = [tau] if ctx.truncated else []
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
@@ -706,54 +714,6 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse,
 
 
 _linear_token_logprobs_op.register_autograd(_linear_token_logprobs_backward, setup_context=_linear_token_logprobs_setup)
-
-
-@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_truncated", mutates_args=())
-def _linear_token_logprobs_truncated_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    logit_scale: float,
-    logit_softcap: float | None,
-    return_entropy: bool,
-    ignore_index: int,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, stats, tau)`` under the sampler's truncation; ``tau [N]`` is for the backward."""
-    options = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
-    tau = linear_truncation_thresholds(
-        hidden, weight, labels, bias, **options, ignore_index=ignore_index, truncation=Truncation(top_k, top_p, min_p)
-    )
-    logp, entropy, stats = linear_token_logprobs_forward(
-        hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
-    )
-    return logp, (entropy if return_entropy else logp.new_empty(0)), stats, tau
-
-
-@_linear_token_logprobs_truncated_op.register_fake
-def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, top_k, top_p,
-      min_p):  # fmt: skip
-    logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
-    entropy = logp.new_empty(logp.shape if return_entropy else (0,))
-    return logp, entropy, logp.new_empty(logp.shape + (2,)), logp.new_empty(logp.shape)
-
-
-def _linear_token_logprobs_truncated_setup(ctx, inputs, output):
-    hidden, weight, labels, bias = inputs[:4]
-    ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs[4:9]
-    _, entropy, stats, tau = output
-    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, tau)
-    ctx.mark_non_differentiable(stats, tau)
-    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
-
-
-_linear_token_logprobs_truncated_op.register_autograd(
-    _linear_token_logprobs_backward, setup_context=_linear_token_logprobs_truncated_setup
-)
 
 
 def linear_token_logprobs(
@@ -772,10 +732,7 @@ def linear_token_logprobs(
     """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
     kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
     args = (hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
-    if truncation.active:  # the softmax over the tokens the sampler keeps (``_truncation``)
-        logp, entropy, _, _ = _linear_token_logprobs_truncated_op(*args, *truncation)
-    else:
-        logp, entropy, _ = _linear_token_logprobs_op(*args)
+    logp, entropy, _, _ = _linear_token_logprobs_op(*args, *truncation)  # truncated: over the tokens kept
     return logp, (entropy if return_entropy else None)
 
 

@@ -603,17 +603,27 @@ def _token_logprobs_op(
     return_entropy: bool,
     ignore_index: int,
     inplace_backward: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, stats)``; entropy is empty without ``return_entropy``; ``stats`` are for the backward,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, stats, tau)``; entropy is empty without ``return_entropy``; ``stats`` and, under the
+    sampler's truncation, ``tau [rows]`` (each row's threshold, ``truncation_thresholds``) are for the backward,
     which reads ``inplace_backward``."""
-    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index)
-    return logp, (entropy if return_entropy else logp.new_empty(0)), stats
+    truncation = Truncation(top_k, top_p, min_p)
+    tau = truncation_thresholds(logits, labels, temperature, ignore_index, truncation) if truncation.active else None
+    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index, tau=tau)
+    # An output of a custom op aliases no other: an empty tensor each for what is not computed.
+    entropy = entropy if return_entropy else logp.new_empty(0)
+    return logp, entropy, stats, (logp.new_empty(0) if tau is None else tau)
 
 
 @_token_logprobs_op.register_fake
-def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward):
+def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward, top_k=0, top_p=1.0, min_p=0.0):
     logp = labels.new_empty(labels.shape, dtype=result_dtype(logits))
-    return logp, logp.new_empty(labels.shape if return_entropy else (0,)), logp.new_empty(labels.shape + (2,))
+    entropy = logp.new_empty(labels.shape if return_entropy else (0,))
+    tau = logp.new_empty((labels.numel(),) if Truncation(top_k, top_p, min_p).active else (0,))
+    return logp, entropy, logp.new_empty(labels.shape + (2,)), tau
 
 
 @torch.library.custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
@@ -664,14 +674,15 @@ def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, 
 
 
 def _token_logprobs_setup(ctx, inputs, output):
-    logits, labels, ctx.temperature, ctx.return_entropy, ctx.ignore_index, inplace_backward = inputs
+    logits, labels, ctx.temperature, ctx.return_entropy, ctx.ignore_index, inplace_backward, *truncation = inputs
     # In place only where every element of the logits has its own address: an expanded
     # (stride-0) or otherwise overlapping tensor would have its rows' gradients written
     # over one another.  Else the backward allocates the gradient, as without the flag.
     ctx.inplace_backward = inplace_backward and is_non_overlapping_and_dense(logits)
-    _, entropy, stats = output
-    ctx.save_for_backward(logits, labels, stats, entropy)
-    ctx.mark_non_differentiable(stats)
+    ctx.truncated = Truncation(*truncation).active
+    _, entropy, stats, tau = output
+    ctx.save_for_backward(logits, labels, stats, entropy, tau)
+    ctx.mark_non_differentiable(stats, tau)
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
@@ -685,59 +696,16 @@ def _logits_gradient(ctx, grad_logprobs, grad_entropy, logits, labels, stats, en
     return _token_logprobs_backward_op(*args, tau)
 
 
-def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats):
+def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats, _grad_tau):
     not_differentiable(ctx, labels=1)
-    grad_logits = _logits_gradient(ctx, grad_logprobs, grad_entropy, *ctx.saved_tensors)
-    return grad_logits, None, None, None, None, None
+    logits, labels, stats, entropy, tau = ctx.saved_tensors
+    grad_logits = _logits_gradient(
+        ctx, grad_logprobs, grad_entropy, logits, labels, stats, entropy, tau if ctx.truncated else None
+    )
+    return grad_logits, *(None,) * (len(ctx.needs_input_grad) - 1)
 
 
 _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
-
-
-@torch.library.custom_op("ppo_fast_triton::token_logprobs_truncated", mutates_args=())
-def _token_logprobs_truncated_op(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    return_entropy: bool,
-    ignore_index: int,
-    inplace_backward: bool,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, stats, tau)`` under the sampler's truncation: ``tau [rows]`` each row's
-    threshold (``truncation_thresholds``), kept for the backward with ``stats``."""
-    tau = truncation_thresholds(logits, labels, temperature, ignore_index, Truncation(top_k, top_p, min_p))
-    logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, return_entropy, ignore_index, tau=tau)
-    return logp, (entropy if return_entropy else logp.new_empty(0)), stats, tau
-
-
-@_token_logprobs_truncated_op.register_fake
-def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backward, top_k, top_p, min_p):
-    logp = labels.new_empty(labels.shape, dtype=result_dtype(logits))
-    entropy = logp.new_empty(labels.shape if return_entropy else (0,))
-    return logp, entropy, logp.new_empty(labels.shape + (2,)), logp.new_empty((labels.numel(),))
-
-
-def _token_logprobs_truncated_setup(ctx, inputs, output):
-    logits, labels, ctx.temperature, ctx.return_entropy, ctx.ignore_index, inplace_backward = inputs[:6]
-    ctx.inplace_backward = inplace_backward and is_non_overlapping_and_dense(logits)  # as _token_logprobs_setup
-    _, entropy, stats, tau = output
-    ctx.save_for_backward(logits, labels, stats, entropy, tau)
-    ctx.mark_non_differentiable(stats, tau)
-    ctx.set_materialize_grads(False)
-
-
-def _token_logprobs_truncated_backward(ctx, grad_logprobs, grad_entropy, _grad_stats, _grad_tau):
-    not_differentiable(ctx, labels=1)
-    grad_logits = _logits_gradient(ctx, grad_logprobs, grad_entropy, *ctx.saved_tensors)
-    return grad_logits, None, None, None, None, None, None, None, None
-
-
-_token_logprobs_truncated_op.register_autograd(
-    _token_logprobs_truncated_backward, setup_context=_token_logprobs_truncated_setup
-)
 
 
 def token_logprobs(
@@ -746,14 +714,9 @@ def token_logprobs(
     """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
     their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one).
     With ``truncation`` active, the softmax is over the tokens the sampler keeps (``_truncation``)."""
-    if truncation.active:
-        logp, entropy, _, _ = _token_logprobs_truncated_op(
-            logits, labels, temperature, return_entropy, ignore_index, inplace_backward, *truncation
-        )
-    else:
-        logp, entropy, _ = _token_logprobs_op(
-            logits, labels, temperature, return_entropy, ignore_index, inplace_backward
-        )
+    logp, entropy, _, _ = _token_logprobs_op(
+        logits, labels, temperature, return_entropy, ignore_index, inplace_backward, *truncation
+    )
     return logp, (entropy if return_entropy else None)
 
 
