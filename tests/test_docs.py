@@ -49,3 +49,28 @@ def test_every_page_is_in_the_nav():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
     assert sorted(_nav_files(config["nav"])) == pages
+
+
+def test_the_api_reference_has_each_parameters_type_and_default():
+    """Every function of the API reference (docs/ops.md) annotates its parameters (the reference's
+    Type column) and documents each in an entry of its own, named as in the signature (so the
+    Default column reads the signature's default instead of saying "required")."""
+    import importlib
+    import inspect
+    import re
+
+    problems = []
+    for line in (ROOT / "docs" / "ops.md").read_text().splitlines():
+        if not line.startswith("::: ppo_fast.ops."):
+            continue
+        module, _, name = line[4:].strip().rpartition(".")
+        fn = getattr(importlib.import_module(module), name)
+        params = inspect.signature(fn).parameters.values()
+        shown = {("**" if p.kind == p.VAR_KEYWORD else "") + p.name for p in params}
+        problems += [f"{name}: {p.name} has no annotation" for p in params if p.annotation is inspect.Parameter.empty]
+        args = re.search(r"^Args:\n(.*?)(?:\n\n|\Z)", inspect.getdoc(fn) or "", re.S | re.M)
+        entries = re.findall(r"^    (\S[^:]*):", args.group(1), re.M) if args else []
+        problems += [
+            f"{name}: the entry {e!r} names no one parameter of the signature" for e in entries if e not in shown
+        ]
+    assert not problems, problems

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import _validation as check
 from ..backends import reference
 from ..spec import AGG_MODES
@@ -9,7 +11,7 @@ from ..spec import AGG_MODES
 __all__ = ["aggregate", "masked_mean", "masked_whiten"]
 
 
-def aggregate(per_token, mask, agg="token-mean"):
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"):
     """Reduce a ``[B, T]`` per-token loss over ``mask`` as verl's ``agg_loss`` does.
 
     ``agg``: ``token-mean`` (mean over all valid tokens), ``token-sum``, ``seq-mean-token-sum``
@@ -24,7 +26,7 @@ def aggregate(per_token, mask, agg="token-mean"):
     return reference.aggregate(per_token, mask, agg)
 
 
-def masked_mean(x, mask, dim=None):
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None):
     """Mean of ``x`` over the entries where ``mask`` is 1/True (over ``dim`` if given); 0 if none."""
     check.tensor("x", x)
     check.same_device(x=x, mask=mask)
@@ -41,7 +43,7 @@ def masked_mean(x, mask, dim=None):
     return reference.masked_mean(x, mask, dim)
 
 
-def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8):
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8):
     """Normalise ``x`` to zero mean and unit variance over the valid entries.
 
     The variance is Bessel-corrected; with ``shift_mean=False`` the mean is added

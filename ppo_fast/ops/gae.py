@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import _validation as check
 from ..backends import resolve
 
 __all__ = ["gae"]
 
 
-def gae(rewards, values, mask, *, gamma=1.0, lam=0.95):
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 0.95):
     """Generalised advantage estimation over the valid tokens of each row.
 
     Args:
-        rewards, values: ``[B, T]`` per-token rewards and critic values.
+        rewards: ``[B, T]`` per-token rewards.
+        values: ``[B, T]`` the critic's values.
         mask: ``[B, T]`` 1/True at valid tokens.  The valid tokens of a row, in
             order, are its episode: a masked token inside a row (e.g. a tool output)
             is skipped, not a terminal; the value after the last valid token is 0.

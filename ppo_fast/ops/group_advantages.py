@@ -31,7 +31,14 @@ def _registered(method):
     return entry
 
 
-def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
+def group_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    method: str = "grpo",
+    **params: float | bool | torch.Tensor | None,
+):
     """Advantages ``[B, T]`` of a registered estimator (``pf.advantage_methods()``).
 
     Args:
@@ -43,7 +50,7 @@ def group_advantages(scores, group_ids, mask, *, method="grpo", **params):
             form a group); ``None`` for the methods that use no group.
         mask: ``[B, T]`` 1/True at valid response tokens.
         method: a name in ``pf.advantage_methods()`` (all but ``gae``, which is ``pf.gae``).
-        params: the method's keyword parameters (``norm_by_std``, ``epsilon``, ``gamma``,
+        **params: the method's keyword parameters (``norm_by_std``, ``epsilon``, ``gamma``,
             ``f_norm``, ``baselines``, ``zero_singletons``; see the registry).
 
     Returns:

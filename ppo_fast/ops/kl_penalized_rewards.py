@@ -11,7 +11,7 @@ from ..spec import KL_ESTIMATORS
 __all__ = ["kl_estimate", "kl_penalized_rewards"]
 
 
-def kl_estimate(logprobs, ref_logprobs, kl_estimator="k1"):
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str = "k1"):
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.
 
     ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``;
@@ -27,13 +27,21 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator="k1"):
     return resolve("kl_estimate", logprobs.device.type)(logprobs, ref_logprobs, kl_estimator)
 
 
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, *, kl_coef, kl_estimator="k1"):
+def kl_penalized_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    kl_estimator: str = "k1",
+):
     """Per-token reward ``r_t = -kl_coef * kl_t + score * [t is the row's last valid token]``.
 
     Args:
         scores: ``[B]`` sequence-level reward (e.g. the reward model's score).
-        logprobs, ref_logprobs: ``[B, T]`` log-probs of the sampled tokens under the
-            policy and the frozen reference.
+        logprobs: ``[B, T]`` log-probs of the sampled tokens under the policy.
+        ref_logprobs: ``[B, T]`` their log-probs under the frozen reference.
         mask: ``[B, T]`` 1/True at valid response tokens.
         kl_coef: the KL penalty coefficient beta (>= 0).
         kl_estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (see :func:`kl_estimate`).

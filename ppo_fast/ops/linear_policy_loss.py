@@ -19,26 +19,26 @@ __all__ = ["linear_policy_loss", "policy_objective"]
 
 
 def linear_policy_loss(
-    hidden,
-    weight,
-    labels,
-    old_logprobs,
-    advantages,
-    mask,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
     *,
-    loss_mode="vanilla",
-    agg=None,
-    weights=None,
-    bias=None,
-    temperature=1.0,
-    logit_scale=1.0,
-    logit_softcap=None,
-    ignore_index=-100,
-    ref_logprobs=None,
-    kl_coef=0.0,
-    kl_estimator="k3",
-    entropy_coef=0.0,
-    **mode_params,
+    loss_mode: str = "vanilla",
+    agg: str | None = None,
+    weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    ignore_index: int = -100,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    **mode_params: float | None,
 ):
     """The policy loss of ``loss_mode`` on the LM head's log-probs, plus the KL-to-reference and
     entropy-bonus terms, with no ``[B, T, V]`` logits.
@@ -59,7 +59,13 @@ def linear_policy_loss(
             ``[V]``, temperature, logit_scale, logit_softcap, ignore_index: as in
             ``pf.linear_token_logprobs``.
         labels: ``[B, T]`` the sampled tokens; positions where ``mask`` is False are not read.
-        old_logprobs, advantages, mask, loss_mode, agg, weights, mode_params: as in ``pf.policy_loss``.
+        old_logprobs: ``[B, T]`` rollout log-probs, as in ``pf.policy_loss``.
+        advantages: ``[B, T]``, as in ``pf.policy_loss``.
+        mask: ``[B, T]`` 1/True at valid response tokens, as in ``pf.policy_loss``.
+        loss_mode: a name in ``pf.policy_loss_modes()``, as in ``pf.policy_loss``.
+        agg: the aggregation (None: the mode's default), as in ``pf.policy_loss``.
+        weights: optional ``[B, T]`` per-token weights, as in ``pf.policy_loss``.
+        **mode_params: the mode's parameters, as in ``pf.policy_loss``.
         ref_logprobs: optional ``[B, T]`` reference log-probs of the KL loss term (``kl_coef``).
         kl_estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (``pf.kl_estimate``).
         entropy_coef: weight of the entropy bonus (the token mean of the entropy, subtracted).
@@ -167,20 +173,20 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: T
 
 
 def policy_objective(
-    logprobs,
-    entropy,
-    old_logprobs,
-    advantages,
-    mask,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
     *,
-    loss_mode="vanilla",
-    agg=None,
-    weights=None,
-    ref_logprobs=None,
-    kl_coef=0.0,
-    kl_estimator="k3",
-    entropy_coef=0.0,
-    **mode_params,
+    loss_mode: str = "vanilla",
+    agg: str | None = None,
+    weights: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    **mode_params: float | None,
 ):
     """The loss ``linear_policy_loss`` takes in one pass, from log-probs and entropy already scored:
     ``policy_loss(logprobs, ...) - entropy_coef * masked_mean(entropy, mask) + kl_coef *

@@ -42,19 +42,19 @@ def _check_head(hidden, weight, labels, bias) -> tuple[int, int]:
 
 
 def linear_token_logprobs(
-    hidden,
-    weight,
-    labels,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
     *,
-    bias=None,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    logit_scale=1.0,
-    logit_softcap=None,
-    return_entropy=False,
-    ignore_index=-100,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
 ):
     """Log-probability of ``labels`` under the LM head ``hidden @ weight.T + bias``.
 
@@ -74,7 +74,9 @@ def linear_token_logprobs(
             on CPU in eager mode, else a NaN row with no gradient).
         bias: optional ``[V]`` head bias, ``hidden``'s dtype.
         temperature: the sampling temperature (>= 1e-5), applied after the soft-cap.
-        top_k, top_p, min_p: the sampler's truncations, as in ``token_logprobs``.
+        top_k: the sampler's top-k (``0`` or ``-1``: off), as in ``token_logprobs``.
+        top_p: the sampler's nucleus threshold (``1.0``: off), as in ``token_logprobs``.
+        min_p: the sampler's min-p (``0.0``: off), as in ``token_logprobs``.
         logit_scale: a positive factor on the logits, before the soft-cap.
         logit_softcap: ``None`` or a positive cap ``c``.
         return_entropy: also return the entropy of the softmax.

@@ -3,6 +3,8 @@ the PPO clipped surrogate (its vanilla mode)."""
 
 from __future__ import annotations
 
+import torch
+
 from .. import _validation as check
 from ..backends import resolve
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
@@ -11,13 +13,22 @@ __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
 
 
 def policy_loss(
-    logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_mode: str = "vanilla",
+    agg: str | None = None,
+    weights: torch.Tensor | None = None,
+    **mode_params: float | None,
 ):
     """The policy loss (to minimise) of a registered mode, and its stats.
 
     Args:
-        logprobs, old_logprobs, advantages: ``[B, T]`` current and rollout log-probs of the
-            sampled tokens, and their advantages.
+        logprobs: ``[B, T]`` current log-probs of the sampled tokens.
+        old_logprobs: ``[B, T]`` their log-probs at rollout.
+        advantages: ``[B, T]`` their advantages.
         mask: ``[B, T]`` 1/True at valid response tokens.
         loss_mode: a name in ``pf.policy_loss_modes()`` (verl 0.9.1's ``loss_mode`` names).
         agg: one of ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
@@ -26,7 +37,7 @@ def policy_loss(
         weights: optional ``[B, T]`` per-token weights multiplying the per-token loss
             (e.g. ``pf.rollout_correction_weights``; ``geo_mean`` takes their geometric
             mean per row, as verl).
-        mode_params: the mode's parameters (``pf.policy_loss_modes()[mode].params``), e.g.
+        **mode_params: the mode's parameters (``pf.policy_loss_modes()[mode].params``), e.g.
             ``clip_eps_low``, ``clip_eps_high``, ``dual_clip``, ``tau_pos``, ``dro_beta``.
 
     Returns:
@@ -55,16 +66,16 @@ def policy_loss_modes() -> dict[str, PolicyLossMode]:
 
 
 def clipped_policy_loss(
-    logprobs,
-    old_logprobs,
-    advantages,
-    mask,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
     *,
-    clip_eps_low=0.2,
-    clip_eps_high=None,
-    dual_clip=None,
-    agg="token-mean",
-    weights=None,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ):
     """PPO clipped surrogate loss (the quantity to minimise: ``-L_CLIP``).
 

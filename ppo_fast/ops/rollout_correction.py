@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import _validation as check
 from ..backends import reference
 from ..spec import ROLLOUT_CORRECTION_MODES
@@ -10,7 +12,14 @@ __all__ = ["rollout_correction_weights"]
 
 
 def rollout_correction_weights(
-    old_logprobs, rollout_logprobs, mask, *, mode="token_tis", threshold=2.0, threshold_low=0.0, batch_normalize=False
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "token_tis",
+    threshold: float = 2.0,
+    threshold_low: float = 0.0,
+    batch_normalize: bool = False,
 ):
     """Importance-sampling weights that correct for the rollout engine's log-probs
     differing from the trainer's (truncated IS, "TIS", and masked IS, "MIS"/IcePop).

@@ -37,16 +37,16 @@ def _rows_view(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    logits,
-    labels,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
     *,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    return_entropy=False,
-    ignore_index=-100,
-    inplace_backward=False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    inplace_backward: bool = False,
 ):
     """Log-probability of ``labels`` under ``log_softmax(logits / temperature)``, or under the
     distribution a sampler with ``top_k``/``top_p``/``min_p`` drew from.
@@ -58,11 +58,13 @@ def token_logprobs(
             (where checking would cost a host sync) their rows give a NaN log-prob and
             entropy and no gradient, and no kernel reads outside the logits.
         temperature: the sampling temperature (>= 1e-5), folded into the softmax.
-        top_k, top_p, min_p: the sampler's truncations (``0``/``-1``, ``1.0``, ``0.0``: off).
-            With any of them on, the softmax is renormalised over the tokens the sampler
-            keeps, in vLLM's order (``ppo_fast._sampling`` states the rule, its ties and
-            where Hugging Face's order differs); a label outside the kept set gives
-            ``-inf``.  The kept set is fixed: the gradient flows through the kept tokens.
+        top_k: the sampler's top-k (``0`` or ``-1``: off).  With any of ``top_k``, ``top_p``,
+            ``min_p`` on, the softmax is renormalised over the tokens the sampler keeps, in
+            vLLM's order (``ppo_fast._sampling`` states the rule, its ties and where Hugging
+            Face's order differs); a label outside the kept set gives ``-inf``.  The kept
+            set is fixed: the gradient flows through the kept tokens.
+        top_p: the sampler's nucleus threshold in (0, 1] (``1.0``: off); see ``top_k``.
+        min_p: the sampler's min-p in [0, 1] (``0.0``: off); see ``top_k``.
         return_entropy: also return the entropy of ``softmax(logits / temperature)``.
         ignore_index: label value whose positions give 0 log-prob and 0 entropy and
             pass no gradient.

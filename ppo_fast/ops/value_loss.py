@@ -13,7 +13,15 @@ from ..spec import AGG_MODES
 __all__ = ["value_loss"]
 
 
-def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float = 0.2,
+    agg: str = "token-mean",
+):
     """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)``.
 
     ``clip=None`` turns clipping off: ``0.5 * (V - R)^2``, and ``old_values`` is not read
