@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         "command": command_line("advantages", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timer": "time.process_time (CPU time of this process), best call",
-        "machine": machine(torch.device("cpu"), with_load=True),
+        "machine": machine(torch.device("cpu")),
         "versions": {"verl": verl_version, "torch": torch.__version__, "ppo_fast": pf.__version__},
         "rows": rows,
     }

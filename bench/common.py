@@ -75,19 +75,19 @@ def versions() -> dict:
     return found
 
 
-def machine(device: torch.device, with_load: bool = False) -> dict:
-    """CPU model, cores, torch threads, platform; the GPU and its memory on CUDA; the load averages if asked."""
+def machine(device: torch.device) -> dict:
+    """CPU model, cores, torch threads, platform, the load averages (a shared machine slows every
+    timing); the GPU and its memory on CUDA."""
     found = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
+        "load_average": load_average(),
     }
     if device.type == "cuda":
         found["gpu"] = torch.cuda.get_device_name(device)
         found["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / (1 << 30), 1)
-    if with_load:
-        found["load_average"] = load_average()
     return found
 
 

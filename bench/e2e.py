@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     result = {
         "command": command_line("e2e", argv),
-        "machine": machine(device, with_load=True),
+        "machine": machine(device),
         "versions": versions(),
         "e2e": run_e2e(device, quick=args.quick),
     }

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
                 "what": "per-call CPU time of the public op vs its backend function on tiny inputs (B=2, T=8, V=16, H=8), "
                 f"process time, one torch thread, fastest call; target overhead <= {TARGET_US:.0f} us",
                 "date": datetime.date.today().isoformat(),
-                "machine": machine(torch.device("cpu"), with_load=True),
+                "machine": machine(torch.device("cpu")),
                 "rows": rows,
             },
         )
