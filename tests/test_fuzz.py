@@ -360,7 +360,7 @@ CASES["linear_policy_loss"] = Case(
     lambda d: one_pass_knobs(),
     lambda k: [b for b in serving(POLICY_LOSS_MODES[k["loss_mode"]].linear_op) if b != "triton"],
     60,
-    compiles=False,  # the reference's forward takes gradients with autograd.grad, which Dynamo does not trace
+    compiles=False,  # compiled: the matrix's fullgraph cases (every backend, the reference sampled)
 )
 # Each registered policy-loss mode is a row: a bigger budget where a fast backend serves it.
 for _mode in POLICY_LOSS_MODES.values():
