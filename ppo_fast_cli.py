@@ -8,8 +8,8 @@ flag, a bad option value and a ``train`` into an ``--output-dir`` that already h
 run (without ``--resume`` or ``--overwrite``; ``ppo_fast/trainer/run_folder.py``, loaded
 alone too), a prompts file that cannot be read (``prompts.py``) and a local model
 folder without its config or tokenizer (``model_folder.py``), a ``--reward-fn`` whose file,
-module or function is not there (``reward_source.py``) and a ``--resume`` of a run that
-already did its ``--steps`` answer at once; only a command that runs imports the package
+module or function is not there (``reward_source.py``), ``--device cuda`` where no GPU can be
+visible and a ``--resume`` of a run that already did its ``--steps`` answer at once; only a command that runs imports the package
 (``ppo_fast.cli.run``).
 """
 
@@ -62,7 +62,11 @@ def _refused(config, args) -> str | None:
 
 
 def _input_problem(config, cfg) -> str | None:
-    """A prompts file that cannot be read, or a local model folder that cannot be loaded."""
+    """A prompts file that cannot be read, a local model folder that cannot be loaded, a reward
+    function that is not there, a GPU asked for where none can be visible."""
+    device = config.device_problem(cfg.device)
+    if device:
+        return device
     prompts = _trainer_module("prompts", _PROMPTS_MODULE)
     for option in ("prompts_file", "eval_prompts_file"):
         if getattr(cfg, option) is not None:

@@ -5,6 +5,7 @@ reported before torch is imported."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,19 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         assert line.startswith("ppo-fast: error: ") and expected in line, (argv, line)
         assert not torch_loaded and not transformers_loaded, argv
     assert not Path(out).exists()
+
+
+def test_device_cuda_where_no_gpu_can_be_visible_is_refused_before_torch_is_imported(tmp_path):
+    argv = [["train", "--device", "cuda", "--output-dir", str(tmp_path / "out")]]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAST_ERRORS, json.dumps(argv)], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert json.loads(out.stdout.split("RESULTS", 1)[1]) == [[1, False, False]], out.stderr
+    assert out.stderr.strip() == (
+        "ppo-fast: error: --device cuda: no GPU is visible (CUDA_VISIBLE_DEVICES hides every GPU); use --device cpu "
+        "(or auto)"
+    )
 
 
 def test_resume_of_a_finished_run_says_nothing_to_do_before_torch_is_imported(tmp_path):

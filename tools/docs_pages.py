@@ -334,7 +334,7 @@ def performance_page() -> str:
         "",
         "Every number on this page is read from a result file in `bench/results/`, and each section says",
         "the machine, the date and the load its file records (every benchmark now records the load; the",
-        "files written before it did say \"load not recorded\").  How to measure: [benchmarks](benchmarks.md).",
+        'files written before it did say "load not recorded").  How to measure: [benchmarks](benchmarks.md).',
         "",
     ]
     if all((RESULTS / name).exists() for name in (PLOT, *PLOT_SOURCES)):

@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 import typing
@@ -594,6 +595,21 @@ class TrainerConfig:
     def from_file(cls, path: str | Path) -> TrainerConfig:
         """Read a YAML (``.yaml``/``.yml``) or JSON file of ``field: value`` pairs."""
         return cls.from_dict(read_config_file(path), source=str(path))
+
+
+def device_problem(device: str) -> str | None:
+    """``--device cuda`` on a machine where no GPU can be visible, told without torch: an empty
+    ``CUDA_VISIBLE_DEVICES``, or no GPU device file (NVIDIA's, ROCm's, WSL's); None otherwise (torch
+    has the last word, once loaded)."""
+    if device != "cuda":
+        return None
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    devices = Path("/dev")
+    present = any(devices.glob("nvidia[0-9]*")) or (devices / "kfd").exists() or (devices / "dxg").exists()
+    if hidden or not present:
+        why = "CUDA_VISIBLE_DEVICES hides every GPU" if hidden else "no GPU device in /dev"
+        return f"--device cuda: no GPU is visible ({why}); use --device cpu (or auto)"
+    return None
 
 
 def read_config_file(path: str | Path) -> dict:
