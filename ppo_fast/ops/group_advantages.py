@@ -103,17 +103,19 @@ def group_advantages(
                     f"group_advantages(method={method!r}) needs at least {entry.min_group_size} "
                     "responses in every group (group_ids)"
                 )
-    dtype = result_dtype(scores, *tensors.values())
+    sequence_scores, rewards = _scores_and_rewards(scores, mask, result_dtype(scores, *tensors.values()))
+    return entry.fn(Inputs(sequence_scores, rewards, mask, groups), **values)
+
+
+def _scores_and_rewards(scores, mask, dtype) -> tuple:
+    """``(sequence scores [B], token rewards [B, T])`` of ``[B]`` scores or ``[B, T]`` rewards."""
     if scores.dim() == 2:
         rewards = torch.where(mask, scores.to(dtype), 0.0)
-        sequence_scores = rewards.sum(-1)
-    else:
-        sequence_scores = torch.where(mask.any(-1), scores.to(dtype), 0.0)
-        if mask.shape[-1]:  # the score on the row's last valid token
-            last, _ = reference.last_valid_index(mask)
-            rewards = sequence_scores.new_zeros(mask.shape).scatter(
-                -1, last.unsqueeze(-1), sequence_scores.unsqueeze(-1)
-            )
-        else:  # no token: empty, still in the autograd graph of the scores
-            rewards = sequence_scores.unsqueeze(-1)[:, :0]
-    return entry.fn(Inputs(sequence_scores, rewards, mask, groups), **values)
+        return rewards.sum(-1), rewards
+    sequence_scores = torch.where(mask.any(-1), scores.to(dtype), 0.0)
+    if not mask.shape[-1]:  # no token: empty, still in the autograd graph of the scores
+        return sequence_scores, sequence_scores.unsqueeze(-1)[:, :0]
+    last, _ = reference.last_valid_index(mask)  # the score on the row's last valid token
+    return sequence_scores, sequence_scores.new_zeros(mask.shape).scatter(
+        -1, last.unsqueeze(-1), sequence_scores.unsqueeze(-1)
+    )
