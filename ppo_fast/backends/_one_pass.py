@@ -265,7 +265,8 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
     op = torch.library.custom_op(f"{namespace}::linear_policy_loss", one_pass, mutates_args=())
 
     _register_fake(op, names)
-    _register_autograd(op, names, namespace.removeprefix("ppo_fast_"))
+    backward, setup = autograd(lambda: names, namespace.removeprefix("ppo_fast_"))
+    op.register_autograd(backward, setup_context=setup)
 
     def runner(mode):
         def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg):
@@ -312,23 +313,27 @@ def _register_fake(op, names: list[str]) -> None:
     op.register_fake(fake)
 
 
-def _register_autograd(op, names: list[str], backend: str) -> None:
-    """The op's autograd: the backward scales the gradients the forward returned by the incoming one."""
+def autograd(input_names, backend: str) -> tuple:
+    """``(backward, setup_context)`` of a ``linear_policy_loss`` custom op (the native one and the
+    rows ops share its schema) whose inputs ``input_names()`` names: the backward scales the
+    gradients the forward returned by the incoming one, out of place (what autograd hands out is
+    never the op's own storage, which a later backward through the graph scales anew)."""
 
     def setup(ctx, inputs, output):
-        a = dict(zip(names, inputs))
+        a = dict(zip(input_names(), inputs))
         ctx.save_for_backward(*output[-3:], a["hidden"], a["weight"], a["bias"])
         ctx.no_params = not a["params"]  # an empty list of floats: its gradient is []
         ctx.mark_non_differentiable(*output[1:])
 
-    def backward(ctx, grads_out):
+    def backward(ctx, *grads_out):
+        grad_loss = grads_out[0][0] if isinstance(grads_out[0], (list, tuple)) else grads_out[0]  # a list output
         stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
-        scaled = [g * grads_out[0].to(g.dtype) if g.numel() else None for g in stored]
+        scaled = [g * grad_loss.to(g.dtype) if g.numel() else None for g in stored]  # empty: not asked for
         scaled = first_order_only(scaled, "linear_policy_loss", backend, differentiable)
         by_name = dict(zip(("hidden", "weight", "bias"), scaled), params=[] if ctx.no_params else None)
-        return tuple(by_name.get(name) for name in names)
+        return tuple(by_name.get(name) for name in input_names())
 
-    op.register_autograd(backward, setup_context=setup)
+    return backward, setup
 
 
 def _unpacked(params) -> tuple:

@@ -7,13 +7,14 @@ gradient from its reference function on the chunk's ``[rows, T]`` log-probs)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..._dtypes import result_dtype
 from ...spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES
-from .._one_pass import Head, PerToken, RowKernels, Terms, first_order_only, rows_ops
+from .._one_pass import Head, PerToken, RowKernels, Terms, autograd, rows_ops
 from ._common import check_choice, check_dim, check_float, check_same_device, check_shape, register
 
 # The modes csrc/linear_policy_loss.cpp computes (its loss epilogue), on CPU tensors.
@@ -106,52 +107,13 @@ def _fake(
     )
 
 
-# The op's inputs, in its schema's order: its backward returns a gradient for hidden, weight and bias.
-_INPUTS = (
-    "hidden",
-    "weight",
-    "labels",
-    "old_logprobs",
-    "advantages",
-    "mask",
-    "weights",
-    "bias",
-    "ref_logprobs",
-    "temperature",
-    "logit_scale",
-    "logit_softcap",
-    "ignore_index",
-    "kl_coef",
-    "kl_estimator",
-    "entropy_coef",
-    "loss_mode",
-    "params",
-    "agg",
-    "output_mask",
-)
+@functools.cache
+def _input_names() -> list[str]:
+    """The op's inputs, in its schema's order (csrc/linear_policy_loss.cpp)."""
+    return [argument.name for argument in torch.ops.ppo_fast.linear_policy_loss.default._schema.arguments]
 
 
-def _setup(ctx, inputs, output):
-    _loss, stats, grad_hidden, grad_weight, grad_bias = output
-    differentiable = [inputs[_INPUTS.index(name)] for name in ("hidden", "weight", "bias")]
-    ctx.has_bias = differentiable[2] is not None
-    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, *differentiable)
-    ctx.mark_non_differentiable(stats, grad_hidden, grad_weight, grad_bias)
-
-
-def _backward(ctx, grad_loss, *_unused):
-    """The stored gradients times the incoming one, out of place: what autograd hands out is never
-    the op's own storage (a later backward through the graph, retain_graph, scales it anew)."""
-    need = dict(zip(_INPUTS, ctx.needs_input_grad))
-    wanted = (need["hidden"], need["weight"], ctx.has_bias and need["bias"])
-    stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
-    scaled = [g * grad_loss.to(g.dtype) if w and g.numel() else None for g, w in zip(stored, wanted)]
-    scaled = first_order_only(scaled, "linear_policy_loss", "native", differentiable)
-    scaled = dict(zip(("hidden", "weight", "bias"), scaled))
-    return tuple(scaled.get(name) for name in _INPUTS)
-
-
-register("linear_policy_loss", _fake, _backward, _setup)
+register("linear_policy_loss", _fake, *autograd(_input_names, "native"))
 
 
 def _linear_policy_loss_op(mode):
