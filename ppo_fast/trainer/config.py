@@ -460,7 +460,7 @@ class TrainerConfig:
             )
             _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
         self._validate_combinations()
-        self.policy_loss_kwargs()
+        self.loss_mode_kwargs()
         self.advantage_kwargs()
         return self
 
@@ -511,7 +511,7 @@ class TrainerConfig:
                 f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}",
             )
 
-    def policy_loss_kwargs(self) -> dict:
+    def loss_mode_kwargs(self) -> dict:
         """The keyword parameters of ``loss_mode``'s mode: the clips it takes and ``loss_mode_params``
         (bound by spec.py's registry, without torch); ``ConfigError`` for one it does not take, a
         missing one or a bad value."""

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import checkpoint, default_task, run_folder
+from . import checkpoint, run_folder, setup
 from .config import (
     BUILTIN_RESPONSE_LENGTH,
     CUSTOM_RESPONSE_LENGTH,
@@ -31,7 +31,6 @@ from .evaluation import held_out
 from .models import third_party_output
 from .prompts import Prompts, read_prompts
 from .rollout import decode_responses, generate
-from .scoring import FunctionScorer, RewardModelScorer, load_reward_fn
 from .setup import resolve_device
 
 
@@ -94,22 +93,18 @@ def response_length(saved: Saved, given: int | None) -> int:
 def evaluate(path: str, *, best=False, eval_prompts_file=None, reward_fn=None, device="auto") -> dict:
     """The held-out scores of the saved policy, as the trainer's evaluation computes them."""
     saved = find(path, best)
-    cfg = saved.cfg
-    if eval_prompts_file or cfg.eval_prompts_file:
-        eval_set = read_prompts(eval_prompts_file or cfg.eval_prompts_file, "--eval-prompts-file")
-    elif saved.builtin:
-        eval_set = Prompts(default_task.prompts(cfg)[1])
-    else:
-        raise ConfigError(f"{path}: the run had no held-out prompts; give --eval-prompts-file")
+    cfg = dataclasses.replace(
+        saved.cfg,
+        eval_prompts_file=eval_prompts_file or saved.cfg.eval_prompts_file,
+        reward_fn=reward_fn or saved.cfg.reward_fn,
+    )
     device = resolve_device(device)
-    if reward_fn or cfg.reward_fn:
-        scorer = FunctionScorer(load_reward_fn(reward_fn or cfg.reward_fn))
-    elif cfg.reward_model:
-        scorer = RewardModelScorer(cfg.reward_model, device)
-    elif saved.builtin:
-        scorer = FunctionScorer(default_task.addition_reward)
-    else:
-        raise ConfigError(f"{path}: the run's reward is not known; give --reward-fn")
+    # The run's own sources of held-out prompts and reward, as the trainer finds them.
+    _, eval_set, reward = setup.datasets_and_reward(cfg, setup.Given(prompts=[]), saved.builtin)
+    _, eval_set = setup.prompt_sets(cfg, Prompts([]), eval_set, saved.builtin)
+    if not eval_set.texts:
+        raise ConfigError(f"{path}: the run had no held-out prompts; give --eval-prompts-file")
+    scorer = setup.scorer(cfg, reward, device)
     policy, tokenizer = load(saved, device)
     context = SimpleNamespace(
         eval_set=eval_set,

@@ -19,7 +19,7 @@ from .config import ConfigError, TrainerConfig
 from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
 from .prompts import Prompts, read_prompts
 from .rollout_vllm import VLLMEngine, check_installed
-from .scoring import load_reward_fn
+from .scoring import FunctionScorer, RewardModelScorer, load_reward_fn
 
 # The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
 TRAINER_OPS = ("token_logprobs", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
@@ -166,6 +166,11 @@ def datasets_and_reward(cfg: TrainerConfig, given: Given, builtin: bool) -> tupl
             raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
         reward_fn = default_task.addition_reward
     return train_set, eval_set, reward_fn
+
+
+def scorer(cfg: TrainerConfig, reward_fn: Callable | None, device: torch.device):
+    """The run's reward: ``reward_fn`` (from ``datasets_and_reward``), or else the reward model."""
+    return FunctionScorer(reward_fn) if reward_fn is not None else RewardModelScorer(cfg.reward_model, device)
 
 
 def load_policy(cfg: TrainerConfig, given: Given, trainer) -> tuple:

@@ -24,7 +24,7 @@ from .estimate import EstimateOptions, estimate
 from .metrics import MetricsWriter, PhaseTimer, StepRecord, step_row
 from .models import check_pretrained, third_party_output
 from .rollout import Rollouts, decode_responses, generate, score_old_and_ref
-from .scoring import FunctionScorer, RewardModelScorer, check_finite
+from .scoring import check_finite
 from .stops import DeferredInterrupt, StopNow
 from .update import Experience, ppo_update
 
@@ -96,9 +96,7 @@ class PPOTrainer:
             self.response_length = setup.fit_response_length(self, policy)
         if not self.eval_prompts:
             self.log("no held-out prompts (--eval-prompts-file): no evaluation before, during or after PPO")
-        self.scorer = (
-            FunctionScorer(reward_fn) if reward_fn is not None else RewardModelScorer(cfg.reward_model, self.device)
-        )
+        self.scorer = setup.scorer(cfg, reward_fn, self.device)
 
         models = setup.build_models(cfg, policy, self.parallel, self.device)
         self.policy, self.reference, self.critic = models.policy, models.reference, models.critic

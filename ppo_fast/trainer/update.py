@@ -58,7 +58,7 @@ def loss_terms(exp: Experience, cfg) -> dict:
     terms = {"loss_mode": cfg.loss_mode, "agg": cfg.agg, "weights": exp.weights, "entropy_coef": cfg.entropy_coef}
     if exp.ref_logprobs is not None:
         terms.update(ref_logprobs=exp.ref_logprobs, kl_coef=exp.kl_coef, kl_estimator=cfg.kl_estimator_used)
-    return {**terms, **cfg.policy_loss_kwargs()}
+    return {**terms, **cfg.loss_mode_kwargs()}
 
 
 def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg) -> tuple[torch.Tensor, dict]:
