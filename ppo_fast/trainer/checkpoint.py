@@ -403,8 +403,10 @@ def keep_if_best(trainer, scores: dict) -> None:
     sharded = trainer.cfg.parallel == "fsdp"
     full_policy = distributed.full_state_dict(trainer.policy) if sharded else None
     if parallel.main:
-        best, tmp = trainer.output_dir / run_folder.BEST_DIR, trainer.output_dir / f".tmp-{run_folder.BEST_DIR}"
+        # Written aside where an unfinished checkpoint is: remove_stale and --overwrite clear what a crash leaves.
+        best, tmp = trainer.output_dir / run_folder.BEST_DIR, trainer.output_dir / CHECKPOINTS / f"{TMP_PREFIX}best"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         distributed.save_pretrained(trainer.policy, tmp, full_policy)
         trainer.tokenizer.save_pretrained(tmp)
         _fsync_tree(tmp)
