@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ppo_fast.trainer import TrainerConfig, default_task, rollout
+from ppo_fast.trainer import TrainerConfig, default_task, lora, rollout
 from ppo_fast.trainer.distributed import SINGLE, Parallel
 from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.models import build_critic, frozen_reference
@@ -52,9 +52,18 @@ def rollouts(seed: int):
     return policy, reference, critic, batch, scores
 
 
-def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
+def one_update(parallel: Parallel, seed: int, agg: str, adapters: bool = False) -> dict:
+    """``adapters``: LoRA on the policy and the critic's backbone (only they and the value head train)."""
     cfg = config(agg)
     policy, reference, critic, batch, scores = rollouts(seed)
+    if adapters:
+        options = TrainerConfig(lora_r=4, lora_alpha=8.0)
+        lora.attach(options, policy)
+        lora.attach(options, critic.backbone)
+        with torch.no_grad():  # B starts at 0 (then A's gradient is 0): give both a gradient
+            for name, p in [*policy.named_parameters(), *critic.named_parameters()]:
+                if ".lora_B." in name:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed))
     share = ROWS // parallel.world_size
     mine = torch.arange(parallel.rank * share, (parallel.rank + 1) * share)
     batch, scores = batch.rows(mine), scores[mine]
@@ -79,7 +88,8 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
     )
     exp = Experience(batch, old, est.advantages, values, est.returns)
     train_policy, train_critic = parallel.prepare(policy, critic, reference)
-    params = list(policy.parameters()) + list(critic.parameters())
+    named = [*policy.named_parameters(), *((f"critic.{n}", p) for n, p in critic.named_parameters())]
+    names, params = zip(*[(n, p) for n, p in named if p.requires_grad])
     # The loss over the whole batch before the step: this rank's share of the global token-mean.
     with torch.no_grad():
         weight = parallel.micro_batch_weights([batch.response_mask], agg)[0]
@@ -92,7 +102,6 @@ def one_update(parallel: Parallel, seed: int, agg: str) -> dict:
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    names = [n for n, _ in policy.named_parameters()] + [f"critic.{n}" for n, _ in critic.named_parameters()]
     return {
         "loss": loss.item(),
         "advantages": parallel_gather(parallel, est.advantages),
@@ -110,12 +119,17 @@ def parallel_gather(parallel: Parallel, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def reference_update(seed: int, agg: str) -> dict:
+def reference_update(seed: int, agg: str, adapters: bool = False) -> dict:
     """The same step in one process with the whole batch."""
-    return one_update(SINGLE, seed, agg)
+    return one_update(SINGLE, seed, agg, adapters)
 
 
 AGGS = ("token-mean", "seq-mean-token-mean")
+# (mode, agg, LoRA adapters) of the equivalence step: every agg in both modes, and LoRA in both.
+CASES = [(mode, agg, False) for mode in ("ddp", "fsdp") for agg in AGGS] + [
+    ("ddp", "token-mean", True),
+    ("fsdp", "token-mean", True),
+]
 
 
 def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int) -> None:
@@ -130,9 +144,8 @@ def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int)
         timeout=datetime.timedelta(seconds=60),
     )
     results = {
-        (mode, agg): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg)
-        for mode in ("ddp", "fsdp")
-        for agg in AGGS
+        (mode, agg, adapters): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg, adapters)
+        for mode, agg, adapters in CASES
     }
     if rank == 0:
         torch.save(results, out)

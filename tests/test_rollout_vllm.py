@@ -235,3 +235,49 @@ def test_top_p_ratio_is_one_with_sampled_support_and_the_kept_mass_with_full(vll
     assert ratio_sampled == pytest.approx(1.0, abs=1e-3)
     assert kept_mass < 0.99, "the nucleus kept the whole vocabulary: the test proves nothing"
     assert ratio_full == pytest.approx(kept_mass, abs=1e-3)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_lora_syncs_the_merged_weights_and_stays_on_policy(tmp_path):
+    """With --lora-r the engine serves the base with the adapters merged in: after each update its
+    log-probs still agree with the trainer's, its greedy outputs with model.generate's, and the
+    first micro-batch's ratio stays exactly 1.  Last in this file: vLLM's parallel state is one per
+    process, and a second engine's shutdown ends it for the module's engine too."""
+    pytest.importorskip("peft")
+    tokenizer = default_task.build_tokenizer()
+    cfg = TrainerConfig(
+        output_dir=str(tmp_path / "run"),
+        steps=2,
+        batch_size=16,
+        num_mini_batches=1,
+        response_length=6,
+        temperature=0.7,
+        learning_rate=3e-2,
+        sample_every=0,
+        save_every=0,
+        eval_every=0,
+        rollout_engine="vllm",
+        rollout_correction="token_tis",
+        lora_r=8,
+        lora_alpha=16.0,
+    )
+    train_prompts, held_out = default_task.prompts(TrainerConfig(eval_size=32))
+    trainer = PPOTrainer(
+        cfg,
+        policy=tiny_llama(tokenizer),
+        tokenizer=tokenizer,
+        reward_fn=shorter_is_better,
+        prompts=train_prompts,
+        log=lambda message: None,
+    )
+    try:
+        before = greedy(trainer, trainer.policy, held_out)
+        rows = [trainer.train_step() for _ in range(cfg.steps)]
+        after = greedy(trainer, trainer.policy, held_out)
+    finally:
+        trainer.engine.close()
+    assert trainer.reference is trainer.policy
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3 and row["policy/ratio_dev_at_start"] == 0.0, row
+    assert same_batch(*after) and not same_batch(after[1], before[1]), "the adapters did not change the outputs"

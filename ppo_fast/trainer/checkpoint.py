@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-from . import distributed, run_folder
+from . import distributed, lora, run_folder
 from .config import CRITIC_METHODS, RENAMED, ConfigError, TrainerConfig, flag
 from .run_folder import CHECKPOINTS, TMP_PREFIX
 
 STATE_FILE = "trainer_state.pt"
 CRITIC_FILE = "critic.pt"
 POLICY_DIR = "policy"
+MERGED_DIR = "policy_merged"  # --lora-save-merged: the final policy with its adapters merged
 SHARDED_DIR = "sharded"
 KEEP_LAST = 2  # the default of --keep-checkpoints
 
@@ -49,6 +50,9 @@ REFUSED = {
     "seed": "the run's random streams continue from the checkpoint",
     "critic": "the critic's weights and optimizer state have that layout",
     "parallel": "fsdp checkpoints are sharded, ddp ones are not",
+    "lora_r": "the checkpoint holds adapters of that shape, or the full weights",
+    "lora_alpha": "the adapters were trained at that scale",
+    "lora_target_modules": "the checkpoint holds adapters on those modules",
 }
 # Refused for the built-in task: they make another warm-up model, and so another KL reference
 # (and, for the seed and eval_size, another held-out split).
@@ -204,18 +208,7 @@ def read(checkpoint: Path, *, sharded: bool, check_state: Callable[[Path, Traine
         if not (checkpoint / SHARDED_DIR / ".metadata").is_file():
             raise DamagedCheckpoint(f"{SHARDED_DIR}/.metadata", "missing (saved without --parallel fsdp?)")
         return Loaded(checkpoint, state, None, None)
-    policy_dir = checkpoint / POLICY_DIR
-    try:
-        json.loads((policy_dir / "config.json").read_text())
-    except Exception as err:
-        raise DamagedCheckpoint(f"{POLICY_DIR}/config.json", _one_line(err)) from None
-    from transformers import AutoModelForCausalLM
-
-    weights = sorted(p.name for p in policy_dir.glob("*.safetensors")) or ["model.safetensors"]
-    try:
-        policy = AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()
-    except Exception as err:
-        raise DamagedCheckpoint(f"{POLICY_DIR}/{', '.join(weights)}", _one_line(err)) from None
+    policy = _read_policy(checkpoint / POLICY_DIR, adapters=state.config.get("lora_r") is not None)
     critic = None
     if state.config.get("advantage_method") in CRITIC_METHODS:
         try:
@@ -223,6 +216,24 @@ def read(checkpoint: Path, *, sharded: bool, check_state: Callable[[Path, Traine
         except Exception as err:
             raise DamagedCheckpoint(CRITIC_FILE, _one_line(err)) from None
     return Loaded(checkpoint, state, policy, critic)
+
+
+def _read_policy(policy_dir: Path, adapters: bool) -> dict:
+    """The policy's weights: a ``save_pretrained`` folder's, or (LoRA) the adapter folder's."""
+    described = lora.ADAPTER_CONFIG if adapters else "config.json"
+    try:
+        json.loads((policy_dir / described).read_text())
+    except Exception as err:
+        raise DamagedCheckpoint(f"{POLICY_DIR}/{described}", _one_line(err)) from None
+    weights = sorted(p.name for p in policy_dir.glob("*.safetensors")) or ["model.safetensors"]
+    try:
+        if adapters:
+            return lora.read_adapter(policy_dir)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()
+    except Exception as err:
+        raise DamagedCheckpoint(f"{POLICY_DIR}/{', '.join(weights)}", _one_line(err)) from None
 
 
 def load_latest_usable(
@@ -347,12 +358,20 @@ def find_resumable(trainer) -> Loaded | None:
 
 def _load_weights(trainer, loaded: Loaded) -> None:
     try:
+        adapters = trainer.adapters
         if trainer.cfg.parallel == "fsdp":  # resharded to this world size by torch.distributed.checkpoint
-            distributed.load_sharded(loaded.path / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer)
+            distributed.load_sharded(
+                loaded.path / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer, adapters is not None
+            )
         else:
-            trainer.policy.load_state_dict(loaded.policy)
-            if trainer.critic is not None:
-                trainer.critic.load_state_dict(loaded.critic)
+            if adapters is not None:  # the frozen base is the run's model; the checkpoint holds what trains
+                lora.load_adapter(adapters, loaded.policy)
+                if trainer.critic is not None:
+                    lora.load_trainable(trainer.critic, loaded.critic)
+            else:
+                trainer.policy.load_state_dict(loaded.policy)
+                if trainer.critic is not None:
+                    trainer.critic.load_state_dict(loaded.critic)
             trainer.optimizer.load_state_dict(loaded.state.optimizer)
     except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, groups
         reason = " ".join(str(err).split())[:300]
@@ -407,8 +426,7 @@ def keep_if_best(trainer, scores: dict) -> None:
         best, tmp = trainer.output_dir / run_folder.BEST_DIR, trainer.output_dir / CHECKPOINTS / f"{TMP_PREFIX}best"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        distributed.save_pretrained(trainer.policy, tmp, full_policy)
-        trainer.tokenizer.save_pretrained(tmp)
+        _save_policy(trainer, tmp, full_policy)
         _fsync_tree(tmp)
         shutil.rmtree(best, ignore_errors=True)
         tmp.rename(best)
@@ -416,9 +434,21 @@ def keep_if_best(trainer, scores: dict) -> None:
     trainer.best = {"step": trainer.step, "eval/score": score}
 
 
-def save_run(trainer, rng: dict | None = None) -> Path:
+def _save_policy(trainer, folder: Path, full_policy: dict | None) -> None:
+    """The policy and its tokenizer in ``folder``: a ``save_pretrained`` folder, or (LoRA) a PEFT
+    adapter folder naming its base model."""
+    if trainer.adapters is not None:
+        base = lora.base_name(trainer.cfg, trainer.policy, trainer.output_dir)
+        lora.save_adapter(trainer.adapters, folder, base, full_policy)
+    else:
+        distributed.save_pretrained(trainer.policy, folder, full_policy)
+    trainer.tokenizer.save_pretrained(folder)
+
+
+def save_run(trainer, rng: dict | None = None, final: bool = False) -> Path:
     """Checkpoint the trainer at its step.  Every rank calls this (the sharded state and the RNG
-    states are gathered); rank 0 writes the policy, tokenizer, critic and trainer state."""
+    states are gathered); rank 0 writes the policy, tokenizer, critic and trainer state (and, for
+    the ``final`` one with ``--lora-save-merged``, the merged policy)."""
     parallel, sharded = trainer.parallel, trainer.cfg.parallel == "fsdp"
     rng = rng or rng_state()
     state = TrainerState(
@@ -435,14 +465,21 @@ def save_run(trainer, rng: dict | None = None) -> Path:
 
     def write(folder: Path) -> None:
         full_policy = distributed.full_state_dict(trainer.policy) if sharded else None  # gathered on rank 0
+        adapters = trainer.adapters
         if sharded:
-            distributed.save_sharded(folder / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer)
+            distributed.save_sharded(
+                folder / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer, adapters is not None
+            )
         if not parallel.main:
             return
-        distributed.save_pretrained(trainer.policy, folder / POLICY_DIR, full_policy)
-        trainer.tokenizer.save_pretrained(folder / POLICY_DIR)
+        _save_policy(trainer, folder / POLICY_DIR, full_policy)
+        if final and adapters is not None and trainer.cfg.lora_save_merged:
+            merged = lora.merged_state_dict(trainer.policy, full_policy)
+            adapters.get_base_model().save_pretrained(folder / MERGED_DIR, state_dict=merged)
+            trainer.tokenizer.save_pretrained(folder / MERGED_DIR)
         if trainer.critic is not None and not sharded:
-            torch.save(trainer.critic.state_dict(), folder / CRITIC_FILE)
+            critic = trainer.critic.state_dict() if adapters is None else lora.trainable_state(trainer.critic)
+            torch.save(critic, folder / CRITIC_FILE)
         torch.save(vars(state), folder / STATE_FILE)
 
     keep = trainer.cfg.keep_checkpoints

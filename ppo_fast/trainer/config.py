@@ -64,6 +64,9 @@ LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
 ROLLOUT_ENGINES = ("hf", "vllm")
 REPORT_TO = ("auto", "none", "tensorboard")
+LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+# The output heads' module names in transformers' causal LMs (LoRA on them is refused).
+LORA_HEAD_NAMES = ("lm_head", "embed_out", "output_layer")
 
 # --response-length when it is not given: the built-in task's answers are at most 3
 # digits and an EOS; a custom model gets a length that fits a short answer.
@@ -232,6 +235,37 @@ class TrainerConfig:
     bf16: bool = _opt(True, "bfloat16 autocast on CUDA (ignored on CPU).", "model")
     disable_dropout: bool = _opt(
         True, "Set dropout to 0 so that old and new log-probs agree before the first update.", "model"
+    )
+
+    # --- LoRA (PEFT): low-rank adapters trained on a frozen base
+    lora_r: int | None = _opt(
+        None,
+        "LoRA rank: train low-rank adapters (PEFT) on the frozen policy and critic instead of every weight; the "
+        "KL reference is then the policy with its adapters switched off (no copy). Unset: full fine-tuning.",
+        "lora",
+        bounds=">= 1",
+    )
+    lora_alpha: float = _opt(
+        32.0, "LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r.", "lora", bounds="> 0"
+    )
+    lora_dropout: float = _opt(
+        0.0,
+        "Dropout on the adapters' input; > 0 needs --no-disable-dropout (and the first ratio is then not exactly 1).",
+        "lora",
+        bounds="[0, 1)",
+    )
+    lora_target_modules: str = _opt(
+        LORA_ALL_LINEAR,
+        f"Comma-separated names (or name suffixes) of the modules to adapt; '{LORA_ALL_LINEAR}': every linear "
+        "layer of the transformer blocks (the attention and MLP projections). The LM head is never adapted "
+        "(the fused head reads the base's weight).",
+        "lora",
+    )
+    lora_save_merged: bool = _opt(
+        False,
+        "With --lora-r: the final checkpoint also holds the policy with its adapters merged into the weights "
+        "(policy_merged/, a plain transformers folder), beside the adapter folder (policy/).",
+        "lora",
     )
 
     # --- rollout
@@ -503,6 +537,7 @@ class TrainerConfig:
                 bool(self.reward_fn or self.reward_model),
                 "(or --reward-model) is required with --model-name-or-path",
             )
+        self._validate_lora()
         if self.reward_fn is not None:
             module, _, function = self.reward_fn.rpartition(":")
             _require(
@@ -510,6 +545,39 @@ class TrainerConfig:
                 bool(module and function),
                 f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}",
             )
+
+    def _validate_lora(self) -> None:
+        """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("lora_")}
+        if self.lora_r is None:
+            for name in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged"):
+                _require(name, getattr(self, name) == defaults[name], "needs --lora-r (LoRA is off without it)")
+            return
+        targets = self.lora_targets()
+        _require("lora_target_modules", bool(targets), "names no module; give names such as q_proj,v_proj")
+        named = [] if targets == LORA_ALL_LINEAR else targets
+        head = [name for name in named if name.split(".")[-1] in LORA_HEAD_NAMES]
+        _require(
+            "lora_target_modules",
+            not head,
+            f"adapts the LM head ({', '.join(head)}): the fused head reads the base's weight; leave it out",
+        )
+        _require(
+            "lora_dropout",
+            self.lora_dropout == 0 or not self.disable_dropout,
+            "is set to 0 by --disable-dropout (the default); pass --no-disable-dropout to train with it",
+        )
+        _require(
+            "shard_reference",
+            not self.shard_reference,
+            "does not apply with --lora-r: the reference is the policy with its adapters off (no copy to shard)",
+        )
+
+    def lora_targets(self) -> list[str] | str:
+        """``lora_target_modules`` as PEFT takes it: ``"all-linear"`` or a list of names."""
+        if self.lora_target_modules.strip() == LORA_ALL_LINEAR:
+            return LORA_ALL_LINEAR
+        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
 
     def loss_mode_kwargs(self) -> dict:
         """The keyword parameters of ``loss_mode``'s mode: the clips it takes and ``loss_mode_params``

@@ -426,29 +426,42 @@ def _models(policy: nn.Module, critic: nn.Module | None) -> nn.Module:
     return nn.ModuleDict({"policy": policy} | ({"critic": critic} if critic is not None else {}))
 
 
-def _sharded_state(policy, critic, optimizer) -> dict:
+def _state_options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # LoRA: the frozen base is the run's model, not the checkpoint's (strict=False: it is left out).
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
+def _sharded_state(policy, critic, optimizer, trainable_only: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(_models(policy, critic), optimizer)
+    options = _state_options(trainable_only)
+    model_state, optimizer_state = get_state_dict(_models(policy, critic), optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def save_sharded(folder, policy, critic, optimizer) -> None:
-    """Policy, critic and optimizer, each rank writing its shards (``torch.distributed.checkpoint``)."""
+def save_sharded(folder, policy, critic, optimizer, trainable_only: bool = False) -> None:
+    """Policy, critic and optimizer, each rank writing its shards (``torch.distributed.checkpoint``);
+    ``trainable_only`` (LoRA): the adapters and heads, not the frozen base."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_state(policy, critic, optimizer), checkpoint_id=folder)
+    dcp.save(_sharded_state(policy, critic, optimizer, trainable_only), checkpoint_id=folder)
 
 
-def load_sharded(folder, policy, critic, optimizer) -> None:
+def load_sharded(folder, policy, critic, optimizer, trainable_only: bool = False) -> None:
     """The inverse of :func:`save_sharded`, at any world size (the shards are redistributed)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _sharded_state(policy, critic, optimizer)
+    state = _sharded_state(policy, critic, optimizer, trainable_only)
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(
-        _models(policy, critic), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        _models(policy, critic),
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_state_options(trainable_only),
     )
 
 

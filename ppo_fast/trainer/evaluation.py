@@ -57,7 +57,8 @@ def at_start(trainer) -> tuple[dict, dict]:
     new run; for ``--resume``, the policy's at the resumed step, with the run's start as
     its summary.json recorded it (empty if it did not)."""
     if trainer.resumed_from is None:
-        before = held_out(trainer, trainer.reference)
+        with trainer.reference_scope():
+            before = held_out(trainer, trainer.reference)
         if before:
             trainer.log(f"held-out greedy {in_words(before)} before PPO ({len(trainer.eval_prompts)} prompts)")
         return before, before

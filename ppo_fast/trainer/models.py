@@ -135,10 +135,14 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute activations in backward (named ``activation_checkpointing_enable`` since transformers 5.x)."""
+def enable_activation_checkpointing(model: nn.Module, frozen_inputs: bool = False) -> None:
+    """Recompute activations in backward (named ``activation_checkpointing_enable`` since transformers 5.x).
+    ``frozen_inputs`` (LoRA: the embeddings are frozen): the embeddings' output requires grad, so that a
+    checkpointed block's backward still reaches the adapters inside it."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
+    if frozen_inputs:
+        model.enable_input_require_grads()
 
 
 def activation_checkpointing_on(model: nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -320,9 +321,11 @@ def score_old_and_ref(
     chunk: int,
     order: torch.Tensor | None = None,
     truncation: dict | None = None,
+    reference_scope=contextlib.nullcontext,
 ):
     """Old log-probs, reference log-probs and (with a critic) values, dropout off, in chunks of
     ``chunk`` rows taken in ``order`` (a permutation of the rows; by default their own order).
+    The reference is scored inside ``reference_scope()`` (LoRA: the policy with its adapters off).
 
     Scored in the update's first micro-batches (same rows, same layout, same kernels), the
     old log-probs equal the first micro-batch's new ones bitwise: its ratio is exactly 1."""
@@ -335,7 +338,8 @@ def score_old_and_ref(
         logp, _, v = forward(
             policy, critic, part, temperature=temperature, values=critic is not None, truncation=truncation
         )
-        ref_logp, _, _ = forward(reference, None, part, temperature=temperature, truncation=truncation)
+        with reference_scope():
+            ref_logp, _, _ = forward(reference, None, part, temperature=temperature, truncation=truncation)
         if old is None:
             old = logp.new_empty((rows, *logp.shape[1:]))
             ref = ref_logp.new_empty(old.shape)

@@ -26,6 +26,7 @@ import torch
 
 import ppo_fast as pf
 
+from . import lora
 from .config import ConfigError
 from .rollout import Batch, batch_from_responses, encode_prompts
 
@@ -112,9 +113,10 @@ class VLLMEngine:
         if self.sleep:
             self.llm.wake_up(tags=["weights"])
         # Checkpoint names, which vLLM's loaders map; sharded (DTensor) weights are gathered on every rank.
-        weights = [
-            (name, w.full_tensor() if hasattr(w, "full_tensor") else w) for name, w in policy.state_dict().items()
-        ]
+        state = {name: w.full_tensor() if hasattr(w, "full_tensor") else w for name, w in policy.state_dict().items()}
+        if any(".lora_" in name for name in state):  # LoRA: the engine serves the base with the adapters merged
+            state = lora.merged_state_dict(policy, state)
+        weights = list(state.items())
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         if self.sleep:

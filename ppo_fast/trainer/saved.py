@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import checkpoint, run_folder, setup
+from . import checkpoint, lora, run_folder, setup
 from .config import (
     BUILTIN_RESPONSE_LENGTH,
     CUSTOM_RESPONSE_LENGTH,
@@ -44,22 +44,27 @@ class Saved:
 def find(path: str, best: bool = False) -> Saved:
     """The policy folder ``path`` names, and the options of the run that made it."""
     root = Path(path)
-    if (root / "config.json").is_file():
+    if _policy_folder(root):
         policy, checkpoint_dir = root, root.parent if root.name == checkpoint.POLICY_DIR else None
-    elif (root / checkpoint.POLICY_DIR / "config.json").is_file():
+    elif _policy_folder(root / checkpoint.POLICY_DIR):
         policy, checkpoint_dir = root / checkpoint.POLICY_DIR, root
     elif root.is_dir() and (best or checkpoint.latest(root)):
         checkpoint_dir = None if best else checkpoint.latest(root)
         policy = root / run_folder.BEST_DIR if best else checkpoint_dir / checkpoint.POLICY_DIR
-        if not (policy / "config.json").is_file():
+        if not _policy_folder(policy):
             raise ConfigError(f"{path}: no {run_folder.BEST_DIR}/ (the run was not made with --keep-best)")
     else:
         raise ConfigError(
             f"{path}: not a run folder with a checkpoint, a checkpoint (checkpoints/step-N) or a policy folder "
-            "(config.json)"
+            "(config.json, or a LoRA adapter folder: adapter_config.json)"
         )
     cfg = _options(policy, checkpoint_dir)
     return Saved(policy, cfg, builtin=cfg.model_name_or_path is None)
+
+
+def _policy_folder(folder: Path) -> bool:
+    """A ``save_pretrained`` folder, or a PEFT adapter folder (a LoRA run's)."""
+    return (folder / "config.json").is_file() or (folder / lora.ADAPTER_CONFIG).is_file()
 
 
 def _options(policy: Path, checkpoint_dir: Path | None) -> TrainerConfig:
@@ -78,7 +83,10 @@ def load(saved: Saved, device: torch.device):
 
     third_party_output(saved.cfg.verbose)
 
-    policy = AutoModelForCausalLM.from_pretrained(saved.policy_dir).to(device).eval()
+    if (saved.policy_dir / lora.ADAPTER_CONFIG).is_file():  # a LoRA run's adapters, merged onto their base
+        policy = lora.load_merged(saved.policy_dir).to(device).eval()
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(saved.policy_dir).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(saved.policy_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

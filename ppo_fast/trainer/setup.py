@@ -3,6 +3,7 @@ reward, the models, their optimiser and the rollout engine."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -14,7 +15,7 @@ import torch
 
 import ppo_fast as pf
 
-from . import checkpoint, default_task, run_folder
+from . import checkpoint, default_task, lora, run_folder
 from .config import ConfigError, TrainerConfig
 from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
 from .prompts import Prompts, read_prompts
@@ -51,6 +52,10 @@ class Models:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_control: object
+    # With LoRA: the policy's PeftModel (its adapters' switch and folder); the reference is then
+    # the policy itself, scored inside ``reference_scope()`` (its adapters off).
+    adapters: object = None
+    reference_scope: Callable = contextlib.nullcontext
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,6 +100,8 @@ def check_options(cfg: TrainerConfig, device: torch.device) -> None:
     )
     if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--report-to tensorboard: tensorboard is not installed (pip install tensorboard)")
+    if cfg.lora_r is not None:
+        lora.check_installed()
     if cfg.rollout_engine == "vllm":
         check_installed()
         if cfg.vllm_sleep and device.type != "cuda":
@@ -229,22 +236,42 @@ def build_models(cfg: TrainerConfig, policy, parallel, device: torch.device) -> 
     policy = policy.to(device).eval()
     if cfg.disable_dropout:
         disable_dropout(policy)
-    reference = frozen_reference(policy)
-    critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
-    if cfg.gradient_checkpointing:
-        enable_activation_checkpointing(policy)
+    adapters, reference_scope = None, contextlib.nullcontext
+    if cfg.lora_r is None:
+        reference = frozen_reference(policy)
+        critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
+    else:  # the critic copies the base before the policy's adapters go in, then gets its own
+        critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
+        adapters = lora.attach(cfg, policy)
         if critic is not None and not critic.shared:
-            enable_activation_checkpointing(critic.backbone)
+            lora.attach(cfg, critic.backbone)
+        reference, reference_scope = policy, adapters.disable_adapter
+    if cfg.gradient_checkpointing:
+        enable_activation_checkpointing(policy, frozen_inputs=adapters is not None)
+        if critic is not None and not critic.shared:
+            enable_activation_checkpointing(critic.backbone, frozen_inputs=adapters is not None)
     # What the update calls: the models themselves, or their DDP wrappers (FSDP2 shards in place).
     train_policy, train_critic = parallel.prepare(policy, critic, reference)
-    params = list(policy.parameters()) + (list(critic.parameters()) if critic is not None else [])
+    models = [policy] + ([critic] if critic is not None else [])
+    params = [p for model in models for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg))
     if cfg.adaptive_kl:
         kl_control = pf.AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
     else:
         kl_control = pf.FixedKLController(cfg.kl_coef)
-    return Models(policy, reference, critic, train_policy, train_critic, optimizer, scheduler, kl_control)
+    return Models(
+        policy,
+        reference,
+        critic,
+        train_policy,
+        train_critic,
+        optimizer,
+        scheduler,
+        kl_control,
+        adapters,
+        reference_scope,
+    )
 
 
 def start_engine(trainer) -> VLLMEngine:

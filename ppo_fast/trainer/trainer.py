@@ -102,6 +102,7 @@ class PPOTrainer:
         self.policy, self.reference, self.critic = models.policy, models.reference, models.critic
         self.train_policy, self.train_critic = models.train_policy, models.train_critic
         self.optimizer, self.scheduler, self.kl_control = models.optimizer, models.scheduler, models.kl_control
+        self.adapters, self.reference_scope = models.adapters, models.reference_scope
         self.step = 0
         self.resumed_from = self.best = None
         self._in_update = False
@@ -117,9 +118,9 @@ class PPOTrainer:
             if self.engine is not None:
                 self.engine.sync_weights(self.policy)
 
-    def save_checkpoint(self, rng: dict | None = None) -> Path:
+    def save_checkpoint(self, rng: dict | None = None, final: bool = False) -> Path:
         """Checkpoint the run at this step; every rank calls this (see ``checkpoint.save_run``)."""
-        return checkpoint.save_run(self, rng)
+        return checkpoint.save_run(self, rng, final)
 
     def evaluate_all(self, model) -> dict[str, float]:
         """``model``'s held-out greedy scores (see ``evaluation.held_out``)."""
@@ -209,6 +210,7 @@ class PPOTrainer:
                 chunk=rows // cfg.num_mini_batches // cfg.gradient_accumulation_steps,
                 order=first_order,
                 truncation=cfg.logprob_truncation(),
+                reference_scope=self.reference_scope,
             )
         r = Rollouts(prompts, answers, batch, engine_logprobs, first_order, old, ref, values)
         if cfg.rollout_correction != "none":
@@ -305,7 +307,7 @@ class PPOTrainer:
             before, start = evaluation.at_start(self)
             stop_reason = self._loop()
             if stop_reason == "done":
-                self.log(f"saved {self.save_checkpoint()}")
+                self.log(f"saved {self.save_checkpoint(final=True)}")
                 after = self.evaluate_all(self.policy)
                 checkpoint.keep_if_best(self, after)
             else:  # stopped early: the user wants out, not a final evaluation (--resume finishes the run)

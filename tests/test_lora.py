@@ -1,0 +1,162 @@
+"""LoRA (--lora-r): adapters on a frozen base, the reference as the policy with its adapters off,
+checkpoints of the adapters only, an exact resume, the adapter folder and the merged export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, default_task, lora, saved
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.rollout import forward, generate
+
+peft = pytest.importorskip("peft")
+
+
+def tiny(tmp_path, name="run", **overrides) -> TrainerConfig:
+    values = dict(
+        output_dir=str(tmp_path / name),
+        steps=2,
+        batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=1,
+        sft_steps=10,
+        eval_size=16,
+        sample_every=0,
+        save_every=0,
+        learning_rate=1e-2,
+        lora_r=4,
+        lora_alpha=8.0,
+    )
+    values.update(overrides)
+    return TrainerConfig(**values)
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+def _model_and_batch(seed: int):
+    tokenizer = default_task.build_tokenizer()
+    policy = default_task.build_model(tokenizer, seed).eval()
+    prompts = [default_task.prompt(3 + 11 * i, 40 + 7 * i) for i in range(5)]
+    batch = generate(policy, tokenizer, prompts, max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False)
+    return policy, batch
+
+
+def test_adapters_off_is_the_base_bitwise_and_merged_weights_give_the_adapted_outputs():
+    seed = torch.randint(1000, ()).item()
+    policy, batch = _model_and_batch(seed)
+    base = AutoModelForCausalLM.from_config(policy.config).eval()
+    base.load_state_dict(policy.state_dict())
+    adapters = lora.attach(TrainerConfig(lora_r=4, lora_alpha=16.0), policy)
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    with torch.no_grad():  # adapters that change the outputs (B starts at 0)
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want, _, _ = forward(base, None, batch, temperature=1.0)
+        with adapters.disable_adapter():
+            off, _, _ = forward(policy, None, batch, temperature=1.0)
+        on, _, _ = forward(policy, None, batch, temperature=1.0)
+    assert torch.equal(off, want)  # bitwise: the reference costs no copy and no rounding
+    assert (on - want).abs().max() > 1e-3
+    # The weights the rollout engine and --lora-save-merged get: the base's names, W + scale * B @ A.
+    merged = lora.merged_state_dict(policy)
+    assert merged.keys() == base.state_dict().keys()
+    base.load_state_dict(merged)
+    with torch.no_grad():
+        via_merged, _, _ = forward(base, None, batch, temperature=1.0)
+    torch.testing.assert_close(via_merged, on, rtol=0, atol=2e-5)
+
+
+def test_a_target_that_names_no_linear_layer_is_refused_naming_the_layers_there_are():
+    policy, _ = _model_and_batch(0)
+    with pytest.raises(ConfigError, match=r"--lora-target-modules q_proj: .*named c_attn, c_fc, c_proj"):
+        lora.attach(TrainerConfig(lora_r=4, lora_target_modules="q_proj"), policy)
+    policy, _ = _model_and_batch(0)
+    with pytest.raises(ConfigError, match=r"wte is a Embedding; only linear layers are adapted"):
+        lora.attach(TrainerConfig(lora_r=4, lora_target_modules="c_attn,wte"), policy)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(lora_r=0), r"lora_r \(--lora-r\) must be >= 1"),
+        (dict(lora_alpha=8.0), r"--lora-alpha\) needs --lora-r"),
+        (dict(lora_r=8, lora_target_modules="c_attn,lm_head"), r"adapts the LM head \(lm_head\)"),
+        (dict(lora_r=8, lora_dropout=0.1), r"pass --no-disable-dropout"),
+        (dict(lora_r=8, shard_reference=True), r"the reference is the policy with its adapters off"),
+    ],
+)
+def test_bad_lora_options_are_refused_before_anything_loads(values, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainerConfig(**values).validate()
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+
+
+def test_a_lora_run_trains_adapters_only_checkpoints_them_resumes_exactly_and_exports(tmp_path):
+    straight = tiny(tmp_path, "straight", steps=3, lora_save_merged=True)
+    trainer = PPOTrainer(straight, log=quiet)
+    assert trainer.reference is trainer.policy  # no copy: the policy with its adapters off
+    base_before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters() if not p.requires_grad}
+    trainer.train()
+    base_after = dict(trainer.policy.named_parameters())
+    assert all(torch.equal(base_after[name], value) for name, value in base_before.items())
+    rows = read_metrics(Path(straight.output_dir) / METRICS_FILE)
+    assert [r["policy/ratio_dev_at_start"] for r in rows] == [0.0] * 3  # on-policy with LoRA on
+
+    final = checkpoint.latest(Path(straight.output_dir))
+    policy_dir = final / checkpoint.POLICY_DIR
+    assert (policy_dir / "adapter_model.safetensors").is_file() and not (policy_dir / "model.safetensors").exists()
+    config = json.loads((policy_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and Path(config["base_model_name_or_path"]) == (tmp_path / "straight" / "warmup")
+    trainable = {name for model in (trainer.policy, trainer.critic) for name, p in model.named_parameters()}
+    trainable = {n for n in trainable if ".lora_" in n or n.startswith("head.")}
+    critic_state = torch.load(final / checkpoint.CRITIC_FILE, weights_only=True)
+    assert set(critic_state) == set(lora.trainable_state(trainer.critic)) and set(critic_state) <= trainable
+    state = checkpoint.load_state(final)
+    optimized = sum(len(group["params"]) for group in state.optimizer["param_groups"])
+    assert optimized == sum(p.requires_grad for m in (trainer.policy, trainer.critic) for p in m.parameters())
+
+    # The adapter folder loads with PEFT onto its base; the merged export gives the same outputs.
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]).eval()
+    by_peft = peft.PeftModel.from_pretrained(base, policy_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final / checkpoint.MERGED_DIR).eval()
+    ids = trainer.tokenizer(["12+34=", "7+5="], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ours = trainer.policy(**ids).logits
+        torch.testing.assert_close(by_peft(**ids).logits, ours, rtol=0, atol=0)
+        torch.testing.assert_close(merged(**ids).logits, ours, rtol=1e-5, atol=1e-5)
+    # ppo-fast eval finds the base through the adapter folder.
+    scores = saved.evaluate(str(tmp_path / "straight"), device="cpu")
+    assert scores["prompts"] == 16 and 0.0 <= scores["eval/score"] <= 1.0
+
+    # Two steps, then --resume to three: the same run, bit for bit.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "straight" / "warmup", resumed_dir / "warmup")
+    PPOTrainer(tiny(tmp_path, "resumed", steps=2), log=quiet).train()
+    with pytest.raises(ConfigError, match=r"trained with --lora-r 4 .* resume with --lora-r 4"):
+        PPOTrainer(tiny(tmp_path, "resumed", steps=3, resume=True, lora_r=8), log=quiet)
+    PPOTrainer(tiny(tmp_path, "resumed", steps=3, resume=True), log=quiet).train()
+    want, got = rows[2], read_metrics(resumed_dir / METRICS_FILE)[2]
+    assert _comparable(got) == _comparable(want)
+
+
+def test_lora_without_peft_is_one_line_before_any_model_loads(tmp_path, monkeypatch):
+    real = lora.importlib.util.find_spec
+    monkeypatch.setattr(lora.importlib.util, "find_spec", lambda name: None if name == "peft" else real(name))
+    with pytest.raises(ConfigError, match=r"--lora-r: PEFT is not installed; pip install 'ppo-fast\[lora\]'"):
+        PPOTrainer(tiny(tmp_path), log=quiet)
+    assert not (tmp_path / "run").exists()  # refused before the run folder or the warm-up model
