@@ -333,8 +333,9 @@ def _linear_token_logprobs_bwd_kernel(
             if NEEDS_HIDDEN:
                 w = tl.load(
                     weight_ptr + cols[:, None] * weight_row_stride + kk[None, :] * weight_col_stride,
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                )  # fmt: skip
+                    mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
                 d_h = tl.dot(draw_op, _operand(w), input_precision=DOT_PRECISION, out_dtype=ACC)
                 tl.atomic_add(
                     d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :],
@@ -345,8 +346,9 @@ def _linear_token_logprobs_bwd_kernel(
             if NEEDS_WEIGHT:
                 h = tl.load(
                     hidden_ptr + rows[:, None] * hidden_row_stride + kk[None, :] * hidden_col_stride,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                )  # fmt: skip
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
                 d_w = tl.dot(tl.trans(draw_op), _operand(h), input_precision=DOT_PRECISION, out_dtype=ACC)
                 tl.atomic_add(
                     d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :],
@@ -440,16 +442,37 @@ def linear_token_logprobs_forward(
     block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
     with device_guard(hidden):
         _linear_token_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
-            hidden, weight, weight if bias is None else bias, labels, logp, logp if entropy is None else entropy, stats,
+            hidden,
+            weight,
+            weight if bias is None else bias,
+            labels,
+            logp,
+            logp if entropy is None else entropy,
+            stats,
             logp if tau is None else tau,
-            n_rows, vocab, hidden_size,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
-            *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None, RETURN_ENTROPY=return_entropy,
-            ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype),
-            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, TRUNCATED=tau is not None,
-            num_warps=num_warps, num_stages=_NUM_STAGES,
-        )  # fmt: skip
+            n_rows,
+            vocab,
+            hidden_size,
+            hidden.stride(0),
+            hidden.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            0 if bias is None else bias.stride(0),
+            labels.stride(0),
+            *_scalars(temperature, logit_scale, logit_softcap),
+            ignore_index,
+            HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=logit_softcap is not None,
+            RETURN_ENTROPY=return_entropy,
+            ACC=acc,
+            DOT_PRECISION=_dot_precision(hidden.dtype),
+            BLOCK_N=block_n,
+            BLOCK_V=block_v,
+            BLOCK_H=block_h,
+            TRUNCATED=tau is not None,
+            num_warps=num_warps,
+            num_stages=_NUM_STAGES,
+        )
     return logp, entropy, stats
 
 
@@ -463,14 +486,33 @@ def linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, l
     )
     block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype)
     _linear_logits_kernel[(triton.cdiv(stop - start, block_n), triton.cdiv(vocab, block_v))](
-        hidden, weight, weight if bias is None else bias, labels, u,
-        start, stop, vocab, hidden_size,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0), labels.stride(0),
-        *_scalars(1.0, logit_scale, logit_softcap)[:4], ignore_index,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
-        ACC=compute_dtype(dtype), DOT_PRECISION=_dot_precision(hidden.dtype),
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
-    )  # fmt: skip
+        hidden,
+        weight,
+        weight if bias is None else bias,
+        labels,
+        u,
+        start,
+        stop,
+        vocab,
+        hidden_size,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        0 if bias is None else bias.stride(0),
+        labels.stride(0),
+        *_scalars(1.0, logit_scale, logit_softcap)[:4],
+        ignore_index,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=logit_softcap is not None,
+        ACC=compute_dtype(dtype),
+        DOT_PRECISION=_dot_precision(hidden.dtype),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+        num_stages=_NUM_STAGES,
+    )
     return u
 
 
@@ -505,9 +547,17 @@ def linear_truncation_thresholds(
             stop = min(n_rows, start + chunk)
             u = linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index)
             tau[start:stop] = thresholds(
-                u, labels[start:stop], (1, vocab, 0, 1), (labels.stride(0), 0), post, ignore_index, truncation,
-                acc_dtype, midpoint=True, input_dtype=acc_dtype,
-            )  # fmt: skip
+                u,
+                labels[start:stop],
+                (1, vocab, 0, 1),
+                (labels.stride(0), 0),
+                post,
+                ignore_index,
+                truncation,
+                acc_dtype,
+                midpoint=True,
+                input_dtype=acc_dtype,
+            )
     return tau
 
 
@@ -591,20 +641,49 @@ def linear_token_logprobs_backward(
                 if needs_weight and weight.dtype != acc_dtype:
                     d_weight_chunk = torch.zeros((stop - start, hidden_size), dtype=acc_dtype, device=device)
                 _linear_token_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
-                    hidden, weight, weight if bias is None else bias, labels, stats, entropy,
-                    stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
-                    stats if d_hidden is None else d_hidden, stats if d_weight_chunk is None else d_weight_chunk,
-                    stats if d_bias is None else d_bias, stats if tau is None else tau,
-                    n_rows, vocab, hidden_size, start, stop,
-                    hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
-                    labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
-                    *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
-                    HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
-                    HAS_GRAD_LOGP=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-                    NEEDS_HIDDEN=needs_hidden, NEEDS_WEIGHT=needs_weight, NEEDS_BIAS=needs_bias,
-                    ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype), TRUNCATED=tau is not None,
-                    BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
-                )  # fmt: skip
+                    hidden,
+                    weight,
+                    weight if bias is None else bias,
+                    labels,
+                    stats,
+                    entropy,
+                    stats if grad_logprobs is None else grad_logprobs,
+                    stats if grad_entropy is None else grad_entropy,
+                    stats if d_hidden is None else d_hidden,
+                    stats if d_weight_chunk is None else d_weight_chunk,
+                    stats if d_bias is None else d_bias,
+                    stats if tau is None else tau,
+                    n_rows,
+                    vocab,
+                    hidden_size,
+                    start,
+                    stop,
+                    hidden.stride(0),
+                    hidden.stride(1),
+                    weight.stride(0),
+                    weight.stride(1),
+                    0 if bias is None else bias.stride(0),
+                    labels.stride(0),
+                    0 if grad_logprobs is None else grad_logprobs.stride(0),
+                    0 if grad_entropy is None else grad_entropy.stride(0),
+                    *_scalars(temperature, logit_scale, logit_softcap),
+                    ignore_index,
+                    HAS_BIAS=bias is not None,
+                    HAS_SOFTCAP=logit_softcap is not None,
+                    HAS_GRAD_LOGP=grad_logprobs is not None,
+                    HAS_GRAD_ENTROPY=grad_entropy is not None,
+                    NEEDS_HIDDEN=needs_hidden,
+                    NEEDS_WEIGHT=needs_weight,
+                    NEEDS_BIAS=needs_bias,
+                    ACC=acc,
+                    DOT_PRECISION=_dot_precision(hidden.dtype),
+                    TRUNCATED=tau is not None,
+                    BLOCK_N=block_n,
+                    BLOCK_V=block_v,
+                    BLOCK_H=block_h,
+                    num_warps=num_warps,
+                    num_stages=_NUM_STAGES,
+                )
                 if d_weight_chunk is not d_weight:
                     d_weight[start:stop].copy_(d_weight_chunk)
     elif needs_weight and weight.dtype != acc_dtype:
@@ -678,10 +757,23 @@ def _linear_token_logprobs_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
     grads = linear_token_logprobs_backward(
-        grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy if grad_entropy is not None else None,
-        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index,
-        needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias, tau=tau,
-    )  # fmt: skip
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        stats,
+        entropy if grad_entropy is not None else None,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+        ignore_index=ignore_index,
+        needs_hidden=needs_hidden,
+        needs_weight=needs_weight,
+        needs_bias=needs_bias,
+        tau=tau,
+    )
     return tuple(
         stats.new_empty(0, dtype=like.dtype) if g is None else g for g, like in zip(grads, (hidden, weight, weight))
     )
@@ -718,9 +810,23 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse,
     if grad_logprobs is None and grad_entropy is None:
         return (None,) * len(ctx.needs_input_grad)
     d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
-        grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, ctx.temperature, ctx.logit_scale,
-        ctx.logit_softcap, ctx.ignore_index, needs_hidden, needs_weight, needs_bias, *tau,
-    )  # fmt: skip
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        stats,
+        entropy,
+        ctx.temperature,
+        ctx.logit_scale,
+        ctx.logit_softcap,
+        ctx.ignore_index,
+        needs_hidden,
+        needs_weight,
+        needs_bias,
+        *tau,
+    )
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
     grads = (pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias))
     return grads + (None,) * (len(ctx.needs_input_grad) - 4)
@@ -864,12 +970,25 @@ def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]
     chunk = LOGITS_SCRATCH_BYTES // (4 * vocab)
     launches = {
         "logits rows (thresholds' input)": lambda: linear_logits_rows(x, w, labels, None, 0, chunk, 1.0, None, -100),
-        "fwd truncated": lambda: linear_token_logprobs_forward(x, w, labels, None, **options, return_entropy=True, tau=row),
+        "fwd truncated": lambda: linear_token_logprobs_forward(
+            x, w, labels, None, **options, return_entropy=True, tau=row
+        ),
         "bwd truncated": lambda: linear_token_logprobs_backward(
-            row, row, x, w, labels, None, stats, row, **options, needs_hidden=True, needs_weight=True, needs_bias=False,
+            row,
+            row,
+            x,
+            w,
+            labels,
+            None,
+            stats,
+            row,
+            **options,
+            needs_hidden=True,
+            needs_weight=True,
+            needs_bias=False,
             tau=row,
         ),
-    }  # fmt: skip
+    }
     shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}] bf16"
     return [
         dict(name=f"linear_token_logprobs {what} {shape}", budget_key=None, bytes_per_element=None, run=run, block=None)
