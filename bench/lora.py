@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import tempfile
 import time
 
 import torch
 
 from .common import command_line, machine, versions, write_json
-from .timing import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, peak_extra_bytes
+from .timing import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, fix_mmap_threshold, peak_extra_bytes
 
 SETUPS = ("lora", "full_with_reference_copy", "full_without_reference")
 
@@ -106,7 +107,7 @@ def one_setup(setup: str, policy, batch, lora_r: int) -> dict:
     return {"counted_bytes": counted, "ratio_dev_at_start": stats["policy/ratio_dev_at_start"]}
 
 
-def memory(device: torch.device, quick: bool, lora_r: int) -> dict:
+def memory(device: torch.device, quick: bool, lora_r: int, mmap_fixed: bool) -> dict:
     policy, shape = llama(quick, device)
     batch = rollouts(shape["vocab_size"], 4 if quick else 8, 16 if quick else 64, 16 if quick else 128, device)
     # One untimed update first: the allocator's and MKL's workspaces are not charged to the first set-up.
@@ -135,6 +136,7 @@ def memory(device: torch.device, quick: bool, lora_r: int) -> dict:
         "lora_r": lora_r,
         "setups": results,
         "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
+        "glibc_mmap_threshold_fixed": mmap_fixed,
     }
 
 
@@ -164,6 +166,43 @@ def learning(seeds: list[int], lora_r: int, lora_lr: float, steps: int | None) -
     }
 
 
+def markdown(data: dict) -> str:
+    """The tables of a result file: peak memory per set-up, accuracy per seed (whichever it holds)."""
+    lines = []
+    if "memory" in data:
+        mem = data["memory"]
+        shape = ", ".join(f"{k} {v}" for k, v in mem["shape"].items())
+        lines += [
+            f"Llama-shaped, {mem['parameters'] / 1e6:.0f}M parameters ({shape}), float32, "
+            f"{mem['batch']['rows']} rows of {mem['batch']['tokens_per_row']} tokens, LoRA r={mem['lora_r']}:",
+            "",
+            "| set-up | peak extra MiB | vs full + reference copy | trainable MiB | reference's own MiB | "
+            "gradients MiB | AdamW state MiB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, row in mem["setups"].items():
+            c = {k: v / 2**20 for k, v in row["counted_bytes"].items()}
+            lines.append(
+                f"| {name.replace('_', ' ')} | {row['peak_extra_bytes'] / 2**20:.0f} | "
+                f"{row['peak_vs_full_with_reference_copy']:.2f} | {c['trainable_parameters']:.1f} | "
+                f"{c['reference_own_parameters']:.1f} | {c['gradients']:.1f} | {c['optimizer_state']:.1f} |"
+            )
+        lines.append("")
+    if "learning" in data:
+        learn = data["learning"]
+        names = list(learn["runs"])
+        lines += [
+            "| seed | held-out before | " + " | ".join(f"{n} after" for n in names) + " |",
+            "| ---: | ---: | " + " | ".join("---:" for _ in names) + " |",
+        ]
+        for i, row in enumerate(learn["runs"][names[0]]):
+            after = " | ".join(f"{learn['runs'][n][i]['after']:.3f}" for n in names)
+            lines.append(f"| {row['seed']} | {row['before']:.3f} | {after} |")
+        means = " | ".join(f"{learn['means'][n]['after']:.3f}" for n in names)
+        lines.append(f"| mean | {learn['means'][names[0]]['before']:.3f} | {means} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench lora", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("memory", "learning", "both"), default="both")
@@ -175,9 +214,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/lora.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    result = {"command": command_line("lora", argv), "machine": machine(device), "versions": versions()}
+    mmap_fixed = device.type == "cpu" and fix_mmap_threshold()
+    result = {
+        "command": command_line("lora", argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        "versions": versions(),
+    }
     if args.part in ("memory", "both"):
-        result["memory"] = memory(device, args.quick, args.lora_r)
+        result["memory"] = memory(device, args.quick, args.lora_r, mmap_fixed)
     if args.part in ("learning", "both"):
         seeds = [int(s) for s in args.seeds.split(",")][: 1 if args.quick else None]
         result["learning"] = learning(seeds, args.lora_r, args.lora_learning_rate, 2 if args.quick else None)

@@ -106,6 +106,18 @@ def cpu_memory_supported() -> tuple[bool, str]:
     return True, ""
 
 
+def fix_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
+    """Keep glibc's mmap threshold at ``nbytes``: by default glibc raises it (up to 32 MiB) after
+    an mmapped block is freed, and then tensors of up to that size come from the heap, whose freed
+    memory stays resident below a live small block: the peak RSS then counts memory no tensor
+    holds (seen with PEFT's many small LoRA tensors).  Call before allocating; False where it
+    cannot be set."""
+    if _LIBC is None or not hasattr(_LIBC, "mallopt"):
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
 def peak_extra_bytes(fn: Callable[[], object], device_type: str) -> int:
     """Bytes the call needs on top of what is allocated before it (temporaries and outputs)."""
     gc.collect()

@@ -317,6 +317,7 @@ def _other_sections() -> list[str]:
             vllm_rollout.markdown(data),
             "",
         ]
+    out += _lora_section()
     gpu = sorted(p.name for p in RESULTS.glob("cuda*.json"))
     out += ["## GPU", ""]
     out += (
@@ -324,6 +325,39 @@ def _other_sections() -> list[str]:
         if gpu
         else ["No GPU result file is in `bench/results/`: `bash bench/gpu_check.sh` on a GPU writes them.", ""]
     )
+    return out
+
+
+def _lora_section() -> list[str]:
+    from bench import lora
+
+    memory, learning = _load("lora-memory-cpu.json"), _load("lora-learning-cpu.json")
+    if not (memory or learning):
+        return []
+    out = ["## LoRA against full fine-tuning", ""]
+    if memory:
+        out += [
+            "`python -m bench lora --part memory`: what each set-up adds to the loaded policy, over building it, "
+            "scoring one batch (old and reference log-probs) and one PPO update (GRPO, AdamW); peak extra memory "
+            "and the bytes counted from the tensors.",
+            "",
+            measured_on(memory, "lora-memory-cpu.json"),
+            "",
+            lora.markdown(memory),
+            "",
+        ]
+    if learning:
+        lr = learning["learning"]
+        out += [
+            "`python -m bench lora --part learning`: the built-in job (`ppo-fast train`'s defaults, full "
+            f"fine-tuning at learning rate {lr['full_learning_rate']:g}) and the same job with `--lora-r 16` "
+            f"at {lr['lora_learning_rate']:g}: held-out greedy accuracy per seed.",
+            "",
+            measured_on(learning, "lora-learning-cpu.json"),
+            "",
+            lora.markdown(learning),
+            "",
+        ]
     return out
 
 
