@@ -129,9 +129,8 @@ def test_a_lora_run_trains_adapters_only_checkpoints_them_resumes_exactly_and_ex
     optimized = sum(len(group["params"]) for group in state.optimizer["param_groups"])
     assert optimized == sum(p.requires_grad for m in (trainer.policy, trainer.critic) for p in m.parameters())
 
-    # The adapter folder loads with PEFT onto its base; the merged export gives the same outputs.
-    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]).eval()
-    by_peft = peft.PeftModel.from_pretrained(base, policy_dir).eval()
+    # The adapter folder loads with PEFT, its base found from it; the merged export gives the same outputs.
+    by_peft = peft.AutoPeftModelForCausalLM.from_pretrained(policy_dir).eval()
     merged = AutoModelForCausalLM.from_pretrained(final / checkpoint.MERGED_DIR).eval()
     ids = trainer.tokenizer(["12+34=", "7+5="], return_tensors="pt", padding=True)
     with torch.no_grad():

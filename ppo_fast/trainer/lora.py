@@ -119,7 +119,9 @@ def base_name(cfg: TrainerConfig, policy: nn.Module, output_dir: Path) -> str:
 def save_adapter(adapters, folder: Path, base: str, state: dict | None = None) -> None:
     """The PEFT adapter folder of ``adapters`` (``adapter_config.json``, ``adapter_model.safetensors``);
     ``state``: the adapted model's full state dict (a sharded model's, gathered)."""
-    adapters.peft_config[ADAPTER_NAME].base_model_name_or_path = base
+    config = adapters.peft_config[ADAPTER_NAME]
+    config.base_model_name_or_path = base
+    config.task_type = "CAUSAL_LM"  # AutoPeftModelForCausalLM.from_pretrained(folder) loads it, as TRL's
     if state is not None:  # PeftModel.save_pretrained takes the wrapper's names
         state = {f"base_model.model.{name}": value for name, value in state.items()}
     adapters.save_pretrained(folder, state_dict=state, save_embedding_layers=False)
