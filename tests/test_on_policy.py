@@ -49,6 +49,17 @@ def test_ratio_is_exactly_one_before_the_first_update(tmp_path, layout, capsys):
     assert "ratio is not 1" not in capsys.readouterr().err
 
 
+def test_ratio_is_exactly_one_with_every_micro_batch_packed(tmp_path, monkeypatch):
+    from ppo_fast.trainer import packing
+
+    packed = []
+    real = packing.pack
+    monkeypatch.setattr(packing, "PACK_BELOW", 1.0)  # the built-in task's rows pack whatever their padding
+    monkeypatch.setattr(packing, "pack", lambda *args: packed.append(1) or real(*args))
+    metrics = run(tmp_path, "run", num_mini_batches=2, gradient_accumulation_steps=2)
+    assert packed and [row["policy/ratio_dev_at_start"] for row in metrics] == [0.0, 0.0]
+
+
 def test_ratio_is_exactly_one_on_the_logits_path_with_truncation(tmp_path, monkeypatch):
     calls = []
 

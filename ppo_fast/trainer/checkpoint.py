@@ -57,8 +57,9 @@ REFUSED = {
 # Refused for the built-in task: they make another warm-up model, and so another KL reference
 # (and, for the seed and eval_size, another held-out split).
 REFUSED_BUILTIN = ("sft_steps", "sft_batch_size", "sft_learning_rate", "demo_carry_error_rate", "eval_size")
-# Not compared: where the run is, how it was started there, how long it goes on, and what it prints.
-IGNORED = ("output_dir", "resume", "overwrite", "steps", "verbose", "debug", "report_to")
+# Not compared: where the run is, how it was started there, how long it goes on, what it prints, and
+# how its forward passes lay the tokens out (the same numbers, to rounding).
+IGNORED = ("output_dir", "resume", "overwrite", "steps", "verbose", "debug", "report_to", "padding_free")
 
 
 def rng_state() -> dict:

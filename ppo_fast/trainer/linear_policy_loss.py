@@ -7,7 +7,7 @@ from __future__ import annotations
 import ppo_fast as pf
 from ppo_fast.backends import resolved_backend_name
 
-from .rollout import _response_scores, scores_through_fused_head
+from .rollout import _response_scores, critic_values, scores_through_fused_head
 
 
 def has_fast_backend(loss_mode: str, device_type: str) -> bool:
@@ -37,9 +37,7 @@ def linear_policy_objective(policy, critic, exp, cfg, terms: dict):
         entropy=True,
         hidden_states=False,
         policy_loss={"old_logprobs": exp.old_logprobs, "advantages": exp.advantages, "mask": mask, **terms},
+        packed=bool(cfg.padding_free),
     )
-    values = None
-    if needs_values:
-        start = batch.prompt_width - 1
-        values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)[:, start:-1].float()
+    values = critic_values(critic, batch, bool(cfg.padding_free)).float() if needs_values else None
     return objective, stats, values

@@ -105,8 +105,9 @@ class Critic(nn.Module):
         return self.backbone is None
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        # No cache: with no mask, transformers then finds packed sequences from position_ids (packing).
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return self.head(hidden)
 

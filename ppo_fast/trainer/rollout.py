@@ -10,6 +10,7 @@ import torch
 
 import ppo_fast as pf
 
+from . import packing
 from .models import Critic
 
 
@@ -192,9 +193,23 @@ class ResponseScorer(torch.nn.Module):
         hidden_states: bool,
         truncation: dict | None = None,
         policy_loss: dict | None = None,
+        packed: bool = False,
     ):
         """``policy_loss``: the keyword arguments of ``pf.linear_policy_loss`` but the head's; then the
-        forward returns its ``(loss, stats)`` (the fused head only: see ``scores_through_fused_head``)."""
+        forward returns its ``(loss, stats)`` (the fused head only: see ``scores_through_fused_head``).
+        ``packed``: the rows' real tokens as one sequence (``packing``); the hidden states returned are
+        then those that score the response tokens, ``[B, R, H]``, instead of every position's."""
+        if packed and packing.worth_packing(attention_mask):
+            return self._packed(
+                input_ids,
+                attention_mask,
+                response_ids,
+                temperature=temperature,
+                entropy=entropy,
+                hidden_states=hidden_states,
+                truncation=truncation,
+                policy_loss=policy_loss,
+            )
         # The logits at position t predict token t + 1: the response is scored from the
         # position before its first token to the second to last one.
         start = input_ids.shape[1] - response_ids.shape[1] - 1
@@ -207,13 +222,7 @@ class ResponseScorer(torch.nn.Module):
         backbone, head = _fused_head(self.model, input_ids.device)
         if backbone is not None:
             hidden = backbone(**inputs).last_hidden_state
-            device_type = hidden.device.type
-            # In the dtype the head would run in: autocast's (bf16 on CUDA) or its own.
-            dtype = (
-                torch.get_autocast_dtype(device_type)
-                if torch.is_autocast_enabled(device_type)
-                else head["weight"].dtype
-            )
+            dtype = _head_dtype(hidden, head)
             head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
             if policy_loss is not None:  # the update's loss and its gradients in one pass through the head
                 return pf.linear_policy_loss(
@@ -230,9 +239,7 @@ class ResponseScorer(torch.nn.Module):
         else:
             if policy_loss is not None:
                 raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
-            if head not in _fallbacks_logged:
-                _fallbacks_logged.add(head)
-                print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {head}", file=sys.stderr)
+            _say_logits_fallback(head)
             out = self.model(**inputs, output_hidden_states=hidden_states)
             hidden = out.hidden_states[-1] if hidden_states else None
             result = pf.token_logprobs(
@@ -244,6 +251,58 @@ class ResponseScorer(torch.nn.Module):
             )
         logprobs, token_entropy = result if entropy else (result, None)
         return logprobs, token_entropy, hidden
+
+    def _packed(
+        self, input_ids, attention_mask, response_ids, *, temperature, entropy, hidden_states, truncation, policy_loss
+    ):
+        """``forward`` on the packed rows: the backbone (or the model) runs on their real tokens only,
+        the head on the ``M`` scored positions; the results are spread back into ``[B, R]``."""
+        p = packing.pack(input_ids, attention_mask, response_ids.shape[1])
+        backbone, head = _fused_head(self.model, input_ids.device)
+        if backbone is None:
+            if policy_loss is not None:
+                raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
+            _say_logits_fallback(head)
+            out = self.model(**p.inputs, output_hidden_states=True)
+            hidden = out.hidden_states[-1][0, p.scored]
+            result = pf.token_logprobs(
+                out.logits[0, p.scored], p.labels, temperature=temperature, return_entropy=entropy, **(truncation or {})
+            )
+        else:
+            hidden = backbone(**p.inputs).last_hidden_state[0, p.scored]
+            dtype = _head_dtype(hidden, head)
+            head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
+            if policy_loss is not None:  # the one-pass op takes the [B, R] layout
+                return pf.linear_policy_loss(
+                    p.spread(hidden.to(dtype)), labels=response_ids, temperature=temperature, **head, **policy_loss
+                )
+            result = pf.linear_token_logprobs(
+                hidden.to(dtype),
+                labels=p.labels,
+                temperature=temperature,
+                return_entropy=entropy,
+                **(truncation or {}),
+                **head,
+            )
+        logprobs, token_entropy = result if entropy else (result, None)
+        spread = p.spread
+        return (
+            spread(logprobs),
+            None if token_entropy is None else spread(token_entropy),
+            spread(hidden) if hidden_states else None,
+        )
+
+
+def _head_dtype(hidden: torch.Tensor, head: dict) -> torch.dtype:
+    """The dtype the head would run in: autocast's (bf16 on CUDA) or its own."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head["weight"].dtype
+
+
+def _say_logits_fallback(why: str) -> None:
+    if why not in _fallbacks_logged:
+        _fallbacks_logged.add(why)
+        print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {why}", file=sys.stderr)
 
 
 def scores_through_fused_head(policy, device: torch.device) -> bool:
@@ -263,6 +322,7 @@ def _response_scores(
     hidden_states: bool,
     truncation: dict | None = None,
     policy_loss: dict | None = None,
+    packed: bool = False,
 ):
     """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
     scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
@@ -276,7 +336,16 @@ def _response_scores(
         hidden_states=hidden_states,
         truncation=truncation,
         policy_loss=policy_loss,
+        packed=packed,
     )
+
+
+def critic_values(critic: Critic, batch: Batch, packed: bool = False) -> torch.Tensor:
+    """A separate critic's ``[B, R]`` values at the positions that score the response tokens."""
+    if not (packed and packing.worth_packing(batch.attention_mask)):
+        return critic(batch.input_ids, batch.attention_mask, batch.position_ids)[:, batch.prompt_width - 1 : -1]
+    p = packing.pack(batch.input_ids, batch.attention_mask, batch.response_ids.shape[1])
+    return p.spread(critic(p.input_ids, None, p.position_ids)[0, p.scored])
 
 
 def forward(
@@ -288,24 +357,32 @@ def forward(
     entropy: bool = False,
     values: bool = False,
     truncation: dict | None = None,
+    packed: bool = False,
 ):
     """Per-response-token ``(logprobs, entropy or None, values or None)`` under the current weights,
     at ``temperature`` with the sampler's ``truncation`` (``TrainerConfig.logprob_truncation``).
 
     ``policy`` is a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one.  The values are
     read at the positions whose logits score the response (the state before each token).
+    ``packed``: padding-free (``packing``); zeros outside the response mask.
     """
     shared_values = values and critic is not None and critic.shared
     logprobs, token_entropy, hidden = _response_scores(
-        policy, batch, temperature=temperature, entropy=entropy, hidden_states=shared_values, truncation=truncation
+        policy,
+        batch,
+        temperature=temperature,
+        entropy=entropy,
+        hidden_states=shared_values,
+        truncation=truncation,
+        packed=packed,
     )
-    start = batch.prompt_width - 1
     token_values = None
     if values:
-        if shared_values:
-            token_values = critic.head(hidden[:, start:-1])
+        if shared_values:  # packed: already the scoring positions' hidden states
+            packed = packed and packing.worth_packing(batch.attention_mask)
+            token_values = critic.head(hidden if packed else hidden[:, batch.prompt_width - 1 : -1])
         else:
-            token_values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)[:, start:-1]
+            token_values = critic_values(critic, batch, packed)
         token_values = token_values.float()
     return logprobs, token_entropy, token_values
 
@@ -322,6 +399,7 @@ def score_old_and_ref(
     order: torch.Tensor | None = None,
     truncation: dict | None = None,
     reference_scope=contextlib.nullcontext,
+    packed: bool = False,
 ):
     """Old log-probs, reference log-probs and (with a critic) values, dropout off, in chunks of
     ``chunk`` rows taken in ``order`` (a permutation of the rows; by default their own order).
@@ -336,10 +414,18 @@ def score_old_and_ref(
         index = order[start : start + chunk]
         part = batch.rows(index)
         logp, _, v = forward(
-            policy, critic, part, temperature=temperature, values=critic is not None, truncation=truncation
+            policy,
+            critic,
+            part,
+            temperature=temperature,
+            values=critic is not None,
+            truncation=truncation,
+            packed=packed,
         )
         with reference_scope():
-            ref_logp, _, _ = forward(reference, None, part, temperature=temperature, truncation=truncation)
+            ref_logp, _, _ = forward(
+                reference, None, part, temperature=temperature, truncation=truncation, packed=packed
+            )
         if old is None:
             old = logp.new_empty((rows, *logp.shape[1:]))
             ref = ref_logp.new_empty(old.shape)

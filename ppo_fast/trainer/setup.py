@@ -15,7 +15,7 @@ import torch
 
 import ppo_fast as pf
 
-from . import checkpoint, default_task, lora, run_folder
+from . import checkpoint, default_task, lora, packing, run_folder
 from .config import ConfigError, TrainerConfig
 from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
 from .prompts import Prompts, read_prompts
@@ -293,6 +293,21 @@ def start_engine(trainer) -> VLLMEngine:
     )
     trainer.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
     return engine
+
+
+def padding_free(cfg: TrainerConfig, policy, device: torch.device, log) -> bool:
+    """``--padding-free`` resolved on the model in use: on unless ``--no-padding-free`` or, when it
+    is unset, the model's attention crosses packed sequences (said in one line); asked for on such
+    a model, a ``ConfigError``."""
+    if cfg.padding_free is False:
+        return False
+    refused = packing.problem(policy, device)
+    if refused is None:
+        return True
+    if cfg.padding_free:
+        raise ConfigError(f"--padding-free: {refused}; pass --no-padding-free")
+    log(f"padding-free off: {refused}")
+    return False
 
 
 def fit_response_length(trainer, policy) -> int:

@@ -97,6 +97,8 @@ class PPOTrainer:
         if not self.eval_prompts:
             self.log("no held-out prompts (--eval-prompts-file): no evaluation before, during or after PPO")
         self.scorer = setup.scorer(cfg, reward_fn, self.device)
+        packed = setup.padding_free(cfg, policy.to(self.device), self.device, self.log)
+        cfg = self.cfg = dataclasses.replace(cfg, padding_free=packed)
 
         models = setup.build_models(cfg, policy, self.parallel, self.device)
         self.policy, self.reference, self.critic = models.policy, models.reference, models.critic
@@ -211,6 +213,7 @@ class PPOTrainer:
                 order=first_order,
                 truncation=cfg.logprob_truncation(),
                 reference_scope=self.reference_scope,
+                packed=cfg.padding_free,
             )
         r = Rollouts(prompts, answers, batch, engine_logprobs, first_order, old, ref, values)
         if cfg.rollout_correction != "none":

@@ -100,6 +100,7 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True)
         entropy=True,
         values=exp.old_values is not None,
         truncation=cfg.logprob_truncation(),
+        packed=bool(cfg.padding_free),
     )
     mask = exp.batch.response_mask
     objective, stats = pf.policy_objective(logprobs, entropy, exp.old_logprobs, exp.advantages, mask, **terms)

@@ -1,0 +1,108 @@
+"""Padding-free forward passes: a micro-batch's real tokens as one sequence.
+
+A batch of rollouts is ``[B, P + R]`` with the prompts padded on the left and the responses on
+the right.  Packed, its real tokens (each row's are contiguous) are concatenated into
+``[1, N]`` with ``position_ids`` restarting at 0 for each row; with no attention mask and no
+cache, transformers keeps attention inside each sequence (its packed-sequence masks, found from
+the restarts).  The response tokens are scored from the ``M`` packed positions that precede
+them, and the per-token results are spread back into the ``[B, R]`` layout the losses take
+(zeros outside the response mask, where the padded layout held values no loss reads).
+
+Whether a model's attention really keeps to each sequence is checked once, at start-up
+(``problem``): a model that attends across the restarts would train on other rows' tokens.  A
+micro-batch is packed only where padding is a large share of it (``worth_packing``); the choice
+depends on its mask alone, so the old log-probs and the update's first micro-batch make the same one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# A micro-batch is packed when its real tokens are at most this share of its padded layout: the packed
+# pass attends over one [N, N]-masked sequence (sdpa, eager), which pays where padding is large and
+# costs more than it saves on rows of nearly equal length (the built-in task's).
+PACK_BELOW = 0.75
+
+
+def worth_packing(attention_mask: torch.Tensor) -> bool:
+    """Whether ``attention_mask``'s ``[B, T]`` layout is padded enough to pack (``PACK_BELOW``)."""
+    return int(attention_mask.sum()) <= PACK_BELOW * attention_mask.numel()
+
+
+@dataclass
+class Packed:
+    """A batch's real tokens as one sequence, and where its scored response tokens go."""
+
+    input_ids: torch.Tensor  # [1, N]
+    position_ids: torch.Tensor  # [1, N], from 0 in each row
+    scored: torch.Tensor  # [M]: the packed positions whose hidden states score a response token
+    labels: torch.Tensor  # [M]: the response tokens they score
+    rows: torch.Tensor  # [M]: each scored token's row ...
+    cols: torch.Tensor  # [M]: ... and response column in the [B, R] layout
+    shape: tuple[int, int]  # (B, R)
+
+    @property
+    def inputs(self) -> dict:
+        """The model's keywords: no mask and no cache, so that transformers finds the restarts."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": None,
+            "use_cache": False,
+        }
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """``[M, ...]`` per scored token -> ``[B, R, ...]`` (zeros elsewhere), differentiably."""
+        out = values.new_zeros((*self.shape, *values.shape[1:]))
+        return out.index_put((self.rows, self.cols), values)
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> Packed:
+    """``input_ids`` / ``attention_mask`` ``[B, P + R]`` (each row's real tokens contiguous: a
+    left-padded prompt, then a response up to its EOS) packed; the last ``response_width`` columns
+    are the responses."""
+    mask = attention_mask.bool()
+    rows_n, width = input_ids.shape
+    prompt = width - response_width
+    index = mask.reshape(-1).long().cumsum(0).reshape(rows_n, width) - 1  # each real token's packed position
+    positions = mask.long().cumsum(-1) - 1
+    response = mask[:, prompt:]
+    rows, cols = response.nonzero(as_tuple=True)
+    return Packed(
+        input_ids=input_ids[mask].unsqueeze(0),
+        position_ids=positions[mask].unsqueeze(0),
+        scored=index[rows, prompt - 1 + cols],  # the token before each response token
+        labels=input_ids[rows, prompt + cols],
+        rows=rows,
+        cols=cols,
+        shape=(rows_n, response_width),
+    )
+
+
+@torch.no_grad()
+def problem(model: torch.nn.Module, device: torch.device) -> str | None:
+    """None when ``model``'s packed logits of two sequences equal their logits alone (to float32
+    rounding); else what differs (its attention crosses the restarts)."""
+    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else None
+    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    training = model.training
+    model.eval()  # dropout would make any two passes differ
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(vocab, (1, n), generator=generator).to(device) for n in (6, 5))
+    alone = [model(input_ids=ids, use_cache=False).logits.float() for ids in (first, second)]
+    positions = torch.cat([torch.arange(6), torch.arange(5)]).unsqueeze(0).to(device)
+    packed = model(
+        input_ids=torch.cat([first, second], 1), position_ids=positions, attention_mask=None, use_cache=False
+    ).logits.float()
+    model.train(training)
+    worst = max((packed[:, :6] - alone[0]).abs().max().item(), (packed[:, 6:] - alone[1]).abs().max().item())
+    scale = max(alone[0].abs().max().item(), alone[1].abs().max().item(), 1.0)
+    low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    if worst <= (3e-2 if low_precision else 1e-4) * scale:
+        return None
+    return (
+        f"{type(model).__name__}'s attention crosses the sequences of a packed batch (logits off by {worst:.3g}): "
+        "its transformers version or attention implementation does not mask packed sequences from position_ids"
+    )

@@ -1,0 +1,107 @@
+"""Padding-free forward passes (--padding-free): a micro-batch's real tokens packed into one sequence
+score every response token as the padded layout does, in value and gradient; a model whose attention
+crosses the packed sequences is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, setup
+from ppo_fast.trainer.models import build_critic
+from ppo_fast.trainer.rollout import Batch, forward
+
+
+def _llama(vocab: int):
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+def _batch(vocab: int, seed: int) -> Batch:
+    """Prompts left-padded to 7 (real lengths 7, 3, 1, 5), responses of 6 ending early (6, 2, 1, 4 tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (4, 13), generator=generator)
+    mask = torch.zeros(4, 13, dtype=torch.bool)
+    for row, (prompt, response) in enumerate([(7, 6), (3, 2), (1, 1), (5, 4)]):
+        mask[row, 7 - prompt : 7 + response] = True
+    return Batch(ids, mask, 7)
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+@pytest.mark.parametrize("critic_mode", ["separate", "shared"])
+def test_packed_scores_and_gradients_equal_the_padded_ones_at_every_response_token(model_name, critic_mode):
+    seed = torch.randint(1000, ()).item()
+    tokenizer = default_task.build_tokenizer()
+    policy = default_task.build_model(tokenizer, seed) if model_name == "gpt2" else _llama(len(tokenizer))
+    critic = build_critic(policy, critic_mode)
+    with torch.no_grad():  # a value head that reads its input (it starts at zero)
+        critic.head.summary.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
+    batch = _batch(len(tokenizer), seed)
+    mask = batch.response_mask
+    results = {}
+    for packed in (False, True):
+        params = [*policy.parameters(), *critic.parameters()]
+        for p in params:
+            p.grad = None
+        logprobs, entropy, values = forward(
+            policy, critic, batch, temperature=0.7, entropy=True, values=True, packed=packed
+        )
+        loss = (logprobs * 1.3 + entropy * 0.1 + values * values)[mask].sum()
+        loss.backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+        results[packed] = (logprobs.detach(), entropy.detach(), values.detach(), grads)
+    (lp0, en0, v0, g0), (lp1, en1, v1, g1) = results[False], results[True]
+    for name, want, got in (("logprobs", lp0, lp1), ("entropy", en0, en1), ("values", v0, v1)):
+        torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert bool((got[~mask] == 0).all()), f"{name}: the packed layout leaves zeros outside the mask"
+    for want, got in zip(g0, g1):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert any(g.abs().sum() > 0 for g in g1)
+
+
+def test_pack_keeps_each_rows_real_tokens_and_restarts_positions():
+    batch = _batch(50, 0)
+    p = packing.pack(batch.input_ids, batch.attention_mask, 6)
+    assert p.input_ids.shape == (1, 7 + 3 + 1 + 5 + 6 + 2 + 1 + 4)
+    assert p.position_ids[0].tolist() == [*range(13), *range(5), *range(2), *range(9)]
+    assert (
+        p.scored.tolist()[:6] == [6, 7, 8, 9, 10, 11]
+        and p.labels.tolist() == batch.response_ids[batch.response_mask].tolist()
+    )
+
+
+class _Crossing(torch.nn.Module):
+    """A causal LM that drops position_ids: its attention runs across the packed sequences."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def test_a_model_whose_attention_crosses_packed_sequences_is_refused_or_left_padded():
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer, 0)
+    device, said = torch.device("cpu"), []
+    assert setup.padding_free(TrainerConfig(), model, device, said.append) and not said
+    crossing = _Crossing(model)
+    with pytest.raises(ConfigError, match=r"--padding-free: _Crossing's attention crosses .*; pass --no-padding-free"):
+        setup.padding_free(TrainerConfig(padding_free=True), crossing, device, said.append)
+    assert not setup.padding_free(TrainerConfig(), crossing, device, said.append)
+    assert said == [said[0]] and said[0].startswith("padding-free off: _Crossing's attention crosses")
+    assert not setup.padding_free(TrainerConfig(padding_free=False), crossing, device, said.append)
