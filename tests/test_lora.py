@@ -149,8 +149,11 @@ def test_a_lora_run_trains_adapters_only_checkpoints_them_resumes_exactly_and_ex
     with pytest.raises(ConfigError, match=r"trained with --lora-r 4 .* resume with --lora-r 4"):
         PPOTrainer(tiny(tmp_path, "resumed", steps=3, resume=True, lora_r=8), log=quiet)
     PPOTrainer(tiny(tmp_path, "resumed", steps=3, resume=True), log=quiet).train()
-    want, got = rows[2], read_metrics(resumed_dir / METRICS_FILE)[2]
-    assert _comparable(got) == _comparable(want)
+    want, got = _comparable(rows[2]), _comparable(read_metrics(resumed_dir / METRICS_FILE)[2])
+    if trainer.device.type == "cpu":
+        assert got == want
+    else:  # on a GPU, some kernels accumulate in a run-dependent order
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def test_lora_without_peft_is_one_line_before_any_model_loads(tmp_path, monkeypatch):

@@ -52,6 +52,8 @@ def test_ratio_is_exactly_one_before_the_first_update(tmp_path, layout, capsys):
 def test_ratio_is_exactly_one_with_every_micro_batch_packed(tmp_path, monkeypatch):
     from ppo_fast.trainer import packing
 
+    if why := packing.problem(default_task.build_model(default_task.build_tokenizer(), 0), torch.device("cpu")):
+        pytest.skip(why)  # this transformers does not mask packed sequences: the trainer does not pack
     packed = []
     real = packing.pack
     monkeypatch.setattr(packing, "PACK_BELOW", 1.0)  # the built-in task's rows pack whatever their padding

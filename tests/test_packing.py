@@ -43,6 +43,8 @@ def test_packed_scores_and_gradients_equal_the_padded_ones_at_every_response_tok
     seed = torch.randint(1000, ()).item()
     tokenizer = default_task.build_tokenizer()
     policy = default_task.build_model(tokenizer, seed) if model_name == "gpt2" else _llama(len(tokenizer))
+    if why := packing.problem(policy, torch.device("cpu")):  # the trainer would not pack it either
+        pytest.skip(why)
     critic = build_critic(policy, critic_mode)
     with torch.no_grad():  # a value head that reads its input (it starts at zero)
         critic.head.summary.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))

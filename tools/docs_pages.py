@@ -317,6 +317,7 @@ def _other_sections() -> list[str]:
             vllm_rollout.markdown(data),
             "",
         ]
+    out += _padding_free_section()
     out += _lora_section()
     gpu = sorted(p.name for p in RESULTS.glob("cuda*.json"))
     out += ["## GPU", ""]
@@ -326,6 +327,26 @@ def _other_sections() -> list[str]:
         else ["No GPU result file is in `bench/results/`: `bash bench/gpu_check.sh` on a GPU writes them.", ""]
     )
     return out
+
+
+def _padding_free_section() -> list[str]:
+    from bench import padding_free
+
+    data = _load("padding-free-cpu.json")
+    if not data:
+        return []
+    return [
+        "## Padding-free against the padded layout",
+        "",
+        "`python -m bench padding_free`: the update's forward and backward (policy with entropy, a separate critic) "
+        "on one batch of long-tailed response lengths, padded and packed; then the built-in job padded and with "
+        "every micro-batch packed (its rows are too even for the shipped threshold, which leaves them padded).",
+        "",
+        measured_on(data, "padding-free-cpu.json"),
+        "",
+        padding_free.markdown(data),
+        "",
+    ]
 
 
 def _lora_section() -> list[str]:
