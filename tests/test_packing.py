@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, setup
+from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, rollout, setup
 from ppo_fast.trainer.models import build_critic
 from ppo_fast.trainer.rollout import Batch, forward
 
@@ -40,6 +40,15 @@ def _batch(vocab: int, seed: int) -> Batch:
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])
 @pytest.mark.parametrize("critic_mode", ["separate", "shared"])
 def test_packed_scores_and_gradients_equal_the_padded_ones_at_every_response_token(model_name, critic_mode):
+    _compare_layouts(model_name, critic_mode)
+
+
+def test_packed_equals_padded_on_the_logits_path(monkeypatch):
+    monkeypatch.setattr(rollout, "_fused_head", lambda model, device: (None, "the test scores from the logits"))
+    _compare_layouts("gpt2", "shared")
+
+
+def _compare_layouts(model_name: str, critic_mode: str) -> None:
     seed = torch.randint(1000, ()).item()
     tokenizer = default_task.build_tokenizer()
     policy = default_task.build_model(tokenizer, seed) if model_name == "gpt2" else _llama(len(tokenizer))

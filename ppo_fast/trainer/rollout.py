@@ -263,8 +263,8 @@ class ResponseScorer(torch.nn.Module):
             if policy_loss is not None:
                 raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
             _say_logits_fallback(head)
-            out = self.model(**p.inputs, output_hidden_states=True)
-            hidden = out.hidden_states[-1][0, p.scored]
+            out = self.model(**p.inputs, output_hidden_states=hidden_states)
+            hidden = out.hidden_states[-1][0, p.scored] if hidden_states else None
             result = pf.token_logprobs(
                 out.logits[0, p.scored], p.labels, temperature=temperature, return_entropy=entropy, **(truncation or {})
             )
@@ -289,7 +289,7 @@ class ResponseScorer(torch.nn.Module):
         return (
             spread(logprobs),
             None if token_entropy is None else spread(token_entropy),
-            spread(hidden) if hidden_states else None,
+            spread(hidden) if hidden_states else None,  # the scoring positions' (a shared critic reads them)
         )
 
 
