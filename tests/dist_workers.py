@@ -23,12 +23,18 @@ from ppo_fast.trainer.update import Experience, ppo_losses, ppo_update
 ROWS = 8  # the whole batch; world 2 gives each rank 4
 
 
-def config(agg: str) -> TrainerConfig:
+# Micro-batches of at most this many tokens in the "token-budget" variant (a row has 7 to 10).
+TOKEN_BUDGET = 16
+
+
+def config(agg: str, variant: str = "plain") -> TrainerConfig:
     # The entropy bonus is a token mean whatever agg is: with a seq-mean-* mode it is left out here.
+    budget = TOKEN_BUDGET if variant == "token-budget" else None
     return TrainerConfig(
         num_ppo_epochs=1,
         num_mini_batches=1,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=1 if budget else 2,
+        max_tokens_per_micro_batch=budget,
         max_grad_norm=0.5,
         agg=agg,
         vf_coef=0.5,
@@ -52,11 +58,16 @@ def rollouts(seed: int):
     return policy, reference, critic, batch, scores
 
 
-def one_update(parallel: Parallel, seed: int, agg: str, adapters: bool = False) -> dict:
-    """``adapters``: LoRA on the policy and the critic's backbone (only they and the value head train)."""
-    cfg = config(agg)
+def one_update(parallel: Parallel, seed: int, agg: str, variant: str = "plain") -> dict:
+    """``variant``: "plain"; "lora": LoRA on the policy and the critic's backbone (only they and the value
+    head train); "token-budget": micro-batches by ``TOKEN_BUDGET`` tokens (the ranks' counts may differ)."""
+    cfg = config(agg, variant)
     policy, reference, critic, batch, scores = rollouts(seed)
-    if adapters:
+    if variant == "token-budget":  # the first half's responses cut to one token: rank 0 gets fewer micro-batches
+        mask = batch.attention_mask.clone()
+        mask[: ROWS // 2, batch.prompt_width + 1 :] = False
+        batch = rollout.Batch(batch.input_ids, mask, batch.prompt_width)
+    if variant == "lora":
         options = TrainerConfig(lora_r=4, lora_alpha=8.0)
         lora.attach(options, policy)
         lora.attach(options, critic.backbone)
@@ -119,16 +130,15 @@ def parallel_gather(parallel: Parallel, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def reference_update(seed: int, agg: str, adapters: bool = False) -> dict:
+def reference_update(seed: int, agg: str, variant: str = "plain") -> dict:
     """The same step in one process with the whole batch."""
-    return one_update(SINGLE, seed, agg, adapters)
+    return one_update(SINGLE, seed, agg, variant)
 
 
 AGGS = ("token-mean", "seq-mean-token-mean")
-# (mode, agg, LoRA adapters) of the equivalence step: every agg in both modes, and LoRA in both.
-CASES = [(mode, agg, False) for mode in ("ddp", "fsdp") for agg in AGGS] + [
-    ("ddp", "token-mean", True),
-    ("fsdp", "token-mean", True),
+# (mode, agg, variant) of the equivalence step: every agg in both modes, LoRA and a token budget in both.
+CASES = [(mode, agg, "plain") for mode in ("ddp", "fsdp") for agg in AGGS] + [
+    (mode, "token-mean", variant) for variant in ("lora", "token-budget") for mode in ("ddp", "fsdp")
 ]
 
 
@@ -144,8 +154,8 @@ def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int)
         timeout=datetime.timedelta(seconds=60),
     )
     results = {
-        (mode, agg, adapters): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg, adapters)
-        for mode, agg, adapters in CASES
+        (mode, agg, variant): one_update(Parallel(rank=rank, world_size=world_size, mode=mode), seed, agg, variant)
+        for mode, agg, variant in CASES
     }
     if rank == 0:
         torch.save(results, out)

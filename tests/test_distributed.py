@@ -30,10 +30,10 @@ def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
     out = tmp_path / "world2.pt"
     mp.spawn(dist_workers.equivalence, args=(2, str(tmp_path / "init"), str(out), seed), nprocs=2, join=True)
     world2 = torch.load(out, weights_only=True)
-    for (mode, agg, adapters), got in world2.items():
-        want = dist_workers.reference_update(seed, agg, adapters)
-        where = f"{mode}, {agg}" + (", LoRA" if adapters else "")
-        if adapters:  # only the adapters and the value head train (and only their gradients are reduced)
+    for (mode, agg, variant), got in world2.items():
+        want = dist_workers.reference_update(seed, agg, variant)
+        where = f"{mode}, {agg}, {variant}"
+        if variant == "lora":  # only the adapters and the value head train (and only their gradients are reduced)
             assert all(".lora_" in name or name.startswith("critic.head.") for name in got["grads"]), where
         # DDP runs the fused LM head inside its forward; FSDP2 scores from the logits (said why).
         assert want["logits_fallbacks"] == [] and (

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, rollout, setup
+from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, rollout, setup, update
 from ppo_fast.trainer.models import build_critic
-from ppo_fast.trainer.rollout import Batch, forward
+from ppo_fast.trainer.rollout import Batch, forward, score_old_and_ref
 
 
 def _llama(vocab: int):
@@ -116,3 +116,56 @@ def test_a_model_whose_attention_crosses_packed_sequences_is_refused_or_left_pad
     assert not setup.padding_free(TrainerConfig(), crossing, device, said.append)
     assert said == [said[0]] and said[0].startswith("padding-free off: _Crossing's attention crosses")
     assert not setup.padding_free(TrainerConfig(padding_free=False), crossing, device, said.append)
+
+
+# ---------------------------------------------------------------------- micro-batches by a token budget
+
+
+def test_token_bins_fill_first_fit_decreasing_within_the_budget():
+    lengths = [5, 3, 8, 2, 7, 12]
+    bins = [b.tolist() for b in update.token_bins(lengths, 10)]
+    assert bins == [[5], [2, 3], [1, 4], [0]]  # 12 alone (over the budget), 8+2, 7+3, 5
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins if len(b) > 1)
+
+
+def _one_update(budget: int | None, seed: int) -> dict:
+    tokenizer = default_task.build_tokenizer()
+    policy = default_task.build_model(tokenizer, seed)
+    critic = build_critic(policy, "separate")
+    batch = _batch(len(tokenizer), seed)
+    cfg = TrainerConfig(
+        num_mini_batches=1, num_ppo_epochs=1, max_tokens_per_micro_batch=budget, max_grad_norm=0.0, padding_free=True
+    )
+    order = torch.arange(batch.input_ids.shape[0])
+    groups = update.first_epoch_micro_batches(order, batch.attention_mask.sum(-1), cfg)
+    with torch.no_grad():  # scored in the update's first micro-batches, as the trainer does
+        old, _, values = score_old_and_ref(
+            policy, policy, critic, batch, temperature=1.0, groups=groups, packed=cfg.padding_free is not False
+        )
+    advantages = torch.linspace(-1, 1, batch.response_ids.numel()).view_as(old)
+    exp = update.Experience(batch, old, advantages, values, values + advantages)
+    params = [*policy.parameters(), *critic.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    stats = update.ppo_update(policy, critic, optimizer, scheduler, exp, cfg, step=1, first_order=order)
+    return {"stats": stats, "weights": [p.detach().clone() for p in params]}
+
+
+def test_a_token_budget_cuts_micro_batches_and_leaves_the_update_unchanged(monkeypatch):
+    seed = torch.randint(1000, ()).item()
+    cuts = []
+    real = update.micro_batches
+    monkeypatch.setattr(update, "micro_batches", lambda *a, **k: cuts.append(real(*a, **k)) or cuts[-1])
+    whole, budgeted = _one_update(None, seed), _one_update(14, seed)
+    # scoring, then the update, for each: rows of 13, 5, 2 and 9 tokens cut into [13], [9, 5], [2] by 14
+    assert [len(cut[0]) for cut in cuts] == [1, 1, 3, 3]
+    assert budgeted["stats"]["policy/ratio_dev_at_start"] == 0.0
+    for want, got in zip(whole["weights"], budgeted["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(w, p) for w, p in zip(whole["weights"], _one_update(None, seed + 1)["weights"]))
+
+
+def test_a_token_budget_replaces_gradient_accumulation():
+    with pytest.raises(ConfigError, match=r"replaces --gradient-accumulation-steps"):
+        TrainerConfig(max_tokens_per_micro_batch=512, gradient_accumulation_steps=2).validate()

@@ -390,6 +390,14 @@ class TrainerConfig:
     gradient_accumulation_steps: int = _opt(
         1, "Micro-batches per minibatch (gradient accumulation).", "optimize", bounds=">= 1"
     )
+    max_tokens_per_micro_batch: int | None = _opt(
+        None,
+        "Cut each minibatch into micro-batches of at most this many real (prompt + response) tokens, the rows "
+        "binned first-fit decreasing (a longer row alone), instead of --gradient-accumulation-steps equal slices; "
+        "every rank gets as many micro-batches (as verl's ppo_max_token_len_per_gpu).",
+        "optimize",
+        bounds=">= 1",
+    )
     learning_rate: float = _opt(1e-4, "AdamW learning rate (policy and critic).", "optimize", bounds="> 0")
     lr_scheduler_type: str = _opt(
         "constant", "Learning-rate schedule: constant, linear or cosine decay.", "optimize", choices=LR_SCHEDULES
@@ -519,6 +527,11 @@ class TrainerConfig:
             "gradient_accumulation_steps",
             (rows // self.num_mini_batches) % self.gradient_accumulation_steps == 0,
             f"must divide the minibatch size {rows // self.num_mini_batches}",
+        )
+        _require(
+            "max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch is None or self.gradient_accumulation_steps == 1,
+            "replaces --gradient-accumulation-steps (the micro-batches are cut by tokens); choose one",
         )
         if self.advantage_method in GROUP_METHODS:
             _require(

@@ -93,6 +93,14 @@ class Parallel:
             return flag
         return bool(self.all_sum(torch.tensor([float(flag)], device=_collective_device())).item() > 0)
 
+    def most(self, count: int) -> int:
+        """The largest ``count`` over ranks (every rank runs that many micro-batches)."""
+        if not self.active:
+            return count
+        counts = torch.zeros(self.world_size, device=_collective_device())
+        counts[self.rank] = count
+        return int(self.all_sum(counts).max().item())
+
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj``, by rank."""
         if not self.active:

@@ -26,7 +26,7 @@ from .models import check_pretrained, third_party_output
 from .rollout import Rollouts, decode_responses, generate, score_old_and_ref
 from .scoring import check_finite
 from .stops import DeferredInterrupt, StopNow
-from .update import Experience, ppo_update
+from .update import Experience, first_epoch_micro_batches, ppo_update
 
 
 def _silent(_message: str) -> None:
@@ -209,8 +209,7 @@ class PPOTrainer:
                 self.critic,
                 batch,
                 temperature=cfg.temperature,
-                chunk=rows // cfg.num_mini_batches // cfg.gradient_accumulation_steps,
-                order=first_order,
+                groups=first_epoch_micro_batches(first_order, batch.attention_mask.sum(-1), cfg, self.parallel),
                 truncation=cfg.logprob_truncation(),
                 reference_scope=self.reference_scope,
                 packed=cfg.padding_free,

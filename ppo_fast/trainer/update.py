@@ -131,6 +131,48 @@ def _check_ratio_at_start(deviation: float) -> None:
         )
 
 
+def micro_batches(rows: torch.Tensor, tokens: torch.Tensor, cfg, parallel=SINGLE) -> tuple[list[torch.Tensor], int]:
+    """``(micro-batches, how many are real)`` of one minibatch (``rows``: its indices into the batch;
+    ``tokens``: every row's real tokens): ``gradient_accumulation_steps`` equal slices, or with
+    ``max_tokens_per_micro_batch`` bins of at most that many tokens (``token_bins``).  Every rank gets
+    as many: the ones a rank lacks repeat its last and weigh 0 (DDP and FSDP2 run collectives in
+    each micro-batch's forward and backward)."""
+    budget = cfg.max_tokens_per_micro_batch
+    if budget is None:
+        size = len(rows) // cfg.gradient_accumulation_steps
+        return [rows[start : start + size] for start in range(0, len(rows), size)], cfg.gradient_accumulation_steps
+    groups = [rows[bin_] for bin_ in token_bins(tokens[rows].tolist(), budget)]
+    count = parallel.most(len(groups))
+    return groups + [groups[-1]] * (count - len(groups)), len(groups)
+
+
+def first_epoch_micro_batches(first_order: torch.Tensor, tokens: torch.Tensor, cfg, parallel=SINGLE):
+    """The real micro-batches of the first epoch, in order (``ppo_update``'s with ``first_order``): the
+    old log-probs are scored in them."""
+    minibatch = len(first_order) // cfg.num_mini_batches
+    groups = []
+    for start in range(0, len(first_order), minibatch):
+        micro, real = micro_batches(first_order[start : start + minibatch], tokens, cfg, parallel)
+        groups += micro[:real]
+    return groups
+
+
+def token_bins(lengths: list[int], budget: int) -> list[torch.Tensor]:
+    """Positions in ``lengths`` binned first-fit decreasing so that each bin sums to at most ``budget``
+    (a longer item alone); each bin in ascending position order, the bins in the order they opened."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fit = next((b for b, load in enumerate(loads) if load + lengths[i] <= budget), None)
+        if fit is None:
+            bins.append([i])
+            loads.append(lengths[i])
+        else:
+            bins[fit].append(i)
+            loads[fit] += lengths[i]
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
 def ppo_update(
     policy,
     critic,
@@ -158,7 +200,7 @@ def ppo_update(
     """
     rows = exp.old_logprobs.shape[0]
     minibatch = rows // cfg.num_mini_batches
-    micro = minibatch // cfg.gradient_accumulation_steps
+    tokens = exp.batch.attention_mask.sum(-1)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals: dict[str, list[torch.Tensor]] = defaultdict(list)
     policy.train()
@@ -172,8 +214,11 @@ def ppo_update(
             order = torch.randperm(rows, device=exp.old_logprobs.device)
         for mb_start in range(0, rows, minibatch):
             optimizer.zero_grad(set_to_none=True)
-            micro_rows = [order[start : start + micro] for start in range(mb_start, mb_start + minibatch, micro)]
-            weights = parallel.micro_batch_weights([exp.batch.response_mask[index] for index in micro_rows], cfg.agg)
+            micro_rows, real = micro_batches(order[mb_start : mb_start + minibatch], tokens, cfg, parallel)
+            masks = [exp.batch.response_mask[index] for index in micro_rows]
+            masks = masks[:real] + [torch.zeros_like(mask) for mask in masks[real:]]  # a repeat weighs 0
+            weights = parallel.micro_batch_weights(masks, cfg.agg)
+            weights = weights[:real] + [weight * 0 for weight in weights[real:]]
             for number, (index, weight) in enumerate(zip(micro_rows, weights), 1):
                 with parallel.accumulating(sync=number == len(micro_rows)):
                     micro_exp = exp.rows(index)
@@ -187,8 +232,9 @@ def ppo_update(
                         _check_ratio_at_start(ratio_dev_at_start)
                     check_finite("loss", loss.detach(), step)
                     (loss * weight).backward()
-                for name, value in stats.items():
-                    totals[name].append(value)
+                if number <= real:  # a repeat's stats would count its rows twice
+                    for name, value in stats.items():
+                        totals[name].append(value)
             if cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
