@@ -97,7 +97,7 @@ torch.ops.ppo_fast.token_logprobs(x, torch.randint(0, 11, (4,)), 1.0, True, -100
 print('sanitize: ppo_fast from', ppo_fast.__file__, '| extension', C.__file__)
 ") || { cat "$REPORTS"/* 2>/dev/null >&2 || true; echo "sanitize: the sanitized extension does not load" >&2; exit 1; }
 
-# tests/backends/test_native_* whole; of the conformance matrix and the edge values, the native
+# tests/backends/test_native_* whole; of the conformance matrix, the edge values and the packed layout, the native
 # backend's cases (their Triton and reference cases run no C++ kernel).
 echo "== sanitize: pytest under ASan + UBSan"
 t2=$SECONDS
@@ -118,6 +118,7 @@ run_pytest tests/backends/test_native_bad_inputs.py
 run_pytest tests/backends/test_native_cpu_ops.py
 run_pytest tests/test_conformance.py -k native
 run_pytest tests/test_edge_values.py -k native
+run_pytest tests/test_varlen.py -k native  # the packed layout (cu_seqlens) on the native kernels
 echo "sanitize: pytest in $((SECONDS - t2)) s"
 
 # Every process's report file (asan.<pid>, ubsan.<pid>), from pytest or any process it

@@ -38,6 +38,7 @@ PYTEST_DONT_REWRITE (the messages say what differs; pytest's rewriting would add
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -66,6 +67,7 @@ from harness import (
 from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from hypothesis import strategies as st
 
+import ppo_fast as pf
 from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.backends import serving as backends_serving
 from ppo_fast.ops.token_logprobs import MIN_TEMPERATURE
@@ -601,3 +603,36 @@ def test_fuzz_compiled(data):
     spec = data.draw(specs(case, compiled=True), label="spec")
     torch._dynamo.reset()
     check(case, spec, compiled=data.draw(st.booleans(), label="dynamic"))
+
+
+@budget(40)
+@given(data=st.data())
+def test_fuzz_cu_seqlens(data):
+    """Random lengths (empty sequences included) and random corruptions of ``cu_seqlens``: a valid one
+    gives the padded layout's advantages at the valid tokens bit for bit; any other a named error."""
+    lengths = data.draw(st.lists(st.integers(0, 7), min_size=0, max_size=6), label="lengths")
+    ends = [0, *itertools.accumulate(lengths)]
+    tokens = ends[-1]
+    corruption = data.draw(st.sampled_from(["none", "start", "order", "end", "dtype", "shape"]), label="corruption")
+    if corruption == "start":
+        ends[0] = data.draw(st.integers(1, 3))
+    elif corruption == "order" and len(ends) > 2:
+        ends[1], ends[2] = ends[2] + 1, ends[1]
+    elif corruption == "end":
+        ends[-1] += data.draw(st.sampled_from([-1, 1, 1000]))
+    cu_seqlens = torch.tensor(ends, dtype=torch.float32 if corruption == "dtype" else torch.int64)
+    if corruption == "shape":
+        cu_seqlens = cu_seqlens[None]
+    rewards, values = torch.randn(tokens), torch.randn(tokens)
+    mask = torch.rand(tokens) > 0.2
+    broken = [0, *itertools.accumulate(lengths)] != ends or corruption in ("dtype", "shape")
+    if broken:
+        with pytest.raises((TypeError, ValueError), match="cu_seqlens"):
+            pf.gae(rewards, values, mask, gamma=0.9, lam=0.9, cu_seqlens=cu_seqlens)
+        return
+    got, _ = pf.gae(rewards, values, mask, gamma=0.9, lam=0.9, cu_seqlens=cu_seqlens)
+    width = max(lengths, default=0)
+    valid = torch.arange(width)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+    padded = [torch.zeros(len(lengths), width, dtype=x.dtype).masked_scatter(valid, x) for x in (rewards, values, mask)]
+    want, _ = pf.gae(*padded, gamma=0.9, lam=0.9)
+    assert torch.equal(got, want[valid])

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import reference
 from ..spec import AGG_MODES
 
 __all__ = ["aggregate", "masked_mean", "masked_whiten"]
 
 
+@varlen("per_token", "mask")
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"):
     """Reduce a ``[B, T]`` per-token loss over ``mask`` as verl's ``agg_loss`` does.
 
@@ -26,6 +28,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     return reference.aggregate(per_token, mask, agg)
 
 
+@varlen("x", "mask")
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None):
     """Mean of ``x`` over the entries where ``mask`` is 1/True (over ``dim`` if given); 0 if none."""
     check.tensor("x", x)
@@ -43,6 +46,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None):
     return reference.masked_mean(x, mask, dim)
 
 
+@varlen("x", "mask")
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8):
     """Normalise ``x`` to zero mean and unit variance over the valid entries.
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import resolve
 
 __all__ = ["gae"]
 
 
+@varlen("rewards", "values", "mask")
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 0.95):
     """Generalised advantage estimation over the valid tokens of each row.
 

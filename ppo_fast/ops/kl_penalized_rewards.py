@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import resolve
 from ..spec import KL_ESTIMATORS
 
@@ -27,6 +28,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator
     return resolve("kl_estimate", logprobs.device.type)(logprobs, ref_logprobs, kl_estimator)
 
 
+@varlen("logprobs", "ref_logprobs", "mask")
 def kl_penalized_rewards(
     scores: torch.Tensor,
     logprobs: torch.Tensor,

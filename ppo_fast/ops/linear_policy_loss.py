@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import resolve
 from ..backends._one_pass import Head, PerToken, Terms
 from ..spec import AGG_MODES, KL_ESTIMATORS, policy_loss_mode
@@ -18,6 +19,7 @@ from .token_logprobs import MIN_TEMPERATURE
 __all__ = ["linear_policy_loss", "policy_objective"]
 
 
+@varlen("hidden", "labels", "old_logprobs", "advantages", "mask", "weights", "ref_logprobs")
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -172,6 +174,7 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: T
     )
 
 
+@varlen("logprobs", "entropy", "old_logprobs", "advantages", "mask", "weights", "ref_logprobs")
 def policy_objective(
     logprobs: torch.Tensor,
     entropy: torch.Tensor,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import resolve
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
 
 
+@varlen("logprobs", "old_logprobs", "advantages", "mask", "weights")
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -65,6 +67,7 @@ def policy_loss_modes() -> dict[str, PolicyLossMode]:
     return dict(POLICY_LOSS_MODES)
 
 
+@varlen("logprobs", "old_logprobs", "advantages", "mask", "weights")
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import reference
 from ..spec import ROLLOUT_CORRECTION_MODES
 
 __all__ = ["rollout_correction_weights"]
 
 
+@varlen("old_logprobs", "rollout_logprobs", "mask")
 def rollout_correction_weights(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,

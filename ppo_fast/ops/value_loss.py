@@ -7,12 +7,14 @@ import math
 import torch
 
 from .. import _validation as check
+from .._varlen import varlen
 from ..backends import resolve
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
 
 
+@varlen("values", "old_values", "returns", "mask")
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
