@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 CPU_MEMORY_METHOD = (
-    "peak RSS rise over the call (VmHWM reset via /proc/self/clear_refs, malloc_trim before; "
-    "torch's CPU allocator does not cache), inputs excluded"
+    "peak RSS rise over the call (VmHWM reset via /proc/self/clear_refs, malloc_trim before, glibc's mmap "
+    "threshold fixed at 128 KiB; torch's CPU allocator does not cache), inputs excluded"
 )
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated minus memory_allocated before the call, inputs excluded"
 
@@ -76,6 +76,8 @@ def time_cuda(fn: Callable[[], object], use_graph: bool, rep_ms: int) -> tuple[T
 
 # --------------------------------------------------------------------------- memory
 
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial one, kept (fix_mmap_threshold)
+
 
 def _libc():
     name = ctypes.util.find_library("c")
@@ -106,7 +108,7 @@ def cpu_memory_supported() -> tuple[bool, str]:
     return True, ""
 
 
-def fix_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     """Keep glibc's mmap threshold at ``nbytes``: by default glibc raises it (up to 32 MiB) after
     an mmapped block is freed, and then tensors of up to that size come from the heap, whose freed
     memory stays resident below a live small block: the peak RSS then counts memory no tensor
@@ -130,6 +132,7 @@ def peak_extra_bytes(fn: Callable[[], object], device_type: str) -> int:
         peak = torch.cuda.max_memory_allocated() - before
         del result
         return peak
+    fix_mmap_threshold()  # else the peak counts freed heap memory (see there); idempotent
     _LIBC.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # the peak resident set restarts from the current one
