@@ -7,7 +7,7 @@ from __future__ import annotations
 import ppo_fast as pf
 from ppo_fast.backends import resolved_backend_name
 
-from .rollout import _response_scores, critic_values, scores_through_fused_head
+from .rollout import _response_scores, critic_values, packs, scores_through_fused_head
 
 
 def has_fast_backend(loss_mode: str, device_type: str) -> bool:
@@ -30,6 +30,7 @@ def linear_policy_objective(policy, critic, exp, cfg, terms: dict):
     if not scores_through_fused_head(policy, device):
         return None
     mask = batch.response_mask
+    packed = packs(batch, bool(cfg.padding_free))
     objective, stats = _response_scores(
         policy,
         batch,
@@ -37,7 +38,7 @@ def linear_policy_objective(policy, critic, exp, cfg, terms: dict):
         entropy=True,
         hidden_states=False,
         policy_loss={"old_logprobs": exp.old_logprobs, "advantages": exp.advantages, "mask": mask, **terms},
-        packed=bool(cfg.padding_free),
+        packed=packed,
     )
-    values = critic_values(critic, batch, bool(cfg.padding_free)).float() if needs_values else None
+    values = critic_values(critic, batch, packed).float() if needs_values else None
     return objective, stats, values

@@ -32,6 +32,36 @@ def worth_packing(attention_mask: torch.Tensor) -> bool:
 
 
 @dataclass
+class Padded:
+    """The padded ``[B, P + R]`` layout behind the same interface as ``Packed``: the model's inputs,
+    the positions that score the response (``pick``), their labels, and ``spread`` (nothing to do)."""
+
+    inputs: dict
+    start: int  # the position before the first response token
+    labels: torch.Tensor  # [B, R]
+
+    def pick(self, per_position: torch.Tensor) -> torch.Tensor:
+        """``[B, P + R, ...]`` -> ``[B, R, ...]``: the logits at position t predict token t + 1."""
+        return per_position[:, self.start : -1]
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+def layout(input_ids, attention_mask, position_ids, response_ids, packed: bool) -> Padded | Packed:
+    """The rows as the model will see them: packed (``pack``) or padded."""
+    if packed:
+        return pack(input_ids, attention_mask, response_ids.shape[1])
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "use_cache": False,
+    }
+    return Padded(inputs, input_ids.shape[1] - response_ids.shape[1] - 1, response_ids)
+
+
+@dataclass
 class Packed:
     """A batch's real tokens as one sequence, and where its scored response tokens go."""
 
@@ -52,6 +82,10 @@ class Packed:
             "attention_mask": None,
             "use_cache": False,
         }
+
+    def pick(self, per_position: torch.Tensor) -> torch.Tensor:
+        """``[1, N, ...]`` -> ``[M, ...]``: the positions that score a response token."""
+        return per_position[0, self.scored]
 
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """``[M, ...]`` per scored token -> ``[B, R, ...]`` (zeros elsewhere), differentiably."""

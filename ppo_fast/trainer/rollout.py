@@ -168,8 +168,8 @@ def _fused_head(model, device: torch.device):
 
 
 class ResponseScorer(torch.nn.Module):
-    """A causal LM's per-response-token ``(logprobs, entropy or None, last hidden states or
-    None)`` as a module's forward: from the backbone's last hidden states through
+    """A causal LM's per-response-token ``(logprobs, entropy or None, the hidden states that score
+    them or None)`` as a module's forward, the rows padded or packed (``packing.layout``): from the backbone's last hidden states through
     ``linear_token_logprobs`` (no [B, T, V] logits), or, for a non-standard head, from the
     model's logits (said once in a log line).
 
@@ -197,99 +197,45 @@ class ResponseScorer(torch.nn.Module):
     ):
         """``policy_loss``: the keyword arguments of ``pf.linear_policy_loss`` but the head's; then the
         forward returns its ``(loss, stats)`` (the fused head only: see ``scores_through_fused_head``).
-        ``packed``: the rows' real tokens as one sequence (``packing``); the hidden states returned are
-        then those that score the response tokens, ``[B, R, H]``, instead of every position's."""
-        if packed and packing.worth_packing(attention_mask):
-            return self._packed(
-                input_ids,
-                attention_mask,
-                response_ids,
-                temperature=temperature,
-                entropy=entropy,
-                hidden_states=hidden_states,
-                truncation=truncation,
-                policy_loss=policy_loss,
-            )
-        # The logits at position t predict token t + 1: the response is scored from the
-        # position before its first token to the second to last one.
-        start = input_ids.shape[1] - response_ids.shape[1] - 1
-        inputs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "use_cache": False,
-        }
+        ``packed``: the rows' real tokens as one sequence (``packing``).  The hidden states returned
+        are those that score the response tokens, ``[B, R, H]``."""
+        rows = packing.layout(input_ids, attention_mask, position_ids, response_ids, packed)
         backbone, head = _fused_head(self.model, input_ids.device)
         if backbone is not None:
-            hidden = backbone(**inputs).last_hidden_state
+            hidden = rows.pick(backbone(**rows.inputs).last_hidden_state)
             dtype = _head_dtype(hidden, head)
             head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
             if policy_loss is not None:  # the update's loss and its gradients in one pass through the head
                 return pf.linear_policy_loss(
-                    hidden[:, start:-1].to(dtype), labels=response_ids, temperature=temperature, **head, **policy_loss
-                )
-            result = pf.linear_token_logprobs(
-                hidden[:, start:-1].to(dtype),
-                labels=response_ids,
-                temperature=temperature,
-                return_entropy=entropy,
-                **(truncation or {}),
-                **head,
-            )
-        else:
-            if policy_loss is not None:
-                raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
-            _say_logits_fallback(head)
-            out = self.model(**inputs, output_hidden_states=hidden_states)
-            hidden = out.hidden_states[-1] if hidden_states else None
-            result = pf.token_logprobs(
-                out.logits[:, start:-1],
-                response_ids,
-                temperature=temperature,
-                return_entropy=entropy,
-                **(truncation or {}),
-            )
-        logprobs, token_entropy = result if entropy else (result, None)
-        return logprobs, token_entropy, hidden
-
-    def _packed(
-        self, input_ids, attention_mask, response_ids, *, temperature, entropy, hidden_states, truncation, policy_loss
-    ):
-        """``forward`` on the packed rows: the backbone (or the model) runs on their real tokens only,
-        the head on the ``M`` scored positions; the results are spread back into ``[B, R]``."""
-        p = packing.pack(input_ids, attention_mask, response_ids.shape[1])
-        backbone, head = _fused_head(self.model, input_ids.device)
-        if backbone is None:
-            if policy_loss is not None:
-                raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
-            _say_logits_fallback(head)
-            out = self.model(**p.inputs, output_hidden_states=hidden_states)
-            hidden = out.hidden_states[-1][0, p.scored] if hidden_states else None
-            result = pf.token_logprobs(
-                out.logits[0, p.scored], p.labels, temperature=temperature, return_entropy=entropy, **(truncation or {})
-            )
-        else:
-            hidden = backbone(**p.inputs).last_hidden_state[0, p.scored]
-            dtype = _head_dtype(hidden, head)
-            head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
-            if policy_loss is not None:  # the one-pass op takes the [B, R] layout
-                return pf.linear_policy_loss(
-                    p.spread(hidden.to(dtype)), labels=response_ids, temperature=temperature, **head, **policy_loss
+                    rows.spread(hidden.to(dtype)), labels=response_ids, temperature=temperature, **head, **policy_loss
                 )
             result = pf.linear_token_logprobs(
                 hidden.to(dtype),
-                labels=p.labels,
+                labels=rows.labels,
                 temperature=temperature,
                 return_entropy=entropy,
                 **(truncation or {}),
                 **head,
             )
+        else:
+            if policy_loss is not None:
+                raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
+            _say_logits_fallback(head)
+            out = self.model(**rows.inputs, output_hidden_states=hidden_states)
+            hidden = rows.pick(out.hidden_states[-1]) if hidden_states else None
+            result = pf.token_logprobs(
+                rows.pick(out.logits),
+                rows.labels,
+                temperature=temperature,
+                return_entropy=entropy,
+                **(truncation or {}),
+            )
         logprobs, token_entropy = result if entropy else (result, None)
-        spread = p.spread
+        spread = rows.spread
         return (
             spread(logprobs),
             None if token_entropy is None else spread(token_entropy),
-            spread(hidden) if hidden_states else None,  # the scoring positions' (a shared critic reads them)
+            spread(hidden) if hidden_states else None,
         )
 
 
@@ -340,12 +286,17 @@ def _response_scores(
     )
 
 
+def packs(batch: Batch, padding_free: bool) -> bool:
+    """Whether ``batch``'s forward passes run packed: ``--padding-free`` and padded enough to pay
+    (``packing.worth_packing``); decided once per micro-batch, for the policy and the critic."""
+    return padding_free and packing.worth_packing(batch.attention_mask)
+
+
 def critic_values(critic: Critic, batch: Batch, packed: bool = False) -> torch.Tensor:
     """A separate critic's ``[B, R]`` values at the positions that score the response tokens."""
-    if not (packed and packing.worth_packing(batch.attention_mask)):
-        return critic(batch.input_ids, batch.attention_mask, batch.position_ids)[:, batch.prompt_width - 1 : -1]
-    p = packing.pack(batch.input_ids, batch.attention_mask, batch.response_ids.shape[1])
-    return p.spread(critic(p.input_ids, None, p.position_ids)[0, p.scored])
+    rows = packing.layout(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids, packed)
+    inputs = rows.inputs
+    return rows.spread(rows.pick(critic(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])))
 
 
 def forward(
@@ -364,8 +315,9 @@ def forward(
 
     ``policy`` is a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one.  The values are
     read at the positions whose logits score the response (the state before each token).
-    ``packed``: padding-free (``packing``); zeros outside the response mask.
+    ``packed``: ``--padding-free`` (``packs``); zeros outside the response mask.
     """
+    packed = packs(batch, packed)
     shared_values = values and critic is not None and critic.shared
     logprobs, token_entropy, hidden = _response_scores(
         policy,
@@ -378,9 +330,8 @@ def forward(
     )
     token_values = None
     if values:
-        if shared_values:  # packed: already the scoring positions' hidden states
-            packed = packed and packing.worth_packing(batch.attention_mask)
-            token_values = critic.head(hidden if packed else hidden[:, batch.prompt_width - 1 : -1])
+        if shared_values:  # the hidden states at the scoring positions
+            token_values = critic.head(hidden)
         else:
             token_values = critic_values(critic, batch, packed)
         token_values = token_values.float()
