@@ -84,7 +84,7 @@ def one_setup(setup: str, policy, batch, lora_r: int) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     rows = batch.input_ids.shape[0]
     old, ref, _ = score_old_and_ref(
-        policy, reference or policy, None, batch, temperature=1.0, chunk=rows, reference_scope=scope
+        policy, reference or policy, None, batch, temperature=1.0, reference_scope=scope
     )
     if reference is None:
         ref = old  # no reference: the KL is 0 (the scoring pass above stands in for its cost)

@@ -78,7 +78,7 @@ def one_update(parallel: Parallel, seed: int, agg: str, variant: str = "plain") 
     share = ROWS // parallel.world_size
     mine = torch.arange(parallel.rank * share, (parallel.rank + 1) * share)
     batch, scores = batch.rows(mine), scores[mine]
-    old, ref, values = score_old_and_ref(policy, reference, critic, batch, temperature=1.0, chunk=share)
+    old, ref, values = score_old_and_ref(policy, reference, critic, batch, temperature=1.0)
     est = estimate(
         scores,
         old,

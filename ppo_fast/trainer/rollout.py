@@ -346,24 +346,19 @@ def score_old_and_ref(
     batch: Batch,
     *,
     temperature: float,
-    chunk: int = 0,
-    order: torch.Tensor | None = None,
     groups: list[torch.Tensor] | None = None,
     truncation: dict | None = None,
     reference_scope=contextlib.nullcontext,
     packed: bool = False,
 ):
     """Old log-probs, reference log-probs and (with a critic) values, dropout off, in ``groups`` of
-    rows (the update's first micro-batches), or in chunks of ``chunk`` rows taken in ``order`` (a
-    permutation of the rows; by default their own order).
+    rows (the update's first micro-batches; by default all rows at once).
     The reference is scored inside ``reference_scope()`` (LoRA: the policy with its adapters off).
 
     Scored in the update's first micro-batches (same rows, same layout, same kernels), the
     old log-probs equal the first micro-batch's new ones bitwise: its ratio is exactly 1."""
     rows = batch.input_ids.shape[0]
-    if groups is None:
-        order = torch.arange(rows, device=batch.input_ids.device) if order is None else order
-        groups = [order[start : start + chunk] for start in range(0, rows, chunk)]
+    groups = [torch.arange(rows, device=batch.input_ids.device)] if groups is None else groups
     old = ref = values = None
     for index in groups:
         part = batch.rows(index)
