@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -89,6 +90,16 @@ def machine(device: torch.device) -> dict:
         found["gpu"] = torch.cuda.get_device_name(device)
         found["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / (1 << 30), 1)
     return found
+
+
+def result_header(suite: str, argv, device: torch.device) -> dict:
+    """What every result file starts with: the command, the date, the machine (and its load), the versions."""
+    return {
+        "command": command_line(suite, argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(device),
+        "versions": versions(),
+    }
 
 
 def write_json(path: str, data: dict, indent: int = 1) -> None:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import tempfile
 import time
 
 import torch
 
-from .common import command_line, machine, versions, write_json
-from .timing import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, fix_mmap_threshold, peak_extra_bytes
+from .common import result_header, write_json
+from .timing import memory_method, peak_extra_bytes
 
 SETUPS = ("lora", "full_with_reference_copy", "full_without_reference")
 
@@ -83,9 +82,7 @@ def one_setup(setup: str, policy, batch, lora_r: int) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     rows = batch.input_ids.shape[0]
-    old, ref, _ = score_old_and_ref(
-        policy, reference or policy, None, batch, temperature=1.0, reference_scope=scope
-    )
+    old, ref, _ = score_old_and_ref(policy, reference or policy, None, batch, temperature=1.0, reference_scope=scope)
     if reference is None:
         ref = old  # no reference: the KL is 0 (the scoring pass above stands in for its cost)
     scores = torch.arange(rows, dtype=torch.float32, device=old.device) % 3
@@ -107,7 +104,7 @@ def one_setup(setup: str, policy, batch, lora_r: int) -> dict:
     return {"counted_bytes": counted, "ratio_dev_at_start": stats["policy/ratio_dev_at_start"]}
 
 
-def memory(device: torch.device, quick: bool, lora_r: int, mmap_fixed: bool) -> dict:
+def memory(device: torch.device, quick: bool, lora_r: int) -> dict:
     policy, shape = llama(quick, device)
     batch = rollouts(shape["vocab_size"], 4 if quick else 8, 16 if quick else 64, 16 if quick else 128, device)
     # One untimed update first: the allocator's and MKL's workspaces are not charged to the first set-up.
@@ -135,8 +132,7 @@ def memory(device: torch.device, quick: bool, lora_r: int, mmap_fixed: bool) -> 
         "batch": {"rows": rows, "tokens_per_row": length, "prompt": batch.prompt_width},
         "lora_r": lora_r,
         "setups": results,
-        "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
-        "glibc_mmap_threshold_fixed": mmap_fixed,
+        "memory_method": memory_method(device.type),
     }
 
 
@@ -214,15 +210,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/lora.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    mmap_fixed = device.type == "cpu" and fix_mmap_threshold()
-    result = {
-        "command": command_line("lora", argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(device),
-        "versions": versions(),
-    }
+    result = result_header("lora", argv, device)
     if args.part in ("memory", "both"):
-        result["memory"] = memory(device, args.quick, args.lora_r, mmap_fixed)
+        result["memory"] = memory(device, args.quick, args.lora_r)
     if args.part in ("learning", "both"):
         seeds = [int(s) for s in args.seeds.split(",")][: 1 if args.quick else None]
         result["learning"] = learning(seeds, args.lora_r, args.lora_learning_rate, 2 if args.quick else None)

@@ -17,7 +17,6 @@ leaves them padded): the mean seconds per step after the first, and the held-out
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import tempfile
 import time
@@ -25,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .common import command_line, machine, versions, write_json
-from .timing import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, fix_mmap_threshold, peak_extra_bytes
+from .common import result_header, write_json
+from .timing import memory_method, peak_extra_bytes
 
 
 def models(quick: bool):
@@ -203,15 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/padding_free.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    mmap_fixed = device.type == "cpu" and fix_mmap_threshold()
-    result = {
-        "command": command_line("padding_free", argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(device),
-        "versions": versions(),
-        "memory_method": CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD,
-        "glibc_mmap_threshold_fixed": mmap_fixed,
-    }
+    result = {**result_header("padding_free", argv, device), "memory_method": memory_method(device.type)}
     if args.part in ("update", "both"):
         rows, median = (8, 12) if args.quick else (args.rows, args.median)
         result["update"] = update(device, args.quick, rows, median, 1 if args.quick else args.repeats)

@@ -108,6 +108,11 @@ def cpu_memory_supported() -> tuple[bool, str]:
     return True, ""
 
 
+def memory_method(device_type: str) -> str:
+    """How ``peak_extra_bytes`` measures on ``device_type``."""
+    return CUDA_MEMORY_METHOD if device_type == "cuda" else CPU_MEMORY_METHOD
+
+
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     """Keep glibc's mmap threshold at ``nbytes``: by default glibc raises it (up to 32 MiB) after
     an mmapped block is freed, and then tensors of up to that size come from the heap, whose freed
