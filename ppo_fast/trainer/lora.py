@@ -128,6 +128,8 @@ def save_adapter(adapters, folder: Path, base: str, state: dict | None = None) -
 
 
 def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapter tensors (the file ``save_adapter`` writes), read locally: PEFT's
+    ``load_peft_weights`` would try the hub for a folder that lacks it."""
     from safetensors.torch import load_file
 
     return load_file(folder / "adapter_model.safetensors")
@@ -139,16 +141,16 @@ def load_adapter(adapters, state: dict[str, torch.Tensor]) -> None:
 
     ours = {name for name, p in adapters.named_parameters() if p.requires_grad}
     result = set_peft_model_state_dict(adapters, state)
-    loaded = ours - {name for name in result.missing_keys if name in ours}
-    if result.unexpected_keys or loaded != ours:
-        missing = sorted(ours - loaded)[:3]
-        raise RuntimeError(f"adapter weights: missing {missing}, unexpected {sorted(result.unexpected_keys)[:3]}")
+    missing = sorted(ours & set(result.missing_keys))  # the frozen base is missing by design
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"adapter weights: missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}")
 
 
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """``model``'s state dict under the base model's names, each adapted weight replaced by
     ``W + (alpha / r) * B @ A`` (summed in float32, rounded once); the model is not changed.
-    ``state``: the adapted model's full state dict (a sharded model's, gathered)."""
+    ``state``: the adapted model's full state dict (a sharded model's, gathered).  From ``state``, not
+    ``LoraLayer.get_delta_weight``: that reads the module's own parameters, shards under FSDP2."""
     from peft.tuners.lora import LoraLayer
 
     state = model.state_dict() if state is None else state
