@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import _comparable, quiet
+from test_trainer import tiny as trainer_tiny
 from transformers import AutoModelForCausalLM
 
 from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, default_task, lora, saved
@@ -19,26 +21,8 @@ peft = pytest.importorskip("peft")
 
 
 def tiny(tmp_path, name="run", **overrides) -> TrainerConfig:
-    values = dict(
-        output_dir=str(tmp_path / name),
-        steps=2,
-        batch_size=8,
-        num_mini_batches=2,
-        num_ppo_epochs=1,
-        sft_steps=10,
-        eval_size=16,
-        sample_every=0,
-        save_every=0,
-        learning_rate=1e-2,
-        lora_r=4,
-        lora_alpha=8.0,
-    )
-    values.update(overrides)
-    return TrainerConfig(**values)
-
-
-def quiet(_message: str) -> None:
-    pass
+    """test_trainer's tiny run, with adapters (at a learning rate they learn at in two steps)."""
+    return trainer_tiny(tmp_path, name, **{"learning_rate": 1e-2, "lora_r": 4, "lora_alpha": 8.0, **overrides})
 
 
 def _model_and_batch(seed: int):
@@ -99,10 +83,6 @@ def test_a_target_that_names_no_linear_layer_is_refused_naming_the_layers_there_
 def test_bad_lora_options_are_refused_before_anything_loads(values, message):
     with pytest.raises(ConfigError, match=message):
         TrainerConfig(**values).validate()
-
-
-def _comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
 
 
 def test_a_lora_run_trains_adapters_only_checkpoints_them_resumes_exactly_and_exports(tmp_path):

@@ -100,12 +100,12 @@ def same_batch(a, b) -> bool:
     )
 
 
-@pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    """A trainer with a vLLM engine: greedy outputs before, two PPO steps, greedy outputs after."""
+def engine_run(output_dir, *, close: bool = False, **overrides) -> dict:
+    """A trainer with a vLLM engine on ``tiny_llama``: greedy outputs before, two PPO steps, greedy
+    outputs after (``close``: the engine shut down afterwards)."""
     tokenizer = default_task.build_tokenizer()
-    cfg = TrainerConfig(
-        output_dir=str(tmp_path_factory.mktemp("vllm") / "run"),
+    values = dict(
+        output_dir=str(output_dir),
         steps=2,
         batch_size=16,
         num_mini_batches=1,
@@ -119,6 +119,7 @@ def vllm_run(tmp_path_factory):
         rollout_engine="vllm",
         rollout_correction="token_tis",
     )
+    cfg = TrainerConfig(**{**values, **overrides})
     train_prompts, held_out = default_task.prompts(TrainerConfig(eval_size=32))
     trainer = PPOTrainer(
         cfg,
@@ -128,10 +129,19 @@ def vllm_run(tmp_path_factory):
         prompts=train_prompts,
         log=lambda message: None,
     )
-    before = greedy(trainer, trainer.policy, held_out)
-    rows = [trainer.train_step() for _ in range(cfg.steps)]
-    after = greedy(trainer, trainer.policy, held_out)
+    try:
+        before = greedy(trainer, trainer.policy, held_out)
+        rows = [trainer.train_step() for _ in range(cfg.steps)]
+        after = greedy(trainer, trainer.policy, held_out)
+    finally:
+        if close:
+            trainer.engine.close()
     return dict(trainer=trainer, rows=rows, before=before, after=after, reference=trainer.reference)
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    return engine_run(tmp_path_factory.mktemp("vllm") / "run")
 
 
 @pytest.mark.vllm
@@ -245,38 +255,8 @@ def test_lora_syncs_the_merged_weights_and_stays_on_policy(tmp_path):
     first micro-batch's ratio stays exactly 1.  Last in this file: vLLM's parallel state is one per
     process, and a second engine's shutdown ends it for the module's engine too."""
     pytest.importorskip("peft")
-    tokenizer = default_task.build_tokenizer()
-    cfg = TrainerConfig(
-        output_dir=str(tmp_path / "run"),
-        steps=2,
-        batch_size=16,
-        num_mini_batches=1,
-        response_length=6,
-        temperature=0.7,
-        learning_rate=3e-2,
-        sample_every=0,
-        save_every=0,
-        eval_every=0,
-        rollout_engine="vllm",
-        rollout_correction="token_tis",
-        lora_r=8,
-        lora_alpha=16.0,
-    )
-    train_prompts, held_out = default_task.prompts(TrainerConfig(eval_size=32))
-    trainer = PPOTrainer(
-        cfg,
-        policy=tiny_llama(tokenizer),
-        tokenizer=tokenizer,
-        reward_fn=shorter_is_better,
-        prompts=train_prompts,
-        log=lambda message: None,
-    )
-    try:
-        before = greedy(trainer, trainer.policy, held_out)
-        rows = [trainer.train_step() for _ in range(cfg.steps)]
-        after = greedy(trainer, trainer.policy, held_out)
-    finally:
-        trainer.engine.close()
+    run = engine_run(tmp_path / "run", close=True, learning_rate=3e-2, lora_r=8, lora_alpha=16.0)
+    trainer, rows, before, after = run["trainer"], run["rows"], run["before"], run["after"]
     assert trainer.reference is trainer.policy
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3 and row["policy/ratio_dev_at_start"] == 0.0, row
