@@ -237,11 +237,11 @@ def build_models(cfg: TrainerConfig, policy, parallel, device: torch.device) -> 
     if cfg.disable_dropout:
         disable_dropout(policy)
     adapters, reference_scope = None, contextlib.nullcontext
+    # The critic copies the base before any adapter goes in (with LoRA it then gets its own).
+    critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
     if cfg.lora_r is None:
         reference = frozen_reference(policy)
-        critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
-    else:  # the critic copies the base before the policy's adapters go in, then gets its own
-        critic = build_critic(policy, cfg.critic) if cfg.uses_critic else None
+    else:
         adapters = lora.attach(cfg, policy)
         if critic is not None and not critic.shared:
             lora.attach(cfg, critic.backbone)
