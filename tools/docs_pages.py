@@ -319,13 +319,35 @@ def _other_sections() -> list[str]:
         ]
     out += _padding_free_section()
     out += _lora_section()
-    gpu = sorted(p.name for p in RESULTS.glob("cuda*.json"))
-    out += ["## GPU", ""]
-    out += (
-        [f"GPU result files: {', '.join(f'`bench/results/{name}`' for name in gpu)}.", ""]
-        if gpu
-        else ["No GPU result file is in `bench/results/`: `bash bench/gpu_check.sh` on a GPU writes them.", ""]
-    )
+    out += _gpu_section()
+    return out
+
+
+def _gpu_section() -> list[str]:
+    """Every GPU result file (``*cuda*.json``), and the targets of the GPU check's folders."""
+    from bench import report, targets
+
+    out = ["## GPU", ""]
+    files = sorted(p.name for p in RESULTS.glob("*cuda*.json"))
+    if not files:
+        return out + ["No GPU result file is in `bench/results/`: `bash bench/gpu_check.sh` on a GPU writes them.", ""]
+    out += [
+        "`bash bench/gpu_check.sh` on a lent GPU: the ops suite and the fused head's cases, as on the CPU,",
+        "timed by `triton.testing.do_bench` (a CUDA graph replay for forwards under 1 ms); GB/s counts the",
+        "bytes a kernel must move, against the device-to-device copy bandwidth measured in the same run.",
+        "",
+    ]
+    for name in files:
+        data = _load(name)
+        out += [measured_on(data, name), "", _tables_apart(report.markdown(data)), ""]
+    for folder in sorted(p.parent for p in RESULTS.glob("gpu-*/targets.json")):
+        rel = f"bench/results/{folder.name}"
+        out += [
+            f"The check's targets (`{rel}/targets.json`; its test logs and `summary.txt` beside it):",
+            "",
+            *(f"- {line}" for line in targets.summary_lines(json.loads((folder / "targets.json").read_text()))),
+            "",
+        ]
     return out
 
 
