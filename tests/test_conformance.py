@@ -370,7 +370,10 @@ def test_edge_shapes_match_reference(op, backend, device, edge):
         assert o.shape == r.shape and o.dtype == r.dtype
         torch.testing.assert_close(o, r, rtol=2e-5, atol=2e-5)
     for name in want.grads:  # no gradient: a zero one
-        g, r = (x.grads[name] if x.grads[name] is not None else torch.zeros_like(values[name]) for x in (got, want))
+        g, r = (
+            x.grads[name] if x.grads[name] is not None else torch.zeros_like(values[name], device=device)
+            for x in (got, want)
+        )
         assert g.shape == r.shape == values[name].shape, name
         torch.testing.assert_close(g, r.to(g.dtype), rtol=2e-5, atol=2e-5)
     if edge == "all-masked":

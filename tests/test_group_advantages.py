@@ -11,20 +11,17 @@ The fast backends' group_sum is compared with the reference by tests/test_confor
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the Triton kernels on CPU
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import ppo_fast as pf  # noqa: E402
+import ppo_fast as pf
 from ppo_fast import BackendUnavailableError
-from ppo_fast.advantage_methods import REGISTRY  # noqa: E402
-from ppo_fast.backends import backend_info, reference, serving  # noqa: E402
-from ppo_fast.ops.group_advantages import dense_group_index  # noqa: E402
+from ppo_fast.advantage_methods import REGISTRY
+from ppo_fast.backends import backend_info, reference, serving
+from ppo_fast.ops.group_advantages import dense_group_index
 
 METHODS = [name for name, entry in REGISTRY.items() if entry.fn is not None]
 PARAMS = {  # each method's parameter sets to test (defaults first)

@@ -17,15 +17,16 @@ def _cuda_backends(op):
 
 
 def _inputs(device):
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    # Drawn on the device: a copy from the host would be the synchronisation the test looks for.
+    gen = torch.Generator(device=device).manual_seed(0)
     b, t, v = 4, 33, 1000
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
+        return torch.randn(*shape, generator=gen, device=device)
 
-    mask = (torch.rand(b, t, generator=gen) < 0.8).to(device)
+    mask = torch.rand(b, t, generator=gen, device=device) < 0.8
     float_mask = mask.float()
-    labels = torch.randint(0, v, (b, t), generator=gen).to(device)
+    labels = torch.randint(0, v, (b, t), generator=gen, device=device)
     return rand, mask, float_mask, labels, (b, t, v)
 
 

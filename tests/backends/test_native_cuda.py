@@ -98,22 +98,41 @@ def test_losses_cuda_launches_at_1m_tokens():
 # --------------------------------------------------------------------------- device guard
 
 
-def test_losses_cuda_check_devices_and_shapes():
+def _bad_call(case):
     shape = (4, 9)
     logprobs, old, adv = policy_inputs(shape, torch.float32, device="cuda")
     mask = random_mask(shape, device="cuda")
-    with pytest.raises(RuntimeError, match="all inputs must be on one device"):
-        torch.ops.ppo_fast.clipped_policy_loss(logprobs, old.cpu(), adv, mask, None, 0.2, 0.2, None, "token-mean")
-    with pytest.raises(RuntimeError, match="all inputs must be on one device"):
-        torch.ops.ppo_fast.value_loss(logprobs, old, adv, mask.cpu(), 0.2, "token-mean")
-    with pytest.raises(RuntimeError, match="old_logprobs must have the shape of logprobs"):
-        torch.ops.ppo_fast.clipped_policy_loss(logprobs, old[:, :-1], adv, mask, None, 0.2, 0.2, None, "token-mean")
     row_scale = torch.ones(4, device="cuda")
-    with pytest.raises(RuntimeError, match="grad_loss is on cpu"):  # a CPU scalar would be read on the device
-        torch.ops.ppo_fast.clipped_policy_loss_backward(
+    ops = torch.ops.ppo_fast
+    return {
+        "policy-input-on-cpu": lambda: ops.clipped_policy_loss(
+            logprobs, old.cpu(), adv, mask, None, 0.2, 0.2, None, "token-mean"
+        ),
+        "value-mask-on-cpu": lambda: ops.value_loss(logprobs, old, adv, mask.cpu(), 0.2, "token-mean"),
+        "policy-shape": lambda: ops.clipped_policy_loss(
+            logprobs, old[:, :-1], adv, mask, None, 0.2, 0.2, None, "token-mean"
+        ),
+        "policy-grad-loss-on-cpu": lambda: ops.clipped_policy_loss_backward(  # a CPU scalar read on the device
             torch.tensor(1.0), logprobs, old, adv, mask, None, row_scale, 0.2, 0.2, None, [True, False, False, False]
-        )
-    with pytest.raises(RuntimeError, match="row_scale must have shape"):
-        torch.ops.ppo_fast.value_loss_backward(
+        ),
+        "value-row-scale-shape": lambda: ops.value_loss_backward(
             torch.tensor(1.0, device="cuda"), logprobs, old, adv, mask, row_scale[:2], 0.2, [True, True, True]
-        )
+        ),
+    }[case]
+
+
+# One case per test: a case that crashes its process names itself.
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("policy-input-on-cpu", "all inputs must be on one device"),
+        ("value-mask-on-cpu", "all inputs must be on one device"),
+        ("policy-shape", "old_logprobs must have the shape of logprobs"),
+        ("policy-grad-loss-on-cpu", "grad_loss is on cpu"),
+        ("value-row-scale-shape", "row_scale must have shape"),
+    ],
+)
+def test_losses_cuda_refuse_bad_inputs(case, message):
+    call = _bad_call(case)
+    with pytest.raises(RuntimeError, match=message):
+        call()
