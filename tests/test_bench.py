@@ -108,6 +108,18 @@ def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
     assert not inputs["values"].requires_grad  # the fwd+bwd mode leaves the inputs as it found them
 
 
+def test_a_baseline_is_held_to_its_inputs_precision_and_ours_to_tol():
+    bf16 = {"logits": torch.ones(2, dtype=torch.bfloat16), "labels": torch.ones(2, dtype=torch.long)}
+    assert runner.tolerance("ppo_fast", bf16) == runner.TOL
+    assert runner.tolerance("baseline", bf16) == torch.finfo(torch.bfloat16).eps
+    assert runner.tolerance("baseline", {"logits": torch.ones(2)}) == runner.TOL
+    want = torch.tensor([-11.78, 0.5], dtype=torch.float64)
+    rounded = want.to(torch.bfloat16)  # -11.75: what a head that returns bf16 gives
+    assert not runner._mismatch(rounded, want, runner.tolerance("baseline", bf16))[1]
+    assert runner._mismatch(rounded, want, runner.TOL)[1]
+    assert runner._mismatch(want * 1.05, want, runner.tolerance("baseline", bf16))[1]
+
+
 def test_every_serving_backend_is_measured():
     case = cases.value_loss_case(2, 8)
     names = [
