@@ -20,11 +20,6 @@ preference list for the tensors' device and takes the first backend that is
 serves the op there; it never picks a backend whose import or build failed.
 An explicit backend that cannot serve an op raises :class:`BackendUnavailableError`
 saying why, instead of falling back silently.
-
-Determinism follows torch's switch: under ``torch.use_deterministic_algorithms(True)``
-``auto`` passes over an implementation its backend declares ``NONDETERMINISTIC`` (the
-Triton fused LM head's backward, which adds with atomics), and an explicit choice of one
-raises (warns, with ``warn_only=True``), as torch's own non-deterministic kernels do.
 """
 
 from __future__ import annotations
@@ -34,11 +29,8 @@ import importlib
 import os
 import pkgutil
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import torch
 
 from ..spec import BACKENDS, OPS
 
@@ -189,13 +181,6 @@ def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _nondeterministic(name: str, op: str) -> str | None:
-    """Why backend ``name``'s ``op`` is not deterministic, when torch asks for deterministic algorithms."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return None
-    return getattr(backend_info(name).module, "NONDETERMINISTIC", {}).get(op)
-
-
 def resolve(
     op: str, device_type: str, implemented_by: tuple[str, ...] | None = None, label: str | None = None
 ) -> Callable:
@@ -214,23 +199,10 @@ def resolve(
         ok, why = _serves(name, op, device_type)
         if not ok:
             raise BackendUnavailableError(f"{label or op}: {why}")
-        why = _nondeterministic(name, op)
-        if why:
-            message = (
-                f"{label or op}: backend {name!r} is not deterministic ({why}) and torch.use_deterministic_algorithms(True) "
-                "is set: use backend 'auto' (which then picks a deterministic one) or 'reference'"
-            )
-            if not torch.is_deterministic_algorithms_warn_only_enabled():
-                raise BackendUnavailableError(message)
-            warnings.warn(message, stacklevel=2)
         return backend_info(name).module.FUNCTIONS[op]
     order = _OP_ORDER.get((device_type, op), _DEFAULT_ORDER.get(device_type, ("native", "reference")))
     for candidate in order:
-        if (
-            (implemented_by is None or candidate in implemented_by)
-            and _serves(candidate, op, device_type)[0]
-            and not _nondeterministic(candidate, op)
-        ):
+        if (implemented_by is None or candidate in implemented_by) and _serves(candidate, op, device_type)[0]:
             return backend_info(candidate).module.FUNCTIONS[op]
     return backend_info("reference").module.FUNCTIONS[op]
 

@@ -17,12 +17,6 @@ import torch
 from .. import collect, op_modules
 from ._launch import DEVICES
 
-# Ops whose results may differ in their last bits from run to run, and why: under
-# torch.use_deterministic_algorithms(True) ``auto`` passes them over and an explicit choice raises.
-NONDETERMINISTIC = {
-    "linear_token_logprobs": "its backward adds the gradients of hidden and weight with float32 atomics"
-}
-
 try:
     MODULES = op_modules(__name__, __path__)
 except ImportError as err:  # triton missing or broken: availability() says so

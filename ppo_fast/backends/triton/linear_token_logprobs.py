@@ -11,30 +11,27 @@ the hidden dim (float32 accumulate, tensor cores for bf16/fp16), transformed in
 registers and folded into an online logsumexp (and an online ``sum p * z`` for the
 entropy): the logits only ever exist one ``[BLOCK_N, BLOCK_V]`` tile at a time.
 
-Backward (CCE's split): one program per ``(row block, vocabulary block)`` tile
-recomputes that tile's logits from the forward's logsumexp, forms
-``dz = g_logp * (onehot - p) - g_entropy * p * (log p + entropy)`` times the
-transform's derivative, and adds ``dz @ weight_tile`` into ``d_hidden`` and
-``dz.T @ hidden_tile`` into ``d_weight`` with float32 atomics, ``BLOCK_H`` columns at
-a time (relaxed: nothing reads the sums before the kernel ends, so no memory fences).  Why this split rather than deterministic row-block / vocabulary-block
-kernels: it is four matrix products in all (forward, recompute, two gradients)
-against five for two kernels that each recompute the logits, and neither
-``d_hidden``'s ``[BLOCK_N, H]`` nor ``d_weight``'s ``[BLOCK_V, H]`` accumulator
-fits in registers for a real ``H``.  The price: float32 atomics make the summation
-order (so the last bits of the gradients) vary between runs, and the gradients
-need float32 scratch when the inputs are bf16/fp16: ``d_hidden`` ``[N, H]`` whole,
-``d_weight`` in vocabulary chunks of at most ``WEIGHT_SCRATCH_BYTES`` (so the
-scratch stays bounded), each cast into the result when its chunk is done.  Tiles
-are not skipped on a small softmax (CCE's optional filter): every gradient is the
-exact formula.  Row blocks with no row to compute (all ignored or out of range)
-skip their tiles entirely.
+Backward, by vocabulary chunks: one program per ``(row block, vocabulary block)`` tile
+recomputes that tile's logits with the forward's tile code and from its logsumexp, forms ``dz =
+g_logp * (onehot - p) - g_entropy * p * (log p + entropy)`` times the transform's derivative and
+writes it, rounded to the inputs' dtype, into a ``[N, chunk]`` buffer (at most
+``GRADIENT_SCRATCH_BYTES``); cuBLAS then adds ``dz @ weight[chunk]`` into ``d_hidden`` and
+writes ``dz.T @ hidden`` into ``d_weight[chunk]`` (float32 sums of the bf16/fp16 products), and
+its column sums into ``d_bias[chunk]``.  Why not multiply in the tile kernel as the forward
+does: ``d_hidden``'s ``[BLOCK_N, H]`` and ``d_weight``'s ``[BLOCK_V, H]`` accumulators do not
+fit in registers for a real ``H``, so the tile kernel would add its products with float32
+atomics, one per element per tile, which hold the backward far below its products' speed
+(``bench/results/linear-token-logprobs-cuda-h200.json`` measured such a kernel).  No atomics:
+the gradients are the same from run to run (as deterministic as torch's own products).  Tiles
+are not skipped on a small softmax (CCE's optional filter): every gradient is the exact formula.
+Row blocks with no row to compute read nothing and write zeros.
 
 The matrix products use the inputs' dtype on tensor cores (the gradient tile
 ``dz`` is rounded to it, as eager autograd's logits gradient would be); float32
 inputs follow ``torch.backends.cuda.matmul.allow_tf32``, as ``hidden @ weight.T``
 does.  Rows whose label is ``ignore_index`` or out of ``[0, V)`` read no hidden
-state (an ignored row gives 0 log-prob and entropy, an out-of-range one NaN) and
-pass no gradient; a label is never an address.  Any strides for ``hidden`` and
+state into a result (an ignored row gives 0 log-prob and entropy, an out-of-range one NaN)
+and pass no gradient; a label is never an address.  Any strides for ``hidden`` and
 ``weight`` (a tied embedding, a transposed or sliced tensor is read in place), int64
 addressing throughout.
 """
@@ -72,8 +69,8 @@ _BACKWARD_CONFIG = {
 # IEEE float32 products (torch's default, TF32 off) need more registers than TF32 ones: smaller tiles.
 _IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (64, 64, 16, 4)}
 _NUM_STAGES = 3
-# At most this much float32 scratch for a bf16/fp16 ``d_weight``: larger heads run the backward in vocabulary chunks.
-WEIGHT_SCRATCH_BYTES = 32 << 20
+# At most this much of the logits' gradient at once: larger heads run the backward in vocabulary chunks.
+GRADIENT_SCRATCH_BYTES = 256 << 20
 # At most this much scratch for the logits of the rows whose truncation thresholds are found at once.
 LOGITS_SCRATCH_BYTES = 256 << 20
 
@@ -264,24 +261,24 @@ def _linear_logits_kernel(
 @triton.jit
 def _linear_token_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, stats_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    d_hidden_ptr, d_weight_ptr, d_bias_ptr, tau_ptr,
-    n_rows, vocab, hidden_size, vocab_start, vocab_stop,
+    dz_ptr, tau_ptr,
+    n_rows, vocab, hidden_size, vocab_start, vocab_stop, dz_stride,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     grad_logp_stride, grad_entropy_stride,
     logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, inv_temperature, inv_temperature_lo, ignore_index,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    NEEDS_HIDDEN: tl.constexpr, NEEDS_WEIGHT: tl.constexpr, NEEDS_BIAS: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
 ):  # fmt: skip
-    """One ``[BLOCK_N, BLOCK_V]`` tile of the logits' gradient, added into the float32 (or
-    float64) ``d_hidden [N, H]``, ``d_weight [vocab_stop - vocab_start, H]`` (this launch's
-    vocabulary chunk) and ``d_bias [V]``, all contiguous."""
+    """One ``[BLOCK_N, BLOCK_V]`` tile of the gradient of the raw logits (``hidden @ weight.T + bias``),
+    rounded to ``dz``'s dtype, into ``dz [N, vocab_stop - vocab_start]`` (row stride ``dz_stride``: this
+    launch's vocabulary chunk).  Rows not to compute get 0."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     cols = vocab_start + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = cols < vocab_stop
     label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
-    # Ignored and out-of-range rows pass no gradient; a tile with none to compute does nothing.
+    draw = tl.zeros([BLOCK_N, BLOCK_V], ACC)
+    # Ignored and out-of-range rows pass no gradient; a tile with none to compute reads nothing.
     if tl.max(row_ok.to(tl.int32), 0) > 0:
         inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
         scale = scalar(logit_scale, logit_scale_lo, ACC)
@@ -323,39 +320,11 @@ def _linear_token_logprobs_bwd_kernel(
         else:
             dz = dz * (scale * inv_t)
         draw = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
-        if NEEDS_BIAS:
-            tl.atomic_add(d_bias_ptr + cols, tl.sum(draw, 0), mask=col_ok, sem="relaxed")
-        draw_op = _rounded_operand(draw, weight_ptr.dtype.element_ty)
-        ks = tl.arange(0, BLOCK_H).to(tl.int64)
-        for k in range(0, hidden_size, BLOCK_H):
-            kk = k + ks
-            k_ok = kk < hidden_size
-            if NEEDS_HIDDEN:
-                w = tl.load(
-                    weight_ptr + cols[:, None] * weight_row_stride + kk[None, :] * weight_col_stride,
-                    mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                d_h = tl.dot(draw_op, _operand(w), input_precision=DOT_PRECISION, out_dtype=ACC)
-                tl.atomic_add(
-                    d_hidden_ptr + rows[:, None] * hidden_size + kk[None, :],
-                    d_h,
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    sem="relaxed",
-                )
-            if NEEDS_WEIGHT:
-                h = tl.load(
-                    hidden_ptr + rows[:, None] * hidden_row_stride + kk[None, :] * hidden_col_stride,
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                d_w = tl.dot(tl.trans(draw_op), _operand(h), input_precision=DOT_PRECISION, out_dtype=ACC)
-                tl.atomic_add(
-                    d_weight_ptr + (cols - vocab_start)[:, None] * hidden_size + kk[None, :],
-                    d_w,
-                    mask=col_ok[:, None] & k_ok[None, :],
-                    sem="relaxed",
-                )
+    tl.store(
+        dz_ptr + rows[:, None] * dz_stride + (cols - vocab_start)[None, :],
+        _rounded_operand(draw, dz_ptr.dtype.element_ty),
+        mask=(rows < n_rows)[:, None] & col_ok[None, :],
+    )
 
 
 def _tiles(direction: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -600,14 +569,14 @@ def linear_token_logprobs_backward(
     needs_weight: bool,
     needs_bias: bool,
     blocks: tuple[int, int, int] | None = None,
-    weight_scratch_bytes: int | None = None,
+    scratch_bytes: int | None = None,
     tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
 
     ``stats`` (and ``entropy``, needed with ``grad_entropy``) come from the forward; ``grad_logprobs`` /
-    ``grad_entropy`` ``[N]``, any strides, None for an unused output.  ``weight_scratch_bytes`` bounds the
-    float32 scratch of a bf16/fp16 ``d_weight`` (default ``WEIGHT_SCRATCH_BYTES``; tests cross chunks with it)."""
+    ``grad_entropy`` ``[N]``, any strides, None for an unused output.  ``scratch_bytes`` bounds the
+    logits' gradient held at once (default ``GRADIENT_SCRATCH_BYTES``; tests cross chunks with it)."""
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
     tau = _saved_thresholds(hidden, n_rows, tau)  # the forward's truncation thresholds, or None
@@ -615,52 +584,69 @@ def linear_token_logprobs_backward(
     acc = compute_dtype(result_dtype(hidden, weight, bias))
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
     device = hidden.device
-    # Accumulated in the compute dtype; bf16/fp16 results are cast from float32 scratch.
+    # Sums in the compute dtype; bf16/fp16 results are cast from them.
     d_hidden = torch.zeros((n_rows, hidden_size), dtype=acc_dtype, device=device) if needs_hidden else None
     d_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if needs_bias else None
-    d_weight = None
-    if needs_weight:
-        d_weight = (
-            torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=device)
-            if weight.dtype == acc_dtype
-            else weight.new_empty((vocab, hidden_size))
-        )
+    d_weight = weight.new_zeros((vocab, hidden_size)) if needs_weight else None
     has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
     if has_work and (needs_hidden or needs_weight or needs_bias):
         block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
-        chunk = vocab
-        if needs_weight and weight.dtype != acc_dtype:  # H = 0: sized as for one column
-            scratch_columns = (weight_scratch_bytes or WEIGHT_SCRATCH_BYTES) // (4 * max(1, hidden_size))
-            chunk = max(block_v, scratch_columns // block_v * block_v)
+        # The logits' gradient in the products' dtype (the inputs', bf16 rounded as eager autograd's would
+        # be), a vocabulary chunk of every row at a time.
+        dz = torch.empty(
+            (n_rows, _gradient_chunk(n_rows, vocab, block_v, hidden.element_size(), scratch_bytes)),
+            dtype=hidden.dtype,
+            device=device,
+        )
+        # d_weight's products read every row: one not to compute counts as zeros, whatever it holds.
+        used = (labels != ignore_index) & (labels >= 0) & (labels < vocab)
+        hidden_used = torch.where(used[:, None], hidden, 0.0) if needs_weight else None
         stats = stats.contiguous()
         entropy = stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
-            for start in range(0, vocab, chunk):
-                stop = min(vocab, start + chunk)
-                d_weight_chunk = d_weight
-                if needs_weight and weight.dtype != acc_dtype:
-                    d_weight_chunk = torch.zeros((stop - start, hidden_size), dtype=acc_dtype, device=device)
+            for start in range(0, vocab, dz.shape[1]):
+                stop = min(vocab, start + dz.shape[1])
                 _linear_token_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
                     hidden, weight, weight if bias is None else bias, labels, stats, entropy,
                     stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
-                    stats if d_hidden is None else d_hidden, stats if d_weight_chunk is None else d_weight_chunk,
-                    stats if d_bias is None else d_bias, stats if tau is None else tau,
-                    n_rows, vocab, hidden_size, start, stop,
+                    dz, stats if tau is None else tau,
+                    n_rows, vocab, hidden_size, start, stop, dz.stride(0),
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
                     labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
                     *_scalars(temperature, logit_scale, logit_softcap), ignore_index,
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
                     HAS_GRAD_LOGP=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-                    NEEDS_HIDDEN=needs_hidden, NEEDS_WEIGHT=needs_weight, NEEDS_BIAS=needs_bias,
                     ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype), TRUNCATED=tau is not None,
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
                 )  # fmt: skip
-                if d_weight_chunk is not d_weight:
-                    d_weight[start:stop].copy_(d_weight_chunk)
-    elif needs_weight and weight.dtype != acc_dtype:
-        d_weight.zero_()
+                chunk = dz[:, : stop - start]
+                if needs_hidden:
+                    d_hidden += _product(chunk, weight[start:stop], acc_dtype)
+                if needs_weight:
+                    d_weight[start:stop] = _product(chunk.T, hidden_used, acc_dtype)
+                if needs_bias:
+                    d_bias[start:stop] = chunk.sum(0, dtype=acc_dtype)
+        if needs_hidden:  # a non-finite weight row times a zero gradient is NaN: no gradient is 0
+            d_hidden = torch.where(used[:, None], d_hidden, 0.0)
     cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
-    return cast(d_hidden, hidden), cast(d_weight, weight), cast(d_bias, bias)
+    return cast(d_hidden, hidden), d_weight, cast(d_bias, bias)
+
+
+def _gradient_chunk(n_rows: int, vocab: int, block_v: int, element_size: int, scratch_bytes: int | None) -> int:
+    """The vocabulary columns of the logits' gradient held at once: as many whole tiles as
+    ``scratch_bytes`` (default ``GRADIENT_SCRATCH_BYTES``) holds for every row, at least one tile."""
+    columns = (scratch_bytes or GRADIENT_SCRATCH_BYTES) // (element_size * max(1, n_rows))
+    return min(triton.cdiv(vocab, block_v) * block_v, max(block_v, columns // block_v * block_v))
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``acc_dtype``: bf16/fp16 products summed in float32 (cuBLAS's ``out_dtype`` on
+    CUDA; widened first elsewhere, which is exact), float32 as torch's TF32 switch says."""
+    if a.dtype == acc_dtype:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=acc_dtype)
+    return a.to(acc_dtype) @ b.to(acc_dtype)
 
 
 # --------------------------------------------------------------------------- torch custom op and autograd
