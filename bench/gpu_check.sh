@@ -50,7 +50,7 @@ CHILD=""
 declare -A DEADLINE=(
     [preflight]=6 [build]=26
     [tests-native]=31 [tests-triton]=39 [tests-matrix]=48 [tests-compile]=53 [tests-rest]=58
-    [targets]=73 [fused-head]=83 [bench]=100
+    [targets]=76 [fused-head]=89 [bench]=100
 )
 
 say() { echo "$*" | tee -a "$SUMMARY"; }

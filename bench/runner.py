@@ -26,8 +26,12 @@ from .timing import cuda_copy_bandwidth_gbps, peak_extra_bytes, time_cpu, time_c
 # to its inputs' precision where that is coarser (tolerance): a bf16 head's bf16 logits are what
 # its users get, not a wrong answer.
 TOL = 1e-3
-# A call faster than this (warm, wall clock) is timed as a CUDA graph replay.
+# A call faster than this (warm, wall clock) is timed as a CUDA graph replay (forward and backward:
+# the kernels, not the host's launch overhead).
 GRAPH_BELOW_S = 1e-3
+# On a GPU our reference (an oracle, plain PyTorch) is checked but not timed when its first call takes
+# longer than this: its timing would spend a lent GPU's minutes on no comparison anyone makes.
+REFERENCE_UNTIMED_ABOVE_S = 0.25
 
 
 @dataclass
@@ -163,6 +167,10 @@ def measure(
             return result
         if tol > TOL and result["max_abs_err"] is not None:
             result["detail"] = f"within its inputs' precision: up to {result['max_abs_err']:.3g} from the reference"
+        if device.type == "cuda" and name == "reference" and result["first_call_s"] > REFERENCE_UNTIMED_ABOVE_S:
+            result["status"] = "untimed"
+            result["detail"] = f"checked, not timed: the oracle's first call took {result['first_call_s']:.2f} s"
+            return result
         if settings.measure_memory:
             if leaf is not None:
                 leaf.grad = None  # else the first call's gradient counts as "before" and hides the new one
@@ -171,7 +179,7 @@ def measure(
             start = time.perf_counter()
             run()
             _sync(device)
-            small = time.perf_counter() - start < GRAPH_BELOW_S and mode == "fwd"
+            small = time.perf_counter() - start < GRAPH_BELOW_S
             timing, note = time_cuda(run, use_graph=small, rep_ms=settings.cuda_rep_ms)
             if note:
                 result["detail"] = "; ".join(filter(None, [result.get("detail"), note]))

@@ -7,8 +7,8 @@ and freed heap memory handed back to the OS first (``malloc_trim``), so every by
 call touches must come in as new resident pages.  torch's CPU allocator does not cache,
 so this counts the call's own tensors (inputs excluded, outputs and temporaries included).
 
-CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs) or, for
-microsecond-scale forwards, ``do_bench_cudagraph`` (launch overhead removed);
+CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs) or, for calls
+under a millisecond (forward and backward alike), ``do_bench_cudagraph`` (launch overhead removed);
 peak extra memory is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
 """
 
