@@ -605,10 +605,12 @@ N, V, H = 37, 75, 41  # none a multiple of the 16-wide test tiles
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """16-wide tiles in both passes and a gradient scratch of a tile or a few of every row, so that
-    odd N, V and H cross several tiles and the backward several vocabulary chunks."""
+    """16-wide tiles in both passes, the forward in three vocabulary splits (two tiles, two, one) and a
+    gradient scratch of a tile or a few of every row, so that odd N, V and H cross several tiles, the
+    forward its splits and the backward several vocabulary chunks."""
     for config in ("_FORWARD_CONFIG", "_BACKWARD_CONFIG"):
         monkeypatch.setattr(tlin, config, {acc: (16, 16, 16, 4) for acc in getattr(tlin, config)})
+    monkeypatch.setattr(tlin, "FORWARD_SPLITS", 3)
     monkeypatch.setattr(tlin, "GRADIENT_SCRATCH_BYTES", 2 * 16 * N * 4)
 
 
@@ -658,12 +660,12 @@ def test_linear_small_tiles_match_formula(small_tiles, dtype, grad_rtol):
 
 def test_linear_large_logits_and_masked_vocabulary(small_tiles):
     """Logits up to ~250 whose row maximum comes in the last tiles (the online logsumexp
-    rescales), and a -inf bias on the first 20 columns (a masked-out padded vocabulary: p = 0
-    there, whole tiles of -inf), against the reference."""
+    rescales), and a -inf bias on the first 40 columns (a masked-out padded vocabulary: p = 0
+    there, whole tiles and a whole vocabulary split of -inf), against the reference."""
     hidden, weight, _, _ = _linear_inputs()
     bias = torch.linspace(-60.0, 60.0, V, device=DEVICE)
-    bias[:20] = -math.inf
-    labels = torch.where(torch.rand(N, device=DEVICE) < 0.2, IGNORE, torch.randint(20, V, (N,), device=DEVICE))
+    bias[:40] = -math.inf
+    labels = torch.where(torch.rand(N, device=DEVICE) < 0.2, IGNORE, torch.randint(40, V, (N,), device=DEVICE))
 
     def ref(h, w, b, lab, **kw):
         return reference.linear_token_logprobs(h, w, lab, bias=b, return_entropy=True, **kw)
@@ -725,6 +727,19 @@ def test_linear_launcher_rejects_mismatched_inputs():
     ]:
         with pytest.raises(error, match=match):
             tlin.linear_token_logprobs_forward(*args, **options)
+
+
+def test_fused_head_forward_fills_an_sm90_gpu_from_2048_rows():
+    """Row blocks alone leave most of 132 multiprocessors idle at RLHF micro-batch sizes: the forward
+    splits the vocabulary so that its grid is one wave, nearly full (the combine costs little)."""
+    block_n, block_v = tlin._FORWARD_CONFIG[torch.bfloat16][:2]
+    meta = torch.device("meta")
+    for rows in (2048, 4096, 8192):
+        splits, per_split = tlin._vocab_splits(rows, 151936, block_n, block_v, meta)
+        programs = triton.cdiv(rows, block_n) * splits
+        assert 0.95 * 132 <= programs <= 132 and splits == triton.cdiv(151936, per_split), rows
+    assert tlin._vocab_splits(16384, 151936, block_n, block_v, meta)[0] == 1  # 128 row blocks: no split
+    assert tlin._vocab_splits(64, 100, block_n, block_v, meta)[0] == 1  # one vocabulary tile: nothing to split
 
 
 def test_fused_head_gradients_are_the_same_from_run_to_run(small_tiles):

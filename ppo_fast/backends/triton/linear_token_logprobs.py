@@ -9,7 +9,11 @@ Forward: one program per block of ``BLOCK_N`` rows loops over ``BLOCK_V`` vocabu
 tiles; each tile of ``hidden @ weight.T`` is a ``tl.dot`` over ``BLOCK_H`` steps of
 the hidden dim (float32 accumulate, tensor cores for bf16/fp16), transformed in
 registers and folded into an online logsumexp (and an online ``sum p * z`` for the
-entropy): the logits only ever exist one ``[BLOCK_N, BLOCK_V]`` tile at a time.
+entropy): the logits only ever exist one ``[BLOCK_N, BLOCK_V]`` tile at a time.  Where the row
+blocks alone would leave multiprocessors idle (an RLHF micro-batch of 2-8k rows is 16-64 blocks
+for an H200's 132), each row block's vocabulary is split among as many programs as fill one
+wave; each writes its share's running max, sum, entropy sum and chosen logit, and a few
+elementwise ops merge them as the loop merges its tiles (``_combine_splits``).
 
 Backward, by vocabulary chunks: one program per ``(row block, vocabulary block)`` tile
 recomputes that tile's logits with the forward's tile code and from its logsumexp, forms ``dz =
@@ -39,6 +43,7 @@ addressing throughout.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton
@@ -155,14 +160,18 @@ def _raw_logits(
 
 @triton.jit
 def _linear_token_logprobs_fwd_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr, tau_ptr,
-    n_rows, vocab, hidden_size,
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr, tau_ptr, partial_ptr,
+    n_rows, vocab, hidden_size, vocab_per_split,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     logit_scale, logit_scale_lo, logit_softcap, logit_softcap_lo, inv_temperature, inv_temperature_lo, ignore_index,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, RETURN_ENTROPY: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
 ):  # fmt: skip
+    """A block of rows over the vocabulary; with ``SPLIT``, over its ``program_id(1)``-th share of
+    ``vocab_per_split`` columns, whose running max, sum, entropy sum and chosen logit go to
+    ``partial [splits, N, 4]`` for ``_combine_splits``."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
     tau = tl.full([BLOCK_N], float("-inf"), ACC)
@@ -186,9 +195,11 @@ def _linear_token_logprobs_fwd_kernel(
     sum_exp = tl.zeros([BLOCK_N], ACC)  # sum exp(z - max z)
     weighted = tl.zeros([BLOCK_N], ACC)  # sum exp(z - max z) * (z - max z), for the entropy
     chosen = tl.zeros([BLOCK_N], ACC)  # u at the label
+    vocab_start = tl.program_id(1).to(tl.int64) * vocab_per_split  # vocab_per_split = vocab: one share
+    vocab_stop = tl.minimum(vocab_start + vocab_per_split, vocab)
     # A block with no row to compute reads nothing: its loop is empty.
-    vocab_end = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, vocab, 0)
-    for start in range(0, vocab_end, BLOCK_V):
+    vocab_stop = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, vocab_stop, vocab_start)
+    for start in range(vocab_start, vocab_stop, BLOCK_V):
         cols = start + cols0
         col_ok = cols < vocab
         raw = _raw_logits(
@@ -215,17 +226,24 @@ def _linear_token_logprobs_fwd_kernel(
         sum_exp = sum_exp * rescale + tl.sum(e, 1)
         run_max = new_max
 
-    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
-    log_sum = tl.log(sum_exp)
     in_rows = rows < n_rows
-    logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
-    tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
-    tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
-    tl.store(stats_ptr + (2 * rows + 1), tl.where(row_ok, log_sum, 0.0), mask=in_rows)
-    if RETURN_ENTROPY:
-        entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
-        tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
+    if SPLIT:
+        at = (tl.program_id(1).to(tl.int64) * n_rows + rows) * 4  # int64 offsets, as everywhere
+        tl.store(partial_ptr + at, run_max, mask=in_rows)
+        tl.store(partial_ptr + (at + 1), sum_exp, mask=in_rows)
+        tl.store(partial_ptr + (at + 2), weighted, mask=in_rows)
+        tl.store(partial_ptr + (at + 3), chosen, mask=in_rows)
+    else:
+        shift = tl.where(run_max == float("-inf"), 0.0, run_max)
+        sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
+        log_sum = tl.log(sum_exp)
+        logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
+        tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
+        tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
+        tl.store(stats_ptr + (2 * rows + 1), tl.where(row_ok, log_sum, 0.0), mask=in_rows)
+        if RETURN_ENTROPY:
+            entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
+            tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
 
 
 @triton.jit
@@ -409,8 +427,10 @@ def linear_token_logprobs_forward(
         raise ValueError("weight must have a non-empty vocabulary dim")
     acc = compute_dtype(dtype)
     block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
+    splits, vocab_per_split = _vocab_splits(n_rows, vocab, block_n, block_v, hidden.device)
+    partial = logp.new_empty((splits, n_rows, 4)) if splits > 1 else logp
     with device_guard(hidden):
-        _linear_token_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n),)](
+        _linear_token_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n), splits)](
             hidden,
             weight,
             weight if bias is None else bias,
@@ -419,9 +439,11 @@ def linear_token_logprobs_forward(
             logp if entropy is None else entropy,
             stats,
             logp if tau is None else tau,
+            partial,
             n_rows,
             vocab,
             hidden_size,
+            vocab_per_split,
             hidden.stride(0),
             hidden.stride(1),
             weight.stride(0),
@@ -439,9 +461,65 @@ def linear_token_logprobs_forward(
             BLOCK_V=block_v,
             BLOCK_H=block_h,
             TRUNCATED=tau is not None,
+            SPLIT=splits > 1,
             num_warps=num_warps,
             num_stages=_NUM_STAGES,
         )
+    if splits > 1:
+        post = _post(temperature, logit_scale, logit_softcap, logp.dtype)
+        return _combine_splits(partial, labels, vocab, ignore_index, post, return_entropy)
+    return logp, entropy, stats
+
+
+# Splits of the vocabulary the forward uses when its row blocks alone leave multiprocessors idle
+# (None: as the device has them; tests set it to cross the splits under the interpreter).
+FORWARD_SPLITS: int | None = None
+SM90_MULTIPROCESSORS = 132  # the H100's and H200's: what meta tensors (bench static) are sized for
+
+
+def _vocab_splits(n_rows: int, vocab: int, block_n: int, block_v: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, vocab_per_split)``: as many vocabulary shares per row block as keep the grid within
+    one wave of the device's multiprocessors (one program each), at most one per vocabulary tile."""
+    row_blocks, tiles = triton.cdiv(n_rows, block_n), triton.cdiv(vocab, block_v)
+    if FORWARD_SPLITS is not None:
+        wanted = FORWARD_SPLITS
+    elif device.type == "cuda":
+        wanted = torch.cuda.get_device_properties(device).multi_processor_count // row_blocks
+    else:  # the interpreter has no multiprocessors to fill; meta tensors stand for an sm_90 GPU
+        wanted = SM90_MULTIPROCESSORS // row_blocks if device.type == "meta" else 1
+    per_split = triton.cdiv(tiles, max(1, min(wanted, tiles))) * block_v
+    return triton.cdiv(vocab, per_split), per_split
+
+
+def _post(temperature: float, logit_scale: float, logit_softcap: float | None, dtype: torch.dtype) -> float:
+    """The kernels' ``post`` (``z - max z = (u - max u) * post``), rounded as they form it in ``dtype``."""
+    factor = logit_scale if logit_softcap is None else logit_softcap
+    as_dtype = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731  (on the host: no device sync)
+    return (as_dtype(factor) * as_dtype(1.0 / temperature)).item()
+
+
+def _combine_splits(partial: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int, post: float,
+                    return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """The forward's results from its splits' ``(max u, sum exp, sum exp * (z - max z), chosen u)``,
+    each share rebased to the row's max as the kernel's online loop rebases its tiles.  A share with
+    nothing (sum 0: every logit -inf) adds nothing; a NaN anywhere stays NaN."""
+    run_max, sum_exp, weighted, chosen = partial.unbind(-1)
+    top = run_max.amax(0)
+    shift = torch.where(top == -math.inf, 0.0, top)
+    delta = (torch.where(run_max == -math.inf, 0.0, run_max) - shift) * post
+    empty = sum_exp == 0
+    rescale = torch.exp(torch.where(empty, 0.0, delta))
+    valid = labels != ignore_index
+    row_ok = valid & (labels >= 0) & (labels < vocab)
+    total = torch.where(row_ok, torch.where(empty, 0.0, rescale * sum_exp).sum(0), 1.0)
+    log_sum = torch.log(total)
+    nan = torch.full_like(log_sum, math.nan)
+    logp = torch.where(valid, torch.where(row_ok, (chosen.sum(0) - shift) * post - log_sum, nan), 0.0)
+    stats = torch.stack([torch.where(row_ok, shift, 0.0), torch.where(row_ok, log_sum, 0.0)], -1)
+    entropy = None
+    if return_entropy:
+        weighted = torch.where(empty, 0.0, rescale * (weighted + delta * sum_exp)).sum(0)
+        entropy = torch.where(valid, torch.where(row_ok, log_sum - weighted / total, nan), 0.0)
     return logp, entropy, stats
 
 
@@ -911,6 +989,18 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
                     block=None,
                 )
             )
+    split_rows = rows // 8  # 16 row blocks: the forward splits the vocabulary to fill the machine
+    fwd, _ = _static_launches(torch.bfloat16, False, False, split_rows, hidden, vocab)
+    shape = f"[{split_rows}, {hidden}] x [{vocab}, {hidden}] bf16"
+    out.append(
+        dict(
+            name=f"linear_token_logprobs fwd {shape} vocab split",
+            budget_key=None,
+            bytes_per_element=None,
+            run=fwd,
+            block=None,
+        )
+    )
     return out + _truncated_static_variants(rows, hidden, vocab)
 
 
