@@ -142,9 +142,53 @@ def _mismatch(out, expected: torch.Tensor, tol: float = TOL) -> tuple[float, boo
     return (float(finite.max()) if finite.numel() else 0.0), bool(bad.any())
 
 
+def _gradient_mismatch(got: torch.Tensor | None, want: torch.Tensor) -> tuple[float, bool]:
+    """The largest distance of a gradient from the reference's, relative to the reference's largest
+    entry, and whether it is over twice the gradient dtype's epsilon (TOL at least): the gradient is
+    returned in its input's dtype, so a bf16 one is a rounding of the float32 sums, ours too."""
+    if got is None or got.shape != want.shape:
+        return float("inf"), True
+    scale = want.abs().max().item() or 1.0
+    err = (got.double() - want.double()).abs().max().item() / scale
+    return err, not err <= 2 * max(TOL, torch.finfo(got.dtype).eps)
+
+
+def _check(case: Case, name: str, kind: str, out, leaf, inputs: dict, expected: tuple) -> dict:
+    """The first call's output (and gradient) against the reference's: the row's error fields, and
+    its status and detail where they say more than "ok"."""
+    if name in case.yardsticks:
+        return {"max_abs_err": None}
+    tol = tolerance(kind, inputs)
+    err, wrong = _mismatch(out, expected[0], tol)
+    if wrong:
+        detail = f"differs from the reference backend by up to {err:.3g} (tolerance {tol:.3g})"
+        return {"max_abs_err": err, "status": "mismatch", "detail": detail}
+    checked = {"max_abs_err": err}
+    if leaf is not None:
+        checked["grad_rel_err"], wrong = _gradient_mismatch(leaf.grad, expected[1])
+        if wrong:
+            detail = (
+                f"its gradient of {case.grad_input} differs from the reference's by up to "
+                f"{checked['grad_rel_err']:.3g} of its largest entry"
+            )
+            return {**checked, "status": "mismatch", "detail": detail}
+    if err > TOL:  # passed at its inputs' precision only
+        checked["detail"] = f"within its inputs' precision: up to {err:.3g} from the reference"
+    return checked
+
+
 def measure(
-    case: Case, name: str, kind: str, fn: Callable, mode: str, inputs: dict, expected: torch.Tensor, settings: Settings
+    case: Case,
+    name: str,
+    kind: str,
+    fn: Callable,
+    mode: str,
+    inputs: dict,
+    expected: tuple[torch.Tensor, torch.Tensor | None],
+    settings: Settings,
 ) -> dict:
+    """One implementation in one mode: checked against ``expected`` (the reference's first output and,
+    forward + backward, its gradient of ``case.grad_input``), then timed and its peak memory measured."""
     device = settings.device
     result = {"impl": name, "kind": kind, "mode": mode, "status": "ok"}
     run = _runner(case, fn, mode, inputs)
@@ -156,17 +200,10 @@ def measure(
         out = run()  # first call: compilation, autotuning, the answer to check
         _sync(device)
         result["first_call_s"] = time.perf_counter() - start
-        tol = tolerance(kind, inputs)
-        result["max_abs_err"], wrong = _mismatch(out, expected, tol) if name not in case.yardsticks else (None, False)
+        result.update(_check(case, name, kind, out, leaf, inputs, expected))
         del out
-        if wrong:
-            result["status"] = "mismatch"
-            result["detail"] = (
-                f"differs from the reference backend by up to {result['max_abs_err']:.3g} (tolerance {tol:.3g})"
-            )
+        if result["status"] == "mismatch":
             return result
-        if tol > TOL and result["max_abs_err"] is not None:
-            result["detail"] = f"within its inputs' precision: up to {result['max_abs_err']:.3g} from the reference"
         if device.type == "cuda" and name == "reference" and result["first_call_s"] > REFERENCE_UNTIMED_ABOVE_S:
             result["status"] = "untimed"
             result["detail"] = f"checked, not timed: the oracle's first call took {result['first_call_s']:.2f} s"
@@ -227,8 +264,9 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
         expected = primary_output(case.call_op(inputs)).detach()
     for mode in case.modes:
         rows = []
+        want = (expected, _reference_gradient(case, inputs) if mode != "fwd" else None)
         for name, kind, fn in impls:
-            row = measure(case, name, kind, fn, mode, inputs, expected, settings)
+            row = measure(case, name, kind, fn, mode, inputs, want, settings)
             rows.append(row)
             print(f"  {case.op} {case.shape} {mode:8s} {name:22s} {_short(row)}", file=log, flush=True)
         baseline = next((r for r in rows if r["impl"] == case.eager_baseline and r["status"] == "ok"), None)
@@ -243,10 +281,23 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
             if copy_gbps and "gbps" in row:
                 row["copy_fraction"] = row["gbps"] / copy_gbps
         record["results"] += rows
-    del inputs, expected
+    del inputs, expected, want
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return record
+
+
+def _reference_gradient(case: Case, inputs: dict) -> torch.Tensor:
+    """The reference backend's gradient of ``case.grad_input`` in the forward + backward mode."""
+    leaf = inputs[case.grad_input]
+    leaf.requires_grad_(True)
+    try:
+        with pf.use_backend("reference"):
+            _runner(case, case.call_op, "fwd+bwd", inputs)()
+        return leaf.grad.detach().clone()
+    finally:
+        leaf.grad = None
+        leaf.requires_grad_(False)
 
 
 def _short(row: dict) -> str:

@@ -101,10 +101,19 @@ def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
             * 1.01
         )
 
-    row = runner.measure(case, "wrong", "ppo_fast", off_by_one_percent, "fwd", inputs, expected, _settings())
+    def gradient_off_by_one_percent(x):  # the right loss, a gradient 1.01 times the right one
+        loss = baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0]
+        return loss.detach() + 1.01 * (loss - loss.detach())
+
+    row = runner.measure(case, "wrong", "ppo_fast", off_by_one_percent, "fwd", inputs, (expected, None), _settings())
     assert row["status"] == "mismatch" and "median_ms" not in row
-    good = runner.measure(case, "eager", "baseline", case.baselines["eager"], "fwd+bwd", inputs, expected, _settings())
-    assert good["status"] == "ok" and good["median_ms"] > 0
+    want = (expected, runner._reference_gradient(case, inputs))
+    row = runner.measure(
+        case, "wrong-grad", "baseline", gradient_off_by_one_percent, "fwd+bwd", inputs, want, _settings()
+    )
+    assert row["status"] == "mismatch" and "gradient of values" in row["detail"] and "median_ms" not in row
+    good = runner.measure(case, "eager", "baseline", case.baselines["eager"], "fwd+bwd", inputs, want, _settings())
+    assert good["status"] == "ok" and good["median_ms"] > 0 and good["grad_rel_err"] < 1e-6
     assert not inputs["values"].requires_grad  # the fwd+bwd mode leaves the inputs as it found them
 
 
@@ -173,7 +182,8 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
     settings = runner.Settings(
         torch.device("cpu"), compile=False, measure_memory=True, cpu_min_run_time=0.01, cuda_rep_ms=10
     )
-    row = runner.measure(case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, expected, settings)
+    gradient = inputs["grad_out"][:, None].expand_as(inputs["logits"])
+    row = runner.measure(case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, (expected, gradient), settings)
     assert row["status"] == "ok"
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
 
@@ -195,7 +205,14 @@ def test_fused_head_baselines_match_reference():
     assert "eager" in case.baselines and "linear-layer" in case.yardsticks
     expected = want.detach()
     row = runner.measure(
-        case, "linear-layer", "baseline", case.baselines["linear-layer"], "fwd+bwd", inputs, expected, _settings()
+        case,
+        "linear-layer",
+        "baseline",
+        case.baselines["linear-layer"],
+        "fwd+bwd",
+        inputs,
+        (expected, None),
+        _settings(),
     )
     assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
 
