@@ -43,6 +43,20 @@ def test_top_k_threshold_is_the_kth_value_with_its_ties(dtype, top_k):
     assert torch.equal(x >= tau.double()[:, None], kept_tokens(x / 0.8, Truncation(top_k=top_k)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_min_p_edge_is_the_other_backends_rule(dtype):
+    """Probabilities exactly min_p times the largest (1, 1/2, 1/4 of it): kept as exp(z - max z) >= min_p
+    keeps them, the difference rounded in the compute dtype and the exp in float64 (the reference's and
+    the native kernels' rule), not as log2-space products would round them."""
+    logits = torch.log(torch.tensor([1.0, 0.5, 0.25, 0.1], dtype=torch.float64)).to(dtype).to(DEVICE)
+    for min_p in (0.5, 0.25, 0.1):
+        truncation = Truncation(min_p=min_p)
+        tau = tlp.truncation_thresholds(
+            logits[None], torch.zeros(1, dtype=torch.long, device=DEVICE), 1.0, -100, truncation
+        )
+        assert torch.equal(logits >= tau, kept_tokens(logits[None], truncation)[0]), min_p
+
+
 def test_rows_not_truncated_get_minus_inf():
     logits = torch.randn(4, 33, device=DEVICE)
     logits[0, 3] = torch.nan

@@ -4,7 +4,9 @@ One program per row, the vocabulary streamed in ``BLOCK_V`` blocks, nothing stor
 With ``z = x * scale`` (``scale > 0``: the temperature, and for the fused head the logit scale) and
 ``d = (x - max) * scale * log2(e)``:
 
-- ``min_p``: the smallest ``x`` with ``d >= log2(min_p)`` (one pass);
+- ``min_p``: the smallest ``x`` with ``z - max z >= min_p_cutoff(min_p)`` (one pass), the rule of the
+  other backends: ``exp(z - max z) >= min_p`` with the difference rounded in the compute dtype and the
+  exp in float64;
 - ``top_k``: the k-th largest ``x`` counted with its ties, by bisection on the order-preserving integer
   image of the float bits (the "key"), each step one pass counting the tokens ``>=`` the candidate;
 - ``top_p``: the largest ``x`` (at least the threshold so far) whose kept mass ``sum 2**d over x' >= x``
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -107,8 +110,8 @@ def _truncation_threshold_kernel(
     top_k,
     top_p,
     top_p_lo,
-    log2_min_p,
-    log2_min_p_lo,
+    min_p_cutoff,
+    min_p_cutoff_lo,
     HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
@@ -142,11 +145,13 @@ def _truncation_threshold_kernel(
     row_vocab = tl.where(truncated, row_vocab, 0)  # rows not truncated read nothing more
 
     if HAS_MIN_P:
-        floor = scalar(log2_min_p, log2_min_p_lo, ACC)
+        cutoff = scalar(min_p_cutoff, min_p_cutoff_lo, ACC)
+        z_scale = scalar(scale, scale_lo, ACC)
+        z_max = row_max * z_scale
         run_min = tl.full([BLOCK_V], float("inf"), ACC)
         for start in range(0, row_vocab, BLOCK_V):
             x, in_row = _load(row_ptr, start, cols, vocab_stride, row_vocab, ACC)
-            run_min = tl.minimum(run_min, tl.where(in_row & ((x - row_max) * scale2 >= floor), x, float("inf")))
+            run_min = tl.minimum(run_min, tl.where(in_row & (x * z_scale - z_max >= cutoff), x, float("inf")))
         tau = tl.min(run_min, 0)
     if HAS_TOP_K:
         # The largest key in [key(tau), key(max)] with at least top_k logits >= its value (else key(tau)).
@@ -215,7 +220,6 @@ def thresholds(
     if rows == 0:
         return tau
     acc = tl.float64 if acc_dtype == torch.float64 else tl.float32
-    log2_min_p = math.log2(truncation.min_p) if truncation.min_p > 0 else 0.0
     _truncation_threshold_kernel[(rows,)](
         logits,
         labels,
@@ -230,7 +234,7 @@ def thresholds(
         *split_scalar(scale),
         max(truncation.top_k, 1),
         *split_scalar(truncation.top_p),
-        *split_scalar(log2_min_p),
+        *split_scalar(min_p_cutoff(truncation.min_p, acc_dtype) if truncation.min_p > 0 else 0.0),
         HAS_TOP_K=truncation.top_k > 0,
         HAS_TOP_P=truncation.top_p < 1,
         HAS_MIN_P=truncation.min_p > 0,
@@ -241,3 +245,18 @@ def thresholds(
         num_warps=8,
     )
     return tau
+
+
+def min_p_cutoff(min_p: float, dtype: torch.dtype) -> float:
+    """The least non-positive ``d`` of ``dtype`` (float32 or float64) with ``exp(float64(d)) >= min_p``:
+    min-p keeps ``z - max z >= it``, as the native kernels' ``min_p_cutoff`` (bisection over the bits)."""
+    np_float, np_bits = (np.float64, np.uint64) if dtype == torch.float64 else (np.float32, np.uint32)
+    value = lambda bits: -float(np.array(bits, np_bits).view(np_float))  # noqa: E731
+    good, bad = 0, int(np.array(np.inf, np_float).view(np_bits))  # exp(-0) = 1 >= min_p; exp(-inf) = 0 < min_p
+    while bad - good > 1:
+        mid = good + (bad - good) // 2
+        if math.exp(value(mid)) >= min_p:
+            good = mid
+        else:
+            bad = mid
+    return value(good)
