@@ -10,6 +10,7 @@
 #               tests-*.log as it ends, so a stage cut by its limit keeps every name
 #   targets     python -m bench targets (saved as measured)
 #   fused-head  the fused LM head's benchmark rows
+#   head-tiles  the fused head's tile candidates and its vocabulary split (python -m bench head_tiles)
 #   bench       the rest of the benchmark suite, with the time left
 # Each stage must end by its deadline, the share of TOTAL_S up to it (DEADLINE below): a stage
 # that ends early leaves its time to the next.  A TERM or INT (the device call's limit) stops the
@@ -50,7 +51,7 @@ CHILD=""
 declare -A DEADLINE=(
     [preflight]=6 [build]=26
     [tests-native]=31 [tests-triton]=39 [tests-matrix]=48 [tests-compile]=53 [tests-rest]=58
-    [targets]=76 [fused-head]=89 [bench]=100
+    [targets]=72 [fused-head]=84 [head-tiles]=92 [bench]=100
 )
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -193,7 +194,7 @@ elif [ -z "$ARCH" ]; then
     say "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False): stopping before the build; nothing measured"
     exit 3
 fi
-say "plan (${TOTAL_S}s): $(for s in preflight build tests-native tests-triton tests-matrix tests-compile tests-rest targets fused-head bench; do
+say "plan (${TOTAL_S}s): $(for s in preflight build tests-native tests-triton tests-matrix tests-compile tests-rest targets fused-head head-tiles bench; do
     printf '%s by %ss, ' "$s" $((TOTAL_S * DEADLINE[$s] / 100))
 done)"
 
@@ -241,7 +242,7 @@ test_stage tests-compile per-device tests/test_conformance.py -k compiled
 test_stage tests-rest tests $(printf -- '--ignore=%s ' "${STAGED[@]}" "${COMPILE_ONLY[@]}")
 
 if [ "$REHEARSAL" = 1 ]; then
-    for s in targets fused-head bench; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
+    for s in targets fused-head head-tiles bench; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
     finish
 fi
 
@@ -255,6 +256,11 @@ run_stage targets "$OUT/targets.log" \
 mkdir -p "$OUT/fused_head"
 run_stage fused-head "$OUT/fused_head/bench.log" \
     "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
+
+# --- the fused head's tile candidates, forward and backward, and its vocabulary split (one JSON row
+# a candidate, written as it goes).
+run_stage head-tiles "$OUT/fused_head/head-tiles.log" \
+    "$PY" -m bench head_tiles --device cuda --rows 8192 --reps 3 --out "$OUT/fused_head/head-tiles.json"
 
 # --- the rest of the suite with the time left; it saves its JSON after every case.
 BENCH_LOG="$OUT/bench.log"

@@ -384,3 +384,18 @@ def test_bytes_moved_count_only_the_rows_a_kernel_reads():
     assert int((head.make_inputs(torch.device("cpu"))["labels"] == -100).sum()) == 3
     assert head.fwd_bytes == (7 + 7) * 5 * 4 + 10 * 12
     assert head.bwd_bytes == (7 + 7) * 5 * 4 + (10 + 7) * 5 * 4 + 10 * 12
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU runs it in bench/gpu_check.sh")
+def test_head_tiles_runs_every_candidate(tmp_path):
+    """The fused head's tile sweep (GPU-only in use) runs whole here, under the interpreter, on a tiny
+    head: each candidate checked against the first and timed, the split compared, the file written."""
+    from bench import head_tiles
+
+    out = tmp_path / "tiles.json"
+    argv = "--device cpu --rows 40 --hidden 32 --vocab 300 --split-rows 20 --reps 1 --out".split()
+    assert head_tiles.main([*argv, str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
+    assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["results"][1:])
+    assert set(data["split_fwd_ms"]) == {"split", "one share"}

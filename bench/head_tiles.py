@@ -1,0 +1,154 @@
+"""``python -m bench head_tiles``: the Triton fused head's tile configurations on a GPU, so that the
+next change of ``_FORWARD_CONFIG`` / ``_BACKWARD_CONFIG`` is a measured one.  On one bf16 head
+(default N=16384, H=4096, V=151936, 30% of the rows ignored) each candidate ``(BLOCK_N, BLOCK_V,
+BLOCK_H, num_warps, num_stages)`` times the forward and the backward (its tile kernel and the
+cuBLAS products), against the head's own products (``hidden @ weight.T``, cuBLAS) measured in the
+same run; and the forward with and without its vocabulary split at a micro-batch's rows.  Every
+candidate's log-probs are checked against the shipped configuration's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+
+from .common import result_header, write_json
+
+# (BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages); the first is what ships.
+CANDIDATES = [
+    (128, 128, 32, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+]
+
+
+@contextlib.contextmanager
+def _tiles(module, config):
+    """The fused head's launches in ``config`` (both passes' tiles, every kernel's stages)."""
+    saved = module._FORWARD_CONFIG, module._BACKWARD_CONFIG, module._NUM_STAGES
+    block_n, block_v, block_h, warps, stages = config
+    tiles = {torch.bfloat16: (block_n, block_v, block_h, warps)}
+    module._FORWARD_CONFIG = {**saved[0], **tiles}
+    module._BACKWARD_CONFIG = {**saved[1], **tiles}
+    module._NUM_STAGES = stages
+    try:
+        yield
+    finally:
+        module._FORWARD_CONFIG, module._BACKWARD_CONFIG, module._NUM_STAGES = saved
+
+
+def _ms(fn, reps: int) -> float:
+    """The median of ``reps`` timed calls (CUDA events; the wall clock off CUDA) after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _head(rows: int, hidden: int, vocab: int, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device=device, generator=gen) / hidden**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    labels[torch.randperm(rows, device=device, generator=gen)[: rows * 3 // 10]] = -100
+    return h, w, labels
+
+
+def measure(module, config, head, reps: int, want: torch.Tensor | None) -> dict:
+    h, w, labels = head
+    options = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
+    row = {"config": list(config)}
+    try:
+        with _tiles(module, config):
+            forward = lambda: module.linear_token_logprobs_forward(h, w, labels, None, **options, return_entropy=True)  # noqa: E731
+            start = time.perf_counter()
+            logp, entropy, stats = forward()
+            if h.is_cuda:
+                torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - start
+            if want is not None:
+                row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
+            row["fwd_ms"] = _ms(forward, reps)
+            grad = torch.ones_like(logp)
+            row["bwd_ms"] = _ms(
+                lambda: module.linear_token_logprobs_backward(
+                    grad, None, h, w, labels, None, stats, None, **options,
+                    needs_hidden=True, needs_weight=True, needs_bias=False,
+                ),
+                reps,
+            )  # fmt: skip
+    except Exception as err:  # a configuration that does not compile or fit: reported, the rest go on
+        row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench head_tiles", description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--split-rows", type=int, default=4096, help="the rows of the vocabulary-split comparison")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="bench/results/head-tiles.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error(
+            "head_tiles times Triton's compiled kernels: it needs a CUDA device (or, to try it, the interpreter)"
+        )
+    from ppo_fast.backends.triton import linear_token_logprobs as module
+
+    head = _head(args.rows, args.hidden, args.vocab, device)
+    flops = 2 * args.rows * args.hidden * args.vocab  # one product of the head
+    products_ms = _ms(lambda: head[0] @ head[1].T, args.reps)
+    result = {
+        **result_header("head_tiles", argv, device),
+        "shape": {"rows": args.rows, "hidden": args.hidden, "vocab": args.vocab, "dtype": "bfloat16"},
+        "products_ms": products_ms,
+        "products_tflops": flops / products_ms / 1e9,
+    }
+    rows, want = [], None
+    for config in CANDIDATES:
+        row = measure(module, config, head, args.reps, want)
+        if want is None and "error" not in row:
+            with _tiles(module, config):
+                want = module.linear_token_logprobs_forward(
+                    *head[:2], head[2], None, temperature=0.7, logit_scale=1.0, logit_softcap=None,
+                    ignore_index=-100, return_entropy=True,
+                )[0]  # fmt: skip
+        if "fwd_ms" in row:
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+            row["bwd_tflops"] = 3 * flops / row["bwd_ms"] / 1e9  # the recompute and the two gradients' products
+        rows.append(row)
+        print(f"  {config}: {row}", flush=True)
+        write_json(args.out, {**result, "results": rows})  # each candidate kept, should the time run out
+    split = {}
+    small = _head(args.split_rows, args.hidden, args.vocab, device)
+    for label, splits in (("split", None), ("one share", 1)):
+        saved, module.FORWARD_SPLITS = module.FORWARD_SPLITS, splits
+        try:
+            split[label] = measure(module, CANDIDATES[0], small, args.reps, None)["fwd_ms"]
+        finally:
+            module.FORWARD_SPLITS = saved
+    print(f"  forward at {args.split_rows} rows: {split}", flush=True)
+    write_json(args.out, {**result, "results": rows, "split_rows": args.split_rows, "split_fwd_ms": split})
+    return 0
