@@ -153,7 +153,7 @@ def _gradient_mismatch(got: torch.Tensor | None, want: torch.Tensor) -> tuple[fl
     return err, not err <= 2 * max(TOL, torch.finfo(got.dtype).eps)
 
 
-def _check(case: Case, name: str, kind: str, out, leaf, inputs: dict, expected: tuple) -> dict:
+def _check(case: Case, name: str, kind: str, out, leaf, *, inputs: dict, expected: tuple) -> dict:
     """The first call's output (and gradient) against the reference's: the row's error fields, and
     its status and detail where they say more than "ok"."""
     if name in case.yardsticks:
@@ -200,7 +200,7 @@ def measure(
         out = run()  # first call: compilation, autotuning, the answer to check
         _sync(device)
         result["first_call_s"] = time.perf_counter() - start
-        result.update(_check(case, name, kind, out, leaf, inputs, expected))
+        result.update(_check(case, name, kind, out, leaf, inputs=inputs, expected=expected))
         del out
         if result["status"] == "mismatch":
             return result
