@@ -1,10 +1,11 @@
 """``python -m bench head_tiles``: the Triton fused head's tile configurations on a GPU, so that the
 next change of ``_FORWARD_CONFIG`` / ``_BACKWARD_CONFIG`` is a measured one.  On one bf16 head
 (default N=16384, H=4096, V=151936, 30% of the rows ignored) each candidate ``(BLOCK_N, BLOCK_V,
-BLOCK_H, num_warps, num_stages)`` times the forward and the backward (its tile kernel and the
-cuBLAS products), against the head's own products (``hidden @ weight.T``, cuBLAS) measured in the
-same run; and the forward with and without its vocabulary split at a micro-batch's rows.  Every
-candidate's log-probs are checked against the shipped configuration's first.
+BLOCK_H, num_warps, num_stages)`` times the forward and the backward (its tile kernel and the cuBLAS
+products), against the head's own products (``hidden @ weight.T``, cuBLAS) measured in the same run;
+the forward with and without its vocabulary split at a micro-batch's rows; the backward by the size
+of its gradient scratch (``GRADIENT_SCRATCH_BYTES``).  Every candidate's log-probs are checked
+against the shipped configuration's first.
 """
 
 from __future__ import annotations
@@ -150,5 +151,16 @@ def main(argv=None) -> int:
         finally:
             module.FORWARD_SPLITS = saved
     print(f"  forward at {args.split_rows} rows: {split}", flush=True)
-    write_json(args.out, {**result, "results": rows, "split_rows": args.split_rows, "split_fwd_ms": split})
+    scratch = {}
+    for mib in (16, 64, 256):
+        saved, module.GRADIENT_SCRATCH_BYTES = module.GRADIENT_SCRATCH_BYTES, mib << 20
+        try:
+            scratch[mib] = measure(module, CANDIDATES[0], head, args.reps, None).get("bwd_ms")
+        finally:
+            module.GRADIENT_SCRATCH_BYTES = saved
+    print(f"  backward by its gradient scratch (MiB): {scratch}", flush=True)
+    write_json(
+        args.out,
+        {**result, "results": rows, "split_rows": args.split_rows, "split_fwd_ms": split, "scratch_bwd_ms": scratch},
+    )
     return 0

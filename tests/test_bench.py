@@ -398,4 +398,4 @@ def test_head_tiles_runs_every_candidate(tmp_path):
     data = json.loads(out.read_text())
     assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["results"][1:])
-    assert set(data["split_fwd_ms"]) == {"split", "one share"}
+    assert set(data["split_fwd_ms"]) == {"split", "one share"} and len(data["scratch_bwd_ms"]) == 3

@@ -75,7 +75,8 @@ _BACKWARD_CONFIG = {
 _IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (64, 64, 16, 4)}
 _NUM_STAGES = 3
 # At most this much of the logits' gradient at once: larger heads run the backward in vocabulary chunks.
-GRADIENT_SCRATCH_BYTES = 256 << 20
+# (2048 columns of 16k bf16 rows; the backward by its size: python -m bench head_tiles on a GPU)
+GRADIENT_SCRATCH_BYTES = 64 << 20
 # At most this much scratch for the logits of the rows whose truncation thresholds are found at once.
 LOGITS_SCRATCH_BYTES = 256 << 20
 
