@@ -73,13 +73,19 @@ def _head(rows: int, hidden: int, vocab: int, device: torch.device):
     return h, w, labels
 
 
+OPTIONS = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
+
+
 def measure(module, config, head, reps: int, want: torch.Tensor | None) -> dict:
     h, w, labels = head
-    options = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
     row = {"config": list(config)}
+    needs = dict(needs_hidden=True, needs_weight=True, needs_bias=False)
+
+    def forward():
+        return module.linear_token_logprobs_forward(h, w, labels, None, **OPTIONS, return_entropy=True)
+
     try:
         with _tiles(module, config):
-            forward = lambda: module.linear_token_logprobs_forward(h, w, labels, None, **options, return_entropy=True)  # noqa: E731
             start = time.perf_counter()
             logp, entropy, stats = forward()
             if h.is_cuda:
@@ -89,13 +95,10 @@ def measure(module, config, head, reps: int, want: torch.Tensor | None) -> dict:
                 row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
             row["fwd_ms"] = _ms(forward, reps)
             grad = torch.ones_like(logp)
-            row["bwd_ms"] = _ms(
-                lambda: module.linear_token_logprobs_backward(
-                    grad, None, h, w, labels, None, stats, None, **options,
-                    needs_hidden=True, needs_weight=True, needs_bias=False,
-                ),
-                reps,
-            )  # fmt: skip
+            backward = lambda: module.linear_token_logprobs_backward(  # noqa: E731
+                grad, None, h, w, labels, None, stats, None, **OPTIONS, **needs
+            )
+            row["bwd_ms"] = _ms(backward, reps)
     except Exception as err:  # a configuration that does not compile or fit: reported, the rest go on
         row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return row
@@ -132,10 +135,7 @@ def main(argv=None) -> int:
         row = measure(module, config, head, args.reps, want)
         if want is None and "error" not in row:
             with _tiles(module, config):
-                want = module.linear_token_logprobs_forward(
-                    *head[:2], head[2], None, temperature=0.7, logit_scale=1.0, logit_softcap=None,
-                    ignore_index=-100, return_entropy=True,
-                )[0]  # fmt: skip
+                want = module.linear_token_logprobs_forward(*head, None, **OPTIONS, return_entropy=True)[0]
         if "fwd_ms" in row:
             row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
             row["bwd_tflops"] = 3 * flops / row["bwd_ms"] / 1e9  # the recompute and the two gradients' products

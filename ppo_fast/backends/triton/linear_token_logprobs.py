@@ -499,8 +499,9 @@ def _post(temperature: float, logit_scale: float, logit_softcap: float | None, d
     return (as_dtype(factor) * as_dtype(1.0 / temperature)).item()
 
 
-def _combine_splits(partial: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int, post: float,
-                    return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+def _combine_splits(
+    partial: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int, post: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The forward's results from its splits' ``(max u, sum exp, sum exp * (z - max z), chosen u)``,
     each share rebased to the row's max as the kernel's online loop rebases its tiles.  A share with
     nothing (sum 0: every logit -inf) adds nothing; a NaN anywhere stays NaN."""
