@@ -72,7 +72,7 @@ _BACKWARD_CONFIG = {
     torch.float64: (32, 64, 16, 4),
 }
 # IEEE float32 products (torch's default, TF32 off) need more registers than TF32 ones: smaller tiles.
-_IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (64, 64, 16, 4)}
+_IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (32, 64, 16, 4)}
 _NUM_STAGES = 3
 # At most this much of the logits' gradient at once: larger heads run the backward in vocabulary chunks.
 # (2048 columns of 16k bf16 rows; the backward by its size: python -m bench head_tiles on a GPU)
