@@ -90,11 +90,15 @@ def _compare_layouts(model_name: str, critic_mode: str, device: str = "cpu", tol
     assert any(g.abs().sum() > 0 for g in g1)
 
 
-def test_pack_keeps_each_rows_real_tokens_and_restarts_positions():
+def test_pack_fills_bins_longest_first_and_restarts_positions():
+    """Rows of 13, 5, 2 and 9 real tokens in bins of the padded width 13, first fit decreasing:
+    [13], [9, 2] and [5]; positions restart at each row and at each bin's unused tail."""
     batch = _batch(50, 0)
     p = packing.pack(batch.input_ids, batch.attention_mask, 6)
-    assert p.input_ids.shape == (1, 7 + 3 + 1 + 5 + 6 + 2 + 1 + 4)
-    assert p.position_ids[0].tolist() == [*range(13), *range(5), *range(2), *range(9)]
+    real = [batch.input_ids[row][batch.attention_mask[row]].tolist() for row in range(4)]
+    assert p.input_ids[0].tolist() == real[0] and p.input_ids[1, :11].tolist() == real[3] + real[2]
+    assert p.input_ids[2, :5].tolist() == real[1]
+    assert p.position_ids.tolist() == [list(range(13)), [*range(9), *range(2), *range(2)], [*range(5), *range(8)]]
     assert (
         p.scored.tolist()[:6] == [6, 7, 8, 9, 10, 11]
         and p.labels.tolist() == batch.response_ids[batch.response_mask].tolist()

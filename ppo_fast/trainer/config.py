@@ -234,9 +234,9 @@ class TrainerConfig:
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
     padding_free: bool | None = _opt(
         None,
-        "Score and update on each micro-batch's real tokens packed into one sequence (position_ids restarting "
-        "per row) instead of the padded [rows, prompt + response] layout. Unset: on where the model keeps "
-        "attention inside each packed sequence (checked at start), else off with a notice.",
+        "Score and update on each micro-batch's rows packed into fewer rows of the same width (position_ids "
+        "restarting per packed sequence) instead of the padded [rows, prompt + response] layout. Unset: on where "
+        "the model keeps attention inside each packed sequence (checked at start), else off with a notice.",
         "model",
     )
     bf16: bool = _opt(True, "bfloat16 autocast on CUDA (ignored on CPU).", "model")

@@ -1,10 +1,14 @@
-"""Padding-free forward passes: a micro-batch's real tokens as one sequence.
+"""Padding-free forward passes: a micro-batch's real tokens packed into fewer, full rows.
 
 A batch of rollouts is ``[B, P + R]`` with the prompts padded on the left and the responses on
-the right.  Packed, its real tokens (each row's are contiguous) are concatenated into
-``[1, N]`` with ``position_ids`` restarting at 0 for each row; with no attention mask and no
-cache, transformers keeps attention inside each sequence (its packed-sequence masks, found from
-the restarts).  The response tokens are scored from the ``M`` packed positions that precede
+the right.  Packed, its rows' real tokens (each row's are contiguous) are placed, longest first,
+into the first of ``K <= B`` bins of the same width ``P + R`` that has room (first-fit
+decreasing), ``position_ids`` restarting at 0 for each row and for a bin's unused tail (a
+sequence of its own that scores nothing); with no attention mask and no cache, transformers
+keeps attention inside each sequence (its packed-sequence masks, found from the restarts).  Bins
+of the padded width rather than one ``[1, N]`` sequence: attention that masks a whole row
+(sdpa, eager) costs ``K (P + R)^2``, never more than the padded layout's, where one sequence
+would cost ``N^2``.  The response tokens are scored from the ``M`` packed positions that precede
 them, and the per-token results are spread back into the ``[B, R]`` layout the losses take
 (zeros outside the response mask, where the padded layout held values no loss reads).
 
@@ -20,9 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-# A micro-batch is packed when its real tokens are at most this share of its padded layout: the packed
-# pass attends over one [N, N]-masked sequence (sdpa, eager), which pays where padding is large and
-# costs more than it saves on rows of nearly equal length (the built-in task's).
+# A micro-batch is packed when its real tokens are at most this share of its padded layout: rows of
+# nearly equal length (the built-in task's) fill a bin each, and packing them would only cost its copies.
 PACK_BELOW = 0.75
 
 
@@ -63,11 +66,11 @@ def layout(input_ids, attention_mask, position_ids, response_ids, packed: bool) 
 
 @dataclass
 class Packed:
-    """A batch's real tokens as one sequence, and where its scored response tokens go."""
+    """A batch's real tokens in ``K`` full rows, and where its scored response tokens go."""
 
-    input_ids: torch.Tensor  # [1, N]
-    position_ids: torch.Tensor  # [1, N], from 0 in each row
-    scored: torch.Tensor  # [M]: the packed positions whose hidden states score a response token
+    input_ids: torch.Tensor  # [K, P + R]
+    position_ids: torch.Tensor  # [K, P + R], from 0 in each packed row and each bin's tail
+    scored: torch.Tensor  # [M]: the (flattened) packed positions whose hidden states score a response token
     labels: torch.Tensor  # [M]: the response tokens they score
     rows: torch.Tensor  # [M]: each scored token's row ...
     cols: torch.Tensor  # [M]: ... and response column in the [B, R] layout
@@ -84,8 +87,8 @@ class Packed:
         }
 
     def pick(self, per_position: torch.Tensor) -> torch.Tensor:
-        """``[1, N, ...]`` -> ``[M, ...]``: the positions that score a response token."""
-        return per_position[0, self.scored]
+        """``[K, P + R, ...]`` -> ``[M, ...]``: the positions that score a response token."""
+        return per_position.flatten(0, 1)[self.scored]
 
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """``[M, ...]`` per scored token -> ``[B, R, ...]`` (zeros elsewhere), differentiably."""
@@ -95,18 +98,33 @@ class Packed:
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> Packed:
     """``input_ids`` / ``attention_mask`` ``[B, P + R]`` (each row's real tokens contiguous: a
-    left-padded prompt, then a response up to its EOS) packed; the last ``response_width`` columns
-    are the responses."""
+    left-padded prompt, then a response up to its EOS) packed into bins; the last ``response_width``
+    columns are the responses."""
     mask = attention_mask.bool()
     rows_n, width = input_ids.shape
     prompt = width - response_width
-    index = mask.reshape(-1).long().cumsum(0).reshape(rows_n, width) - 1  # each real token's packed position
-    positions = mask.long().cumsum(-1) - 1
+    lengths = mask.sum(1).tolist()
+    used, starts = [], [0] * rows_n  # each bin's filled width; each row's flat packed start
+    for row in sorted(range(rows_n), key=lambda r: -lengths[r]):  # first-fit decreasing
+        slot = next((b for b, filled in enumerate(used) if filled + lengths[row] <= width), len(used))
+        if slot == len(used):
+            used.append(0)
+        starts[row], used[slot] = slot * width + used[slot], used[slot] + lengths[row]
+    within = mask.long().cumsum(-1) - 1  # each real token's place in its row
+    index = torch.tensor(starts, device=mask.device)[:, None] + within  # ... and its flat packed position
+    flat = len(used) * width
+    ids = input_ids.new_zeros(flat).index_put((index[mask],), input_ids[mask])
+    # A bin's tail counts up from 0 as a sequence of its own (nothing reads its outputs).
+    positions = torch.arange(flat, device=mask.device) % width
+    tails = torch.tensor([b * width + filled for b, filled in enumerate(used)], device=mask.device)
+    tail_start = tails.repeat_interleave(width)
+    positions = torch.where(positions >= tail_start % width, positions - tail_start % width, positions)
+    positions = positions.index_put((index[mask],), within[mask])
     response = mask[:, prompt:]
     rows, cols = response.nonzero(as_tuple=True)
     return Packed(
-        input_ids=input_ids[mask].unsqueeze(0),
-        position_ids=positions[mask].unsqueeze(0),
+        input_ids=ids.view(len(used), width),
+        position_ids=positions.view(len(used), width),
         scored=index[rows, prompt - 1 + cols],  # the token before each response token
         labels=input_ids[rows, prompt + cols],
         rows=rows,
@@ -117,8 +135,9 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
 
 @torch.no_grad()
 def problem(model: torch.nn.Module, device: torch.device) -> str | None:
-    """None when ``model``'s packed logits of two sequences equal their logits alone (to float32
-    rounding); else what differs (its attention crosses the restarts)."""
+    """None when ``model``'s packed logits of two sequences, in two packed rows of a batch (``pack``'s
+    layout), equal their logits alone (to float32 rounding); else what differs (its attention crosses
+    the restarts)."""
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else None
     vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 2
     training = model.training
@@ -126,12 +145,23 @@ def problem(model: torch.nn.Module, device: torch.device) -> str | None:
     generator = torch.Generator().manual_seed(0)
     first, second = (torch.randint(vocab, (1, n), generator=generator).to(device) for n in (6, 5))
     alone = [model(input_ids=ids, use_cache=False).logits.float() for ids in (first, second)]
-    positions = torch.cat([torch.arange(6), torch.arange(5)]).unsqueeze(0).to(device)
+    positions = torch.stack(
+        [torch.cat([torch.arange(6), torch.arange(5)]), torch.cat([torch.arange(5), torch.arange(6)])]
+    )
     packed = model(
-        input_ids=torch.cat([first, second], 1), position_ids=positions, attention_mask=None, use_cache=False
+        input_ids=torch.cat([torch.cat([first, second], 1), torch.cat([second, first], 1)]),
+        position_ids=positions.to(device),
+        attention_mask=None,
+        use_cache=False,
     ).logits.float()
     model.train(training)
-    worst = max((packed[:, :6] - alone[0]).abs().max().item(), (packed[:, 6:] - alone[1]).abs().max().item())
+    pieces = [
+        (packed[:1, :6], alone[0]),
+        (packed[:1, 6:], alone[1]),
+        (packed[1:, :5], alone[1]),
+        (packed[1:, 5:], alone[0]),
+    ]
+    worst = max((got - want).abs().max().item() for got, want in pieces)
     scale = max(alone[0].abs().max().item(), alone[1].abs().max().item(), 1.0)
     low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     if worst <= (3e-2 if low_precision else 1e-4) * scale:

@@ -197,7 +197,7 @@ class ResponseScorer(torch.nn.Module):
     ):
         """``policy_loss``: the keyword arguments of ``pf.linear_policy_loss`` but the head's; then the
         forward returns its ``(loss, stats)`` (the fused head only: see ``scores_through_fused_head``).
-        ``packed``: the rows' real tokens as one sequence (``packing``).  The hidden states returned
+        ``packed``: the rows' real tokens packed into fewer rows (``packing``).  The hidden states returned
         are those that score the response tokens, ``[B, R, H]``."""
         rows = packing.layout(input_ids, attention_mask, position_ids, response_ids, packed)
         backbone, head = _fused_head(self.model, input_ids.device)
