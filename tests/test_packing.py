@@ -137,7 +137,7 @@ def test_a_model_whose_attention_crosses_packed_sequences_is_refused_or_left_pad
 
 def test_token_bins_fill_first_fit_decreasing_within_the_budget():
     lengths = [5, 3, 8, 2, 7, 12]
-    bins = [b.tolist() for b in update.token_bins(lengths, 10)]
+    bins = [b.tolist() for b in packing.token_bins(lengths, 10)]
     assert bins == [[5], [2, 3], [1, 4], [0]]  # 12 alone (over the budget), 8+2, 7+3, 5
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins if len(b) > 1)

@@ -104,33 +104,47 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
     rows_n, width = input_ids.shape
     prompt = width - response_width
     lengths = mask.sum(1).tolist()
-    used, starts = [], [0] * rows_n  # each bin's filled width; each row's flat packed start
-    for row in sorted(range(rows_n), key=lambda r: -lengths[r]):  # first-fit decreasing
-        slot = next((b for b, filled in enumerate(used) if filled + lengths[row] <= width), len(used))
-        if slot == len(used):
-            used.append(0)
-        starts[row], used[slot] = slot * width + used[slot], used[slot] + lengths[row]
+    bins = token_bins(lengths, width)
+    starts, used = [0] * rows_n, []  # each row's flat packed start; each bin's filled width
+    for slot, bin_rows in enumerate(bins):
+        used.append(slot * width)
+        for row in sorted(bin_rows.tolist(), key=lambda r: -lengths[r]):  # as placed: longest first
+            starts[row], used[-1] = used[-1], used[-1] + lengths[row]
     within = mask.long().cumsum(-1) - 1  # each real token's place in its row
     index = torch.tensor(starts, device=mask.device)[:, None] + within  # ... and its flat packed position
-    flat = len(used) * width
+    flat = len(bins) * width
     ids = input_ids.new_zeros(flat).index_put((index[mask],), input_ids[mask])
     # A bin's tail counts up from 0 as a sequence of its own (nothing reads its outputs).
+    filled = (torch.tensor(used, device=mask.device) % width).repeat_interleave(width)
     positions = torch.arange(flat, device=mask.device) % width
-    tails = torch.tensor([b * width + filled for b, filled in enumerate(used)], device=mask.device)
-    tail_start = tails.repeat_interleave(width)
-    positions = torch.where(positions >= tail_start % width, positions - tail_start % width, positions)
-    positions = positions.index_put((index[mask],), within[mask])
+    positions = torch.where(positions >= filled, positions - filled, positions).index_put((index[mask],), within[mask])
     response = mask[:, prompt:]
     rows, cols = response.nonzero(as_tuple=True)
     return Packed(
-        input_ids=ids.view(len(used), width),
-        position_ids=positions.view(len(used), width),
+        input_ids=ids.view(len(bins), width),
+        position_ids=positions.view(len(bins), width),
         scored=index[rows, prompt - 1 + cols],  # the token before each response token
         labels=input_ids[rows, prompt + cols],
         rows=rows,
         cols=cols,
         shape=(rows_n, response_width),
     )
+
+
+def token_bins(lengths: list[int], budget: int) -> list[torch.Tensor]:
+    """Positions in ``lengths`` binned first-fit decreasing so that each bin sums to at most ``budget``
+    (a longer item alone); each bin in ascending position order, the bins in the order they opened."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fit = next((b for b, load in enumerate(loads) if load + lengths[i] <= budget), None)
+        if fit is None:
+            bins.append([i])
+            loads.append(lengths[i])
+        else:
+            bins[fit].append(i)
+            loads[fit] += lengths[i]
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
 
 
 @torch.no_grad()

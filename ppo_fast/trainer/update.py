@@ -13,6 +13,7 @@ import ppo_fast as pf
 
 from .distributed import SINGLE
 from .linear_policy_loss import linear_policy_objective
+from .packing import token_bins
 from .rollout import Batch, forward
 from .scoring import check_finite
 
@@ -155,22 +156,6 @@ def first_epoch_micro_batches(first_order: torch.Tensor, tokens: torch.Tensor, c
         micro, real = micro_batches(first_order[start : start + minibatch], tokens, cfg, parallel)
         groups += micro[:real]
     return groups
-
-
-def token_bins(lengths: list[int], budget: int) -> list[torch.Tensor]:
-    """Positions in ``lengths`` binned first-fit decreasing so that each bin sums to at most ``budget``
-    (a longer item alone); each bin in ascending position order, the bins in the order they opened."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fit = next((b for b, load in enumerate(loads) if load + lengths[i] <= budget), None)
-        if fit is None:
-            bins.append([i])
-            loads.append(lengths[i])
-        else:
-            bins[fit].append(i)
-            loads[fit] += lengths[i]
-    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
 
 
 def ppo_update(
