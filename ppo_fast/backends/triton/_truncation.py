@@ -24,6 +24,7 @@ margin for kernels that recompute the logits with another rounding (the fused he
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -127,7 +128,8 @@ def _truncation_threshold_kernel(
     label = tl.load(labels_ptr + outer * labels_outer_stride + inner * labels_inner_stride).to(tl.int64)
     row_vocab = tl.where((label != ignore_index) & (label >= 0) & (label < vocab), vocab, 0)
     log2e = 1.0 / tl.log(tl.full([], 2.0, ACC))
-    scale2 = scalar(scale, scale_lo, ACC) * log2e
+    z_scale = scalar(scale, scale_lo, ACC)
+    scale2 = z_scale * log2e
     cols = tl.arange(0, BLOCK_V).to(tl.int64)
 
     # The row's max and min, and whether it holds a NaN.
@@ -146,7 +148,6 @@ def _truncation_threshold_kernel(
 
     if HAS_MIN_P:
         cutoff = scalar(min_p_cutoff, min_p_cutoff_lo, ACC)
-        z_scale = scalar(scale, scale_lo, ACC)
         z_max = row_max * z_scale
         run_min = tl.full([BLOCK_V], float("inf"), ACC)
         for start in range(0, row_vocab, BLOCK_V):
@@ -247,6 +248,7 @@ def thresholds(
     return tau
 
 
+@functools.lru_cache(maxsize=64)  # a bisection on the host: once per (min_p, dtype), not per call
 def min_p_cutoff(min_p: float, dtype: torch.dtype) -> float:
     """The least non-positive ``d`` of ``dtype`` (float32 or float64) with ``exp(float64(d)) >= min_p``:
     min-p keeps ``z - max z >= it``, as the native kernels' ``min_p_cutoff`` (bisection over the bits)."""

@@ -492,6 +492,13 @@ def _vocab_splits(n_rows: int, vocab: int, block_n: int, block_v: int, device: t
     return triton.cdiv(vocab, per_split), per_split
 
 
+def _rows_to_compute(labels: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid, row_ok)`` per row, as the kernels' ``_row_labels``: not ignored, and also a label in
+    ``[0, V)`` (a row the head computes)."""
+    valid = labels != ignore_index
+    return valid, valid & (labels >= 0) & (labels < vocab)
+
+
 def _post(temperature: float, logit_scale: float, logit_softcap: float | None, dtype: torch.dtype) -> float:
     """The kernels' ``post`` (``z - max z = (u - max u) * post``), rounded as they form it in ``dtype``."""
     factor = logit_scale if logit_softcap is None else logit_softcap
@@ -511,8 +518,7 @@ def _combine_splits(
     delta = (torch.where(run_max == -math.inf, 0.0, run_max) - shift) * post
     empty = sum_exp == 0
     rescale = torch.exp(torch.where(empty, 0.0, delta))
-    valid = labels != ignore_index
-    row_ok = valid & (labels >= 0) & (labels < vocab)
+    valid, row_ok = _rows_to_compute(labels, vocab, ignore_index)
     total = torch.where(row_ok, torch.where(empty, 0.0, rescale * sum_exp).sum(0), 1.0)
     log_sum = torch.log(total)
     nan = torch.full_like(log_sum, math.nan)
@@ -667,8 +673,9 @@ def linear_token_logprobs_backward(
     # Sums in the compute dtype; bf16/fp16 results are cast from them.
     d_hidden = torch.zeros((n_rows, hidden_size), dtype=acc_dtype, device=device) if needs_hidden else None
     d_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if needs_bias else None
-    d_weight = weight.new_zeros((vocab, hidden_size)) if needs_weight else None
     has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
+    # Written whole, chunk by chunk, when there is work: no zero fill of [V, H] first.
+    d_weight = (weight.new_empty if has_work else weight.new_zeros)((vocab, hidden_size)) if needs_weight else None
     if has_work and (needs_hidden or needs_weight or needs_bias):
         block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
         # The logits' gradient in the products' dtype (the inputs', bf16 rounded as eager autograd's would
@@ -679,7 +686,7 @@ def linear_token_logprobs_backward(
             device=device,
         )
         # d_weight's products read every row: one not to compute counts as zeros, whatever it holds.
-        used = (labels != ignore_index) & (labels >= 0) & (labels < vocab)
+        used = _rows_to_compute(labels, vocab, ignore_index)[1]
         hidden_used = torch.where(used[:, None], hidden, 0.0) if needs_weight else None
         stats = stats.contiguous()
         entropy = stats if entropy is None else entropy.contiguous()
@@ -707,7 +714,7 @@ def linear_token_logprobs_backward(
                 if needs_bias:
                     d_bias[start:stop] = chunk.sum(0, dtype=acc_dtype)
         if needs_hidden:  # a non-finite weight row times a zero gradient is NaN: no gradient is 0
-            d_hidden = torch.where(used[:, None], d_hidden, 0.0)
+            d_hidden.masked_fill_(~used[:, None], 0.0)
     cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
     return cast(d_hidden, hidden), d_weight, cast(d_bias, bias)
 
