@@ -260,7 +260,7 @@ run_stage fused-head "$OUT/fused_head/bench.log" \
 # --- the fused head's tile candidates, forward and backward, and its vocabulary split (one JSON row
 # a candidate, written as it goes).
 run_stage head-tiles "$OUT/fused_head/head-tiles.log" \
-    "$PY" -m bench head_tiles --device cuda --rows 8192 --reps 3 --out "$OUT/fused_head/head-tiles.json"
+    "$PY" -m bench head_tiles --device cuda --rows 8192 --rep-ms 100 --out "$OUT/fused_head/head-tiles.json"
 
 # --- the rest of the suite with the time left; it saves its JSON after every case.
 BENCH_LOG="$OUT/bench.log"

@@ -17,7 +17,9 @@ import time
 
 import torch
 
+from . import cases
 from .common import result_header, write_json
+from .timing import time_cpu, time_cuda
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages); the first is what ships.
 CANDIDATES = [
@@ -45,38 +47,24 @@ def _tiles(module, config):
         module._FORWARD_CONFIG, module._BACKWARD_CONFIG, module._NUM_STAGES = saved
 
 
-def _ms(fn, reps: int) -> float:
-    """The median of ``reps`` timed calls (CUDA events; the wall clock off CUDA) after one warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if not torch.cuda.is_available():
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def _ms(fn, rep_ms: int) -> float:
+    """The median milliseconds of ``fn`` over about ``rep_ms`` of calls: ``bench.timing``'s timers
+    (``do_bench`` on a GPU; the wall clock elsewhere)."""
+    if torch.cuda.is_available():
+        return time_cuda(fn, use_graph=False, rep_ms=rep_ms)[0].median_ms
+    return time_cpu(fn, rep_ms / 1e3, min_runs=1).median_ms
 
 
 def _head(rows: int, hidden: int, vocab: int, device: torch.device):
-    gen = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
-    w = (torch.randn(vocab, hidden, device=device, generator=gen) / hidden**0.5).to(torch.bfloat16)
-    labels = torch.randint(0, vocab, (rows,), device=device, generator=gen)
-    labels[torch.randperm(rows, device=device, generator=gen)[: rows * 3 // 10]] = -100
-    return h, w, labels
+    """The fused-head case's own inputs (``bench.cases``: 30% of the rows ignored), bf16."""
+    inputs = cases.linear_logprob_case(rows, hidden, vocab, torch.bfloat16).make_inputs(device)
+    return inputs["hidden"], inputs["weight"].detach(), inputs["labels"]
 
 
 OPTIONS = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
 
 
-def measure(module, config, head, reps: int, want: torch.Tensor | None) -> dict:
+def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dict:
     h, w, labels = head
     row = {"config": list(config)}
     needs = dict(needs_hidden=True, needs_weight=True, needs_bias=False)
@@ -93,12 +81,12 @@ def measure(module, config, head, reps: int, want: torch.Tensor | None) -> dict:
             row["first_call_s"] = time.perf_counter() - start
             if want is not None:
                 row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
-            row["fwd_ms"] = _ms(forward, reps)
+            row["fwd_ms"] = _ms(forward, rep_ms)
             grad = torch.ones_like(logp)
             backward = lambda: module.linear_token_logprobs_backward(  # noqa: E731
                 grad, None, h, w, labels, None, stats, None, **OPTIONS, **needs
             )
-            row["bwd_ms"] = _ms(backward, reps)
+            row["bwd_ms"] = _ms(backward, rep_ms)
     except Exception as err:  # a configuration that does not compile or fit: reported, the rest go on
         row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return row
@@ -111,7 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--split-rows", type=int, default=4096, help="the rows of the vocabulary-split comparison")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rep-ms", type=int, default=200, help="milliseconds of calls timed per case")
     parser.add_argument("--out", default="bench/results/head-tiles.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -123,7 +111,7 @@ def main(argv=None) -> int:
 
     head = _head(args.rows, args.hidden, args.vocab, device)
     flops = 2 * args.rows * args.hidden * args.vocab  # one product of the head
-    products_ms = _ms(lambda: head[0] @ head[1].T, args.reps)
+    products_ms = _ms(lambda: head[0] @ head[1].T, args.rep_ms)
     result = {
         **result_header("head_tiles", argv, device),
         "shape": {"rows": args.rows, "hidden": args.hidden, "vocab": args.vocab, "dtype": "bfloat16"},
@@ -132,7 +120,7 @@ def main(argv=None) -> int:
     }
     rows, want = [], None
     for config in CANDIDATES:
-        row = measure(module, config, head, args.reps, want)
+        row = measure(module, config, head, args.rep_ms, want)
         if want is None and "error" not in row:
             with _tiles(module, config):
                 want = module.linear_token_logprobs_forward(*head, None, **OPTIONS, return_entropy=True)[0]
@@ -147,7 +135,7 @@ def main(argv=None) -> int:
     for label, splits in (("split", None), ("one share", 1)):
         saved, module.FORWARD_SPLITS = module.FORWARD_SPLITS, splits
         try:
-            split[label] = measure(module, CANDIDATES[0], small, args.reps, None)["fwd_ms"]
+            split[label] = measure(module, CANDIDATES[0], small, args.rep_ms, None)["fwd_ms"]
         finally:
             module.FORWARD_SPLITS = saved
     print(f"  forward at {args.split_rows} rows: {split}", flush=True)
@@ -155,7 +143,7 @@ def main(argv=None) -> int:
     for mib in (16, 64, 256):
         saved, module.GRADIENT_SCRATCH_BYTES = module.GRADIENT_SCRATCH_BYTES, mib << 20
         try:
-            scratch[mib] = measure(module, CANDIDATES[0], head, args.reps, None).get("bwd_ms")
+            scratch[mib] = measure(module, CANDIDATES[0], head, args.rep_ms, None).get("bwd_ms")
         finally:
             module.GRADIENT_SCRATCH_BYTES = saved
     print(f"  backward by its gradient scratch (MiB): {scratch}", flush=True)

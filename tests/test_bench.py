@@ -393,7 +393,7 @@ def test_head_tiles_runs_every_candidate(tmp_path):
     from bench import head_tiles
 
     out = tmp_path / "tiles.json"
-    argv = "--device cpu --rows 40 --hidden 32 --vocab 300 --split-rows 20 --reps 1 --out".split()
+    argv = "--device cpu --rows 40 --hidden 32 --vocab 300 --split-rows 20 --rep-ms 1 --out".split()
     assert head_tiles.main([*argv, str(out)]) == 0
     data = json.loads(out.read_text())
     assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
