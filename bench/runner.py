@@ -260,11 +260,10 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
         record["skipped"] = "inputs do not fit in memory"
         return record
     impls, record["notes"] = implementations(case, device.type, settings.compile)
-    with torch.no_grad(), pf.use_backend("reference"):
-        expected = primary_output(case.call_op(inputs)).detach()
+    expected, expected_grad = _reference(case, inputs)
     for mode in case.modes:
         rows = []
-        want = (expected, _reference_gradient(case, inputs) if mode != "fwd" else None)
+        want = (expected, expected_grad if mode != "fwd" else None)
         for name, kind, fn in impls:
             row = measure(case, name, kind, fn, mode, inputs, want, settings)
             rows.append(row)
@@ -281,23 +280,27 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
             if copy_gbps and "gbps" in row:
                 row["copy_fraction"] = row["gbps"] / copy_gbps
         record["results"] += rows
-    del inputs, expected, want
+    del inputs, expected, expected_grad, want
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return record
 
 
-def _reference_gradient(case: Case, inputs: dict) -> torch.Tensor:
-    """The reference backend's gradient of ``case.grad_input`` in the forward + backward mode."""
-    leaf = inputs[case.grad_input]
-    leaf.requires_grad_(True)
-    try:
-        with pf.use_backend("reference"):
-            _runner(case, case.call_op, "fwd+bwd", inputs)()
-        return leaf.grad.detach().clone()
-    finally:
-        leaf.grad = None
-        leaf.requires_grad_(False)
+def _reference(case: Case, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference backend's first output and, where the case has a backward, its gradient of
+    ``case.grad_input`` in the forward + backward mode: one call for both."""
+    with pf.use_backend("reference"):
+        if case.grad_input is None:
+            with torch.no_grad():
+                return primary_output(case.call_op(inputs)).detach(), None
+        leaf = inputs[case.grad_input]
+        leaf.requires_grad_(True)
+        try:
+            out = _runner(case, case.call_op, "fwd+bwd", inputs)()
+            return primary_output(out).detach(), leaf.grad.detach().clone()
+        finally:
+            leaf.grad = None
+            leaf.requires_grad_(False)
 
 
 def _short(row: dict) -> str:

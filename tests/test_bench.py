@@ -107,7 +107,7 @@ def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
 
     row = runner.measure(case, "wrong", "ppo_fast", off_by_one_percent, "fwd", inputs, (expected, None), _settings())
     assert row["status"] == "mismatch" and "median_ms" not in row
-    want = (expected, runner._reference_gradient(case, inputs))
+    want = runner._reference(case, inputs)
     row = runner.measure(
         case, "wrong-grad", "baseline", gradient_off_by_one_percent, "fwd+bwd", inputs, want, _settings()
     )
