@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--split-rows", type=int, default=4096, help="the rows of the vocabulary-split comparison")
     parser.add_argument("--rep-ms", type=int, default=200, help="milliseconds of calls timed per case")
-    parser.add_argument("--out", default="bench/results/head-tiles.json")
+    parser.add_argument("--out", default="bench_out/head_tiles.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
