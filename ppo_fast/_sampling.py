@@ -20,7 +20,7 @@ so one rule gives one answer on every backend.  A token whose mass lies within f
 rounding of the top-p edge may be kept by one engine and not another.
 
 Each kept set is "every logit >= a threshold", and it always holds the largest logit, so it
-is never empty.  A row with a NaN or +inf logit is not truncated (its result is NaN as
+is never empty.  A row with a NaN or +inf scaled logit (x / T overflows) is not truncated (its result is NaN as
 without truncation).  A label outside the kept set could not have been sampled: its
 log-prob is ``-inf`` (its ratio to any finite old log-prob is 0).
 """

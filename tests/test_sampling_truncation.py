@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 import ppo_fast as pf
 from ppo_fast._sampling import Truncation
 from ppo_fast.backends import serving
+from ppo_fast.backends.triton import linear_token_logprobs as tlin
 from ppo_fast.backends.reference.token_logprobs import kept_tokens
 
 TRUNCATIONS = [
@@ -258,19 +259,44 @@ def test_linear_token_logprobs_every_backend(backend, truncation):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
-def test_nan_row_stays_nan_and_alone(backend):
-    logits = torch.randn(4, 33)
-    logits[1, 7] = math.nan
-    logits[2, 3] = math.inf
-    labels = torch.randint(0, 33, (4,))
-    with pf.use_backend(backend):
-        logp, ent = pf.token_logprobs(logits, labels, top_k=4, top_p=0.8, return_entropy=True)
-    with pf.use_backend("reference"):
-        want, want_ent = pf.token_logprobs(logits, labels, top_k=4, top_p=0.8, return_entropy=True)
-    assert torch.isnan(logp[1]) and torch.isnan(ent[1]) and torch.isnan(logp[2])
-    torch.testing.assert_close(logp, want, equal_nan=True)
-    torch.testing.assert_close(ent, want_ent, equal_nan=True)
+def _non_finite_rows(op: str):
+    """Rows 1-3 NaN by the rule (a NaN, a +inf, a logit whose x / T overflows at T = 0.5), row 4 finite (a
+    -x / T that overflows is a -inf logit), row 0 plain: as logits, or as a fused head's h and W."""
+    logits = torch.randn(5, 33)
+    logits[1, 7], logits[2, 3], logits[3, 5], logits[4, 6] = math.nan, math.inf, 3e38, -3e38
+    labels = torch.tensor([2, 0, 1, 4, 0])
+    labels[[0, 4]] = logits[[0, 4]].argmax(-1)  # kept under any truncation: finite
+    if op == "token_logprobs":
+        return (logits,), labels
+    hidden, weight = torch.zeros(5, 34), torch.zeros(33, 34)  # z = h @ W.T = logits: one-hot hidden columns
+    weight[:, :33] = torch.eye(33)
+    hidden[:, :33] = logits.nan_to_num(posinf=3e38, neginf=-3e38)
+    hidden[1, :] = math.nan
+    hidden[2, 3], hidden[2, 33], weight[3, 33] = 1e30, 1e30, 1e30  # z = 1e30 * 1e30: +inf
+    return (hidden, weight), labels
+
+
+@pytest.mark.parametrize("truncation", [{}, {"top_k": 4, "top_p": 0.8}], ids=["plain", "truncated"])
+@pytest.mark.parametrize(
+    "op, backend",
+    [(op, b) for op in ("token_logprobs", "linear_token_logprobs") for b in serving(op, "cpu") if b != "reference"],
+)
+def test_nan_rows_stay_nan_and_alone(op, backend, truncation, monkeypatch):
+    """One rule for non-finite rows on every backend: NaN values and gradients in the NaN rows only."""
+    if truncation:  # the Triton fused head's forward split over the vocabulary, combined on the host
+        monkeypatch.setattr(tlin, "FORWARD_SPLITS", 3)
+    inputs, labels = _non_finite_rows(op)
+    results = {}
+    for name in ("reference", backend):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        with pf.use_backend(name):
+            logp, ent = getattr(pf, op)(*leaves, labels, temperature=0.5, return_entropy=True, **truncation)
+        grads = torch.autograd.grad(logp.sum() + ent.sum(), leaves)
+        results[name] = (logp, ent, grads[0][[0, 3, 4]])
+    got, want = results[backend], results["reference"]
+    assert torch.isnan(got[0][1:4]).all() and torch.isfinite(got[0][[0, 4]]).all(), got[0]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))

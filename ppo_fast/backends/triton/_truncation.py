@@ -15,7 +15,7 @@ With ``z = x * scale`` (``scale > 0``: the temperature, and for the fused head t
 The bisection finds the largest key whose predicate holds, which is always the key of a row value: the
 threshold is a logit of the row, every token tied with it is kept, and the max always is.  16-bit inputs
 bisect on the keys of their own type (the low bits of the float32 key are constant): 16 steps, not 32.
-A row with a NaN or +inf logit (or only -inf ones), and a row whose label is ignored or out of range,
+A row with a NaN or +inf scaled logit (x / T overflows; or only -inf ones), and a row whose label is ignored or out of range,
 gets ``tau = -inf``: ``x < tau`` holds for no ``x``, NaN included, so such a row is not truncated.
 
 ``MIDPOINT`` moves ``tau`` halfway down to the next lower value of the row: the same kept set, with a
@@ -143,7 +143,8 @@ def _truncation_threshold_kernel(
         nans += (x != x).to(tl.int32)
     row_max = tl.max(run_max, 0)
     tau = tl.min(run_min, 0)
-    truncated = (tl.sum(nans, 0) == 0) & (tl.abs(row_max) < float("inf"))
+    # A NaN, or a scaled max x / T that overflows, makes the row NaN: nothing to truncate.
+    truncated = (tl.sum(nans, 0) == 0) & (tl.abs(row_max * z_scale) < float("inf"))
     row_vocab = tl.where(truncated, row_vocab, 0)  # rows not truncated read nothing more
 
     if HAS_MIN_P:

@@ -237,7 +237,8 @@ def _linear_token_logprobs_fwd_kernel(
     else:
         shift = tl.where(run_max == float("-inf"), 0.0, run_max)
         sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
-        log_sum = tl.log(sum_exp)
+        # A row whose max z (= max u * post) overflows, or is -inf, is NaN, as in the reference.
+        log_sum = tl.where(tl.abs(run_max * post) < float("inf"), tl.log(sum_exp), float("nan"))
         logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
         tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
         tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
@@ -520,8 +521,8 @@ def _combine_splits(
     rescale = torch.exp(torch.where(empty, 0.0, delta))
     valid, row_ok = _rows_to_compute(labels, vocab, ignore_index)
     total = torch.where(row_ok, torch.where(empty, 0.0, rescale * sum_exp).sum(0), 1.0)
-    log_sum = torch.log(total)
-    nan = torch.full_like(log_sum, math.nan)
+    nan = torch.full_like(total, math.nan)
+    log_sum = torch.where((top * post).abs() < math.inf, torch.log(total), nan)  # as the kernel's
     logp = torch.where(valid, torch.where(row_ok, (chosen.sum(0) - shift) * post - log_sum, nan), 0.0)
     stats = torch.stack([torch.where(row_ok, shift, 0.0), torch.where(row_ok, log_sum, 0.0)], -1)
     entropy = None

@@ -244,6 +244,9 @@ def _token_logprobs_fwd_kernel(
     rescale = tl.math.exp2(old)
     total = tl.sum(sum_exp * rescale, 0)
     log_sum = tl.log(total)
+    # A row whose largest logit / T overflows (or is -inf, NaN) is NaN, as z = x / T makes it in
+    # the reference: the shifted pass below would not see the overflow.
+    log_sum = tl.where((row_vocab == 0) | (tl.abs(row_max * inv_t) < float("inf")), log_sum, float("nan"))
     # Row 0's address for a row whose label is not a column (never a read outside the row).
     chosen = tl.load(row_ptr + tl.where(in_vocab, label, 0) * vocab_stride, mask=valid & in_vocab, other=0.0).to(ACC)
     if TRUNCATED:
