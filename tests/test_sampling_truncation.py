@@ -24,8 +24,8 @@ from transformers.generation.logits_process import (
 import ppo_fast as pf
 from ppo_fast._sampling import Truncation
 from ppo_fast.backends import serving
-from ppo_fast.backends.triton import linear_token_logprobs as tlin
 from ppo_fast.backends.reference.token_logprobs import kept_tokens
+from ppo_fast.backends.triton import linear_token_logprobs as tlin
 
 TRUNCATIONS = [
     Truncation(top_k=5),
