@@ -52,37 +52,12 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
 
-// exp(d) - d - 1 (k3 of d = -log_ratio) and its derivative exp(d) - 1, without the
-// cancellation of the plain forms at small |d|: there the Taylor series (as
-// reference.k3_of: terms to d^8 / 8!, below kSeriesBelow).  Both forms are computed and
-// one selected, so that the loops stay branch-free.
+// exp(d) for k3 of T inputs: float32 ones are rounded from double once, so an exp that
+// vectorizes is exact enough; float64 ones (gradcheck) take std::exp.
 template <typename T>
-constexpr T kSeriesBelow = std::is_same_v<T, double> ? T(1e-2) : T(0.5);
-
-template <typename T>
-PPO_INLINE T k3_series_over_d2(T d) {  // (exp(d) - d - 1) / d^2 = 1/2! + d/3! + ... + d^6/8!
-  T s = T(1.0 / 40320);
-  s = s * d + T(1.0 / 5040);
-  s = s * d + T(1.0 / 720);
-  s = s * d + T(1.0 / 120);
-  s = s * d + T(1.0 / 24);
-  s = s * d + T(1.0 / 6);
-  return s * d + T(0.5);
-}
-
-template <typename T>
-PPO_INLINE T k3_of(T d, T exp_d) {
-  const bool small = std::abs(d) < kSeriesBelow<T>;
-  return small ? k3_series_over_d2(d) * (d * d) : exp_d - d - T(1);
-}
-
-// g * d k3 / d d, multiplied out as the reference's autograd does (so that overflow gives
-// the same inf or NaN): g (exp(d) - 1) with exp(d) - 1 = d (1 + d series) where the series
-// is used, else g exp(d) - g.
-template <typename T>
-PPO_INLINE T k3_grad(T d, T exp_d, T g) {
-  const T expm1 = d * (T(1) + d * k3_series_over_d2(d));
-  return std::abs(d) < kSeriesBelow<T> ? g * expm1 : g * exp_d - g;
+PPO_INLINE double k3_exp(double d) {
+  if constexpr (std::is_same_v<T, float>) return exp_within_20(d);
+  return std::exp(d);
 }
 
 // reference.kl_estimate of one token.
@@ -92,9 +67,9 @@ PPO_INLINE T kl_value(T logp, T ref) {
   if constexpr (estimator == kK1) return log_ratio;
   if constexpr (estimator == kK2) return T(0.5) * (log_ratio * log_ratio);
   if constexpr (estimator == kAbs) return std::abs(log_ratio);
-  // k3; the inner clamp only keeps exp finite for +-inf inputs
-  const T d = clamp_of(-log_ratio, T(-20), T(20));
-  return clamp_of(k3_of(d, fast_exp(d)), T(-10), T(10));
+  // k3, in double and rounded once (k3_of); the inner clamp only keeps exp finite for +-inf inputs
+  const double d = clamp_of(double(-log_ratio), -20.0, 20.0);
+  return T(clamp_of(k3_of(d, k3_exp<T>(d)), -10.0, 10.0));
 }
 
 // g * d kl / d log_ratio (d / d logp; d / d ref is its negation), in the order the
@@ -109,11 +84,11 @@ PPO_INLINE T kl_grad(T logp, T ref, T g) {
     const T positive = log_ratio > T(0) ? T(1) : T(0);
     return g * (log_ratio < T(0) ? T(-1) : positive);
   }
-  const T neg = -log_ratio;
-  const T d = clamp_of(neg, T(-20), T(20));
-  const T exp_d = fast_exp(d);
-  const T g_inner = clamp_grad(k3_of(d, exp_d), T(-10), T(10), g);
-  return -clamp_grad(neg, T(-20), T(20), k3_grad(d, exp_d, g_inner));
+  const double neg = -log_ratio;
+  const double d = clamp_of(neg, -20.0, 20.0);
+  const double exp_d = k3_exp<T>(d);
+  const double g_inner = clamp_grad(k3_of(d, exp_d), -10.0, 10.0, double(g));
+  return T(-clamp_grad(neg, -20.0, 20.0, k3_grad(d, exp_d, g_inner)));
 }
 
 // kl[i] = kl_value(lp[i], rf[i]); when penalized, also 0 at masked tokens (on[i] == 0,

@@ -58,15 +58,15 @@ PolicyMode parse_mode(c10::string_view name) {
   TORCH_CHECK(false, kOp, ": loss_mode must be 'vanilla' or 'gspo' on the native CPU backend, got '", name, "'");
 }
 
-// reference.kl_estimate of one token and g * its derivative w.r.t. logp, in double (expm1:
-// no cancellation at small log-ratios); clamps pass gradient on their closed range.
+// reference.kl_estimate of one token and g * its derivative w.r.t. logp, in double (k3 as
+// loss_math.h's k3_of); clamps pass gradient on their closed range.
 double kl_value(KlEstimator estimator, double logp, double ref) {
   const double lr = logp - ref;
   if (estimator == kK1) return lr;
   if (estimator == kK2) return 0.5 * lr * lr;
   if (estimator == kAbs) return std::abs(lr);
   const double d = clamp_of(-lr, -20.0, 20.0);
-  return clamp_of(std::expm1(d) - d, -10.0, 10.0);
+  return clamp_of(k3_of(d, std::exp(d)), -10.0, 10.0);
 }
 
 double kl_grad(KlEstimator estimator, double logp, double ref, double g) {
@@ -75,8 +75,9 @@ double kl_grad(KlEstimator estimator, double logp, double ref, double g) {
   if (estimator == kK2) return g * lr;
   if (estimator == kAbs) return lr > 0.0 ? g : (lr < 0.0 ? -g : 0.0);
   const double d = clamp_of(-lr, -20.0, 20.0);
-  const double g_k3 = clamp_grad(std::expm1(d) - d, -10.0, 10.0, g);
-  return -clamp_grad(-lr, -20.0, 20.0, g_k3 * std::expm1(d));
+  const double exp_d = std::exp(d);
+  const double g_k3 = clamp_grad(k3_of(d, exp_d), -10.0, 10.0, g);
+  return -clamp_grad(-lr, -20.0, 20.0, k3_grad(d, exp_d, g_k3));
 }
 
 struct Problem {

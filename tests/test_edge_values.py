@@ -154,6 +154,46 @@ def test_kl_estimators_accurate_at_small_log_ratios(backend, kl_estimator):
         assert abs(logp.grad[i].item() - grad) <= 1e-4 * abs(grad) + 1e-30, (ri, logp.grad[i].item(), grad)
 
 
+def _k3_grid(dtype) -> torch.Tensor:
+    """Sorted d = ref - logp: [-3, 2.5], log-spaced down to 1e-8 on both sides, and 300 consecutive
+    values of the dtype on each side of +-1 (the series' cut)."""
+    wide = torch.cat(
+        [torch.linspace(-3, 2.5, 4001, dtype=torch.float64), torch.logspace(-8, 0, 801, dtype=torch.float64)]
+    )
+    grid = torch.cat([wide, -wide]).to(dtype)
+    for cut in (1.0, -1.0):
+        x = torch.tensor([cut], dtype=dtype)
+        for direction in (math.inf, -math.inf):
+            steps = [x := torch.nextafter(x, torch.tensor([direction], dtype=dtype)) for _ in range(300)]
+            grid = torch.cat([grid, *steps])
+    return grid.unique()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", serving("kl_estimate", "cpu"))
+def test_k3_is_rounded_once_and_monotone(backend, dtype):
+    """k3 and its gradient against 40-digit truth: float32 rounded once from float64 (within half an
+    ulp, so monotone in d across the series' cut), float64 within 8 ulps (the reference's gradient
+    is autograd's of the series)."""
+    mpmath = pytest.importorskip("mpmath")  # sympy's, which torch requires
+    mpmath.mp.dps = 40
+    d = _k3_grid(dtype)
+    exact = [mpmath.expm1(mpmath.mpf(x)) for x in d.tolist()]
+    value = torch.tensor([float(min(e - x, 10)) for e, x in zip(exact, d.tolist())], dtype=torch.float64)
+    slope = torch.tensor([float(-e) if e - x <= 10 else 0.0 for e, x in zip(exact, d.tolist())], dtype=torch.float64)
+    logp = torch.zeros_like(d, requires_grad=True)
+    with pf.use_backend(backend):
+        kl = pf.kl_estimate(logp, d, "k3")  # d = ref - logp
+        (grad,) = torch.autograd.grad(kl.sum(), logp)
+    eps = torch.finfo(dtype).eps
+    bound = (0.5 if dtype == torch.float32 else 8.0) * eps * (1 + 1e-6)
+    for got, want in ((kl, value), (grad, slope)):
+        rel = (got.double() - want).abs() / want.abs().clamp_min(1e-300)
+        assert rel.max() <= bound, (d[rel.argmax()].item(), rel.max().item() / eps)
+    positive, negative = kl[d > 0], kl[d < 0]
+    assert (positive.diff() >= 0).all() and (negative.diff() <= 0).all()
+
+
 @pytest.mark.parametrize("backend", serving("kl_penalized_rewards", "cpu"))
 def test_k3_rewards_overflow_like_the_reference(backend):
     """kl_coef at float32's top: the gradient overflows to the same inf (or NaN) as the reference's autograd."""

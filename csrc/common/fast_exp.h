@@ -68,4 +68,24 @@ PPO_INLINE float fast_exp(float x) {
 // float64 (inputs in float64, for gradcheck): std::exp, exact rather than fast.
 PPO_INLINE double fast_exp(double x) { return std::exp(x); }
 
+// exp of a double in [-20, 20] (k3's clamped argument) within about 2 ulps, in a form the
+// CPU loops vectorize (std::exp does not): x = k ln2 + r with fdlibm's ln2 split (k ln2_hi
+// exact), exp(r) by its Taylor series to r^13 / 13! in nested form (truncation below 1e-17
+// for |r| <= ln2 / 2), 2^k (|k| <= 29) built in the exponent bits.  NaN in, NaN out.
+PPO_INLINE double exp_within_20(double x) {
+  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
+  const double shifted = x * 1.4426950408889634 + kRound;
+  const double k = shifted - kRound;
+  const double r = (x - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
+  double p = 1.0;
+  for (int n = 13; n >= 1; --n) p = 1.0 + p * r * (1.0 / n);
+  uint64_t shifted_bits, round_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  std::memcpy(&round_bits, &kRound, sizeof(round_bits));
+  const uint64_t bits = (shifted_bits - round_bits + 1023u) << 52;
+  double two_k;
+  std::memcpy(&two_k, &bits, sizeof(two_k));
+  return p * two_k;
+}
+
 }  // namespace ppo_fast

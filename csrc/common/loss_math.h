@@ -50,6 +50,32 @@ PPO_HD float exp_of(float x) { return fast_exp(x); }
 PPO_HD double exp_of(double x) { return fast_exp(x); }
 #endif
 
+// k3 = exp(d) - d - 1 and its derivative exp(d) - 1, in double for every input dtype (so
+// that a float32 k3 is rounded once: monotone in d), as reference.k3_of: where |d| < 1
+// its Taylor series to d^18 / 18! in nested form, 1/2 (1 + d/3 (1 + d/4 (... (1 + d/18)))),
+// whose truncation is below double's rounding there; else the plain form, which no longer
+// cancels (a few ulps at |d| = 1).  Both forms are computed and one selected (branch-free).
+constexpr double kK3SeriesBelow = 1.0;
+constexpr int kK3SeriesTerms = 18;
+
+PPO_HD double k3_series_over_d2(double d) {  // (exp(d) - d - 1) / d^2
+  double s = 1.0;
+  for (int n = kK3SeriesTerms; n > 2; --n) s = 1.0 + s * d * (1.0 / n);  // no divide: times 1/n rounded
+  return 0.5 * s;
+}
+
+PPO_HD double k3_of(double d, double exp_d) {
+  return std::abs(d) < kK3SeriesBelow ? k3_series_over_d2(d) * (d * d) : exp_d - d - 1.0;
+}
+
+// g * d k3 / d d, multiplied out as the reference's autograd does (so that overflow gives
+// the same inf or NaN): g (exp(d) - 1) with exp(d) - 1 = d (1 + d series) where the series
+// is used, else g exp(d) - g.
+PPO_HD double k3_grad(double d, double exp_d, double g) {
+  const double expm1 = d * (1.0 + d * k3_series_over_d2(d));
+  return std::abs(d) < kK3SeriesBelow ? g * expm1 : g * exp_d - g;
+}
+
 // torch.maximum / torch.minimum / torch.clamp on values: NaN in either input gives NaN.
 // Written as one select into a temporary, then a second select on an input compare (not
 // nested ternaries, nor selects between compares): GCC if-converts and vectorizes chains
