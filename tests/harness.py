@@ -76,6 +76,9 @@ class Built:
     kl_ratio: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # output -> log-ratio (KL rule)
     # output -> an error any evaluation in the compute dtype may make (the float32 rounding of a product's logits)
     rounding: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # the float64 reference's own absolute error on the gradients, where its softmax backward cancels
+    # terms of the logits' scale (a near-certain row's entropy gradient: -1 - (-1) for a 1e-28 truth)
+    grad_floor: float = 0.0
 
 
 # --------------------------------------------------------------------------- input distributions
@@ -319,7 +322,11 @@ def build_linear_policy_loss(spec, gen, k):
         )
         return loss, *stats.values()
 
-    return Built(inputs, {"labels": labels, "mask": mask}, call)
+    # Each logit's gradient terms are O(1) before they cancel; d_hidden and d_weight sum them times |W|, |h|.
+    top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
+    scale = k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * V * B * T
+    floor = 64 * torch.finfo(F64).eps * scale
+    return Built(inputs, {"labels": labels, "mask": mask}, call, grad_floor=floor)
 
 
 def build_value_loss(spec, gen, k):

@@ -422,12 +422,12 @@ def nonzero(x) -> bool:
     return x is not None and bool(((x != 0) & torch.isfinite(x)).any())
 
 
-def assert_accurate(what, got, ref32, ref64, moved, dtype, relaxed=None, rounding=None):
+def assert_accurate(what, got, ref32, ref64, moved, dtype, relaxed=None, rounding=None, floor=0.0):
     """``got`` within C x the float32 reference's own error of float64, plus C x how far float64
     moves when the inputs move by an ulp (``moved``: an ill-conditioned result, exp of a large
     mean, is that uncertain in any evaluation order), plus a floor, where the reference is
     finite; below the dtype's smallest normal number or 1e-30 (flushed subnormals, an exp
-    that underflows a little early) is no error."""
+    that underflows a little early), or below ``floor`` (float64's own error), is no error."""
     eps, tiny = F64_FLOOR if dtype == F64 else (torch.finfo(dtype).eps, max(torch.finfo(dtype).tiny, UNDERFLOW))
     got, ref32, ref64, moved = (torch.zeros(()) if x is None else x.double() for x in (got, ref32, ref64, moved))
     got, ref32, ref64, moved = torch.broadcast_tensors(got, ref32, ref64, moved)
@@ -445,6 +445,7 @@ def assert_accurate(what, got, ref32, ref64, moved, dtype, relaxed=None, roundin
         C_REF * (ref_err + ref_err.mean() + moved_by + moved_by.mean())
         + eps * (K_REL * e.abs() + K_ABS * e.abs().max())
         + tiny
+        + floor
         + (0.0 if rounding is None else torch.broadcast_to(rounding.double(), keep.shape)[keep])
     )
     bad = ~((g - e).abs() <= allowed)
@@ -552,7 +553,8 @@ def check(case: Case, spec: Spec, compiled=None):
                 f"{what}: nonzero at a masked position {first_at(masked, bad)}: {got.views[name](g)[bad][:4].tolist()}"
             )
         # The gradient at a NaN/inf input itself is unspecified: compared where the reference's is finite.
-        assert_accurate(what, g, r, e, moved.grads[name], dtype, None if r is None else torch.isfinite(r))
+        relaxed = None if r is None else torch.isfinite(r)
+        assert_accurate(what, g, r, e, moved.grads[name], dtype, relaxed, floor=built.grad_floor)
     if spec.second_order:
         assert ref32.second_error is None and ref64.second_error is None, (
             f"the reference's double backward raises: {ref32.second_error!r}"
