@@ -19,8 +19,8 @@ Rules every backend follows (the conformance matrix, ``tests/test_conformance.py
 Adding a policy-loss mode: its entry in ``POLICY_LOSS_MODES`` below and its reference
 function (``ppo_fast/backends/reference/policy_loss.py``, named by the entry's ``op``), plus
 one row in ``tests/test_policy_losses.py``.  Every implementation of a mode has the signature
-``fn(logprobs, old_logprobs, advantages, mask, weights, *params, agg) -> (loss, *stats)`` with
-``params`` in the entry's order (validated and defaulted by :meth:`PolicyLossMode.bind`).  The
+``fn(logprobs, old_logprobs, advantages, mask, weights, *, agg, **params) -> (loss, *stats)`` with
+the entry's ``params`` by name (validated and defaulted by :meth:`PolicyLossMode.bind`).  The
 modes follow verl 0.9.1's ``get_policy_loss_fn``; where ours differ, ``note`` says how.
 
 Adding an advantage method: its entry in ``ADVANTAGE_METHODS`` and one function decorated with
@@ -134,6 +134,10 @@ class PolicyLossMode:
     def example_params(self) -> dict[str, float]:
         """Its required parameters (no default) at their example values: a call that binds."""
         return {p.name: p.example for p in self.params if p.default is None and not p.optional and not p.same_as}
+
+    def named(self, values: tuple) -> dict:
+        """The bound parameters by name: how a mode's function takes them (keyword arguments)."""
+        return {p.name: v for p, v in zip(self.params, values)}
 
     def bind(self, given: dict) -> tuple:
         """The mode's parameters, in order, from ``given`` (validated, defaults filled in)."""

@@ -35,18 +35,18 @@ def row_mean(x, mask):
     return torch.stack([x[i][mask[i]].mean() if mask[i].any() else x.new_zeros(()) for i in range(x.shape[0])])
 
 
-def vanilla(lp, old, adv, mask, clip_eps_low, clip_eps_high, dual_clip):
+def vanilla(lp, old, adv, mask, *, clip_eps_low, clip_eps_high, dual_clip):
     r = torch.exp(lp - old)
     pg = torch.maximum(-adv * r, -adv * r.clamp(1 - clip_eps_low, 1 + clip_eps_high))
     return torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg) if dual_clip else pg
 
 
-def gspo(lp, old, adv, mask, clip_eps_low, clip_eps_high):
+def gspo(lp, old, adv, mask, *, clip_eps_low, clip_eps_high):
     s = torch.exp(sg(row_mean(lp - old, mask)).unsqueeze(-1) + lp - sg(lp))  # = s_i, gradient of pi / sg(pi)
     return torch.maximum(-adv * s, -adv * s.clamp(1 - clip_eps_low, 1 + clip_eps_high))
 
 
-def geo_mean(lp, old, adv, mask, clip_eps_low, clip_eps_high, weights=None):
+def geo_mean(lp, old, adv, mask, *, clip_eps_low, clip_eps_high, weights=None):
     log_r = lp - old
     clipped = torch.where(
         adv > 0,
@@ -59,13 +59,13 @@ def geo_mean(lp, old, adv, mask, clip_eps_low, clip_eps_high, weights=None):
     return row
 
 
-def sapo(lp, old, adv, mask, tau_pos, tau_neg):
+def sapo(lp, old, adv, mask, *, tau_pos, tau_neg):
     r = torch.exp(lp - old)
     tau = torch.where(adv > 0, adv.new_full(adv.shape, tau_pos), adv.new_full(adv.shape, tau_neg))
     return -adv * torch.sigmoid(tau * (r - 1)) * 4 / tau
 
 
-def cispo(lp, old, adv, mask, clip_eps_low, clip_eps_high):
+def cispo(lp, old, adv, mask, *, clip_eps_low, clip_eps_high):
     return -sg(torch.exp(lp - old).clamp(1 - clip_eps_low, 1 + clip_eps_high)) * adv * lp
 
 
@@ -73,25 +73,26 @@ def gpg(lp, old, adv, mask):
     return -adv * lp
 
 
-def dro(lp, old, adv, mask, dro_beta):
+def dro(lp, old, adv, mask, *, dro_beta):
     return -adv * lp + dro_beta / 2 * (lp - old) ** 2
 
 
-def dppo(lp, old, adv, mask, ratio_cap, trusted):
+def dppo(lp, old, adv, mask, *, ratio_cap, trusted):
     r = torch.exp(lp - old)
     return -adv * sg(r.clamp(max=ratio_cap)) * lp * trusted.to(lp.dtype)
 
 
-def dppo_tv(lp, old, adv, mask, clip_eps_low, clip_eps_high, ratio_cap):
+def dppo_tv(lp, old, adv, mask, *, clip_eps_low, clip_eps_high, ratio_cap):
     dp = sg(lp.exp() - old.exp())
-    return dppo(lp, old, adv, mask, ratio_cap, torch.where(adv > 0, dp <= clip_eps_high, dp >= -clip_eps_low))
+    trusted = torch.where(adv > 0, dp <= clip_eps_high, dp >= -clip_eps_low)
+    return dppo(lp, old, adv, mask, ratio_cap=ratio_cap, trusted=trusted)
 
 
-def dppo_kl(lp, old, adv, mask, clip_eps_low, clip_eps_high, ratio_cap):
+def dppo_kl(lp, old, adv, mask, *, clip_eps_low, clip_eps_high, ratio_cap):
     p, q = sg(lp.exp()), sg(old.exp())
     kl = q * (old - sg(lp)) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
     trusted = torch.where(adv > 0, (kl <= clip_eps_high) | (p <= q), (kl <= clip_eps_low) | (p >= q))
-    return dppo(lp, old, adv, mask, ratio_cap, trusted)
+    return dppo(lp, old, adv, mask, ratio_cap=ratio_cap, trusted=trusted)
 
 
 def covariance(adv, lp, mask):
@@ -101,7 +102,7 @@ def covariance(adv, lp, mask):
     return cov
 
 
-def clip_cov(lp, old, adv, mask, clip_eps_low, clip_eps_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub):
+def clip_cov(lp, old, adv, mask, *, clip_eps_low, clip_eps_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub):
     r = torch.exp(lp - old)
     unclipped, clipped = -adv * r, -adv * r.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     cov = covariance(adv, lp, mask)
@@ -119,7 +120,7 @@ def clip_cov_stats(lp, old, adv, mask, params):
     return {"clipfrac": (cut & mask & (adv != 0)).sum() / mask.sum()}
 
 
-def kl_cov(lp, old, adv, mask, kl_cov_ratio, ppo_kl_coef):
+def kl_cov(lp, old, adv, mask, *, kl_cov_ratio, ppo_kl_coef):
     cov = covariance(adv, lp, mask).flatten()
     top = torch.topk(cov, max(1, int(int(mask.sum()) * kl_cov_ratio))).indices
     penalised = torch.zeros_like(cov, dtype=torch.bool)

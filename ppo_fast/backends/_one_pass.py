@@ -80,7 +80,8 @@ def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, 
     """One chunk's share of ``(loss, pg_loss, entropy mean, kl_loss, *mode stats)``."""
     mode_fn = getattr(_losses, objective.mode.op)
     row_scale, token_scale = scales[0](x.mask), scales[1](x.mask)
-    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, x.weights, *objective.params, objective.agg)
+    named = objective.mode.named(objective.params)
+    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, x.weights, agg=objective.agg, **named)
     pg = pg * row_scale.to(pg.dtype)
     entropy_mean = masked_mean(entropy, x.mask) * token_scale.to(entropy.dtype)
     loss = pg - terms.entropy_coef * entropy_mean

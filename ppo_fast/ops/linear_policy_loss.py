@@ -158,7 +158,7 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: T
         return_entropy=True,
         ignore_index=head.ignore_index,
     )
-    mode_params = {p.name: v for p, v in zip(mode.params, params)}
+    mode_params = mode.named(params)
     return policy_objective(
         logp,
         entropy,

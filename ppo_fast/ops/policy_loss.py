@@ -55,7 +55,7 @@ def policy_loss(
     )
     agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
     fn = resolve(mode.op, logprobs.device.type)
-    loss, *stats = fn(logprobs, old_logprobs, advantages, mask, weights, *params, agg)
+    loss, *stats = fn(logprobs, old_logprobs, advantages, mask, weights, agg=agg, **mode.named(params))
     return loss, dict(zip(mode.stats, stats))
 
 
@@ -105,6 +105,14 @@ def clipped_policy_loss(
     check.choice("agg", agg, AGG_MODES)
     fn = resolve("clipped_policy_loss", logprobs.device.type)
     loss, clipfrac, clipfrac_lower, approx_kl = fn(
-        logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        weights,
+        clip_eps_low=clip_eps_low,
+        clip_eps_high=clip_eps_high,
+        dual_clip=dual_clip,
+        agg=agg,
     )
     return loss, {"clipfrac": clipfrac, "clipfrac_lower": clipfrac_lower, "approx_kl": approx_kl}

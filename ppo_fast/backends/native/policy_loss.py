@@ -101,7 +101,7 @@ register("clipped_policy_loss_backward", _fake_clipped_policy_loss_backward)
 
 
 def clipped_policy_loss(
-    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
 ):
     loss, clipfrac, clipfrac_lower, approx_kl, _row_scale = torch.ops.ppo_fast.clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
@@ -182,7 +182,7 @@ def _seq_loss_ops(mode):
     register(op, fake, backward, setup)
     register(f"{op}_backward", fake_backward)
 
-    def run(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str):
+    def run(logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str):
         loss, clipfrac, clipfrac_lower, approx_kl, _row_scale, _row_state = getattr(torch.ops.ppo_fast, op)(
             logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, agg
         )

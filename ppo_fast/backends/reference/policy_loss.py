@@ -14,7 +14,7 @@ SUPPORTED = {mode.op: DEVICES for mode in POLICY_LOSS_MODES.values()}
 
 
 def clipped_policy_loss(
-    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
 ):
     """PPO clipped surrogate (to minimise) and its stats ``(loss, clipfrac, clipfrac_lower, approx_kl)``."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
@@ -63,7 +63,7 @@ def _row_mean(x, mask):
 
 
 def policy_loss_gspo(
-    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str
 ):
     """GSPO: per token ``s = sg(exp(mean_t log r)) * pi / sg(pi)`` (log clamped at 10),
     then the clipped surrogate of ``s``.  No gradient reaches old_logprobs."""
@@ -79,7 +79,7 @@ def policy_loss_gspo(
 
 
 def policy_loss_geo_mean(
-    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str
 ):
     """GMPO: per row ``-mean_t(A) * exp(mean_t sign(A) * min(sign(A) log r, sign(A) clip(log r,
     -clip_eps_low, clip_eps_high)))``, times the geometric mean of the row's ``weights``;
@@ -99,7 +99,7 @@ def policy_loss_geo_mean(
     return aggregate(pg, mask, agg), clipfrac.detach(), clipfrac_lower.detach(), approx_kl
 
 
-def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, tau_pos: float, tau_neg: float, agg: str):
+def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, *, tau_pos: float, tau_neg: float, agg: str):
     """SAPO: ``-A * sigmoid(tau * (r - 1)) * 4 / tau`` with tau_pos where A > 0, else tau_neg."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
@@ -110,7 +110,7 @@ def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, tau_pos:
 
 
 def policy_loss_cispo(
-    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low: float, clip_eps_high: float, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str
 ):
     """CISPO: ``-sg(clip(r, 1 - clip_eps_low, 1 + clip_eps_high)) * A * logp``."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
@@ -122,7 +122,7 @@ def policy_loss_cispo(
     return aggregate(pg, mask, agg), clipfrac.detach(), _no_stat(logp), approx_kl
 
 
-def policy_loss_gpg(logprobs, old_logprobs, advantages, mask, weights, agg: str):
+def policy_loss_gpg(logprobs, old_logprobs, advantages, mask, weights, *, agg: str):
     """GPG: ``-A * logp`` (old_logprobs is not read)."""
     logp, adv, weights = masked_inputs(mask, logprobs, advantages, weights)
     return (aggregate(_weighted(-adv * logp, weights), mask, agg),)
@@ -134,6 +134,7 @@ def policy_loss_clip_cov(
     advantages,
     mask,
     weights,
+    *,
     clip_eps_low: float,
     clip_eps_high: float,
     clip_cov_ratio: float,
@@ -164,7 +165,7 @@ def policy_loss_clip_cov(
 
 
 def policy_loss_kl_cov(
-    logprobs, old_logprobs, advantages, mask, weights, kl_cov_ratio: float, ppo_kl_coef: float, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, kl_cov_ratio: float, ppo_kl_coef: float, agg: str
 ):
     """KL-Cov: ``-A * r`` (unclamped), plus ``ppo_kl_coef * |log r|`` on the
     ``max(1, int(kl_cov_ratio * tokens))`` valid tokens of largest
@@ -184,7 +185,7 @@ def policy_loss_kl_cov(
     return aggregate(_weighted(pg, weights), mask, agg), abs_kl
 
 
-def _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap, trusted):
+def _dppo(logprobs, old_logprobs, advantages, mask, weights, *, ratio_cap, trusted):
     """DPPO's loss ``-A * sg(min(r, ratio_cap)) * logp`` on the tokens ``trusted(p, p_old, logp,
     old, A)`` keeps, and its stats."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
@@ -203,6 +204,7 @@ def policy_loss_dppo_tv(
     advantages,
     mask,
     weights,
+    *,
     clip_eps_low: float,
     clip_eps_high: float,
     ratio_cap: float,
@@ -214,7 +216,7 @@ def policy_loss_dppo_tv(
     def trusted(p, p_old, logp, old, adv):
         return torch.where(adv > 0, p - p_old <= clip_eps_high, p - p_old >= -clip_eps_low)
 
-    pg, *stats = _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap, trusted)
+    pg, *stats = _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap=ratio_cap, trusted=trusted)
     return aggregate(pg, mask, agg), *stats
 
 
@@ -224,6 +226,7 @@ def policy_loss_dppo_kl(
     advantages,
     mask,
     weights,
+    *,
     clip_eps_low: float,
     clip_eps_high: float,
     ratio_cap: float,
@@ -238,11 +241,11 @@ def policy_loss_dppo_kl(
             adv > 0, (binary_kl <= clip_eps_high) | (p <= p_old), (binary_kl <= clip_eps_low) | (p >= p_old)
         )
 
-    pg, *stats = _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap, trusted)
+    pg, *stats = _dppo(logprobs, old_logprobs, advantages, mask, weights, ratio_cap=ratio_cap, trusted=trusted)
     return aggregate(pg, mask, agg), *stats
 
 
-def policy_loss_dro(logprobs, old_logprobs, advantages, mask, weights, dro_beta: float, agg: str):
+def policy_loss_dro(logprobs, old_logprobs, advantages, mask, weights, *, dro_beta: float, agg: str):
     """DRO: ``-(A * logp - dro_beta / 2 * (logp - old)^2)``."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
