@@ -181,7 +181,7 @@ def loop_gae(rewards, values, mask, gamma: float, lam: float):
 # --------------------------------------------------------------------------- losses
 
 
-def eager_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float, dual_clip: float, agg: str):
+def eager_policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_eps: float, dual_clip: float, agg: str):
     """verl's ``compute_policy_loss`` shape: ratio, two clipped surrogates, dual clip, stats."""
     negative_approx_kl = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)

@@ -276,7 +276,13 @@ def policy_loss_case(batch: int, length: int) -> Case:
 
     def eager(x):
         return baselines.eager_policy_loss(
-            x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], CLIP_EPS, DUAL_CLIP, AGG
+            x["logprobs"],
+            x["old_logprobs"],
+            x["advantages"],
+            x["mask"],
+            clip_eps=CLIP_EPS,
+            dual_clip=DUAL_CLIP,
+            agg=AGG,
         )
 
     return Case(

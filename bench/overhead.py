@@ -107,7 +107,7 @@ def _logprob_cases(lp, old, logits, labels, hidden, weight, **_):
     )
 
 
-def _rl_cases(lp, old, adv, values, returns, scores, mask, float_mask, group_ids, **_):
+def _rl_cases(lp, old, adv, values, returns, scores, *, mask, float_mask, group_ids, **_):
     backend = _backend
     yield (
         "kl_penalized_rewards",

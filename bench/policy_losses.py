@@ -67,7 +67,7 @@ def _inputs(rows, length, device):
     return [x.to(device) for x in (logp, old, adv, mask)]
 
 
-def _ours(mode, backend, logp, old, adv, mask, agg):
+def _ours(mode, backend, logp, old, adv, mask, *, agg):
     def call():
         torch.manual_seed(0)  # clip_cov's draw
         with pf.use_backend(backend):
@@ -105,8 +105,8 @@ def measure(rows, length, device, min_run_time):
     for mode, entry in pf.policy_loss_modes().items():
         agg = entry.default_agg
         calls = {
-            "fast": _ours(mode, "auto", logp, old, adv, mask, agg),
-            "reference": _ours(mode, "reference", logp, old, adv, mask, agg),
+            "fast": _ours(mode, "auto", logp, old, adv, mask, agg=agg),
+            "reference": _ours(mode, "reference", logp, old, adv, mask, agg=agg),
         }
         if have_verl:
             calls["verl"] = _verl(mode, logp, old, adv, mask, agg)

@@ -182,6 +182,7 @@ def measure(
     name: str,
     kind: str,
     fn: Callable,
+    *,
     mode: str,
     inputs: dict,
     expected: tuple[torch.Tensor, torch.Tensor | None],
@@ -265,7 +266,7 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
         rows = []
         want = (expected, expected_grad if mode != "fwd" else None)
         for name, kind, fn in impls:
-            row = measure(case, name, kind, fn, mode, inputs, want, settings)
+            row = measure(case, name, kind, fn, mode=mode, inputs=inputs, expected=want, settings=settings)
             rows.append(row)
             print(f"  {case.op} {case.shape} {mode:8s} {name:22s} {_short(row)}", file=log, flush=True)
         baseline = next((r for r in rows if r["impl"] == case.eager_baseline and r["status"] == "ok"), None)

@@ -401,8 +401,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
       reduce(p, in, logp.const_data_ptr<double>(), entropy.const_data_ptr<double>(), scales, token_scale);
   at::Tensor stats = at::empty({kStats}, hidden.options().dtype(at::kDouble));
   std::copy(totals.begin(), totals.begin() + kStats, stats.mutable_data_ptr<double>());
+  // In the input's dtype, but float32 for float16 (_one_pass.stored_dtype): the backward scales it.
   const auto finish = [](const at::Tensor& grad, const at::Tensor& like) {
-    return grad.defined() ? grad.to(like.scalar_type()).view(like.sizes()) : at::empty({0}, like.options());
+    const at::ScalarType kept = like.scalar_type() == at::kHalf ? at::kFloat : like.scalar_type();
+    return grad.defined() ? grad.to(kept).view(like.sizes()) : at::empty({0}, like.options());
   };
   return {at::scalar_tensor(totals[kStats], hidden.options().dtype(at::kDouble)), stats, finish(grads.hidden, hidden),
           finish(grads.weight, weight), bias ? finish(grads.bias, *bias) : at::empty({0}, hidden.options())};

@@ -79,6 +79,8 @@ class Built:
     # the float64 reference's own absolute error on the gradients, where its softmax backward cancels
     # terms of the logits' scale (a near-certain row's entropy gradient: -1 - (-1) for a 1e-28 truth)
     grad_floor: float = 0.0
+    # the gradients' error, relative to their largest entry, that the rounding behind ``rounding`` makes
+    grad_rounding: float = 0.0
 
 
 # --------------------------------------------------------------------------- input distributions
@@ -187,16 +189,30 @@ def build_linear_token_logprobs(spec, gen, k):
     }
     if bias is not None:
         inputs["bias"] = Input(bias, layout=False)
-    # A float32 dot product of H terms is off by up to H eps sum|h_i w_i| (and its rounding, eps |u|); a log-prob
-    # z_y - lse moves by at most twice the largest error of the row's z = logit_scale * u / T (tanh is 1-Lipschitz).
-    eps = torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0
+    z_error = logit_error(hidden, weight, bias, k, torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0)
+    return Built(
+        inputs,
+        {"labels": labels},
+        call,
+        (0, 1) if k["entropy"] else (0,),
+        {0: ignored, 1: ignored},
+        rounding={0: 2 * z_error.amax(-1)},
+        grad_rounding=4 * float(z_error.max()) if z_error.numel() else 0.0,
+    )
+
+
+def logit_error(hidden, weight, bias, k, eps: float) -> torch.Tensor:
+    """How far any float32 evaluation's z = logit_scale * u / T (or softcap * tanh(logit_scale * u / softcap) / T)
+    may be from float64's: a dot product of H terms is off by up to H eps sum|h_i w_i| (and its rounding,
+    eps |u|; tanh is 1-Lipschitz), and a softcap's tanh by a few ulps of 1, times softcap / T.  A log-prob
+    z_y - lse moves by at most twice the largest of its row; a gradient, relative to its largest entry,
+    by about as much."""
     u = hidden @ weight.T + (0 if bias is None else bias)
     spread = hidden.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
-    z_error = (H * eps * spread + eps * u.abs()) * k["logit_scale"] / k["temperature"]
-    rounding = {0: 2 * z_error.amax(-1)}
-    return Built(
-        inputs, {"labels": labels}, call, (0, 1) if k["entropy"] else (0,), {0: ignored, 1: ignored}, rounding=rounding
-    )
+    z_error = (hidden.shape[-1] * eps * spread + eps * u.abs()) * k["logit_scale"] / k["temperature"]
+    if k["softcap"] is not None:
+        z_error = z_error + 4 * eps * k["softcap"] / k["temperature"]
+    return z_error
 
 
 def _pair(gen, spec, k, shape):
@@ -326,7 +342,15 @@ def build_linear_policy_loss(spec, gen, k):
     top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
     scale = k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * V * B * T
     floor = 64 * torch.finfo(F64).eps * scale
-    return Built(inputs, {"labels": labels, "mask": mask}, call, grad_floor=floor)
+    z_error = logit_error(
+        hidden,
+        weight,
+        inputs["bias"].values if k["bias"] else None,
+        k,
+        torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0,
+    )
+    rounding = 4 * float(z_error.max()) if z_error.numel() else 0.0
+    return Built(inputs, {"labels": labels, "mask": mask}, call, grad_floor=floor, grad_rounding=rounding)
 
 
 def build_value_loss(spec, gen, k):
@@ -454,7 +478,7 @@ def tensors_of(built: Built, spec: Spec, values: dict, dtype) -> tuple[dict, dic
     return tensors, leaves, views
 
 
-def run(built, spec, values, backend, dtype, projection=None, compiled=None, second_order=False) -> Run:
+def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, second_order=False) -> Run:
     """The op on ``backend`` on ``values`` in ``dtype`` and the spec's layout, and the gradients
     of ``sum(w * out)`` over the outputs where ``finite``: ``projection = (finite, w)``, by
     default this run's finite outputs and random weights (the reference's, for the others)."""

@@ -57,7 +57,7 @@ def test_kl_reward_baseline_matches_reference_on_right_padded_rows():
 def test_loss_baselines_match_reference(agg):
     mask = _right_padded(4, 19)
     logp, old, adv = -torch.rand(4, 19) * 3, -torch.rand(4, 19) * 3, torch.randn(4, 19)
-    got = baselines.eager_policy_loss(logp, old, adv, mask, 0.2, 3.0, agg)
+    got = baselines.eager_policy_loss(logp, old, adv, mask, clip_eps=0.2, dual_clip=3.0, agg=agg)
     want = reference.clipped_policy_loss(logp, old, adv, mask, None, 0.2, 0.2, 3.0, agg)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
@@ -105,14 +105,39 @@ def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
         loss = baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0]
         return loss.detach() + 1.01 * (loss - loss.detach())
 
-    row = runner.measure(case, "wrong", "ppo_fast", off_by_one_percent, "fwd", inputs, (expected, None), _settings())
+    row = runner.measure(
+        case,
+        "wrong",
+        "ppo_fast",
+        off_by_one_percent,
+        mode="fwd",
+        inputs=inputs,
+        expected=(expected, None),
+        settings=_settings(),
+    )
     assert row["status"] == "mismatch" and "median_ms" not in row
     want = runner._reference(case, inputs)
     row = runner.measure(
-        case, "wrong-grad", "baseline", gradient_off_by_one_percent, "fwd+bwd", inputs, want, _settings()
+        case,
+        "wrong-grad",
+        "baseline",
+        gradient_off_by_one_percent,
+        mode="fwd+bwd",
+        inputs=inputs,
+        expected=want,
+        settings=_settings(),
     )
     assert row["status"] == "mismatch" and "gradient of values" in row["detail"] and "median_ms" not in row
-    good = runner.measure(case, "eager", "baseline", case.baselines["eager"], "fwd+bwd", inputs, want, _settings())
+    good = runner.measure(
+        case,
+        "eager",
+        "baseline",
+        case.baselines["eager"],
+        mode="fwd+bwd",
+        inputs=inputs,
+        expected=want,
+        settings=_settings(),
+    )
     assert good["status"] == "ok" and good["median_ms"] > 0 and good["grad_rel_err"] < 1e-6
     assert not inputs["values"].requires_grad  # the fwd+bwd mode leaves the inputs as it found them
 
@@ -183,7 +208,16 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
         torch.device("cpu"), compile=False, measure_memory=True, cpu_min_run_time=0.01, cuda_rep_ms=10
     )
     gradient = inputs["grad_out"][:, None].expand_as(inputs["logits"])
-    row = runner.measure(case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, (expected, gradient), settings)
+    row = runner.measure(
+        case,
+        "row-sums",
+        "baseline",
+        row_sums,
+        mode="fwd+bwd",
+        inputs=inputs,
+        expected=(expected, gradient),
+        settings=settings,
+    )
     assert row["status"] == "ok"
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
 
@@ -209,10 +243,10 @@ def test_fused_head_baselines_match_reference():
         "linear-layer",
         "baseline",
         case.baselines["linear-layer"],
-        "fwd+bwd",
-        inputs,
-        (expected, None),
-        _settings(),
+        mode="fwd+bwd",
+        inputs=inputs,
+        expected=(expected, None),
+        settings=_settings(),
     )
     assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
 

@@ -215,6 +215,25 @@ def test_k3_rewards_overflow_like_the_reference(backend):
 # --------------------------------------------------------------------------- policy losses
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "gpg"])  # the native kernel's epilogue, the rows' loop
+@pytest.mark.parametrize("backend", [b for b in serving("linear_policy_loss_vanilla", "cpu") if b != "reference"])
+def test_float16_fused_loss_gradient_in_range_once_scaled(backend, mode):
+    """float16 inputs whose gradient for an incoming 1 passes float16's range (~1.6e5) while the loss's
+    gradient, scaled by 1/64 (a loss divided over micro-batches), does not: finite, as the reference's."""
+    hidden = torch.full((1, 2, 4), 4.0, dtype=torch.float16, requires_grad=True)
+    weight = torch.eye(3, 4, dtype=torch.float16) * 8
+    old, adv = torch.full((1, 2), -1.0, dtype=torch.float16), torch.full((1, 2), 4e4, dtype=torch.float16)
+    grads = {}
+    for name in ("reference", backend):
+        with pf.use_backend(name):
+            loss = pf.linear_policy_loss(
+                hidden, weight, torch.tensor([[1, 2]]), old, adv, torch.ones(1, 2, dtype=torch.bool), loss_mode=mode
+            )[0]
+        (grads[name],) = torch.autograd.grad(loss / 64, hidden)
+    assert torch.isfinite(grads[backend]).all() and grads[backend].abs().max() > 1e3, grads[backend]
+    torch.testing.assert_close(grads[backend], grads["reference"], rtol=2e-3, atol=1.0)
+
+
 @pytest.mark.parametrize("logp", [88.0, 88.5, 88.7, 89.0, 100.0])
 @pytest.mark.parametrize("backend", serving("policy_loss_geo_mean", "cpu"))
 def test_geo_mean_exp_up_to_float32_overflow(backend, logp):
@@ -297,12 +316,14 @@ def _second_order_cases():
     for mode in ("vanilla", "gpg"):  # the native kernel's epilogue and the rows' loop
         yield (
             f"linear_policy_loss_{mode}",
-            partial(_linear_policy_loss, weight, labels, lp - 1.0, adv.double(), mask, mode),
+            partial(
+                _linear_policy_loss, weight=weight, labels=labels, old=lp - 1.0, adv=adv.double(), mask=mask, mode=mode
+            ),
             torch.randn(2, 4, 3, dtype=torch.float64),
         )
 
 
-def _linear_policy_loss(weight, labels, old, adv, mask, mode, hidden, two_pass=False):
+def _linear_policy_loss(hidden, *, weight, labels, old, adv, mask, mode, two_pass=False):
     if two_pass:  # linear_token_logprobs, then the objective: the two-pass composition
         logp, entropy = pf.linear_token_logprobs(hidden, weight, labels, return_entropy=True)
         return pf.policy_objective(logp, entropy, old, adv, mask, loss_mode=mode)[0]
@@ -337,9 +358,8 @@ def test_second_order_gradients_match_the_reference_or_raise(case):
 # --------------------------------------------------------------------------- torch.compile(dynamic=True)
 
 
-def _all_ops(
-    logits, labels, hidden, weight, logp, old, adv, values, returns, scores, mask, temperature, gamma, lam, clip
-):
+def _all_ops(t, temperature, gamma, lam, clip):
+    logits, labels, hidden, weight, logp, old, adv, values, returns, scores, mask = t
     out = [first(pf.token_logprobs(logits, labels, temperature=temperature))]
     out.append(pf.linear_token_logprobs(hidden, weight, labels.reshape(-1), temperature=temperature))
     out += list(pf.gae(values, returns, mask, gamma=gamma, lam=lam))
@@ -377,12 +397,12 @@ def test_compile_dynamic_symbolic_hyper_parameters(backend):
     compiled = torch.compile(_all_ops, fullgraph=True, dynamic=True, backend="aot_eager")
     with pf.use_backend(backend):
         for hyper in ((0.7, 0.99, 0.95, 0.2), (1.3, 0.9, 0.5, 0.1)):
-            got, want = compiled(*args, *hyper), _all_ops(*args, *hyper)
+            got, want = compiled(args, *hyper), _all_ops(args, *hyper)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, equal_nan=True)
         # fullgraph: Dynamo reports the raise as an unsupported graph break quoting the message
         with pytest.raises(torch._dynamo.exc.Unsupported, match="gamma must be <= 1.0, got 1.5"):
-            compiled(*args, 0.7, 1.5, 0.95, 0.2)
+            compiled(args, 0.7, 1.5, 0.95, 0.2)
 
 
 # --------------------------------------------------------------------------- result dtypes and small rules

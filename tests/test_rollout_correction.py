@@ -20,7 +20,7 @@ def _inputs(seed, b=5, t=9, dtype=torch.float64):
     return old, rollout, mask
 
 
-def _formula(old, rollout, mask, mode, threshold, threshold_low, batch_normalize):
+def _formula(old, rollout, mask, mode, *, threshold, threshold_low, batch_normalize):
     """Written from the definitions, row by row and token by token."""
     out = torch.zeros_like(old)
     for i in range(old.shape[0]):
@@ -52,7 +52,7 @@ def test_matches_the_formula(mode, batch_normalize):
     got = pf.rollout_correction_weights(
         old, rollout, mask, mode=mode, threshold=1.1, threshold_low=low, batch_normalize=batch_normalize
     )
-    want = _formula(old, rollout, mask, mode, 1.1, low, batch_normalize)
+    want = _formula(old, rollout, mask, mode, threshold=1.1, threshold_low=low, batch_normalize=batch_normalize)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert got.dtype == torch.float64 and not got.requires_grad
     assert ((got > 0) <= mask).all()  # masked positions are 0

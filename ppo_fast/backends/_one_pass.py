@@ -99,7 +99,7 @@ def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, 
 class RowKernels(NamedTuple):
     """A backend's log-softmax rows for :func:`one_pass_on_rows`: ``forward(logits [n, V], labels [n],
     temperature, ignore_index) -> (logp, entropy, saved)`` (float32, or float64 for float64 logits)
-    and ``backward(grad_logp, grad_entropy or None, logits, labels, saved, entropy, temperature,
+    and ``backward(grad_logp, grad_entropy or None, logits, labels, saved, entropy, *, temperature,
     ignore_index) -> d_logits`` (it may write into ``logits``, which are not read again)."""
 
     forward: object
@@ -161,8 +161,8 @@ def _logits_gradient(rows: RowKernels, chunk: _Chunk, grads, saved, entropy, hea
         chunk.labels,
         saved,
         entropy,
-        head.temperature,
-        head.ignore_index,
+        temperature=head.temperature,
+        ignore_index=head.ignore_index,
     )
     if chunk.capped is not None:  # d tanh = 1 - tanh^2, formed in the buffer of tanh (not read again)
         d_logits *= chunk.capped.square_().neg_().add_(1.0)
@@ -209,10 +209,17 @@ def one_pass_on_rows(
         if d_bias is not None:
             d_bias += d_logits.sum(0)
     grads = [  # an output of a custom op aliases no other: an empty tensor each
-        hidden.new_empty((0,)) if d is None else d.to(t.dtype)
+        hidden.new_empty((0,)) if d is None else d.to(stored_dtype(t.dtype))
         for d, t in ((d_hidden, hidden), (d_weight, weight), (d_bias, bias))
     ]
     return [*totals, *grads]
+
+
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the forward keeps an input's gradient in (for an incoming gradient of 1) until the
+    backward scales it: the input's, but float32 for float16, whose range that unscaled gradient
+    may pass where the scaled one (a loss divided over micro-batches) does not."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def fake_terms(hidden, x: PerToken, objective: Objective, terms: Terms) -> list:
@@ -306,7 +313,9 @@ def _register_fake(op, names: list[str]) -> None:
         objective = Objective(POLICY_LOSS_MODES[a["loss_mode"]], _unpacked(a["params"]), a["agg"])
         terms = fake_terms(a["hidden"], x, objective, Terms(a["kl_coef"], a["kl_estimator"], a["entropy_coef"]))
         grads = [
-            torch.empty_like(a[n]) if a[n] is not None and wanted else a["hidden"].new_empty((0,))
+            torch.empty_like(a[n], dtype=stored_dtype(a[n].dtype))
+            if a[n] is not None and wanted
+            else a["hidden"].new_empty((0,))
             for n, wanted in zip(("hidden", "weight", "bias"), a["output_mask"])
         ]
         return [*terms, *grads]
@@ -329,7 +338,9 @@ def autograd(input_names, backend: str) -> tuple:
     def backward(ctx, *grads_out):
         grad_loss = grads_out[0][0] if isinstance(grads_out[0], (list, tuple)) else grads_out[0]  # a list output
         stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
-        scaled = [g * grad_loss.to(g.dtype) if g.numel() else None for g in stored]  # empty: not asked for
+        scaled = [  # empty: not asked for
+            (g * grad_loss.to(g.dtype)).to(x.dtype) if g.numel() else None for g, x in zip(stored, differentiable)
+        ]
         scaled = first_order_only(scaled, "linear_policy_loss", backend, differentiable)
         by_name = dict(zip(("hidden", "weight", "bias"), scaled), params=[] if ctx.no_params else None)
         return tuple(by_name.get(name) for name in input_names())

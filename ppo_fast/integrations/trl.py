@@ -181,7 +181,7 @@ def _positive(x) -> bool:
         return False
 
 
-def _head_ours_can(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs) -> bool:
+def _head_ours_can(hidden, weight, bias, targets, *, temperature, softcap, logit_scale, outputs) -> bool:
     """Within ``pf.linear_token_logprobs``'s domain and asking only for what it returns.  TRL's
     gradient-free statistics (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) need the
     logits, which our op never exposes: TRL's own function serves such calls whole, rather
@@ -222,7 +222,14 @@ class ChunkedLogProbFunction:
         outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
     ):
         if not _head_ours_can(
-            hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, outputs
+            hidden,
+            weight,
+            bias,
+            targets,
+            temperature=temperature,
+            softcap=final_logit_softcapping,
+            logit_scale=logit_scale,
+            outputs=outputs,
         ):
             original = _ORIG.get("_ChunkedLogProbFunction")
             if original is None:

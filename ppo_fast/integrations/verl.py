@@ -112,7 +112,7 @@ def _check_agg_mode(loss_agg_mode: str) -> None:
 
 
 def _global_scale(
-    loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+    loss, mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, *, loss_scale_factor=None
 ):
     """verl's global-batch normalisation on top of our local aggregate ``loss``.
 
@@ -188,7 +188,9 @@ def agg_loss(
     _count("agg_loss")
     mat, mask = _token_rows(loss_mat), _token_rows(loss_mask)
     local = pf.aggregate(mat, mask, loss_agg_mode)
-    out = _global_scale(local, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    out = _global_scale(
+        local, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor=loss_scale_factor
+    )
     return out.to(_agg_dtype(loss_agg_mode, loss_mat, loss_mask))
 
 
@@ -284,7 +286,13 @@ def compute_value_loss(
             vpreds, values, returns, response_mask, clip=float(cliprange_value), agg=loss_agg_mode
         )
     loss = _global_scale(
-        loss, response_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
+        loss,
+        response_mask,
+        loss_agg_mode,
+        dp_size,
+        batch_num_tokens,
+        global_batch_size,
+        loss_scale_factor=loss_scale_factor,
     )
     # verl's clip fraction is a masked mean of a float32 indicator
     clipfrac_dtype = torch.promote_types(torch.float32, _promote(response_mask))
@@ -396,7 +404,7 @@ def _outcome_advantages(token_level_rewards, response_mask, index, method, **par
     return adv, adv
 
 
-def _grpo(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config):
+def _grpo(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, *, config):
     if not (isinstance(epsilon, Real) and math.isfinite(epsilon) and epsilon >= 0):
         return _fallback(name, token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config)
     _count(name)
@@ -422,7 +430,7 @@ def compute_grpo_outcome_advantage(
         index,
         epsilon,
         norm_adv_by_std_in_grpo,
-        config,
+        config=config,
     )
 
 
@@ -437,7 +445,7 @@ def compute_grpo_vectorized_outcome_advantage(
         index,
         epsilon,
         norm_adv_by_std_in_grpo,
-        config,
+        config=config,
     )
 
 

@@ -80,7 +80,9 @@ def linear_policy_loss(
     """
     mode = policy_loss_mode(loss_mode)
     params = mode.bind(_without_truncation(mode_params))
-    mask, labels = _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs)
+    x, labels = _check_tensors(
+        hidden, weight, labels, bias, PerToken(old_logprobs, advantages, mask, weights, ref_logprobs)
+    )
     agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
     head = Head(
         check.real("temperature", temperature, low=MIN_TEMPERATURE),
@@ -89,10 +91,9 @@ def linear_policy_loss(
         check.integer("ignore_index", ignore_index),
     )
     terms = Terms(*_checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs))
-    labels = torch.where(mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
+    labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
         check.labels_in_range(labels, weight.shape[0], head.ignore_index)
-    x = PerToken(old_logprobs, advantages, mask, weights, ref_logprobs)
     if not mode.fused_head:
         return _two_pass(hidden, weight, labels, x, bias=bias, head=head, terms=terms, objective=(mode, params, agg))
     loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
@@ -121,20 +122,20 @@ def _without_truncation(mode_params: dict) -> dict:
     return mode_params
 
 
-def _check_tensors(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs):
-    """The tensors' dtypes, shapes and devices; returns ``(mask as bool, labels as int64)``."""
+def _check_tensors(hidden, weight, labels, bias, x: PerToken) -> tuple[PerToken, torch.Tensor]:
+    """The tensors' dtypes, shapes and devices; returns ``(x with its mask as bool, labels as int64)``."""
     check.tensor("hidden", hidden, dtypes=None)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] (whole sequences), got shape {tuple(hidden.shape)}")
     _check_head(hidden, weight, labels, bias)
     mask = check.loss_inputs(
-        {"old_logprobs": old_logprobs, "advantages": advantages, "weights": weights, "ref_logprobs": ref_logprobs},
-        mask,
+        {"old_logprobs": x.old, "advantages": x.adv, "weights": x.weights, "ref_logprobs": x.ref},
+        x.mask,
         optional=("weights", "ref_logprobs"),
     )
-    check.same_shape("labels", labels, old_logprobs=old_logprobs)
-    check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias, old_logprobs=old_logprobs)
-    return mask, labels.long()
+    check.same_shape("labels", labels, old_logprobs=x.old)
+    check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias, old_logprobs=x.old)
+    return x._replace(mask=mask), labels.long()
 
 
 def _stats(mode, stats, pg_loss, entropy, kl_loss) -> dict:

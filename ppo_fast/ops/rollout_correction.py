@@ -58,5 +58,11 @@ def rollout_correction_weights(
         raise ValueError(f"threshold_low applies to the masked modes (token_mis, seq_mis), not to mode {mode!r}")
     check.flag("batch_normalize", batch_normalize)
     return reference.rollout_correction_weights(
-        old_logprobs, rollout_logprobs, mask, mode, threshold, threshold_low, batch_normalize
+        old_logprobs,
+        rollout_logprobs,
+        mask,
+        mode,
+        threshold=threshold,
+        threshold_low=threshold_low,
+        batch_normalize=batch_normalize,
     )

@@ -84,7 +84,7 @@ def _value_inputs(shape):
 GRAD_OPS = {
     "clipped_policy_loss": (
         lambda s: (*policy_inputs(s, F32), torch.rand(s, dtype=F16)),
-        lambda f, x, m: f["clipped_policy_loss"](*x[:3], m, x[3], 0.2, 0.2, 2.0, "seq-mean-token-mean"),
+        lambda f, x, m: f["clipped_policy_loss"](*x[:3], m, x[3], **CLIP, dual_clip=2.0, agg="seq-mean-token-mean"),
     ),
     "value_loss": (_value_inputs, lambda f, x, m: f["value_loss"](*x, m, 0.2, "token-mean")),
     "kl_estimate": (lambda s: _kl_inputs(s), lambda f, x, m: (f["kl_estimate"](*x, "k3"),)),
@@ -217,13 +217,16 @@ def test_policy_gradient_zero_where_clipped_clamped_or_capped():
         assert stats["clipfrac_lower"].item() == pytest.approx(0.25)
 
 
-def _all_grads(op, inputs, mask, *args, backends=(_native, lambda: reference)):
+CLIP = dict(clip_eps_low=0.2, clip_eps_high=0.2)
+
+
+def _all_grads(op, inputs, mask, *args, backends=(_native, lambda: reference), **options):
     """The loss's gradient w.r.t. every input (but None), native's, equal to the reference's."""
     results = []
     for backend in backends:
         functions = backend().FUNCTIONS
         xs = [x if x is None else x.clone().requires_grad_(True) for x in inputs]
-        loss = functions[op](*xs[:3], mask, *xs[3:], *args)[0]
+        loss = functions[op](*xs[:3], mask, *xs[3:], *args, **options)[0]
         results.append(torch.autograd.grad(loss, [x for x in xs if x is not None]))
     for g, e in zip(results[0], results[-1]):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=0)
@@ -240,7 +243,9 @@ def test_policy_loss_tie_conventions_match_reference():
         _column(0.0, -1.0, 0.7),
         torch.full((3, 1), 0.5, dtype=F64),
     )
-    grads = _all_grads("clipped_policy_loss", inputs, torch.ones(3, 1, dtype=torch.bool), 0.2, 0.2, 1.0, "token-sum")
+    grads = _all_grads(
+        "clipped_policy_loss", inputs, torch.ones(3, 1, dtype=torch.bool), **CLIP, dual_clip=1.0, agg="token-sum"
+    )
     e = torch.exp(torch.tensor(1.0, dtype=F64))
     torch.testing.assert_close(grads[2][0, 0], -0.5 * (e + 1.2) * 0.5)  # weight 0.5
     torch.testing.assert_close(grads[0][1, 0], torch.tensor(0.25, dtype=F64))  # half of w * -A * ratio
@@ -252,7 +257,7 @@ def test_policy_loss_log_ratio_clamp_passes_gradient_on_its_closed_range():
     inputs = (_column(20.0, -20.0, 20.5), torch.zeros(3, 1, dtype=F64), adv, None)
     mask = torch.ones(3, 1, dtype=torch.bool)
     grad_logp, grad_old, grad_adv = _all_grads(
-        "clipped_policy_loss", inputs, mask, 0.2, 0.2, None, "token-sum", backends=(_native,)
+        "clipped_policy_loss", inputs, mask, **CLIP, dual_clip=None, agg="token-sum", backends=(_native,)
     )
     ratio = torch.exp(torch.tensor([20.0, -20.0, 20.0], dtype=F64))
     torch.testing.assert_close(grad_logp[:, 0], -adv[:, 0] * ratio * torch.tensor([1.0, 1.0, 0.0], dtype=F64))

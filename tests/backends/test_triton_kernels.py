@@ -246,7 +246,9 @@ def test_small_vocab_blocks_match_reference(block_v):
     labels = ints(203, 6, ignored=[2])
     logp, entropy, stats = tlp.token_logprobs_forward(logits, labels, 0.9, True, IGNORE, block_v=block_v)
     g = rand(6), rand(6)
-    grad = tlp.token_logprobs_backward(*g, logits, labels, stats, entropy, 0.9, IGNORE, block_v=block_v)
+    grad = tlp.token_logprobs_backward(
+        *g, logits, labels, stats, entropy, temperature=0.9, ignore_index=IGNORE, block_v=block_v
+    )
     want = _grads(lambda x: reference.token_logprobs(x, labels, 0.9, True, IGNORE), [logits], g)
     _assert_same(([logp, entropy], [grad]), want, grad_tol=dict(rtol=1e-5, atol=1e-6))
     # stats: the row's max logit and log(sum(exp((logits - max) / T))), whose sum with max / T is the logsumexp
@@ -265,7 +267,9 @@ def test_bf16_pairs_read_as_words_match_reference(vocab, group):
     labels = ints(vocab, 5, ignored=[3])
     logp, entropy, stats = tlp.token_logprobs_forward(logits, labels, 0.8, True, IGNORE, block_v=16)
     g = rand(5), rand(5)
-    grad = tlp.token_logprobs_backward(*g, logits, labels, stats, entropy, 0.8, IGNORE, block_v=16)
+    grad = tlp.token_logprobs_backward(
+        *g, logits, labels, stats, entropy, temperature=0.8, ignore_index=IGNORE, block_v=16
+    )
     want = _grads(lambda x: reference.token_logprobs(x, labels, 0.8, True, IGNORE), [logits], g)
     _assert_same(([logp, entropy], [grad]), want, grad_tol=BF16_TOL)
 
@@ -312,7 +316,11 @@ def _backward_case(op, block):
 
         def launch(g1, g2, strided=False):
             ent, lab = strided_residuals if strided else (entropy, labels)
-            return [tlp.token_logprobs_backward(g1, g2, logits, lab, stats, ent, 1.3, IGNORE, block_v=block)]
+            return [
+                tlp.token_logprobs_backward(
+                    g1, g2, logits, lab, stats, ent, temperature=1.3, ignore_index=IGNORE, block_v=block
+                )
+            ]
 
         return launch, lambda x: reference.token_logprobs(x, labels, 1.3, True, IGNORE), [logits]
     if op == "kl_estimate":
@@ -326,13 +334,15 @@ def _backward_case(op, block):
         last = tkl.kl_penalized_rewards_forward(scores, a, b, mask, 0.3, "k2", block_t=block)[2]
         return (
             lambda *g, strided=False: tkl.kl_penalized_rewards_backward(
-                *g, a, b, mask, last, 0.3, "k2", torch.float32, block_t=block
+                *g, a, b, mask, last, kl_coef=0.3, kl_estimator="k2", scores_dtype=torch.float32, block_t=block
             ),
             lambda s, x, y: reference.kl_penalized_rewards(s, x, y, mask, 0.3, "k2"),
             [scores, a, b],
         )
     return (
-        lambda *g, strided=False: tgae.gae_backward(*g, mask, 0.9, 0.8, torch.float32, torch.bfloat16, block_t=block),
+        lambda *g, strided=False: tgae.gae_backward(
+            *g, mask, 0.9, 0.8, rewards_dtype=torch.float32, values_dtype=torch.bfloat16, block_t=block
+        ),
         lambda r, v: reference.gae(r, v, mask, 0.9, 0.8),
         [a, b.bfloat16()],
     )
@@ -614,7 +624,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tlin, "GRADIENT_SCRATCH_BYTES", 2 * 16 * N * 4)
 
 
-def _plain(hidden, weight, bias, labels, temperature=1.0, logit_scale=1.0, logit_softcap=None):
+def _plain(hidden, weight, bias, labels, *, temperature=1.0, logit_scale=1.0, logit_softcap=None):
     """``log_softmax(softcap(scale * (h @ W.T + b)) / T).gather(labels)`` in float64 (0 where not computed)."""
     x = (hidden.double() @ weight.double().T + (0 if bias is None else bias.double())) * logit_scale
     x = x if logit_softcap is None else logit_softcap * torch.tanh(x / logit_softcap)

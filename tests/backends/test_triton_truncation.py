@@ -79,7 +79,9 @@ def test_fused_head_thresholds_chunked_and_with_a_margin(softcap):
     chunked = tlin.linear_truncation_thresholds(hidden, weight, labels, None, **options, scratch_bytes=1)
     assert torch.equal(whole, chunked)  # a chunk of BLOCK_N rows at a time: the same thresholds
     assert torch.isneginf(whole[5])
-    u = tlin.linear_logits_rows(hidden, weight, labels, None, 0, n, 1.5, softcap, -100)
+    u = tlin.linear_logits_rows(
+        hidden, weight, labels, None, 0, n, logit_scale=1.5, logit_softcap=softcap, ignore_index=-100
+    )
     used = labels != -100
     kept = u >= whole[:, None]
     assert not (u == whole[:, None])[used].any()  # halfway between two values of the row: a margin both ways

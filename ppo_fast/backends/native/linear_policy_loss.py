@@ -14,7 +14,7 @@ import torch
 
 from ..._dtypes import result_dtype
 from ...spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES
-from .._one_pass import Head, PerToken, RowKernels, Terms, autograd, rows_ops
+from .._one_pass import Head, PerToken, RowKernels, Terms, autograd, rows_ops, stored_dtype
 from ._common import check_choice, check_dim, check_float, check_same_device, check_shape, register
 
 # The modes csrc/linear_policy_loss.cpp computes (its loss epilogue), on CPU tensors.
@@ -22,7 +22,7 @@ MODES = ("vanilla", "gspo")
 _STATS = 6  # pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower, approx_kl (float64)
 
 
-def _check_tensors(op, hidden, weight, labels, old, adv, mask, weights, bias, ref):
+def _check_tensors(op, hidden, weight, labels, old, adv, *, mask, weights, bias, ref):
     """The checks of csrc/linear_policy_loss.cpp's check_args on the tensors, in its order."""
     check_float(op, "hidden", hidden)
     check_dim(op, "hidden", hidden, 3)
@@ -75,7 +75,7 @@ def _fake(
     output_mask,
 ):
     op = "linear_policy_loss"
-    _check_tensors(op, hidden, weight, labels, old, adv, mask, weights, bias, ref)
+    _check_tensors(op, hidden, weight, labels, old, adv, mask=mask, weights=weights, bias=bias, ref=ref)
     check_choice(op, "agg", agg, AGG_MODES)
     check_choice(op, "kl_estimator", kl_estimator, KL_ESTIMATORS)
     torch._check(
@@ -95,7 +95,8 @@ def _fake(
     double = torch.float64
 
     def grad(x, wanted):
-        return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted else x.new_empty((0,))
+        kept = stored_dtype(x.dtype)
+        return torch.empty_like(x, dtype=kept, memory_format=torch.contiguous_format) if wanted else x.new_empty((0,))
 
     grad_bias = grad(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
     return (
@@ -150,7 +151,7 @@ def _rows_forward(logits, labels, temperature, ignore_index):
     return torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, True, ignore_index)
 
 
-def _rows_backward(grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
+def _rows_backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temperature, ignore_index):
     return torch.ops.ppo_fast.token_logprobs_backward(
         grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index
     )

@@ -14,7 +14,7 @@ from .token_logprobs import _check_saved_row_stats, check_truncation
 SUPPORTED = {"linear_token_logprobs": {"cpu"}}
 
 
-def _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap):
+def _check_head(op, hidden, weight, labels, bias, *, temperature, logit_scale, logit_softcap):
     check_float(op, "hidden", hidden)
     check_dim(op, "hidden", hidden, 2)
     check_float(op, "weight", weight)
@@ -67,7 +67,16 @@ def _fake_linear_token_logprobs(
     top_p=1.0,
     min_p=0.0,
 ):
-    _check_head("linear_token_logprobs", hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
+    _check_head(
+        "linear_token_logprobs",
+        hidden,
+        weight,
+        labels,
+        bias,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+    )
     width = check_truncation("linear_token_logprobs", top_k, top_p, min_p)
     dtype = result_dtype(hidden)
     entropy = hidden.new_empty(labels.shape if return_entropy else (0,), dtype=dtype)
@@ -91,9 +100,19 @@ def _fake_linear_token_logprobs_backward(
     output_mask,
 ):
     op = "linear_token_logprobs_backward"
-    _check_head(op, hidden, weight, labels, bias, temperature, logit_scale, logit_softcap)
+    _check_head(
+        op, hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap
+    )
     _check_saved_row_stats(
-        op, "linear_token_logprobs", "hidden", hidden, labels, stats, entropy, grad_logprobs, grad_entropy
+        op,
+        "linear_token_logprobs",
+        "hidden",
+        hidden,
+        labels,
+        stats=stats,
+        entropy=entropy,
+        grad_logprobs=grad_logprobs,
+        grad_entropy=grad_entropy,
     )
     grad_bias = grad_or_empty(bias, output_mask[2]) if bias is not None else hidden.new_empty((0,))
     return grad_or_empty(hidden, output_mask[0]), grad_or_empty(weight, output_mask[1]), grad_bias

@@ -44,7 +44,7 @@ def _fake_token_logprobs(logits, labels, temperature, return_entropy, ignore_ind
     return logits.new_empty(labels.shape, dtype=dtype), entropy, stats
 
 
-def _check_saved_row_stats(op, forward_op, input_name, x, labels, stats, entropy, grad_logprobs, grad_entropy):
+def _check_saved_row_stats(op, forward_op, input_name, x, labels, *, stats, entropy, grad_logprobs, grad_entropy):
     """A log-prob backward's per-row inputs: the forward's stats (and entropy when its gradient
     is given) in the result dtype of ``x``, the incoming gradients, of ``labels``' shape (stats:
     [..., 2], or [..., 3] with the kept set's threshold when the forward truncated)."""
@@ -72,7 +72,17 @@ def _fake_token_logprobs_backward(
 ):
     op = "token_logprobs_backward"
     _check_logits(op, logits, labels, temperature)
-    _check_saved_row_stats(op, "token_logprobs", "logits", logits, labels, stats, entropy, grad_logprobs, grad_entropy)
+    _check_saved_row_stats(
+        op,
+        "token_logprobs",
+        "logits",
+        logits,
+        labels,
+        stats=stats,
+        entropy=entropy,
+        grad_logprobs=grad_logprobs,
+        grad_entropy=grad_entropy,
+    )
     return logits.new_empty(logits.shape)
 
 
@@ -108,6 +118,7 @@ def token_logprobs(
     return_entropy: bool,
     ignore_index: int,
     inplace_backward: bool = False,
+    *,
     truncation: Truncation = NO_TRUNCATION,
 ):
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.

@@ -24,7 +24,9 @@ def _one_pass(hidden, weight, labels, x, *, bias, objective, head, terms):
         rs = slice(b0, b0 + step)
         shape = labels[rs].shape
         flat = hidden[rs].reshape(labels[rs].numel(), width)
-        logp, entropy = _linear_logprobs_chunk(flat, weight_c, bias_c, labels[rs].reshape(-1), *head[:3], True, head[3])
+        logp, entropy = _linear_logprobs_chunk(
+            flat, weight_c, bias_c, labels[rs].reshape(-1), **head._asdict(), return_entropy=True
+        )
         out = shared.chunk_terms(logp.view(shape), entropy.view(shape), x.rows(rs), objective, terms, scales)
         totals = list(out) if totals is None else [t + o for t, o in zip(totals, out)]
     loss, *stats = totals

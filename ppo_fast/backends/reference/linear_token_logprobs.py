@@ -52,6 +52,7 @@ def _linear_logprobs_chunk(
     weight,
     bias,
     labels,
+    *,
     temperature,
     logit_scale,
     logit_softcap,
@@ -91,17 +92,26 @@ def linear_token_logprobs(
     """
     # One compute-dtype copy of the head for all chunks (autograd casts its gradient back).
     weight_c, bias_c = in_common_dtype(weight, bias)
-    args = (temperature, logit_scale, logit_softcap, return_entropy, ignore_index, truncation)
+    options = dict(
+        temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+        return_entropy=return_entropy,
+        ignore_index=ignore_index,
+        truncation=truncation,
+    )
     checkpointed = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
     outs = []
     for i in range(0, hidden.shape[0], rows):
-        chunk = (hidden[i : i + rows], weight_c, bias_c, labels[i : i + rows], *args)
+        chunk = (hidden[i : i + rows], weight_c, bias_c, labels[i : i + rows])
         if checkpointed:
-            outs.append(torch.utils.checkpoint.checkpoint(_linear_logprobs_chunk, *chunk, use_reentrant=False))
+            outs.append(
+                torch.utils.checkpoint.checkpoint(_linear_logprobs_chunk, *chunk, **options, use_reentrant=False)
+            )
         else:
-            outs.append(_linear_logprobs_chunk(*chunk))
+            outs.append(_linear_logprobs_chunk(*chunk, **options))
     if not outs:  # no row: the chunk of none, so that the empty results are in the autograd graph
-        outs.append(_linear_logprobs_chunk(hidden, weight_c, bias_c, labels, *args))
+        outs.append(_linear_logprobs_chunk(hidden, weight_c, bias_c, labels, **options))
     logp = torch.cat([o[0] for o in outs])
     return logp, (torch.cat([o[1] for o in outs]) if return_entropy else None)

@@ -19,7 +19,7 @@ _LOG_RATIO_BOUND = 20.0
 
 
 def rollout_correction_weights(
-    old_logprobs, rollout_logprobs, mask, mode: str, threshold: float, threshold_low: float, batch_normalize: bool
+    old_logprobs, rollout_logprobs, mask, mode: str, *, threshold: float, threshold_low: float, batch_normalize: bool
 ):
     """Importance weights ``pi_train / pi_rollout`` per token (``token_*``) or per sequence
     (``seq_*``, ``exp`` of the row's summed log-ratio, on each of its tokens), truncated at

@@ -76,6 +76,7 @@ def token_logprobs(
     return_entropy: bool,
     ignore_index: int,
     inplace_backward: bool = False,
+    *,
     truncation: Truncation = NO_TRUNCATION,
 ):
     """``log_softmax(logits / temperature)`` at ``labels`` (and the entropy), float32, over the

@@ -207,9 +207,9 @@ def thresholds(
     labels_strides: tuple[int, int],
     scale: float,
     ignore_index: int,
+    *,
     truncation: Truncation,
     acc_dtype: torch.dtype,
-    *,
     midpoint: bool = False,
     input_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:

@@ -231,6 +231,7 @@ def gae_backward(
     mask: torch.Tensor,
     gamma: float,
     lam: float,
+    *,
     rewards_dtype: torch.dtype,
     values_dtype: torch.dtype,
     block_t: int | None = None,
@@ -302,7 +303,9 @@ def _gae_backward_op(
     rewards_dtype: torch.dtype,
     values_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype, values_dtype)
+    return gae_backward(
+        grad_advantages, grad_returns, mask, gamma, lam, rewards_dtype=rewards_dtype, values_dtype=values_dtype
+    )
 
 
 @_gae_backward_op.register_fake
@@ -359,7 +362,13 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
                 budget_key=None,
                 bytes_per_element=None,
                 run=lambda a=has_adv, r=has_ret: gae_backward(
-                    seq() if a else None, seq() if r else None, seq(torch.bool), 1.0, 0.95, torch.float32, torch.float32
+                    seq() if a else None,
+                    seq() if r else None,
+                    seq(torch.bool),
+                    1.0,
+                    0.95,
+                    rewards_dtype=torch.float32,
+                    values_dtype=torch.float32,
                 ),
             )
         )

@@ -374,6 +374,7 @@ def kl_penalized_rewards_forward(
     mask: torch.Tensor,
     kl_coef: float,
     kl_estimator: str,
+    *,
     block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rewards, kl, last)``: rewards and kl ``[B, T]`` float32 (float64 for float64 log-probs); ``last [B]`` int32 is each
@@ -417,6 +418,7 @@ def kl_penalized_rewards_backward(
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
     last: torch.Tensor,
+    *,
     kl_coef: float,
     kl_estimator: str,
     scores_dtype: torch.dtype,
@@ -549,7 +551,15 @@ def _kl_penalized_rewards_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_scores, grad_logprobs, grad_ref_logprobs)``; ``grad_scores`` is empty without ``grad_rewards``."""
     grad_scores, grad_logprobs, grad_ref = kl_penalized_rewards_backward(
-        grad_rewards, grad_kl, logprobs, ref_logprobs, mask, last, kl_coef, kl_estimator, scores_dtype
+        grad_rewards,
+        grad_kl,
+        logprobs,
+        ref_logprobs,
+        mask,
+        last,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        scores_dtype=scores_dtype,
     )
     return (
         (grad_logprobs.new_empty(0, dtype=scores_dtype) if grad_scores is None else grad_scores),
@@ -653,9 +663,9 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
                     seq(),
                     seq(torch.bool),
                     meta((batch,), torch.int32),
-                    0.05,
-                    "k3",
-                    torch.float32,
+                    kl_coef=0.05,
+                    kl_estimator="k3",
+                    scores_dtype=torch.float32,
                 ),
             )
         )

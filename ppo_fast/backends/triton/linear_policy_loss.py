@@ -16,10 +16,18 @@ def _forward(logits, labels, temperature, ignore_index):
         return token_logprobs_forward(logits, labels, temperature, True, ignore_index)
 
 
-def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index):
+def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temperature, ignore_index):
     with device_guard(logits):
         return token_logprobs_backward(
-            grad_logp, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits
+            grad_logp,
+            grad_entropy,
+            logits,
+            labels,
+            stats,
+            entropy,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            out=logits,
         )
 
 

@@ -532,7 +532,7 @@ def _combine_splits(
     return logp, entropy, stats
 
 
-def linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index):
+def linear_logits_rows(hidden, weight, labels, bias, start, stop, *, logit_scale, logit_softcap, ignore_index):
     """The forward's ``u`` of rows ``[start, stop)``, ``[stop - start, V]`` in the compute dtype (rows not to
     compute hold the bias alone), by the forward's tiles (``_linear_logits_kernel``)."""
     dtype = result_dtype(hidden, weight, bias)
@@ -601,7 +601,17 @@ def linear_truncation_thresholds(
     with device_guard(hidden):
         for start in range(0, n_rows, chunk):
             stop = min(n_rows, start + chunk)
-            u = linear_logits_rows(hidden, weight, labels, bias, start, stop, logit_scale, logit_softcap, ignore_index)
+            u = linear_logits_rows(
+                hidden,
+                weight,
+                labels,
+                bias,
+                start,
+                stop,
+                logit_scale=logit_scale,
+                logit_softcap=logit_softcap,
+                ignore_index=ignore_index,
+            )
             tau[start:stop] = thresholds(
                 u,
                 labels[start:stop],
@@ -609,8 +619,8 @@ def linear_truncation_thresholds(
                 (labels.stride(0), 0),
                 post,
                 ignore_index,
-                truncation,
-                acc_dtype,
+                truncation=truncation,
+                acc_dtype=acc_dtype,
                 midpoint=True,
                 input_dtype=acc_dtype,
             )
@@ -645,9 +655,9 @@ def linear_token_logprobs_backward(
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None,
+    *,
     stats: torch.Tensor,
     entropy: torch.Tensor | None,
-    *,
     temperature: float,
     logit_scale: float,
     logit_softcap: float | None,
@@ -808,8 +818,8 @@ def _linear_token_logprobs_backward_op(
         weight,
         labels,
         bias,
-        stats,
-        entropy if grad_entropy is not None else None,
+        stats=stats,
+        entropy=entropy if grad_entropy is not None else None,
         temperature=temperature,
         logit_scale=logit_scale,
         logit_softcap=logit_softcap,
@@ -949,8 +959,8 @@ def _static_launches(dtype, tf32: bool, flags: bool, rows: int, hidden: int, voc
                 w,
                 labels,
                 _meta((vocab,), x.dtype) if flags else None,
-                stats,
-                row if flags else None,
+                stats=stats,
+                entropy=row if flags else None,
                 temperature=0.7,
                 logit_scale=1.0,
                 logit_softcap=30.0 if flags else None,
@@ -1026,7 +1036,9 @@ def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]
     options = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
     chunk = LOGITS_SCRATCH_BYTES // (4 * vocab)
     launches = {
-        "logits rows (thresholds' input)": lambda: linear_logits_rows(x, w, labels, None, 0, chunk, 1.0, None, -100),
+        "logits rows (thresholds' input)": lambda: linear_logits_rows(
+            x, w, labels, None, 0, chunk, logit_scale=1.0, logit_softcap=None, ignore_index=-100
+        ),
         "fwd truncated": lambda: linear_token_logprobs_forward(
             x, w, labels, None, **options, return_entropy=True, tau=row
         ),
@@ -1037,8 +1049,8 @@ def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]
             w,
             labels,
             None,
-            stats,
-            row,
+            stats=stats,
+            entropy=row,
             **options,
             needs_hidden=True,
             needs_weight=True,

@@ -405,6 +405,7 @@ def token_logprobs_forward(
     temperature: float,
     return_entropy: bool,
     ignore_index: int,
+    *,
     block_v: int | None = None,
     tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -483,8 +484,8 @@ def truncation_thresholds(
             (labels_outer_stride, labels_inner_stride),
             1.0 / temperature,
             ignore_index,
-            truncation,
-            acc,
+            truncation=truncation,
+            acc_dtype=acc,
         )
 
 
@@ -525,6 +526,7 @@ def token_logprobs_backward(
     labels: torch.Tensor,
     stats: torch.Tensor,
     entropy: torch.Tensor | None,
+    *,
     temperature: float,
     ignore_index: int,
     out: torch.Tensor | None = None,
@@ -642,7 +644,15 @@ def _token_logprobs_backward_op(
     tau: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return token_logprobs_backward(
-        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, tau=tau
+        grad_logprobs,
+        grad_entropy,
+        logits,
+        labels,
+        stats,
+        entropy,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        tau=tau,
     )
 
 
@@ -667,7 +677,16 @@ def _token_logprobs_backward_inplace_op(
     if not is_non_overlapping_and_dense(logits):
         raise ValueError("an in-place backward needs logits whose memory is non-overlapping and dense")
     token_logprobs_backward(
-        grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, ignore_index, out=logits, tau=tau
+        grad_logprobs,
+        grad_entropy,
+        logits,
+        labels,
+        stats,
+        entropy,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        out=logits,
+        tau=tau,
     )
 
 
@@ -689,7 +708,7 @@ def _token_logprobs_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
 
 
-def _logits_gradient(ctx, grad_logprobs, grad_entropy, logits, labels, stats, entropy, tau=None):
+def _logits_gradient(ctx, grad_logprobs, grad_entropy, logits, labels, stats, *, entropy, tau=None):
     if not ctx.return_entropy:
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     args = (grad_logprobs, grad_entropy, logits, labels, stats, entropy, ctx.temperature, ctx.ignore_index)
@@ -703,7 +722,7 @@ def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats, _gra
     not_differentiable(ctx, labels=1)
     logits, labels, stats, entropy, tau = ctx.saved_tensors
     grad_logits = _logits_gradient(
-        ctx, grad_logprobs, grad_entropy, logits, labels, stats, entropy, tau if ctx.truncated else None
+        ctx, grad_logprobs, grad_entropy, logits, labels, stats, entropy=entropy, tau=tau if ctx.truncated else None
     )
     return grad_logits, *(None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -712,7 +731,7 @@ _token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_to
 
 
 def token_logprobs(
-    logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False, truncation=NO_TRUNCATION
+    logits, labels, temperature, return_entropy, ignore_index, inplace_backward=False, *, truncation=NO_TRUNCATION
 ):
     """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
     their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one).
@@ -755,7 +774,14 @@ def static_variants(rows: int = 16384, vocab: int = 151936) -> list[dict]:
             acc = torch.float64 if dtype == torch.float64 else torch.float32
             stats, row = meta(labels.shape + (2,), acc), meta(labels.shape, acc)
             return token_logprobs_backward(
-                row if has_logp else None, row if has_entropy else None, logits, labels, stats, row, 0.7, -100
+                row if has_logp else None,
+                row if has_entropy else None,
+                logits,
+                labels,
+                stats,
+                row,
+                temperature=0.7,
+                ignore_index=-100,
             )
 
         out = []
@@ -823,7 +849,9 @@ def _truncated_static_variants(rows: int, vocab: int) -> list[dict]:
                 torch.empty((rows,), dtype=acc, device="meta"),
                 torch.empty((rows, 2), dtype=acc, device="meta"),
             )
-            return token_logprobs_backward(row, row, logits, labels, stats, row, 0.7, -100, tau=row)
+            return token_logprobs_backward(
+                row, row, logits, labels, stats, row, temperature=0.7, ignore_index=-100, tau=row
+            )
 
         for name, run, size in (("fwd+entropy", forward, 1), ("bwd(logp+entropy)", backward, 2)):
             out.append(
