@@ -215,6 +215,17 @@ def test_k3_rewards_overflow_like_the_reference(backend):
 # --------------------------------------------------------------------------- policy losses
 
 
+@pytest.mark.parametrize("backend", serving("policy_loss_gspo", "cpu"))
+def test_gspo_ratio_bound_formed_before_rounding(backend):
+    """clip_eps_low = 0.999999: the lower ratio bound 1 - eps is 1e-6 (formed in double, as the
+    reference's Python float), not float32(1) - float32(eps) = 1.0133e-6."""
+    logp, old = torch.full((1, 2), -25.0), torch.full((1, 2), -5.0)  # sequence ratio e^-20 < 1e-6: clipped
+    adv, mask = -torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    with pf.use_backend(backend):
+        loss = pf.policy_loss(logp, old, adv, mask, loss_mode="gspo", clip_eps_low=0.999999)[0]
+    assert loss.item() == pytest.approx(1.0 - 0.999999, rel=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["vanilla", "gpg"])  # the native kernel's epilogue, the rows' loop
 @pytest.mark.parametrize("backend", [b for b in serving("linear_policy_loss_vanilla", "cpu") if b != "reference"])
 def test_float16_fused_loss_gradient_in_range_once_scaled(backend, mode):
