@@ -499,6 +499,23 @@ def markdown(reports: list[KernelReport]) -> str:
     return "\n".join(lines)
 
 
+def threshold_passes() -> str:
+    """How many times the Triton truncation thresholds read a row, worst case (by the key's bits)."""
+    import torch
+
+    from ppo_fast._sampling import Truncation
+    from ppo_fast.backends.triton._truncation import passes
+
+    cases = {"top_k": Truncation(top_k=50), "top_p": Truncation(top_p=0.9), "top_k + top_p": Truncation(50, 0.9)}
+    lines = [
+        "| threshold passes per row (worst case; a bisection: one per key bit) | bf16 logits | fp32 (the fused head's u, with its midpoint pass) |",
+        "|---|---|---|",
+    ]
+    for name, t in cases.items():
+        lines.append(f"| {name} | {passes(t, torch.bfloat16)} | {passes(t, torch.float32, midpoint=True)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench static", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=pathlib.Path, help="also write every number here")
@@ -524,6 +541,7 @@ def main(argv=None) -> int:
     if not args.no_cuda and not args.only:
         reports += analyse_cuda()
     print(markdown(reports))
+    print("\n" + threshold_passes())
     failures = [f"{r.name}: {p}" for r in reports for p in r.problems()]
     if args.json:
         write_json(args.json, reports)

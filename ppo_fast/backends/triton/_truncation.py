@@ -7,14 +7,16 @@ With ``z = x * scale`` (``scale > 0``: the temperature, and for the fused head t
 - ``min_p``: the smallest ``x`` with ``z - max z >= min_p_cutoff(min_p)`` (one pass), the rule of the
   other backends: ``exp(z - max z) >= min_p`` with the difference rounded in the compute dtype and the
   exp in float64;
-- ``top_k``: the k-th largest ``x`` counted with its ties, by bisection on the order-preserving integer
-  image of the float bits (the "key"), each step one pass counting the tokens ``>=`` the candidate;
+- ``top_k``: the k-th largest ``x`` counted with its ties, by a 16-way search on the order-preserving
+  integer image of the float bits (the "key"), each pass counting the tokens ``>=`` each of 16 candidates
+  (the counts kept on chip);
 - ``top_p``: the largest ``x`` (at least the threshold so far) whose kept mass ``sum 2**d over x' >= x``
-  reaches ``top_p`` times the mass of what min_p/top_k kept, by the same bisection summing ``2**d``.
+  reaches ``top_p`` times the mass of what min_p/top_k kept, by the same search summing ``2**d``.
 
-The bisection finds the largest key whose predicate holds, which is always the key of a row value: the
-threshold is a logit of the row, every token tied with it is kept, and the max always is.  16-bit inputs
-bisect on the keys of their own type (the low bits of the float32 key are constant): 16 steps, not 32.
+The search finds the largest key whose predicate holds, which is always the key of a row value: the
+threshold is a logit of the row, every token tied with it is kept, and the max always is.  A pass narrows
+the keys 16-fold: at most 8 passes for a float32 key, 4 for 16-bit inputs, which search the keys of their
+own type (the low bits of the float32 key are constant); float64 keys are bisected.
 A row with a NaN or +inf scaled logit (x / T overflows; or only -inf ones), and a row whose label is ignored or out of range,
 gets ``tau = -inf``: ``x < tau`` holds for no ``x``, NaN included, so such a row is not truncated.
 
@@ -37,6 +39,12 @@ from ._dtypes import scalar, split_scalar
 
 # Vocabulary block of the threshold passes (a thread holds BLOCK_V / (32 * num_warps) logits).
 THRESHOLD_BLOCK_V = 2048
+
+
+def log_ways(acc_dtype: torch.dtype) -> int:
+    """log2 of the candidates per pass of the top-k / top-p searches: 16 (4 bits of a float32 key a pass);
+    2 for float64 keys, whose candidates lo + j * step would overflow int64 past the first."""
+    return 1 if acc_dtype == torch.float64 else 4
 
 
 @triton.jit
@@ -72,16 +80,6 @@ def _load(row_ptr, start, cols, vocab_stride, row_vocab, ACC: tl.constexpr):
 
 
 @triton.jit
-def _count_at_least(row_ptr, cols, vocab_stride, row_vocab, t, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    """How many logits of the row are ``>= t``."""
-    count = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, row_vocab, BLOCK_V):
-        x, in_row = _load(row_ptr, start, cols, vocab_stride, row_vocab, ACC)
-        count += (in_row & (x >= t)).to(tl.int32)
-    return tl.sum(count, 0)
-
-
-@triton.jit
 def _mass_at_least(
     row_ptr, cols, vocab_stride, row_vocab, t, row_max, scale2, ACC: tl.constexpr, BLOCK_V: tl.constexpr
 ):
@@ -91,6 +89,62 @@ def _mass_at_least(
         x, in_row = _load(row_ptr, start, cols, vocab_stride, row_vocab, ACC)
         mass += tl.where(in_row & (x >= t), tl.math.exp2((x - row_max) * scale2), 0.0)
     return tl.sum(mass, 0)
+
+
+@triton.jit
+def _at_least_each(
+    row_ptr, vocab_stride, row_vocab, t, row_max, scale2, MASS: tl.constexpr, ACC: tl.constexpr, WAYS: tl.constexpr
+):
+    """For each of the ``WAYS`` thresholds ``t``, in one pass over the row: how many of its logits are
+    ``>= t`` or (``MASS``) their ``sum 2**((x - max) * scale2)``; the ``WAYS`` sums stay on chip."""
+    BLOCK: tl.constexpr = 256
+    cols = tl.arange(0, BLOCK).to(tl.int64)
+    total = tl.zeros([WAYS], ACC if MASS else tl.int32)
+    for start in range(0, row_vocab, BLOCK):
+        x, in_row = _load(row_ptr, start, cols, vocab_stride, row_vocab, ACC)
+        above = in_row[:, None] & (x[:, None] >= t[None, :])
+        if MASS:
+            w = tl.math.exp2((x - row_max) * scale2)
+            total += tl.sum(tl.where(above, w[:, None], 0.0), 0)
+        else:
+            total += tl.sum(above.to(tl.int32), 0)
+    return total
+
+
+@triton.jit
+def _largest_key(
+    lo,
+    hi,
+    row_ptr,
+    vocab_stride,
+    row_vocab,
+    goal,
+    row_max,
+    scale2,
+    MASS: tl.constexpr,
+    ACC: tl.constexpr,
+    KEY_SHIFT: tl.constexpr,
+    LOG_WAYS: tl.constexpr,
+):
+    """The largest key in ``[lo, hi]`` whose value keeps a count (or mass) ``>= goal`` (else ``lo``): a
+    ``2**LOG_WAYS``-ary search, each pass one read of the row for that many candidates, so a 32-bit key
+    takes ceil(32 / LOG_WAYS) passes, not the 32 of a bisection.  The step is formed from the shifted
+    ends (no ``hi - lo``, which overflows int64 across float64's keys; those search 2-way)."""
+    WAYS: tl.constexpr = 1 << LOG_WAYS
+    ways = tl.arange(0, WAYS).to(tl.int64)
+    while lo < hi:
+        step = (hi >> LOG_WAYS) - (lo >> LOG_WAYS) + 1
+        candidate = tl.minimum(lo + ways * step, hi)  # candidate[0] = lo
+        held = (
+            _at_least_each(
+                row_ptr, vocab_stride, row_vocab, _value(candidate, ACC, KEY_SHIFT), row_max, scale2, MASS, ACC, WAYS
+            )
+            >= goal
+        )
+        best = tl.max(tl.where(held, candidate, lo), 0)
+        hi = tl.min(tl.where(held | (candidate <= best), hi + 1, candidate), 0) - 1
+        lo = best
+    return lo
 
 
 @triton.jit
@@ -120,6 +174,7 @@ def _truncation_threshold_kernel(
     ACC: tl.constexpr,
     KEY_SHIFT: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    LOG_WAYS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     outer = row // rows_per_outer
@@ -157,32 +212,20 @@ def _truncation_threshold_kernel(
         tau = tl.min(run_min, 0)
     if HAS_TOP_K:
         # The largest key in [key(tau), key(max)] with at least top_k logits >= its value (else key(tau)).
-        lo = _key(tau, ACC, KEY_SHIFT)
-        hi = _key(row_max, ACC, KEY_SHIFT)
-        while lo < hi:
-            mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # the upper midpoint, without overflow
-            if (
-                _count_at_least(row_ptr, cols, vocab_stride, row_vocab, _value(mid, ACC, KEY_SHIFT), ACC, BLOCK_V)
-                >= top_k
-            ):
-                lo = mid
-            else:
-                hi = mid - 1
+        lo, hi = _key(tau, ACC, KEY_SHIFT), _key(row_max, ACC, KEY_SHIFT)
+        lo = _largest_key(
+            lo, hi, row_ptr, vocab_stride, row_vocab, top_k, row_max, scale2, False, ACC, KEY_SHIFT, LOG_WAYS
+        )
         tau = _value(lo, ACC, KEY_SHIFT)
     if HAS_TOP_P:
         # The largest key whose logits >= its value hold top_p of the mass min_p/top_k kept.
         target = scalar(top_p, top_p_lo, ACC) * _mass_at_least(
             row_ptr, cols, vocab_stride, row_vocab, tau, row_max, scale2, ACC, BLOCK_V
         )
-        lo = _key(tau, ACC, KEY_SHIFT)
-        hi = _key(row_max, ACC, KEY_SHIFT)
-        while lo < hi:
-            mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)
-            t = _value(mid, ACC, KEY_SHIFT)
-            if _mass_at_least(row_ptr, cols, vocab_stride, row_vocab, t, row_max, scale2, ACC, BLOCK_V) >= target:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo, hi = _key(tau, ACC, KEY_SHIFT), _key(row_max, ACC, KEY_SHIFT)
+        lo = _largest_key(
+            lo, hi, row_ptr, vocab_stride, row_vocab, target, row_max, scale2, True, ACC, KEY_SHIFT, LOG_WAYS
+        )
         tau = _value(lo, ACC, KEY_SHIFT)
     if MIDPOINT:
         below = tl.full([BLOCK_V], float("-inf"), ACC)
@@ -193,6 +236,16 @@ def _truncation_threshold_kernel(
         middle = next_lower * 0.5 + tau * 0.5
         tau = tl.where(next_lower == float("-inf"), float("-inf"), tl.where(middle > next_lower, middle, tau))
     tl.store(tau_ptr + row, tl.where(truncated & (row_vocab > 0), tau, float("-inf")))
+
+
+def passes(truncation: Truncation, dtype: torch.dtype, midpoint: bool = False) -> int:
+    """The most reads of a row the threshold kernel makes for ``truncation`` on ``dtype`` logits: the
+    max/min pass, min-p's, ceil(key bits / 4) per search (16 candidates a pass), top-p's kept mass, the
+    midpoint's.  A bisection would take one pass per key bit."""
+    searches = (truncation.top_k > 0) + (truncation.top_p < 1)
+    key_bits = (64 if dtype == torch.float64 else 32) - key_shift(dtype)
+    per_search = math.ceil(key_bits / log_ways(dtype))
+    return 1 + (truncation.min_p > 0) + searches * per_search + (truncation.top_p < 1) + midpoint
 
 
 def key_shift(dtype: torch.dtype) -> int:
@@ -244,6 +297,7 @@ def thresholds(
         ACC=acc,
         KEY_SHIFT=key_shift(input_dtype or logits.dtype),
         BLOCK_V=min(THRESHOLD_BLOCK_V, triton.next_power_of_2(logits.shape[-1])),
+        LOG_WAYS=log_ways(acc_dtype),
         num_warps=8,
     )
     return tau
