@@ -197,8 +197,18 @@ def build_linear_token_logprobs(spec, gen, k):
         (0, 1) if k["entropy"] else (0,),
         {0: ignored, 1: ignored},
         rounding={0: 2 * z_error.amax(-1)},
+        grad_floor=f64_grad_floor(hidden, weight, k),
         grad_rounding=4 * float(z_error.max()) if z_error.numel() else 0.0,
     )
+
+
+def f64_grad_floor(hidden, weight, k) -> float:
+    """The float64 reference's own absolute error on a fused head's gradients: each logit's gradient
+    terms are O(logit_scale / T) before they cancel (a near-certain row's entropy gradient, -1 - (-1),
+    where the truth is 1e-28); d_hidden sums V of them times |W|, d_weight the rows' times |h|."""
+    top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
+    terms = max(weight.shape[0], hidden.numel() // max(1, hidden.shape[-1]))
+    return 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
 
 
 def logit_error(hidden, weight, bias, k, eps: float) -> torch.Tensor:
@@ -338,10 +348,7 @@ def build_linear_policy_loss(spec, gen, k):
         )
         return loss, *stats.values()
 
-    # Each logit's gradient terms are O(1) before they cancel; d_hidden and d_weight sum them times |W|, |h|.
-    top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
-    scale = k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * V * B * T
-    floor = 64 * torch.finfo(F64).eps * scale
+    floor = f64_grad_floor(hidden, weight, k)
     z_error = logit_error(
         hidden,
         weight,

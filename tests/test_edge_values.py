@@ -26,6 +26,22 @@ def first(out):
 # --------------------------------------------------------------------------- log-probs
 
 
+@pytest.mark.parametrize("backend", [b for b in serving("linear_token_logprobs", "cpu") if b != "reference"])
+def test_float16_fused_head_gradient_at_the_lowest_temperature(backend):
+    """T = 1e-5 on float16: two tied tokens' logit gradients are +-1e5 (past float16's range) and cancel
+    in d_hidden; no backend may hold them in a float16 scratch.  The gradients are the reference's."""
+    hidden, weight = torch.tensor([[0.01, 0.02]]).half(), torch.ones(2, 2).half()
+    grads = {}
+    for name in ("reference", backend):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with pf.use_backend(name):
+            logp = pf.linear_token_logprobs(h, w, torch.tensor([0]), temperature=1e-5)[0]
+        grads[name] = torch.autograd.grad(2.0 * logp.sum(), (h, w))
+    for got, want in zip(grads[backend], grads["reference"]):
+        assert torch.isfinite(want).all() and torch.isfinite(got).all(), got
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("backend", serving("linear_token_logprobs", "cpu"))
 def test_pad_id_as_ignore_index_reads_nothing_of_its_rows(backend):
     """ignore_index inside [0, V) (a pad id): its rows give 0 and no gradient, NaN there reaches nothing."""

@@ -312,7 +312,7 @@ def _linear_token_logprobs_bwd_kernel(
             cap = scalar(logit_softcap, logit_softcap_lo, ACC)
             u = _tanh(raw * (scale / cap))
             post = cap * inv_t
-            dz_draw = (1.0 - u * u) * (scale * inv_t)  # d z / d raw
+            dz_draw = 1.0 - u * u  # d z / d raw over scale / T, which the host applies after the products
         else:
             u = raw
             post = scale * inv_t
@@ -337,8 +337,7 @@ def _linear_token_logprobs_bwd_kernel(
             dz -= g_entropy[:, None] * p * (tl.where(p > 0, log_p, 0.0) + entropy[:, None])
         if HAS_SOFTCAP:
             dz = dz * dz_draw
-        else:
-            dz = dz * (scale * inv_t)
+        # Without the factor scale / T (up to 1e5): that would overflow a float16 scratch.
         draw = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
     tl.store(
         dz_ptr + rows[:, None] * dz_stride + (cols - vocab_start)[None, :],
@@ -698,9 +697,9 @@ def linear_token_logprobs_backward(
         )
         # d_weight's products read every row: one not to compute counts as zeros, whatever it holds.
         used = _rows_to_compute(labels, vocab, ignore_index)[1]
+        factor = _post(temperature, logit_scale, None, acc_dtype)  # scale / T, as the kernels round it
         hidden_used = torch.where(used[:, None], hidden, 0.0) if needs_weight else None
-        stats = stats.contiguous()
-        entropy = stats if entropy is None else entropy.contiguous()
+        stats, entropy = stats.contiguous(), stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
             for start in range(0, vocab, dz.shape[1]):
                 stop = min(vocab, start + dz.shape[1])
@@ -717,13 +716,13 @@ def linear_token_logprobs_backward(
                     ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype), TRUNCATED=tau is not None,
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
                 )  # fmt: skip
-                chunk = dz[:, : stop - start]
+                chunk = dz[:, : stop - start]  # d loss / d raw, over scale / T
                 if needs_hidden:
-                    d_hidden += _product(chunk, weight[start:stop], acc_dtype)
+                    d_hidden += _product(chunk, weight[start:stop], acc_dtype) * factor
                 if needs_weight:
-                    d_weight[start:stop] = _product(chunk.T, hidden_used, acc_dtype)
+                    d_weight[start:stop] = _product(chunk.T, hidden_used, acc_dtype) * factor
                 if needs_bias:
-                    d_bias[start:stop] = chunk.sum(0, dtype=acc_dtype)
+                    d_bias[start:stop] = chunk.sum(0, dtype=acc_dtype) * factor
         if needs_hidden:  # a non-finite weight row times a zero gradient is NaN: no gradient is 0
             d_hidden.masked_fill_(~used[:, None], 0.0)
     cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
