@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     }
     rows, want = [], None
     for config in CANDIDATES:
-        row = measure(module, config, head, args.rep_ms, mode=want)
+        row = measure(module, config, head, args.rep_ms, want)
         if want is None and "error" not in row:
             with _tiles(module, config):
                 want = module.linear_token_logprobs_forward(*head, None, **OPTIONS, return_entropy=True)[0]
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     for label, splits in (("split", None), ("one share", 1)):
         saved, module.FORWARD_SPLITS = module.FORWARD_SPLITS, splits
         try:
-            split[label] = measure(module, CANDIDATES[0], small, args.rep_ms, mode=None)["fwd_ms"]
+            split[label] = measure(module, CANDIDATES[0], small, args.rep_ms, None)["fwd_ms"]
         finally:
             module.FORWARD_SPLITS = saved
     print(f"  forward at {args.split_rows} rows: {split}", flush=True)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     for mib in (16, 64, 256):
         saved, module.GRADIENT_SCRATCH_BYTES = module.GRADIENT_SCRATCH_BYTES, mib << 20
         try:
-            scratch[mib] = measure(module, CANDIDATES[0], head, args.rep_ms, mode=None).get("bwd_ms")
+            scratch[mib] = measure(module, CANDIDATES[0], head, args.rep_ms, None).get("bwd_ms")
         finally:
             module.GRADIENT_SCRATCH_BYTES = saved
     print(f"  backward by its gradient scratch (MiB): {scratch}", flush=True)

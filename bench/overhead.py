@@ -131,7 +131,9 @@ def _rl_cases(lp, old, adv, values, returns, scores, *, mask, float_mask, group_
         "policy_loss vanilla",
         "clipped_policy_loss",
         lambda: pf.policy_loss(lp, old, adv, mask),
-        lambda: backend("clipped_policy_loss")(lp, old, adv, mask, None, 0.2, 0.2, None, "token-mean"),
+        lambda: backend("clipped_policy_loss")(
+            lp, old, adv, mask, None, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, agg="token-mean"
+        ),
     )
     yield (
         "value_loss",

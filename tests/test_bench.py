@@ -58,7 +58,9 @@ def test_loss_baselines_match_reference(agg):
     mask = _right_padded(4, 19)
     logp, old, adv = -torch.rand(4, 19) * 3, -torch.rand(4, 19) * 3, torch.randn(4, 19)
     got = baselines.eager_policy_loss(logp, old, adv, mask, clip_eps=0.2, dual_clip=3.0, agg=agg)
-    want = reference.clipped_policy_loss(logp, old, adv, mask, None, 0.2, 0.2, 3.0, agg)
+    want = reference.clipped_policy_loss(
+        logp, old, adv, mask, None, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=3.0, agg=agg
+    )
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
     values, old_values, returns = torch.randn(4, 19), torch.randn(4, 19), torch.randn(4, 19)

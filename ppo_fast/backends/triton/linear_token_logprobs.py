@@ -237,8 +237,7 @@ def _linear_token_logprobs_fwd_kernel(
     else:
         shift = tl.where(run_max == float("-inf"), 0.0, run_max)
         sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
-        # A row whose max z (= max u * post) overflows, or is -inf, is NaN, as in the reference.
-        log_sum = tl.where(tl.abs(run_max * post) < float("inf"), tl.log(sum_exp), float("nan"))
+        log_sum = tl.log(sum_exp)
         logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
         tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
         tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
@@ -466,10 +465,19 @@ def linear_token_logprobs_forward(
             num_warps=num_warps,
             num_stages=_NUM_STAGES,
         )
+    post = _post(temperature, logit_scale, logit_softcap, logp.dtype)
     if splits > 1:
-        post = _post(temperature, logit_scale, logit_softcap, logp.dtype)
         return _combine_splits(partial, labels, vocab, ignore_index, post, return_entropy)
-    return logp, entropy, stats
+    return _overflow_is_nan(logp, entropy, stats, _rows_to_compute(labels, vocab, ignore_index)[1], post)
+
+
+def _overflow_is_nan(logp, entropy, stats, row_ok, post: float) -> tuple:
+    """A row whose max z = max u * post overflows is NaN, as in the reference (the kernel's shifted pass
+    never forms it); marked from the stats, not in the kernel, whose registers are spoken for."""
+    overflow = ~((stats[:, 0] * post).abs() < math.inf) & row_ok
+    stats[:, 1] = torch.where(overflow, math.nan, stats[:, 1])
+    nan_where = lambda x: None if x is None else torch.where(overflow, math.nan, x)  # noqa: E731
+    return nan_where(logp), nan_where(entropy), stats
 
 
 # Splits of the vocabulary the forward uses when its row blocks alone leave multiprocessors idle
