@@ -299,7 +299,7 @@ template <PolicyMode mode, typename T>
 void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bool* on, int64_t n, double eps_low,
                      double eps_high, double* acc, T* state) {
   const T low = static_cast<T>(eps_low), high = static_cast<T>(eps_high);
-  const SeqRatioBounds<T> bounds(eps_low, eps_high);
+  const PolicyBounds<T> bounds = clip_bounds<T>(eps_low, eps_high);
   if constexpr (mode == PolicyMode::kGspo) {
     T log_ratio_sum = 0, count = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -311,7 +311,7 @@ void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bo
     state[1] = 0;
     T pg_sum = 0, clipped = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], bounds.low, bounds.high);
+      const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], bounds.ratio_low, bounds.ratio_high);
       const T weighted = t.pg * (w ? w[i] : T(1));
       pg_sum += on[i] ? weighted : T(0);
       clipped += on[i] ? t.is_clipped : T(0);
@@ -434,7 +434,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
     T* out_ad = g_ad.numel() ? g_ad.mutable_data_ptr<T>() : nullptr;
     T* out_w = g_w.numel() ? g_w.mutable_data_ptr<T>() : nullptr;
     const T low = static_cast<T>(eps_low), high = static_cast<T>(eps_high);
-    const SeqRatioBounds<T> bounds(eps_low, eps_high);
+    const PolicyBounds<T> bounds = clip_bounds<T>(eps_low, eps_high);
     at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const T g_row = static_cast<T>(upstream) * scale[b];
@@ -443,8 +443,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
           const T wi = w ? w[i] : T(1);
           T d_lp, d_ad, d_w;
           if constexpr (mode == PolicyMode::kGspo) {
-            const GspoTerm<T> t = gspo_term(st[0], lp[i], ad[i], bounds.low, bounds.high);
-            const PolicyGrad<T> g = gspo_grad(t, bounds.low, bounds.high, g_row * wi);
+            const GspoTerm<T> t = gspo_term(st[0], lp[i], ad[i], bounds.ratio_low, bounds.ratio_high);
+            const PolicyGrad<T> g = gspo_grad(t, bounds.ratio_low, bounds.ratio_high, g_row * wi);
             d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
           } else {
             const GeoTerm<T> t = geo_term(lp[i], od[i], ad[i], low, high);

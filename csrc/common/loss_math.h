@@ -144,6 +144,13 @@ PPO_HD PolicyBounds<T> policy_bounds(const PolicyParams& p) {
           static_cast<T>(p.has_dual)};
 }
 
+// The clip bounds alone (GSPO's, no dual clip): 1 - eps formed in double and rounded once, as the
+// reference's Python floats (in float32, 1 - 0.999999 is 1.3% off).
+template <typename T>
+PPO_HD PolicyBounds<T> clip_bounds(double clip_eps_low, double clip_eps_high) {
+  return {static_cast<T>(1.0 - clip_eps_low), static_cast<T>(1.0 + clip_eps_high), T(0), T(0)};
+}
+
 // One token of reference.clipped_policy_loss, before the weight:
 //   ratio = exp(clamp(logp - old, -20, 20)), unclipped = -A ratio,
 //   clipped = -A clamp(ratio, low, high), pg0 = maximum(unclipped, clipped),

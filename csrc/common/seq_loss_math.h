@@ -36,15 +36,6 @@ struct GspoTerm {
   T is_clipped;  // 1 where clipped > unclipped
 };
 
-// GSPO's ratio bounds 1 - eps_low and 1 + eps_high, formed in double and rounded once, as the
-// reference's Python floats: 1 - eps in float32 cancels (eps_low = 0.999999: 1.3% off).
-template <typename T>
-struct SeqRatioBounds {
-  T low, high;
-  PPO_HD SeqRatioBounds(double eps_low, double eps_high)
-      : low(static_cast<T>(1.0 - eps_low)), high(static_cast<T>(1.0 + eps_high)) {}
-};
-
 template <typename T>
 PPO_HD GspoTerm<T> gspo_term(T s, T logp, T adv, T ratio_low, T ratio_high) {
   GspoTerm<T> t;

@@ -88,7 +88,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
   __shared__ double shared[7 * kThreads];
   const int64_t row = blockIdx.x, start = row * in.length;
   const T low = static_cast<T>(in.eps_low), high = static_cast<T>(in.eps_high);
-  const SeqRatioBounds<T> bounds(in.eps_low, in.eps_high);
+  const PolicyBounds<T> bounds = clip_bounds<T>(in.eps_low, in.eps_high);
   const T* lp = in.logprobs + start;
   const T* od = in.old_logprobs + start;
   const T* ad = in.advantages + start;
@@ -106,7 +106,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
     const T s = static_cast<T>(totals[0]) / (count > T(1) ? count : T(1));
     double terms[2] = {0, 0}, term_totals[2];
     for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
-      const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], bounds.low, bounds.high);
+      const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], bounds.ratio_low, bounds.ratio_high);
       const T weighted = t.pg * (w ? w[i] : T(1));
       terms[0] += on[i] ? static_cast<double>(weighted) : 0.0;
       terms[1] += on[i] ? static_cast<double>(t.is_clipped) : 0.0;
@@ -176,15 +176,15 @@ __global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* ro
   if (i >= in.rows * in.length) return;
   const int64_t row = i / in.length;
   const T low = static_cast<T>(in.eps_low), high = static_cast<T>(in.eps_high);
-  const SeqRatioBounds<T> bounds(in.eps_low, in.eps_high);
+  const PolicyBounds<T> bounds = clip_bounds<T>(in.eps_low, in.eps_high);
   const T g_row = *grad_loss * row_scale[row];
   const T* st = row_state + row * kRowState;
   const T wi = in.weights ? in.weights[i] : T(1);
   const bool on = in.mask[i];
   T d_lp, d_ad, d_w;
   if constexpr (mode == PolicyMode::kGspo) {
-    const GspoTerm<T> t = gspo_term(st[0], in.logprobs[i], in.advantages[i], bounds.low, bounds.high);
-    const PolicyGrad<T> g = gspo_grad(t, bounds.low, bounds.high, g_row * wi);
+    const GspoTerm<T> t = gspo_term(st[0], in.logprobs[i], in.advantages[i], bounds.ratio_low, bounds.ratio_high);
+    const PolicyGrad<T> g = gspo_grad(t, bounds.ratio_low, bounds.ratio_high, g_row * wi);
     d_lp = g.logp, d_ad = g.adv, d_w = g_row * t.pg;
   } else {
     const GeoTerm<T> t = geo_term(in.logprobs[i], in.old_logprobs[i], in.advantages[i], low, high);
