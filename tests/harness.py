@@ -189,7 +189,7 @@ def build_linear_token_logprobs(spec, gen, k):
     }
     if bias is not None:
         inputs["bias"] = Input(bias, layout=False)
-    z_error = logit_error(hidden, weight, bias, k, torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0)
+    z_error = logit_error(spec, k, hidden, weight, bias)
     return Built(
         inputs,
         {"labels": labels},
@@ -197,26 +197,28 @@ def build_linear_token_logprobs(spec, gen, k):
         (0, 1) if k["entropy"] else (0,),
         {0: ignored, 1: ignored},
         rounding={0: 2 * z_error.amax(-1)},
-        grad_floor=f64_grad_floor(hidden, weight, k),
-        grad_rounding=4 * float(z_error.max()) if z_error.numel() else 0.0,
+        **head_gradient_bounds(k, hidden, weight, z_error),
     )
 
 
-def f64_grad_floor(hidden, weight, k) -> float:
-    """The float64 reference's own absolute error on a fused head's gradients: each logit's gradient
-    terms are O(logit_scale / T) before they cancel (a near-certain row's entropy gradient, -1 - (-1),
-    where the truth is 1e-28); d_hidden sums V of them times |W|, d_weight the rows' times |h|."""
+def head_gradient_bounds(k, hidden, weight, z_error) -> dict:
+    """A fused head's ``grad_floor`` and ``grad_rounding`` (``Built``).  The float64 reference's own
+    absolute error: each logit's gradient terms are O(logit_scale / T) before they cancel (a near-certain
+    row's entropy gradient, -1 - (-1), where the truth is 1e-28); d_hidden sums V of them times |W|,
+    d_weight the rows' times |h|.  The float32 logits' error ``z_error`` moves a gradient, relative to
+    its largest entry, by about as much as it moves z."""
     top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
     terms = max(weight.shape[0], hidden.numel() // max(1, hidden.shape[-1]))
-    return 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
+    floor = 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
+    return {"grad_floor": floor, "grad_rounding": 4 * top(z_error)}
 
 
-def logit_error(hidden, weight, bias, k, eps: float) -> torch.Tensor:
+def logit_error(spec, k, hidden, weight, bias) -> torch.Tensor:
     """How far any float32 evaluation's z = logit_scale * u / T (or softcap * tanh(logit_scale * u / softcap) / T)
     may be from float64's: a dot product of H terms is off by up to H eps sum|h_i w_i| (and its rounding,
     eps |u|; tanh is 1-Lipschitz), and a softcap's tanh by a few ulps of 1, times softcap / T.  A log-prob
-    z_y - lse moves by at most twice the largest of its row; a gradient, relative to its largest entry,
-    by about as much."""
+    z_y - lse moves by at most twice the largest of its row."""
+    eps = torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0
     u = hidden @ weight.T + (0 if bias is None else bias)
     spread = hidden.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
     z_error = (hidden.shape[-1] * eps * spread + eps * u.abs()) * k["logit_scale"] / k["temperature"]
@@ -348,16 +350,8 @@ def build_linear_policy_loss(spec, gen, k):
         )
         return loss, *stats.values()
 
-    floor = f64_grad_floor(hidden, weight, k)
-    z_error = logit_error(
-        hidden,
-        weight,
-        inputs["bias"].values if k["bias"] else None,
-        k,
-        torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0,
-    )
-    rounding = 4 * float(z_error.max()) if z_error.numel() else 0.0
-    return Built(inputs, {"labels": labels, "mask": mask}, call, grad_floor=floor, grad_rounding=rounding)
+    z_error = logit_error(spec, k, hidden, weight, inputs["bias"].values if k["bias"] else None)
+    return Built(inputs, {"labels": labels, "mask": mask}, call, **head_gradient_bounds(k, hidden, weight, z_error))
 
 
 def build_value_loss(spec, gen, k):

@@ -468,13 +468,14 @@ def linear_token_logprobs_forward(
     post = _post(temperature, logit_scale, logit_softcap, logp.dtype)
     if splits > 1:
         return _combine_splits(partial, labels, vocab, ignore_index, post, return_entropy)
-    return _overflow_is_nan(logp, entropy, stats, _rows_to_compute(labels, vocab, ignore_index)[1], post)
+    return _overflow_is_nan(logp, entropy, stats, post)
 
 
-def _overflow_is_nan(logp, entropy, stats, row_ok, post: float) -> tuple:
+def _overflow_is_nan(logp, entropy, stats, post: float) -> tuple:
     """A row whose max z = max u * post overflows is NaN, as in the reference (the kernel's shifted pass
-    never forms it); marked from the stats, not in the kernel, whose registers are spoken for."""
-    overflow = ~((stats[:, 0] * post).abs() < math.inf) & row_ok
+    never forms it); marked from the stats (whose max is 0 for rows not computed), not in the kernel,
+    whose registers are spoken for."""
+    overflow = ~((stats[:, 0] * post).abs() < math.inf)
     stats[:, 1] = torch.where(overflow, math.nan, stats[:, 1])
     nan_where = lambda x: None if x is None else torch.where(overflow, math.nan, x)  # noqa: E731
     return nan_where(logp), nan_where(entropy), stats
@@ -726,13 +727,13 @@ def linear_token_logprobs_backward(
                 )  # fmt: skip
                 chunk = dz[:, : stop - start]  # d loss / d raw, over scale / T
                 if needs_hidden:
-                    d_hidden += _product(chunk, weight[start:stop], acc_dtype) * factor
-                if needs_weight:
-                    d_weight[start:stop] = _product(chunk.T, hidden_used, acc_dtype) * factor
+                    d_hidden += _product(chunk, weight[start:stop], acc_dtype)
+                if needs_weight:  # scaled in the product's float32 buffer, before it is rounded
+                    d_weight[start:stop] = _product(chunk.T, hidden_used, acc_dtype).mul_(factor)
                 if needs_bias:
-                    d_bias[start:stop] = chunk.sum(0, dtype=acc_dtype) * factor
+                    d_bias[start:stop] = chunk.sum(0, dtype=acc_dtype).mul_(factor)
         if needs_hidden:  # a non-finite weight row times a zero gradient is NaN: no gradient is 0
-            d_hidden.masked_fill_(~used[:, None], 0.0)
+            d_hidden.mul_(factor).masked_fill_(~used[:, None], 0.0)
     cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
     return cast(d_hidden, hidden), d_weight, cast(d_bias, bias)
 
