@@ -26,13 +26,19 @@ from ppo_fast.backends import resolved_backend_name
 
 from .common import ROUNDS, best_ms, load_average, machine, write_json
 
-# Parameters of the modes that need or differ from their defaults here (verl's config names in _verl_config).
-PARAMS = {
+# Where verl's defaults differ from ours, verl's (its config names in _verl_config); a required
+# parameter takes its spec example (PolicyLossMode.example_params).
+VERL_DEFAULTS = {
     "vanilla": {"dual_clip": 3.0},
     "clip_cov": {"clip_cov_ratio": 0.01, "clip_cov_lb": 0.0},
     "kl_cov": {"kl_cov_ratio": 0.01},
-    "dro": {"dro_beta": 0.1},
 }
+
+
+def params(mode: str) -> dict:
+    return {**pf.policy_loss_modes()[mode].example_params(), **VERL_DEFAULTS.get(mode, {})}
+
+
 _ACTOR = {
     "clip_eps_low": "clip_ratio_low",
     "clip_eps_high": "clip_ratio_high",
@@ -71,7 +77,7 @@ def _ours(mode, backend, logp, old, adv, mask, *, agg):
     def call():
         torch.manual_seed(0)  # clip_cov's draw
         with pf.use_backend(backend):
-            loss, _ = pf.policy_loss(logp, old, adv, mask, loss_mode=mode, agg=agg, **PARAMS.get(mode, {}))
+            loss, _ = pf.policy_loss(logp, old, adv, mask, loss_mode=mode, agg=agg, **params(mode))
         (grad,) = torch.autograd.grad(loss, logp)
         return loss.detach(), grad
 
@@ -81,7 +87,7 @@ def _ours(mode, backend, logp, old, adv, mask, *, agg):
 def _verl(mode, logp, old, adv, mask, agg):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    fn, config, float_mask = get_policy_loss_fn(mode), _verl_config(PARAMS.get(mode, {})), mask.float()
+    fn, config, float_mask = get_policy_loss_fn(mode), _verl_config(params(mode)), mask.float()
 
     def call():
         torch.manual_seed(0)
@@ -96,11 +102,9 @@ def measure(rows, length, device, min_run_time):
     logp, old, adv, mask = _inputs(rows, length, device)
     logp.requires_grad_(True)
     try:
-        import verl.trainer.ppo.core_algos  # noqa: F401
-
-        have_verl = True
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as verl_modes
     except ImportError:
-        have_verl = False
+        verl_modes = {}
     results = []
     for mode, entry in pf.policy_loss_modes().items():
         agg = entry.default_agg
@@ -108,7 +112,7 @@ def measure(rows, length, device, min_run_time):
             "fast": _ours(mode, "auto", logp, old, adv, mask, agg=agg),
             "reference": _ours(mode, "reference", logp, old, adv, mask, agg=agg),
         }
-        if have_verl:
+        if mode in verl_modes:  # a mode verl does not have: its row says so ("—")
             calls["verl"] = _verl(mode, logp, old, adv, mask, agg)
         want = calls["reference"]()
         for name, call in calls.items():  # every implementation agrees before it is timed
@@ -120,7 +124,7 @@ def measure(rows, length, device, min_run_time):
             for name, call in calls.items():
                 row[f"{name}_ms"] = min(row.get(f"{name}_ms", float("inf")), best_ms(call, min_run_time / ROUNDS))
         row["speedup_vs_reference"] = row["reference_ms"] / row["fast_ms"]
-        if have_verl:
+        if "verl" in calls:
             row["speedup_vs_verl"] = row["verl_ms"] / row["fast_ms"]
         results.append(row)
         print(
