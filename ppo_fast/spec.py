@@ -119,6 +119,9 @@ class PolicyLossMode:
     default_agg: str = "token-mean"
     sequence_level: bool = False  # a per-sequence reduction before the ratio (GSPO, GMPO)
     syncs_host: bool = False  # data-dependent selection (a host sync on CUDA, as in verl)
+    # Its gradient is by design not its loss's derivative (a stop-gradient inside): finite
+    # differences cannot check it, only the reference's autograd can.
+    surrogate_gradient: bool = False
     note: str = ""  # how it differs from verl's mode, if at all
     # Its per-token gradient depends on its own sequence only, so that pf.linear_policy_loss
     # computes it in one pass over chunks of whole sequences (op ``linear_op``); False: a
@@ -173,6 +176,7 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
             "GSPO: the clipped loss on the sequence-level ratio exp(mean_t log r_t)",
             (CLIP_EPS_LOW, CLIP_EPS_HIGH),
             sequence_level=True,
+            surrogate_gradient=True,
         ),
         PolicyLossMode(
             "geo_mean",
@@ -200,6 +204,7 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
             "policy_loss_cispo",
             "CISPO: -sg(clip(ratio)) * A * log-prob",
             (CLIP_EPS_LOW, CLIP_EPS_HIGH),
+            surrogate_gradient=True,
         ),
         PolicyLossMode("gpg", "policy_loss_gpg", "GPG: -A * log-prob (no ratio)", stats=()),
         PolicyLossMode(
@@ -247,6 +252,7 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
                 ),
                 DPPO_RATIO_CAP,
             ),
+            surrogate_gradient=True,
             note=DPPO_NOTE,
         ),
         PolicyLossMode(
@@ -265,6 +271,7 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
                 ),
                 DPPO_RATIO_CAP,
             ),
+            surrogate_gradient=True,
             note=DPPO_NOTE,
         ),
         PolicyLossMode(
