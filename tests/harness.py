@@ -28,9 +28,8 @@ def laid_out(values: torch.Tensor, layout: str) -> tuple[torch.Tensor, Callable]
     if layout == "sliced":  # every other column (row, for 1-D) of a storage twice as wide
         junk = math.nan if values.is_floating_point() else (True if values.dtype == torch.bool else -(2**40))
         view_of = (lambda t: t[:, 1::2]) if values.dim() > 1 else (lambda t: t[1::2])
-        shape = (
-            (values.shape[0], 2 * values.shape[1], *values.shape[2:]) if values.dim() > 1 else (2 * values.shape[0],)
-        )
+        shape = list(values.shape)
+        shape[min(1, values.dim() - 1)] *= 2
         wide = torch.full(shape, junk, dtype=values.dtype, device=values.device)
         view_of(wide).copy_(values)
         return wide, view_of
@@ -63,7 +62,7 @@ class Input:
     values: torch.Tensor  # float64, logical shape, exactly representable in the spec's dtype
     grad: bool = True
     masked: torch.Tensor | None = None  # positions the op never reads (bool, values' shape)
-    layout: bool = True  # takes the spec's layout (else contiguous)
+    layout: str | None = None  # a layout of its own (else the spec's)
 
 
 @dataclasses.dataclass
@@ -103,13 +102,12 @@ def mask_of(gen, shape, spec: Spec) -> torch.Tensor:
 def log_ratio(gen, shape, mode: str) -> torch.Tensor:
     """log-ratios: normal, tiny (|r| in [1e-4, 1e-3]), wide (beyond the +-20 clamps) or huge (85 to 92: exp overflows float32)."""
     sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).double()
-    u = torch.rand(shape, generator=gen, dtype=F64)
-    return {
-        "normal": torch.randn(shape, generator=gen, dtype=F64) * 0.5,
-        "tiny": sign * 10 ** (u - 4),
-        "wide": torch.randn(shape, generator=gen, dtype=F64) * 30,
-        "huge": 85 + 7 * u,
-    }[mode]
+    u, moderate, wide = torch.rand(shape, generator=gen, dtype=F64), normal(gen, shape) * 0.5, normal(gen, shape) * 30
+    return {"normal": moderate, "tiny": sign * 10 ** (u - 4), "wide": wide, "huge": 85 + 7 * u}[mode]
+
+
+def normal(gen, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=F64)
 
 
 def rounded(x: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -136,99 +134,88 @@ def labels_of(gen, logits64, spec, k) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- the ops (one builder each)
 
 
+def named(k: dict, *names: str) -> dict:
+    """The knobs ``names`` (keyword arguments of the op by the same names)."""
+    return {name: k[name] for name in names}
+
+
+def masked_by(mask: torch.Tensor, grad: bool = True, **values) -> dict[str, Input]:
+    """Inputs of the mask's shape, read where the mask is set."""
+    return {name: Input(x, grad, masked=~mask) for name, x in values.items()}
+
+
+def flat(out) -> tuple:
+    """An op's result as a tuple of tensors (a loss's stats in order)."""
+    out = (out,) if isinstance(out, torch.Tensor) else out
+    return tuple(x for o in out for x in (o.values() if isinstance(o, dict) else (o,)))
+
+
+def calling(fn: Callable, names: str, **kwargs) -> Callable[[dict], tuple]:
+    """``fn`` on the laid-out tensors: ``names`` (space-separated) in order (None where absent), every
+    other one by its name, then ``kwargs``; its outputs as a tuple."""
+    names = names.split()
+    return lambda t: flat(fn(*(t.get(n) for n in names), **{n: x for n, x in t.items() if n not in names}, **kwargs))
+
+
 def build_token_logprobs(spec, gen, k):
     B, T, V = spec.dims
-    logits = rounded(torch.randn(B, T, V, generator=gen, dtype=F64) * k["scale"], spec)
+    logits = rounded(normal(gen, B, T, V) * k["scale"], spec)
     labels, ignored = labels_of(gen, logits, spec, k)
-
-    def call(t):
-        out = pf.token_logprobs(
-            t["logits"],
-            t["labels"],
-            temperature=k["temperature"],
-            return_entropy=k["entropy"],
-            ignore_index=k["ignore_index"],
-        )
-        return out if k["entropy"] else (out,)
-
+    options = dict(named(k, "temperature", "ignore_index"), return_entropy=k["entropy"])
+    call = calling(pf.token_logprobs, "logits labels", **options)
     inputs = {"logits": Input(logits, masked=ignored.unsqueeze(-1).expand(B, T, V))}
     return Built(inputs, {"labels": labels}, call, (0, 1) if k["entropy"] else (0,), {0: ignored, 1: ignored})
 
 
-def head_options(t: dict, k: dict) -> dict:
-    """The LM head's bias and options of the fused-head ops, from the laid-out tensors and the knobs."""
-    return dict(
-        bias=t.get("bias"), temperature=k["temperature"], logit_scale=k["logit_scale"], logit_softcap=k["softcap"]
-    )
+def head_options(k: dict) -> dict:
+    """The fused-head ops' options, from the knobs."""
+    return dict(temperature=k["temperature"], logit_scale=k["logit_scale"], logit_softcap=k["softcap"])
 
 
 def build_linear_token_logprobs(spec, gen, k):
     B, T, H, V = spec.dims
-    hidden = rounded(torch.randn(B, T, H, generator=gen, dtype=F64) * k["scale"], spec)
-    weight = rounded(torch.randn(V, H, generator=gen, dtype=F64) / H**0.5, spec)
-    bias = rounded(torch.randn(V, generator=gen, dtype=F64), spec) if k["bias"] else None
+    hidden = rounded(normal(gen, B, T, H) * k["scale"], spec)
+    weight = rounded(normal(gen, V, H) / H**0.5, spec)
+    bias = rounded(normal(gen, V), spec) if k["bias"] else None
     z = hidden @ weight.T + (0 if bias is None else bias)
     z = z * k["logit_scale"] if k["softcap"] is None else k["softcap"] * torch.tanh(z * k["logit_scale"] / k["softcap"])
     labels, ignored = labels_of(gen, z, spec, k)
-
-    def call(t):
-        w = t["weight"] if k["weight_layout"] == "contiguous" else t["weight"].T.contiguous().T
-        out = pf.linear_token_logprobs(
-            t["hidden"],
-            w,
-            t["labels"],
-            **head_options(t, k),
-            return_entropy=k["entropy"],
-            ignore_index=k["ignore_index"],
-        )
-        return out if k["entropy"] else (out,)
-
-    inputs = {
-        "hidden": Input(hidden, masked=ignored.unsqueeze(-1).expand(B, T, H)),
-        "weight": Input(weight, layout=False),
-    }
+    inputs = {"hidden": Input(hidden, masked=ignored.unsqueeze(-1).expand(B, T, H))}
+    inputs["weight"] = Input(weight, layout=k["weight_layout"])
     if bias is not None:
-        inputs["bias"] = Input(bias, layout=False)
-    z_error = logit_error(spec, k, hidden, weight, bias)
-    return Built(
-        inputs,
-        {"labels": labels},
-        call,
-        (0, 1) if k["entropy"] else (0,),
-        {0: ignored, 1: ignored},
-        rounding={0: 2 * z_error.amax(-1)},
-        **head_gradient_bounds(k, hidden, weight, z_error),
-    )
+        inputs["bias"] = Input(bias, layout="contiguous")
+    options = dict(head_options(k), return_entropy=k["entropy"], ignore_index=k["ignore_index"])
+    call = calling(pf.linear_token_logprobs, "hidden weight labels", **options)
+    outputs = (0, 1) if k["entropy"] else (0,)
+    return Built(inputs, {"labels": labels}, call, outputs, {0: ignored, 1: ignored}, **head_bounds(spec, k, inputs))
 
 
-def head_gradient_bounds(k, hidden, weight, z_error) -> dict:
-    """A fused head's ``grad_floor`` and ``grad_rounding`` (``Built``).  The float64 reference's own
-    absolute error: each logit's gradient terms are O(logit_scale / T) before they cancel (a near-certain
-    row's entropy gradient, -1 - (-1), where the truth is 1e-28); d_hidden sums V of them times |W|,
-    d_weight the rows' times |h|.  The float32 logits' error ``z_error`` moves a gradient, relative to
-    its largest entry, by about as much as it moves z."""
-    top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
-    terms = max(weight.shape[0], hidden.numel() // max(1, hidden.shape[-1]))
-    floor = 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
-    return {"grad_floor": floor, "grad_rounding": 4 * top(z_error)}
-
-
-def logit_error(spec, k, hidden, weight, bias) -> torch.Tensor:
-    """How far any float32 evaluation's z = logit_scale * u / T (or softcap * tanh(logit_scale * u / softcap) / T)
-    may be from float64's: a dot product of H terms is off by up to H eps sum|h_i w_i| (and its rounding,
-    eps |u|; tanh is 1-Lipschitz), and a softcap's tanh by a few ulps of 1, times softcap / T.  A log-prob
-    z_y - lse moves by at most twice the largest of its row."""
+def head_bounds(spec, k, inputs, logprobs=True) -> dict:
+    """A fused head's error bounds (``Built``).  Any float32 evaluation's z = logit_scale * u / T (or
+    softcap * tanh(logit_scale * u / softcap) / T) may be off float64's by ``z_error``: a dot product of H
+    terms by up to H eps sum|h_i w_i| (and its rounding, eps |u|; tanh is 1-Lipschitz), a softcap's tanh
+    by a few ulps of 1, times softcap / T.  A log-prob z_y - lse moves by at most twice the largest of its
+    row (``rounding``); a gradient, relative to its largest entry, by about as much as z (``grad_rounding``).
+    The float64 reference's own absolute error (``grad_floor``): each logit's gradient terms are
+    O(logit_scale / T) before they cancel (a near-certain row's entropy gradient, -1 - (-1), where the
+    truth is 1e-28); d_hidden sums V of them times |W|, d_weight the rows' times |h|."""
+    hidden, weight = inputs["hidden"].values, inputs["weight"].values
+    bias = inputs["bias"].values if "bias" in inputs else None
     eps = torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0
     u = hidden @ weight.T + (0 if bias is None else bias)
     spread = hidden.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
     z_error = (hidden.shape[-1] * eps * spread + eps * u.abs()) * k["logit_scale"] / k["temperature"]
     if k["softcap"] is not None:
         z_error = z_error + 4 * eps * k["softcap"] / k["temperature"]
-    return z_error
+    top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
+    terms = max(weight.shape[0], hidden.numel() // max(1, hidden.shape[-1]))
+    floor = 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
+    bounds = {"grad_floor": floor, "grad_rounding": 4 * top(z_error)}
+    return {**bounds, "rounding": {0: 2 * z_error.amax(-1)}} if logprobs else bounds
 
 
 def _pair(gen, spec, k, shape):
-    logp = rounded(-torch.randn(shape, generator=gen, dtype=F64).abs() * 2 - 0.01, spec)
+    logp = rounded(-normal(gen, shape).abs() * 2 - 0.01, spec)
     return logp, rounded(logp - log_ratio(gen, shape, k["ratio"]), spec)
 
 
@@ -236,77 +223,49 @@ def build_kl_estimate(spec, gen, k):
     """Every estimator (one output each) of the same log-probs."""
     logp, ref = _pair(gen, spec, k, spec.dims)
     call = lambda t: tuple(pf.kl_estimate(t["logprobs"], t["ref_logprobs"], e) for e in KL_ESTIMATORS)  # noqa: E731
-    outputs = range(len(KL_ESTIMATORS))
-    return Built(
-        {"logprobs": Input(logp), "ref_logprobs": Input(ref)},
-        {},
-        call,
-        tuple(outputs),
-        kl_ratio=dict.fromkeys(outputs, logp - ref),
-    )
+    every = tuple(range(len(KL_ESTIMATORS)))
+    inputs = {"logprobs": Input(logp), "ref_logprobs": Input(ref)}
+    return Built(inputs, {}, call, every, kl_ratio=dict.fromkeys(every, logp - ref))
 
 
 def build_kl_penalized_rewards(spec, gen, k):
     mask = mask_of(gen, spec.dims, spec)
     logp, ref = _pair(gen, spec, k, spec.dims)
-    scores = rounded(torch.randn(spec.dims[0], generator=gen, dtype=F64), spec)
-    call = lambda t: pf.kl_penalized_rewards(
-        t["scores"],
-        t["logprobs"],
-        t["ref_logprobs"],
-        t["mask"],  # noqa: E731
-        kl_coef=k["kl_coef"],
-        kl_estimator=k["kl_estimator"],
-    )
-    inputs = {
-        "scores": Input(scores, masked=~mask.any(-1), layout=False),
-        "logprobs": Input(logp, masked=~mask),
-        "ref_logprobs": Input(ref, masked=~mask),
-    }
+    scores = Input(rounded(normal(gen, spec.dims[0]), spec), masked=~mask.any(-1), layout="contiguous")
+    inputs = {"scores": scores, **masked_by(mask, logprobs=logp, ref_logprobs=ref)}
+    call = calling(pf.kl_penalized_rewards, "scores logprobs ref_logprobs mask", **named(k, "kl_coef", "kl_estimator"))
     return Built(inputs, {"mask": mask}, call, (0, 1), {0: ~mask, 1: ~mask}, {1: torch.where(mask, logp - ref, 0.0)})
 
 
 def build_gae(spec, gen, k):
     mask = mask_of(gen, spec.dims, spec)
-    rewards, values = (rounded(torch.randn(spec.dims, generator=gen, dtype=F64) * k["scale"], spec) for _ in range(2))
-    call = lambda t: pf.gae(t["rewards"], t["values"], t["mask"], gamma=k["gamma"], lam=k["lam"])  # noqa: E731
-    return Built(
-        {"rewards": Input(rewards, masked=~mask), "values": Input(values, masked=~mask)},
-        {"mask": mask},
-        call,
-        (0, 1),
-        {0: ~mask, 1: ~mask},
-    )
+    rewards, values = (rounded(normal(gen, spec.dims) * k["scale"], spec) for _ in range(2))
+    call = calling(pf.gae, "rewards values mask", **named(k, "gamma", "lam"))
+    return Built(masked_by(mask, rewards=rewards, values=values), {"mask": mask}, call, (0, 1), {0: ~mask, 1: ~mask})
 
 
 def build_policy_loss(spec, gen, k):
     """A registered policy-loss mode (vanilla also through pf.clipped_policy_loss)."""
-    shape = spec.dims
-    mask = mask_of(gen, shape, spec)
-    old = rounded(-torch.randn(shape, generator=gen, dtype=F64).abs() * 2 - 0.05, spec)
-    logp = rounded(old + log_ratio(gen, shape, k["ratio"]), spec)
-    adv = torch.randn(shape, generator=gen, dtype=F64) * k["adv_scale"]
+    mask = mask_of(gen, spec.dims, spec)
+    old = rounded(-normal(gen, spec.dims).abs() * 2 - 0.05, spec)
+    logp = rounded(old + log_ratio(gen, spec.dims, k["ratio"]), spec)
+    adv = normal(gen, spec.dims) * k["adv_scale"]
     adv = rounded({"mixed": adv, "negative": -adv.abs(), "positive": adv.abs()}[k["adv_sign"]], spec)
-    inputs = {
-        "logprobs": Input(logp, masked=~mask),
-        "old_logprobs": Input(old, masked=~mask),
-        "advantages": Input(adv, masked=~mask),
-    }
+    values = {"logprobs": logp, "old_logprobs": old, "advantages": adv}
     if k["weighted"]:
-        inputs["weights"] = Input(rounded(torch.rand(shape, generator=gen, dtype=F64) * 2, spec), masked=~mask)
-    mode, params = POLICY_LOSS_MODES[k["loss_mode"]], dict(k["params"])
+        values["weights"] = rounded(torch.rand(spec.dims, generator=gen, dtype=F64) * 2, spec)
+    mode, entry = POLICY_LOSS_MODES[k["loss_mode"]], {"agg": k["agg"], **dict(k["params"])}
+    if k["entry"] == "clipped_policy_loss":
+        loss = calling(pf.clipped_policy_loss, "logprobs old_logprobs advantages mask", **entry)
+    else:
+        loss = calling(pf.policy_loss, "logprobs old_logprobs advantages mask", loss_mode=mode.name, **entry)
 
     def call(t):
         if mode.syncs_host:
             torch.manual_seed(0)  # clip_cov draws the tokens it cuts from the default generator
-        args = (t["logprobs"], t["old_logprobs"], t["advantages"], t["mask"])
-        if k["entry"] == "clipped_policy_loss":
-            loss, stats = pf.clipped_policy_loss(*args, agg=k["agg"], weights=t.get("weights"), **params)
-        else:
-            loss, stats = pf.policy_loss(*args, loss_mode=mode.name, agg=k["agg"], weights=t.get("weights"), **params)
-        return loss, *stats.values()
+        return loss(t)
 
-    return Built(inputs, {"mask": mask}, call)
+    return Built(masked_by(mask, **values), {"mask": mask}, call)
 
 
 def build_linear_policy_loss(spec, gen, k):
@@ -315,115 +274,64 @@ def build_linear_policy_loss(spec, gen, k):
     constants of the op."""
     B, T, H, V = spec.dims
     mask = mask_of(gen, (B, T), spec)
-    hidden = rounded(torch.randn(B, T, H, generator=gen, dtype=F64) * k["scale"], spec)
-    weight = rounded(torch.randn(V, H, generator=gen, dtype=F64) / H**0.25, spec)
+    hidden = rounded(normal(gen, B, T, H) * k["scale"], spec)
+    weight = rounded(normal(gen, V, H) / H**0.25, spec)
     labels = alike(torch.randint(0, V, (B, T), generator=gen), spec)
-    inputs = {
-        "hidden": Input(hidden, masked=~mask.unsqueeze(-1).expand(B, T, H)),
-        "weight": Input(weight, layout=False),
-    }
+    inputs = {"hidden": Input(hidden, masked=~mask.unsqueeze(-1).expand(B, T, H))}
+    inputs["weight"] = Input(weight, layout="contiguous")
     if k["bias"]:
-        inputs["bias"] = Input(rounded(torch.randn(V, generator=gen, dtype=F64), spec), layout=False)
-    draw = lambda: torch.randn(B, T, generator=gen, dtype=F64) * 0.5  # noqa: E731
+        inputs["bias"] = Input(rounded(normal(gen, V), spec), layout="contiguous")
+    draw = lambda: normal(gen, B, T) * 0.5  # noqa: E731
     rollout = {"old_logprobs": -draw().abs() - 0.5, "ref_logprobs": -draw().abs() - 0.5, "advantages": draw()}
     if k["weighted"]:
         rollout["weights"] = draw().abs() * 2
-    inputs.update({name: Input(rounded(x, spec), grad=False, masked=~mask) for name, x in rollout.items()})
-    params = dict(k["params"])
-
-    def call(t):
-        loss, stats = pf.linear_policy_loss(
-            t["hidden"],
-            t["weight"],
-            t["labels"],
-            t["old_logprobs"],
-            t["advantages"],
-            t["mask"],
-            loss_mode=k["loss_mode"],
-            agg=k["agg"],
-            weights=t.get("weights"),
-            **head_options(t, k),
-            ref_logprobs=t["ref_logprobs"],
-            kl_coef=k["kl_coef"],
-            entropy_coef=k["entropy_coef"],
-            **params,
-        )
-        return loss, *stats.values()
-
-    z_error = logit_error(spec, k, hidden, weight, inputs["bias"].values if k["bias"] else None)
-    return Built(inputs, {"labels": labels, "mask": mask}, call, **head_gradient_bounds(k, hidden, weight, z_error))
+    inputs.update(masked_by(mask, False, **{name: rounded(x, spec) for name, x in rollout.items()}))
+    loss = named(k, "loss_mode", "agg", "kl_coef", "entropy_coef") | head_options(k) | dict(k["params"])
+    call = calling(pf.linear_policy_loss, "hidden weight labels old_logprobs advantages mask", **loss)
+    return Built(inputs, {"labels": labels, "mask": mask}, call, **head_bounds(spec, k, inputs, logprobs=False))
 
 
 def build_value_loss(spec, gen, k):
     mask = mask_of(gen, spec.dims, spec)
-    values, old, returns = (rounded(torch.randn(spec.dims, generator=gen, dtype=F64), spec) for _ in range(3))
-    old = rounded(values + (old - values) * k["spread"], spec)
-    inputs = {"values": Input(values, masked=~mask), "returns": Input(returns, masked=~mask)}
-    if k["old_values"]:
-        inputs["old_values"] = Input(old, masked=~mask)  # not read without clipping: no gradient either
-
-    def call(t):
-        loss, stats = pf.value_loss(
-            t["values"], t.get("old_values"), t["returns"], t["mask"], clip=k["clip"], agg=k["agg"]
-        )
-        return loss, stats["clipfrac"]
-
+    values, old, returns = (rounded(normal(gen, spec.dims), spec) for _ in range(3))
+    old = {"old_values": rounded(values + (old - values) * k["spread"], spec)} if k["old_values"] else {}
+    inputs = masked_by(mask, values=values, returns=returns, **old)  # not read without clipping: no gradient either
+    call = calling(pf.value_loss, "values old_values returns mask", **named(k, "clip", "agg"))
     return Built(inputs, {"mask": mask}, call)
 
 
 def build_group_advantages(spec, gen, k):
     B, T = spec.dims
     mask = mask_of(gen, (B, T), spec)
-    shape = (B, T) if k["token_scores"] else (B,)
-    scores = torch.randn(shape, generator=gen, dtype=F64) * k["scale"]
+    scores = normal(gen, (B, T) if k["token_scores"] else (B,)) * k["scale"]
     if k["ties"]:  # equal scores in a group: a std of 0
         scores = scores.round()
     inputs = {"scores": Input(rounded(scores, spec), masked=~mask if k["token_scores"] else ~mask.any(-1))}
-    params = dict(k["params"])
     if "baselines" in ADVANTAGE_METHODS[k["method"]].params:
-        inputs["baselines"] = Input(rounded(torch.randn(B, generator=gen, dtype=F64), spec), grad=False, layout=False)
+        inputs["baselines"] = Input(rounded(normal(gen, B), spec), grad=False, layout="contiguous")
     ids = torch.randint(0, k["groups"], (B,), generator=gen) * 7 - 3
     if spec.layout == "expanded":  # equal rows in a group are ties (the ties knob): each row a group of its own
         ids = torch.arange(B)
-
-    def call(t):
-        extra = {"baselines": t["baselines"]} if "baselines" in t else {}
-        return (pf.group_advantages(t["scores"], t["group_ids"], t["mask"], method=k["method"], **params, **extra),)
-
+    call = calling(pf.group_advantages, "scores group_ids mask", method=k["method"], **dict(k["params"]))
     return Built(inputs, {"mask": mask, "group_ids": ids}, call, (0,), {0: ~mask})
 
 
-def build_rollout_correction(spec, gen, k):
+def build_rollout_correction_weights(spec, gen, k):
     mask = mask_of(gen, spec.dims, spec)
     old, rollout = _pair(gen, spec, k, spec.dims)
-    inputs = {
-        "old_logprobs": Input(old, grad=False, masked=~mask),
-        "rollout_logprobs": Input(rollout, grad=False, masked=~mask),
-    }
-    call = lambda t: (
-        pf.rollout_correction_weights(
-            t["old_logprobs"],
-            t["rollout_logprobs"],
-            t["mask"],
-            mode=k["mode"],  # noqa: E731
-            threshold=k["threshold"],
-            threshold_low=k["threshold_low"],
-            batch_normalize=k["batch_normalize"],
-        ),
-    )
+    options = named(k, "mode", "threshold", "threshold_low", "batch_normalize")
+    call = calling(pf.rollout_correction_weights, "old_logprobs rollout_logprobs mask", **options)
+    inputs = masked_by(mask, False, old_logprobs=old, rollout_logprobs=rollout)
     return Built(inputs, {"mask": mask}, call, (), {0: ~mask})
 
 
 def build_masked_stats(spec, gen, k):
     mask = mask_of(gen, spec.dims, spec)
-    x = rounded(torch.randn(spec.dims, generator=gen, dtype=F64) * k["scale"] + k["offset"], spec)
-
-    def call(t):
-        if k["fn"] == "whiten":
-            return (pf.masked_whiten(t["x"], t["mask"], shift_mean=k["shift_mean"], eps=k["eps"]),)
-        return (pf.masked_mean(t["x"], t["mask"], dim=k["dim"]),)
-
-    return Built({"x": Input(x, masked=~mask)}, {"mask": mask}, call, (0,), {0: ~mask} if k["fn"] == "whiten" else {})
+    x = rounded(normal(gen, spec.dims) * k["scale"] + k["offset"], spec)
+    whiten = k["fn"] == "whiten"
+    fn, options = (pf.masked_whiten, named(k, "shift_mean", "eps")) if whiten else (pf.masked_mean, named(k, "dim"))
+    call = calling(fn, "x mask", **options)
+    return Built(masked_by(mask, x=x), {"mask": mask}, call, (0,), {0: ~mask} if whiten else {})
 
 
 def poisoned(built: Built, spec: Spec, gen) -> dict[str, torch.Tensor]:
@@ -434,14 +342,13 @@ def poisoned(built: Built, spec: Spec, gen) -> dict[str, torch.Tensor]:
     names = list(built.inputs)
     for name, inp in built.inputs.items():
         x = inp.values.clone()
-        expanded = spec.layout == "expanded" and inp.layout and x.dim() and x.shape[0]
+        expanded = spec.layout == "expanded" and inp.layout is None and x.dim() and x.shape[0]
         if spec.poison == "masked" and inp.masked is not None:
             junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=F64)[torch.randint(0, 3, x.shape, generator=gen)]
             x = torch.where(inp.masked, junk, x)
         elif spec.poison.startswith("valid") and name == names[spec.poison_input % len(names)]:
-            valid = (
-                (~inp.masked if inp.masked is not None else torch.ones_like(x, dtype=torch.bool)).flatten().nonzero()
-            )
+            read = ~inp.masked if inp.masked is not None else torch.ones_like(x, dtype=torch.bool)
+            valid = read.flatten().nonzero()
             valid = valid[valid < x[:1].numel()] if expanded else valid
             if len(valid):
                 x.view(-1)[valid[torch.randint(0, len(valid), (1,), generator=gen)]] = float(spec.poison.split()[1])
@@ -468,7 +375,7 @@ def tensors_of(built: Built, spec: Spec, values: dict, dtype) -> tuple[dict, dic
     inputs ``values`` in ``dtype``), the leaves that take gradients and each leaf's map to its input."""
     tensors, leaves, views = {}, {}, {}
     for name, inp in built.inputs.items():
-        leaf, view_of = laid_out(values[name].to(spec.device, dtype), spec.layout if inp.layout else "contiguous")
+        leaf, view_of = laid_out(values[name].to(spec.device, dtype), inp.layout or spec.layout)
         if inp.grad:
             leaves[name], views[name] = leaf.requires_grad_(True), view_of
         tensors[name] = view_of(leaf)
@@ -479,30 +386,28 @@ def tensors_of(built: Built, spec: Spec, values: dict, dtype) -> tuple[dict, dic
     return tensors, leaves, views
 
 
-def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, second_order=False) -> Run:
+def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, second_order=False, raises=False):
     """The op on ``backend`` on ``values`` in ``dtype`` and the spec's layout, and the gradients
     of ``sum(w * out)`` over the outputs where ``finite``: ``projection = (finite, w)``, by
-    default this run's finite outputs and random weights (the reference's, for the others)."""
+    default this run's finite outputs and random weights (the reference's, for the others).
+    The op's error is the Run's (to compare with the reference's), or raised with ``raises``."""
     tensors, leaves, views = tensors_of(built, spec, values, dtype)
-    result = Run(views=views)
-    fn = (
-        built.call
-        if compiled is None
-        else torch.compile(built.call, fullgraph=True, backend="aot_eager", dynamic=compiled)
-    )
+    result, fn = Run(views=views), built.call
+    if compiled is not None:
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=compiled)
     try:
         with pf.use_backend(backend):
             outputs = fn(tensors)
-    except Exception as err:  # compared with the reference's
+    except Exception as err:
+        if raises:
+            raise
         return Run(error=err)
     result.outputs = [o.detach() for o in outputs]
     result.requires_grad = [o.requires_grad for o in outputs]
     if projection is None:
         wgen = torch.Generator().manual_seed(spec.seed + 1)
-        projection = (
-            [torch.isfinite(o) for o in result.outputs],
-            [torch.randn(o.shape, generator=wgen).to(o.device) for o in result.outputs],
-        )
+        weights = [torch.randn(o.shape, generator=wgen).to(o.device) for o in result.outputs]
+        projection = [torch.isfinite(o) for o in result.outputs], weights
     result.projection = finite, weights = projection
     total = sum(
         (torch.where(finite[i], outputs[i], 0.0) * weights[i].to(outputs[i].dtype)).sum() for i in built.differentiable
@@ -510,22 +415,15 @@ def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, 
     result.grads = result.second = dict.fromkeys(leaves)
     if not leaves or not isinstance(total, torch.Tensor) or not total.requires_grad:
         return result
-    grads = torch.autograd.grad(total, list(leaves.values()), allow_unused=True, retain_graph=second_order)
-    result.grads = dict(zip(leaves, grads))
+    xs = list(leaves.values())
+    result.grads = dict(zip(leaves, torch.autograd.grad(total, xs, allow_unused=True, retain_graph=second_order)))
     if second_order:  # d/dx of sum(v * d total/dx): raising is fine, silent zeros are not
         try:
-            grads = torch.autograd.grad(total, list(leaves.values()), allow_unused=True, create_graph=True)
+            grads = torch.autograd.grad(total, xs, allow_unused=True, create_graph=True)
             gen = torch.Generator().manual_seed(spec.seed + 2)
-            s = sum(
-                (g * torch.randn(g.shape, generator=gen).to(g)).sum()
-                for g in grads
-                if g is not None and g.requires_grad
-            )
-            second = (
-                torch.autograd.grad(s, list(leaves.values()), allow_unused=True)
-                if isinstance(s, torch.Tensor)
-                else [None] * len(leaves)
-            )
+            live = [g for g in grads if g is not None and g.requires_grad]
+            s = sum((g * torch.randn(g.shape, generator=gen).to(g)).sum() for g in live)
+            second = torch.autograd.grad(s, xs, allow_unused=True) if live else [None] * len(leaves)
             result.second = dict(zip(leaves, second))
         except (RuntimeError, NotImplementedError) as err:
             result.second_error = err

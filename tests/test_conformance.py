@@ -34,18 +34,17 @@ from torch.utils._pytree import tree_map
 import ppo_fast as pf
 from ppo_fast.advantage_methods import REGISTRY as ADVANTAGE_METHODS
 from ppo_fast.backends import BACKENDS, backend_info, serving
-from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, LINEAR_POLICY_LOSS_OPS, OPS, POLICY_LOSS_MODES
+from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, LINEAR_POLICY_LOSS_OPS, OPS, POLICY_LOSS_MODES, POLICY_LOSS_OPS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
-LAYOUTS = harness.LAYOUTS
 POISONS = ("clean", "masked", "valid")
 UNMASKED = {"kl_estimate"}  # ops without a mask: nothing to poison at masked positions
 
 
 def axes(op: str) -> tuple:
     """The matrix's axes for ``op``: dtypes, layouts, poisons."""
-    return FLOATS, LAYOUTS, tuple(p for p in POISONS if p != "masked" or op not in UNMASKED)
+    return FLOATS, harness.LAYOUTS, tuple(p for p in POISONS if p != "masked" or op not in UNMASKED)
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -64,16 +63,18 @@ HIDDEN = 11  # H of the LM-head ops: odd, not a multiple of any tile
 _TRITON_LOSS_SAMPLE = {POLICY_LOSS_MODES["vanilla"].linear_op, POLICY_LOSS_MODES["gspo"].linear_op}
 
 
-_VANILLA_LOOP = POLICY_LOSS_MODES["vanilla"].linear_op
-
-
-def _sampled(op: str, backend: str) -> bool:
-    return backend != "triton" or op not in LINEAR_POLICY_LOSS_OPS or op in _TRITON_LOSS_SAMPLE
-
-
 def fast(op: str, device: str) -> list[str]:
     """The fast backends that serve ``op`` on ``device`` here (the Triton one-pass loss sampled)."""
-    return [name for name in serving(op, device) if name != "reference" and _sampled(op, name)]
+    sampled = op not in LINEAR_POLICY_LOSS_OPS or op in _TRITON_LOSS_SAMPLE
+    return [name for name in serving(op, device) if name != "reference" and (name != "triton" or sampled)]
+
+
+def _served(ops, backends=serving):
+    """``(op, backend, device, marks)``: each op of ``ops`` on each device, on each of ``backends(op, device)``."""
+    for op in ops:
+        for device in DEVICES:
+            for backend in backends(op, device):
+                yield op, backend, device, [pytest.mark.cuda] if device == "cuda" else []
 
 
 def test_every_backend_declares_only_contract_ops():
@@ -90,74 +91,53 @@ _LOGITS = {"temperature": 0.7, "scale": 3.0, "labels": "random", "ignored": 0.25
 _HEAD = {**_LOGITS, "scale": 1.0, "logit_scale": 0.8, "softcap": None, "bias": True, "weight_layout": "contiguous"}
 
 
-def _loss(mode: str, agg: str, **more) -> dict:
+def _loss(mode: str, **more) -> dict:
     """A policy-loss mode's knobs (tests/harness.py's builders) at moderate log-ratios and advantages."""
     params = POLICY_LOSS_MODES[mode].example_params()
     if "clip_eps_high" in {p.name for p in POLICY_LOSS_MODES[mode].params}:
         params["clip_eps_high"] = 0.28
-    params.update(more.pop("params", {}))
-    knobs = {"loss_mode": mode, "agg": agg, "weighted": False, "entry": "policy_loss", "ratio": "normal"}
+    knobs = {"loss_mode": mode, "agg": AGG_MODES[0], "weighted": False, "entry": "policy_loss", "ratio": "normal"}
     return {**knobs, "adv_scale": 1.0, "adv_sign": "mixed", "params": tuple(params.items()), **more}
 
 
-def _one_pass(mode: str, agg: str, **more) -> dict:
-    return _loss(mode, agg, **{**_HEAD, "kl_coef": 0.1, "entropy_coef": 0.01, **more})
+def _varied(first: dict, *changes: dict) -> list[dict]:
+    """``first``, then ``first`` with each of ``changes``."""
+    return [first, *({**first, **change} for change in changes)]
 
 
-# op -> (its builder, the shape of its dims, its variants: the builder's knobs)
+def _aggs(first: dict, *changes: dict) -> list[dict]:
+    """``first`` with every agg mode, then with each of ``changes``."""
+    return _varied(first, *({"agg": agg} for agg in AGG_MODES[1:]), *changes)
+
+
+_VANILLA = _loss("vanilla", entry="clipped_policy_loss")
+_DUAL_CLIP = {"weighted": True, "params": (*_VANILLA["params"], ("dual_clip", 3.0))}
+_VALUE = {"clip": 0.2, "agg": AGG_MODES[0], "old_values": True, "spread": 1.0}
+# group_sum: through the public op of each advantage method that runs on the fast backends
+_METHODS = [name for name, m in ADVANTAGE_METHODS.items() if m.fn and set(FAST_BACKENDS) <= set(m.backends)]
+_GROUPS = {"params": (), "token_scores": True, "groups": 3, "ties": False, "scale": 1.0}
+# op -> (its builder, the shape of its dims, its variants: the builder's knobs); here the shape and variants
 VARIANTS = {
-    "token_logprobs": (harness.build_token_logprobs, "logits", [_LOGITS, {**_LOGITS, "entropy": False}]),
-    "linear_token_logprobs": (
-        harness.build_linear_token_logprobs,
-        "hidden",
-        [_HEAD, {**_HEAD, "entropy": False, "bias": False}, {**_HEAD, "softcap": 2.5}],
-    ),
-    "kl_estimate": (harness.build_kl_estimate, "tokens", [{"ratio": "normal"}]),  # every estimator in one case
-    "kl_penalized_rewards": (
-        harness.build_kl_penalized_rewards,
-        "tokens",
-        [{"kl_estimator": e, "ratio": "normal", "kl_coef": 0.3} for e in KL_ESTIMATORS],
-    ),
-    "gae": (harness.build_gae, "tokens", [{"gamma": g, "lam": lam, "scale": 1.0} for g, lam in ((0.99, 0.95), (1, 1))]),
-    "clipped_policy_loss": (
-        harness.build_policy_loss,
-        "tokens",
-        [_loss("vanilla", a, entry="clipped_policy_loss") for a in AGG_MODES]
-        + [_loss("vanilla", "token-mean", entry="clipped_policy_loss", weighted=True, params={"dual_clip": 3.0})],
-    ),
-    "value_loss": (
-        harness.build_value_loss,
-        "tokens",
-        [
-            {"clip": c, "agg": a, "old_values": True, "spread": 1.0}
-            for c, a in [(0.2, a) for a in AGG_MODES] + [(None, "token-mean")]
-        ],
-    ),
-    "group_sum": (  # through the public op of each advantage method that runs on the fast backends
-        harness.build_group_advantages,
-        "tokens",
-        [
-            {"method": name, "params": (), "token_scores": True, "groups": 3, "ties": False, "scale": 1.0}
-            for name, entry in ADVANTAGE_METHODS.items()
-            if entry.fn is not None and set(FAST_BACKENDS) <= set(entry.backends)
-        ],
-    ),
+    "token_logprobs": ("logits", _varied(_LOGITS, {"entropy": False})),
+    "linear_token_logprobs": ("hidden", _varied(_HEAD, {"entropy": False, "bias": False}, {"softcap": 2.5})),
+    "kl_estimate": ("tokens", [{"ratio": "normal"}]),  # every estimator in one case
+    "kl_penalized_rewards": ("tokens", [{"kl_estimator": e, "ratio": "normal", "kl_coef": 0.3} for e in KL_ESTIMATORS]),
+    "gae": ("tokens", [{"gamma": g, "lam": lam, "scale": 1.0} for g, lam in ((0.99, 0.95), (1, 1))]),
+    "clipped_policy_loss": ("tokens", _aggs(_VANILLA, _DUAL_CLIP)),
+    "value_loss": ("tokens", _aggs(_VALUE, {"clip": None})),
+    "group_sum": ("tokens", [{"method": name, **_GROUPS} for name in _METHODS]),
 }
 # Every registered policy-loss mode other than vanilla (clipped_policy_loss above) is its own op,
 # and the one-pass loss through the LM head of each mode that allows it.
 for _mode in POLICY_LOSS_MODES.values():
-    variants = [_loss(_mode.name, a) for a in AGG_MODES] + [_loss(_mode.name, "token-mean", weighted=True)]
-    VARIANTS.setdefault(_mode.op, (harness.build_policy_loss, "tokens", variants))
+    VARIANTS.setdefault(_mode.op, ("tokens", _aggs(_loss(_mode.name), {"weighted": True})))
     if _mode.fused_head:
-        VARIANTS[_mode.linear_op] = (
-            harness.build_linear_policy_loss,
-            "hidden",
-            [_one_pass(_mode.name, a) for a in AGG_MODES]
-            + [
-                _one_pass(_mode.name, "token-mean", weighted=True, bias=False),
-                _one_pass(_mode.name, "token-mean", softcap=2.5),
-            ],
-        )
+        _first = _loss(_mode.name, **_HEAD, kl_coef=0.1, entropy_coef=0.01)
+        VARIANTS[_mode.linear_op] = ("hidden", _aggs(_first, {"weighted": True, "bias": False}, {"softcap": 2.5}))
+# The builders: harness.build_<op>, or the one of the op's kind.
+_KINDS = {"group_sum": "group_advantages", **dict.fromkeys(POLICY_LOSS_OPS, "policy_loss")}
+_KINDS.update(dict.fromkeys(LINEAR_POLICY_LOSS_OPS, "linear_policy_loss"))
+VARIANTS = {op: (getattr(harness, f"build_{_KINDS.get(op, op)}"), *entry) for op, entry in VARIANTS.items()}
 for _op, (_, _shape, _variants) in VARIANTS.items():
     _variants.append({**_variants[0], "dims": LONG_DIMS[_shape]})
 assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
@@ -170,16 +150,8 @@ def built_case(op, variant, dtype=torch.float32, layout="contiguous", poison="cl
     knobs = {k: v for k, v in variant.items() if k != "dims"}
     B, T, V = more.pop("dims", variant.get("dims", DIMS))
     dims = {"logits": (B, T, V), "hidden": (B, T, HIDDEN, V), "tokens": (B, T)}[shape]
-    spec = harness.Spec(
-        "reference",
-        str(dtype)[6:],
-        layout,
-        "valid nan" if poison == "valid" else poison,
-        dims,
-        knobs,
-        device=device,
-        **more,
-    )
+    poison = "valid nan" if poison == "valid" else poison
+    spec = harness.Spec("reference", str(dtype)[6:], layout, poison, dims, knobs, device=device, **more)
     gen = torch.Generator().manual_seed(spec.seed)
     built = build(spec, gen, knobs)
     return built, spec, harness.poisoned(built, spec, gen)
@@ -190,12 +162,8 @@ def run_case(backend, op, variant, **cell) -> tuple[harness.Run, harness.Run, di
     and the float inputs' values."""
     built, spec, values = built_case(op, variant, **cell)
     dtype = harness.DTYPES[spec.dtype]
-    want = harness.run(built, spec, values, "reference", dtype)
-    got = harness.run(built, spec, values, backend, dtype, want.projection)
-    for result in (want, got):
-        if result.error is not None:
-            raise result.error
-    return got, want, values
+    want = harness.run(built, spec, values, "reference", dtype, raises=True)
+    return harness.run(built, spec, values, backend, dtype, want.projection, raises=True), want, values
 
 
 def _label(variant: dict, first: dict) -> str:
@@ -206,25 +174,19 @@ def _matrix():
     """Every op x backend x device on every dtype, layout, poison and variant.  The fast tier takes
     every pair of dtype, layout and poison (every value once on the interpreted Triton) and every
     variant on the contiguous clean float32 cell; the rest is the full tier (``--full``)."""
-    for op in OPS:
-        cells = list(itertools.product(*axes(op)))  # the first: contiguous clean float32
-        variants = VARIANTS[op][2]
-        for device in DEVICES:
-            for backend in fast(op, device):
-                fast_tier = {cells[i] for i in tiers.covering(cells, strength=_strength(backend, device))}
-                for dtype, layout, poison in cells:
-                    # Every variant on the contiguous clean float32 case; one per other cell.
-                    chosen = (
-                        variants if (layout, poison, dtype) == ("contiguous", "clean", torch.float32) else variants[:1]
-                    )
-                    for variant in chosen:
-                        label = _label(variant, variants[0])
-                        yield tiers.case(
-                            *(op, backend, device, dtype, layout, poison, variant),
-                            fast=(dtype, layout, poison) in fast_tier,
-                            id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}{label}",
-                            marks=[pytest.mark.cuda] if device == "cuda" else [],
-                        )
+    for op, backend, device, marks in _served(OPS, fast):
+        # The first cell: contiguous clean float32.
+        cells, variants = list(itertools.product(*axes(op))), VARIANTS[op][2]
+        fast_tier = {cells[i] for i in tiers.covering(cells, strength=_strength(backend, device))}
+        for dtype, layout, poison in cells:
+            # Every variant on the contiguous clean float32 case; one per other cell.
+            for variant in variants if (dtype, layout, poison) == cells[0] else variants[:1]:
+                yield tiers.case(
+                    *(op, backend, device, dtype, layout, poison, variant),
+                    fast=(dtype, layout, poison) in fast_tier,
+                    id=f"{op}-{backend}-{device}-{str(dtype)[6:]}-{layout}-{poison}{_label(variant, variants[0])}",
+                    marks=marks,
+                )
 
 
 def _strength(backend: str, device: str) -> int:
@@ -248,21 +210,14 @@ def test_the_fast_tier_covers_every_value_and_pair_of_every_op_and_backend():
         assert {c[3] for c in got} == {repr(v) for v in VARIANTS[op][2]}, (op, backend, device)
 
 
-def _tolerance(dtype: torch.dtype) -> dict:
-    """Outputs are computed in float32 (float64 for float64 inputs) by every backend from
-    the same inputs; gradients are rounded to the input dtype."""
-    if dtype == torch.float64:
-        return {"rtol": 1e-9, "atol": 1e-11}
-    return {"rtol": 2e-5, "atol": 2e-5}
-
-
-def _grad_tolerance(dtype: torch.dtype) -> dict:
-    return {
-        torch.float64: {"rtol": 1e-9, "atol": 1e-11},
-        torch.float32: {"rtol": 2e-5, "atol": 2e-5},
-        torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-4},
-        torch.float16: {"rtol": 2e-3, "atol": 1e-5},
-    }[dtype]
+# Outputs are computed in float32 (float64 for float64 inputs) by every backend from the same
+# inputs (the tolerance of their compute dtype); gradients are rounded to the input dtype.
+TOLERANCE = {
+    torch.float64: {"rtol": 1e-9, "atol": 1e-11},
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-4},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-5},
+}
 
 
 @pytest.mark.parametrize("op, backend, device, dtype, layout, poison, variant", list(_matrix()))
@@ -270,22 +225,19 @@ def test_backend_matches_reference(op, backend, device, dtype, layout, poison, v
     seed = zlib.crc32(request.node.nodeid.encode())
     cell = dict(dtype=dtype, layout=layout, poison=poison, device=device, seed=seed)
     got, want, _ = run_case(backend, op, variant, **cell)
-    for i, (o, r) in enumerate(zip(got.outputs, want.outputs, strict=True)):
-        assert o.dtype == r.dtype and o.shape == r.shape, (
-            f"output {i}: {o.dtype}{tuple(o.shape)} vs {r.dtype}{tuple(r.shape)}"
-        )
-        torch.testing.assert_close(o, r, equal_nan=True, **_tolerance(dtype), msg=lambda m: f"output {i}: {m}")
+    for i, (o, r) in enumerate(zip(got.outputs, want.outputs, strict=True)):  # assert_close: dtype, shape, values
+        tolerance = TOLERANCE[dtype if dtype == torch.float64 else torch.float32]
+        torch.testing.assert_close(o, r, equal_nan=True, **tolerance, msg=lambda m: f"output {i}: {m}")
     for name, r in want.grads.items():
         g = got.grads[name]
         if r is None:  # an input the op does not read (value_loss's old_values without clipping)
             assert g is None, f"{backend}: a gradient for {name}, which the reference does not read"
             continue
         assert g is not None, f"{backend}: no gradient for {name} (the reference has one)"
-        assert g.dtype == r.dtype, f"grad {name}: {g.dtype} vs {r.dtype}"
         if poison == "valid":  # the gradient at a NaN input itself is unspecified; the rest must agree
             keep = torch.isfinite(r)
             g, r = g[keep], r[keep]
-        tolerance = _grad_tolerance(dtype)
+        tolerance = dict(TOLERANCE[dtype])
         if op == "linear_token_logprobs" and dtype in (torch.bfloat16, torch.float16) and r.numel():
             # A fused head may round d_logits to the input dtype before its products (as
             # tensor cores need): an error of that precision times the gradient's scale.
@@ -307,19 +259,10 @@ _GRAPH_BREAKING = {mode.op for mode in POLICY_LOSS_MODES.values() if mode.syncs_
 
 
 def _compiled_cases():
-    for op in [op for op in OPS if op not in _GRAPH_BREAKING]:
-        for device in DEVICES:
-            for backend in serving(op, device):
-                # The reference one-pass loss is a plain composition: one of its modes in the fast tier.
-                sampled = backend == "reference" and op in LINEAR_POLICY_LOSS_OPS and op != "linear_policy_loss_gpg"
-                yield tiers.case(
-                    op,
-                    backend,
-                    device,
-                    fast=not sampled,
-                    marks=[pytest.mark.cuda] if device == "cuda" else [],
-                    id=f"{op}-{backend}-{device}",
-                )
+    for op, backend, device, marks in _served([op for op in OPS if op not in _GRAPH_BREAKING]):
+        # The reference one-pass loss is a plain composition: one of its modes in the fast tier.
+        sampled = backend == "reference" and op in LINEAR_POLICY_LOSS_OPS and op != "linear_policy_loss_gpg"
+        yield tiers.case(op, backend, device, fast=not sampled, marks=marks, id=f"{op}-{backend}-{device}")
 
 
 @pytest.mark.parametrize("op, backend, device", list(_compiled_cases()))
@@ -327,11 +270,8 @@ def test_compiled_fullgraph_matches_eager(op, backend, device):
     """One graph (fullgraph=True) through the public op, forward and backward, equal to eager."""
     built, spec, values = built_case(op, VARIANTS[op][2][0], device=device, seed=7)
     torch._dynamo.reset()
-    eager = harness.run(built, spec, values, backend, torch.float32)
-    compiled = harness.run(built, spec, values, backend, torch.float32, eager.projection, compiled=False)
-    for result in (eager, compiled):
-        if result.error is not None:
-            raise result.error
+    eager = harness.run(built, spec, values, backend, torch.float32, raises=True)
+    compiled = harness.run(built, spec, values, backend, torch.float32, eager.projection, compiled=False, raises=True)
     for got, want in zip(compiled.outputs + list(compiled.grads.values()), eager.outputs + list(eager.grads.values())):
         if want is None:  # an input the op does not read (GSPO's old_logprobs)
             assert got is None
@@ -345,19 +285,10 @@ EDGE_SHAPES = {"one-token": (1, 1, 5), "empty-responses": (3, 0, 5), "empty-batc
 
 
 def _edge_cases():
-    for op in OPS:
-        for device in DEVICES:
-            for backend in serving(op, device):
-                for edge in EDGE_SHAPES:
-                    if not (edge == "all-masked" and op == "kl_estimate"):  # no mask
-                        yield pytest.param(
-                            op,
-                            backend,
-                            device,
-                            edge,
-                            marks=[pytest.mark.cuda] if device == "cuda" else [],
-                            id=f"{op}-{backend}-{device}-{edge}",
-                        )
+    for op, backend, device, marks in _served(OPS):
+        for edge in EDGE_SHAPES:
+            if not (edge == "all-masked" and op in UNMASKED):
+                yield pytest.param(op, backend, device, edge, marks=marks, id=f"{op}-{backend}-{device}-{edge}")
 
 
 @pytest.mark.parametrize("op, backend, device, edge", list(_edge_cases()))
@@ -366,14 +297,11 @@ def test_edge_shapes_match_reference(op, backend, device, edge):
     gradients.  With everything masked every output and every gradient is 0."""
     cell = dict(device=device, seed=11, dims=EDGE_SHAPES[edge], all_masked=edge == "all-masked")
     got, want, values = run_case(backend, op, VARIANTS[op][2][0], **cell)
-    for o, r in zip(got.outputs, want.outputs, strict=True):
-        assert o.shape == r.shape and o.dtype == r.dtype
+    for o, r in zip(got.outputs, want.outputs, strict=True):  # assert_close: dtype, shape, values
         torch.testing.assert_close(o, r, rtol=2e-5, atol=2e-5)
+    zero = {name: torch.zeros_like(x, device=device) for name, x in values.items()}
     for name in want.grads:  # no gradient: a zero one
-        g, r = (
-            x.grads[name] if x.grads[name] is not None else torch.zeros_like(values[name], device=device)
-            for x in (got, want)
-        )
+        g, r = (zero[name] if x.grads[name] is None else x.grads[name] for x in (got, want))
         assert g.shape == r.shape == values[name].shape, name
         torch.testing.assert_close(g, r.to(g.dtype), rtol=2e-5, atol=2e-5)
     if edge == "all-masked":
@@ -389,9 +317,7 @@ GRADCHECK_DIMS = (2, 3, 5)
 # Losses whose gradient is by design not their derivative (a stop-gradient inside): their
 # backward is checked against the reference's autograd only (test_backend_matches_reference).
 STOP_GRADIENT_SURROGATES = {
-    op
-    for name in ("gspo", "cispo", "dppo_tv", "dppo_kl")
-    for op in (POLICY_LOSS_MODES[name].op, POLICY_LOSS_MODES[name].linear_op)
+    op for mode in POLICY_LOSS_MODES.values() if mode.surrogate_gradient for op in (mode.op, mode.linear_op)
 }
 
 
@@ -401,13 +327,13 @@ def _gradcheck_cases():
     Jacobian: two evaluations instead of one per input element); the full tier all of them, whole."""
     for k, op in enumerate(op for op in OPS if op not in STOP_GRADIENT_SURROGATES):
         for backend in serving(op, "cpu"):
-            variants = VARIANTS[op][2][:-1]  # not the long rows
+            variants, one_pass = VARIANTS[op][2][:-1], op in LINEAR_POLICY_LOSS_OPS  # not the long rows
             for i, variant in enumerate(variants):
-                if backend == "triton" and op in LINEAR_POLICY_LOSS_OPS and (i or op != _VANILLA_LOOP):
+                if backend == "triton" and one_pass and (i or op != POLICY_LOSS_MODES["vanilla"].linear_op):
                     continue
                 for fast_mode in (True, False) if backend == "triton" else (False,):
                     # The one-pass losses' variants (aggs, soft-cap) are the two-pass ops' (checked above): one here.
-                    more = () if op in LINEAR_POLICY_LOSS_OPS else (1 + k % max(1, len(variants) - 1),)
+                    more = () if one_pass else (1 + k % max(1, len(variants) - 1),)
                     sampled = i in (0, *more) and (fast_mode or backend != "triton")
                     name = f"{op}-{backend}-{i}" + ("-fast" if fast_mode else "")
                     yield tiers.case(op, backend, variant, fast_mode, fast=sampled, id=name)
@@ -446,9 +372,7 @@ def native_operator_calls():
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "ppo_fast":
-                snapshot = tree_map(
-                    lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a, (args, kwargs or {})
-                )
+                snapshot = tree_map(lambda a: a.detach().clone() if torch.is_tensor(a) else a, (args, kwargs or {}))
                 calls.setdefault(func._schema.name.split("::")[1], []).append((func, *snapshot))
             return func(*args, **(kwargs or {}))
 
@@ -463,9 +387,7 @@ def native_operator_calls():
                 for subset in (leaves, leaves[:1], leaves[1:2]):  # every input, the first only, the second only
                     if subset:
                         torch.autograd.grad(total, subset, retain_graph=True, allow_unused=True)
-        pf.gae(
-            torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
-        )  # a 0/1 float mask: bool_mask
+        pf.gae(torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0]] * 2))  # a 0/1 float mask: bool_mask
     return calls
 
 
@@ -479,14 +401,9 @@ def test_opcheck_native_operator(operator, native_operator_calls):
     fast tier: the first two, a forward and its backward of every input)."""
     differentiable = not operator.endswith("_backward") and operator != "bool_mask"
     calls = native_operator_calls[operator]
+    leaf = lambda a: a.clone().requires_grad_(differentiable and a.is_floating_point())  # noqa: E731
     for func, args, kwargs in calls if os.environ.get("PPO_FAST_FULL") == "1" else calls[:2]:
-        args = tree_map(
-            lambda a: (
-                a.clone().requires_grad_(differentiable and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-            ),
-            args,
-        )
-        torch.library.opcheck(func, args, kwargs)
+        torch.library.opcheck(func, tree_map(lambda a: leaf(a) if isinstance(a, torch.Tensor) else a, args), kwargs)
 
 
 # --------------------------------------------------------------------------- out-of-range labels
@@ -535,19 +452,15 @@ def test_out_of_range_label_compiled_gives_nan_and_no_gradient(op, backend, bad_
     with pf.use_backend(backend):
         torch._dynamo.reset()
         logp, entropy = torch.compile(fn, fullgraph=True, backend="aot_eager")(labels, *leaves)
-        (logp.sum() + entropy[:3].sum()).backward()
-        compiled = [x.grad for x in leaves]
-        for x in leaves:
-            x.grad = None
+        compiled = torch.autograd.grad(logp.sum() + entropy[:3].sum(), leaves)
         good_logp, good_entropy = fn(labels[:3], leaves[0][:3], *leaves[1:])
-        (good_logp.sum() + good_entropy.sum()).backward()
+        good = torch.autograd.grad(good_logp.sum() + good_entropy.sum(), leaves)
     assert torch.isnan(logp[3]) and torch.isnan(entropy[3]) and logp[1] == 0 and entropy[1] == 0
     torch.testing.assert_close(logp[:3], good_logp.detach())
     torch.testing.assert_close(entropy[:3], good_entropy.detach())
     assert (compiled[0][3] == 0).all() and (compiled[0][1] == 0).all()
-    torch.testing.assert_close(compiled[0][:3], leaves[0].grad[:3])
-    for got, x in zip(compiled[1:], leaves[1:]):  # the head and bias: the good rows' gradient
-        torch.testing.assert_close(got, x.grad)
+    torch.testing.assert_close(compiled[0][:3], good[0][:3])
+    torch.testing.assert_close(compiled[1:], good[1:])  # the head and bias: the good rows' gradient
 
 
 SMALL_LABEL_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)
@@ -617,10 +530,11 @@ def _default(name):
 
 
 def _on(fn, *names, **defaults):
-    """``fn`` on valid [2, 3] inputs, but for the arguments given."""
+    """``fn`` on valid [2, 3] inputs (or ``defaults``), but for the arguments given."""
 
     def call(**kwargs):
-        return fn(*[kwargs.pop(n) if n in kwargs else _default(n) for n in names], **{**defaults, **kwargs})
+        kwargs = {**defaults, **kwargs}
+        return fn(*[kwargs.pop(n) if n in kwargs else _default(n) for n in names], **kwargs)
 
     return call
 
@@ -636,6 +550,7 @@ _adv = _on(pf.group_advantages, "scores", "group_ids", "mask", method="grpo")
 _policy = _on(pf.policy_loss, "logprobs", "old_logprobs", "advantages", "mask")
 _rollout = _on(pf.rollout_correction_weights, "old_logprobs", "rollout_logprobs", "mask")
 _mean, _whiten = _on(pf.masked_mean, "values", "mask"), _on(pf.masked_whiten, "values", "mask")
+_objective = _on(pf.policy_objective, "logprobs", "entropy", "old_logprobs", "advantages", "mask")
 META = ones(2, 3, dtype=torch.bool, device="meta")
 
 # Every check of the public functions' arguments: op -> (call, error, message, under torch.compile
@@ -718,12 +633,7 @@ BAD_INPUTS = {
     ],
     None: [
         (lambda: _adv(method="grpo_passk"), ValueError, "at least 2 responses in every group", None),
-        (
-            lambda: pf.policy_objective(*[r(2, 3)] * 4, _default("mask"), kl_coef=0.1),
-            ValueError,
-            "needs ref_logprobs",
-            None,
-        ),
+        (lambda: _objective(kl_coef=0.1), ValueError, "needs ref_logprobs", None),
         (lambda: _adv(method="gae"), ValueError, "method must be one of .*gae needs values", None),
         (lambda: _adv(method="ppo"), ValueError, "method must be one of", None),
         (lambda: _adv(method="remax", group_ids=None), TypeError, "needs baselines", None),
@@ -763,50 +673,30 @@ MODE_PARAMETERS = [
 ]
 for _mode in POLICY_LOSS_MODES.values():
     _traced = T if any(fast(_mode.op, device) for device in DEVICES) else None
-    _mode_policy = partial(_policy, loss_mode=_mode.name, **_mode.example_params())
-    BAD_INPUTS.setdefault(_mode.op, []).extend(
-        [
-            (lambda p=_mode_policy: p(old_logprobs=r(2, 2)), ValueError, "old_logprobs must have the shape", _traced),
-            (lambda p=_mode_policy: p(not_a_param=1.0), TypeError, "unexpected not_a_param", _traced),
-            (lambda p=_mode_policy: p(advantages=r(2, 2)), ValueError, "advantages must have the shape of", None),
-            (lambda p=_mode_policy: p(old_logprobs=None), TypeError, "old_logprobs must be a torch.Tensor", None),
-        ]
-        + [
-            (lambda m=m, k=k: _policy(loss_mode=m, **k), e, w, None)
-            for m, k, e, w in MODE_PARAMETERS
-            if m == _mode.name
-        ]
-    )
-
-
-def _linear_policy(loss_mode, **kwargs):
-    """pf.linear_policy_loss on valid inputs (hidden [2, 3, 4], a [5, 4] head), but for the arguments given."""
-    args = {"hidden": r(2, 3, 4), "weight": r(5, 4), "labels": tensor([[0, 1, 2], [3, 4, 0]])}
-    args.update({name: _default(name) for name in ("old_logprobs", "advantages", "mask")})
-    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
-    extra = POLICY_LOSS_MODES[loss_mode].example_params()
-    return pf.linear_policy_loss(*args.values(), loss_mode=loss_mode, **{**extra, **kwargs})
-
-
-for _mode in POLICY_LOSS_MODES.values():
-    if _mode.fused_head:
-        _call = partial(_linear_policy, _mode.name)
+    _fn = partial(_policy, loss_mode=_mode.name, **_mode.example_params())
+    BAD_INPUTS[_mode.op] = [
+        *BAD_INPUTS.get(_mode.op, []),
+        (lambda c=_fn: c(old_logprobs=r(2, 2)), ValueError, "old_logprobs must have the shape", _traced),
+        (lambda c=_fn: c(not_a_param=1.0), TypeError, "unexpected not_a_param", _traced),
+        (lambda c=_fn: c(advantages=r(2, 2)), ValueError, "advantages must have the shape of", None),
+        (lambda c=_fn: c(old_logprobs=None), TypeError, "old_logprobs must be a torch.Tensor", None),
+        *[(partial(_policy, loss_mode=m, **k), e, w, None) for m, k, e, w in MODE_PARAMETERS if m == _mode.name],
+    ]
+    if _mode.fused_head:  # pf.linear_policy_loss on valid inputs (hidden [2, 3, 4], a [5, 4] head) but one argument
+        _names = ("hidden", "weight", "labels", "old_logprobs", "advantages", "mask")
+        _fn = _on(pf.linear_policy_loss, *_names, hidden=r(2, 3, 4), labels=tensor([[0, 1, 2], [3, 4, 0]]))
+        _fn = partial(_fn, loss_mode=_mode.name, **_mode.example_params())
         BAD_INPUTS[_mode.linear_op] = [
-            (lambda c=_call: c(hidden=r(2, 4)), ValueError, r"hidden must be \[B, T, H\]", None),
-            (lambda c=_call: c(labels=tensor([[0, 1], [2, 3]])), ValueError, "labels must have shape", None),
-            (lambda c=_call: c(old_logprobs=r(2, 2)), ValueError, "must have the shape of old_logprobs", None),
-            (lambda c=_call: c(weight=r(5, 3)), ValueError, "hidden's last dim", None),
-            (lambda c=_call: c(kl_coef=0.1), ValueError, "kl_coef=0.1 needs ref_logprobs", None),
-            (lambda c=_call: c(kl_estimator="k4"), ValueError, "kl_estimator", None),
-            (
-                lambda c=_call: c(labels=tensor([[0, 1, 2], [3, 5, 0]])),
-                ValueError,
-                r"labels must lie in \[0, 5\)",
-                None,
-            ),
-            (lambda c=_call: c(not_a_param=1.0), TypeError, "unexpected not_a_param", None),
-            (lambda c=_call: c(top_p=0.9), ValueError, r"takes no sampling truncation \(got top_p\)", None),
-            (lambda c=_call: c(agg="mean"), ValueError, "agg must be one of", None),
+            (lambda c=_fn: c(hidden=r(2, 4)), ValueError, r"hidden must be \[B, T, H\]", None),
+            (lambda c=_fn: c(labels=tensor([[0, 1], [2, 3]])), ValueError, "labels must have shape", None),
+            (lambda c=_fn: c(old_logprobs=r(2, 2)), ValueError, "must have the shape of old_logprobs", None),
+            (lambda c=_fn: c(weight=r(5, 3)), ValueError, "hidden's last dim", None),
+            (lambda c=_fn: c(kl_coef=0.1), ValueError, "kl_coef=0.1 needs ref_logprobs", None),
+            (lambda c=_fn: c(kl_estimator="k4"), ValueError, "kl_estimator", None),
+            (lambda c=_fn: c(labels=tensor([[0, 1, 2], [3, 5, 0]])), ValueError, r"labels must lie in \[0, 5\)", None),
+            (lambda c=_fn: c(not_a_param=1.0), TypeError, "unexpected not_a_param", None),
+            (lambda c=_fn: c(top_p=0.9), ValueError, r"takes no sampling truncation \(got top_p\)", None),
+            (lambda c=_fn: c(agg="mean"), ValueError, "agg must be one of", None),
         ]
 assert set(BAD_INPUTS) == set(OPS) | {None}
 
@@ -868,10 +758,9 @@ def test_value_loss_without_clipping(backend):
 
 @_all_cpu("kl_penalized_rewards")
 def test_kl_penalized_rewards_of_empty_responses(backend):
+    empty = torch.randn(3, 0)
     with pf.use_backend(backend):
-        rewards, kl = pf.kl_penalized_rewards(
-            torch.randn(3), torch.randn(3, 0), torch.randn(3, 0), torch.ones(3, 0), kl_coef=0.1
-        )
+        rewards, kl = pf.kl_penalized_rewards(torch.randn(3), empty, empty, torch.ones(3, 0), kl_coef=0.1)
     assert rewards.shape == kl.shape == (3, 0)
 
 
@@ -906,34 +795,33 @@ def test_mixed_float64_and_float32_inputs_are_computed_in_float64(backend):
 @settings(max_examples=25, deadline=None)
 @given(
     batch=st.integers(1, 4),
-    length=st.integers(1, 7),
-    pad_rows=st.integers(0, 2),
-    pad_cols=st.integers(1, 4),
+    length=st.integers(1, 9),
+    pad=st.tuples(st.integers(0, 2), st.integers(1, 4)),
     agg=st.sampled_from([a for a in AGG_MODES if a != "seq-mean-token-sum-norm"]),
+    dual=st.sampled_from([None, 2.0, 3.0]),
+    scale=st.floats(0.01, 30.0),
     seed=st.integers(0, 2**31 - 1),
     backend=st.sampled_from(serving("clipped_policy_loss", "cpu")),
 )
-def test_aggregation_unchanged_by_padding(batch, length, pad_rows, pad_cols, agg, seed, backend):
-    """Masked columns and all-masked rows, holding anything at all, change no loss (the
-    -norm mode divides by the padded length by definition, so it is left out)."""
+def test_aggregation_unchanged_by_padding(batch, length, pad, agg, dual, scale, seed, backend):
+    """Masked columns and all-masked rows, holding anything at all, change no loss (the -norm mode
+    divides by the padded length by definition, so it is left out); the clip fractions lie in [0, 1]."""
     gen = torch.Generator().manual_seed(seed)
-    logp, old, adv = (torch.randn(batch, length, generator=gen) for _ in range(3))
+    logp, old, adv = (torch.randn(batch, length, generator=gen) * scale for _ in range(3))
     mask = torch.rand(batch, length, generator=gen) < 0.7
-    padded = [torch.full((batch + pad_rows, length + pad_cols), math.nan) for _ in range(3)]
+    padded = [torch.full((batch + pad[0], length + pad[1]), math.nan) for _ in range(3)]
     for big, small in zip(padded, (logp, old, adv)):
         big[:batch, :length] = small
-    padded_mask = torch.zeros(batch + pad_rows, length + pad_cols, dtype=torch.bool)
+    padded_mask = torch.zeros(padded[0].shape, dtype=torch.bool)
     padded_mask[:batch, :length] = mask
     with pf.use_backend(backend):
-        loss, stats = pf.clipped_policy_loss(logp, old, adv, mask, agg=agg)
-        padded_loss, padded_stats = pf.clipped_policy_loss(*padded, padded_mask, agg=agg)
-        vloss, _ = pf.value_loss(logp, old, adv, mask, agg=agg)
-        padded_vloss, _ = pf.value_loss(*padded, padded_mask, agg=agg)
-    torch.testing.assert_close(padded_loss, loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(padded_vloss, vloss, rtol=1e-5, atol=1e-6)
-    for name in stats:
-        torch.testing.assert_close(padded_stats[name], stats[name], rtol=1e-5, atol=1e-6)
-    assert 0.0 <= stats["clipfrac"].item() <= 1.0 and 0.0 <= stats["clipfrac_lower"].item() <= 1.0
+        got = [
+            [*pf.clipped_policy_loss(*x, agg=agg, dual_clip=dual), *pf.value_loss(*x, agg=agg, clip=0.1)]
+            for x in ((logp, old, adv, mask), (*padded, padded_mask))
+        ]
+    torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+    for value in (got[0][1]["clipfrac"], got[0][1]["clipfrac_lower"], got[0][3]["clipfrac"]):
+        assert 0.0 <= value.item() <= 1.0
 
 
 @settings(max_examples=20, deadline=None)
@@ -956,62 +844,15 @@ def test_logprobs_invariant_to_a_per_row_shift(rows, vocab, shift, seed, backend
     assert (logp <= 0).all() and (ent >= -1e-12).all() and (ent <= math.log(vocab) + 1e-9).all()
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    batch=st.integers(1, 4),
-    length=st.integers(1, 9),
-    dual=st.sampled_from([None, 2.0, 3.0]),
-    scale=st.floats(0.01, 30.0),
-    seed=st.integers(0, 2**31 - 1),
-    backend=st.sampled_from(serving("clipped_policy_loss", "cpu")),
-)
-def test_clip_fractions_lie_in_unit_interval(batch, length, dual, scale, seed, backend):
-    gen = torch.Generator().manual_seed(seed)
-    logp, old, adv = (torch.randn(batch, length, generator=gen) * scale for _ in range(3))
-    mask = torch.rand(batch, length, generator=gen) < 0.6
-    with pf.use_backend(backend):
-        _, stats = pf.clipped_policy_loss(logp, old, adv, mask, dual_clip=dual)
-        _, vstats = pf.value_loss(logp, old, adv, mask, clip=0.1)
-    for value in (stats["clipfrac"], stats["clipfrac_lower"], vstats["clipfrac"]):
-        assert 0.0 <= value.item() <= 1.0
-
-
 # --------------------------------------------------------------------------- batch invariance
 
-# Each row op's result for one row, from that row's inputs (``x`` [rows, ...] tensors): a row
+# Each row op's dims (B, T, V) and changes to its first variant (tests/harness.py's inputs): a row
 # computed alone must equal, bit for bit, the same row inside a batch of 1,000 shuffled rows.
 BATCH_INVARIANT = {
-    "token_logprobs": (
-        lambda g: {"logits": torch.randn(1000, 301, generator=g) * 3, "labels": torch.randint(0, 301, (1000,))},
-        lambda x, **kw: pf.token_logprobs(x["logits"], x["labels"], return_entropy=True, temperature=0.7, **kw),
-    ),
-    "linear_token_logprobs": (
-        lambda g: {
-            "hidden": torch.randn(1000, HIDDEN, generator=g),
-            "labels": torch.randint(0, 301, (1000,)),
-            "weight": torch.randn(301, HIDDEN, generator=g),
-        },
-        lambda x, **kw: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"], return_entropy=True, **kw),
-    ),
-    "kl_penalized_rewards": (
-        lambda g: {
-            "scores": torch.randn(1000, generator=g),
-            "logp": torch.randn(1000, 9, generator=g),
-            "ref": torch.randn(1000, 9, generator=g),
-            "mask": torch.rand(1000, 9, generator=g) < 0.8,
-        },
-        lambda x, **kw: pf.kl_penalized_rewards(
-            x["scores"], x["logp"], x["ref"], x["mask"], kl_coef=0.1, kl_estimator="k3"
-        ),
-    ),
-    "gae": (
-        lambda g: {
-            "rewards": torch.randn(1000, 33, generator=g),
-            "values": torch.randn(1000, 33, generator=g),
-            "mask": torch.rand(1000, 33, generator=g) < 0.8,
-        },
-        lambda x, **kw: pf.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95),
-    ),
+    "token_logprobs": ((1000, 1, 301), {}),
+    "linear_token_logprobs": ((1000, 1, 301), {}),
+    "kl_penalized_rewards": ((1000, 9, 0), {"kl_estimator": "k3"}),
+    "gae": ((1000, 33, 0), {}),
 }
 TRUNCATED = ("token_logprobs", "linear_token_logprobs")  # also with top_k/top_p
 
@@ -1034,8 +875,8 @@ def _batch_invariance_cases():
 
 
 def _rows(x: dict, index) -> dict:
-    """The rows ``index`` of every per-row input (a weight [V, H] is shared by every row)."""
-    return {k: v if k == "weight" else v[index] for k, v in x.items()}
+    """The rows ``index`` of every per-row input (a head [V, H] and its bias are shared by every row)."""
+    return {k: v[index] if v.shape[0] == 1000 else v for k, v in x.items()}
 
 
 def _numpy_matmul_is_row_invariant() -> bool:
@@ -1046,33 +887,27 @@ def _numpy_matmul_is_row_invariant() -> bool:
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((64, 11), dtype=np.float32), rng.standard_normal((11, 64), dtype=np.float32)
-    full = a @ b
-    alone = np.zeros_like(a)
-    for r in range(a.shape[0]):
-        alone[0] = a[r]
-        if not np.array_equal((alone @ b)[0], full[r]):
-            return False
-    return True
+    alone = [np.pad(a[r : r + 1], ((0, 63), (0, 0))) for r in range(64)]  # the row, then zeros
+    return all(np.array_equal((x @ b)[0], full) for x, full in zip(alone, a @ b))
 
 
 @pytest.mark.parametrize("op, backend, compiled, truncation", list(_batch_invariance_cases()))
 def test_a_row_is_bitwise_independent_of_its_batch(op, backend, compiled, truncation):
-    if op == "linear_token_logprobs" and backend == "triton" and not torch.cuda.is_available():
-        if not _numpy_matmul_is_row_invariant():
-            pytest.skip(
-                "the Triton interpreter's tl.dot is NumPy's matmul, which rounds a row by its tile position here"
-            )
-    make, run = BATCH_INVARIANT[op]
-    x = make(torch.Generator().manual_seed(zlib.crc32(op.encode())))
+    cpu_triton = backend == "triton" and not torch.cuda.is_available()
+    if op == "linear_token_logprobs" and cpu_triton and not _numpy_matmul_is_row_invariant():
+        pytest.skip("the Triton interpreter's tl.dot (NumPy's matmul) rounds a row by its tile position here")
+    dims, changes = BATCH_INVARIANT[op]
+    built, spec, values = built_case(op, {**VARIANTS[op][2][0], **changes}, dims=dims, seed=zlib.crc32(op.encode()))
+    x = {k: v.detach() for k, v in harness.tensors_of(built, spec, values, torch.float32)[0].items()}
     if compiled:  # the op's call site is compiled anew for each case, not against the recompile limit
         torch._dynamo.reset()
-    fn = torch.compile(run, fullgraph=True, dynamic=False) if compiled else run
+    fn = torch.compile(built.call, fullgraph=True, dynamic=False) if compiled else built.call
     # The Triton interpreter runs a program at a time: a batch of 1,000 there costs minutes.
-    rows = 160 if backend == "triton" and not torch.cuda.is_available() else 1000
+    rows = 160 if cpu_triton else 1000
     order = torch.randperm(1000)[:rows]
     with pf.use_backend(backend):
-        batch = fn(_rows(x, order), **truncation)
+        batch = fn({**_rows(x, order), **truncation})
         for row in (0, rows // 2 + 17, rows - 1):  # where the row lies in the shuffled batch
-            alone = fn(_rows(x, order[row : row + 1]), **truncation)
+            alone = fn({**_rows(x, order[row : row + 1]), **truncation})
             for got, want in zip(alone, batch):
                 assert torch.equal(got[0], want[row]), (op, backend, row)

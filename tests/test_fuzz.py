@@ -43,27 +43,10 @@ import math
 import os
 from collections.abc import Callable
 
+import harness
 import pytest
 import torch
-from harness import (
-    DTYPES,
-    F64,
-    LAYOUTS,
-    Spec,
-    build_gae,
-    build_group_advantages,
-    build_kl_estimate,
-    build_kl_penalized_rewards,
-    build_linear_policy_loss,
-    build_linear_token_logprobs,
-    build_masked_stats,
-    build_policy_loss,
-    build_rollout_correction,
-    build_token_logprobs,
-    build_value_loss,
-    poisoned,
-    run,
-)
+from harness import DTYPES, F64, LAYOUTS, Spec, poisoned, run
 from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from hypothesis import strategies as st
 
@@ -86,17 +69,13 @@ F64_FLOOR = (1e-10, 1e-11)  # float64's (eps, tiny): no float128 truth measures 
 
 def budget(ci_examples: int, scale: float = 1.0, shrink: bool = True) -> settings:
     """A fixed, database-less, derandomized budget for CI; N random examples when asked."""
-    fixed = dict(derandomize=True, database=None) if not NIGHTLY else {}
+    fixed = dict(deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
     fixed["phases"] = [p for p in Phase if shrink or p != Phase.shrink]
+    if not NIGHTLY:
+        fixed.update(derandomize=True, database=None)
     if not NIGHTLY and os.environ.get("PPO_FAST_FULL") != "1":
         ci_examples = max(1, ci_examples // 2)  # the fast tier: half the full tier's budget
-    return settings(
-        max_examples=max(1, int(NIGHTLY * scale)) if NIGHTLY else ci_examples,
-        deadline=None,
-        print_blob=True,
-        suppress_health_check=list(HealthCheck),
-        **fixed,
-    )
+    return settings(max_examples=max(1, int(NIGHTLY * scale)) if NIGHTLY else ci_examples, **fixed)
 
 
 def serving(op: str) -> list[str]:
@@ -107,68 +86,58 @@ def serving(op: str) -> list[str]:
 
 # --------------------------------------------------------------------------- hyper-parameters, at their ends
 
-TEMPERATURES = st.one_of(
-    st.sampled_from([MIN_TEMPERATURE, 1.5e-5, 1e-3]), st.sampled_from([1.0, 0.7]), st.floats(MIN_TEMPERATURE, 4.0)
-)
-RATIOS = st.sampled_from(["tiny", "normal", "wide", "huge"])
-LOSS_RATIOS = st.sampled_from(["tiny", "normal", "wide", "huge", "huge"])  # exp(mean log-ratio) overflows (geo_mean)
-UNIT = st.one_of(st.sampled_from([0.0, 1.0, 0.99, 0.95]), st.floats(0.0, 1.0))
+pick, knobs = st.sampled_from, lambda **strategies: st.fixed_dictionaries(strategies)
+TEMPERATURES = st.one_of(pick([MIN_TEMPERATURE, 1.5e-5, 1e-3]), pick([1.0, 0.7]), st.floats(MIN_TEMPERATURE, 4.0))
+RATIOS = pick(["tiny", "normal", "wide", "huge"])
+LOSS_RATIOS = pick(["tiny", "normal", "wide", "huge", "huge"])  # exp(mean log-ratio) overflows (geo_mean)
+UNIT = st.one_of(pick([0.0, 1.0, 0.99, 0.95]), st.floats(0.0, 1.0))
+SCALES = pick([1.0, 1e3])
+# The fused head's (the LM-head ops'), over the logits' own.
+HEAD = dict(scale=pick([1.0, 30.0, 4.0]), logit_scale=pick([1.0, 0.8, 3.0]), softcap=pick([None, 2.5, 30.0]))
 
 
-def token_knobs(vocab):
-    return st.fixed_dictionaries(
-        {
-            "temperature": TEMPERATURES,
-            "scale": st.sampled_from([1e3, 30.0, 4.0, 1.0]),
-            "labels": st.sampled_from(["greedy", "random", "mixed"]),
-            "ignored": st.sampled_from([0.3, 0.3, 0.0, 1.0]),
-            "ignore_index": st.one_of(st.integers(0, vocab - 1), st.sampled_from([-100, -1])),
-            "entropy": st.booleans(),
-        }
+def extended(k: dict, **more) -> st.SearchStrategy:
+    """The knobs ``k`` drawn, and ``more`` (a knob of ``k`` drawn again, in its place)."""
+    return knobs(**{**{name: st.just(v) for name, v in k.items()}, **more})
+
+
+def token_knobs(dims):
+    return knobs(
+        temperature=TEMPERATURES,
+        scale=pick([1e3, 30.0, 4.0, 1.0]),
+        labels=pick(["greedy", "random", "mixed"]),
+        ignored=pick([0.3, 0.3, 0.0, 1.0]),
+        ignore_index=st.one_of(st.integers(0, dims[-1] - 1), pick([-100, -1])),
+        entropy=st.booleans(),
     )
 
 
 def linear_knobs(dims):
-    return token_knobs(dims[-1]).flatmap(
-        lambda k: st.fixed_dictionaries(
-            {
-                **{name: st.just(v) for name, v in k.items()},
-                "scale": st.sampled_from([1.0, 30.0, 4.0]),
-                "logit_scale": st.sampled_from([1.0, 0.8, 3.0]),
-                "softcap": st.sampled_from([None, 2.5, 30.0]),
-                "bias": st.booleans(),
-                "weight_layout": st.sampled_from(["contiguous", "transposed"]),
-            }
-        )
-    )
+    head = dict(HEAD, bias=st.booleans(), weight_layout=pick(["contiguous", "transposed"]))
+    return token_knobs(dims).flatmap(lambda k: extended(k, **head))
 
 
 def param_values(p):
     """A policy-loss mode's parameter at its ends (and its default, and in between)."""
     low = p.low if p.low is not None else -10.0
     ends = [low * (1 + 1e-6) + 1e-6 if p.low_open else low]
-    if p.high is not None:
-        ends.append(p.high * (1 - 1e-6) if p.high_open else p.high)
-    else:
-        ends.append(1e6)
+    ends.append(1e6 if p.high is None else p.high * (1 - 1e-6) if p.high_open else p.high)
     choices = ([None] if p.optional or p.same_as else []) + ([p.default] if p.default is not None else [])
-    return st.one_of(st.sampled_from(choices + ends), st.floats(ends[0], min(ends[1], ends[0] + 10.0)))
+    return st.one_of(pick(choices + ends), st.floats(ends[0], min(ends[1], ends[0] + 10.0)))
 
 
 def loss_knobs(name):
     mode = POLICY_LOSS_MODES[name]
     params = st.tuples(*(st.tuples(st.just(p.name), param_values(p)) for p in mode.params))
-    return st.fixed_dictionaries(
-        {
-            "loss_mode": st.just(name),
-            "params": params.map(lambda ps: tuple((n, v) for n, v in ps if v is not None)),
-            "entry": st.sampled_from(["policy_loss", "clipped_policy_loss"] if name == "vanilla" else ["policy_loss"]),
-            "agg": st.sampled_from((mode.default_agg,) + AGG_MODES),
-            "weighted": st.booleans(),
-            "ratio": LOSS_RATIOS,
-            "adv_scale": st.sampled_from([1.0, 1e-3, 30.0]),
-            "adv_sign": st.sampled_from(["mixed", "negative", "positive"]),
-        }
+    return knobs(
+        loss_mode=st.just(name),
+        params=params.map(lambda ps: tuple((n, v) for n, v in ps if v is not None)),
+        entry=pick(["policy_loss", "clipped_policy_loss"] if name == "vanilla" else ["policy_loss"]),
+        agg=pick((mode.default_agg,) + AGG_MODES),
+        weighted=st.booleans(),
+        ratio=LOSS_RATIOS,
+        adv_scale=pick([1.0, 1e-3, 30.0]),
+        adv_sign=pick(["mixed", "negative", "positive"]),
     )
 
 
@@ -178,232 +147,123 @@ def one_pass_knobs():
     reference's own error, a bound the linear_token_logprobs row has (its builder's ``rounding``) and this
     one has not, so the lowest temperatures are fuzzed there."""
     modes = [name for name, mode in POLICY_LOSS_MODES.items() if mode.fused_head]
-    head = {
-        "temperature": st.one_of(st.sampled_from([0.3, 1.0, 4.0]), st.floats(0.3, 4.0)),
-        "scale": st.sampled_from([1.0, 30.0, 4.0]),
-        "logit_scale": st.sampled_from([1.0, 0.8, 3.0]),
-        "softcap": st.sampled_from([None, 2.5, 30.0]),
-        "bias": st.booleans(),
-        "kl_coef": st.sampled_from([0.0, 0.1, 1e3]),
-        "entropy_coef": st.sampled_from([0.0, 0.01, -1.0, 1e3]),
-    }
-    return st.sampled_from(modes).flatmap(
-        lambda name: st.tuples(loss_knobs(name), st.fixed_dictionaries(head)).map(lambda ks: {**ks[0], **ks[1]})
-    )
+    temperature = st.one_of(pick([0.3, 1.0, 4.0]), st.floats(0.3, 4.0))
+    terms = dict(kl_coef=pick([0.0, 0.1, 1e3]), entropy_coef=pick([0.0, 0.01, -1.0, 1e3]))
+    head = knobs(temperature=temperature, **HEAD, bias=st.booleans(), **terms)
+    return pick(modes).flatmap(lambda name: st.tuples(loss_knobs(name), head).map(lambda ks: {**ks[0], **ks[1]}))
+
+
+def one_pass_backends(k: dict, _) -> list[str]:
+    return [b for b in serving(POLICY_LOSS_MODES[k["loss_mode"]].linear_op) if b != "triton"]
 
 
 def advantage_knobs():
     def for_method(name):
-        checks = {
-            "norm_by_std": st.booleans(),
-            "epsilon": st.sampled_from([1e-6, 0.0, 1.0]),
-            "gamma": UNIT,
-            "f_norm": st.sampled_from([1.0, 1e-6, 1e3]),
-        }
-        params = st.tuples(*(st.tuples(st.just(p), checks[p]) for p in ADVANTAGE_METHODS[name].params if p in checks))
-        return st.fixed_dictionaries(
-            {
-                "method": st.just(name),
-                "params": params,
-                "token_scores": st.booleans(),
-                "groups": st.integers(1, 3),
-                "ties": st.booleans(),
-                "scale": st.sampled_from([1.0, 1e3]),
-            }
+        checks = dict(
+            norm_by_std=st.booleans(), epsilon=pick([1e-6, 0.0, 1.0]), gamma=UNIT, f_norm=pick([1.0, 1e-6, 1e3])
         )
+        params = st.tuples(*(st.tuples(st.just(p), checks[p]) for p in ADVANTAGE_METHODS[name].params if p in checks))
+        groups = dict(token_scores=st.booleans(), groups=st.integers(1, 3), ties=st.booleans(), scale=SCALES)
+        return knobs(method=st.just(name), params=params, **groups)
 
-    return st.sampled_from([n for n, e in ADVANTAGE_METHODS.items() if e.fn is not None]).flatmap(for_method)
+    return pick([n for n, e in ADVANTAGE_METHODS.items() if e.fn is not None]).flatmap(for_method)
 
 
-def rollout_knobs():
-    def low_for(k):
-        lows = [0.0] if k["mode"].endswith("tis") else [0.0, k["threshold"] / 2, k["threshold"]]
-        return st.fixed_dictionaries({**{n: st.just(v) for n, v in k.items()}, "threshold_low": st.sampled_from(lows)})
+def advantage_backends(k: dict, op: str) -> list[str]:
+    return [b for b in serving(op) if b in ADVANTAGE_METHODS[k["method"]].backends]
 
-    return st.fixed_dictionaries(
-        {
-            "mode": st.sampled_from(ROLLOUT_CORRECTION_MODES),
-            "threshold": st.sampled_from([2.0, 1.0, 1e-6, 1e3]),
-            "batch_normalize": st.booleans(),
-            "ratio": RATIOS,
-        }
-    ).flatmap(low_for)
+
+def rollout_knobs(k):
+    lows = [0.0] if k["mode"].endswith("tis") else [0.0, k["threshold"] / 2, k["threshold"]]
+    return extended(k, threshold_low=pick(lows))
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One op (a row of the table): its inputs, hyper-parameters, backends and budget."""
+    """One op (a row of the table): its hyper-parameters (a strategy, or one of the dims), CI budget, inputs
+    (``harness.build_<name>`` by default) and backends (of the knobs and ``op``, by default the case's name:
+    the reference and those serving it)."""
 
     name: str
-    build: Callable
     dims: st.SearchStrategy
-    knobs: Callable[[tuple], st.SearchStrategy]
-    backends: Callable[[dict], list[str]]
+    knobs: st.SearchStrategy | Callable[[tuple], st.SearchStrategy]
     ci_examples: int
     poisons: tuple = POISONS[:-1]
     compiles: bool = True
+    op: str | None = None
+    backends: Callable[[dict, str], list[str]] = lambda k, op: serving(op)
+    build: Callable | None = None
 
 
 def size(*values):
     """A dimension (specs() makes one of the first two 0 now and then: empty inputs)."""
-    return st.sampled_from(values)
+    return pick(values)
 
 
+ROWS, VOCAB, H = size(2, 1, 3), st.integers(1, 40), st.integers(1, 12)
 BT = st.tuples(size(2, 1, 3, 4), size(3, 1, 5, 7, 2))
+ONE_PASS_DIMS = st.tuples(ROWS, size(3, 1, 5, 2), H, VOCAB)
+KL_COEFS = st.one_of(pick([0.0, 0.05, 1.0, 1e3]), st.floats(0.0, 10.0))
+VALUE_KNOBS = knobs(
+    clip=pick([None, 0.2, 1e-6, 1e6]), agg=pick(AGG_MODES), old_values=st.booleans(), spread=pick([1.0, 1e-3, 30.0])
+).filter(lambda k: k["old_values"] or k["clip"] is None)
+ROLLOUT_KNOBS = knobs(
+    mode=pick(ROLLOUT_CORRECTION_MODES),
+    threshold=pick([2.0, 1.0, 1e-6, 1e3]),
+    batch_normalize=st.booleans(),
+    ratio=RATIOS,
+).flatmap(rollout_knobs)
+STATS = dict(fn=pick(["whiten", "mean"]), shift_mean=st.booleans(), eps=pick([1e-8, 0.0, 1.0]), dim=pick([None, -1, 0]))
+STATS_KNOBS = knobs(**STATS, scale=pick([1.0, 1e-3, 1e3]), offset=pick([0.0, 1e3]))
 CASES = {
     case.name: case
     for case in [
+        Case("token_logprobs", st.tuples(ROWS, ROWS, VOCAB), token_knobs, 250, POISONS),
+        Case("linear_token_logprobs", st.tuples(ROWS, ROWS, H, VOCAB), linear_knobs, 200, POISONS),
+        Case("kl_estimate", BT, knobs(ratio=RATIOS), 200, ("clean", "valid", "valid")),
+        Case("kl_penalized_rewards", BT, knobs(kl_estimator=pick(KL_ESTIMATORS), ratio=RATIOS, kl_coef=KL_COEFS), 120),
+        Case("gae", st.tuples(size(2, 1, 3, 4), size(5, 1, 12, 2)), knobs(gamma=UNIT, lam=UNIT, scale=SCALES), 80),
+        Case("value_loss", BT, VALUE_KNOBS, 80),
+        Case("group_advantages", BT, advantage_knobs(), 80, op="group_sum", backends=advantage_backends),
+        Case("rollout_correction_weights", BT, ROLLOUT_KNOBS, 40),
+        Case("masked_stats", BT, STATS_KNOBS, 40, compiles=False),
+        # The one-pass loss, every mode that has one (drawn), on the backends that serve its op but the
+        # interpreted Triton (its loop is the matrix's and the two-pass comparison's; slow here); compiled:
+        # the matrix's fullgraph cases (every backend, the reference sampled).
+        Case("linear_policy_loss", ONE_PASS_DIMS, one_pass_knobs(), 60, compiles=False, backends=one_pass_backends),
+    ]
+    # Each registered policy-loss mode is a row: a bigger budget where a fast backend serves it.
+    + [
         Case(
-            "token_logprobs",
-            build_token_logprobs,
-            st.tuples(size(2, 1, 3), size(2, 1, 3), st.integers(1, 40)),
-            lambda d: token_knobs(d[-1]),
-            lambda k: serving("token_logprobs"),
-            250,
-            POISONS,
-        ),
-        Case(
-            "linear_token_logprobs",
-            build_linear_token_logprobs,
-            st.tuples(size(2, 1, 3), size(2, 1, 3), st.integers(1, 12), st.integers(1, 40)),
-            linear_knobs,
-            lambda k: serving("linear_token_logprobs"),
-            200,
-            POISONS,
-        ),
-        Case(
-            "kl_estimate",
-            build_kl_estimate,
+            f"policy_loss_{m.name}",
             BT,
-            lambda d: st.fixed_dictionaries({"ratio": RATIOS}),
-            lambda k: serving("kl_estimate"),
-            200,
-            ("clean", "valid", "valid"),
-        ),
-        Case(
-            "kl_penalized_rewards",
-            build_kl_penalized_rewards,
-            BT,
-            lambda d: st.fixed_dictionaries(
-                {
-                    "kl_estimator": st.sampled_from(KL_ESTIMATORS),
-                    "ratio": RATIOS,
-                    "kl_coef": st.one_of(st.sampled_from([0.0, 0.05, 1.0, 1e3]), st.floats(0.0, 10.0)),
-                }
-            ),
-            lambda k: serving("kl_penalized_rewards"),
-            120,
-        ),
-        Case(
-            "gae",
-            build_gae,
-            st.tuples(size(2, 1, 3, 4), size(5, 1, 12, 2)),
-            lambda d: st.fixed_dictionaries({"gamma": UNIT, "lam": UNIT, "scale": st.sampled_from([1.0, 1e3])}),
-            lambda k: serving("gae"),
-            80,
-        ),
-        Case(
-            "value_loss",
-            build_value_loss,
-            BT,
-            lambda d: st.fixed_dictionaries(
-                {
-                    "clip": st.sampled_from([None, 0.2, 1e-6, 1e6]),
-                    "agg": st.sampled_from(AGG_MODES),
-                    "old_values": st.booleans(),
-                    "spread": st.sampled_from([1.0, 1e-3, 30.0]),
-                }
-            ).filter(lambda k: k["old_values"] or k["clip"] is None),
-            lambda k: serving("value_loss"),
-            80,
-        ),
-        Case(
-            "group_advantages",
-            build_group_advantages,
-            BT,
-            lambda d: advantage_knobs(),
-            lambda k: [b for b in serving("group_sum") if b in ADVANTAGE_METHODS[k["method"]].backends],
-            80,
-        ),
-        Case(
-            "rollout_correction_weights",
-            build_rollout_correction,
-            BT,
-            lambda d: rollout_knobs(),
-            lambda k: ["reference"],
-            40,
-        ),
-        Case(
-            "masked_stats",
-            build_masked_stats,
-            BT,
-            lambda d: st.fixed_dictionaries(
-                {
-                    "fn": st.sampled_from(["whiten", "mean"]),
-                    "shift_mean": st.booleans(),
-                    "eps": st.sampled_from([1e-8, 0.0, 1.0]),
-                    "dim": st.sampled_from([None, -1, 0]),
-                    "scale": st.sampled_from([1.0, 1e-3, 1e3]),
-                    "offset": st.sampled_from([0.0, 1e3]),
-                }
-            ),
-            lambda k: ["reference"],
-            40,
-            compiles=False,
-        ),
+            loss_knobs(m.name),
+            200 if len(serving(m.op)) > 1 else 25,
+            compiles=not m.syncs_host,
+            op=m.op,
+            build=harness.build_policy_loss,
+        )
+        for m in POLICY_LOSS_MODES.values()
     ]
 }
-# The one-pass loss, every mode that has one (drawn), on the backends that serve its op but the
-# interpreted Triton (its loop is the matrix's and the two-pass comparison's; slow here).
-CASES["linear_policy_loss"] = Case(
-    "linear_policy_loss",
-    build_linear_policy_loss,
-    st.tuples(size(2, 1, 3), size(3, 1, 5, 2), st.integers(1, 12), st.integers(1, 40)),
-    lambda d: one_pass_knobs(),
-    lambda k: [b for b in serving(POLICY_LOSS_MODES[k["loss_mode"]].linear_op) if b != "triton"],
-    60,
-    compiles=False,  # compiled: the matrix's fullgraph cases (every backend, the reference sampled)
-)
-# Each registered policy-loss mode is a row: a bigger budget where a fast backend serves it.
-for _mode in POLICY_LOSS_MODES.values():
-    CASES[f"policy_loss_{_mode.name}"] = Case(
-        f"policy_loss_{_mode.name}",
-        build_policy_loss,
-        BT,
-        lambda d, m=_mode.name: loss_knobs(m),
-        lambda k, op=_mode.op: serving(op),
-        200 if len(serving(_mode.op)) > 1 else 25,
-        compiles=not _mode.syncs_host,
-    )
 
 
 @st.composite
 def specs(draw, case: Case, compiled: bool = False):
     dims = draw(case.dims)
-    if draw(st.sampled_from(range(10))) == 5:  # empty: B = 0 or T = 0 (one in ten)
-        zero = draw(st.sampled_from([0, 1]))
+    if draw(pick(range(10))) == 5:  # empty: B = 0 or T = 0 (one in ten)
+        zero = draw(pick([0, 1]))
         dims = tuple(0 if i == zero else d for i, d in enumerate(dims))
-    knobs = draw(case.knobs(dims))
-    poisons = [p for p in case.poisons if p != "bad_label"] if compiled else case.poisons
-    poison = draw(st.sampled_from(poisons))
+    drawn = draw(case.knobs(dims) if callable(case.knobs) else case.knobs)
+    poison = draw(pick([p for p in case.poisons if p != "bad_label"] if compiled else case.poisons))
     if poison == "valid":
-        poison = draw(st.sampled_from(["valid nan", "valid inf", "valid -inf"]))
-    backends = case.backends(knobs)  # the fast ones twice as often as the reference
+        poison = draw(pick(["valid nan", "valid inf", "valid -inf"]))
+    backends = case.backends(drawn, case.op or case.name)  # the fast ones twice as often as the reference
     backends = [b for b in backends[::-1] for _ in range(1 if b == "reference" and len(backends) > 1 else 2)]
-    return Spec(
-        draw(st.sampled_from(backends)),
-        draw(st.sampled_from(DTYPE_DRAWS)),
-        draw(st.sampled_from(LAYOUTS)),
-        poison,
-        dims,
-        knobs,
-        draw(st.integers(0, 2**32 - 1)),
-        draw(st.integers(0, 3)),
-        not compiled and draw(st.integers(0, 3)) == 0,
-    )
-
-
-# --------------------------------------------------------------------------- running one backend
+    backend, dtype, layout = draw(pick(backends)), draw(pick(DTYPE_DRAWS)), draw(pick(LAYOUTS))
+    seed, poison_input = draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 3))
+    second_order = not compiled and draw(st.integers(0, 3)) == 0
+    return Spec(backend, dtype, layout, poison, dims, drawn, seed, poison_input, second_order)
 
 
 # --------------------------------------------------------------------------- the rules
@@ -414,8 +274,13 @@ def pattern(x: torch.Tensor) -> torch.Tensor:
     return torch.isnan(x).long() + 2 * (x == math.inf).long() + 3 * (x == -math.inf).long()
 
 
-def first_at(x, bad):
-    return f"at flat index {bad.flatten().nonzero()[0, 0].item()} of shape {tuple(x.shape)}"
+def refuse(bad: torch.Tensor, what: str, rule: str, **shown):
+    """Fails where ``bad``: ``what`` breaks ``rule``, at the first such entry, with the first four of
+    each of ``shown`` (tensors of ``bad``'s shape) there."""
+    if bad.any():
+        at = f"at flat index {bad.flatten().nonzero()[0, 0].item()} of shape {tuple(bad.shape)}"
+        values = ", ".join(f"{name} {x[bad][:4].tolist()}" for name, x in shown.items())
+        raise AssertionError(f"{what}: {rule} {at}: {values}")
 
 
 def largest(x) -> float:
@@ -437,12 +302,7 @@ def assert_accurate(what, got, ref32, ref64, moved, dtype, *, relaxed=None, roun
     eps, tiny = F64_FLOOR if dtype == F64 else (torch.finfo(dtype).eps, max(torch.finfo(dtype).tiny, UNDERFLOW))
     got, ref32, ref64, moved = (torch.zeros(()) if x is None else x.double() for x in (got, ref32, ref64, moved))
     got, ref32, ref64, moved = torch.broadcast_tensors(got, ref32, ref64, moved)
-    keep = (
-        torch.isfinite(ref32)
-        & torch.isfinite(ref64)
-        & torch.isfinite(moved)
-        & (relaxed if relaxed is not None else True)
-    )
+    keep = torch.isfinite(torch.stack([ref32, ref64, moved])).all(0) & (True if relaxed is None else relaxed)
     if not keep.any():
         return
     g, r, e = got[keep], ref32[keep], ref64[keep]
@@ -454,12 +314,8 @@ def assert_accurate(what, got, ref32, ref64, moved, dtype, *, relaxed=None, roun
         + floor
         + (0.0 if rounding is None else torch.broadcast_to(rounding.double(), keep.shape)[keep])
     )
-    bad = ~((g - e).abs() <= allowed)
-    assert not bad.any(), (
-        f"{what}: |got - float64| > {C_REF:g} x the reference's float32 error + floor {first_at(g, bad)}: "
-        f"got {g[bad][:4].tolist()}, float64 {e[bad][:4].tolist()}, float32 reference {r[bad][:4].tolist()}, "
-        f"allowed {allowed[bad][:4].tolist()}"
-    )
+    rule = f"|got - float64| > {C_REF:g} x the reference's float32 error + floor"
+    refuse(~((g - e).abs() <= allowed), what, rule, got=g, float64=e, reference32=r, allowed=allowed)
 
 
 def moved_by_an_ulp(values: dict, dtype, gen) -> dict:
@@ -471,119 +327,76 @@ def moved_by_an_ulp(values: dict, dtype, gen) -> dict:
 def check(case: Case, spec: Spec, compiled=None):
     note(f"{case.name} on {spec.backend}{'' if compiled is None else f' compiled (dynamic={compiled})'}: {spec}")
     gen = torch.Generator().manual_seed(spec.seed)
-    built = case.build(spec, gen, spec.knobs)
-    values = poisoned(built, spec, gen)
-    dtype = DTYPES[spec.dtype]
-    ref32 = run(built, spec, values, "reference", dtype, second_order=spec.second_order)
-    got = run(
-        built, spec, values, spec.backend, dtype, ref32.projection, compiled=compiled, second_order=spec.second_order
-    )
+    built = (case.build or getattr(harness, f"build_{case.name}"))(spec, gen, spec.knobs)
+    values, dtype, second = poisoned(built, spec, gen), DTYPES[spec.dtype], spec.second_order
+    ref32 = run(built, spec, values, "reference", dtype, second_order=second)
+    again = lambda values, backend, dtype, **kw: run(built, spec, values, backend, dtype, ref32.projection, **kw)  # noqa: E731
+    got = again(values, spec.backend, dtype, compiled=compiled, second_order=second)
     # NaN/inf at masked positions is never read: the truth is that of the clean inputs.
     masked_poison = spec.poison == "masked"
     clean = {name: inp.values for name, inp in built.inputs.items()} if masked_poison else values
-    ref64 = run(built, spec, clean, "reference", F64, ref32.projection, second_order=spec.second_order)
-    clean32 = run(built, spec, clean, "reference", dtype, ref32.projection) if masked_poison else ref32
-    moved = run(
-        built,
-        spec,
-        moved_by_an_ulp(clean, dtype, gen),
-        "reference",
-        F64,
-        ref32.projection,
-        second_order=spec.second_order,
-    )
+    ref64 = again(clean, "reference", F64, second_order=second)
+    clean32 = again(clean, "reference", dtype) if masked_poison else ref32
+    moved = again(moved_by_an_ulp(clean, dtype, gen), "reference", F64, second_order=second)
     if compiled is not None:
         assume(ref32.error is None)  # value checks are skipped when compiled: another contract
     if ref32.error is not None or got.error is not None:
-        assert type(got.error) is type(ref32.error), (
-            f"the reference raises {ref32.error!r}, {spec.backend} {got.error!r}"
-        )
+        assert type(got.error) is type(ref32.error), f"reference: {ref32.error!r}, {spec.backend}: {got.error!r}"
         return
-    assert ref64.error is None and clean32.error is None and moved.error is None, (
-        f"the reference raises on float64 or clean inputs: {ref64.error or clean32.error or moved.error!r}"
-    )
+    error = ref64.error or clean32.error or moved.error
+    assert error is None, f"the reference raises on float64 or clean inputs: {error!r}"
     assert len(got.outputs) == len(ref32.outputs)
     for i, (o, r, e, c, m) in enumerate(zip(got.outputs, ref32.outputs, ref64.outputs, clean32.outputs, moved.outputs)):
         what = f"output {i} of {case.name} on {spec.backend}"
-        assert (o.dtype, o.shape) == (r.dtype, r.shape), (
-            f"{what}: {o.dtype}{tuple(o.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
-        )
+        assert (o.dtype, o.shape) == (r.dtype, r.shape), f"{what}: {o.dtype, o.shape} vs reference {r.dtype, r.shape}"
         if i in built.differentiable and got.grads:
             assert got.requires_grad[i], f"{what} does not require grad although its inputs do"
         # Where the float32 reference overflows and float64 does not, a backend may be right instead.
         closer = torch.isinf(r) & torch.isfinite(e) & ((o.double() - e).abs() <= 1e-3 * e.abs())
         bad = (pattern(o) != pattern(r)) & ~closer
-        assert not bad.any(), (
-            f"{what}: NaN/inf where the reference is not (or not where it is) {first_at(o, bad)}: "
-            f"got {o[bad][:4].tolist()}, reference {r[bad][:4].tolist()}"
-        )
+        refuse(bad, what, "NaN/inf where the reference is not (or not where it is)", got=o, reference=r)
         bad = (pattern(r) != pattern(c)) | (pattern(o) != pattern(c)) & ~closer
-        assert not bad.any(), (
-            f"{what}: NaN/inf at masked positions changes the result {first_at(o, bad)}: "
-            f"got {o[bad][:4].tolist()}, clean {c[bad][:4].tolist()}"
-        )
+        refuse(bad, what, "NaN/inf at masked positions changes the result", got=o, clean=c)
         if i in built.zero_out:
-            bad = (o != 0) & built.zero_out[i]
-            assert not bad.any(), f"{what}: nonzero at a masked position {first_at(o, bad)}: {o[bad][:4].tolist()}"
+            refuse((o != 0) & built.zero_out[i], what, "nonzero at a masked position", got=o)
         assert_accurate(what, o, r, e, m, r.dtype, rounding=built.rounding.get(i))
         if i in built.kl_ratio and o.dtype != F64:
             ratio = built.kl_ratio[i].to(dtype).double()
             sel = (ratio.abs() >= KL_MIN_RATIO) & torch.isfinite(e) & torch.isfinite(ratio)
             err = ((o.double() - e).abs() / e.abs().clamp_min(1e-300))[sel]
-            bad = ~(err <= KL_RTOL)
-            assert not bad.any(), (
-                f"{what}: relative error {err[bad][:4].tolist()} > {KL_RTOL:g} vs float64 at log-ratios "
-                f"{ratio[sel][bad][:4].tolist()} (|r| >= {KL_MIN_RATIO:g}): got {o.double()[sel][bad][:4].tolist()}, "
-                f"float64 {e[sel][bad][:4].tolist()}"
-            )
+            rule = f"relative error > {KL_RTOL:g} vs float64 at |log-ratio| >= {KL_MIN_RATIO:g}"
+            refuse(~(err <= KL_RTOL), what, rule, error=err, log_ratio=ratio[sel], got=o.double()[sel], float64=e[sel])
     if any(ref32.outputs[i].dim() == 0 and not torch.isfinite(ref32.outputs[i]) for i in built.differentiable):
         return  # the gradient of a non-finite loss is unspecified
     for name, g in got.grads.items():
         what = f"gradient of {name} ({case.name} on {spec.backend})"
         r, e, c = ref32.grads[name], ref64.grads[name], clean32.grads[name]
         if g is not None and r is not None:
-            assert g.dtype == r.dtype and g.shape == r.shape, (
-                f"{what}: {g.dtype}{tuple(g.shape)}, the reference's {r.dtype}{tuple(r.shape)}"
+            assert (g.dtype, g.shape) == (r.dtype, r.shape), (
+                f"{what}: {g.dtype, g.shape} vs reference {r.dtype, r.shape}"
             )
-            bad = ~torch.isfinite(g) & torch.isfinite(r)
-            assert not bad.any(), (
-                f"{what}: not finite where the reference's is {first_at(g, bad)}: {g[bad][:4].tolist()}"
-            )
+            refuse(~torch.isfinite(g) & torch.isfinite(r), what, "not finite where the reference's is", got=g)
         if r is not None and c is not None:
-            bad = ~torch.isfinite(r) & torch.isfinite(c)
-            assert not bad.any(), (
-                f"{what}: NaN/inf at masked positions reaches the reference's gradient {first_at(r, bad)}"
-            )
+            refuse(~torch.isfinite(r) & torch.isfinite(c), what, "NaN/inf at masked positions reaches the reference's")
         masked = built.inputs[name].masked
         if g is not None and masked is not None:
-            bad = (got.views[name](g) != 0) & masked
-            assert not bad.any(), (
-                f"{what}: nonzero at a masked position {first_at(masked, bad)}: {got.views[name](g)[bad][:4].tolist()}"
-            )
+            view = got.views[name](g)
+            refuse((view != 0) & masked, what, "nonzero at a masked position", got=view)
         # The gradient at a NaN/inf input itself is unspecified: compared where the reference's is finite.
         relaxed = None if r is None else torch.isfinite(r)
         floor = built.grad_floor + built.grad_rounding * largest(e)
         assert_accurate(what, g, r, e, moved.grads[name], dtype, relaxed=relaxed, floor=floor)
     if spec.second_order:
-        assert ref32.second_error is None and ref64.second_error is None, (
-            f"the reference's double backward raises: {ref32.second_error!r}"
-        )
-        if got.second_error is None:  # it claims double backward: the reference's values
-            for name in got.grads:
-                g, r, e = got.second[name], ref32.second[name], ref64.second[name]
-                assert nonzero(g) or not (nonzero(r) and nonzero(e)), (
-                    f"second-order gradient of {name} ({case.name} on {spec.backend}) is zero/None without an error "
-                    f"(the reference's is not): a backend without double backward must raise"
-                )
-                assert_accurate(
-                    f"second-order gradient of {name} ({case.name} on {spec.backend})",
-                    g,
-                    r,
-                    e,
-                    moved.second[name],
-                    dtype,
-                    relaxed=None if r is None else torch.isfinite(r),
-                )
+        error = ref32.second_error or ref64.second_error
+        assert error is None, f"the reference's double backward raises: {error!r}"
+        for name in got.grads if got.second_error is None else ():  # it claims double backward: the reference's
+            what = f"second-order gradient of {name} ({case.name} on {spec.backend})"
+            g, r, e = got.second[name], ref32.second[name], ref64.second[name]
+            assert nonzero(g) or not (nonzero(r) and nonzero(e)), (
+                f"{what} is zero/None without an error (the reference's is not): a backend without double "
+                "backward must raise"
+            )
+            assert_accurate(what, g, r, e, moved.second[name], dtype, relaxed=None if r is None else torch.isfinite(r))
 
 
 # --------------------------------------------------------------------------- the tests

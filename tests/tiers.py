@@ -26,11 +26,9 @@ def covering(rows: Sequence[tuple], strength: int = 2, cost: Callable[[tuple], f
         return set()
     wanted = set().union(*(combos(row) for row in rows))
     kept, covered = {0}, combos(rows[0])
+    gain = lambda i: (len(combos(rows[i]) - covered), -(cost(rows[i]) if cost else 0), -i)  # noqa: E731
     while covered != wanted:
-        best = max(
-            (i for i in range(len(rows)) if i not in kept),
-            key=lambda i: (len(combos(rows[i]) - covered), -(cost(rows[i]) if cost else 0), -i),
-        )
+        best = max((i for i in range(len(rows)) if i not in kept), key=gain)
         kept.add(best)
         covered |= combos(rows[best])
     return kept
