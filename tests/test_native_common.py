@@ -38,8 +38,3 @@ def policy_inputs(shape, dtype, device="cpu"):
     old = torch.where(far, logprobs + 25.0 * torch.sign(torch.randn(shape, device=device)), old)
     advantages = torch.randn(shape, device=device)
     return logprobs.to(dtype), old.to(dtype), advantages.to(dtype)
-
-
-def leaves(*tensors):
-    """Fresh leaves that require grad (floating tensors) or the tensors themselves."""
-    return [t.detach().clone().requires_grad_(True) if t is not None and t.is_floating_point() else t for t in tensors]

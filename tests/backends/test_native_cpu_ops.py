@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_native_common import NATIVE, leaves, policy_inputs, random_holes_mask, random_mask, requires_native
+from test_native_common import NATIVE, policy_inputs, random_holes_mask, random_mask, requires_native
 
 import ppo_fast as pf
 from ppo_fast.backends import reference
@@ -185,7 +185,7 @@ def test_mixed_input_dtypes_give_each_gradient_its_dtype(op, dtypes, out_dtype):
 def test_kl_estimate_gradient_conventions(kl_estimator):
     # abs: sign(0) = 0; k3: no gradient beyond either clamp; k1: -1 to the reference.
     logprobs, ref = torch.zeros(5), torch.tensor([0.0, 25.0, -25.0, 5.0, -0.5])
-    x, r = leaves(logprobs, ref)
+    x, r = logprobs.clone().requires_grad_(True), ref.clone().requires_grad_(True)
     grad_logp, grad_ref = torch.autograd.grad(_native().FUNCTIONS["kl_estimate"](x, r, kl_estimator).sum(), (x, r))
     log_ratio = logprobs - ref
     expected = {
@@ -272,19 +272,6 @@ def test_value_loss_tie_conventions_match_reference():
 
 
 # --------------------------------------------------------------------------- token_logprobs
-
-
-def test_token_logprobs_infinite_logits():
-    logits, labels = torch.randn(4, 10), torch.tensor([2, 5, 6, 0])
-    logits[0, 2] = -math.inf  # chosen logit -inf: log-prob -inf
-    logits[1, 7] = math.nan  # NaN only poisons its own row
-    logits[2, :5] = -math.inf  # other -inf logits: p = 0, finite entropy
-    logp, ent = _native().FUNCTIONS["token_logprobs"](logits, labels, 1.0, True, -100)
-    ref_logp, ref_ent = reference.token_logprobs(logits, labels, 1.0, True, -100)
-    assert logp[0].item() == -math.inf and math.isnan(logp[1].item()) and math.isnan(ent[1].item())
-    torch.testing.assert_close(logp, ref_logp, equal_nan=True)
-    torch.testing.assert_close(ent, ref_ent, equal_nan=True)
-    assert torch.isfinite(logp[2:]).all() and torch.isfinite(ent[[0, 2, 3]]).all()
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

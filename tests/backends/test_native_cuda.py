@@ -18,8 +18,6 @@ pytestmark = [
     ),
 ]
 
-SHAPES = [(64, 4096), (7, 1000), (1000, 3)]
-
 
 def _misaligned(t):
     """t's values in a contiguous tensor whose data starts one element past a 16-byte
