@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,8 +15,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def pytest_addoption(parser):
@@ -133,6 +132,66 @@ def _seed_everything(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     yield
+
+
+# ---------------------------------------------------------------------- tiny runs of the trainer and the command
+
+TINY_FLAGS = "--batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 16"
+
+
+@pytest.fixture
+def tiny_flags() -> list[str]:
+    """``ppo-fast train`` flags of a built-in run small enough for a test (a later flag overrides one)."""
+    return TINY_FLAGS.split()
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """``make(name="run", **overrides)``: the TrainerConfig of a built-in run in ``tmp_path / name``,
+    two steps of two minibatches of 4, at a learning rate a tiny model moves at."""
+    from ppo_fast.trainer import TrainerConfig
+
+    base = dict(steps=2, batch_size=8, num_mini_batches=2, num_ppo_epochs=1, sft_steps=10, eval_size=16)
+    base.update(sample_every=0, save_every=0, learning_rate=1e-3)
+
+    def make(name: str = "run", **overrides) -> TrainerConfig:
+        return TrainerConfig(**{**base, "output_dir": str(tmp_path / name), **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> pathlib.Path:
+    """A built-in run of two steps by the command (tiny_flags), a checkpoint after each (both kept),
+    and its warm-up model; made once: a test changes a copy (``run``)."""
+    from ppo_fast.cli import main
+    from ppo_fast.trainer import checkpoint
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--output-dir", str(out), "--steps", "2", "--save-every", "1", *TINY_FLAGS.split()]) == 0
+    assert [p.name for p in checkpoint.candidates(out)] == ["step-000002", "step-000001"]
+    return out
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> pathlib.Path:
+    """A copy of ``finished_run`` in ``tmp_path / "run"`` (with its mtimes)."""
+    return pathlib.Path(shutil.copytree(finished_run, tmp_path / "run"))
+
+
+@pytest.fixture
+def error_line(capsys):
+    """``read(progress=False)``: the one ``ppo-fast: error: ...`` line the command wrote to stderr, with
+    nothing else there (``progress``: after progress bars), and no traceback."""
+
+    def read(progress: bool = False) -> str:
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip() and (not progress or line.startswith("ppo-fast: "))]
+        assert len(lines) == 1 and lines[0].startswith("ppo-fast: error: ") and "Traceback" not in err, err
+        assert err.rstrip().endswith(lines[0]), err
+        return lines[0]
+
+    return read
 
 
 def pytest_terminal_summary(terminalreporter, config):

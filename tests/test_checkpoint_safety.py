@@ -5,9 +5,9 @@ full disk or an unwritable output directory is one line, and SIGTERM stops after
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,53 +24,13 @@ from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.setup import lr_lambda
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(
-    batch_size=4,
-    num_mini_batches=1,
-    num_ppo_epochs=1,
-    sample_every=0,
-    sft_steps=10,
-    eval_size=16,
-    save_every=1,
-    keep_checkpoints=0,
-)
-TINY_FLAGS = (
-    "--batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 16".split()
-)
-
-
-def quiet(_message: str) -> None:
-    pass
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory) -> Path:
-    """A built-in run of two steps with a checkpoint after each (made once)."""
-    out = tmp_path_factory.mktemp("saved") / "run"
-    PPOTrainer(TrainerConfig(output_dir=str(out), steps=2, **TINY), log=quiet).train()
-    assert [p.name for p in checkpoint.candidates(out)] == ["step-000002", "step-000001"]
-    return out
-
-
-@pytest.fixture
-def run(two_checkpoints, tmp_path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(two_checkpoints, copy)
-    return copy
 
 
 def resumed(run: Path, messages: list | None = None, **overrides) -> PPOTrainer:
-    values = dict(TINY, output_dir=str(run), steps=3, resume=True)
-    values.update(overrides)
-    return PPOTrainer(TrainerConfig(**values), log=(messages.append if messages is not None else quiet))
-
-
-def error_line(capsys) -> str:
-    """The one error line (progress bars may come before it; no traceback)."""
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("ppo-fast: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err and err.rstrip().endswith(lines[0]), err
-    return lines[0]
+    """``run`` resumed to step 3 with its own options, a checkpoint after each step (all kept)."""
+    changed = dict(output_dir=str(run), steps=3, resume=True, save_every=1, keep_checkpoints=0, **overrides)
+    cfg = dataclasses.replace(TrainerConfig.from_file(run / "run_config.yaml"), **changed)
+    return PPOTrainer(cfg, log=messages.append if messages is not None else None)
 
 
 # ---------------------------------------------------------------------- unsafe or damaged files
@@ -132,11 +92,11 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(run, name, d
     assert any("resumed from" in m and "step-000001" in m for m in messages)
 
 
-def test_no_usable_checkpoint_is_one_line_naming_each_bad_file(run, capsys):
+def test_no_usable_checkpoint_is_one_line_naming_each_bad_file(run, tiny_flags, error_line):
     _truncate(run / "checkpoints" / "step-000002" / checkpoint.STATE_FILE)
     _garble(run / "checkpoints" / "step-000001" / "policy" / "config.json")
-    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS]) == 1
-    line = error_line(capsys)
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *tiny_flags]) == 1
+    line = error_line()
     assert "no usable checkpoint" in line
     assert f"step-000002/{checkpoint.STATE_FILE}" in line and "step-000001/policy/config.json" in line
 
@@ -148,6 +108,7 @@ def test_a_torn_last_metrics_line_is_tolerated_on_resume(run):
     assert [r["step"] for r in read_metrics(metrics)] == [1, 2]
     assert resumed(run).train()["steps_done"] == 3
     assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+    assert len(checkpoint.candidates(run)) == 3  # --keep-checkpoints 0: all
     metrics.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')  # damage inside the file is not hidden
     with pytest.raises(ValueError):
         read_metrics(metrics)
@@ -178,7 +139,7 @@ def test_checkpoints_are_fsynced_and_stale_temporary_folders_removed(run, monkey
     assert not list((run / "checkpoints").glob(".tmp-step-*"))
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monkeypatch):
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, tiny_flags, error_line, monkeypatch):
     real_save = torch.save
 
     def no_space(obj, path, *args, **kwargs):
@@ -187,17 +148,17 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monk
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", no_space)
-    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS]) == 1
-    line = error_line(capsys)
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *tiny_flags]) == 1
+    line = error_line(progress=True)
     assert "No space left on device" in line and "the last complete checkpoint" in line
     assert [p.name for p in checkpoint.candidates(run)] == ["step-000002", "step-000001"]
     assert not list((run / "checkpoints").glob(".tmp-step-*"))
 
 
-def test_an_output_dir_that_cannot_be_written_is_one_line(capsys):
+def test_an_output_dir_that_cannot_be_written_is_one_line(error_line):
     # /sys refuses new folders even to root (chmod does not stop root).
     assert main(["train", "--output-dir", "/sys/ppo_fast_run", "--steps", "1"]) == 1
-    assert "--output-dir /sys/ppo_fast_run: cannot write there" in error_line(capsys)
+    assert "--output-dir /sys/ppo_fast_run: cannot write there" in error_line()
 
 
 # ---------------------------------------------------------------------- changed options
@@ -212,15 +173,15 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(capsys):
         ("advantage_method", "grpo"),
     ],
 )
-def test_a_refused_option_change_is_one_line(run, capsys, name, value):
+def test_a_refused_option_change_is_one_line(run, tiny_flags, error_line, name, value):
     flag = "--" + name.replace("_", "-")
     extra = ["--group-size", "2"] if name == "advantage_method" else []
     assert (
-        main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *TINY_FLAGS, flag, str(value), *extra])
+        main(["train", "--output-dir", str(run), "--resume", "--steps", "3", *tiny_flags, flag, str(value), *extra])
         == 1
     )
-    old = TrainerConfig(**TINY).to_dict()[name]
-    line = error_line(capsys)
+    old = TrainerConfig.from_file(run / "run_config.yaml").to_dict()[name]
+    line = error_line()
     assert f"was trained with {flag} {old}" in line and f"resume with {flag} {old}" in line, line
 
 
@@ -249,33 +210,30 @@ def test_applied_option_changes_take_effect(run):
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(5e-4 * lr_lambda(trainer.cfg, 3)(3))
 
 
-def test_grpo_and_rloo_may_swap_on_resume(tmp_path):
-    cfg = TrainerConfig(
-        output_dir=str(tmp_path / "g"),
-        steps=1,
-        advantage_method="grpo",
-        group_size=2,
-        **dict(TINY, batch_size=2),
-    )
-    PPOTrainer(cfg, log=quiet).train()
-    trainer = PPOTrainer(TrainerConfig(**dict(cfg.to_dict(), advantage_method="rloo", resume=True, steps=2)), log=quiet)
-    assert trainer.step == 1
+def test_grpo_and_rloo_may_swap_on_resume(tiny_config):
+    cfg = tiny_config(steps=1, advantage_method="grpo", group_size=2, batch_size=2, num_mini_batches=1)
+    PPOTrainer(cfg).train()
+    assert PPOTrainer(dataclasses.replace(cfg, advantage_method="rloo", resume=True, steps=2)).step == 1
 
 
 # ---------------------------------------------------------------------- signals
 
 
-def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_flags):
     out = tmp_path / "run"
     command = [
         sys.executable,
-        *"-m ppo_fast train --output-dir".split(),
+        "-m",
+        "ppo_fast",
+        "train",
+        "--output-dir",
         str(out),
-        *"--steps 500 --save-every 0".split(),
-        *TINY_FLAGS[:-2],
-        "--eval-size",
+        "--steps",
+        "500",
+        "--save-every",
         "0",
     ]
+    command += [*tiny_flags, "--eval-size", "0"]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

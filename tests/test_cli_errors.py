@@ -1,44 +1,47 @@
 """The ppo-fast command's answers to mistakes: no abbreviated flags (a hint instead), negative
 numbers as values, and errors in the options, config file, prompts files and model folders
-reported before torch is imported."""
+reported before torch is imported (--help does not import it either)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import ppo_fast_cli
+from ppo_fast.cli import main
 from ppo_fast.trainer import config as config_module
+from ppo_fast.trainer.scoring import FunctionScorer, RewardError, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _stderr_line(capsys) -> str:
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
 @pytest.mark.parametrize(
-    "argv, hint",
+    "argv, expected",
     [
+        (["train", "--steps", "three"], "argument --steps: invalid int value: 'three'"),
+        (["train", "--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+        (["trian"], "invalid choice: 'trian'"),
         (["train", "--learning-rat", "1e-4"], "--learning-rat: did you mean --learning-rate?"),
         (["train", "--learning-rat=1e-4"], "--learning-rat: did you mean --learning-rate?"),
         (["train", "--lr", "1e-4"], "unrecognized arguments: --lr 1e-4"),
         (["train", "--kl-coeff", "0.1"], "--kl-coeff: did you mean --kl-coef?"),
     ],
 )
-def test_abbreviated_or_mistyped_flags_are_refused_with_a_hint(argv, hint, capsys):
+def test_a_bad_command_line_is_one_line_with_a_hint(argv, expected, error_line):
     """A prefix (--learning-rat, --lr) is no longer taken for the flag it starts."""
     with pytest.raises(SystemExit) as stop:
         ppo_fast_cli.main(argv)
     assert stop.value.code == 2
-    assert hint in _stderr_line(capsys)
+    line = error_line()
+    assert expected in line and "--help` lists the options" in line
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,7 @@ def test_negative_numbers_are_values(text, value):
     assert args.learning_rate == value and args.kl_coef == value and args.seed == -3
 
 
+@pytest.mark.parametrize("entry", [ppo_fast_cli.main, main], ids=["console-script", "python-m-ppo_fast"])
 @pytest.mark.parametrize(
     "flag, message",
     [
@@ -57,12 +61,14 @@ def test_negative_numbers_are_values(text, value):
         ("--kl-coef", "kl_coef (--kl-coef) must be >= 0"),
     ],
 )
-def test_a_negative_value_meets_the_options_own_check(flag, message, tmp_path, capsys):
-    assert ppo_fast_cli.main(["train", flag, "-1e-4", "--output-dir", str(tmp_path / "x")]) == 1
-    assert message in _stderr_line(capsys)
+def test_a_negative_value_meets_the_options_own_check(entry, flag, message, tmp_path, error_line):
+    """The console script (ppo_fast_cli) and python -m ppo_fast (ppo_fast.cli) share one parser and check."""
+    assert entry(["train", flag, "-1e-4", "--output-dir", str(tmp_path / "x")]) == 1
+    assert message in error_line()
+    assert not (tmp_path / "x").exists()
 
 
-# One subprocess runs every case: each must fail with its one line while torch is still not imported.
+# One subprocess runs every case: each must answer while torch (or anything heavy) is still not imported.
 _FAST_ERRORS = """
 import json, sys
 import ppo_fast_cli
@@ -72,9 +78,26 @@ for argv in json.loads(sys.argv[1]):
         code = ppo_fast_cli.main(argv)
     except SystemExit as stop:
         code = stop.code
-    results.append([code, 'torch' in sys.modules, 'transformers' in sys.modules])
+    results.append([code, sorted(m for m in ('torch', 'transformers', 'ppo_fast', 'numpy') if m in sys.modules)])
 print('RESULTS', json.dumps(results))
 """
+
+
+def console_script(argvs: list[list[str]], **env: str) -> tuple[list, str, list[str]]:
+    """Each command line through ppo_fast_cli.main, in one new interpreter: ``([exit status, the heavy
+    modules imported] per command, what it printed before, its stderr's lines)``."""
+    command = [sys.executable, "-c", _FAST_ERRORS, json.dumps(argvs)]
+    out = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert "RESULTS" in out.stdout, out.stderr
+    said, results = out.stdout.split("RESULTS", 1)
+    return json.loads(results), said, [line for line in out.stderr.splitlines() if line.strip()]
+
+
+def test_help_answers_without_importing_torch():
+    """`ppo-fast --help` (the console script runs ppo_fast_cli) loads no torch and no transformers."""
+    results, said, _ = console_script([["--help"], ["train", "--help"], ["options"]])
+    assert results == [[0, []]] * 3
+    assert "--eval-prompts-file" in said and "Ratio clip below 1 (1 - clip_eps_low)" in said
 
 
 def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
@@ -120,46 +143,32 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         (["train", "--loss-mode", "dro", "--output-dir", out], "needs dro_beta"),
         (["train", "--loss-mode", "sapo", "--loss-mode-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
     ]
-    run = subprocess.run(
-        [sys.executable, "-c", _FAST_ERRORS, json.dumps([argv for argv, _ in cases])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    results = json.loads(run.stdout.split("RESULTS", 1)[1])
-    errors = [line for line in run.stderr.splitlines() if line.strip()]
-    assert len(errors) == len(cases), run.stderr
-    for (argv, expected), (code, torch_loaded, transformers_loaded), line in zip(cases, results, errors):
+    results, _, errors = console_script([argv for argv, _ in cases])
+    assert len(errors) == len(cases), errors
+    for (argv, expected), (code, heavy), line in zip(cases, results, errors):
         assert code == 1, (argv, line)
         assert line.startswith("ppo-fast: error: ") and expected in line, (argv, line)
-        assert not torch_loaded and not transformers_loaded, argv
+        assert heavy == [], argv
     assert not Path(out).exists()
 
 
 def test_device_cuda_where_no_gpu_can_be_visible_is_refused_before_torch_is_imported(tmp_path):
     argv = [["train", "--device", "cuda", "--output-dir", str(tmp_path / "out")]]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(
-        [sys.executable, "-c", _FAST_ERRORS, json.dumps(argv)], cwd=ROOT, capture_output=True, text=True, env=env
-    )
-    assert json.loads(out.stdout.split("RESULTS", 1)[1]) == [[1, False, False]], out.stderr
-    assert out.stderr.strip() == (
+    results, _, errors = console_script(argv, CUDA_VISIBLE_DEVICES="")
+    assert results == [[1, []]] and errors == [
         "ppo-fast: error: --device cuda: no GPU is visible (CUDA_VISIBLE_DEVICES hides every GPU); use --device cpu "
         "(or auto)"
-    )
+    ]
 
 
 def test_resume_of_a_finished_run_says_nothing_to_do_before_torch_is_imported(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step-000003").mkdir(parents=True)
     (run / "summary.json").write_text('{"stop_reason": "done", "steps_done": 3}')
-    argv = [["train", "--resume", "--steps", str(steps), "--output-dir", str(run)] for steps in (3, 2)]
-    out = subprocess.run(
-        [sys.executable, "-c", _FAST_ERRORS, json.dumps(argv)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    results, said, _ = console_script(
+        [["train", "--resume", "--steps", str(n), "--output-dir", str(run)] for n in (3, 2)]
     )
-    said, results = out.stdout.split("RESULTS", 1)
-    assert json.loads(results) == [[0, False, False], [0, False, False]], out.stderr
+    assert results == [[0, []], [0, []]]
     assert said.splitlines() == [
         f"--resume: the run in {run} already did 3 steps (--steps {steps}); nothing to do. Give a larger --steps "
         "to train on, or another --output-dir for a new run."
@@ -171,18 +180,12 @@ def test_resume_of_a_finished_run_says_nothing_to_do_before_torch_is_imported(tm
 
 
 def _scorer_error(fn, count: int = 2) -> str:
-    import torch
-
-    from ppo_fast.trainer.scoring import FunctionScorer, RewardError
-
     with pytest.raises(RewardError) as caught:
         FunctionScorer(fn)(["p"] * count, ["r"] * count, torch.device("cpu"))
     return str(caught.value)
 
 
 def test_a_reward_function_that_raises_is_named_with_its_file_and_line(tmp_path, monkeypatch):
-    from ppo_fast.trainer.scoring import load_reward_fn
-
     (tmp_path / "server_rewards.py").write_text(
         "def helper():\n    raise RuntimeError('my reward server is down')\n\n\ndef raises(prompts, responses):\n"
         "    return helper()\n"
@@ -216,25 +219,15 @@ def test_non_numeric_scores_name_what_was_returned(returned, expected):
 
 
 def test_numbers_of_every_kind_are_scores():
-    import numpy as np
-    import torch
-
-    from ppo_fast.trainer.scoring import FunctionScorer
-
     for raw in ([1, 0.5], (1.0, 2), np.array([1.0, 0.5]), torch.tensor([1, 0]), [torch.tensor(1.0), np.float32(2)]):
         scores = FunctionScorer(lambda p, r, *, raw=raw: raw)(["p", "q"], ["x", "y"], torch.device("cpu"))
         assert scores.dtype == torch.float32 and scores.tolist() == [float(v) for v in raw]
 
 
-TINY = "--steps 1 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10".split()
-
-
-def test_debug_prints_the_reward_functions_traceback(tmp_path, monkeypatch, capsys):
-    from ppo_fast.cli import main
-
+def test_debug_prints_the_reward_functions_traceback(tmp_path, monkeypatch, capsys, tiny_flags):
     (tmp_path / "down.py").write_text("def raises(prompts, responses):\n    raise RuntimeError('server down')\n")
     monkeypatch.chdir(tmp_path)
-    argv = ["train", "--reward-fn", "down.py:raises", "--eval-size", "0", *TINY]
+    argv = ["train", "--reward-fn", "down.py:raises", "--steps", "1", *tiny_flags, "--eval-size", "0"]
     assert main([*argv, "--output-dir", str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err
     line = f"ppo-fast: error: reward function raises() raised RuntimeError: server down (at {tmp_path / 'down.py'}:2)"
@@ -248,12 +241,10 @@ def test_debug_prints_the_reward_functions_traceback(tmp_path, monkeypatch, caps
 # ---------------------------------------------------------------------- quiet by default
 
 
-def test_transformers_output_only_with_verbose(tmp_path, capsys):
+def test_transformers_output_only_with_verbose(tmp_path, capsys, tiny_flags):
     """The warm-up model's save ("Writing model shards") and load bars, and transformers'
     warnings, appear with --verbose only; tensorboard is not mentioned unless asked for."""
-    from ppo_fast.cli import main
-
-    argv = ["train", "--eval-size", "0", "--save-every", "0", *TINY]
+    argv = ["train", "--steps", "1", "--save-every", "0", *tiny_flags, "--eval-size", "0"]
     assert main([*argv, "--output-dir", str(tmp_path / "quiet")]) == 0
     quiet = capsys.readouterr()
     assert "Writing model shards" not in quiet.err and "Loading weights" not in quiet.err
@@ -262,14 +253,10 @@ def test_transformers_output_only_with_verbose(tmp_path, capsys):
     assert "Writing model shards" in capsys.readouterr().err
 
 
-def test_report_to_tensorboard_without_tensorboard_is_one_line(tmp_path, monkeypatch, capsys):
-    import importlib.util
-
-    from ppo_fast.cli import main
-
+def test_report_to_tensorboard_without_tensorboard_is_one_line(tmp_path, monkeypatch, error_line):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     assert main(["train", "--report-to", "tensorboard", "--output-dir", str(tmp_path / "run")]) == 1
-    line = _stderr_line(capsys)
+    line = error_line()
     assert line == "ppo-fast: error: --report-to tensorboard: tensorboard is not installed (pip install tensorboard)"
     assert not (tmp_path / "run").exists()

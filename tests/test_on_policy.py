@@ -9,79 +9,55 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task, rollout
-from ppo_fast.trainer.config import ConfigError
+from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task, packing, rollout, update
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.rollout import forward, generate
 
 
-def run(tmp_path, name, **overrides) -> list[dict]:
-    values = dict(
-        output_dir=str(tmp_path / name),
-        steps=2,
-        batch_size=8,
-        num_ppo_epochs=2,
-        sft_steps=5,
-        eval_size=8,
-        sample_every=0,
-        save_every=0,
-        learning_rate=1e-3,
-    )
-    values.update(overrides)
-    cfg = TrainerConfig(**values)
-    PPOTrainer(cfg, log=lambda _: None).train()
-    return read_metrics(Path(cfg.output_dir) / METRICS_FILE)
+@pytest.fixture
+def ratios(tiny_config):
+    """``train(**overrides)``: a run of two steps of two epochs; how far from 1 the ratio was at the
+    start of each step's update."""
+
+    def train(**overrides) -> list[float]:
+        cfg = tiny_config(**{"num_ppo_epochs": 2, "sft_steps": 5, "eval_size": 8, **overrides})
+        PPOTrainer(cfg).train()
+        return [row["policy/ratio_dev_at_start"] for row in read_metrics(Path(cfg.output_dir) / METRICS_FILE)]
+
+    return train
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "path, layout",
     [
-        dict(num_mini_batches=1, gradient_accumulation_steps=1),
-        dict(num_mini_batches=2, gradient_accumulation_steps=1),
-        dict(num_mini_batches=2, gradient_accumulation_steps=2),
-        dict(num_mini_batches=1, gradient_accumulation_steps=4, group_size=2, advantage_method="grpo"),
+        ("fused", dict(num_mini_batches=1, gradient_accumulation_steps=1)),
+        ("fused", dict(num_mini_batches=2, gradient_accumulation_steps=1)),
+        ("fused", dict(num_mini_batches=2, gradient_accumulation_steps=2)),
+        ("fused", dict(num_mini_batches=1, gradient_accumulation_steps=4, group_size=2, advantage_method="grpo")),
+        ("fused", dict(num_mini_batches=2, gradient_accumulation_steps=2, top_p=0.8, backend="reference")),
+        ("packed", dict(num_mini_batches=2, gradient_accumulation_steps=2)),
+        ("logits", dict(num_mini_batches=2, top_k=5, top_p=0.9, backend="reference")),
     ],
-    ids=["1x1", "2x1", "2x2", "1x4-grpo"],
+    ids=["1x1", "2x1", "2x2", "1x4-grpo", "2x2-top-p", "2x2-packed", "2x1-logits-top-k-top-p"],
 )
-def test_ratio_is_exactly_one_before_the_first_update(tmp_path, layout, capsys):
-    metrics = run(tmp_path, "run", **layout)
-    assert [row["policy/ratio_dev_at_start"] for row in metrics] == [0.0, 0.0]
+def test_ratio_is_exactly_one_before_the_first_update(ratios, monkeypatch, capsys, path, layout):
+    """Through the fused head (with truncation too), with every micro-batch packed, or on the logits path."""
+    taken = []
+    if path == "packed":
+        if why := packing.problem(default_task.build_model(default_task.build_tokenizer(), 0), torch.device("cpu")):
+            pytest.skip(why)  # this transformers does not mask packed sequences: the trainer does not pack
+        real = packing.pack
+        monkeypatch.setattr(packing, "PACK_BELOW", 1.0)  # the built-in task's rows pack whatever their padding
+        monkeypatch.setattr(packing, "pack", lambda *args: taken.append(1) or real(*args))
+    if path == "logits":
+        no_fused_head = (None, "the test scores from the logits")
+        monkeypatch.setattr(rollout, "_fused_head", lambda model, device: taken.append(1) or no_fused_head)
+    assert ratios(**layout) == [0.0, 0.0]
+    assert taken or path == "fused"
     assert "ratio is not 1" not in capsys.readouterr().err
 
 
-def test_ratio_is_exactly_one_with_every_micro_batch_packed(tmp_path, monkeypatch):
-    from ppo_fast.trainer import packing
-
-    if why := packing.problem(default_task.build_model(default_task.build_tokenizer(), 0), torch.device("cpu")):
-        pytest.skip(why)  # this transformers does not mask packed sequences: the trainer does not pack
-    packed = []
-    real = packing.pack
-    monkeypatch.setattr(packing, "PACK_BELOW", 1.0)  # the built-in task's rows pack whatever their padding
-    monkeypatch.setattr(packing, "pack", lambda *args: packed.append(1) or real(*args))
-    metrics = run(tmp_path, "run", num_mini_batches=2, gradient_accumulation_steps=2)
-    assert packed and [row["policy/ratio_dev_at_start"] for row in metrics] == [0.0, 0.0]
-
-
-def test_ratio_is_exactly_one_on_the_logits_path_with_truncation(tmp_path, monkeypatch):
-    calls = []
-
-    def no_fused_head(model, device):
-        calls.append(type(model).__name__)
-        return None, "the test scores from the logits"
-
-    monkeypatch.setattr(rollout, "_fused_head", no_fused_head)
-    metrics = run(tmp_path, "run", num_mini_batches=2, top_k=5, top_p=0.9, backend="reference")
-    assert calls and [row["policy/ratio_dev_at_start"] for row in metrics] == [0.0, 0.0]
-
-
-def test_ratio_is_exactly_one_through_the_fused_head_with_truncation(tmp_path):
-    metrics = run(tmp_path, "run", num_mini_batches=2, gradient_accumulation_steps=2, top_p=0.8, backend="reference")
-    assert [row["policy/ratio_dev_at_start"] for row in metrics] == [0.0, 0.0]
-
-
-def test_dropout_on_is_reported_once(tmp_path, capsys, monkeypatch):
-    from ppo_fast.trainer import update
-
+def test_dropout_on_is_reported_once(ratios, capsys, monkeypatch):
     monkeypatch.setattr(update, "_warned_ratio", False)
     build = default_task.build_model
 
@@ -93,8 +69,7 @@ def test_dropout_on_is_reported_once(tmp_path, capsys, monkeypatch):
         return model
 
     monkeypatch.setattr(default_task, "build_model", with_dropout)
-    metrics = run(tmp_path, "run", disable_dropout=False, sft_steps=0)
-    assert all(row["policy/ratio_dev_at_start"] > 0 for row in metrics)
+    assert all(dev > 0 for dev in ratios(disable_dropout=False, sft_steps=0))
     assert capsys.readouterr().err.count("ratio is not 1") == 1
 
 
@@ -112,20 +87,6 @@ def test_sampled_support_renormalises_and_full_does_not():
     # over a subset raises each one's log-prob by minus the log of the kept mass.
     assert bool(finite[mask].all())
     assert bool((sampled[finite] >= full[finite]).all()) and bool((sampled[finite] > full[finite]).any())
-
-
-@pytest.mark.parametrize(
-    "overrides, words",
-    [
-        (dict(min_p=-0.1), "min_p"),
-        (dict(min_p=1.5), "min_p"),
-        (dict(logprobs_support="both"), "logprobs_support"),
-        (dict(min_p=0.1, top_p=0.9), "rollout-engine vllm"),
-    ],
-)
-def test_bad_sampling_options_are_named(overrides, words):
-    with pytest.raises(ConfigError, match=words):
-        TrainerConfig(**overrides).validate()
 
 
 def test_full_support_scores_without_truncation():

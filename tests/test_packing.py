@@ -178,8 +178,3 @@ def test_a_token_budget_cuts_micro_batches_and_leaves_the_update_unchanged(monke
     for want, got in zip(whole["weights"], budgeted["weights"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(w, p) for w, p in zip(whole["weights"], _one_update(None, seed + 1)["weights"]))
-
-
-def test_a_token_budget_replaces_gradient_accumulation():
-    with pytest.raises(ConfigError, match=r"replaces --gradient-accumulation-steps"):
-        TrainerConfig(max_tokens_per_micro_batch=512, gradient_accumulation_steps=2).validate()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,14 +23,6 @@ from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.run_folder import SUMMARY_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_FLAGS = (
-    "--batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 16".split()
-)
-TINY = dict(batch_size=4, num_mini_batches=1, num_ppo_epochs=1, sample_every=0, sft_steps=10, eval_size=16)
-
-
-def quiet(_message: str) -> None:
-    pass
 
 
 def snapshot(root: Path) -> dict:
@@ -42,30 +33,6 @@ def snapshot(root: Path) -> dict:
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
         tree[path.relative_to(root).as_posix()] = (digest, info.st_size if path.is_file() else 0, info.st_mtime_ns)
     return tree
-
-
-def error_line(capsys) -> str:
-    """The one line on stderr (no traceback, nothing else)."""
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ppo-fast: error: "), err
-    return lines[0]
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A built-in run of two steps, a checkpoint after each (both kept), made once by the command."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert main(["train", "--output-dir", str(out), "--steps", "2", "--save-every", "1", *TINY_FLAGS]) == 0
-    assert [p.name for p in checkpoint.candidates(out)] == ["step-000002", "step-000001"]
-    return out
-
-
-@pytest.fixture
-def run(finished, tmp_path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(finished, copy)  # copy2: the mtimes come along
-    return copy
 
 
 def refused_line(run: Path) -> str:
@@ -81,16 +48,16 @@ def refused_line(run: Path) -> str:
 # ---------------------------------------------------------------------- refused
 
 
-def test_a_second_train_into_a_run_folder_is_refused_with_the_old_run_intact(run, capsys):
+def test_a_second_train_into_a_run_folder_is_refused_with_the_old_run_intact(run, tiny_flags, error_line):
     before = snapshot(run)
-    assert main(["train", "--output-dir", str(run), "--steps", "3", *TINY_FLAGS]) == 1
-    assert error_line(capsys) == refused_line(run)
+    assert main(["train", "--output-dir", str(run), "--steps", "3", *tiny_flags]) == 1
+    assert error_line() == refused_line(run)
     assert snapshot(run) == before
     # The console script (ppo_fast_cli) says the same; and --resume still continues the old run.
-    assert ppo_fast_cli.main(["train", "--output-dir", str(run), "--steps", "3", *TINY_FLAGS]) == 1
-    assert error_line(capsys) == refused_line(run)
+    assert ppo_fast_cli.main(["train", "--output-dir", str(run), "--steps", "3", *tiny_flags]) == 1
+    assert error_line() == refused_line(run)
     assert snapshot(run) == before
-    assert main(["train", "--output-dir", str(run), "--steps", "3", "--resume", *TINY_FLAGS]) == 0
+    assert main(["train", "--output-dir", str(run), "--steps", "3", "--resume", *tiny_flags]) == 0
     assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1, 2, 3]
     assert [p.name for p in checkpoint.candidates(run)] == ["step-000003", "step-000002"]
 
@@ -112,7 +79,7 @@ def test_the_trainer_itself_refuses_a_run_folder(run):
     """From Python (and under torchrun, where every rank builds a trainer) as from the command."""
     before = snapshot(run)
     with pytest.raises(ConfigError) as err:
-        PPOTrainer(TrainerConfig(output_dir=str(run), steps=3, **TINY), log=quiet)
+        PPOTrainer(TrainerConfig(output_dir=str(run), steps=3))
     assert "ppo-fast: error: " + str(err.value) == refused_line(run)
     assert snapshot(run) == before
 
@@ -126,7 +93,7 @@ def test_the_trainer_itself_refuses_a_run_folder(run):
         ("curves.png", "curves.png"),
     ],
 )
-def test_a_completed_step_makes_a_run(tmp_path, capsys, artifact, named):
+def test_a_completed_step_makes_a_run(tmp_path, tiny_flags, error_line, artifact, named):
     out = tmp_path / "out"
     path = out / artifact.rstrip("/")
     if artifact.endswith("/"):
@@ -136,8 +103,8 @@ def test_a_completed_step_makes_a_run(tmp_path, capsys, artifact, named):
         path.write_text("{}\n")
     (out / "notes.txt").write_text("mine")
     before = snapshot(out)
-    assert main(["train", "--output-dir", str(out), "--steps", "1", *TINY_FLAGS]) == 1
-    assert error_line(capsys) == (
+    assert main(["train", "--output-dir", str(out), "--steps", "1", *tiny_flags]) == 1
+    assert error_line() == (
         f"ppo-fast: error: --output-dir {out} already holds a run ({named}); "
         "pass --resume to continue it, or --overwrite to replace it"
     )
@@ -171,10 +138,10 @@ def test_the_leftovers_of_a_run_that_completed_no_step_are_not_a_run(tmp_path):
     assert run_folder.completed_a_step(out) and run_folder.refusal(out, resume=False, overwrite=False)
 
 
-def test_overwrite_with_resume_is_one_line(run, capsys):
+def test_overwrite_with_resume_is_one_line(run, tiny_flags, error_line):
     before = snapshot(run)
-    assert main(["train", "--output-dir", str(run), "--overwrite", "--resume", "--steps", "3", *TINY_FLAGS]) == 1
-    assert error_line(capsys) == (
+    assert main(["train", "--output-dir", str(run), "--overwrite", "--resume", "--steps", "3", *tiny_flags]) == 1
+    assert error_line() == (
         "ppo-fast: error: invalid config: overwrite (--overwrite) cannot be combined with --resume "
         "(--resume continues the run in output_dir, --overwrite deletes it); choose one"
     )
@@ -184,7 +151,7 @@ def test_overwrite_with_resume_is_one_line(run, capsys):
 # ---------------------------------------------------------------------- --overwrite, and folders without a run
 
 
-def test_overwrite_replaces_the_old_run_and_keeps_everything_else(run, capsys):
+def test_overwrite_replaces_the_old_run_and_keeps_everything_else(run, tiny_flags, capsys):
     (run / "notes.txt").write_text("the user's")
     (run / "checkpoints" / "README").write_text("also the user's")
     old_state = (run / "checkpoints" / "step-000001" / checkpoint.STATE_FILE).read_bytes()
@@ -194,7 +161,7 @@ def test_overwrite_replaces_the_old_run_and_keeps_everything_else(run, capsys):
         if name in ("notes.txt", "checkpoints/README") or name.startswith("warmup")
     }
     assert any(name.startswith("warmup/") for name in kept)
-    assert main(["train", "--output-dir", str(run), "--overwrite", "--steps", "1", *TINY_FLAGS]) == 0
+    assert main(["train", "--output-dir", str(run), "--overwrite", "--steps", "1", *tiny_flags]) == 0
     out = capsys.readouterr().out
     assert f"--overwrite: removed the previous run in {run} (checkpoints/step-000002 and 1 older, metrics.jsonl" in out
     assert "reusing the warm-up model" in out  # the cache is not the run
@@ -205,32 +172,28 @@ def test_overwrite_replaces_the_old_run_and_keeps_everything_else(run, capsys):
     after = snapshot(run)
     assert {name: after[name] for name in kept} == kept
     # The new run is the one --resume continues (and --overwrite is not an option it compares).
-    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "2", *TINY_FLAGS]) == 0
+    assert main(["train", "--output-dir", str(run), "--resume", "--steps", "2", *tiny_flags]) == 0
     assert "resuming with changed options" not in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1, 2]
 
 
-def test_a_folder_with_other_files_only_is_used_and_they_survive_overwrite(tmp_path, capsys):
+def test_a_folder_with_other_files_only_is_used(tmp_path, tiny_flags):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's")
     assert run_folder.artifacts(out) == []
     kept = snapshot(out)
-    assert main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", *TINY_FLAGS[:-2]]) == 0
-    assert (
-        main(["train", "--output-dir", str(out), "--steps", "1", "--eval-size", "0", "--overwrite", *TINY_FLAGS[:-2]])
-        == 0
-    )
+    assert main(["train", "--output-dir", str(out), "--steps", "1", *tiny_flags, "--eval-size", "0"]) == 0
     assert [r["step"] for r in read_metrics(out / METRICS_FILE)] == [1]
     assert {name: snapshot(out)[name] for name in kept} == kept
     # Nothing to replace: --overwrite on a missing folder just starts.
     assert run_folder.remove_run(tmp_path / "missing") == []
 
 
-def test_resume_into_a_folder_without_a_run_starts_from_scratch(tmp_path):
+def test_resume_into_a_folder_without_a_run_starts_from_scratch(tiny_config):
     """Unchanged: --resume with no checkpoint says so and starts at step 1."""
     messages = []
-    cfg = TrainerConfig(output_dir=str(tmp_path / "new"), steps=1, resume=True, **dict(TINY, eval_size=0))
+    cfg = tiny_config("new", steps=1, resume=True, eval_size=0)
     assert PPOTrainer(cfg, log=messages.append).train()["steps_done"] == 1
     assert any("--resume: no checkpoint in" in m and "starting from scratch" in m for m in messages)
 
@@ -252,7 +215,7 @@ def _claim(tmp_path, *, rank: int, overwrite: bool, verdict_of_rank_0):
     fake = SimpleNamespace(
         cfg=TrainerConfig(output_dir=str(out), overwrite=overwrite),
         output_dir=out,
-        log=quiet,
+        log=lambda _: None,
         parallel=SimpleNamespace(main=rank == 0, from_main=from_main),
     )
     return out, sent, lambda: checkpoint.claim_output_dir(fake)
@@ -284,40 +247,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_overwrite_a_run_folder_together(tmp_path):
+def test_two_ranks_overwrite_a_run_folder_together(tmp_path, tiny_flags):
     """What torchrun starts: two processes on gloo; rank 0 removes the old run, both train."""
     out = tmp_path / "run"
     (out / "checkpoints" / "step-000009" / "policy").mkdir(parents=True)
     (out / METRICS_FILE).write_text('{"step": 9}\n')
     (out / "notes.txt").write_text("the user's")
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
+    command = [sys.executable, "-m", "ppo_fast", "train", "--output-dir", str(out), "--overwrite", "--steps", "1"]
+    command += [*tiny_flags, *"--batch-size 8 --eval-size 0 --dist-timeout 60".split()]
+    world = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, **world, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    *"-m ppo_fast train --output-dir".split(),
-                    str(out),
-                    *"--overwrite --steps 1 --batch-size 8 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 0 --dist-timeout 60".split(),
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        for rank in range(2)
+    ]
     try:
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -330,7 +279,7 @@ def test_two_ranks_overwrite_a_run_folder_together(tmp_path):
     assert (out / "notes.txt").read_text() == "the user's"
 
 
-def test_eval_and_generate_a_finished_run(finished, tmp_path, monkeypatch, capsys):
+def test_eval_and_generate_a_finished_run(finished_run, tmp_path, monkeypatch, capsys):
     """`ppo-fast eval` scores the last checkpoint's policy as the trainer's final evaluation did (the
     run's own held-out prompts and reward); with another reward it agrees with `ppo-fast generate`'s
     greedy responses to the same prompts scored by hand."""
@@ -341,19 +290,19 @@ def test_eval_and_generate_a_finished_run(finished, tmp_path, monkeypatch, capsy
     def said() -> list[dict]:
         return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
-    assert main(["eval", str(finished), "--device", "cpu"]) == 0
+    assert main(["eval", str(finished_run), "--device", "cpu"]) == 0
     (result,) = said()
-    assert result["eval/score"] == json.loads((finished / SUMMARY_FILE).read_text())["eval_after"]
-    assert result["prompts"] == 16 and result["policy"] == str(finished / "checkpoints" / "step-000002" / "policy")
+    assert result["eval/score"] == json.loads((finished_run / SUMMARY_FILE).read_text())["eval_after"]
+    assert result["prompts"] == 16 and result["policy"] == str(finished_run / "checkpoints" / "step-000002" / "policy")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "lengths.py").write_text("def score(prompts, responses):\n    return [len(r) / 4 for r in responses]\n")
-    held_out = default_task.prompts(TrainerConfig(**TINY))[1]
+    held_out = default_task.prompts(TrainerConfig(eval_size=16))[1]
     (tmp_path / "held_out.txt").write_text("\n".join(held_out) + "\n")
-    assert main(["eval", str(finished / "checkpoints" / "step-000002"), "--reward-fn", "lengths.py:score"]) == 0
+    assert main(["eval", str(finished_run / "checkpoints" / "step-000002"), "--reward-fn", "lengths.py:score"]) == 0
     (by_length,) = said()
-    assert main(["generate", str(finished), "--prompts-file", "held_out.txt"]) == 0
+    assert main(["generate", str(finished_run), "--prompts-file", "held_out.txt"]) == 0
     responses = said()
     assert [r["prompt"] for r in responses] == held_out
     assert by_length["eval/score"] == pytest.approx(sum(len(r["response"]) / 4 for r in responses) / len(held_out))
-    assert main(["eval", str(finished), "--best"]) == 1
+    assert main(["eval", str(finished_run), "--best"]) == 1
     assert "no best/ (the run was not made with --keep-best)" in capsys.readouterr().err

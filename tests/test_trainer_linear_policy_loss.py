@@ -8,42 +8,19 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.trainer import PPOTrainer, TrainerConfig
+from ppo_fast.trainer import PPOTrainer
 from ppo_fast.trainer import update as update_module
 from ppo_fast.trainer.linear_policy_loss import has_fast_backend
 from ppo_fast.trainer.rollout import forward, generate, scores_through_fused_head
 from ppo_fast.trainer.update import Experience, ppo_losses
 
 
-def quiet(_message: str) -> None:
-    pass
-
-
-def trainer_and_experience(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "run"),
-        steps=1,
-        batch_size=4,
-        group_size=2,
-        sft_steps=2,
-        eval_size=4,
-        sample_every=0,
-        save_every=0,
-        entropy_coef=0.01,
-    )
-    values.update(overrides)
-    cfg = TrainerConfig(**values)
-    trainer = PPOTrainer(cfg, log=quiet)
+def trainer_and_experience(tiny_config, **overrides):
+    cfg = tiny_config(steps=1, batch_size=4, group_size=2, sft_steps=2, eval_size=4, entropy_coef=0.01, **overrides)
+    trainer = PPOTrainer(cfg)
     torch.manual_seed(0)
-    batch = generate(
-        trainer.policy,
-        trainer.tokenizer,
-        ["1+2=", "3+4=", "5+6=", "7+8="],
-        max_new_tokens=4,
-        temperature=1.0,
-        top_p=1.0,
-        greedy=False,
-    )
+    sampling = dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False)
+    batch = generate(trainer.policy, trainer.tokenizer, ["1+2=", "3+4=", "5+6=", "7+8="], **sampling)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         old, _, values = forward(
@@ -75,8 +52,8 @@ def loss_stats_grads(trainer, cfg, exp):
     ],
     ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic", "dro"],
 )
-def test_fused_update_equals_the_two_pass_path(tmp_path, monkeypatch, overrides):
-    trainer, cfg, exp = trainer_and_experience(tmp_path, **overrides)
+def test_fused_update_equals_the_two_pass_path(tiny_config, monkeypatch, overrides):
+    trainer, cfg, exp = trainer_and_experience(tiny_config, **overrides)
     assert scores_through_fused_head(trainer.policy, exp.old_logprobs.device)
     assert has_fast_backend(cfg.loss_mode, "cpu"), "the native CPU backend serves every one-pass mode"
     calls = []
