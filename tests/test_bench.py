@@ -1,7 +1,13 @@
 """The benchmark suite's plumbing: baselines are correct, memory probe and mismatch check work, a tiny run end to end."""
 
+import ast
+import graphlib
+import importlib
+import inspect
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,10 +43,8 @@ def _right_padded(batch, length, empty_row=True):
 def test_gae_loop_matches_reference_with_gaps_inside_rows():
     rewards, values = torch.randn(5, 23), torch.randn(5, 23)
     mask = torch.rand(5, 23) > 0.3  # masked tokens inside rows are skipped, not terminal
-    for got, want in zip(
-        baselines.loop_gae(rewards, values, mask, 0.99, 0.9), reference.gae(rewards, values, mask, 0.99, 0.9)
-    ):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want = reference.gae(rewards, values, mask, 0.99, 0.9)
+    torch.testing.assert_close(baselines.loop_gae(rewards, values, mask, 0.99, 0.9), want, atol=1e-5, rtol=1e-5)
 
 
 def test_kl_reward_baseline_matches_reference_on_right_padded_rows():
@@ -49,8 +53,7 @@ def test_kl_reward_baseline_matches_reference_on_right_padded_rows():
     scores = torch.randn(6)
     got = baselines.eager_kl_rewards(scores, logp, ref, mask, 0.05)
     want = reference.kl_penalized_rewards(scores, logp, ref, mask, 0.05, "k3")
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("agg", contract.AGG_MODES)
@@ -61,13 +64,11 @@ def test_loss_baselines_match_reference(agg):
     want = reference.clipped_policy_loss(
         logp, old, adv, mask, None, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=3.0, agg=agg
     )
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     values, old_values, returns = torch.randn(4, 19), torch.randn(4, 19), torch.randn(4, 19)
     got = baselines.eager_value_loss(values, old_values, returns, mask, 0.3, agg)
     want = reference.value_loss(values, old_values, returns, mask, 0.3, agg)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_cpu_peak_memory_sees_a_known_allocation():
@@ -84,62 +85,28 @@ def test_cpu_peak_memory_sees_a_known_allocation():
     assert timing.peak_extra_bytes(lambda: torch.ones(16), "cpu") < 4 * mib
 
 
-def _settings():
-    return runner.Settings(
-        torch.device("cpu"), compile=False, measure_memory=False, cpu_min_run_time=0.01, cuda_rep_ms=10
+def _measure(case, impl, kind, fn, mode, inputs, *, expected, memory=False):
+    """``runner.measure`` on the CPU, timed briefly."""
+    settings = runner.Settings(
+        torch.device("cpu"), compile=False, measure_memory=memory, cpu_min_run_time=0.01, cuda_rep_ms=10
     )
+    return runner.measure(case, impl, kind, fn, mode=mode, inputs=inputs, expected=expected, settings=settings)
 
 
 def test_a_wrong_answer_is_reported_as_mismatch_not_timed():
     case = cases.value_loss_case(2, 8)
     inputs = case.make_inputs(torch.device("cpu"))
-    expected = reference.value_loss(
-        inputs["values"], inputs["old_values"], inputs["returns"], inputs["mask"], 0.2, "token-mean"
-    )[0]
-
-    def off_by_one_percent(x):
-        return (
-            baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0]
-            * 1.01
-        )
+    want, eager = runner._reference(case, inputs), case.baselines["eager"]
 
     def gradient_off_by_one_percent(x):  # the right loss, a gradient 1.01 times the right one
-        loss = baselines.eager_value_loss(x["values"], x["old_values"], x["returns"], x["mask"], 0.2, "token-mean")[0]
+        loss = eager(x)[0]
         return loss.detach() + 1.01 * (loss - loss.detach())
 
-    row = runner.measure(
-        case,
-        "wrong",
-        "ppo_fast",
-        off_by_one_percent,
-        mode="fwd",
-        inputs=inputs,
-        expected=(expected, None),
-        settings=_settings(),
-    )
+    row = _measure(case, "wrong", "ppo_fast", lambda x: eager(x)[0] * 1.01, "fwd", inputs, expected=(want[0], None))
     assert row["status"] == "mismatch" and "median_ms" not in row
-    want = runner._reference(case, inputs)
-    row = runner.measure(
-        case,
-        "wrong-grad",
-        "baseline",
-        gradient_off_by_one_percent,
-        mode="fwd+bwd",
-        inputs=inputs,
-        expected=want,
-        settings=_settings(),
-    )
+    row = _measure(case, "wrong-grad", "baseline", gradient_off_by_one_percent, "fwd+bwd", inputs, expected=want)
     assert row["status"] == "mismatch" and "gradient of values" in row["detail"] and "median_ms" not in row
-    good = runner.measure(
-        case,
-        "eager",
-        "baseline",
-        case.baselines["eager"],
-        mode="fwd+bwd",
-        inputs=inputs,
-        expected=want,
-        settings=_settings(),
-    )
+    good = _measure(case, "eager", "baseline", eager, "fwd+bwd", inputs, expected=want)
     assert good["status"] == "ok" and good["median_ms"] > 0 and good["grad_rel_err"] < 1e-6
     assert not inputs["values"].requires_grad  # the fwd+bwd mode leaves the inputs as it found them
 
@@ -158,9 +125,8 @@ def test_a_baseline_is_held_to_its_inputs_precision_and_ours_to_tol():
 
 def test_every_serving_backend_is_measured():
     case = cases.value_loss_case(2, 8)
-    names = [
-        name for name, kind, _ in runner.implementations(case, "cpu", compile_enabled=False)[0] if kind == "ppo_fast"
-    ]
+    implementations, _ = runner.implementations(case, "cpu", compile_enabled=False)
+    names = [name for name, kind, _ in implementations if kind == "ppo_fast"]
     assert names == runner.serving_backends("value_loss", "cpu") and "reference" in names
 
 
@@ -175,10 +141,8 @@ def test_quick_run_writes_json_table_and_plot(tmp_path, capsys):
     value_rows = {(r["impl"], r["mode"]): r for r in results["cases"][1]["results"]}
     assert set(value_rows) >= {("reference", "fwd"), ("reference", "fwd+bwd"), ("eager", "fwd"), ("eager", "fwd+bwd")}
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in value_rows.values())
-    assert (
-        value_rows[("eager", "fwd")]["speedup"] == 1.0
-        and value_rows[("reference", "fwd")]["speedup_vs_reference"] == 1.0
-    )
+    assert value_rows[("eager", "fwd")]["speedup"] == 1.0
+    assert value_rows[("reference", "fwd")]["speedup_vs_reference"] == 1.0
     ref_fwd = value_rows[("reference", "fwd")]
     assert ref_fwd["speedup"] == pytest.approx(value_rows[("eager", "fwd")]["median_ms"] / ref_fwd["median_ms"])
     assert results["versions"]["torch"] == torch.__version__ and results["machine"]["cores"] == os.cpu_count()
@@ -205,20 +169,9 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
     def row_sums(x):  # its backward allocates exactly one thing: the 16 MiB gradient
         return x["logits"].sum(-1)
 
-    expected = row_sums(inputs)
-    settings = runner.Settings(
-        torch.device("cpu"), compile=False, measure_memory=True, cpu_min_run_time=0.01, cuda_rep_ms=10
-    )
     gradient = inputs["grad_out"][:, None].expand_as(inputs["logits"])
-    row = runner.measure(
-        case,
-        "row-sums",
-        "baseline",
-        row_sums,
-        mode="fwd+bwd",
-        inputs=inputs,
-        expected=(expected, gradient),
-        settings=settings,
+    row = _measure(
+        case, "row-sums", "baseline", row_sums, "fwd+bwd", inputs, expected=(row_sums(inputs), gradient), memory=True
     )
     assert row["status"] == "ok"
     assert 15 * (1 << 20) <= row["peak_extra_bytes"] <= 20 * (1 << 20)
@@ -239,16 +192,14 @@ def test_fused_head_baselines_match_reference():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
         assert (got[inputs["labels"] == IGNORE] == 0).all(), name
     assert "eager" in case.baselines and "linear-layer" in case.yardsticks
-    expected = want.detach()
-    row = runner.measure(
+    row = _measure(
         case,
         "linear-layer",
         "baseline",
         case.baselines["linear-layer"],
-        mode="fwd+bwd",
-        inputs=inputs,
-        expected=(expected, None),
-        settings=_settings(),
+        "fwd+bwd",
+        inputs,
+        expected=(want.detach(), None),
     )
     assert row["status"] == "ok" and row["max_abs_err"] is None and row["tflops"] > 0
 
@@ -272,31 +223,15 @@ def test_cpu_vs_trl_cpu_info_and_table():
     flags = set(info["vector_flags"])
     assert info["native_clone"] in ("x86-64-v4", "x86-64-v3", "default")
     assert (info["native_clone"] == "x86-64-v4") <= ("avx512f" in flags)
-    row = {
-        "threads": 1,
-        "dtype": "float32",
-        "ms": {"native": 10.0, "trl": 20.0, "eager": 40.0},
-        "speedup": {"trl": 2.0, "eager": 4.0},
-    }
-    sample = {
-        "cpu": info,
-        "rows": [row],
-        "exp": {
-            "n": 16,
-            "ns_per_exp": {"ppo_fast": 0.5, "torch.exp": 1.0},
-            "speedup_vs_torch": 2.0,
-            "max_rel_err": 1e-7,
-            "torch_cpu_capability": "AVX2",
-        },
-    }
-    text = cpu_vs_trl.table(sample)
+    row = {"threads": 1, "dtype": "float32", "ms": {"native": 10.0, "trl": 20.0, "eager": 40.0}}
+    row["speedup"] = {"trl": 2.0, "eager": 4.0}
+    exp = {"n": 16, "ns_per_exp": {"ppo_fast": 0.5, "torch.exp": 1.0}, "speedup_vs_torch": 2.0, "max_rel_err": 1e-7}
+    text = cpu_vs_trl.table({"cpu": info, "rows": [row], "exp": {**exp, "torch_cpu_capability": "AVX2"}})
     assert "| 1 | float32 | 10.0 | 20.0 | 40.0 | 2.00x | 4.00x |" in text
     assert "ppo_fast 0.500 ns, torch.exp (AVX2) 1.000 ns: 2.00x" in text
 
 
 def test_overhead_bench_times_every_public_op(tmp_path):
-    import json
-
     from bench import overhead
 
     assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
@@ -317,8 +252,6 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 def _bench_imports() -> dict[str, set[str]]:
     """``{module: bench modules it imports}`` from the AST of bench/*.py (function-level imports included)."""
-    import ast
-
     modules = {name[:-3] for name in os.listdir(BENCH_DIR) if name.endswith(".py")}
     graph = {}
     for module in modules:
@@ -328,14 +261,9 @@ def _bench_imports() -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
-            elif isinstance(node, ast.ImportFrom):
-                if node.level == 1 or node.module == "bench" or (node.module or "").startswith("bench."):
-                    base = (
-                        (node.module or "").removeprefix("bench").lstrip(".")
-                        if node.level == 0
-                        else (node.module or "")
-                    )
-                    found |= {base.split(".")[0]} if base else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").split(".")[0] == "bench"):
+                base = (node.module or "") if node.level else node.module.removeprefix("bench").lstrip(".")
+                found |= {base.split(".")[0]} if base else {a.name for a in node.names}
         graph[module] = {m for m in found if m in modules and m != module}
     return graph
 
@@ -344,26 +272,10 @@ def test_bench_imports_have_no_cycle_and_nothing_imports_main():
     graph = _bench_imports()
     assert not [m for m, deps in graph.items() if "__main__" in deps], graph
     assert {"cases", "common", "ops", "peers"} <= set(graph) and "common" in graph["peers"]
-    done, on_path = set(), []
-
-    def visit(module):
-        if module in on_path:
-            raise AssertionError("import cycle: " + " -> ".join(on_path[on_path.index(module) :] + [module]))
-        if module in done:
-            return
-        on_path.append(module)
-        for dep in sorted(graph[module]):
-            visit(dep)
-        on_path.pop()
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module)
+    graphlib.TopologicalSorter(graph).prepare()  # an import cycle raises CycleError, naming its modules
 
 
 def test_no_bench_function_is_over_80_lines():
-    import ast
-
     long = []
     for name in sorted(os.listdir(BENCH_DIR)):
         if name.endswith(".py"):
@@ -378,9 +290,6 @@ def test_no_bench_function_is_over_80_lines():
 
 
 def test_every_suite_has_a_main_and_help_lists_them(capsys):
-    import importlib
-    import inspect
-
     from bench.__main__ import SUITES
 
     for suite in SUITES:
@@ -397,9 +306,6 @@ def test_every_suite_has_a_main_and_help_lists_them(capsys):
 
 def test_python_m_bench_runs_a_suite_once(tmp_path):
     """``python -m bench <suite>`` and the module form run the suite's module once (no import cycle re-running it)."""
-    import subprocess
-    import sys
-
     root = os.path.dirname(BENCH_DIR)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     for cmd in (["-m", "bench", "targets", "--help"], ["-m", "bench.targets", "--help"], ["-m", "bench", "--help"]):

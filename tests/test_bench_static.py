@@ -26,19 +26,17 @@ ptxas info    : Function properties for _Z1kv
     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]
 """
+RESOURCES = {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}
 
 
 def test_hot_loop_is_the_span_of_the_backward_branch():
     (instructions,) = static.sass_functions(SASS).values()
     assert len(instructions) == 10  # NOP padding is not counted
     loop = static.hot_loop(instructions)
-    assert (
-        len(loop) == 6 and loop[0].startswith("@!P1 LDG.E.128") and loop[-1].startswith("@!P1 BRA")
-    )  # the self-loop trap is no loop
+    # the self-loop trap is no loop
+    assert len(loop) == 6 and loop[0].startswith("@!P1 LDG.E.128") and loop[-1].startswith("@!P1 BRA")
     assert static.count_memory(loop) == {"ldg": 2, "ldg128": 1, "stg": 1, "stg128": 1}
-    report = static.analyse(
-        "k", "k", instructions, {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}, 2.0, budget=2.5
-    )
+    report = static.analyse("k", "k", instructions, RESOURCES, 2.0, budget=2.5)
     assert (report.loop_instructions, report.instructions_per_element) == (6, 3.0)
     assert report.problems() == ["3.0 instructions per element > budget 2.5"]
 
@@ -46,12 +44,7 @@ def test_hot_loop_is_the_span_of_the_backward_branch():
 def test_a_kernel_without_a_loop_counts_all_its_instructions():
     (instructions,) = static.sass_functions(SASS.replace("@!P1 BRA `(.L_x_1)", "BRA `(.L_x_0)")).values()
     assert static.hot_loop(instructions) is None
-    assert (
-        static.analyse(
-            "k", "k", instructions, {"registers": 1, "spill_bytes": 0, "shared_bytes": 0}, 1.0
-        ).instructions_per_element
-        == 10
-    )
+    assert static.analyse("k", "k", instructions, RESOURCES, 1.0).instructions_per_element == 10
 
 
 def test_ptxas_log_and_problems():

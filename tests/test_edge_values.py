@@ -13,6 +13,7 @@ from functools import partial
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 import ppo_fast as pf
 from ppo_fast.backends import serving
@@ -23,43 +24,31 @@ def first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def run_on(backend, call, *inputs):
+    """``(outputs, gradients)``: ``call`` on ``backend`` with leaf copies of ``inputs`` (its outputs,
+    a stats dict's values included) and the leaves' gradients of the sum of every output."""
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    with pf.use_backend(backend):
+        out = [t for t in tree_leaves(call(*leaves)) if isinstance(t, torch.Tensor)]
+        grads = torch.autograd.grad(sum(o.sum() for o in out if o.requires_grad), leaves)
+    return [o.detach() for o in out], list(grads)
+
+
 # --------------------------------------------------------------------------- log-probs
-
-
-@pytest.mark.parametrize("backend", [b for b in serving("linear_token_logprobs", "cpu") if b != "reference"])
-def test_float16_fused_head_gradient_at_the_lowest_temperature(backend):
-    """T = 1e-5 on float16: two tied tokens' logit gradients are +-1e5 (past float16's range) and cancel
-    in d_hidden; no backend may hold them in a float16 scratch.  The gradients are the reference's."""
-    hidden, weight = torch.tensor([[0.01, 0.02]]).half(), torch.ones(2, 2).half()
-    grads = {}
-    for name in ("reference", backend):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with pf.use_backend(name):
-            logp = pf.linear_token_logprobs(h, w, torch.tensor([0]), temperature=1e-5)[0]
-        grads[name] = torch.autograd.grad(2.0 * logp.sum(), (h, w))
-    for got, want in zip(grads[backend], grads["reference"]):
-        assert torch.isfinite(want).all() and torch.isfinite(got).all(), got
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("backend", serving("linear_token_logprobs", "cpu"))
 def test_pad_id_as_ignore_index_reads_nothing_of_its_rows(backend):
     """ignore_index inside [0, V) (a pad id): its rows give 0 and no gradient, NaN there reaches nothing."""
-    hidden = torch.randn(5, 4)
-    hidden[0] = math.nan
-    hidden[3] = math.inf
-    hidden.requires_grad_()
-    weight = torch.randn(6, 4, requires_grad=True)
-    labels = torch.tensor([0, 2, 5, 0, 1])
-    with pf.use_backend(backend):
-        logp, entropy = pf.linear_token_logprobs(hidden, weight, labels, ignore_index=0, return_entropy=True)
-        (logp.sum() + entropy.sum()).backward()
+    hidden, weight, labels = torch.randn(5, 4), torch.randn(6, 4), torch.tensor([0, 2, 5, 0, 1])
+    hidden[0], hidden[3] = math.nan, math.inf
+    call = lambda h, w: pf.linear_token_logprobs(h, w, labels, ignore_index=0, return_entropy=True)
+    (logp, entropy), (hidden_grad, weight_grad) = run_on(backend, call, hidden, weight)
     assert logp[[0, 3]].tolist() == [0.0, 0.0] and entropy[[0, 3]].tolist() == [0.0, 0.0]
-    assert torch.isfinite(logp).all() and torch.isfinite(weight.grad).all()
-    assert hidden.grad[[0, 3]].abs().sum() == 0
-    clean = hidden.detach().clone()
-    clean[[0, 3]] = 0
-    truth = torch.log_softmax(clean.double() @ weight.detach().double().T, -1).gather(1, labels[:, None]).squeeze(1)
+    assert torch.isfinite(logp).all() and torch.isfinite(weight_grad).all()
+    assert hidden_grad[[0, 3]].abs().sum() == 0
+    clean = torch.where(torch.isfinite(hidden), hidden, 0.0)
+    truth = torch.log_softmax(clean.double() @ weight.double().T, -1).gather(1, labels[:, None]).squeeze(1)
     torch.testing.assert_close(logp[[1, 2, 4]].double(), truth[[1, 2, 4]], rtol=1e-5, atol=1e-5)
 
 
@@ -67,35 +56,31 @@ def test_pad_id_as_ignore_index_reads_nothing_of_its_rows(backend):
 def test_low_temperature_gradient_rounds_as_the_forward(backend):
     """At T = 1.5e-5 the scaled logits are ~8e7 (ulp 8): a backward that rounds z = x / T
     differently from the forward gets a gradient of ~(e^4 - 1) / T instead of 0."""
-    x = torch.tensor([[-355.75, 1232.0]], requires_grad=True)
-    with pf.use_backend(backend):
-        logp = pf.token_logprobs(x, torch.tensor([1]), temperature=1.5e-5)
-        logp.sum().backward()
+    call = lambda x: pf.token_logprobs(x, torch.tensor([1]), temperature=1.5e-5)
+    (logp,), (grad,) = run_on(backend, call, torch.tensor([[-355.75, 1232.0]]))
     assert logp.item() == 0.0
-    assert x.grad.abs().max().item() == 0.0
+    assert grad.abs().max().item() == 0.0
 
 
 @pytest.mark.parametrize("temperature", [1e-3, 1e-5])
 @pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
 def test_low_temperature_large_logits_against_float64(backend, temperature):
     torch.manual_seed(7)
-    logits = (torch.randn(6, 50) * 300).requires_grad_()
-    labels = logits.detach().argmax(-1)  # greedy: the rows a low temperature is used for
+    logits = torch.randn(6, 50) * 300
+    labels = logits.argmax(-1)  # greedy: the rows a low temperature is used for
     labels[-1] = 3
-    with pf.use_backend(backend):
-        logp, entropy = pf.token_logprobs(logits, labels, temperature=temperature, return_entropy=True)
-        (logp.sum() + entropy.sum()).backward()
-    x64 = logits.detach().double().requires_grad_()
-    z = (x64.detach().float() / temperature).double()  # the float32 scaled logits, exactly
-    z = z + (x64 - x64.detach()) / temperature
-    lp64 = torch.log_softmax(z, -1)
-    truth = lp64.gather(1, labels[:, None]).squeeze(1)
-    ent64 = -(lp64.exp() * lp64).sum(-1)
-    (truth.sum() + ent64.sum()).backward()
-    torch.testing.assert_close(logp.double(), truth, atol=1e-3, rtol=1e-5)
+
+    def truth(x64):
+        z = (x64.detach().float() / temperature).double()  # the float32 scaled logits, exactly
+        lp64 = torch.log_softmax(z + (x64 - x64.detach()) / temperature, -1)
+        return lp64.gather(1, labels[:, None]).squeeze(1), -(lp64.exp() * lp64).sum(-1)
+
+    call = lambda x: pf.token_logprobs(x, labels, temperature=temperature, return_entropy=True)
+    (logp, _), (grad,) = run_on(backend, call, logits)
+    (want, _), (want_grad,) = run_on("reference", truth, logits.double())
+    torch.testing.assert_close(logp.double(), want, atol=1e-3, rtol=1e-5)
     # The gradient is O(1 / T): compared relative to that scale.
-    scale = 1.0 / temperature
-    assert (logits.grad.double() - x64.grad).abs().max().item() <= 1e-3 * scale
+    assert (grad.double() - want_grad).abs().max().item() <= 1e-3 / temperature
 
 
 @pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
@@ -103,32 +88,24 @@ def test_near_certain_label_gradient_against_float64(backend):
     """Logits 60.5 next to 45.7: the label's gradient 1 - p = 3.6e-7 is below ulp(lse) / 2 = 1.9e-6, so a backward
     that forms log p = z - lse rounds it to 0; log p = (z - max) - log_sum keeps it (found by the fuzzer)."""
     logits = torch.tensor([[-38.868812561035156, 45.70895004272461, 9.709816932678223, 60.53178024291992]])
-    labels = torch.tensor([3])
-    grads = {}
-    for name, dtype in ((backend, torch.float32), ("reference", torch.float32), ("reference", torch.float64)):
-        x = logits.to(dtype).requires_grad_()
-        with pf.use_backend(name):
-            (grads[name, dtype],) = torch.autograd.grad(pf.token_logprobs(x, labels).sum(), x)
-    truth = grads["reference", torch.float64]
-    own_error = (grads["reference", torch.float32].double() - truth).abs()
-    assert ((grads[backend, torch.float32].double() - truth).abs() <= 16 * own_error + 1e-12).all()
+    got, reference, truth = (
+        run_on(name, lambda x: pf.token_logprobs(x, torch.tensor([3])), logits.to(dtype))[1][0].double()
+        for name, dtype in ((backend, torch.float32), ("reference", torch.float32), ("reference", torch.float64))
+    )
+    assert ((got - truth).abs() <= 16 * (reference - truth).abs() + 1e-12).all()
 
 
 @pytest.mark.parametrize("backend", serving("linear_token_logprobs", "cpu"))
 def test_fused_head_low_temperature_gradient_against_float64(backend):
     torch.manual_seed(3)
-    hidden = (torch.randn(8, 16) * 4).requires_grad_()
-    weight = torch.randn(40, 16, requires_grad=True)
-    labels = (hidden @ weight.T).argmax(-1).detach()
-    temperature = 1e-3
-    with pf.use_backend(backend):
-        logp = pf.linear_token_logprobs(hidden, weight, labels, temperature=temperature)
-        logp.sum().backward()
-    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    truth = torch.log_softmax(h64 @ w64.T / temperature, -1).gather(1, labels[:, None]).sum()
-    truth.backward()
-    scale = h64.grad.abs().max().item() + 1.0 / temperature * 1e-3
-    assert (hidden.grad.double() - h64.grad).abs().max().item() <= 1e-2 * scale
+    hidden, weight = torch.randn(8, 16) * 4, torch.randn(40, 16)
+    labels, temperature = (hidden @ weight.T).argmax(-1), 1e-3
+    _, (grad, _) = run_on(
+        backend, lambda h, w: pf.linear_token_logprobs(h, w, labels, temperature=temperature), hidden, weight
+    )
+    truth = lambda h, w: torch.log_softmax(h @ w.T / temperature, -1).gather(1, labels[:, None])
+    _, (want, _) = run_on("reference", truth, hidden.double(), weight.double())
+    assert (grad.double() - want).abs().max().item() <= 1e-2 * (want.abs().max().item() + 1.0 / temperature * 1e-3)
 
 
 # --------------------------------------------------------------------------- KL estimators
@@ -210,24 +187,6 @@ def test_k3_is_rounded_once_and_monotone(backend, dtype):
     assert (positive.diff() >= 0).all() and (negative.diff() <= 0).all()
 
 
-@pytest.mark.parametrize("backend", serving("kl_penalized_rewards", "cpu"))
-def test_k3_rewards_overflow_like_the_reference(backend):
-    """kl_coef at float32's top: the gradient overflows to the same inf (or NaN) as the reference's autograd."""
-    values = torch.tensor([[-30.0, -2.4, -0.6, -0.4, -1e-3, 0.0, 1e-3, 0.6, 2.5, 30.0, math.nan]])
-    grads = {}
-    for name in ("reference", backend):
-        logp = values.clone().requires_grad_()
-        ref = torch.zeros_like(values, requires_grad=True)
-        with pf.use_backend(name):
-            rewards, kl = pf.kl_penalized_rewards(
-                torch.zeros(1), logp, ref, torch.ones_like(values, dtype=torch.bool), kl_coef=3.4e38, kl_estimator="k3"
-            )
-            (rewards.sum() + kl.sum()).backward()
-        grads[name] = (rewards.detach(), logp.grad, ref.grad)
-    for got, want in zip(grads[backend], grads["reference"]):
-        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=0)
-
-
 # --------------------------------------------------------------------------- policy losses
 
 
@@ -240,25 +199,6 @@ def test_gspo_ratio_bound_formed_before_rounding(backend):
     with pf.use_backend(backend):
         loss = pf.policy_loss(logp, old, adv, mask, loss_mode="gspo", clip_eps_low=0.999999)[0]
     assert loss.item() == pytest.approx(1.0 - 0.999999, rel=1e-6)
-
-
-@pytest.mark.parametrize("mode", ["vanilla", "gpg"])  # the native kernel's epilogue, the rows' loop
-@pytest.mark.parametrize("backend", [b for b in serving("linear_policy_loss_vanilla", "cpu") if b != "reference"])
-def test_float16_fused_loss_gradient_in_range_once_scaled(backend, mode):
-    """float16 inputs whose gradient for an incoming 1 passes float16's range (~1.6e5) while the loss's
-    gradient, scaled by 1/64 (a loss divided over micro-batches), does not: finite, as the reference's."""
-    hidden = torch.full((1, 2, 4), 4.0, dtype=torch.float16, requires_grad=True)
-    weight = torch.eye(3, 4, dtype=torch.float16) * 8
-    old, adv = torch.full((1, 2), -1.0, dtype=torch.float16), torch.full((1, 2), 4e4, dtype=torch.float16)
-    grads = {}
-    for name in ("reference", backend):
-        with pf.use_backend(name):
-            loss = pf.linear_policy_loss(
-                hidden, weight, torch.tensor([[1, 2]]), old, adv, torch.ones(1, 2, dtype=torch.bool), loss_mode=mode
-            )[0]
-        (grads[name],) = torch.autograd.grad(loss / 64, hidden)
-    assert torch.isfinite(grads[backend]).all() and grads[backend].abs().max() > 1e3, grads[backend]
-    torch.testing.assert_close(grads[backend], grads["reference"], rtol=2e-3, atol=1.0)
 
 
 @pytest.mark.parametrize("logp", [88.0, 88.5, 88.7, 89.0, 100.0])
@@ -274,62 +214,89 @@ def test_geo_mean_exp_up_to_float32_overflow(backend, logp):
     assert loss.item() == pytest.approx(truth, rel=1e-6)
 
 
-@pytest.mark.parametrize("poison", [-math.inf, math.inf, math.nan])
-@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "vanilla"])
-def test_non_finite_log_prob_at_a_valid_token_is_one_answer(mode, poison):
-    """NaN/inf at a valid position propagates the same way on every backend."""
-    lp = torch.tensor([[-1.0, poison, -2.0], [-0.5, -0.7, -0.2]])
-    old = torch.full_like(lp, -1.1)
-    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.5, 2.0]])
-    mask = torch.ones_like(lp, dtype=torch.bool)
-    results = {}
-    for backend in serving(POLICY_LOSS_MODES[mode].op, "cpu"):
-        leaf = lp.clone().requires_grad_()
-        with pf.use_backend(backend):
-            loss, stats = pf.policy_loss(leaf, old, adv, mask, loss_mode=mode)
-            loss.backward()
-        results[backend] = (loss.detach(), leaf.grad, {k: v.detach() for k, v in stats.items()})
-    want = results.pop("reference")
-    for backend, got in results.items():
-        torch.testing.assert_close(got[0], want[0], equal_nan=True, msg=f"{backend} loss")
-        torch.testing.assert_close(got[1], want[1], equal_nan=True, msg=f"{backend} grad")
-        for key in want[2]:
-            torch.testing.assert_close(got[2][key], want[2][key], equal_nan=True, msg=f"{backend} {key}")
+# --------------------------------------------------------------------------- the reference's answer at an edge
+
+
+def _reference_edges():
+    """``(id, op, call, inputs, tolerance)``: on the same inputs, every backend's outputs and
+    gradients (of the outputs' sum) are the reference's; ``finite``: and finite, ``floor``: the
+    largest gradient above it (the case is the edge it names)."""
+    # T = 1e-5 on float16: two tied tokens' logit gradients are +-1e5 (past float16's range) and
+    # cancel in d_hidden; no backend may hold them in a float16 scratch.
+    yield (
+        "float16-fused-head-gradient-at-the-lowest-temperature",
+        "linear_token_logprobs",
+        lambda h, w: 2.0 * pf.linear_token_logprobs(h, w, torch.tensor([0]), temperature=1e-5),
+        (torch.tensor([[0.01, 0.02]]).half(), torch.ones(2, 2).half()),
+        {"rtol": 2e-3, "atol": 1e-3, "finite": True},
+    )
+    # kl_coef at float32's top: the gradient overflows to the same inf (or NaN) as the reference's autograd.
+    values = torch.tensor([[-30.0, -2.4, -0.6, -0.4, -1e-3, 0.0, 1e-3, 0.6, 2.5, 30.0, math.nan]])
+    yield (
+        "k3-rewards-overflow-like-the-reference",
+        "kl_penalized_rewards",
+        lambda logp, ref: pf.kl_penalized_rewards(
+            torch.zeros(1), logp, ref, torch.ones_like(logp, dtype=torch.bool), kl_coef=3.4e38, kl_estimator="k3"
+        ),
+        (values, torch.zeros_like(values)),
+        {"rtol": 1e-5, "atol": 0, "equal_nan": True},
+    )
+    # float16 inputs whose gradient for an incoming 1 passes float16's range (~1.6e5) while the loss's
+    # gradient, scaled by 1/64 (a loss divided over micro-batches), does not: finite, as the reference's.
+    head, labels, mask = torch.eye(3, 4, dtype=torch.float16) * 8, torch.tensor([[1, 2]]), torch.ones(1, 2) > 0
+    old16, adv16 = torch.full((1, 2), -1.0).half(), torch.full((1, 2), 4e4).half()
+    for mode in ("vanilla", "gpg"):  # the native kernel's epilogue, the rows' loop
+        yield (
+            f"float16-fused-loss-gradient-in-range-once-scaled-{mode}",
+            POLICY_LOSS_MODES[mode].linear_op,
+            lambda h, m=mode: pf.linear_policy_loss(h, head, labels, old16, adv16, mask, loss_mode=m)[0] / 64,
+            (torch.full((1, 2, 4), 4.0, dtype=torch.float16),),
+            {"rtol": 2e-3, "atol": 1.0, "finite": True, "floor": 1e3},
+        )
+    # NaN/inf at a valid log-prob propagates the same way on every backend (loss, gradient, stats).
+    old, adv = torch.full((2, 3), -1.1), torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.5, 2.0]])
+    ones = torch.ones(2, 3, dtype=torch.bool)
+    for mode in ("gspo", "geo_mean", "vanilla"):
+        for poison in (-math.inf, math.inf, math.nan):
+            yield (
+                f"non-finite-log-prob-at-a-valid-token-{mode}-{poison}",
+                POLICY_LOSS_MODES[mode].op,
+                lambda lp, mode=mode: pf.policy_loss(lp, old, adv, ones, loss_mode=mode),
+                (torch.tensor([[-1.0, poison, -2.0], [-0.5, -0.7, -0.2]]),),
+                {"equal_nan": True},
+            )
+
+
+@pytest.mark.parametrize(
+    "call, inputs, tolerance, backend",
+    [
+        pytest.param(call, inputs, tolerance, backend, id=f"{name}-{backend}")
+        for name, op, call, inputs, tolerance in _reference_edges()
+        for backend in serving(op, "cpu")
+        if backend != "reference"
+    ],
+)
+def test_edge_values_give_the_reference_s_answer(call, inputs, tolerance, backend):
+    tolerance = dict(tolerance)
+    finite, floor = tolerance.pop("finite", False), tolerance.pop("floor", None)
+    (want, want_grads), (got, got_grads) = (run_on(name, call, *inputs) for name in ("reference", backend))
+    if floor is not None:
+        assert max(g.abs().max() for g in got_grads) > floor, got_grads
+    for g, w in zip(got + got_grads, want + want_grads, strict=True):
+        assert not finite or (torch.isfinite(g).all() and torch.isfinite(w).all()), (g, w)
+        torch.testing.assert_close(g, w, **tolerance)
 
 
 # --------------------------------------------------------------------------- second order
 
 
-@pytest.mark.parametrize("backend", serving("gae", "cpu"))
-def test_gae_second_order_or_raise(backend):
-    """A Hessian-vector product through gae equals the reference's, or raises; never a silent 0."""
-    torch.manual_seed(0)
-    rewards = torch.randn(2, 5, dtype=torch.float64)
-    values = torch.randn(2, 5, dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
-    direction = torch.randn(2, 5, dtype=torch.float64)
-
-    def hvp(name):
-        r, v = rewards.clone().requires_grad_(), values.clone().requires_grad_()
-        with pf.use_backend(name):
-            adv, ret = pf.gae(r, v, mask, gamma=0.9, lam=0.8)
-            loss = (adv**2).sum() + (ret**3).sum()
-            g_r, g_v = torch.autograd.grad(loss, (r, v), create_graph=True)
-            return torch.autograd.grad((g_r * direction).sum() + (g_v * direction).sum(), (r, v))
-
-    want = hvp("reference")
-    try:
-        got = hvp(backend)
-    except RuntimeError as error:
-        assert "second-order" in str(error) or "no autograd formula" in str(error)
-        return
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-
-
 def _second_order_cases():
     lp = torch.randn(2, 4, dtype=torch.float64)
     mask = torch.ones(2, 4, dtype=torch.bool)
+    holes = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    # gae's rewards and values: a Hessian-vector product through both of its outputs
+    rewards_values = torch.randn(2, 2, 5, dtype=torch.float64)
+    yield "gae", lambda x: torch.cat(pf.gae(x[0], x[1], holes, gamma=0.9, lam=0.8)), rewards_values
     yield (
         "token_logprobs",
         lambda x: pf.token_logprobs(x, torch.tensor([[1, 2], [0, 3]])),
@@ -340,14 +307,10 @@ def _second_order_cases():
     yield "value_loss", lambda x: pf.value_loss(x, lp, lp, mask)[0], lp.clone()
     yield "policy_loss_gspo", lambda x: pf.policy_loss(x, lp, lp, mask, loss_mode="gspo")[0], lp.clone()
     weight, labels, adv = torch.randn(7, 3, dtype=torch.float64), torch.randint(0, 7, (2, 4)), torch.randn(2, 4)
+    head = dict(weight=weight, labels=labels, old=lp - 1.0, adv=adv.double(), mask=mask)
     for mode in ("vanilla", "gpg"):  # the native kernel's epilogue and the rows' loop
-        yield (
-            f"linear_policy_loss_{mode}",
-            partial(
-                _linear_policy_loss, weight=weight, labels=labels, old=lp - 1.0, adv=adv.double(), mask=mask, mode=mode
-            ),
-            torch.randn(2, 4, 3, dtype=torch.float64),
-        )
+        call = partial(_linear_policy_loss, **head, mode=mode)
+        yield f"linear_policy_loss_{mode}", call, torch.randn(2, 4, 3, dtype=torch.float64)
 
 
 def _linear_policy_loss(hidden, *, weight, labels, old, adv, mask, mode, two_pass=False):
@@ -371,9 +334,7 @@ def test_second_order_gradients_match_the_reference_or_raise(case):
     want = second("reference")
     if op.startswith("linear_policy_loss"):  # not a silent zero: the two-pass composition's, on the reference
         torch.testing.assert_close(want, second("reference", partial(fn, two_pass=True)))
-    for backend in serving(op, "cpu"):
-        if backend == "reference":
-            continue
+    for backend in (b for b in serving(op, "cpu") if b != "reference"):
         try:
             got = second(backend)
         except RuntimeError as error:
@@ -408,19 +369,9 @@ def test_compile_dynamic_symbolic_hyper_parameters(backend):
     B, T, V, H = 3, 5, 7, 4
     mask = torch.rand(B, T) > 0.3
     mask[:, 0] = True
-    args = (
-        torch.randn(B, T, V),
-        torch.randint(0, V, (B, T)),
-        torch.randn(B * T, H),
-        torch.randn(V, H),
-        torch.randn(B, T),
-        torch.randn(B, T),
-        torch.randn(B, T),
-        torch.randn(B, T),
-        torch.randn(B, T),
-        torch.randn(B),
-        mask,
-    )
+    per_token = [torch.randn(B, T) for _ in range(5)]  # logp, old, adv, values, returns
+    args = (torch.randn(B, T, V), torch.randint(0, V, (B, T)), torch.randn(B * T, H), torch.randn(V, H), *per_token)
+    args += (torch.randn(B), mask)
     compiled = torch.compile(_all_ops, fullgraph=True, dynamic=True, backend="aot_eager")
     with pf.use_backend(backend):
         for hyper in ((0.7, 0.99, 0.95, 0.2), (1.3, 0.9, 0.5, 0.1)):
@@ -435,26 +386,12 @@ def test_compile_dynamic_symbolic_hyper_parameters(backend):
 # --------------------------------------------------------------------------- result dtypes and small rules
 
 
-@pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
-def test_empty_float64_logits_give_float64(backend):
-    with pf.use_backend(backend):
-        logp, entropy = pf.token_logprobs(
-            torch.zeros(0, 5, dtype=torch.float64), torch.zeros(0, dtype=torch.long), return_entropy=True
-        )
-    assert logp.dtype == entropy.dtype == torch.float64
-
-
 @pytest.mark.parametrize("backend", serving("kl_penalized_rewards", "cpu"))
 def test_float64_scores_give_float64_rewards(backend):
-    score = 1.0 + 2.0**-40  # not a float32
+    score, zeros = 1.0 + 2.0**-40, torch.zeros(1, 2)  # not a float32
+    scores = torch.tensor([score], dtype=torch.float64)
     with pf.use_backend(backend):
-        rewards, kl = pf.kl_penalized_rewards(
-            torch.tensor([score], dtype=torch.float64),
-            torch.zeros(1, 2),
-            torch.zeros(1, 2),
-            torch.ones(1, 2, dtype=torch.bool),
-            kl_coef=0.1,
-        )
+        rewards, kl = pf.kl_penalized_rewards(scores, zeros, zeros, zeros == 0, kl_coef=0.1)
     assert rewards.dtype == kl.dtype == torch.float64
     assert rewards[0, -1].item() == score
 
@@ -473,15 +410,22 @@ def test_labels_at_ignore_index_and_negative_zero_masks_pass():
     assert adv[0, 1].item() == 0.0
 
 
-def _fused_head_near_tie(backend, softcap, temperature=1e-5):
-    weight = torch.tensor([[16.0], [15.99999], [3.0], [-2.0]], requires_grad=True)
-    hidden = torch.ones(2, 1, requires_grad=True)
-    labels = torch.tensor([0, 1])
-    with pf.use_backend(backend):
-        logp, entropy = pf.linear_token_logprobs(
-            hidden, weight, labels, temperature=temperature, logit_softcap=softcap, return_entropy=True
-        )
-        (logp.sum() + 0.5 * entropy.sum()).backward()
+def _fused_head_near_tie(backend, softcap, temperature):
+    """logp, entropy and d_weight on ``backend``, or (None) by the plain formula in float64."""
+    weight = torch.tensor([[16.0], [15.99999], [3.0], [-2.0]], dtype=torch.float64 if backend is None else None)
+    weight.requires_grad_()
+    hidden, labels = torch.ones(2, 1, dtype=weight.dtype), torch.tensor([0, 1])
+    if backend is None:
+        raw = hidden @ weight.T
+        raw = raw if softcap is None else softcap * torch.tanh(raw / softcap)
+        lp64 = torch.log_softmax(raw / temperature, -1)
+        logp, entropy = lp64.gather(1, labels[:, None]).squeeze(1), -(lp64.exp() * lp64).sum(-1)
+    else:
+        with pf.use_backend(backend):
+            logp, entropy = pf.linear_token_logprobs(
+                hidden, weight, labels, temperature=temperature, logit_softcap=softcap, return_entropy=True
+            )
+    (logp.sum() + 0.5 * entropy.sum()).backward()
     return logp.detach().double(), entropy.detach().double(), weight.grad.double()
 
 
@@ -493,18 +437,7 @@ def test_fused_head_near_tie_at_low_temperature(backend, softcap):
     within 2 ulp(z) of it (in log space; times 1/T for the gradients), which float32 z = x/T
     costs anyway: a backward that rounds z - logsumexp otherwise than its forward is not."""
     temperature = 1e-5
-    weight = torch.tensor([[16.0], [15.99999], [3.0], [-2.0]], dtype=torch.float64, requires_grad=True)
-    hidden = torch.ones(2, 1, dtype=torch.float64, requires_grad=True)
-    raw = hidden @ weight.T
-    if softcap is not None:
-        raw = softcap * torch.tanh(raw / softcap)
-    lp64 = torch.log_softmax(raw / temperature, -1)
-    truth = lp64.gather(1, torch.tensor([[0], [1]])).squeeze(1)
-    ent64 = -(lp64.exp() * lp64).sum(-1)
-    (truth.sum() + 0.5 * ent64.sum()).backward()
-    want = (truth.detach(), ent64.detach(), weight.grad)
-    reference = _fused_head_near_tie("reference", softcap)
-    got = _fused_head_near_tie(backend, softcap)
+    want, reference, got = (_fused_head_near_tie(name, softcap, temperature) for name in (None, "reference", backend))
     ulp_z = 2.0 ** (math.floor(math.log2(16.0 / temperature)) - 23)
     for name, g, r, w, unit in zip(("logp", "entropy", "d_weight"), got, reference, want, (1, 1, 1 / temperature)):
         bound = max(2 * (r - w).abs().max().item(), 2 * ulp_z * unit)
@@ -516,11 +449,8 @@ def test_group_advantages_of_no_token_stay_in_the_graph(method):
     """T = 0 (found by the nightly fuzz budget: reinforce_plus_plus and remax lost the graph)."""
     scores = torch.randn(4, requires_grad=True)
     kwargs = {"baselines": torch.zeros(4)} if method == "remax" else {}
-    out = first(
-        pf.group_advantages(
-            scores, torch.tensor([0, 0, 1, 1]), torch.ones(4, 0, dtype=torch.bool), method=method, **kwargs
-        )
-    )
+    ids, mask = torch.tensor([0, 0, 1, 1]), torch.ones(4, 0, dtype=torch.bool)
+    out = first(pf.group_advantages(scores, ids, mask, method=method, **kwargs))
     assert out.shape == (4, 0) and out.requires_grad
     out.sum().backward()
     assert scores.grad is not None and (scores.grad == 0).all()
@@ -539,39 +469,38 @@ def test_near_certain_token_keeps_its_small_log_prob(backend):
 
 
 @pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
-def test_empty_batch_log_probs_stay_in_the_graph(backend):
-    for shape in [(0, 3), (2, 0, 3)]:
-        logits = torch.randn(shape, requires_grad=True)
+def test_empty_batch_log_probs_stay_in_the_graph_in_their_dtype(backend):
+    for shape, dtype, grad in [
+        ((0, 3), torch.float32, True),
+        ((2, 0, 3), torch.float32, True),
+        ((0, 5), torch.float64, False),
+    ]:
+        logits = torch.zeros(shape, dtype=dtype, requires_grad=grad)
         with pf.use_backend(backend):
             logp, entropy = pf.token_logprobs(logits, torch.zeros(shape[:-1], dtype=torch.long), return_entropy=True)
-        assert logp.shape == shape[:-1] and logp.requires_grad and entropy.requires_grad
+        assert logp.shape == shape[:-1] and logp.requires_grad == entropy.requires_grad == grad
+        assert logp.dtype == entropy.dtype == dtype
 
 
-@pytest.mark.parametrize("loss", ["geo_mean", "value_loss"])
-def test_a_loss_beyond_float32_is_inf_not_an_error(loss):
-    """Per-token losses within float32 whose batch sum is not: +inf on every backend (native
-    raised "value cannot be converted to type float without overflow")."""
-    mask = torch.ones(3, 1, dtype=torch.bool)
-    if loss == "geo_mean":
-        op, call = (
+@pytest.mark.parametrize(
+    "op, call",
+    [
+        (
             "policy_loss_geo_mean",
-            lambda: pf.policy_loss(
-                torch.full((3, 1), 88.0),
-                torch.zeros(3, 1),
-                -torch.ones(3, 1),
-                mask,
-                loss_mode="geo_mean",
-                agg="token-sum",
+            lambda zeros, mask: pf.policy_loss(
+                zeros + 88, zeros, zeros - 1, mask, loss_mode="geo_mean", agg="token-sum"
             ),
-        )
-    else:  # 0.5 * (2e19)^2 = 2e38 a token
-        op, call = (
-            "value_loss",
-            lambda: pf.value_loss(torch.full((3, 1), 2e19), None, torch.zeros(3, 1), mask, clip=None, agg="token-sum"),
-        )
+        ),
+        ("value_loss", lambda zeros, mask: pf.value_loss(zeros + 2e19, None, zeros, mask, clip=None, agg="token-sum")),
+    ],
+    ids=["geo_mean", "value_loss"],
+)
+def test_a_loss_beyond_float32_is_inf_not_an_error(op, call):
+    """Per-token losses within float32 whose batch sum is not: +inf on every backend (native
+    raised "value cannot be converted to type float without overflow"); value_loss: 2e38 a token."""
     for backend in serving(op, "cpu"):
         with pf.use_backend(backend):
-            value = call()[0]
+            value = call(torch.zeros(3, 1), torch.ones(3, 1, dtype=torch.bool))[0]
         assert value.item() == math.inf, (backend, value)
 
 

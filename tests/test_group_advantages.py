@@ -134,10 +134,13 @@ def _std(xs):  # unbiased
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def _whiten(values):  # over a list of (row, t, value) tokens
+def _whiten(values, like):  # over a list of (row, t, value) tokens; 0 elsewhere
     xs = [v for _, _, v in values]
     m, s = _mean(xs), _std(xs)
-    return {(i, t): (v - m) / math.sqrt(s * s + 1e-8) for i, t, v in values}
+    out = torch.zeros_like(like)
+    for i, t, v in values:
+        out[i, t] = (v - m) / math.sqrt(s * s + 1e-8)
+    return out
 
 
 def _outcome(fn):
@@ -195,11 +198,7 @@ def _rpp_baseline(rewards, mask, ids, params):
     for i in range(len(s)):
         group = [s[j] for j in range(len(s)) if ids[j] == ids[i]]
         centred.append(s[i] - (_mean(group) if len(group) > 1 else 0.0))
-    tokens = [(i, t, centred[i]) for i in range(len(s)) for t in range(mask.shape[1]) if mask[i, t]]
-    out = torch.zeros_like(rewards)
-    for (i, t), v in _whiten(tokens).items():
-        out[i, t] = v
-    return out
+    return _whiten([(i, t, centred[i]) for i in range(len(s)) for t in range(mask.shape[1]) if mask[i, t]], rewards)
 
 
 def _rpp(rewards, mask, ids, params):
@@ -211,10 +210,7 @@ def _rpp(rewards, mask, ids, params):
             if mask[i, t]:
                 running = float(rewards[i, t]) + gamma * running
                 tokens.append((i, t, running))
-    out = torch.zeros_like(rewards)
-    for (i, t), v in _whiten(tokens).items():
-        out[i, t] = v
-    return out
+    return _whiten(tokens, rewards)
 
 
 def _remax(rewards, mask, ids, params):
@@ -304,17 +300,8 @@ def test_masked_values_are_never_read():
 
 def test_registry_lists_every_method_with_needs():
     methods = pf.advantage_methods()
-    assert set(methods) == {
-        "gae",
-        "grpo",
-        "grpo_passk",
-        "rloo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-        "remax",
-        "opo",
-        "gpg",
-    }
+    names = "gae grpo grpo_passk rloo reinforce_plus_plus reinforce_plus_plus_baseline remax opo gpg"
+    assert set(methods) == set(names.split())
     assert methods["gae"].needs_critic and not any(m.needs_critic for n, m in methods.items() if n != "gae")
     assert not methods["remax"].needs_groups and methods["grpo"].needs_groups
     for entry in methods.values():
@@ -344,10 +331,8 @@ def test_group_sum_matches_reference_forward_and_backward(backend, dtype):
     for b, c in [(1, 1), (13, 3), (300, 2)]:  # 300 rows: past the Triton kernel's row block
         values = torch.randn(b, c, generator=gen, dtype=dtype)
         index = dense_group_index(torch.randint(0, max(1, b // 3), (b,), generator=gen))
-        module = backend_info(backend).module
-        x = values.clone().requires_grad_(True)
-        y = values.clone().requires_grad_(True)
-        got, want = module.FUNCTIONS["group_sum"](x, index), reference.group_sum(y, index)
+        x, y = (values.clone().requires_grad_() for _ in range(2))
+        got, want = backend_info(backend).module.FUNCTIONS["group_sum"](x, index), reference.group_sum(y, index)
         tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
         torch.testing.assert_close(got, want, **tol)
         g = torch.randn(b, c, generator=gen, dtype=dtype)

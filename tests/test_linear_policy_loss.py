@@ -37,7 +37,7 @@ def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, we
     B, T, V, H = dims
     hidden = torch.randn(B, T, H, generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(V, H, generator=gen) / H**0.25).to(dtype).requires_grad_()
-    head_bias = torch.randn(V, generator=gen).to(dtype).requires_grad_() if bias else None
+    bias = torch.randn(V, generator=gen).to(dtype).requires_grad_() if bias else None
     mask = torch.rand(B, T, generator=gen) < 0.7
     mask[0] = False  # a response without tokens
     labels = torch.randint(0, V, (B, T), generator=gen)
@@ -48,15 +48,7 @@ def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, we
     ref = -torch.rand(B, T, generator=gen).to(dtype) - 0.1
     weights = (torch.rand(B, T, generator=gen) + 0.5).to(dtype) if weighted else None
     return dict(
-        hidden=hidden,
-        weight=weight,
-        bias=head_bias,
-        labels=labels,
-        old=old,
-        adv=adv,
-        mask=mask,
-        ref=ref,
-        weights=weights,
+        hidden=hidden, weight=weight, bias=bias, labels=labels, old=old, adv=adv, mask=mask, ref=ref, weights=weights
     )
 
 
@@ -68,41 +60,20 @@ def mode_params(name):
 
 
 def fused(x, mode, agg, backend, **head):
+    args = [x[name] for name in ("hidden", "weight", "labels", "old", "adv", "mask")]
+    terms = dict(weights=x["weights"], bias=x["bias"], ref_logprobs=x["ref"], kl_coef=0.1, entropy_coef=0.01)
     with pf.use_backend(backend):
         return pf.linear_policy_loss(
-            x["hidden"],
-            x["weight"],
-            x["labels"],
-            x["old"],
-            x["adv"],
-            x["mask"],
-            loss_mode=mode,
-            agg=agg,
-            weights=x["weights"],
-            bias=x["bias"],
-            ref_logprobs=x["ref"],
-            kl_coef=0.1,
-            kl_estimator="k3",
-            entropy_coef=0.01,
-            **head,
-            **mode_params(mode),
+            *args, loss_mode=mode, agg=agg, kl_estimator="k3", **terms, **head, **mode_params(mode)
         )
 
 
-def two_pass(x, mode, agg, *, temperature=1.0, logit_scale=1.0, logit_softcap=None, ignore_index=-100):
-    """The composition, on the reference backend."""
+def two_pass(x, mode, agg, *, ignore_index=-100, **head):
+    """The composition, on the reference backend (``head``: the LM head's temperature, scale, soft-cap)."""
     with pf.use_backend("reference"):
         labels = torch.where(x["mask"], x["labels"], ignore_index)
         logp, entropy = pf.linear_token_logprobs(
-            x["hidden"],
-            x["weight"],
-            labels,
-            bias=x["bias"],
-            temperature=temperature,
-            logit_scale=logit_scale,
-            logit_softcap=logit_softcap,
-            return_entropy=True,
-            ignore_index=ignore_index,
+            x["hidden"], x["weight"], labels, bias=x["bias"], return_entropy=True, ignore_index=ignore_index, **head
         )
         pg_loss, stats = pf.policy_loss(
             logp, x["old"], x["adv"], x["mask"], loss_mode=mode, agg=agg, weights=x["weights"], **mode_params(mode)
@@ -255,29 +226,20 @@ def test_many_chunks_of_a_wide_vocabulary(mode, backend):
 
 
 @pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))
-def test_a_gradient_handed_out_is_never_changed_by_a_later_backward(mode, backend):
-    """What autograd returns is the caller's: a second backward through the graph (retain_graph)
-    with another incoming gradient leaves the first's tensors as they were."""
+def test_backward_twice_through_one_graph(mode, backend):
+    """retain_graph: what autograd returns is the caller's (a second backward with another incoming
+    gradient leaves the first's tensors as they were), and each backward into ``.grad`` adds its own share."""
     x = make_inputs(8)
     loss, _ = fused(x, mode, "token-mean", backend)
     first = torch.autograd.grad(loss, leaves(x), retain_graph=True)
     kept = [g.clone() for g in first]
-    again = torch.autograd.grad(loss * 3.0, leaves(x))
+    again = torch.autograd.grad(loss * 3.0, leaves(x), retain_graph=True)
     for g, k, a in zip(first, kept, again):
         assert g is not a and g.data_ptr() != a.data_ptr()
         torch.testing.assert_close(g, k, rtol=0, atol=0)
         torch.testing.assert_close(a, 3.0 * k)
-
-
-@pytest.mark.parametrize("mode, backend", list(cases(["vanilla"])))
-def test_backward_twice_through_one_graph_accumulates(mode, backend):
-    """retain_graph: a second backward with another incoming gradient adds its own share, and the
-    first's accumulated gradients stay as they were."""
-    x = make_inputs(8)
-    loss, _ = fused(x, mode, "token-mean", backend)
     loss.backward(retain_graph=True)
-    first = [t.grad.clone() for t in leaves(x)]
     (loss * 3.0).backward(retain_graph=True)
     (loss * -0.5).backward()
-    for t, g in zip(leaves(x), first):
-        torch.testing.assert_close(t.grad, 3.5 * g)
+    for t, k in zip(leaves(x), kept):
+        torch.testing.assert_close(t.grad, 3.5 * k)

@@ -248,35 +248,28 @@ def test_matches_the_formula(mode, params, backend, agg, weighted):
 
 # verl's config names for ours (one name per concept here; verl reads the ratio cap of DPPO
 # and the dual clip from the same clip_ratio_c).
-_ACTOR = {
-    "clip_eps_low": "clip_ratio_low",
-    "clip_eps_high": "clip_ratio_high",
-    "dual_clip": "clip_ratio_c",
-    "ratio_cap": "clip_ratio_c",
-    "tau_pos": "tau_pos",
-    "tau_neg": "tau_neg",
-}
+_ACTOR = {"clip_eps_low": "clip_ratio_low", "clip_eps_high": "clip_ratio_high"} | {n: n for n in ("tau_pos", "tau_neg")}
+_ACTOR |= dict.fromkeys(("dual_clip", "ratio_cap"), "clip_ratio_c")
 # ours -> verl's metric names
-_VERL_STATS = {
-    "clipfrac": "actor/pg_clipfrac",
-    "clipfrac_lower": "actor/pg_clipfrac_lower",
-    "approx_kl": "actor/ppo_kl",
-    "approx_kl_abs": "actor/ppo_kl",
-}
+_VERL_STATS = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor/pg_clipfrac_lower"}
+_VERL_STATS |= dict.fromkeys(("approx_kl", "approx_kl_abs"), "actor/ppo_kl")
 
 
-def _verl_config(params):
+def _verl(core, mode, leaves, mask, agg, weighted):
+    """verl's loss and metrics for ``mode`` with its parameters in ``CASES`` (as ``_ours``)."""
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
+    params = CASES[mode].params
     actor = {_ACTOR[k]: v for k, v in params.items() if k in _ACTOR}
     loss = {k: v for k, v in params.items() if k not in _ACTOR}
-    return ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=0.2,
-        **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **actor},
-        policy_loss=PolicyLossConfig(**loss),
+    fixed = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2)
+    ratios = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **actor}
+    config = ActorConfig(**fixed, **ratios, policy_loss=PolicyLossConfig(**loss))
+    lp, old, adv, w = leaves
+    torch.manual_seed(1234)
+    weights = w if weighted else None
+    return core.get_policy_loss_fn(mode)(
+        old, lp, adv, mask.double(), loss_agg_mode=agg, config=config, rollout_is_weights=weights
     )
 
 
@@ -286,18 +279,8 @@ def test_matches_verl(mode, agg, weighted):
     core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed")
     # verl's geo_mean averages over all rows, rows without tokens too: give every row one.
     leaves, mask = _inputs(19, empty_row=mode != "geo_mean")
-    lp, old, adv, w = leaves
     loss, stats, grads = _ours(mode, leaves, mask, agg, weighted)
-    torch.manual_seed(1234)
-    want, metrics = core.get_policy_loss_fn(mode)(
-        old,
-        lp,
-        adv,
-        mask.double(),
-        loss_agg_mode=agg,
-        config=_verl_config(CASES[mode].params),
-        rollout_is_weights=w if weighted else None,
-    )
+    want, metrics = _verl(core, mode, leaves, mask, agg, weighted)
     # verl's means divide by (count + 1e-8): relative differences of about 1e-9.
     torch.testing.assert_close(loss, want, rtol=1e-7, atol=1e-10)
     for name, got, expected in zip(("logprobs", "old_logprobs", "advantages", "weights"), grads, _grads(want, leaves)):
@@ -320,23 +303,10 @@ def test_the_loss_moves_the_right_way(mode, params, backend):
 
 
 def test_clipped_policy_loss_is_the_vanilla_mode():
-    leaves, mask = _inputs(5)
-    lp, old, adv, w = leaves
-    a = pf.clipped_policy_loss(
-        lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0, weights=w, agg="token-sum"
-    )
-    b = pf.policy_loss(
-        lp,
-        old,
-        adv,
-        mask,
-        loss_mode="vanilla",
-        clip_eps_low=0.1,
-        clip_eps_high=0.3,
-        dual_clip=2.0,
-        weights=w,
-        agg="token-sum",
-    )
+    (lp, old, adv, w), mask = _inputs(5)
+    kwargs = dict(clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0, weights=w, agg="token-sum")
+    a = pf.clipped_policy_loss(lp, old, adv, mask, **kwargs)
+    b = pf.policy_loss(lp, old, adv, mask, loss_mode="vanilla", **kwargs)
     assert torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys()
     assert all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
@@ -370,19 +340,8 @@ def test_native_cpu_is_deterministic_and_matches_verl(mode):
             results.append((loss, grads))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0][0], results[1][0]) and all(
-        torch.equal(a, b) for a, b in zip(results[0][1], results[1][1])
-    )
-    lp, old, adv, w = leaves
-    want, _ = core.get_policy_loss_fn(mode)(
-        old,
-        lp,
-        adv,
-        mask.double(),
-        loss_agg_mode="seq-mean-token-mean",
-        config=_verl_config(CASES[mode].params),
-        rollout_is_weights=w,
-    )
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)  # bitwise
+    want, _ = _verl(core, mode, leaves, mask, "seq-mean-token-mean", True)
     torch.testing.assert_close(loss, want, rtol=1e-7, atol=1e-10)
 
 

@@ -48,11 +48,9 @@ def _formula(old, rollout, mask, mode, *, threshold, threshold_low, batch_normal
 @pytest.mark.parametrize("batch_normalize", [False, True])
 def test_matches_the_formula(mode, batch_normalize):
     old, rollout, mask = _inputs(11)
-    low = 0.5 if mode.endswith("mis") else 0.0
-    got = pf.rollout_correction_weights(
-        old, rollout, mask, mode=mode, threshold=1.1, threshold_low=low, batch_normalize=batch_normalize
-    )
-    want = _formula(old, rollout, mask, mode, threshold=1.1, threshold_low=low, batch_normalize=batch_normalize)
+    kwargs = dict(threshold=1.1, threshold_low=0.5 if mode.endswith("mis") else 0.0, batch_normalize=batch_normalize)
+    got = pf.rollout_correction_weights(old, rollout, mask, mode=mode, **kwargs)
+    want = _formula(old, rollout, mask, mode, **kwargs)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert got.dtype == torch.float64 and not got.requires_grad
     assert ((got > 0) <= mask).all()  # masked positions are 0
@@ -76,22 +74,16 @@ def test_matches_verl(mode, batch_normalize):
     corr = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl is not installed")
     old, rollout, mask = _inputs(23)
     masked_mode = mode.endswith("mis")
-    spec = "0.6_1.4" if masked_mode else 1.4
     want, _ = corr.compute_rollout_correction_weights(
         old - rollout,
         mask.double(),
         rollout_is="token" if mode.startswith("token") else "sequence",
-        rollout_is_threshold=spec,
+        rollout_is_threshold="0.6_1.4" if masked_mode else 1.4,
         rollout_is_batch_normalize=batch_normalize,
     )
+    low = 0.6 if masked_mode else 0.0
     got = pf.rollout_correction_weights(
-        old,
-        rollout,
-        mask,
-        mode=mode,
-        threshold=1.4,
-        threshold_low=0.6 if masked_mode else 0.0,
-        batch_normalize=batch_normalize,
+        old, rollout, mask, mode=mode, threshold=1.4, threshold_low=low, batch_normalize=batch_normalize
     )
     # verl's batch mean divides by (count + 1e-8): a relative difference of about 1e-9.
     torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-8, atol=1e-12)

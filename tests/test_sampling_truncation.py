@@ -154,13 +154,29 @@ def test_bad_truncation_arguments_are_named(op, kwargs, error, words):
 # --------------------------------------------------------------------------- every backend
 
 
-def _compare(got, want, dtype):
-    (logp, ent), (want_logp, want_ent) = got, want
+def assert_matches_reference(backend, call, *inputs):
+    """``call(*leaves)`` (log-probs and entropy; the fused head's when it takes more than logits) on
+    ``backend`` against the reference: the same dropped (-inf) labels, values, and gradients of the
+    finite log-probs plus half the entropy."""
+    results = {}
+    for name in ("reference", backend):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with pf.use_backend(name):
+            logp, ent = call(*leaves)
+        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
+        results[name] = (logp.detach(), ent.detach(), [leaf.grad for leaf in leaves])
+    (logp, ent, grads), (want_logp, want_ent, want_grads) = results[backend], results["reference"]
     assert torch.equal(torch.isneginf(logp), torch.isneginf(want_logp))
+    dtype = inputs[0].dtype
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype != torch.float64 else {"rtol": 1e-10, "atol": 1e-10}
     finite = torch.isfinite(want_logp)
     torch.testing.assert_close(logp[finite], want_logp[finite], **tol)
     torch.testing.assert_close(ent, want_ent, **tol, equal_nan=True)
+    tol = {"rtol": 1e-4, "atol": 1e-4 if len(inputs) > 1 else 1e-5}  # the fused head's gradients, the logits'
+    if dtype in (torch.bfloat16, torch.float16):
+        tol = {"rtol": 1e-3, "atol": 1e-3}
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 def _logits_and_labels(dtype, truncation, shape=(3, 5, 4099), ties=False):
@@ -207,17 +223,8 @@ def test_token_logprobs_every_backend(backend, dtype, truncation):
     logits, labels = _logits_and_labels(dtype, truncation, shape=(3, 5, vocab), ties=dtype == torch.bfloat16)
     ambiguous = near_edge(logits.float(), 0.8, truncation, 1e-5)
     labels[ambiguous] = -100  # only rows where the kept set is unambiguous in float32
-    results = {}
-    for name in ("reference", backend):
-        leaf = logits.clone().requires_grad_()
-        with pf.use_backend(name):
-            logp, ent = pf.token_logprobs(leaf, labels, temperature=0.8, return_entropy=True, **as_kwargs(truncation))
-        finite = torch.isfinite(logp)
-        (torch.where(finite, logp, 0.0).sum() + 0.5 * ent.sum()).backward()
-        results[name] = ((logp.detach(), ent.detach()), leaf.grad)
-    _compare(results[backend][0], results["reference"][0], dtype)
-    tol = {"rtol": 1e-3, "atol": 1e-3} if dtype in (torch.bfloat16, torch.float16) else {"rtol": 1e-4, "atol": 1e-5}
-    torch.testing.assert_close(results[backend][1].float(), results["reference"][1].float(), **tol)
+    kwargs = {"temperature": 0.8, "return_entropy": True, **as_kwargs(truncation)}
+    assert_matches_reference(backend, lambda x: pf.token_logprobs(x, labels, **kwargs), logits)
 
 
 @pytest.mark.parametrize(
@@ -239,24 +246,9 @@ def test_linear_token_logprobs_every_backend(backend, truncation):
     labels[3] = -100
     ambiguous = near_edge(((hidden @ weight.T + bias) * 1.5)[None], 0.9, truncation, 1e-4)[0]
     labels[ambiguous] = -100
-    results = {}
-    for name in ("reference", backend):
-        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-        with pf.use_backend(name):
-            logp, ent = pf.linear_token_logprobs(
-                *leaves[:2],
-                labels,
-                bias=leaves[2],
-                temperature=0.9,
-                logit_scale=1.5,
-                return_entropy=True,
-                **as_kwargs(truncation),
-            )
-        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
-        results[name] = ((logp.detach(), ent.detach()), [leaf.grad for leaf in leaves])
-    _compare(results[backend][0], results["reference"][0], torch.float32)
-    for got, want in zip(results[backend][1], results["reference"][1]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    kwargs = {"temperature": 0.9, "logit_scale": 1.5, "return_entropy": True, **as_kwargs(truncation)}
+    call = lambda h, w, b: pf.linear_token_logprobs(h, w, labels, bias=b, **kwargs)
+    assert_matches_reference(backend, call, hidden, weight, bias)
 
 
 def _non_finite_rows(op: str):
@@ -353,16 +345,8 @@ def test_native_edge_rows_equal_reference(vocab, dtype, truncation):
     logits = _edge_logits(vocab, dtype)
     labels = sampled_labels(logits.float(), 0.9, truncation, outside=6)
     labels[near_edge(logits.float(), 0.9, truncation, 1e-5)] = -100
-    results = {}
-    for name in ("reference", "native"):
-        leaf = logits.clone().requires_grad_()
-        with pf.use_backend(name):
-            logp, ent = pf.token_logprobs(leaf, labels, temperature=0.9, return_entropy=True, **as_kwargs(truncation))
-        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
-        results[name] = ((logp.detach(), ent.detach()), leaf.grad)
-    _compare(results["native"][0], results["reference"][0], dtype)
-    tol = {"rtol": 1e-3, "atol": 1e-3} if dtype in (torch.bfloat16, torch.float16) else {"rtol": 1e-4, "atol": 1e-5}
-    torch.testing.assert_close(results["native"][1].float(), results["reference"][1].float(), **tol)
+    kwargs = {"temperature": 0.9, "return_entropy": True, **as_kwargs(truncation)}
+    assert_matches_reference("native", lambda x: pf.token_logprobs(x, labels, **kwargs), logits)
 
 
 @pytest.mark.parametrize("backend", serving("token_logprobs", "cpu"))
@@ -404,9 +388,7 @@ def test_native_truncated_rows_are_bitwise_independent_of_threads(dtype):
                 outputs.append((logp, ent, leaf.grad))
     finally:
         torch.set_num_threads(threads)
-    for one, two in zip(outputs[:2], outputs[2:]):
-        for a, b in zip(one, two):
-            assert torch.equal(a, b)
+    torch.testing.assert_close(outputs[:2], outputs[2:], rtol=0, atol=0)  # bitwise
 
 
 @native_only
@@ -418,13 +400,5 @@ def test_native_fused_head_with_softcap_equals_reference(truncation):
     z = torch.tanh(hidden @ weight.T * 2.0 / 5.0) * 5.0
     labels = sampled_labels(z, 0.7, truncation)
     labels[near_edge(z[None], 0.7, truncation, 1e-4)[0]] = -100
-    results = {}
-    for name in ("reference", "native"):
-        leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
-        with pf.use_backend(name):
-            logp, ent = pf.linear_token_logprobs(*leaves, labels, **kwargs, **as_kwargs(truncation))
-        (torch.where(torch.isfinite(logp), logp, 0.0).sum() + 0.5 * ent.sum()).backward()
-        results[name] = ((logp.detach(), ent.detach()), [leaf.grad for leaf in leaves])
-    _compare(results["native"][0], results["reference"][0], torch.float32)
-    for got, want in zip(results["native"][1], results["reference"][1]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    call = lambda h, w: pf.linear_token_logprobs(h, w, labels, **kwargs, **as_kwargs(truncation))
+    assert_matches_reference("native", call, hidden, weight)

@@ -8,8 +8,11 @@ are built here by hand; the packed ones are their valid tokens.  Bad ``cu_seqlen
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 import ppo_fast as pf
 from ppo_fast.backends import serving
@@ -30,63 +33,33 @@ def _padded_case(seed: int):
     def per_token(scale=1.0, shift=0.0):
         return torch.where(valid, torch.randn(rows, width, generator=g, dtype=torch.float64) * scale + shift, 0.0)
 
-    inputs = {
-        "logprobs": per_token(0.5, -1.0),
-        "old_logprobs": per_token(0.5, -1.0),
-        "ref_logprobs": per_token(0.5, -1.0),
-        "rollout_logprobs": per_token(0.5, -1.0),
-        "advantages": per_token(),
-        "values": per_token(),
-        "old_values": per_token(),
-        "returns": per_token(),
-        "rewards": per_token(),
-        "entropy": per_token().abs(),
-        "weights": per_token().abs(),
-        "hidden": torch.where(
-            valid[..., None], torch.randn(rows, width, HIDDEN, generator=g, dtype=torch.float64), 0.0
-        ),
-        "labels": torch.where(valid, torch.randint(VOCAB, (rows, width), generator=g), 0),
-    }
+    inputs = {name: per_token(0.5, -1.0) for name in ("lp", "old", "ref", "rollout")}  # log-probs
+    inputs |= {name: per_token() for name in ("adv", "values", "old_values", "returns", "rewards")}
+    inputs |= {name: per_token().abs() for name in ("entropy", "weights")}
+    hidden = torch.randn(rows, width, HIDDEN, generator=g, dtype=torch.float64)
+    inputs["hidden"] = torch.where(valid[..., None], hidden, 0.0)
+    inputs["labels"] = torch.where(valid, torch.randint(VOCAB, (rows, width), generator=g), 0)
     cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     return inputs, mask, valid, cu_seqlens
 
 
 def _cases():
-    """(id, op's name for ``serving``, call(t, mask, **kw), per-token input names)."""
+    """(id, op's name for ``serving``, call(t, mask, **kw)): ``t`` the per-token inputs by name."""
     g = torch.Generator().manual_seed(7)
     scores = torch.randn(len(LENGTHS), generator=g, dtype=torch.float64)
     head = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
-    yield (
-        "gae",
-        "gae",
-        lambda t, m, **kw: pf.gae(t["rewards"], t["values"], m, gamma=0.9, lam=0.8, **kw),
-        (
-            "rewards",
-            "values",
-        ),
-    )
+    yield "gae", "gae", lambda t, m, **kw: pf.gae(t["rewards"], t["values"], m, gamma=0.9, lam=0.8, **kw)
     yield (
         "kl_penalized_rewards",
         "kl_penalized_rewards",
-        lambda t, m, **kw: pf.kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], m, kl_coef=0.1, **kw),
-        ("logprobs", "ref_logprobs"),
+        lambda t, m, **kw: pf.kl_penalized_rewards(scores, t["lp"], t["ref"], m, kl_coef=0.1, **kw),
     )
     for name, mode in POLICY_LOSS_MODES.items():
+        loss = partial(pf.policy_loss, loss_mode=name, agg="seq-mean-token-mean", **mode.example_params())
         yield (
             f"policy_loss-{name}",
             mode.op,
-            lambda t, m, name=name, mode=mode, **kw: pf.policy_loss(
-                t["logprobs"],
-                t["old_logprobs"],
-                t["advantages"],
-                m,
-                loss_mode=name,
-                agg="seq-mean-token-mean",
-                weights=t["weights"],
-                **mode.example_params(),
-                **kw,
-            ),
-            ("logprobs", "old_logprobs", "advantages", "weights"),
+            lambda t, m, loss=loss, **kw: loss(t["lp"], t["old"], t["adv"], m, weights=t["weights"], **kw),
         )
     for agg in AGG_MODES:
         yield (
@@ -95,81 +68,49 @@ def _cases():
             lambda t, m, agg=agg, **kw: pf.value_loss(
                 t["values"], t["old_values"], t["returns"], m, clip=0.2, agg=agg, **kw
             ),
-            ("values", "old_values", "returns"),
         )
-        yield f"aggregate-{agg}", None, lambda t, m, agg=agg, **kw: pf.aggregate(t["values"], m, agg, **kw), ("values",)
-    yield "masked_mean", None, lambda t, m, **kw: pf.masked_mean(t["values"], m, **kw), ("values",)
-    yield "masked_whiten", None, lambda t, m, **kw: pf.masked_whiten(t["values"], m, **kw), ("values",)
+        yield f"aggregate-{agg}", None, lambda t, m, agg=agg, **kw: pf.aggregate(t["values"], m, agg, **kw)
+    yield "masked_mean", None, lambda t, m, **kw: pf.masked_mean(t["values"], m, **kw)
+    yield "masked_whiten", None, lambda t, m, **kw: pf.masked_whiten(t["values"], m, **kw)
     for mode in ROLLOUT_CORRECTION_MODES:
         yield (
             f"rollout_correction-{mode}",
             None,
-            lambda t, m, mode=mode, **kw: pf.rollout_correction_weights(
-                t["old_logprobs"], t["rollout_logprobs"], m, mode=mode, **kw
-            ),
-            ("old_logprobs", "rollout_logprobs"),
+            lambda t, m, mode=mode, **kw: pf.rollout_correction_weights(t["old"], t["rollout"], m, mode=mode, **kw),
         )
+    objective = partial(pf.policy_objective, agg="seq-mean-token-sum", kl_coef=0.1, entropy_coef=0.01)
     yield (
         "policy_objective",
         None,
-        lambda t, m, **kw: pf.policy_objective(
-            t["logprobs"],
-            t["entropy"],
-            t["old_logprobs"],
-            t["advantages"],
-            m,
-            agg="seq-mean-token-sum",
-            ref_logprobs=t["ref_logprobs"],
-            kl_coef=0.1,
-            entropy_coef=0.01,
-            **kw,
-        ),
-        ("logprobs", "entropy", "old_logprobs", "advantages", "ref_logprobs"),
+        lambda t, m, **kw: objective(t["lp"], t["entropy"], t["old"], t["adv"], m, ref_logprobs=t["ref"], **kw),
     )
+    fused = partial(pf.linear_policy_loss, agg="seq-mean-token-mean", kl_coef=0.1)
     yield (
         "linear_policy_loss",
         "linear_policy_loss",
-        lambda t, m, **kw: pf.linear_policy_loss(
-            t["hidden"],
-            head,
-            t["labels"],
-            t["old_logprobs"],
-            t["advantages"],
-            m,
-            agg="seq-mean-token-mean",
-            ref_logprobs=t["ref_logprobs"],
-            kl_coef=0.1,
-            **kw,
-        ),
-        ("hidden", "old_logprobs", "advantages", "ref_logprobs"),
+        lambda t, m, **kw: fused(t["hidden"], head, t["labels"], t["old"], t["adv"], m, ref_logprobs=t["ref"], **kw),
     )
 
 
 def _params():
     out = []
-    for case_id, op, call, grads in _cases():
-        backends = ("auto",) if op is None else serving(op, "cpu")
-        for backend in backends:
-            out.append(pytest.param(call, grads, backend, id=f"{case_id}-{backend}"))
+    for case_id, op, call in _cases():
+        for backend in ("auto",) if op is None else serving(op, "cpu"):
+            out.append(pytest.param(call, backend, id=f"{case_id}-{backend}"))
     return out
 
 
 def _flat(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _flat(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _flat(v)]
-    return []
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-@pytest.mark.parametrize("call, grads, backend", _params())
-def test_packed_equals_padded_at_the_valid_tokens_in_value_and_gradient(call, grads, backend):
+@pytest.mark.parametrize("call, backend", _params())
+def test_packed_equals_padded_at_the_valid_tokens_in_value_and_gradient(call, backend):
     padded, mask, valid, cu_seqlens = _padded_case(torch.randint(1000, ()).item())
     packed = {k: v[valid].clone() for k, v in padded.items()}
+    floats = [name for name, x in padded.items() if x.is_floating_point()]
     for inputs in (padded, packed):
-        for name in grads:
+        for name in floats:  # an input the op does not read has no gradient either way
             inputs[name].requires_grad_(True)
     with pf.use_backend(backend):
         want = _flat(call(padded, mask))
@@ -186,8 +127,8 @@ def test_packed_equals_padded_at_the_valid_tokens_in_value_and_gradient(call, gr
     sum((w * p).sum() for (w, _), p in zip(differentiable, pulls)).backward()
     packed_pulls = [p[valid] if tuple(p.shape[:2]) == tuple(valid.shape) else p for p in pulls]
     sum((h * p).sum() for (_, h), p in zip(differentiable, packed_pulls)).backward()
-    assert any(padded[name].grad is not None for name in grads)
-    for name in grads:  # an input the op does not differentiate (a detached old_logprobs) has none either way
+    assert any(padded[name].grad is not None for name in floats)
+    for name in floats:  # nor one it does not differentiate (a detached old_logprobs)
         want_grad, got_grad = padded[name].grad, packed[name].grad
         assert (got_grad is None) == (want_grad is None), name
         assert want_grad is None or torch.equal(got_grad, want_grad[valid]), name
