@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import sys
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -28,32 +29,9 @@ _GPU_STACK = ("flash_attn", "deepspeed", "vllm", "aiohttp")
 BACKENDS = ["native", "triton"]
 
 
-class _StandIn(type):
-    """A class whose attributes are stand-in classes; called on a function it returns it (a decorator)."""
-
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _stand_in(name)
-
-    def __call__(cls, *args, **kwargs):
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return super().__call__()
-
-
-def _stand_in(name):
-    return _StandIn(name, (), {"__init__": lambda self, *a, **k: None, "__getattr__": lambda self, n: _stand_in(n)})
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _stand_in(name)
-
-
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports every module under ``roots`` as a MagicMock: any name, call or decorator goes."""
+
     def __init__(self, roots):
         self.roots = set(roots)
 
@@ -63,9 +41,7 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        module = _StandInModule(spec.name)
-        module.__path__ = []
-        return module
+        return mock.MagicMock(__path__=[], __spec__=spec, __name__=spec.name)
 
     def exec_module(self, module):
         pass
@@ -86,14 +62,15 @@ def orlhf():
         for name in [n for n in sys.modules if n.split(".")[0] in missing]:
             del sys.modules[name]
     po.unpatch()
-    orig = {
-        "compute_approx_kl": utils.compute_approx_kl,
-        "log_probs_from_logits": utils.log_probs_from_logits,
-        "PolicyLoss": loss.PolicyLoss,
-        "ValueLoss": loss.ValueLoss,
-        "gae": maker.RemoteExperienceMaker.get_advantages_and_returns,
+    places = {  # where OpenRLHF's code looks each one up, and so where the patch puts ours
+        "compute_approx_kl": (utils, "compute_approx_kl"),
+        "log_probs_from_logits": (utils, "log_probs_from_logits"),
+        "PolicyLoss": (loss, "PolicyLoss"),
+        "ValueLoss": (loss, "ValueLoss"),
+        "gae": (maker.RemoteExperienceMaker, "get_advantages_and_returns"),
     }
-    yield types.SimpleNamespace(utils=utils, loss=loss, maker=maker, orig=orig)
+    orig = {name: getattr(*place) for name, place in places.items()}
+    yield types.SimpleNamespace(utils=utils, loss=loss, maker=maker, orig=orig, places=places)
     po.unpatch()
 
 
@@ -119,6 +96,22 @@ def close(a, b, **kw):
     kw.setdefault("rtol", 1e-5)
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     torch.testing.assert_close(a, b, **kw)
+
+
+def versus(orlhf, name, call, backend="auto", wrt=None):
+    """``call`` on OpenRLHF's own ``name`` and on ours, patched in on ``backend``: the same outputs (Nones included)
+    and the same gradients of the first with respect to ``wrt``."""
+    want = call(orlhf.orig[name])
+    with po.patch(backend=backend):
+        got = call(getattr(*orlhf.places[name]))
+    results = [[r] if torch.is_tensor(r) else list(r) for r in (got, want)]
+    if wrt is not None:
+        for r in results:
+            r += torch.autograd.grad(r[0].sum(), wrt)
+    for g, w in zip(*results, strict=True):
+        assert (g is None) == (w is None), (g, w)
+        if w is not None:
+            close(g, w)
 
 
 def test_patch_replaces_aliases_and_restores(orlhf):
@@ -149,14 +142,10 @@ def test_unsupported_version(orlhf, monkeypatch):
 def test_compute_approx_kl_matches(orlhf, backend, estimator, unbiased, dtype):
     logp = (torch.randn(4, 9, dtype=dtype) * 6).requires_grad_(True)  # some log-ratios beyond the +-10 clamp
     base, old = torch.randn(4, 9, dtype=dtype) * 6, logp.detach() + 0.3 * torch.randn(4, 9, dtype=dtype)
-    want = orlhf.orig["compute_approx_kl"](logp, base, old, kl_estimator=estimator, unbiased_gradient=unbiased)
-    want_grad = torch.autograd.grad(want.sum(), logp)[0]
-    with po.patch(backend=backend):
-        got = orlhf.utils.compute_approx_kl(logp, base, old, kl_estimator=estimator, unbiased_gradient=unbiased)
-        with pytest.raises(ValueError, match="Unknown kl_estimator"):
-            orlhf.utils.compute_approx_kl(logp, base, kl_estimator="k4")
-    close(got, want)
-    close(torch.autograd.grad(got.sum(), logp)[0], want_grad)
+    kwargs = {"kl_estimator": estimator, "unbiased_gradient": unbiased}
+    versus(orlhf, "compute_approx_kl", lambda f: f(logp, base, old, **kwargs), backend, logp)
+    with po.patch(backend=backend), pytest.raises(ValueError, match="Unknown kl_estimator"):
+        orlhf.utils.compute_approx_kl(logp, base, kl_estimator="k4")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -181,32 +170,16 @@ def test_policy_loss_matches(orlhf, backend, token_level, dual_clip, global_info
     old = -torch.rand(6, 10) * 3
     logp = (old + 0.5 * torch.randn(6, 10)).requires_grad_(True)
     adv = torch.randn(6, 10)
-    theirs = orlhf.orig["PolicyLoss"](
-        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level
-    )
-    want = theirs(logp, old, adv, mask, **global_info)
-    want_grad = torch.autograd.grad(want[0], logp)[0]
-    with po.patch(backend=backend):
-        ours = orlhf.loss.PolicyLoss(
-            clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level
-        )
-        got = ours(logp, old, adv, mask, **global_info)
-    close(got[0], want[0])
-    close(torch.autograd.grad(got[0], logp)[0], want_grad)
-    close(got[1], want[1])
-    close(got[2], want[2])
-    assert got[3] is None and got[4] is None
+    kwargs = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": dual_clip, "token_level_loss": token_level}
+    versus(orlhf, "PolicyLoss", lambda cls: cls(**kwargs)(logp, old, adv, mask, **global_info), backend, logp)
     assert counts("openrlhf")["openrlhf.PolicyLoss"] >= 1
 
 
 def test_policy_loss_gspo_and_is_correction_run_openrlhfs_forward(orlhf):
     mask = _mask(3, 5).float()
     args = (-torch.rand(3, 5), -torch.rand(3, 5), torch.randn(3, 5), mask, -torch.rand(3, 5))
-    with po.patch():
-        for kwargs in ({"policy_loss_type": "gspo"}, {"is_correction_level": "token"}):
-            got = orlhf.loss.PolicyLoss(**kwargs)(*args)
-            want = orlhf.orig["PolicyLoss"](**kwargs)(*args)
-            close(got[0], want[0])
+    for kwargs in ({"policy_loss_type": "gspo"}, {"is_correction_level": "token"}):
+        versus(orlhf, "PolicyLoss", lambda cls: cls(**kwargs)(*args))
     assert counts("openrlhf")["openrlhf.PolicyLoss:fallback"] >= 2
 
 
@@ -218,12 +191,8 @@ def test_value_loss_matches(orlhf, backend, clip, token_level, global_info):
     mask = _mask(5, 8).float()
     values = torch.randn(5, 8, requires_grad=True)
     old, returns = torch.randn(5, 8), torch.randn(5, 8)
-    want = orlhf.orig["ValueLoss"](clip, token_level_loss=token_level)(values, old, returns, mask, **global_info)
-    want_grad = torch.autograd.grad(want, values)[0]
-    with po.patch(backend=backend):
-        got = orlhf.loss.ValueLoss(clip, token_level_loss=token_level)(values, old, returns, mask, **global_info)
-    close(got, want)
-    close(torch.autograd.grad(got, values)[0], want_grad)
+    loss = lambda cls: cls(clip, token_level_loss=token_level)(values, old, returns, mask, **global_info)
+    versus(orlhf, "ValueLoss", loss, backend, values)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -231,14 +200,8 @@ def test_value_loss_matches(orlhf, backend, clip, token_level, global_info):
 def test_gae_matches_openrlhf_including_interior_masked_steps(orlhf, backend, gaps):
     mask = _mask(5, 13, gaps=gaps).float()
     values, rewards = torch.randn(5, 13), torch.randn(5, 13)
-    want = orlhf.orig["gae"](None, values, rewards, mask, 0.99, 0.95)
-    with po.patch(backend=backend):
-        got = orlhf.maker.RemoteExperienceMaker.get_advantages_and_returns(None, values, rewards, mask, 0.99, 0.95)
-        no_mask = orlhf.maker.RemoteExperienceMaker.get_advantages_and_returns(None, values, rewards, None, 1.0, 0.9)
-    for g, w in zip(got, want):  # every position, masked ones included
-        close(g, w)
-    for g, w in zip(no_mask, orlhf.orig["gae"](None, values, rewards, None, 1.0, 0.9)):
-        close(g, w)
+    for args in ((mask, 0.99, 0.95), (None, 1.0, 0.9)):  # every position compared, masked ones included
+        versus(orlhf, "gae", lambda f: f(None, values, rewards, *args), backend)
 
 
 def test_prefix_mask():

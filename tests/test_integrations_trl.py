@@ -3,6 +3,7 @@
 Skipped when TRL is not installed (.ci/peers.sh installs it).
 """
 
+import contextlib
 import importlib.metadata
 import tempfile
 
@@ -35,12 +36,34 @@ def _exact(logits, index, temperature):
     return logp_all.gather(-1, index.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
 
+def _no_less_exact(ours, theirs, exact):
+    """Ours keeps TRL's dtypes and is, output by output, at least as close to ``exact`` as TRL's."""
+    for o, t, w in zip(ours, theirs, exact, strict=True):
+        assert o.dtype == t.dtype
+        assert (o.double() - w).abs().max().item() <= (t.double() - w).abs().max().item() + 1e-6
+
+
+def versus(name, call, backend, wrt=None, **tol):
+    """``call`` on TRL's own ``name`` and on ours, patched in on ``backend``: the same outputs (dtypes and Nones
+    included; within ``tol``, default 1e-5) and the same gradients with respect to ``wrt`` of their sums (output i
+    weighted 1 / (i + 1), so that swapped ones show)."""
+    want = call(_originals()[name])
+    with pt.patch(backend=backend):
+        got = call(getattr(U, name))
+    results = [[r] if torch.is_tensor(r) else list(r) for r in (got, want)]
+    if wrt is not None:
+        for r in results:
+            r += torch.autograd.grad(sum(t.sum() / (i + 1) for i, t in enumerate(r) if t is not None), wrt)
+    for g, w in zip(*results, strict=True):
+        assert (g is None) == (w is None) and (w is None or g.dtype == w.dtype), (g, w)
+        if w is not None:
+            torch.testing.assert_close(g, w, **(tol or {"atol": 1e-5, "rtol": 1e-5}))
+
+
 def test_patch_replaces_and_restores():
     orig = _originals()
     with pt.patch() as handle:
-        assert U.selective_log_softmax is pt.selective_log_softmax
-        assert U.selective_log_softmax_and_entropy is pt.selective_log_softmax_and_entropy
-        assert U.entropy_from_logits is pt.entropy_from_logits
+        assert all(getattr(U, n) is getattr(pt, n) for n in pt._FUNCTIONS)
         assert U._ChunkedLogProbFunction is pt.ChunkedLogProbFunction
         second = pt.patch()
         assert second is not handle and U.selective_log_softmax is pt.selective_log_softmax
@@ -60,22 +83,15 @@ def test_unsupported_version(monkeypatch):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("row_mask", [False, True])
 def test_float32_matches_trl(backend, temperature, row_mask):
-    orig = _originals()
     logits = (torch.randn(3, 6, 57) * 3).requires_grad_(True)
     index = torch.randint(0, 57, (3, 6))
     rm = (torch.rand(3, 6) > 0.3) if row_mask else None
-    want = orig["selective_log_softmax_and_entropy"](logits, index, True, temperature, rm)
-    want_lp = orig["selective_log_softmax"](logits, index, temperature, rm)
-    want_grad = torch.autograd.grad(want[0].sum() + want[1].sum(), logits)[0]
-    with pt.patch(backend=backend):
-        got = U.selective_log_softmax_and_entropy(logits, index, True, temperature, rm)
-        got_lp = U.selective_log_softmax(logits, index, temperature, rm)
-        got_ent = U.entropy_from_logits(logits / temperature)
-    got_grad = torch.autograd.grad(got[0].sum() + got[1].sum(), logits)[0]
-    for g, w in ((got[0], want[0]), (got[1], want[1]), (got_lp, want_lp), (got_grad, want_grad)):
-        assert g.dtype == w.dtype
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got_ent, orig["entropy_from_logits"](logits / temperature), atol=2e-5, rtol=2e-5)
+    tol = {"atol": 2e-5, "rtol": 2e-5}
+    versus(
+        "selective_log_softmax_and_entropy", lambda f: f(logits, index, True, temperature, rm), backend, logits, **tol
+    )
+    versus("selective_log_softmax", lambda f: f(logits, index, temperature, rm), backend, logits, **tol)
+    versus("entropy_from_logits", lambda f: f(logits / temperature), backend, logits, **tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -83,17 +99,13 @@ def test_bfloat16_keeps_trls_dtype_and_is_at_least_as_exact(backend):
     orig = _originals()
     logits = (torch.randn(4, 5, 300) * 4).to(torch.bfloat16)
     index = torch.randint(0, 300, (4, 5))
-    want_lp, want_ent = _exact(logits, index, 0.7)
     theirs = orig["selective_log_softmax_and_entropy"](logits, index, True, 0.7)
     with pt.patch(backend=backend):
         ours = U.selective_log_softmax_and_entropy(logits, index, True, 0.7)
         ours_lp = U.selective_log_softmax(logits, index, temperature=0.7)
         ours_ent = U.entropy_from_logits(logits)
     assert ours[0].dtype == ours[1].dtype == ours_lp.dtype == ours_ent.dtype == torch.bfloat16  # TRL's contract
-    for o, t, w in ((ours[0], theirs[0], want_lp), (ours[1], theirs[1], want_ent)):
-        ours_err = (o.double() - w).abs().max().item()
-        theirs_err = (t.double() - w).abs().max().item()
-        assert ours_err <= theirs_err + 1e-6, (ours_err, theirs_err)
+    _no_less_exact(ours, theirs, _exact(logits, index, 0.7))
 
 
 def test_entropy_without_grad_and_top_k_index_falls_back():
@@ -113,32 +125,15 @@ def test_entropy_without_grad_and_top_k_index_falls_back():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("softcap,scale,bias", [(None, 1.0, False), (30.0, 0.5, True)])
 def test_fused_lm_head_matches_trls(backend, softcap, scale, bias):
-    orig = _originals()["_ChunkedLogProbFunction"]
     hidden = torch.randn(37, 16, requires_grad=True)
     weight = (torch.randn(53, 16) * 0.3).requires_grad_(True)
     b = torch.randn(53, requires_grad=True) if bias else None
     targets = torch.randint(0, 53, (37,))
-    outputs = ("log_probs", "entropy")
     params = [hidden, weight] + ([b] if bias else [])
-    want = orig.apply(hidden, weight, b, targets, 0.8, 16, softcap, scale, outputs)
-    want_grads = torch.autograd.grad(want[0].sum() + 0.5 * want[1].sum(), params)
-    with pt.patch(backend=backend):
-        got = U._ChunkedLogProbFunction.apply(hidden, weight, b, targets, 0.8, 16, softcap, scale, outputs)
-    got_grads = torch.autograd.grad(got[0].sum() + 0.5 * got[1].sum(), params)
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-    assert got[2:] == (None, None, None)
+    args = (hidden, weight, b, targets, 0.8, 16, softcap, scale)
     every = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")  # what SFT/DPO/KTO ask for
-    want_all = orig.apply(hidden.detach(), weight.detach(), b, targets, 0.8, 16, softcap, scale, every)
-    with pt.patch(backend=backend):
-        got_all = U._ChunkedLogProbFunction.apply(
-            hidden.detach(), weight.detach(), b, targets, 0.8, 16, softcap, scale, every
-        )
-    for g, w in zip(got_all[2:4], want_all[2:4]):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got_all[4], want_all[4])
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    for outputs, wrt, rtol in ((every[:2], None, 1e-5), (every[:2], params, 1e-4), (every, None, 1e-5)):
+        versus("_ChunkedLogProbFunction", lambda f: f.apply(*args, outputs), backend, wrt, atol=1e-5, rtol=rtol)
 
 
 def test_fused_lm_head_is_linear_token_logprobs(monkeypatch):
@@ -170,16 +165,15 @@ def test_fused_lm_head_autocast_projects_in_trls_dtype():
     """Under autocast TRL projects in the autocast dtype: so does the shim (float32 results)."""
     orig = _originals()["_ChunkedLogProbFunction"]
     hidden, weight, targets = torch.randn(13, 16), torch.randn(30, 16) * 0.3, torch.randint(0, 30, (13,))
-    want_lp, want_ent = _exact(hidden.bfloat16().double() @ weight.bfloat16().double().T, targets, 1.0)
+    args = (hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        theirs = orig.apply(hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy"))
+        theirs = orig.apply(*args)
         with pt.patch():
-            ours = U._ChunkedLogProbFunction.apply(
-                hidden, weight, None, targets, 1.0, 8, None, 1.0, ("log_probs", "entropy")
-            )
-    assert ours[0].dtype == ours[1].dtype == theirs[0].dtype == torch.float32
-    for o, t, w in ((ours[0], theirs[0], want_lp), (ours[1], theirs[1], want_ent)):
-        assert (o.double() - w).abs().max().item() <= (t.double() - w).abs().max().item() + 1e-6
+            ours = U._ChunkedLogProbFunction.apply(*args)
+    assert ours[0].dtype == ours[1].dtype == torch.float32
+    _no_less_exact(
+        ours[:2], theirs[:2], _exact(hidden.bfloat16().double() @ weight.bfloat16().double().T, targets, 1.0)
+    )
 
 
 # --------------------------------------------------------------------------- TRL's own GRPOTrainer on our ops
@@ -219,16 +213,12 @@ def _grpo_run(patched: bool):
         disable_tqdm=True,
     )
     torch.manual_seed(0)
-    context = pt.patch(backend="native") if patched else None
-    try:
+    with pt.patch(backend="native") if patched else contextlib.nullcontext():
         trainer = GRPOTrainer(
             model=model_dir, reward_funcs=reward, args=args, train_dataset=prompts, processing_class=tokenizer
         )
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             result = trainer.train()
-    finally:
-        if context is not None:
-            context.unpatch()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return result, logs, {e.name for e in prof.events() if e.name.startswith("ppo_fast::")}
 

@@ -4,6 +4,7 @@ Skipped when verl is not installed (.ci/peers.sh installs it; verl's own tests r
 """
 
 import importlib.metadata
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -47,22 +48,14 @@ def _mask(b, t, gaps=True):
     return m
 
 
-def _config(clip_low=0.2, clip_high=0.28, clip_c=3.0, global_info=None, loss_mode="vanilla"):
+def _config(global_info=None, loss_mode="vanilla", **clip):
+    """verl's actor config; clip ratios 0.2 / 0.28 and dual clip 3.0 unless ``clip`` names others."""
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
-    cfg = ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=0.2,
-        clip_ratio_low=clip_low,
-        clip_ratio_high=clip_high,
-        clip_ratio_c=clip_c,
-        loss_agg_mode="token-mean",
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
-    )
-    if global_info:
-        cfg.global_batch_info.update(global_info)
+    clip = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, **clip}
+    policy_loss = PolicyLossConfig(loss_mode=loss_mode)
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=policy_loss, **clip)
+    cfg.global_batch_info.update(global_info or {})
     return cfg
 
 
@@ -70,7 +63,22 @@ def close(a, b, **kw):
     kw.setdefault("atol", 1e-5)
     kw.setdefault("rtol", 1e-5)
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    torch.testing.assert_close(a, b, **kw)
+    torch.testing.assert_close(a.double(), b.double(), **kw)  # compared in float64, whatever the dtype
+
+
+def versus(name, call, backend="auto", wrt=None, ours=None, **tol):
+    """``call`` on verl's own ``name`` and on ours, patched in on ``backend`` (``ours()`` fetches it; by default
+    verl's module attribute): the same tensors, dtypes included, and the same gradients of their sum with respect
+    to ``wrt``.  Returns both results, for what else the caller compares."""
+    want = call(_originals()[name])
+    with pv.patch(backend=backend):
+        got = call(ours() if ours else getattr(verl_F if name in pv._FUNCTIONAL_FUNCTIONS else core, name))
+    results = [[t for t in (r if isinstance(r, (tuple, list)) else [r]) if torch.is_tensor(t)] for r in (got, want)]
+    for g, w in zip(*results, strict=True):
+        close(g, w, **tol)
+    if wrt is not None:
+        close(*(torch.autograd.grad(sum(t.sum() for t in ts), wrt)[0] for ts in results), **tol)
+    return got, want
 
 
 # --------------------------------------------------------------------------- the handle
@@ -88,7 +96,7 @@ def test_patch_replaces_everything_listed_and_unpatch_restores():
     assert core.get_policy_loss_fn(pv.POLICY_LOSS_NAME) is pv.compute_policy_loss_vanilla
     assert core.get_adv_estimator_fn("gae") is pv.compute_gae_advantage_return
     assert core.get_adv_estimator_fn("grpo") is pv.compute_grpo_outcome_advantage
-    assert core.get_kl_controller(type("C", (), {"type": "fixed", "kl_coef": 0.1})()).__class__ is pv.FixedKLController
+    assert core.get_kl_controller(SimpleNamespace(type="fixed", kl_coef=0.1)).__class__ is pv.FixedKLController
     handle.unpatch()
     assert all(getattr(core, n) is orig[n] for n in pv._CORE_FUNCTIONS)
     assert all(getattr(verl_F, n) is orig[n] for n in pv._FUNCTIONAL_FUNCTIONS)
@@ -111,8 +119,7 @@ def test_patch_twice_is_harmless_and_handles_nest():
 
 
 def test_aliases_in_loaded_verl_modules_are_patched_and_restored():
-    import verl.trainer.ppo.core_algos as ca  # noqa: F401  (a module that did `from ... import` binds names)
-    import verl.workers.utils.losses as losses
+    import verl.workers.utils.losses as losses  # a module that did `from ... import`: its own bindings
 
     names = [n for n in ("agg_loss", "kl_penalty", "compute_value_loss") if hasattr(losses, n)]
     assert names, "verl.workers.utils.losses imports core_algos names directly"
@@ -123,7 +130,9 @@ def test_aliases_in_loaded_verl_modules_are_patched_and_restored():
     assert {n: getattr(losses, n) for n in names} == before
 
 
-def test_unsupported_version_names_the_supported_ones(monkeypatch):
+def test_unsupported_version_and_bad_backend_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="backend"):
+        pv.patch(backend="cuda")
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.8.5" if d == "verl" else real(d))
     with pytest.raises(pv.UnsupportedPeerVersion, match=r"supports verl 0\.9\.x; the installed verl is 0\.8\.5"):
@@ -131,9 +140,22 @@ def test_unsupported_version_names_the_supported_ones(monkeypatch):
     assert not pv.is_patched()
 
 
-def test_bad_backend_is_refused():
-    with pytest.raises(ValueError, match="backend"):
-        pv.patch(backend="cuda")
+def test_errors_are_verls():
+    """Where verl raises (inputs it refuses, a missing global batch size), so does the patch, with verl's message."""
+    x, ones, one_valid = torch.randn(2, 3), torch.ones(2, 3), torch.tensor([[1.0, 0, 0], [0, 0, 0]])
+    with pv.patch():
+        loss, value_loss = core.compute_policy_loss_vanilla, core.compute_value_loss
+        cases = {
+            "sum of the mask is one": lambda: verl_F.masked_whiten(x, one_valid),
+            "At least one element": lambda: core.compute_gae_advantage_return(x, x, 0 * ones, 1.0, 0.95),
+            "clip_ratio_c": lambda: loss(x, x, x, ones, "token-mean", _config(clip_ratio_c=1.0)),
+            "Invalid loss_agg_mode": lambda: loss(x, x, x, ones, "sum", _config()),
+            "batch_num_tokens is required": lambda: core.agg_loss(x, ones, "token-mean", dp_size=2),
+            "global_batch_size is required": lambda: value_loss(x, x, x, ones, 0.2, "seq-mean-token-mean", dp_size=2),
+        }
+        for match, call in cases.items():
+            with pytest.raises(AssertionError if match == "clip_ratio_c" else ValueError, match=match):
+                call()
 
 
 # --------------------------------------------------------------------------- each function against verl's
@@ -141,49 +163,24 @@ def test_bad_backend_is_refused():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gae_matches_verl(backend):
-    orig = _originals()
     rewards, values, mask = torch.randn(5, 17), torch.randn(5, 17), _mask(5, 17)
     mask[-1, :3] = 1.0  # verl's whitening needs two valid tokens overall; keep the last row non-empty here
-    want = orig["compute_gae_advantage_return"](rewards, values, mask, 0.97, 0.9)
-    with pv.patch(backend=backend):
-        got = core.compute_gae_advantage_return(rewards, values, mask, 0.97, 0.9)
-    for g, w in zip(got, want):  # verl leaves carried values at masked positions; ours are 0 (listed deviation)
-        close(g * mask, w * mask)
+    # verl leaves carried values at masked positions; ours are 0 (listed deviation)
+    versus("compute_gae_advantage_return", lambda f: [x * mask for x in f(rewards, values, mask, 0.97, 0.9)], backend)
     assert counts("verl")["verl.compute_gae_advantage_return"] >= 1
 
 
-def test_whitening_errors_are_verls():
-    with pv.patch():
-        with pytest.raises(ValueError, match="sum of the mask is one"):
-            verl_F.masked_whiten(torch.randn(2, 3), torch.tensor([[1.0, 0, 0], [0, 0, 0]]))
-        with pytest.raises(ValueError, match="At least one element"):
-            core.compute_gae_advantage_return(torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), 1.0, 0.95)
-
-
 @pytest.mark.parametrize(
-    "name,norm",
-    [
-        ("compute_grpo_outcome_advantage", True),
-        ("compute_grpo_outcome_advantage", False),
-        ("compute_grpo_vectorized_outcome_advantage", True),
-        ("compute_grpo_vectorized_outcome_advantage", False),
-        ("compute_rloo_outcome_advantage", None),
-        ("compute_rloo_vectorized_outcome_advantage", None),
-    ],
+    "key,norm",
+    [(k, n) for k in ("grpo", "grpo_vectorized") for n in (True, False)] + [("rloo", None), ("rloo_vectorized", None)],
 )
-def test_outcome_estimators_match_verl(name, norm):
-    orig = _originals()
+def test_outcome_estimators_match_verl(key, norm):
     mask = _mask(11, 6)
     rewards = torch.randn(11, 6) * mask
     index = np.array(["a", "b", "a", "c", "b", "a", "d", "c", "b", "e", "a"], dtype=object)  # d, e: groups of one
-    kwargs = {"norm_adv_by_std_in_grpo": norm} if "grpo" in name else {}
-    want = orig[name](token_level_rewards=rewards, response_mask=mask, index=index, **kwargs)
-    with pv.patch():
-        got = core.get_adv_estimator_fn(name.replace("compute_", "").replace("_outcome_advantage", ""))(
-            token_level_rewards=rewards, response_mask=mask, index=index, **kwargs
-        )
-    for g, w in zip(got, want):
-        close(g, w, atol=2e-5, rtol=2e-5)
+    kwargs = {"norm_adv_by_std_in_grpo": norm} if norm is not None else {}
+    call = lambda f: f(token_level_rewards=rewards, response_mask=mask, index=index, **kwargs)
+    versus(f"compute_{key}_outcome_advantage", call, ours=lambda: core.get_adv_estimator_fn(key), atol=2e-5, rtol=2e-5)
 
 
 def test_outcome_estimators_and_agg_loss_are_public_ops(monkeypatch):
@@ -210,14 +207,13 @@ def test_outcome_estimators_and_agg_loss_are_public_ops(monkeypatch):
 
 
 def test_grpo_epsilon_is_verls():
-    rewards = torch.tensor([[1.0], [1.0], [3.0], [3.0]])  # zero-std groups: 0 / (0 + eps)
-    mask = torch.ones(4, 1)
     with pv.patch():
-        adv, _ = core.compute_grpo_outcome_advantage(rewards, mask, np.array([0, 0, 1, 1]), epsilon=1e-6)
-    assert torch.equal(adv, torch.zeros(4, 1))
-    rewards = torch.tensor([[1.0], [1.0 + 2e-6]])
-    with pv.patch():
-        adv, _ = core.compute_grpo_outcome_advantage(rewards, torch.ones(2, 1), np.array([0, 0]))
+        zero_std = torch.tensor([[1.0], [1.0], [3.0], [3.0]])  # zero-std groups: 0 / (0 + eps)
+        adv, _ = core.compute_grpo_outcome_advantage(zero_std, torch.ones(4, 1), np.array([0, 0, 1, 1]), epsilon=1e-6)
+        assert torch.equal(adv, torch.zeros(4, 1))
+        adv, _ = core.compute_grpo_outcome_advantage(
+            torch.tensor([[1.0], [1.0 + 2e-6]]), torch.ones(2, 1), np.array([0, 0])
+        )
     std = 2e-6 / 2**0.5
     assert adv[1, 0].item() == pytest.approx(1e-6 / (std + 1e-6), rel=0.05)  # verl's 1e-6, not ppo_fast's 1e-4
 
@@ -228,24 +224,16 @@ def test_grpo_epsilon_is_verls():
     "global_info", [None, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9, "loss_scale_factor": 13}]
 )
 def test_policy_loss_matches_verl(backend, agg, global_info):
-    orig = _originals()
     mask = _mask(6, 9)
     old = -torch.rand(6, 9) * 3
     logp = (old + 0.4 * torch.randn(6, 9)).requires_grad_(True)
-    adv = torch.randn(6, 9) * 2
-    weights = torch.rand(6, 9) + 0.5
-    cfg = _config(global_info=global_info)
-    want, want_metrics = orig["compute_policy_loss_vanilla"](old, logp, adv, mask, agg, cfg, weights)
-    (want_grad,) = torch.autograd.grad(want, logp)
-    with pv.patch(backend=backend):
-        fn = core.get_policy_loss_fn("vanilla")
-        got, got_metrics = fn(old, logp, adv, mask, agg, cfg, weights)
-    (got_grad,) = torch.autograd.grad(got, logp)
-    close(got, want)
-    close(got_grad, want_grad)
-    assert got_metrics.keys() == want_metrics.keys()
-    for k in want_metrics:
-        assert got_metrics[k] == pytest.approx(want_metrics[k], abs=1e-6), k
+    adv, weights, cfg = torch.randn(6, 9) * 2, torch.rand(6, 9) + 0.5, _config(global_info)
+    (_, got), (_, want) = versus(
+        "compute_policy_loss_vanilla", lambda f: f(old, logp, adv, mask, agg, cfg, weights), backend, wrt=logp
+    )
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], abs=1e-6), k
 
 
 def test_policy_loss_applies_verls_dual_clip_by_default():
@@ -260,24 +248,9 @@ def test_policy_loss_applies_verls_dual_clip_by_default():
 
 
 def test_policy_loss_outside_our_domain_runs_verls_own():
-    orig = _originals()
-    args = (
-        torch.zeros(2, 3),
-        -torch.rand(2, 3),
-        torch.randn(2, 3),
-        torch.ones(2, 3),
-        "token-mean",
-        _config(clip_low=1.0),
-    )
-    want, _ = orig["compute_policy_loss_vanilla"](*args)
-    with pv.patch():
-        got, _ = core.compute_policy_loss_vanilla(*args)
-    close(got, want)
+    args = (torch.zeros(2, 3), -torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3), "token-mean")
+    versus("compute_policy_loss_vanilla", lambda f: f(*args, _config(clip_ratio_low=1.0))[0])
     assert counts("verl")["verl.compute_policy_loss_vanilla:fallback"] >= 1
-    with pv.patch(), pytest.raises(AssertionError, match="clip_ratio_c"):
-        core.compute_policy_loss_vanilla(*args[:5], _config(clip_c=1.0))
-    with pv.patch(), pytest.raises(ValueError, match="Invalid loss_agg_mode"):
-        core.compute_policy_loss_vanilla(*args[:4], "sum", _config())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -286,39 +259,12 @@ def test_policy_loss_outside_our_domain_runs_verls_own():
     "global_info", [{}, {"dp_size": 4, "batch_num_tokens": 33, "global_batch_size": 7, "loss_scale_factor": 5}]
 )
 def test_value_loss_and_agg_loss_match_verl(backend, agg, global_info):
-    orig = _originals()
     mask = _mask(5, 8)
     vpreds = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     values, returns = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
-    want = orig["compute_value_loss"](vpreds, returns, values, mask, 0.3, agg, **global_info)
-    want_grad = torch.autograd.grad(want[0], vpreds)[0]
-    with pv.patch(backend=backend):
-        got = core.compute_value_loss(vpreds, returns, values, mask, 0.3, agg, **global_info)
-        loss_mat = torch.randn(5, 8, requires_grad=True)
-        agg_got = core.agg_loss(loss_mat, mask, agg, **global_info)
-    got_grad = torch.autograd.grad(got[0], vpreds)[0]
-    close(got[0], want[0])
-    close(got[1], want[1])
-    close(got_grad, want_grad)
-    agg_want = orig["agg_loss"](loss_mat, mask, agg, **global_info)
-    close(agg_got, agg_want)
-    close(torch.autograd.grad(agg_got, loss_mat)[0], torch.autograd.grad(agg_want, loss_mat)[0])
-
-
-def test_global_normalisation_errors_are_verls():
-    with pv.patch():
-        with pytest.raises(ValueError, match="batch_num_tokens is required"):
-            core.agg_loss(torch.randn(2, 3), torch.ones(2, 3), "token-mean", dp_size=2)
-        with pytest.raises(ValueError, match="global_batch_size is required"):
-            core.compute_value_loss(
-                torch.randn(2, 3),
-                torch.randn(2, 3),
-                torch.randn(2, 3),
-                torch.ones(2, 3),
-                0.2,
-                "seq-mean-token-mean",
-                dp_size=2,
-            )
+    versus("compute_value_loss", lambda f: f(vpreds, returns, values, mask, 0.3, agg, **global_info), backend, vpreds)
+    loss_mat = torch.randn(5, 8, requires_grad=True)
+    versus("agg_loss", lambda f: f(loss_mat, mask, agg, **global_info), backend, wrt=loss_mat)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -326,26 +272,18 @@ def test_global_normalisation_errors_are_verls():
     "name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+"]
 )
 def test_kl_penalty_matches_verl_value_and_gradient(backend, name):
-    orig = _originals()
     logp = (torch.randn(4, 6) * 2).requires_grad_(True)
     ref = torch.randn(4, 6) * 2
-    want = orig["kl_penalty"](logp, ref, name)
-    want_grad = torch.autograd.grad(want.sum(), logp)[0]
-    with pv.patch(backend=backend):
-        got = core.kl_penalty(logp, ref, name)
-        with pytest.raises(NotImplementedError):
-            core.kl_penalty_forward(logp, ref, "full")
-    close(got, want)
-    close(torch.autograd.grad(got.sum(), logp)[0], want_grad)
+    versus("kl_penalty", lambda f: f(logp, ref, name), backend, wrt=logp)
+    with pv.patch(backend=backend), pytest.raises(NotImplementedError):
+        core.kl_penalty_forward(logp, ref, "full")
 
 
 def test_kl_controllers_follow_verls():
     orig = _originals()
     theirs = orig["AdaptiveKLController"](init_kl_coef=0.2, target_kl=6.0, horizon=10000)
     with pv.patch():
-        ours = core.get_kl_controller(
-            type("C", (), {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000})()
-        )
+        ours = core.get_kl_controller(SimpleNamespace(type="adaptive", kl_coef=0.2, target_kl=6.0, horizon=10000))
     for kl, n in [(3.0, 256), (np.float32(9.5), np.int64(256)), (torch.tensor(6.5), 64)]:
         theirs.update(kl, n)
         ours.update(kl, n)
@@ -355,34 +293,22 @@ def test_kl_controllers_follow_verls():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logprobs_and_entropy_match_verl(backend, dtype):
-    orig = _originals()
     logits = (torch.randn(3, 5, 41) * 3).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 41, (3, 5))
-    want_lp, want_ent = orig["logprobs_from_logits"](logits, labels), orig["entropy_from_logits"](logits)
-    want_grad = torch.autograd.grad(want_lp.float().sum() + want_ent.float().sum(), logits)[0]
-    with pv.patch(backend=backend):
-        got_lp, got_ent = verl_F.logprobs_from_logits(logits, labels), verl_F.entropy_from_logits(logits)
-        with pytest.raises(ValueError, match="labels"):
-            verl_F.logprobs_from_logits(logits, torch.full((3, 5), -100))  # verl ignores no label
-    got_grad = torch.autograd.grad(got_lp.float().sum() + got_ent.float().sum(), logits)[0]
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}  # verl: bf16 softmax
-    close(got_lp, want_lp, **tol)
-    close(got_ent, want_ent, **tol)
-    close(got_grad, want_grad, **tol)
+    versus("logprobs_from_logits", lambda f: f(logits, labels), backend, wrt=logits, **tol)
+    versus("entropy_from_logits", lambda f: f(logits), backend, wrt=logits, **tol)
+    with pv.patch(backend=backend), pytest.raises(ValueError, match="labels"):
+        verl_F.logprobs_from_logits(logits, torch.full((3, 5), -100))  # verl ignores no label
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
 @pytest.mark.parametrize("axis", [None, -1])
 def test_masked_mean_and_whiten_match_verl(mask_dtype, axis):
-    orig = _originals()
     x, mask = torch.randn(4, 7), _mask(4, 7).to(mask_dtype)
-    with pv.patch():
-        got_mean = verl_F.masked_mean(x, mask, axis)
-        got_white = [verl_F.masked_whiten(x, mask, shift_mean=s) for s in (True, False)]
-    close(got_mean, orig["masked_mean"](x, mask, axis))
-    m = mask.float()
-    for s, got in zip((True, False), got_white):
-        close(got * m, orig["masked_whiten"](x, mask, shift_mean=s) * m)
+    versus("masked_mean", lambda f: f(x, mask, axis))
+    for shift in (True, False):
+        versus("masked_whiten", lambda f: f(x, mask, shift_mean=shift) * mask.float())
 
 
 # --------------------------------------------------------------------------- verl driving our ops
@@ -416,19 +342,10 @@ def test_verl_registry_drives_our_ops_from_a_config():
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
 def test_low_precision_losses_have_verls_result_dtype(agg, dtype, mask_dtype):
     """verl's seq-mean modes divide by a float32 row mask: a bf16/fp16 loss comes back float32 there."""
-    orig = _originals()
     mask = _mask(4, 6).to(mask_dtype)
     old = (-torch.rand(4, 6) * 3).to(dtype)
     logp = (old.float() + 0.3 * torch.randn(4, 6)).to(dtype)
     adv = torch.randn(4, 6).to(dtype)
-    calls = {
-        "agg_loss": lambda f: f(logp, mask, agg),
-        "compute_value_loss": lambda f: f(logp, adv, old, mask, 0.3, agg)[0],
-        "compute_policy_loss_vanilla": lambda f: f(old, logp, adv, mask, agg, _config())[0],
-    }
-    for name, call in calls.items():
-        want = call(orig[name])
-        with pv.patch():
-            got = call(getattr(core, name))
-        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
-        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.05)
+    versus("agg_loss", lambda f: f(logp, mask, agg), atol=0.05, rtol=0.05)
+    versus("compute_value_loss", lambda f: f(logp, adv, old, mask, 0.3, agg)[0], atol=0.05, rtol=0.05)
+    versus("compute_policy_loss_vanilla", lambda f: f(old, logp, adv, mask, agg, _config())[0], atol=0.05, rtol=0.05)

@@ -1,7 +1,5 @@
 """verl's own ``external_lib`` hook, which verl imports in each worker, patches verl with ppo_fast's ops."""
 
-from __future__ import annotations
-
 import pathlib
 import sys
 

@@ -11,9 +11,8 @@ unpatched does not pass in a patched mode, unless it is listed in ``DEVIATIONS``
 its reason (docs/integrations.md lists the same).
 """
 
-from __future__ import annotations
-
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -74,22 +73,9 @@ def _one_mode(peer: str, tests: str, mode: str, out: str, pytest_args: list[str]
         f.write("[pytest]\n")
     outcomes = _Outcomes()
     plugins = [outcomes] + ([] if mode == "unpatched" else [_PatchPlugin(peer, mode)])
-    files = sorted(
-        os.path.join(tests, f) for f in os.listdir(tests) if f.startswith("test_") and f.endswith("_on_cpu.py")
-    )
-    args = [
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-c",
-        ini,
-        "--rootdir",
-        tests,
-        "-W",
-        "ignore::DeprecationWarning",
-        *pytest_args,
-        *files,
-    ]
+    files = sorted(glob.glob(os.path.join(tests, "test_*_on_cpu.py")))
+    args = ["-q", "-p", "no:cacheprovider", "-c", ini, "--rootdir", tests, "-W", "ignore::DeprecationWarning"]
+    args += [*pytest_args, *files]
     print(f"== {peer} own tests, {mode}: pytest {' '.join(os.path.basename(a) for a in args)}", flush=True)
     code = pytest.main(args, plugins=plugins)
     base = os.path.abspath(tests)
@@ -115,19 +101,8 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="peer-runs-")
     for mode in args.modes.split(","):
         out = os.path.join(workdir, f"{mode}.json")
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            args.peer,
-            "--tests",
-            args.tests,
-            "--one-mode",
-            mode,
-            "--out",
-            out,
-            *pytest_args,
-        ]
-        subprocess.run(cmd, check=False)
+        cmd = [sys.executable, os.path.abspath(__file__), args.peer, "--tests", args.tests, "--one-mode", mode]
+        subprocess.run([*cmd, "--out", out, *pytest_args], check=False)
         if not os.path.exists(out):
             print(f"{args.peer} {mode}: the run produced no result", file=sys.stderr)
             return 1
