@@ -215,6 +215,15 @@ def test_advantages_bench_checks_and_times_every_method():
     assert "| `grpo` |" in advantages.markdown(rows)
 
 
+def test_policy_losses_bench_checks_and_times_every_mode():
+    """Every mode's call binds from the spec alone (a required parameter at its example)."""
+    from bench import policy_losses
+
+    rows = policy_losses.measure(2, 8, "cpu", 0.0)
+    assert [r["mode"] for r in rows] == list(contract.POLICY_LOSS_MODES)
+    assert all(r["fast_ms"] > 0 and r["reference_ms"] > 0 for r in rows)
+
+
 def test_cpu_vs_trl_cpu_info_and_table():
     """bench.cpu_vs_trl: the clone it names needs the CPU's flags; the table renders a sample."""
     from bench import cpu_vs_trl
