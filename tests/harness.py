@@ -428,3 +428,22 @@ def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, 
         except (RuntimeError, NotImplementedError) as err:
             result.second_error = err
     return result
+
+
+# --------------------------------------------------------------------------- against a peer's own function
+
+
+def assert_same_results(got, want, wrt=None, **tol) -> None:
+    """Two calls' results alike (ours, a peer's): their tensors with the same dtypes and equal within
+    ``tol`` (default 1e-5, compared in float64), None in the same places, and the same gradients with
+    respect to ``wrt`` of their tensors' sum, output i weighted 1 / (i + 1) so that swapped ones show."""
+    tol = {"atol": 1e-5, "rtol": 1e-5, **tol}
+    results = [[r] if r is None or torch.is_tensor(r) else list(r) for r in (got, want)]
+    if wrt is not None:
+        for r in results:
+            r += torch.autograd.grad(sum(t.sum() / (i + 1) for i, t in enumerate(r) if torch.is_tensor(t)), wrt)
+    for g, w in zip(*results, strict=True):
+        assert (g is None) == (w is None), (g, w)
+        if torch.is_tensor(w):
+            assert g.dtype == w.dtype, (g.dtype, w.dtype)
+            torch.testing.assert_close(g.double(), w.double(), **tol)

@@ -18,6 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
+from harness import assert_same_results
 
 pytest.importorskip("openrlhf", reason="openrlhf is not installed")
 
@@ -99,19 +100,12 @@ def close(a, b, **kw):
 
 
 def versus(orlhf, name, call, backend="auto", wrt=None):
-    """``call`` on OpenRLHF's own ``name`` and on ours, patched in on ``backend``: the same outputs (Nones included)
-    and the same gradients of the first with respect to ``wrt``."""
+    """``call`` on OpenRLHF's own ``name`` and on ours, patched in on ``backend``: the same results and gradients
+    with respect to ``wrt`` (harness.assert_same_results)."""
     want = call(orlhf.orig[name])
     with po.patch(backend=backend):
         got = call(getattr(*orlhf.places[name]))
-    results = [[r] if torch.is_tensor(r) else list(r) for r in (got, want)]
-    if wrt is not None:
-        for r in results:
-            r += torch.autograd.grad(r[0].sum(), wrt)
-    for g, w in zip(*results, strict=True):
-        assert (g is None) == (w is None), (g, w)
-        if w is not None:
-            close(g, w)
+    assert_same_results(got, want, wrt)
 
 
 def test_patch_replaces_aliases_and_restores(orlhf):

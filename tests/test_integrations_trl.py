@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 import torch
+from harness import assert_same_results
 
 U = pytest.importorskip("trl.trainer.utils", reason="trl is not installed")
 
@@ -44,20 +45,12 @@ def _no_less_exact(ours, theirs, exact):
 
 
 def versus(name, call, backend, wrt=None, **tol):
-    """``call`` on TRL's own ``name`` and on ours, patched in on ``backend``: the same outputs (dtypes and Nones
-    included; within ``tol``, default 1e-5) and the same gradients with respect to ``wrt`` of their sums (output i
-    weighted 1 / (i + 1), so that swapped ones show)."""
+    """``call`` on TRL's own ``name`` and on ours, patched in on ``backend``: the same results and gradients with
+    respect to ``wrt`` (harness.assert_same_results)."""
     want = call(_originals()[name])
     with pt.patch(backend=backend):
         got = call(getattr(U, name))
-    results = [[r] if torch.is_tensor(r) else list(r) for r in (got, want)]
-    if wrt is not None:
-        for r in results:
-            r += torch.autograd.grad(sum(t.sum() / (i + 1) for i, t in enumerate(r) if t is not None), wrt)
-    for g, w in zip(*results, strict=True):
-        assert (g is None) == (w is None) and (w is None or g.dtype == w.dtype), (g, w)
-        if w is not None:
-            torch.testing.assert_close(g, w, **(tol or {"atol": 1e-5, "rtol": 1e-5}))
+    assert_same_results(got, want, wrt, **tol)
 
 
 def test_patch_replaces_and_restores():

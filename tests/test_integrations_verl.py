@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from harness import assert_same_results
 
 core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed")
 verl_F = pytest.importorskip("verl.utils.torch_functional", reason="verl is not installed")
@@ -59,25 +60,14 @@ def _config(global_info=None, loss_mode="vanilla", **clip):
     return cfg
 
 
-def close(a, b, **kw):
-    kw.setdefault("atol", 1e-5)
-    kw.setdefault("rtol", 1e-5)
-    assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    torch.testing.assert_close(a.double(), b.double(), **kw)  # compared in float64, whatever the dtype
-
-
 def versus(name, call, backend="auto", wrt=None, ours=None, **tol):
     """``call`` on verl's own ``name`` and on ours, patched in on ``backend`` (``ours()`` fetches it; by default
-    verl's module attribute): the same tensors, dtypes included, and the same gradients of their sum with respect
-    to ``wrt``.  Returns both results, for what else the caller compares."""
+    verl's module attribute): the same tensors and gradients with respect to ``wrt``
+    (harness.assert_same_results; what is not a tensor the caller compares).  Returns both results."""
     want = call(_originals()[name])
     with pv.patch(backend=backend):
         got = call(ours() if ours else getattr(verl_F if name in pv._FUNCTIONAL_FUNCTIONS else core, name))
-    results = [[t for t in (r if isinstance(r, (tuple, list)) else [r]) if torch.is_tensor(t)] for r in (got, want)]
-    for g, w in zip(*results, strict=True):
-        close(g, w, **tol)
-    if wrt is not None:
-        close(*(torch.autograd.grad(sum(t.sum() for t in ts), wrt)[0] for ts in results), **tol)
+    assert_same_results(got, want, wrt, **tol)
     return got, want
 
 
