@@ -233,7 +233,24 @@ test_stage() {
     else
         run_stage "$name" "$log" "${PYTEST[@]}" -v "$@"
         grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|errors?)" "$log" | tail -15 | sed "s/^/  /" | tee -a "$SUMMARY"
+        rerun_crashed "$name" "$log"
     fi
+}
+# A test whose xdist worker crashed runs again alone, in a fresh process (a few, a minute each): a
+# crash that does not repeat there came from what ran before it on that worker.
+rerun_crashed() {
+    local name=$1 log=$2 id rc
+    local -a ids
+    mapfile -t ids < <(sed -n "s/.*worker '[^']*' crashed while running '\([^']*\)'.*/\1/p" "$log" | sort -u | head -3)
+    for id in "${ids[@]}"; do
+        echo "== $name: $id alone" >>"$log"
+        timeout --signal=TERM --kill-after=5 60 "$PY" -m pytest -p no:cacheprovider -p no:xdist -o addopts= -q --tb=short "$id" >>"$log" 2>&1 &
+        CHILD=$!
+        wait "$CHILD"
+        rc=$?
+        CHILD=""
+        say "  $name: $id crashed its worker; alone in a fresh process: exit $rc$([ "$rc" -gt 128 ] && [ "$rc" -lt 160 ] && echo " (signal $((rc - 128)))")"
+    done
 }
 test_stage tests-native "${STAGED[@]:0:2}"
 test_stage tests-triton "${STAGED[@]:2:2}"
