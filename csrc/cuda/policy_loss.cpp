@@ -43,12 +43,14 @@ cuda::PolicyInputs policy_inputs(const PolicyBuffers& b, double clip_eps_low, do
           policy_params(clip_eps_low, clip_eps_high, dual_clip)};
 }
 
-// Checked, contiguous inputs (the same checks as the CPU kernels'), all of one dtype.
+// Checked, contiguous inputs (the same checks as the CPU kernels'), all of one dtype.  Every
+// caller requires CUDA (check_cuda) after its last argument check, so that those checks, run on
+// the host, answer as the CPU kernels do (tests/backends/test_native_bad_inputs.py reaches them
+// without a GPU).
 PolicyBuffers policy_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
                              const at::Tensor& advantages, const at::Tensor& mask,
                              const std::optional<at::Tensor>& weights) {
   check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
-  check_cuda(op, logprobs);
   PolicyBuffers b{logprobs.contiguous(),
                   old_logprobs.contiguous(),
                   advantages.contiguous(),
@@ -68,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
   constexpr const char* op = "clipped_policy_loss";
   const Agg agg = parse_agg(op, agg_name);
   const PolicyBuffers b = policy_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  check_cuda(op, logprobs);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const cuda::ChunkPlan plan = checked_plan(op, b.logp);
   at::Tensor partials = at::empty({plan.items, kPolicyPartials}, logprobs.options().dtype(at::kDouble));
@@ -85,10 +88,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_b
     std::array<bool, 4> output_mask) {
   constexpr const char* op = "clipped_policy_loss_backward";
   const PolicyBuffers b = policy_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  const c10::cuda::CUDAGuard guard(logprobs.device());
-  checked_plan(op, b.logp);
   const at::Tensor upstream = checked_upstream(op, grad_loss, logprobs, b.dtype);
   const at::Tensor scale = checked_row_scale(op, row_scale, logprobs, b.dtype);
+  check_cuda(op, logprobs);
+  const c10::cuda::CUDAGuard guard(logprobs.device());
+  checked_plan(op, b.logp);
   const auto [need_logp, need_old, need_adv, need_w_asked] = output_mask;
   const bool need_w = need_w_asked && weights.has_value();
   const Grad grad_logp(b.logp, logprobs.scalar_type(), need_logp),
@@ -115,7 +119,6 @@ struct SeqBuffers {
 SeqBuffers seq_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
                        const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights) {
   check_policy_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
-  check_cuda(op, logprobs);
   TORCH_CHECK(logprobs.size(0) <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 rows, got ",
               logprobs.size(0));
   const at::Tensor w = weights.has_value() ? *weights : at::Tensor();
@@ -144,6 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const char* op = seq_loss_op_name(mode);
   const Agg agg = parse_agg(op, agg_name);
   const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  check_cuda(op, logprobs);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const int64_t rows = logprobs.size(0);
   const auto options = logprobs.options().dtype(b.dtype);
@@ -181,6 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cud
   check_same_device(
       op,
       {{"logprobs", &logprobs}, {"grad_loss", &grad_loss}, {"row_scale", &row_scale_in}, {"row_state", &row_state_in}});
+  check_cuda(op, logprobs);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const at::Tensor upstream = grad_loss.reshape({}).to(b.dtype).contiguous();
   const at::Tensor scales = row_scale_in.to(b.dtype).contiguous(), states = row_state_in.to(b.dtype).contiguous();

@@ -29,8 +29,7 @@ struct ValueBuffers {
 
 ValueBuffers value_buffers(const char* op, const at::Tensor& values, const at::Tensor& old_values,
                            const at::Tensor& returns, const at::Tensor& mask) {
-  check_value_inputs(op, values, old_values, returns, mask);
-  check_cuda(op, values);
+  check_value_inputs(op, values, old_values, returns, mask);  // the caller requires CUDA after its last check
   ValueBuffers b{values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(), at::kFloat,
                  at::kFloat};
   b.dtype = compute_dtype({&b.v, &b.old, &b.ret});
@@ -55,6 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(const at::Tensor&
   constexpr const char* op = "value_loss";
   const Agg agg = parse_agg(op, agg_name);
   const ValueBuffers b = value_buffers(op, values, old_values, returns, mask);
+  check_cuda(op, values);
   const c10::cuda::CUDAGuard guard(values.device());
   const cuda::ChunkPlan plan = checked_plan(op, b.v);
   at::Tensor partials = at::empty({plan.items, kValuePartials}, values.options().dtype(at::kDouble));
@@ -70,10 +70,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cuda(
     const at::Tensor& mask, const at::Tensor& row_scale, double clip, std::array<bool, 3> output_mask) {
   constexpr const char* op = "value_loss_backward";
   const ValueBuffers b = value_buffers(op, values, old_values, returns, mask);
-  const c10::cuda::CUDAGuard guard(values.device());
-  checked_plan(op, b.v);
   const at::Tensor upstream = checked_upstream(op, grad_loss, values, b.dtype);
   const at::Tensor scale = checked_row_scale(op, row_scale, values, b.dtype);
+  check_cuda(op, values);
+  const c10::cuda::CUDAGuard guard(values.device());
+  checked_plan(op, b.v);
   const auto [need_v, need_old, need_ret] = output_mask;
   const Grad grad_v(b.v, values.scalar_type(), need_v), grad_old(b.old, old_values.scalar_type(), need_old);
   const Grad grad_ret(b.ret, returns.scalar_type(), need_ret);

@@ -389,6 +389,32 @@ def test_fake_kernels_check_the_same(case_id):
         getattr(torch.ops.ppo_fast, op)(*_to_meta(case_args(case_id)))
 
 
+def _has_cuda_kernel(op):
+    return NATIVE.available and torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{op}", "CUDA")
+
+
+def _cuda_glue_built():
+    from ppo_fast import _C
+
+    return _C.built_with_cuda()
+
+
+@pytest.mark.parametrize("case_id", [c for c in CASES if _has_cuda_kernel(CASES[c][0]) and c not in VALUE_CHECKS])
+def test_cuda_kernels_check_the_same(case_id):
+    # The CUDA kernels check every argument on the host before they require CUDA tensors, so the
+    # case's CPU tensors sent to the CUDA kernel meet its checks without a GPU; the unchanged
+    # arguments are refused for their device, which shows the call reached the CUDA kernel.
+    if not _cuda_glue_built():
+        pytest.skip("the extension was built without CUDA kernels")
+    op, _, message = CASES[case_id]
+    to_cuda_kernel = getattr(torch.ops.ppo_fast, op).default.redispatch
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    with pytest.raises(RuntimeError, match=f"^{re.escape(op)}: .*{re.escape(message)}"):
+        to_cuda_kernel(cuda, *case_args(case_id))
+    with pytest.raises(RuntimeError, match=f"^{re.escape(op)}: expects CUDA tensors, got one on cpu"):
+        to_cuda_kernel(cuda, *good_args(op).values())
+
+
 @pytest.mark.parametrize("op", list(TABLE))
 def test_the_unchanged_arguments_are_accepted(op):
     # Each case changes some of the arguments that the op accepts, on CPU and meta tensors.
