@@ -433,9 +433,15 @@ def test_every_op_has_bad_input_cases():
     [op for op in TABLE if NATIVE.available and sum(isinstance(a, torch.Tensor) for a in good_args(op).values()) > 1],
 )
 def test_mixed_devices_raise(op):
-    # One tensor argument on another device (meta: no GPU needed) must be refused by name.
+    # One tensor argument on another device (meta: no GPU needed) must be refused by name, by the
+    # kernel the dispatcher picks and by the CUDA kernel where there is one (as above).
+    calls = [getattr(torch.ops.ppo_fast, op)]
+    if _has_cuda_kernel(op) and _cuda_glue_built():
+        cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+        calls.append(lambda *args: getattr(torch.ops.ppo_fast, op).default.redispatch(cuda, *args))
     args = list(good_args(op).values())
     for i in [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]:
         mixed = args[:i] + [args[i].to("meta")] + args[i + 1 :]
-        with pytest.raises(RuntimeError, match=f"^{re.escape(op)}: .*all inputs must be on one device"):
-            getattr(torch.ops.ppo_fast, op)(*mixed)
+        for call in calls:
+            with pytest.raises(RuntimeError, match=f"^{re.escape(op)}: .*all inputs must be on one device"):
+                call(*mixed)
