@@ -11,6 +11,7 @@ cases on meta tensors check the fake kernels' checks (what torch.compile sees)."
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -390,13 +391,15 @@ def test_fake_kernels_check_the_same(case_id):
 
 
 def _has_cuda_kernel(op):
+    # Registered only where the extension was built with CUDA (test_native_cpu_ops checks).
     return NATIVE.available and torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{op}", "CUDA")
 
 
-def _cuda_glue_built():
-    from ppo_fast import _C
-
-    return _C.built_with_cuda()
+def _cuda_kernel(op):
+    """The op's CUDA kernel, called whatever the devices of its arguments."""
+    return functools.partial(
+        getattr(torch.ops.ppo_fast, op).default.redispatch, torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    )
 
 
 @pytest.mark.parametrize("case_id", [c for c in CASES if _has_cuda_kernel(CASES[c][0]) and c not in VALUE_CHECKS])
@@ -404,15 +407,11 @@ def test_cuda_kernels_check_the_same(case_id):
     # The CUDA kernels check every argument on the host before they require CUDA tensors, so the
     # case's CPU tensors sent to the CUDA kernel meet its checks without a GPU; the unchanged
     # arguments are refused for their device, which shows the call reached the CUDA kernel.
-    if not _cuda_glue_built():
-        pytest.skip("the extension was built without CUDA kernels")
     op, _, message = CASES[case_id]
-    to_cuda_kernel = getattr(torch.ops.ppo_fast, op).default.redispatch
-    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
     with pytest.raises(RuntimeError, match=f"^{re.escape(op)}: .*{re.escape(message)}"):
-        to_cuda_kernel(cuda, *case_args(case_id))
+        _cuda_kernel(op)(*case_args(case_id))
     with pytest.raises(RuntimeError, match=f"^{re.escape(op)}: expects CUDA tensors, got one on cpu"):
-        to_cuda_kernel(cuda, *good_args(op).values())
+        _cuda_kernel(op)(*good_args(op).values())
 
 
 @pytest.mark.parametrize("op", list(TABLE))
@@ -435,10 +434,7 @@ def test_every_op_has_bad_input_cases():
 def test_mixed_devices_raise(op):
     # One tensor argument on another device (meta: no GPU needed) must be refused by name, by the
     # kernel the dispatcher picks and by the CUDA kernel where there is one (as above).
-    calls = [getattr(torch.ops.ppo_fast, op)]
-    if _has_cuda_kernel(op) and _cuda_glue_built():
-        cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
-        calls.append(lambda *args: getattr(torch.ops.ppo_fast, op).default.redispatch(cuda, *args))
+    calls = [getattr(torch.ops.ppo_fast, op)] + ([_cuda_kernel(op)] if _has_cuda_kernel(op) else [])
     args = list(good_args(op).values())
     for i in [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]:
         mixed = args[:i] + [args[i].to("meta")] + args[i + 1 :]
