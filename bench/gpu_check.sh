@@ -82,8 +82,20 @@ on_signal() {
 trap 'on_signal TERM' TERM
 trap 'on_signal INT' INT
 
+# in_background LOG CMD...: CMD's exit status, its output appended to LOG; in the background so
+# that a TERM to this script is handled at once (on_signal stops CHILD).
+in_background() {
+    local log=$1
+    shift
+    "$@" >>"$log" 2>&1 &
+    CHILD=$!
+    wait "$CHILD"
+    local rc=$?
+    CHILD=""
+    return "$rc"
+}
+
 # run_stage NAME LOG CMD...: CMD until the stage's deadline (killed there), its verdict recorded.
-# It runs in the background so that a TERM to this script is handled at once.
 run_stage() {
     local name="$1" log="$2"
     shift 2
@@ -95,11 +107,8 @@ run_stage() {
     fi
     STAGE=$name
     echo "== $name (limit ${limit}s): $*" | tee -a "$log"
-    timeout --signal=TERM --kill-after=10 "$limit" "$@" >>"$log" 2>&1 &
-    CHILD=$!
-    wait "$CHILD"
+    in_background "$log" timeout --signal=TERM --kill-after=10 "$limit" "$@"
     local rc=$?
-    CHILD=""
     STAGE=""
     local took=$(($(date +%s) - t0)) verdict="ok"
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
@@ -244,11 +253,8 @@ rerun_crashed() {
     mapfile -t ids < <(sed -n "s/.*worker '[^']*' crashed while running '\([^']*\)'.*/\1/p" "$log" | sort -u | head -3)
     for id in "${ids[@]}"; do
         echo "== $name: $id alone" >>"$log"
-        timeout --signal=TERM --kill-after=5 60 "$PY" -m pytest -p no:cacheprovider -p no:xdist -o addopts= -q --tb=short "$id" >>"$log" 2>&1 &
-        CHILD=$!
-        wait "$CHILD"
+        in_background "$log" timeout --signal=TERM --kill-after=5 60 "${PYTEST[@]}" -n 0 "$id"
         rc=$?
-        CHILD=""
         say "  $name: $id crashed its worker; alone in a fresh process: exit $rc$([ "$rc" -gt 128 ] && [ "$rc" -lt 160 ] && echo " (signal $((rc - 128)))")"
     done
 }
