@@ -8,7 +8,7 @@ process (``--one-mode``): ``unpatched`` runs the peer's own code, ``native`` and
 ``triton`` apply ``patch(backend=...)`` before any test module is imported (Triton on
 the CPU through ``TRITON_INTERPRET=1``).  Exit status 1 when a test that passes
 unpatched does not pass in a patched mode, unless it is listed in ``DEVIATIONS`` with
-its reason (docs/integrations.md lists the same).
+its reason (docs/integrations.md lists the same), and when no test passes unpatched.
 """
 
 import argparse
@@ -133,12 +133,11 @@ def main(argv=None) -> int:
         print(line)
     for mode, k, outcome in regressions:
         print(f"REGRESSION ({mode}) {k}: {outcome}")
-    print(
-        f"{len(results) * len(passed_unpatched) - len(regressions)} passed, {len(regressions)} failed"
-        if baseline
-        else "no unpatched baseline"
-    )
-    return 1 if regressions or not baseline else 0
+    if not passed_unpatched:  # nothing to compare (a collection error, say): never a pass
+        print("no test passed unpatched: nothing was compared")
+        return 1
+    print(f"{len(results) * len(passed_unpatched) - len(regressions)} passed, {len(regressions)} failed")
+    return 1 if regressions else 0
 
 
 if __name__ == "__main__":
