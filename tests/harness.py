@@ -172,14 +172,18 @@ def head_options(k: dict) -> dict:
     return dict(temperature=k["temperature"], logit_scale=k["logit_scale"], logit_softcap=k["softcap"])
 
 
+def head_logits(u: torch.Tensor, k: dict) -> torch.Tensor:
+    """A fused head's logits before the temperature, from its products ``u = hidden @ weight.T + bias``."""
+    scaled = u * k["logit_scale"]
+    return scaled if k["softcap"] is None else k["softcap"] * torch.tanh(scaled / k["softcap"])
+
+
 def build_linear_token_logprobs(spec, gen, k):
     B, T, H, V = spec.dims
     hidden = rounded(normal(gen, B, T, H) * k["scale"], spec)
     weight = rounded(normal(gen, V, H) / H**0.5, spec)
     bias = rounded(normal(gen, V), spec) if k["bias"] else None
-    z = hidden @ weight.T + (0 if bias is None else bias)
-    z = z * k["logit_scale"] if k["softcap"] is None else k["softcap"] * torch.tanh(z * k["logit_scale"] / k["softcap"])
-    labels, ignored = labels_of(gen, z, spec, k)
+    labels, ignored = labels_of(gen, head_logits(hidden @ weight.T + (0 if bias is None else bias), k), spec, k)
     inputs = {"hidden": Input(hidden, masked=ignored.unsqueeze(-1).expand(B, T, H))}
     inputs["weight"] = Input(weight, layout=k["weight_layout"])
     if bias is not None:
@@ -194,8 +198,10 @@ def head_bounds(spec, k, inputs, logprobs=True) -> dict:
     """A fused head's error bounds (``Built``).  Any float32 evaluation's z = logit_scale * u / T (or
     softcap * tanh(logit_scale * u / softcap) / T) may be off float64's by ``z_error``: a dot product of H
     terms by up to H eps sum|h_i w_i| (and its rounding, eps |u|; tanh is 1-Lipschitz), a softcap's tanh
-    by a few ulps of 1, times softcap / T.  A log-prob z_y - lse moves by at most twice the largest of its
-    row (``rounding``); a gradient, relative to its largest entry, by about as much as z (``grad_rounding``).
+    by a few ulps of its own value, times softcap / T.  A log-prob z_y - lse moves by at most twice the largest of its
+    row, an entropy H by sum_j p_j |log p_j + H| times z_j's error to first order (dH/dz_j), twice that
+    plus (1 + log V) times the largest error squared (``rounding``);
+    a gradient, relative to its largest entry, by about as much as z (``grad_rounding``).
     The float64 reference's own absolute error (``grad_floor``): each logit's gradient terms are
     O(logit_scale / T) before they cancel (a near-certain row's entropy gradient, -1 - (-1), where the
     truth is 1e-28); d_hidden sums V of them times |W|, d_weight the rows' times |h|."""
@@ -206,12 +212,20 @@ def head_bounds(spec, k, inputs, logprobs=True) -> dict:
     spread = hidden.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
     z_error = (hidden.shape[-1] * eps * spread + eps * u.abs()) * k["logit_scale"] / k["temperature"]
     if k["softcap"] is not None:
-        z_error = z_error + 4 * eps * k["softcap"] / k["temperature"]
+        z_error = z_error + 4 * eps * head_logits(u, k).abs() / k["temperature"]
     top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
     terms = max(weight.shape[0], hidden.numel() // max(1, hidden.shape[-1]))
     floor = 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
     bounds = {"grad_floor": floor, "grad_rounding": 4 * top(z_error)}
-    return {**bounds, "rounding": {0: 2 * z_error.amax(-1)}} if logprobs else bounds
+    if not logprobs:
+        return bounds
+    rounding = {0: 2 * z_error.amax(-1)}
+    if k.get("entropy"):
+        logp = torch.log_softmax(head_logits(u, k) / k["temperature"], -1)
+        entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
+        first = (logp.exp() * (logp + entropy).abs() * z_error).sum(-1)
+        rounding[1] = 2 * first + (1 + math.log(u.shape[-1])) * z_error.amax(-1) ** 2
+    return {**bounds, "rounding": rounding}
 
 
 def _pair(gen, spec, k, shape):
