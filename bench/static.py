@@ -343,17 +343,29 @@ def _signature_text(launch: Launch) -> str:
     return ", ".join(parts)
 
 
+def _ptxas(arch: str) -> str:
+    """The ptxas Triton itself assembles ``arch`` with: its PTX version follows that ptxas (Triton
+    3.9 takes its newer ``ptxas-blackwell`` from sm_90 on, whose PTX the older one refuses)."""
+    from triton.backends.nvidia import compiler
+
+    if not hasattr(compiler, "get_ptxas"):  # an older Triton: one bundled ptxas
+        return _nvidia_tool("ptxas")
+    return compiler.get_ptxas(int(re.match(r"sm_(\d+)", arch).group(1))).path
+
+
 def _ptxas_resources(ptx: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
         arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
         log = subprocess.run(
-            [_nvidia_tool("ptxas"), "-v", f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".cubin"))],
-            check=True,
+            [_ptxas(arch), "-v", f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".cubin"))],
             capture_output=True,
             text=True,
-        ).stderr
+        )
+        if log.returncode:  # ptxas says why on stderr, which CalledProcessError would not show
+            raise RuntimeError(f"{' '.join(log.args)}: exit {log.returncode}\n{log.stderr}")
+        log = log.stderr
     (resources,) = parse_ptxas_log(log).values()
     return resources
 
