@@ -287,8 +287,9 @@ def _elementwise_grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _ELEMENTWISE_BLOCK),)
 
 
-def _elementwise_warps(kl_estimator: str) -> int:
-    """k3's float64 math holds twice the registers per element: 4 elements a thread, not 8 (no spills)."""
+def _warps(kl_estimator: str) -> int:
+    """k3's float64 math holds twice the registers per element: in a block of 1024 (elementwise, or a
+    row's chunk), 4 elements a thread, not 8 (no spills)."""
     return 8 if kl_estimator == "k3" else 4
 
 
@@ -320,7 +321,7 @@ def kl_estimate_forward(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_e
                 ACC=compute_dtype(kl.dtype),
                 BLOCK=_ELEMENTWISE_BLOCK,
                 STRIDED=strided,
-                num_warps=_elementwise_warps(kl_estimator),
+                num_warps=_warps(kl_estimator),
             )
     return kl
 
@@ -349,7 +350,7 @@ def kl_estimate_backward(
                 ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
                 BLOCK=_ELEMENTWISE_BLOCK,
                 STRIDED=strided,
-                num_warps=_elementwise_warps(kl_estimator),
+                num_warps=_warps(kl_estimator),
             )
     return grad_logprobs, grad_ref
 
@@ -407,6 +408,7 @@ def kl_penalized_rewards_forward(
             KL_ESTIMATOR=kl_estimator_code(kl_estimator),
             ACC=compute_dtype(rewards.dtype),
             BLOCK_T=_block_t(length, block_t),
+            num_warps=_warps(kl_estimator),
         )
     return rewards, kl, last
 
@@ -470,6 +472,7 @@ def kl_penalized_rewards_backward(
             KL_ESTIMATOR=kl_estimator_code(kl_estimator),
             ACC=compute_dtype(result_dtype(logprobs, ref_logprobs)),
             BLOCK_T=_block_t(length, block_t),
+            num_warps=_warps(kl_estimator),
         )
     return grad_scores, grad_logprobs, grad_ref
 

@@ -57,7 +57,7 @@ from ._truncation import thresholds
 SUPPORTED = {"linear_token_logprobs": DEVICES}
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
-# compile for sm_90 without register spills (checked in the SASS with triton 3.6 and 3.8;
+# compile for sm_90 without register spills (checked in the SASS with triton 3.6, 3.8 and 3.9;
 # float32's entries are for TF32 products; IEEE ones take _IEEE_FLOAT32_CONFIG); not timed on a GPU yet.
 _FORWARD_CONFIG = {
     torch.bfloat16: (128, 128, 32, 8),
@@ -71,8 +71,9 @@ _BACKWARD_CONFIG = {
     torch.float32: (64, 128, 16, 8),
     torch.float64: (32, 64, 16, 4),
 }
-# IEEE float32 products (torch's default, TF32 off) need more registers than TF32 ones: smaller tiles.
-_IEEE_FLOAT32_CONFIG = {"forward": (32, 64, 16, 4), "backward": (32, 64, 16, 4)}
+# IEEE float32 products (torch's default, TF32 off) need more registers than TF32 ones: smaller tiles
+# (triton 3.9 holds the forward with a bias, soft-cap and entropy to 128 registers: 32 columns).
+_IEEE_FLOAT32_CONFIG = {"forward": (32, 32, 16, 4), "backward": (32, 64, 16, 4)}
 _NUM_STAGES = 3
 # At most this much of the logits' gradient at once: larger heads run the backward in vocabulary chunks.
 # (2048 columns of 16k bf16 rows; the backward by its size: python -m bench head_tiles on a GPU)
