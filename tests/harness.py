@@ -198,10 +198,10 @@ def head_bounds(spec, k, inputs, logprobs=True) -> dict:
     """A fused head's error bounds (``Built``).  Any float32 evaluation's z = logit_scale * u / T (or
     softcap * tanh(logit_scale * u / softcap) / T) may be off float64's by ``z_error``: a dot product of H
     terms by up to H eps sum|h_i w_i| (and its rounding, eps |u|; tanh is 1-Lipschitz), a softcap's tanh
-    by a few ulps of its own value, times softcap / T.  A log-prob z_y - lse moves by at most twice the largest of its
-    row, an entropy H by sum_j p_j |log p_j + H| times z_j's error to first order (dH/dz_j), twice that
-    plus (1 + log V) times the largest error squared (``rounding``);
-    a gradient, relative to its largest entry, by about as much as z (``grad_rounding``).
+    by a few ulps of its own value, times softcap / T.  A log-prob z_y - lse moves by at most twice the
+    largest of its row; an entropy H by sum_j p_j |log p_j + H| times z_j's error to first order
+    (dH/dz_j), so twice that plus (1 + log V) times the largest error squared (``rounding``); a
+    gradient, relative to its largest entry, by about as much as z (``grad_rounding``).
     The float64 reference's own absolute error (``grad_floor``): each logit's gradient terms are
     O(logit_scale / T) before they cancel (a near-certain row's entropy gradient, -1 - (-1), where the
     truth is 1e-28); d_hidden sums V of them times |W|, d_weight the rows' times |h|."""
