@@ -358,15 +358,14 @@ def _ptxas_resources(ptx: str) -> dict[str, int]:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
         arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
-        log = subprocess.run(
+        ptxas = subprocess.run(
             [_ptxas(arch), "-v", f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".cubin"))],
             capture_output=True,
             text=True,
         )
-        if log.returncode:  # ptxas says why on stderr, which CalledProcessError would not show
-            raise RuntimeError(f"{' '.join(log.args)}: exit {log.returncode}\n{log.stderr}")
-        log = log.stderr
-    (resources,) = parse_ptxas_log(log).values()
+        if ptxas.returncode:  # ptxas says why on stderr, which CalledProcessError would not show
+            raise RuntimeError(f"{' '.join(ptxas.args)}: exit {ptxas.returncode}\n{ptxas.stderr}")
+    (resources,) = parse_ptxas_log(ptxas.stderr).values()
     return resources
 
 
