@@ -17,10 +17,10 @@ ROOT=$PWD
 export PYTHONUNBUFFERED=1
 
 VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
-TRITON=triton==3.9.0
 case "$VENV" in /*) ;; *) VENV=$ROOT/$VENV ;; esac
 SRC=$VENV/src
 PY=$VENV/bin/python
+TRITON=triton==3.9.0
 
 t0=$SECONDS
 echo "== vllm: venv at $VENV"

@@ -209,10 +209,11 @@ def head_bounds(spec, k, inputs, logprobs=True) -> dict:
     bias = inputs["bias"].values if "bias" in inputs else None
     eps = torch.finfo(torch.float32).eps if spec.dtype != "float64" else 0.0
     u = hidden @ weight.T + (0 if bias is None else bias)
+    z = head_logits(u, k) / k["temperature"]
     spread = hidden.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
     z_error = (hidden.shape[-1] * eps * spread + eps * u.abs()) * k["logit_scale"] / k["temperature"]
     if k["softcap"] is not None:
-        z_error = z_error + 4 * eps * head_logits(u, k).abs() / k["temperature"]
+        z_error = z_error + 4 * eps * z.abs()
     top = lambda x: float(x.abs().max()) if x.numel() else 0.0  # noqa: E731
     terms = max(weight.shape[0], hidden.numel() // max(1, hidden.shape[-1]))
     floor = 64 * torch.finfo(F64).eps * k["logit_scale"] / k["temperature"] * top(hidden) * top(weight) * terms
@@ -221,7 +222,7 @@ def head_bounds(spec, k, inputs, logprobs=True) -> dict:
         return bounds
     rounding = {0: 2 * z_error.amax(-1)}
     if k.get("entropy"):
-        logp = torch.log_softmax(head_logits(u, k) / k["temperature"], -1)
+        logp = torch.log_softmax(z, -1)
         entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
         first = (logp.exp() * (logp + entropy).abs() * z_error).sum(-1)
         rounding[1] = 2 * first + (1 + math.log(u.shape[-1])) * z_error.amax(-1) ** 2

@@ -92,13 +92,6 @@ def _mask(b, t, gaps=True):
     return m
 
 
-def close(a, b, **kw):
-    kw.setdefault("atol", 1e-5)
-    kw.setdefault("rtol", 1e-5)
-    assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    torch.testing.assert_close(a, b, **kw)
-
-
 def versus(orlhf, name, call, backend="auto", wrt=None):
     """``call`` on OpenRLHF's own ``name`` and on ours, patched in on ``backend``: the same results and gradients
     with respect to ``wrt`` (harness.assert_same_results)."""
@@ -152,7 +145,7 @@ def test_log_probs_from_logits_matches_including_the_in_place_temperature(orlhf,
     with po.patch(backend=backend):
         got = orlhf.utils.log_probs_from_logits(ours_logits, labels, temperature=0.5)
     assert torch.equal(ours_logits, theirs_logits), "OpenRLHF divides the logits in place; so does the adapter"
-    close(got, want, **({} if dtype == torch.float32 else {"atol": 0.07, "rtol": 0.02}))
+    assert_same_results(got, want, **({} if dtype == torch.float32 else {"atol": 0.07, "rtol": 0.02}))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
