@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Compatibility check against torch 2.11 + triton 3.6 (what the GPU machine we are lent has).
+# Compatibility check against another torch + triton than the main venv's (torch 2.14.1):
+#   2.11  torch 2.11 + triton 3.6, what the GPU machine we are lent has;
+#   2.15  torch 2.15 + triton 3.9, the newest release on the index, what `pip install` gives a
+#         user whose pip does not cap torch (pyproject asks only torch>=2.5).
 #
-# Runs, in a second venv, what differs under torch 2.11 + triton 3.6: every test whose name
+# Runs, in a venv of its own, what differs under another torch + triton: every test whose name
 # contains "compile" (the sm_90 compile of every Triton kernel, torch.compile of every op), the
 # custom-op registration of the native operators (opcheck), and a sample of the interpreter: the
 # conformance matrix's Triton cells of the fast tier.  TRITON_INTERPRET=1 on CPU tensors; tests
@@ -11,38 +14,49 @@
 # The main venv's editable install keeps its extension (ppo_fast/_C*.so, built against the
 # main torch) in the source tree, so this script never builds in the tree: it copies the
 # working tree (tracked files + untracked, not ignored ones) into $COMPAT_VENV/src and makes
-# the editable install and the test run there, with an extension built against torch 2.11.
+# the editable install and the test run there, with an extension built against that torch.
 #
-# Call from anywhere (cd's to the repo root):  bash .ci/compat_torch211.sh
+# Call from anywhere (cd's to the repo root):  bash .ci/compat_torch.sh 2.11|2.15
 # Environment (all optional):
-#   COMPAT_VENV        venv folder (default: <repo>/.venv211, git-ignored)
-#   COMPAT_BUILD_CUDA  PPO_FAST_BUILD_CUDA for the 2.11 build (default 0: CPU kernels only;
-#                      "auto" also compiles the CUDA kernels against torch 2.11, +4-6 min on 2 cores)
+#   COMPAT_VENV        venv folder (default: <repo>/.venv211 or .venv215, git-ignored)
+#   COMPAT_BUILD_CUDA  PPO_FAST_BUILD_CUDA for the build (default 0: CPU kernels only; "auto" also
+#                      compiles the CUDA kernels against that torch, +4-6 min on 2 cores)
 #   COMPAT_PYTEST_ARGS extra pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 export PYTHONUNBUFFERED=1
 
-TORCH_SPEC="torch==2.11.0"
-TRITON_PREFIX="3.6."
-NUMPY_SPEC="numpy<2.4"  # the triton 3.6 interpreter breaks with numpy 2.4
-VENV=${COMPAT_VENV:-$ROOT/.venv211}
+VERSION=${1:?usage: bash .ci/compat_torch.sh 2.11|2.15}
+case "$VERSION" in
+    2.11)
+        TORCH_SPEC="torch==2.11.0" TRITON_PREFIX="3.6."
+        NUMPY_SPEC="numpy<2.4"  # the triton 3.6 interpreter breaks with numpy 2.4
+        ;;
+    2.15)
+        TORCH_SPEC="torch==2.15.0" TRITON_PREFIX="3.9." NUMPY_SPEC="numpy"
+        # This machine's pip caps torch at 2.14.1 by a constraint file in its config
+        # (/etc/xdg/pip); an empty constraint file replaces it for this venv's installs only.
+        export PIP_CONSTRAINT=/dev/null
+        ;;
+    *) echo "compat: unknown torch version '$VERSION' (2.11 or 2.15)" >&2; exit 2 ;;
+esac
+VENV=${COMPAT_VENV:-$ROOT/.venv${VERSION/./}}
 case "$VENV" in /*) ;; *) VENV=$ROOT/$VENV ;; esac
 SRC=$VENV/src
 PY=$VENV/bin/python
 
 t0=$SECONDS
-echo "== compat: torch 2.11 venv at $VENV"
+echo "== compat: torch $VERSION venv at $VENV"
 if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
 "$PY" -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC" setuptools wheel ninja pybind11
-"$PY" - "$TRITON_PREFIX" <<'EOF'
+"$PY" - "$VERSION." "$TRITON_PREFIX" <<'EOF'
 import sys, numpy, torch, triton
 print(f"compat: torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, numpy {numpy.__version__}")
-assert torch.__version__.startswith("2.11."), torch.__version__
-assert triton.__version__.startswith(sys.argv[1]), f"triton {triton.__version__}, want {sys.argv[1]}x"
+assert torch.__version__.startswith(sys.argv[1]), f"torch {torch.__version__}, want {sys.argv[1]}x"
+assert triton.__version__.startswith(sys.argv[2]), f"triton {triton.__version__}, want {sys.argv[2]}x"
 EOF
 echo "compat: venv ready in $((SECONDS - t0)) s"
 
@@ -50,10 +64,10 @@ echo "compat: venv ready in $((SECONDS - t0)) s"
 t1=$SECONDS
 bash "$ROOT/.ci/copy_tree.sh" "$SRC" "$VENV"
 
-echo "== compat: building ppo_fast against torch 2.11 in $SRC (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0})"
+echo "== compat: building ppo_fast against torch $VERSION in $SRC (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0})"
 (cd "$SRC" && PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0} \
     "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
-(cd "$SRC" && "$PY" -c "import ppo_fast, ppo_fast._C as C, torch; assert ppo_fast.__file__.startswith('$SRC'), ppo_fast.__file__; print('compat: ppo_fast from', ppo_fast.__file__, '| CUDA kernels:', C.built_with_cuda())")
+(cd "$SRC" && "$PY" -c "import ppo_fast, ppo_fast._C as C; assert ppo_fast.__file__.startswith('$SRC'), ppo_fast.__file__; print('compat: ppo_fast from', ppo_fast.__file__, '| CUDA kernels:', C.built_with_cuda())")
 echo "compat: build in $((SECONDS - t1)) s"
 
 # The compile tests, the registration and the sampled interpreter cells, in one run, from the copy
@@ -66,6 +80,6 @@ rc=0
     --tb=short --log-level=WARNING -W ignore::DeprecationWarning -k "$SELECT" -m "not cuda" ${COMPAT_PYTEST_ARGS:-}) || rc=$?
 echo "compat: pytest in $((SECONDS - t2)) s, total $((SECONDS - t0)) s, exit status $rc"
 if [ "$rc" -ne 0 ]; then
-    echo "compat: FAILED against torch 2.11 + triton 3.6 (see the summary above)" >&2
+    echo "compat: FAILED against $TORCH_SPEC + triton $TRITON_PREFIX""x (see the summary above)" >&2
 fi
 exit "$rc"
