@@ -85,6 +85,20 @@ def cuda_plan(mode: str, gpu, torch_has_cuda: bool, cuda_home) -> tuple[bool, st
 
 
 SANITIZERS = ("address", "undefined")
+CPU_CLONES = ("x86-64-v4", "x86-64-v3", "default")
+
+
+def cpu_clone_macros(value: str) -> list:
+    """The macros that ``PPO_FAST_CPU_CLONE=value`` asks for: the CPU kernels' hot loops are
+    compiled for every x86-64 level in CPU_CLONES and the loader runs the widest the CPU has;
+    a test build names one level, so that a machine with AVX-512 also runs the others' code
+    ([] when unset or empty: all of them)."""
+    value = value.strip().lower()
+    if not value:
+        return []
+    if value not in CPU_CLONES:
+        sys.exit(f"PPO_FAST_CPU_CLONE must be one of {', '.join(CPU_CLONES)} (or unset), got {value!r}")
+    return [({"default": "PPO_FAST_CPU_CLONE_BASELINE"}.get(value, "PPO_FAST_CPU_CLONE_V" + value[-1]), None)]
 
 
 def sanitize_plan(value: str) -> list:
@@ -133,7 +147,7 @@ cxx_flags = ["-O3", "-g0", "-std=c++20", "-fno-trapping-math"]
 if sys.platform != "win32":
     cxx_flags += ["-fopenmp"]
 link_flags = ["-fopenmp"]
-define_macros = []
+define_macros = cpu_clone_macros(os.environ.get("PPO_FAST_CPU_CLONE", ""))
 if sanitizers:
     # GCC's -fsanitize=undefined leaves out float-cast-overflow (a float out of an
     # integer's range, NaN included, converted to it: undefined behaviour); ask for it.
@@ -160,6 +174,7 @@ else:
         "ppo_fast._C",
         cpp_sources,
         include_dirs=[os.path.join(here, "csrc")],
+        define_macros=define_macros,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=link_flags,
     )

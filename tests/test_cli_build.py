@@ -48,3 +48,11 @@ def test_a_gpu_is_seen_through_nvidia_smi(setup_py, tmp_path, monkeypatch):
 def test_build_flags_drop_debug_info_and_use_a_precompiled_header(setup_py):
     assert "-g0" in setup_py["cxx_flags"] and "-O3" in setup_py["cxx_flags"]
     assert "ATen/ATen.h" in setup_py["PCH_HEADERS"] and "torch/library.h" in setup_py["PCH_HEADERS"]
+
+
+def test_a_cpu_level_alone_is_asked_for_by_name(setup_py):
+    macros = setup_py["cpu_clone_macros"]
+    assert macros("") == [] and macros("default") == [("PPO_FAST_CPU_CLONE_BASELINE", None)]
+    assert macros("x86-64-v3") == [("PPO_FAST_CPU_CLONE_V3", None)]
+    with pytest.raises(SystemExit, match="PPO_FAST_CPU_CLONE must be one of .*got 'avx2'"):
+        macros("avx2")

@@ -15,10 +15,16 @@
 // loops themselves are templates marked PPO_INLINE, so that each clone gets its own
 // vectorized copy (in the -fPIC build GCC would otherwise call even small inline
 // functions through the PLT, which blocks vectorization).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
-#define PPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
+// A build with PPO_FAST_CPU_CLONE set (setup.py, for tests) compiles the loops for that one
+// level only, so that a machine with AVX-512 can run the AVX2 and the baseline code too.
+#if !defined(__x86_64__) || !defined(__GNUC__) || defined(__CUDACC__) || defined(PPO_FAST_CPU_CLONE_BASELINE)
 #define PPO_CPU_CLONES
+#elif defined(PPO_FAST_CPU_CLONE_V3)
+#define PPO_CPU_CLONES __attribute__((target("arch=x86-64-v3")))
+#elif defined(PPO_FAST_CPU_CLONE_V4)
+#define PPO_CPU_CLONES __attribute__((target("arch=x86-64-v4")))
+#else
+#define PPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 #if defined(__GNUC__)
 #define PPO_INLINE inline __attribute__((always_inline))
