@@ -8,8 +8,8 @@
 # contains "compile" (the sm_90 compile of every Triton kernel, torch.compile of every op), the
 # custom-op registration of the native operators (opcheck), and a sample of the interpreter: the
 # conformance matrix's Triton cells of the fast tier.  TRITON_INTERPRET=1 on CPU tensors; tests
-# that need a GPU are deselected (-m "not cuda") or skip themselves.  The native matrix and the
-# rest of the suite run once, in the main venv (the README's command) and under the sanitizers.
+# that need a GPU are deselected (-m "not cuda") or skip themselves; with COMPAT_CPU_CLONE, the
+# native cells too.  The rest of the suite runs once, in the main venv (the README's command).
 #
 # The main venv's editable install keeps its extension (ppo_fast/_C*.so, built against the
 # main torch) in the source tree, so this script never builds in the tree: it copies the
@@ -25,6 +25,8 @@
 #                      hot loops for that x86-64 level only (a normal build has the AVX-512, AVX2
 #                      and baseline levels, and an AVX-512 machine runs only the first); when set,
 #                      the native cells of the fast tier run too (1,466 tests, ~70 s on 2 cores)
+#   COMPAT_CXX         the C++ compiler for the CPU kernels (default: c++, GCC here), e.g. clang++-14
+#                      (CC is set to the matching C compiler)
 #   COMPAT_PYTEST_ARGS extra pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,9 +70,11 @@ echo "compat: venv ready in $((SECONDS - t0)) s"
 t1=$SECONDS
 bash "$ROOT/.ci/copy_tree.sh" "$SRC" "$VENV"
 
-echo "== compat: building ppo_fast against torch $VERSION in $SRC (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0}, PPO_FAST_CPU_CLONE=${COMPAT_CPU_CLONE:-})"
+CXX_BIN=${COMPAT_CXX:-c++}
+command -v "$CXX_BIN" >/dev/null || { echo "compat: no C++ compiler '$CXX_BIN' (COMPAT_CXX)" >&2; exit 2; }
+echo "== compat: building ppo_fast against torch $VERSION in $SRC with $("$CXX_BIN" --version | head -1) (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0}, PPO_FAST_CPU_CLONE=${COMPAT_CPU_CLONE:-})"
 (cd "$SRC" && PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0} PPO_FAST_CPU_CLONE=${COMPAT_CPU_CLONE:-} \
-    "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
+    CXX=$CXX_BIN CC=${CXX_BIN/++/} "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
 (cd "$SRC" && "$PY" -c "import ppo_fast, ppo_fast._C as C; assert ppo_fast.__file__.startswith('$SRC'), ppo_fast.__file__; print('compat: ppo_fast from', ppo_fast.__file__, '| CUDA kernels:', C.built_with_cuda())")
 echo "compat: build in $((SECONDS - t1)) s"
 

@@ -178,10 +178,15 @@ for name, module in baselines.items():  # imported: a baseline without its own n
         print(f"  {name}: MISSING ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
 print("  present: " + ", ".join(f"{n} {v}" for n, v in found.items() if v))
 missing = [n for n in needed if not found[n]]
-json.dump({"found": found, "missing_for_tests": missing}, open(sys.argv[1], "w"), indent=1)
-sys.exit(1 if missing else 0)
+missing_baselines = [n for n in baselines if not found[n]]
+json.dump({"found": found, "missing_for_tests": missing, "missing_baselines": missing_baselines}, open(sys.argv[1], "w"), indent=1)
+sys.exit(1 if missing else 2 if missing_baselines else 0)
 EOF
-[ "${PIPESTATUS[0]}" -eq 0 ] || RESULTS+=("preflight: FAILED (a package the tests import is missing: $OUT/preflight.json)")
+case "${PIPESTATUS[0]}" in
+    0) ;;
+    2) RESULTS+=("preflight: FAILED (a baseline does not import, so the benchmarks run without it: $OUT/preflight.json)") ;;
+    *) RESULTS+=("preflight: FAILED (a package the tests import is missing: $OUT/preflight.json)") ;;
+esac
 NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
 NVCC_VERSION=$("$NVCC" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
 if [ -z "$NVCC_VERSION" ]; then

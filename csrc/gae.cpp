@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor> gae_backward_cpu(const std::optional<at::Tens
     check_same_device(op, {{"mask", &mask}, {name, &**grad}});
   }
   const int64_t rows = mask.size(0), length = mask.size(1);
-  const auto [need_rewards, need_values] = output_mask;
+  const bool need_rewards = output_mask[0], need_values = output_mask[1];
   const auto grad_of = [&](at::ScalarType dtype, bool wanted) {
     return at::empty(wanted ? at::IntArrayRef{rows, length} : at::IntArrayRef{0}, mask.options().dtype(dtype));
   };

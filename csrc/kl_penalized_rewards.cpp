@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> kl_estimate_backward_cpu(const at::Tensor& gr
   check_float(op, "grad_kl", grad_kl);
   check_same_shape(op, "grad_kl", grad_kl, "logprobs", logprobs);
   check_same_device(op, {{"logprobs", &logprobs}, {"grad_kl", &grad_kl}});
-  const auto [need_logp, need_ref] = output_mask;
+  const bool need_logp = output_mask[0], need_ref = output_mask[1];
   at::Tensor grad_logp = grad_like(logprobs, need_logp), grad_ref = grad_like(ref_logprobs, need_ref);
   if (!need_logp && !need_ref) return {grad_logp, grad_ref};
   const at::Tensor logp = logprobs.contiguous(), ref = ref_logprobs.contiguous();
@@ -335,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_penalized_rewards_backward_cpu
     check_same_device(op, {{"logprobs", &logprobs}, {name, &**grad}});
   }
   const int64_t rows = logprobs.size(0), length = logprobs.size(1);
-  const auto [need_scores, need_logp, need_ref] = output_mask;
+  const bool need_scores = output_mask[0], need_logp = output_mask[1], need_ref = output_mask[2];
   at::Tensor grad_scores = at::empty({need_scores ? rows : 0}, logprobs.options().dtype(scores_dtype));
   at::Tensor grad_logp = grad_like(logprobs, need_logp), grad_ref = grad_like(ref_logprobs, need_ref);
   const bool has_reward_grad = grad_rewards_in.has_value(), has_kl_grad = grad_kl_in.has_value();

@@ -241,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_token_logprobs_backward_cp
     check_same_shape(op, "entropy", entropy_in, "labels", labels);
     check_same_device(op, {{"hidden", &hidden}, {"entropy", &entropy_in}});
   }
-  const auto [want_hidden, want_weight, want_bias_in] = output_mask;
+  const bool want_hidden = output_mask[0], want_weight = output_mask[1], want_bias_in = output_mask[2];
   const bool want_bias = want_bias_in && bias.has_value();
   const auto options = hidden.options().dtype(acc);
   const Head head = prepare(hidden, weight, labels, bias, ignore_index);

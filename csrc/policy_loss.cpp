@@ -235,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_b
   const int64_t rows = in.rows, length = in.length;
   const at::Tensor scales = checked_row_scale(op, row_scale_in, logprobs, in.dtype);
   const double upstream = checked_upstream(op, grad_loss, logprobs);
-  const auto [need_logp, need_old, need_adv, need_w_asked] = output_mask;
+  const bool need_logp = output_mask[0], need_old = output_mask[1], need_adv = output_mask[2],
+             need_w_asked = output_mask[3];
   const bool need_w = need_w_asked && in.weights.defined();
   const PolicyParams params = policy_params(clip_eps_low, clip_eps_high, dual_clip);
   const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());

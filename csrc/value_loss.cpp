@@ -159,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cpu(
   const int64_t rows = in.rows, length = in.length;
   const at::Tensor scales = checked_row_scale(op, row_scale_in, values, in.dtype);
   const double upstream = checked_upstream(op, grad_loss, values);
-  const auto [need_v, need_old, need_ret] = output_mask;
+  const bool need_v = output_mask[0], need_old = output_mask[1], need_ret = output_mask[2];
   const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   at::Tensor grad_v = grad_like(values, need_v), grad_old = grad_like(old_values, need_old);
   at::Tensor grad_ret = grad_like(returns, need_ret);

@@ -93,7 +93,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_policy_loss_b
   check_cuda(op, logprobs);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   checked_plan(op, b.logp);
-  const auto [need_logp, need_old, need_adv, need_w_asked] = output_mask;
+  const bool need_logp = output_mask[0], need_old = output_mask[1], need_adv = output_mask[2],
+             need_w_asked = output_mask[3];
   const bool need_w = need_w_asked && weights.has_value();
   const Grad grad_logp(b.logp, logprobs.scalar_type(), need_logp),
       grad_old(b.old, old_logprobs.scalar_type(), need_old);

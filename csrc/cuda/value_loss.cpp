@@ -75,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cuda(
   check_cuda(op, values);
   const c10::cuda::CUDAGuard guard(values.device());
   checked_plan(op, b.v);
-  const auto [need_v, need_old, need_ret] = output_mask;
+  const bool need_v = output_mask[0], need_old = output_mask[1], need_ret = output_mask[2];
   const Grad grad_v(b.v, values.scalar_type(), need_v), grad_old(b.old, old_values.scalar_type(), need_old);
   const Grad grad_ret(b.ret, returns.scalar_type(), need_ret);
   if (need_v || need_old || need_ret) {
