@@ -70,11 +70,13 @@ echo "compat: venv ready in $((SECONDS - t0)) s"
 t1=$SECONDS
 bash "$ROOT/.ci/copy_tree.sh" "$SRC" "$VENV"
 
-CXX_BIN=${COMPAT_CXX:-c++}
-command -v "$CXX_BIN" >/dev/null || { echo "compat: no C++ compiler '$CXX_BIN' (COMPAT_CXX)" >&2; exit 2; }
-echo "== compat: building ppo_fast against torch $VERSION in $SRC with $("$CXX_BIN" --version | head -1) (PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0}, PPO_FAST_CPU_CLONE=${COMPAT_CPU_CLONE:-})"
-(cd "$SRC" && PPO_FAST_BUILD_CUDA=${COMPAT_BUILD_CUDA:-0} PPO_FAST_CPU_CLONE=${COMPAT_CPU_CLONE:-} \
-    CXX=$CXX_BIN CC=${CXX_BIN/++/} "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
+build_env=(PPO_FAST_BUILD_CUDA="${COMPAT_BUILD_CUDA:-0}" PPO_FAST_CPU_CLONE="${COMPAT_CPU_CLONE:-}")
+if [ -n "${COMPAT_CXX:-}" ]; then  # CC too: torch's build reads it (and hands it to nvcc as its host compiler)
+    command -v "$COMPAT_CXX" >/dev/null || { echo "compat: no C++ compiler '$COMPAT_CXX' (COMPAT_CXX)" >&2; exit 2; }
+    build_env+=(CXX="$COMPAT_CXX" CC="${COMPAT_CXX/++/}")
+fi
+echo "== compat: building ppo_fast against torch $VERSION in $SRC with $("${COMPAT_CXX:-c++}" --version | head -1) (${build_env[*]})"
+(cd "$SRC" && env "${build_env[@]}" "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
 (cd "$SRC" && "$PY" -c "import ppo_fast, ppo_fast._C as C; assert ppo_fast.__file__.startswith('$SRC'), ppo_fast.__file__; print('compat: ppo_fast from', ppo_fast.__file__, '| CUDA kernels:', C.built_with_cuda())")
 echo "compat: build in $((SECONDS - t1)) s"
 
