@@ -85,20 +85,25 @@ def cuda_plan(mode: str, gpu, torch_has_cuda: bool, cuda_home) -> tuple[bool, st
 
 
 SANITIZERS = ("address", "undefined")
-CPU_CLONES = ("x86-64-v4", "x86-64-v3", "default")
+# Each x86-64 level of the CPU kernels' hot loops and the macro that builds it alone (csrc/common/fast_exp.h).
+CPU_CLONES = {
+    "x86-64-v4": "PPO_FAST_CPU_CLONE_V4",
+    "x86-64-v3": "PPO_FAST_CPU_CLONE_V3",
+    "default": "PPO_FAST_CPU_CLONE_BASELINE",
+}
 
 
 def cpu_clone_macros(value: str) -> list:
     """The macros that ``PPO_FAST_CPU_CLONE=value`` asks for: the CPU kernels' hot loops are
-    compiled for every x86-64 level in CPU_CLONES and the loader runs the widest the CPU has;
-    a test build names one level, so that a machine with AVX-512 also runs the others' code
-    ([] when unset or empty: all of them)."""
+    compiled for every level in CPU_CLONES and the loader runs the widest the CPU has; a test
+    build names one level, so that a machine with AVX-512 also runs the others' code ([] when
+    unset or empty: all of them)."""
     value = value.strip().lower()
     if not value:
         return []
     if value not in CPU_CLONES:
         sys.exit(f"PPO_FAST_CPU_CLONE must be one of {', '.join(CPU_CLONES)} (or unset), got {value!r}")
-    return [({"default": "PPO_FAST_CPU_CLONE_BASELINE"}.get(value, "PPO_FAST_CPU_CLONE_V" + value[-1]), None)]
+    return [(CPU_CLONES[value], None)]
 
 
 def sanitize_plan(value: str) -> list:

@@ -73,7 +73,8 @@ bash "$ROOT/.ci/copy_tree.sh" "$SRC" "$VENV"
 build_env=(PPO_FAST_BUILD_CUDA="${COMPAT_BUILD_CUDA:-0}" PPO_FAST_CPU_CLONE="${COMPAT_CPU_CLONE:-}")
 if [ -n "${COMPAT_CXX:-}" ]; then  # CC too: torch's build reads it (and hands it to nvcc as its host compiler)
     command -v "$COMPAT_CXX" >/dev/null || { echo "compat: no C++ compiler '$COMPAT_CXX' (COMPAT_CXX)" >&2; exit 2; }
-    build_env+=(CXX="$COMPAT_CXX" CC="${COMPAT_CXX/++/}")
+    cc=${COMPAT_CXX/clang++/clang}  # clang++-14 -> clang-14, g++-12 -> gcc-12
+    build_env+=(CXX="$COMPAT_CXX" CC="${cc/g++/gcc}")
 fi
 echo "== compat: building ppo_fast against torch $VERSION in $SRC with $("${COMPAT_CXX:-c++}" --version | head -1) (${build_env[*]})"
 (cd "$SRC" && env "${build_env[@]}" "$PY" -m pip install -q --no-build-isolation -e '.[test]' "$TORCH_SPEC" "$NUMPY_SPEC")
