@@ -9,9 +9,9 @@
   Skipping them on a machine without a GPU saves most of the build time.
 * Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else sm_80 and sm_90.
 * Compiled without debug information (``-g0``, a third less compile time than
-  Python's default ``-g``), in parallel (ninja; ``MAX_JOBS`` caps the jobs), with GCC
-  from a precompiled header of the torch headers every unit includes (``PPO_FAST_PCH=0``
-  turns it off).
+  Python's default ``-g``), in parallel (ninja, also from the venv's bin when the venv
+  is not activated; ``MAX_JOBS`` caps the jobs), with GCC from a precompiled header of
+  the torch headers every unit includes (``PPO_FAST_PCH=0`` turns it off).
 * ``PPO_FAST_SANITIZE=address,undefined`` (opt-in, for CI's sanitizer step,
   ``.ci/sanitize.sh``): the CPU kernels with AddressSanitizer and/or UBSan
   (``-fsanitize=...``, UBSan with float-cast-overflow; ``-fno-sanitize-recover=all``: a
@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import setup
 
@@ -82,6 +83,31 @@ def cuda_plan(mode: str, gpu, torch_has_cuda: bool, cuda_home) -> tuple[bool, st
     if cuda_home is None:
         return False, "GPU visible but no CUDA toolkit (nvcc) found; set CUDA_HOME"
     return True, f"GPU visible ({gpu})"
+
+
+def path_with_ninja(path: str, folders) -> str:
+    """PATH, with the first of folders that holds ninja put first when PATH finds none:
+    `.venv/bin/pip install ninja` puts ninja in the venv's bin, which is on PATH only in an
+    activated venv, and without ninja torch compiles one unit at a time, with no precompiled
+    header."""
+    if shutil.which("ninja", path=path):
+        return path
+    for folder in folders:
+        if folder and shutil.which("ninja", path=folder):
+            return folder + os.pathsep + path if path else folder
+    return path
+
+
+def _ninja_folders() -> list:
+    """Where this interpreter's ninja may be: its scripts folder, or the ninja package's."""
+    folders = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        folders.append(getattr(ninja, "BIN_DIR", None))
+    except ImportError:
+        pass
+    return folders
 
 
 SANITIZERS = ("address", "undefined")
@@ -271,5 +297,6 @@ class _BuildExt(BuildExtension):
 
 
 if __name__ == "__main__":  # as pip's build backend and `python setup.py` run it (tests import it)
+    os.environ["PATH"] = path_with_ninja(os.environ.get("PATH", ""), _ninja_folders())
     print(f"ppo_fast: building the extension with CUDA kernels: {build_cuda} ({why}; CUDA_HOME={cuda_home})")
     setup(ext_modules=[extension], cmdclass={"build_ext": _BuildExt.with_options(use_ninja=True)})

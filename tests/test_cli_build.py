@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 from pathlib import Path
 
@@ -56,3 +57,16 @@ def test_a_cpu_level_alone_is_asked_for_by_name(setup_py):
     assert macros("x86-64-v3") == [("PPO_FAST_CPU_CLONE_V3", None)]
     with pytest.raises(SystemExit, match="PPO_FAST_CPU_CLONE must be one of .*got 'avx2'"):
         macros("avx2")
+
+
+def test_ninja_is_found_in_a_venv_that_is_not_activated(setup_py, tmp_path):
+    # `.venv/bin/pip install ninja` then `.venv/bin/pip install -e .`: ninja is not on PATH, and
+    # without it torch compiles one unit at a time (seen on a clean Debian, where no ninja was).
+    venv_bin, other = tmp_path / "bin", tmp_path / "other"
+    venv_bin.mkdir(), other.mkdir()
+    (venv_bin / "ninja").write_text("#!/bin/sh\n")
+    (venv_bin / "ninja").chmod(0o755)
+    found = setup_py["path_with_ninja"]
+    assert found(str(other), [None, str(other), str(venv_bin)]) == f"{venv_bin}{os.pathsep}{other}"
+    assert found(str(venv_bin), [str(other)]) == str(venv_bin)  # on PATH already: unchanged
+    assert found(str(other), [str(other)]) == str(other)  # nowhere: torch's own fallback, unchanged
