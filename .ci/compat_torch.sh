@@ -2,7 +2,7 @@
 # Compatibility check against another torch + triton than the main venv's (torch 2.14.1):
 #   2.11  torch 2.11 + triton 3.6, what the GPU machine we are lent has;
 #   2.15  torch 2.15 + triton 3.9, the newest release on the index, what `pip install` gives a
-#         user whose pip does not cap torch (pyproject asks only torch>=2.5).
+#         user whose pip does not cap torch (pyproject asks torch>=2.11).
 #
 # Runs, in a venv of its own, what differs under another torch + triton: every test whose name
 # contains "compile" (the sm_90 compile of every Triton kernel, torch.compile of every op), the

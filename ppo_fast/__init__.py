@@ -13,7 +13,17 @@ Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
 (``reference``, ``triton``, ``native`` or ``auto``); see ``pf.available_backends()``.
 """
 
-from . import ops
+import torch
+
+from .spec import MIN_TORCH, older_than
+
+if older_than(torch.__version__, MIN_TORCH):  # its custom ops, compiler and kernels differ: see docs/building.md
+    raise ImportError(
+        f"ppo_fast needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found torch {torch.__version__}; "
+        f"install a newer one, e.g. pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
+    )
+
+from . import ops  # noqa: E402
 from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import *  # noqa: F403  (ppo_fast.ops.__all__: every op module's public functions)

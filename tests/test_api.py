@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import ppo_fast as pf
 from ppo_fast.backends import BACKENDS, serving
+from ppo_fast.spec import MIN_TORCH, MIN_TRITON, older_than
 
 
 def on_backends(*ops):
@@ -288,3 +289,32 @@ def test_a_backend_that_fails_to_import_stops_a_ci_run(tmp_path):
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, said
     assert "native: import of ppo_fast.backends.native failed: AssertionError: a broken registration" in said, said
     assert "1 passed" not in said
+
+
+def test_torch_and_triton_older_than_supported_are_refused_by_name():
+    """pyproject.toml asks for spec.py's floors; an older torch stops the import in one line, an
+    older triton leaves the Triton backend unavailable, saying why (docs/building.md)."""
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text()
+    assert pyproject.count('"torch>={}.{}"'.format(*MIN_TORCH)) == 2  # the build's and the package's
+    assert pyproject.count('"triton>={}.{}"'.format(*MIN_TRITON)) == 2  # the triton and test extras
+    assert older_than("2.10.1+cu130", (2, 11)) and not older_than("2.11.0a0+git", (2, 11))
+    assert not older_than("2.12.0.dev20260101", (2, 11)) and not older_than("3.10.0", (3, 6))
+    code = (
+        "import torch, triton\n"
+        "real = torch.__version__\n"
+        "torch.__version__ = '2.10.0+cu130'\n"
+        "try:\n    import ppo_fast\nexcept ImportError as err:\n    print(err)\n"
+        "torch.__version__, triton.__version__ = real, '3.5.1'\n"
+        "import ppo_fast\n"
+        "print(ppo_fast.available_backends()['triton'])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    first, second = run.stdout.splitlines()
+    assert first == (
+        "ppo_fast needs torch >= 2.11, found torch 2.10.0+cu130; install a newer one, e.g. pip install 'torch>=2.11'"
+    )
+    assert second == (
+        "unavailable: triton cannot be used (ImportError: triton 3.5.1 is older than 3.6, the oldest supported)"
+    )

@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import torch
 
+from ...spec import MIN_TRITON, older_than
 from .. import collect, op_modules
 from ._launch import DEVICES
 
 try:
+    import triton
+
+    if older_than(triton.__version__, MIN_TRITON):  # its language and compiler differ: see docs/building.md
+        raise ImportError(
+            f"triton {triton.__version__} is older than {MIN_TRITON[0]}.{MIN_TRITON[1]}, the oldest supported"
+        )
     MODULES = op_modules(__name__, __path__)
-except ImportError as err:  # triton missing or broken: availability() says so
+except ImportError as err:  # triton missing, broken or too old: availability() says so
     MODULES, SUPPORTED, FUNCTIONS = (), {}, {}
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
 else:
@@ -28,7 +35,7 @@ else:
 
 def availability() -> tuple[bool, str]:
     if not MODULES:
-        return False, f"triton cannot be imported ({_IMPORT_ERROR})"
+        return False, f"triton cannot be used ({_IMPORT_ERROR})"
     if "cpu" in DEVICES:
         return True, "Triton interpreter (TRITON_INTERPRET=1): CPU tensors, for testing"
     if not torch.cuda.is_available():
