@@ -19,8 +19,8 @@ from .spec import MIN_TORCH, older_than
 
 if older_than(torch.__version__, MIN_TORCH):  # its custom ops, compiler and kernels differ: see docs/building.md
     raise ImportError(
-        f"ppo_fast needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found torch {torch.__version__}; "
-        f"install a newer one, e.g. pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
+        f"ppo_fast needs torch >= {MIN_TORCH}, found torch {torch.__version__}; "
+        f"install a newer one, e.g. pip install 'torch>={MIN_TORCH}'"
     )
 
 from . import ops  # noqa: E402

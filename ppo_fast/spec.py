@@ -34,20 +34,24 @@ import math
 import re
 from dataclasses import dataclass, field
 
-# The oldest torch and triton releases (major, minor) ppo_fast supports: CI runs the suite's
+# The oldest torch and triton releases (major.minor) ppo_fast supports: CI runs the suite's
 # compile, opcheck and Triton cells on them and on the newest (docs/building.md); pyproject.toml
 # asks for the same.
-MIN_TORCH = (2, 11)
-MIN_TRITON = (3, 6)
+MIN_TORCH = "2.11"
+MIN_TRITON = "3.6"
 
 
-def older_than(version: str, minimum: tuple[int, int]) -> bool:
-    """Whether a release ("2.10.1+cu130", "3.6.0", a nightly "2.12.0.dev20260101") is older
-    than ``minimum`` by its major and minor numbers (a nightly counts as its release)."""
+def _major_minor(version: str) -> tuple[int, int]:
     numbers = re.match(r"(\d+)\.(\d+)", version)
     if numbers is None:
         raise ValueError(f"not a release number: {version!r}")
-    return (int(numbers[1]), int(numbers[2])) < tuple(minimum)
+    return int(numbers[1]), int(numbers[2])
+
+
+def older_than(version: str, minimum: str) -> bool:
+    """Whether a release ("2.10.1+cu130", "3.6.0", a nightly "2.12.0.dev20260101") is older
+    than ``minimum`` ("2.11") by its major and minor numbers (a nightly counts as its release)."""
+    return _major_minor(version) < _major_minor(minimum)
 
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.

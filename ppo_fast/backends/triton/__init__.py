@@ -22,9 +22,7 @@ try:
     import triton
 
     if older_than(triton.__version__, MIN_TRITON):  # its language and compiler differ: see docs/building.md
-        raise ImportError(
-            f"triton {triton.__version__} is older than {MIN_TRITON[0]}.{MIN_TRITON[1]}, the oldest supported"
-        )
+        raise ImportError(f"triton {triton.__version__} is older than {MIN_TRITON}, the oldest supported")
     MODULES = op_modules(__name__, __path__)
 except ImportError as err:  # triton missing, broken or too old: availability() says so
     MODULES, SUPPORTED, FUNCTIONS = (), {}, {}
