@@ -27,6 +27,8 @@
 #                      the native cells of the fast tier run too (1,466 tests, ~70 s on 2 cores)
 #   COMPAT_CXX         the C++ compiler for the CPU kernels (default: c++, GCC here), e.g. clang++-14
 #                      (CC is set to the matching C compiler)
+#   COMPAT_PYTHON      the venv's Python, as X.Y (default: python3, 3.11 here): pythonX.Y from PATH,
+#                      else pyenv's (~/.pyenv/versions/X.Y.*), else python3 with a warning
 #   COMPAT_PYTEST_ARGS extra pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,13 +56,27 @@ PY=$VENV/bin/python
 
 t0=$SECONDS
 echo "== compat: torch $VERSION venv at $VENV"
+find_python() {  # find_python X.Y: a working pythonX.Y, or nothing
+    local want=$1 cand
+    for cand in "$(command -v "python$want" || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want".*/bin/"python$want"; do
+        [ -n "$cand" ] && [ -x "$cand" ] && "$cand" -c 'import venv' 2>/dev/null && { echo "$cand"; return; }
+    done
+}
+BASE_PY=python3
+if [ -n "${COMPAT_PYTHON:-}" ]; then
+    BASE_PY=$(find_python "$COMPAT_PYTHON")
+    if [ -z "$BASE_PY" ]; then
+        echo "compat: WARNING: no Python $COMPAT_PYTHON on this machine (COMPAT_PYTHON; PATH, pyenv): the venv gets python3, $(python3 -V)" >&2
+        BASE_PY=python3
+    fi
+fi
 if [ ! -x "$PY" ]; then
-    python3 -m venv "$VENV"
+    "$BASE_PY" -m venv "$VENV"
 fi
 "$PY" -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC" setuptools wheel ninja pybind11
 "$PY" - "$VERSION." "$TRITON_PREFIX" <<'EOF'
 import sys, numpy, torch, triton
-print(f"compat: torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, numpy {numpy.__version__}")
+print(f"compat: Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, numpy {numpy.__version__}")
 assert torch.__version__.startswith(sys.argv[1]), f"torch {torch.__version__}, want {sys.argv[1]}x"
 assert triton.__version__.startswith(sys.argv[2]), f"triton {triton.__version__}, want {sys.argv[2]}x"
 EOF
