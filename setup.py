@@ -7,7 +7,9 @@
   or a ``/dev/nvidia<N>`` device exists), torch is a CUDA build and nvcc is found;
   ``1`` always (no GPU needed; fails loudly if torch or nvcc cannot); ``0`` never.
   Skipping them on a machine without a GPU saves most of the build time.
-* Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else sm_80 and sm_90.
+* Architectures (``cuda_arch_list``): ``TORCH_CUDA_ARCH_LIST`` if set; else the visible GPUs'
+  (``nvidia-smi``), PTX for the newest; with none visible, sm_80, sm_90 and sm_100 with PTX
+  for the GPUs after them.  ``ppo_fast._C.cuda_archs()`` says what a build holds.
 * Compiled without debug information (``-g0``, a third less compile time than
   Python's default ``-g``), in parallel (ninja, also from the venv's bin when the venv
   is not activated; ``MAX_JOBS`` caps the jobs), with GCC from a precompiled header of
@@ -83,6 +85,65 @@ def cuda_plan(mode: str, gpu, torch_has_cuda: bool, cuda_home) -> tuple[bool, st
     if cuda_home is None:
         return False, "GPU visible but no CUDA toolkit (nvcc) found; set CUDA_HOME"
     return True, f"GPU visible ({gpu})"
+
+
+# With no GPU to ask (a login node, CI): A100 (8.0), H100/H200 (9.0), B200/GB200 (10.0), and
+# compute_100 PTX, which the driver compiles for any newer GPU (RTX 50xx, ...).
+DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
+
+
+def _visible_capabilities() -> list:
+    """The visible GPUs' compute capabilities as nvidia-smi prints them ("9.0"), [] if it cannot."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def _nvcc_archs(cuda_home) -> list:
+    """The compute capabilities nvcc compiles for ("8.0", ...), [] if it does not say."""
+    try:
+        out = subprocess.run(
+            [os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    archs = [w.removeprefix("compute_") for w in out.stdout.split() if w.startswith("compute_")]
+    return [f"{a[:-1]}.{a[-1]}" for a in archs if a.isdigit()]
+
+
+def _arch_key(arch: str) -> tuple:
+    major, minor = arch.split(".")
+    return int(major), int(minor)
+
+
+def cuda_arch_list(env_value: str, capabilities, nvcc_archs) -> tuple[str, str]:
+    """(TORCH_CUDA_ARCH_LIST for the build, why).  A build for 8.0 and 9.0 alone has no code a
+    GPU of capability 10.0 or 12.0 can run: its kernels would fail there at launch."""
+    if env_value:
+        return env_value, "TORCH_CUDA_ARCH_LIST"
+    caps = sorted(set(capabilities), key=_arch_key)
+    if not caps:
+        return DEFAULT_CUDA_ARCHS, "no GPU to ask"
+    why = "the visible GPUs"
+    newest = max(nvcc_archs, key=_arch_key) if nvcc_archs else None
+    if newest and _arch_key(caps[-1]) > _arch_key(newest):  # the driver compiles nvcc's newest PTX for it
+        caps = sorted({c for c in caps if _arch_key(c) <= _arch_key(newest)} | {newest}, key=_arch_key)
+        why += f", up to {newest} (this nvcc's newest)"
+    return ";".join(caps[:-1] + [caps[-1] + "+PTX"]), why
+
+
+def arch_token(archs: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as one preprocessor token for the build's command lines, which a
+    shell reads ("8.0;9.0;10.0+PTX" -> 80_90_100_PTX; ``ppo_fast._C.cuda_archs()`` returns it)."""
+    entries = archs.replace(";", " ").replace("+", " ").split()
+    return "_".join("".join(ch for ch in entry if ch.isalnum()) for entry in entries) or "none"
 
 
 def path_with_ninja(path: str, folders) -> str:
@@ -189,7 +250,12 @@ if sanitizers:
     link_flags += san
 
 if build_cuda:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    archs, archs_why = cuda_arch_list(
+        os.environ.get("TORCH_CUDA_ARCH_LIST", ""), _visible_capabilities(), _nvcc_archs(cuda_home)
+    )
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    why += f"; architectures {archs} ({archs_why})"
+    define_macros.append(("PPO_FAST_CUDA_ARCHS", arch_token(archs)))
     sources = cpp_sources + sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
     define_macros.append(("PPO_FAST_WITH_CUDA", None))
     extension = CUDAExtension(

@@ -20,8 +20,21 @@ PyObject* built_with_cuda(PyObject*, PyObject*) {
 #endif
 }
 
+#define PPO_FAST_STRING2(x) #x
+#define PPO_FAST_STRING(x) PPO_FAST_STRING2(x)
+
+// TORCH_CUDA_ARCH_LIST of the build as setup.py's arch_token wrote it ("80_90_100_PTX"), or "".
+PyObject* cuda_archs(PyObject*, PyObject*) {
+#ifdef PPO_FAST_CUDA_ARCHS
+  return PyUnicode_FromString(PPO_FAST_STRING(PPO_FAST_CUDA_ARCHS));
+#else
+  return PyUnicode_FromString("");
+#endif
+}
+
 PyMethodDef methods[] = {
     {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {"cuda_archs", cuda_archs, METH_NOARGS, "The CUDA architectures of this build (setup.py's arch_token), or ''."},
     {nullptr, nullptr, 0, nullptr},
 };
 

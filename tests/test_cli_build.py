@@ -46,6 +46,27 @@ def test_a_gpu_is_seen_through_nvidia_smi(setup_py, tmp_path, monkeypatch):
     assert visible() is None
 
 
+@pytest.mark.parametrize(
+    "env, visible, nvcc, archs",
+    [
+        ("7.5;8.6", ["9.0"], ["8.0", "9.0"], "7.5;8.6"),  # the user's list wins
+        ("", [], ["8.0", "9.0", "10.0", "12.0"], "8.0;9.0;10.0+PTX"),  # no GPU: A100, H100/H200, B200 + PTX
+        ("", ["9.0", "9.0"], ["9.0", "10.0"], "9.0+PTX"),
+        ("", ["12.0", "8.6"], ["8.6", "12.0", "12.1"], "8.6;12.0+PTX"),
+        ("", ["12.0"], ["8.0", "9.0", "10.0"], "10.0+PTX"),  # newer than nvcc: its newest PTX, JIT-compiled
+    ],
+)
+def test_cuda_architectures_cover_the_gpus_the_build_may_meet(setup_py, env, visible, nvcc, archs):
+    # A build for 8.0 and 9.0 alone has no code a B200 (10.0) or an RTX 50xx (12.0) can run.
+    assert setup_py["cuda_arch_list"](env, visible, nvcc)[0] == archs
+
+
+def test_the_architectures_become_one_token_for_the_compiler_command_line(setup_py):
+    token = setup_py["arch_token"]
+    assert token("8.0;9.0;10.0+PTX") == "80_90_100_PTX"  # no ';' for the shell that runs ninja's commands
+    assert token("8.0 9.0a") == "80_90a" and token("") == "none"
+
+
 def test_build_flags_drop_debug_info_and_use_a_precompiled_header(setup_py):
     assert "-g0" in setup_py["cxx_flags"] and "-O3" in setup_py["cxx_flags"]
     assert "ATen/ATen.h" in setup_py["PCH_HEADERS"] and "torch/library.h" in setup_py["PCH_HEADERS"]

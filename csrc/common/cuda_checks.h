@@ -10,9 +10,28 @@ inline void check_cuda(const char* op, const at::Tensor& first) {
   TORCH_CHECK(first.is_cuda(), op, ": expects CUDA tensors, got one on ", first.device());
 }
 
-// After a launch: a bad configuration surfaces here, not at the next sync.
+#define PPO_FAST_CHECKS_STRING2(x) #x
+#define PPO_FAST_CHECKS_STRING(x) PPO_FAST_CHECKS_STRING2(x)
+
+// After a launch: a bad configuration surfaces here, not at the next sync.  A GPU the build has
+// no code for (TORCH_CUDA_ARCH_LIST without its architecture) is named, with the way out.
 inline void check_launch(const char* op) {
   const cudaError_t err = cudaGetLastError();
+  if (err == cudaErrorNoKernelImageForDevice) {
+    int device = 0, major = 0, minor = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+#ifdef PPO_FAST_CUDA_ARCHS
+    const char* built = PPO_FAST_CHECKS_STRING(PPO_FAST_CUDA_ARCHS);
+#else
+    const char* built = "unknown";
+#endif
+    TORCH_CHECK(false, op, ": ppo_fast._C has no code for this GPU (cuda:", device, ", compute capability ", major, ".",
+                minor, "): it was built for ", built,
+                " (TORCH_CUDA_ARCH_LIST); rebuild it with TORCH_CUDA_ARCH_LIST=", major, ".", minor,
+                " pip install --no-build-isolation -e . (or on a machine that sees this GPU)");
+  }
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 

@@ -6,6 +6,7 @@ gradcheck, opcheck and torch.compile of every op are tests/test_conformance.py's
 
 import inspect
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,26 @@ def test_cuda_kernels_registered_iff_built_with_cuda():
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ppo_fast::{operator}", "CUDA"), operator
     assert ("cuda" in native.SUPPORTED["clipped_policy_loss"]) == built
     assert native.SUPPORTED["gae"] == {"cpu"}
+
+
+@pytest.mark.skipif(
+    not NATIVE.available or not NATIVE.module.built_with_cuda(), reason="the extension was built without CUDA kernels"
+)
+def test_the_build_holds_code_for_the_cuda_architectures_it_reports():
+    import ppo_fast._C as C
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # triton ships one
+    if not cuobjdump.exists():
+        pytest.skip(f"no cuobjdump at {cuobjdump}")
+    held = {}
+    for flag, kind in (("--list-elf", "sm"), ("--list-ptx", "compute")):
+        listing = subprocess.run([str(cuobjdump), flag, C.__file__], capture_output=True, text=True, check=True).stdout
+        for unit, arch in re.findall(r"file\s+\d+: (\w+)\.sm_(\w+)\.(?:cubin|ptx)", listing):
+            held.setdefault(unit, set()).add(f"{kind}_{arch}")
+    assert set(held) == {"policy_loss", "value_loss"}, held
+    for unit, archs in held.items():
+        assert archs == set(_native().cuda_archs()), (unit, archs)
 
 
 def test_functions_take_the_reference_signature():

@@ -11,11 +11,11 @@ operator computes only the gradients autograd asks for (its ``output_mask``).  T
 """
 
 from .. import collect, op_modules
-from ._common import REGISTERED, availability, built_with_cuda
+from ._common import REGISTERED, availability, built_with_cuda, cuda_archs
 
 MODULES = op_modules(__name__, __path__)
 SUPPORTED, FUNCTIONS = collect(MODULES)
 # The torch.ops.ppo_fast operators each module registers (forward and backward), for the tests.
 OPERATORS = tuple(REGISTERED)
 
-__all__ = ["SUPPORTED", "FUNCTIONS", "OPERATORS", "availability", "built_with_cuda"]
+__all__ = ["SUPPORTED", "FUNCTIONS", "OPERATORS", "availability", "built_with_cuda", "cuda_archs"]

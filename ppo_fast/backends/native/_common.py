@@ -17,6 +17,20 @@ def built_with_cuda() -> bool:
     return _C is not None and _C.built_with_cuda()
 
 
+def cuda_archs() -> list[str]:
+    """The CUDA architectures the loaded build holds code for (``["sm_80", "sm_90", "sm_100",
+    "compute_100"]``: compute_* is PTX, which the driver compiles for newer GPUs); [] without
+    CUDA kernels.  From TORCH_CUDA_ARCH_LIST as setup.py's ``arch_token`` wrote it."""
+    token = _C.cuda_archs() if built_with_cuda() else ""
+    archs: list[str] = []
+    for entry in token.split("_") if token else []:
+        if entry == "PTX" and archs:
+            archs.append("compute_" + archs[-1].removeprefix("sm_"))
+        else:
+            archs.append("sm_" + entry if entry[:1].isdigit() else entry)
+    return archs
+
+
 LOSS_DEVICES = {"cpu", "cuda"} if built_with_cuda() else {"cpu"}
 
 
@@ -26,7 +40,9 @@ def availability() -> tuple[bool, str]:
             False,
             f"ppo_fast._C could not be imported ({IMPORT_ERROR}); build it with `python setup.py build_ext --inplace`",
         )
-    kernels = "C++ CPU kernels" + (" and CUDA loss kernels" if built_with_cuda() else " (built without CUDA)")
+    kernels = "C++ CPU kernels" + (
+        f" and CUDA loss kernels ({', '.join(cuda_archs())})" if built_with_cuda() else " (built without CUDA)"
+    )
     return True, kernels
 
 
