@@ -24,6 +24,7 @@
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,14 +129,20 @@ def cuda_arch_list(env_value: str, capabilities, nvcc_archs) -> tuple[str, str]:
     GPU of capability 10.0 or 12.0 can run: its kernels would fail there at launch."""
     if env_value:
         return env_value, "TORCH_CUDA_ARCH_LIST"
-    caps = sorted(set(capabilities), key=_arch_key)
+    caps = sorted({c for c in capabilities if re.fullmatch(r"\d+\.\d", c)}, key=_arch_key)
     if not caps:
         return DEFAULT_CUDA_ARCHS, "no GPU to ask"
     why = "the visible GPUs"
-    newest = max(nvcc_archs, key=_arch_key) if nvcc_archs else None
-    if newest and _arch_key(caps[-1]) > _arch_key(newest):  # the driver compiles nvcc's newest PTX for it
-        caps = sorted({c for c in caps if _arch_key(c) <= _arch_key(newest)} | {newest}, key=_arch_key)
-        why += f", up to {newest} (this nvcc's newest)"
+    if nvcc_archs:
+        oldest, newest = min(nvcc_archs, key=_arch_key), max(nvcc_archs, key=_arch_key)
+        if _arch_key(caps[0]) < _arch_key(oldest):  # nvcc would refuse the whole build
+            caps = [c for c in caps if _arch_key(c) >= _arch_key(oldest)]
+            if not caps:
+                return DEFAULT_CUDA_ARCHS, f"the visible GPUs are older than this nvcc's oldest, {oldest}"
+            why += f", from {oldest} (this nvcc's oldest)"
+        if _arch_key(caps[-1]) > _arch_key(newest):  # the driver compiles nvcc's newest PTX for it
+            caps = sorted({c for c in caps if _arch_key(c) <= _arch_key(newest)} | {newest}, key=_arch_key)
+            why += f", up to {newest} (this nvcc's newest)"
     return ";".join(caps[:-1] + [caps[-1] + "+PTX"]), why
 
 

@@ -54,6 +54,8 @@ def test_a_gpu_is_seen_through_nvidia_smi(setup_py, tmp_path, monkeypatch):
         ("", ["9.0", "9.0"], ["9.0", "10.0"], "9.0+PTX"),
         ("", ["12.0", "8.6"], ["8.6", "12.0", "12.1"], "8.6;12.0+PTX"),
         ("", ["12.0"], ["8.0", "9.0", "10.0"], "10.0+PTX"),  # newer than nvcc: its newest PTX, JIT-compiled
+        ("", ["7.0", "9.0"], ["7.5", "9.0"], "9.0+PTX"),  # older than nvcc: left out, not a failed build
+        ("", ["7.0", "[N/A]"], ["7.5", "9.0"], "8.0;9.0;10.0+PTX"),
     ],
 )
 def test_cuda_architectures_cover_the_gpus_the_build_may_meet(setup_py, env, visible, nvcc, archs):
