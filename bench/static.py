@@ -418,6 +418,24 @@ def analyse_triton(variants: list[Variant] | None = None) -> list[KernelReport]:
     return reports
 
 
+def compile_for(capabilities, variants: list[Variant] | None = None) -> list[str]:
+    """Every variant compiled for each compute capability (100: B200/GB200), with no budget (those
+    are sm_90's): the failures, as "variant on sm_XY: error"."""
+    from triton.backends.compiler import GPUTarget
+
+    failures = []
+    for cc in capabilities:
+        target = GPUTarget("cuda", cc, WARP)
+        for variant in variants if variants is not None else triton_variants():
+            try:
+                compiled = compile_launch(capture(variant, target), target)
+                if not compiled.asm.get("cubin"):
+                    raise RuntimeError("no cubin")
+            except Exception as err:  # noqa: BLE001 (each failure is reported, the rest still compile)
+                failures.append(f"{variant.name} on sm_{cc}: {type(err).__name__}: {str(err)[:300]}")
+    return failures
+
+
 # --------------------------------------------------------------------------- CUDA
 
 
@@ -539,8 +557,21 @@ def main(argv=None) -> int:
         help="the Triton kernels' reports from this file (written by --json, e.g. by "
         "tests/backends/test_triton_compiles_for_gpu.py in the same CI run) instead of compiling them again",
     )
+    parser.add_argument(
+        "--also-for",
+        default="",
+        metavar="CC,...",
+        help="also compile every Triton variant for these compute capabilities (e.g. 100), without budgets",
+    )
     args = parser.parse_args(argv)
     names = [v.name for v in triton_variants()]
+    for cc in filter(None, args.also_for.split(",")):
+        failed = compile_for([int(cc)])
+        print(f"sm_{cc}: {len(names) - len(failed)} of {len(names)} Triton variants compiled")
+        for failure in failed:
+            print("DOES NOT COMPILE:", failure, file=sys.stderr)
+        if failed:
+            return 1
     if args.triton_report:
         reports = [r for r in read_json(args.triton_report) if r.name in names]
         if [r.name for r in reports] != names:

@@ -105,7 +105,8 @@ def _start_static_compile(config) -> tuple:
         out.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "bench", "static", "--no-cuda", "--json", str(out)]
+        # sm_90 with its budgets; sm_100 (B200) compiled too, where Triton takes other paths.
+        command = [sys.executable, "-m", "bench", "static", "--no-cuda", "--also-for", "100", "--json", str(out)]
         log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (read and closed by static_report)
         proc = subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True)
         config.stash[_STATIC] = (proc, out, log)

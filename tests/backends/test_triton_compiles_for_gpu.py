@@ -1,5 +1,5 @@
-"""Every Triton kernel variant compiles for a Hopper GPU (sm_90) with the specialisation a
-real launch gives it, its address arithmetic is 64-bit, and the static performance budgets
+"""Every Triton kernel variant compiles for a Hopper GPU (sm_90), and for a B200 (sm_100), with
+the specialisation a real launch gives it, its address arithmetic is 64-bit, and the static performance budgets
 of ``bench.static`` hold (registers, spills, 128-bit loads, SASS instructions per logit).
 
 ``bench.static`` runs the launchers on ``meta`` tensors of the target shapes and hands each
@@ -34,6 +34,13 @@ def test_every_kernel_is_compiled(reports):
 
     assert [r.name for r in reports] == [v.name for v in triton_variants()]
     assert sorted({r.kernel for r in reports}) == triton_kernels()
+
+
+def test_every_kernel_also_compiles_for_blackwell(reports, static_report):
+    from bench.static import triton_variants
+
+    n = len(triton_variants())
+    assert f"sm_100: {n} of {n} Triton variants compiled" in static_report[1], static_report[1][-4000:]
 
 
 def test_variants_compile_with_their_real_launch_specialisation(reports):
