@@ -10,6 +10,8 @@
 // dtype) and an empty tensor for the others.
 #include <Python.h>
 
+#include "common/build_info.h"
+
 namespace {
 
 PyObject* built_with_cuda(PyObject*, PyObject*) {
@@ -20,17 +22,7 @@ PyObject* built_with_cuda(PyObject*, PyObject*) {
 #endif
 }
 
-#define PPO_FAST_STRING2(x) #x
-#define PPO_FAST_STRING(x) PPO_FAST_STRING2(x)
-
-// TORCH_CUDA_ARCH_LIST of the build as setup.py's arch_token wrote it ("80_90_100_PTX"), or "".
-PyObject* cuda_archs(PyObject*, PyObject*) {
-#ifdef PPO_FAST_CUDA_ARCHS
-  return PyUnicode_FromString(PPO_FAST_STRING(PPO_FAST_CUDA_ARCHS));
-#else
-  return PyUnicode_FromString("");
-#endif
-}
+PyObject* cuda_archs(PyObject*, PyObject*) { return PyUnicode_FromString(PPO_FAST_CUDA_ARCHS_STRING); }
 
 PyMethodDef methods[] = {
     {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},

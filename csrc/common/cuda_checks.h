@@ -4,14 +4,13 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
+#include "common/build_info.h"
+
 namespace ppo_fast {
 
 inline void check_cuda(const char* op, const at::Tensor& first) {
   TORCH_CHECK(first.is_cuda(), op, ": expects CUDA tensors, got one on ", first.device());
 }
-
-#define PPO_FAST_CHECKS_STRING2(x) #x
-#define PPO_FAST_CHECKS_STRING(x) PPO_FAST_CHECKS_STRING2(x)
 
 // After a launch: a bad configuration surfaces here, not at the next sync.  A GPU the build has
 // no code for (TORCH_CUDA_ARCH_LIST without its architecture) is named, with the way out.
@@ -22,13 +21,8 @@ inline void check_launch(const char* op) {
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-#ifdef PPO_FAST_CUDA_ARCHS
-    const char* built = PPO_FAST_CHECKS_STRING(PPO_FAST_CUDA_ARCHS);
-#else
-    const char* built = "unknown";
-#endif
     TORCH_CHECK(false, op, ": ppo_fast._C has no code for this GPU (cuda:", device, ", compute capability ", major, ".",
-                minor, "): it was built for ", built,
+                minor, "): it was built for ", PPO_FAST_CUDA_ARCHS_STRING,
                 " (TORCH_CUDA_ARCH_LIST); rebuild it with TORCH_CUDA_ARCH_LIST=", major, ".", minor,
                 " pip install --no-build-isolation -e . (or on a machine that sees this GPU)");
   }

@@ -7,6 +7,7 @@ gradcheck, opcheck and torch.compile of every op are tests/test_conformance.py's
 import inspect
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,14 +50,15 @@ def test_cuda_kernels_registered_iff_built_with_cuda():
 )
 def test_the_build_holds_code_for_the_cuda_architectures_it_reports():
     import ppo_fast._C as C
-    import triton
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # triton ships one
-    if not cuobjdump.exists():
-        pytest.skip(f"no cuobjdump at {cuobjdump}")
+    from bench.static import _nvidia_tool
+
+    cuobjdump = _nvidia_tool("cuobjdump")  # triton's own, else one on PATH
+    if shutil.which(cuobjdump) is None:
+        pytest.skip("no cuobjdump: neither triton's nor one on PATH")
     held = {}
     for flag, kind in (("--list-elf", "sm"), ("--list-ptx", "compute")):
-        listing = subprocess.run([str(cuobjdump), flag, C.__file__], capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run([cuobjdump, flag, C.__file__], capture_output=True, text=True, check=True).stdout
         for unit, arch in re.findall(r"file\s+\d+: (\w+)\.sm_(\w+)\.(?:cubin|ptx)", listing):
             held.setdefault(unit, set()).add(f"{kind}_{arch}")
     assert set(held) == {"policy_loss", "value_loss"}, held
