@@ -190,6 +190,30 @@ def test_k3_is_rounded_once_and_monotone(backend, dtype):
 # --------------------------------------------------------------------------- policy losses
 
 
+# float32 log-ratios whose exp lies within 1e-5 ulp of a float32 (found by search), so every
+# backend's exp gives the same ratio, and clip bounds set exactly there (1 - r and r - 1 are exact).
+_LOW_TIE, _LOW_RATIO = -0.28789985179901123, 0.7498366832733154
+_HIGH_TIE, _HIGH_RATIO = 0.22954288125038147, 1.25802481174469
+
+
+@pytest.mark.parametrize("backend", serving("clipped_policy_loss", "cpu"))
+def test_ratio_exactly_on_a_clip_bound_is_inside_the_bounds(backend):
+    """A ratio exactly on a clip bound gets the unclipped derivative -A r on every backend: where
+    the surrogate is smooth (1 - eps with A > 0, 1 + eps with A < 0) and at its kinks alike (a
+    clamp's gradient passes on its closed range; torch 2.14's scalar clamp passes none there)."""
+    logp = torch.tensor([[_LOW_TIE, _LOW_TIE, _HIGH_TIE, _HIGH_TIE]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    old, mask = torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool)
+    eps = {"clip_eps_low": 1.0 - _LOW_RATIO, "clip_eps_high": _HIGH_RATIO - 1.0}
+    logp.requires_grad_()
+    with pf.use_backend(backend):
+        loss, stats = pf.clipped_policy_loss(logp, old, adv, mask, agg="token-mean", **eps)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = [-a * math.exp(d) / 4 for a, d in zip(adv[0].tolist(), logp[0].tolist())]
+    assert grad[0].tolist() == pytest.approx(want, rel=1e-6)
+    assert stats["clipfrac"].item() == 0.0
+
+
 @pytest.mark.parametrize("backend", serving("policy_loss_gspo", "cpu"))
 def test_gspo_ratio_bound_formed_before_rounding(backend):
     """clip_eps_low = 0.999999: the lower ratio bound 1 - eps is 1e-6 (formed in double, as the

@@ -24,3 +24,12 @@ def masked_inputs(mask: torch.Tensor, *inputs: torch.Tensor | None) -> list[torc
     """The inputs in their common compute dtype with 0 at masked positions: whatever a
     masked position holds (NaN, inf) reaches no result and no gradient."""
     return [None if x is None else torch.where(mask, x, 0.0) for x in in_common_dtype(*inputs)]
+
+
+def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
+    """``torch.clamp`` whose gradient passes on the closed range ``[low, high]``, the rule of every
+    backend (the native kernels' ``clamp_grad``); torch 2.14 passes none at a scalar bound.  A
+    ratio exactly on a clip bound is then inside the bounds: it gets the unclipped derivative,
+    where the surrogate is smooth (the lower bound with A > 0) and where it has a kink alike."""
+    clamped = torch.clamp(x, low, high)
+    return torch.where(clamped == x, x, clamped.detach())  # NaN: clamped != x, no gradient

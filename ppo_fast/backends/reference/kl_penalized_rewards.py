@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from ._common import DEVICES, in_common_dtype, masked_inputs
+from ._common import DEVICES, clamp, in_common_dtype, masked_inputs
 
 SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
 
@@ -23,8 +23,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator
     # k3 (Schulman's low-variance estimator), in float64 for every dtype and rounded once, so
     # that a float32 k3 is monotone in d.  The inner clamp only keeps exp finite for +-inf
     # inputs; the outer clamp to [-10, 10] is the estimator's definition.
-    d = (-log_ratio).double().clamp(-20.0, 20.0)
-    return k3_of(d).clamp(-10.0, 10.0).to(log_ratio.dtype)
+    d = clamp((-log_ratio).double(), -20.0, 20.0)
+    return clamp(k3_of(d), -10.0, 10.0).to(log_ratio.dtype)
 
 
 # exp(d) - d - 1 cancels where |d| is small (in float32 it is 0 at |d| = 1e-4, where the

@@ -6,7 +6,7 @@ import torch
 import torch.utils.checkpoint
 
 from ...spec import POLICY_LOSS_MODES
-from ._common import DEVICES, masked_inputs
+from ._common import DEVICES, clamp, masked_inputs
 from .aggregate import aggregate, masked_mean
 
 # Every policy-loss mode's op (vanilla is clipped_policy_loss).
@@ -18,9 +18,9 @@ def clipped_policy_loss(
 ):
     """PPO clipped surrogate (to minimise) and its stats ``(loss, clipfrac, clipfrac_lower, approx_kl)``."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
-    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    ratio = torch.exp(clamp(logp - old, -20.0, 20.0))
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    clipped = -adv * clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     pg = torch.maximum(unclipped, clipped)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
     if dual_clip is not None:
@@ -70,9 +70,9 @@ def policy_loss_gspo(
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
     seq_log_ratio = _row_mean(log_ratio, mask).detach().unsqueeze(-1)
-    ratio = torch.exp(torch.clamp(logp - logp.detach() + seq_log_ratio, max=10.0))
+    ratio = torch.exp(clamp(logp - logp.detach() + seq_log_ratio, high=10.0))
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    clipped = -adv * clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     pg = _weighted(torch.maximum(unclipped, clipped), weights)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
     return aggregate(pg, mask, agg), clipfrac.detach(), _no_stat(logp), approx_kl
@@ -87,7 +87,7 @@ def policy_loss_geo_mean(
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
     sign = torch.sign(adv)
-    clamped = torch.clamp(log_ratio, -clip_eps_low, clip_eps_high)
+    clamped = clamp(log_ratio, -clip_eps_low, clip_eps_high)
     kept = sign * torch.minimum(sign * log_ratio, sign * clamped)
     row_loss = -_row_mean(adv, mask) * torch.exp(_row_mean(kept, mask))
     if weights is not None:  # verl's geometric mean of the token weights, with its 1e-10
@@ -103,7 +103,7 @@ def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, *, tau_p
     """SAPO: ``-A * sigmoid(tau * (r - 1)) * 4 / tau`` with tau_pos where A > 0, else tau_neg."""
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
-    ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+    ratio = torch.exp(clamp(log_ratio, -20.0, 20.0))
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # in the compute dtype
     pg = _weighted(-adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau), weights)
     return aggregate(pg, mask, agg), _no_stat(logp), _no_stat(logp), approx_kl
@@ -150,7 +150,7 @@ def policy_loss_clip_cov(
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    clipped = -adv * clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     cov = (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask)).detach()
     candidates = mask & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     index = torch.nonzero(candidates)
