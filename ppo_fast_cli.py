@@ -16,6 +16,7 @@ visible and a ``--resume`` of a run that already did its ``--steps`` answer at o
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def _nothing_to_do(config, args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a reader that closes the pipe early (``ppo-fast options --markdown | head``)
+    ends it quietly with 141, as a shell reports a process that SIGPIPE stopped."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # what is still buffered fails here, inside the handler
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     config = _config_module()
     parser, train_parser = config.build_parser()
     args = parser.parse_args(argv)

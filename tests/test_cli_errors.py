@@ -100,6 +100,16 @@ def test_help_answers_without_importing_torch():
     assert "--eval-prompts-file" in said and "Ratio clip below 1 (1 - clip_eps_low)" in said
 
 
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """`ppo-fast options --markdown | head`: the reader gone before the first write is exit 141
+    and nothing on stderr, not a BrokenPipeError traceback."""
+    command = [sys.executable, str(ROOT / "ppo_fast_cli.py"), "options", "--markdown"]
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before the child has parsed its command line, so its first write fails
+    assert child.wait(timeout=60) == 141
+    assert child.stderr.read() == b""
+
+
 def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
     (tmp_path / "bad.yaml").write_text("steps: [1\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"answer": "b"}\n')
