@@ -106,6 +106,24 @@ def log_ratio(gen, shape, mode: str) -> torch.Tensor:
     return {"normal": moderate, "tiny": sign * 10 ** (u - 4), "wide": wide, "huge": 85 + 7 * u}[mode]
 
 
+# float32 log-ratios whose exp lies within 1e-5 ulp of a float32 (found by search), so every
+# backend's float32 exp gives the same ratio; the clip epsilons that put a bound exactly there
+# (1 - r and r - 1 are exact in double).
+CLIP_BOUND_TIES = {"low": (-0.28789985179901123, 0.7498366832733154), "high": (0.22954288125038147, 1.25802481174469)}
+CLIP_BOUND_TIE_EPS = {
+    "clip_eps_low": 1.0 - CLIP_BOUND_TIES["low"][1],
+    "clip_eps_high": CLIP_BOUND_TIES["high"][1] - 1.0,
+}
+
+
+def clip_bound_ties(adv: torch.Tensor) -> torch.Tensor:
+    """Log-ratios on the bound where the clipped surrogate is smooth (1 - eps where A > 0, 1 + eps
+    where A < 0), so an ulp's move of the inputs moves no gradient: a backend that halves the
+    gradient there is off by half, beyond any tolerance (the kinks: tests/test_edge_values.py)."""
+    low, high = CLIP_BOUND_TIES["low"][0], CLIP_BOUND_TIES["high"][0]
+    return torch.where(adv > 0, low, high).double()
+
+
 def normal(gen, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, dtype=F64)
 
@@ -263,13 +281,18 @@ def build_policy_loss(spec, gen, k):
     """A registered policy-loss mode (vanilla also through pf.clipped_policy_loss)."""
     mask = mask_of(gen, spec.dims, spec)
     old = rounded(-normal(gen, spec.dims).abs() * 2 - 0.05, spec)
-    logp = rounded(old + log_ratio(gen, spec.dims, k["ratio"]), spec)
+    mode, entry = POLICY_LOSS_MODES[k["loss_mode"]], {"agg": k["agg"], **dict(k["params"])}
     adv = normal(gen, spec.dims) * k["adv_scale"]
     adv = rounded({"mixed": adv, "negative": -adv.abs(), "positive": adv.abs()}[k["adv_sign"]], spec)
+    if k["ratio"] == "tie":  # every ratio exactly on a clip bound (float32 inputs): old 0, bounds set there
+        old, logp = torch.zeros(spec.dims, dtype=F64), rounded(clip_bound_ties(adv), spec)
+        names = {p.name for p in mode.params}
+        entry |= {n: v for n, v in CLIP_BOUND_TIE_EPS.items() if n in names}
+    else:
+        logp = rounded(old + log_ratio(gen, spec.dims, k["ratio"]), spec)
     values = {"logprobs": logp, "old_logprobs": old, "advantages": adv}
     if k["weighted"]:
         values["weights"] = rounded(torch.rand(spec.dims, generator=gen, dtype=F64) * 2, spec)
-    mode, entry = POLICY_LOSS_MODES[k["loss_mode"]], {"agg": k["agg"], **dict(k["params"])}
     if k["entry"] == "clipped_policy_loss":
         loss = calling(pf.clipped_policy_loss, "logprobs old_logprobs advantages mask", **entry)
     else:

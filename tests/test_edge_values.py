@@ -13,6 +13,7 @@ from functools import partial
 
 import pytest
 import torch
+from harness import CLIP_BOUND_TIES
 from torch.utils._pytree import tree_leaves
 
 import ppo_fast as pf
@@ -190,10 +191,7 @@ def test_k3_is_rounded_once_and_monotone(backend, dtype):
 # --------------------------------------------------------------------------- policy losses
 
 
-# float32 log-ratios whose exp lies within 1e-5 ulp of a float32 (found by search), so every
-# backend's exp gives the same ratio, and clip bounds set exactly there (1 - r and r - 1 are exact).
-_LOW_TIE, _LOW_RATIO = -0.28789985179901123, 0.7498366832733154
-_HIGH_TIE, _HIGH_RATIO = 0.22954288125038147, 1.25802481174469
+(_LOW_TIE, _LOW_RATIO), (_HIGH_TIE, _HIGH_RATIO) = CLIP_BOUND_TIES["low"], CLIP_BOUND_TIES["high"]
 
 
 @pytest.mark.parametrize("backend", serving("clipped_policy_loss", "cpu"))

@@ -89,7 +89,8 @@ def serving(op: str) -> list[str]:
 pick, knobs = st.sampled_from, lambda **strategies: st.fixed_dictionaries(strategies)
 TEMPERATURES = st.one_of(pick([MIN_TEMPERATURE, 1.5e-5, 1e-3]), pick([1.0, 0.7]), st.floats(MIN_TEMPERATURE, 4.0))
 RATIOS = pick(["tiny", "normal", "wide", "huge"])
-LOSS_RATIOS = pick(["tiny", "normal", "wide", "huge", "huge"])  # exp(mean log-ratio) overflows (geo_mean)
+# huge: exp(mean log-ratio) overflows (geo_mean); tie: every ratio exactly on a clip bound
+LOSS_RATIOS = pick(["tiny", "normal", "wide", "huge", "huge", "tie"])
 UNIT = st.one_of(pick([0.0, 1.0, 0.99, 0.95]), st.floats(0.0, 1.0))
 SCALES = pick([1.0, 1e3])
 # The fused head's (the LM-head ops'), over the logits' own.
