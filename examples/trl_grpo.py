@@ -1,6 +1,6 @@
 """TRL's own GRPOTrainer with its log-probs computed by ppo_fast (``ppo_fast.integrations.trl``).
 
-    pip install trl datasets   # TRL 1.16
+    pip install trl==1.16.0 datasets
     python examples/trl_grpo.py
 
 ``patch()`` replaces TRL's per-token log-prob and entropy functions (and its fused LM head) by

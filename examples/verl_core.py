@@ -1,6 +1,7 @@
 """verl's own PPO functions computed by ppo_fast (``ppo_fast.integrations.verl``).
 
-    pip install verl==0.9.1   # its PPO core (verl.trainer.ppo.core_algos)
+    pip install --no-deps verl==0.9.1   # its PPO core (verl.trainer.ppo.core_algos), as the README says
+    pip install omegaconf ray tensordict codetiming pylatexenc orjson
     python examples/verl_core.py
 
 ``patch()`` replaces verl's advantage estimators, KL penalty and policy and value losses by

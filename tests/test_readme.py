@@ -39,3 +39,31 @@ def test_readme_is_short_and_links_into_the_docs():
     assert len(readme.splitlines()) <= 300
     links = set(re.findall(r"\]\((docs/[^)#]+)", readme))
     assert links and all((ROOT / link).is_file() for link in links), links
+
+
+def test_readme_quotes_the_built_in_job_s_measured_score():
+    """The quick start's "from X to about Y" is the built-in job's measured run (seed 0, the
+    default) in bench/results, rounded to two digits."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    before, after = re.search(
+        r"score going from ([0-9.]+)\s+to about ([0-9.]+) with the default seed 0", readme
+    ).groups()
+    runs = json.loads((ROOT / "bench" / "results" / "lora-learning-cpu.json").read_text())["learning"]["runs"]["full"]
+    seed0 = next(run for run in runs if run["seed"] == 0)
+    assert float(before) == round(seed0["before"], 3) and float(after) == round(seed0["after"], 2)
+
+
+def test_the_examples_install_the_peers_as_the_readme_does():
+    """Each pinned peer an example's docstring installs (``pip install [--no-deps] name==version``)
+    is installed the same way in the README: a plain ``pip install verl==0.9.1`` would downgrade
+    transformers and pull dozens of packages."""
+    readme = (ROOT / "README.md").read_text()
+    pinned = re.compile(r"pip install ((?:--no-deps )?)[^`\n]*?\b([a-z][\w-]*==[\w.]+)")
+    in_readme = {pin: flag for flag, pin in pinned.findall(readme)}
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        for flag, pin in pinned.findall(example.read_text()):
+            assert in_readme.get(pin) == flag, (
+                f"{example.name}: pip install {flag}{pin}; the README: {in_readme.get(pin)!r}"
+            )
