@@ -62,6 +62,30 @@ def _refused(config, args) -> str | None:
     return refused or _input_problem(config, cfg)
 
 
+def _saved_problem(config, args) -> str | None:
+    """What ``eval`` / ``generate`` refuse that needs no torch: a PATH that is not there, ``--best``
+    where the run kept no ``best/``, ``generate`` without a prompt, a prompts file that cannot be
+    read, a reward function that is not there (``ppo_fast.trainer.saved`` checks the rest)."""
+    path = Path(args.path)
+    if not path.exists():
+        return f"{args.path}: no such file or directory"
+    run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
+    marks = ("config.json", "adapter_config.json", "policy")  # a policy folder, or a checkpoint's
+    if args.best and not any((path / mark).exists() for mark in marks) and not (path / run_folder.BEST_DIR).is_dir():
+        return f"{args.path}: no {run_folder.BEST_DIR}/ (the run was not made with --keep-best)"
+    if args.command == "generate" and not (args.prompt or args.prompts_file):
+        return "generate: give --prompt TEXT (one or more) or --prompts-file FILE"
+    option = "--prompts-file" if args.command == "generate" else "--eval-prompts-file"
+    prompts_file = args.prompts_file if args.command == "generate" else args.eval_prompts_file
+    if prompts_file is not None:
+        try:
+            _trainer_module("prompts", _PROMPTS_MODULE).read_prompts(prompts_file, option)
+        except config.ConfigError as err:
+            return str(err)
+    reward_fn = getattr(args, "reward_fn", None)
+    return reward_fn and _trainer_module("reward_source", _REWARD_SOURCE_MODULE).problem(reward_fn)
+
+
 def _input_problem(config, cfg) -> str | None:
     """A prompts file that cannot be read, a local model folder that cannot be loaded, a reward
     function that is not there, a GPU asked for where none can be visible."""
@@ -117,6 +141,10 @@ def _main(argv: list[str] | None) -> int:
         print(config.options_markdown() if args.markdown else train_parser.format_help())
         return 0
     if args.command in ("eval", "generate"):
+        refused = _saved_problem(config, args)
+        if refused:
+            print(f"ppo-fast: error: {refused}", file=sys.stderr)
+            return 1
         from ppo_fast.cli import run
 
         return run(args)

@@ -152,6 +152,11 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         (["train", "--reward-fn", f"{tmp_path / 'broken.py'}:f", "--output-dir", out], "SyntaxError: "),
         (["train", "--loss-mode", "dro", "--output-dir", out], "needs dro_beta"),
         (["train", "--loss-mode", "sapo", "--loss-mode-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
+        (["eval", str(tmp_path / "no_run")], "no_run: no such file or directory"),
+        (["eval", str(tmp_path), "--best"], "no best/ (the run was not made with --keep-best)"),
+        (["generate", str(no_tokenizer)], "generate: give --prompt TEXT"),
+        (["generate", str(no_tokenizer), "--prompts-file", str(tmp_path / "bad.jsonl")], "line 2: no 'prompt' field"),
+        (["eval", str(no_tokenizer), "--reward-fn", f"{rewards}:exact"], "has no function 'exact'"),
     ]
     results, _, errors = console_script([argv for argv, _ in cases])
     assert len(errors) == len(cases), errors
