@@ -79,11 +79,11 @@ def _saved_problem(config, args) -> str | None:
     prompts_file = args.prompts_file if args.command == "generate" else args.eval_prompts_file
     if prompts_file is not None:
         try:
-            _trainer_module("prompts", _PROMPTS_MODULE).read_prompts(prompts_file, option)
+            _trainer_module("prompts", _PROMPTS_MODULE).read_prompts(prompts_file, option, load=False)
         except config.ConfigError as err:
             return str(err)
-    reward_fn = getattr(args, "reward_fn", None)
-    return reward_fn and _trainer_module("reward_source", _REWARD_SOURCE_MODULE).problem(reward_fn)
+    specs = (getattr(args, "reward_fn", None) or "").split(",")
+    return _reward_problem([spec.strip() for spec in specs if spec.strip()])
 
 
 def _input_problem(config, cfg) -> str | None:
@@ -93,21 +93,28 @@ def _input_problem(config, cfg) -> str | None:
     if device:
         return device
     prompts = _trainer_module("prompts", _PROMPTS_MODULE)
+    columns = prompts.Columns(cfg.prompt_column, cfg.answer_column)
     for option in ("prompts_file", "eval_prompts_file"):
         if getattr(cfg, option) is not None:
             try:
-                prompts.read_prompts(getattr(cfg, option), config.flag(option))
+                prompts.read_prompts(getattr(cfg, option), config.flag(option), columns, load=False)
             except config.ConfigError as err:
                 return str(err)
+    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
+        return f"--chat-template {cfg.chat_template}: no such file"
     model_folder = _trainer_module("model_folder", _MODEL_FOLDER_MODULE)
     for option in ("model_name_or_path", "reward_model"):
         name = getattr(cfg, option)
         refused = name is not None and model_folder.problem(config.flag(option), name)
         if refused:
             return refused
-    if cfg.reward_fn is not None:
-        return _trainer_module("reward_source", _REWARD_SOURCE_MODULE).problem(cfg.reward_fn)
-    return None
+    return _reward_problem(cfg.reward_fns())
+
+
+def _reward_problem(specs: list[str]) -> str | None:
+    """The first ``--reward-fn`` function that is not there, or not callable as a reward function."""
+    reward_source = _trainer_module("reward_source", _REWARD_SOURCE_MODULE)
+    return next(filter(None, map(reward_source.problem, specs)), None)
 
 
 def _nothing_to_do(config, args) -> str | None:

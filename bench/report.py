@@ -100,6 +100,9 @@ def header_lines(results: dict) -> list[str]:
         f"peak memory method: {results['memory_method']}",
         "vs eager: speedup over the eager baseline of the same case and mode (python-loop for gae); "
         "vs reference: over our reference backend; * marks ppo_fast backends",
+        "MISMATCH (no time): the output differs from our reference backend by more than the tolerance (the "
+        "note says by how much; a bf16 baseline's own rounding, say), so it is not timed: a time for another "
+        "answer is no comparison, and says nothing of that implementation's speed; ERROR and OOM likewise",
     ]
     if results.get("copy_bandwidth_gbps"):
         lines.append(f"device-to-device copy bandwidth: {results['copy_bandwidth_gbps']:.0f} GB/s (read + write)")

@@ -18,7 +18,7 @@ from ppo_fast.cli import main
 from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, default_task
 from ppo_fast.trainer import config as config_module
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
-from ppo_fast.trainer.prompts import read_prompts
+from ppo_fast.trainer.prompts import Columns, read_prompts
 from ppo_fast.trainer.scoring import FunctionScorer, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_prompt_file_formats(tmp_path):
         ("--prompts-file", "p.jsonl", '{"prompt": "a"}\nnot json\n', ", line 2: not valid JSON"),
         ("--prompts-file", "p.json", '{"prompt": "a"}', ": expected a JSON list of prompts"),
         ("--prompts-file", "p.json", '[{"prompt": ""}]', ", item 0: 'prompt' must be a non-empty string"),
-        ("--prompts-file", "p.csv", "prompt\na\n", ": unknown file type .csv"),
+        ("--prompts-file", "p.tsv", "prompt\ta\n", ": unknown file type .tsv"),
         ("--prompts-file", "p.txt", "\n\n", ": holds no prompts"),
         ("--prompts-file", "absent.txt", None, ": no such file"),
         ("--eval-prompts-file", "eval.jsonl", '{"text": "a"}\n', ", line 1: no 'prompt' field"),
@@ -290,6 +290,74 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
     assert "eval/score" in rows[0] and "eval/exact_match" in rows[0] and "eval/score" not in rows[1]
     saved = checkpoint.load_state(checkpoint.latest(out)).config
     assert saved["eval_prompts_file"] == str(held_out)
+
+
+def test_trl_style_data_and_several_rewards(finished_run, tmp_path, capsys):
+    """A TRL user's dataset and rewards as they are: conversational prompts (a mapped column, or
+    ``messages`` with the reply dropped) through a chat template, TRL-signature reward functions
+    that read the rows' columns, several rewards weighted, each logged as rewards/<name>/mean, and
+    the prompts over --max-prompt-length left out and counted."""
+    rows = [
+        {"question": [{"role": "user", "content": default_task.prompt(a, 11)}], "solution": str(a + 11), "level": a % 3}
+        for a in range(10, 30)
+    ]
+    rows.append(
+        {
+            "messages": [{"role": "user", "content": "13+11="}, {"role": "assistant", "content": "24"}],
+            "solution": "24",
+            "level": 2,
+        }
+    )
+    rows.append({"question": [{"role": "user", "content": "100+100+1="}], "solution": "201", "level": 0})  # 10 tokens
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "rewards.py").write_text(
+        "def exact(prompts, completions, solution, **kwargs):\n"
+        "    assert set(kwargs) == {'level'} and all(p.endswith('=') for p in prompts)\n"
+        "    return [float(c.strip() == s) for c, s in zip(completions, solution)]\n\n\n"
+        "def level(prompts, completions, level):\n"
+        "    return [float(x) for x in level]\n\n\n"
+        "def length(prompts, responses):\n"
+        "    return [len(r) for r in responses]\n"
+    )
+    rewards = ",".join(f"{tmp_path / 'rewards.py'}:{name}" for name in ("exact", "level", "length"))
+    out = tmp_path / "trl"
+    argv = ["train", "--model-name-or-path", str(finished_run / "warmup"), "--prompts-file", str(train)]
+    argv += [
+        "--prompt-column",
+        "question",
+        "--answer-column",
+        "solution",
+        "--chat-template",
+        str(tmp_path / "template.jinja"),
+    ]
+    argv += ["--reward-fn", rewards, "--reward-weights", "1,0.5,0", "--max-prompt-length", "7"]
+    argv += ["--output-dir", str(out), *"--steps 2 --batch-size 4 --num-mini-batches 1 --num-ppo-epochs 1".split()]
+    assert main([*argv, "--sample-every", "0"]) == 0, capsys.readouterr().err
+    assert (
+        "--prompts-file: 1 of 22 prompts are longer than --max-prompt-length 7 tokens: left out"
+        in (out / "train.log").read_text()
+    )
+    for row in read_metrics(out / METRICS_FILE):
+        parts = [row[f"rewards/{name}/mean"] for name in ("exact", "level", "length")]
+        assert 0 <= parts[0] <= 1 and 0 <= parts[1] <= 2 and parts[2] > 0 and "rewards/length/std" in row
+        assert row["objective/scores"] == pytest.approx(parts[0] + 0.5 * parts[1], abs=1e-5)
+
+
+def test_prompts_from_datasets_files_map_columns(tmp_path):
+    """.parquet and a save_to_disk folder through the datasets package, with the column mapping."""
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_list([{"q": "1+2=", "a": 3, "topic": "sum"}, {"q": "2+2=", "a": 4, "topic": "sum"}])
+    data.to_parquet(str(tmp_path / "p.parquet"))
+    data.save_to_disk(str(tmp_path / "saved"))
+    columns = Columns(prompt="q", answer="a")
+    for path in (tmp_path / "p.parquet", tmp_path / "saved"):
+        prompts = read_prompts(str(path), "--prompts-file", columns)
+        assert prompts.texts == ["1+2=", "2+2="] and prompts.answers == ["3", "4"]
+        assert prompts.columns == {"topic": ["sum", "sum"]}
+    with pytest.raises(ConfigError, match="no 'prompt' field"):
+        read_prompts(str(tmp_path / "p.parquet"), "--prompts-file")
 
 
 def test_response_length_defaults(finished_run, tmp_path):

@@ -122,7 +122,10 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
     (half_bpe / "config.json").write_text("{}")
     (half_bpe / "vocab.json").write_text("{}")
     rewards = tmp_path / "rewards.py"
-    rewards.write_text("import math\n\n\ndef score(prompts, responses):\n    return [math.pi] * len(responses)\n")
+    rewards.write_text(
+        "import math\n\n\ndef score(prompts, responses):\n    return [math.pi] * len(responses)\n\n\n"
+        "def one(prompts):\n    return [1.0] * len(prompts)\n"
+    )
     (tmp_path / "broken.py").write_text("def score(:\n")
     custom = ["--prompts-file", str(tmp_path / "good.txt"), "--reward-fn", f"{rewards}:score"]
     out = str(tmp_path / "out")
@@ -146,10 +149,18 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         (["train", "--reward-model", str(no_tokenizer), "--output-dir", out], "--reward-model"),
         (
             ["train", "--reward-fn", f"{rewards}:exact", "--output-dir", out],
-            "has no function 'exact' (it defines: score)",
+            "has no function 'exact' (it defines: one, score)",
         ),
         (["train", "--reward-fn", f"{tmp_path / 'none.py'}:f", "--output-dir", out], "none.py:f: no such file"),
         (["train", "--reward-fn", f"{tmp_path / 'broken.py'}:f", "--output-dir", out], "SyntaxError: "),
+        (
+            ["train", "--reward-fn", f"{rewards}:score,{rewards}:one", "--output-dir", out],
+            f"{rewards}:8: one() takes 1 positional argument(s), 1 required; a reward function is called as",
+        ),
+        (
+            ["train", "--reward-fn", f"{rewards}:score", "--reward-weights", "1,2", "--output-dir", out],
+            "gives 2 weights for 1 rewards",
+        ),
         (["train", "--loss-mode", "dro", "--output-dir", out], "needs dro_beta"),
         (["train", "--loss-mode", "sapo", "--loss-mode-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
         (["eval", str(tmp_path / "no_run")], "no_run: no such file or directory"),

@@ -74,3 +74,15 @@ def test_the_api_reference_has_each_parameters_type_and_default():
             f"{name}: the entry {e!r} names no one parameter of the signature" for e in entries if e not in shown
         ]
     assert not problems, problems
+
+
+def test_the_trl_migration_page_names_only_options_that_exist():
+    """docs/from-trl.md maps TRL's fields to our flags: each flag it names is one ``ppo-fast train`` takes."""
+    import re
+
+    from ppo_fast.trainer import config
+
+    _, train_parser = config.build_parser()
+    known = {option for action in train_parser._actions for option in action.option_strings}
+    named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", (ROOT / "docs" / "from-trl.md").read_text()))
+    assert named and not named - known, sorted(named - known)

@@ -213,11 +213,23 @@ class TrainerConfig:
     reward_fn: str | None = _opt(
         None,
         "Reward function 'module:function' (found in the working directory too) or 'path/to/file.py:function', "
-        "called as fn(prompts, responses) or fn(prompts, responses, answers) -> one score per response.",
+        "or several separated by commas, their scores summed (--reward-weights). Called as fn(prompts, responses) "
+        "or fn(prompts, responses, answers), or, taking **kwargs or a 'completions' argument, as TRL calls one: "
+        "fn(prompts=..., completions=..., **columns) with every other column of the prompts' rows. Returns one score "
+        "per response.",
         "model",
     )
     reward_model: str | None = _opt(
-        None, "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score).", "model"
+        None,
+        "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score); with --reward-fn its "
+        "score is added to theirs.",
+        "model",
+    )
+    reward_weights: str | None = _opt(
+        None,
+        "Weights of the rewards, separated by commas: one per --reward-fn function, then one for --reward-model. "
+        "Unset: 1 each. Each reward's mean and std are logged as rewards/<name>/mean and /std.",
+        "model",
     )
     prompts_file: str | None = _opt(
         None,
@@ -230,6 +242,28 @@ class TrainerConfig:
         "Held-out prompts, same formats as --prompts-file, scored by the run's reward with greedy decoding before, "
         "during and after PPO; with an 'answer' per prompt also eval/exact_match.",
         "model",
+    )
+    prompt_column: str = _opt(
+        "prompt",
+        "The column (JSON field) of a prompts file's records that holds the prompt: text, or a conversation "
+        "(a list of {'role', 'content'} messages, put through the chat template). A record without it may hold a "
+        "'messages' conversation instead (its trailing assistant turns left out).",
+        "model",
+    )
+    answer_column: str = _opt(
+        "answer", "The column of a prompts file's records that holds the reference answer (optional).", "model"
+    )
+    chat_template: str | None = _opt(
+        None,
+        "A Jinja chat-template file for conversational prompts. Unset: the policy tokenizer's own template.",
+        "model",
+    )
+    max_prompt_length: int | None = _opt(
+        None,
+        "Leave out prompts longer than this many tokens (after the chat template); the count left out is logged. "
+        "Unset: every prompt is kept.",
+        "model",
+        bounds=">= 1",
     )
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
     padding_free: bool | None = _opt(
@@ -540,11 +574,6 @@ class TrainerConfig:
                 f"must be >= 2 for advantage_method={self.advantage_method}",
             )
         _require(
-            "reward_model",
-            not (self.reward_fn and self.reward_model),
-            "cannot be combined with --reward-fn; choose one",
-        )
-        _require(
             "overwrite",
             not (self.overwrite and self.resume),
             "cannot be combined with --resume (--resume continues the run in output_dir, --overwrite deletes it); "
@@ -558,13 +587,48 @@ class TrainerConfig:
                 "(or --reward-model) is required with --model-name-or-path",
             )
         self._validate_lora()
-        if self.reward_fn is not None:
-            module, _, function = self.reward_fn.rpartition(":")
+        for spec in self.reward_fns():
+            module, _, function = spec.rpartition(":")
             _require(
                 "reward_fn",
                 bool(module and function),
-                f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}",
+                f"must look like 'module:function' or 'path/to/file.py:function' (several: separated by commas), "
+                f"got {spec!r}",
             )
+        self._validate_reward_weights()
+
+    def reward_fns(self) -> list[str]:
+        """``--reward-fn``'s functions, in order."""
+        return [spec.strip() for spec in (self.reward_fn or "").split(",") if spec.strip()]
+
+    def rewards(self) -> list[str]:
+        """Every reward in the order ``--reward-weights`` names them: the functions, then the reward model."""
+        return self.reward_fns() + ([self.reward_model] if self.reward_model else [])
+
+    def reward_weight_values(self) -> list[float]:
+        """One weight per reward (``rewards()``): ``--reward-weights``, else 1 each."""
+        if self.reward_weights is None:
+            return [1.0] * len(self.rewards())
+        return [float(w) for w in self.reward_weights.split(",")]
+
+    def _validate_reward_weights(self) -> None:
+        if self.reward_weights is None:
+            return
+        try:
+            weights = self.reward_weight_values()
+        except ValueError:
+            weights = None
+        _require(
+            "reward_weights",
+            weights is not None and all(math.isfinite(w) for w in weights),
+            f"must be numbers separated by commas, got {self.reward_weights!r}",
+        )
+        _require(
+            "reward_weights",
+            len(weights) == len(self.rewards()),
+            f"gives {len(weights)} weights for {len(self.rewards())} rewards (each --reward-fn function, "
+            "then --reward-model)",
+        )
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""

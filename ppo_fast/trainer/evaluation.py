@@ -31,6 +31,7 @@ def held_out(trainer, model) -> dict[str, float]:
         indices = mine[i : i + CHUNK]
         part = [eval_set.texts[j] for j in indices]
         part_answers = [eval_set.answers[j] for j in indices] if eval_set.answers else []
+        part_columns = eval_set.columns_of(list(indices))
         batch = generate(
             model,
             trainer.tokenizer,
@@ -42,7 +43,7 @@ def held_out(trainer, model) -> dict[str, float]:
             synced_gpus=parallel.synced_generation,
         )
         responses = decode_responses(trainer.tokenizer, batch)
-        score_sum += trainer.scorer(part, responses, trainer.device, part_answers).double().sum().item()
+        score_sum += trainer.scorer(part, responses, trainer.device, part_answers, part_columns).double().sum().item()
         match_sum += sum(exact_match(responses, part_answers))
     if split:
         score_sum, match_sum = parallel.sums([score_sum, match_sum])

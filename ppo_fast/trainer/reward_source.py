@@ -52,9 +52,52 @@ def problem(spec: str) -> str | None:
         return None
     names, defined = _top_level_names(tree)
     if names is None or function in names:
-        return None
+        return _signature_problem(where, path, tree, function)
     hint = f" (it defines: {', '.join(sorted(defined))})" if defined else ""
     return f"{where}: {module!r} has no function {function!r}{hint}"
+
+
+# How the trainer calls a reward function (scoring.FunctionScorer): by keyword, as TRL does, when it
+# takes **kwargs or an argument of this name; else positionally, with the answers when it takes a third.
+KEYWORD_STYLE_ARGUMENT = "completions"
+SIGNATURES = "fn(prompts, responses), fn(prompts, responses, answers) or TRL's fn(prompts, completions, **kwargs)"
+
+
+def keyword_style(positional: list[str], keyword_only: list[str], var_keyword: bool) -> bool:
+    return var_keyword or KEYWORD_STYLE_ARGUMENT in positional + keyword_only
+
+
+def signature_problem(
+    positional: list[str], required: int, keyword_only_required: list[str], var_positional: bool, var_keyword: bool
+) -> str | None:
+    """Why a function of this signature cannot be called as a reward function, or None.
+    ``positional``: its positional parameters' names, the first ``required`` without a default."""
+    if keyword_style(positional, keyword_only_required, var_keyword):
+        return None  # its other arguments name columns of the prompts' rows: checked when it is called
+    if keyword_only_required:
+        return f"needs the keyword argument(s) {', '.join(keyword_only_required)}"
+    if var_positional:
+        return None if required <= 3 else f"needs {required} positional arguments"
+    count = min(len(positional), 3)
+    if count < 2 or required > count:
+        return f"takes {len(positional)} positional argument(s), {required} required"
+    return None
+
+
+def _signature_problem(where: str, path: Path, tree: ast.Module, function: str) -> str | None:
+    node = next(
+        (n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function), None
+    )
+    if node is None:  # a class, an alias, an import: its signature is seen when imported
+        return None
+    args = node.args
+    positional = [a.arg for a in args.posonlyargs + args.args]
+    required = len(positional) - len(args.defaults)
+    keyword_only_required = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
+    problem = signature_problem(positional, required, keyword_only_required, bool(args.vararg), bool(args.kwarg))
+    if problem is None:
+        return None
+    return f"{where}: {path}:{node.lineno}: {function}() {problem}; a reward function is called as {SIGNATURES}"
 
 
 def no_module(spec: str) -> str:

@@ -57,6 +57,7 @@ class Rollouts:
     loss_weights: torch.Tensor | None = None
     responses: list[str] | None = None
     scores: torch.Tensor | None = None
+    columns: dict[str, list] | None = None  # the prompts' rows' other columns, for the reward functions
 
     @property
     def mask(self) -> torch.Tensor:

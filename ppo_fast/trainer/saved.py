@@ -29,7 +29,7 @@ from .config import (
 from .distributed import SINGLE
 from .evaluation import held_out
 from .models import third_party_output
-from .prompts import Prompts, read_prompts
+from .prompts import Prompts, read_prompts, render_chats
 from .rollout import decode_responses, generate
 from .setup import resolve_device
 
@@ -109,11 +109,11 @@ def evaluate(path: str, *, best=False, eval_prompts_file=None, reward_fn=None, d
     device = resolve_device(device)
     # The run's own sources of held-out prompts and reward, as the trainer finds them.
     _, eval_set, reward = setup.datasets_and_reward(cfg, setup.Given(prompts=[]), saved.builtin)
-    _, eval_set = setup.prompt_sets(cfg, Prompts([]), eval_set, saved.builtin)
-    if not eval_set.texts:
+    if not saved.builtin and eval_set is None:
         raise ConfigError(f"{path}: the run had no held-out prompts; give --eval-prompts-file")
     scorer = setup.scorer(cfg, reward, device)
     policy, tokenizer = load(saved, device)
+    _, eval_set = setup.prompt_sets(cfg, Prompts([]), eval_set, saved.builtin, tokenizer, lambda _: None)
     context = SimpleNamespace(
         eval_set=eval_set,
         parallel=SINGLE,
@@ -126,22 +126,43 @@ def evaluate(path: str, *, best=False, eval_prompts_file=None, reward_fn=None, d
     return {"policy": str(saved.policy_dir), "prompts": len(eval_set.texts), **scores}
 
 
-def sample(path: str, prompts: list[str], *, best=False, max_new_tokens=None, temperature=0.0, device="auto"):
-    """``[(prompt, response)]``: greedy responses (``temperature`` 0) or samples at ``temperature``."""
+def sample(path: str, prompts: list[str] | Prompts, *, best=False, max_new_tokens=None, temperature=0.0, device="auto"):
+    """``[(prompt, response)]``: greedy responses (``temperature`` 0) or samples at ``temperature``;
+    conversations through the run's chat template; ``ConfigError`` for a prompt that leaves no room
+    for the response in the model's positions."""
     saved = find(path, best)
     device = resolve_device(device)
     policy, tokenizer = load(saved, device)
+    prompts = prompts if isinstance(prompts, Prompts) else Prompts(list(prompts))
+    template = Path(saved.cfg.chat_template).read_text() if saved.cfg.chat_template else None
+    prompts = render_chats(prompts, tokenizer, template, "--prompts-file").texts
+    new_tokens = response_length(saved, max_new_tokens)
+    _check_positions(policy, tokenizer, prompts, new_tokens)
     with torch.no_grad():
         batch = generate(
             policy,
             tokenizer,
             prompts,
-            max_new_tokens=response_length(saved, max_new_tokens),
+            max_new_tokens=new_tokens,
             temperature=temperature or 1.0,
             top_p=1.0,
             greedy=not temperature,
         )
     return list(zip(prompts, decode_responses(tokenizer, batch)))
+
+
+def _check_positions(policy, tokenizer, prompts: list[str], new_tokens: int) -> None:
+    """``ConfigError`` naming the first prompt whose tokens and ``new_tokens`` pass the model's positions."""
+    config = getattr(policy, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not limit:
+        return
+    for i, ids in enumerate(tokenizer(prompts)["input_ids"]):
+        if len(ids) + new_tokens > limit:
+            raise ConfigError(
+                f"generate: prompt {i} is {len(ids)} tokens, and with --max-new-tokens {new_tokens} passes the "
+                f"model's {limit} positions; shorten it or lower --max-new-tokens"
+            )
 
 
 def run(args) -> int:
@@ -156,9 +177,10 @@ def run(args) -> int:
         )
         print(json.dumps(result))
         return 0
-    prompts = list(args.prompt or [])
+    prompts = Prompts(list(args.prompt or []))
     if args.prompts_file:
-        prompts += read_prompts(args.prompts_file, "--prompts-file").texts
+        given = read_prompts(args.prompts_file, "--prompts-file")
+        prompts = Prompts(prompts.texts + given.texts, chats=prompts.chats + given.chats)
     if not prompts:
         raise ConfigError("generate: give --prompt TEXT (one or more) or --prompts-file FILE")
     for prompt, response in sample(

@@ -112,26 +112,48 @@ def _where_raised(fn, err: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno}" if frame else "unknown line"
 
 
-def _takes_answers(fn: Callable) -> bool:
-    """Whether ``fn`` accepts a third positional argument (the reference answers)."""
+def _signature(fn: Callable) -> inspect.Signature | None:
     try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return True
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: called positionally, with two arguments
+        return None
+
+
+def _where_defined(fn: Callable) -> str:
+    code = getattr(inspect.unwrap(fn), "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else _name(fn)
 
 
 class FunctionScorer:
-    """Calls ``fn(prompts, responses)`` -- or ``fn(prompts, responses, answers)`` when it takes
-    a third argument -- and checks that it returns one number per response."""
+    """Calls a reward function and checks that it returns one number per response.  A function that
+    takes ``**kwargs`` or a ``completions`` argument is called as TRL calls one,
+    ``fn(prompts=..., completions=..., **columns)`` (the answer under ``answer_column``, every other
+    column of the prompts' rows by its name; without ``**kwargs`` only the columns it names);
+    else ``fn(prompts, responses)``, or ``fn(prompts, responses, answers)`` when it takes a third."""
 
-    def __init__(self, fn: Callable[..., Sequence[float] | torch.Tensor]):
+    def __init__(self, fn: Callable[..., Sequence[float] | torch.Tensor], answer_column: str = "answer"):
         self.fn = fn
         self.name = _name(fn)
-        self.takes_answers = _takes_answers(fn)
+        self.answer_column = answer_column
+        signature = _signature(fn)
+        params = list(signature.parameters.values()) if signature is not None else []
+        kinds = inspect.Parameter
+        positional = [p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+        required = sum(p.default is p.empty for p in params if p.name in positional)
+        keyword_only = [p.name for p in params if p.kind is kinds.KEYWORD_ONLY and p.default is p.empty]
+        var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+        self.var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
+        self.keyword_style = reward_source.keyword_style(positional, keyword_only, self.var_keyword)
+        self.names = {p.name for p in params}
+        problem = signature and reward_source.signature_problem(
+            positional, required, keyword_only, var_positional, self.var_keyword
+        )
+        if problem:
+            raise ConfigError(
+                f"reward function {self.name} ({_where_defined(fn)}) {problem}; "
+                f"a reward function is called as {reward_source.SIGNATURES}"
+            )
+        self.takes_answers = not self.keyword_style and (var_positional or len(positional) >= 3)
 
     def __call__(
         self,
@@ -139,12 +161,14 @@ class FunctionScorer:
         responses: list[str],
         device: torch.device,
         answers: Sequence[str | None] | None = None,
+        columns: dict[str, list] | None = None,
     ) -> torch.Tensor:
+        answers = list(answers) if answers is not None else [None] * len(prompts)
         try:
-            if self.takes_answers:
-                raw = self.fn(
-                    list(prompts), list(responses), list(answers) if answers is not None else [None] * len(prompts)
-                )
+            if self.keyword_style:
+                raw = self.fn(prompts=list(prompts), completions=list(responses), **self._columns(answers, columns))
+            elif self.takes_answers:
+                raw = self.fn(list(prompts), list(responses), answers)
             else:
                 raw = self.fn(list(prompts), list(responses))
         except Exception as err:  # KeyboardInterrupt passes through on purpose
@@ -153,6 +177,11 @@ class FunctionScorer:
                 f"reward function {self.name}() raised {_one_line(err)} (at {_where_raised(self.fn, err)})"
             ) from err
         return self._scores(raw, len(responses)).to(device)
+
+    def _columns(self, answers: list, columns: dict[str, list] | None) -> dict[str, list]:
+        """The keyword arguments a TRL-style function gets beside prompts and completions."""
+        given = {**(columns or {}), self.answer_column: answers}
+        return given if self.var_keyword else {k: v for k, v in given.items() if k in self.names}
 
     def _scores(self, raw, count: int) -> torch.Tensor:
         """``raw`` as ``count`` float32 scores; ``RewardError`` naming what was returned instead."""
@@ -206,7 +235,9 @@ class RewardModelScorer:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str], device: torch.device, answers=None) -> torch.Tensor:
+    def __call__(
+        self, prompts: list[str], responses: list[str], device: torch.device, answers=None, columns=None
+    ) -> torch.Tensor:
         texts = [p + r for p, r in zip(prompts, responses)]
         out = []
         for i in range(0, len(texts), self.batch_size):
@@ -214,6 +245,41 @@ class RewardModelScorer:
             logits = self.model(**enc.to(self.model.device)).logits
             out.append(logits[:, 0].float())
         return torch.cat(out).to(device)
+
+
+class Rewards:
+    """The run's reward: the weighted sum of its rewards (reward functions, a reward model), each
+    reward's mean and std over the last call kept for the metrics (TRL's ``rewards/<name>/mean``)."""
+
+    def __init__(self, scorers: list, weights: list[float]):
+        self.scorers, self.weights = scorers, weights
+        names = [s.name.removeprefix("reward model ") if isinstance(s, RewardModelScorer) else s.name for s in scorers]
+        # Two rewards of one name (the same function twice, with two weights) are told apart by their place.
+        self.metric_names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+        self.name = " + ".join(s.name for s in scorers)
+        self.last: dict[str, torch.Tensor] = {}
+
+    def __call__(self, prompts, responses, device, answers=None, columns=None) -> torch.Tensor:
+        total = torch.zeros(len(responses), device=device)
+        for scorer, weight, name in zip(self.scorers, self.weights, self.metric_names):
+            scores = scorer(prompts, responses, device, answers, columns)
+            self.last[name] = scores.detach()
+            total = total + weight * scores
+        return total
+
+    @property
+    def fn(self) -> Callable | None:
+        """The reward function where it is the whole reward (one function, weight 1), else None."""
+        only = self.scorers[0] if len(self.scorers) == 1 and self.weights == [1.0] else None
+        return getattr(only, "fn", None)
+
+    def metrics(self) -> dict[str, float]:
+        """Each reward's mean and std over the responses of the last call (this rank's)."""
+        out = {}
+        for name, scores in self.last.items():
+            out[f"rewards/{name}/mean"] = scores.float().mean().item()
+            out[f"rewards/{name}/std"] = scores.float().std(correction=0).item() if scores.numel() else 0.0
+        return out
 
 
 def check_finite(name: str, values: torch.Tensor, step: int) -> None:

@@ -18,9 +18,9 @@ import ppo_fast as pf
 from . import checkpoint, default_task, lora, packing, run_folder
 from .config import ConfigError, TrainerConfig
 from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
-from .prompts import Prompts, read_prompts
+from .prompts import Columns, Prompts, read_prompts, render_chats
 from .rollout_vllm import VLLMEngine, check_installed
-from .scoring import FunctionScorer, RewardModelScorer, load_reward_fn
+from .scoring import FunctionScorer, RewardModelScorer, Rewards, load_reward_fn
 
 # The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
 TRAINER_OPS = ("token_logprobs", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
@@ -32,7 +32,7 @@ class Given:
 
     policy: object = None
     tokenizer: object = None
-    reward_fn: Callable | None = None
+    reward_fn: Callable | list[Callable] | None = None
     prompts: list[str] | None = None
     eval_prompts: list[str] | None = None
     answers: list[str | None] | None = None
@@ -148,12 +148,13 @@ def builtin_model_notice(cfg: TrainerConfig, given: Given) -> str | None:
 
 
 def datasets_and_reward(cfg: TrainerConfig, given: Given, builtin: bool) -> tuple:
-    """``(training prompts, held-out prompts, reward function)``; the prompts None where the
-    built-in task's are used, the reward function None for a reward model."""
+    """``(training prompts, held-out prompts, reward functions)``; the prompts None where the
+    built-in task's are used; no function where a reward model alone is the reward."""
+    columns = Columns(cfg.prompt_column, cfg.answer_column)
     if given.prompts is not None:
         train_set = Prompts(list(given.prompts), list(given.answers) if given.answers is not None else [])
     elif cfg.prompts_file is not None:
-        train_set = read_prompts(cfg.prompts_file, "--prompts-file")
+        train_set = read_prompts(cfg.prompts_file, "--prompts-file", columns)
     elif builtin:
         train_set = None  # the built-in task's, once its warm-up model is loaded
     else:
@@ -162,22 +163,28 @@ def datasets_and_reward(cfg: TrainerConfig, given: Given, builtin: bool) -> tupl
         answers = list(given.eval_answers) if given.eval_answers is not None else []
         eval_set = Prompts(list(given.eval_prompts), answers)
     elif cfg.eval_prompts_file is not None:
-        eval_set = read_prompts(cfg.eval_prompts_file, "--eval-prompts-file")
+        eval_set = read_prompts(cfg.eval_prompts_file, "--eval-prompts-file", columns)
     else:
         eval_set = None
-    reward_fn = given.reward_fn
-    if reward_fn is None and cfg.reward_fn is not None:
-        reward_fn = load_reward_fn(cfg.reward_fn)
-    if reward_fn is None and cfg.reward_model is None:
+    reward_fns = given.reward_fn if isinstance(given.reward_fn, (list, tuple)) else [given.reward_fn]
+    reward_fns = [fn for fn in reward_fns if fn is not None] or [load_reward_fn(spec) for spec in cfg.reward_fns()]
+    if not reward_fns and cfg.reward_model is None:
         if not builtin:
             raise ConfigError("a reward is required: --reward-fn or --reward-model (or reward_fn= from Python)")
-        reward_fn = default_task.addition_reward
-    return train_set, eval_set, reward_fn
+        reward_fns = [default_task.addition_reward]
+    return train_set, eval_set, reward_fns
 
 
-def scorer(cfg: TrainerConfig, reward_fn: Callable | None, device: torch.device):
-    """The run's reward: ``reward_fn`` (from ``datasets_and_reward``), or else the reward model."""
-    return FunctionScorer(reward_fn) if reward_fn is not None else RewardModelScorer(cfg.reward_model, device)
+def scorer(cfg: TrainerConfig, reward_fns: list[Callable], device: torch.device) -> Rewards:
+    """The run's reward: its reward functions (from ``datasets_and_reward``) and its reward model,
+    weighted by ``--reward-weights``."""
+    scorers = [FunctionScorer(fn, cfg.answer_column) for fn in reward_fns]
+    if cfg.reward_model is not None:
+        scorers.append(RewardModelScorer(cfg.reward_model, device))
+    weights = cfg.reward_weight_values() if cfg.reward_weights is not None else [1.0] * len(scorers)
+    if len(weights) != len(scorers):  # reward functions given from Python, weights from the command line
+        raise ConfigError(f"--reward-weights: gives {len(weights)} weights for {len(scorers)} rewards")
+    return Rewards(scorers, weights)
 
 
 def load_policy(cfg: TrainerConfig, given: Given, trainer) -> tuple:
@@ -201,13 +208,42 @@ def load_policy(cfg: TrainerConfig, given: Given, trainer) -> tuple:
     return policy, tokenizer
 
 
-def prompt_sets(cfg: TrainerConfig, train_set: Prompts | None, eval_set: Prompts | None, builtin: bool) -> tuple:
-    """``(training prompts, held-out prompts)``: the built-in task's where none were given."""
+def prompt_sets(
+    cfg: TrainerConfig, train_set: Prompts | None, eval_set: Prompts | None, builtin: bool, tokenizer, log
+) -> tuple:
+    """``(training prompts, held-out prompts)``: the built-in task's where none were given; each
+    conversation put through the chat template, and the prompts over ``--max-prompt-length``
+    tokens left out (an empty one refused: it would be scored from another row's tokens)."""
     if builtin:
         builtin_train, builtin_eval = default_task.prompts(cfg)
         train_set = train_set or Prompts(builtin_train)
         eval_set = Prompts(builtin_eval) if eval_set is None else eval_set
-    return train_set, eval_set or Prompts([])
+    template = Path(cfg.chat_template).read_text(encoding="utf-8") if cfg.chat_template else None
+    sets = (("--prompts-file", train_set), ("--eval-prompts-file", eval_set or Prompts([])))
+    return tuple(
+        _fitted(cfg, render_chats(p, tokenizer, template, option), tokenizer, option, log) for option, p in sets
+    )
+
+
+def _fitted(cfg: TrainerConfig, prompts: Prompts, tokenizer, option: str, log) -> Prompts:
+    """``prompts`` without those over ``--max-prompt-length`` tokens; ``ConfigError`` for an empty one."""
+    if not len(prompts):
+        return prompts
+    lengths = [len(ids) for ids in tokenizer(prompts.texts)["input_ids"]]
+    if 0 in lengths:
+        i = lengths.index(0)
+        raise ConfigError(f"{option}: prompt {i} ({prompts.texts[i]!r}) is no token at all for this tokenizer")
+    if cfg.max_prompt_length is None:
+        return prompts
+    kept = [i for i, n in enumerate(lengths) if n <= cfg.max_prompt_length]
+    if not kept:
+        raise ConfigError(f"{option}: every prompt is longer than --max-prompt-length {cfg.max_prompt_length}")
+    if len(kept) < len(prompts):
+        log(
+            f"{option}: {len(prompts) - len(kept)} of {len(prompts)} prompts are longer than --max-prompt-length "
+            f"{cfg.max_prompt_length} tokens: left out"
+        )
+    return prompts.kept(kept)
 
 
 def lr_lambda(cfg: TrainerConfig, total_updates: int) -> Callable[[int], float]:

@@ -90,7 +90,9 @@ class PPOTrainer:
             torch.set_num_threads(cfg.cpu_threads)
         torch.manual_seed(cfg.seed)
         policy, self.tokenizer = setup.load_policy(cfg, given, self)
-        self.train_set, self.eval_set = setup.prompt_sets(cfg, train_set, eval_set, self.builtin)
+        self.train_set, self.eval_set = setup.prompt_sets(
+            cfg, train_set, eval_set, self.builtin, self.tokenizer, self.log
+        )
         self.prompts, self.eval_prompts = self.train_set.texts, self.eval_set.texts
         if not self.builtin:
             self.response_length = setup.fit_response_length(self, policy)
@@ -140,7 +142,7 @@ class PPOTrainer:
             r = self._rollout(rows)
         with timer.phase("score"):
             r.responses = decode_responses(self.tokenizer, r.batch)
-            r.scores = self.scorer(r.prompts, r.responses, self.device, r.answers)
+            r.scores = self.scorer(r.prompts, r.responses, self.device, r.answers, r.columns)
             check_finite(f"reward ({self.scorer.name})", r.scores, step)
             self._warn_if_no_signal(r.scores, step)
         with timer.phase("estimate"):
@@ -187,7 +189,8 @@ class PPOTrainer:
         seconds = time.perf_counter() - start
         lr = self.scheduler.get_last_lr()[0]
         record = StepRecord(step, rows, seconds, lr, r, est, update_stats, sequence_kl, kl_coef, timer.pop_step())
-        return self.parallel.reduce_row(step_row(record, cfg.kl_in_reward, self.parallel.world_size))
+        row = step_row(record, cfg.kl_in_reward, self.parallel.world_size) | self.scorer.metrics()
+        return self.parallel.reduce_row(row)
 
     def _rollout(self, rows: int) -> Rollouts:
         """Draw this rank's prompts, sample responses, and score them with the policy, the
@@ -215,6 +218,7 @@ class PPOTrainer:
                 packed=cfg.padding_free,
             )
         r = Rollouts(prompts, answers, batch, engine_logprobs, first_order, old, ref, values)
+        r.columns = self.train_set.columns_of(drawn)
         if cfg.rollout_correction != "none":
             r.loss_weights = pf.rollout_correction_weights(
                 old,
@@ -264,7 +268,7 @@ class PPOTrainer:
                 top_p=1.0,
                 greedy=True,
             )
-        return self.scorer(r.prompts, decode_responses(self.tokenizer, batch), self.device, r.answers)
+        return self.scorer(r.prompts, decode_responses(self.tokenizer, batch), self.device, r.answers, r.columns)
 
     def _warn_if_no_signal(self, scores: torch.Tensor, step: int) -> None:
         """Warn once when a step's rewards cannot teach anything: equal within every group for
