@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from numbers import Real
 
 # The oldest torch and triton releases (major.minor) ppo_fast supports: CI runs the suite's
 # compile, opcheck and Triton cells on them and on the newest (docs/building.md); pyproject.toml
@@ -92,11 +93,17 @@ class Param:
         if value is None:
             return None
         bounds = dict(low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return real_in_range(self.name, float(value), **bounds)  # no torch: the CLI checks a config with it
-        from . import _validation as check  # torch's symbolic numbers, a wrong type
+        if isinstance(value, bool) or not (isinstance(value, Real) or is_symbolic_number(value)):
+            raise TypeError(f"{self.name} must be a real number, got {type(value).__name__}")
+        # A symbolic number (torch.compile(dynamic=True)) stays symbolic: the comparisons become guards.
+        value = value if is_symbolic_number(value) else float(value)
+        return real_in_range(self.name, value, **bounds)
 
-        return check.real(self.name, value, **bounds)
+
+def is_symbolic_number(value) -> bool:
+    """Whether ``value`` is torch's ``SymFloat``/``SymInt`` (told by its type, so that spec needs no torch)."""
+    kind = type(value)
+    return kind.__name__ in ("SymFloat", "SymInt") and kind.__module__.split(".")[0] == "torch"
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max

@@ -5,7 +5,6 @@ so under DDP too); ``update.training_loss`` adds the value loss as for the two-p
 from __future__ import annotations
 
 import ppo_fast as pf
-from ppo_fast.backends import resolved_backend_name
 
 from .rollout import _response_scores, critic_values, packs, scores_through_fused_head
 
@@ -14,7 +13,7 @@ def has_fast_backend(loss_mode: str, device_type: str) -> bool:
     """Whether a fast backend serves the mode's one-pass op there: the reference's chunked
     ``autograd.grad`` loop is the oracle, slower than the two-pass path's kernels."""
     op = pf.policy_loss_modes()[loss_mode].linear_op
-    return op is not None and resolved_backend_name(op, device_type) != "reference"
+    return op is not None and pf.backend_for(op, device_type) != "reference"
 
 
 def linear_policy_objective(policy, critic, exp, cfg, terms: dict):

@@ -154,9 +154,7 @@ def _fused_head(model, device: torch.device):
     if other:
         return None, f"{type(model).__name__} transforms its logits ({', '.join(other)})"
     try:
-        from ppo_fast.backends import resolve
-
-        resolve("linear_token_logprobs", device.type)
+        pf.backend_for("linear_token_logprobs", device)
     except pf.BackendUnavailableError as err:
         return None, str(err)
     return backbone, {

@@ -71,8 +71,6 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
     (and implements the critic-free ``advantage_method``, if given)."""
     if name == "auto":
         return
-    from ppo_fast.backends import resolve
-
     method = pf.advantage_methods().get(advantage_method)
     wanted = [(op, None, None) for op in ops]
     if method is not None and method.fn is not None:
@@ -80,7 +78,7 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
     with pf.use_backend(name):
         for op, implemented_by, label in wanted:
             try:
-                resolve(op, device.type, implemented_by, label)
+                pf.backend_for(op, device, implemented_by=implemented_by, label=label)
             except pf.BackendUnavailableError as err:
                 raise ConfigError(
                     f"--backend {name} cannot run this job on {device.type}: {err}; "
