@@ -26,7 +26,7 @@ from .models import check_pretrained, third_party_output
 from .rollout import Rollouts, decode_responses, generate, score_old_and_ref
 from .scoring import check_finite
 from .stops import DeferredInterrupt, StopNow
-from .update import Experience, first_epoch_micro_batches, ppo_update
+from .update import Experience, first_epoch_micro_batches, loss_path, ppo_update
 
 
 def _silent(_message: str) -> None:
@@ -105,6 +105,8 @@ class PPOTrainer:
         self.train_policy, self.train_critic = models.train_policy, models.train_critic
         self.optimizer, self.scheduler, self.kl_control = models.optimizer, models.scheduler, models.kl_control
         self.adapters, self.reference_scope = models.adapters, models.reference_scope
+        self.loss_path = loss_path(self.train_policy, self.critic, cfg, self.device)
+        self.log(str(self.loss_path))
         self.step = 0
         self.resumed_from = self.best = None
         self._in_update = False
@@ -174,6 +176,7 @@ class PPOTrainer:
                 autocast=self._autocast,
                 parallel=self.parallel,
                 first_order=r.first_order,
+                path=self.loss_path,
             )
         self._in_update = False
         if self.engine is not None:
