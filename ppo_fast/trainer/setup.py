@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 import ppo_fast as pf
+from ppo_fast.spec import ROLLOUT_ENGINES
 
-from . import checkpoint, default_task, lora, packing, run_folder
+from . import checkpoint, default_task, lora, packing
 from .config import ConfigError, TrainerConfig
 from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
 from .prompts import Prompts, read_prompts
-from .rollout_vllm import VLLMEngine, check_installed
 from .scoring import FunctionScorer, RewardModelScorer, load_reward_fn
 
 # The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
@@ -100,10 +100,11 @@ def check_options(cfg: TrainerConfig, device: torch.device) -> None:
         raise ConfigError("--report-to tensorboard: tensorboard is not installed (pip install tensorboard)")
     if cfg.lora_r is not None:
         lora.check_installed()
-    if cfg.rollout_engine == "vllm":
-        check_installed()
-        if cfg.vllm_sleep and device.type != "cuda":
-            raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
+    engine = ROLLOUT_ENGINES[cfg.rollout_engine]
+    if engine.requires is not None and importlib.util.find_spec(engine.requires) is None:
+        raise ConfigError(f"--rollout-engine {engine.name}: {engine.requires} is not installed ({engine.install_hint})")
+    if cfg.vllm_sleep and device.type not in engine.sleep_on:
+        raise ConfigError(f"--vllm-sleep: the {engine.name} engine sleeps on {', '.join(engine.sleep_on)} only")
 
 
 def check_writable(output_dir: Path) -> None:
@@ -270,27 +271,6 @@ def build_models(cfg: TrainerConfig, policy, parallel, device: torch.device) -> 
         adapters,
         reference_scope,
     )
-
-
-def start_engine(trainer) -> VLLMEngine:
-    """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
-    vLLM seeds torch's generator when it starts)."""
-    cfg = trainer.cfg
-    longest = max(len(ids) for ids in trainer.tokenizer(trainer.prompts).input_ids)
-    cuda_bf16 = trainer.device.type == "cuda" and cfg.bf16
-    dtype = torch.bfloat16 if cuda_bf16 else next(trainer.policy.parameters()).dtype
-    engine = VLLMEngine(
-        trainer.policy,
-        model_dir=trainer.output_dir / run_folder.VLLM_MODEL_DIR,
-        max_model_len=longest + trainer.response_length,
-        max_num_seqs=trainer.parallel.per_rank(cfg.batch_size) * cfg.group_size,
-        dtype=dtype,
-        seed=cfg.seed,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        sleep=cfg.vllm_sleep,
-    )
-    trainer.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
-    return engine
 
 
 def padding_free(cfg: TrainerConfig, policy, device: torch.device, log) -> bool:

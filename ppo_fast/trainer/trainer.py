@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, distributed, evaluation, report, setup
+from . import checkpoint, distributed, engine, evaluation, report, setup
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, GROUP_METHODS, TrainerConfig
 from .estimate import EstimateOptions, estimate
 from .metrics import MetricsWriter, PhaseTimer, StepRecord, step_row
@@ -113,14 +113,13 @@ class PPOTrainer:
         self._warned_no_signal = False
         self.last_samples = []
         self.timer = PhaseTimer()
-        self.engine = setup.start_engine(self) if cfg.rollout_engine == "vllm" else None
+        self.engine = engine.start(cfg.rollout_engine, self._engine_setup())
         # The PPO phase's random streams start from the seed, whether or not the
         # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
         checkpoint.seed_all(cfg.seed + self.parallel.rank)
         if resume_from is not None:
             self.step = self.resumed_from = checkpoint.restore(self, resume_from, setup.schedule(cfg))
-            if self.engine is not None:
-                self.engine.sync_weights(self.policy)
+            self.engine.sync_weights(self.policy)
 
     def save_checkpoint(self, rng: dict | None = None, final: bool = False) -> Path:
         """Checkpoint the run at this step; every rank calls this (see ``checkpoint.save_run``)."""
@@ -179,7 +178,7 @@ class PPOTrainer:
                 path=self.loss_path,
             )
         self._in_update = False
-        if self.engine is not None:
+        if self.engine.info.own_weights:
             with timer.phase("weight_sync"):
                 self.engine.sync_weights(self.policy)
         sequence_kl = self.parallel.mean(est.kl.sum(-1).mean())
@@ -234,22 +233,34 @@ class PPOTrainer:
         return contextlib.nullcontext()
 
     def _generate(self, prompts: list[str]):
-        """``(batch, the engine's log-probs of the response tokens, or None for hf)``."""
+        """``(batch, the engine's log-probs of the response tokens, or None where it has none)``."""
         cfg = self.cfg
-        sampling = dict(
+        return self.engine.generate(
+            self.tokenizer,
+            prompts,
             max_new_tokens=self.response_length,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             min_p=cfg.min_p,
             greedy=False,
+            device=self.device,
         )
-        if self.engine is not None:
-            return self.engine.generate(self.tokenizer, prompts, device=self.device, **sampling)
-        with self._autocast():
-            return generate(
-                self.policy, self.tokenizer, prompts, synced_gpus=self.parallel.synced_generation, **sampling
-            ), None
+
+    def _engine_setup(self) -> engine.EngineSetup:
+        return engine.EngineSetup(
+            policy=self.policy,
+            tokenizer=self.tokenizer,
+            prompts=self.prompts,
+            response_length=self.response_length,
+            rows=self.parallel.per_rank(self.cfg.batch_size) * self.cfg.group_size,
+            device=self.device,
+            cfg=self.cfg,
+            output_dir=self.output_dir,
+            autocast=self._autocast,
+            synced_gpus=self.parallel.synced_generation,
+            log=self.log,
+        )
 
     def _needs_baselines(self) -> bool:
         return "baselines" in pf.advantage_methods()[self.cfg.advantage_method].params
@@ -301,8 +312,7 @@ class PPOTrainer:
         try:
             return self._train()
         finally:
-            if self.engine is not None:  # before the process group goes: vLLM's groups are built on it
-                self.engine.close()
+            self.engine.close()  # before the process group goes: vLLM's groups are built on it
 
     def _train(self) -> dict:
         cfg = self.cfg
