@@ -29,7 +29,7 @@ from ppo_fast.trainer.models import activation_checkpointing_on
 from ppo_fast.trainer.report import plot_title, score_name
 from ppo_fast.trainer.rollout import Batch, forward, generate, response_mask_until_eos
 from ppo_fast.trainer.scoring import RewardModelScorer
-from ppo_fast.trainer.setup import lr_lambda
+from ppo_fast.trainer.startup import lr_lambda
 from ppo_fast.trainer.update import Experience, ppo_losses, ppo_update
 
 TRL_KEYS = {
