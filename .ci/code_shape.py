@@ -4,7 +4,7 @@
 * no function with more than 6 positional parameters in the tree (ppo_fast/, bench/, tools/,
   tests/: pass objects, or make the rest keyword-only), except Triton kernels, custom-op schemas
   and their fakes (their signature is the op's), pytest tests (fixtures) and the peers' signatures
-  the integrations stand in for (PEER_SIGNATURES); the trainer's loop, trainer.py, at most 400 lines;
+  the integrations stand in for (PEER_SIGNATURES); the trainer's loop, trainer.py, at most 400 lines, and every trainer module at most 800;
 * at most 10 ``# fmt: skip`` in the tree's Python (ppo_fast/, bench/, tools/, tests/);
 * no import cycle among the modules of ppo_fast/ and of bench/, counting every import (a function's
   too), and the layers kept (LAYERS): ppo_fast/spec.py imports nothing from the package, the
@@ -26,6 +26,7 @@ MAX_FUNCTION_LINES = 80
 MAX_POSITIONAL = 6
 TRAINER = Path("ppo_fast") / "trainer"
 MAX_LOOP_LINES = 400
+MAX_TRAINER_MODULE_LINES = 800  # a room that grows past this is two rooms
 MAX_FMT_SKIPS = 10  # hand layouts ruff does not touch: the Triton kernels' long signatures and launches
 PACKAGES = ("ppo_fast", "bench")
 # Drop-in replacements keep the peer's own signature (positional arguments included).
@@ -216,6 +217,12 @@ def main(root: Path) -> int:
             problems += long_argument_lists(root, f, t)
             if f.name != "spec.py":
                 problems += contract_copies(root, f, t, names)
+    for room in sorted((root / TRAINER).glob("*.py")):
+        lines = len(room.read_text().splitlines())
+        if lines > MAX_TRAINER_MODULE_LINES:
+            problems.append(
+                f"{room.relative_to(root)} has {lines} lines (> {MAX_TRAINER_MODULE_LINES}): split the room"
+            )
     loop = root / TRAINER / "trainer.py"
     lines = len(loop.read_text().splitlines())
     if lines > MAX_LOOP_LINES:

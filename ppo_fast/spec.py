@@ -57,6 +57,14 @@ def older_than(version: str, minimum: str) -> bool:
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+# What each estimates KL(pi || pi_ref) with, from d = logp - ref_logp of the sampled token (--kl-estimator's help).
+KL_ESTIMATOR_DOCS = {
+    "k1": "d (verl's kl)",
+    "k2": "d^2 / 2 (verl's mse)",
+    "k3": "exp(-d) - 1 + d, clamped to [-10, 10] (verl's low_var_kl)",
+    "abs": "|d| (verl's abs)",
+}
+assert tuple(KL_ESTIMATOR_DOCS) == KL_ESTIMATORS
 
 # How a [B, T] per-token loss is reduced over the mask (verl's ``agg_loss`` names).
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -136,6 +144,14 @@ class Param:
     doc: str = ""
     example: float | None = None  # a value for a required parameter (no default): docs, tests, benchmarks
 
+    def bounds_text(self) -> str:
+        """The values it takes as the docs write them: ``(0, 1)``, ``> 0``, ``any``."""
+        if self.low is not None and self.high is not None:
+            return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return "any" if self.high is None else f"{'<' if self.high_open else '<='} {self.high:g}"
+
     def check(self, value):
         if value is None:
             return None
@@ -145,6 +161,18 @@ class Param:
         # A symbolic number (torch.compile(dynamic=True)) stays symbolic: the comparisons become guards.
         value = value if is_symbolic_number(value) else float(value)
         return real_in_range(self.name, value, **bounds)
+
+
+def param_values(name: str) -> str:
+    """The values the policy-loss modes' parameter ``name`` takes, per mode where they differ (each mode's
+    ``Param`` is the one home of its bounds): ``(0, 1); dppo_tv, dppo_kl: > 0``."""
+    modes: dict[str, list[str]] = {}
+    for mode in POLICY_LOSS_MODES.values():
+        for p in mode.params:
+            if p.name == name:
+                modes.setdefault(p.bounds_text(), []).append(mode.name)
+    common = max(modes, key=lambda text: len(modes[text]))
+    return "; ".join([common] + [f"{', '.join(names)}: {text}" for text, names in modes.items() if text != common])
 
 
 def is_symbolic_number(value) -> bool:
@@ -481,3 +509,15 @@ ADVANTAGE_METHODS: dict[str, AdvantageMethodSpec] = {
 }
 CRITIC_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_critic)
 GROUP_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_groups)
+
+
+def engines_with(capability: str) -> tuple[str, ...]:
+    """The rollout engines with ``capability``: a truthy field of their entry, or ``truncation_order``
+    the log-prob ops' (``TRUNCATION_ORDER``)."""
+
+    def has(engine: RolloutEngine) -> bool:
+        if capability == "truncation_order":
+            return engine.truncation_order == TRUNCATION_ORDER
+        return bool(getattr(engine, capability))
+
+    return tuple(name for name, engine in ROLLOUT_ENGINES.items() if has(engine))

@@ -24,7 +24,7 @@ def test_generated_pages_are_current():
 
 
 def test_options_page_has_the_trainers_table():
-    from ppo_fast.trainer.config import options_markdown
+    from ppo_fast.trainer.command_line import options_markdown
 
     assert options_markdown().strip() in (ROOT / "docs" / "trainer-options.md").read_text()
 

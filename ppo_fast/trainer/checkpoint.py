@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from . import distributed, lora, run_folder
-from .config import CRITIC_METHODS, RENAMED, ConfigError, TrainerConfig, flag
+from .config import CRITIC_METHODS, RENAMED, WARM_UP, ConfigError, TrainerConfig, flag, resume_policy
+from .config import IGNORED as IGNORED_ON_RESUME
 from .run_folder import CHECKPOINTS, TMP_PREFIX
 
 STATE_FILE = "trainer_state.pt"
@@ -45,21 +46,10 @@ MERGED_DIR = "policy_merged"  # --lora-save-merged: the final policy with its ad
 SHARDED_DIR = "sharded"
 KEEP_LAST = 2  # the default of --keep-checkpoints
 
-# Refused on --resume in every run.
-REFUSED = {
-    "seed": "the run's random streams continue from the checkpoint",
-    "critic": "the critic's weights and optimizer state have that layout",
-    "parallel": "fsdp checkpoints are sharded, ddp ones are not",
-    "lora_r": "the checkpoint holds adapters of that shape, or the full weights",
-    "lora_alpha": "the adapters were trained at that scale",
-    "lora_target_modules": "the checkpoint holds adapters on those modules",
-}
-# Refused for the built-in task: they make another warm-up model, and so another KL reference
-# (and, for the seed and eval_size, another held-out split).
-REFUSED_BUILTIN = ("sft_steps", "sft_batch_size", "sft_learning_rate", "demo_carry_error_rate", "eval_size")
-# Not compared: where the run is, how it was started there, how long it goes on, what it prints, and
-# how its forward passes lay the tokens out (the same numbers, to rounding).
-IGNORED = ("output_dir", "resume", "overwrite", "steps", "verbose", "debug", "report_to", "padding_free")
+# What --resume does with a changed option is declared at its field (config.py's ``resume=``).
+REFUSED = {name: why.removeprefix("refused: ") for name, why in resume_policy("refused:").items()}
+REFUSED_BUILTIN = tuple(resume_policy(WARM_UP))
+IGNORED = tuple(resume_policy(IGNORED_ON_RESUME))
 
 
 def rng_state() -> dict:
