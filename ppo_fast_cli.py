@@ -2,7 +2,7 @@
 
 Importing anything inside the ``ppo_fast`` package runs ``ppo_fast/__init__.py``, which
 imports torch and loads every backend (seconds).  This top-level module reads the
-options from ``ppo_fast/trainer/config.py`` (standard library only) on its own, so
+options from ``ppo_fast/trainer/config.py`` and ``command_line.py`` (standard library only) on their own, so
 ``ppo-fast --help``, ``ppo-fast train --help``, ``ppo-fast options``, a mistyped
 flag, a bad option value and a ``train`` into an ``--output-dir`` that already holds a
 run (without ``--resume`` or ``--overwrite``; ``ppo_fast/trainer/run_folder.py``, loaded
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 _CONFIG_MODULE = "_ppo_fast_trainer_config"
+_COMMAND_LINE_MODULE = "_ppo_fast_trainer_command_line"
 _RUN_FOLDER_MODULE = "_ppo_fast_trainer_run_folder"
 _PROMPTS_MODULE = "_ppo_fast_trainer_prompts"
 _MODEL_FOLDER_MODULE = "_ppo_fast_trainer_model_folder"
@@ -48,11 +49,17 @@ def _config_module():
     return _trainer_module("config", _CONFIG_MODULE)
 
 
+def _command_line():
+    """``ppo_fast.trainer.command_line`` (argparse over the config's fields), loaded alone after the config."""
+    _config_module()
+    return _trainer_module("command_line", _COMMAND_LINE_MODULE)
+
+
 def _refused(config, args) -> str | None:
     """Why ``train`` cannot start (a bad option value or config file, an --output-dir that
     holds a run), found without torch; ``ppo_fast.cli.run`` checks the same again."""
     try:
-        cfg = config.config_from_args(args)
+        cfg = _command_line().config_from_args(args)
     except config.ConfigError as err:
         return str(err)
     run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
@@ -89,7 +96,7 @@ def _saved_problem(config, args) -> str | None:
 def _input_problem(config, cfg) -> str | None:
     """A prompts file that cannot be read, a local model folder that cannot be loaded, a reward
     function that is not there, a GPU asked for where none can be visible."""
-    device = config.device_problem(cfg.device)
+    device = _command_line().device_problem(cfg.device)
     if device:
         return device
     prompts = _trainer_module("prompts", _PROMPTS_MODULE)
@@ -119,7 +126,7 @@ def _reward_problem(specs: list[str]) -> str | None:
 
 def _nothing_to_do(config, args) -> str | None:
     """``--resume`` of a run that finished its ``--steps``: what the trainer would say, without torch."""
-    cfg = config.config_from_args(args)
+    cfg = _command_line().config_from_args(args)
     run_folder = _trainer_module("run_folder", _RUN_FOLDER_MODULE)
     done = run_folder.finished_steps(cfg.output_dir) if cfg.resume else None
     if done is None or done < cfg.steps or run_folder.elastic_restart(cfg.output_dir):
@@ -142,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     config = _config_module()
-    parser, train_parser = config.build_parser()
+    parser, train_parser = _command_line().build_parser()
     args = parser.parse_args(argv)
     if args.command == "options":
-        print(config.options_markdown() if args.markdown else train_parser.format_help())
+        print(_command_line().options_markdown() if args.markdown else train_parser.format_help())
         return 0
     if args.command in ("eval", "generate"):
         refused = _saved_problem(config, args)

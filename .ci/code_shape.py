@@ -4,9 +4,12 @@
 * no function with more than 6 positional parameters in the tree (ppo_fast/, bench/, tools/,
   tests/: pass objects, or make the rest keyword-only), except Triton kernels, custom-op schemas
   and their fakes (their signature is the op's), pytest tests (fixtures) and the peers' signatures
-  the integrations stand in for (PEER_SIGNATURES); the trainer's loop, trainer.py, at most 400 lines;
+  the integrations stand in for (PEER_SIGNATURES); the trainer's loop, trainer.py, at most 400 lines, and every trainer module at most 800;
 * at most 10 ``# fmt: skip`` in the tree's Python (ppo_fast/, bench/, tools/, tests/);
-* no import cycle among the modules of ppo_fast/ and of bench/ (module-level imports);
+* no import cycle among the modules of ppo_fast/ and of bench/, counting every import (a function's
+  too), and the layers kept (LAYERS): ppo_fast/spec.py imports nothing from the package, the
+  reference backend nothing of the fast backends or their shared loop, the trainer never the
+  backend registry;
 * the contract's names (the agg modes, KL estimators, rollout-correction and policy-loss
   mode names) spelled out as a tuple of strings only in ppo_fast/spec.py.
 
@@ -23,6 +26,7 @@ MAX_FUNCTION_LINES = 80
 MAX_POSITIONAL = 6
 TRAINER = Path("ppo_fast") / "trainer"
 MAX_LOOP_LINES = 400
+MAX_TRAINER_MODULE_LINES = 800  # a room that grows past this is two rooms
 MAX_FMT_SKIPS = 10  # hand layouts ruff does not touch: the Triton kernels' long signatures and launches
 PACKAGES = ("ppo_fast", "bench")
 # Drop-in replacements keep the peer's own signature (positional arguments included).
@@ -91,26 +95,56 @@ def long_argument_lists(root: Path, path: Path, tree: ast.AST) -> list[str]:
     return found
 
 
+def _import_targets(package: str, node: ast.AST) -> list[str]:
+    """The module names one ``import`` or ``from ... import`` statement may load."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
 def imports_of(name: str, is_package: bool, tree: ast.AST, known: set[str]) -> set[str]:
-    """The known modules that module ``name`` imports at module level."""
+    """The known modules that module ``name`` imports anywhere: at module level, under ``try``/``if``
+    and inside functions (a deferred import is still an arrow between the layers)."""
     package = name if is_package else name.rpartition(".")[0]
     out = set()
-    for node in tree.body:
-        targets = []
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Try):
-            for sub in node.body:
-                if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                    targets += list(imports_of(name, is_package, ast.Module(body=[sub], type_ignores=[]), known))
-        out |= {t for t in targets if t in known and t != name}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {t for t in _import_targets(package, node) if t in known and t != name}
     return out
+
+
+# Layering: (modules, the modules they may not import, why).  A rule names a module or a package
+# (then every module under it).
+LAYERS = (
+    ("ppo_fast.spec", ("ppo_fast",), "the contract is the bottom layer: torch-free and package-free"),
+    (
+        "ppo_fast.backends.reference",
+        ("ppo_fast.backends.triton", "ppo_fast.backends.native", "ppo_fast.backends._one_pass"),
+        "the reference is the oracle of the fast backends: it shares nothing with them",
+    ),
+    ("ppo_fast.trainer", ("ppo_fast.backends",), "the trainer uses the public API (pf.backend_for), not the registry"),
+)
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layering(graph: dict[str, set[str]], rules=LAYERS) -> list[str]:
+    """Each import that breaks a rule of ``rules``."""
+    found = []
+    for module in sorted(graph):
+        for lower, banned, why in rules:
+            if not _under(module, lower):
+                continue
+            for target in sorted(graph[module]):
+                if any(_under(target, b) for b in banned) and not _under(target, lower):
+                    found.append(f"layering: {module} imports {target} ({why})")
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -129,6 +163,22 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in state:
             visit(node, [node])
     return found
+
+
+def import_graph(root: Path, trees: dict[Path, ast.AST]) -> dict[str, set[str]]:
+    """Each module of ``trees`` (files under ``root``) with the modules among them it imports."""
+    known = {module_name(root, f) for f in trees}
+    return {
+        module_name(root, f): imports_of(module_name(root, f), f.name == "__init__.py", t, known)
+        for f, t in trees.items()
+    }
+
+
+def import_problems(graph: dict[str, set[str]]) -> list[str]:
+    """The import cycles and the layering rules broken in ``graph``."""
+    # A package importing its own submodules is not a cycle with them (they import their siblings).
+    found = cycles({m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()})
+    return ["import cycle: " + " -> ".join(cycle) for cycle in found] + layering(graph)
 
 
 def contract_copies(root: Path, path: Path, tree: ast.AST, names: set[str]) -> list[str]:
@@ -161,19 +211,18 @@ def main(root: Path) -> int:
     for package in PACKAGES:
         files = sorted((root / package).rglob("*.py"))
         trees = {f: ast.parse(f.read_text(), str(f)) for f in files}
-        known = {module_name(root, f) for f in files}
-        graph = {
-            module_name(root, f): imports_of(module_name(root, f), f.name == "__init__.py", t, known)
-            for f, t in trees.items()
-        }
-        # A package importing its own submodules is not a cycle with them (they import their siblings).
-        for cycle in cycles({m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}):
-            problems.append("import cycle: " + " -> ".join(cycle))
+        problems += import_problems(import_graph(root, trees))
         for f, t in trees.items():
             problems += long_functions(root, f, t)
             problems += long_argument_lists(root, f, t)
             if f.name != "spec.py":
                 problems += contract_copies(root, f, t, names)
+    for room in sorted((root / TRAINER).glob("*.py")):
+        lines = len(room.read_text().splitlines())
+        if lines > MAX_TRAINER_MODULE_LINES:
+            problems.append(
+                f"{room.relative_to(root)} has {lines} lines (> {MAX_TRAINER_MODULE_LINES}): split the room"
+            )
     loop = root / TRAINER / "trainer.py"
     lines = len(loop.read_text().splitlines())
     if lines > MAX_LOOP_LINES:

@@ -10,7 +10,8 @@ Drop-in ops (all inputs ``[B, T]`` with a 1/True response mask unless said other
     loss, stats = pf.clipped_policy_loss(logp, old_logp, pf.masked_whiten(adv, mask), mask)
 
 Each op runs on the backend chosen by ``pf.use_backend`` / ``$PPO_FAST_BACKEND``
-(``reference``, ``triton``, ``native`` or ``auto``); see ``pf.available_backends()``.
+(``reference``, ``triton``, ``native`` or ``auto``); see ``pf.available_backends()``, and
+``pf.backend_for(op, device)`` for the one an op would run on.
 """
 
 import torch
@@ -24,7 +25,7 @@ if older_than(torch.__version__, MIN_TORCH):  # its custom ops, compiler and ker
     )
 
 from . import ops  # noqa: E402
-from .backends import BackendUnavailableError, available_backends, current_backend, load_all, use_backend
+from .backends import BackendUnavailableError, available_backends, backend_for, current_backend, load_all, use_backend
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import *  # noqa: F403  (ppo_fast.ops.__all__: every op module's public functions)
 
@@ -37,6 +38,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "available_backends",
+    "backend_for",
     "current_backend",
     "use_backend",
     "BackendUnavailableError",

@@ -21,7 +21,7 @@ _DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .trainer.config import build_parser, options_markdown
+    from .trainer.command_line import build_parser, options_markdown
 
     parser, train_parser = build_parser()
     args = parser.parse_args(argv)
@@ -38,7 +38,8 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``train``, ``eval`` or ``generate`` command; returns the exit status."""
-    from .trainer.config import ConfigError, config_from_args
+    from .trainer.command_line import config_from_args
+    from .trainer.config import ConfigError
 
     if args.command in ("eval", "generate"):
         from .trainer import saved

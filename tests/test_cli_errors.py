@@ -17,7 +17,7 @@ import torch
 
 import ppo_fast_cli
 from ppo_fast.cli import main
-from ppo_fast.trainer import config as config_module
+from ppo_fast.trainer import command_line
 from ppo_fast.trainer.scoring import FunctionScorer, RewardError, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_a_bad_command_line_is_one_line_with_a_hint(argv, expected, error_line):
     "text, value", [("-1e-4", -1e-4), ("-1E+2", -100.0), ("-0.5", -0.5), ("-.5", -0.5), ("-2", -2.0)]
 )
 def test_negative_numbers_are_values(text, value):
-    parser, _ = config_module.build_parser()
+    parser, _ = command_line.build_parser()
     args = parser.parse_args(["train", "--learning-rate", text, "--kl-coef", text, "--seed", "-3"])
     assert args.learning_rate == value and args.kl_coef == value and args.seed == -3
 
@@ -159,7 +159,7 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         ),
         (
             ["train", "--reward-fn", f"{rewards}:score", "--reward-weights", "1,2", "--output-dir", out],
-            "gives 2 weights for 1 rewards",
+            "must be 1 finite number(s) separated by commas",
         ),
         (["train", "--loss-mode", "dro", "--output-dir", out], "needs dro_beta"),
         (["train", "--loss-mode", "sapo", "--loss-mode-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),

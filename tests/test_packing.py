@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, rollout, setup, update
+from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, rollout, startup, update
 from ppo_fast.trainer.models import build_critic
 from ppo_fast.trainer.rollout import Batch, forward, score_old_and_ref
 
@@ -123,13 +123,13 @@ def test_a_model_whose_attention_crosses_packed_sequences_is_refused_or_left_pad
     tokenizer = default_task.build_tokenizer()
     model = default_task.build_model(tokenizer, 0)
     device, said = torch.device("cpu"), []
-    assert setup.padding_free(TrainerConfig(), model, device, said.append) and not said
+    assert startup.padding_free(TrainerConfig(), model, device, said.append) and not said
     crossing = _Crossing(model)
     with pytest.raises(ConfigError, match=r"--padding-free: _Crossing's attention crosses .*; pass --no-padding-free"):
-        setup.padding_free(TrainerConfig(padding_free=True), crossing, device, said.append)
-    assert not setup.padding_free(TrainerConfig(), crossing, device, said.append)
+        startup.padding_free(TrainerConfig(padding_free=True), crossing, device, said.append)
+    assert not startup.padding_free(TrainerConfig(), crossing, device, said.append)
     assert said == [said[0]] and said[0].startswith("padding-free off: _Crossing's attention crosses")
-    assert not setup.padding_free(TrainerConfig(padding_free=False), crossing, device, said.append)
+    assert not startup.padding_free(TrainerConfig(padding_free=False), crossing, device, said.append)
 
 
 # ---------------------------------------------------------------------- micro-batches by a token budget

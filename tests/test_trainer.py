@@ -22,14 +22,15 @@ from ppo_fast.trainer import (
     checkpoint,
     default_task,
 )
-from ppo_fast.trainer.config import build_parser, config_from_args, read_config_file
+from ppo_fast.trainer.command_line import build_parser, config_from_args
+from ppo_fast.trainer.config import read_config_file
 from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.metrics import ACCURACY, METRICS_FILE, read_metrics
 from ppo_fast.trainer.models import activation_checkpointing_on
 from ppo_fast.trainer.report import plot_title, score_name
 from ppo_fast.trainer.rollout import Batch, forward, generate, response_mask_until_eos
 from ppo_fast.trainer.scoring import RewardModelScorer
-from ppo_fast.trainer.setup import lr_lambda
+from ppo_fast.trainer.startup import lr_lambda
 from ppo_fast.trainer.update import Experience, ppo_losses, ppo_update
 
 TRL_KEYS = {
@@ -322,7 +323,7 @@ GROUP, PARAMS = dict(advantage_method="grpo", group_size=2), r"advantage_params 
         (dict(agg="mean"), "invalid config: agg "),
         (dict(advantage_method="grpo"), r"group_size \(--group-size\) must be >= 2 for advantage_method=grpo"),
         # one option for the advantage method's own parameters, one for the loss mode's
-        (dict(GROUP, advantage_params="norm_by_std=false"), PARAMS + "takes no norm_by_std: give --grpo-norm-by-std"),
+        (dict(GROUP, advantage_params="norm_by_std=false"), PARAMS + "takes no norm_by_std: give --norm-by-std"),
         (
             dict(GROUP, advantage_method="rloo", advantage_params="zero_singletons=maybe"),
             PARAMS + "zero_singletons must be true or false",

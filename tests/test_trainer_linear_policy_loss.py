@@ -1,6 +1,7 @@
 """The update through pf.linear_policy_loss (the policy scored through the fused LM head): the same
 total loss, stats and gradients of every policy and critic parameter as the two-pass path
-(linear_token_logprobs, then policy_loss, the KL loss term and the entropy bonus)."""
+(linear_token_logprobs, then policy_loss, the KL loss term and the entropy bonus); and the run's one
+decision between them (update.loss_path)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 
 import ppo_fast as pf
-from ppo_fast.trainer import PPOTrainer
+from ppo_fast.trainer import PPOTrainer, TrainerConfig
 from ppo_fast.trainer import update as update_module
-from ppo_fast.trainer.linear_policy_loss import has_fast_backend
+from ppo_fast.trainer.models import Critic
 from ppo_fast.trainer.rollout import forward, generate, scores_through_fused_head
-from ppo_fast.trainer.update import Experience, ppo_losses
+from ppo_fast.trainer.update import Experience, LossPath, loss_path, ppo_losses
+
+TWO_PASS = LossPath(fused=False, why="the test's two-pass path")
 
 
 def trainer_and_experience(tiny_config, **overrides):
@@ -35,9 +38,9 @@ def trainer_and_experience(tiny_config, **overrides):
     return trainer, cfg, exp
 
 
-def loss_stats_grads(trainer, cfg, exp):
+def loss_stats_grads(trainer, cfg, exp, path):
     params = [p for m in (trainer.policy, trainer.critic) if m is not None for p in m.parameters() if p.requires_grad]
-    loss, stats, _ = ppo_losses(trainer.policy, trainer.critic, exp, cfg, need_logprobs=False)
+    loss, stats, _ = ppo_losses(trainer.policy, trainer.critic, exp, cfg, need_logprobs=False, path=path)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return loss.detach(), stats, grads
 
@@ -55,14 +58,17 @@ def loss_stats_grads(trainer, cfg, exp):
 def test_fused_update_equals_the_two_pass_path(tiny_config, monkeypatch, overrides):
     trainer, cfg, exp = trainer_and_experience(tiny_config, **overrides)
     assert scores_through_fused_head(trainer.policy, exp.old_logprobs.device)
-    assert has_fast_backend(cfg.loss_mode, "cpu"), "the native CPU backend serves every one-pass mode"
+    path = loss_path(trainer.policy, trainer.critic, cfg, exp.old_logprobs.device)
+    assert path.fused, f"the native CPU backend serves every one-pass mode: {path}"
+    assert trainer.loss_path == path
     calls = []
-    real = update_module.linear_policy_objective
-    monkeypatch.setattr(update_module, "linear_policy_objective", lambda *a: calls.append(1) or real(*a))
-    fused_loss, fused_stats, fused_grads = loss_stats_grads(trainer, cfg, exp)
-    assert calls, "the update did not go through linear_policy_objective"
-    monkeypatch.setattr(update_module, "linear_policy_objective", lambda *a: None)  # the two-pass path
-    loss, stats, grads = loss_stats_grads(trainer, cfg, exp)
+    real = update_module.fused_objective
+    monkeypatch.setattr(update_module, "fused_objective", lambda *a: calls.append(1) or real(*a))
+    fused_loss, fused_stats, fused_grads = loss_stats_grads(trainer, cfg, exp, path)
+    assert calls, "the update did not go through fused_objective"
+    calls.clear()
+    loss, stats, grads = loss_stats_grads(trainer, cfg, exp, TWO_PASS)
+    assert not calls
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
     assert list(fused_stats) == list(stats)
     for name in stats:
@@ -73,8 +79,23 @@ def test_fused_update_equals_the_two_pass_path(tiny_config, monkeypatch, overrid
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_modes_without_a_fast_one_pass_op_keep_the_two_pass_path():
-    modes = pf.policy_loss_modes()
-    for name, mode in modes.items():  # the native CPU backend serves every one-pass mode
-        assert has_fast_backend(name, "cpu") == mode.fused_head, name
-    assert not has_fast_backend("clip_cov", "cpu")  # a selection across the batch
+def _tiny_causal_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=16))
+
+
+def test_the_loss_path_is_decided_from_what_the_run_fixes():
+    """One LossPath per run, with its reason: the mode's one-pass op, the sampler's truncation, a shared
+    critic, the backend and the head each keep the two-pass path."""
+    policy, cpu = _tiny_causal_lm(), torch.device("cpu")
+    for name, mode in pf.policy_loss_modes().items():  # the native CPU backend serves every one-pass mode
+        assert loss_path(policy, None, TrainerConfig(loss_mode=name), cpu).fused == mode.fused_head, name
+    assert "no one-pass form" in loss_path(policy, None, TrainerConfig(loss_mode="clip_cov"), cpu).why
+    assert "truncates" in loss_path(policy, None, TrainerConfig(top_p=0.9), cpu).why
+    assert loss_path(policy, None, TrainerConfig(top_p=0.9, logprobs_support="full"), cpu).fused
+    shared = Critic(8, None)
+    assert "shared critic" in loss_path(policy, shared, TrainerConfig(advantage_method="gae"), cpu).why
+    assert "no fast backend" in loss_path(policy, None, TrainerConfig(backend="reference"), cpu).why
+    policy.config.logits_scaling = 2.0
+    assert "transforms its logits" in loss_path(policy, None, TrainerConfig(), cpu).why

@@ -5,7 +5,7 @@ policy-loss modes), spliced between their markers.
     python tools/docs_pages.py          # (re)writes docs/trainer-options.md, docs/performance.md, docs/ops.md's tables
     python tools/docs_pages.py --check  # exit 1 if one is not what the code and bench/results/ give
 
-The options table comes from ``ppo_fast.trainer.config.options_markdown()`` (what
+The options table comes from ``ppo_fast.trainer.command_line.options_markdown()`` (what
 ``ppo-fast options --markdown`` prints); the performance page from the result files in
 ``bench/results/``, each section labelled with the machine, load and date its file records.
 """
@@ -27,7 +27,7 @@ PLOT_SOURCES = ("cpu.json", "linear-token-logprobs-cpu.json")
 
 
 def options_page() -> str:
-    from ppo_fast.trainer.config import options_markdown
+    from ppo_fast.trainer.command_line import options_markdown
 
     return "\n".join(
         [

@@ -213,3 +213,18 @@ def resolved_backend_name(op: str, device_type: str) -> str:
     return next(
         n for n in BACKENDS if backend_info(n).module is not None and backend_info(n).module.FUNCTIONS.get(op) is fn
     )
+
+
+def backend_for(op: str, device, *, implemented_by: tuple[str, ...] | None = None, label: str | None = None) -> str:
+    """The name of the backend that runs ``op`` on ``device`` (a ``torch.device``, ``"cuda:1"`` or a
+    device type) under the current choice (``use_backend`` > ``$PPO_FAST_BACKEND`` > ``auto``):
+    the public question the trainer and integrations ask instead of the registry.  An explicit
+    backend that cannot serve it raises :class:`BackendUnavailableError` saying why;
+    ``implemented_by``/``label``: a registered variant's backends and name (see ``resolve``)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of ppo_fast's ops {tuple(OPS)}, got {op!r}")
+    device_type = getattr(device, "type", None) or str(device).partition(":")[0]
+    fn = resolve(op, device_type, implemented_by, label)
+    return next(
+        n for n in BACKENDS if backend_info(n).module is not None and backend_info(n).module.FUNCTIONS.get(op) is fn
+    )

@@ -1,6 +1,6 @@
-"""The one-pass policy loss's shared machinery (``pf.linear_policy_loss``): its argument bundles,
-one chunk's terms, and the fast backends' loop over chunks of whole sequences on their own
-log-softmax rows, with its custom op.  Each backend's ``linear_policy_loss_<mode>`` takes
+"""The fast backends' one-pass policy loss (``pf.linear_policy_loss``): their loop over chunks of whole
+sequences on their own log-softmax rows, with its custom op (the argument bundles and one chunk's
+terms are the reference's, ``backends/reference/_loss_terms.py``).  Each backend's ``linear_policy_loss_<mode>`` takes
 ``(hidden, weight, labels, per_token, *, bias, head, terms, params, agg)``."""
 
 from __future__ import annotations
@@ -13,85 +13,8 @@ import torch
 
 from .._dtypes import result_dtype
 from ..spec import POLICY_LOSS_MODES
-from .reference import policy_loss as _losses
 from .reference._common import CHUNK_ELEMENTS, in_common_dtype
-from .reference.aggregate import aggregate, masked_mean
-from .reference.kl_penalized_rewards import kl_estimate
-
-
-class Head(NamedTuple):
-    """How the LM head's logits become log-probs (``pf.linear_token_logprobs``'s options)."""
-
-    temperature: float
-    logit_scale: float
-    logit_softcap: float | None
-    ignore_index: int
-
-
-class Terms(NamedTuple):
-    """The loss's terms besides the policy loss: the KL loss term and the entropy bonus."""
-
-    kl_coef: float
-    kl_estimator: str
-    entropy_coef: float
-
-
-class PerToken(NamedTuple):
-    """The ``[B, T]`` inputs of the policy loss (``weights`` and ``ref`` may be None)."""
-
-    old: torch.Tensor
-    adv: torch.Tensor
-    mask: torch.Tensor
-    weights: torch.Tensor | None
-    ref: torch.Tensor | None
-
-    def rows(self, rs: slice) -> PerToken:
-        return PerToken(*(None if x is None else x[rs] for x in self))
-
-
-class Objective(NamedTuple):
-    """The policy-loss mode, its parameters (bound, in order) and the aggregation."""
-
-    mode: object  # spec.PolicyLossMode
-    params: tuple
-    agg: str
-
-
-def loss_scales(mask: torch.Tensor, agg: str):
-    """``(per_row, per_token)``: what one chunk's ``agg`` loss and masked means are multiplied by
-    so that the chunks' sum is the batch's: the chunk's share of the batch's normaliser (valid
-    tokens for ``token-mean`` and the masked means, responses with a token for ``seq-mean-*``,
-    1 for ``token-sum``), known from the mask before the pass.  Functions of the chunk's mask,
-    in float64 (each term casts it to its own dtype)."""
-    total_tokens = mask.sum(dtype=torch.float64).clamp_min(1)
-    total_rows = mask.any(-1).sum(dtype=torch.float64).clamp_min(1)
-
-    def per_row(chunk_mask):
-        if agg == "token-sum":
-            return torch.ones((), dtype=torch.float64, device=mask.device)
-        if agg == "token-mean":
-            return chunk_mask.sum(dtype=torch.float64) / total_tokens
-        return chunk_mask.any(-1).sum(dtype=torch.float64) / total_rows
-
-    return per_row, lambda chunk_mask: chunk_mask.sum(dtype=torch.float64) / total_tokens
-
-
-def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, scales) -> tuple:
-    """One chunk's share of ``(loss, pg_loss, entropy mean, kl_loss, *mode stats)``."""
-    mode_fn = getattr(_losses, objective.mode.op)
-    row_scale, token_scale = scales[0](x.mask), scales[1](x.mask)
-    named = objective.mode.named(objective.params)
-    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, x.weights, agg=objective.agg, **named)
-    pg = pg * row_scale.to(pg.dtype)
-    entropy_mean = masked_mean(entropy, x.mask) * token_scale.to(entropy.dtype)
-    loss = pg - terms.entropy_coef * entropy_mean
-    if x.ref is not None:
-        kl = aggregate(kl_estimate(logp, x.ref, terms.kl_estimator), x.mask, objective.agg) * row_scale.to(pg.dtype)
-        loss = loss + terms.kl_coef * kl
-    else:
-        kl = torch.zeros((), dtype=pg.dtype, device=pg.device)
-    return loss, pg.detach(), entropy_mean.detach(), kl.detach(), *(s * token_scale.to(s.dtype) for s in stats)
-
+from .reference._loss_terms import Head, Objective, PerToken, Terms, chunk_terms, loss_scales
 
 # --------------------------------------------------------------------------- the fast backends' loop
 

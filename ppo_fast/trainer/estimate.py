@@ -35,7 +35,7 @@ class EstimateOptions:
     lam: float
     whiten: bool
     group_size: int
-    grpo_norm_by_std: bool = True
+    norm_by_std: bool = True
     params: dict = field(default_factory=dict)  # the method's other parameters (--advantage-params)
 
     @classmethod
@@ -50,7 +50,7 @@ class EstimateOptions:
             lam=cfg.lam,
             whiten=cfg.whiten_advantages,
             group_size=cfg.group_size,
-            grpo_norm_by_std=cfg.grpo_norm_by_std,
+            norm_by_std=cfg.norm_by_std,
             params=cfg.advantage_kwargs(),
         )
 
@@ -84,7 +84,7 @@ def estimate(
         if o.whiten:
             advantages = whitener(advantages, mask)
         return Estimate(advantages, returns, rewards, kl)
-    offered = {"gamma": o.gamma, "norm_by_std": o.grpo_norm_by_std, "baselines": baselines, **o.params}
+    offered = {"gamma": o.gamma, "norm_by_std": o.norm_by_std, "baselines": baselines, **o.params}
     params = {name: value for name, value in offered.items() if name in method.params}
     ids = group_ids(rewards.shape[0], o.group_size, rewards.device) if method.needs_groups else None
     advantages = pf.group_advantages(rewards, ids, mask, method=o.advantage_method, **params)

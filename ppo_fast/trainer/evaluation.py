@@ -14,13 +14,13 @@ CHUNK = 256  # prompts decoded at once
 
 
 @torch.no_grad()
-def held_out(trainer, model) -> dict[str, float]:
+def held_out(run, model) -> dict[str, float]:
     """``eval/score`` (the mean reward of ``model``'s greedy responses to the held-out prompts), and
     ``eval/exact_match`` when every held-out prompt has a reference answer.  Empty without held-out prompts.
 
     Each rank decodes its share of the prompts and the sums are all-reduced, unless the
     weights are sharded (every rank must then run the same forward passes: each decodes all)."""
-    eval_set, parallel = trainer.eval_set, trainer.parallel
+    eval_set, parallel = run.eval_set, run.parallel
     count = len(eval_set.texts)
     if not count:
         return {}
@@ -34,16 +34,16 @@ def held_out(trainer, model) -> dict[str, float]:
         part_columns = eval_set.columns_of(list(indices))
         batch = generate(
             model,
-            trainer.tokenizer,
+            run.tokenizer,
             part,
-            max_new_tokens=trainer.response_length,
+            max_new_tokens=run.response_length,
             temperature=1.0,
             top_p=1.0,
             greedy=True,
             synced_gpus=parallel.synced_generation,
         )
-        responses = decode_responses(trainer.tokenizer, batch)
-        score_sum += trainer.scorer(part, responses, trainer.device, part_answers, part_columns).double().sum().item()
+        responses = decode_responses(run.tokenizer, batch)
+        score_sum += run.scorer(part, responses, run.device, part_answers, part_columns).double().sum().item()
         match_sum += sum(exact_match(responses, part_answers))
     if split:
         score_sum, match_sum = parallel.sums([score_sum, match_sum])
@@ -53,19 +53,19 @@ def held_out(trainer, model) -> dict[str, float]:
     return result
 
 
-def at_start(trainer) -> tuple[dict, dict]:
+def at_start(run) -> tuple[dict, dict]:
     """``(the run's start, where this process starts)``: the reference's held-out scores for a
     new run; for ``--resume``, the policy's at the resumed step, with the run's start as
     its summary.json recorded it (empty if it did not)."""
-    if trainer.resumed_from is None:
-        with trainer.reference_scope():
-            before = held_out(trainer, trainer.reference)
+    if run.resumed_from is None:
+        with run.reference_scope():
+            before = held_out(run, run.reference)
         if before:
-            trainer.log(f"held-out greedy {in_words(before)} before PPO ({len(trainer.eval_prompts)} prompts)")
+            run.log(f"held-out greedy {in_words(before)} before PPO ({len(run.eval_prompts)} prompts)")
         return before, before
-    start = held_out(trainer, trainer.policy)
-    trainer.log(f"resumed at step {trainer.step}" + (f": held-out greedy {in_words(start)}" if start else ""))
-    summary_file = trainer.output_dir / SUMMARY_FILE
+    start = held_out(run, run.policy)
+    run.log(f"resumed at step {run.step}" + (f": held-out greedy {in_words(start)}" if start else ""))
+    summary_file = run.output_dir / SUMMARY_FILE
     earlier = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     before = {
         key: earlier[name]

@@ -37,21 +37,21 @@ class RunLog:
             f.write("".join(m + "\n" for m in messages))
 
 
-def start_run_folder(trainer) -> None:
+def start_run_folder(run) -> None:
     """Once the run folder is claimed (rank 0): the run's resolved options to ``run_config.yaml``
     (``ppo-fast train --config`` reads it back), and its messages to ``train.log`` from now on."""
     import yaml
 
-    if not trainer.parallel.main:
+    if not run.parallel.main:
         return
-    text = yaml.safe_dump(trainer.cfg.to_dict(), sort_keys=False)
-    (trainer.output_dir / CONFIG_FILE).write_text(text)
-    trainer.log.open(trainer.output_dir / LOG_FILE)
+    text = yaml.safe_dump(run.cfg.to_dict(), sort_keys=False)
+    (run.output_dir / CONFIG_FILE).write_text(text)
+    run.log.open(run.output_dir / LOG_FILE)
 
 
-def progress(trainer, bar, row: dict) -> None:
+def progress(run, bar, row: dict) -> None:
     """The bar's step and its reward, KL and throughput; every ``--sample-every`` steps, samples."""
-    cfg = trainer.cfg
+    cfg = run.cfg
     bar.update(1)
     bar.set_postfix(
         reward=f"{row['objective/scores']:.3f}",
@@ -60,64 +60,64 @@ def progress(trainer, bar, row: dict) -> None:
     )
     if cfg.sample_every and (row["step"] % cfg.sample_every == 0 or row["step"] == 1):
         lines = [f"step {row['step']} samples:"]
-        for prompt, response, score in trainer.last_samples[: cfg.num_samples_to_print]:
+        for prompt, response, score in run.last_samples[: cfg.num_samples_to_print]:
             lines.append(f"  {prompt!r} -> {response!r}  (score {score:.2f})")
-        trainer.log("\n".join(lines))
+        run.log("\n".join(lines))
 
 
-def summary(trainer, stop_reason: str, evals: tuple[dict, dict, dict]) -> dict:
+def summary(run, stop_reason: str, evals: tuple[dict, dict, dict]) -> dict:
     """The run's summary, written to summary.json, with its plot; ``evals`` are the held-out scores
     at the run's start, at this process's start and at the end (empty where not evaluated)."""
     before, start, after = evals
     plot = plot_curves(
-        trainer.output_dir,
+        run.output_dir,
         before=before,
         after=after,
-        after_step=trainer.step,
-        title=plot_title(trainer),
-        score_name=score_name(trainer.scorer),
+        after_step=run.step,
+        title=plot_title(run),
+        score_name=score_name(run.scorer),
     )
     result = {
         "stop_reason": stop_reason,
-        "steps_done": trainer.step,
+        "steps_done": run.step,
         "eval_before": before.get("eval/score"),
         "eval_after": after.get("eval/score"),
-        "wall_time_s": time.perf_counter() - trainer.created,  # warm-up and loading included
-        "phase_time_s": dict(trainer.timer.total),
+        "wall_time_s": time.perf_counter() - run.created,  # warm-up and loading included
+        "phase_time_s": dict(run.timer.total),
         "plot": str(plot) if plot else None,
     }
     if "eval/exact_match" in before:
         result["exact_match_before"] = before["eval/exact_match"]
         result["exact_match_after"] = after.get("eval/exact_match")
-    if trainer.best:
-        result["best"] = {"step": trainer.best["step"], "eval_score": trainer.best["eval/score"], "path": BEST_DIR}
-        trainer.log(f"best held-out score {trainer.best['eval/score']:.3f} at step {trainer.best['step']}: {BEST_DIR}/")
-    (trainer.output_dir / SUMMARY_FILE).write_text(json.dumps(result, indent=2))
-    if trainer.timer.total:
-        trainer.log(trainer.timer.breakdown())
+    if run.best:
+        result["best"] = {"step": run.best["step"], "eval_score": run.best["eval/score"], "path": BEST_DIR}
+        run.log(f"best held-out score {run.best['eval/score']:.3f} at step {run.best['step']}: {BEST_DIR}/")
+    (run.output_dir / SUMMARY_FILE).write_text(json.dumps(result, indent=2))
+    if run.timer.total:
+        run.log(run.timer.breakdown())
     if after:
-        since = f", from step {trainer.resumed_from}" if trainer.resumed_from is not None else ""
-        trainer.log(f"held-out greedy {in_words(start, after)} (wall time {result['wall_time_s']:.0f}s{since})")
+        since = f", from step {run.resumed_from}" if run.resumed_from is not None else ""
+        run.log(f"held-out greedy {in_words(start, after)} (wall time {result['wall_time_s']:.0f}s{since})")
     return result
 
 
-def nothing_to_do(trainer) -> dict:
+def nothing_to_do(run) -> dict:
     """The run in output_dir already did ``cfg.steps`` steps: report it, change nothing."""
-    trainer.log(run_folder.nothing_to_do(trainer.output_dir, trainer.step, trainer.cfg.steps))
-    summary_file = trainer.output_dir / SUMMARY_FILE
+    run.log(run_folder.nothing_to_do(run.output_dir, run.step, run.cfg.steps))
+    summary_file = run.output_dir / SUMMARY_FILE
     result = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    result.update(stop_reason="done", steps_done=trainer.step)
+    result.update(stop_reason="done", steps_done=run.step)
     return result
 
 
-def plot_title(trainer) -> str:
-    cfg = trainer.cfg
+def plot_title(run) -> str:
+    cfg = run.cfg
     if cfg.reward_fn:
         reward = f"reward {cfg.reward_fn}"
     elif cfg.reward_model:
         reward = f"reward model {cfg.reward_model}"
     else:
-        reward = f"reward {trainer.scorer.name}"
+        reward = f"reward {run.scorer.name}"
     kl = (
         f"KL coef {cfg.kl_coef:g}"
         + (f" adaptive (target {cfg.target_kl:g})" if cfg.adaptive_kl else "")
@@ -125,15 +125,15 @@ def plot_title(trainer) -> str:
     )
     critic = f", critic {cfg.critic}" if cfg.uses_critic else ""
     return (
-        f"{model_in_words(trainer)}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
-        f"batch {cfg.batch_size}x{cfg.group_size}, {cfg.num_ppo_epochs} epochs, {trainer.step} steps, "
+        f"{model_in_words(run)}; {reward}\n{cfg.advantage_method}{critic}, {kl}, lr {cfg.learning_rate:g}, "
+        f"batch {cfg.batch_size}x{cfg.group_size}, {cfg.num_ppo_epochs} epochs, {run.step} steps, "
         f"seed {cfg.seed}"
     )
 
 
-def model_in_words(trainer) -> str:
+def model_in_words(run) -> str:
     """``built-in addition task: a GPT-2 of 2 layers, width 64 (102k parameters), ...``."""
-    policy = trainer.policy
+    policy = run.policy
     config = policy.config
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
@@ -141,9 +141,9 @@ def model_in_words(trainer) -> str:
     shape = f" of {layers} layers, width {width}" if layers and width else ""
     count = sum(p.numel() for p in policy.parameters())
     size = f"a {kind}{shape} ({f'{count / 1e6:.1f}M' if count >= 1e6 else f'{count / 1e3:.0f}k'} parameters)"
-    if trainer.builtin:
+    if run.builtin:
         return f"built-in addition task: {size}, warmed up on a sloppy teacher's sums"
-    return f"{trainer.cfg.model_name_or_path or type(policy).__name__}: {size}"
+    return f"{run.cfg.model_name_or_path or type(policy).__name__}: {size}"
 
 
 def score_name(scorer) -> str:

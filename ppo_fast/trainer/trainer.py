@@ -1,14 +1,13 @@
 """The PPO loop: rollout, score, estimate, optimize; with logging, checkpoints and clean stops.
 
-The rooms around it: ``setup`` (options checked, data, reward, models), ``checkpoint`` (what a
+The run's state is one record, ``run_state.Run``, built by ``startup.build_run`` (options checked,
+run folder claimed, data, reward, models, engine); the rooms take it: ``checkpoint`` (what a
 checkpoint holds, the run folder claimed and resumed), ``evaluation`` (held-out scores),
 ``metrics`` (a step's record and row), ``report`` (progress, summary, plot).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,19 +17,14 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, distributed, evaluation, report, setup
-from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, GROUP_METHODS, TrainerConfig
+from . import checkpoint, distributed, evaluation, report, startup
+from .config import GROUP_METHODS, TrainerConfig
 from .estimate import EstimateOptions, estimate
-from .metrics import MetricsWriter, PhaseTimer, StepRecord, step_row
-from .models import check_pretrained, third_party_output
+from .metrics import MetricsWriter, StepRecord, step_row
 from .rollout import Rollouts, decode_responses, generate, score_old_and_ref
 from .scoring import check_finite
 from .stops import DeferredInterrupt, StopNow
 from .update import Experience, first_epoch_micro_batches, ppo_update
-
-
-def _silent(_message: str) -> None:
-    pass
 
 
 class PPOTrainer:
@@ -54,99 +48,59 @@ class PPOTrainer:
         eval_answers: list[str | None] | None = None,
         log: Callable[[str], None] | None = None,
     ):
-        given = setup.Given(policy, tokenizer, reward_fn, prompts, eval_prompts, answers, eval_answers)
-        self.created = time.perf_counter()
-        self.cfg = cfg.validate()
-        self.log = report.RunLog(log or tqdm.write)
-        third_party_output(cfg.verbose)
-        self.output_dir = Path(cfg.output_dir)
-
-        # Everything a user can get wrong is checked here, before any model is loaded.
-        self.parallel, self.device = distributed.init(cfg, setup.resolve_device(cfg.device))
-        if not self.parallel.main:  # rank 0 speaks for the run
-            self.log = _silent
-        setup.check_options(cfg, self.device)
-        if distributed.restart_of_this_job(self.parallel, self.output_dir):  # torchrun --max-restarts
-            cfg = self.cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
-            self.log(f"torchrun restart: continuing the run this job started in {self.output_dir}")
-        self.builtin = policy is None and cfg.model_name_or_path is None
-        self.response_length = cfg.response_length or (
-            BUILTIN_RESPONSE_LENGTH if self.builtin else CUSTOM_RESPONSE_LENGTH
+        given = startup.Given(
+            policy=policy,
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            prompts=prompts,
+            eval_prompts=eval_prompts,
+            answers=answers,
+            eval_answers=eval_answers,
         )
-        if notice := setup.builtin_model_notice(cfg, given):
-            self.log(notice)
-        if policy is None and not self.builtin:
-            check_pretrained("--model-name-or-path", cfg.model_name_or_path)
-        if reward_fn is None and cfg.reward_model is not None:
-            check_pretrained("--reward-model", cfg.reward_model)
-        train_set, eval_set, reward_fn = setup.datasets_and_reward(cfg, given, self.builtin)
-        resume_from = checkpoint.find_resumable(self) if cfg.resume else None
-        checkpoint.claim_output_dir(self)  # nothing is written to output_dir before this
-
-        setup.check_writable(self.output_dir)
-        report.start_run_folder(self)  # run_config.yaml, train.log
-        distributed.claim_for_elastic_restarts(self.parallel, self.output_dir)
-        if self.device.type == "cpu" and cfg.cpu_threads:
-            torch.set_num_threads(cfg.cpu_threads)
-        torch.manual_seed(cfg.seed)
-        policy, self.tokenizer = setup.load_policy(cfg, given, self)
-        self.train_set, self.eval_set = setup.prompt_sets(
-            cfg, train_set, eval_set, self.builtin, self.tokenizer, self.log
-        )
-        self.prompts, self.eval_prompts = self.train_set.texts, self.eval_set.texts
-        if not self.builtin:
-            self.response_length = setup.fit_response_length(self, policy)
-        if not self.eval_prompts:
-            self.log("no held-out prompts (--eval-prompts-file): no evaluation before, during or after PPO")
-        self.scorer = setup.scorer(cfg, reward_fn, self.device)
-        packed = setup.padding_free(cfg, policy.to(self.device), self.device, self.log)
-        cfg = self.cfg = dataclasses.replace(cfg, padding_free=packed)
-
-        models = setup.build_models(cfg, policy, self.parallel, self.device)
-        self.policy, self.reference, self.critic = models.policy, models.reference, models.critic
-        self.train_policy, self.train_critic = models.train_policy, models.train_critic
-        self.optimizer, self.scheduler, self.kl_control = models.optimizer, models.scheduler, models.kl_control
-        self.adapters, self.reference_scope = models.adapters, models.reference_scope
-        self.step = 0
-        self.resumed_from = self.best = None
+        self.run = startup.build_run(cfg, given, log)
         self._in_update = False
         self._warned_no_signal = False
-        self.last_samples = []
-        self.timer = PhaseTimer()
-        self.engine = setup.start_engine(self) if cfg.rollout_engine == "vllm" else None
-        # The PPO phase's random streams start from the seed, whether or not the
-        # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
-        checkpoint.seed_all(cfg.seed + self.parallel.rank)
-        if resume_from is not None:
-            self.step = self.resumed_from = checkpoint.restore(self, resume_from, setup.schedule(cfg))
-            if self.engine is not None:
-                self.engine.sync_weights(self.policy)
+
+    def __getattr__(self, name: str):
+        """The run's state read through the trainer (``trainer.policy`` is ``trainer.run.policy``)."""
+        if name == "run":  # not built yet
+            raise AttributeError(name)
+        return getattr(self.run, name)
+
+    @property
+    def step(self) -> int:
+        """Completed iterations."""
+        return self.run.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.run.step = value
 
     def save_checkpoint(self, rng: dict | None = None, final: bool = False) -> Path:
         """Checkpoint the run at this step; every rank calls this (see ``checkpoint.save_run``)."""
-        return checkpoint.save_run(self, rng, final)
+        return checkpoint.save_run(self.run, rng, final)
 
     def evaluate_all(self, model) -> dict[str, float]:
         """``model``'s held-out greedy scores (see ``evaluation.held_out``)."""
-        return evaluation.held_out(self, model)
+        return evaluation.held_out(self.run, model)
 
     # ------------------------------------------------------------------ one iteration
 
     def train_step(self) -> dict:
-        """One PPO iteration; returns its metrics row.  ``self.step`` counts completed iterations."""
-        cfg, timer = self.cfg, self.timer
-        step = self.step + 1
-        rows = self.parallel.per_rank(cfg.batch_size) * cfg.group_size
+        """One PPO iteration; returns its metrics row.  ``self.run.step`` counts completed iterations."""
+        cfg, timer = self.run.cfg, self.run.timer
+        step = self.run.step + 1
+        rows = self.run.parallel.per_rank(cfg.batch_size) * cfg.group_size
         start = time.perf_counter()
         with timer.phase("rollout"):
             r = self._rollout(rows)
         with timer.phase("score"):
-            r.responses = decode_responses(self.tokenizer, r.batch)
-            r.scores = self.scorer(r.prompts, r.responses, self.device, r.answers, r.columns)
-            check_finite(f"reward ({self.scorer.name})", r.scores, step)
+            r.responses = decode_responses(self.run.tokenizer, r.batch)
+            r.scores = self.run.scorer(r.prompts, r.responses, self.run.device, r.answers, r.columns)
+            check_finite(f"reward ({self.run.scorer.name})", r.scores, step)
             self._warn_if_no_signal(r.scores, step)
         with timer.phase("estimate"):
-            kl_coef = self.kl_control.value
+            kl_coef = self.run.kl_control.value
             baselines = self._greedy_scores(r) if self._needs_baselines() else None
             est = estimate(
                 r.scores,
@@ -156,7 +110,7 @@ class PPOTrainer:
                 r.mask,
                 EstimateOptions.of(cfg, kl_coef),
                 baselines=baselines,
-                whitener=self.parallel.masked_whiten,
+                whitener=self.run.parallel.masked_whiten,
             )
         self._in_update = True
         with timer.phase("optimize"):
@@ -166,59 +120,60 @@ class PPOTrainer:
                 r.batch, r.old_logprobs, est.advantages, r.values, est.returns, ref, kl_coef, r.loss_weights
             )
             update_stats = ppo_update(
-                self.train_policy,
-                self.train_critic,
-                self.optimizer,
-                self.scheduler,
+                self.run.train_policy,
+                self.run.train_critic,
+                self.run.optimizer,
+                self.run.scheduler,
                 exp,
                 cfg,
                 step=step,
                 autocast=self._autocast,
-                parallel=self.parallel,
+                parallel=self.run.parallel,
                 first_order=r.first_order,
+                path=self.run.loss_path,
             )
         self._in_update = False
-        if self.engine is not None:
+        if self.run.engine.info.own_weights:
             with timer.phase("weight_sync"):
-                self.engine.sync_weights(self.policy)
-        sequence_kl = self.parallel.mean(est.kl.sum(-1).mean())
-        self.kl_control.update(sequence_kl, rows * self.parallel.world_size)
-        self.step = step
+                self.run.engine.sync_weights(self.run.policy)
+        sequence_kl = self.run.parallel.mean(est.kl.sum(-1).mean())
+        self.run.kl_control.update(sequence_kl, rows * self.run.parallel.world_size)
+        self.run.step = step
 
-        self.last_samples = list(zip(r.prompts, r.responses, r.scores.tolist()))
+        self.run.last_samples = list(zip(r.prompts, r.responses, r.scores.tolist()))
         seconds = time.perf_counter() - start
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.run.scheduler.get_last_lr()[0]
         record = StepRecord(step, rows, seconds, lr, r, est, update_stats, sequence_kl, kl_coef, timer.pop_step())
-        row = step_row(record, cfg.kl_in_reward, self.parallel.world_size) | self.scorer.metrics()
-        return self.parallel.reduce_row(row)
+        row = step_row(record, cfg.kl_in_reward, self.run.parallel.world_size) | self.run.scorer.metrics()
+        return self.run.parallel.reduce_row(row)
 
     def _rollout(self, rows: int) -> Rollouts:
         """Draw this rank's prompts, sample responses, and score them with the policy, the
         reference and the critic.  The first epoch's shuffle is drawn first and the old log-probs
         are scored in its micro-batches, as the update will see them: the first micro-batch's
         ratio is then exactly 1."""
-        cfg = self.cfg
-        shard = self.parallel.shard(len(self.prompts))
-        picks = [shard[i] for i in torch.randint(len(shard), (self.parallel.per_rank(cfg.batch_size),)).tolist()]
+        cfg = self.run.cfg
+        shard = self.run.parallel.shard(len(self.run.prompts))
+        picks = [shard[i] for i in torch.randint(len(shard), (self.run.parallel.per_rank(cfg.batch_size),)).tolist()]
         drawn = [i for i in picks for _ in range(cfg.group_size)]
-        prompts = [self.train_set.texts[i] for i in drawn]
-        answers = [self.train_set.answers[i] for i in drawn]
+        prompts = [self.run.train_set.texts[i] for i in drawn]
+        answers = [self.run.train_set.answers[i] for i in drawn]
         batch, engine_logprobs = self._generate(prompts)
-        first_order = torch.randperm(rows, device=self.device)
+        first_order = torch.randperm(rows, device=self.run.device)
         with self._autocast():
             old, ref, values = score_old_and_ref(
-                self.policy,
-                self.reference,
-                self.critic,
+                self.run.policy,
+                self.run.reference,
+                self.run.critic,
                 batch,
                 temperature=cfg.temperature,
-                groups=first_epoch_micro_batches(first_order, batch.attention_mask.sum(-1), cfg, self.parallel),
+                groups=first_epoch_micro_batches(first_order, batch.attention_mask.sum(-1), cfg, self.run.parallel),
                 truncation=cfg.logprob_truncation(),
-                reference_scope=self.reference_scope,
+                reference_scope=self.run.reference_scope,
                 packed=cfg.padding_free,
             )
         r = Rollouts(prompts, answers, batch, engine_logprobs, first_order, old, ref, values)
-        r.columns = self.train_set.columns_of(drawn)
+        r.columns = self.run.train_set.columns_of(drawn)
         if cfg.rollout_correction != "none":
             r.loss_weights = pf.rollout_correction_weights(
                 old,
@@ -230,64 +185,61 @@ class PPOTrainer:
         return r
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.cfg.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return startup.run_autocast(self.run)()
 
     def _generate(self, prompts: list[str]):
-        """``(batch, the engine's log-probs of the response tokens, or None for hf)``."""
-        cfg = self.cfg
-        sampling = dict(
-            max_new_tokens=self.response_length,
+        """``(batch, the engine's log-probs of the response tokens, or None where it has none)``."""
+        cfg = self.run.cfg
+        return self.run.engine.generate(
+            self.run.tokenizer,
+            prompts,
+            max_new_tokens=self.run.response_length,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             min_p=cfg.min_p,
             greedy=False,
+            device=self.run.device,
         )
-        if self.engine is not None:
-            return self.engine.generate(self.tokenizer, prompts, device=self.device, **sampling)
-        with self._autocast():
-            return generate(
-                self.policy, self.tokenizer, prompts, synced_gpus=self.parallel.synced_generation, **sampling
-            ), None
 
     def _needs_baselines(self) -> bool:
-        return "baselines" in pf.advantage_methods()[self.cfg.advantage_method].params
+        return "baselines" in pf.advantage_methods()[self.run.cfg.advantage_method].params
 
     @torch.no_grad()
     def _greedy_scores(self, r: Rollouts) -> torch.Tensor:
         """remax's baselines: the reward of the policy's greedy response to each row's prompt."""
         with self._autocast():
             batch = generate(
-                self.policy,
-                self.tokenizer,
+                self.run.policy,
+                self.run.tokenizer,
                 r.prompts,
-                max_new_tokens=self.response_length,
+                max_new_tokens=self.run.response_length,
                 temperature=1.0,
                 top_p=1.0,
                 greedy=True,
             )
-        return self.scorer(r.prompts, decode_responses(self.tokenizer, batch), self.device, r.answers, r.columns)
+        return self.run.scorer(
+            r.prompts, decode_responses(self.run.tokenizer, batch), self.run.device, r.answers, r.columns
+        )
 
     def _warn_if_no_signal(self, scores: torch.Tensor, step: int) -> None:
         """Warn once when a step's rewards cannot teach anything: equal within every group for
         the group estimators (every advantage is 0), equal over the whole batch otherwise."""
         if self._warned_no_signal:
             return
-        cfg = self.cfg
+        cfg = self.run.cfg
         if cfg.advantage_method in GROUP_METHODS:
             groups = scores.view(-1, cfg.group_size)
             if bool((groups == groups[:, :1]).all()):
                 self._warned_no_signal = True
-                self.log(
+                self.run.log(
                     f"warning: step {step}: the {cfg.group_size} responses to each prompt got the same "
                     f"reward, so every {cfg.advantage_method} advantage is 0 and this step teaches nothing; check "
                     "that the reward tells responses apart (or raise --temperature)"
                 )
         elif bool((scores == scores[0]).all()):
             self._warned_no_signal = True
-            self.log(
+            self.run.log(
                 f"warning: step {step}: every response got the reward {scores[0].item():g}, so the reward carries "
                 f"no learning signal ({cfg.advantage_method} learns only from the KL penalty); check the reward function"
             )
@@ -302,37 +254,38 @@ class PPOTrainer:
         try:
             return self._train()
         finally:
-            if self.engine is not None:  # before the process group goes: vLLM's groups are built on it
-                self.engine.close()
+            self.run.engine.close()  # before the process group goes: vLLM's groups are built on it
 
     def _train(self) -> dict:
-        cfg = self.cfg
-        if self.step >= cfg.steps:  # --resume of a run that already did its steps
-            return report.nothing_to_do(self)
-        with pf.use_backend(cfg.backend), self.parallel.guard():
-            before, start = evaluation.at_start(self)
+        cfg = self.run.cfg
+        if self.run.step >= cfg.steps:  # --resume of a run that already did its steps
+            return report.nothing_to_do(self.run)
+        with pf.use_backend(cfg.backend), self.run.parallel.guard():
+            before, start = evaluation.at_start(self.run)
             stop_reason = self._loop()
             if stop_reason == "done":
-                self.log(f"saved {self.save_checkpoint(final=True)}")
-                after = self.evaluate_all(self.policy)
-                checkpoint.keep_if_best(self, after)
+                self.run.log(f"saved {self.save_checkpoint(final=True)}")
+                after = self.evaluate_all(self.run.policy)
+                checkpoint.keep_if_best(self.run, after)
             else:  # stopped early: the user wants out, not a final evaluation (--resume finishes the run)
                 after = {}
-                if self.eval_prompts:
-                    self.log("stopped early: no final held-out evaluation (--resume continues the run)")
-        if not self.parallel.main:
-            return {"stop_reason": stop_reason, "steps_done": self.step}
-        return report.summary(self, stop_reason, (before, start, after))
+                if self.run.eval_prompts:
+                    self.run.log("stopped early: no final held-out evaluation (--resume continues the run)")
+        if not self.run.parallel.main:
+            return {"stop_reason": stop_reason, "steps_done": self.run.step}
+        return report.summary(self.run, stop_reason, (before, start, after))
 
     def _loop(self) -> str:
         """The iterations up to ``cfg.steps``, each logged, evaluated and saved at its period;
         ``"done"``, or ``"interrupted"`` after a Ctrl-C (the last complete step saved)."""
-        cfg, main = self.cfg, self.parallel.main
-        writer = MetricsWriter(self.output_dir, self.resumed_from, cfg.report_to) if main else distributed.NO_METRICS
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="PPO", dynamic_ncols=True, disable=not main)
+        cfg, main = self.run.cfg, self.run.parallel.main
+        writer = (
+            MetricsWriter(self.run.output_dir, self.run.resumed_from, cfg.report_to) if main else distributed.NO_METRICS
+        )
+        bar = tqdm(total=cfg.steps, initial=self.run.step, desc="PPO", dynamic_ncols=True, disable=not main)
         try:
-            with DeferredInterrupt(self.log) as interrupt:
-                while self.step < cfg.steps:
+            with DeferredInterrupt(self.run.log) as interrupt:
+                while self.run.step < cfg.steps:
                     rng_at_step_start = checkpoint.rng_state()
                     try:
                         row = self.train_step()
@@ -341,17 +294,17 @@ class PPOTrainer:
                     except KeyboardInterrupt:
                         self._save_after_interrupt(rng_at_step_start)
                         return "interrupted"
-                    more = self.step < cfg.steps
-                    if cfg.eval_every and self.step % cfg.eval_every == 0 and more and self.eval_prompts:
-                        row.update(self.evaluate_all(self.policy))
-                        checkpoint.keep_if_best(self, row)
-                        self.log(f"step {self.step}: held-out greedy {evaluation.in_words(row)}")
+                    more = self.run.step < cfg.steps
+                    if cfg.eval_every and self.run.step % cfg.eval_every == 0 and more and self.run.eval_prompts:
+                        row.update(self.evaluate_all(self.run.policy))
+                        checkpoint.keep_if_best(self.run, row)
+                        self.run.log(f"step {self.run.step}: held-out greedy {evaluation.in_words(row)}")
                     writer.write(row)
-                    report.progress(self, bar, row)
-                    if self.parallel.any(interrupt.requested):  # a Ctrl-C on rank 0 stops every rank
-                        self.log(f"saved {self.save_checkpoint()}")
+                    report.progress(self.run, bar, row)
+                    if self.run.parallel.any(interrupt.requested):  # a Ctrl-C on rank 0 stops every rank
+                        self.run.log(f"saved {self.save_checkpoint()}")
                         return "interrupted"
-                    if cfg.save_every and self.step % cfg.save_every == 0 and more:
+                    if cfg.save_every and self.run.step % cfg.save_every == 0 and more:
                         self.save_checkpoint()
         finally:
             bar.close()
@@ -365,11 +318,13 @@ class PPOTrainer:
         so with the RNG state from the start of the step the checkpoint resumes exactly.
         Inside the update phase they are half-updated; then only the last checkpoint is kept.
         """
-        self.timer.pop_step()
-        if self.parallel.active:  # the other ranks are inside the step: no collective save is possible
-            self.log(f"interrupted during step {self.step + 1}: keeping the last saved checkpoint")
+        self.run.timer.pop_step()
+        if self.run.parallel.active:  # the other ranks are inside the step: no collective save is possible
+            self.run.log(f"interrupted during step {self.run.step + 1}: keeping the last saved checkpoint")
             return
         if self._in_update:
-            self.log(f"interrupted during the update of step {self.step + 1}: keeping the last saved checkpoint")
+            self.run.log(
+                f"interrupted during the update of step {self.run.step + 1}: keeping the last saved checkpoint"
+            )
             return
-        self.log(f"interrupted during step {self.step + 1}: saved {self.save_checkpoint(rng_at_step_start)}")
+        self.run.log(f"interrupted during step {self.run.step + 1}: saved {self.save_checkpoint(rng_at_step_start)}")

@@ -12,9 +12,8 @@ import torch
 import ppo_fast as pf
 
 from .distributed import SINGLE
-from .linear_policy_loss import linear_policy_objective
 from .packing import token_bins
-from .rollout import Batch, forward
+from .rollout import Batch, LossRequest, critic_values, forward, fused_head_problem, packs, policy_loss_through_head
 from .scoring import check_finite
 
 
@@ -46,6 +45,48 @@ class Experience:
             self.kl_coef,
             pick(self.weights),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossPath:
+    """How the update gets its policy objective, decided once per run (``loss_path``).  ``fused``: in one
+    pass through the LM head (``pf.linear_policy_loss``: the policy loss, the KL loss term and the entropy
+    bonus inside the policy's forward, so under DDP too) in every micro-batch but the first of an update,
+    whose log-probs the ratio check reads; else in two passes (log-probs and entropy, then
+    ``pf.policy_objective``).  ``why``: the reason, for the run's log."""
+
+    fused: bool
+    why: str
+
+    def __str__(self) -> str:
+        return f"policy loss {'in one pass through the LM head' if self.fused else 'in two passes'}: {self.why}"
+
+
+def loss_path(policy, critic, cfg, device: torch.device) -> LossPath:
+    """The ``LossPath`` of a run, from what it fixes: the loss mode, the sampler's truncation (which the
+    one-pass op does not take), the critic (a shared one reads the policy's hidden states), the backend
+    (``--backend``: the reference's chunked one-pass loop is the oracle, slower than the two-pass kernels)
+    and the policy's head (``rollout.fused_head_problem``)."""
+    op = pf.policy_loss_modes()[cfg.loss_mode].linear_op
+    if op is None:
+        return LossPath(fused=False, why=f"--loss-mode {cfg.loss_mode} has no one-pass form")
+    if cfg.logprob_truncation_active():
+        return LossPath(
+            fused=False, why="the sampler truncates (--top-k/--top-p/--min-p), which the one pass does not take"
+        )
+    if cfg.uses_critic and critic is not None and critic.shared:
+        return LossPath(fused=False, why="the shared critic reads the policy's hidden states")
+    try:
+        with pf.use_backend(cfg.backend):
+            backend = pf.backend_for(op, device)
+    except pf.BackendUnavailableError as err:
+        return LossPath(fused=False, why=str(err))
+    if backend == "reference":
+        return LossPath(fused=False, why=f"no fast backend serves {op} on {device.type}")
+    problem = fused_head_problem(policy, device)
+    if problem is not None:
+        return LossPath(fused=False, why=problem)
+    return LossPath(fused=True, why=f"{op} on the {backend} backend")
 
 
 # The policy-loss stats under the trainer's metric names (the others keep their own).
@@ -81,18 +122,28 @@ def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg)
     return loss, stats
 
 
-def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True):
+def fused_objective(policy, critic, exp: Experience, cfg, terms: dict) -> tuple:
+    """``(policy objective, its stats, values or None)`` for ``training_loss`` from one micro-batch in one
+    pass through the fused LM head (``terms``: ``loss_terms``)."""
+    batch = exp.batch
+    packed = packs(batch, bool(cfg.padding_free))
+    x = dict(old_logprobs=exp.old_logprobs, advantages=exp.advantages, mask=batch.response_mask)
+    request = LossRequest(temperature=cfg.temperature, terms=terms, packed=packed, **x)
+    objective, stats = policy_loss_through_head(policy, batch, request)
+    values = critic_values(critic, batch, packed).float() if exp.old_values is not None else None
+    return objective, stats, values
+
+
+def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True, *, path: LossPath | None = None):
     """``(total loss, stats, new log-probs or None)`` for one micro-batch (``training_loss``).
 
-    The two paths differ only in how they get the policy objective.  Through the fused LM head it is
-    one pass (``pf.linear_policy_loss``), which gives no per-token log-probs: ``need_logprobs`` (the
-    first micro-batch, whose ratio is checked) and a truncated sampling support (which the one-pass
-    op does not take) keep the two-pass path: log-probs and entropy, then ``pf.policy_objective``."""
+    The two paths differ only in how they get the policy objective: ``path`` (the run's ``LossPath``;
+    None: decided here).  The one pass gives no per-token log-probs, so ``need_logprobs`` (the first
+    micro-batch, whose ratio is checked) takes the two passes: the one per-step choice."""
     terms = loss_terms(exp, cfg)
-    if not need_logprobs and not cfg.logprob_truncation_active():
-        fused = linear_policy_objective(policy, critic, exp, cfg, terms)
-        if fused is not None:
-            return (*training_loss(*fused, exp, cfg), None)
+    path = path or loss_path(policy, critic, cfg, exp.batch.input_ids.device)
+    if path.fused and not need_logprobs:
+        return (*training_loss(*fused_objective(policy, critic, exp, cfg, terms), exp, cfg), None)
     logprobs, entropy, values = forward(
         policy,
         critic,
@@ -170,6 +221,7 @@ def ppo_update(
     autocast=contextlib.nullcontext,
     parallel=SINGLE,
     first_order: torch.Tensor | None = None,
+    path: LossPath | None = None,
 ) -> dict:
     """Run ``num_ppo_epochs`` over ``num_mini_batches`` shuffled minibatches; return the mean stats.
 
@@ -181,9 +233,11 @@ def ppo_update(
 
     ``first_order`` is the first epoch's shuffle, drawn before the old log-probs were scored in
     its micro-batches: ``policy/ratio_dev_at_start`` (max |ratio - 1| over the first micro-batch,
-    before any optimizer step) is then exactly 0.0 with dropout off.
+    before any optimizer step) is then exactly 0.0 with dropout off.  ``path``: the run's ``LossPath``
+    (None: decided here, once).
     """
     rows = exp.old_logprobs.shape[0]
+    path = path or loss_path(policy, critic, cfg, exp.old_logprobs.device)
     minibatch = rows // cfg.num_mini_batches
     tokens = exp.batch.attention_mask.sum(-1)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -209,7 +263,7 @@ def ppo_update(
                     micro_exp = exp.rows(index)
                     with autocast():
                         loss, stats, new_logprobs = ppo_losses(
-                            policy, critic, micro_exp, cfg, need_logprobs=ratio_dev_at_start is None
+                            policy, critic, micro_exp, cfg, need_logprobs=ratio_dev_at_start is None, path=path
                         )
                     if ratio_dev_at_start is None:
                         mask = micro_exp.batch.response_mask

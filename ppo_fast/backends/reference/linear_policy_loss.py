@@ -1,11 +1,12 @@
 """Reference linear_policy_loss: the policy loss through the LM head over chunks of whole
 sequences, a plain differentiable composition (the oracle of the fused backends: it differentiates
-twice and compiles with fullgraph).  The fast backends' one-pass loop: ``backends/_one_pass.py``."""
+twice and compiles with fullgraph).  It shares only the chunk's terms
+(``_loss_terms``) with the fast backends' one-pass loop (``backends/_one_pass.py``)."""
 
 from __future__ import annotations
 
 from ...spec import POLICY_LOSS_MODES
-from .. import _one_pass as shared  # (which imports this package's modules: by module, not names)
+from . import _loss_terms as shared
 from ._common import CHUNK_ELEMENTS, DEVICES, in_common_dtype
 from .linear_token_logprobs import _linear_logprobs_chunk
 

@@ -1,32 +1,47 @@
-"""The trainer's setup: every option checked before a model is loaded, then the data, the
-reward, the models, their optimiser and the rollout engine."""
+"""A run's start (``build_run``): every option checked before a model is loaded, then the run folder
+claimed, the data, the reward, the models, their optimiser, the rollout engine and the loss path,
+into one ``Run`` record."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 import ppo_fast as pf
+from ppo_fast.spec import ROLLOUT_ENGINES
 
-from . import checkpoint, default_task, lora, packing, run_folder
-from .config import ConfigError, TrainerConfig
-from .models import build_critic, disable_dropout, enable_activation_checkpointing, frozen_reference, load_pretrained
+from . import checkpoint, default_task, distributed, engine, lora, packing, report
+from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
+from .metrics import PhaseTimer
+from .models import (
+    build_critic,
+    check_pretrained,
+    disable_dropout,
+    enable_activation_checkpointing,
+    frozen_reference,
+    load_pretrained,
+    third_party_output,
+)
 from .prompts import Columns, Prompts, read_prompts, render_chats
-from .rollout_vllm import VLLMEngine, check_installed
+from .run_state import Run
 from .scoring import FunctionScorer, RewardModelScorer, Rewards, load_reward_fn
+from .update import loss_path
 
 # The ops one PPO iteration calls (through pf.*), checked against --backend before loading.
 TRAINER_OPS = ("token_logprobs", "kl_penalized_rewards", "gae", "clipped_policy_loss", "value_loss")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Given:
     """What a Python caller passes instead of the config's paths and names (None: from the config)."""
 
@@ -39,7 +54,7 @@ class Given:
     eval_answers: list[str | None] | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Models:
     """The policy, its frozen reference, the critic (or None), what the update calls (the models or
     their DDP wrappers), the optimiser, its schedule and the KL controller."""
@@ -71,8 +86,6 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
     (and implements the critic-free ``advantage_method``, if given)."""
     if name == "auto":
         return
-    from ppo_fast.backends import resolve
-
     method = pf.advantage_methods().get(advantage_method)
     wanted = [(op, None, None) for op in ops]
     if method is not None and method.fn is not None:
@@ -80,7 +93,7 @@ def check_backend(name: str, device: torch.device, ops=TRAINER_OPS, advantage_me
     with pf.use_backend(name):
         for op, implemented_by, label in wanted:
             try:
-                resolve(op, device.type, implemented_by, label)
+                pf.backend_for(op, device, implemented_by=implemented_by, label=label)
             except pf.BackendUnavailableError as err:
                 raise ConfigError(
                     f"--backend {name} cannot run this job on {device.type}: {err}; "
@@ -102,10 +115,11 @@ def check_options(cfg: TrainerConfig, device: torch.device) -> None:
         raise ConfigError("--report-to tensorboard: tensorboard is not installed (pip install tensorboard)")
     if cfg.lora_r is not None:
         lora.check_installed()
-    if cfg.rollout_engine == "vllm":
-        check_installed()
-        if cfg.vllm_sleep and device.type != "cuda":
-            raise ConfigError("--vllm-sleep: vLLM's sleep mode needs a CUDA GPU")
+    engine = ROLLOUT_ENGINES[cfg.rollout_engine]
+    if engine.requires is not None and importlib.util.find_spec(engine.requires) is None:
+        raise ConfigError(f"--rollout-engine {engine.name}: {engine.requires} is not installed ({engine.install_hint})")
+    if cfg.vllm_sleep and device.type not in engine.sleep_on:
+        raise ConfigError(f"--vllm-sleep: the {engine.name} engine sleeps on {', '.join(engine.sleep_on)} only")
 
 
 def check_writable(output_dir: Path) -> None:
@@ -187,19 +201,19 @@ def scorer(cfg: TrainerConfig, reward_fns: list[Callable], device: torch.device)
     return Rewards(scorers, weights)
 
 
-def load_policy(cfg: TrainerConfig, given: Given, trainer) -> tuple:
+def load_policy(cfg: TrainerConfig, given: Given, run) -> tuple:
     """``(policy, tokenizer)``: the given ones, the built-in task's warm-up model (trained or read
     from its cache; one rank trains, the others load), or a pretrained model.  The tokenizer pads
     with its EOS token if it has no pad token."""
     policy, tokenizer = given.policy, given.tokenizer
     if policy is None and cfg.model_name_or_path is None:
-        with trainer.parallel.main_first():
-            policy, tokenizer = default_task.load_or_warm_up(cfg, trainer.device, trainer.log)
+        with run.parallel.main_first():
+            policy, tokenizer = default_task.load_or_warm_up(cfg, run.device, run.log)
     elif policy is None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         policy = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoModelForCausalLM)
-        policy = policy.to(trainer.device)
+        policy = policy.to(run.device)
         tokenizer = load_pretrained("--model-name-or-path", cfg.model_name_or_path, AutoTokenizer)
     if tokenizer is None:
         raise ConfigError("tokenizer= is required when a policy model object is passed")
@@ -297,38 +311,17 @@ def build_models(cfg: TrainerConfig, policy, parallel, device: torch.device) -> 
     else:
         kl_control = pf.FixedKLController(cfg.kl_coef)
     return Models(
-        policy,
-        reference,
-        critic,
-        train_policy,
-        train_critic,
-        optimizer,
-        scheduler,
-        kl_control,
-        adapters,
-        reference_scope,
+        policy=policy,
+        reference=reference,
+        critic=critic,
+        train_policy=train_policy,
+        train_critic=train_critic,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        kl_control=kl_control,
+        adapters=adapters,
+        reference_scope=reference_scope,
     )
-
-
-def start_engine(trainer) -> VLLMEngine:
-    """The vLLM engine, holding the policy's weights (started before the PPO phase is seeded:
-    vLLM seeds torch's generator when it starts)."""
-    cfg = trainer.cfg
-    longest = max(len(ids) for ids in trainer.tokenizer(trainer.prompts).input_ids)
-    cuda_bf16 = trainer.device.type == "cuda" and cfg.bf16
-    dtype = torch.bfloat16 if cuda_bf16 else next(trainer.policy.parameters()).dtype
-    engine = VLLMEngine(
-        trainer.policy,
-        model_dir=trainer.output_dir / run_folder.VLLM_MODEL_DIR,
-        max_model_len=longest + trainer.response_length,
-        max_num_seqs=trainer.parallel.per_rank(cfg.batch_size) * cfg.group_size,
-        dtype=dtype,
-        seed=cfg.seed,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        sleep=cfg.vllm_sleep,
-    )
-    trainer.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
-    return engine
 
 
 def padding_free(cfg: TrainerConfig, policy, device: torch.device, log) -> bool:
@@ -346,15 +339,15 @@ def padding_free(cfg: TrainerConfig, policy, device: torch.device, log) -> bool:
     return False
 
 
-def fit_response_length(trainer, policy) -> int:
+def fit_response_length(run, policy) -> int:
     """The response length that keeps prompt + response within the model's positions: the default
     one is shortened to fit; a given one that does not fit is a ``ConfigError``."""
-    length, given = trainer.response_length, trainer.cfg.response_length is not None
+    length, given = run.response_length, run.cfg.response_length is not None
     config = getattr(policy, "config", None)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not positions:
         return length
-    longest = max(len(ids) for ids in trainer.tokenizer(trainer.prompts + trainer.eval_prompts).input_ids)
+    longest = max(len(ids) for ids in run.tokenizer(run.prompts + run.eval_prompts).input_ids)
     room = positions - longest
     if given and length > room:
         raise ConfigError(
@@ -366,6 +359,112 @@ def fit_response_length(trainer, policy) -> int:
             f"the longest prompt has {longest} tokens, the model only {positions} positions; shorten the prompts"
         )
     if not given and room < length:
-        trainer.log(f"response length {room}: the model has {positions} positions, the longest prompt {longest} tokens")
+        run.log(f"response length {room}: the model has {positions} positions, the longest prompt {longest} tokens")
         return room
     return length
+
+
+def _silent(_message: str) -> None:
+    pass
+
+
+def build_run(cfg: TrainerConfig, given: Given, log: Callable[[str], None] | None = None) -> Run:
+    """The run, started in the order its rules need: every option checked before anything is written or
+    loaded; the run folder claimed before anything is written to it; the models built; the rollout
+    engine started before the PPO phase is seeded (vLLM seeds torch's generator); then the checkpoint
+    restored (``--resume``)."""
+    run = _checked_start(cfg, given, log)
+    cfg = run.cfg
+    train_set, eval_set, reward_fn = datasets_and_reward(cfg, given, run.builtin)
+    resume_from = checkpoint.find_resumable(run) if cfg.resume else None
+    checkpoint.claim_output_dir(run)  # nothing is written to output_dir before this
+    check_writable(run.output_dir)
+    report.start_run_folder(run)  # run_config.yaml, train.log
+    distributed.claim_for_elastic_restarts(run.parallel, run.output_dir)
+    if run.device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    torch.manual_seed(cfg.seed)
+    policy, run.tokenizer = load_policy(cfg, given, run)
+    run.train_set, run.eval_set = prompt_sets(cfg, train_set, eval_set, run.builtin, run.tokenizer, run.log)
+    if not run.builtin:
+        run.response_length = fit_response_length(run, policy)
+    if not run.eval_prompts:
+        run.log("no held-out prompts (--eval-prompts-file): no evaluation before, during or after PPO")
+    run.scorer = scorer(cfg, reward_fn, run.device)
+    packed = padding_free(cfg, policy.to(run.device), run.device, run.log)
+    cfg = run.cfg = dataclasses.replace(cfg, padding_free=packed)
+    models = build_models(cfg, policy, run.parallel, run.device)
+    for name in (f.name for f in dataclasses.fields(Models)):
+        setattr(run, name, getattr(models, name))
+    run.loss_path = loss_path(run.train_policy, run.critic, cfg, run.device)
+    run.log(str(run.loss_path))
+    run.engine = engine.start(cfg.rollout_engine, _engine_setup(run))
+    # The PPO phase's random streams start from the seed, whether or not the
+    # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
+    checkpoint.seed_all(cfg.seed + run.parallel.rank)
+    if resume_from is not None:
+        run.step = run.resumed_from = checkpoint.restore(run, resume_from, schedule(cfg))
+        run.engine.sync_weights(run.policy)
+    return run
+
+
+def _checked_start(cfg: TrainerConfig, given: Given, log) -> Run:
+    """The run before anything is loaded: its options checked (with the device and the processes), a
+    torchrun restart of this job turned into a resume, the models that will be loaded checked."""
+    created = time.perf_counter()
+    cfg = cfg.validate()
+    run_log = report.RunLog(log or tqdm.write)
+    third_party_output(cfg.verbose)
+    output_dir = Path(cfg.output_dir)
+    parallel, device = distributed.init(cfg, resolve_device(cfg.device))
+    check_options(cfg, device)
+    if distributed.restart_of_this_job(parallel, output_dir):  # torchrun --max-restarts
+        cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
+        run_log(f"torchrun restart: continuing the run this job started in {output_dir}")
+    builtin = given.policy is None and cfg.model_name_or_path is None
+    run = Run(
+        cfg=cfg,
+        log=run_log if parallel.main else _silent,  # rank 0 speaks for the run
+        output_dir=output_dir,
+        parallel=parallel,
+        device=device,
+        builtin=builtin,
+        response_length=cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH),
+        created=created,
+        timer=PhaseTimer(),
+    )
+    if notice := builtin_model_notice(cfg, given):
+        run.log(notice)
+    if given.policy is None and not builtin:
+        check_pretrained("--model-name-or-path", cfg.model_name_or_path)
+    if given.reward_fn is None and cfg.reward_model is not None:
+        check_pretrained("--reward-model", cfg.reward_model)
+    return run
+
+
+def _engine_setup(run: Run) -> engine.EngineSetup:
+    cfg = run.cfg
+    return engine.EngineSetup(
+        policy=run.policy,
+        tokenizer=run.tokenizer,
+        prompts=run.prompts,
+        response_length=run.response_length,
+        rows=run.parallel.per_rank(cfg.batch_size) * cfg.group_size,
+        device=run.device,
+        cfg=cfg,
+        output_dir=run.output_dir,
+        autocast=run_autocast(run),
+        synced_gpus=run.parallel.synced_generation,
+        log=run.log,
+    )
+
+
+def run_autocast(run: Run) -> Callable:
+    """The run's autocast: bf16 on CUDA with ``--bf16``, else none."""
+
+    def autocast():
+        if run.device.type == "cuda" and run.cfg.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    return autocast

@@ -1,0 +1,75 @@
+"""The rollout-engine protocol: what the trainer asks of whatever generates its rollouts.
+
+An engine is named in ``ppo_fast.spec.ROLLOUT_ENGINES`` (its module and what it can do, read by the
+option checks before torch loads) and lives in that module, which has ``start(setup) -> Engine``.
+A new engine is one module and one entry there; ``--rollout-engine``'s choices come from the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
+
+from .rollout import Batch
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Generates rollouts from the policy's weights.  ``info``: its registry entry (its capabilities)."""
+
+    info: RolloutEngine
+
+    def generate(
+        self,
+        tokenizer,
+        prompts: list[str],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        min_p: float,
+        greedy: bool,
+        device: torch.device,
+    ) -> tuple[Batch, torch.Tensor | None]:
+        """``(batch, the engine's log-probs [B, R] of the response tokens, or None where it has none
+        (``info.logprobs``))``: left-padded prompts, responses up to and including their EOS, padding after."""
+
+    def sync_weights(self, policy) -> float:
+        """Follow the policy's current weights (a no-op where ``not info.own_weights``); the seconds it took."""
+
+    def close(self) -> None:
+        """Release what the engine holds; it cannot generate afterwards."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """What an engine may need to start: the policy and its tokenizer, the training prompts (their longest
+    sizes the engine's context), the response length, the rows per generation, the device, the run's
+    options and folder, how generation runs here (autocast, ranks in step) and the run's log."""
+
+    policy: torch.nn.Module
+    tokenizer: object
+    prompts: list[str]
+    response_length: int
+    rows: int
+    device: torch.device
+    cfg: object  # TrainerConfig
+    output_dir: Path
+    autocast: Callable
+    synced_gpus: bool
+    log: Callable[[str], None]
+
+
+def start(name: str, setup: EngineSetup) -> Engine:
+    """The engine ``name`` (``--rollout-engine``), started from its registry entry's module."""
+    engine = importlib.import_module(ROLLOUT_ENGINES[name].module).start(setup)
+    assert isinstance(engine, Engine) and engine.info is ROLLOUT_ENGINES[name], f"{name}: not an Engine"
+    return engine

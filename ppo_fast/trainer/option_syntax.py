@@ -1,0 +1,148 @@
+"""How the options are written on the command line and in config files: the flag of a field, the names
+renamed to the ops' (still accepted for a release, with a warning), other trainers' names for ours, and
+a value read from text as its field's type.  Standard library only (``config.py`` loads it, alone too:
+see there)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A user error: a bad option value, or an input file or path that cannot be used.
+
+    The ``ppo-fast`` command prints it as one ``ppo-fast: error: ...`` line."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field: ``kl_coef`` -> ``--kl-coef``."""
+    return "--" + name.replace("_", "-")
+
+
+# Options renamed to the ops' names (old -> new): the old flag and config key still work, with a
+# one-line warning, until the next release.
+RENAMED = {
+    "policy_loss": "loss_mode",
+    "policy_loss_params": "loss_mode_params",
+    "loss_agg": "agg",
+    "ent_coef": "entropy_coef",
+    "cliprange_value": "value_clip",
+    "num_samples_per_prompt": "group_size",
+    "grpo_norm_by_std": "norm_by_std",
+}
+# Other trainers' names for our options, accepted with a warning: TRL's one ratio clip sets both of ours.
+ALIASES = {"cliprange": ("clip_eps_low", "clip_eps_high")}
+
+
+def alias_warning(name: str) -> str:
+    new = " and ".join(flag(n) for n in ALIASES[name])
+    return f"ppo-fast: warning: {flag(name)} (TRL's name) sets {new}; use those"
+
+
+def renamed_warning(old: str, source: str | None = None) -> str:
+    """``--policy-loss is now --loss-mode; ...`` (a flag), or with ``source`` the config key's."""
+    what = f"{source}: {old} is now {RENAMED[old]}" if source else f"{flag(old)} is now {flag(RENAMED[old])}"
+    return f"ppo-fast: warning: {what}; the old name goes in the next release"
+
+
+def current_names(values: dict, source: str) -> dict:
+    """``values`` with the renamed options' old keys under their new names (a warning each)."""
+    out = {}
+    for name, value in values.items():
+        if name in ALIASES:
+            print(alias_warning(name), file=sys.stderr)
+            out.update(dict.fromkeys(ALIASES[name], value))
+            continue
+        if name in RENAMED:
+            print(renamed_warning(name, source), file=sys.stderr)
+            name = RENAMED[name]
+        out[name] = value
+    return out
+
+
+def base_type(hint):
+    """``int`` for ``int``, ``str`` for ``str | None``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def coerce(name: str, value, hint, source: str):
+    """``value`` as the field's type: ints for float fields, and numbers written as
+    strings ('1e-4', '100') for int and float fields; else ``ConfigError``."""
+    base = base_type(hint)
+    if value is None and base is not hint:
+        return None
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if base is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if base in (int, float) and isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+        else:
+            if base is float:
+                return number
+            if number.is_integer():
+                return int(number)
+    if isinstance(value, base) and not (base is not bool and isinstance(value, bool)):
+        return value
+    kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[base]
+    raise ConfigError(f"{source}: {name} must be {kind} ({base.__name__}), got {value!r}")
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The ``{field: value}`` mapping of a YAML or JSON config file; ``ConfigError`` if unreadable."""
+    path = Path(path)
+    where = f"--config {path}"
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such file")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from None
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: not valid JSON ({err}); YAML files must end in .yaml or .yml") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping of option names to values (like `kl_coef: 0.05`)")
+    return values
+
+
+def invalid(name: str, message: str) -> ConfigError:
+    """The error of a bad value of the field ``name``."""
+    return ConfigError(f"invalid config: {name} ({flag(name)}) {message}")
+
+
+def pairs(field_name: str, text: str) -> list[tuple[str, str]]:
+    """The ``name=value`` pairs of a comma-separated field's ``text`` (``ConfigError`` naming the field)."""
+    found = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not (sep and name.strip() and value.strip()):
+            raise invalid(field_name, f"must be name=value pairs separated by commas, got {item!r}")
+        found.append((name.strip(), value.strip()))
+    return found
+
+
+def number(field_name: str, name: str, text: str) -> float:
+    """``text`` as a finite number (``ConfigError`` naming the field and the pair's name)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise invalid(field_name, f"{name} must be a finite number, got {text!r}")
+    return value
