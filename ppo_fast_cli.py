@@ -66,6 +66,9 @@ def _refused(config, args) -> str | None:
     if run_folder.elastic_restart(cfg.output_dir):  # the trainer decides (it continues only this job's own run)
         return _input_problem(config, cfg)
     refused = run_folder.refusal(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    if not refused and cfg.resume:
+        model_folder = _trainer_module("model_folder", _MODEL_FOLDER_MODULE)
+        refused = run_folder.base_problem(cfg.output_dir, cfg.model_name_or_path, model_folder.fingerprint)
     return refused or _input_problem(config, cfg)
 
 

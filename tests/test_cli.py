@@ -290,6 +290,17 @@ def test_custom_model_with_eval_prompts_gets_before_after_and_periodic_scores(fi
     assert "eval/score" in rows[0] and "eval/exact_match" in rows[0] and "eval/score" not in rows[1]
     saved = checkpoint.load_state(checkpoint.latest(out)).config
     assert saved["eval_prompts_file"] == str(held_out)
+    # --resume from another base model of the same architecture (one weight changed): one line, no run.
+    other = tmp_path / "other_base"
+    shutil.copytree(finished_run / "warmup", other)
+    weights = bytearray((other / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (other / "model.safetensors").write_bytes(bytes(weights))
+    argv[argv.index(str(finished_run / "warmup"))] = str(other)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert main([*argv, "--resume", "--steps", "3"]) == 1
+    assert "is another model" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
 def test_trl_style_data_and_several_rewards(finished_run, tmp_path, capsys):

@@ -129,6 +129,9 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
     (tmp_path / "broken.py").write_text("def score(:\n")
     custom = ["--prompts-file", str(tmp_path / "good.txt"), "--reward-fn", f"{rewards}:score"]
     out = str(tmp_path / "out")
+    resumed = tmp_path / "resumed"  # a run that started from another base model than no_tokenizer
+    resumed.mkdir()
+    (resumed / "base_model.json").write_text(json.dumps({"model_name_or_path": "/elsewhere", "fingerprint": "0" * 16}))
     cases = [
         (["train", "--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
         (["train", "--steps", "0", "--output-dir", out], "steps (--steps) must be >= 1"),
@@ -163,6 +166,10 @@ def test_input_errors_are_reported_before_torch_is_imported(tmp_path):
         ),
         (["train", "--loss-mode", "dro", "--output-dir", out], "needs dro_beta"),
         (["train", "--loss-mode", "sapo", "--loss-mode-params", "tau_pos=-1", "--output-dir", out], "tau_pos"),
+        (
+            ["train", "--resume", "--output-dir", str(resumed), "--model-name-or-path", str(no_tokenizer), *custom],
+            "started from /elsewhere (fingerprint 0000000000000000), and",
+        ),
         (["eval", str(tmp_path / "no_run")], "no_run: no such file or directory"),
         (["eval", str(tmp_path), "--best"], "no best/ (the run was not made with --keep-best)"),
         (["generate", str(no_tokenizer)], "generate: give --prompt TEXT"),

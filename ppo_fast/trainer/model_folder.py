@@ -7,6 +7,7 @@ imported; ``ppo_fast.trainer.models.check_pretrained`` asks the same for Python 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -50,3 +51,27 @@ def problem(option: str, name: str, tokenizer: bool = True) -> str | None:
 
 def _has_tokenizer(path: Path) -> bool:
     return any((path / f).is_file() for f in TOKENIZER_FILES) or all((path / f).is_file() for f in BPE_FILES)
+
+
+# The bytes of each weight file read for its fingerprint: its start (a safetensors header names every
+# tensor's dtype, shape and offset) and its end, so two trainings of one architecture differ.
+_FINGERPRINT_BYTES = 1 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def fingerprint(name: str) -> str | None:
+    """A short hash of a local model folder's ``config.json`` and its weight files (their names and
+    sizes, and a MiB at each end of each): what ``--resume`` compares to tell another base model of the
+    same architecture apart; None where ``name`` is not a local folder."""
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as file:
+            digest.update(file.read(_FINGERPRINT_BYTES))
+            file.seek(max(size - _FINGERPRINT_BYTES, 0))
+            digest.update(file.read(_FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import default_task, run_folder
+from . import default_task, model_folder, run_folder
 from .evaluation import in_words
 from .metrics import ACCURACY, EVAL_KEYS, plot_curves
 from .run_folder import BEST_DIR, CONFIG_FILE, LOG_FILE, SUMMARY_FILE
@@ -46,6 +46,8 @@ def start_run_folder(run) -> None:
         return
     text = yaml.safe_dump(run.cfg.to_dict(), sort_keys=False)
     (run.output_dir / CONFIG_FILE).write_text(text)
+    base = run.cfg.model_name_or_path
+    run_folder.record_base(run.output_dir, base, model_folder.fingerprint(base) if base else None)
     run.log.open(run.output_dir / LOG_FILE)
 
 

@@ -40,6 +40,7 @@ CONFIG_FILE = "run_config.yaml"  # the run's resolved options, reloadable with -
 LOG_FILE = "train.log"  # what the run said on the console
 BEST_DIR = "best"  # --keep-best: the policy at its best held-out score
 WARMUP_DIR = "warmup"  # a cache: neither makes a run nor is removed by --overwrite
+BASE_FILE = "base_model.json"  # the base model a run started from: --resume refuses another
 
 
 def artifacts(output_dir: str | Path) -> list[Path]:
@@ -57,6 +58,7 @@ def artifacts(output_dir: str | Path) -> list[Path]:
         PLOT_FILE,
         BEST_DIR,
         CONFIG_FILE,
+        BASE_FILE,
         LOG_FILE,
         TENSORBOARD_DIR,
         VLLM_MODEL_DIR,
@@ -122,6 +124,35 @@ def nothing_to_do(output_dir: str | Path, steps_done: int, steps: int) -> str:
     return (
         f"--resume: the run in {output_dir} already did {steps_done} steps (--steps {steps}); "
         f"nothing to do. Give a larger --steps to train on, or another --output-dir for a new run."
+    )
+
+
+def record_base(output_dir: str | Path, model_name_or_path: str | None, fingerprint: str | None) -> None:
+    """Write which base model the run in ``output_dir`` starts from, unless a record is there already."""
+    path = Path(output_dir) / BASE_FILE
+    if not path.exists():
+        path.write_text(json.dumps({"model_name_or_path": model_name_or_path, "fingerprint": fingerprint}) + "\n")
+
+
+def base_problem(output_dir: str | Path, model_name_or_path: str | None, fingerprint_of) -> str | None:
+    """Why ``--resume`` in ``output_dir`` may not go on from ``model_name_or_path`` (another base model
+    than the run's: the KL reference would quietly become it), or None.  ``fingerprint_of``:
+    ``model_folder.fingerprint``.  Nothing to compare (no record, a model given as an object): None."""
+    path = Path(output_dir) / BASE_FILE
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    given = fingerprint_of(model_name_or_path) if model_name_or_path else None
+    was, now = recorded.get("fingerprint"), given
+    if was == now or (model_name_or_path and now is None):  # the same, or a hub id: nothing to read here
+        return None
+    before = recorded.get("model_name_or_path") or "the built-in task's model"
+    return (
+        f"--resume: the run in {output_dir} started from {before} (fingerprint {was}), and "
+        f"{model_name_or_path or 'the built-in task’s model'} is another model (fingerprint {now}): its KL "
+        "reference and weights would change under it; resume with the base model it started from, or start "
+        "afresh (--overwrite, or another --output-dir)"
     )
 
 

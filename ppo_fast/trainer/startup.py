@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
-from . import checkpoint, default_task, distributed, engine, lora, packing, report
+from . import checkpoint, default_task, distributed, engine, lora, model_folder, packing, report, run_folder
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .metrics import PhaseTimer
 from .models import (
@@ -377,6 +377,10 @@ def build_run(cfg: TrainerConfig, given: Given, log: Callable[[str], None] | Non
     cfg = run.cfg
     train_set, eval_set, reward_fn = datasets_and_reward(cfg, given, run.builtin)
     resume_from = checkpoint.find_resumable(run) if cfg.resume else None
+    if resume_from is not None and given.policy is None:
+        refused = run_folder.base_problem(run.output_dir, cfg.model_name_or_path, model_folder.fingerprint)
+        if refused:
+            raise ConfigError(refused)
     checkpoint.claim_output_dir(run)  # nothing is written to output_dir before this
     check_writable(run.output_dir)
     report.start_run_folder(run)  # run_config.yaml, train.log
