@@ -23,6 +23,8 @@ silently make another run: they are refused with one line.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -123,6 +125,23 @@ def remove_stale(output_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+# Free space below which a failed write is taken for a full disk.
+FULL_DISK_BYTES = 64 << 20
+
+
+@contextlib.contextmanager
+def full_disk_as_oserror(folder: Path):
+    """A writer's failure on a full filesystem as ``OSError(ENOSPC)``, whatever the writer raised:
+    ``torch.save`` raises ``RuntimeError`` ("unexpected pos", "iostream error"), safetensors its own
+    error; an ``OSError`` passes as it is, and so does any failure while there is room."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, OSError) or shutil.disk_usage(folder).free >= FULL_DISK_BYTES:
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder)) from err
+
+
 def save(
     output_dir: Path,
     step: int,
@@ -143,7 +162,8 @@ def save(
         tmp.mkdir(parents=True)
     barrier()
     try:
-        write(tmp)
+        with full_disk_as_oserror(tmp):
+            write(tmp)
         barrier()
         if main:
             _fsync_tree(tmp)
@@ -417,7 +437,12 @@ def keep_if_best(run, scores: dict) -> None:
         best, tmp = run.output_dir / run_folder.BEST_DIR, run.output_dir / CHECKPOINTS / f"{TMP_PREFIX}best"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        _save_policy(run, tmp, full_policy)
+        try:
+            with full_disk_as_oserror(tmp):
+                _save_policy(run, tmp, full_policy)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _fsync_tree(tmp)
         shutil.rmtree(best, ignore_errors=True)
         tmp.rename(best)
