@@ -102,6 +102,8 @@ def _input_problem(config, cfg) -> str | None:
     device = _command_line().device_problem(cfg.device)
     if device:
         return device
+    if cfg.lora_r is not None and importlib.util.find_spec("peft") is None:
+        return "--lora-r: PEFT is not installed; pip install peft"
     prompts = _trainer_module("prompts", _PROMPTS_MODULE)
     columns = prompts.Columns(cfg.prompt_column, cfg.answer_column)
     for option in ("prompts_file", "eval_prompts_file"):

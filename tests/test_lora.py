@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, default_task, lora, saved
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
-from ppo_fast.trainer.rollout import forward, generate
+from ppo_fast.trainer.rollout import forward, generate, scores_through_fused_head
 
 peft = pytest.importorskip("peft")
 
@@ -122,9 +122,34 @@ def test_a_lora_run_trains_adapters_only_checkpoints_them_resumes_exactly_and_ex
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+def test_modules_to_save_trains_the_head_whole_through_the_fused_head_and_the_reference_keeps_the_base(tiny):
+    """--lora-modules-to-save lm_head: the head's trained copy moves, scored through the fused head; the
+    reference (adapters off) reads the base's head; the checkpoint's adapter folder holds the copy."""
+    cfg = tiny("head", steps=2, lora_modules_to_save="lm_head", entropy_coef=0.05, lora_save_merged=True)
+    trainer = PPOTrainer(cfg)
+    head = trainer.policy.get_output_embeddings()
+    base = head.original_module.weight.detach().clone()
+    assert scores_through_fused_head(trainer.train_policy, trainer.device)
+    trainer.train()
+    trained = head.modules_to_save[lora.ADAPTER_NAME].weight
+    assert torch.equal(head.original_module.weight, base) and not torch.equal(trained, base)
+    assert head.weight is trained
+    with trainer.adapters.disable_adapter():
+        assert head.weight is head.original_module.weight
+    saved_state = lora.read_adapter(checkpoint.latest(Path(cfg.output_dir)) / checkpoint.POLICY_DIR)
+    head_keys = [key for key in saved_state if "lm_head" in key]
+    assert head_keys and torch.equal(saved_state[head_keys[0]], trained.detach())
+    assert torch.equal(lora.merged_state_dict(trainer.policy)["lm_head.weight"], trained.detach())
+    # The merged export holds the trained head (not tied back to the base's embeddings): the same logits.
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint.latest(Path(cfg.output_dir)) / checkpoint.MERGED_DIR)
+    ids = trainer.tokenizer(["12+34=", "7+5="], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(**ids).logits, trainer.policy(**ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_lora_without_peft_is_one_line_before_any_model_loads(tmp_path, tiny, monkeypatch):
     real = lora.importlib.util.find_spec
     monkeypatch.setattr(lora.importlib.util, "find_spec", lambda name: None if name == "peft" else real(name))
-    with pytest.raises(ConfigError, match=r"--lora-r: PEFT is not installed; pip install 'ppo-fast\[lora\]'"):
+    with pytest.raises(ConfigError, match=r"--lora-r: PEFT is not installed; pip install peft"):
         PPOTrainer(tiny())
     assert not (tmp_path / "run").exists()  # refused before the run folder or the warm-up model

@@ -293,9 +293,16 @@ class TrainerConfig:
         LORA_ALL_LINEAR,
         f"Comma-separated names (or name suffixes) of the modules to adapt; '{LORA_ALL_LINEAR}': every linear "
         "layer of the transformer blocks (the attention and MLP projections). The LM head is never adapted "
-        "(the fused head reads the base's weight).",
+        "(train it whole: --lora-modules-to-save).",
         "lora",
         resume=refused("the checkpoint holds adapters on those modules"),
+    )
+    lora_modules_to_save: str = _opt(
+        "",
+        "Comma-separated modules (or name suffixes) trained whole beside the adapters, e.g. lm_head,norm (PEFT's "
+        "modules_to_save); the KL reference keeps the base's.",
+        "lora",
+        resume=refused("the checkpoint holds trained copies of those modules"),
     )
     lora_save_merged: bool = _opt(
         False,
@@ -638,7 +645,7 @@ class TrainerConfig:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("lora_")}
         if self.lora_r is None:
-            for name in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged"):
+            for name in (n for n in defaults if n != "lora_r"):
                 _require(name, getattr(self, name) == defaults[name], "needs --lora-r (LoRA is off without it)")
             return
         targets = self.lora_targets()

@@ -32,7 +32,7 @@ ADAPTER_NAME = "default"
 
 def check_installed() -> None:
     if importlib.util.find_spec("peft") is None:
-        raise ConfigError("--lora-r: PEFT is not installed; pip install 'ppo-fast[lora]' (or pip install peft)")
+        raise ConfigError("--lora-r: PEFT is not installed; pip install peft")
 
 
 def attach(cfg: TrainerConfig, model: nn.Module):
@@ -46,6 +46,7 @@ def attach(cfg: TrainerConfig, model: nn.Module):
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=cfg.lora_targets(),
+        modules_to_save=[name.strip() for name in cfg.lora_modules_to_save.split(",") if name.strip()] or None,
         bias="none",
     )
     option = f"--lora-target-modules {cfg.lora_target_modules}"
@@ -66,6 +67,9 @@ def attach(cfg: TrainerConfig, model: nn.Module):
                 f"{option}: {name} is a {type(module.base_layer).__name__}; only linear layers are adapted"
             )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if hasattr(head, "modules_to_save") and getattr(model.config, "tie_word_embeddings", False):
+        # The trained head is a copy of its own now: a merged export must not tie it back to the embeddings.
+        model.config.tie_word_embeddings = False
     if isinstance(head, LoraLayer):
         raise ConfigError(f"{option}: adapts the LM head, which the fused head reads from the base; leave it out")
     return adapted
@@ -163,8 +167,11 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = 
         delta = (b @ a) * layer.scaling[ADAPTER_NAME]
         weight = state[f"{name}.base_layer.weight"]
         merged[f"{name}.weight"] = (weight.float() + (delta.T if layer.fan_in_fan_out else delta)).to(weight.dtype)
+    for key, value in state.items():  # --lora-modules-to-save: the trained copy, not the base's
+        if f".modules_to_save.{ADAPTER_NAME}." in key:
+            merged[key.replace(f".modules_to_save.{ADAPTER_NAME}.", ".")] = value
     for key, value in state.items():
-        if ".lora_" not in key:
+        if ".lora_" not in key and ".modules_to_save." not in key and ".original_module." not in key:
             merged.setdefault(key.replace(".base_layer.", "."), value)
     return merged
 

@@ -148,7 +148,10 @@ def _fused_head(model, device: torch.device):
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     backbone = getattr(model, "base_model", None)
     config = getattr(model, "config", None)
-    if type(head) is not torch.nn.Linear or backbone is None or backbone is model or config is None:
+    # PEFT's modules_to_save (--lora-modules-to-save lm_head) wraps the head: its weight and bias are the
+    # trained copy's, or the base's with the adapters off (the reference), read at each call.
+    linear = getattr(head, "original_module", head)
+    if type(linear) is not torch.nn.Linear or backbone is None or backbone is model or config is None:
         return None, f"{type(model).__name__} has no plain linear output embedding on a backbone"
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     other = [name for name in _OTHER_LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
