@@ -521,3 +521,8 @@ def engines_with(capability: str) -> tuple[str, ...]:
         return bool(getattr(engine, capability))
 
     return tuple(name for name, engine in ROLLOUT_ENGINES.items() if has(engine))
+
+
+# Experiment trackers (--report-to): each name and the package it needs (ppo_fast/trainer/trackers.py
+# holds each one's class).
+TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}

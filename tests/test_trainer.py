@@ -543,3 +543,89 @@ def test_batch_rows_keep_the_prompt_width():
     batch = Batch(torch.arange(12).view(3, 4), torch.ones(3, 4, dtype=torch.bool), prompt_width=2)
     part = batch.rows(torch.tensor([2, 0]))
     assert part.prompt_width == 2 and torch.equal(part.response_ids, torch.tensor([[10, 11], [2, 3]]))
+
+
+# ---------------------------------------------------------------------- trackers and callbacks
+
+
+def _fake_tracker_modules(calls: list) -> dict:
+    """Stand-ins for wandb, mlflow and trackio that record each call of their APIs the trackers use."""
+    import importlib.machinery
+    import types
+
+    def module(name: str, **functions):
+        fake = types.ModuleType(name)
+        fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        for fn_name, result in functions.items():
+            setattr(fake, fn_name, lambda *a, _n=f"{name}.{fn_name}", _r=result, **k: calls.append((_n, a, k)) or _r)
+        return fake
+
+    run = types.SimpleNamespace(
+        log=lambda row, step: calls.append(("wandb.run.log", (row,), {"step": step})),
+        finish=lambda: calls.append(("wandb.run.finish", (), {})),
+    )
+    return {
+        "wandb": module("wandb", init=run),
+        "mlflow": module(
+            "mlflow",
+            set_tracking_uri=None,
+            set_experiment=None,
+            search_runs=[],
+            start_run=None,
+            log_params=None,
+            log_metrics=None,
+            end_run=None,
+        ),
+        "trackio": module("trackio", init=None, log=None, finish=None),
+    }
+
+
+def test_report_to_wandb_mlflow_and_trackio_log_each_step_as_their_users_know_them(tiny_config, monkeypatch):
+    import sys
+
+    calls = []
+    for name, fake in _fake_tracker_modules(calls).items():
+        monkeypatch.setitem(sys.modules, name, fake)
+    for variable in ("WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TRACKIO_PROJECT"):
+        monkeypatch.delenv(variable, raising=False)
+    cfg = tiny_config("tracked", report_to="wandb,mlflow,trackio")
+    PPOTrainer(cfg).train()
+    by_name = {}
+    for name, args, kwargs in calls:
+        by_name.setdefault(name, []).append((args, kwargs))
+    ((_, init),) = by_name["wandb.init"]
+    assert init["project"] == "ppo-fast" and init["resume"] == "allow" and init["config"]["kl_coef"] == cfg.kl_coef
+    logged = [(args[0], kwargs["step"]) for args, kwargs in by_name["wandb.run.log"]]
+    assert [step for _, step in logged] == [1, 2] and all("objective/scores" in row for row, _ in logged)
+    assert all(isinstance(v, (int, float)) for row, _ in logged for v in row.values())
+    assert by_name["mlflow.set_tracking_uri"][0][0][0] == (Path(cfg.output_dir) / "mlruns").resolve().as_uri()
+    assert [kwargs["step"] for _, kwargs in by_name["mlflow.log_metrics"]] == [1, 2]
+    assert by_name["mlflow.log_params"][0][0][0]["seed"] == str(cfg.seed)
+    assert [kwargs["step"] for _, kwargs in by_name["trackio.log"]] == [1, 2]
+    assert {"wandb.run.finish", "mlflow.end_run", "trackio.finish"} <= set(by_name)
+
+
+def test_a_callback_sees_each_step_evaluation_and_save_and_stops_the_run_cleanly(tiny_config):
+    seen = []
+
+    class StopAtTwo:
+        def on_step_end(self, trainer, row):
+            seen.append(("step", row["step"]))
+            return row["step"] == 2
+
+        def on_evaluate(self, trainer, scores):
+            seen.append(("evaluate", trainer.step))
+
+        def on_save(self, trainer, path):
+            seen.append(("save", path.name))
+
+    cfg = tiny_config("stopped", steps=4)
+    summary = PPOTrainer(cfg, callbacks=[StopAtTwo()]).train()
+    assert summary["stop_reason"] == "callback" and summary["steps_done"] == 2
+    assert seen == [("evaluate", 0), ("step", 1), ("step", 2), ("save", "step-000002"), ("evaluate", 2)]
+    assert checkpoint.latest(Path(cfg.output_dir)).name == "step-000002"
+    with pytest.raises(TypeError, match=r"StopAtTwo is a class; give an instance \(StopAtTwo\(\)\)"):
+        PPOTrainer(tiny_config("typo"), callbacks=[StopAtTwo])
+    with pytest.raises(TypeError, match="has none of the methods on_step_end"):
+        PPOTrainer(tiny_config("typo"), callbacks=[print])
+    assert not Path(tiny_config("typo").output_dir).exists()

@@ -63,7 +63,7 @@ BACKEND_CHOICES = ("auto", *_SPEC.BACKENDS)
 LOGPROBS_SUPPORTS = ("sampled", "full")
 PARALLEL_MODES = ("ddp", "fsdp")
 ROLLOUT_ENGINES = _SPEC.ROLLOUT_ENGINES
-REPORT_TO = ("auto", "none", "tensorboard")
+REPORT_TO = ("auto", "none", *_SPEC.TRACKERS)
 LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 # The output heads' module names in transformers' causal LMs (LoRA on them is refused).
 LORA_HEAD_NAMES = ("lm_head", "embed_out", "output_layer")
@@ -186,10 +186,10 @@ class TrainerConfig:
     )
     report_to: str = _opt(
         "auto",
-        "Where metrics go besides metrics.jsonl: auto (TensorBoard when installed), none, or tensorboard "
-        "(an error when it is not installed).",
+        "Where metrics go besides metrics.jsonl: auto (TensorBoard when installed), none, or trackers separated by "
+        "commas (each an error when not installed), each set up by its own environment variables.",
         "run",
-        choices=REPORT_TO,
+        values=", ".join(REPORT_TO),
         resume=IGNORED,
     )
     verbose: bool = _opt(
@@ -602,6 +602,9 @@ class TrainerConfig:
                 f"got {spec!r}",
             )
         self._validate_reward_weights()
+        names = [name.strip() for name in self.report_to.split(",")]
+        alone = len(names) == 1 or not {"auto", "none"} & set(names)
+        _require("report_to", set(names) <= set(REPORT_TO) and alone, f"must be auto, none or of {REPORT_TO[2:]}")
 
     def reward_fns(self) -> list[str]:
         """``--reward-fn``'s functions, in order."""

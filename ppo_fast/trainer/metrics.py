@@ -16,7 +16,7 @@ import ppo_fast as pf
 from .estimate import Estimate
 from .rollout import Rollouts
 from .rollout_vllm import mismatch_metrics
-from .run_folder import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from .run_folder import METRICS_FILE, PLOT_FILE
 
 
 @dataclass
@@ -102,10 +102,10 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl``, and TensorBoard scalars for
-    ``report_to`` ``tensorboard``, or ``auto`` when tensorboard is installed (silently skipped if not)."""
+    """Appends one JSON object per step to ``metrics.jsonl``, and each number of it to the
+    ``--report-to`` trackers (``trackers.py``), at the row's step."""
 
-    def __init__(self, output_dir: Path, resume_step: int | None, report_to: str = "auto"):
+    def __init__(self, output_dir: Path, resume_step: int | None, trackers: list):
         self.path = output_dir / METRICS_FILE
         if resume_step is None:
             self.path.unlink(missing_ok=True)
@@ -114,30 +114,19 @@ class MetricsWriter:
             kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self.file = self.path.open("a")
-        self.tensorboard = None if report_to == "none" else _tensorboard_writer(output_dir / TENSORBOARD_DIR, report_to)
+        self.trackers = trackers
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tensorboard is not None:
-            for name, value in row.items():
-                if name != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(name, value, row["step"])
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(numbers, row["step"])
 
     def close(self) -> None:
         self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-def _tensorboard_writer(log_dir: Path, report_to: str):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if report_to == "tensorboard":  # asked for: the trainer checked it is installed, so this is a real failure
-            raise
-        return None
-    return SummaryWriter(str(log_dir))
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

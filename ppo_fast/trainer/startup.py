@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
-from . import checkpoint, default_task, distributed, engine, lora, model_folder, packing, report, run_folder
+from . import checkpoint, default_task, distributed, engine, lora, model_folder, packing, report, run_folder, trackers
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .metrics import PhaseTimer
 from .models import (
@@ -111,8 +111,8 @@ def check_options(cfg: TrainerConfig, device: torch.device) -> None:
         tuple(policy_op if op == "clipped_policy_loss" else op for op in ops),
         cfg.advantage_method,
     )
-    if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--report-to tensorboard: tensorboard is not installed (pip install tensorboard)")
+    if untracked := trackers.missing(cfg.report_to):
+        raise ConfigError(untracked)
     if cfg.lora_r is not None:
         lora.check_installed()
     engine = ROLLOUT_ENGINES[cfg.rollout_engine]

@@ -9,7 +9,7 @@ checkpoint holds, the run folder claimed and resumed), ``evaluation`` (held-out 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -17,7 +17,9 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, distributed, evaluation, report, startup
+from . import checkpoint, distributed, evaluation, report, startup, trackers
+from .callbacks import checked as checked_callbacks
+from .callbacks import notify
 from .config import GROUP_METHODS, TrainerConfig
 from .estimate import EstimateOptions, estimate
 from .metrics import MetricsWriter, StepRecord, step_row
@@ -47,6 +49,7 @@ class PPOTrainer:
         answers: list[str | None] | None = None,
         eval_answers: list[str | None] | None = None,
         log: Callable[[str], None] | None = None,
+        callbacks: Sequence = (),
     ):
         given = startup.Given(
             policy=policy,
@@ -57,6 +60,7 @@ class PPOTrainer:
             answers=answers,
             eval_answers=eval_answers,
         )
+        self.callbacks = checked_callbacks(callbacks)  # before the run starts: a bad one writes nothing
         self.run = startup.build_run(cfg, given, log)
         self._in_update = False
         self._warned_no_signal = False
@@ -78,11 +82,15 @@ class PPOTrainer:
 
     def save_checkpoint(self, rng: dict | None = None, final: bool = False) -> Path:
         """Checkpoint the run at this step; every rank calls this (see ``checkpoint.save_run``)."""
-        return checkpoint.save_run(self.run, rng, final)
+        path = checkpoint.save_run(self.run, rng, final)
+        notify(self.callbacks, "on_save", self, path)
+        return path
 
     def evaluate_all(self, model) -> dict[str, float]:
         """``model``'s held-out greedy scores (see ``evaluation.held_out``)."""
-        return evaluation.held_out(self.run, model)
+        scores = evaluation.held_out(self.run, model)
+        notify(self.callbacks, "on_evaluate", self, scores)
+        return scores
 
     # ------------------------------------------------------------------ one iteration
 
@@ -262,8 +270,10 @@ class PPOTrainer:
             return report.nothing_to_do(self.run)
         with pf.use_backend(cfg.backend), self.run.parallel.guard():
             before, start = evaluation.at_start(self.run)
+            if start:
+                notify(self.callbacks, "on_evaluate", self, start)
             stop_reason = self._loop()
-            if stop_reason == "done":
+            if stop_reason in ("done", "callback"):
                 self.run.log(f"saved {self.save_checkpoint(final=True)}")
                 after = self.evaluate_all(self.run.policy)
                 checkpoint.keep_if_best(self.run, after)
@@ -277,11 +287,14 @@ class PPOTrainer:
 
     def _loop(self) -> str:
         """The iterations up to ``cfg.steps``, each logged, evaluated and saved at its period;
-        ``"done"``, or ``"interrupted"`` after a Ctrl-C (the last complete step saved)."""
+        ``"done"``, ``"callback"`` when a callback stopped it, or ``"interrupted"`` after a Ctrl-C (the
+        last complete step saved)."""
         cfg, main = self.run.cfg, self.run.parallel.main
-        writer = (
-            MetricsWriter(self.run.output_dir, self.run.resumed_from, cfg.report_to) if main else distributed.NO_METRICS
-        )
+        if main:
+            tracked = trackers.start(
+                cfg.report_to, self.run.output_dir, cfg.to_dict(), self.run.resumed_from is not None
+            )
+        writer = MetricsWriter(self.run.output_dir, self.run.resumed_from, tracked) if main else distributed.NO_METRICS
         bar = tqdm(total=cfg.steps, initial=self.run.step, desc="PPO", dynamic_ncols=True, disable=not main)
         try:
             with DeferredInterrupt(self.run.log) as interrupt:
@@ -301,6 +314,9 @@ class PPOTrainer:
                         self.run.log(f"step {self.run.step}: held-out greedy {evaluation.in_words(row)}")
                     writer.write(row)
                     report.progress(self.run, bar, row)
+                    if self.run.parallel.any(notify(self.callbacks, "on_step_end", self, row)):
+                        self.run.log(f"step {self.run.step}: a callback stopped the run")
+                        return "callback"
                     if self.run.parallel.any(interrupt.requested):  # a Ctrl-C on rank 0 stops every rank
                         self.run.log(f"saved {self.save_checkpoint()}")
                         return "interrupted"
