@@ -36,7 +36,7 @@ def snapshot(root: Path) -> dict:
 
 
 def refused_line(run: Path) -> str:
-    items = "checkpoints/step-000002 and 1 older, metrics.jsonl, summary.json, curves.png, run_config.yaml, train.log"
+    items = "checkpoints/step-000002 and 1 older, metrics.jsonl, summary.json, curves.png, run_config.yaml, base_model.json, train.log"
     if (run / "tensorboard").exists():  # when tensorboard is installed
         items += ", tensorboard/"
     return (

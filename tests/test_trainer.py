@@ -598,7 +598,7 @@ def test_report_to_wandb_mlflow_and_trackio_log_each_step_as_their_users_know_th
     logged = [(args[0], kwargs["step"]) for args, kwargs in by_name["wandb.run.log"]]
     assert [step for _, step in logged] == [1, 2] and all("objective/scores" in row for row, _ in logged)
     assert all(isinstance(v, (int, float)) for row, _ in logged for v in row.values())
-    assert by_name["mlflow.set_tracking_uri"][0][0][0] == (Path(cfg.output_dir) / "mlruns").resolve().as_uri()
+    assert by_name["mlflow.set_tracking_uri"][0][0][0] == f"sqlite:///{(Path(cfg.output_dir) / 'mlflow.db').resolve()}"
     assert [kwargs["step"] for _, kwargs in by_name["mlflow.log_metrics"]] == [1, 2]
     assert by_name["mlflow.log_params"][0][0][0]["seed"] == str(cfg.seed)
     assert [kwargs["step"] for _, kwargs in by_name["trackio.log"]] == [1, 2]

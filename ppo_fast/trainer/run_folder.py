@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 # The names the trainer writes (ppo_fast.trainer.checkpoint, .metrics and .trainer use these).
@@ -41,6 +42,7 @@ LOG_FILE = "train.log"  # what the run said on the console
 BEST_DIR = "best"  # --keep-best: the policy at its best held-out score
 WARMUP_DIR = "warmup"  # a cache: neither makes a run nor is removed by --overwrite
 BASE_FILE = "base_model.json"  # the base model a run started from: --resume refuses another
+WANDB_DIR, MLFLOW_DB = "wandb", "mlflow.db"  # --report-to wandb, mlflow (without their own places)
 
 
 def artifacts(output_dir: str | Path) -> list[Path]:
@@ -60,6 +62,8 @@ def artifacts(output_dir: str | Path) -> list[Path]:
         CONFIG_FILE,
         BASE_FILE,
         LOG_FILE,
+        WANDB_DIR,
+        MLFLOW_DB,
         TENSORBOARD_DIR,
         VLLM_MODEL_DIR,
     ):
@@ -128,10 +132,17 @@ def nothing_to_do(output_dir: str | Path, steps_done: int, steps: int) -> str:
 
 
 def record_base(output_dir: str | Path, model_name_or_path: str | None, fingerprint: str | None) -> None:
-    """Write which base model the run in ``output_dir`` starts from, unless a record is there already."""
+    """Write which base model the run in ``output_dir`` starts from, and the run's id (the trackers' run:
+    a resume continues it, a new run in the folder gets another), unless a record is there already."""
     path = Path(output_dir) / BASE_FILE
     if not path.exists():
-        path.write_text(json.dumps({"model_name_or_path": model_name_or_path, "fingerprint": fingerprint}) + "\n")
+        record = {"model_name_or_path": model_name_or_path, "fingerprint": fingerprint, "run_id": uuid.uuid4().hex[:16]}
+        path.write_text(json.dumps(record) + "\n")
+
+
+def run_id(output_dir: str | Path) -> str:
+    """The run's id (``record_base``)."""
+    return json.loads((Path(output_dir) / BASE_FILE).read_text())["run_id"]
 
 
 def base_problem(output_dir: str | Path, model_name_or_path: str | None, fingerprint_of) -> str | None:

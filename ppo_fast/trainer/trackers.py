@@ -3,14 +3,13 @@
 Each tracker is used as its users know it: its own environment variables choose the project,
 the mode and the server (``WANDB_PROJECT``, ``WANDB_MODE=offline``, ``MLFLOW_TRACKING_URI``,
 ``MLFLOW_EXPERIMENT_NAME``, ``TRACKIO_PROJECT``); without them, the project is ``ppo-fast`` and
-MLflow writes a file store in the run folder.  A resumed run continues the same tracker run
-where the tracker can (wandb's run id is the run folder's).  A new tracker is one class here
+MLflow writes an SQLite store in the run folder (``mlflow.db``; MLflow 3 no longer takes a file store).  A resumed run continues the same tracker run
+where the tracker can (the run's id, ``run_folder.run_id``).  A new tracker is one class here
 and one entry in ``ppo_fast.spec.TRACKERS``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -19,10 +18,9 @@ from pathlib import Path
 from ppo_fast.spec import TRACKERS
 
 from .config import ConfigError
-from .run_folder import TENSORBOARD_DIR
+from .run_folder import MLFLOW_DB, TENSORBOARD_DIR, run_id
 
 PROJECT = "ppo-fast"
-MLFLOW_DIR = "mlruns"  # MLflow's file store in the run folder, where MLFLOW_TRACKING_URI is unset
 
 
 def chosen(report_to: str) -> list[str]:
@@ -49,11 +47,6 @@ def start(report_to: str, output_dir: Path, config: dict, resumed: bool) -> list
     return [_CLASSES[name](output_dir, config, resumed) for name in chosen(report_to)]
 
 
-def _run_id(output_dir: Path) -> str:
-    """One id per run folder, so that ``--resume`` continues the tracker's run."""
-    return hashlib.sha256(str(output_dir.resolve()).encode()).hexdigest()[:16]
-
-
 class TensorBoard:
     def __init__(self, output_dir: Path, config: dict, resumed: bool):
         from torch.utils.tensorboard import SummaryWriter
@@ -74,7 +67,7 @@ class Wandb:
         self.run = self.wandb.init(
             project=os.environ.get("WANDB_PROJECT", PROJECT),
             name=output_dir.name,
-            id=_run_id(output_dir),
+            id=run_id(output_dir),
             resume="allow",
             dir=str(output_dir),
             config=config,
@@ -91,15 +84,15 @@ class MLflow:
     def __init__(self, output_dir: Path, config: dict, resumed: bool):
         self.mlflow = importlib.import_module("mlflow")
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            self.mlflow.set_tracking_uri((output_dir / MLFLOW_DIR).resolve().as_uri())
+            self.mlflow.set_tracking_uri(f"sqlite:///{(output_dir / MLFLOW_DB).resolve()}")
         self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
         found = self.mlflow.search_runs(
-            filter_string=f"tags.ppo_fast_run = '{_run_id(output_dir)}'", output_format="list"
+            filter_string=f"tags.ppo_fast_run = '{run_id(output_dir)}'", output_format="list"
         )
         if resumed and found:
             self.mlflow.start_run(run_id=found[0].info.run_id)
         else:
-            self.mlflow.start_run(run_name=output_dir.name, tags={"ppo_fast_run": _run_id(output_dir)})
+            self.mlflow.start_run(run_name=output_dir.name, tags={"ppo_fast_run": run_id(output_dir)})
             # MLflow keeps a parameter's first value: a resumed run's changed options are in its run_config.yaml.
             self.mlflow.log_params({name: str(value)[:500] for name, value in config.items()})
 
