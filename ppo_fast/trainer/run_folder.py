@@ -140,9 +140,9 @@ def record_base(output_dir: str | Path, model_name_or_path: str | None, fingerpr
         path.write_text(json.dumps(record) + "\n")
 
 
-def run_id(output_dir: str | Path) -> str:
-    """The run's id (``record_base``)."""
-    return json.loads((Path(output_dir) / BASE_FILE).read_text())["run_id"]
+def run_id(output_dir: str | Path) -> str | None:
+    """The run's id (``record_base``); None for a record without one (the tracker then starts a run)."""
+    return json.loads((Path(output_dir) / BASE_FILE).read_text()).get("run_id")
 
 
 def base_problem(output_dir: str | Path, model_name_or_path: str | None, fingerprint_of) -> str | None:
