@@ -1,7 +1,8 @@
 """Build of the C++/CUDA extension ``ppo_fast._C``.
 
-* One home per op: ``csrc/<op>.cpp`` (its schemas, C++ CPU kernel and CPU registration;
-  with ``csrc/module.cpp`` and the shared headers of ``csrc/common/``) is always built.
+* One home per op: ``csrc/<op>.cpp`` (its schemas, C++ CPU kernel and CPU registration) and
+  ``csrc/autograd/<op>.cpp`` (its autograd kernels, every device), with ``csrc/module.cpp`` and the
+  shared headers of ``csrc/common/``, are always built.
 * CUDA kernels (``csrc/cuda/<op>.cu`` + their torch glue ``csrc/cuda/<op>.cpp``), by ``PPO_FAST_BUILD_CUDA``:
   ``auto`` (default) builds them when a GPU is visible (``nvidia-smi -L`` lists one,
   or a ``/dev/nvidia<N>`` device exists), torch is a CUDA build and nvcc is found;
@@ -237,7 +238,7 @@ if build_cuda and not (torch_has_cuda and cuda_home):
     )
 
 here = os.path.dirname(os.path.abspath(__file__))
-cpp_sources = sorted(glob.glob("csrc/*.cpp"))
+cpp_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/autograd/*.cpp"))
 # -fno-trapping-math lets GCC if-convert (and so vectorize) the selects in the CPU kernels.
 # -g0 overrides the -g in Python's CFLAGS: debug information for torch's headers costs a
 # third of the compile time.  GCC contracts a * b + c into FMAs (its default for C++): the

@@ -5,13 +5,19 @@
 #               pinned; the packages the tests and baselines import; nvcc against torch's CUDA;
 #               ninja.  Without a GPU it stops here, exit 3 (unless REHEARSAL=1)
 #   build       ppo_fast._C with its CUDA kernels for this GPU's architecture (ninja)
-#   tests-*     the GPU tests in stages: native CUDA and no host sync, the Triton kernels, the
-#               conformance matrix, its torch.compile cases, the rest; one line per test in
-#               tests-*.log as it ends, so a stage cut by its limit keeps every name
-#   targets     python -m bench targets (saved as measured)
-#   fused-head  the fused LM head's benchmark rows
+# Then, in the order of what the run must answer (a stage cut short costs the least valuable):
+#   fused-head  the fused LM head's benchmark rows against its baselines
+#   overhead    python -m bench overhead --device cuda: every public op's eager and device time
+#   targets     python -m bench targets (the loss targets among them; saved as measured)
+#   tests-native  the native CUDA tests and the no-host-sync test (the launch-count test apart)
+#   tests-launch  the profiler launch-count test alone, in its own process; a crash (a signal) is
+#               rerun once alone, to tell a crash of that test from one left by what ran before
+#   tests-*     the other GPU tests in stages: the Triton kernels, the conformance matrix, its
+#               torch.compile cases, the rest; one line per test in tests-*.log as it ends, so a
+#               stage cut by its limit keeps every name
 #   head-tiles  the fused head's tile candidates and its vocabulary split (python -m bench head_tiles)
 #   bench       the rest of the benchmark suite, with the time left
+# Not in the plan: the trainer end to end on a Llama-shaped ~0.5B model (no such benchmark exists yet).
 # Each stage must end by its deadline, the share of TOTAL_S up to it (DEADLINE below): a stage
 # that ends early leaves its time to the next.  A TERM or INT (the device call's limit) stops the
 # stage in flight and still writes the summary.  The last lines of summary.txt: one per target
@@ -49,10 +55,12 @@ CHILD=""
 
 # Percent of TOTAL_S by which each stage must have ended.
 declare -A DEADLINE=(
-    [preflight]=6 [build]=26
-    [tests-native]=31 [tests-triton]=39 [tests-matrix]=48 [tests-compile]=53 [tests-rest]=58
-    [targets]=72 [fused-head]=84 [head-tiles]=92 [bench]=100
+    [preflight]=6 [build]=26 [fused-head]=38 [overhead]=45 [targets]=55
+    [tests-native]=60 [tests-launch]=63 [tests-triton]=70 [tests-matrix]=78 [tests-compile]=83 [tests-rest]=88
+    [head-tiles]=94 [bench]=100
 )
+STAGES=(preflight build fused-head overhead targets tests-native tests-launch tests-triton tests-matrix tests-compile
+    tests-rest head-tiles bench)
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
 elapsed() { echo $(($(date +%s) - START)); }
@@ -208,7 +216,7 @@ elif [ -z "$ARCH" ]; then
     say "gpu_check: no CUDA GPU visible to torch (torch.cuda.is_available() is False): stopping before the build; nothing measured"
     exit 3
 fi
-say "plan (${TOTAL_S}s): $(for s in preflight build tests-native tests-triton tests-matrix tests-compile tests-rest targets fused-head head-tiles bench; do
+say "plan (${TOTAL_S}s): $(for s in "${STAGES[@]}"; do
     printf '%s by %ss, ' "$s" $((TOTAL_S * DEADLINE[$s] / 100))
 done)"
 
@@ -250,6 +258,26 @@ test_stage() {
         rerun_crashed "$name" "$log"
     fi
 }
+# The profiler launch-count test alone in a fresh process (CUPTI's state is per process); if a signal
+# ends it, once more alone: the same crash again is the test's own.
+LAUNCH_TEST=test_losses_cuda_launches_at_1m_tokens
+launch_stage() {
+    local log="$OUT/tests-launch.log" rc
+    local id="tests/backends/test_native_cuda.py::$LAUNCH_TEST"
+    : >"$log"
+    if [ "$REHEARSAL" = 1 ]; then
+        run_stage tests-launch "$log" "${PYTEST[@]}" --collect-only -q "$id"
+        return
+    fi
+    run_stage tests-launch "$log" "${PYTEST[@]}" -n 0 -v "$id"
+    rc=$?
+    if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ] && [ "$rc" -ne 137 ]; then # 137: timeout's KILL
+        echo "== tests-launch: again alone after signal $((rc - 128))" >>"$log"
+        in_background "$log" timeout --signal=TERM --kill-after=5 60 "${PYTEST[@]}" -n 0 -v "$id"
+        rc=$?
+        say "  tests-launch: crashed (signal $((rc - 128)) first); alone again in a fresh process: exit $rc"
+    fi
+}
 # A test whose xdist worker crashed runs again alone, in a fresh process (a few, a minute each): a
 # crash that does not repeat there came from what ran before it on that worker.
 rerun_crashed() {
@@ -263,27 +291,33 @@ rerun_crashed() {
         say "  $name: $id crashed its worker; alone in a fresh process: exit $rc$([ "$rc" -gt 128 ] && [ "$rc" -lt 160 ] && echo " (signal $((rc - 128)))")"
     done
 }
-test_stage tests-native "${STAGED[@]:0:2}"
+if [ "$REHEARSAL" = 1 ]; then
+    for s in fused-head overhead targets; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
+else
+    # --- the fused LM head's rows against its baselines, first: the question this run answers first.
+    mkdir -p "$OUT/fused_head"
+    run_stage fused-head "$OUT/fused_head/bench.log" \
+        "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
+    # --- every public op's eager and device time on tiny inputs (bench.timing's rule).
+    run_stage overhead "$OUT/overhead.log" "$PY" -m bench overhead --device cuda --out "$OUT"
+    # --- the targets, each saved to targets.json as it is measured.
+    COMPILE_FLAG=()
+    [ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
+    run_stage targets "$OUT/targets.log" \
+        "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $(($(left_for targets) * 3 / 4)) "${COMPILE_FLAG[@]}"
+fi
+
+test_stage tests-native "${STAGED[@]:0:2}" -k "not $LAUNCH_TEST"
+launch_stage
 test_stage tests-triton "${STAGED[@]:2:2}"
 test_stage tests-matrix per-device tests/test_conformance.py -k "not compiled"
 test_stage tests-compile per-device tests/test_conformance.py -k compiled
 test_stage tests-rest tests $(printf -- '--ignore=%s ' "${STAGED[@]}" "${COMPILE_ONLY[@]}")
 
 if [ "$REHEARSAL" = 1 ]; then
-    for s in targets fused-head head-tiles bench; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
+    for s in head-tiles bench; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
     finish
 fi
-
-# --- the targets, each saved to targets.json as it is measured.
-COMPILE_FLAG=()
-[ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
-run_stage targets "$OUT/targets.log" \
-    "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $(($(left_for targets) * 3 / 4)) "${COMPILE_FLAG[@]}"
-
-# --- the fused LM head's rows alone, before the suite, so that the suite's budget cannot cut them.
-mkdir -p "$OUT/fused_head"
-run_stage fused-head "$OUT/fused_head/bench.log" \
-    "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
 
 # --- the fused head's tile candidates, forward and backward, and its vocabulary split (one JSON row
 # a candidate, written as it goes).

@@ -1,15 +1,24 @@
-"""``python -m bench overhead``: what a public op call costs beyond its kernel, on tiny inputs.
+"""``python -m bench overhead``: what every public op call costs on tiny inputs, eager, as a user pays it.
 
-    python -m bench overhead                      # every op
-    python -m bench overhead --out bench/results  # writes overhead-cpu.json
+    python -m bench overhead                            # every public op, CPU
+    python -m bench overhead --device cuda              # on a GPU: eager and device time
+    python -m bench overhead --out bench/results        # writes overhead-<device>.json
 
-For each public op, on inputs so small that the kernel itself costs almost nothing, the
-public call (``pf.<op>``: argument checks, value checks, dispatch) is timed against the
-backend function it resolves to, called with the same, already normalised arguments.  The
-difference is the per-call overhead (target: at most ``TARGET_US``).  Float masks are timed beside
-bool ones (their 0/1 check reads the values).  Time is the process's CPU time with one
-torch thread, fastest call of each, in alternation (on a shared machine wall time mostly
-measures the other jobs); the CPU and the load are recorded beside the numbers.
+For each public op, on inputs so small (B=4, T=64, V=16, H=8) that its kernels cost almost
+nothing, forward (under ``no_grad``) and forward + backward (where the op is differentiable):
+
+* ``eager_us``: eager wall time per call (``bench.timing.time_eager``: warmed, blocks of calls,
+  median and IQR over at least ``MIN_SAMPLES`` blocks; on CUDA each block ends synchronised);
+* ``cpu_us``: the process's CPU time per call (the median over the same kind of blocks), which a
+  shared machine's other jobs disturb less than wall time;
+* on CUDA, ``device_us``: CUDA graph replay with L2 flushed (``bench.timing.time_device``), the
+  kernels alone: eager minus device is what the host adds.
+
+Forward rows of ops with a backend function also time that function, called with the same,
+already normalised arguments: ``overhead_us`` is the public call's CPU time minus the backend
+call's (the argument checks and dispatch; target at most ``TARGET_US``).  Float masks are timed
+beside bool ones (their 0/1 check reads the values).  One torch thread; the machine and its load
+are recorded beside the numbers.
 """
 
 from __future__ import annotations
@@ -17,192 +26,324 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 import ppo_fast as pf
 from ppo_fast.backends import resolve, resolved_backend_name
 
-from .common import ROUNDS, best_ms, machine, write_json
+from .common import command_line, machine, write_json
+from .timing import MIN_SAMPLES, time_device, time_eager
 
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results")
 TARGET_US = 50.0
+B, T, V, H = 4, 64, 16, 8
+# Public names that are registries, not ops.
+NOT_OPS = {"advantage_methods", "policy_loss_modes"}
 
 
-def _tiny_inputs() -> dict:
-    """B=2, T=8, V=16, H=8: per-call overhead, not arithmetic, dominates."""
+@dataclass
+class Case:
+    name: str
+    op: str  # the public op (ppo_fast.<op>)
+    public: Callable[[dict], object]
+    grad_input: str | None = None  # the input the fwd+bwd mode differentiates; None: forward only
+    backend_op: str | None = None  # the backend op its forward resolves to
+    backend: Callable[[Callable, dict], object] | None = None  # (resolved fn, inputs) -> its call
+
+
+def tiny_inputs(device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
-    B, T, V, H = 2, 8, 16, 8
-    lp, old, adv = (torch.randn(B, T, generator=g) for _ in range(3))
-    values, returns, scores = (
-        torch.randn(B, T, generator=g),
-        torch.randn(B, T, generator=g),
-        torch.randn(B, generator=g),
-    )
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
     mask = torch.ones(B, T, dtype=torch.bool)
-    float_mask = mask.float()
-    logits, labels = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
-    labels[0, -2:] = -100  # padding, as in training
-    hidden, weight = torch.randn(B * T, H, generator=g), torch.randn(V, H, generator=g)
-    group_ids = torch.tensor([0, 0])
-
-    return dict(
-        lp=lp,
-        old=old,
-        adv=adv,
-        values=values,
-        returns=returns,
-        scores=scores,
-        mask=mask,
-        float_mask=float_mask,
-        logits=logits,
-        labels=labels,
-        hidden=hidden,
-        weight=weight,
-        group_ids=group_ids,
-    )
-
-
-def _backend(op):
-    return resolve(op, "cpu")
+    mask[0, -5:] = False  # padding, as in training
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, -2:] = -100
+    return {
+        "lp": randn(B, T) - 1.0,
+        "old": randn(B, T) - 1.0,
+        "adv": randn(B, T),
+        "values": randn(B, T),
+        "returns": randn(B, T),
+        "rewards": randn(B, T),
+        "scores": randn(B),
+        "entropy": randn(B, T).abs(),
+        "mask": mask.to(device),
+        "float_mask": mask.float().to(device),
+        "logits": randn(B, T, V),
+        "labels": labels.to(device),
+        "hidden": randn(B * T, H),
+        "weight": randn(V, H),
+        "group_ids": torch.arange(B).div(2, rounding_mode="floor").to(device),
+    }
 
 
-def _cases():
-    """(name, op, public call, backend call) on tiny inputs."""
-    inputs = _tiny_inputs()
-    yield from _logprob_cases(**inputs)
-    yield from _rl_cases(**inputs)
+def _loss_first(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
-def _logprob_cases(lp, old, logits, labels, hidden, weight, **_):
-    backend = _backend
-    yield (
-        "token_logprobs",
-        "token_logprobs",
-        lambda: pf.token_logprobs(logits, labels),
-        lambda: backend("token_logprobs")(logits, labels, 1.0, False, -100, False),
-    )
-    yield (
-        "linear_token_logprobs",
-        "linear_token_logprobs",
-        lambda: pf.linear_token_logprobs(hidden, weight, labels.view(-1)),
-        lambda: backend("linear_token_logprobs")(
-            hidden,
-            weight,
-            labels.view(-1),
-            bias=None,
-            temperature=1.0,
-            logit_scale=1.0,
-            logit_softcap=None,
-            return_entropy=False,
-            ignore_index=-100,
+def _logprob_and_kl_cases() -> list[Case]:
+    return [
+        Case(
+            "token_logprobs",
+            "token_logprobs",
+            lambda x: pf.token_logprobs(x["logits"], x["labels"]),
+            "logits",
+            "token_logprobs",
+            lambda fn, x: fn(x["logits"], x["labels"], 1.0, False, -100, False),
         ),
-    )
-    yield (
-        "kl_estimate",
-        "kl_estimate",
-        lambda: pf.kl_estimate(lp, old, kl_estimator="k3"),
-        lambda: backend("kl_estimate")(lp, old, "k3"),
-    )
-
-
-def _rl_cases(lp, old, adv, values, returns, scores, *, mask, float_mask, group_ids, **_):
-    backend = _backend
-    yield (
-        "kl_penalized_rewards",
-        "kl_penalized_rewards",
-        lambda: pf.kl_penalized_rewards(scores, lp, old, mask, kl_coef=0.05),
-        lambda: backend("kl_penalized_rewards")(scores, lp, old, mask, 0.05, "k1"),
-    )
-    yield (
-        "gae (bool mask)",
-        "gae",
-        lambda: pf.gae(values, returns, mask, gamma=1.0, lam=0.95),
-        lambda: backend("gae")(values, returns, mask, 1.0, 0.95),
-    )
-    yield (
-        "gae (float mask)",
-        "gae",
-        lambda: pf.gae(values, returns, float_mask, gamma=1.0, lam=0.95),
-        lambda: backend("gae")(values, returns, mask, 1.0, 0.95),
-    )
-    yield (
-        "policy_loss vanilla",
-        "clipped_policy_loss",
-        lambda: pf.policy_loss(lp, old, adv, mask),
-        lambda: backend("clipped_policy_loss")(
-            lp, old, adv, mask, None, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, agg="token-mean"
+        Case(
+            "linear_token_logprobs",
+            "linear_token_logprobs",
+            lambda x: pf.linear_token_logprobs(x["hidden"], x["weight"], x["labels"].view(-1)),
+            "hidden",
+            "linear_token_logprobs",
+            lambda fn, x: fn(
+                x["hidden"],
+                x["weight"],
+                x["labels"].view(-1),
+                bias=None,
+                temperature=1.0,
+                logit_scale=1.0,
+                logit_softcap=None,
+                return_entropy=False,
+                ignore_index=-100,
+            ),
         ),
-    )
-    yield (
-        "value_loss",
-        "value_loss",
-        lambda: pf.value_loss(values, old, returns, mask),
-        lambda: backend("value_loss")(values, old, returns, mask, 0.2, "token-mean"),
-    )
-    yield (
-        "group_advantages grpo",
-        "group_sum",
-        lambda: pf.group_advantages(scores, group_ids, mask, method="grpo"),
-        None,
-    )
-    yield ("masked_whiten", None, lambda: pf.masked_whiten(adv, mask), None)
-    yield (
-        "rollout_correction_weights",
-        None,
-        lambda: pf.rollout_correction_weights(lp, old, mask, mode="token_tis"),
-        None,
-    )
+        Case(
+            "linear_policy_loss",
+            "linear_policy_loss",
+            lambda x: pf.linear_policy_loss(
+                x["hidden"].view(B, T, H), x["weight"], x["labels"], x["old"], x["adv"], x["mask"]
+            ),
+            "hidden",
+        ),
+        Case(
+            "kl_estimate",
+            "kl_estimate",
+            lambda x: pf.kl_estimate(x["lp"], x["old"], kl_estimator="k3"),
+            "lp",
+            "kl_estimate",
+            lambda fn, x: fn(x["lp"], x["old"], "k3"),
+        ),
+        Case(
+            "kl_penalized_rewards",
+            "kl_penalized_rewards",
+            lambda x: pf.kl_penalized_rewards(x["scores"], x["lp"], x["old"], x["mask"], kl_coef=0.05),
+            "lp",
+            "kl_penalized_rewards",
+            lambda fn, x: fn(x["scores"], x["lp"], x["old"], x["mask"], 0.05, "k1"),
+        ),
+    ]
 
 
-def measure(min_run_time: float) -> list[dict]:
-    torch.set_num_threads(1)
-    rows = []
-    for name, op, public, direct in _cases():
-        times = {"public": [], "backend": []}
-        for _ in range(ROUNDS):  # alternation: public, backend, public, ...
+def _rl_cases() -> list[Case]:
+    clip = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, agg="token-mean")
+    return [
+        Case(
+            "gae (bool mask)",
+            "gae",
+            lambda x: pf.gae(x["rewards"], x["values"], x["mask"]),
+            "values",
+            "gae",
+            lambda fn, x: fn(x["rewards"], x["values"], x["mask"], 1.0, 0.95),
+        ),
+        Case(
+            "gae (float mask)",
+            "gae",
+            lambda x: pf.gae(x["rewards"], x["values"], x["float_mask"]),
+            "values",
+            "gae",
+            lambda fn, x: fn(x["rewards"], x["values"], x["mask"], 1.0, 0.95),
+        ),
+        Case(
+            "group_advantages grpo",
+            "group_advantages",
+            lambda x: pf.group_advantages(x["scores"], x["group_ids"], x["mask"], method="grpo"),
+            None,
+        ),
+        Case(
+            "clipped_policy_loss",
+            "clipped_policy_loss",
+            lambda x: pf.clipped_policy_loss(x["lp"], x["old"], x["adv"], x["mask"]),
+            "lp",
+            "clipped_policy_loss",
+            lambda fn, x: fn(x["lp"], x["old"], x["adv"], x["mask"], None, **clip),
+        ),
+        Case(
+            "policy_loss vanilla",
+            "policy_loss",
+            lambda x: pf.policy_loss(x["lp"], x["old"], x["adv"], x["mask"]),
+            "lp",
+            "clipped_policy_loss",
+            lambda fn, x: fn(x["lp"], x["old"], x["adv"], x["mask"], None, **clip),
+        ),
+        Case(
+            "policy_loss gspo",
+            "policy_loss",
+            lambda x: pf.policy_loss(x["lp"], x["old"], x["adv"], x["mask"], loss_mode="gspo"),
+            "lp",
+            "policy_loss_gspo",
+        ),
+        Case(
+            "policy_objective",
+            "policy_objective",
+            lambda x: pf.policy_objective(x["lp"], x["entropy"], x["old"], x["adv"], x["mask"]),
+            "lp",
+        ),
+        Case(
+            "value_loss",
+            "value_loss",
+            lambda x: pf.value_loss(x["values"], x["old"], x["returns"], x["mask"]),
+            "values",
+            "value_loss",
+            lambda fn, x: fn(x["values"], x["old"], x["returns"], x["mask"], 0.2, "token-mean"),
+        ),
+        Case("aggregate", "aggregate", lambda x: pf.aggregate(x["adv"], x["mask"]), "adv"),
+        Case("masked_mean", "masked_mean", lambda x: pf.masked_mean(x["adv"], x["mask"]), "adv"),
+        Case("masked_whiten", "masked_whiten", lambda x: pf.masked_whiten(x["adv"], x["mask"]), "adv"),
+        Case(
+            "rollout_correction_weights",
+            "rollout_correction_weights",
+            lambda x: pf.rollout_correction_weights(x["lp"], x["old"], x["mask"], mode="token_tis"),
+            None,
+        ),
+    ]
+
+
+def cases() -> list[Case]:
+    """Every public op (``ppo_fast.ops.__all__`` less its registries), at least once."""
+    return _logprob_and_kl_cases() + _rl_cases()
+
+
+def _runner(case: Case, mode: str, inputs: dict) -> Callable[[], object]:
+    if mode == "fwd":
+
+        def forward():
             with torch.no_grad():
-                times["public"].append(best_ms(public, min_run_time, clock=time.process_time))
-                if direct is not None:
-                    times["backend"].append(best_ms(direct, min_run_time, clock=time.process_time))
-        public_us = min(times["public"]) * 1e3
-        backend_us = min(times["backend"]) * 1e3 if times["backend"] else None
-        overhead = None if backend_us is None else public_us - backend_us
-        rows.append(
-            {
-                "op": name,
-                "backend": resolved_backend_name(op, "cpu") if op else "reference",
-                "public_us": round(public_us, 1),
-                "backend_call_us": None if backend_us is None else round(backend_us, 1),
-                "overhead_us": None if overhead is None else round(overhead, 1),
-                "within_target": None if overhead is None else overhead <= TARGET_US,
-            }
-        )
+                return case.public(inputs)
+
+        return forward
+    leaf = inputs[case.grad_input]
+
+    def forward_backward():
+        leaf.grad = None
+        out = _loss_first(case.public(inputs))
+        (out if out.dim() == 0 else out.sum()).backward()
+
+    return forward_backward
+
+
+def cpu_us(fn: Callable[[], object], min_run_time: float) -> float:
+    """The median process CPU time per call, in us, over at least MIN_SAMPLES blocks (warmed)."""
+    for _ in range(3):
+        fn()
+    start = time.process_time()
+    fn()
+    number = max(1, int(2e-3 / max(time.process_time() - start, 1e-7)))
+    blocks, spent = [], 0.0
+    while len(blocks) < MIN_SAMPLES or spent < min_run_time:
+        start = time.process_time()
+        for _ in range(number):
+            fn()
+        elapsed = time.process_time() - start
+        blocks.append(elapsed / number * 1e6)
+        spent += elapsed
+    return statistics.median(blocks)
+
+
+def _row(case: Case, mode: str, inputs: dict, device: torch.device, min_run_time: float) -> dict:
+    run = _runner(case, mode, inputs)
+    eager = time_eager(run, min_run_time, device.type)
+    row = {
+        "op": case.name,
+        "public": case.op,
+        "mode": mode,
+        # "composite": a public op of several ops (or of torch's), no one backend function.
+        "backend": resolved_backend_name(case.backend_op, device.type) if case.backend_op else "composite",
+        "eager_us": round(eager.median_ms * 1e3, 2),
+        "eager_iqr_us": [round(eager.q25_ms * 1e3, 2), round(eager.q75_ms * 1e3, 2)],
+        "samples": eager.samples,
+        "cpu_us": round(cpu_us(run, min_run_time), 2),
+    }
+    if device.type == "cuda":
+        timing, why = time_device(run, max(20, int(min_run_time * 1e3)))
+        if timing is None:
+            row["device_note"] = why
+        else:
+            row["device_us"] = round(timing.median_ms * 1e3, 2)
+            row["device_iqr_us"] = [round(timing.q25_ms * 1e3, 2), round(timing.q75_ms * 1e3, 2)]
+    if mode == "fwd" and case.backend is not None:
+        fn = resolve(case.backend_op, device.type)
+
+        def direct():
+            with torch.no_grad():
+                return case.backend(fn, inputs)
+
+        row["backend_cpu_us"] = round(cpu_us(direct, min_run_time), 2)
+        row["overhead_us"] = round(row["cpu_us"] - row["backend_cpu_us"], 2)
+        row["within_target"] = row["overhead_us"] <= TARGET_US
+    return row
+
+
+def measure(device: torch.device, min_run_time: float) -> list[dict]:
+    torch.set_num_threads(1)
+    inputs = tiny_inputs(device)
+    rows = []
+    for case in cases():
+        for mode in ("fwd", "fwd+bwd") if case.grad_input else ("fwd",):
+            if mode == "fwd+bwd":
+                inputs[case.grad_input].requires_grad_(True)
+            try:
+                rows.append(_row(case, mode, inputs, device, min_run_time))
+            finally:
+                inputs[case.grad_input or "lp"].requires_grad_(False)
+                inputs[case.grad_input or "lp"].grad = None
     return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'op':28} {'mode':8} {'backend':10} {'eager us':>9} {'IQR':>15} {'cpu us':>8} {'device us':>10} {'overhead':>9}"
+    lines = [head]
+    for r in rows:
+        iqr = "{:.1f}-{:.1f}".format(*r["eager_iqr_us"])
+        device = f"{r['device_us']:.1f}" if "device_us" in r else "-"
+        overhead = f"{r['overhead_us']:.1f}" if "overhead_us" in r else "-"
+        lines.append(
+            f"{r['op']:28} {r['mode']:8} {r['backend']:10} {r['eager_us']:9.1f} {iqr:>15} {r['cpu_us']:8.1f} "
+            f"{device:>10} {overhead:>9}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing (a smoke run)")
-    parser.add_argument(
-        "--out", default=None, help="folder for overhead-cpu.json (bench/results holds the committed one)"
-    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", default=None, help="folder for overhead-<device>.json (bench/results holds ours)")
     args = parser.parse_args(argv)
-    rows = measure(0.02 if args.quick else 0.3)
-    print(f"{'op':30} {'backend':10} {'public us':>10} {'backend us':>11} {'overhead us':>12}")
-    for r in rows:
-        backend_us = "-" if r["backend_call_us"] is None else f"{r['backend_call_us']:.1f}"
-        overhead = "-" if r["overhead_us"] is None else f"{r['overhead_us']:.1f}"
-        print(f"{r['op']:30} {r['backend']:10} {r['public_us']:10.1f} {backend_us:>11} {overhead:>12}")
+    device = torch.device(args.device)
+    rows = measure(device, 0.02 if args.quick else 0.3)
+    print(table(rows))
     if args.out:
         write_json(
-            os.path.join(args.out, "overhead-cpu.json"),
+            os.path.join(args.out, f"overhead-{device.type}.json"),
             {
-                "what": "per-call CPU time of the public op vs its backend function on tiny inputs (B=2, T=8, V=16, H=8), "
-                f"process time, one torch thread, fastest call; target overhead <= {TARGET_US:.0f} us",
-                "date": datetime.date.today().isoformat(),
-                "machine": machine(torch.device("cpu")),
+                "what": f"per-call cost of every public op on tiny inputs (B={B}, T={T}, V={V}, H={H}), forward "
+                "(no_grad) and forward + backward: eager wall time (median, IQR over blocks), process CPU time, "
+                "device time on CUDA (graph replay, L2 flushed); forward rows with a backend function: the public "
+                f"call's CPU time minus the backend call's (target <= {TARGET_US:.0f} us); one torch thread",
+                "command": command_line("overhead", argv),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": machine(device),
+                "quick": args.quick,
                 "rows": rows,
             },
         )

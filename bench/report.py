@@ -35,7 +35,10 @@ def result_rows(results: dict) -> list[dict]:
                     "impl": "",
                     "time": "",
                     "spread": "",
+                    "device": "",
+                    "device_spread": "",
                     "speedup": "",
+                    "speedup_device": "",
                     "vs_reference": "",
                     "memory": "",
                     "gbps": "",
@@ -55,7 +58,12 @@ def result_rows(results: dict) -> list[dict]:
                     "impl": r["impl"] + (" *" if r["kind"] == "ppo_fast" else ""),
                     "time": _fmt(r.get("median_ms"), ".4g") if ok else r["status"].upper(),
                     "spread": f"{r['q25_ms']:.4g}-{r['q75_ms']:.4g}" if ok else "",
+                    "device": _fmt(r.get("device_median_ms"), ".4g") if ok else "",
+                    "device_spread": (
+                        f"{r['device_q25_ms']:.4g}-{r['device_q75_ms']:.4g}" if ok and "device_q25_ms" in r else ""
+                    ),
                     "speedup": _times(r.get("speedup")),
+                    "speedup_device": _times(r.get("speedup_device")),
                     "vs_reference": _times(r.get("speedup_vs_reference")),
                     "memory": _fmt(r["peak_extra_bytes"] / MIB if "peak_extra_bytes" in r else None, ".1f"),
                     "gbps": _fmt(r.get("gbps"), ".0f"),
@@ -72,9 +80,12 @@ _COLUMNS = [
     ("shape", "shape"),
     ("mode", "mode"),
     ("impl", "implementation"),
-    ("time", "median ms"),
-    ("spread", "IQR ms"),
+    ("time", "eager ms"),
+    ("spread", "eager IQR ms"),
+    ("device", "device ms"),
+    ("device_spread", "device IQR ms"),
     ("speedup", "vs eager"),
+    ("speedup_device", "vs eager, device"),
     ("vs_reference", "vs reference"),
     ("memory", "peak extra MiB"),
     ("gbps", "GB/s"),
@@ -84,9 +95,29 @@ _COLUMNS = [
 ]
 
 
+TIMER_LINE = (
+    "eager ms: wall time per call as a user's loop pays it (host overhead included), warmed, median and IQR "
+    "over blocks of calls; device ms (CUDA): CUDA graph replay, L2 flushed before each (bench.timing); every "
+    "implementation of a row takes both"
+)
+
+
+def current_timers(results: dict) -> bool:
+    """Whether a result file was timed by bench.timing's current rule (its rows count their samples)."""
+    return any("samples" in r for case in results["cases"] for r in case.get("results", []))
+
+
 def _columns(results: dict) -> list[tuple[str, str]]:
+    if not current_timers(results):
+        titles = {"time": "median ms", "spread": "IQR ms"}
+        return [(key, titles.get(key, title)) for key, title in _columns_current(results)]
+    return _columns_current(results)
+
+
+def _columns_current(results: dict) -> list[tuple[str, str]]:
     on_gpu = results["device"] == "cuda"
-    return [(key, title) for key, title in _COLUMNS if on_gpu or key not in ("gbps", "copy", "tflops")]
+    gpu_only = ("device", "device_spread", "speedup_device", "gbps", "copy", "tflops")
+    return [(key, title) for key, title in _COLUMNS if on_gpu or key not in gpu_only]
 
 
 def header_lines(results: dict) -> list[str]:
@@ -98,8 +129,13 @@ def header_lines(results: dict) -> list[str]:
         f"command: {results['command']}",
         "backends: " + "; ".join(f"{k} {v}" for k, v in results["backends"].items()),
         f"peak memory method: {results['memory_method']}",
-        "vs eager: speedup over the eager baseline of the same case and mode (python-loop for gae); "
-        "vs reference: over our reference backend; * marks ppo_fast backends",
+        TIMER_LINE
+        if current_timers(results)
+        else "median ms: as this file's suite timed it then (CPU: torch.utils.benchmark's blocked autorange; "
+        "CUDA: triton's do_bench, a CUDA graph replay without an L2 flush for calls under 1 ms), not "
+        "bench.timing's current rule",
+        "vs eager: speedup over the eager baseline of the same case and mode (python-loop for gae), eager wall "
+        "time (and device time); vs reference: over our reference backend; * marks ppo_fast backends",
         "MISMATCH (no time): the output differs from our reference backend by more than the tolerance (the "
         "note says by how much; a bf16 baseline's own rounding, say), so it is not timed: a time for another "
         "answer is no comparison, and says nothing of that implementation's speed; ERROR and OOM likewise",
@@ -217,7 +253,8 @@ IMPL_COLORS = {
 _SPARE_COLORS = ["#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d"]
 BAR_HEIGHT_IN = 0.17  # inches per bar; a group's header and gap add a little more
 METRICS = {
-    "ms": ("median time per call, ms (log scale: shorter is faster)", "median_ms"),
+    "ms": ("eager wall time per call, median ms (log scale: shorter is faster)", "median_ms"),
+    "device-ms": ("device time per call (CUDA graph replay, L2 flushed), median ms (log scale)", "device_median_ms"),
     "gbps": ("achieved GB/s (longer is faster)", "gbps"),
 }
 
@@ -259,7 +296,7 @@ def bar_groups(results: dict, op: str, key: str) -> list[dict]:
                 "ours": r["kind"] == "ppo_fast",
                 "baseline": r["impl"] == case["eager_baseline"],
                 "value": r[key],
-                "speedup": r.get("speedup"),
+                "speedup": r.get("speedup_device" if key == "device_median_ms" else "speedup"),
             }
             group.setdefault("yardsticks" if r["impl"] in marks else "compared", []).append(bar)
     for group in groups.values():
@@ -336,7 +373,7 @@ def plot(results: dict | list[dict], out_dir: str, stem: str) -> list[str]:
 def _bar_text(bar: dict, metric: str, yardstick: bool) -> str:
     value = bar["value"]
     text = f" {value:,.0f}" if value >= 100 else f" {value:.3g}"
-    text += " ms" if metric == "ms" else " GB/s"
+    text += " GB/s" if metric == "gbps" else " ms"
     if yardstick:
         return text
     if bar["baseline"]:
@@ -373,7 +410,7 @@ def _bar_panel(ax, groups: list[dict], metric: str, assigned: dict) -> None:
     for tick, label in zip(ax.get_yticklabels(), labels):
         tick.set_color("black" if label.endswith("*") else "#444444")
     ax.set_ylim(y - 0.3, -0.8)
-    if metric == "ms":
+    if metric != "gbps":
         ax.set_xscale("log")
         lo, hi = min(values), max(values)
         ax.set_xlim(lo / 1.6, hi * 5)  # room on the right for the longest bar's label

@@ -20,15 +20,12 @@ from ppo_fast.backends import serving
 
 from .baselines import OPTIONAL_HEAD_KERNELS, optional_logprob_kernels
 from .cases import TEMPERATURE, Case, primary_output
-from .timing import cuda_copy_bandwidth_gbps, peak_extra_bytes, time_cpu, time_cuda
+from .timing import cuda_copy_bandwidth_gbps, peak_extra_bytes, time_device, time_eager
 
 # |ours - reference| <= TOL * (1 + |reference|) on the op's first output.  A baseline is held
 # to its inputs' precision where that is coarser (tolerance): a bf16 head's bf16 logits are what
 # its users get, not a wrong answer.
 TOL = 1e-3
-# A call faster than this (warm, wall clock) is timed as a CUDA graph replay (forward and backward:
-# the kernels, not the host's launch overhead).
-GRAPH_BELOW_S = 1e-3
 # On a GPU our reference (an oracle, plain PyTorch) is checked but not timed when its first call takes
 # longer than this: its timing would spend a lent GPU's minutes on no comparison anyone makes.
 REFERENCE_UNTIMED_ABOVE_S = 0.25
@@ -213,23 +210,25 @@ def measure(
             if leaf is not None:
                 leaf.grad = None  # else the first call's gradient counts as "before" and hides the new one
             result["peak_extra_bytes"] = peak_extra_bytes(run, device.type)
-        if device.type == "cuda":
-            start = time.perf_counter()
-            run()
-            _sync(device)
-            small = time.perf_counter() - start < GRAPH_BELOW_S
-            timing, note = time_cuda(run, use_graph=small, rep_ms=settings.cuda_rep_ms)
-            if note:
-                result["detail"] = "; ".join(filter(None, [result.get("detail"), note]))
-        else:
-            timing = time_cpu(run, settings.cpu_min_run_time)
+        # Every implementation, ours and the baselines: eager wall time per call (what a user's loop
+        # pays) and, on CUDA, device time (graph replay, L2 flushed): bench.timing's one rule.
+        timing = time_eager(run, _min_run_time(settings), device.type)
         result.update(asdict(timing))
-        seconds = timing.median_ms * 1e-3
+        device_seconds = None
+        if device.type == "cuda":
+            device_timing, why = time_device(run, settings.cuda_rep_ms)
+            if device_timing is None:
+                result["detail"] = "; ".join(filter(None, [result.get("detail"), why]))
+            else:
+                result.update({f"device_{k}": v for k, v in asdict(device_timing).items() if k != "runs"})
+                device_seconds = device_timing.median_ms * 1e-3
+        # Throughput is the kernels' (device time on CUDA, where there is one).
+        seconds = device_seconds or timing.median_ms * 1e-3
         if mode in case.flops and seconds > 0:
             result["tflops"] = case.flops[mode] / seconds / 1e12
-        if device.type == "cuda" and seconds > 0:
+        if device_seconds:
             moved = case.fwd_bytes + (case.bwd_bytes if mode != "fwd" else 0)
-            result["gbps"] = moved / seconds / 1e9
+            result["gbps"] = moved / device_seconds / 1e9
     except torch.OutOfMemoryError:
         result["status"] = "oom"
     except Exception as err:  # recorded and reported, never hidden; ours fail the run
@@ -242,6 +241,10 @@ def measure(
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+def _min_run_time(settings: Settings) -> float:
+    return settings.cuda_rep_ms / 1e3 if settings.device.type == "cuda" else settings.cpu_min_run_time
 
 
 def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.stderr) -> dict:
@@ -276,6 +279,8 @@ def run_case(case: Case, settings: Settings, copy_gbps: float | None, log=sys.st
         for row in rows:
             if baseline and row["status"] == "ok":
                 row["speedup"] = baseline["median_ms"] / row["median_ms"]
+                if "device_median_ms" in baseline and "device_median_ms" in row:
+                    row["speedup_device"] = baseline["device_median_ms"] / row["device_median_ms"]
             if ours and row["status"] == "ok":
                 row["speedup_vs_reference"] = ours["median_ms"] / row["median_ms"]
             if copy_gbps and "gbps" in row:

@@ -118,8 +118,19 @@ def targets(quick: bool = False) -> list[Target]:
     return out
 
 
+def _ms(ms: float) -> str:
+    return f"{ms * 1e3:.1f} us" if ms < 1 else f"{ms:.3f} ms"
+
+
+def _target_ms(row: dict) -> float:
+    """The time a target is judged on: the device time where measured (CUDA), else the eager wall time."""
+    return row.get("device_median_ms", row["median_ms"])
+
+
 def _number(row: dict, metric: str | None) -> str:
-    parts = [f"{row['median_ms'] * 1e3:.1f} us" if row["median_ms"] < 1 else f"{row['median_ms']:.3f} ms"]
+    parts = [_ms(row["median_ms"])]
+    if "device_median_ms" in row:
+        parts = [f"device {_ms(row['device_median_ms'])}", f"eager {_ms(row['median_ms'])}"]
     if "gbps" in row:
         parts.append(f"{row['gbps']:.0f} GB/s")
     if "copy_fraction" in row:
@@ -141,7 +152,7 @@ def summary_lines(results: dict) -> list[str]:
             )
             lines.append(f"{label}: NOT MEASURED ({why})")
             continue
-        value = {"copy_fraction": row.get("copy_fraction"), "median_us": row["median_ms"] * 1e3}.get(entry["metric"])
+        value = {"copy_fraction": row.get("copy_fraction"), "median_us": _target_ms(row) * 1e3}.get(entry["metric"])
         if entry["metric"] is None:
             verdict = "measured"
         elif value is None:

@@ -1,15 +1,27 @@
 """Timers, peak-memory probes and the copy-bandwidth yardstick, per device type.
 
-CPU: ``torch.utils.benchmark`` (blocked autorange, all intra-op threads) for time;
-peak extra memory is the rise of the process's peak resident set (``VmHWM``) over its
+Time, one rule for every implementation of a row (ours and the baselines alike):
+
+* eager wall time per call, every device: what a user's loop pays, host overhead included.
+  The call is warmed up (``WARMUP_CALLS`` calls, and at least ``WARMUP_S``), then timed in
+  blocks of calls (a block lasts about ``BLOCK_S``; on CUDA each block ends with a
+  synchronisation, so the device work is paid too), at least ``MIN_SAMPLES`` blocks and
+  ``min_run_time`` seconds; the median and quartiles are over the blocks.
+* device time, CUDA only: the call captured once in a CUDA graph and replayed, one replay per
+  sample between CUDA events, with L2 flushed before each replay (a write of
+  ``L2_FLUSH_BYTES``, outside the events), so that neither the host's launch overhead nor inputs
+  left in L2 by the previous call count; at least ``MIN_SAMPLES`` replays.  A call that cannot be
+  captured (it syncs with the host) has no device time, said in the row, never another timer.
+
+A timing of fewer than ``MIN_SAMPLES`` samples is refused (``TimingError``): it has no spread
+and one cold call can make it (a first call's allocations, lazy imports).
+
+CPU memory: peak extra memory is the rise of the process's peak resident set (``VmHWM``) over its
 resident set just before the call, with the peak reset through ``/proc/self/clear_refs``
 and freed heap memory handed back to the OS first (``malloc_trim``), so every byte the
 call touches must come in as new resident pages.  torch's CPU allocator does not cache,
 so this counts the call's own tensors (inputs excluded, outputs and temporaries included).
-
-CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs) or, for calls
-under a millisecond (forward and backward alike), ``do_bench_cudagraph`` (launch overhead removed);
-peak extra memory is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
+CUDA memory: ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,49 +43,123 @@ CPU_MEMORY_METHOD = (
 )
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated minus memory_allocated before the call, inputs excluded"
 
+MIN_SAMPLES = 10  # fewer: no spread, refused
+WARMUP_CALLS = 3
+WARMUP_S = 0.02
+BLOCK_S = 2e-3  # a block of calls lasts about this long (clock resolution and per-block cost vanish)
+L2_FLUSH_BYTES = 256 << 20  # over every current GPU's L2 (H100 50 MB, H200 60 MB, B200 126 MB)
+EAGER_TIMER = "eager wall time per call: warmed, blocks of calls (synchronised on CUDA), median and IQR over blocks"
+DEVICE_TIMER = "device time: CUDA graph replay between CUDA events, L2 flushed before each replay"
+
+
+class TimingError(RuntimeError):
+    """A timing that cannot be reported honestly (too few samples)."""
+
 
 @dataclass
 class Timing:
     median_ms: float
     q25_ms: float
     q75_ms: float
-    runs: int
+    runs: int  # calls timed
+    samples: int  # blocks (eager) or replays (device): the spread is over these
     timer: str
 
-
-def time_cpu(fn: Callable[[], object], min_run_time: float, min_runs: int = 3) -> Timing:
-    """Blocked autorange over at least ``min_run_time`` seconds and ``min_runs`` calls (so slow calls get a spread)."""
-    from torch.utils import benchmark
-
-    start = time.perf_counter()
-    fn()
-    one_call = time.perf_counter() - start
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    measurement = timer.blocked_autorange(min_run_time=max(min_run_time, min_runs * one_call))
-    times = torch.tensor(measurement.times, dtype=torch.float64) * 1e3
-    q25, median, q75 = torch.quantile(times, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
-    return Timing(median, q25, q75, len(measurement.times) * measurement.number_per_run, "torch.utils.benchmark")
+    def __post_init__(self):
+        if self.samples < MIN_SAMPLES:
+            raise TimingError(f"{self.samples} samples (at least {MIN_SAMPLES} are needed for a spread)")
 
 
-def time_cuda(fn: Callable[[], object], use_graph: bool, rep_ms: int) -> tuple[Timing, str | None]:
-    """Median and quartiles in ms; with ``use_graph`` a CUDA graph replay, else plain launches.
+def _quartiles(samples_ms: list[float]) -> tuple[float, float, float]:
+    if len(samples_ms) < 2:
+        return (samples_ms[0],) * 3 if samples_ms else (math.nan,) * 3
+    q25, median, q75 = statistics.quantiles(samples_ms, n=4, method="inclusive")
+    return median, q25, q75
 
-    Returns a note when a graph was asked for but the call cannot be captured (it syncs
-    with the host, say): the plain timing is then reported and labelled as such.
-    """
-    from triton.testing import do_bench, do_bench_cudagraph
 
-    quantiles = [0.5, 0.25, 0.75]
-    note = None
-    if use_graph:
-        try:
-            median, q25, q75 = do_bench_cudagraph(fn, rep=rep_ms, quantiles=quantiles)
-            return Timing(median, q25, q75, 0, "do_bench_cudagraph"), None
-        except Exception as err:  # not capturable: time it without a graph, and say so
-            torch.cuda.synchronize()
-            note = f"CUDA graph capture failed ({type(err).__name__}); timed without a graph"
-    median, q25, q75 = do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, quantiles=quantiles)
-    return Timing(median, q25, q75, 0, "do_bench"), note
+def _warm_per_call_s(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    """Warm ``fn`` up and return its warm time per call (the fastest warm-up call)."""
+    best, spent, calls = math.inf, 0.0, 0
+    while calls < WARMUP_CALLS or spent < WARMUP_S:
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = time.perf_counter() - start
+        best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
+    return best
+
+
+def time_eager(
+    fn: Callable[[], object], min_run_time: float, device_type: str = "cpu", min_samples: int = MIN_SAMPLES
+) -> Timing:
+    """Eager wall time per call (see the module's docstring): warmed, at least ``min_samples``
+    blocks and ``min_run_time`` seconds."""
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    per_call = _warm_per_call_s(fn, sync)
+    number = max(1, int(BLOCK_S / max(per_call, 1e-9)))
+    blocks: list[float] = []
+    start_all = time.perf_counter()
+    while len(blocks) < min_samples or time.perf_counter() - start_all < min_run_time:
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        sync()
+        blocks.append((time.perf_counter() - start) / number * 1e3)
+    median, q25, q75 = _quartiles(blocks)
+    return Timing(median, q25, q75, len(blocks) * number, len(blocks), EAGER_TIMER)
+
+
+def time_cpu(fn: Callable[[], object], min_run_time: float, min_runs: int = MIN_SAMPLES) -> Timing:
+    """Eager wall time per call on CPU (``time_eager``), at least ``min_runs`` samples."""
+    return time_eager(fn, min_run_time, "cpu", max(min_runs, MIN_SAMPLES))
+
+
+def time_device(fn: Callable[[], object], rep_ms: int, min_samples: int = MIN_SAMPLES) -> tuple[Timing | None, str]:
+    """Device time per call (see the module's docstring), or None and why not (not capturable)."""
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_CALLS):  # warm-up on a side stream, as capture requires
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # a call that syncs with the host cannot be captured
+        torch.cuda.synchronize()
+        return None, f"no device time: CUDA graph capture failed ({type(err).__name__})"
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    graph.replay()
+    torch.cuda.synchronize()
+    events = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(events) < min_samples or time.perf_counter() < deadline:
+        flush.zero_()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        events.append((begin, end))
+        if len(events) % 50 == 0:
+            torch.cuda.synchronize()  # the deadline counts device time, not only enqueueing
+    torch.cuda.synchronize()
+    samples = [begin.elapsed_time(end) for begin, end in events]
+    del graph, flush
+    median, q25, q75 = _quartiles(samples)
+    return Timing(median, q25, q75, len(samples), len(samples), DEVICE_TIMER), ""
+
+
+def time_cuda(fn: Callable[[], object], use_graph: bool, rep_ms: int) -> tuple[Timing, None]:
+    """Device time (``use_graph``; ``TimingError`` where the call cannot be captured) or eager wall time."""
+    if not use_graph:
+        return time_eager(fn, rep_ms / 1e3, "cuda"), None
+    timing, why = time_device(fn, rep_ms)
+    if timing is None:
+        raise TimingError(why)
+    return timing, None
 
 
 # --------------------------------------------------------------------------- memory

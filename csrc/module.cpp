@@ -1,7 +1,8 @@
 // The Python module ppo_fast._C.  Importing it runs the static registrations of the
 // ppo_fast operator library: each op's schema, CPU kernel and CPU registration live in
 // csrc/<op>.cpp, its CUDA kernels in csrc/cuda/<op>.cu with their torch glue in
-// csrc/cuda/<op>.cpp; fake kernels and autograd are in ppo_fast/ops/native_backend.py.
+// csrc/cuda/<op>.cpp, its autograd in csrc/autograd/<op>.cpp; the fake kernels are in
+// ppo_fast/backends/native/<op>.py.
 //
 // Every op checks its arguments (ranks, shapes, dtypes, devices; csrc/common/checks.h) and
 // raises RuntimeError on a mismatch.  `agg` is a name in ppo_fast.contract.AGG_MODES and

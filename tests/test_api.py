@@ -258,6 +258,27 @@ def test_backend_selection_and_errors(monkeypatch):
         pf.current_backend()
 
 
+def test_backend_resolution_follows_the_choice_and_a_replaced_backend_record(monkeypatch):
+    """resolve caches its answers: a later use_backend, $PPO_FAST_BACKEND, or a backend record
+    replaced since (a backend made unavailable) must still change the answer."""
+    from ppo_fast import backends
+
+    op = "clipped_policy_loss"
+    auto = backends.resolve(op, "cpu")
+    with pf.use_backend("reference"):
+        assert backends.resolve(op, "cpu") is backends.backend_info("reference").module.FUNCTIONS[op]
+    monkeypatch.setenv("PPO_FAST_BACKEND", "reference")
+    assert backends.resolve(op, "cpu") is backends.backend_info("reference").module.FUNCTIONS[op]
+    monkeypatch.delenv("PPO_FAST_BACKEND")
+    assert backends.resolve(op, "cpu") is auto
+    if auto is not backends.backend_info("reference").module.FUNCTIONS[op]:
+        name = backends.resolved_backend_name(op, "cpu")
+        monkeypatch.setitem(backends._INFO, name, backends.BackendInfo(False, "made unavailable", None))
+        assert backends.resolve(op, "cpu") is not auto
+        with pf.use_backend(name), pytest.raises(pf.BackendUnavailableError, match="made unavailable"):
+            backends.resolve(op, "cpu")
+
+
 def test_explicit_backend_that_cannot_serve_raises():
     for op, call in [
         ("token_logprobs", lambda: pf.token_logprobs(torch.randn(2, 3), torch.tensor([0, 1]))),

@@ -242,16 +242,31 @@ def test_cpu_vs_trl_cpu_info_and_table():
 
 def test_overhead_bench_times_every_public_op(tmp_path):
     from bench import overhead
+    from ppo_fast import ops
 
     assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "overhead-cpu.json").read_text())["rows"]
-    assert {"token_logprobs", "linear_token_logprobs", "gae (float mask)", "policy_loss vanilla"} <= {
-        r["op"] for r in rows
-    }
+    public = set(ops.__all__) - overhead.NOT_OPS
+    assert {r["public"] for r in rows} == public
+    assert {"gae (float mask)", "policy_loss vanilla"} <= {r["op"] for r in rows}
+    backward = {r["public"] for r in rows if r["mode"] == "fwd+bwd"}
+    assert public - backward == {"group_advantages", "rollout_correction_weights"}
     for r in rows:
-        assert r["public_us"] > 0
-        if r["backend_call_us"] is not None:
-            assert r["overhead_us"] == pytest.approx(r["public_us"] - r["backend_call_us"], abs=0.2)
+        assert r["eager_us"] > 0 and r["cpu_us"] > 0 and r["samples"] >= timing.MIN_SAMPLES
+        assert r["eager_iqr_us"][0] <= r["eager_us"] <= r["eager_iqr_us"][1]
+        if "backend_cpu_us" in r:
+            assert r["overhead_us"] == pytest.approx(r["cpu_us"] - r["backend_cpu_us"], abs=0.02)
+
+
+def test_a_timing_without_a_spread_is_refused():
+    """One sample (a cold call, say) is no headline: the timer takes at least MIN_SAMPLES blocks after a
+    warm-up, and a Timing of fewer is an error."""
+    calls = []
+    t = timing.time_eager(lambda: calls.append(1), min_run_time=0.0)
+    assert t.samples >= timing.MIN_SAMPLES and len(calls) >= t.runs + timing.WARMUP_CALLS
+    assert t.q25_ms <= t.median_ms <= t.q75_ms
+    with pytest.raises(timing.TimingError, match="samples"):
+        timing.Timing(11.2, 11.2, 11.2, 1, 1, "one cold call")
 
 
 # ---------------------------------------------------------------------- the package's structure

@@ -96,15 +96,16 @@ def _tables_apart(text: str) -> str:
 
 def _overhead_table(data: dict) -> str:
     lines = [
-        "| op | backend | public call (µs) | backend call (µs) | overhead (µs) |",
-        "| --- | --- | --- | --- | --- |",
+        "| op | mode | backend | eager (µs) | eager IQR (µs) | CPU time (µs) | device (µs) | overhead (µs) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["rows"]:
-        backend_call = r.get("backend_call_us")
         overhead = r.get("overhead_us")
+        device = r.get("device_us")
         lines.append(
-            f"| `{r['op']}` | {r['backend']} | {r['public_us']:.1f} | "
-            f"{'-' if backend_call is None else f'{backend_call:.1f}'} | {'-' if overhead is None else f'{overhead:.1f}'} |"
+            f"| `{r['op']}` | {r['mode']} | {r['backend']} | {r['eager_us']:.1f} | "
+            f"{r['eager_iqr_us'][0]:.1f}-{r['eager_iqr_us'][1]:.1f} | {r['cpu_us']:.1f} | "
+            f"{'-' if device is None else f'{device:.1f}'} | {'-' if overhead is None else f'{overhead:.1f}'} |"
         )
     return "\n".join(lines)
 
@@ -294,7 +295,9 @@ def _other_sections() -> list[str]:
         out += [
             "## Per-call overhead",
             "",
-            f"`python -m bench overhead`: {data['what']}.  `-`: an op of several torch calls, timed whole.",
+            f"`python -m bench overhead`: {data['what']}.  Backend `composite`: an op of several calls, timed "
+            "whole; overhead `-`: no one backend function to time it against.  On a shared machine the wall time "
+            "carries the other jobs' load; the CPU time, less so.",
             "",
             measured_on(data, "overhead-cpu.json"),
             "",
@@ -332,9 +335,12 @@ def _gpu_section() -> list[str]:
     if not files:
         return out + ["No GPU result file is in `bench/results/`: `bash bench/gpu_check.sh` on a GPU writes them.", ""]
     out += [
-        "`bash bench/gpu_check.sh` on a lent GPU: the ops suite and the fused head's cases, as on the CPU,",
-        "timed by `triton.testing.do_bench` (a CUDA graph replay for forwards under 1 ms); GB/s counts the",
-        "bytes a kernel must move, against the device-to-device copy bandwidth measured in the same run.",
+        "`bash bench/gpu_check.sh` on a lent GPU: the ops suite and the fused head's cases, as on the CPU.",
+        "Rows with a device time (`device ms`) follow `bench.timing`'s rule: every implementation takes the eager",
+        "wall time per call (warmed, blocks of calls, synchronised) and the device time (CUDA graph replay, L2",
+        "flushed before each replay); rows without one were timed by `triton.testing.do_bench` (a CUDA graph",
+        "replay without an L2 flush for calls under 1 ms, plain launches above).  GB/s counts the bytes a kernel",
+        "must move, over its device time, against the device-to-device copy bandwidth measured in the same run.",
         "",
     ]
     for name in files:

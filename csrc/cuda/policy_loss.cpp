@@ -73,7 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> clipped_p
   check_cuda(op, logprobs);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const cuda::ChunkPlan plan = checked_plan(op, b.logp);
-  at::Tensor partials = at::empty({plan.items, kPolicyPartials}, logprobs.options().dtype(at::kDouble));
+  at::Tensor partials = at::empty({cuda::forward_scratch_doubles(plan, logprobs.size(0), kPolicyPartials)},
+                                  logprobs.options().dtype(at::kDouble));
   Results r = allocate_results(logprobs, b.dtype, {at::kFloat, at::kFloat, b.dtype});
   cuda::policy_loss_forward(policy_inputs(b, clip_eps_low, clip_eps_high, dual_clip), agg,
                             partials.mutable_data_ptr<double>(), r.pointers(), c10::cuda::getCurrentCUDAStream());

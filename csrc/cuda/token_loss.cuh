@@ -6,15 +6,17 @@
 // 16-bit types, 4 for float32, 2 for float64: one 16-byte load of each input, N bytes of mask) when the rows are a
 // multiple of N long and the pointers are aligned, else the same N tokens by scalar loads (the same order: the same
 // bits).  The mask is a select on the result: every in-bounds token is loaded, none waits on the mask, and a NaN at a
-// masked token changes nothing. Forward: each warp sums its chunk (per-lane sums, then a fixed shuffle tree) into
-// partials[item], then one block sums each row's chunks, the rows, and the loss in a fixed
-// order: no atomics, so the same inputs give bitwise the same loss.  Backward: the same
-// items, elementwise, with the row's scale (saved by the forward) read once per warp.
+// masked token changes nothing. Forward, two kernels: each warp sums its chunk (per-lane sums, then a fixed shuffle
+// tree) into partials[item]; then one warp per row sums the row's chunks (lane c the chunks c, c + 32, ..., then the
+// same tree) into row_sums[row], and the last block to finish (a counter, as CUDA's threadFenceReduction) sums the
+// rows, then the loss, each in a fixed order: no float atomics, so the same inputs give bitwise the same loss.
+// Backward: the same items, elementwise, with the row's scale (saved by the forward) read once per warp.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/loss_math.h"
@@ -26,7 +28,6 @@ namespace token_loss {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kBlockThreads = kWarp * kWarpsPerBlock;
-constexpr int kFinalizeThreads = 512;
 // Blocks per SM the forward kernels promise ptxas (<= 85 registers).  Without a promise it
 // held the float64 policy kernel to 64 registers and spilled in its loop; 3 x 8 warps keep
 // enough loads in flight.
@@ -202,11 +203,14 @@ __device__ __forceinline__ void load_step(const Token& token, const bool* mask, 
 }
 
 // partials[item, :] = sums over the valid tokens of the item's chunk.
+// Also zeroes the finalize's block counter (the next kernel on the stream reads it).
 template <typename D, bool kAligned, typename Token>
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
-    partials_kernel(Token token, const bool* mask, ChunkPlan plan, int64_t length, double* partials) {
+    partials_kernel(Token token, const bool* mask, ChunkPlan plan, int64_t length, double* partials,
+                    unsigned* counter) {
   using T = typename D::T;
   constexpr int N = kTokens<D>;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *counter = 0u;
   ItemSpan span;
   if (!item_span(plan, length, &span)) return;  // the whole warp: no block-wide sync below
   const typename Token::Math math = token.math();
@@ -256,42 +260,63 @@ struct FinalizeArgs {
   int64_t rows, length, agg;
   ChunkPlan plan;
   LossOutputs out;
+  double* row_sums;   // [rows, kParts]
+  unsigned* counter;  // zeroed by the partials kernel
 };
 
-// row[k] = sum over row b's chunks of partials[., k], in chunk order.
+// The row sums of rows b, b + kBlockThreads, ... (this thread's) as written by the other blocks: read
+// through L2 (__ldcg), where their fenced writes are.
 template <int kParts>
-__device__ void row_sums(const double* partials, const ChunkPlan& plan, int64_t b, double (&row)[kParts]) {
-  for (int k = 0; k < kParts; ++k) row[k] = 0.0;
-  const double* p = partials + b * plan.chunks_per_row * kParts;
-  for (int64_t c = 0; c < plan.chunks_per_row; ++c)
-    for (int k = 0; k < kParts; ++k) row[k] += p[c * kParts + k];
+__device__ __forceinline__ void load_row(const double* row_sums, int64_t b, double (&row)[kParts]) {
+  for (int k = 0; k < kParts; ++k) row[k] = __ldcg(row_sums + b * kParts + k);
 }
 
-// One block: row sums, totals, then loss = sum_b row_scale_b * row_sum_b.
+// One warp per row: row_sums[b] = its chunks' partials summed in a fixed order.  The last block to
+// finish then sums the rows (totals), and the loss = sum_b row_scale_b * row_sum_b.
 template <typename T, typename Token>
-__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const double* partials, FinalizeArgs args) {
+__global__ void __launch_bounds__(kBlockThreads) finalize_kernel(const double* partials, FinalizeArgs args) {
   constexpr int kParts = Token::kParts;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (b < args.rows) {
+    double row[kParts] = {};
+    const double* p = partials + b * args.plan.chunks_per_row * kParts;
+    for (int64_t c = lane; c < args.plan.chunks_per_row; c += kWarp)
+      for (int k = 0; k < kParts; ++k) row[k] += p[c * kParts + k];
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2)  // a fixed tree: deterministic
+      for (int k = 0; k < kParts; ++k) row[k] += __shfl_down_sync(0xffffffffu, row[k], offset);
+    if (lane == 0) {
+      for (int k = 0; k < kParts; ++k) args.row_sums[b * kParts + k] = row[k];
+      __threadfence();  // visible to the last block before this block counts itself done
+    }
+  }
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(args.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
   double totals[kParts] = {};
   double nonempty[1] = {0.0};
-  for (int64_t b = threadIdx.x; b < args.rows; b += kFinalizeThreads) {
+  for (int64_t r = threadIdx.x; r < args.rows; r += kBlockThreads) {
     double row[kParts];
-    row_sums(partials, args.plan, b, row);
+    load_row(args.row_sums, r, row);
     for (int k = 0; k < kParts; ++k) totals[k] += row[k];
     nonempty[0] += row[Token::kCountColumn] > 0.0 ? 1.0 : 0.0;
   }
-  block_sum<kParts, kFinalizeThreads>(totals);
-  block_sum<1, kFinalizeThreads>(nonempty);
+  block_sum<kParts, kBlockThreads>(totals);
+  block_sum<1, kBlockThreads>(nonempty);
   T* row_scale_out = static_cast<T*>(args.out.row_scale);
   double loss[1] = {0.0};
-  for (int64_t b = threadIdx.x; b < args.rows; b += kFinalizeThreads) {
+  for (int64_t r = threadIdx.x; r < args.rows; r += kBlockThreads) {
     double row[kParts];
-    row_sums(partials, args.plan, b, row);  // this thread's own rows again (L2 hits)
+    load_row(args.row_sums, r, row);  // rows x kParts doubles: the chunk partials are read once, above
     const double scale =
         row_scale(args.agg, row[Token::kCountColumn], totals[Token::kCountColumn], nonempty[0], args.length);
-    row_scale_out[b] = static_cast<T>(scale);
+    row_scale_out[r] = static_cast<T>(scale);
     loss[0] += scale * row[Token::kSumColumn];
   }
-  block_sum<1, kFinalizeThreads>(loss);
+  block_sum<1, kBlockThreads>(loss);
   if (threadIdx.x == 0) {
     *static_cast<T*>(args.out.loss) = static_cast<T>(loss[0]);
     Token::store_stats(totals, args.out);
@@ -351,15 +376,20 @@ inline unsigned item_blocks(const ChunkPlan& plan) {
 template <typename D, typename Token>
 void forward(const Token& token, const bool* mask, int64_t rows, int64_t length, int64_t agg, double* partials,
              const LossOutputs& out, cudaStream_t stream) {
+  constexpr int kParts = Token::kParts;
   const ChunkPlan plan = chunk_plan(rows, length, sizeof(typename D::Bits));
-  if (plan.items > 0) {
-    if (vector_path<D>(token, mask, length, nullptr))
-      partials_kernel<D, true><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, partials);
-    else
-      partials_kernel<D, false><<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, partials);
-  }
-  finalize_kernel<typename D::T, Token>
-      <<<1, kFinalizeThreads, 0, stream>>>(partials, FinalizeArgs{rows, length, agg, plan, out});
+  // The scratch as forward_scratch_doubles lays it out.
+  double* row_sums = partials + plan.items * kParts;
+  unsigned* counter = reinterpret_cast<unsigned*>(row_sums + rows * kParts);
+  // At least one block, which zeroes the counter, even without tokens.
+  const unsigned blocks = std::max(1u, item_blocks(plan));
+  if (vector_path<D>(token, mask, length, nullptr))
+    partials_kernel<D, true><<<blocks, kBlockThreads, 0, stream>>>(token, mask, plan, length, partials, counter);
+  else
+    partials_kernel<D, false><<<blocks, kBlockThreads, 0, stream>>>(token, mask, plan, length, partials, counter);
+  const unsigned row_blocks = static_cast<unsigned>(std::max<int64_t>(1, (rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  finalize_kernel<typename D::T, Token><<<row_blocks, kBlockThreads, 0, stream>>>(
+      partials, FinalizeArgs{rows, length, agg, plan, out, row_sums, counter});
 }
 
 template <typename D, typename Token>

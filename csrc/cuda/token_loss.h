@@ -34,11 +34,16 @@ constexpr int kWarp = 32;
 constexpr int64_t kTargetItems = 4096;  // ~31 warps per H200 SM: enough loads in flight, few partials
 
 // How the tokens are cut into warp work items: `chunk` tokens of one row each
-// (chunks_per_row per row, items in all; the glue refuses items >= 2^31).  The forward's
-// scratch `partials` holds items * kPolicyPartials (or kValuePartials) doubles.
+// (chunks_per_row per row, items in all; the glue refuses items >= 2^31).
 struct ChunkPlan {
   int64_t chunk, chunks_per_row, items;
 };
+
+// The forward's scratch, in doubles: each item's partial sums, then each row's sums (the finalize's
+// first step), then one word that counts the finalize's finished blocks (the partials kernel zeroes it).
+inline int64_t forward_scratch_doubles(const ChunkPlan& plan, int64_t rows, int64_t parts) {
+  return (plan.items + rows) * parts + 1;
+}
 
 // The chunk length is chosen so that about kTargetItems items cover the batch: a short
 // row is one item, a long one several.

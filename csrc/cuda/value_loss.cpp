@@ -57,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(const at::Tensor&
   check_cuda(op, values);
   const c10::cuda::CUDAGuard guard(values.device());
   const cuda::ChunkPlan plan = checked_plan(op, b.v);
-  at::Tensor partials = at::empty({plan.items, kValuePartials}, values.options().dtype(at::kDouble));
+  at::Tensor partials = at::empty({cuda::forward_scratch_doubles(plan, values.size(0), kValuePartials)},
+                                  values.options().dtype(at::kDouble));
   Results r = allocate_results(values, b.dtype, {at::kFloat});
   cuda::value_loss_forward(value_inputs(b, clip), agg, partials.mutable_data_ptr<double>(), r.pointers(),
                            c10::cuda::getCurrentCUDAStream());

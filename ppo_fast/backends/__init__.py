@@ -181,6 +181,13 @@ def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
     return True, ""
 
 
+# resolve's answers by (use_backend's name, $PPO_FAST_BACKEND, op, device type, implemented_by),
+# each with the backends' records it was made from: a call per op per step would otherwise walk
+# the preference list again.  A record replaced since (a test making a backend unavailable) makes
+# the answer stale; a refusal is never cached (it raises every time).
+_RESOLVED: dict[tuple, tuple[Callable, tuple]] = {}
+
+
 def resolve(
     op: str, device_type: str, implemented_by: tuple[str, ...] | None = None, label: str | None = None
 ) -> Callable:
@@ -190,6 +197,16 @@ def resolve(
     backends the variant's registry entry declares; ``auto`` skips the others (so a variant
     that landed in the reference alone falls back to it, for that variant only) and an
     explicit other backend raises, naming ``label`` (the variant)."""
+    key = (getattr(_requested, "name", None), os.environ.get("PPO_FAST_BACKEND"), op, device_type, implemented_by)
+    hit = _RESOLVED.get(key)
+    if hit is not None and all(_INFO.get(n) is info for n, info in zip(BACKENDS, hit[1])):
+        return hit[0]
+    fn = _resolve(op, device_type, implemented_by, label)
+    _RESOLVED[key] = (fn, tuple(_INFO.get(n) for n in BACKENDS))
+    return fn
+
+
+def _resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None, label: str | None) -> Callable:
     name = current_backend()
     if name != "auto":
         if implemented_by is not None and name not in implemented_by:

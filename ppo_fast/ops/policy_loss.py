@@ -12,6 +12,28 @@ from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mod
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
 
+# Bound mode parameters by (mode, given values): a training loop passes the same plain numbers
+# every step, and binding them (checks, defaults) costs more host time than the loss's kernels on
+# small batches.  Never under torch.compile: a symbolic number's check is a guard it must see.
+_PLAIN = (float, int, type(None))
+_BOUND: dict[tuple, tuple] = {}
+_BOUND_MAX = 1024
+
+
+def _bind(mode: PolicyLossMode, given: dict) -> tuple:
+    for value in given.values():
+        if type(value) not in _PLAIN:
+            return mode.bind(given)
+    if torch.compiler.is_compiling():
+        return mode.bind(given)
+    key = (mode.name, *given.items())  # in the caller's order: another order is another entry
+    bound = _BOUND.get(key)
+    if bound is None:
+        bound = mode.bind(given)
+        if len(_BOUND) < _BOUND_MAX:
+            _BOUND[key] = bound
+    return bound
+
 
 @varlen("logprobs", "old_logprobs", "advantages", "mask", "weights")
 def policy_loss(
@@ -49,7 +71,7 @@ def policy_loss(
         ``clipfrac``/``clipfrac_lower``/``approx_kl``).
     """
     mode = policy_loss_mode(loss_mode)
-    params = mode.bind(mode_params)
+    params = _bind(mode, mode_params)
     mask = check.loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
     )
@@ -57,6 +79,9 @@ def policy_loss(
     fn = resolve(mode.op, logprobs.device.type)
     loss, *stats = fn(logprobs, old_logprobs, advantages, mask, weights, agg=agg, **mode.named(params))
     return loss, dict(zip(mode.stats, stats))
+
+
+_VANILLA = POLICY_LOSS_MODES["vanilla"]
 
 
 def policy_loss_modes() -> dict[str, PolicyLossMode]:
@@ -99,8 +124,8 @@ def clipped_policy_loss(
     mask = check.loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
     )
-    clip_eps_low, clip_eps_high, dual_clip = POLICY_LOSS_MODES["vanilla"].bind(
-        {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high, "dual_clip": dual_clip}
+    clip_eps_low, clip_eps_high, dual_clip = _bind(
+        _VANILLA, {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high, "dual_clip": dual_clip}
     )
     check.choice("agg", agg, AGG_MODES)
     fn = resolve("clipped_policy_loss", logprobs.device.type)

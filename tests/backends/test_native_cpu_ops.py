@@ -66,6 +66,18 @@ def test_the_build_holds_code_for_the_cuda_architectures_it_reports():
         assert archs == set(_native().cuda_archs()), (unit, archs)
 
 
+def test_autograd_of_every_op_but_the_fused_heads_is_in_cpp():
+    """A Python autograd kernel (torch.library.register_autograd) costs tens of microseconds a call:
+    every operator has a C++ one (csrc/autograd/<op>.cpp) but the fused heads'."""
+    python_autograd = {
+        name for name in _native().OPERATORS if name.startswith("linear_") or name == "bool_mask"
+    }  # bool_mask: a mask conversion, not differentiable
+    for name in _native().OPERATORS:
+        dump = torch._C._dispatch_dump(f"ppo_fast::{name}")
+        in_cpp = any("csrc/autograd/" in line for line in dump.splitlines() if line.startswith("Autograd"))
+        assert in_cpp == (name not in python_autograd), (name, dump)
+
+
 def test_functions_take_the_reference_signature():
     for op in _native().SUPPORTED:
         native_params = inspect.signature(_native().FUNCTIONS[op]).parameters

@@ -2,10 +2,11 @@
 
 The extension registers the operators ``torch.ops.ppo_fast.*`` (``csrc/<op>.cpp``: schema and
 C++ CPU kernel; ``csrc/cuda/<op>.cu``: the CUDA kernels of the losses, when the build had
-CUDA).  Each module here adds what torch needs around its op: a fake kernel (for
-``torch.compile`` and meta tensors) that checks the shape relations as the C++ kernels do, the
-autograd formula that calls the op's backward operator, and the function with the reference's
-signature.  Every op is differentiable as the reference is, to first order; a backward
+CUDA; ``csrc/autograd/<op>.cpp``: its autograd kernel, which calls the op's backward operator).
+Each module here adds what torch needs around its op: a fake kernel (for ``torch.compile`` and
+meta tensors) that checks the shape relations as the C++ kernels do, and the function with the
+reference's signature (the fused heads, ``linear_*``, keep their autograd here in Python: their
+kernels dwarf its cost).  Every op is differentiable as the reference is, to first order; a backward
 operator computes only the gradients autograd asks for (its ``output_mask``).  The
 ``kl_estimator`` and ``agg`` names pass straight through to the C++ ops, which parse them.
 """

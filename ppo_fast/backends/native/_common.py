@@ -111,15 +111,26 @@ def needed_grads(grads, needed):
 REGISTERED: list[str] = []
 
 
+def cpp_autograd(name) -> bool:
+    """Whether ``ppo_fast::<name>`` has its autograd kernel in C++ (``csrc/autograd/<op>.cpp``)."""
+    # A C++ kernel is unboxed; torch.library's Python autograd kernel is boxed only.
+    dump = torch._C._dispatch_dump(f"ppo_fast::{name}").splitlines()
+    return any(line.startswith("Autograd[alias]:") and "unboxed" in line for line in dump)
+
+
 def register(name, fake, backward=None, setup_context=None):
-    """The fake kernel and autograd of ``ppo_fast::<name>``.  A backward op registered
-    without a backward of its own raises when differentiated (a second-order gradient,
-    ``create_graph=True``), as the Triton backend's ops do: without an autograd kernel
-    torch would treat its outputs as constants and return a silent zero or None."""
+    """The fake kernel and, for an op whose autograd is not in C++ (``csrc/autograd/<op>.cpp``,
+    where most ops' is: a Python autograd kernel costs tens of microseconds a call), its Python
+    autograd.  A backward op registered without a backward of its own raises when differentiated
+    (a second-order gradient, ``create_graph=True``), as the Triton backend's ops do: without an
+    autograd kernel torch would treat its outputs as constants and return a silent zero or None."""
     REGISTERED.append(name)
     if _C is None:
         return
     torch.library.register_fake(f"ppo_fast::{name}", fake)
+    if cpp_autograd(name):
+        assert backward is None, f"ppo_fast::{name} has its autograd in C++ and in Python"
+        return
     if backward is None and name.endswith("_backward"):
         backward = no_double_backward(name)
     if backward is not None:

@@ -1,4 +1,4 @@
-"""Native GAE: fake kernel, autograd, and the backward's own backward (its forward)."""
+"""Native GAE: fake kernels (its autograd, to every order, is csrc/autograd/gae.cpp)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 
@@ -46,43 +45,9 @@ def _fake_gae_backward(grad_advantages, grad_returns, mask, gamma, lam, rewards_
     return grad_or_empty(mask, output_mask[0], rewards_dtype), grad_or_empty(mask, output_mask[1], values_dtype)
 
 
-def _setup_gae(ctx, inputs, output):
-    rewards, values, mask, gamma, lam = inputs
-    ctx.save_for_backward(mask)
-    ctx.args = (gamma, lam, rewards.dtype, values.dtype)
-    ctx.set_materialize_grads(False)  # often only the advantages are used
-
-
-def _backward_gae(ctx, grad_advantages, grad_returns):
-    (mask,) = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.ppo_fast.gae_backward(grad_advantages, grad_returns, mask, *ctx.args, needed)
-    return *needed_grads(grads, needed), None, None, None
-
-
-def _setup_gae_backward(ctx, inputs, output):
-    grad_advantages, grad_returns, mask, gamma, lam, _rewards_dtype, _values_dtype, output_mask = inputs
-    ctx.save_for_backward(mask)
-    ctx.args = (gamma, lam)
-    ctx.grad_dtypes = tuple(None if g is None else g.dtype for g in (grad_advantages, grad_returns))
-    ctx.output_mask = tuple(output_mask)
-
-
-def _backward_gae_backward(ctx, grad_grad_rewards, grad_grad_values):
-    # GAE is linear, (advantages, returns) = F(rewards, values), and its backward is F's
-    # transpose, so the backward's own vector-Jacobian product is F itself.
-    (mask,) = ctx.saved_tensors
-    cotangents = []
-    for grad, wanted in ((grad_grad_rewards, ctx.output_mask[0]), (grad_grad_values, ctx.output_mask[1])):
-        cotangents.append(grad if wanted and grad is not None else torch.zeros(mask.shape, device=mask.device))
-    advantages, returns = torch.ops.ppo_fast.gae(*cotangents, mask, *ctx.args)
-    grads = [None if dtype is None else g.to(dtype) for g, dtype in zip((advantages, returns), ctx.grad_dtypes)]
-    return *grads, None, None, None, None, None, None
-
-
-register("gae", _fake_gae, _backward_gae, _setup_gae)
-register("gae_backward", _fake_gae_backward, _backward_gae_backward, _setup_gae_backward)
+register("gae", _fake_gae)
+register("gae_backward", _fake_gae_backward)
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):
-    return torch.ops.ppo_fast.gae(rewards, values, mask, gamma, lam)
+    return torch.ops.ppo_fast.gae.default(rewards, values, mask, gamma, lam)

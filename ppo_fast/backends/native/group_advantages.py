@@ -1,4 +1,4 @@
-"""Native group_sum: fake kernel and autograd (its gradient is itself)."""
+"""Native group_sum: fake kernel (its autograd, its gradient being itself, is csrc/autograd/group_advantages.cpp)."""
 
 from __future__ import annotations
 
@@ -23,17 +23,8 @@ def _fake_group_sum(values, group_index):
     return values.new_empty(values.shape)
 
 
-def _setup_group_sum(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-
-
-def _backward_group_sum(ctx, grad):
-    (group_index,) = ctx.saved_tensors
-    return torch.ops.ppo_fast.group_sum(grad.contiguous(), group_index), None  # linear and symmetric: its own adjoint
-
-
-register("group_sum", _fake_group_sum, _backward_group_sum, _setup_group_sum)
+register("group_sum", _fake_group_sum)
 
 
 def group_sum(values, group_index):
-    return torch.ops.ppo_fast.group_sum(values.to(result_dtype(values)), group_index)
+    return torch.ops.ppo_fast.group_sum.default(values.to(result_dtype(values)), group_index)

@@ -1,4 +1,4 @@
-"""Native KL estimate and KL-penalized rewards: fake kernels and autograd."""
+"""Native KL estimate and KL-penalized rewards: fake kernels (their autograd is csrc/autograd/kl_penalized_rewards.cpp)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 
@@ -44,24 +43,12 @@ def _fake_kl_estimate_backward(grad_kl, logprobs, ref_logprobs, kl_estimator, ou
     return grad_or_empty(logprobs, output_mask[0]), grad_or_empty(ref_logprobs, output_mask[1])
 
 
-def _setup_kl_estimate(ctx, inputs, output):
-    logprobs, ref_logprobs, ctx.kl_estimator = inputs
-    ctx.save_for_backward(logprobs, ref_logprobs)
-
-
-def _backward_kl_estimate(ctx, grad_kl):
-    logprobs, ref_logprobs = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.ppo_fast.kl_estimate_backward(grad_kl, logprobs, ref_logprobs, ctx.kl_estimator, needed)
-    return *needed_grads(grads, needed), None
-
-
-register("kl_estimate", _fake_kl_estimate, _backward_kl_estimate, _setup_kl_estimate)
+register("kl_estimate", _fake_kl_estimate)
 register("kl_estimate_backward", _fake_kl_estimate_backward)
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator: str):
-    return torch.ops.ppo_fast.kl_estimate(logprobs, ref_logprobs, kl_estimator)
+    return torch.ops.ppo_fast.kl_estimate.default(logprobs, ref_logprobs, kl_estimator)
 
 
 # --------------------------------------------------------------------------- kl_penalized_rewards
@@ -102,27 +89,9 @@ def _fake_kl_penalized_rewards_backward(
     return grad_scores, grad_or_empty(logprobs, output_mask[1]), grad_or_empty(ref_logprobs, output_mask[2])
 
 
-def _setup_kl_penalized_rewards(ctx, inputs, output):
-    scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator = inputs
-    ctx.save_for_backward(logprobs, ref_logprobs, mask)
-    ctx.args = (kl_coef, kl_estimator, scores.dtype)
-    ctx.set_materialize_grads(False)  # kl is often only a statistic: no gradient through it
-
-
-def _backward_kl_penalized_rewards(ctx, grad_rewards, grad_kl):
-    logprobs, ref_logprobs, mask = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:3])
-    grads = torch.ops.ppo_fast.kl_penalized_rewards_backward(
-        grad_rewards, grad_kl, logprobs, ref_logprobs, mask, *ctx.args, needed
-    )
-    return *needed_grads(grads, needed), None, None, None
-
-
-register(
-    "kl_penalized_rewards", _fake_kl_penalized_rewards, _backward_kl_penalized_rewards, _setup_kl_penalized_rewards
-)
+register("kl_penalized_rewards", _fake_kl_penalized_rewards)
 register("kl_penalized_rewards_backward", _fake_kl_penalized_rewards_backward)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str):
-    return torch.ops.ppo_fast.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+    return torch.ops.ppo_fast.kl_penalized_rewards.default(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)

@@ -15,7 +15,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 from .value_loss import _check_loss_backward_inputs
@@ -77,36 +76,17 @@ def _fake_clipped_policy_loss_backward(
     )
 
 
-def _setup_clipped_policy_loss(ctx, inputs, output):
-    logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, _agg = inputs
-    _loss, clipfrac, clipfrac_lower, approx_kl, row_scale = output
-    ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale)
-    ctx.clip = (clip_eps_low, clip_eps_high, dual_clip)
-    ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale)  # detached in the reference
-
-
-def _backward_clipped_policy_loss(ctx, grad_loss, *_stats_grads):
-    logprobs, old_logprobs, advantages, mask, weights, row_scale = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    needed = [need[0], need[1], need[2], weights is not None and need[4]]
-    grads = torch.ops.ppo_fast.clipped_policy_loss_backward(
-        grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, *ctx.clip, needed
-    )
-    grad_logprobs, grad_old, grad_advantages, grad_weights = needed_grads(grads, needed)
-    return grad_logprobs, grad_old, grad_advantages, None, grad_weights, None, None, None, None
-
-
-register("clipped_policy_loss", _fake_clipped_policy_loss, _backward_clipped_policy_loss, _setup_clipped_policy_loss)
+register("clipped_policy_loss", _fake_clipped_policy_loss)
 register("clipped_policy_loss_backward", _fake_clipped_policy_loss_backward)
 
 
 def clipped_policy_loss(
     logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, dual_clip, agg: str
 ):
-    loss, clipfrac, clipfrac_lower, approx_kl, _row_scale = torch.ops.ppo_fast.clipped_policy_loss(
+    loss, clipfrac, clipfrac_lower, approx_kl, _row_scale = torch.ops.ppo_fast.clipped_policy_loss.default(
         logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg
     )
-    return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
+    return loss, clipfrac, clipfrac_lower, approx_kl  # the stats are non-differentiable outputs
 
 
 # --------------------------------------------------------------------------- sequence-level policy losses
@@ -162,31 +142,14 @@ def _seq_loss_ops(mode):
             grad_weights,
         )
 
-    def setup(ctx, inputs, output):
-        logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, _agg = inputs
-        _loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state = output
-        ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state)
-        ctx.clip = (clip_eps_low, clip_eps_high)
-        ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale, row_state)
-
-    def backward(ctx, grad_loss, *_stats_grads):
-        logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        needed = [need[0], need[1] and mode != "gspo", need[2], weights is not None and need[4]]
-        grads = getattr(torch.ops.ppo_fast, f"{op}_backward")(
-            grad_loss, logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state, *ctx.clip, needed
-        )
-        grad_logprobs, grad_old, grad_advantages, grad_weights = needed_grads(grads, needed)
-        return grad_logprobs, grad_old, grad_advantages, None, grad_weights, None, None, None
-
-    register(op, fake, backward, setup)
+    register(op, fake)
     register(f"{op}_backward", fake_backward)
 
     def run(logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str):
-        loss, clipfrac, clipfrac_lower, approx_kl, _row_scale, _row_state = getattr(torch.ops.ppo_fast, op)(
+        loss, clipfrac, clipfrac_lower, approx_kl, _row_scale, _row_state = getattr(torch.ops.ppo_fast, op).default(
             logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, agg
         )
-        return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
+        return loss, clipfrac, clipfrac_lower, approx_kl
 
     run.__name__ = run.__qualname__ = op
     return run

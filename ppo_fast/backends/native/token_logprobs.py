@@ -86,28 +86,7 @@ def _fake_token_logprobs_backward(
     return logits.new_empty(logits.shape)
 
 
-def _setup_token_logprobs(ctx, inputs, output):
-    logits, labels, temperature, return_entropy, ignore_index = inputs[:5]  # the truncation lives in stats
-    _logp, entropy, stats = output
-    ctx.save_for_backward(logits, labels, stats, entropy)
-    ctx.args = (temperature, ignore_index)
-    ctx.return_entropy = return_entropy
-    ctx.mark_non_differentiable(stats)
-    ctx.set_materialize_grads(False)  # an unused output needs no term in the backward
-
-
-def _backward_token_logprobs(ctx, grad_logprobs, grad_entropy, _grad_stats):
-    grad_entropy = grad_entropy if ctx.return_entropy else None
-    if grad_logprobs is None and grad_entropy is None:
-        return (None,) * 8
-    logits, labels, stats, entropy = ctx.saved_tensors
-    grad = torch.ops.ppo_fast.token_logprobs_backward(
-        grad_logprobs, grad_entropy, logits, labels, stats, entropy, *ctx.args
-    )
-    return grad, *(None,) * 7
-
-
-register("token_logprobs", _fake_token_logprobs, _backward_token_logprobs, _setup_token_logprobs)
+register("token_logprobs", _fake_token_logprobs)
 register("token_logprobs_backward", _fake_token_logprobs_backward)
 
 
@@ -122,7 +101,7 @@ def token_logprobs(
     truncation: Truncation = NO_TRUNCATION,
 ):
     # inplace_backward is a memory hint this backend does not take: its backward allocates the gradient.
-    logp, entropy, _stats = torch.ops.ppo_fast.token_logprobs(
+    logp, entropy, _stats = torch.ops.ppo_fast.token_logprobs.default(
         logits, labels, temperature, return_entropy, ignore_index, *truncation
     )
     return logp, (entropy if return_entropy else None)

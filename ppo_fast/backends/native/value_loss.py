@@ -15,7 +15,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 
@@ -60,27 +59,10 @@ def _fake_value_loss_backward(grad_loss, values, old_values, returns, mask, row_
     return tuple(grad_or_empty(x, wanted) for x, wanted in zip((values, old_values, returns), output_mask))
 
 
-def _setup_value_loss(ctx, inputs, output):
-    values, old_values, returns, mask, clip, _agg = inputs
-    _loss, clipfrac, row_scale = output
-    ctx.save_for_backward(values, old_values, returns, mask, row_scale)
-    ctx.clip = clip
-    ctx.mark_non_differentiable(clipfrac, row_scale)
-
-
-def _backward_value_loss(ctx, grad_loss, *_stats_grads):
-    values, old_values, returns, mask, row_scale = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:3])
-    grads = torch.ops.ppo_fast.value_loss_backward(
-        grad_loss, values, old_values, returns, mask, row_scale, ctx.clip, needed
-    )
-    return *needed_grads(grads, needed), None, None, None
-
-
-register("value_loss", _fake_value_loss, _backward_value_loss, _setup_value_loss)
+register("value_loss", _fake_value_loss)
 register("value_loss_backward", _fake_value_loss_backward)
 
 
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
-    loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss(values, old_values, returns, mask, clip, agg)
-    return loss, clipfrac.detach()
+    loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss.default(values, old_values, returns, mask, clip, agg)
+    return loss, clipfrac  # clipfrac is a non-differentiable output
