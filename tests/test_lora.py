@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, default_task, lora, saved
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.report import plot_title
 from ppo_fast.trainer.rollout import forward, generate, scores_through_fused_head
 
 peft = pytest.importorskip("peft")
@@ -130,6 +131,7 @@ def test_modules_to_save_trains_the_head_whole_through_the_fused_head_and_the_re
     head = trainer.policy.get_output_embeddings()
     base = head.original_module.weight.detach().clone()
     assert scores_through_fused_head(trainer.train_policy, trainer.device)
+    assert ", LoRA r4: " in plot_title(trainer.run) and " trainable)" in plot_title(trainer.run)
     trainer.train()
     trained = head.modules_to_save[lora.ADAPTER_NAME].weight
     assert torch.equal(head.original_module.weight, base) and not torch.equal(trained, base)

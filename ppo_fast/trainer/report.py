@@ -142,10 +142,16 @@ def model_in_words(run) -> str:
     kind = {"gpt2": "GPT-2"}.get(getattr(config, "model_type", ""), getattr(config, "model_type", "") or "model")
     shape = f" of {layers} layers, width {width}" if layers and width else ""
     count = sum(p.numel() for p in policy.parameters())
-    size = f"a {kind}{shape} ({f'{count / 1e6:.1f}M' if count >= 1e6 else f'{count / 1e3:.0f}k'} parameters)"
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    lora = f", LoRA r{run.cfg.lora_r}: {_count(trainable)} trainable" if run.cfg.lora_r else ""
+    size = f"a {kind}{shape} ({_count(count)} parameters{lora})"
     if run.builtin:
         return f"built-in addition task: {size}, warmed up on a sloppy teacher's sums"
     return f"{run.cfg.model_name_or_path or type(policy).__name__}: {size}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
 def score_name(scorer) -> str:
