@@ -89,7 +89,13 @@ def one_setup(setup: str, policy, batch, lora_r: int) -> dict:
     options = EstimateOptions.of(cfg, kl_coef=0.05)
     est = estimate(scores, old, ref, None, batch.response_mask, options)
     stats = ppo_update(
-        policy, None, optimizer, scheduler, Experience(batch, old, est.advantages, None, None), cfg, step=1
+        policy,
+        None,
+        optimizer,
+        scheduler,
+        Experience(batch=batch, old_logprobs=old, advantages=est.advantages, old_values=None, returns=None),
+        cfg,
+        step=1,
     )
     counted = {
         "policy_parameters": _bytes(policy.parameters()),

@@ -97,7 +97,7 @@ def one_update(parallel: Parallel, seed: int, agg: str, variant: str = "plain") 
         ),
         whitener=parallel.masked_whiten,
     )
-    exp = Experience(batch, old, est.advantages, values, est.returns)
+    exp = Experience(batch=batch, old_logprobs=old, advantages=est.advantages, old_values=values, returns=est.returns)
     train_policy, train_critic = parallel.prepare(policy, critic, reference)
     named = [*policy.named_parameters(), *((f"critic.{n}", p) for n, p in critic.named_parameters())]
     names, params = zip(*[(n, p) for n, p in named if p.requires_grad])

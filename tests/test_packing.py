@@ -158,7 +158,9 @@ def _one_update(budget: int | None, seed: int) -> dict:
             policy, policy, critic, batch, temperature=1.0, groups=groups, packed=cfg.padding_free is not False
         )
     advantages = torch.linspace(-1, 1, batch.response_ids.numel()).view_as(old)
-    exp = update.Experience(batch, old, advantages, values, values + advantages)
+    exp = update.Experience(
+        batch=batch, old_logprobs=old, advantages=advantages, old_values=values, returns=values + advantages
+    )
     params = [*policy.parameters(), *critic.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)

@@ -195,7 +195,15 @@ def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(tmp_pat
     advantages = torch.where(mask, sign.unsqueeze(-1), 0.0)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, 1))
-    stats = ppo_update(policy, None, optimizer, scheduler, Experience(batch, old, advantages, None, None), cfg, step=1)
+    stats = ppo_update(
+        policy,
+        None,
+        optimizer,
+        scheduler,
+        Experience(batch=batch, old_logprobs=old, advantages=advantages, old_values=None, returns=None),
+        cfg,
+        step=1,
+    )
     assert stats["policy/approxkl_avg"] == 0.0  # the first minibatch sees the rollout policy itself
     with torch.no_grad():
         new, _, _ = forward(policy, None, batch, temperature=1.0)
@@ -292,10 +300,21 @@ def test_kl_loss_term_adds_kl_coef_times_the_aggregated_kl(tiny_config):
     old, _, _ = forward(trainer.policy, None, batch, temperature=1.0, entropy=False, values=False)
     old = old.detach()
     ref = old - 0.3 * torch.rand_like(old)
-    exp = Experience(batch, old, torch.zeros_like(old), None, None)
+    exp = Experience(batch=batch, old_logprobs=old, advantages=torch.zeros_like(old), old_values=None, returns=None)
     base, _, _ = ppo_losses(trainer.policy, None, exp, cfg)
     with_kl, stats, _ = ppo_losses(
-        trainer.policy, None, Experience(batch, old, torch.zeros_like(old), None, None, ref, 0.5), cfg
+        trainer.policy,
+        None,
+        Experience(
+            batch=batch,
+            old_logprobs=old,
+            advantages=torch.zeros_like(old),
+            old_values=None,
+            returns=None,
+            ref_logprobs=ref,
+            kl_coef=0.5,
+        ),
+        cfg,
     )
     kl = pf.masked_mean(pf.kl_estimate(old, ref, "k3"), mask)  # k3: auto in the loss; token-mean: the default agg
     torch.testing.assert_close(stats["loss/kl_avg"], kl)

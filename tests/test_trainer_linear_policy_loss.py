@@ -34,7 +34,16 @@ def trainer_and_experience(tiny_config, **overrides):
     ref = old - 0.3 * torch.rand(old.shape, generator=gen)
     weights = torch.rand(old.shape, generator=gen) + 0.5
     returns = None if values is None else values + torch.randn(old.shape, generator=gen)
-    exp = Experience(batch, old, advantages, values, returns, ref, 0.2, weights)
+    exp = Experience(
+        batch=batch,
+        old_logprobs=old,
+        advantages=advantages,
+        old_values=values,
+        returns=returns,
+        ref_logprobs=ref,
+        kl_coef=0.2,
+        weights=weights,
+    )
     return trainer, cfg, exp
 
 

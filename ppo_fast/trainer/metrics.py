@@ -19,7 +19,7 @@ from .rollout_vllm import mismatch_metrics
 from .run_folder import METRICS_FILE, PLOT_FILE
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRecord:
     """What one PPO iteration did, as its metrics row reports it (this rank's share)."""
 

@@ -39,7 +39,7 @@ class Batch:
         return Batch(self.input_ids[index], self.attention_mask[index], self.prompt_width)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollouts:
     """One step's rollouts, filled in as the loop goes: the prompts drawn (one row per response),
     the responses and the log-probs they were sampled with by the engine (None: sampled by the

@@ -125,7 +125,14 @@ class PPOTrainer:
             # The KL goes into the loss when it is not in the reward.
             ref = None if cfg.kl_in_reward else r.ref_logprobs
             exp = Experience(
-                r.batch, r.old_logprobs, est.advantages, r.values, est.returns, ref, kl_coef, r.loss_weights
+                batch=r.batch,
+                old_logprobs=r.old_logprobs,
+                advantages=est.advantages,
+                old_values=r.values,
+                returns=est.returns,
+                ref_logprobs=ref,
+                kl_coef=kl_coef,
+                weights=r.loss_weights,
             )
             update_stats = ppo_update(
                 self.run.train_policy,
@@ -151,7 +158,18 @@ class PPOTrainer:
         self.run.last_samples = list(zip(r.prompts, r.responses, r.scores.tolist()))
         seconds = time.perf_counter() - start
         lr = self.run.scheduler.get_last_lr()[0]
-        record = StepRecord(step, rows, seconds, lr, r, est, update_stats, sequence_kl, kl_coef, timer.pop_step())
+        record = StepRecord(
+            step=step,
+            rows=rows,
+            seconds=seconds,
+            lr=lr,
+            rollouts=r,
+            est=est,
+            update_stats=update_stats,
+            sequence_kl=sequence_kl,
+            kl_coef=kl_coef,
+            phase_seconds=timer.pop_step(),
+        )
         row = step_row(record, cfg.kl_in_reward, self.run.parallel.world_size) | self.run.scorer.metrics()
         return self.run.parallel.reduce_row(row)
 
@@ -180,8 +198,17 @@ class PPOTrainer:
                 reference_scope=self.run.reference_scope,
                 packed=cfg.padding_free,
             )
-        r = Rollouts(prompts, answers, batch, engine_logprobs, first_order, old, ref, values)
-        r.columns = self.run.train_set.columns_of(drawn)
+        r = Rollouts(
+            prompts=prompts,
+            answers=answers,
+            batch=batch,
+            engine_logprobs=engine_logprobs,
+            first_order=first_order,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            values=values,
+            columns=self.run.train_set.columns_of(drawn),
+        )
         if cfg.rollout_correction != "none":
             r.loss_weights = pf.rollout_correction_weights(
                 old,

@@ -17,7 +17,7 @@ from .rollout import Batch, LossRequest, critic_values, forward, fused_head_prob
 from .scoring import check_finite
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Experience:
     """What the update needs from one batch of rollouts (all ``[B, T]`` over response tokens)."""
 
@@ -36,14 +36,14 @@ class Experience:
             return None if x is None else x[index]
 
         return Experience(
-            self.batch.rows(index),
-            self.old_logprobs[index],
-            self.advantages[index],
-            pick(self.old_values),
-            pick(self.returns),
-            pick(self.ref_logprobs),
-            self.kl_coef,
-            pick(self.weights),
+            batch=self.batch.rows(index),
+            old_logprobs=self.old_logprobs[index],
+            advantages=self.advantages[index],
+            old_values=pick(self.old_values),
+            returns=pick(self.returns),
+            ref_logprobs=pick(self.ref_logprobs),
+            kl_coef=self.kl_coef,
+            weights=pick(self.weights),
         )
 
 

@@ -835,3 +835,13 @@ def test_softcap_tanh_is_accurate_to_a_few_ulps_of_its_value():
     ulps = ((out[:n].double() - want).abs() / torch.finfo(torch.float32).eps / want.abs()).max().item()
     assert ulps <= 4, f"max error {ulps:.2f} float32 ulps of tanh x"
     assert out[n:].tolist()[:4] == [0.0, -0.0, 1.0, -1.0] and math.isnan(out[-1].item())
+
+
+def test_a_kl_estimator_without_a_triton_branch_does_not_compute_another(monkeypatch):
+    """An estimator added to spec.KL_ESTIMATORS but not to the kernels' branches is an error, not
+    another estimator's values (the branches' last case used to be a bare else)."""
+    from ppo_fast.backends.triton import kl_penalized_rewards as module
+
+    monkeypatch.setattr(module, "kl_estimator_code", lambda name: len(module.KL_ESTIMATORS))
+    with pytest.raises(Exception, match="without a Triton branch"):
+        module.kl_estimate_forward(torch.zeros(2, 3), torch.zeros(2, 3), "k4")

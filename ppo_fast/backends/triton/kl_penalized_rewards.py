@@ -72,8 +72,10 @@ def _kl_from_log_ratio(log_ratio, KL_ESTIMATOR: tl.constexpr):
         # in float64 and rounded once, as the reference (k3 monotone in d)
         d = _clamp((-log_ratio).to(tl.float64), -20.0, 20.0)
         kl = _clamp(_k3_of(d), -10.0, 10.0).to(log_ratio.dtype)
-    else:
+    elif KL_ESTIMATOR == _ABS:
         kl = tl.abs(log_ratio)
+    else:  # an estimator of spec.KL_ESTIMATORS without its branch here fails to compile, never computes another
+        tl.static_assert(False, "kl_penalized_rewards: a KL estimator without a Triton branch")
     return kl
 
 
@@ -96,8 +98,10 @@ def _kl_grad(log_ratio, g, KL_ESTIMATOR: tl.constexpr):
             _k3_series_below(d), g_inner * (d * (1.0 + d * _k3_series_over_d2(d))), g_inner * tl.exp(d) - g_inner
         )
         grad = tl.where(passes, (-g_d).to(g.dtype), 0.0)
-    else:
+    elif KL_ESTIMATOR == _ABS:
         grad = g * tl.where(log_ratio > 0, 1.0, tl.where(log_ratio < 0, -1.0, 0.0))
+    else:
+        tl.static_assert(False, "kl_penalized_rewards: a KL estimator without a Triton branch")
     return grad
 
 
