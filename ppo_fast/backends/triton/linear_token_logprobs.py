@@ -50,11 +50,20 @@ import triton
 import triton.language as tl
 
 from ..._sampling import NO_TRUNCATION, Truncation
+from . import _gemm_head as gemm
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
+from ._gemm_head import _tanh
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
 from ._truncation import thresholds
 
 SUPPORTED = {"linear_token_logprobs": DEVICES}
+
+# The head's design: "gemm" (cuBLAS products over chunks of rows, the row work in one Triton kernel:
+# ``_gemm_head``) or "tiles" (this module's tile-fused kernels).  "gemm" until a GPU measurement
+# (``python -m bench head_tiles``) says otherwise: its roofline prediction is the better one
+# (``python -m bench head_model``; the tiles re-read hidden and weight from HBM for every tile).
+DESIGNS = ("gemm", "tiles")
+DESIGN = "gemm"
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
 # compile for sm_90 without register spills (checked in the SASS with triton 3.6, 3.8 and 3.9;
@@ -100,28 +109,6 @@ def _rounded_operand(x, dtype: tl.constexpr):
     else:
         out = x.to(dtype)
     return out
-
-
-@triton.jit
-def _tanh(x):
-    """tanh to a few ulps of its own value (no libdevice under the interpreter): in float32, below
-    |x| = 0.55 its odd Taylor series to x^15 (truncation under half an ulp; ``(1 - e) / (1 + e)``
-    would cancel there, its error a few ulps of 1 rather than of tanh x), beyond it (and in
-    float64) through exp; exact at +-inf, NaN stays NaN."""
-    x2 = x * x
-    p = x2 * (-929569.0 / 638512875.0) + 21844.0 / 6081075.0  # Horner, from the x^15 term down
-    p = p * x2 - 1382.0 / 155925.0
-    p = p * x2 + 62.0 / 2835.0
-    p = p * x2 - 17.0 / 315.0
-    p = p * x2 + 2.0 / 15.0
-    p = p * x2 - 1.0 / 3.0
-    series = x + x * x2 * p
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    t = tl.where(x < 0, -t, t)
-    if x.dtype == tl.float64:  # the series is float32's; float64's cancellation stays below the tests' floor
-        return t
-    return tl.where(tl.abs(x) < 0.55, series, t)
 
 
 @triton.jit
@@ -739,6 +726,28 @@ def linear_token_logprobs_backward(
     return cast(d_hidden, hidden), d_weight, cast(d_bias, bias)
 
 
+def _gemm_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias, *, stats, entropy, tau=None, **options):
+    """The GEMM-first design's backward (``_gemm_head.backward``), with the tile backward's checks."""
+    n_rows = _check_inputs(hidden, weight, labels, bias)[0]
+    _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
+    tau = _saved_thresholds(hidden, n_rows, tau)
+    needs = (options["needs_hidden"], options["needs_weight"], options["needs_bias"] and bias is not None)
+    head = gemm.constants(options["temperature"], options["logit_scale"], options["logit_softcap"])
+    saved = (stats.contiguous(), None if entropy is None else entropy.contiguous(), tau)
+    with device_guard(hidden):
+        return gemm.backward(
+            (grad_logprobs, grad_entropy),
+            hidden,
+            weight,
+            labels,
+            bias,
+            head,
+            saved=saved,
+            ignore_index=options["ignore_index"],
+            needs=needs,
+        )
+
+
 def _gradient_chunk(n_rows: int, vocab: int, block_v: int, element_size: int, scratch_bytes: int | None) -> int:
     """The vocabulary columns of the logits' gradient held at once: as many whole tiles as
     ``scratch_bytes`` (default ``GRADIENT_SCRATCH_BYTES``) holds for every row, at least one tile."""
@@ -773,19 +782,35 @@ def _linear_token_logprobs_op(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    design: str = "gemm",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, stats, tau)``; entropy is empty without ``return_entropy``; ``stats`` and, under the
-    sampler's truncation, ``tau [N]`` (each row's threshold) are for the backward."""
+    sampler's truncation, ``tau [N]`` (each row's threshold) are for the backward; ``design``: ``DESIGNS``."""
     options = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
     truncation = Truncation(top_k, top_p, min_p)
     tau = None
-    if truncation.active:
+    if design == "gemm":
+        _check_inputs(hidden, weight, labels, bias)
+        with device_guard(hidden):
+            logp, entropy, stats, tau = gemm.forward(
+                hidden,
+                weight,
+                labels,
+                bias,
+                gemm.constants(**options),
+                ignore_index=ignore_index,
+                return_entropy=return_entropy,
+                truncation=truncation,
+            )
+        logp, entropy, stats = _overflow_is_nan(logp, entropy, stats, _post(**options, dtype=logp.dtype))
+    elif truncation.active:
         tau = linear_truncation_thresholds(
             hidden, weight, labels, bias, **options, ignore_index=ignore_index, truncation=truncation
         )
-    logp, entropy, stats = linear_token_logprobs_forward(
-        hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
-    )
+    if design != "gemm":
+        logp, entropy, stats = linear_token_logprobs_forward(
+            hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
+        )
     # An output of a custom op aliases no other: an empty tensor each for what is not computed.
     entropy = entropy if return_entropy else logp.new_empty(0)
     return logp, entropy, stats, (logp.new_empty(0) if tau is None else tau)
@@ -793,7 +818,7 @@ def _linear_token_logprobs_op(
 
 @_linear_token_logprobs_op.register_fake
 def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, top_k=0,
-      top_p=1.0, min_p=0.0):  # fmt: skip
+      top_p=1.0, min_p=0.0, design="gemm"):  # fmt: skip
     logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
     entropy = logp.new_empty(logp.shape if return_entropy else (0,))
     tau = logp.new_empty(logp.shape if Truncation(top_k, top_p, min_p).active else (0,))
@@ -818,9 +843,11 @@ def _linear_token_logprobs_backward_op(
     needs_weight: bool,
     needs_bias: bool,
     tau: torch.Tensor | None = None,
+    design: str = "gemm",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
-    grads = linear_token_logprobs_backward(
+    backward = linear_token_logprobs_backward if design != "gemm" else _gemm_backward
+    grads = backward(
         grad_logprobs,
         grad_entropy,
         hidden,
@@ -845,7 +872,7 @@ def _linear_token_logprobs_backward_op(
 
 @_linear_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, temperature, logit_scale, logit_softcap, ignore_index,
-      needs_hidden, needs_weight, needs_bias, tau=None):  # fmt: skip
+      needs_hidden, needs_weight, needs_bias, tau=None, design="gemm"):  # fmt: skip
     needs_bias = needs_bias and bias is not None
     return (
         hidden.new_empty(hidden.shape if needs_hidden else (0,)),
@@ -857,7 +884,8 @@ def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy,
 def _linear_token_logprobs_setup(ctx, inputs, output):
     hidden, weight, labels, bias = inputs[:4]
     ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs[4:9]
-    ctx.truncated = Truncation(*inputs[9:]).active
+    ctx.truncated = Truncation(*inputs[9:12]).active
+    ctx.design = inputs[12] if len(inputs) > 12 else "gemm"
     _, entropy, stats, tau = output
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, tau)
     ctx.mark_non_differentiable(stats, tau)
@@ -889,7 +917,8 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse,
         needs_hidden,
         needs_weight,
         needs_bias,
-        *tau,
+        tau[0] if tau else None,
+        ctx.design,
     )
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
     grads = (pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias))
@@ -915,7 +944,9 @@ def linear_token_logprobs(
     """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
     kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
     args = (hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
-    logp, entropy, _, _ = _linear_token_logprobs_op(*args, *truncation)  # truncated: over the tokens kept
+    if DESIGN not in DESIGNS:
+        raise ValueError(f"linear_token_logprobs.DESIGN must be one of {DESIGNS}, got {DESIGN!r}")
+    logp, entropy, _, _ = _linear_token_logprobs_op(*args, *truncation, DESIGN)  # truncated: over the tokens kept
     return logp, (entropy if return_entropy else None)
 
 
