@@ -4,6 +4,7 @@ hidden, weight and bias, on every backend that serves it (chunks of whole sequen
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import pytest
@@ -28,8 +29,13 @@ TOLERANCE = {
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """The reference's chunks: two sequences of the cases below, so that every case has several."""
+    """The reference's chunks and the Triton GEMM-first head's: two sequences of the cases below, so that
+    every case has several (and the head's row kernels 16-wide vocabulary tiles, several a row)."""
     monkeypatch.setattr(reference_module, "CHUNK_ELEMENTS", 2 * 7 * 53)
+    if "triton" in serving("linear_policy_loss_vanilla", "cpu") or torch.cuda.is_available():
+        gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+        monkeypatch.setattr(gemm_head, "CHUNK_ROWS", 2 * 7)
+        monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
 
 
 def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, weighted=False, ignore_index=-100):

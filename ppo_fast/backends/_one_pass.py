@@ -229,10 +229,11 @@ def fake_terms(hidden, x: PerToken, objective: Objective, terms: Terms) -> list:
     return [torch.empty_like(o) for o in out]
 
 
-def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
-    """``{linear_op: fn}`` for ``modes`` on one custom op ``{namespace}::linear_policy_loss`` (the
-    loop above on ``rows``), with its fake kernel and an autograd whose backward scales the stored
-    gradients by the incoming one.  Mode parameters travel as floats (NaN: not given)."""
+def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_rows) -> dict:
+    """``{linear_op: fn}`` for ``modes`` on one custom op ``{namespace}::linear_policy_loss`` (``loop``,
+    by default the loop above on ``rows``; a backend's own loop takes the same arguments), with its
+    fake kernel and an autograd whose backward scales the stored gradients by the incoming one.  Mode
+    parameters travel as floats (NaN: not given)."""
 
     def one_pass(
         hidden: torch.Tensor,
@@ -256,7 +257,7 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
         agg: str,
         output_mask: list[bool],
     ) -> list[torch.Tensor]:
-        return one_pass_on_rows(
+        return loop(
             rows,
             hidden,
             weight,
