@@ -1,0 +1,166 @@
+"""``python -m bench head_model``: the fused LM head's roofline model, on paper (no GPU, no torch).
+
+For each shape, the FLOPs, HBM bytes and launches of every phase of three designs, and the time an
+H100 and an H200 would take, predicted as ``max(FLOPs / (peak * GEMM_EFFICIENCY), bytes / (bandwidth *
+MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
+
+- ``linear``: the plain linear layer ``hidden @ weight.T`` (bf16 logits) and autograd's two products;
+- ``gemm``: the GEMM-first head (``ppo_fast/backends/_head_plan.py``, the same phases the kernels run:
+  ``linear_token_logprobs`` with 8 N H V FLOPs, ``linear_policy_loss`` in one pass with 6 N H V);
+- ``tiles``: the tile-fused Triton kernels, whose every vocabulary tile re-reads its rows' hidden
+  states from HBM, and whose backward re-reads and re-writes the float32 ``d_hidden`` once per
+  vocabulary chunk of a fixed 64 MiB scratch (so that term grows as N^2).
+
+These are predictions, not measurements.  The efficiencies are this project's one GPU run's
+(``bench/results/gpu-h200-2026-12-04/``: cuBLAS's linear layer at 16384 x 4096 x 151936 bf16 ran at
+696 TFLOP/s, 70% of the dense bf16 peak; token_logprobs at about copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+
+from ppo_fast.backends._head_plan import CHUNK_ROWS, Phase, extra_memory, phases
+
+DEVICES = {  # dense bf16 tensor FLOP/s, HBM bytes/s (SXM parts)
+    "H100": (989.4e12, 3.35e12),
+    "H200": (989.4e12, 4.8e12),
+}
+GEMM_EFFICIENCY = 0.70
+# The tile kernels' products: 260 TFLOP/s measured forward at 16384 x 4096 x 151936 on the H200
+# (load-latency-bound: K-tile 32, 3 stages), 26% of the peak.
+TILE_EFFICIENCY = 0.26
+MEMORY_EFFICIENCY = 0.90
+LAUNCH_S = 4e-6  # a launch's floor per phase (eager torch / Triton launch)
+SHAPES = [(n, h, v) for n in (2048, 8192, 16384, 65536) for h in (896, 4096) for v in (128256, 151936)]
+GOALS = {  # the issue's goals: (numerator, denominator, bound)
+    "loss fwd+bwd / linear fwd+bwd": (("loss_fwd", "loss_bwd"), ("linear_fwd", "linear_bwd"), 1.15),
+    "logprobs fwd / linear fwd": (("logprobs_fwd",), ("linear_fwd",), 1.10),
+    "logprobs fwd+bwd / linear fwd+bwd": (("logprobs_fwd", "logprobs_bwd"), ("linear_fwd", "linear_bwd"), 1.45),
+}
+TILE_BLOCKS = (128, 128)  # the tile forward's BLOCK_N, BLOCK_V (bf16)
+TILE_SCRATCH = 64 << 20  # the tile backward's d_logits scratch (GRADIENT_SCRATCH_BYTES)
+SM_COUNT = 132
+
+
+def tile_phases(kind: str, n: int, h: int, v: int, s: int = 2) -> list[Phase]:
+    """The tile design's phases: ``hidden`` read once per vocabulary tile; ``weight`` once per wave of
+    row blocks (the blocks of a wave share its tiles in L2)."""
+    bn, bv = TILE_BLOCKS
+    waves = math.ceil(math.ceil(n / bn) / SM_COUNT)
+    tiles_fwd = Phase(
+        "tile kernel: products + row work", 2.0 * n * h * v, math.ceil(v / bv) * n * h * s + waves * v * h * s, 1
+    )
+    if kind == "tiles_fwd":
+        return [tiles_fwd]
+    cols = max(bv, TILE_SCRATCH // (s * n) // bv * bv)
+    chunks = math.ceil(v / cols)
+    return [
+        Phase("tile kernel: recompute + d_logits", 2.0 * n * h * v, tiles_fwd.bytes + n * v * s, chunks),
+        Phase(
+            "d_hidden += dz @ weight[chunk] (fp32, per chunk)",
+            2.0 * n * h * v,
+            chunks * n * h * 8 + n * v * s + v * h * s,
+            chunks,
+        ),
+        Phase("d_weight[chunk] = dz.T @ hidden", 2.0 * n * h * v, n * v * s + chunks * n * h * s + v * h * s, chunks),
+    ]
+
+
+def predicted_s(ps: list[Phase], device: str, efficiency: float = GEMM_EFFICIENCY) -> float:
+    flops, bandwidth = DEVICES[device]
+    return sum(
+        max(p.flops / (flops * efficiency), p.bytes / (bandwidth * MEMORY_EFFICIENCY), p.launches * LAUNCH_S)
+        for p in ps
+    )
+
+
+def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase]:
+    if design == "tiles":
+        return tile_phases(f"tiles_{kind.split('_')[1]}", n, h, v)
+    return phases(kind, n, h, v, rows=CHUNK_ROWS)
+
+
+def model(n: int, h: int, v: int) -> dict:
+    """One shape's rows: per design and pass, FLOPs, bytes, launches and the predicted ms per device."""
+    rows = {}
+    kinds = {
+        "linear": ("linear_fwd", "linear_bwd"),
+        "gemm": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
+        "tiles": ("logprobs_fwd", "logprobs_bwd"),
+    }
+    for design, names in kinds.items():
+        for kind in names:
+            ps = _design_phases(design, kind, n, h, v)
+            rows[f"{design} {kind}"] = {
+                "flops": sum(p.flops for p in ps),
+                "bytes": sum(p.bytes for p in ps),
+                "launches": sum(p.launches for p in ps),
+                "ms": {
+                    d: 1e3 * predicted_s(ps, d, TILE_EFFICIENCY if design == "tiles" else GEMM_EFFICIENCY)
+                    for d in DEVICES
+                },
+                "phases": [p._asdict() for p in ps],
+            }
+    return rows
+
+
+def goals(rows: dict, n: int, h: int, v: int) -> dict:
+    out = {}
+    for name, (num, den, bound) in GOALS.items():
+        for d in DEVICES:
+            ratio = sum(rows[f"gemm {k}"]["ms"][d] for k in num) / sum(rows[f"linear {k}"]["ms"][d] for k in den)
+            out[f"{name} ({d})"] = {"ratio": ratio, "bound": bound, "met": ratio <= bound}
+    memory = extra_memory("loss_fwd", n, h, v) / (n * v * 2)
+    out["extra memory / logits' bytes"] = {"ratio": memory, "bound": 0.05, "met": memory <= 0.05}
+    return out
+
+
+def _table(results: list[dict]) -> str:
+    lines = [
+        "| N | H | V | design | pass | TFLOP | HBM GB | launches | H100 ms | H200 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for name, row in r["rows"].items():
+            design, kind = name.split(" ")
+            lines.append(
+                f"| {r['n']} | {r['h']} | {r['v']} | {design} | {kind} | {row['flops'] / 1e12:.2f} | "
+                f"{row['bytes'] / 1e9:.1f} | {row['launches']} | {row['ms']['H100']:.1f} | {row['ms']['H200']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def _goal_table(results: list[dict]) -> str:
+    lines = ["| N | H | V | goal | predicted | bound | met |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for name, g in r["goals"].items():
+            lines.append(
+                f"| {r['n']} | {r['h']} | {r['v']} | {name} | {g['ratio']:.3f} | {g['bound']} | {'yes' if g['met'] else 'no'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench head_model", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the JSON and the markdown tables here (a .json path)")
+    args = parser.parse_args(argv)
+    results = []
+    for n, h, v in SHAPES:
+        rows = model(n, h, v)
+        results.append({"n": n, "h": h, "v": v, "rows": rows, "goals": goals(rows, n, h, v)})
+    header = (
+        f"Predictions (roofline model, not measurements): bf16, chunks of {CHUNK_ROWS} rows, GEMM efficiency "
+        f"{GEMM_EFFICIENCY} (tiles {TILE_EFFICIENCY}), memory efficiency {MEMORY_EFFICIENCY}, {LAUNCH_S * 1e6:.0f} us a launch; "
+        + ", ".join(f"{d}: {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for d, (f, b) in DEVICES.items())
+    )
+    text = f"{header}\n\n{_table(results)}\n\n{_goal_table(results)}\n"
+    print(text)
+    if args.out:
+        path = pathlib.Path(args.out)
+        path.write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+        path.with_suffix(".md").write_text(text)
+    return 0
