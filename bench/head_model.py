@@ -161,3 +161,58 @@ def main(argv=None) -> int:
     if args.out:  # markdown, not a result JSON: nothing here was measured
         pathlib.Path(args.out).write_text(text)
     return 0
+
+
+SHOWN = [(16384, 4096, 151936), (16384, 896, 151936), (65536, 4096, 151936), (2048, 896, 128256)]
+
+
+def docs_section() -> list[str]:
+    """The performance page's section (tools/docs_pages.py): the design and the H200 predictions."""
+    mem = "extra memory / logits' bytes"
+    rows = [
+        "| N | H | V | linear layer fwd+bwd | logprobs fwd | logprobs fwd+bwd | loss fwd+bwd | tiles fwd+bwd "
+        "| loss / linear (goal 1.15) | logprobs fwd / linear fwd (goal 1.10) | logprobs fwd+bwd / linear (goal 1.45) "
+        "| extra memory / logits' bytes (goal 5%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, h, v in SHOWN:
+        r = model(n, h, v)
+        g = goals(r, n, h, v)
+        ms = lambda *keys: sum(r[k]["ms"]["H200"] for k in keys)  # noqa: E731
+        ratio = lambda name: g[f"{name} (H200)"]["ratio"]  # noqa: E731
+        rows.append(
+            f"| {n} | {h} | {v} | {ms('linear linear_fwd', 'linear linear_bwd'):.1f} | {ms('gemm logprobs_fwd'):.1f} "
+            f"| {ms('gemm logprobs_fwd', 'gemm logprobs_bwd'):.1f} | {ms('gemm loss_fwd', 'gemm loss_bwd'):.1f} "
+            f"| {ms('tiles logprobs_fwd', 'tiles logprobs_bwd'):.1f} "
+            f"| {ratio('loss fwd+bwd / linear fwd+bwd'):.2f}x | {ratio('logprobs fwd / linear fwd'):.2f}x "
+            f"| {ratio('logprobs fwd+bwd / linear fwd+bwd'):.2f}x | {g[mem]['ratio']:.0%} |"
+        )
+    return _PROSE_TOP + rows + _PROSE_BOTTOM
+
+
+_PROSE_TOP = """\
+### The GEMM-first head on a GPU: roofline predictions (not measurements)
+
+The Triton backend's fused head is GEMM-first (`ppo_fast/backends/triton/_gemm_head.py`): per chunk of
+2048 rows (`ppo_fast/backends/_head_plan.py`) one cuBLAS product writes the chunk's logits in float32,
+one Triton row kernel reads them once (max, log-sum-exp, entropy, soft-cap, temperature, truncation,
+the chosen token); where the gradient is known, a second row kernel writes `d_logits` over them in
+the inputs' dtype, and two cuBLAS products give `d_hidden`'s rows and add into `d_weight`'s float32
+accumulator.  `linear_token_logprobs` recomputes each chunk's logits in its backward (8 N H V FLOPs);
+`linear_policy_loss` takes its gradients in the forward (6 N H V, the linear layer's count) and its
+backward is a scale.  The tile-fused kernels stay selectable (`linear_token_logprobs.DESIGN = "tiles"`).
+
+`python -m bench head_model` predicts each design's time per phase from its FLOPs, HBM bytes and
+launches (efficiencies from the H200 run: cuBLAS at 70% of the bf16 peak, the tile kernels at 26%,
+memory at 90% of HBM bandwidth).  These are predictions; no GPU has run the GEMM-first head yet.
+All shapes, both GPUs and every phase: `bench/results/head-model.md`.  H200, bf16, ms:
+""".split("\n")
+_PROSE_BOTTOM = """\
+
+Where the goals are met by the prediction: at H=4096 the loss (1.09-1.10x on an H200, 1.12-1.14x on an
+H100) and log-probs fwd+bwd (1.40-1.41x; 1.43-1.45x on an H100), the log-probs forward on an H200
+(1.08x; 1.11x on an H100).  Missed: every ratio at H=896, where the float32 logits' traffic (8 bytes a
+logit forward, 12 more backward) rivals the products' time; the memory goal everywhere: one chunk of
+float32 logits (1.2 GB at V=151936) plus `d_weight`'s float32 accumulator (`V x H x 4` bytes, half of
+it beyond the bf16 gradient) against 5% of the bf16 logits.
+""".split("\n")
