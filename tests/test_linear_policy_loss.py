@@ -151,6 +151,24 @@ def test_head_options_equal_the_two_pass_composition(mode, backend, head):
     check_against_two_pass(x, mode, "token-mean", backend, **head)
 
 
+TRUNCATIONS = [
+    {"top_k": 4, "temperature": 0.8},
+    {"top_p": 0.7, "logit_scale": 0.7, "logit_softcap": 3.0},
+    {"min_p": 0.2, "top_p": 0.9},
+]
+
+
+@pytest.mark.parametrize("mode, backend, head", list(rotated(TRUNCATIONS, ["top_k", "top_p-softcap", "min_p-top_p"])))
+def test_truncation_equals_the_two_pass_composition(mode, backend, head):
+    """The sampler's top_k / top_p / min_p: the one pass keeps the kept sets of linear_token_logprobs'.
+    The sampled tokens are the rows' most likely ones (a token outside the kept set could not have
+    been sampled: its log-prob is -inf)."""
+    x = make_inputs(zlib.crc32(f"{mode}-{sorted(head)}".encode()))
+    with torch.no_grad():
+        x["labels"] = (x["hidden"] @ x["weight"].T + x["bias"]).argmax(-1)
+    check_against_two_pass(x, mode, "token-mean", backend, **head)
+
+
 DTYPES = [torch.float64, torch.bfloat16, torch.float16]
 
 

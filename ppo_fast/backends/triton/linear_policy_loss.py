@@ -15,15 +15,21 @@ from .._one_pass import PerToken, RowKernels, _per_token_grads, loss_scales, one
 from . import _gemm_head as gemm
 from . import linear_token_logprobs as head_module
 from ._launch import DEVICES, device_guard
-from .token_logprobs import token_logprobs_backward, token_logprobs_forward
+from .token_logprobs import token_logprobs_backward, token_logprobs_forward, truncation_thresholds
 
 
-def _forward(logits, labels, temperature, ignore_index):
+def _forward(logits, labels, temperature, ignore_index, truncation):
+    """The rows' log-probs and entropy; ``saved = (stats, tau or None)``."""
     with device_guard(logits):
-        return token_logprobs_forward(logits, labels, temperature, True, ignore_index)
+        tau = None
+        if truncation.active:
+            tau = truncation_thresholds(logits, labels, temperature, ignore_index, truncation)
+        logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, True, ignore_index, tau=tau)
+        return logp, entropy, (stats, tau)
 
 
-def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temperature, ignore_index):
+def _backward(grad_logp, grad_entropy, logits, labels, saved, entropy, *, temperature, ignore_index):
+    stats, tau = saved
     with device_guard(logits):
         return token_logprobs_backward(
             grad_logp,
@@ -35,20 +41,21 @@ def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temper
             temperature=temperature,
             ignore_index=ignore_index,
             out=logits,
+            tau=tau,
         )
 
 
 _ROWS = RowKernels(_forward, _backward)
 
 
-def _gemm_chunk(chunk: gemm.Chunk, bias, c: gemm.Constants, head, shape):
+def _gemm_chunk(chunk: gemm.Chunk, bias, c: gemm.Constants, head, tau):
     """The chunk's ``(logp, entropy, stats)`` ([rows] float32), a row whose max logit overflows NaN."""
-    logp, entropy, stats = gemm.chunk_stats(chunk, bias, c, head.ignore_index, None, True)
+    logp, entropy, stats = gemm.chunk_stats(chunk, bias, c, head.ignore_index, tau, True)
     post = head_module._post(head.temperature, head.logit_scale, head.logit_softcap, logp.dtype)
     return head_module._overflow_is_nan(logp, entropy, stats, post)
 
 
-def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask):
+def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask, truncation):
     """``_one_pass.one_pass_on_rows``'s contract on the GEMM-first head (``rows`` unused unless the design
     is "tiles"): ``[loss, pg_loss, entropy, kl_loss, *mode stats, d_hidden, d_weight, d_bias]``."""
     if head_module.DESIGN != "gemm":
@@ -63,6 +70,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             head=head,
             terms=terms,
             output_mask=output_mask,
+            truncation=truncation,
         )
     batch, length, width = hidden.shape
     flat = hidden.reshape(batch * length, width)
@@ -76,9 +84,16 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
         for b0, b1 in sequence_chunks(max(batch, 1), length, gemm.CHUNK_ROWS):
             rs, bs = slice(b0 * length, b1 * length), slice(b0, b1)
             chunk = gemm.chunk_logits(
-                flat[rs], weight, bias, labels[bs].reshape(-1), c, ignore_index=head.ignore_index, form=False
+                flat[rs],
+                weight,
+                bias,
+                labels[bs].reshape(-1),
+                c,
+                ignore_index=head.ignore_index,
+                form=truncation.active,
             )
-            logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, labels[bs].shape)
+            tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
+            logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
             shape = labels[bs].shape
             out, g_logp, g_entropy = _per_token_grads(
                 logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
@@ -87,7 +102,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             if any(needs):
                 flat_grads = (g_logp.reshape(-1), None if g_entropy is None else g_entropy.reshape(-1))
                 dz, power, inverse = gemm.chunk_gradient(
-                    chunk, bias, c, head.ignore_index, (stats, entropy, None), flat_grads
+                    chunk, bias, c, head.ignore_index, (stats, entropy, tau), flat_grads
                 )
                 grads.add(rs, chunk, dz, power, inverse)
     d_hidden, d_weight, d_bias = grads.finish()
