@@ -52,7 +52,7 @@ import triton.language as tl
 from ..._sampling import NO_TRUNCATION, Truncation
 from . import _gemm_head as gemm
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
-from ._gemm_head import _tanh
+from ._gemm_head import _head_grad_kernel, _head_stats_kernel, _tanh  # noqa: F401  (bench.static finds its kernels here)
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
 from ._truncation import thresholds
 
@@ -1061,7 +1061,43 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
             block=None,
         )
     )
-    return out + _truncated_static_variants(rows, hidden, vocab)
+    return out + _truncated_static_variants(rows, hidden, vocab) + _gemm_static_variants(hidden, vocab)
+
+
+def _gemm_static_variants(hidden: int, vocab: int) -> list[dict]:
+    """The GEMM-first design's row kernels, one chunk of rows (every chunk launches them alike): the
+    forward's statistics (bf16; with a bias, soft-cap and entropy) and the backward's d_logits (float16,
+    with its power of two, a bias and the soft-cap's derivative)."""
+    rows = gemm.CHUNK_ROWS
+    row, stats, labels = _meta((rows,), torch.float32), _meta((rows, 2), torch.float32), _meta((rows,), torch.int64)
+
+    def head(dtype):
+        return _meta((rows, hidden), dtype), _meta((vocab, hidden), dtype)
+
+    def fwd(flags):
+        x, w = head(torch.bfloat16)
+        c = gemm.constants(0.7, 1.0, 30.0 if flags else None)
+        bias = _meta((vocab,), x.dtype) if flags else None
+        return lambda: gemm.forward(
+            x, w, labels, bias, c, ignore_index=-100, return_entropy=flags, truncation=NO_TRUNCATION
+        )
+
+    def bwd():
+        x, w = head(torch.float16)
+        saved = (stats, row, None)
+        bias, c = _meta((vocab,), x.dtype), gemm.constants(0.7, 1.0, 30.0)
+        return gemm.backward((row, row), x, w, labels, bias, c, saved=saved, ignore_index=-100, needs=(True,) * 3)
+
+    shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}]"
+    launches = {
+        f"gemm-first row stats {shape} bf16": fwd(False),
+        f"gemm-first row stats {shape} bf16 bias+softcap+entropy": fwd(True),
+        f"gemm-first d_logits {shape} fp16 bias+softcap+entropy": bwd,
+    }
+    return [
+        dict(name=f"linear_token_logprobs {what}", budget_key=None, bytes_per_element=None, run=run, block=None)
+        for what, run in launches.items()
+    ]
 
 
 def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]:
