@@ -4,7 +4,9 @@ the roofline model (``python -m bench head_model``) read one source.
 
 A chunk is a number of rows, never a number of bytes: its logits ``[rows, V]`` (float32, the
 products' output) live at once, and every phase's traffic is a fixed cost per chunk plus a cost per
-row, so the totals grow linearly in the rows ``N`` (``tests/test_head_plan.py``).  Why 2048 rows: the
+row, so the totals grow linearly in the rows ``N`` (``tests/test_head_plan.py``).  Every product has
+the full ``rows`` (the last chunk padded with zero rows): one algorithm for every chunk, so a row's
+results do not depend on its batch; a call of fewer rows pays one chunk's products.  Why 2048 rows: the
 ``d_weight`` product of a chunk reads and writes its float32 accumulator ``[V, H]`` once (8 bytes a
 weight) for ``2 * rows`` FLOPs a weight, so it stays compute-bound on an H100 (989 TFLOP/s over
 3.35 TB/s: 295 FLOP/byte) from about 1200 rows; the forward product reads ``weight`` once per chunk for
@@ -45,25 +47,25 @@ def sequence_chunks(batch: int, length: int, rows: int = CHUNK_ROWS) -> list[tup
     return row_chunks(batch, max(1, rows // max(1, length)))
 
 
-def _forward_chunk(c: int, h: int, v: int, s: int, entropy_or_stats: str) -> list[Phase]:
-    """The logits of ``c`` rows by one product (float32 out), then one row kernel reading them."""
+def _forward_chunk(c: int, m: int, h: int, v: int, s: int, what: str) -> list[Phase]:
+    """The logits of ``c`` rows by one product of ``m`` rows (float32 out), then one row kernel on ``c``."""
+    product = m * h * s + v * h * s + m * v * _F32
     return [
-        Phase(
-            "logits = hidden @ weight.T (cuBLAS, fp32 out)", 2.0 * c * h * v, c * h * s + v * h * s + c * v * _F32, 1
-        ),
-        Phase(f"row kernel: {entropy_or_stats}", 0.0, c * v * _F32 + v * s, 1),
+        Phase("logits = hidden @ weight.T (cuBLAS, fp32 out)", 2.0 * m * h * v, product, 1),
+        Phase(f"row kernel: {what}", 0.0, c * v * _F32 + v * s, 1),
     ]
 
 
-def _gradient_chunk(c: int, h: int, v: int, s: int) -> list[Phase]:
-    """The row kernel writing d_logits (``s`` bytes, in place) from the chunk's float32 logits, and the
-    two products: d_hidden's rows (written once) and d_weight's float32 accumulator (read + written)."""
+def _gradient_chunk(c: int, m: int, h: int, v: int, s: int) -> list[Phase]:
+    """The row kernel writing d_logits (``s`` bytes, in place) from the chunk's float32 logits (and zeros
+    in the ``m - c`` padding rows), and the two products of ``m`` rows: d_hidden's rows (written once)
+    and d_weight's float32 accumulator (read + written)."""
+    d_hidden = m * v * s + v * h * s + m * h * (_F32 + s)
+    d_weight = m * v * s + m * h * s + 2 * v * h * _F32
     return [
-        Phase("row kernel: d_logits in place", 0.0, c * v * (_F32 + s), 1),
-        Phase("d_hidden[rows] = d_logits @ weight", 2.0 * c * h * v, c * v * s + v * h * s + c * h * (_F32 + s), 2),
-        Phase(
-            "d_weight += d_logits.T @ hidden (fp32 acc)", 2.0 * c * h * v, c * v * s + c * h * s + 2 * v * h * _F32, 1
-        ),
+        Phase("row kernel: d_logits in place", 0.0, c * v * (_F32 + s) + (m - c) * v * s, 1 + (m > c)),
+        Phase("d_hidden[rows] = d_logits @ weight", 2.0 * m * h * v, d_hidden, 2),
+        Phase("d_weight += d_logits.T @ hidden (fp32 acc)", 2.0 * m * h * v, d_weight, 1),
     ]
 
 
@@ -98,12 +100,12 @@ def phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = 
             add([Phase("zero d_weight's fp32 accumulator", 0.0, v * h * _F32, 1)])
         for start, stop in plan:
             c = stop - start
-            fwd = _forward_chunk(c, h, v, s, "max, LSE, entropy, chosen token")
+            fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
             add(fwd if kind != "logprobs_bwd" else fwd[:1])  # the backward recomputes the logits alone
             if kind == "loss_fwd":
                 add([Phase("per-token loss terms and gradient", 0.0, 0.0, PER_TOKEN_LAUNCHES)])
             if kind != "logprobs_fwd":
-                add(_gradient_chunk(c, h, v, s))
+                add(_gradient_chunk(c, rows, h, v, s))
         if kind != "logprobs_fwd":
             add([Phase("d_weight to the inputs' dtype", 0.0, v * h * (_F32 + s), 1)])
     elif kind == "loss_bwd":

@@ -279,29 +279,36 @@ def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class Chunk(NamedTuple):
     """One chunk's rows: their labels, which rows a label uses (``[c, 1]``), their hidden states (zero
-    where unused: whatever they hold reaches nothing) and the float32 logits (u itself when
-    ``formed``: bias and soft-cap applied on the host, for the truncation's thresholds)."""
+    where unused: whatever they hold reaches nothing) and float32 logits (u itself when ``formed``:
+    bias and soft-cap applied on the host, for the truncation's thresholds), as the first ``c`` rows
+    of ``hidden_full`` / ``logits_full``, whose rows beyond hold zeros: every product has the plan's
+    fixed number of rows, so BLAS (cuBLAS) picks one algorithm for every chunk and call, and a row's
+    logits do not depend on the rest of the batch, bit for bit."""
 
     labels: torch.Tensor
     used: torch.Tensor
     hidden: torch.Tensor
     logits: torch.Tensor
     formed: bool
+    hidden_full: torch.Tensor
+    logits_full: torch.Tensor
 
 
-def chunk_logits(hidden_c, weight, bias, labels_c, c: Constants, *, ignore_index: int, form: bool) -> Chunk:
-    """The chunk's logits by one product; ``form``: also its ``u`` on the host (bias, tanh), once, so that
-    the thresholds and both kernels read the same values."""
-    vocab = weight.shape[0]
+def chunk_logits(hidden_c, weight, bias, labels_c, c: Constants, *, ignore_index: int, form: bool, rows: int) -> Chunk:
+    """The chunk's logits by one product of ``max(rows, c)`` rows; ``form``: also its ``u`` on the host
+    (bias, tanh), once, so that the thresholds and both kernels read the same values."""
+    n, vocab = hidden_c.shape[0], weight.shape[0]
     used = ((labels_c != ignore_index) & (labels_c >= 0) & (labels_c < vocab)).unsqueeze(-1)
-    h = torch.where(used, hidden_c, 0.0)
-    x = _mm(h, weight.T, _acc_dtype(hidden_c.dtype))
+    h_full = hidden_c.new_zeros((max(rows, n), hidden_c.shape[1]))
+    h_full[:n] = torch.where(used, hidden_c, 0.0)
+    x_full = _mm(h_full, weight.T, _acc_dtype(hidden_c.dtype))
+    x = x_full[:n]
     if form:
         if bias is not None:
             x += bias
         if c.softcap:
             x.mul_(c.pre).tanh_()
-    return Chunk(labels_c, used, h, x, form)
+    return Chunk(labels_c, used, h_full[:n], x, form, h_full, x_full)
 
 
 def _flags(chunk: Chunk, bias, c: Constants) -> dict:
@@ -374,14 +381,19 @@ def _power(chunk: Chunk, grad_logp, grad_entropy, c: Constants):
 
 def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads):
     """The chunk's ``d_logits`` in the products' dtype (the inputs'), written over its logits, with the
-    power of two it carries: ``(d_logits [c, V], inverse power or None)``.  ``saved = (stats, entropy,
+    power of two it carries: ``(d_logits [rows, V] with zero padding rows, power, inverse) (None, None
+    but for float16)``.  ``saved = (stats, entropy,
     tau)`` of the rows; ``grads = (grad_logp, grad_entropy)``, either None."""
     stats, entropy, tau = saved
     grad_logp, grad_entropy = grads
     x = chunk.logits
     rows, vocab = x.shape
     dtype = chunk.hidden.dtype
-    dz = x if dtype == x.dtype else x.view(dtype)[:, :vocab]  # a 16-bit row in its float32 row's first half
+    full = chunk.logits_full
+    dz_full = (
+        full if dtype == full.dtype else full.view(dtype)[:, :vocab]
+    )  # a 16-bit row in its float32 row's first half
+    dz = dz_full[:rows]
     power, inverse = _power(chunk, grad_logp, grad_entropy, c)
     if rows:
         _head_grad_kernel[(rows,)](
@@ -414,7 +426,9 @@ def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, g
             ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
             BLOCK_V=ROW_BLOCK_V,
         )
-    return dz, power, inverse
+    if dz_full.shape[0] > rows:  # the padding rows: zero (their logits are NaN for a non-finite weight)
+        dz_full[rows:] = 0.0
+    return dz_full, power, inverse
 
 
 class Gradients:
@@ -434,8 +448,9 @@ class Gradients:
         self.power = None
 
     def add(self, rows: slice, chunk: Chunk, dz: torch.Tensor, power, inverse) -> None:
+        """``dz``: the chunk's d_logits with its padding rows (zeros), as ``chunk_gradient`` returns them."""
         if self.d_hidden is not None:
-            d = _mm(dz, self.weight, _acc_dtype(dz.dtype))
+            d = _mm(dz, self.weight, _acc_dtype(dz.dtype))[: chunk.hidden.shape[0]]
             if inverse is not None:
                 d.mul_(inverse)
             # a non-finite weight row times a zero gradient is NaN: a row with no gradient is 0
@@ -445,7 +460,7 @@ class Gradients:
                 if acc is not None:
                     acc.mul_(power * self.power)  # power / previous power, exact
         if self.d_weight is not None:
-            _addmm_(self.d_weight, dz.T, chunk.hidden)
+            _addmm_(self.d_weight, dz.T, chunk.hidden_full)
         if self.d_bias is not None:
             self.d_bias += dz.sum(0, dtype=self.d_bias.dtype)
         self.power = inverse
@@ -467,9 +482,17 @@ def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_
     entropy = torch.empty_like(logp) if return_entropy else None
     stats = logp.new_empty((n, 2))
     tau = logp.new_empty(n) if truncation.active else None
-    for start, stop in row_chunks(n, rows or CHUNK_ROWS):
+    rows = rows or CHUNK_ROWS
+    for start, stop in row_chunks(n, rows):
         chunk = chunk_logits(
-            hidden[start:stop], weight, bias, labels[start:stop], c, ignore_index=ignore_index, form=tau is not None
+            hidden[start:stop],
+            weight,
+            bias,
+            labels[start:stop],
+            c,
+            ignore_index=ignore_index,
+            form=tau is not None,
+            rows=rows,
         )
         tau_c = None
         if tau is not None:
@@ -487,9 +510,12 @@ def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore
     chunk's logits recomputed, its ``d_logits`` and its two products."""
     stats, entropy, tau = saved
     out = Gradients(hidden, weight, bias, needs, (hidden.dtype, weight.dtype, weight.dtype))
-    for start, stop in row_chunks(hidden.shape[0], rows or CHUNK_ROWS):
+    rows = rows or CHUNK_ROWS
+    for start, stop in row_chunks(hidden.shape[0], rows):
         rs = slice(start, stop)
-        chunk = chunk_logits(hidden[rs], weight, bias, labels[rs], c, ignore_index=ignore_index, form=tau is not None)
+        chunk = chunk_logits(
+            hidden[rs], weight, bias, labels[rs], c, ignore_index=ignore_index, form=tau is not None, rows=rows
+        )
         part = lambda x, rs=rs: None if x is None else x[rs]  # noqa: E731
         dz, power, inverse = chunk_gradient(
             chunk, bias, c, ignore_index, (stats[rs], part(entropy), part(tau)), (part(grads[0]), part(grads[1]))

@@ -81,7 +81,8 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes)
     totals = None
     with device_guard(hidden):
-        for b0, b1 in sequence_chunks(max(batch, 1), length, gemm.CHUNK_ROWS):
+        plan = sequence_chunks(max(batch, 1), length, gemm.CHUNK_ROWS)
+        for b0, b1 in plan:
             rs, bs = slice(b0 * length, b1 * length), slice(b0, b1)
             chunk = gemm.chunk_logits(
                 flat[rs],
@@ -91,6 +92,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
                 c,
                 ignore_index=head.ignore_index,
                 form=truncation.active,
+                rows=(plan[0][1] - plan[0][0]) * length,  # every chunk's product has the first's rows
             )
             tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
             logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
