@@ -56,20 +56,22 @@ def _forward_chunk(c: int, m: int, h: int, v: int, s: int, what: str) -> list[Ph
     ]
 
 
-def _gradient_chunk(c: int, m: int, h: int, v: int, s: int) -> list[Phase]:
+def _gradient_chunk(c: int, m: int, h: int, v: int, s: int, acc: int = _F32) -> list[Phase]:
     """The row kernel writing d_logits (``s`` bytes, in place) from the chunk's float32 logits (and zeros
     in the ``m - c`` padding rows), and the two products of ``m`` rows: d_hidden's rows (written once)
-    and d_weight's float32 accumulator (read + written)."""
+    and d_weight's accumulator of ``acc`` bytes a weight (read + written)."""
     d_hidden = m * v * s + v * h * s + m * h * (_F32 + s)
-    d_weight = m * v * s + m * h * s + 2 * v * h * _F32
+    d_weight = m * v * s + m * h * s + 2 * v * h * acc
     return [
         Phase("row kernel: d_logits in place", 0.0, c * v * (_F32 + s) + (m - c) * v * s, 1 + (m > c)),
         Phase("d_hidden[rows] = d_logits @ weight", 2.0 * m * h * v, d_hidden, 2),
-        Phase("d_weight += d_logits.T @ hidden (fp32 acc)", 2.0 * m * h * v, d_weight, 1),
+        Phase("d_weight += d_logits.T @ hidden (accumulator)", 2.0 * m * h * v, d_weight, 1),
     ]
 
 
-def phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS) -> list[Phase]:
+def phases(
+    kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS, acc: int = _F32
+) -> list[Phase]:
     """The phases of one call, summed over its chunks.  ``kind``:
 
     - ``linear_fwd`` / ``linear_bwd``: the plain linear layer (``hidden @ weight.T`` in the inputs'
@@ -78,6 +80,9 @@ def phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = 
       recomputes each chunk's logits: 8 N H V FLOPs in all);
     - ``loss_fwd`` / ``loss_bwd``: ``linear_policy_loss`` in one pass (the gradient known in the forward:
       6 N H V FLOPs, the backward a scale of the stored gradients).
+
+    ``acc``: the bytes of d_weight's accumulator a weight (4: float32, what the kernels do; 2: the
+    inputs' bf16, rounded once per chunk, a design the model weighs).
     """
     s = itemsize
     plan = row_chunks(n, rows)
@@ -97,7 +102,7 @@ def phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = 
         add([Phase("d_weight = d_logits.T @ hidden", 2.0 * n * h * v, n * v * s + n * h * s + v * h * s, 1)])
     elif kind in ("logprobs_fwd", "logprobs_bwd", "loss_fwd"):
         if kind != "logprobs_fwd":
-            add([Phase("zero d_weight's fp32 accumulator", 0.0, v * h * _F32, 1)])
+            add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
         for start, stop in plan:
             c = stop - start
             fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
@@ -105,9 +110,10 @@ def phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = 
             if kind == "loss_fwd":
                 add([Phase("per-token loss terms and gradient", 0.0, 0.0, PER_TOKEN_LAUNCHES)])
             if kind != "logprobs_fwd":
-                add(_gradient_chunk(c, rows, h, v, s))
+                add(_gradient_chunk(c, rows, h, v, s, acc))
         if kind != "logprobs_fwd":
-            add([Phase("d_weight to the inputs' dtype", 0.0, v * h * (_F32 + s), 1)])
+            if acc != s:
+                add([Phase("d_weight to the inputs' dtype", 0.0, v * h * (acc + s), 1)])
     elif kind == "loss_bwd":
         add([Phase("scale the stored gradients", 0.0, 2.0 * (n * h + v * h) * s, 2)])
     else:
@@ -117,11 +123,13 @@ def phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = 
     return list(out.values())
 
 
-def extra_memory(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS) -> float:
+def extra_memory(
+    kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS, acc: int = _F32
+) -> float:
     """Bytes a call holds beyond its inputs, outputs and the gradients it returns: the float32 logits of
     one chunk (d_logits is written into them), and with a gradient d_weight's float32 accumulator less
     the ``itemsize`` gradient it becomes."""
     chunk = min(n, rows) * v * _F32
     if kind in ("logprobs_fwd", "linear_fwd", "linear_bwd"):
         return 0.0 if kind.startswith("linear") else float(chunk)
-    return float(chunk + v * h * (_F32 - itemsize))
+    return float(chunk + v * h * (acc - itemsize))
