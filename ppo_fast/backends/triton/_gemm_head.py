@@ -363,18 +363,16 @@ def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return
     return logp, entropy, stats
 
 
-def _power(chunk: Chunk, grad_logp, grad_entropy, c: Constants):
-    """float16: ``2**k`` bringing the chunk's largest ``|gradient| * factor`` (the entropy's times ``log V``,
-    its term's bound) to ``[1, 2)``, with ``2**-k``; ``(None, None)`` for other dtypes."""
-    if chunk.hidden.dtype != torch.float16:
+def power_of_two(dtype: torch.dtype, used, grads, factor: float, vocab: int):
+    """float16: ``(2**k, 2**-k)`` with ``2**k`` bringing the largest ``|gradient| * factor`` of the ``used``
+    rows (the entropy's times ``log V``, its term's bound) to ``[1, 2)``; ``(None, None)`` for other dtypes."""
+    if dtype != torch.float16:
         return None, None
-    used = chunk.used.squeeze(-1)
     top = torch.zeros((), dtype=torch.float32, device=used.device)
-    log_v = max(1.0, math.log(chunk.logits.shape[1]))
-    for g, bound in ((grad_logp, 1.0), (grad_entropy, log_v)):
+    for g, bound in zip(grads, (1.0, max(1.0, math.log(vocab)))):
         if g is not None:
             top = torch.maximum(top, torch.where(used, g.abs(), 0.0).amax().float() * bound)
-    top = top * c.factor
+    top = top * factor
     k = torch.where(torch.isfinite(top) & (top > 0), -torch.floor(torch.log2(top)), 0.0).clamp(-120.0, 120.0)
     return torch.exp2(k), torch.exp2(-k)
 
@@ -394,7 +392,7 @@ def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, g
         full if dtype == full.dtype else full.view(dtype)[:, :vocab]
     )  # a 16-bit row in its float32 row's first half
     dz = dz_full[:rows]
-    power, inverse = _power(chunk, grad_logp, grad_entropy, c)
+    power, inverse = power_of_two(dtype, chunk.used.squeeze(-1), grads, c.factor, vocab)
     if rows:
         _head_grad_kernel[(rows,)](
             x,

@@ -268,7 +268,7 @@ def _linear_logits_kernel(
 @triton.jit
 def _linear_token_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, stats_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    dz_ptr, tau_ptr,
+    dz_ptr, tau_ptr, power_ptr,
     n_rows, vocab, hidden_size, vocab_start, vocab_stop, dz_stride,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     grad_logp_stride, grad_entropy_stride,
@@ -276,10 +276,12 @@ def _linear_token_logprobs_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
+    HAS_POWER: tl.constexpr = False,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_V]`` tile of the gradient of the raw logits (``hidden @ weight.T + bias``),
     rounded to ``dz``'s dtype, into ``dz [N, vocab_stop - vocab_start]`` (row stride ``dz_stride``: this
-    launch's vocabulary chunk).  Rows not to compute get 0."""
+    launch's vocabulary chunk).  Rows not to compute get 0.  Over ``scale / T`` (the host applies it
+    after the products), or with ``HAS_POWER`` (float16) times it and ``power`` before the rounding."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     cols = vocab_start + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = cols < vocab_stop
@@ -324,7 +326,8 @@ def _linear_token_logprobs_bwd_kernel(
             dz -= g_entropy[:, None] * p * (tl.where(p > 0, log_p, 0.0) + entropy[:, None])
         if HAS_SOFTCAP:
             dz = dz * dz_draw
-        # Without the factor scale / T (up to 1e5): that would overflow a float16 scratch.
+        if HAS_POWER:  # float16: scale / T and the power of two that keep dz in float16's normal range
+            dz = dz * (scale * inv_t * tl.load(power_ptr).to(ACC))
         draw = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
     tl.store(
         dz_ptr + rows[:, None] * dz_stride + (cols - vocab_start)[None, :],
@@ -666,22 +669,19 @@ def linear_token_logprobs_backward(
     tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
-
     ``stats`` (and ``entropy``, needed with ``grad_entropy``) come from the forward; ``grad_logprobs`` /
-    ``grad_entropy`` ``[N]``, any strides, None for an unused output.  ``scratch_bytes`` bounds the
-    logits' gradient held at once (default ``GRADIENT_SCRATCH_BYTES``; tests cross chunks with it)."""
+    ``grad_entropy`` ``[N]``, any strides, None for an unused output; ``scratch_bytes`` bounds the logits'
+    gradient held at once (default ``GRADIENT_SCRATCH_BYTES``)."""
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
     tau = _saved_thresholds(hidden, n_rows, tau)  # the forward's truncation thresholds, or None
     needs_bias = needs_bias and bias is not None
     acc = compute_dtype(result_dtype(hidden, weight, bias))
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
-    device = hidden.device
-    # Sums in the compute dtype; bf16/fp16 results are cast from them.
+    device = hidden.device  # sums in the compute dtype; bf16/fp16 results are cast from them
     d_hidden = torch.zeros((n_rows, hidden_size), dtype=acc_dtype, device=device) if needs_hidden else None
     d_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if needs_bias else None
-    has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
-    # Written whole, chunk by chunk, when there is work: no zero fill of [V, H] first.
+    has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)  # else no [V, H] fill
     d_weight = (weight.new_empty if has_work else weight.new_zeros)((vocab, hidden_size)) if needs_weight else None
     if has_work and (needs_hidden or needs_weight or needs_bias):
         block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
@@ -694,7 +694,8 @@ def linear_token_logprobs_backward(
         )
         # d_weight's products read every row: one not to compute counts as zeros, whatever it holds.
         used = _rows_to_compute(labels, vocab, ignore_index)[1]
-        factor = _post(temperature, logit_scale, None, acc_dtype)  # scale / T, as the kernels round it
+        grads = (grad_logprobs, grad_entropy)
+        power, factor = _gradient_factor(hidden.dtype, used, grads, temperature, logit_scale, vocab)
         hidden_used = torch.where(used[:, None], hidden, 0.0) if needs_weight else None
         stats, entropy = stats.contiguous(), stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
@@ -703,7 +704,7 @@ def linear_token_logprobs_backward(
                 _linear_token_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
                     hidden, weight, weight if bias is None else bias, labels, stats, entropy,
                     stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
-                    dz, stats if tau is None else tau,
+                    dz, stats if tau is None else tau, stats if power is None else power,
                     n_rows, vocab, hidden_size, start, stop, dz.stride(0),
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
                     labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
@@ -711,6 +712,7 @@ def linear_token_logprobs_backward(
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
                     HAS_GRAD_LOGP=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
                     ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype), TRUNCATED=tau is not None,
+                    HAS_POWER=power is not None,
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
                 )  # fmt: skip
                 chunk = dz[:, : stop - start]  # d loss / d raw, over scale / T
@@ -746,6 +748,14 @@ def _gemm_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias, *,
             ignore_index=options["ignore_index"],
             needs=needs,
         )
+
+
+def _gradient_factor(dtype, used, grads, temperature: float, logit_scale: float, vocab: int) -> tuple:
+    """``(power or None, factor)``: what the products' results are multiplied by, ``scale / T`` as the
+    kernels round it, or for float16 the inverse of the power of two the kernel applies with it."""
+    factor = _post(temperature, logit_scale, None, torch.float64 if dtype == torch.float64 else torch.float32)
+    power, inverse = gemm.power_of_two(dtype, used, grads, factor, vocab)
+    return power, factor if inverse is None else inverse
 
 
 def _gradient_chunk(n_rows: int, vocab: int, block_v: int, element_size: int, scratch_bytes: int | None) -> int:
