@@ -239,6 +239,20 @@ def trl_logprob_baseline(temperature: float, dtype: torch.dtype) -> dict[str, Ca
     return {"trl-chunked": lambda x: trl_chunked_logprobs(x["logits"], x["labels"], temperature)}
 
 
+def torch_linear_ce_baseline(temperature: float) -> dict[str, Callable]:
+    """PyTorch's own fused head, ``torch.nn.functional.linear_cross_entropy`` (``reduction="none"``: the
+    negative log-probs, 0 at ignored rows), where the installed torch has it; the temperature divides
+    the hidden states (no bias here)."""
+    fn = getattr(torch.nn.functional, "linear_cross_entropy", None)
+    if fn is None:
+        return {}
+
+    def torch_linear_ce(x):
+        return -fn(x["hidden"] / temperature, x["weight"], x["labels"], reduction="none", ignore_index=IGNORE_INDEX)
+
+    return {"torch-linear-ce": torch_linear_ce}
+
+
 def trl_fused_head_baseline(temperature: float) -> dict[str, Callable]:
     """TRL's real fused LM head where TRL is installed: the function ``add_fused_lm_head`` calls
     (``trl.trainer.utils._ChunkedLogProbFunction`` with TRL's own chunk size), on the rows whose

@@ -195,6 +195,7 @@ def linear_logprob_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, tru
         "eager": eager,
         "matmul+token_logprobs": matmul_then_ours,
         **baselines.trl_fused_head_baseline(TEMPERATURE),
+        **baselines.torch_linear_ce_baseline(TEMPERATURE),
         "linear-layer": lambda x: baselines.linear_layer_yardstick(x["hidden"], x["weight"]),
     }
     case = Case(

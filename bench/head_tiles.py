@@ -4,8 +4,9 @@ next change of ``_FORWARD_CONFIG`` / ``_BACKWARD_CONFIG`` is a measured one.  On
 BLOCK_H, num_warps, num_stages)`` times the forward and the backward (its tile kernel and the cuBLAS
 products), against the head's own products (``hidden @ weight.T``, cuBLAS) measured in the same run;
 the forward with and without its vocabulary split at a micro-batch's rows; the backward by the size
-of its gradient scratch (``GRADIENT_SCRATCH_BYTES``).  Every candidate's log-probs are checked
-against the shipped configuration's first.
+of its gradient scratch (``GRADIENT_SCRATCH_BYTES``); then the GEMM-first design at a few chunk sizes,
+and the faster design (``chosen``: what ``linear_token_logprobs.DESIGN`` should be).  Every
+candidate's log-probs are checked against the shipped tile configuration's first.
 """
 
 from __future__ import annotations
@@ -92,6 +93,54 @@ def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dic
     return row
 
 
+GEMM_CHUNK_ROWS = (1024, 2048, 4096)  # the GEMM-first design's chunk candidates (_head_plan.CHUNK_ROWS ships)
+
+
+def measure_gemm(chunk_rows: int, head, rep_ms: int, want: torch.Tensor | None) -> dict:
+    """The GEMM-first design (``_gemm_head``) at ``chunk_rows`` rows a chunk: forward and backward."""
+    from ppo_fast._sampling import NO_TRUNCATION
+    from ppo_fast.backends.triton import _gemm_head as gemm
+
+    h, w, labels = head
+    c = gemm.constants(OPTIONS["temperature"], OPTIONS["logit_scale"], OPTIONS["logit_softcap"])
+    row = {"chunk_rows": chunk_rows}
+
+    def forward():
+        return gemm.forward(
+            h, w, labels, None, c, ignore_index=-100, return_entropy=True, truncation=NO_TRUNCATION, rows=chunk_rows
+        )
+
+    try:
+        logp, entropy, stats, _ = forward()
+        if want is not None:
+            row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
+        row["fwd_ms"] = _ms(forward, rep_ms)
+        grads, saved, needs = (torch.ones_like(logp), None), (stats, None, None), (True, True, False)
+
+        def backward():
+            return gemm.backward(
+                grads, h, w, labels, None, c, saved=saved, ignore_index=-100, needs=needs, rows=chunk_rows
+            )
+
+        row["bwd_ms"] = _ms(backward, rep_ms)
+    except Exception as err:  # reported, the rest go on
+        row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    return row
+
+
+def choose(tile_rows: list[dict], gemm_rows: list[dict]) -> dict:
+    """The faster design by forward + backward milliseconds: what ``linear_token_logprobs.DESIGN`` should be."""
+    best = {}
+    for design, rows in (("tiles", tile_rows), ("gemm", gemm_rows)):
+        timed = [r for r in rows if "fwd_ms" in r and "bwd_ms" in r]
+        if timed:
+            best[design] = min(timed, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
+    if not best:
+        return {"design": None}
+    design = min(best, key=lambda d: best[d]["fwd_ms"] + best[d]["bwd_ms"])
+    return {"design": design, **{d: r["fwd_ms"] + r["bwd_ms"] for d, r in best.items()}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench head_tiles", description=__doc__)
     parser.add_argument("--device", default="cuda")
@@ -147,8 +196,22 @@ def main(argv=None) -> int:
         finally:
             module.GRADIENT_SCRATCH_BYTES = saved
     print(f"  backward by its gradient scratch (MiB): {scratch}", flush=True)
+    gemm_rows = []
+    for chunk_rows in GEMM_CHUNK_ROWS:
+        gemm_rows.append(measure_gemm(chunk_rows, head, args.rep_ms, want))
+        print(f"  GEMM-first, {chunk_rows} rows a chunk: {gemm_rows[-1]}", flush=True)
+    chosen = choose(rows, gemm_rows)
+    print(f"  the faster design, forward + backward ms: {chosen}", flush=True)
     write_json(
         args.out,
-        {**result, "results": rows, "split_rows": args.split_rows, "split_fwd_ms": split, "scratch_bwd_ms": scratch},
+        {
+            **result,
+            "results": rows,
+            "split_rows": args.split_rows,
+            "split_fwd_ms": split,
+            "scratch_bwd_ms": scratch,
+            "gemm_results": gemm_rows,
+            "chosen": chosen,
+        },
     )
     return 0

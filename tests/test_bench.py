@@ -178,7 +178,8 @@ def test_fwd_bwd_memory_counts_the_new_gradient():
 
 
 def test_fused_head_baselines_match_reference():
-    """The fused-LM-head case's baselines (eager, TRL's real fused head when installed) give
+    """The fused-LM-head case's baselines (eager, TRL's real fused head when installed, torch's
+    linear_cross_entropy where torch has it) give
     the reference's log-probs, 0 at ignored rows; the linear-layer yardstick is timed, not compared."""
     case = cases.linear_logprob_case(37, 24, 301, torch.float32)
     inputs = case.make_inputs(torch.device("cpu"))
@@ -192,6 +193,7 @@ def test_fused_head_baselines_match_reference():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
         assert (got[inputs["labels"] == IGNORE] == 0).all(), name
     assert "eager" in case.baselines and "linear-layer" in case.yardsticks
+    assert ("torch-linear-ce" in case.baselines) == hasattr(torch.nn.functional, "linear_cross_entropy")
     row = _measure(
         case,
         "linear-layer",
@@ -365,3 +367,6 @@ def test_head_tiles_runs_every_candidate(tmp_path):
     assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["results"][1:])
     assert set(data["split_fwd_ms"]) == {"split", "one share"} and len(data["scratch_bwd_ms"]) == 3
+    assert [r["chunk_rows"] for r in data["gemm_results"]] == list(head_tiles.GEMM_CHUNK_ROWS)
+    assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["gemm_results"])
+    assert data["chosen"]["design"] in ("gemm", "tiles")

@@ -695,7 +695,7 @@ for _mode in POLICY_LOSS_MODES.values():
             (lambda c=_fn: c(kl_estimator="k4"), ValueError, "kl_estimator", None),
             (lambda c=_fn: c(labels=tensor([[0, 1, 2], [3, 5, 0]])), ValueError, r"labels must lie in \[0, 5\)", None),
             (lambda c=_fn: c(not_a_param=1.0), TypeError, "unexpected not_a_param", None),
-            (lambda c=_fn: c(top_p=0.9), ValueError, r"takes no sampling truncation \(got top_p\)", None),
+            (lambda c=_fn: c(top_p=1.5), ValueError, "top_p", None),
             (lambda c=_fn: c(agg="mean"), ValueError, "agg must be one of", None),
         ]
 assert set(BAD_INPUTS) == set(OPS) | {None}

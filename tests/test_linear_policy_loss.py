@@ -4,6 +4,7 @@ hidden, weight and bias, on every backend that serves it (chunks of whole sequen
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import pytest
@@ -28,8 +29,13 @@ TOLERANCE = {
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """The reference's chunks: two sequences of the cases below, so that every case has several."""
+    """The reference's chunks and the Triton GEMM-first head's: two sequences of the cases below, so that
+    every case has several (and the head's row kernels 16-wide vocabulary tiles, several a row)."""
     monkeypatch.setattr(reference_module, "CHUNK_ELEMENTS", 2 * 7 * 53)
+    if "triton" in serving("linear_policy_loss_vanilla", "cpu") or torch.cuda.is_available():
+        gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+        monkeypatch.setattr(gemm_head, "CHUNK_ROWS", 2 * 7)
+        monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
 
 
 def make_inputs(seed, *, dtype=torch.float32, dims=(5, 7, 53, 13), bias=True, weighted=False, ignore_index=-100):
@@ -142,6 +148,24 @@ HEAD_OPTIONS = [
 @pytest.mark.parametrize("mode, backend, head", list(rotated(HEAD_OPTIONS, ["temperature", "scale-softcap", "pad-id"])))
 def test_head_options_equal_the_two_pass_composition(mode, backend, head):
     x = make_inputs(7, bias=False, ignore_index=head.get("ignore_index", -100))
+    check_against_two_pass(x, mode, "token-mean", backend, **head)
+
+
+TRUNCATIONS = [
+    {"top_k": 4, "temperature": 0.8},
+    {"top_p": 0.7, "logit_scale": 0.7, "logit_softcap": 3.0},
+    {"min_p": 0.2, "top_p": 0.9},
+]
+
+
+@pytest.mark.parametrize("mode, backend, head", list(rotated(TRUNCATIONS, ["top_k", "top_p-softcap", "min_p-top_p"])))
+def test_truncation_equals_the_two_pass_composition(mode, backend, head):
+    """The sampler's top_k / top_p / min_p: the one pass keeps the kept sets of linear_token_logprobs'.
+    The sampled tokens are the rows' most likely ones (a token outside the kept set could not have
+    been sampled: its log-prob is -inf)."""
+    x = make_inputs(zlib.crc32(f"{mode}-{sorted(head)}".encode()))
+    with torch.no_grad():
+        x["labels"] = (x["hidden"] @ x["weight"].T + x["bias"]).argmax(-1)
     check_against_two_pass(x, mode, "token-mean", backend, **head)
 
 

@@ -169,7 +169,9 @@ def _ops_sections() -> list[str]:
             _linear_head_goal_table(goal),
             "",
         ]
-    return out
+    from bench import head_model  # predictions on paper, computed here: no result file
+
+    return out + head_model.docs_section()
 
 
 def _peer_sections() -> list[str]:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .._dtypes import result_dtype
+from .._sampling import Truncation
 from ..spec import POLICY_LOSS_MODES
 from .reference._common import CHUNK_ELEMENTS, in_common_dtype
 from .reference._loss_terms import Head, Objective, PerToken, Terms, chunk_terms, loss_scales
@@ -21,7 +22,8 @@ from .reference._loss_terms import Head, Objective, PerToken, Terms, chunk_terms
 
 class RowKernels(NamedTuple):
     """A backend's log-softmax rows for :func:`one_pass_on_rows`: ``forward(logits [n, V], labels [n],
-    temperature, ignore_index) -> (logp, entropy, saved)`` (float32, or float64 for float64 logits)
+    temperature, ignore_index, truncation) -> (logp, entropy, saved)`` (float32, or float64 for float64
+    logits; over each row's kept tokens under the sampler's ``truncation``)
     and ``backward(grad_logp, grad_entropy or None, logits, labels, saved, entropy, *, temperature,
     ignore_index) -> d_logits`` (it may write into ``logits``, which are not read again)."""
 
@@ -95,7 +97,7 @@ def _logits_gradient(rows: RowKernels, chunk: _Chunk, grads, saved, entropy, hea
 
 
 def one_pass_on_rows(
-    rows: RowKernels, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask
+    rows: RowKernels, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask, truncation
 ):
     """``pf.linear_policy_loss`` in one pass over chunks of whole sequences, on a fast backend's
     kernels: per chunk, the logits by one product (BLAS or cuBLAS, in the inputs' common compute
@@ -118,7 +120,7 @@ def one_pass_on_rows(
     for b0 in range(0, max(batch, 1), step):
         rs = slice(b0, b0 + step)
         chunk = _chunk_logits(hidden_c[rs], weight_c, bias_c, labels[rs], head)
-        logp, entropy, saved = rows.forward(chunk.logits, chunk.labels, head.temperature, head.ignore_index)
+        logp, entropy, saved = rows.forward(chunk.logits, chunk.labels, head.temperature, head.ignore_index, truncation)
         shape = labels[rs].shape
         out, *grads = _per_token_grads(logp.view(shape), entropy.view(shape), x.rows(rs), objective, terms, scales)
         totals = out if totals is None else [t + o for t, o in zip(totals, out)]
@@ -152,10 +154,11 @@ def fake_terms(hidden, x: PerToken, objective: Objective, terms: Terms) -> list:
     return [torch.empty_like(o) for o in out]
 
 
-def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
-    """``{linear_op: fn}`` for ``modes`` on one custom op ``{namespace}::linear_policy_loss`` (the
-    loop above on ``rows``), with its fake kernel and an autograd whose backward scales the stored
-    gradients by the incoming one.  Mode parameters travel as floats (NaN: not given)."""
+def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_rows) -> dict:
+    """``{linear_op: fn}`` for ``modes`` on one custom op ``{namespace}::linear_policy_loss`` (``loop``,
+    by default the loop above on ``rows``; a backend's own loop takes the same arguments), with its
+    fake kernel and an autograd whose backward scales the stored gradients by the incoming one.  Mode
+    parameters travel as floats (NaN: not given)."""
 
     def one_pass(
         hidden: torch.Tensor,
@@ -178,8 +181,11 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
         params: list[float],
         agg: str,
         output_mask: list[bool],
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
     ) -> list[torch.Tensor]:
-        return one_pass_on_rows(
+        return loop(
             rows,
             hidden,
             weight,
@@ -190,6 +196,7 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
             head=Head(temperature, logit_scale, logit_softcap, ignore_index),
             terms=Terms(kl_coef, kl_estimator, entropy_coef),
             output_mask=output_mask,
+            truncation=Truncation(top_k, top_p, min_p),
         )
 
     names = list(inspect.signature(one_pass).parameters)  # the schema's order
@@ -200,7 +207,7 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
     op.register_autograd(backward, setup_context=setup)
 
     def runner(mode):
-        def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg):
+        def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg, truncation=None):
             grad = torch.is_grad_enabled()
             output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
             floats = [math.nan if p is None else float(p) for p in params]
@@ -218,6 +225,7 @@ def rows_ops(namespace: str, rows: RowKernels, modes) -> dict:
                 floats,
                 agg,
                 output_mask,
+                *(truncation or Truncation()),
             )
             return tuple(out[:-3])
 

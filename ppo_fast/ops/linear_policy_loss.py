@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._sampling import truncation as checked_truncation
 from .._varlen import varlen
 from ..backends import resolve
 from ..backends._one_pass import Head, PerToken, Terms
@@ -40,21 +41,20 @@ def linear_policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     **mode_params: float | None,
 ):
-    """The policy loss of ``loss_mode`` on the LM head's log-probs, plus the KL-to-reference and
-    entropy-bonus terms, with no ``[B, T, V]`` logits.
+    """The policy loss of ``loss_mode`` on the LM head's log-probs, plus the KL and entropy terms, no logits.
 
-    The value and gradients of ``policy_loss(logp, old_logprobs, advantages, mask, ...) -
-    entropy_coef * masked_mean(entropy, mask) + kl_coef * aggregate(kl_estimate(logp,
-    ref_logprobs, kl_estimator), mask, agg)`` with ``logp, entropy = linear_token_logprobs(hidden,
-    weight, labels, ...)``, computed in one pass: each chunk of whole sequences gets its logits,
-    log-probs and entropy, the loss's gradient and at once its share of ``d_hidden``,
-    ``d_weight`` and ``d_bias`` (three matrix products per chunk, no recompute); the backward
-    only scales them by the incoming gradient.  The aggregation's normalisers (valid tokens,
-    responses) come from ``mask`` before the pass.  Modes whose token selection spans the batch
-    (``fused_head=False`` in ``pf.policy_loss_modes()``: ``clip_cov``, ``kl_cov``) take the two-pass
-    path (``linear_token_logprobs``, then ``policy_loss``).
+    The value and gradients of ``policy_loss(logp, old_logprobs, advantages, mask, ...) - entropy_coef *
+    masked_mean(entropy, mask) + kl_coef * aggregate(kl_estimate(logp, ref_logprobs, kl_estimator), mask,
+    agg)`` with ``logp, entropy = linear_token_logprobs(hidden, weight, labels, ...)``, in one pass: each
+    chunk of whole sequences gets its logits, log-probs, entropy and loss gradient, and at once its share
+    of ``d_hidden``, ``d_weight``, ``d_bias`` (three products, no recompute); the backward scales them.
+    The normalisers (valid tokens, responses) come from ``mask`` first.  Modes whose token selection spans
+    the batch (``fused_head=False``: ``clip_cov``, ``kl_cov``) take ``linear_token_logprobs`` then ``policy_loss``.
 
     Args:
         hidden: ``[B, T, H]`` last hidden states of whole sequences; weight ``[V, H]``, bias
@@ -71,6 +71,9 @@ def linear_policy_loss(
         ref_logprobs: optional ``[B, T]`` reference log-probs of the KL loss term (``kl_coef``).
         kl_estimator: ``k1``, ``k2``, ``k3`` or ``abs`` (``pf.kl_estimate``).
         entropy_coef: weight of the entropy bonus (the token mean of the entropy, subtracted).
+        top_k: the sampler's top-k, as in ``pf.linear_token_logprobs`` (the same kept sets).
+        top_p: the sampler's nucleus threshold, as in ``pf.linear_token_logprobs``.
+        min_p: the sampler's min-p, as in ``pf.linear_token_logprobs``.
 
     Returns:
         ``(loss, stats)``: the 0-dim total loss, differentiable w.r.t. ``hidden``, ``weight`` and
@@ -79,27 +82,34 @@ def linear_policy_loss(
         (its token mean) and, with ``ref_logprobs``, ``kl_loss``.
     """
     mode = policy_loss_mode(loss_mode)
-    params = mode.bind(_without_truncation(mode_params))
+    params = mode.bind(mode_params)
     x, labels = _check_tensors(
         hidden, weight, labels, bias, PerToken(old_logprobs, advantages, mask, weights, ref_logprobs)
     )
     agg = check.choice("agg", mode.default_agg if agg is None else agg, AGG_MODES)
-    head = Head(
+    head = _checked_head(temperature, logit_scale, logit_softcap, ignore_index)
+    terms = Terms(*_checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs))
+    truncation = checked_truncation(top_k, top_p, min_p, weight.shape[0])
+    labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
+    if labels.numel() and check.host_checks_free(labels):
+        check.labels_in_range(labels, weight.shape[0], head.ignore_index)
+    if not mode.fused_head:
+        return _two_pass(
+            hidden, weight, labels, x, bias=bias, head=(head, truncation), terms=terms, objective=(mode, params, agg)
+        )
+    loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
+        hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=agg, truncation=truncation
+    )
+    return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
+
+
+def _checked_head(temperature, logit_scale, logit_softcap, ignore_index) -> Head:
+    return Head(
         check.real("temperature", temperature, low=MIN_TEMPERATURE),
         check.real("logit_scale", logit_scale, low=0.0, low_open=True),
         None if logit_softcap is None else check.real("logit_softcap", logit_softcap, low=0.0, low_open=True),
         check.integer("ignore_index", ignore_index),
     )
-    terms = Terms(*_checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs))
-    labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
-    if labels.numel() and check.host_checks_free(labels):
-        check.labels_in_range(labels, weight.shape[0], head.ignore_index)
-    if not mode.fused_head:
-        return _two_pass(hidden, weight, labels, x, bias=bias, head=head, terms=terms, objective=(mode, params, agg))
-    loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
-        hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=agg
-    )
-    return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
 
 
 def _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs) -> tuple:
@@ -108,18 +118,6 @@ def _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs) -> tuple:
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs ([B, T] reference log-probs), got None")
     return kl_coef, check.choice("kl_estimator", kl_estimator, KL_ESTIMATORS), check.real("entropy_coef", entropy_coef)
-
-
-def _without_truncation(mode_params: dict) -> dict:
-    """``mode_params``, checked for the sampler's truncation, which is not a mode parameter: say so
-    instead of blaming the mode."""
-    truncated = [name for name in ("top_k", "top_p", "min_p") if name in mode_params]
-    if truncated:
-        raise ValueError(
-            f"linear_policy_loss takes no sampling truncation (got {', '.join(truncated)}): score the tokens with "
-            f"pf.linear_token_logprobs(..., {truncated[0]}=...) and pass the log-probs to pf.policy_loss"
-        )
-    return mode_params
 
 
 def _check_tensors(hidden, weight, labels, bias, x: PerToken) -> tuple[PerToken, torch.Tensor]:
@@ -145,9 +143,11 @@ def _stats(mode, stats, pg_loss, entropy, kl_loss) -> dict:
     return out
 
 
-def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, objective):
-    """``linear_token_logprobs`` then ``policy_objective`` (modes whose token selection spans the batch)."""
+def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: tuple, terms: Terms, objective):
+    """``linear_token_logprobs`` then ``policy_objective`` (modes whose token selection spans the batch);
+    ``head = (Head, Truncation)``."""
     mode, params, agg = objective
+    head, truncation = head
     logp, entropy = linear_token_logprobs(
         hidden,
         weight,
@@ -158,6 +158,9 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: T
         logit_softcap=head.logit_softcap,
         return_entropy=True,
         ignore_index=head.ignore_index,
+        top_k=truncation.top_k,
+        top_p=truncation.top_p,
+        min_p=truncation.min_p,
     )
     mode_params = mode.named(params)
     return policy_objective(

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 import ppo_fast as pf  # noqa: E402
 from ppo_fast.backends import backend_info, reference, resolved_backend_name  # noqa: E402
 from ppo_fast.backends import triton as tb  # noqa: E402
+from ppo_fast.backends.triton import _gemm_head as gemm_head  # noqa: E402
 from ppo_fast.backends.triton import _launch  # noqa: E402
 from ppo_fast.backends.triton import gae as tgae  # noqa: E402
 from ppo_fast.backends.triton import kl_penalized_rewards as tkl  # noqa: E402
@@ -612,11 +613,16 @@ def test_custom_ops_pass_opcheck(case):
 N, V, H = 37, 75, 41  # none a multiple of the 16-wide test tiles
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """16-wide tiles in both passes, the forward in three vocabulary splits (two tiles, two, one) and a
-    gradient scratch of a tile or a few of every row, so that odd N, V and H cross several tiles, the
-    forward its splits and the backward several vocabulary chunks."""
+@pytest.fixture(params=["gemm", "tiles"])
+def small_tiles(monkeypatch, request):
+    """Each design of the head (``tlin.DESIGNS``) made small.  GEMM-first: chunks of 16 rows (the last
+    shorter) and 16-wide row-kernel tiles.  Tiles: 16-wide tiles in both passes, the forward in three
+    vocabulary splits (two tiles, two, one) and a gradient scratch of a tile or a few of every row, so
+    that odd N, V and H cross several tiles, the forward its splits and the backward several
+    vocabulary chunks."""
+    monkeypatch.setattr(tlin, "DESIGN", request.param)
+    monkeypatch.setattr(gemm_head, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
     for config in ("_FORWARD_CONFIG", "_BACKWARD_CONFIG"):
         monkeypatch.setattr(tlin, config, {acc: (16, 16, 16, 4) for acc in getattr(tlin, config)})
     monkeypatch.setattr(tlin, "FORWARD_SPLITS", 3)
@@ -706,9 +712,10 @@ def test_linear_ignored_and_out_of_range_rows_read_nothing(small_tiles):
 
 def test_linear_strided_hidden_and_transposed_weight_are_read_in_place(small_tiles, monkeypatch):
     """Every other hidden column and a weight stored transposed (column-major): no copy, and the formula's results."""
-    seen, forward = [], tlin.linear_token_logprobs_forward
+    module, name = (tlin, "linear_token_logprobs_forward") if tlin.DESIGN == "tiles" else (gemm_head, "forward")
+    seen, forward = [], getattr(module, name)
     spy = lambda h, w, *args, **kw: seen.append((h.stride(), w.stride())) or forward(h, w, *args, **kw)  # noqa: E731
-    monkeypatch.setattr(tlin, "linear_token_logprobs_forward", spy)
+    monkeypatch.setattr(module, name, spy)
     views = lambda f: lambda h, w, *rest, **kw: f(h[:, ::2], w.T, *rest, **kw)  # noqa: E731
     _check_linear(
         views(_triton), (rand(N, 2 * H), rand(H, V), None, _linear_inputs()[3]), views(_plain), temperature=1.1

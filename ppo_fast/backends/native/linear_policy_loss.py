@@ -118,7 +118,20 @@ register("linear_policy_loss", _fake, *autograd(_input_names, "native"))
 
 
 def _linear_policy_loss_op(mode):
-    def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg):
+    def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg, truncation=None):
+        if truncation is not None and truncation.active:  # the C++ epilogue has no truncation: the rows' loop
+            return _ALL_ROWS[f"linear_policy_loss_{mode}"](
+                hidden,
+                weight,
+                labels,
+                x,
+                bias=bias,
+                head=head,
+                terms=terms,
+                params=params,
+                agg=agg,
+                truncation=truncation,
+            )
         grad = torch.is_grad_enabled()
         output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         floats = [float(p) for p in params if p is not None]  # vanilla's dual_clip: only when on
@@ -147,8 +160,9 @@ linear_policy_loss_vanilla = _linear_policy_loss_op("vanilla")
 linear_policy_loss_gspo = _linear_policy_loss_op("gspo")
 
 
-def _rows_forward(logits, labels, temperature, ignore_index):
-    return torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, True, ignore_index)
+def _rows_forward(logits, labels, temperature, ignore_index, truncation):
+    """The rows' log-probs and entropy; truncated, the stats carry each row's threshold (their third column)."""
+    return torch.ops.ppo_fast.token_logprobs(logits, labels, temperature, True, ignore_index, *truncation)
 
 
 def _rows_backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temperature, ignore_index):
@@ -157,10 +171,12 @@ def _rows_backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, t
     )
 
 
-_ON_ROWS = rows_ops(
+# Every fused mode on the rows' loop: the C++ modes take it under the sampler's truncation.
+_ALL_ROWS = rows_ops(
     "ppo_fast_native",
     RowKernels(_rows_forward, _rows_backward),
-    [m for m in POLICY_LOSS_MODES.values() if m.fused_head and m.name not in MODES],
+    [m for m in POLICY_LOSS_MODES.values() if m.fused_head],
 )
+_ON_ROWS = {op: fn for op, fn in _ALL_ROWS.items() if op not in {f"linear_policy_loss_{mode}" for mode in MODES}}
 globals().update(_ON_ROWS)
 SUPPORTED = {f"linear_policy_loss_{mode}": {"cpu"} for mode in MODES} | {op: {"cpu"} for op in _ON_ROWS}

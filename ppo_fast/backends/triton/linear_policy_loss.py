@@ -1,22 +1,35 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
-sequences (``backends._one_pass.one_pass_on_rows``): the products by cuBLAS, each chunk's
-log-softmax rows and their gradient by this backend's token_logprobs kernels, the gradient written
-into the chunk's logits buffer; every mode whose per-token gradient is local to a sequence."""
+sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
+log-probs and entropy by the head's row kernel, the loss's per-token gradient from the mode's reference
+function on those ``[rows, T]`` vectors, ``d_logits`` written in place over the logits by the head's
+gradient kernel, then ``d_hidden``'s rows and ``d_weight``'s float32 accumulator by two products: 6 N H V
+FLOPs in all, one chunk of logits alive, and the backward a scale of the stored gradients.  Every mode
+whose per-token gradient is local to a sequence.  With ``linear_token_logprobs.DESIGN = "tiles"`` the
+older loop (``_one_pass.one_pass_on_rows`` on token_logprobs' row kernels) runs instead."""
 
 from __future__ import annotations
 
 from ...spec import POLICY_LOSS_MODES
-from .._one_pass import RowKernels, rows_ops
+from .._head_plan import sequence_chunks
+from .._one_pass import PerToken, RowKernels, _per_token_grads, loss_scales, one_pass_on_rows, rows_ops, stored_dtype
+from . import _gemm_head as gemm
+from . import linear_token_logprobs as head_module
 from ._launch import DEVICES, device_guard
-from .token_logprobs import token_logprobs_backward, token_logprobs_forward
+from .token_logprobs import token_logprobs_backward, token_logprobs_forward, truncation_thresholds
 
 
-def _forward(logits, labels, temperature, ignore_index):
+def _forward(logits, labels, temperature, ignore_index, truncation):
+    """The rows' log-probs and entropy; ``saved = (stats, tau or None)``."""
     with device_guard(logits):
-        return token_logprobs_forward(logits, labels, temperature, True, ignore_index)
+        tau = None
+        if truncation.active:
+            tau = truncation_thresholds(logits, labels, temperature, ignore_index, truncation)
+        logp, entropy, stats = token_logprobs_forward(logits, labels, temperature, True, ignore_index, tau=tau)
+        return logp, entropy, (stats, tau)
 
 
-def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temperature, ignore_index):
+def _backward(grad_logp, grad_entropy, logits, labels, saved, entropy, *, temperature, ignore_index):
+    stats, tau = saved
     with device_guard(logits):
         return token_logprobs_backward(
             grad_logp,
@@ -28,17 +41,91 @@ def _backward(grad_logp, grad_entropy, logits, labels, stats, entropy, *, temper
             temperature=temperature,
             ignore_index=ignore_index,
             out=logits,
+            tau=tau,
         )
 
 
+_ROWS = RowKernels(_forward, _backward)
+
+
+def _gemm_chunk(chunk: gemm.Chunk, bias, c: gemm.Constants, head, tau):
+    """The chunk's ``(logp, entropy, stats)`` ([rows] float32), a row whose max logit overflows NaN."""
+    logp, entropy, stats = gemm.chunk_stats(chunk, bias, c, head.ignore_index, tau, True)
+    post = head_module._post(head.temperature, head.logit_scale, head.logit_softcap, logp.dtype)
+    return head_module._overflow_is_nan(logp, entropy, stats, post)
+
+
+def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask, truncation):
+    """``_one_pass.one_pass_on_rows``'s contract on the GEMM-first head (``rows`` unused unless the design
+    is "tiles"): ``[loss, pg_loss, entropy, kl_loss, *mode stats, d_hidden, d_weight, d_bias]``."""
+    if head_module.DESIGN != "gemm":
+        return one_pass_on_rows(
+            rows,
+            hidden,
+            weight,
+            labels,
+            x,
+            bias=bias,
+            objective=objective,
+            head=head,
+            terms=terms,
+            output_mask=output_mask,
+            truncation=truncation,
+        )
+    batch, length, width = hidden.shape
+    flat = hidden.reshape(batch * length, width)
+    c = gemm.constants(head.temperature, head.logit_scale, head.logit_softcap)
+    scales = loss_scales(x.mask, objective.agg)
+    needs = (output_mask[0], output_mask[1], bias is not None and output_mask[2])
+    dtypes = tuple(stored_dtype(t.dtype) for t in (hidden, weight, weight))
+    grads = gemm.Gradients(flat, weight, bias, needs, dtypes)
+    totals = None
+    with device_guard(hidden):
+        plan = sequence_chunks(max(batch, 1), length, gemm.CHUNK_ROWS)
+        for b0, b1 in plan:
+            rs, bs = slice(b0 * length, b1 * length), slice(b0, b1)
+            chunk = gemm.chunk_logits(
+                flat[rs],
+                weight,
+                bias,
+                labels[bs].reshape(-1),
+                c,
+                ignore_index=head.ignore_index,
+                form=truncation.active,
+                rows=(plan[0][1] - plan[0][0]) * length,  # every chunk's product has the first's rows
+            )
+            tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
+            logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
+            shape = labels[bs].shape
+            out, g_logp, g_entropy = _per_token_grads(
+                logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
+            )
+            totals = out if totals is None else [t + o for t, o in zip(totals, out)]
+            if any(needs):
+                flat_grads = (g_logp.reshape(-1), None if g_entropy is None else g_entropy.reshape(-1))
+                dz, power, inverse = gemm.chunk_gradient(
+                    chunk, bias, c, head.ignore_index, (stats, entropy, tau), flat_grads
+                )
+                grads.add(rs, chunk, dz, power, inverse)
+    d_hidden, d_weight, d_bias = grads.finish()
+    empty = hidden.new_empty((0,))  # an output of a custom op aliases no other: an empty tensor each
+    d_hidden = empty if d_hidden is None else d_hidden.view(hidden.shape)
+    return [
+        *totals,
+        d_hidden,
+        empty.clone() if d_weight is None else d_weight,
+        empty.clone() if d_bias is None else d_bias,
+    ]
+
+
 _FUNCTIONS = rows_ops(
-    "ppo_fast_triton", RowKernels(_forward, _backward), [m for m in POLICY_LOSS_MODES.values() if m.fused_head]
+    "ppo_fast_triton", _ROWS, [m for m in POLICY_LOSS_MODES.values() if m.fused_head], loop=gemm_one_pass
 )
 SUPPORTED = {op: DEVICES for op in _FUNCTIONS}
 globals().update(_FUNCTIONS)
 
 
 def static_variants() -> list[dict]:
-    """None of its own for ``bench.static``: the loop launches token_logprobs' kernels, whose variants
-    that module lists."""
+    """None of its own for ``bench.static``: the loop launches the head's and token_logprobs' kernels,
+    whose variants those modules list."""
     return []

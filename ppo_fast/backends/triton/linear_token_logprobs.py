@@ -50,11 +50,20 @@ import triton
 import triton.language as tl
 
 from ..._sampling import NO_TRUNCATION, Truncation
+from . import _gemm_head as gemm
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
+from ._gemm_head import _head_grad_kernel, _head_stats_kernel, _tanh  # noqa: F401  (bench.static finds its kernels here)
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
 from ._truncation import thresholds
 
 SUPPORTED = {"linear_token_logprobs": DEVICES}
+
+# The head's design: "gemm" (cuBLAS products over chunks of rows, the row work in one Triton kernel:
+# ``_gemm_head``) or "tiles" (this module's tile-fused kernels).  "gemm" until a GPU measurement
+# (``python -m bench head_tiles``) says otherwise: its roofline prediction is the better one
+# (``python -m bench head_model``; the tiles re-read hidden and weight from HBM for every tile).
+DESIGNS = ("gemm", "tiles")
+DESIGN = "gemm"
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
 # compile for sm_90 without register spills (checked in the SASS with triton 3.6, 3.8 and 3.9;
@@ -100,28 +109,6 @@ def _rounded_operand(x, dtype: tl.constexpr):
     else:
         out = x.to(dtype)
     return out
-
-
-@triton.jit
-def _tanh(x):
-    """tanh to a few ulps of its own value (no libdevice under the interpreter): in float32, below
-    |x| = 0.55 its odd Taylor series to x^15 (truncation under half an ulp; ``(1 - e) / (1 + e)``
-    would cancel there, its error a few ulps of 1 rather than of tanh x), beyond it (and in
-    float64) through exp; exact at +-inf, NaN stays NaN."""
-    x2 = x * x
-    p = x2 * (-929569.0 / 638512875.0) + 21844.0 / 6081075.0  # Horner, from the x^15 term down
-    p = p * x2 - 1382.0 / 155925.0
-    p = p * x2 + 62.0 / 2835.0
-    p = p * x2 - 17.0 / 315.0
-    p = p * x2 + 2.0 / 15.0
-    p = p * x2 - 1.0 / 3.0
-    series = x + x * x2 * p
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    t = tl.where(x < 0, -t, t)
-    if x.dtype == tl.float64:  # the series is float32's; float64's cancellation stays below the tests' floor
-        return t
-    return tl.where(tl.abs(x) < 0.55, series, t)
 
 
 @triton.jit
@@ -281,7 +268,7 @@ def _linear_logits_kernel(
 @triton.jit
 def _linear_token_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, stats_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    dz_ptr, tau_ptr,
+    dz_ptr, tau_ptr, power_ptr,
     n_rows, vocab, hidden_size, vocab_start, vocab_stop, dz_stride,
     hidden_row_stride, hidden_col_stride, weight_row_stride, weight_col_stride, bias_stride, labels_stride,
     grad_logp_stride, grad_entropy_stride,
@@ -289,10 +276,12 @@ def _linear_token_logprobs_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
+    HAS_POWER: tl.constexpr = False,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_V]`` tile of the gradient of the raw logits (``hidden @ weight.T + bias``),
     rounded to ``dz``'s dtype, into ``dz [N, vocab_stop - vocab_start]`` (row stride ``dz_stride``: this
-    launch's vocabulary chunk).  Rows not to compute get 0."""
+    launch's vocabulary chunk).  Rows not to compute get 0.  Over ``scale / T`` (the host applies it
+    after the products), or with ``HAS_POWER`` (float16) times it and ``power`` before the rounding."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     cols = vocab_start + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     col_ok = cols < vocab_stop
@@ -337,7 +326,8 @@ def _linear_token_logprobs_bwd_kernel(
             dz -= g_entropy[:, None] * p * (tl.where(p > 0, log_p, 0.0) + entropy[:, None])
         if HAS_SOFTCAP:
             dz = dz * dz_draw
-        # Without the factor scale / T (up to 1e5): that would overflow a float16 scratch.
+        if HAS_POWER:  # float16: scale / T and the power of two that keep dz in float16's normal range
+            dz = dz * (scale * inv_t * tl.load(power_ptr).to(ACC))
         draw = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
     tl.store(
         dz_ptr + rows[:, None] * dz_stride + (cols - vocab_start)[None, :],
@@ -679,22 +669,19 @@ def linear_token_logprobs_backward(
     tau: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d_hidden, d_weight, d_bias)``, each in its input's dtype, contiguous, or None where not needed.
-
     ``stats`` (and ``entropy``, needed with ``grad_entropy``) come from the forward; ``grad_logprobs`` /
-    ``grad_entropy`` ``[N]``, any strides, None for an unused output.  ``scratch_bytes`` bounds the
-    logits' gradient held at once (default ``GRADIENT_SCRATCH_BYTES``; tests cross chunks with it)."""
+    ``grad_entropy`` ``[N]``, any strides, None for an unused output; ``scratch_bytes`` bounds the logits'
+    gradient held at once (default ``GRADIENT_SCRATCH_BYTES``)."""
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
     tau = _saved_thresholds(hidden, n_rows, tau)  # the forward's truncation thresholds, or None
     needs_bias = needs_bias and bias is not None
     acc = compute_dtype(result_dtype(hidden, weight, bias))
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
-    device = hidden.device
-    # Sums in the compute dtype; bf16/fp16 results are cast from them.
+    device = hidden.device  # sums in the compute dtype; bf16/fp16 results are cast from them
     d_hidden = torch.zeros((n_rows, hidden_size), dtype=acc_dtype, device=device) if needs_hidden else None
     d_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if needs_bias else None
-    has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)
-    # Written whole, chunk by chunk, when there is work: no zero fill of [V, H] first.
+    has_work = n_rows > 0 and (grad_logprobs is not None or grad_entropy is not None)  # else no [V, H] fill
     d_weight = (weight.new_empty if has_work else weight.new_zeros)((vocab, hidden_size)) if needs_weight else None
     if has_work and (needs_hidden or needs_weight or needs_bias):
         block_n, block_v, block_h, num_warps = _tiles("backward", hidden.dtype) if blocks is None else (*blocks, 4)
@@ -707,7 +694,8 @@ def linear_token_logprobs_backward(
         )
         # d_weight's products read every row: one not to compute counts as zeros, whatever it holds.
         used = _rows_to_compute(labels, vocab, ignore_index)[1]
-        factor = _post(temperature, logit_scale, None, acc_dtype)  # scale / T, as the kernels round it
+        grads = (grad_logprobs, grad_entropy)
+        power, factor = _gradient_factor(hidden.dtype, used, grads, temperature, logit_scale, vocab)
         hidden_used = torch.where(used[:, None], hidden, 0.0) if needs_weight else None
         stats, entropy = stats.contiguous(), stats if entropy is None else entropy.contiguous()
         with device_guard(hidden):
@@ -716,7 +704,7 @@ def linear_token_logprobs_backward(
                 _linear_token_logprobs_bwd_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(stop - start, block_v))](
                     hidden, weight, weight if bias is None else bias, labels, stats, entropy,
                     stats if grad_logprobs is None else grad_logprobs, stats if grad_entropy is None else grad_entropy,
-                    dz, stats if tau is None else tau,
+                    dz, stats if tau is None else tau, stats if power is None else power,
                     n_rows, vocab, hidden_size, start, stop, dz.stride(0),
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
                     labels.stride(0), 0 if grad_logprobs is None else grad_logprobs.stride(0), 0 if grad_entropy is None else grad_entropy.stride(0),
@@ -724,6 +712,7 @@ def linear_token_logprobs_backward(
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=logit_softcap is not None,
                     HAS_GRAD_LOGP=grad_logprobs is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
                     ACC=acc, DOT_PRECISION=_dot_precision(hidden.dtype), TRUNCATED=tau is not None,
+                    HAS_POWER=power is not None,
                     BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps, num_stages=_NUM_STAGES,
                 )  # fmt: skip
                 chunk = dz[:, : stop - start]  # d loss / d raw, over scale / T
@@ -737,6 +726,36 @@ def linear_token_logprobs_backward(
             d_hidden.mul_(factor).masked_fill_(~used[:, None], 0.0)
     cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
     return cast(d_hidden, hidden), d_weight, cast(d_bias, bias)
+
+
+def _gemm_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias, *, stats, entropy, tau=None, **options):
+    """The GEMM-first design's backward (``_gemm_head.backward``), with the tile backward's checks."""
+    n_rows = _check_inputs(hidden, weight, labels, bias)[0]
+    _check_saved(hidden, n_rows, stats, entropy, grad_logprobs, grad_entropy)
+    tau = _saved_thresholds(hidden, n_rows, tau)
+    needs = (options["needs_hidden"], options["needs_weight"], options["needs_bias"] and bias is not None)
+    head = gemm.constants(options["temperature"], options["logit_scale"], options["logit_softcap"])
+    saved = (stats.contiguous(), None if entropy is None else entropy.contiguous(), tau)
+    with device_guard(hidden):
+        return gemm.backward(
+            (grad_logprobs, grad_entropy),
+            hidden,
+            weight,
+            labels,
+            bias,
+            head,
+            saved=saved,
+            ignore_index=options["ignore_index"],
+            needs=needs,
+        )
+
+
+def _gradient_factor(dtype, used, grads, temperature: float, logit_scale: float, vocab: int) -> tuple:
+    """``(power or None, factor)``: what the products' results are multiplied by, ``scale / T`` as the
+    kernels round it, or for float16 the inverse of the power of two the kernel applies with it."""
+    factor = _post(temperature, logit_scale, None, torch.float64 if dtype == torch.float64 else torch.float32)
+    power, inverse = gemm.power_of_two(dtype, used, grads, factor, vocab)
+    return power, factor if inverse is None else inverse
 
 
 def _gradient_chunk(n_rows: int, vocab: int, block_v: int, element_size: int, scratch_bytes: int | None) -> int:
@@ -773,19 +792,35 @@ def _linear_token_logprobs_op(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    design: str = "gemm",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, stats, tau)``; entropy is empty without ``return_entropy``; ``stats`` and, under the
-    sampler's truncation, ``tau [N]`` (each row's threshold) are for the backward."""
+    sampler's truncation, ``tau [N]`` (each row's threshold) are for the backward; ``design``: ``DESIGNS``."""
     options = dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
     truncation = Truncation(top_k, top_p, min_p)
     tau = None
-    if truncation.active:
+    if design == "gemm":
+        _check_inputs(hidden, weight, labels, bias)
+        with device_guard(hidden):
+            logp, entropy, stats, tau = gemm.forward(
+                hidden,
+                weight,
+                labels,
+                bias,
+                gemm.constants(**options),
+                ignore_index=ignore_index,
+                return_entropy=return_entropy,
+                truncation=truncation,
+            )
+        logp, entropy, stats = _overflow_is_nan(logp, entropy, stats, _post(**options, dtype=logp.dtype))
+    elif truncation.active:
         tau = linear_truncation_thresholds(
             hidden, weight, labels, bias, **options, ignore_index=ignore_index, truncation=truncation
         )
-    logp, entropy, stats = linear_token_logprobs_forward(
-        hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
-    )
+    if design != "gemm":
+        logp, entropy, stats = linear_token_logprobs_forward(
+            hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
+        )
     # An output of a custom op aliases no other: an empty tensor each for what is not computed.
     entropy = entropy if return_entropy else logp.new_empty(0)
     return logp, entropy, stats, (logp.new_empty(0) if tau is None else tau)
@@ -793,7 +828,7 @@ def _linear_token_logprobs_op(
 
 @_linear_token_logprobs_op.register_fake
 def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index, top_k=0,
-      top_p=1.0, min_p=0.0):  # fmt: skip
+      top_p=1.0, min_p=0.0, design="gemm"):  # fmt: skip
     logp = hidden.new_empty(hidden.shape[:1], dtype=result_dtype(hidden, weight, bias))
     entropy = logp.new_empty(logp.shape if return_entropy else (0,))
     tau = logp.new_empty(logp.shape if Truncation(top_k, top_p, min_p).active else (0,))
@@ -818,9 +853,11 @@ def _linear_token_logprobs_backward_op(
     needs_weight: bool,
     needs_bias: bool,
     tau: torch.Tensor | None = None,
+    design: str = "gemm",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
-    grads = linear_token_logprobs_backward(
+    backward = linear_token_logprobs_backward if design != "gemm" else _gemm_backward
+    grads = backward(
         grad_logprobs,
         grad_entropy,
         hidden,
@@ -845,7 +882,7 @@ def _linear_token_logprobs_backward_op(
 
 @_linear_token_logprobs_backward_op.register_fake
 def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy, temperature, logit_scale, logit_softcap, ignore_index,
-      needs_hidden, needs_weight, needs_bias, tau=None):  # fmt: skip
+      needs_hidden, needs_weight, needs_bias, tau=None, design="gemm"):  # fmt: skip
     needs_bias = needs_bias and bias is not None
     return (
         hidden.new_empty(hidden.shape if needs_hidden else (0,)),
@@ -857,7 +894,8 @@ def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, stats, entropy,
 def _linear_token_logprobs_setup(ctx, inputs, output):
     hidden, weight, labels, bias = inputs[:4]
     ctx.temperature, ctx.logit_scale, ctx.logit_softcap, ctx.return_entropy, ctx.ignore_index = inputs[4:9]
-    ctx.truncated = Truncation(*inputs[9:]).active
+    ctx.truncated = Truncation(*inputs[9:12]).active
+    ctx.design = inputs[12] if len(inputs) > 12 else "gemm"
     _, entropy, stats, tau = output
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, tau)
     ctx.mark_non_differentiable(stats, tau)
@@ -889,7 +927,8 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse,
         needs_hidden,
         needs_weight,
         needs_bias,
-        *tau,
+        tau[0] if tau else None,
+        ctx.design,
     )
     pick = lambda grad, needed: grad if needed else None  # noqa: E731
     grads = (pick(d_hidden, needs_hidden), pick(d_weight, needs_weight), None, pick(d_bias, needs_bias))
@@ -915,7 +954,9 @@ def linear_token_logprobs(
     """``hidden [N, H]``, ``weight [V, H]``, ``labels [N]``: ``(logp, entropy or None)`` (the fused
     kernels of ``ppo_fast.linear_logprobs``; no ``[N, V]`` tensor in either pass)."""
     args = (hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
-    logp, entropy, _, _ = _linear_token_logprobs_op(*args, *truncation)  # truncated: over the tokens kept
+    if DESIGN not in DESIGNS:
+        raise ValueError(f"linear_token_logprobs.DESIGN must be one of {DESIGNS}, got {DESIGN!r}")
+    logp, entropy, _, _ = _linear_token_logprobs_op(*args, *truncation, DESIGN)  # truncated: over the tokens kept
     return logp, (entropy if return_entropy else None)
 
 
@@ -1030,7 +1071,43 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
             block=None,
         )
     )
-    return out + _truncated_static_variants(rows, hidden, vocab)
+    return out + _truncated_static_variants(rows, hidden, vocab) + _gemm_static_variants(hidden, vocab)
+
+
+def _gemm_static_variants(hidden: int, vocab: int) -> list[dict]:
+    """The GEMM-first design's row kernels, one chunk of rows (every chunk launches them alike): the
+    forward's statistics (bf16; with a bias, soft-cap and entropy) and the backward's d_logits (float16,
+    with its power of two, a bias and the soft-cap's derivative)."""
+    rows = gemm.CHUNK_ROWS
+    row, stats, labels = _meta((rows,), torch.float32), _meta((rows, 2), torch.float32), _meta((rows,), torch.int64)
+
+    def head(dtype):
+        return _meta((rows, hidden), dtype), _meta((vocab, hidden), dtype)
+
+    def fwd(flags):
+        x, w = head(torch.bfloat16)
+        c = gemm.constants(0.7, 1.0, 30.0 if flags else None)
+        bias = _meta((vocab,), x.dtype) if flags else None
+        return lambda: gemm.forward(
+            x, w, labels, bias, c, ignore_index=-100, return_entropy=flags, truncation=NO_TRUNCATION
+        )
+
+    def bwd():
+        x, w = head(torch.float16)
+        saved = (stats, row, None)
+        bias, c = _meta((vocab,), x.dtype), gemm.constants(0.7, 1.0, 30.0)
+        return gemm.backward((row, row), x, w, labels, bias, c, saved=saved, ignore_index=-100, needs=(True,) * 3)
+
+    shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}]"
+    launches = {
+        f"gemm-first row stats {shape} bf16": fwd(False),
+        f"gemm-first row stats {shape} bf16 bias+softcap+entropy": fwd(True),
+        f"gemm-first d_logits {shape} fp16 bias+softcap+entropy": bwd,
+    }
+    return [
+        dict(name=f"linear_token_logprobs {what}", budget_key=None, bytes_per_element=None, run=run, block=None)
+        for what, run in launches.items()
+    ]
 
 
 def _truncated_static_variants(rows: int, hidden: int, vocab: int) -> list[dict]:

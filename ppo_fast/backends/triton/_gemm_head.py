@@ -1,0 +1,522 @@
+"""The GEMM-first fused LM head: every matrix product on cuBLAS (``torch.mm`` / ``addmm``; BLAS on the
+CPU), the row-local work in one Triton kernel per chunk of rows, in place on the chunk's logits.
+
+Per chunk of ``rows`` rows (``backends._head_plan``: a number of rows, never of bytes):
+
+- ``x = hidden[rows] @ weight.T`` in float32 (float64 for float64 inputs): cuBLAS's ``out_dtype``
+  on CUDA, so the bf16/fp16 products are summed and kept in float32, as the reference's logits;
+- ``_head_stats_kernel`` (one program a row) reads ``x`` once: the bias, the soft-cap, the
+  temperature, the truncation threshold, an online max / log-sum-exp, the entropy and the chosen
+  token, into ``logp``, ``entropy`` and ``stats [rows, 2]`` (the row's max ``u`` and log-sum);
+- where the gradient of the row outputs is known (the one-pass loss in its forward, or the
+  backward, which first recomputes ``x``), ``_head_grad_kernel`` reads ``x`` again and writes
+  ``d_logits`` (the gradient w.r.t. the raw logits, times ``scale / T`` and a power of two, see
+  below) over it, in the products' dtype: for 16-bit inputs into the first half of each float32
+  row (row stride ``2 V``), so no second buffer exists;
+- ``d_hidden[rows] = d_logits @ weight`` and ``d_weight += d_logits.T @ hidden[rows]`` (cuBLAS, both
+  float32 out: ``d_weight`` is summed over the chunks in a float32 accumulator ``[V, H]``, counted
+  in ``_head_plan.extra_memory``, and rounded to the inputs' dtype once at the end).
+
+float16's ``d_logits``: an unscaled token-mean gradient (1e-7 a token) times ``p`` falls below
+float16's normal range, where it keeps few bits.  The kernel multiplies each chunk's ``d_logits`` by
+``2**k``, the power of two that brings the chunk's largest ``|incoming gradient| * scale / T`` to
+``[1, 2)`` (a device scalar: no host sync), and the products' float32 results are divided by it.
+bf16 has float32's range and needs none; float32/float64 are written as they are.
+
+Rows whose label is ignored or out of range read nothing in the kernels, give no gradient and
+their hidden state reaches no product (zeroed first), as in the tile design.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._sampling import Truncation
+from .._head_plan import CHUNK_ROWS, row_chunks
+from ._dtypes import cast_for_store, scalar, split_scalar
+from ._truncation import thresholds
+
+# Vocabulary tile of the row kernels (a row is streamed through registers in tiles of this size).
+ROW_BLOCK_V = 1024
+
+
+@triton.jit
+def _tanh(x):
+    """tanh to a few ulps of its own value (no libdevice under the interpreter): in float32, below
+    |x| = 0.55 its odd Taylor series to x^15 (truncation under half an ulp; ``(1 - e) / (1 + e)``
+    would cancel there, its error a few ulps of 1 rather than of tanh x), beyond it (and in
+    float64) through exp; exact at +-inf, NaN stays NaN."""
+    x2 = x * x
+    p = x2 * (-929569.0 / 638512875.0) + 21844.0 / 6081075.0  # Horner, from the x^15 term down
+    p = p * x2 - 1382.0 / 155925.0
+    p = p * x2 + 62.0 / 2835.0
+    p = p * x2 - 17.0 / 315.0
+    p = p * x2 + 2.0 / 15.0
+    p = p * x2 - 1.0 / 3.0
+    series = x + x * x2 * p
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(x < 0, -t, t)
+    if x.dtype == tl.float64:  # the series is float32's; float64's cancellation stays below the tests' floor
+        return t
+    return tl.where(tl.abs(x) < 0.55, series, t)
+
+
+@triton.jit
+def _row_label(labels_ptr, row, labels_stride, vocab, ignore_index):
+    """The row's label (int64), whether it is not ignored, and whether it is a row to compute."""
+    label = tl.load(labels_ptr + row * labels_stride).to(tl.int64)
+    valid = label != ignore_index
+    return label, valid, valid & (label >= 0) & (label < vocab)
+
+
+@triton.jit
+def _u_tile(x_ptr, bias_ptr, cols, load_ok, pre, HAS_BIAS: tl.constexpr, TANH: tl.constexpr, ACC: tl.constexpr):
+    """A tile of ``u``: the raw logits plus the bias, through the soft-cap's tanh (``z = u * post``)."""
+    x = tl.load(x_ptr + cols, mask=load_ok, other=0.0).to(ACC)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + cols, mask=load_ok, other=0.0).to(ACC)
+    if TANH:
+        x = _tanh(x * pre)
+    return x
+
+
+@triton.jit
+def _head_stats_kernel(
+    x_ptr,
+    x_stride,
+    bias_ptr,
+    labels_ptr,
+    labels_stride,
+    tau_ptr,
+    logp_ptr,
+    entropy_ptr,
+    stats_ptr,
+    vocab,
+    ignore_index,
+    pre,
+    pre_lo,
+    post,
+    post_lo,
+    HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
+    TRUNCATED: tl.constexpr,
+    RETURN_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One row of the chunk: its log-prob, entropy and ``(max u, log sum exp(z - max z))``; every
+    ``z - max z`` is ``(u - max u) * post``, as in the tile design."""
+    row = tl.program_id(0).to(tl.int64)
+    label, valid, row_ok = _row_label(labels_ptr, row, labels_stride, vocab, ignore_index)
+    pre_s = scalar(pre, pre_lo, ACC)
+    post_s = scalar(post, post_lo, ACC)
+    tau = tl.full([], float("-inf"), ACC)
+    if TRUNCATED:
+        tau = tl.load(tau_ptr + row).to(ACC)
+    run_max = tl.full([], float("-inf"), ACC)
+    sum_exp = tl.zeros([], ACC)
+    weighted = tl.zeros([], ACC)
+    chosen = tl.zeros([], ACC)
+    cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
+    stop = tl.where(row_ok, vocab, 0)  # a row not to compute reads nothing
+    for start in range(0, stop, BLOCK_V):
+        cols = start + cols0
+        col_ok = cols < vocab
+        u = _u_tile(x_ptr + row * x_stride, bias_ptr, cols, col_ok, pre_s, HAS_BIAS, TANH, ACC)
+        u = tl.where(col_ok, u, float("-inf"))
+        if TRUNCATED:
+            u = tl.where(u < tau, float("-inf"), u)
+        chosen += tl.sum(tl.where(cols == label, u, 0.0), 0)
+        new_max = tl.maximum(run_max, tl.max(u, 0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # never -inf - -inf
+        d = (u - shift) * post_s
+        e = tl.exp(d)
+        rescale = tl.exp((run_max - shift) * post_s)
+        if RETURN_ENTROPY:
+            tile_weighted = tl.sum(e * tl.where(e > 0, d, 0.0), 0)
+            rebase = ((tl.where(sum_exp > 0, run_max, shift) - shift) * post_s) * sum_exp
+            weighted = rescale * (weighted + rebase) + tile_weighted
+        sum_exp = sum_exp * rescale + tl.sum(e, 0)
+        run_max = new_max
+    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
+    sum_exp = tl.where(row_ok, sum_exp, 1.0)
+    log_sum = tl.log(sum_exp)
+    logp = tl.where(row_ok, (chosen - shift) * post_s - log_sum, float("nan"))
+    tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
+    tl.store(stats_ptr + 2 * row, tl.where(row_ok, shift, 0.0))
+    tl.store(stats_ptr + (2 * row + 1), tl.where(row_ok, log_sum, 0.0))
+    if RETURN_ENTROPY:
+        entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
+        tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+
+
+@triton.jit
+def _head_grad_kernel(
+    x_ptr,
+    x_stride,
+    dz_ptr,
+    dz_stride,
+    bias_ptr,
+    labels_ptr,
+    labels_stride,
+    tau_ptr,
+    stats_ptr,
+    entropy_ptr,
+    grad_logp_ptr,
+    grad_logp_stride,
+    grad_entropy_ptr,
+    grad_entropy_stride,
+    power_ptr,
+    vocab,
+    ignore_index,
+    pre,
+    pre_lo,
+    post,
+    post_lo,
+    factor,
+    factor_lo,
+    HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    TRUNCATED: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_POWER: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One row's ``d_logits`` (w.r.t. the raw logits, times ``factor = scale / T`` and the chunk's power
+    of two), written over the row's logits tile by tile (each tile is read before it is written, and
+    a tile's output bytes lie within the bytes of this and the earlier tiles).  Rows not to compute
+    read nothing and get zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    label, valid, row_ok = _row_label(labels_ptr, row, labels_stride, vocab, ignore_index)
+    pre_s = scalar(pre, pre_lo, ACC)
+    post_s = scalar(post, post_lo, ACC)
+    coef = scalar(factor, factor_lo, ACC)
+    if HAS_POWER:
+        coef = coef * tl.load(power_ptr).to(ACC)
+    tau = tl.full([], float("-inf"), ACC)
+    if TRUNCATED:
+        tau = tl.load(tau_ptr + row, mask=row_ok, other=float("-inf")).to(ACC)
+    shift = tl.load(stats_ptr + 2 * row, mask=row_ok, other=0.0).to(ACC)
+    log_sum = tl.load(stats_ptr + (2 * row + 1), mask=row_ok, other=0.0).to(ACC)
+    g_logp = tl.zeros([], ACC)
+    g_entropy = tl.zeros([], ACC)
+    entropy = tl.zeros([], ACC)
+    if HAS_GRAD_LOGP:
+        g_logp = tl.load(grad_logp_ptr + row * grad_logp_stride, mask=row_ok, other=0.0).to(ACC)
+    if HAS_GRAD_ENTROPY:
+        g_entropy = tl.load(grad_entropy_ptr + row * grad_entropy_stride, mask=row_ok, other=0.0).to(ACC)
+        entropy = tl.load(entropy_ptr + row, mask=row_ok, other=0.0).to(ACC)
+    cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + cols0
+        col_ok = cols < vocab
+        u = _u_tile(x_ptr + row * x_stride, bias_ptr, cols, col_ok & row_ok, pre_s, HAS_BIAS, TANH, ACC)
+        one_hot = cols == label
+        if TRUNCATED:  # dropped tokens: p = 0, and a dropped label's log-prob is -inf, a constant
+            one_hot = one_hot & ~(u < tau)
+        log_p = (tl.where(u < tau, float("-inf"), u) - shift) * post_s - log_sum
+        log_p = tl.where(row_ok, log_p, float("-inf"))
+        p = tl.exp(log_p)
+        dz = tl.zeros([BLOCK_V], ACC)
+        if HAS_GRAD_LOGP:
+            dz += g_logp * (tl.where(one_hot, 1.0, 0.0) - p)
+        if HAS_GRAD_ENTROPY:  # dH/dz_j = -p_j (log p_j + H), 0 where p_j == 0
+            dz -= g_entropy * p * (tl.where(p > 0, log_p, 0.0) + entropy)
+        if SOFTCAP:
+            dz = dz * (1.0 - u * u)
+        dz = tl.where(row_ok, dz * coef, 0.0)
+        tl.store(dz_ptr + row * dz_stride + cols, cast_for_store(dz, dz_ptr), mask=col_ok)
+
+
+class Constants(NamedTuple):
+    """The kernels' scalars: ``u = tanh(raw * pre)`` with a soft-cap, ``z - max z = (u - max u) * post``,
+    and ``factor = d z / d raw`` over the soft-cap's ``1 - u**2`` (``scale / T``)."""
+
+    pre: float
+    post: float
+    factor: float
+    softcap: bool
+
+
+def constants(temperature: float, logit_scale: float, logit_softcap: float | None) -> Constants:
+    if logit_softcap is None:
+        return Constants(1.0, logit_scale / temperature, logit_scale / temperature, False)
+    return Constants(logit_scale / logit_softcap, logit_softcap / temperature, logit_scale / temperature, True)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` summed and returned in ``acc``: cuBLAS's ``out_dtype`` for 16-bit inputs on CUDA, widened
+    first elsewhere (exact); float32 inputs follow torch's TF32 switch, as ``hidden @ weight.T`` does."""
+    if a.dtype == acc:
+        return a @ b.to(acc)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=acc)
+    return a.to(acc) @ b.to(acc)
+
+
+def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` the float32 (float64) accumulator, summed there."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+class Chunk(NamedTuple):
+    """One chunk's rows: their labels, which rows a label uses (``[c, 1]``), their hidden states (zero
+    where unused: whatever they hold reaches nothing) and float32 logits (u itself when ``formed``:
+    bias and soft-cap applied on the host, for the truncation's thresholds), as the first ``c`` rows
+    of ``hidden_full`` / ``logits_full``, whose rows beyond hold zeros: every product has the plan's
+    fixed number of rows, so BLAS (cuBLAS) picks one algorithm for every chunk and call, and a row's
+    logits do not depend on the rest of the batch, bit for bit."""
+
+    labels: torch.Tensor
+    used: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    formed: bool
+    hidden_full: torch.Tensor
+    logits_full: torch.Tensor
+
+
+def chunk_logits(hidden_c, weight, bias, labels_c, c: Constants, *, ignore_index: int, form: bool, rows: int) -> Chunk:
+    """The chunk's logits by one product of ``max(rows, c)`` rows; ``form``: also its ``u`` on the host
+    (bias, tanh), once, so that the thresholds and both kernels read the same values."""
+    n, vocab = hidden_c.shape[0], weight.shape[0]
+    used = ((labels_c != ignore_index) & (labels_c >= 0) & (labels_c < vocab)).unsqueeze(-1)
+    h_full = hidden_c.new_zeros((max(rows, n), hidden_c.shape[1]))
+    h_full[:n] = torch.where(used, hidden_c, 0.0)
+    x_full = _mm(h_full, weight.T, _acc_dtype(hidden_c.dtype))
+    x = x_full[:n]
+    if form:
+        if bias is not None:
+            x += bias
+        if c.softcap:
+            x.mul_(c.pre).tanh_()
+    return Chunk(labels_c, used, h_full[:n], x, form, h_full, x_full)
+
+
+def _flags(chunk: Chunk, bias, c: Constants) -> dict:
+    return dict(HAS_BIAS=bias is not None and not chunk.formed, TANH=c.softcap and not chunk.formed)
+
+
+def chunk_thresholds(chunk: Chunk, c: Constants, ignore_index: int, truncation: Truncation) -> torch.Tensor:
+    """Each row's threshold on ``u`` (``tau``, ``-inf``: not truncated), from the chunk's formed logits."""
+    x = chunk.logits
+    return thresholds(
+        x,
+        chunk.labels,
+        (1, x.stride(0), 0, 1),
+        (chunk.labels.stride(0), 0),
+        c.post,
+        ignore_index,
+        truncation=truncation,
+        acc_dtype=x.dtype,
+        midpoint=True,
+        input_dtype=x.dtype,
+    )
+
+
+def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return_entropy: bool):
+    """``(logp, entropy or None, stats)`` of the chunk's rows by ``_head_stats_kernel``."""
+    x = chunk.logits
+    rows, vocab = x.shape
+    logp = torch.empty(rows, dtype=x.dtype, device=x.device)
+    entropy = torch.empty_like(logp) if return_entropy else None
+    stats = logp.new_empty((rows, 2))
+    if rows:
+        _head_stats_kernel[(rows,)](
+            x,
+            x.stride(0),
+            x if bias is None else bias,
+            chunk.labels,
+            chunk.labels.stride(0),
+            x if tau is None else tau,
+            logp,
+            logp if entropy is None else entropy,
+            stats,
+            vocab,
+            ignore_index,
+            *split_scalar(c.pre),
+            *split_scalar(c.post),
+            **_flags(chunk, bias, c),
+            TRUNCATED=tau is not None,
+            RETURN_ENTROPY=return_entropy,
+            ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+            BLOCK_V=ROW_BLOCK_V,
+        )
+    return logp, entropy, stats
+
+
+def power_of_two(dtype: torch.dtype, used, grads, factor: float, vocab: int):
+    """float16: ``(2**k, 2**-k)`` with ``2**k`` bringing the largest ``|gradient| * factor`` of the ``used``
+    rows (the entropy's times ``log V``, its term's bound) to ``[1, 2)``; ``(None, None)`` for other dtypes."""
+    if dtype != torch.float16:
+        return None, None
+    top = torch.zeros((), dtype=torch.float32, device=used.device)
+    for g, bound in zip(grads, (1.0, max(1.0, math.log(vocab)))):
+        if g is not None:
+            top = torch.maximum(top, torch.where(used, g.abs(), 0.0).amax().float() * bound)
+    top = top * factor
+    k = torch.where(torch.isfinite(top) & (top > 0), -torch.floor(torch.log2(top)), 0.0).clamp(-120.0, 120.0)
+    return torch.exp2(k), torch.exp2(-k)
+
+
+def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads):
+    """The chunk's ``d_logits`` in the products' dtype (the inputs'), written over its logits, with the
+    power of two it carries: ``(d_logits [rows, V] with zero padding rows, power, inverse) (None, None
+    but for float16)``.  ``saved = (stats, entropy,
+    tau)`` of the rows; ``grads = (grad_logp, grad_entropy)``, either None."""
+    stats, entropy, tau = saved
+    grad_logp, grad_entropy = grads
+    x = chunk.logits
+    rows, vocab = x.shape
+    dtype = chunk.hidden.dtype
+    full = chunk.logits_full
+    dz_full = (
+        full if dtype == full.dtype else full.view(dtype)[:, :vocab]
+    )  # a 16-bit row in its float32 row's first half
+    dz = dz_full[:rows]
+    power, inverse = power_of_two(dtype, chunk.used.squeeze(-1), grads, c.factor, vocab)
+    if rows:
+        _head_grad_kernel[(rows,)](
+            x,
+            x.stride(0),
+            dz,
+            dz.stride(0),
+            x if bias is None else bias,
+            chunk.labels,
+            chunk.labels.stride(0),
+            x if tau is None else tau,
+            stats,
+            x if entropy is None else entropy,
+            x if grad_logp is None else grad_logp,
+            0 if grad_logp is None else grad_logp.stride(0),
+            x if grad_entropy is None else grad_entropy,
+            0 if grad_entropy is None else grad_entropy.stride(0),
+            x if power is None else power,
+            vocab,
+            ignore_index,
+            *split_scalar(c.pre),
+            *split_scalar(c.post),
+            *split_scalar(c.factor),
+            **_flags(chunk, bias, c),
+            SOFTCAP=c.softcap,
+            TRUNCATED=tau is not None,
+            HAS_GRAD_LOGP=grad_logp is not None,
+            HAS_GRAD_ENTROPY=grad_entropy is not None,
+            HAS_POWER=power is not None,
+            ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+            BLOCK_V=ROW_BLOCK_V,
+        )
+    if dz_full.shape[0] > rows:  # the padding rows: zero (their logits are NaN for a non-finite weight)
+        dz_full[rows:] = 0.0
+    return dz_full, power, inverse
+
+
+class Gradients:
+    """``d_hidden``, ``d_weight`` and ``d_bias`` summed over the chunks: ``d_hidden``'s rows written once
+    per chunk, ``d_weight`` and ``d_bias`` in float32 (float64) accumulators rounded once at the end.
+    A float16 chunk's products carry its power of two: the accumulators are kept in the units of the
+    latest chunk's (rescaled by the ratio of two powers of two, exact) and divided by it at the end."""
+
+    def __init__(self, hidden, weight, bias, needs, dtypes):
+        n, width = hidden.shape
+        acc = _acc_dtype(hidden.dtype)
+        self.dtypes = dtypes
+        self.d_hidden = hidden.new_empty((n, width), dtype=dtypes[0]) if needs[0] else None
+        self.d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+        self.d_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if needs[2] else None
+        self.weight = weight
+        self.power = None
+
+    def add(self, rows: slice, chunk: Chunk, dz: torch.Tensor, power, inverse) -> None:
+        """``dz``: the chunk's d_logits with its padding rows (zeros), as ``chunk_gradient`` returns them."""
+        if self.d_hidden is not None:
+            d = _mm(dz, self.weight, _acc_dtype(dz.dtype))[: chunk.hidden.shape[0]]
+            if inverse is not None:
+                d.mul_(inverse)
+            # a non-finite weight row times a zero gradient is NaN: a row with no gradient is 0
+            self.d_hidden[rows] = d.masked_fill_(~chunk.used, 0.0)
+        if power is not None and self.power is not None:
+            for acc in (self.d_weight, self.d_bias):
+                if acc is not None:
+                    acc.mul_(power * self.power)  # power / previous power, exact
+        if self.d_weight is not None:
+            _addmm_(self.d_weight, dz.T, chunk.hidden_full)
+        if self.d_bias is not None:
+            self.d_bias += dz.sum(0, dtype=self.d_bias.dtype)
+        self.power = inverse
+
+    def finish(self) -> tuple:
+        out = [self.d_hidden]
+        for acc, dtype in ((self.d_weight, self.dtypes[1]), (self.d_bias, self.dtypes[2])):
+            if acc is not None and self.power is not None:
+                acc.mul_(self.power)
+            out.append(None if acc is None else acc.to(dtype))
+        return tuple(out)
+
+
+def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_entropy, truncation, rows=None):
+    """``(logp [N], entropy [N] or None, stats [N, 2], tau [N] or None)`` of the head, chunk by chunk."""
+    n = hidden.shape[0]
+    acc = _acc_dtype(hidden.dtype)
+    logp = torch.empty(n, dtype=acc, device=hidden.device)
+    entropy = torch.empty_like(logp) if return_entropy else None
+    stats = logp.new_empty((n, 2))
+    tau = logp.new_empty(n) if truncation.active else None
+    rows = rows or CHUNK_ROWS
+    for start, stop in row_chunks(n, rows):
+        chunk = chunk_logits(
+            hidden[start:stop],
+            weight,
+            bias,
+            labels[start:stop],
+            c,
+            ignore_index=ignore_index,
+            form=tau is not None,
+            rows=rows,
+        )
+        tau_c = None
+        if tau is not None:
+            tau_c = tau[start:stop] = chunk_thresholds(chunk, c, ignore_index, truncation)
+        lp, en, st = chunk_stats(chunk, bias, c, ignore_index, tau_c, return_entropy)
+        logp[start:stop], stats[start:stop] = lp, st
+        if entropy is not None:
+            entropy[start:stop] = en
+    return logp, entropy, stats, tau
+
+
+def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore_index, needs, rows=None):
+    """``(d_hidden, d_weight, d_bias)`` (None where not needed) of the head from its incoming
+    ``grads = (grad_logp, grad_entropy)`` and the forward's ``saved = (stats, entropy, tau)``: each
+    chunk's logits recomputed, its ``d_logits`` and its two products."""
+    stats, entropy, tau = saved
+    out = Gradients(hidden, weight, bias, needs, (hidden.dtype, weight.dtype, weight.dtype))
+    rows = rows or CHUNK_ROWS
+    for start, stop in row_chunks(hidden.shape[0], rows):
+        rs = slice(start, stop)
+        chunk = chunk_logits(
+            hidden[rs], weight, bias, labels[rs], c, ignore_index=ignore_index, form=tau is not None, rows=rows
+        )
+        part = lambda x, rs=rs: None if x is None else x[rs]  # noqa: E731
+        dz, power, inverse = chunk_gradient(
+            chunk, bias, c, ignore_index, (stats[rs], part(entropy), part(tau)), (part(grads[0]), part(grads[1]))
+        )
+        out.add(rs, chunk, dz, power, inverse)
+    return out.finish()
