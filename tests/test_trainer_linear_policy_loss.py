@@ -61,8 +61,9 @@ def loss_stats_grads(trainer, cfg, exp, path):
         {"loss_mode": "gspo", "advantage_method": "grpo", "agg": "seq-mean-token-mean", "kl_coef": 0.2},
         {"loss_mode": "vanilla", "advantage_method": "gae", "agg": "token-sum", "dual_clip": 3.0},
         {"loss_mode": "dro", "advantage_method": "grpo", "loss_mode_params": "dro_beta=0.1", "kl_coef": 0.2},
+        {"loss_mode": "vanilla", "advantage_method": "grpo", "top_p": 0.8, "top_k": 5, "kl_coef": 0.2},
     ],
-    ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic", "dro"],
+    ids=["vanilla-kl-loss", "gspo", "vanilla-with-critic", "dro", "vanilla-top-p-top-k"],
 )
 def test_fused_update_equals_the_two_pass_path(tiny_config, monkeypatch, overrides):
     trainer, cfg, exp = trainer_and_experience(tiny_config, **overrides)
@@ -95,13 +96,13 @@ def _tiny_causal_lm():
 
 
 def test_the_loss_path_is_decided_from_what_the_run_fixes():
-    """One LossPath per run, with its reason: the mode's one-pass op, the sampler's truncation, a shared
-    critic, the backend and the head each keep the two-pass path."""
+    """One LossPath per run, with its reason: the mode's one-pass op, a shared critic, the backend and the
+    head each keep the two-pass path; the sampler's truncation does not (the one pass takes it)."""
     policy, cpu = _tiny_causal_lm(), torch.device("cpu")
     for name, mode in pf.policy_loss_modes().items():  # the native CPU backend serves every one-pass mode
         assert loss_path(policy, None, TrainerConfig(loss_mode=name), cpu).fused == mode.fused_head, name
     assert "no one-pass form" in loss_path(policy, None, TrainerConfig(loss_mode="clip_cov"), cpu).why
-    assert "truncates" in loss_path(policy, None, TrainerConfig(top_p=0.9), cpu).why
+    assert loss_path(policy, None, TrainerConfig(top_p=0.9, top_k=4, min_p=0.05), cpu).fused
     assert loss_path(policy, None, TrainerConfig(top_p=0.9, logprobs_support="full"), cpu).fused
     shared = Critic(8, None)
     assert "shared critic" in loss_path(policy, shared, TrainerConfig(advantage_method="gae"), cpu).why

@@ -63,17 +63,13 @@ class LossPath:
 
 
 def loss_path(policy, critic, cfg, device: torch.device) -> LossPath:
-    """The ``LossPath`` of a run, from what it fixes: the loss mode, the sampler's truncation (which the
-    one-pass op does not take), the critic (a shared one reads the policy's hidden states), the backend
+    """The ``LossPath`` of a run, from what it fixes: the loss mode, the critic (a shared one reads the
+    policy's hidden states), the backend
     (``--backend``: the reference's chunked one-pass loop is the oracle, slower than the two-pass kernels)
     and the policy's head (``rollout.fused_head_problem``)."""
     op = pf.policy_loss_modes()[cfg.loss_mode].linear_op
     if op is None:
         return LossPath(fused=False, why=f"--loss-mode {cfg.loss_mode} has no one-pass form")
-    if cfg.logprob_truncation_active():
-        return LossPath(
-            fused=False, why="the sampler truncates (--top-k/--top-p/--min-p), which the one pass does not take"
-        )
     if cfg.uses_critic and critic is not None and critic.shared:
         return LossPath(fused=False, why="the shared critic reads the policy's hidden states")
     try:
@@ -128,7 +124,8 @@ def fused_objective(policy, critic, exp: Experience, cfg, terms: dict) -> tuple:
     batch = exp.batch
     packed = packs(batch, bool(cfg.padding_free))
     x = dict(old_logprobs=exp.old_logprobs, advantages=exp.advantages, mask=batch.response_mask)
-    request = LossRequest(temperature=cfg.temperature, terms=terms, packed=packed, **x)
+    # The one pass scores under the sampler's truncation, as the two passes' log-probs do.
+    request = LossRequest(temperature=cfg.temperature, terms={**terms, **cfg.logprob_truncation()}, packed=packed, **x)
     objective, stats = policy_loss_through_head(policy, batch, request)
     values = critic_values(critic, batch, packed).float() if exp.old_values is not None else None
     return objective, stats, values
