@@ -388,6 +388,8 @@ def native_operator_calls():
                     if subset:
                         torch.autograd.grad(total, subset, retain_graph=True, allow_unused=True)
         pf.gae(torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0]] * 2))  # a 0/1 float mask: bool_mask
+        rewards = torch.randn(5, requires_grad=True)  # the packed layout's gae_varlen and its backward
+        pf.gae(rewards, torch.randn(5), torch.ones(5), cu_seqlens=torch.tensor([0, 2, 5]))[0].sum().backward()
     return calls
 
 

@@ -7,14 +7,34 @@ import math
 import torch
 
 from .. import _validation as check
-from .._varlen import varlen
-from ..backends import resolve
+from .._varlen import one_row, varlen
+from ..backends import reference, resolve, resolved_backend_name
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
 
 
-@varlen("values", "old_values", "returns", "mask")
+def _packed(segments, values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
+    """``value_loss`` on packed tokens: the token-level aggregations as one row; the ``seq-mean-*``
+    ones per segment on the reference backend, the padded detour on the others (their kernels take
+    no per-token weights or segments yet)."""
+    check.choice("agg", agg, AGG_MODES)
+    if not agg.startswith("seq-mean"):
+        rows = (None if x is None else x[None] for x in (values, old_values, returns, mask))
+        return one_row(value_loss(*rows, clip=clip, agg=agg))
+    if resolved_backend_name("value_loss", values.device.type) != "reference":
+        return NotImplemented
+    if clip is None:
+        old_values, clip = values.detach(), math.inf
+    else:
+        clip = check.real("clip", clip, low=0.0, low_open=True)
+    rows = {"values": values, "old_values": old_values, "returns": returns}
+    mask = check.loss_inputs({k: None if x is None else x[None] for k, x in rows.items()}, mask[None])[0]
+    per_token, clipfrac = reference.value_loss_terms(values, old_values, returns, mask, clip)
+    return reference.aggregate_packed(segments, per_token, mask, agg), {"clipfrac": clipfrac}
+
+
+@varlen("values", "old_values", "returns", "mask", packed=_packed)
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
