@@ -134,12 +134,13 @@ class Layout:
     width: int
 
     @classmethod
-    def of(cls, cu_seqlens, tokens: int, device: torch.device) -> Layout:
+    def of(cls, cu_seqlens, tokens: int, device: torch.device, op: str = "this op") -> Layout:
         _check_cu_seqlens(cu_seqlens, tokens, device)
         if torch.compiler.is_compiling():
             raise ValueError(
-                "cu_seqlens: this op reads the sequence lengths on the host in the packed layout, which "
-                "torch.compile cannot trace; compile the padded [B, T] call, or call it outside the compiled region"
+                f"cu_seqlens: {op} has no packed kernel on this backend, and its padded detour reads the "
+                "lengths on the host, which torch.compile cannot trace: compile the padded [B, T] call, "
+                "or pf.use_backend('reference') (packed everywhere), or call it outside the compiled region"
             )
         ends = cu_seqlens.long().cpu()  # the lengths are needed on the host (the padded width)
         _check_ends(ends, tokens)
@@ -167,6 +168,13 @@ class Layout:
         if isinstance(value, dict):
             return {k: self.unpad(v) for k, v in value.items()}
         return value
+
+
+def backend_of(op: str, device_type: str) -> str:
+    """The name of the backend that serves ``op`` here (``resolve``'s choice), traceable by Dynamo."""
+    from .backends import resolve
+
+    return resolve(op, device_type).__module__.split(".")[2]
 
 
 def one_row(value):
@@ -212,7 +220,7 @@ def varlen(*token_args: str, packed=None):
         signature = inspect.signature(fn)
 
         def detour(bound, cu_seqlens, first):
-            layout = Layout.of(cu_seqlens, first.shape[0], first.device)
+            layout = Layout.of(cu_seqlens, first.shape[0], first.device, fn.__name__)
             for name in token_args:
                 if bound.arguments.get(name) is not None:
                     bound.arguments[name] = layout.pad(bound.arguments[name])

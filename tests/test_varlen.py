@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+from tiers import case
 from torch.utils._pytree import tree_leaves
 
 import ppo_fast as pf
@@ -62,7 +63,7 @@ def _cases():
     yield (
         "kl_penalized_rewards",
         "kl_penalized_rewards",
-        lambda t, m, **kw: pf.kl_penalized_rewards(scores, t["lp"], t["ref"], m, kl_coef=0.1, **kw),
+        lambda t, m, **kw: pf.kl_penalized_rewards(t.get("scores", scores), t["lp"], t["ref"], m, kl_coef=0.1, **kw),
         EXACT,
     )
     for name, mode in POLICY_LOSS_MODES.items():
@@ -185,3 +186,109 @@ def test_a_token_tensor_packed_unlike_the_first_is_a_named_error():
         ValueError, match=r"values must be packed like rewards, \[12, ...\] with cu_seqlens, got \(11,\)"
     ):
         pf.gae(x, torch.randn(11), torch.ones(12, dtype=torch.bool), cu_seqlens=torch.tensor([0, 12]))
+
+
+def test_masked_mean_refuses_dim_with_cu_seqlens():
+    """The packed ``[N]`` tokens have no row dimension: ``dim`` would reduce over the hidden padded
+    layout's (issue 53's per-column means of the padding), so it is refused, naming it."""
+    x, mask, cu_seqlens = torch.randn(12), torch.ones(12, dtype=torch.bool), torch.tensor([0, 5, 12])
+    for dim in (0, 1, -1, (0,)):
+        with pytest.raises(ValueError, match="masked_mean: dim must be None with cu_seqlens"):
+            pf.masked_mean(x, mask, dim=dim, cu_seqlens=cu_seqlens)
+    assert torch.equal(pf.masked_mean(x, mask, cu_seqlens=cu_seqlens), x.mean())
+
+
+# Issue 53's long tail: 18,432 tokens in 2,049 sequences, whose padded layout is 2,049 x 16,384 (1,821x N).
+LONG_TAIL = [16384] + [1] * 2048
+# (case, backend) that still take the padded detour: no packed kernel on that backend yet (docs/ops.md).
+DETOURS = {("linear_policy_loss", "native"), ("linear_policy_loss", "reference")} | {
+    (f"{case}-{agg}", "native")
+    for case in ("policy_loss-gspo", "policy_loss-geo_mean", "value_loss")
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean", "token-sum")
+    if case != "value_loss" or agg.startswith("seq")
+}
+
+
+def _long_tail_params():
+    for case_id, op, call, _ in _cases():
+        for backend in ("native", "reference"):
+            if (case_id, backend) in DETOURS or (op and backend not in serving(op, "cpu")):
+                continue
+            if case_id == "gae" and backend == "reference":  # 16,384 Python steps: the native scan is the check
+                continue
+            if op is None and backend == "reference":  # a helper of the public layer: one backend
+                continue
+            yield case(call, backend, fast=f"{case_id}-{backend}" in LONG_TAIL_FAST, id=f"{case_id}-{backend}")
+
+
+# The fast tier's share: each kind of packed implementation once (the full tier runs every case).
+LONG_TAIL_FAST = {
+    "gae-native",
+    "kl_penalized_rewards-native",
+    "policy_loss-vanilla-seq-mean-token-mean-native",
+    "policy_loss-gspo-seq-mean-token-mean-reference",
+    "value_loss-seq-mean-token-sum-norm-reference",
+    "rollout_correction-seq_mis-native",
+}
+
+
+@pytest.mark.parametrize("call, backend", list(_long_tail_params()))
+def test_the_packed_layout_builds_no_padded_layout(call, backend, monkeypatch):
+    """Memory and time linear in N (issue 53, point 5): no packed op pads, checked by making the
+    padded detour fail; the long tail runs forward and backward."""
+    from ppo_fast import _varlen
+
+    def no_padding(*args, **kwargs):
+        raise AssertionError("the packed call built the [S, longest] padded layout")
+
+    monkeypatch.setattr(_varlen.Layout, "of", no_padding)
+    tokens, g = sum(LONG_TAIL), torch.Generator().manual_seed(0)
+    names = ("lp", "old", "ref", "rollout", "adv", "values", "old_values", "returns", "rewards", "entropy", "weights")
+    inputs = {name: torch.randn(tokens, generator=g, dtype=torch.float64, requires_grad=True) for name in names}
+    inputs["hidden"] = torch.randn(tokens, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    inputs["labels"] = torch.randint(VOCAB, (tokens,), generator=g)
+    inputs["scores"] = torch.randn(len(LONG_TAIL), generator=g, dtype=torch.float64)
+    mask = torch.rand(tokens, generator=g) > 0.1
+    cu_seqlens = torch.tensor([0, *torch.tensor(LONG_TAIL).cumsum(0).tolist()])
+    with pf.use_backend(backend):
+        out = [t for t in _flat(call(inputs, mask, cu_seqlens=cu_seqlens)) if t.requires_grad]
+    if out:
+        sum(t.sum() for t in out).backward()
+    assert all(t.shape[0] == tokens for t in _flat(out) if t.dim() >= 1)
+
+
+def test_packed_calls_compile_fullgraph_or_refuse_naming_cu_seqlens():
+    """Issue 53, point 4: a packed call under torch.compile(fullgraph=True) compiles (to the eager
+    result) where the backend has a packed kernel, and is refused naming cu_seqlens and the way
+    out where it would take the padded detour; the reference scan needs max_seqlen."""
+    padded, mask, valid, cu_seqlens = _padded_case(11)
+    t = {k: v[valid] for k, v in padded.items()}
+    m = mask[valid]
+    with pf.use_backend("native"):
+        for call in (
+            lambda: pf.gae(t["rewards"], t["values"], m, gamma=0.9, lam=0.8, cu_seqlens=cu_seqlens),
+            lambda: pf.policy_loss(
+                t["lp"], t["old"], t["adv"], m, agg="seq-mean-token-sum-norm", cu_seqlens=cu_seqlens
+            ),
+            lambda: pf.kl_penalized_rewards(
+                torch.ones(len(LENGTHS)), t["lp"], t["ref"], m, kl_coef=0.1, cu_seqlens=cu_seqlens
+            ),
+        ):
+            torch._dynamo.reset()
+            want, got = _flat(call()), _flat(torch.compile(call, fullgraph=True)())
+            for w, h in zip(want, got, strict=True):
+                torch.testing.assert_close(h, w, rtol=1e-12, atol=1e-14)
+        torch._dynamo.reset()
+        gspo = lambda: pf.policy_loss(t["lp"], t["old"], t["adv"], m, loss_mode="gspo", cu_seqlens=cu_seqlens)  # noqa: E731
+        with pytest.raises(
+            Exception, match=r"cu_seqlens: policy_loss has no packed kernel on this backend.*use_backend"
+        ):
+            torch.compile(gspo, fullgraph=True)()
+    with pf.use_backend("reference"):
+        torch._dynamo.reset()
+        scan = lambda **kw: pf.gae(t["rewards"], t["values"], m, cu_seqlens=cu_seqlens, **kw)  # noqa: E731
+        with pytest.raises(Exception, match="gae: pass max_seqlen with cu_seqlens under torch.compile"):
+            torch.compile(scan, fullgraph=True)()
+        torch._dynamo.reset()
+        for w, h in zip(scan(), torch.compile(lambda: scan(max_seqlen=max(LENGTHS)), fullgraph=True)(), strict=True):
+            assert torch.equal(h, w)

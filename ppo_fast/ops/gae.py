@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from .._varlen import varlen
-from ..backends import reference, resolve, resolved_backend_name
+from .._varlen import backend_of, varlen
+from ..backends import reference, resolve
 
 __all__ = ["gae"]
 
@@ -15,7 +15,7 @@ def _packed(segments, rewards, values, mask, *, gamma: float = 1.0, lam: float =
     """``gae`` on the packed ``[N]`` tensors: one reverse scan per segment (native, reference); the
     Triton backend has no segmented scan yet and takes the padded detour."""
     rows = _checked(rewards[None], values[None], mask[None], gamma, lam)
-    backend = resolved_backend_name("gae", rewards.device.type)
+    backend = backend_of("gae", rewards.device.type)
     if backend == "native":
         return torch.ops.ppo_fast.gae_varlen(*(x[0] for x in rows[:3]), segments.cu_seqlens, *rows[3:])
     if backend == "reference":

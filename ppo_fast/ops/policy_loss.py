@@ -7,8 +7,8 @@ import torch
 
 from .. import _validation as check
 from .._dtypes import result_dtype
-from .._varlen import one_row, varlen
-from ..backends import reference, resolve, resolved_backend_name
+from .._varlen import backend_of, one_row, varlen
+from ..backends import reference, resolve
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
@@ -56,7 +56,7 @@ def _policy_loss_packed(
             weights=weights,
             agg=agg,
         )
-    if not isinstance(logprobs, torch.Tensor) or resolved_backend_name(mode.op, logprobs.device.type) != "reference":
+    if not isinstance(logprobs, torch.Tensor) or backend_of(mode.op, logprobs.device.type) != "reference":
         return NotImplemented
     params = mode.bind(mode_params)
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}

@@ -7,8 +7,8 @@ import math
 import torch
 
 from .. import _validation as check
-from .._varlen import one_row, varlen
-from ..backends import reference, resolve, resolved_backend_name
+from .._varlen import backend_of, one_row, varlen
+from ..backends import reference, resolve
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
@@ -22,7 +22,7 @@ def _packed(segments, values, old_values, returns, mask, *, clip=0.2, agg="token
     if not agg.startswith("seq-mean"):
         rows = (None if x is None else x[None] for x in (values, old_values, returns, mask))
         return one_row(value_loss(*rows, clip=clip, agg=agg))
-    if resolved_backend_name("value_loss", values.device.type) != "reference":
+    if backend_of("value_loss", values.device.type) != "reference":
         return NotImplemented
     if clip is None:
         old_values, clip = values.detach(), math.inf

@@ -129,7 +129,8 @@ def policy_loss_geo_mean(
 
 def sequence_level_packed(op: str, segments, *args, **kwargs):
     """A sequence-level mode (GSPO, GMPO) on packed ``[N]`` tokens, each segment a row."""
-    return globals()[op](*args, rows=_PackedRows(segments), **kwargs)
+    fn = {"policy_loss_gspo": policy_loss_gspo, "policy_loss_geo_mean": policy_loss_geo_mean}[op]
+    return fn(*args, rows=_PackedRows(segments), **kwargs)
 
 
 def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, *, tau_pos: float, tau_neg: float, agg: str):
