@@ -15,10 +15,10 @@ import argparse
 
 import torch
 
+from ppo_fast.spec import AGG_MODES
+
 from .common import result_header, write_json
 from .timing import memory_method, peak_extra_bytes, time_cpu
-
-AGGS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def mixes(quick: bool, median: int):
@@ -35,7 +35,7 @@ def ops():
 
     yield "gae", pf.gae, ("rewards", "values"), {"gamma": 0.99, "lam": 0.95}
     yield "kl_penalized_rewards", _kl(pf.kl_penalized_rewards), ("logprobs", "ref"), {"kl_coef": 0.05}
-    for agg in AGGS:
+    for agg in AGG_MODES:
         yield f"policy_loss-{agg}", _policy(pf.policy_loss), ("logprobs", "old", "adv"), {"agg": agg}
 
 
