@@ -20,6 +20,8 @@ from ppo_fast.spec import AGG_MODES
 from .common import result_header, write_json
 from .timing import memory_method, peak_extra_bytes, time_cpu
 
+LAYOUTS = ("packed", "detour", "padded")
+
 
 def mixes(quick: bool, median: int):
     generator = torch.Generator().manual_seed(0)
@@ -140,3 +142,26 @@ def main(argv=None) -> int:
         )
     write_json(args.out or "bench/results/packed-cpu.json", result)
     return 0
+
+
+def markdown(data: dict) -> str:
+    """One table per mix: each op's median (quartiles) per layout, the ratios and the peak extra memory."""
+    lines = []
+    for mix in data["mixes"]:
+        lines += [
+            f"{mix['mix']}: {mix['sequences']} sequences, {mix['tokens']} tokens, longest {mix['longest']} "
+            f"(padded: {mix['sequences'] * mix['longest']} positions)",
+            "",
+            "| op (fwd+bwd) | packed ms | detour ms | padded ms | padded / packed | detour / packed | "
+            "packed peak MiB | detour peak MiB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for row in mix["rows"]:
+            cells = [f"{row[k]['median_ms']:.2f} ({row[k]['q25_ms']:.2f}-{row[k]['q75_ms']:.2f})" for k in LAYOUTS]
+            lines.append(
+                f"| {row['op']} | {' | '.join(cells)} | {row['padded_over_packed']:.2f}x | "
+                f"{row['detour_over_packed']:.2f}x | {row['packed']['peak_extra_mib']:.1f} | "
+                f"{row['detour']['peak_extra_mib']:.1f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
