@@ -12,6 +12,7 @@
 
 #include "common/checks.h"
 #include "common/float_io.h"
+#include "common/varlen.h"
 
 // No a * b + c fused into an FMA in this file: the scans round each product as the
 // reference's separate multiply and add do.
@@ -36,15 +37,6 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 
 namespace {
 
-// The rows of a call: row b spans [offset(b), offset(b) + length(b)) of the flat tokens.  The
-// padded layout's rows all have the same length; the packed layout's are cu_seqlens' segments.
-struct Rows {
-  const int64_t* cu = nullptr;   // packed: [rows + 1] ends, else null
-  int64_t rows = 0, length = 0;  // padded: the row length; packed: the longest segment (for the grain)
-  int64_t offset(int64_t b) const { return cu ? cu[b] : b * length; }
-  int64_t size(int64_t b) const { return cu ? cu[b + 1] - cu[b] : length; }
-};
-
 // The forward scan into advantages/returns (allocated by the caller), rows in parallel.
 void gae_forward_rows(const at::Tensor& rewards, const at::Tensor& values, const bool* valid_data, const Rows& rows,
                       double gamma, double lam, at::Tensor& advantages, at::Tensor& returns) {
@@ -54,8 +46,8 @@ void gae_forward_rows(const at::Tensor& rewards, const at::Tensor& values, const
     acc_t* ret_data = returns.mutable_data_ptr<acc_t>();
     const acc_t gamma_t = static_cast<acc_t>(gamma);
     const acc_t gamma_lam = static_cast<acc_t>(gamma * lam);
-    at::parallel_for(0, rows.rows, row_grain(rows.length), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> r(rows.length), v(rows.length);
+    at::parallel_for(0, rows.rows, row_grain(rows.width), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> r(rows.width), v(rows.width);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t offset = rows.offset(b), length = rows.size(b);
         load_as(rewards, offset, length, r.data());
@@ -123,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> gae_backward_rows(const std::optional<at::Ten
     const acc_t* grad_ret_data = has_ret ? grad_ret.const_data_ptr<acc_t>() : nullptr;
     const acc_t gamma_t = static_cast<acc_t>(gamma);
     const acc_t gamma_lam = static_cast<acc_t>(gamma * lam);
-    at::parallel_for(0, rows.rows, row_grain(rows.length), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> g_r(rows.length), g_v(rows.length);
+    at::parallel_for(0, rows.rows, row_grain(rows.width), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> g_r(rows.width), g_v(rows.width);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t offset = rows.offset(b), length = rows.size(b);
         acc_t previous = 0;  // dL/dA at the previous valid token
@@ -193,30 +185,6 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 }
 
 namespace {
-
-// cu_seqlens checked against `tokens` (0, non-decreasing, ending at tokens: no segment reads past
-// the tensors), as int64; the longest segment's length in *longest.
-at::Tensor checked_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, int64_t tokens, const at::Tensor& like,
-                              int64_t* longest) {
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
-              ": cu_seqlens must have dtype int32 or int64, got ", cu_seqlens.scalar_type());
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be 1-D [S + 1], got shape ",
-              cu_seqlens.sizes());
-  check_same_device(op, {{"cu_seqlens", &cu_seqlens}, {"inputs", &like}});
-  at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
-  const int64_t* ends = cu.const_data_ptr<int64_t>();
-  const int64_t segments = cu.numel() - 1;
-  TORCH_CHECK(ends[0] == 0, op, ": cu_seqlens must start at 0, got ", ends[0]);
-  *longest = 0;
-  for (int64_t b = 0; b < segments; ++b) {
-    TORCH_CHECK(ends[b + 1] >= ends[b], op, ": cu_seqlens must be non-decreasing, got ", ends[b], " then ",
-                ends[b + 1]);
-    *longest = std::max(*longest, ends[b + 1] - ends[b]);
-  }
-  TORCH_CHECK(ends[segments] == tokens, op, ": cu_seqlens must end at the number of packed tokens ", tokens, ", got ",
-              ends[segments]);
-  return cu;
-}
 
 std::tuple<at::Tensor, at::Tensor> gae_varlen_cpu(const at::Tensor& rewards_in, const at::Tensor& values_in,
                                                   const at::Tensor& mask, const at::Tensor& cu_seqlens, double gamma,

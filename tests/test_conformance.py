@@ -392,6 +392,9 @@ def native_operator_calls():
         pf.gae(torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0]] * 2))  # a 0/1 float mask: bool_mask
         rewards = torch.randn(5, requires_grad=True)  # the packed layout's gae_varlen and its backward
         pf.gae(rewards, torch.randn(5), torch.ones(5), cu_seqlens=torch.tensor([0, 2, 5]))[0].sum().backward()
+        for mode in ("gspo", "geo_mean"):  # and the sequence-level losses' policy_loss_<mode>_varlen
+            inputs = (rewards, torch.randn(5), torch.randn(5), torch.ones(5))
+            pf.policy_loss(*inputs, loss_mode=mode, cu_seqlens=torch.tensor([0, 2, 5]))[0].backward()
     return calls
 
 

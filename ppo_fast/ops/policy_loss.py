@@ -9,6 +9,7 @@ from .. import _validation as check
 from .._dtypes import result_dtype
 from .._varlen import backend_of, one_row, varlen
 from ..backends import reference, resolve
+from ..backends.native import policy_loss as native_policy_loss
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
@@ -37,8 +38,8 @@ def _policy_loss_packed(
     segments, logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params
 ):
     """``policy_loss`` on packed tokens: the token-level modes as one row (``token_level_packed``);
-    GSPO and GMPO per segment on the reference backend, the padded detour on the others (no
-    segmented kernel yet)."""
+    GSPO and GMPO per segment on the reference and the native CPU kernels, the padded detour on the
+    others (no segmented kernel there yet)."""
     mode = policy_loss_mode(loss_mode)
     agg = mode.default_agg if agg is None else agg
     if not mode.sequence_level:
@@ -56,15 +57,22 @@ def _policy_loss_packed(
             weights=weights,
             agg=agg,
         )
-    if not isinstance(logprobs, torch.Tensor) or backend_of(mode.op, logprobs.device.type) != "reference":
-        return NotImplemented
+    backend = backend_of(mode.op, logprobs.device.type)
+    if backend not in ("reference", "native") or logprobs.device.type != "cpu" and backend == "native":
+        return NotImplemented  # no segmented kernel there yet: the padded detour
     params = mode.bind(mode_params)
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}
     mask = check.loss_inputs({k: _row(x) for k, x in inputs.items()}, mask[None])[0]
     agg = check.choice("agg", agg, AGG_MODES)
-    loss, *stats = reference.sequence_level_packed(
-        mode.op, segments, logprobs, old_logprobs, advantages, mask, weights, agg=agg, **mode.named(params)
-    )
+    if backend == "native":
+        varlen_op = getattr(native_policy_loss, f"{mode.op}_varlen")
+        loss, *stats = varlen_op(
+            logprobs, old_logprobs, advantages, mask, weights, segments.cu_seqlens, agg=agg, **mode.named(params)
+        )
+    else:
+        loss, *stats = reference.sequence_level_packed(
+            mode.op, segments, logprobs, old_logprobs, advantages, mask, weights, agg=agg, **mode.named(params)
+        )
     return loss, dict(zip(mode.stats, stats))
 
 

@@ -45,10 +45,12 @@ def gae_packed(segments, rewards, values, mask, gamma: float, lam: float):
     # One slot past the tokens takes the steps of the segments already finished.
     rewards_x, values_x = (torch.cat([x, x.new_zeros(1)]) for x in (rewards, values))
     mask_x = torch.cat([mask, mask.new_zeros(1)])
-    advantages = torch.zeros_like(rewards_x)
+    steps = segments.host_max_seqlen("gae")
+    # (a clone of the rewards when no sequence has a token: nothing to write, still in the autograd graph)
+    advantages = torch.zeros_like(rewards_x) if steps else rewards_x.clone()
     next_value = rewards.new_zeros(sequences)
     running = rewards.new_zeros(sequences)
-    for j in range(segments.host_max_seqlen("gae")):
+    for j in range(steps):
         at = torch.where(lengths > j, ends - 1 - j, tokens)
         valid = mask_x[at]
         delta = rewards_x[at] + gamma * next_value - values_x[at]
