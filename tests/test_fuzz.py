@@ -492,3 +492,104 @@ def test_interpreted_bfloat16_cases_have_no_subnormal_input():
         dataclasses.replace(interpreted, dtype="float32"),
     ):
         assert torch.equal(harness.without_interpreter_bf16_subnormals(built(), other).inputs["x"].values, values)
+
+
+def _packed_ops():
+    """test_varlen's table of packed calls (each op, mode and agg), with masked_mean's ``dim`` drawn."""
+    from test_varlen import _cases
+
+    return list(_cases())
+
+
+@budget(24, shrink=False)
+@given(data=st.data())
+def test_fuzz_packed(data):
+    """The packed layout (``cu_seqlens``), drawn: an op of tests/test_varlen.py's table (every mode and agg),
+    a backend serving it, random lengths (empty sequences included) and mask, float32 or float64, eager or
+    ``torch.compile(fullgraph=True)``, and ``masked_mean``'s ``dim``.  The packed call equals the padded
+    one at the valid tokens (test_varlen's rule: bit for bit where it says so, else to rounding), values
+    and gradients; ``dim`` with ``cu_seqlens`` is a named error; a compiled call gives the eager packed
+    result or is refused naming ``cu_seqlens`` (or ``max_seqlen``)."""
+    from test_varlen import EXACT, GRADS, VALUES, _flat, equality
+
+    case_id, op, call, equal = data.draw(st.sampled_from(_packed_ops()), label="op")
+    backend = data.draw(st.sampled_from(["auto"] if op is None else list(backends_serving(op, "cpu"))), label="backend")
+    equal = equality(case_id, backend, equal)
+    lengths = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=5), label="lengths")
+    dtype = data.draw(st.sampled_from([torch.float64, torch.float32]), label="dtype")
+    compiled = data.draw(st.sampled_from([None, None, None, False, True]), label="compiled (dynamic)")
+    dim = data.draw(st.sampled_from([None, None, 0, -1]), label="dim") if case_id == "masked_mean" else None
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
+    rows, width = len(lengths), max(lengths)
+    valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    mask = valid & (torch.rand(rows, width, generator=g) > data.draw(st.sampled_from([0.0, 0.3, 1.0]), label="holes"))
+    names = ("lp", "old", "ref", "rollout", "adv", "values", "old_values", "returns", "rewards", "entropy", "weights")
+    padded = {n: torch.where(valid, torch.randn(rows, width, generator=g, dtype=dtype) - 0.5, 0.0) for n in names}
+    padded["hidden"] = torch.where(valid[..., None], torch.randn(rows, width, 5, generator=g, dtype=dtype), 0.0)
+    padded["labels"] = torch.where(valid, torch.randint(11, (rows, width), generator=g), 0)
+    padded["weights"] = padded["weights"].abs()
+    padded["scores"] = torch.randn(rows, generator=g, dtype=dtype)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    packed = {k: v if k == "scores" else v[valid].clone() for k, v in padded.items()}
+    extra = {} if dim is None else {"dim": dim}
+    with pf.use_backend(backend):
+        if dim is not None:
+            with pytest.raises(ValueError, match="masked_mean: dim must be None with cu_seqlens"):
+                call(packed, mask[valid], cu_seqlens=cu_seqlens, **extra)
+            return
+        for inputs in (padded, packed):
+            for x in inputs.values():
+                x.requires_grad_(x.is_floating_point())
+        try:
+            want = _flat(call(padded, mask))
+        except ValueError as err:  # the packed call refuses the same input (a whitening of nothing)
+            with pytest.raises(ValueError, match=str(err)):
+                call(packed, mask[valid], cu_seqlens=cu_seqlens)
+            return
+        got = _flat(call(packed, mask[valid], cu_seqlens=cu_seqlens))
+        if compiled is not None:
+            torch._dynamo.reset()
+            fn = torch.compile(
+                lambda: call(packed, mask[valid], cu_seqlens=cu_seqlens, max_seqlen=width),
+                fullgraph=True,
+                dynamic=compiled,
+            )
+            try:
+                again = _flat(fn())
+            except Exception as err:  # refused: a padded detour under compile, by name
+                assert "cu_seqlens" in str(err) or "max_seqlen" in str(err), f"{case_id} on {backend}: {err!r}"
+                return
+            for h, c in zip(got, again, strict=True):
+                torch.testing.assert_close(
+                    c, h, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6, equal_nan=True
+                )
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    pairs = [(w[valid] if tuple(w.shape[:2]) == tuple(valid.shape) else w, h) for w, h in zip(want, got, strict=True)]
+    for w, h in pairs:
+        if equal in (EXACT, VALUES):
+            assert (
+                torch.equal(h.detach(), w.detach())
+                or torch.equal(h.detach().isnan(), w.detach().isnan())
+                and torch.equal(h.detach().nan_to_num(), w.detach().nan_to_num())
+            ), f"{case_id} on {backend}: packed != padded"
+        else:
+            torch.testing.assert_close(h.detach(), w.detach(), **tol, equal_nan=True)
+    pulls = [
+        (w, h, torch.randn(w.shape, generator=g, dtype=w.dtype))
+        for w, h in pairs
+        if w.requires_grad and w.is_floating_point()
+    ]
+    if not pulls:
+        return
+    leaves = [x for x in (*padded.values(), *packed.values()) if x.requires_grad]
+    total = sum((w * p).sum() + (h * p).sum() for w, h, p in pulls)
+    total.backward()
+    for name in padded:
+        if name == "scores" or padded[name].grad is None:
+            continue
+        w, h = padded[name].grad[valid], packed[name].grad
+        if equal in (EXACT, GRADS):
+            assert torch.equal(h, w), f"{case_id} on {backend}: the gradient of {name}"
+        else:
+            torch.testing.assert_close(h, w, **tol)
+    assert leaves
