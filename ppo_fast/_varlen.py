@@ -139,8 +139,8 @@ class Layout:
         if torch.compiler.is_compiling():
             raise ValueError(
                 f"cu_seqlens: {op} has no packed kernel on this backend, and its padded detour reads the "
-                "lengths on the host, which torch.compile cannot trace: compile the padded [B, T] call, "
-                "or pf.use_backend('reference') (packed everywhere), or call it outside the compiled region"
+                "lengths on the host, which torch.compile cannot trace: compile the padded [B, T] call, or "
+                "call it outside the compiled region (docs/ops.md lists the packed kernels per backend)"
             )
         ends = cu_seqlens.long().cpu()  # the lengths are needed on the host (the padded width)
         _check_ends(ends, tokens)

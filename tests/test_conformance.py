@@ -395,6 +395,8 @@ def native_operator_calls():
         for mode in ("gspo", "geo_mean"):  # and the sequence-level losses' policy_loss_<mode>_varlen
             inputs = (rewards, torch.randn(5), torch.randn(5), torch.ones(5))
             pf.policy_loss(*inputs, loss_mode=mode, cu_seqlens=torch.tensor([0, 2, 5]))[0].backward()
+        packed_value_loss = pf.value_loss(*inputs, agg="seq-mean-token-mean", cu_seqlens=torch.tensor([0, 2, 5]))
+        packed_value_loss[0].backward()  # value_loss_varlen and its backward
     return calls
 
 

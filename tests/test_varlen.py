@@ -112,9 +112,9 @@ def _cases():
 
 def equality(case_id: str, backend: str, equal: str) -> str:
     """The table's rule, where a backend's packed kernel is stricter or looser: the native sequence-level
-    losses run the padded kernels' rows on the segments (exact); the reference scan's autograd adds a
+    losses and value loss run the padded kernels' rows on the segments (exact); the reference scan's autograd adds a
     token's gradient terms in another order (values exact)."""
-    if backend == "native" and case_id.startswith(("policy_loss-gspo", "policy_loss-geo_mean")):
+    if backend == "native" and case_id.startswith(("policy_loss-gspo", "policy_loss-geo_mean", "value_loss-seq")):
         return EXACT
     return VALUES if (case_id, backend) == ("gae", "reference") else equal
 
@@ -209,9 +209,7 @@ def test_masked_mean_refuses_dim_with_cu_seqlens():
 # Issue 53's long tail: 18,432 tokens in 2,049 sequences, whose padded layout is 2,049 x 16,384 (1,821x N).
 LONG_TAIL = [16384] + [1] * 2048
 # (case, backend) that still take the padded detour: no packed kernel on that backend yet (docs/ops.md).
-DETOURS = {("linear_policy_loss", "native"), ("linear_policy_loss", "reference")} | {
-    (f"value_loss-{agg}", "native") for agg in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-}
+DETOURS = {("linear_policy_loss", "native"), ("linear_policy_loss", "reference")}
 
 
 def _long_tail_params():
@@ -285,12 +283,11 @@ def test_packed_calls_compile_fullgraph_or_refuse_naming_cu_seqlens():
             for w, h in zip(want, got, strict=True):
                 torch.testing.assert_close(h, w, rtol=1e-12, atol=1e-14)
         torch._dynamo.reset()
-        detour = lambda: pf.value_loss(  # noqa: E731
-            t["values"], t["old_values"], t["returns"], m, agg="seq-mean-token-mean", cu_seqlens=cu_seqlens
+        head = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
+        detour = lambda: pf.linear_policy_loss(  # noqa: E731
+            t["hidden"], head, t["labels"], t["old"], t["adv"], m, cu_seqlens=cu_seqlens
         )
-        with pytest.raises(
-            Exception, match=r"cu_seqlens: value_loss has no packed kernel on this backend.*use_backend"
-        ):
+        with pytest.raises(Exception, match=r"cu_seqlens: linear_policy_loss has no packed kernel on this backend"):
             torch.compile(detour, fullgraph=True)()
     with pf.use_backend("reference"):
         torch._dynamo.reset()

@@ -9,6 +9,7 @@ import torch
 from .. import _validation as check
 from .._varlen import backend_of, one_row, varlen
 from ..backends import reference, resolve
+from ..backends.native import value_loss as native_value_loss
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
@@ -16,20 +17,26 @@ __all__ = ["value_loss"]
 
 def _packed(segments, values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
     """``value_loss`` on packed tokens: the token-level aggregations as one row; the ``seq-mean-*``
-    ones per segment on the reference backend, the padded detour on the others (their kernels take
-    no per-token weights or segments yet)."""
+    ones per segment on the reference and the native CPU kernels, the padded detour on the others
+    (no segmented kernel there yet)."""
     check.choice("agg", agg, AGG_MODES)
     if not agg.startswith("seq-mean"):
         rows = (None if x is None else x[None] for x in (values, old_values, returns, mask))
         return one_row(value_loss(*rows, clip=clip, agg=agg))
-    if backend_of("value_loss", values.device.type) != "reference":
-        return NotImplemented
+    backend = backend_of("value_loss", values.device.type)
+    if backend not in ("reference", "native") or backend == "native" and values.device.type != "cpu":
+        return NotImplemented  # no segmented kernel there yet: the padded detour
     if clip is None:
         old_values, clip = values.detach(), math.inf
     else:
         clip = check.real("clip", clip, low=0.0, low_open=True)
     rows = {"values": values, "old_values": old_values, "returns": returns}
     mask = check.loss_inputs({k: None if x is None else x[None] for k, x in rows.items()}, mask[None])[0]
+    if backend == "native":
+        loss, clipfrac = native_value_loss.value_loss_varlen(
+            values, old_values, returns, mask, segments.cu_seqlens, clip=clip, agg=agg
+        )
+        return loss, {"clipfrac": clipfrac}
     per_token, clipfrac = reference.value_loss_terms(values, old_values, returns, mask, clip)
     return reference.aggregate_packed(segments, per_token, mask, agg), {"clipfrac": clipfrac}
 
