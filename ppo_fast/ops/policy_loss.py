@@ -9,7 +9,6 @@ from .. import _validation as check
 from .._dtypes import result_dtype
 from .._varlen import backend_of, one_row, varlen
 from ..backends import reference, resolve
-from ..backends.native import policy_loss as native_policy_loss
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
@@ -64,11 +63,20 @@ def _policy_loss_packed(
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}
     mask = check.loss_inputs({k: _row(x) for k, x in inputs.items()}, mask[None])[0]
     agg = check.choice("agg", agg, AGG_MODES)
-    if backend == "native":
-        varlen_op = getattr(native_policy_loss, f"{mode.op}_varlen")
-        loss, *stats = varlen_op(
-            logprobs, old_logprobs, advantages, mask, weights, segments.cu_seqlens, agg=agg, **mode.named(params)
+    if backend == "native":  # csrc/policy_loss.cpp's segmented kernels (registered with the native backend)
+        clip = mode.named(params)
+        loss, *stats, _row_scale, _row_state = getattr(torch.ops.ppo_fast, f"{mode.op}_varlen")(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            weights,
+            segments.cu_seqlens,
+            clip["clip_eps_low"],
+            clip["clip_eps_high"],
+            agg,
         )
+        stats = [stat.detach() for stat in stats]
     else:
         loss, *stats = reference.sequence_level_packed(
             mode.op, segments, logprobs, old_logprobs, advantages, mask, weights, agg=agg, **mode.named(params)

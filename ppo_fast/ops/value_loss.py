@@ -9,7 +9,6 @@ import torch
 from .. import _validation as check
 from .._varlen import backend_of, one_row, varlen
 from ..backends import reference, resolve
-from ..backends.native import value_loss as native_value_loss
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
@@ -33,9 +32,11 @@ def _packed(segments, values, old_values, returns, mask, *, clip=0.2, agg="token
     rows = {"values": values, "old_values": old_values, "returns": returns}
     mask = check.loss_inputs({k: None if x is None else x[None] for k, x in rows.items()}, mask[None])[0]
     if backend == "native":
-        loss, clipfrac = native_value_loss.value_loss_varlen(
-            values, old_values, returns, mask, segments.cu_seqlens, clip=clip, agg=agg
+        # csrc/value_loss.cpp's segmented kernel (registered with the native backend)
+        loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss_varlen(
+            values, old_values, returns, mask, segments.cu_seqlens, clip, agg
         )
+        clipfrac = clipfrac.detach()
         return loss, {"clipfrac": clipfrac}
     per_token, clipfrac = reference.value_loss_terms(values, old_values, returns, mask, clip)
     return reference.aggregate_packed(segments, per_token, mask, agg), {"clipfrac": clipfrac}

@@ -281,15 +281,6 @@ def _seq_loss_varlen_ops(mode):
     register(op, fake, backward, setup)
     register(f"{op}_backward", fake_backward)
 
-    def run(logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, *, clip_eps_low, clip_eps_high, agg):
-        loss, clipfrac, clipfrac_lower, approx_kl, _row_scale, _row_state = getattr(torch.ops.ppo_fast, op)(
-            logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, clip_eps_low, clip_eps_high, agg
-        )
-        return loss, clipfrac.detach(), clipfrac_lower.detach(), approx_kl.detach()
 
-    run.__name__ = run.__qualname__ = op
-    return run
-
-
-policy_loss_gspo_varlen = _seq_loss_varlen_ops("gspo")
-policy_loss_geo_mean_varlen = _seq_loss_varlen_ops("geo_mean")
+_seq_loss_varlen_ops("gspo")
+_seq_loss_varlen_ops("geo_mean")

@@ -137,10 +137,3 @@ def _backward_value_loss_varlen(ctx, grad_loss, *_stats_grads):
 
 register("value_loss_varlen", _fake_value_loss_varlen, _backward_value_loss_varlen, _setup_value_loss_varlen)
 register("value_loss_varlen_backward", _fake_value_loss_varlen_backward)
-
-
-def value_loss_varlen(values, old_values, returns, mask, cu_seqlens, *, clip: float, agg: str):
-    loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss_varlen(
-        values, old_values, returns, mask, cu_seqlens, clip, agg
-    )
-    return loss, clipfrac.detach()
