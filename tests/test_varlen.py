@@ -297,3 +297,29 @@ def test_packed_calls_compile_fullgraph_or_refuse_naming_cu_seqlens():
         torch._dynamo.reset()
         for w, h in zip(scan(), torch.compile(lambda: scan(max_seqlen=max(LENGTHS)), fullgraph=True)(), strict=True):
             assert torch.equal(h, w)
+
+
+@pytest.mark.parametrize("call, backend, equal", _params())
+def test_no_packed_token_at_all(call, backend, equal):
+    """Sequences but no token (cu_seqlens [0, 0]; found by the packed fuzzer): the padded call's
+    result on its [1, 0] layout, forward and backward, and no index past the empty tensors."""
+    names = ("lp", "old", "ref", "rollout", "adv", "values", "old_values", "returns", "rewards", "entropy", "weights")
+    empty = {name: torch.zeros(0, dtype=torch.float64, requires_grad=True) for name in names}
+    empty |= {"hidden": torch.zeros(0, HIDDEN, dtype=torch.float64), "labels": torch.zeros(0, dtype=torch.long)}
+    empty["scores"] = torch.randn(1, dtype=torch.float64)
+    padded = {k: v if k == "scores" else v.detach()[None].requires_grad_(v.requires_grad) for k, v in empty.items()}
+    mask = torch.zeros(0, dtype=torch.bool)
+    with pf.use_backend(backend):
+        try:
+            want = _flat(call(padded, mask[None]))
+        except ValueError as err:  # nothing to whiten: refused the same way
+            with pytest.raises(ValueError, match=str(err)):
+                call(empty, mask, cu_seqlens=torch.tensor([0, 0]))
+            return
+        got = _flat(call(empty, mask, cu_seqlens=torch.tensor([0, 0])))
+    assert [tuple(w.shape[1:]) if w.dim() >= 2 else tuple(w.shape) for w in want] == [tuple(h.shape) for h in got]
+    for w, h in zip(want, got):
+        assert torch.equal(h.detach().reshape(-1), w.detach().reshape(-1))
+    live = [h for h in got if h.requires_grad]
+    if live:
+        sum(h.sum() for h in live).backward()

@@ -41,6 +41,8 @@ def _packed(segments, scores, logprobs, ref_logprobs, mask, *, kl_coef, kl_estim
     rewards, kl = kl_penalized_rewards(
         scores.new_zeros(1), logprobs[None], ref_logprobs[None], mask[None], kl_coef=kl_coef, kl_estimator=kl_estimator
     )
+    if segments.tokens == 0:  # no token to carry a score
+        return rewards[0], kl[0]
     last = segments.last_valid(mask)
     bonus = torch.where(last >= 0, scores.to(rewards.dtype), 0.0)  # a sequence without a valid token gets none
     return rewards[0].index_add(0, last.clamp_min(0), bonus), kl[0]
