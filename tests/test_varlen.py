@@ -104,7 +104,7 @@ def _cases():
     fused = partial(pf.linear_policy_loss, agg="seq-mean-token-mean", kl_coef=0.1)
     yield (
         "linear_policy_loss",
-        "linear_policy_loss",
+        POLICY_LOSS_MODES["vanilla"].linear_op,  # its one-pass op (a bare "linear_policy_loss" matched no backend)
         lambda t, m, **kw: fused(t["hidden"], head, t["labels"], t["old"], t["adv"], m, ref_logprobs=t["ref"], **kw),
         EXACT,  # the padded detour (no packed fused head yet)
     )
