@@ -24,6 +24,7 @@ SUITES = {
     "e2e": "one PPO iteration of ppo_fast.trainer with auto ops against reference ops",
     "targets": "the GPU targets, one met/missed line each",
     "vllm_rollout": "rollout speed, --rollout-engine hf against vllm, and the weight sync",
+    "packed": "ops on packed tensors (cu_seqlens) against the padded detour and padded tensors, equal valid tokens",
     "padding_free": "--padding-free against the padded layout: the update's tokens/s and peak memory, the built-in step",
     "lora": "--lora-r against full fine-tuning: the update's peak memory (Llama-shaped), held-out accuracy over seeds",
     "head_tiles": "the Triton fused head's tile configurations on a GPU, forward and backward, against its products",

@@ -21,6 +21,7 @@
 #include "common/loss_math.h"
 #include "common/loss_rows.h"
 #include "common/seq_loss_math.h"
+#include "common/varlen.h"
 
 namespace ppo_fast {
 
@@ -61,6 +62,13 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 }
 
 namespace {
+
+constexpr const char* seq_loss_varlen_op_name(PolicyMode mode) {
+  return mode == PolicyMode::kGspo ? "policy_loss_gspo_varlen" : "policy_loss_geo_mean_varlen";
+}
+constexpr const char* seq_loss_varlen_backward_op_name(PolicyMode mode) {
+  return mode == PolicyMode::kGspo ? "policy_loss_gspo_varlen_backward" : "policy_loss_geo_mean_varlen_backward";
+}
 
 // ----------------------------------------------------------------------------- clipped_policy_loss
 
@@ -343,14 +351,13 @@ void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bo
   }
 }
 
+using SeqForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The forward over `layout`'s rows of the flat inputs (the padded [B, T] rows, or cu_seqlens' segments).
 template <PolicyMode mode>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_cpu(
-    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
-    const std::optional<at::Tensor>& weights, double eps_low, double eps_high, c10::string_view agg_name) {
-  const char* op = seq_loss_op_name(mode);
-  const Agg agg = parse_agg(op, agg_name);
-  const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
-  const int64_t rows = in.rows, length = in.length;
+SeqForward seq_loss_rows(const SeqInputs& in, const Rows& layout, Agg agg, double eps_low, double eps_high,
+                         const at::Tensor& logprobs) {
+  const int64_t rows = layout.rows, length = layout.width;
   std::vector<double> partials(rows * kPolicyPartials, 0.0);
   at::Tensor row_scale_out = at::empty({rows}, in.logp.options());
   at::Tensor row_state = at::empty({rows, kRowState}, in.logp.options());
@@ -363,8 +370,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     T* state = row_state.mutable_data_ptr<T>();
     at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t o = b * length;
-        seq_row_forward<mode>(lp + o, od + o, ad + o, w ? w + o : nullptr, on + o, length, eps_low, eps_high,
+        const int64_t o = layout.offset(b);
+        seq_row_forward<mode>(lp + o, od + o, ad + o, w ? w + o : nullptr, on + o, layout.size(b), eps_low, eps_high,
                               &partials[b * kPolicyPartials], state + b * kRowState);
       }
     });
@@ -398,16 +405,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           row_state};
 }
 
-// Gradients in the compute dtype, then in each input's dtype.
 template <PolicyMode mode>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu(
-    const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-    const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-    const at::Tensor& row_scale_in, const at::Tensor& row_state_in, double eps_low, double eps_high,
-    std::array<bool, 4> output_mask) {
-  const char* op = seq_loss_backward_op_name(mode);
+SeqForward seq_loss_cpu(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                        const at::Tensor& mask, const std::optional<at::Tensor>& weights, double eps_low,
+                        double eps_high, c10::string_view agg_name) {
+  const char* op = seq_loss_op_name(mode);
+  const Agg agg = parse_agg(op, agg_name);
   const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
-  const int64_t rows = in.rows, length = in.length;
+  return seq_loss_rows<mode>(in, Rows{nullptr, in.rows, in.length}, agg, eps_low, eps_high, logprobs);
+}
+
+// The packed layout's inputs: 1-D [N], checked as one [1, N] row; the rows are cu_seqlens' segments.
+template <PolicyMode mode>
+SeqInputs seq_varlen_inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                            const at::Tensor& advantages, const at::Tensor& mask,
+                            const std::optional<at::Tensor>& weights) {
+  check_dim(op, "logprobs", logprobs, 1);
+  const auto row = [](const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t; };
+  const std::optional<at::Tensor> w = weights.has_value() ? std::optional<at::Tensor>(row(*weights)) : std::nullopt;
+  return seq_inputs(op, row(logprobs), row(old_logprobs), row(advantages), row(mask), w);
+}
+
+template <PolicyMode mode>
+SeqForward seq_loss_varlen_cpu(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                               const at::Tensor& mask, const std::optional<at::Tensor>& weights,
+                               const at::Tensor& cu_seqlens, double eps_low, double eps_high,
+                               c10::string_view agg_name) {
+  const char* op = seq_loss_varlen_op_name(mode);
+  const Agg agg = parse_agg(op, agg_name);
+  const SeqInputs in = seq_varlen_inputs<mode>(op, logprobs, old_logprobs, advantages, mask, weights);
+  int64_t longest = 0;
+  const at::Tensor cu = checked_cu_seqlens(op, cu_seqlens, logprobs.size(0), logprobs, &longest);
+  return seq_loss_rows<mode>(in, Rows{cu.const_data_ptr<int64_t>(), cu.numel() - 1, longest}, agg, eps_low, eps_high,
+                             logprobs);
+}
+
+using SeqGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The backward over `layout`'s rows of the flat inputs (as seq_loss_rows): gradients in the compute
+// dtype, then in each input's dtype.
+template <PolicyMode mode>
+SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, const SeqInputs& in, const Rows& layout,
+                                const std::array<const at::Tensor*, 4>& like, const at::Tensor& row_scale_in,
+                                const at::Tensor& row_state_in, double eps_low, double eps_high,
+                                std::array<bool, 4> output_mask) {
+  const at::Tensor &logprobs = *like[0], &old_logprobs = *like[1], &advantages = *like[2];
+  const std::optional<at::Tensor> weights = like[3] ? std::optional<at::Tensor>(*like[3]) : std::nullopt;
+  const int64_t rows = layout.rows, length = layout.width;
   check_grad_loss(op, grad_loss);
   check_float(op, "row_scale", row_scale_in);
   check_shape(op, "row_scale", row_scale_in, {rows});
@@ -440,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
       for (int64_t b = begin; b < end; ++b) {
         const T g_row = static_cast<T>(upstream) * scale[b];
         const T* st = state + b * kRowState;
-        for (int64_t i = b * length; i < (b + 1) * length; ++i) {
+        for (int64_t i = layout.offset(b); i < layout.offset(b) + layout.size(b); ++i) {
           const T wi = w ? w[i] : T(1);
           T d_lp, d_ad, d_w;
           if constexpr (mode == PolicyMode::kGspo) {
@@ -468,7 +512,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cpu
   return {grad_logp, grad_old, grad_adv, grad_w};
 }
 
+template <PolicyMode mode>
+SeqGrads seq_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                               const at::Tensor& advantages, const at::Tensor& mask,
+                               const std::optional<at::Tensor>& weights, const at::Tensor& row_scale,
+                               const at::Tensor& row_state, double eps_low, double eps_high,
+                               std::array<bool, 4> output_mask) {
+  const char* op = seq_loss_backward_op_name(mode);
+  const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
+  const std::array<const at::Tensor*, 4> like{&logprobs, &old_logprobs, &advantages,
+                                              weights.has_value() ? &*weights : nullptr};
+  return seq_loss_backward_rows<mode>(op, grad_loss, in, Rows{nullptr, in.rows, in.length}, like, row_scale, row_state,
+                                      eps_low, eps_high, output_mask);
+}
+
+template <PolicyMode mode>
+SeqGrads seq_loss_varlen_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
+                                      const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                                      const at::Tensor& mask, const std::optional<at::Tensor>& weights,
+                                      const at::Tensor& row_scale, const at::Tensor& row_state,
+                                      const at::Tensor& cu_seqlens, double eps_low, double eps_high,
+                                      std::array<bool, 4> output_mask) {
+  const char* op = seq_loss_varlen_backward_op_name(mode);
+  const SeqInputs in = seq_varlen_inputs<mode>(op, logprobs, old_logprobs, advantages, mask, weights);
+  int64_t longest = 0;
+  const at::Tensor cu = checked_cu_seqlens(op, cu_seqlens, logprobs.size(0), logprobs, &longest);
+  const std::array<const at::Tensor*, 4> like{&logprobs, &old_logprobs, &advantages,
+                                              weights.has_value() ? &*weights : nullptr};
+  return seq_loss_backward_rows<mode>(op, grad_loss, in, Rows{cu.const_data_ptr<int64_t>(), cu.numel() - 1, longest},
+                                      like, row_scale, row_state, eps_low, eps_high, output_mask);
+}
+
 }  // namespace
+
+// The sequence-level modes on packed [N] tokens: the same kernels, one row per cu_seqlens segment
+// (row_scale and row_state [S]); the aggregation's T is the longest segment.
+TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
+  m.def(
+      "policy_loss_gspo_varlen(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, Tensor? weights, "
+      "Tensor cu_seqlens, float clip_eps_low, float clip_eps_high, str agg) "
+      "-> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor approx_kl, Tensor row_scale, Tensor row_state)");
+  m.def(
+      "policy_loss_gspo_varlen_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor advantages, "
+      "Tensor mask, Tensor? weights, Tensor row_scale, Tensor row_state, Tensor cu_seqlens, float clip_eps_low, "
+      "float clip_eps_high, bool[4] output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_old_logprobs, Tensor grad_advantages, Tensor grad_weights)");
+  m.def(
+      "policy_loss_geo_mean_varlen(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+      "Tensor? weights, Tensor cu_seqlens, float clip_eps_low, float clip_eps_high, str agg) "
+      "-> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor approx_kl, Tensor row_scale, Tensor row_state)");
+  m.def(
+      "policy_loss_geo_mean_varlen_backward(Tensor grad_loss, Tensor logprobs, Tensor old_logprobs, Tensor "
+      "advantages, Tensor mask, Tensor? weights, Tensor row_scale, Tensor row_state, Tensor cu_seqlens, float "
+      "clip_eps_low, float clip_eps_high, bool[4] output_mask) "
+      "-> (Tensor grad_logprobs, Tensor grad_old_logprobs, Tensor grad_advantages, Tensor grad_weights)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
+  m.impl("policy_loss_gspo_varlen", &seq_loss_varlen_cpu<PolicyMode::kGspo>);
+  m.impl("policy_loss_gspo_varlen_backward", &seq_loss_varlen_backward_cpu<PolicyMode::kGspo>);
+  m.impl("policy_loss_geo_mean_varlen", &seq_loss_varlen_cpu<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_geo_mean_varlen_backward", &seq_loss_varlen_backward_cpu<PolicyMode::kGeoMean>);
+}
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cpu);

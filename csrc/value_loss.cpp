@@ -123,21 +123,21 @@ ValueBuffers value_buffers(const char* op, const at::Tensor& values, const at::T
   return b;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(const at::Tensor& values, const at::Tensor& old_values,
-                                                              const at::Tensor& returns, const at::Tensor& mask,
-                                                              double clip, c10::string_view agg_name) {
-  const Agg agg = parse_agg("value_loss", agg_name);
-  const ValueBuffers in = value_buffers("value_loss", values, old_values, returns, mask);
-  const int64_t rows = in.rows, length = in.length;
+using ValueForward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// The forward over `layout`'s rows of the flat inputs (the padded rows, or cu_seqlens' segments).
+ValueForward value_loss_rows(const ValueBuffers& in, const Rows& layout, Agg agg, double clip,
+                             const at::Tensor& values) {
+  const int64_t rows = layout.rows, length = layout.width;
   const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   std::vector<double> partials(rows * kValuePartials, 0.0);
   at::Tensor row_scale_out = at::empty({rows}, values.options().dtype(in.dtype));
 
   const double loss = with_compute_type(in.dtype, [&](auto tag) {
     using acc_t = decltype(tag);
-    for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
+    for_each_row_chunk(layout, [&](int64_t b, int64_t t0, int64_t n) {
       acc_t scratch[3][kLossChunk];
-      const int64_t offset = b * length + t0;
+      const int64_t offset = layout.offset(b) + t0;
       value_sums(chunk_in(in.v, offset, n, scratch[0]), chunk_in(in.old, offset, n, scratch[1]),
                  chunk_in(in.ret, offset, n, scratch[2]), valid + offset, n, clip, &partials[b * kValuePartials]);
     });
@@ -151,14 +151,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(const at::Tensor& 
   return {scalar(loss, values, in.dtype), scalar(clipfrac, values, at::kFloat), row_scale_out};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cpu(
-    const at::Tensor& grad_loss, const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
-    const at::Tensor& mask, const at::Tensor& row_scale_in, double clip, std::array<bool, 3> output_mask) {
-  constexpr const char* op = "value_loss_backward";
-  const ValueBuffers in = value_buffers(op, values, old_values, returns, mask);
-  const int64_t rows = in.rows, length = in.length;
-  const at::Tensor scales = checked_row_scale(op, row_scale_in, values, in.dtype);
-  const double upstream = checked_upstream(op, grad_loss, values);
+ValueForward value_loss_cpu(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+                            const at::Tensor& mask, double clip, c10::string_view agg_name) {
+  const Agg agg = parse_agg("value_loss", agg_name);
+  const ValueBuffers in = value_buffers("value_loss", values, old_values, returns, mask);
+  return value_loss_rows(in, Rows{nullptr, in.rows, in.length}, agg, clip, values);
+}
+
+// The packed layout's [N] inputs, checked as one [1, N] row.
+ValueBuffers value_varlen_buffers(const char* op, const at::Tensor& values, const at::Tensor& old_values,
+                                  const at::Tensor& returns, const at::Tensor& mask) {
+  check_dim(op, "values", values, 1);
+  const auto row = [](const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t; };
+  return value_buffers(op, row(values), row(old_values), row(returns), row(mask));
+}
+
+ValueForward value_loss_varlen_cpu(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+                                   const at::Tensor& mask, const at::Tensor& cu_seqlens, double clip,
+                                   c10::string_view agg_name) {
+  constexpr const char* op = "value_loss_varlen";
+  const Agg agg = parse_agg(op, agg_name);
+  const ValueBuffers in = value_varlen_buffers(op, values, old_values, returns, mask);
+  int64_t longest = 0;
+  const at::Tensor cu = checked_cu_seqlens(op, cu_seqlens, values.size(0), values, &longest);
+  return value_loss_rows(in, Rows{cu.const_data_ptr<int64_t>(), cu.numel() - 1, longest}, agg, clip, values);
+}
+
+using ValueGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// The backward over `layout`'s rows; `scales` [rows] in the compute dtype.
+ValueGrads value_loss_backward_rows(const ValueBuffers& in, const Rows& layout, const at::Tensor& scales,
+                                    double upstream, double clip, const std::array<const at::Tensor*, 3>& like,
+                                    std::array<bool, 3> output_mask) {
+  const at::Tensor &values = *like[0], &old_values = *like[1], &returns = *like[2];
   const bool need_v = output_mask[0], need_old = output_mask[1], need_ret = output_mask[2];
   const uint8_t* valid = reinterpret_cast<const uint8_t*>(in.valid.const_data_ptr<bool>());
   at::Tensor grad_v = grad_like(values, need_v), grad_old = grad_like(old_values, need_old);
@@ -168,9 +193,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cpu(
   with_compute_type(in.dtype, [&](auto tag) {
     using acc_t = decltype(tag);
     const acc_t* scale_data = scales.const_data_ptr<acc_t>();
-    for_each_row_chunk(rows, length, [&](int64_t b, int64_t t0, int64_t n) {
+    for_each_row_chunk(layout, [&](int64_t b, int64_t t0, int64_t n) {
       acc_t scratch[6][kLossChunk];
-      const int64_t offset = b * length + t0;
+      const int64_t offset = layout.offset(b) + t0;
       const acc_t* vs = chunk_in(in.v, offset, n, scratch[0]);
       const acc_t* od = chunk_in(in.old, offset, n, scratch[1]);
       const acc_t* rs = chunk_in(in.ret, offset, n, scratch[2]);
@@ -189,7 +214,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_backward_cpu(
   return {grad_v, grad_old, grad_ret};
 }
 
+ValueGrads value_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& values, const at::Tensor& old_values,
+                                   const at::Tensor& returns, const at::Tensor& mask, const at::Tensor& row_scale_in,
+                                   double clip, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "value_loss_backward";
+  const ValueBuffers in = value_buffers(op, values, old_values, returns, mask);
+  const at::Tensor scales = checked_row_scale(op, row_scale_in, values, in.dtype);
+  const double upstream = checked_upstream(op, grad_loss, values);
+  return value_loss_backward_rows(in, Rows{nullptr, in.rows, in.length}, scales, upstream, clip,
+                                  {&values, &old_values, &returns}, output_mask);
+}
+
+ValueGrads value_loss_varlen_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& values,
+                                          const at::Tensor& old_values, const at::Tensor& returns,
+                                          const at::Tensor& mask, const at::Tensor& row_scale_in,
+                                          const at::Tensor& cu_seqlens, double clip, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "value_loss_varlen_backward";
+  const ValueBuffers in = value_varlen_buffers(op, values, old_values, returns, mask);
+  int64_t longest = 0;
+  const at::Tensor cu = checked_cu_seqlens(op, cu_seqlens, values.size(0), values, &longest);
+  check_float(op, "row_scale", row_scale_in);
+  check_shape(op, "row_scale", row_scale_in, {cu.numel() - 1});
+  check_same_device(op, {{"values", &values}, {"row_scale", &row_scale_in}});
+  const at::Tensor scales = row_scale_in.to(in.dtype).contiguous();
+  const double upstream = checked_upstream(op, grad_loss, values);
+  return value_loss_backward_rows(in, Rows{cu.const_data_ptr<int64_t>(), cu.numel() - 1, longest}, scales, upstream,
+                                  clip, {&values, &old_values, &returns}, output_mask);
+}
+
 }  // namespace
+
+// value_loss on packed [N] tokens: the same kernels, one row per cu_seqlens segment (row_scale [S]).
+TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
+  m.def(
+      "value_loss_varlen(Tensor values, Tensor old_values, Tensor returns, Tensor mask, Tensor cu_seqlens, float clip, "
+      "str agg) -> (Tensor loss, Tensor clipfrac, Tensor row_scale)");
+  m.def(
+      "value_loss_varlen_backward(Tensor grad_loss, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
+      "Tensor row_scale, Tensor cu_seqlens, float clip, bool[3] output_mask) "
+      "-> (Tensor grad_values, Tensor grad_old_values, Tensor grad_returns)");
+}
+
+TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
+  m.impl("value_loss_varlen", &value_loss_varlen_cpu);
+  m.impl("value_loss_varlen_backward", &value_loss_varlen_backward_cpu);
+}
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("value_loss", &value_loss_cpu);

@@ -154,8 +154,8 @@ def small_filesystem(tmp_path):
         return folder
 
     yield mount
-    for folder in mounted:
-        subprocess.run(["umount", str(folder)], check=False)
+    for folder in mounted:  # lazily: a file the failed run left open (its train.log) keeps it busy
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, tiny_flags, error_line, small_filesystem):

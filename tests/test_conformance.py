@@ -145,22 +145,24 @@ assert set(VARIANTS) == set(OPS), "every op of the contract is in the matrix"
 
 def built_case(op, variant, dtype=torch.float32, layout="contiguous", poison="clean", device="cpu", **more):
     """``(built, spec, values)``: the op's inputs (tests/harness.py) for a cell of the matrix;
-    ``more``: the Spec's seed, dims ``(B, T, V)`` (else the variant's, else DIMS) or all_masked."""
+    ``more``: the Spec's seed, dims ``(B, T, V)`` (else the variant's, else DIMS), all_masked or the
+    backend compared (its input filter: ``harness.without_interpreter_bf16_subnormals``)."""
     build, shape, _ = VARIANTS[op]
     knobs = {k: v for k, v in variant.items() if k != "dims"}
     B, T, V = more.pop("dims", variant.get("dims", DIMS))
     dims = {"logits": (B, T, V), "hidden": (B, T, HIDDEN, V), "tokens": (B, T)}[shape]
     poison = "valid nan" if poison == "valid" else poison
-    spec = harness.Spec("reference", str(dtype)[6:], layout, poison, dims, knobs, device=device, **more)
+    backend = more.pop("backend", "reference")
+    spec = harness.Spec(backend, str(dtype)[6:], layout, poison, dims, knobs, device=device, **more)
     gen = torch.Generator().manual_seed(spec.seed)
-    built = build(spec, gen, knobs)
+    built = harness.without_interpreter_bf16_subnormals(build(spec, gen, knobs), spec)
     return built, spec, harness.poisoned(built, spec, gen)
 
 
 def run_case(backend, op, variant, **cell) -> tuple[harness.Run, harness.Run, dict]:
     """The op on ``backend`` and on the reference (outputs and the gradients of the same projection),
     and the float inputs' values."""
-    built, spec, values = built_case(op, variant, **cell)
+    built, spec, values = built_case(op, variant, backend=backend, **cell)
     dtype = harness.DTYPES[spec.dtype]
     want = harness.run(built, spec, values, "reference", dtype, raises=True)
     return harness.run(built, spec, values, backend, dtype, want.projection, raises=True), want, values
@@ -388,6 +390,13 @@ def native_operator_calls():
                     if subset:
                         torch.autograd.grad(total, subset, retain_graph=True, allow_unused=True)
         pf.gae(torch.randn(2, 3), torch.randn(2, 3), torch.tensor([[1.0, 0.0, 1.0]] * 2))  # a 0/1 float mask: bool_mask
+        rewards = torch.randn(5, requires_grad=True)  # the packed layout's gae_varlen and its backward
+        pf.gae(rewards, torch.randn(5), torch.ones(5), cu_seqlens=torch.tensor([0, 2, 5]))[0].sum().backward()
+        for mode in ("gspo", "geo_mean"):  # and the sequence-level losses' policy_loss_<mode>_varlen
+            inputs = (rewards, torch.randn(5), torch.randn(5), torch.ones(5))
+            pf.policy_loss(*inputs, loss_mode=mode, cu_seqlens=torch.tensor([0, 2, 5]))[0].backward()
+        packed_value_loss = pf.value_loss(*inputs, agg="seq-mean-token-mean", cu_seqlens=torch.tensor([0, 2, 5]))
+        packed_value_loss[0].backward()  # value_loss_varlen and its backward
     return calls
 
 

@@ -323,6 +323,7 @@ def _other_sections() -> list[str]:
             "",
         ]
     out += _padding_free_section()
+    out += _packed_section()
     out += _lora_section()
     out += _gpu_section()
     return out
@@ -375,6 +376,26 @@ def _padding_free_section() -> list[str]:
         measured_on(data, "padding-free-cpu.json"),
         "",
         padding_free.markdown(data),
+        "",
+    ]
+
+
+def _packed_section() -> list[str]:
+    from bench import packed
+
+    data = _load("packed-cpu.json")
+    if not data:
+        return []
+    return [
+        "## Ops on packed tensors against the padded layout",
+        "",
+        "`python -m bench packed`: forward and backward of each op on packed `[N]` tensors (`cu_seqlens`), "
+        "through the padded detour (`op.padded`: pad, the padded op, gather back), and on tensors already "
+        "padded to `[S, longest]`, at equal valid tokens on a long-tailed mix of lengths; `auto` (native on CPU).",
+        "",
+        measured_on(data, "packed-cpu.json"),
+        "",
+        packed.markdown(data),
         "",
     ]
 

@@ -13,6 +13,7 @@
 #include "common/fast_exp.h"
 #include "common/float_io.h"
 #include "common/loss_math.h"
+#include "common/varlen.h"
 
 namespace ppo_fast {
 
@@ -71,6 +72,17 @@ void for_each_row_chunk(int64_t rows, int64_t length, const Body& body) {
   at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t t0 = 0; t0 < length; t0 += kLossChunk) body(b, t0, std::min(kLossChunk, length - t0));
+  });
+}
+
+// The same over `layout`'s rows (the padded rows, or cu_seqlens' segments): body(b, t0, n) with the
+// chunk starting at token layout.offset(b) + t0 of the flat inputs.
+template <typename Body>
+void for_each_row_chunk(const Rows& layout, const Body& body) {
+  at::parallel_for(0, layout.rows, row_grain(layout.width), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t t0 = 0; t0 < layout.size(b); t0 += kLossChunk)
+        body(b, t0, std::min(kLossChunk, layout.size(b) - t0));
   });
 }
 

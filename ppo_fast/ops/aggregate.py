@@ -5,14 +5,34 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from .._varlen import varlen
+from .._varlen import one_row, varlen
 from ..backends import reference
 from ..spec import AGG_MODES
 
 __all__ = ["aggregate", "masked_mean", "masked_whiten"]
 
 
-@varlen("per_token", "mask")
+def _aggregate_packed(segments, per_token, mask, agg="token-mean"):
+    check.tensor("per_token", per_token, ndim=1)
+    check.same_device(per_token=per_token, mask=mask)
+    mask = check.mask("mask", mask, per_token.shape)
+    check.choice("agg", agg, AGG_MODES)
+    return reference.aggregate_packed(segments, per_token, mask, agg)
+
+
+def _masked_mean_packed(segments, x, mask, dim=None):
+    if dim is not None:
+        raise ValueError(
+            f"masked_mean: dim must be None with cu_seqlens (the packed x has no rows to reduce over), got {dim!r}"
+        )
+    return masked_mean(x[None], mask[None])
+
+
+def _masked_whiten_packed(segments, x, mask, **kwargs):
+    return one_row(masked_whiten(x[None], mask[None], **kwargs))
+
+
+@varlen("per_token", "mask", packed=_aggregate_packed)
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"):
     """Reduce a ``[B, T]`` per-token loss over ``mask`` as verl's ``agg_loss`` does.
 
@@ -28,9 +48,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     return reference.aggregate(per_token, mask, agg)
 
 
-@varlen("x", "mask")
+@varlen("x", "mask", packed=_masked_mean_packed)
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None):
-    """Mean of ``x`` over the entries where ``mask`` is 1/True (over ``dim`` if given); 0 if none."""
+    """Mean of ``x`` over the entries where ``mask`` is 1/True (over ``dim`` if given); 0 if none.
+
+    With ``cu_seqlens`` the mean is over every valid packed token and ``dim`` must be None (a
+    named error otherwise): the packed ``[N]`` tokens have no row dimension to reduce over."""
     check.tensor("x", x)
     check.same_device(x=x, mask=mask)
     mask = check.mask("mask", mask, x.shape)
@@ -46,7 +69,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None):
     return reference.masked_mean(x, mask, dim)
 
 
-@varlen("x", "mask")
+@varlen("x", "mask", packed=_masked_whiten_packed)
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8):
     """Normalise ``x`` to zero mean and unit variance over the valid entries.
 

@@ -5,13 +5,36 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from .._varlen import varlen
-from ..backends import resolve
+from .._varlen import backend_of, varlen
+from ..backends import reference, resolve
 
 __all__ = ["gae"]
 
 
-@varlen("rewards", "values", "mask")
+def _packed(segments, rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
+    """``gae`` on the packed ``[N]`` tensors: one reverse scan per segment (native, reference); the
+    Triton backend has no segmented scan yet and takes the padded detour."""
+    rows = _checked(rewards[None], values[None], mask[None], gamma, lam)
+    backend = backend_of("gae", rewards.device.type)
+    if backend == "native":
+        return torch.ops.ppo_fast.gae_varlen(*(x[0] for x in rows[:3]), segments.cu_seqlens, *rows[3:])
+    if backend == "reference":
+        return reference.gae_packed(segments, *(x[0] for x in rows[:3]), *rows[3:])
+    return NotImplemented
+
+
+def _checked(rewards, values, mask, gamma, lam):
+    check.tensor("rewards", rewards, ndim=2)
+    check.tensor("values", values, ndim=2)
+    check.same_shape("rewards", rewards, values=values)
+    check.same_device(rewards=rewards, values=values, mask=mask)
+    mask = check.mask("mask", mask, rewards.shape)
+    gamma = check.real("gamma", gamma, low=0.0, high=1.0)
+    lam = check.real("lam", lam, low=0.0, high=1.0)
+    return rewards, values, mask, gamma, lam
+
+
+@varlen("rewards", "values", "mask", packed=_packed)
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 0.95):
     """Generalised advantage estimation over the valid tokens of each row.
 
@@ -29,11 +52,4 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
         and ``returns = advantages + values``; both 0 at masked positions, where
         rewards and values are ignored.
     """
-    check.tensor("rewards", rewards, ndim=2)
-    check.tensor("values", values, ndim=2)
-    check.same_shape("rewards", rewards, values=values)
-    check.same_device(rewards=rewards, values=values, mask=mask)
-    mask = check.mask("mask", mask, rewards.shape)
-    gamma = check.real("gamma", gamma, low=0.0, high=1.0)
-    lam = check.real("lam", lam, low=0.0, high=1.0)
-    return resolve("gae", rewards.device.type)(rewards, values, mask, gamma, lam)
+    return resolve("gae", rewards.device.type)(*_checked(rewards, values, mask, gamma, lam))

@@ -28,7 +28,27 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator
     return resolve("kl_estimate", logprobs.device.type)(logprobs, ref_logprobs, kl_estimator)
 
 
-@varlen("logprobs", "ref_logprobs", "mask")
+def _packed(segments, scores, logprobs, ref_logprobs, mask, *, kl_coef, kl_estimator="k1"):
+    """The per-token terms on the packed tokens as one row (every backend's kernel, with a 0 score),
+    then each sequence's score added at its last valid token, found on the device."""
+    check.tensor("scores", scores, ndim=1)
+    if scores.shape[0] != segments.sequences:
+        raise ValueError(
+            f"scores must have shape [S] = ({segments.sequences},) with cu_seqlens, got {tuple(scores.shape)}"
+        )
+    check.same_device(logprobs=logprobs, scores=scores)
+    mask = check.mask("mask", mask, logprobs.shape)
+    rewards, kl = kl_penalized_rewards(
+        scores.new_zeros(1), logprobs[None], ref_logprobs[None], mask[None], kl_coef=kl_coef, kl_estimator=kl_estimator
+    )
+    if segments.tokens == 0:  # no token to carry a score
+        return rewards[0], kl[0]
+    last = segments.last_valid(mask)
+    bonus = torch.where(last >= 0, scores.to(rewards.dtype), 0.0)  # a sequence without a valid token gets none
+    return rewards[0].index_add(0, last.clamp_min(0), bonus), kl[0]
+
+
+@varlen("logprobs", "ref_logprobs", "mask", packed=_packed)
 def kl_penalized_rewards(
     scores: torch.Tensor,
     logprobs: torch.Tensor,

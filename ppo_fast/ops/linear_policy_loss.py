@@ -178,7 +178,13 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: tuple, terms: 
     )
 
 
-@varlen("logprobs", "entropy", "old_logprobs", "advantages", "mask", "weights", "ref_logprobs")
+def _objective_packed(segments, *args, **kwargs):
+    return _objective(*args, packed=segments, **kwargs)
+
+
+@varlen(
+    "logprobs", "entropy", "old_logprobs", "advantages", "mask", "weights", "ref_logprobs", packed=_objective_packed
+)
 def policy_objective(
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
@@ -203,17 +209,56 @@ def policy_objective(
     ``entropy`` (its token mean) and, with ``ref_logprobs``, ``kl_loss``; differentiable wherever
     its inputs are.
     """
+    return _objective(
+        logprobs,
+        entropy,
+        old_logprobs,
+        advantages,
+        mask,
+        loss_mode=loss_mode,
+        agg=agg,
+        weights=weights,
+        ref_logprobs=ref_logprobs,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        **mode_params,
+    )
+
+
+def _objective(
+    logprobs,
+    entropy,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    loss_mode="vanilla",
+    agg=None,
+    weights=None,
+    ref_logprobs=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+    packed=None,
+    **mode_params,
+):
+    """``policy_objective``'s terms; ``packed``: the packed layout's segments, passed on to each term."""
     mode = policy_loss_mode(loss_mode)
     agg = mode.default_agg if agg is None else agg
     kl_coef, kl_estimator, entropy_coef = _checked_terms(kl_coef, kl_estimator, entropy_coef, ref_logprobs)
+    layout = {}
+    if packed is not None:
+        known = packed.max_seqlen if isinstance(packed.max_seqlen, int) else None
+        layout = {"cu_seqlens": packed.cu_seqlens, "max_seqlen": known}
     pg_loss, stats = policy_loss(
-        logprobs, old_logprobs, advantages, mask, loss_mode=mode.name, agg=agg, weights=weights, **mode_params
+        logprobs, old_logprobs, advantages, mask, loss_mode=mode.name, agg=agg, weights=weights, **mode_params, **layout
     )
-    entropy_mean = masked_mean(entropy, mask)
+    entropy_mean = masked_mean(entropy, mask, **layout)
     loss = pg_loss - entropy_coef * entropy_mean
     kl_loss = None
     if ref_logprobs is not None:
-        kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, kl_estimator), mask, agg)
+        kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, kl_estimator), mask, agg, **layout)
         loss = loss + kl_coef * kl_loss
         kl_loss = kl_loss.detach()
     return loss, _stats(mode, list(stats.values()), pg_loss.detach(), entropy_mean.detach(), kl_loss)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
-from .._varlen import varlen
-from ..backends import resolve
+from .._dtypes import result_dtype
+from .._varlen import backend_of, one_row, varlen
+from ..backends import reference, resolve
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
@@ -35,7 +36,95 @@ def _bind(mode: PolicyLossMode, given: dict) -> tuple:
     return bound
 
 
-@varlen("logprobs", "old_logprobs", "advantages", "mask", "weights")
+def _row(x):
+    return None if x is None else x[None]
+
+
+def token_level_packed(segments, call, *, logprobs, old_logprobs, advantages, mask, weights, agg):
+    """A token-level loss on the packed ``[N]`` tokens as one row: ``call(logprobs, old_logprobs,
+    advantages, mask, weights, agg)`` on ``[1, N]``.  A ``seq-mean-*`` aggregation is the token sum
+    of each token's loss times its sequence's factor (``reference.segment_scale``), carried in the
+    weights: the value equals the padded layout's up to the order of its sums, and so do the gradients."""
+    check.choice("agg", agg, AGG_MODES)
+    bool_mask = check.mask("mask", mask, logprobs.shape)
+    dtype = result_dtype(*(x for x in (logprobs, old_logprobs, advantages, weights) if isinstance(x, torch.Tensor)))
+    scale = reference.segment_scale(segments, bool_mask, agg, dtype)
+    if scale is not None:
+        weights = scale if weights is None else weights * scale
+        agg = "token-sum"
+    return one_row(call(_row(logprobs), _row(old_logprobs), _row(advantages), bool_mask[None], _row(weights), agg))
+
+
+def _policy_loss_packed(
+    segments, logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params
+):
+    """``policy_loss`` on packed tokens: the token-level modes as one row (``token_level_packed``);
+    GSPO and GMPO per segment on the reference and the native CPU kernels, the padded detour on the
+    others (no segmented kernel there yet)."""
+    mode = policy_loss_mode(loss_mode)
+    agg = mode.default_agg if agg is None else agg
+    if not mode.sequence_level:
+
+        def call(lp, old, adv, m, w, agg):
+            return policy_loss(lp, old, adv, m, loss_mode=loss_mode, agg=agg, weights=w, **mode_params)
+
+        return token_level_packed(
+            segments,
+            call,
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            advantages=advantages,
+            mask=mask,
+            weights=weights,
+            agg=agg,
+        )
+    backend = backend_of(mode.op, logprobs.device.type)
+    if backend not in ("reference", "native") or logprobs.device.type != "cpu" and backend == "native":
+        return NotImplemented  # no segmented kernel there yet: the padded detour
+    params = mode.bind(mode_params)
+    inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}
+    mask = check.loss_inputs({k: _row(x) for k, x in inputs.items()}, mask[None])[0]
+    agg = check.choice("agg", agg, AGG_MODES)
+    if backend == "native":  # csrc/policy_loss.cpp's segmented kernels (registered with the native backend)
+        clip = mode.named(params)
+        loss, *stats, _row_scale, _row_state = getattr(torch.ops.ppo_fast, f"{mode.op}_varlen")(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            weights,
+            segments.cu_seqlens,
+            clip["clip_eps_low"],
+            clip["clip_eps_high"],
+            agg,
+        )
+        stats = [stat.detach() for stat in stats]
+    else:
+        loss, *stats = reference.sequence_level_packed(
+            mode.op, segments, logprobs, old_logprobs, advantages, mask, weights, agg=agg, **mode.named(params)
+        )
+    return loss, dict(zip(mode.stats, stats))
+
+
+def _clipped_policy_loss_packed(
+    segments, logprobs, old_logprobs, advantages, mask, *, agg="token-mean", weights=None, **clip
+):
+    def call(lp, old, adv, m, w, agg):
+        return clipped_policy_loss(lp, old, adv, m, agg=agg, weights=w, **clip)
+
+    return token_level_packed(
+        segments,
+        call,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        weights=weights,
+        agg=agg,
+    )
+
+
+@varlen("logprobs", "old_logprobs", "advantages", "mask", "weights", packed=_policy_loss_packed)
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -92,7 +181,7 @@ def policy_loss_modes() -> dict[str, PolicyLossMode]:
     return dict(POLICY_LOSS_MODES)
 
 
-@varlen("logprobs", "old_logprobs", "advantages", "mask", "weights")
+@varlen("logprobs", "old_logprobs", "advantages", "mask", "weights", packed=_clipped_policy_loss_packed)
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

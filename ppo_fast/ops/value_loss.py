@@ -7,14 +7,42 @@ import math
 import torch
 
 from .. import _validation as check
-from .._varlen import varlen
-from ..backends import resolve
+from .._varlen import backend_of, one_row, varlen
+from ..backends import reference, resolve
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
 
 
-@varlen("values", "old_values", "returns", "mask")
+def _packed(segments, values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
+    """``value_loss`` on packed tokens: the token-level aggregations as one row; the ``seq-mean-*``
+    ones per segment on the reference and the native CPU kernels, the padded detour on the others
+    (no segmented kernel there yet)."""
+    check.choice("agg", agg, AGG_MODES)
+    if not agg.startswith("seq-mean"):
+        rows = (None if x is None else x[None] for x in (values, old_values, returns, mask))
+        return one_row(value_loss(*rows, clip=clip, agg=agg))
+    backend = backend_of("value_loss", values.device.type)
+    if backend not in ("reference", "native") or backend == "native" and values.device.type != "cpu":
+        return NotImplemented  # no segmented kernel there yet: the padded detour
+    if clip is None:
+        old_values, clip = values.detach(), math.inf
+    else:
+        clip = check.real("clip", clip, low=0.0, low_open=True)
+    rows = {"values": values, "old_values": old_values, "returns": returns}
+    mask = check.loss_inputs({k: None if x is None else x[None] for k, x in rows.items()}, mask[None])[0]
+    if backend == "native":
+        # csrc/value_loss.cpp's segmented kernel (registered with the native backend)
+        loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss_varlen(
+            values, old_values, returns, mask, segments.cu_seqlens, clip, agg
+        )
+        clipfrac = clipfrac.detach()
+        return loss, {"clipfrac": clipfrac}
+    per_token, clipfrac = reference.value_loss_terms(values, old_values, returns, mask, clip)
+    return reference.aggregate_packed(segments, per_token, mask, agg), {"clipfrac": clipfrac}
+
+
+@varlen("values", "old_values", "returns", "mask", packed=_packed)
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

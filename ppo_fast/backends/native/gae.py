@@ -13,6 +13,7 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
+    needed_grads,
     register,
 )
 
@@ -51,3 +52,47 @@ register("gae_backward", _fake_gae_backward)
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     return torch.ops.ppo_fast.gae.default(rewards, values, mask, gamma, lam)
+
+
+# --------------------------------------------------------------------------- the packed layout
+# gae_varlen (csrc/gae.cpp): the scans per cu_seqlens segment of packed [N] tokens.
+
+
+def _fake_gae_varlen(rewards, values, mask, cu_seqlens, gamma, lam):
+    op = "gae_varlen"
+    check_float(op, "rewards", rewards)
+    check_dim(op, "rewards", rewards, 1)
+    check_float(op, "values", values)
+    check_shape(op, "values", values, rewards.shape, "rewards")
+    check_mask(op, mask, "rewards", rewards)
+    check_same_device(op, rewards=rewards, values=values, mask=mask, cu_seqlens=cu_seqlens)
+    dtype = result_dtype(rewards, values)
+    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+
+
+def _fake_gae_varlen_backward(
+    grad_advantages, grad_returns, mask, cu_seqlens, gamma, lam, rewards_dtype, values_dtype, output_mask
+):
+    op = "gae_varlen_backward"
+    check_dim(op, "mask", mask, 1)
+    check_dtype_arg(op, "rewards_dtype", rewards_dtype)
+    check_dtype_arg(op, "values_dtype", values_dtype)
+    return grad_or_empty(mask, output_mask[0], rewards_dtype), grad_or_empty(mask, output_mask[1], values_dtype)
+
+
+def _setup_gae_varlen(ctx, inputs, output):
+    rewards, values, mask, cu_seqlens, gamma, lam = inputs
+    ctx.save_for_backward(mask, cu_seqlens)
+    ctx.args = (gamma, lam, rewards.dtype, values.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_gae_varlen(ctx, grad_advantages, grad_returns):
+    mask, cu_seqlens = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.ppo_fast.gae_varlen_backward(grad_advantages, grad_returns, mask, cu_seqlens, *ctx.args, needed)
+    return *needed_grads(grads, needed), None, None, None, None
+
+
+register("gae_varlen", _fake_gae_varlen, _backward_gae_varlen, _setup_gae_varlen)
+register("gae_varlen_backward", _fake_gae_varlen_backward)

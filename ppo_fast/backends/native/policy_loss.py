@@ -15,6 +15,7 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
+    needed_grads,
     register,
 )
 from .value_loss import _check_loss_backward_inputs
@@ -157,3 +158,93 @@ def _seq_loss_ops(mode):
 
 policy_loss_gspo = _seq_loss_ops("gspo")
 policy_loss_geo_mean = _seq_loss_ops("geo_mean")
+
+
+# --------------------------------------------------------------------------- the packed layout
+# policy_loss_gspo_varlen and policy_loss_geo_mean_varlen (csrc/policy_loss.cpp): the same kernels on
+# packed [N] tokens, a row per cu_seqlens segment; row_scale and row_state [S].
+
+
+def _check_varlen_inputs(name, tensors, cu_seqlens):
+    """``tensors``: logprobs, old_logprobs, advantages, mask and weights, packed [N]."""
+    check_dim(name, "logprobs", tensors[0], 1)
+    _check_policy_inputs(name, *(None if x is None else x[None] for x in tensors))
+    check_dim(name, "cu_seqlens", cu_seqlens, 1)
+    check_same_device(name, logprobs=tensors[0], cu_seqlens=cu_seqlens)
+
+
+def _seq_loss_varlen_ops(mode):
+    op = f"policy_loss_{mode}_varlen"
+
+    def fake(logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, clip_eps_low, clip_eps_high, agg):
+        _check_varlen_inputs(op, (logprobs, old_logprobs, advantages, mask, weights), cu_seqlens)
+        check_choice(op, "agg", agg, AGG_MODES)
+        dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
+        rows = cu_seqlens.shape[0] - 1
+        return (
+            logprobs.new_empty((), dtype=dtype),
+            logprobs.new_empty((), dtype=torch.float32),
+            logprobs.new_empty((), dtype=torch.float32),
+            logprobs.new_empty((), dtype=dtype),
+            logprobs.new_empty((rows,), dtype=dtype),
+            logprobs.new_empty((rows, _ROW_STATE), dtype=dtype),
+        )
+
+    def fake_backward(
+        grad_loss,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        weights,
+        row_scale,
+        row_state,
+        cu_seqlens,
+        clip_eps_low,
+        clip_eps_high,
+        output_mask,
+    ):
+        name = f"{op}_backward"
+        _check_varlen_inputs(name, (logprobs, old_logprobs, advantages, mask, weights), cu_seqlens)
+        grad_weights = grad_or_empty(weights, output_mask[3]) if weights is not None else logprobs.new_empty((0,))
+        grad_old = grad_or_empty(old_logprobs, output_mask[1] and mode != "gspo")
+        return (
+            grad_or_empty(logprobs, output_mask[0]),
+            grad_old,
+            grad_or_empty(advantages, output_mask[2]),
+            grad_weights,
+        )
+
+    def setup(ctx, inputs, output):
+        logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, clip_eps_low, clip_eps_high, _agg = inputs
+        _loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state = output
+        ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state, cu_seqlens)
+        ctx.clip = (clip_eps_low, clip_eps_high)
+        ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale, row_state)
+
+    def backward(ctx, grad_loss, *_stats_grads):
+        logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state, cu_seqlens = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        needed = [need[0], need[1] and mode != "gspo", need[2], weights is not None and need[4]]
+        grads = getattr(torch.ops.ppo_fast, f"{op}_backward")(
+            grad_loss,
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            weights,
+            row_scale,
+            row_state,
+            cu_seqlens,
+            *ctx.clip,
+            needed,
+        )
+        grad_logprobs, grad_old, grad_advantages, grad_weights = needed_grads(grads, needed)
+        return grad_logprobs, grad_old, grad_advantages, None, grad_weights, None, None, None, None
+
+    register(op, fake, backward, setup)
+    register(f"{op}_backward", fake_backward)
+
+
+_seq_loss_varlen_ops("gspo")
+_seq_loss_varlen_ops("geo_mean")

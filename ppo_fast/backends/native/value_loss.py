@@ -15,6 +15,7 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
+    needed_grads,
     register,
 )
 
@@ -66,3 +67,56 @@ register("value_loss_backward", _fake_value_loss_backward)
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
     loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss.default(values, old_values, returns, mask, clip, agg)
     return loss, clipfrac  # clipfrac is a non-differentiable output
+
+
+# --------------------------------------------------------------------------- the packed layout
+# value_loss_varlen (csrc/value_loss.cpp): the same kernels on packed [N] tokens, a row per cu_seqlens
+# segment; row_scale [S].
+
+
+def _check_value_varlen_inputs(op, values, old_values, returns, mask, cu_seqlens):
+    check_dim(op, "values", values, 1)
+    _check_value_inputs(op, values[None], old_values[None], returns[None], mask[None])
+    check_dim(op, "cu_seqlens", cu_seqlens, 1)
+    check_same_device(op, values=values, cu_seqlens=cu_seqlens)
+
+
+def _fake_value_loss_varlen(values, old_values, returns, mask, cu_seqlens, clip, agg):
+    _check_value_varlen_inputs("value_loss_varlen", values, old_values, returns, mask, cu_seqlens)
+    check_choice("value_loss_varlen", "agg", agg, AGG_MODES)
+    dtype = result_dtype(values, old_values, returns)
+    rows = cu_seqlens.shape[0] - 1
+    return (
+        values.new_empty((), dtype=dtype),
+        values.new_empty((), dtype=torch.float32),
+        values.new_empty((rows,), dtype=dtype),
+    )
+
+
+def _fake_value_loss_varlen_backward(
+    grad_loss, values, old_values, returns, mask, row_scale, cu_seqlens, clip, output_mask
+):
+    op = "value_loss_varlen_backward"
+    _check_value_varlen_inputs(op, values, old_values, returns, mask, cu_seqlens)
+    return tuple(grad_or_empty(x, wanted) for x, wanted in zip((values, old_values, returns), output_mask))
+
+
+def _setup_value_loss_varlen(ctx, inputs, output):
+    values, old_values, returns, mask, cu_seqlens, clip, _agg = inputs
+    _loss, clipfrac, row_scale = output
+    ctx.save_for_backward(values, old_values, returns, mask, row_scale, cu_seqlens)
+    ctx.clip = clip
+    ctx.mark_non_differentiable(clipfrac, row_scale)
+
+
+def _backward_value_loss_varlen(ctx, grad_loss, *_stats_grads):
+    values, old_values, returns, mask, row_scale, cu_seqlens = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.ppo_fast.value_loss_varlen_backward(
+        grad_loss, values, old_values, returns, mask, row_scale, cu_seqlens, ctx.clip, needed
+    )
+    return *needed_grads(grads, needed), None, None, None, None
+
+
+register("value_loss_varlen", _fake_value_loss_varlen, _backward_value_loss_varlen, _setup_value_loss_varlen)
+register("value_loss_varlen_backward", _fake_value_loss_varlen_backward)

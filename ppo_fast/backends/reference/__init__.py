@@ -12,10 +12,13 @@ from ...spec import OPS
 from .. import collect, op_modules
 
 # Helpers of the other modules and of the tests, besides the ops.
-from .aggregate import aggregate, masked_mean, masked_whiten  # noqa: E402
+from .aggregate import aggregate, aggregate_packed, masked_mean, masked_whiten, segment_scale  # noqa: E402
+from .gae import gae_packed  # noqa: E402
 from .kl_penalized_rewards import k3_of, last_valid_index  # noqa: E402
 from .linear_token_logprobs import linear_logits  # noqa: E402
+from .policy_loss import sequence_level_packed  # noqa: E402
 from .rollout_correction import rollout_correction_weights  # noqa: E402
+from .value_loss import value_loss_terms  # noqa: E402
 
 MODULES = op_modules(__name__, __path__)
 SUPPORTED, FUNCTIONS = collect(MODULES)
@@ -33,6 +36,11 @@ __all__ = [
     "MODULES",
     "availability",
     "aggregate",
+    "aggregate_packed",
+    "segment_scale",
+    "gae_packed",
+    "sequence_level_packed",
+    "value_loss_terms",
     "masked_mean",
     "masked_whiten",
     "k3_of",

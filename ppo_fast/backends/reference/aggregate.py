@@ -58,3 +58,36 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Te
     if agg == "seq-mean-token-sum-norm":
         loss = loss / max(per_token.shape[-1], 1)
     return loss
+
+
+def segment_scale(segments, mask: torch.Tensor, agg: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[N]`` the factor of each token's loss in a ``seq-mean-*`` aggregation of packed tokens, as
+    ``aggregate`` weighs its row: ``loss = sum_t scale_t * loss_t`` over the valid tokens.  None for
+    the token-level modes (no factor per sequence)."""
+    if not agg.startswith("seq-mean"):
+        return None
+    row_tokens = segments.sum(mask.to(dtype))
+    row_has_tokens = (row_tokens > 0).to(dtype)
+    scale = row_has_tokens / row_has_tokens.sum().clamp_min(1.0)
+    if agg == "seq-mean-token-mean":
+        scale = scale / row_tokens.clamp_min(1.0)
+    elif agg == "seq-mean-token-sum-norm":
+        scale = scale / torch.as_tensor(segments.max_seqlen, device=mask.device).clamp_min(1).to(dtype)
+    return segments.spread(scale)
+
+
+def aggregate_packed(segments, per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """``aggregate`` of packed ``[N]`` tokens: the row sums are per-segment sums (each in token
+    order), ``T`` of ``seq-mean-token-sum-norm`` is the longest segment's length."""
+    if not agg.startswith("seq-mean"):
+        return aggregate(per_token[None], mask[None], agg)
+    m = mask.to(per_token.dtype)
+    masked = torch.where(mask, per_token, 0.0)
+    row_tokens = segments.sum(m)
+    row_has_tokens = (row_tokens > 0).to(per_token.dtype)
+    row_sum = segments.sum(masked)
+    row_loss = row_sum / row_tokens.clamp_min(1.0) if agg == "seq-mean-token-mean" else row_sum
+    loss = (row_loss * row_has_tokens).sum() / row_has_tokens.sum().clamp_min(1.0)
+    if agg == "seq-mean-token-sum-norm":
+        loss = loss / torch.as_tensor(segments.max_seqlen, device=mask.device).clamp_min(1).to(loss.dtype)
+    return loss

@@ -7,7 +7,7 @@ import torch.utils.checkpoint
 
 from ...spec import POLICY_LOSS_MODES
 from ._common import DEVICES, clamp, masked_inputs
-from .aggregate import aggregate, masked_mean
+from .aggregate import aggregate, aggregate_packed, masked_mean
 
 # Every policy-loss mode's op (vanilla is clipped_policy_loss).
 SUPPORTED = {mode.op: DEVICES for mode in POLICY_LOSS_MODES.values()}
@@ -62,41 +62,75 @@ def _row_mean(x, mask):
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp_min(1)
 
 
+class _PaddedRows:
+    """The rows of ``[B, T]`` tensors, for the sequence-level modes (``_PackedRows``: packed segments)."""
+
+    mean = staticmethod(_row_mean)
+    aggregate = staticmethod(aggregate)
+
+    @staticmethod
+    def spread(per_row, like):
+        return per_row.unsqueeze(-1).expand_as(like)
+
+
+class _PackedRows:
+    def __init__(self, segments):
+        self.segments = segments
+
+    def mean(self, x, mask):
+        return self.segments.sum(torch.where(mask, x, 0.0)) / self.segments.sum(mask.to(x.dtype)).clamp_min(1)
+
+    def spread(self, per_row, like):
+        return self.segments.spread(per_row)
+
+    def aggregate(self, per_token, mask, agg):
+        return aggregate_packed(self.segments, per_token, mask, agg)
+
+
 def policy_loss_gspo(
-    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str, rows=None
 ):
     """GSPO: per token ``s = sg(exp(mean_t log r)) * pi / sg(pi)`` (log clamped at 10),
-    then the clipped surrogate of ``s``.  No gradient reaches old_logprobs."""
+    then the clipped surrogate of ``s``.  No gradient reaches old_logprobs.  ``rows``: the packed
+    layout's segments (``_PackedRows``), else the rows of ``[B, T]`` inputs."""
+    rows = rows or _PaddedRows
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
-    seq_log_ratio = _row_mean(log_ratio, mask).detach().unsqueeze(-1)
+    seq_log_ratio = rows.spread(rows.mean(log_ratio, mask).detach(), logp)
     ratio = torch.exp(clamp(logp - logp.detach() + seq_log_ratio, high=10.0))
     unclipped = -adv * ratio
     clipped = -adv * clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     pg = _weighted(torch.maximum(unclipped, clipped), weights)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    return aggregate(pg, mask, agg), clipfrac.detach(), _no_stat(logp), approx_kl
+    return rows.aggregate(pg, mask, agg), clipfrac.detach(), _no_stat(logp), approx_kl
 
 
 def policy_loss_geo_mean(
-    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str
+    logprobs, old_logprobs, advantages, mask, weights, *, clip_eps_low: float, clip_eps_high: float, agg: str, rows=None
 ):
     """GMPO: per row ``-mean_t(A) * exp(mean_t sign(A) * min(sign(A) log r, sign(A) clip(log r,
     -clip_eps_low, clip_eps_high)))``, times the geometric mean of the row's ``weights``;
-    each valid token carries its row's loss into ``agg``."""
+    each valid token carries its row's loss into ``agg``.  ``rows`` as in ``policy_loss_gspo``."""
+    rows = rows or _PaddedRows
     logp, old, adv, weights = masked_inputs(mask, logprobs, old_logprobs, advantages, weights)
     log_ratio, approx_kl = _log_ratio_and_kl(mask, logp, old)
     sign = torch.sign(adv)
     clamped = clamp(log_ratio, -clip_eps_low, clip_eps_high)
     kept = sign * torch.minimum(sign * log_ratio, sign * clamped)
-    row_loss = -_row_mean(adv, mask) * torch.exp(_row_mean(kept, mask))
+    row_loss = -rows.mean(adv, mask) * torch.exp(rows.mean(kept, mask))
     if weights is not None:  # verl's geometric mean of the token weights, with its 1e-10
-        row_loss = row_loss * torch.exp(_row_mean(torch.log(weights + 1e-10), mask))
-    pg = row_loss.unsqueeze(-1).expand_as(logp)
+        row_loss = row_loss * torch.exp(rows.mean(torch.log(weights + 1e-10), mask))
+    pg = rows.spread(row_loss, logp)
     clipped = log_ratio != clamped
     clipfrac = masked_mean((clipped & (adv > 0)).float(), mask)
     clipfrac_lower = masked_mean((clipped & (adv < 0)).float(), mask)
-    return aggregate(pg, mask, agg), clipfrac.detach(), clipfrac_lower.detach(), approx_kl
+    return rows.aggregate(pg, mask, agg), clipfrac.detach(), clipfrac_lower.detach(), approx_kl
+
+
+def sequence_level_packed(op: str, segments, *args, **kwargs):
+    """A sequence-level mode (GSPO, GMPO) on packed ``[N]`` tokens, each segment a row."""
+    fn = {"policy_loss_gspo": policy_loss_gspo, "policy_loss_geo_mean": policy_loss_geo_mean}[op]
+    return fn(*args, rows=_PackedRows(segments), **kwargs)
 
 
 def policy_loss_sapo(logprobs, old_logprobs, advantages, mask, weights, *, tau_pos: float, tau_neg: float, agg: str):

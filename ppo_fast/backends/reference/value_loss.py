@@ -16,10 +16,16 @@ def value_loss(values, old_values, returns, mask, clip: float, agg: str):
 
     ``clip = inf`` turns clipping off (the public op's ``clip=None``).
     """
+    per_token, clipfrac = value_loss_terms(values, old_values, returns, mask, clip)
+    return aggregate(per_token, mask, agg), clipfrac
+
+
+def value_loss_terms(values, old_values, returns, mask, clip: float):
+    """The per-token value loss (any layout) and the clip fraction."""
     v, old, ret = masked_inputs(mask, values, old_values, returns)
     v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)
     unclipped = (v - ret).square()
     clipped = (v_clipped - ret).square()
     per_token = 0.5 * torch.maximum(unclipped, clipped)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    return aggregate(per_token, mask, agg), clipfrac.detach()
+    return per_token, clipfrac.detach()
