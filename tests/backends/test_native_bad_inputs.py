@@ -66,7 +66,24 @@ ARGUMENTS = {
     **dict(top_k=0, top_p=1.0, min_p=0.0),  # the sampler's truncations: off
     **dict.fromkeys(("rewards_dtype", "values_dtype", "scores_dtype"), torch.float32),
 }
+# The packed layout's ops (``*_varlen``): NP tokens in S segments, one of them empty.
+NP, CU = 7, (0, 2, 2, 7)
+S = len(CU) - 1
+PACKED = {
+    **dict.fromkeys(BT + ("grad_advantages", "grad_returns"), lambda: randn(NP)),
+    "weights": lambda: torch.rand(NP),
+    "mask": lambda: ones(NP),
+    "cu_seqlens": lambda: torch.tensor(CU),
+    "row_scale": lambda: torch.ones(S),
+    "row_state": lambda: torch.zeros(S, 2),
+}
+VARLEN_OPS = [
+    f"{op}_varlen{bwd}"
+    for op in ("gae", "policy_loss_gspo", "policy_loss_geo_mean", "value_loss")
+    for bwd in ("", "_backward")
+]
 OWN = {
+    **dict.fromkeys(VARLEN_OPS, PACKED),
     "bool_mask": {"mask": lambda: torch.tensor([[0.0, 1.0], [1.0, -0.0]])},
     # The policy loss through the head: hidden [B, T, H] and labels [B, T], vanilla's two clips.
     "linear_policy_loss": {
@@ -121,6 +138,17 @@ def _sequence_policy_backward(p):
         (f"{p}-bwd-row-state", dict(row_state=randn(B + 1, 2)), "row_state must have shape [3, 2]"),
         (f"{p}-bwd-old-shape", dict(old_logprobs=randn(T, B)), f"old_logprobs {SHAPE} logprobs"),
         (f"{p}-bwd-mask", dict(mask=ones(B, T, dtype=torch.uint8)), BOOL_MASK),
+    ]
+
+
+def _varlen(op):
+    """A packed op's cases: cu_seqlens that would read past the tensors, or is no offsets table."""
+    return [
+        (f"{op}-cu-start", dict(cu_seqlens=torch.tensor([1, 2, 2, NP])), "cu_seqlens must start at 0"),
+        (f"{op}-cu-order", dict(cu_seqlens=torch.tensor([0, 5, 2, NP])), "cu_seqlens must be non-decreasing"),
+        (f"{op}-cu-end", dict(cu_seqlens=torch.tensor([0, 2, NP + 3])), "cu_seqlens must end at the number of packed"),
+        (f"{op}-cu-dtype", dict(cu_seqlens=torch.tensor([0.0, 2.0, NP])), "cu_seqlens must have dtype int32 or int64"),
+        (f"{op}-cu-2d", dict(cu_seqlens=torch.tensor([[0, NP]])), "cu_seqlens must be 1-D"),
     ]
 
 
@@ -302,9 +330,13 @@ TABLE = {
         ("head-bwd-weight-width", dict(weight=randn(V, H - 1)), "weight must be [V, H]"),
     ],
 }
+TABLE |= {op: _varlen(op) for op in VARLEN_OPS}
 CASES = {case_id: (op, changes, message) for op, rows in TABLE.items() for case_id, changes, message in rows}
 assert len(CASES) == sum(map(len, TABLE.values())), "case ids are unique"
-VALUE_CHECKS = {"group-sum-index-range", "group-sum-index-negative"}
+# Checks of values the fake kernel cannot see (meta tensors): the C++ kernel's only.
+VALUE_CHECKS = {"group-sum-index-range", "group-sum-index-negative"} | {
+    f"{op}-cu-{kind}" for op in VARLEN_OPS for kind in ("start", "order", "end")
+}
 
 
 def case_args(case_id):

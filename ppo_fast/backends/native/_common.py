@@ -80,6 +80,17 @@ def check_mask(op, mask, ref_name, ref):
     check_shape(op, "mask", mask, ref.shape, ref_name)
 
 
+def check_cu_seqlens(op, cu_seqlens):
+    """What a fake kernel can see of ``cu_seqlens`` (its values are checked by the C++ kernel)."""
+    torch._check(
+        cu_seqlens.dtype in (torch.int32, torch.int64),
+        lambda: f"{op}: cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}",
+    )
+    torch._check(
+        cu_seqlens.dim() == 1, lambda: f"{op}: cu_seqlens must be 1-D [S + 1], got shape {list(cu_seqlens.shape)}"
+    )
+
+
 def check_same_device(op, **tensors):
     (first_name, first), *rest = tensors.items()
     for name, x in rest:

@@ -6,6 +6,7 @@ import torch
 
 from ..._dtypes import result_dtype
 from ._common import (
+    check_cu_seqlens,
     check_dim,
     check_dtype_arg,
     check_float,
@@ -65,6 +66,7 @@ def _fake_gae_varlen(rewards, values, mask, cu_seqlens, gamma, lam):
     check_float(op, "values", values)
     check_shape(op, "values", values, rewards.shape, "rewards")
     check_mask(op, mask, "rewards", rewards)
+    check_cu_seqlens(op, cu_seqlens)
     check_same_device(op, rewards=rewards, values=values, mask=mask, cu_seqlens=cu_seqlens)
     dtype = result_dtype(rewards, values)
     return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
@@ -75,6 +77,9 @@ def _fake_gae_varlen_backward(
 ):
     op = "gae_varlen_backward"
     check_dim(op, "mask", mask, 1)
+    check_cu_seqlens(op, cu_seqlens)
+    grads = {"grad_advantages": grad_advantages, "grad_returns": grad_returns}
+    check_same_device(op, mask=mask, cu_seqlens=cu_seqlens, **{k: g for k, g in grads.items() if g is not None})
     check_dtype_arg(op, "rewards_dtype", rewards_dtype)
     check_dtype_arg(op, "values_dtype", values_dtype)
     return grad_or_empty(mask, output_mask[0], rewards_dtype), grad_or_empty(mask, output_mask[1], values_dtype)

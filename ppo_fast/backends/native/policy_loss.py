@@ -9,6 +9,7 @@ from ...spec import AGG_MODES
 from ._common import (
     LOSS_DEVICES,
     check_choice,
+    check_cu_seqlens,
     check_dim,
     check_float,
     check_mask,
@@ -169,7 +170,7 @@ def _check_varlen_inputs(name, tensors, cu_seqlens):
     """``tensors``: logprobs, old_logprobs, advantages, mask and weights, packed [N]."""
     check_dim(name, "logprobs", tensors[0], 1)
     _check_policy_inputs(name, *(None if x is None else x[None] for x in tensors))
-    check_dim(name, "cu_seqlens", cu_seqlens, 1)
+    check_cu_seqlens(name, cu_seqlens)
     check_same_device(name, logprobs=tensors[0], cu_seqlens=cu_seqlens)
 
 
@@ -206,6 +207,7 @@ def _seq_loss_varlen_ops(mode):
     ):
         name = f"{op}_backward"
         _check_varlen_inputs(name, (logprobs, old_logprobs, advantages, mask, weights), cu_seqlens)
+        check_same_device(name, logprobs=logprobs, grad_loss=grad_loss, row_scale=row_scale, row_state=row_state)
         grad_weights = grad_or_empty(weights, output_mask[3]) if weights is not None else logprobs.new_empty((0,))
         grad_old = grad_or_empty(old_logprobs, output_mask[1] and mode != "gspo")
         return (

@@ -9,6 +9,7 @@ from ...spec import AGG_MODES
 from ._common import (
     LOSS_DEVICES,
     check_choice,
+    check_cu_seqlens,
     check_dim,
     check_float,
     check_mask,
@@ -77,7 +78,7 @@ def value_loss(values, old_values, returns, mask, clip: float, agg: str):
 def _check_value_varlen_inputs(op, values, old_values, returns, mask, cu_seqlens):
     check_dim(op, "values", values, 1)
     _check_value_inputs(op, values[None], old_values[None], returns[None], mask[None])
-    check_dim(op, "cu_seqlens", cu_seqlens, 1)
+    check_cu_seqlens(op, cu_seqlens)
     check_same_device(op, values=values, cu_seqlens=cu_seqlens)
 
 
@@ -98,6 +99,7 @@ def _fake_value_loss_varlen_backward(
 ):
     op = "value_loss_varlen_backward"
     _check_value_varlen_inputs(op, values, old_values, returns, mask, cu_seqlens)
+    check_same_device(op, values=values, grad_loss=grad_loss, row_scale=row_scale)
     return tuple(grad_or_empty(x, wanted) for x, wanted in zip((values, old_values, returns), output_mask))
 
 
