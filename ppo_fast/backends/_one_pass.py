@@ -181,9 +181,9 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
         params: list[float],
         agg: str,
         output_mask: list[bool],
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
+        top_k: int,  # no defaults: torch 2.11 hands the autograd kernel an input without a trailing default
+        top_p: float,
+        min_p: float,
     ) -> list[torch.Tensor]:
         return loop(
             rows,
