@@ -216,10 +216,12 @@ def _head_grad_kernel(
         g_entropy = tl.load(grad_entropy_ptr + row * grad_entropy_stride, mask=row_ok, other=0.0).to(ACC)
         entropy = tl.load(entropy_ptr + row, mask=row_ok, other=0.0).to(ACC)
     cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
+    stop = tl.where(row_ok, vocab, 0)  # a row not to compute reads nothing
     for start in range(0, vocab, BLOCK_V):
         cols = start + cols0
         col_ok = cols < vocab
-        u = _u_tile(x_ptr + row * x_stride, bias_ptr, cols, col_ok & row_ok, pre_s, HAS_BIAS, TANH, ACC)
+        # cols < stop, not col_ok & row_ok: triton 3.9's interpreter refuses the mask a tensor & scalar makes
+        u = _u_tile(x_ptr + row * x_stride, bias_ptr, cols, cols < stop, pre_s, HAS_BIAS, TANH, ACC)
         one_hot = cols == label
         if TRUNCATED:  # dropped tokens: p = 0, and a dropped label's log-prob is -inf, a constant
             one_hot = one_hot & ~(u < tau)
