@@ -79,7 +79,7 @@ def _policy_loss_packed(
             agg=agg,
         )
     backend = backend_of(mode.op, logprobs.device.type)
-    if backend not in ("reference", "native") or logprobs.device.type != "cpu" and backend == "native":
+    if not (backend == "reference" or (backend == "native" and logprobs.device.type == "cpu")):
         return NotImplemented  # no segmented kernel there yet: the padded detour
     params = mode.bind(mode_params)
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}
