@@ -98,6 +98,19 @@ def clipped_policy_loss(
 _ROW_STATE = 2  # csrc/common/seq_loss_math.h kRowState
 
 
+def _seq_loss_outputs(logprobs, dtype, rows: int) -> tuple:
+    """A sequence-level mode's forward outputs (fake): loss, clipfrac, clipfrac_lower, approx_kl,
+    row_scale [rows] and row_state [rows, 2]."""
+    return (
+        logprobs.new_empty((), dtype=dtype),
+        logprobs.new_empty((), dtype=torch.float32),
+        logprobs.new_empty((), dtype=torch.float32),
+        logprobs.new_empty((), dtype=dtype),
+        logprobs.new_empty((rows,), dtype=dtype),
+        logprobs.new_empty((rows, _ROW_STATE), dtype=dtype),
+    )
+
+
 def _seq_loss_ops(mode):
     op = f"policy_loss_{mode}"
 
@@ -106,14 +119,7 @@ def _seq_loss_ops(mode):
         check_choice(op, "agg", agg, AGG_MODES)
         dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
         rows = logprobs.shape[0]
-        return (
-            logprobs.new_empty((), dtype=dtype),
-            logprobs.new_empty((), dtype=torch.float32),
-            logprobs.new_empty((), dtype=torch.float32),
-            logprobs.new_empty((), dtype=dtype),
-            logprobs.new_empty((rows,), dtype=dtype),
-            logprobs.new_empty((rows, _ROW_STATE), dtype=dtype),
-        )
+        return _seq_loss_outputs(logprobs, dtype, rows)
 
     def fake_backward(
         grad_loss,
@@ -182,14 +188,7 @@ def _seq_loss_varlen_ops(mode):
         check_choice(op, "agg", agg, AGG_MODES)
         dtype = result_dtype(logprobs, old_logprobs, advantages, weights)
         rows = cu_seqlens.shape[0] - 1
-        return (
-            logprobs.new_empty((), dtype=dtype),
-            logprobs.new_empty((), dtype=torch.float32),
-            logprobs.new_empty((), dtype=torch.float32),
-            logprobs.new_empty((), dtype=dtype),
-            logprobs.new_empty((rows,), dtype=dtype),
-            logprobs.new_empty((rows, _ROW_STATE), dtype=dtype),
-        )
+        return _seq_loss_outputs(logprobs, dtype, rows)
 
     def fake_backward(
         grad_loss,
