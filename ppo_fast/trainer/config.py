@@ -681,57 +681,16 @@ class TrainerConfig:
         """The keyword parameters of ``loss_mode``'s mode: the clips it takes and ``loss_mode_params``
         (bound by spec.py's registry, without torch); ``ConfigError`` for one it does not take, a
         missing one or a bad value."""
-        mode = POLICY_LOSS_MODES[self.loss_mode]
-        takes = {p.name for p in mode.params}
-        clips = {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high, "dual_clip": self.dual_clip}
-        for name in ("clip_eps_high", "dual_clip"):
-            _require(name, clips[name] is None or name in takes, f"does not apply to --loss-mode {self.loss_mode}")
-        params = {name: value for name, value in clips.items() if name in takes and value is not None}
-        for p in mode.params:  # the clips' bounds are the mode's (a trust region's size is not a ratio's)
-            if p.name in clips and p.name in params:
-                try:
-                    p.check(params[p.name])
-                except ValueError as err:
-                    _require(p.name, False, f"{str(err).removeprefix(p.name + ' ')} (--loss-mode {self.loss_mode})")
-        params.update(self.loss_mode_param_values())
-        try:
-            mode.bind(params)
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"invalid config: --loss-mode {self.loss_mode}: {err}") from None
-        return params
+        return _NAMES.loss_mode_kwargs(self, POLICY_LOSS_MODES[self.loss_mode])
 
     def loss_mode_param_values(self) -> dict[str, float]:
-        """``loss_mode_params`` as ``{name: value}`` (which names the mode takes is checked
-        against the registry by ``loss_mode_kwargs``); the clips have flags of their own."""
-        values = {
-            name: _NAMES.number("loss_mode_params", name, text)
-            for name, text in _NAMES.pairs("loss_mode_params", self.loss_mode_params)
-        }
-        for name in set(values) & {"clip_eps_low", "clip_eps_high", "dual_clip"}:
-            _require("loss_mode_params", False, f"takes no {name}: give {flag(name)}")
-        return values
+        """``loss_mode_params`` as ``{name: value}`` (the clips have flags of their own)."""
+        return _NAMES.loss_mode_param_values(self.loss_mode_params)
 
     def advantage_kwargs(self) -> dict:
         """``advantage_params`` as the advantage method's keyword parameters, typed by their defaults
         in the registry; ``ConfigError`` for one the method does not take or one with a flag of its own."""
-        takes = ADVANTAGE_METHODS[self.advantage_method].params
-        own = {"norm_by_std": "--norm-by-std", "gamma": "--gamma"}
-        values = {}
-        for name, text in _NAMES.pairs("advantage_params", self.advantage_params):
-            _require("advantage_params", name not in own, f"takes no {name}: give {own.get(name)}")
-            settable = sorted(set(takes) - set(own) - {"baselines"})
-            _require(
-                "advantage_params",
-                name in settable,
-                f"--advantage-method {self.advantage_method} takes {', '.join(settable) or 'no parameters'}; "
-                f"got {name!r}",
-            )
-            if isinstance(takes[name], bool):
-                _require("advantage_params", text.lower() in ("true", "false"), f"{name} must be true or false")
-                values[name] = text.lower() == "true"
-            else:
-                values[name] = _NAMES.number("advantage_params", name, text)
-        return values
+        return _NAMES.advantage_kwargs(self, ADVANTAGE_METHODS[self.advantage_method].params)
 
     @property
     def uses_critic(self) -> bool:

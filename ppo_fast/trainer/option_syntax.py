@@ -146,3 +146,60 @@ def number(field_name: str, name: str, text: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise invalid(field_name, f"{name} must be a finite number, got {text!r}")
     return value
+
+
+def _require(name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise invalid(name, message)
+
+
+def loss_mode_param_values(text: str) -> dict[str, float]:
+    """``--loss-mode-params`` as ``{name: value}`` (which names the mode takes is checked against
+    the registry by ``loss_mode_kwargs``); the clips have flags of their own."""
+    values = {name: number("loss_mode_params", name, value) for name, value in pairs("loss_mode_params", text)}
+    for name in set(values) & {"clip_eps_low", "clip_eps_high", "dual_clip"}:
+        _require("loss_mode_params", False, f"takes no {name}: give {flag(name)}")
+    return values
+
+
+def loss_mode_kwargs(cfg, mode) -> dict:
+    """The keyword parameters of ``cfg.loss_mode``'s registry entry ``mode``: the clips it takes and
+    ``--loss-mode-params``, bound by the registry (without torch)."""
+    takes = {p.name for p in mode.params}
+    clips = {"clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high, "dual_clip": cfg.dual_clip}
+    for name in ("clip_eps_high", "dual_clip"):
+        _require(name, clips[name] is None or name in takes, f"does not apply to --loss-mode {cfg.loss_mode}")
+    params = {name: value for name, value in clips.items() if name in takes and value is not None}
+    for p in mode.params:  # the clips' bounds are the mode's (a trust region's size is not a ratio's)
+        if p.name in clips and p.name in params:
+            try:
+                p.check(params[p.name])
+            except ValueError as err:
+                _require(p.name, False, f"{str(err).removeprefix(p.name + ' ')} (--loss-mode {cfg.loss_mode})")
+    params.update(loss_mode_param_values(cfg.loss_mode_params))
+    try:
+        mode.bind(params)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid config: --loss-mode {cfg.loss_mode}: {err}") from None
+    return params
+
+
+def advantage_kwargs(cfg, takes: dict) -> dict:
+    """``--advantage-params`` as keyword parameters of a method taking ``takes`` (its registry's
+    ``{name: default}``), typed by the defaults."""
+    own = {"norm_by_std": "--norm-by-std", "gamma": "--gamma"}
+    values = {}
+    for name, text in pairs("advantage_params", cfg.advantage_params):
+        _require("advantage_params", name not in own, f"takes no {name}: give {own.get(name)}")
+        settable = sorted(set(takes) - set(own) - {"baselines"})
+        _require(
+            "advantage_params",
+            name in settable,
+            f"--advantage-method {cfg.advantage_method} takes {', '.join(settable) or 'no parameters'}; got {name!r}",
+        )
+        if isinstance(takes[name], bool):
+            _require("advantage_params", text.lower() in ("true", "false"), f"{name} must be true or false")
+            values[name] = text.lower() == "true"
+        else:
+            values[name] = number("advantage_params", name, text)
+    return values
