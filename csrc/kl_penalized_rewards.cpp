@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/contract.h"
 #include "common/fast_exp.h"
 #include "common/float_io.h"
 #include "common/loss_math.h"  // clamp_of, clamp_grad: torch.clamp and its gradient
@@ -28,6 +27,8 @@
 #elif defined(__clang__)
 #pragma clang fp contract(off)
 #endif
+
+#include "common/kl_estimators.h"  // after the pragma: its per-token formulas are compiled under it
 
 namespace ppo_fast {
 
@@ -51,45 +52,6 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 namespace {
 
 constexpr int64_t kChunk = 256;  // tokens converted to the compute type at a time
-
-// exp(d) for k3 of T inputs: float32 ones are rounded from double once, so an exp that
-// vectorizes is exact enough; float64 ones (gradcheck) take std::exp.
-template <typename T>
-PPO_INLINE double k3_exp(double d) {
-  if constexpr (std::is_same_v<T, float>) return exp_within_20(d);
-  return std::exp(d);
-}
-
-// reference.kl_estimate of one token.
-template <KlEstimator estimator, typename T>
-PPO_INLINE T kl_value(T logp, T ref) {
-  const T log_ratio = logp - ref;
-  if constexpr (estimator == kK1) return log_ratio;
-  if constexpr (estimator == kK2) return T(0.5) * (log_ratio * log_ratio);
-  if constexpr (estimator == kAbs) return std::abs(log_ratio);
-  // k3, in double and rounded once (k3_of); the inner clamp only keeps exp finite for +-inf inputs
-  const double d = clamp_of(double(-log_ratio), -20.0, 20.0);
-  return T(clamp_of(k3_of(d, k3_exp<T>(d)), -10.0, 10.0));
-}
-
-// g * d kl / d log_ratio (d / d logp; d / d ref is its negation), in the order the
-// reference's autograd takes it: abs passes g * sign(x) with sign(0) = sign(NaN) = 0,
-// clamps pass gradient on their closed range.
-template <KlEstimator estimator, typename T>
-PPO_INLINE T kl_grad(T logp, T ref, T g) {
-  const T log_ratio = logp - ref;
-  if constexpr (estimator == kK1) return g;
-  if constexpr (estimator == kK2) return (g * T(0.5)) * (T(2) * log_ratio);
-  if constexpr (estimator == kAbs) {
-    const T positive = log_ratio > T(0) ? T(1) : T(0);
-    return g * (log_ratio < T(0) ? T(-1) : positive);
-  }
-  const double neg = -log_ratio;
-  const double d = clamp_of(neg, -20.0, 20.0);
-  const double exp_d = k3_exp<T>(d);
-  const double g_inner = clamp_grad(k3_of(d, exp_d), -10.0, 10.0, double(g));
-  return T(-clamp_grad(neg, -20.0, 20.0, k3_grad(d, exp_d, g_inner)));
-}
 
 // kl[i] = kl_value(lp[i], rf[i]); when penalized, also 0 at masked tokens (on[i] == 0,
 // selected away so that the loop stays branch-free) and reward[i] = neg_coef * kl[i].
@@ -124,34 +86,20 @@ PPO_INLINE void kl_grad_loop(const acc_t* lp, const acc_t* rf, const acc_t* g_kl
 }
 
 // One loop per estimator, so that the per-token code has no switch.
-#define PPO_KL_SWITCH(estimator, CALL) \
-  switch (estimator) {                 \
-    case kK1:                          \
-      return CALL(kK1);                \
-    case kK2:                          \
-      return CALL(kK2);                \
-    case kAbs:                         \
-      return CALL(kAbs);               \
-    default:                           \
-      return CALL(kK3);                \
-  }
-
 template <bool penalized, typename acc_t>
 PPO_INLINE void kl_chunk_impl(const acc_t* lp, const acc_t* rf, const uint8_t* on, int64_t n, int64_t estimator,
                               acc_t neg_coef, acc_t* kl, acc_t* reward) {
-#define PPO_KL_CALL(e) kl_loop<e, penalized>(lp, rf, on, n, neg_coef, kl, reward)
-  PPO_KL_SWITCH(estimator, PPO_KL_CALL)
-#undef PPO_KL_CALL
+  with_kl_estimator(KlEstimator(estimator),
+                    [&](auto e) { kl_loop<decltype(e)::value, penalized>(lp, rf, on, n, neg_coef, kl, reward); });
 }
 
 template <bool penalized, typename acc_t>
 PPO_INLINE void kl_grad_chunk_impl(const acc_t* lp, const acc_t* rf, const acc_t* g_kl, const acc_t* g_reward,
-                                   const uint8_t* on, int64_t n, int64_t estimator, acc_t neg_coef, acc_t* out){
-#define PPO_KL_CALL(e) kl_grad_loop<e, penalized>(lp, rf, g_kl, g_reward, on, n, neg_coef, out)
-    PPO_KL_SWITCH(estimator, PPO_KL_CALL)
-#undef PPO_KL_CALL
+                                   const uint8_t* on, int64_t n, int64_t estimator, acc_t neg_coef, acc_t* out) {
+  with_kl_estimator(KlEstimator(estimator), [&](auto e) {
+    kl_grad_loop<decltype(e)::value, penalized>(lp, rf, g_kl, g_reward, on, n, neg_coef, out);
+  });
 }
-#undef PPO_KL_SWITCH
 
 // float32: one clone per CPU kind; float64 (gradcheck) once.
 PPO_CPU_CLONES void kl_chunk(const float* lp, const float* rf, int64_t n, int64_t estimator, float* kl) {

@@ -25,6 +25,7 @@
 
 #include "common/checks.h"
 #include "common/contract.h"
+#include "common/kl_estimators.h"
 #include "common/log_softmax_rows.h"
 #include "common/loss_math.h"
 #include "common/seq_loss_math.h"
@@ -58,26 +59,13 @@ PolicyMode parse_mode(c10::string_view name) {
   TORCH_CHECK(false, kOp, ": loss_mode must be 'vanilla' or 'gspo' on the native CPU backend, got '", name, "'");
 }
 
-// reference.kl_estimate of one token and g * its derivative w.r.t. logp, in double (k3 as
-// loss_math.h's k3_of); clamps pass gradient on their closed range.
+// reference.kl_estimate of one token and g * its derivative w.r.t. logp, in double.
 double kl_value(KlEstimator estimator, double logp, double ref) {
-  const double lr = logp - ref;
-  if (estimator == kK1) return lr;
-  if (estimator == kK2) return 0.5 * lr * lr;
-  if (estimator == kAbs) return std::abs(lr);
-  const double d = clamp_of(-lr, -20.0, 20.0);
-  return clamp_of(k3_of(d, std::exp(d)), -10.0, 10.0);
+  return with_kl_estimator(estimator, [&](auto e) { return ppo_fast::kl_value<decltype(e)::value>(logp, ref); });
 }
 
 double kl_grad(KlEstimator estimator, double logp, double ref, double g) {
-  const double lr = logp - ref;
-  if (estimator == kK1) return g;
-  if (estimator == kK2) return g * lr;
-  if (estimator == kAbs) return lr > 0.0 ? g : (lr < 0.0 ? -g : 0.0);
-  const double d = clamp_of(-lr, -20.0, 20.0);
-  const double exp_d = std::exp(d);
-  const double g_k3 = clamp_grad(k3_of(d, exp_d), -10.0, 10.0, g);
-  return -clamp_grad(-lr, -20.0, 20.0, k3_grad(d, exp_d, g_k3));
+  return with_kl_estimator(estimator, [&](auto e) { return ppo_fast::kl_grad<decltype(e)::value>(logp, ref, g); });
 }
 
 struct Problem {

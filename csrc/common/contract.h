@@ -1,5 +1,5 @@
-// The contract's names (ppo_fast/contract.py) on the C++ side: the aggregation modes and
-// the KL estimators as enums, and (outside nvcc) their parsers from the strings the op
+// The contract's names (ppo_fast/contract.py) on the C++ side: the aggregation modes as an
+// enum (the KL estimators: kl_estimators.h), and (outside nvcc) their parsers from the strings the op
 // schemas take, so that no integer order couples the C++ ops to Python tuples.
 // The enums need no torch headers (the CUDA kernels include them through loss_math.h).
 #pragma once
@@ -16,9 +16,6 @@ enum Agg : int64_t {
   kSeqMeanTokenMean = 3,
   kSeqMeanTokenSumNorm = 4,
 };
-
-// ppo_fast.contract.KL_ESTIMATORS: per-token estimates of KL(pi || pi_ref).
-enum KlEstimator : int64_t { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3 };
 
 }  // namespace ppo_fast
 
@@ -40,14 +37,6 @@ inline Agg parse_agg(const char* op, std::string_view agg) {
               ": agg must be one of 'token-mean', 'token-sum', 'seq-mean-token-sum', 'seq-mean-token-mean', "
               "'seq-mean-token-sum-norm', got '",
               agg, "'");
-}
-
-inline KlEstimator parse_kl_estimator(const char* op, std::string_view kl_estimator) {
-  if (kl_estimator == "k1") return kK1;
-  if (kl_estimator == "k2") return kK2;
-  if (kl_estimator == "k3") return kK3;
-  if (kl_estimator == "abs") return kAbs;
-  TORCH_CHECK(false, op, ": kl_estimator must be one of 'k1', 'k2', 'k3', 'abs', got '", kl_estimator, "'");
 }
 
 }  // namespace ppo_fast
