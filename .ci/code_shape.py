@@ -8,8 +8,8 @@
 * at most 10 ``# fmt: skip`` in the tree's Python (ppo_fast/, bench/, tools/, tests/);
 * no import cycle among the modules of ppo_fast/ and of bench/, counting every import (a function's
   too), and the layers kept (LAYERS): ppo_fast/spec.py imports nothing from the package, the
-  reference backend nothing of the fast backends or their shared loop, the trainer never the
-  backend registry;
+  reference backend nothing of the fast backends or their shared loop, the trainer and the
+  integrations never the backend registry;
 * the contract's names (the agg modes, KL estimators, rollout-correction and policy-loss
   mode names) spelled out as a tuple of strings only in ppo_fast/spec.py.
 
@@ -127,6 +127,11 @@ LAYERS = (
         "the reference is the oracle of the fast backends: it shares nothing with them",
     ),
     ("ppo_fast.trainer", ("ppo_fast.backends",), "the trainer uses the public API (pf.backend_for), not the registry"),
+    (
+        "ppo_fast.integrations",
+        ("ppo_fast.backends",),
+        "the integrations use the public API (pf.backend_for), not the registry",
+    ),
 )
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ppo_fast as pf
-from ppo_fast.backends import BACKENDS, serving
+from ppo_fast.spec import BACKENDS
 
 COUNTS: Counter = Counter()
 
@@ -229,7 +229,12 @@ def current_backend(peer: str) -> str:
 
 
 def _serves(name: str, op: str, device_type: str) -> bool:
-    return name in serving(op, device_type)
+    """Whether backend ``name`` runs ``op`` on ``device_type`` when asked (the public question, not the registry)."""
+    try:
+        with pf.use_backend(name):
+            return pf.backend_for(op, device_type) == name
+    except pf.BackendUnavailableError:
+        return False
 
 
 @contextlib.contextmanager
