@@ -22,6 +22,7 @@ SUITES = {
     "linear_policy_loss": "pf.linear_policy_loss against linear_token_logprobs + policy_loss at the CPU goal shape, fwd+bwd",
     "linear_head_goal": "the fused LM head's CPU goal shape, fwd+bwd: native, eager and TRL, time and peak memory",
     "e2e": "one PPO iteration of ppo_fast.trainer with auto ops against reference ops",
+    "trainer_e2e": "the trainer's GRPO/PPO steps on a Llama-shaped ~0.5B model against TRL's GRPOTrainer (GPU)",
     "targets": "the GPU targets, one met/missed line each",
     "vllm_rollout": "rollout speed, --rollout-engine hf against vllm, and the weight sync",
     "packed": "ops on packed tensors (cu_seqlens) against the padded detour and padded tensors, equal valid tokens",
