@@ -218,9 +218,20 @@ def _rl_cases() -> list[Case]:
     ]
 
 
+def _floor_cases() -> list[Case]:
+    """torch's own floor, no ppo_fast in it: a one-op and a two-op "loss" of the same tensor, forward
+    and forward + backward (what ``.backward()`` costs in torch before any op of ours)."""
+    return [
+        Case("torch-floor: lp.sum()", "torch.sum", lambda x: x["lp"].sum(), grad_input="lp"),
+        Case(
+            "torch-floor: (lp * adv).mean()", "torch.mul+mean", lambda x: (x["lp"] * x["adv"]).mean(), grad_input="lp"
+        ),
+    ]
+
+
 def cases() -> list[Case]:
-    """Every public op (``ppo_fast.ops.__all__`` less its registries), at least once."""
-    return _logprob_and_kl_cases() + _rl_cases()
+    """Every public op (``ppo_fast.ops.__all__`` less its registries), at least once; then torch's floor."""
+    return _logprob_and_kl_cases() + _rl_cases() + _floor_cases()
 
 
 def _runner(case: Case, mode: str, inputs: dict) -> Callable[[], object]:
