@@ -56,10 +56,12 @@ struct ClippedPolicyLoss : torch::autograd::Function<ClippedPolicyLoss> {
     ctx->saved_data["clip_eps_high"] = clip_eps_high;
     ctx->saved_data["dual_clip"] = dual_clip;
     ctx->mark_non_differentiable({clipfrac, clipfrac_lower, approx_kl, row_scale});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the stats
     return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(9);  // the loss unused: no gradient
     static const auto op = typed_op<ClippedBackward>("ppo_fast::clipped_policy_loss_backward");
     const variable_list saved = ctx->get_saved_variables();
     const OptTensor weights = optional(saved[4]);
@@ -108,10 +110,12 @@ struct SeqPolicyLoss : torch::autograd::Function<SeqPolicyLoss<Name, BackwardNam
     ctx->saved_data["clip_eps_low"] = clip_eps_low;
     ctx->saved_data["clip_eps_high"] = clip_eps_high;
     ctx->mark_non_differentiable({clipfrac, clipfrac_lower, approx_kl, row_scale, row_state});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the stats
     return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(8);  // the loss unused: no gradient
     static const auto op = typed_op<SeqBackward>(BackwardName);
     const variable_list saved = ctx->get_saved_variables();
     const OptTensor weights = optional(saved[4]);
