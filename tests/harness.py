@@ -448,7 +448,8 @@ def tensors_of(built: Built, spec: Spec, values: dict, dtype) -> tuple[dict, dic
 def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, second_order=False, raises=False):
     """The op on ``backend`` on ``values`` in ``dtype`` and the spec's layout, and the gradients
     of ``sum(w * out)`` over the outputs where ``finite``: ``projection = (finite, w)``, by
-    default this run's finite outputs and random weights (the reference's, for the others).
+    default this run's finite outputs and random weights times the ``cotangent`` knob (the
+    reference's, for the others).
     The op's error is the Run's (to compare with the reference's), or raised with ``raises``."""
     tensors, leaves, views = tensors_of(built, spec, values, dtype)
     result, fn = Run(views=views), built.call
@@ -465,7 +466,8 @@ def run(built, spec, values, backend, dtype, projection=None, *, compiled=None, 
     result.requires_grad = [o.requires_grad for o in outputs]
     if projection is None:
         wgen = torch.Generator().manual_seed(spec.seed + 1)
-        weights = [torch.randn(o.shape, generator=wgen).to(o.device) for o in result.outputs]
+        scale = spec.knobs.get("cotangent", 1.0)  # a small one: a gradient near its dtype's underflow
+        weights = [(torch.randn(o.shape, generator=wgen) * scale).to(o.device) for o in result.outputs]
         projection = [torch.isfinite(o) for o in result.outputs], weights
     result.projection = finite, weights = projection
     total = sum(

@@ -94,7 +94,14 @@ LOSS_RATIOS = pick(["tiny", "normal", "wide", "huge", "huge", "tie"])
 UNIT = st.one_of(pick([0.0, 1.0, 0.99, 0.95]), st.floats(0.0, 1.0))
 SCALES = pick([1.0, 1e3])
 # The fused head's (the LM-head ops'), over the logits' own.
-HEAD = dict(scale=pick([1.0, 30.0, 4.0]), logit_scale=pick([1.0, 0.8, 3.0]), softcap=pick([None, 2.5, 30.0]))
+# cotangent: the scale of the backward's random projection (harness.run); small ones are where a float16
+# gradient of the head's logits underflows unless it is scaled before rounding.
+HEAD = dict(
+    scale=pick([1.0, 30.0, 4.0]),
+    logit_scale=pick([1.0, 0.8, 3.0]),
+    softcap=pick([None, 2.5, 30.0]),
+    cotangent=pick([1.0, 1.0, 1e-4, 1e-7]),
+)
 
 
 def extended(k: dict, **more) -> st.SearchStrategy:
