@@ -25,6 +25,7 @@ from ppo_fast.trainer import (
 from ppo_fast.trainer.command_line import build_parser, config_from_args
 from ppo_fast.trainer.config import read_config_file
 from ppo_fast.trainer.estimate import EstimateOptions, estimate
+from ppo_fast.trainer.metric_glossary import undocumented
 from ppo_fast.trainer.metrics import ACCURACY, METRICS_FILE, read_metrics
 from ppo_fast.trainer.models import activation_checkpointing_on
 from ppo_fast.trainer.report import plot_title, score_name
@@ -75,6 +76,7 @@ def test_smoke_run_writes_metrics_checkpoint_plot_options_log_and_best(tmp_path,
     assert [("eval/score" in r) for r in metrics] == [False, True, False]  # the final evaluation is in the summary
     for row in metrics:
         assert TRL_KEYS <= row.keys(), TRL_KEYS - row.keys()
+        assert not undocumented(row), f"metrics without a glossary entry (their module's METRICS): {undocumented(row)}"
         assert all(math.isfinite(v) for v in row.values())
     out = Path(cfg.output_dir)
     assert (out / "curves.png").stat().st_size > 0

@@ -2,7 +2,8 @@
 the tables of docs/ops.md that list what ppo_fast/spec.py declares (the advantage methods, the
 policy-loss modes), spliced between their markers.
 
-    python tools/docs_pages.py          # (re)writes docs/trainer-options.md, docs/performance.md, docs/ops.md's tables
+    python tools/docs_pages.py          # (re)writes docs/trainer-options.md, docs/metrics.md, docs/performance.md,
+                                        # docs/ops.md's tables
     python tools/docs_pages.py --check  # exit 1 if one is not what the code and bench/results/ give
 
 The options table comes from ``ppo_fast.trainer.command_line.options_markdown()`` (what
@@ -518,8 +519,27 @@ def spliced(text: str) -> str:
     return text
 
 
+def metrics_page() -> str:
+    from ppo_fast.trainer.metric_glossary import markdown
+
+    return "\n".join(
+        [
+            GENERATED,
+            "# Metrics",
+            "",
+            "What each metric of a run's `metrics.jsonl` (and of its `--report-to` trackers) means, generated",
+            "from the `METRICS` of the modules that compute them (`ppo_fast.trainer.metric_glossary`).  The PPO",
+            "metrics keep TRL `PPOTrainer`'s names; `<phase>`, `<stat>` and `<name>` stand for one word each.",
+            "",
+            markdown(),
+            "",
+        ]
+    )
+
+
 PAGES = {
     "trainer-options.md": options_page,
+    "metrics.md": metrics_page,
     "performance.md": performance_page,
     "ops.md": lambda: spliced((DOCS / "ops.md").read_text()),
 }

@@ -10,6 +10,12 @@ from .prompts import exact_match
 from .rollout import decode_responses, generate
 from .run_folder import SUMMARY_FILE
 
+# The held-out metrics (glossary: metric_glossary.py), every --eval-every steps.
+METRICS = {
+    "eval/score": "mean reward of the policy's greedy responses to the held-out prompts",
+    "eval/exact_match": "share of held-out greedy responses equal to their reference answer (when every prompt has one)",
+}
+
 CHUNK = 256  # prompts decoded at once
 
 

@@ -18,6 +18,30 @@ from .rollout import Rollouts
 from .rollout_vllm import mismatch_metrics
 from .run_folder import METRICS_FILE, PLOT_FILE
 
+# The step row's metrics computed here (name: meaning), for the glossary (docs/metrics.md,
+# metric_glossary.py).  TRL PPOTrainer's names where it has one.
+METRICS = {
+    "step": "completed iterations",
+    "episode": "responses generated so far, every rank (TRL's episode)",
+    "lr": "the learning rate after the step's optimizer steps",
+    "objective/scores": "mean reward of the step's responses (the combined reward, before any KL penalty)",
+    "objective/kl": "mean over responses of the summed per-token KL to the reference (--kl-estimator), every rank",
+    "objective/kl_coef": "the KL coefficient the step's rewards and loss used (the adaptive controller's value)",
+    "objective/entropy": "mean over responses of the summed -log pi_old of the sampled tokens (TRL's: per response, "
+    "so it grows with the length; policy/entropy_avg is per token)",
+    "objective/non_score_reward": "mean summed -kl_coef * KL per response when the KL is in the reward, else 0",
+    "objective/rlhf_reward": "objective/scores + objective/non_score_reward",
+    "objective/response_length": "mean response length in tokens, its EOS included",
+    "rollout/correction_weight_mean": "mean rollout-correction weight over the response tokens (--rollout-correction)",
+    "val/explained_variance": "1 - Var(returns - values) / Var(returns) over the response tokens: 0 while the critic "
+    "predicts nothing of the returns, 1 when it predicts them; with one reward at the last token and short "
+    "responses the returns barely vary within a response, and it can stay near 0 while the policy learns",
+    "val/mean": "mean critic value over the response tokens, at the rollout",
+    "time/<phase>": "wall seconds of the step's phase: rollout, score, estimate, optimize, weight_sync",
+    "time/step": "wall seconds of the step",
+    "throughput/tokens_per_s": "response tokens of this rank per wall second of the step",
+}
+
 
 @dataclass(kw_only=True)
 class StepRecord:

@@ -32,6 +32,13 @@ from .config import ConfigError
 from .engine import EngineSetup
 from .rollout import Batch, batch_from_responses, encode_prompts
 
+# The engine-trainer mismatch metrics (mismatch_metrics; glossary: metric_glossary.py).
+METRICS = {
+    "rollout/logprob_diff_mean": "mean |engine log-prob - trainer log-prob| of the sampled tokens (same weights)",
+    "rollout/logprob_diff_max": "max |engine log-prob - trainer log-prob| of the sampled tokens",
+    "rollout/kl": "mean k3 estimate of KL(engine || trainer) over the response tokens",
+}
+
 INSTALL_HINT = ROLLOUT_ENGINES["vllm"].install_hint
 # On CPU the KV cache is sized for the job (vLLM's default reserves a fraction of the machine's
 # memory); each sequence may start a new cache block, hence the slack per sequence.

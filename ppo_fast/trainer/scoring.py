@@ -17,6 +17,12 @@ import torch
 from . import reward_source
 from .config import ConfigError
 
+# The per-reward metrics (Scorer.metrics; glossary: metric_glossary.py), TRL's names.
+METRICS = {
+    "rewards/<name>/mean": "mean of one reward function's (or the reward model's) scores, before --reward-weights",
+    "rewards/<name>/std": "their standard deviation over the step's responses",
+}
+
 
 class RewardError(RuntimeError):
     """The reward function or model failed or returned something unusable."""

@@ -16,6 +16,21 @@ from .packing import token_bins
 from .rollout import Batch, LossRequest, critic_values, forward, fused_head_problem, packs, policy_loss_through_head
 from .scoring import check_finite
 
+# The update's metrics (name: meaning), means over its micro-batches (glossary: metric_glossary.py).
+METRICS = {
+    "loss/policy_avg": "the policy loss (the --loss-mode objective, its entropy and KL terms apart)",
+    "policy/entropy_avg": "the current policy's entropy per response token",
+    "policy/<stat>_avg": "the policy-loss mode's stats (spec.POLICY_LOSS_MODES; docs/ops.md): clipfrac (share of "
+    "response tokens whose ratio was clipped), clipfrac_lower (clipped by the dual clip below), approxkl "
+    "(approx_kl: mean of log pi_old - log pi over response tokens, k1 of KL(old || new)), approxkl_abs (its "
+    "mean absolute value)",
+    "loss/kl_avg": "the KL loss term, kl_coef times the aggregated KL to the reference (when the KL is in the loss)",
+    "loss/value_avg": "the clipped value loss",
+    "val/clipfrac_avg": "share of response tokens whose value prediction was clipped (--value-clip)",
+    "policy/ratio_dev_at_start": "max |ratio - 1| over the first micro-batch before any optimizer step: 0 exactly "
+    "when the old log-probs were scored as the update scores them",
+}
+
 
 @dataclass(kw_only=True)
 class Experience:
