@@ -14,8 +14,8 @@ import torch
 
 from ppo_fast.cli import main
 from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
+from ppo_fast.trainer.off_policy import mismatch_metrics
 from ppo_fast.trainer.rollout import generate
-from ppo_fast.trainer.rollout_vllm import mismatch_metrics
 
 requires_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed (its own venv: .ci/vllm.sh)"
@@ -38,9 +38,8 @@ def test_vllm_not_installed_is_one_line_before_loading(tmp_path, capsys, monkeyp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag", [["--rollout-correction", "token_tis"], ["--vllm-sleep"]])
-def test_vllm_options_need_the_vllm_engine(tmp_path, capsys, flag):
-    assert main(["train", *flag, "--output-dir", str(tmp_path / "out")]) == 1
+def test_vllm_options_need_the_vllm_engine(tmp_path, capsys):
+    assert main(["train", "--vllm-sleep", "--output-dir", str(tmp_path / "out")]) == 1
     assert "needs --rollout-engine vllm" in _error_line(capsys)
 
 
