@@ -142,7 +142,7 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
     micro-batch, whose ratio is checked) takes the two passes: the one per-step choice."""
     terms = loss_terms(exp, cfg)
     path = path or loss_path(policy, critic, cfg, exp.batch.input_ids.device)
-    if path.fused and not need_logprobs:
+    if path.fused and not need_logprobs and not off_policy.weighs_each_micro_batch(cfg):
         return (*training_loss(*fused_objective(policy, critic, exp, cfg, terms), exp, cfg), None)
     logprobs, entropy, values = forward(
         policy,
