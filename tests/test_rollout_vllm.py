@@ -248,6 +248,25 @@ def test_top_p_ratio_is_one_with_sampled_support_and_the_kept_mass_with_full(vll
 
 @pytest.mark.vllm
 @requires_vllm
+def test_bypass_takes_the_engines_logprobs_as_old(vllm_run):
+    """--off-policy-loss bypass on the module's engine: one more step with vLLM's log-probs as pi_old (no
+    recompute).  float32 on both sides: the first micro-batch's ratio to them is 1 up to rounding."""
+    import dataclasses
+
+    from ppo_fast.trainer.update import loss_path
+
+    trainer = vllm_run["trainer"]
+    run = trainer.run
+    run.cfg = dataclasses.replace(run.cfg, off_policy_loss="bypass")  # rollout_correction token_tis: w / r
+    run.loss_path = loss_path(run.train_policy, run.train_critic, run.cfg, run.device)
+    assert not run.loss_path.fused
+    row = trainer.train_step()
+    assert row["policy/ratio_dev_at_start"] < 1e-3 and torch.isfinite(torch.tensor(row["loss/policy_avg"])), row
+    assert "rollout/is_ratio_mean" not in row  # no pi_old to compare mu with
+
+
+@pytest.mark.vllm
+@requires_vllm
 def test_lora_syncs_the_merged_weights_and_stays_on_policy(tmp_path):
     """With --lora-r the engine serves the base with the adapters merged in: after each update its
     log-probs still agree with the trainer's, its greedy outputs with model.generate's, and the
