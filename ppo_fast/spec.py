@@ -72,6 +72,9 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 # Rollout-correction weights (importance sampling between the rollout engine's and the
 # trainer's log-probs): per token or per sequence, truncated (TIS) or masked (MIS, IcePop).
 ROLLOUT_CORRECTION_MODES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+# What the PPO ratio is taken against (--off-policy-loss; ppo_fast/trainer/off_policy.py): the trainer's
+# recomputed pi_prox (AReaL's decoupled PPO) or the engine's behaviour log-probs mu (verl's bypass mode).
+OFF_POLICY_LOSSES = ("decoupled", "bypass")
 
 # The backends, in the order they are listed.
 BACKENDS = ("reference", "triton", "native")
@@ -105,7 +108,7 @@ ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
             name="hf",
             module="ppo_fast.trainer.rollout_hf",
             summary="model.generate on the policy itself",
-            logprobs=False,
+            logprobs=True,
             own_weights=False,
             truncation_order=("top_k", "top_p", "min_p"),
         ),

@@ -93,7 +93,8 @@ def test_a_new_engine_is_one_module_and_one_registry_entry(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     ("capability", "options", "match"),
     [
-        ("logprobs", dict(rollout_correction="token_tis"), "rollout_correction .* needs --rollout-engine vllm"),
+        ("logprobs", dict(rollout_correction="token_tis"), "rollout_correction .* needs --rollout-engine hf or vllm"),
+        ("logprobs", dict(off_policy_loss="bypass"), "off_policy_loss .* needs --rollout-engine hf or vllm"),
         ("sleep_on", dict(vllm_sleep=True), "vllm_sleep .* needs --rollout-engine vllm"),
         ("truncation_order", dict(min_p=0.1, top_p=0.9), "min_p .* needs --rollout-engine vllm"),
     ],

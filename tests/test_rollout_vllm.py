@@ -14,8 +14,8 @@ import torch
 
 from ppo_fast.cli import main
 from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
+from ppo_fast.trainer.off_policy import mismatch_metrics
 from ppo_fast.trainer.rollout import generate
-from ppo_fast.trainer.rollout_vllm import mismatch_metrics
 
 requires_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed (its own venv: .ci/vllm.sh)"
@@ -38,9 +38,8 @@ def test_vllm_not_installed_is_one_line_before_loading(tmp_path, capsys, monkeyp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag", [["--rollout-correction", "token_tis"], ["--vllm-sleep"]])
-def test_vllm_options_need_the_vllm_engine(tmp_path, capsys, flag):
-    assert main(["train", *flag, "--output-dir", str(tmp_path / "out")]) == 1
+def test_vllm_options_need_the_vllm_engine(tmp_path, capsys):
+    assert main(["train", "--vllm-sleep", "--output-dir", str(tmp_path / "out")]) == 1
     assert "needs --rollout-engine vllm" in _error_line(capsys)
 
 
@@ -245,6 +244,25 @@ def test_top_p_ratio_is_one_with_sampled_support_and_the_kept_mass_with_full(vll
     assert ratio_sampled == pytest.approx(1.0, abs=1e-3)
     assert kept_mass < 0.99, "the nucleus kept the whole vocabulary: the test proves nothing"
     assert ratio_full == pytest.approx(kept_mass, abs=1e-3)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_bypass_takes_the_engines_logprobs_as_old(vllm_run):
+    """--off-policy-loss bypass on the module's engine: one more step with vLLM's log-probs as pi_old (no
+    recompute).  float32 on both sides: the first micro-batch's ratio to them is 1 up to rounding."""
+    import dataclasses
+
+    from ppo_fast.trainer.update import loss_path
+
+    trainer = vllm_run["trainer"]
+    run = trainer.run
+    run.cfg = dataclasses.replace(run.cfg, off_policy_loss="bypass")  # rollout_correction token_tis: w / r
+    run.loss_path = loss_path(run.train_policy, run.train_critic, run.cfg, run.device)
+    assert not run.loss_path.fused
+    row = trainer.train_step()
+    assert row["policy/ratio_dev_at_start"] < 1e-3 and torch.isfinite(torch.tensor(row["loss/policy_avg"])), row
+    assert "rollout/is_ratio_mean" not in row  # no pi_old to compare mu with
 
 
 @pytest.mark.vllm

@@ -365,6 +365,13 @@ class TrainerConfig:
         "rollout",
         choices=("none", *ROLLOUT_CORRECTION_MODES),
     )
+    off_policy_loss: str = _opt(
+        "decoupled",
+        "The PPO ratio's anchor: decoupled (pi_old recomputed by the trainer; --rollout-correction weighs by "
+        "pi_old/mu) or bypass (the engine's log-probs mu, no recompute; --rollout-correction caps or masks pi/mu).",
+        "rollout",
+        choices=_SPEC.OFF_POLICY_LOSSES,
+    )
     rollout_correction_threshold: float = _opt(
         2.0,
         "Upper threshold of the rollout-correction weights (truncated, or masked above it for the *_mis modes).",
@@ -641,6 +648,11 @@ class TrainerConfig:
             "rollout_correction",
             self.rollout_correction == "none" or engine.logprobs,
             f"needs {_engines_with('logprobs')} (the {engine.name} engine's log-probs are the trainer's)",
+        )
+        _require(
+            "off_policy_loss",
+            self.off_policy_loss != "bypass" or engine.logprobs,
+            f"bypass needs {_engines_with('logprobs')}",
         )
         _require("vllm_sleep", not self.vllm_sleep or engine.sleep_on, f"needs {_engines_with('sleep_on')}")
 

@@ -15,7 +15,6 @@ import ppo_fast as pf
 
 from .estimate import Estimate
 from .rollout import Rollouts
-from .rollout_vllm import mismatch_metrics
 from .run_folder import METRICS_FILE, PLOT_FILE
 
 # The step row's metrics computed here (name: meaning), for the glossary (docs/metrics.md,
@@ -32,7 +31,6 @@ METRICS = {
     "objective/non_score_reward": "mean summed -kl_coef * KL per response when the KL is in the reward, else 0",
     "objective/rlhf_reward": "objective/scores + objective/non_score_reward",
     "objective/response_length": "mean response length in tokens, its EOS included",
-    "rollout/correction_weight_mean": "mean rollout-correction weight over the response tokens (--rollout-correction)",
     "val/explained_variance": "1 - Var(returns - values) / Var(returns) over the response tokens: 0 while the critic "
     "predicts nothing of the returns, 1 when it predicts them; with one reward at the last token and short "
     "responses the returns barely vary within a response, and it can stay near 0 while the policy learns",
@@ -81,10 +79,7 @@ def step_row(record: StepRecord, kl_in_reward: bool, world_size: int) -> dict:
         "objective/response_length": mask.sum(-1).float().mean().item(),
         **record.update_stats,
     }
-    if r.engine_logprobs is not None:
-        row.update(mismatch_metrics(r.old_logprobs, r.engine_logprobs, mask))
-    if r.loss_weights is not None:
-        row["rollout/correction_weight_mean"] = pf.masked_mean(r.loss_weights, mask).item()
+    row.update(r.off_policy_metrics or {})  # the engine/trainer mismatch (off_policy.mismatch_metrics)
     if r.values is not None:
         unexplained = _masked_variance(est.returns - r.values, mask)
         row["val/explained_variance"] = (1.0 - unexplained / _masked_variance(est.returns, mask).clamp_min(1e-8)).item()

@@ -44,7 +44,8 @@ class Rollouts:
     """One step's rollouts, filled in as the loop goes: the prompts drawn (one row per response),
     the responses and the log-probs they were sampled with by the engine (None: sampled by the
     policy itself), the first epoch's shuffle, the policy's, reference's and critic's scores in it,
-    the rollout-correction weights, then the responses' text and rewards."""
+    the rollout-correction weights (``off_policy.loss_inputs``: in bypass mode the old log-probs are the
+    engine's), then the responses' text and rewards."""
 
     prompts: list[str]
     answers: list[str | None]
@@ -55,6 +56,7 @@ class Rollouts:
     ref_logprobs: torch.Tensor
     values: torch.Tensor | None
     loss_weights: torch.Tensor | None = None
+    off_policy_metrics: dict | None = None  # the engine/trainer mismatch (off_policy.mismatch_metrics)
     responses: list[str] | None = None
     scores: torch.Tensor | None = None
     columns: dict[str, list] | None = None  # the prompts' rows' other columns, for the reward functions
@@ -97,15 +99,19 @@ def generate(
     top_k: int = 0,
     min_p: float = 0.0,
     synced_gpus: bool = False,
+    logits_processor=None,
 ) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
-    ``synced_gpus``: every rank runs the same number of forward passes (sharded weights)."""
+    ``synced_gpus``: every rank runs the same number of forward passes (sharded weights);
+    ``logits_processor``: a ``LogitsProcessorList`` for ``generate`` (run before its temperature and truncation)."""
     enc = encode_prompts(tokenizer, prompts, policy.device)
     sampling = (
         dict(do_sample=False)
         if greedy
         else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p or None)
     )
+    if logits_processor is not None:
+        sampling["logits_processor"] = logits_processor
     out = policy.generate(
         **enc,
         max_new_tokens=max_new_tokens,
@@ -386,36 +392,45 @@ def score_old_and_ref(
     truncation: dict | None = None,
     reference_scope=contextlib.nullcontext,
     packed: bool = False,
+    old: bool = True,
 ):
-    """Old log-probs, reference log-probs and (with a critic) values, dropout off, in ``groups`` of
-    rows (the update's first micro-batches; by default all rows at once).
+    """Old log-probs (None unless ``old``: ``off_policy.recomputes_old``), reference log-probs and (with a
+    critic) values, dropout off, in ``groups`` of rows (the update's first micro-batches; by default all rows
+    at once).  Without ``old`` the policy's forward is skipped, unless a shared critic reads it.
     The reference is scored inside ``reference_scope()`` (LoRA: the policy with its adapters off).
 
     Scored in the update's first micro-batches (same rows, same layout, same kernels), the
     old log-probs equal the first micro-batch's new ones bitwise: its ratio is exactly 1."""
     rows = batch.input_ids.shape[0]
     groups = [torch.arange(rows, device=batch.input_ids.device)] if groups is None else groups
-    old = ref = values = None
+    wanted_old, old, ref, values = old, None, None, None
+    scores_policy = wanted_old or (critic is not None and critic.shared)
     for index in groups:
         part = batch.rows(index)
-        logp, _, v = forward(
-            policy,
-            critic,
-            part,
-            temperature=temperature,
-            values=critic is not None,
-            truncation=truncation,
-            packed=packed,
-        )
+        logp = v = None
+        if scores_policy:
+            logp, _, v = forward(
+                policy,
+                critic,
+                part,
+                temperature=temperature,
+                values=critic is not None,
+                truncation=truncation,
+                packed=packed,
+            )
+        elif critic is not None:
+            v = critic_values(critic, part, packs(part, packed)).float()
         with reference_scope():
             ref_logp, _, _ = forward(
                 reference, None, part, temperature=temperature, truncation=truncation, packed=packed
             )
-        if old is None:
-            old = logp.new_empty((rows, *logp.shape[1:]))
-            ref = ref_logp.new_empty(old.shape)
+        if ref is None:
+            ref = ref_logp.new_empty((rows, *ref_logp.shape[1:]))
+            old = ref.new_empty(ref.shape) if wanted_old else None
             values = None if v is None else v.new_empty((rows, *v.shape[1:]))
-        old[index], ref[index] = logp, ref_logp
+        ref[index] = ref_logp
+        if old is not None:
+            old[index] = logp
         if values is not None:
             values[index] = v
     return old, ref, values

@@ -1,14 +1,56 @@
 """Rollouts through Hugging Face's ``generate`` on the policy itself (``--rollout-engine hf``, the default):
-no weights of its own to sync, and no log-probs of its own (the trainer's are the behaviour policy's)."""
+no weights of its own to sync.  Its log-probs are the behaviour policy's, of the sampled tokens under the
+distribution they were drawn from (temperature and truncation), read from the logits ``generate`` computes:
+no forward of their own."""
 
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
+import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
 from .engine import EngineSetup
 from .rollout import Batch, generate
+
+
+class BehaviourLogprobs(LogitsProcessor):
+    """Records each sampled token's log-prob under the sampling distribution, ``pf.token_logprobs`` of the
+    step's logits at ``sampling``'s temperature and truncation (the log-prob ops' order, which Hugging
+    Face's agrees with where the options allow this engine: ``TrainerConfig._validate_engine``).
+
+    ``generate`` applies the processors it is given before its own temperature and truncation warpers, so
+    this one sees the logits after any of the model's generation-config processors and leaves them as they
+    are.  The token drawn from a step's logits is the last column of the next call's ``input_ids`` (or of
+    the output, for the last step), so one step's logits are held at a time."""
+
+    def __init__(self, *, temperature: float, top_k: int, top_p: float, min_p: float):
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        self.pending: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._score_pending(input_ids[:, -1])
+        self.pending = scores.detach().float().clone()  # the warpers after this one must not change it
+        return scores
+
+    def _score_pending(self, tokens: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.steps.append(pf.token_logprobs(self.pending, tokens, **self.sampling))
+            self.pending = None
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[B, R]`` float32 log-probs of ``batch``'s response tokens, 0 after each response.  ``generate``
+        may have run steps it then dropped (a deferred stop check): those are not the response's."""
+        response = batch.response_ids
+        width = response.shape[1]
+        if len(self.steps) < width:
+            self._score_pending(response[:, len(self.steps)])
+        if len(self.steps) < width:
+            raise RuntimeError(f"generate returned {width} response tokens but sampled {len(self.steps)} steps")
+        mu = torch.stack(self.steps[:width], 1) if width else response.new_zeros(response.shape, dtype=torch.float32)
+        return mu.masked_fill(~batch.response_mask, 0.0)
 
 
 class HFEngine:
@@ -32,14 +74,23 @@ class HFEngine:
         min_p: float = 0.0,
         greedy: bool,
         device: torch.device,
-    ) -> tuple[Batch, None]:
-        """``(batch, None)`` on the policy's device (``device`` is where the policy already is)."""
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, greedy=greedy)
+    ) -> tuple[Batch, torch.Tensor | None]:
+        """``(batch, the behaviour log-probs [B, R] of the response tokens, 0 after each response)`` on the
+        policy's device (``device`` is where the policy already is); ``greedy``: ``(batch, None)``."""
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        recorder = None if greedy else BehaviourLogprobs(**sampling)
         with self.autocast():
             batch = generate(
-                self.policy, tokenizer, prompts, max_new_tokens=max_new_tokens, synced_gpus=self.synced_gpus, **sampling
+                self.policy,
+                tokenizer,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                synced_gpus=self.synced_gpus,
+                greedy=greedy,
+                logits_processor=None if recorder is None else LogitsProcessorList([recorder]),
+                **sampling,
             )
-        return batch, None
+        return batch, None if recorder is None else recorder.logprobs(batch)
 
     def sync_weights(self, policy) -> float:
         """Nothing to do: it generates with the policy itself."""

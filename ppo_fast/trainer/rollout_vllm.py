@@ -24,20 +24,12 @@ from pathlib import Path
 
 import torch
 
-import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
 from . import lora, run_folder
 from .config import ConfigError
 from .engine import EngineSetup
 from .rollout import Batch, batch_from_responses, encode_prompts
-
-# The engine-trainer mismatch metrics (mismatch_metrics; glossary: metric_glossary.py).
-METRICS = {
-    "rollout/logprob_diff_mean": "mean |engine log-prob - trainer log-prob| of the sampled tokens (same weights)",
-    "rollout/logprob_diff_max": "max |engine log-prob - trainer log-prob| of the sampled tokens",
-    "rollout/kl": "mean k3 estimate of KL(engine || trainer) over the response tokens",
-}
 
 INSTALL_HINT = ROLLOUT_ENGINES["vllm"].install_hint
 # On CPU the KV cache is sized for the job (vLLM's default reserves a fraction of the machine's
@@ -213,20 +205,3 @@ def start(setup: EngineSetup) -> VLLMEngine:
     )
     setup.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
     return engine
-
-
-def mismatch_metrics(
-    trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """How far the engine's log-probs of the sampled tokens are from the trainer's (same weights).
-
-    ``rollout/logprob_diff_mean`` and ``_max``: mean and max ``|trainer - engine|`` over
-    response tokens; ``rollout/kl``: the k3 estimate of KL(engine || trainer) (the tokens
-    were sampled by the engine).
-    """
-    diff = (trainer_logprobs - engine_logprobs).abs()
-    return {
-        "rollout/logprob_diff_mean": pf.masked_mean(diff, mask).item(),
-        "rollout/logprob_diff_max": diff.masked_fill(~mask, 0.0).max().item() if mask.any() else 0.0,
-        "rollout/kl": pf.masked_mean(pf.kl_estimate(engine_logprobs, trainer_logprobs, "k3"), mask).item(),
-    }

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 import ppo_fast as pf
 
-from . import checkpoint, distributed, evaluation, report, startup, trackers
+from . import checkpoint, distributed, evaluation, off_policy, report, startup, trackers
 from .callbacks import checked as checked_callbacks
 from .callbacks import notify
 from .config import GROUP_METHODS, TrainerConfig
@@ -197,27 +197,22 @@ class PPOTrainer:
                 truncation=cfg.logprob_truncation(),
                 reference_scope=self.run.reference_scope,
                 packed=cfg.padding_free,
+                old=off_policy.recomputes_old(cfg),  # bypass: the engine's log-probs are pi_old
             )
-        r = Rollouts(
+        inputs = off_policy.loss_inputs(old, engine_logprobs, batch.response_mask, cfg)
+        return Rollouts(
             prompts=prompts,
             answers=answers,
             batch=batch,
             engine_logprobs=engine_logprobs,
             first_order=first_order,
-            old_logprobs=old,
+            old_logprobs=inputs.old_logprobs,
             ref_logprobs=ref,
             values=values,
             columns=self.run.train_set.columns_of(drawn),
+            loss_weights=inputs.weights,
+            off_policy_metrics=inputs.metrics,
         )
-        if cfg.rollout_correction != "none":
-            r.loss_weights = pf.rollout_correction_weights(
-                old,
-                engine_logprobs,
-                r.mask,
-                mode=cfg.rollout_correction,
-                threshold=cfg.rollout_correction_threshold,
-            )
-        return r
 
     def _autocast(self):
         return startup.run_autocast(self.run)()

@@ -11,6 +11,7 @@ import torch
 
 import ppo_fast as pf
 
+from . import off_policy
 from .distributed import SINGLE
 from .packing import token_bins
 from .rollout import Batch, LossRequest, critic_values, forward, fused_head_problem, packs, policy_loss_through_head
@@ -85,6 +86,8 @@ def loss_path(policy, critic, cfg, device: torch.device) -> LossPath:
     op = pf.policy_loss_modes()[cfg.loss_mode].linear_op
     if op is None:
         return LossPath(fused=False, why=f"--loss-mode {cfg.loss_mode} has no one-pass form")
+    if off_policy.weighs_each_micro_batch(cfg):
+        return LossPath(fused=False, why="--off-policy-loss bypass weighs each micro-batch by its own log-probs")
     if cfg.uses_critic and critic is not None and critic.shared:
         return LossPath(fused=False, why="the shared critic reads the policy's hidden states")
     try:
@@ -154,7 +157,7 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
     micro-batch, whose ratio is checked) takes the two passes: the one per-step choice."""
     terms = loss_terms(exp, cfg)
     path = path or loss_path(policy, critic, cfg, exp.batch.input_ids.device)
-    if path.fused and not need_logprobs:
+    if path.fused and not need_logprobs and not off_policy.weighs_each_micro_batch(cfg):
         return (*training_loss(*fused_objective(policy, critic, exp, cfg, terms), exp, cfg), None)
     logprobs, entropy, values = forward(
         policy,
@@ -167,6 +170,8 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
         packed=bool(cfg.padding_free),
     )
     mask = exp.batch.response_mask
+    if off_policy.weighs_each_micro_batch(cfg):  # bypass: the old log-probs are the engine's
+        terms["weights"] = off_policy.bypass_weights(logprobs, exp.old_logprobs, mask, cfg)
     objective, stats = pf.policy_objective(logprobs, entropy, exp.old_logprobs, exp.advantages, mask, **terms)
     return (*training_loss(objective, stats, values, exp, cfg), logprobs.detach())
 
@@ -280,7 +285,8 @@ def ppo_update(
                     if ratio_dev_at_start is None:
                         mask = micro_exp.batch.response_mask
                         ratio_dev_at_start = ratio_deviation(new_logprobs, micro_exp.old_logprobs, mask)
-                        _check_ratio_at_start(ratio_dev_at_start)
+                        if off_policy.recomputes_old(cfg):  # bypass: the ratio to the engine's is not 1
+                            _check_ratio_at_start(ratio_dev_at_start)
                     check_finite("loss", loss.detach(), step)
                     (loss * weight).backward()
                 if number <= real:  # a repeat's stats would count its rows twice
