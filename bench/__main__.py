@@ -29,6 +29,7 @@ SUITES = {
     "padding_free": "--padding-free against the padded layout: the update's tokens/s and peak memory, the built-in step",
     "lora": "--lora-r against full fine-tuning: the update's peak memory (Llama-shaped), held-out accuracy over seeds",
     "head_tiles": "the Triton fused head's tile configurations on a GPU, forward and backward, against its products",
+    "head_plans": "the GEMM-first head's memory plans on a GPU against cuBLAS and Liger's fused GRPO loss",
     "head_model": "the fused LM head's roofline model on paper: FLOPs, bytes, launches, predicted H100/H200 times",
     "static": "the sm_90 code of every kernel, compiled without a GPU, against its budgets",
     "report": "render result JSON files as markdown tables (and, with --plot, one PNG)",

@@ -7,6 +7,9 @@
 #   build       ppo_fast._C with its CUDA kernels for this GPU's architecture (ninja)
 # Then, in the order of what the run must answer (a stage cut short costs the least valuable):
 #   fused-head  the fused LM head's benchmark rows against its baselines
+#   head-plans  the GEMM-first head's memory plans (the budget's 384 rows and bf16 d_weight, 512 rows,
+#               the former 2048 rows and float32 accumulator) against cuBLAS's linear layer, and the
+#               one-pass loss under two budgets against Liger's fused GRPO loss (python -m bench head_plans)
 #   overhead    python -m bench overhead --device cuda: every public op's eager and device time
 #   targets     python -m bench targets (the loss targets among them; saved as measured)
 #   tests-native  the native CUDA tests and the no-host-sync test (the launch-count test apart)
@@ -55,12 +58,12 @@ CHILD=""
 
 # Percent of TOTAL_S by which each stage must have ended.
 declare -A DEADLINE=(
-    [preflight]=6 [build]=26 [fused-head]=38 [overhead]=45 [targets]=55
-    [tests-native]=60 [tests-launch]=63 [tests-triton]=70 [tests-matrix]=78 [tests-compile]=83 [tests-rest]=88
+    [preflight]=6 [build]=26 [fused-head]=38 [head-plans]=46 [overhead]=51 [targets]=59
+    [tests-native]=63 [tests-launch]=66 [tests-triton]=71 [tests-matrix]=78 [tests-compile]=83 [tests-rest]=88
     [head-tiles]=94 [bench]=100
 )
-STAGES=(preflight build fused-head overhead targets tests-native tests-launch tests-triton tests-matrix tests-compile
-    tests-rest head-tiles bench)
+STAGES=(preflight build fused-head head-plans overhead targets tests-native tests-launch tests-triton tests-matrix
+    tests-compile tests-rest head-tiles bench)
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
 elapsed() { echo $(($(date +%s) - START)); }
@@ -166,7 +169,7 @@ import importlib, importlib.metadata, importlib.util, json, sys
 print(f"python {sys.version.split()[0]}, {sys.argv[2]}")
 # What the tests import (collection fails without it), then the real baselines the benchmarks compare with.
 needed = ["triton", "pytest", "xdist", "hypothesis", "yaml", "numpy", "transformers", "safetensors", "tqdm", "matplotlib", "ninja"]
-baselines = {"liger_kernel": "liger_kernel.transformers", "cut_cross_entropy": "cut_cross_entropy", "trl": "trl.trainer.utils"}
+baselines = {"liger_kernel": "liger_kernel.transformers", "liger_grpo": "liger_kernel.chunked_loss", "cut_cross_entropy": "cut_cross_entropy", "trl": "trl.trainer.utils"}
 def version(name):
     try:
         return importlib.metadata.version({"yaml": "pyyaml", "xdist": "pytest-xdist"}.get(name, name))
@@ -292,12 +295,16 @@ rerun_crashed() {
     done
 }
 if [ "$REHEARSAL" = 1 ]; then
-    for s in fused-head overhead targets; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
+    for s in fused-head head-plans overhead targets; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
 else
     # --- the fused LM head's rows against its baselines, first: the question this run answers first.
     mkdir -p "$OUT/fused_head"
     run_stage fused-head "$OUT/fused_head/bench.log" \
         "$PY" -m bench --device cuda --ops linear_token_logprobs --no-compile --out "$OUT/fused_head"
+    # --- the head's memory plans against cuBLAS and the one pass against Liger's GRPO loss (a JSON row
+    # written as each is measured; Liger's eager chunks: its torch.compile would take the stage's time).
+    run_stage head-plans "$OUT/fused_head/head-plans.log" \
+        "$PY" -m bench head_plans --device cuda --rep-ms 100 --out "$OUT/fused_head/head-plans.json"
     # --- every public op's eager and device time on tiny inputs (bench.timing's rule).
     run_stage overhead "$OUT/overhead.log" "$PY" -m bench overhead --device cuda --out "$OUT"
     # --- the targets, each saved to targets.json as it is measured.

@@ -5,10 +5,12 @@ H100 and an H200 would take, predicted as ``max(FLOPs / (peak * GEMM_EFFICIENCY)
 MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
 
 - ``linear``: the plain linear layer ``hidden @ weight.T`` (bf16 logits) and autograd's two products;
-- ``gemm``: the GEMM-first head (``ppo_fast/backends/_head_plan.py``, the same phases the kernels run:
-  ``linear_token_logprobs`` with 8 N H V FLOPs, ``linear_policy_loss`` in one pass with 6 N H V);
-- ``gemm-lowmem``: the same with ``LOW_MEMORY``'s plan (512-row chunks, ``d_weight`` accumulated in bf16),
-  a design weighed here, not the kernels';
+- ``gemm``: the GEMM-first head as the kernels run it (``ppo_fast/backends/_head_plan.py``: the phases,
+  and the plan, chunk rows and ``d_weight``'s accumulator, that ``plan`` chooses within the default
+  memory budget, 5% of the logits' bytes): ``linear_token_logprobs`` with 8 N H V FLOPs,
+  ``linear_policy_loss`` in one pass with 6 N H V;
+- ``gemm-2048``: the same phases with ``WIDE``'s plan (2048-row chunks, a float32 ``d_weight``
+  accumulator), what a budget of about 50% of the logits buys, for comparison;
 - ``tiles``: the tile-fused Triton kernels, whose every vocabulary tile re-reads its rows' hidden
   states from HBM, and whose backward re-reads and re-writes the float32 ``d_hidden`` once per
   vocabulary chunk of a fixed 64 MiB scratch (so that term grows as N^2).
@@ -24,7 +26,7 @@ import argparse
 import math
 import pathlib
 
-from ppo_fast.backends._head_plan import CHUNK_ROWS, Phase, extra_memory, phases
+from ppo_fast.backends._head_plan import MEMORY_BUDGET, HeadPlan, Phase, extra_memory, phases, plan
 
 DEVICES = {  # dense bf16 tensor FLOP/s, HBM bytes/s (SXM parts)
     "H100": (989.4e12, 3.35e12),
@@ -79,17 +81,23 @@ def predicted_s(ps: list[Phase], device: str, efficiency: float = GEMM_EFFICIENC
     )
 
 
-# A design the model weighs, not the kernels' (they accumulate d_weight in float32, 2048 rows a chunk):
-# d_weight accumulated in the inputs' bf16 (rounded once per chunk, as Liger does) and 512-row chunks.
-LOW_MEMORY = {"rows": 512, "acc": 2}
+# The plan the budget replaced, for comparison: 2048-row chunks and a float32 d_weight accumulator.
+WIDE = HeadPlan(rows=2048, acc=4)
+
+
+def design_plan(design: str, kind: str, n: int, h: int, v: int) -> HeadPlan:
+    """The chunk rows and accumulator of ``design`` for a call of ``kind`` (bf16)."""
+    if design == "gemm-2048":
+        return WIDE
+    return plan("logprobs" if kind.startswith("logprobs") else "loss", n, h, v)
 
 
 def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase]:
     if design == "tiles":
         return tile_phases(f"tiles_{kind.split('_')[1]}", n, h, v)
-    if design == "gemm-lowmem":
-        return phases(kind, n, h, v, **LOW_MEMORY)
-    return phases(kind, n, h, v, rows=CHUNK_ROWS)
+    if design == "linear":
+        return phases(kind, n, h, v)
+    return phases(kind, n, h, v, **design_plan(design, kind, n, h, v)._asdict())
 
 
 def model(n: int, h: int, v: int) -> dict:
@@ -98,7 +106,7 @@ def model(n: int, h: int, v: int) -> dict:
     kinds = {
         "linear": ("linear_fwd", "linear_bwd"),
         "gemm": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
-        "gemm-lowmem": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
+        "gemm-2048": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
         "tiles": ("logprobs_fwd", "logprobs_bwd"),
     }
     for design, names in kinds.items():
@@ -118,15 +126,22 @@ def model(n: int, h: int, v: int) -> dict:
 
 
 def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
-    """The issue's goals for ``design`` (``gemm`` or ``gemm-lowmem``) against the linear layer."""
+    """The issue's goals for ``design`` (``gemm`` or ``gemm-2048``) against the linear layer; the memory
+    goal of each call (log-probs: its backward, which holds the most; the loss: its forward)."""
     out = {}
     for name, (num, den, bound) in GOALS.items():
         for d in DEVICES:
             ratio = sum(rows[f"{design} {k}"]["ms"][d] for k in num) / sum(rows[f"linear {k}"]["ms"][d] for k in den)
             out[f"{name} ({d})"] = {"ratio": ratio, "bound": bound, "met": ratio <= bound}
-    plan = LOW_MEMORY if design == "gemm-lowmem" else {"rows": CHUNK_ROWS}
-    memory = extra_memory("loss_fwd", n, h, v, **plan) / (n * v * 2)
-    out["extra memory / logits' bytes"] = {"ratio": memory, "bound": 0.05, "met": memory <= 0.05}
+    for call, kind in (("loss", "loss_fwd"), ("logprobs", "logprobs_bwd")):
+        chosen = design_plan(design, kind, n, h, v)
+        memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc) / (n * v * 2)
+        out[f"{call} extra memory / logits' bytes"] = {
+            "ratio": memory,
+            "bound": 0.05,
+            "met": memory <= 0.05,
+            "plan": f"{chosen.rows} rows, {'float32' if chosen.acc == 4 else 'bf16'} d_weight",
+        }
     return out
 
 
@@ -151,6 +166,7 @@ def _goal_table(results: list[dict]) -> str:
         for design, gs in r["goals"].items():
             for name, g in gs.items():
                 met = "yes" if g["met"] else "no"
+                name = f"{name} ({g['plan']})" if "plan" in g else name
                 lines.append(
                     f"| {r['n']} | {r['h']} | {r['v']} | {design} | {name} | {g['ratio']:.3f} | {g['bound']} | {met} |"
                 )
@@ -164,10 +180,11 @@ def main(argv=None) -> int:
     results = []
     for n, h, v in SHAPES:
         rows = model(n, h, v)
-        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-lowmem")}
+        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2048")}
         results.append({"n": n, "h": h, "v": v, "rows": rows, "goals": both})
     header = (
-        f"Predictions (roofline model, not measurements): bf16, chunks of {CHUNK_ROWS} rows, GEMM efficiency "
+        f"Predictions (roofline model, not measurements): bf16; gemm: the plan within a memory budget of "
+        f"{MEMORY_BUDGET:.0%} of the logits' bytes, gemm-2048: {WIDE.rows} rows and a float32 d_weight; GEMM efficiency "
         f"{GEMM_EFFICIENCY} (tiles {TILE_EFFICIENCY}), memory efficiency {MEMORY_EFFICIENCY}, {LAUNCH_S * 1e6:.0f} us a launch; "
         + ", ".join(f"{d}: {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for d, (f, b) in DEVICES.items())
     )
@@ -183,24 +200,28 @@ SHOWN = [(16384, 4096, 151936), (16384, 896, 151936), (65536, 4096, 151936), (20
 
 def docs_section() -> list[str]:
     """The performance page's section (tools/docs_pages.py): the design and the H200 predictions."""
-    mem = "extra memory / logits' bytes"
     rows = [
-        "| N | H | V | linear layer fwd+bwd | logprobs fwd | logprobs fwd+bwd | loss fwd+bwd | tiles fwd+bwd "
-        "| loss / linear (goal 1.15) | logprobs fwd / linear fwd (goal 1.10) | logprobs fwd+bwd / linear (goal 1.45) "
-        "| extra memory / logits' bytes (goal 5%) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | H | V | plan (loss; log-probs) | linear layer fwd+bwd | logprobs fwd | logprobs fwd+bwd | loss fwd+bwd "
+        "| tiles fwd+bwd | loss / linear (goal 1.15) | logprobs fwd / linear fwd (goal 1.10) "
+        "| logprobs fwd+bwd / linear (goal 1.45) | extra memory / logits' bytes, loss; log-probs (goal 5%) "
+        "| the same, 2048 rows and float32 d_weight |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, h, v in SHOWN:
         r = model(n, h, v)
-        g = goals(r, n, h, v)
+        g, old = goals(r, n, h, v), goals(r, n, h, v, "gemm-2048")
         ms = lambda *keys: sum(r[k]["ms"]["H200"] for k in keys)  # noqa: E731
         ratio = lambda name: g[f"{name} (H200)"]["ratio"]  # noqa: E731
+        mem = lambda gs, call: gs[f"{call} extra memory / logits' bytes"]  # noqa: E731
         rows.append(
-            f"| {n} | {h} | {v} | {ms('linear linear_fwd', 'linear linear_bwd'):.1f} | {ms('gemm logprobs_fwd'):.1f} "
+            f"| {n} | {h} | {v} | {mem(g, 'loss')['plan']}; {mem(g, 'logprobs')['plan']} "
+            f"| {ms('linear linear_fwd', 'linear linear_bwd'):.1f} | {ms('gemm logprobs_fwd'):.1f} "
             f"| {ms('gemm logprobs_fwd', 'gemm logprobs_bwd'):.1f} | {ms('gemm loss_fwd', 'gemm loss_bwd'):.1f} "
             f"| {ms('tiles logprobs_fwd', 'tiles logprobs_bwd'):.1f} "
             f"| {ratio('loss fwd+bwd / linear fwd+bwd'):.2f}x | {ratio('logprobs fwd / linear fwd'):.2f}x "
-            f"| {ratio('logprobs fwd+bwd / linear fwd+bwd'):.2f}x | {g[mem]['ratio']:.0%} |"
+            f"| {ratio('logprobs fwd+bwd / linear fwd+bwd'):.2f}x "
+            f"| {mem(g, 'loss')['ratio']:.1%}; {mem(g, 'logprobs')['ratio']:.1%} "
+            f"| {mem(old, 'loss')['ratio']:.0%} |"
         )
     return _PROSE_TOP + rows + _PROSE_BOTTOM
 
@@ -209,28 +230,39 @@ _PROSE_TOP = """\
 ### The GEMM-first head on a GPU: roofline predictions (not measurements)
 
 The Triton backend's fused head is GEMM-first (`ppo_fast/backends/triton/_gemm_head.py`): per chunk of
-2048 rows (`ppo_fast/backends/_head_plan.py`) one cuBLAS product writes the chunk's logits in float32,
-one Triton row kernel reads them once (max, log-sum-exp, entropy, soft-cap, temperature, truncation,
-the chosen token); where the gradient is known, a second row kernel writes `d_logits` over them in
-the inputs' dtype, and two cuBLAS products give `d_hidden`'s rows and add into `d_weight`'s float32
-accumulator.  `linear_token_logprobs` recomputes each chunk's logits in its backward (8 N H V FLOPs);
-`linear_policy_loss` takes its gradients in the forward (6 N H V, the linear layer's count) and its
-backward is a scale.  The tile-fused kernels stay selectable (`linear_token_logprobs.DESIGN = "tiles"`).
+rows one cuBLAS product writes the chunk's logits in float32, one Triton row kernel reads them once
+(max, log-sum-exp, entropy, soft-cap, temperature, truncation, the chosen token); where the gradient
+is known, a second row kernel writes `d_logits` over them in the inputs' dtype, and two cuBLAS
+products give `d_hidden`'s rows and add into `d_weight`.  `linear_token_logprobs` recomputes each
+chunk's logits in its backward (8 N H V FLOPs); `linear_policy_loss` takes its gradients in the
+forward (6 N H V, the linear layer's count) and its backward is a scale.  The tile-fused kernels stay
+selectable (`linear_token_logprobs.DESIGN = "tiles"`).
+
+The plan (`ppo_fast/backends/_head_plan.py`) keeps a call's extra memory within a budget,
+`_head_plan.MEMORY_BUDGET` (5% of the logits' bytes by default): `linear_token_logprobs` in fixed
+chunks of 384 rows (a row's results must not depend on its batch), `linear_policy_loss` in the
+largest chunk of 384-2048 rows the budget holds; `d_weight` in a float32 accumulator where the budget
+holds it with chunks of 1024 rows or more, otherwise (bf16) in the gradient itself, one bf16 rounding
+of the running sum a chunk (bounded against float64 in the tests).
 
 `python -m bench head_model` predicts each design's time per phase from its FLOPs, HBM bytes and
 launches (efficiencies from the H200 run: cuBLAS at 70% of the bf16 peak, the tile kernels at 26%,
 memory at 90% of HBM bandwidth).  These are predictions; no GPU has run the GEMM-first head yet.
-All shapes, both GPUs and every phase: `bench/results/head-model.md`.  H200, bf16, ms:
+All shapes, both GPUs, every phase and the 2048-row, float32-accumulator plan beside it:
+`bench/results/head-model.md`.  H200, bf16, ms:
 """.split("\n")
 _PROSE_BOTTOM = """\
 
-Where the goals are met by the prediction: at H=4096 the loss (1.09-1.10x on an H200, 1.12-1.14x on an
-H100) and log-probs fwd+bwd (1.40-1.41x; 1.43-1.45x on an H100), the log-probs forward on an H200
-(1.08x; 1.11x on an H100).  Missed: every ratio at H=896, where the float32 logits' traffic (8 bytes a
-logit forward, 12 more backward) rivals the products' time; the memory goal everywhere: one chunk of
-float32 logits (1.2 GB at V=151936) plus `d_weight`'s float32 accumulator (`V x H x 4` bytes, half of
-it beyond the bf16 gradient) against 5% of the bf16 logits.  The model also weighs a plan the kernels
-do not run (`LOW_MEMORY` in `bench/head_model.py`): 512-row chunks and `d_weight` accumulated in bf16,
-rounded once per chunk.  At 16384 x 4096 x 151936 it predicts 6.2% extra memory, the loss at 1.13x
-(H200) / 1.17x (H100), log-probs fwd+bwd at 1.40x / 1.43x.
+At 16384 x 4096 x 151936 the budget's plan (384 rows, bf16 `d_weight`) meets the memory goal (4.9% for
+both calls, against 51% with 2048 rows and a float32 accumulator) and the log-probs' goals on an H200
+(1.09x, 1.41x); the loss is predicted at 1.16x (H200) and 1.28x (H100) against 1.10x / 1.14x with the
+2048-row plan.  What limits it: each chunk's `d_weight` product reads and writes the whole `V x H`
+gradient (4 bytes a weight in bf16) for `2 x 384` FLOPs a weight, memory-bound on both GPUs below
+about 320 (H200) / 460 (H100) rows; 384 rows is the largest chunk whose float32 logits fit 5% at
+16384 rows.  A caller with memory to spare raises the budget: 0.3 buys 2048-row chunks (1.09x /
+1.12x), 0.6 a float32 accumulator too.  At H=896 every speed goal is missed by any plan (1.36x the
+log-probs forward, 1.4-1.7x the loss): each logit costs 2 x 896 FLOPs but 8 bytes of float32 traffic
+forward (written by the product, read by the row kernel) and 12 more backward, so the row kernels'
+memory time rivals the products'; only a fused epilogue (the row work inside the GEMM, as Cut
+Cross-Entropy and Liger's CuTe kernels do) removes it.
 """.split("\n")

@@ -20,7 +20,7 @@ import torch
 
 from . import cases
 from .common import result_header, write_json
-from .timing import time_cpu, time_cuda
+from .timing import peak_extra_bytes, time_cpu, time_cuda
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages); the first is what ships.
 CANDIDATES = [
@@ -93,21 +93,26 @@ def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dic
     return row
 
 
-GEMM_CHUNK_ROWS = (1024, 2048, 4096)  # the GEMM-first design's chunk candidates (_head_plan.CHUNK_ROWS ships)
+# The GEMM-first design's plans (chunk rows, d_weight accumulator bytes): what the default budget picks
+# at 16384 x 4096 x 151936 (384 rows, bf16: _head_plan.LOGPROBS_ROWS), 512 rows, and the former plan.
+GEMM_PLANS = ((384, 2), (512, 2), (2048, 4))
 
 
-def measure_gemm(chunk_rows: int, head, rep_ms: int, want: torch.Tensor | None) -> dict:
-    """The GEMM-first design (``_gemm_head``) at ``chunk_rows`` rows a chunk: forward and backward."""
+def measure_gemm(plan: tuple[int, int], head, rep_ms: int, want: torch.Tensor | None) -> dict:
+    """The GEMM-first design (``_gemm_head``) with ``plan`` = ``(rows, accumulator bytes)``: forward and
+    backward, and on CUDA each one's peak memory beyond its inputs."""
     from ppo_fast._sampling import NO_TRUNCATION
+    from ppo_fast.backends._head_plan import HeadPlan
     from ppo_fast.backends.triton import _gemm_head as gemm
 
     h, w, labels = head
     c = gemm.constants(OPTIONS["temperature"], OPTIONS["logit_scale"], OPTIONS["logit_softcap"])
-    row = {"chunk_rows": chunk_rows}
+    chosen = HeadPlan(*plan)
+    row = {"chunk_rows": chosen.rows, "d_weight_accumulator": "float32" if chosen.acc == 4 else "bf16"}
 
     def forward():
         return gemm.forward(
-            h, w, labels, None, c, ignore_index=-100, return_entropy=True, truncation=NO_TRUNCATION, rows=chunk_rows
+            h, w, labels, None, c, ignore_index=-100, return_entropy=True, truncation=NO_TRUNCATION, plan=chosen
         )
 
     try:
@@ -118,11 +123,12 @@ def measure_gemm(chunk_rows: int, head, rep_ms: int, want: torch.Tensor | None) 
         grads, saved, needs = (torch.ones_like(logp), None), (stats, None, None), (True, True, False)
 
         def backward():
-            return gemm.backward(
-                grads, h, w, labels, None, c, saved=saved, ignore_index=-100, needs=needs, rows=chunk_rows
-            )
+            return gemm.backward(grads, h, w, labels, None, c, saved=saved, ignore_index=-100, needs=needs, plan=chosen)
 
         row["bwd_ms"] = _ms(backward, rep_ms)
+        if h.is_cuda:
+            row["fwd_peak_extra_bytes"] = peak_extra_bytes(forward, "cuda")
+            row["bwd_peak_extra_bytes"] = peak_extra_bytes(backward, "cuda")
     except Exception as err:  # reported, the rest go on
         row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return row
@@ -197,9 +203,9 @@ def main(argv=None) -> int:
             module.GRADIENT_SCRATCH_BYTES = saved
     print(f"  backward by its gradient scratch (MiB): {scratch}", flush=True)
     gemm_rows = []
-    for chunk_rows in GEMM_CHUNK_ROWS:
-        gemm_rows.append(measure_gemm(chunk_rows, head, args.rep_ms, want))
-        print(f"  GEMM-first, {chunk_rows} rows a chunk: {gemm_rows[-1]}", flush=True)
+    for plan in GEMM_PLANS:
+        gemm_rows.append(measure_gemm(plan, head, args.rep_ms, want))
+        print(f"  GEMM-first, plan {plan}: {gemm_rows[-1]}", flush=True)
     chosen = choose(rows, gemm_rows)
     print(f"  the faster design, forward + backward ms: {chosen}", flush=True)
     write_json(

@@ -309,7 +309,9 @@ def build_policy_loss(spec, gen, k):
 def build_linear_policy_loss(spec, gen, k):
     """pf.linear_policy_loss with the KL and entropy terms: hidden states ``[B, T, H]`` through a
     ``[V, H]`` head; the rollout's tensors (old and reference log-probs, advantages, weights) are
-    constants of the op."""
+    constants of the op.  The knob ``truncation`` (``((name, value), ...)`` of top_k / top_p / min_p,
+    optional): the sampler's, and each row's likeliest token as its label (a token outside the kept set
+    could not have been sampled: its log-prob is -inf)."""
     B, T, H, V = spec.dims
     mask = mask_of(gen, (B, T), spec)
     hidden = rounded(normal(gen, B, T, H) * k["scale"], spec)
@@ -319,13 +321,17 @@ def build_linear_policy_loss(spec, gen, k):
     inputs["weight"] = Input(weight, layout="contiguous")
     if k["bias"]:
         inputs["bias"] = Input(rounded(normal(gen, V), spec), layout="contiguous")
+    truncation = dict(k.get("truncation") or ())
+    if truncation and V:
+        u = hidden @ weight.T + (inputs["bias"].values if k["bias"] else 0)
+        labels = alike(head_logits(u, k).argmax(-1), spec)
     draw = lambda: normal(gen, B, T) * 0.5  # noqa: E731
     rollout = {"old_logprobs": -draw().abs() - 0.5, "ref_logprobs": -draw().abs() - 0.5, "advantages": draw()}
     if k["weighted"]:
         rollout["weights"] = draw().abs() * 2
     inputs.update(masked_by(mask, False, **{name: rounded(x, spec) for name, x in rollout.items()}))
     loss = named(k, "loss_mode", "agg", "kl_coef", "entropy_coef") | head_options(k) | dict(k["params"])
-    call = calling(pf.linear_policy_loss, "hidden weight labels old_logprobs advantages mask", **loss)
+    call = calling(pf.linear_policy_loss, "hidden weight labels old_logprobs advantages mask", **loss, **truncation)
     return Built(inputs, {"labels": labels, "mask": mask}, call, **head_bounds(spec, k, inputs, logprobs=False))
 
 

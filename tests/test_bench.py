@@ -357,6 +357,35 @@ def test_bytes_moved_count_only_the_rows_a_kernel_reads():
     assert head.bwd_bytes == (7 + 7) * 5 * 4 + (10 + 7) * 5 * 4 + 10 * 12
 
 
+def test_head_plans_skips_liger_grpo_without_cuda_with_its_reason():
+    """Liger-Kernel's fused GRPO loss runs on CUDA only: elsewhere the row is a reason, never a time."""
+    from bench import head_plans
+
+    with pytest.raises(RuntimeError, match="skipped: Liger-Kernel is a CUDA package"):
+        head_plans.liger_grpo({"hidden": torch.zeros(1, 2, 3)}, compiled=False)
+
+
+@pytest.mark.full  # 30 s under the interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU runs it in bench/gpu_check.sh")
+def test_head_plans_times_each_plan_and_skips_liger_without_cuda(tmp_path, monkeypatch):
+    """bench head_plans (GPU-only in use) whole under the interpreter on a tiny head, one log-probs plan and
+    two loss budgets: the linear layer, each plan checked against the first, the loss's plan and its
+    gradients against the default budget's, and Liger's GRPO loss skipped with its reason, no number."""
+    from bench import head_plans
+
+    monkeypatch.setattr(head_plans, "GEMM_PLANS", ((384, 4),))
+    out = tmp_path / "plans.json"
+    argv = "--device cpu --rows 8 --length 4 --hidden 8 --vocab 20 --rep-ms 1 --out".split()
+    assert head_plans.main([*argv, str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["linear"]) == {"fwd", "fwd_bwd"} and all(r["ms"] > 0 for r in data["linear"].values())
+    assert [(r["chunk_rows"], "error" in r) for r in data["logprobs"]] == [(384, False)]
+    ours, liger = data["loss"][:-1], data["loss"][-1]
+    assert [r["budget"] for r in ours] == [0.05, 1.0] and all("error" not in r and r["ms"] > 0 for r in ours)
+    assert ours[1]["d_weight_max_rel_diff"] < 1e-6
+    assert "ms" not in liger and "CUDA" in liger["skipped"]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU runs it in bench/gpu_check.sh")
 def test_head_tiles_runs_every_candidate(tmp_path):
     """The fused head's tile sweep (GPU-only in use) runs whole here, under the interpreter, on a tiny
@@ -370,6 +399,6 @@ def test_head_tiles_runs_every_candidate(tmp_path):
     assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["results"][1:])
     assert set(data["split_fwd_ms"]) == {"split", "one share"} and len(data["scratch_bwd_ms"]) == 3
-    assert [r["chunk_rows"] for r in data["gemm_results"]] == list(head_tiles.GEMM_CHUNK_ROWS)
+    assert [r["chunk_rows"] for r in data["gemm_results"]] == [rows for rows, _ in head_tiles.GEMM_PLANS]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["gemm_results"])
     assert data["chosen"]["design"] in ("gemm", "tiles")

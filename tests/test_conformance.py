@@ -129,11 +129,19 @@ VARIANTS = {
 }
 # Every registered policy-loss mode other than vanilla (clipped_policy_loss above) is its own op,
 # and the one-pass loss through the LM head of each mode that allows it.
+# The one pass under the sampler's truncation: one setting a mode, in turn (the rows' likeliest tokens as labels).
+_TRUNCATIONS = (
+    {"truncation": (("top_k", 5),)},
+    {"truncation": (("top_p", 0.8),), "softcap": 2.5},
+    {"truncation": (("min_p", 0.05), ("top_p", 0.95))},
+)
 for _mode in POLICY_LOSS_MODES.values():
     VARIANTS.setdefault(_mode.op, ("tokens", _aggs(_loss(_mode.name), {"weighted": True})))
     if _mode.fused_head:
         _first = _loss(_mode.name, **_HEAD, kl_coef=0.1, entropy_coef=0.01)
-        VARIANTS[_mode.linear_op] = ("hidden", _aggs(_first, {"weighted": True, "bias": False}, {"softcap": 2.5}))
+        _truncated = _TRUNCATIONS[len([v for v in VARIANTS if v in LINEAR_POLICY_LOSS_OPS]) % len(_TRUNCATIONS)]
+        _changes = ({"weighted": True, "bias": False}, {"softcap": 2.5}, _truncated)
+        VARIANTS[_mode.linear_op] = ("hidden", _aggs(_first, *_changes))
 # The builders: harness.build_<op>, or the one of the op's kind.
 _KINDS = {"group_sum": "group_advantages", **dict.fromkeys(POLICY_LOSS_OPS, "policy_loss")}
 _KINDS.update(dict.fromkeys(LINEAR_POLICY_LOSS_OPS, "linear_policy_loss"))

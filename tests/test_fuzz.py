@@ -149,6 +149,24 @@ def loss_knobs(name):
     )
 
 
+# The sampler's truncation in the one pass (harness.build_linear_policy_loss: the rows' likeliest tokens as
+# labels), half of the draws, at its ends: one token kept (top_k 1, a top_p below any p, min_p near 1) and
+# the three rules together.
+ONE_PASS_TRUNCATIONS = st.one_of(
+    st.just(()),
+    pick(
+        [
+            (("top_k", 1),),
+            (("top_k", 3),),
+            (("top_p", 1e-6),),
+            (("top_p", 0.9),),
+            (("min_p", 0.9),),
+            (("min_p", 0.05), ("top_p", 0.9), ("top_k", 2)),
+        ]
+    ),
+)
+
+
 def one_pass_knobs():
     """A one-pass mode (drawn), its loss knobs and the head's, the KL and entropy terms' weights.  The
     temperature from 0.3: below, the logits' float32 rounding (any evaluation order's) outgrows the float32
@@ -157,7 +175,7 @@ def one_pass_knobs():
     modes = [name for name, mode in POLICY_LOSS_MODES.items() if mode.fused_head]
     temperature = st.one_of(pick([0.3, 1.0, 4.0]), st.floats(0.3, 4.0))
     terms = dict(kl_coef=pick([0.0, 0.1, 1e3]), entropy_coef=pick([0.0, 0.01, -1.0, 1e3]))
-    head = knobs(temperature=temperature, **HEAD, bias=st.booleans(), **terms)
+    head = knobs(temperature=temperature, **HEAD, bias=st.booleans(), **terms, truncation=ONE_PASS_TRUNCATIONS)
     return pick(modes).flatmap(lambda name: st.tuples(loss_knobs(name), head).map(lambda ks: {**ks[0], **ks[1]}))
 
 

@@ -20,15 +20,15 @@ def test_row_chunks_cover_the_rows_once():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("h, v", [(896, 151936), (4096, 128256)])
-def test_every_phase_is_linear_in_the_rows(kind, h, v):
+@pytest.mark.parametrize("h, v, chunk", [(896, 151936, plan.HeadPlan(2048, 4)), (4096, 128256, plan.HeadPlan(384, 2))])
+def test_every_phase_is_linear_in_the_rows(kind, h, v, chunk):
     """At N = m chunks, every phase's FLOPs, bytes and launches are a + b m exactly (no N^2 term, as the
     tile backward's fixed scratch had); between chunk multiples, at most one chunk's fixed cost more."""
 
     def at(n):
-        return {p.name: p for p in plan.phases(kind, n, h, v)}
+        return {p.name: p for p in plan.phases(kind, n, h, v, rows=chunk.rows, acc=chunk.acc)}
 
-    c = plan.CHUNK_ROWS
+    c = chunk.rows
     one, two = at(c), at(2 * c)
     for m in (3, 8, 32):
         got = at(m * c)
@@ -51,3 +51,68 @@ def test_flop_counts_are_the_designs():
     assert flops["logprobs_fwd"] + flops["logprobs_bwd"] == 8 * n * h * v
     padded = sum(p.flops for p in plan.phases("logprobs_fwd", n - 5, h, v))
     assert padded == 2 * n * h * v  # the last chunk's product has the chunk's rows
+
+
+ISSUE = (16384, 4096, 151936)  # issue 49's shape, bf16: its logits are 4.98 GB, 5% of them 249 MB
+
+
+def test_the_default_budget_meets_five_percent_at_the_issues_shape():
+    """384 rows a chunk (the largest multiple of 128 whose float32 logits, 233 MB, fit beside the chunk's
+    hidden and d_hidden rows in 249 MB; 512 rows would take 311 MB) and d_weight in the bf16 gradient
+    (a float32 accumulator alone is V H 2 = 1.25 GB beyond it)."""
+    n, h, v = ISSUE
+    for kind, phase in (("loss", "loss_fwd"), ("logprobs", "logprobs_bwd")):
+        chosen = plan.plan(kind, n, h, v)
+        assert chosen == plan.HeadPlan(384, 2), kind
+        assert plan.extra_memory(phase, n, h, v, rows=384, acc=2) <= 0.05 * n * v * 2
+        assert plan.extra_memory(phase, n, h, v, rows=512, acc=2) > 0.05 * n * v * 2
+
+
+def test_the_loss_plan_follows_its_budget():
+    """A larger budget buys larger chunks, then the float32 accumulator (from 1024 rows); every plan found
+    fits its budget; a budget no plan fits gets the smallest."""
+    n, h, v = ISSUE
+    logits = n * v * 2
+    assert plan.plan("loss", n, h, v, budget=1.0) == plan.HeadPlan(2048, 4)
+    # 1.49 GB: a float32 accumulator (1.25 GB) leaves 393 rows; bf16 the largest chunk (2048 rows, 1.30 GB)
+    assert plan.plan("loss", n, h, v, budget=0.3) == plan.HeadPlan(2048, 2)
+    previous = plan.HeadPlan(0, 0)
+    for budget in (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1.0):
+        chosen = plan.plan("loss", n, h, v, budget=budget)
+        assert (chosen.acc, chosen.rows) >= (previous.acc, previous.rows), budget
+        held = plan.extra_memory("loss_fwd", n, h, v, rows=chosen.rows, acc=chosen.acc)
+        assert held <= budget * logits or chosen == plan.HeadPlan(plan.MIN_ROWS, 2), budget
+        previous = chosen
+
+
+def test_the_accumulator_by_dtype_and_the_logprobs_rows_by_nothing_but_the_plan():
+    """float16 keeps float32 (narrow=False); float32 and float64 accumulate in their own dtype at no extra
+    bytes; log-probs' rows never follow N or the budget (a row's results must not depend on its batch)."""
+    n, h, v = ISSUE
+    assert plan.plan("loss", n, h, v, narrow=False).acc == 4
+    assert plan.plan("loss", n, h, v, itemsize=4) == plan.HeadPlan(768, 4)  # 5% of float32 logits: 498 MB
+    assert plan.plan("loss", n, h, v, itemsize=8).acc == 8
+    for rows in (1, 1000, 16384, 65536):
+        for budget in (0.0, 0.05, 1.0):
+            assert plan.plan("logprobs", rows, h, v, budget=budget).rows == plan.LOGPROBS_ROWS
+    for bad in (-0.1, float("nan"), "5%"):
+        with pytest.raises(ValueError, match="budget must be"):
+            plan.plan("loss", n, h, v, budget=bad)
+    with pytest.raises(ValueError, match="kind must be"):
+        plan.plan("loss_fwd", n, h, v)
+
+
+def test_the_roofline_model_times_the_plan_the_kernels_run():
+    """bench head_model's ``gemm`` design is the budget's plan (43 chunks of 384 rows at the issue's shape,
+    d_weight added into the bf16 gradient: no rounding phase), within 5%; the 2048-row float32 plan
+    beside it is not."""
+    from bench import head_model
+
+    rows = head_model.model(*ISSUE)
+    fwd = {p["name"]: p for p in rows["gemm loss_fwd"]["phases"]}
+    assert fwd["logits = hidden @ weight.T (cuBLAS, fp32 out)"]["launches"] == 43  # ceil(16384 / 384)
+    assert "d_weight to the inputs' dtype" not in fwd
+    new, old = head_model.goals(rows, *ISSUE), head_model.goals(rows, *ISSUE, "gemm-2048")
+    for call in ("loss", "logprobs"):
+        key = f"{call} extra memory / logits' bytes"
+        assert new[key]["met"] and not old[key]["met"], call

@@ -34,7 +34,9 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(reference_module, "CHUNK_ELEMENTS", 2 * 7 * 53)
     if "triton" in serving("linear_policy_loss_vanilla", "cpu") or torch.cuda.is_available():
         gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
-        monkeypatch.setattr(gemm_head, "CHUNK_ROWS", 2 * 7)
+        plan = importlib.import_module("ppo_fast.backends._head_plan")
+        for bound in ("MIN_ROWS", "MAX_ROWS"):  # every budget: chunks of two sequences
+            monkeypatch.setattr(plan, bound, 2 * 7)
         monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
 
 
@@ -267,3 +269,38 @@ def test_backward_twice_through_one_graph(mode, backend):
     (loss * -0.5).backward()
     for t, k in zip(leaves(x), kept):
         torch.testing.assert_close(t.grad, 3.5 * k)
+
+
+@pytest.mark.parametrize("budget, rows, narrow", [(0.0, 7, True), (1.8, 21, True), (3.2, 35, False)])
+def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, budget, rows, narrow):
+    """The Triton one pass takes its chunk rows and d_weight's accumulator from ``_head_plan.plan`` within
+    ``MEMORY_BUDGET`` (bounds 7..35 rows in steps of 7, sequences of 7, bf16: 5 x 7 rows, V=53, H=13): the
+    products' rows and the accumulator's dtype follow the budget, and the loss and gradients still equal
+    the two passes'.  A chunk of r rows holds 290 r + 212 bytes (float32 logits and d_hidden rows, the
+    padded hidden rows, d_bias), a float32 accumulator 1378 more; the bf16 logits are 3710 bytes.  0.0:
+    nothing fits, the smallest plan; 1.8 (6678 bytes): 21 rows (6302; 28 rows: 8332); 3.2 (11872): all
+    35 rows and a float32 accumulator (11740)."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    for name, value in (("MIN_ROWS", 7), ("MAX_ROWS", 35), ("ROW_STEP", 7), ("F32_ACC_MIN_ROWS", 35)):
+        monkeypatch.setattr(plan, name, value)
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", budget)
+    seen = {"rows": set(), "narrow": set()}
+    chunk_logits, gradients = gemm_head.chunk_logits, gemm_head.Gradients
+
+    def spy_chunk(*args, rows, **kwargs):
+        seen["rows"].add(rows)
+        return chunk_logits(*args, rows=rows, **kwargs)
+
+    class SpyGradients(gradients):
+        def __init__(self, *args, narrow=False, **kwargs):
+            seen["narrow"].add(narrow)
+            super().__init__(*args, narrow=narrow, **kwargs)
+
+    monkeypatch.setattr(gemm_head, "chunk_logits", spy_chunk)
+    monkeypatch.setattr(gemm_head, "Gradients", SpyGradients)
+    x = make_inputs(11, dtype=torch.bfloat16)
+    check_against_two_pass(x, "vanilla", "token-mean", "triton", torch.bfloat16)
+    assert seen == {"rows": {rows}, "narrow": {narrow}}

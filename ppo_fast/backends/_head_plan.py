@@ -1,28 +1,59 @@
-"""The GEMM-first fused head's plan (``backends/triton/_gemm_head.py``), torch-free: which rows each
-chunk holds, and the FLOPs, HBM bytes and launches of every phase of a call, so that the kernels and
-the roofline model (``python -m bench head_model``) read one source.
+"""The GEMM-first fused head's plan (``backends/triton/_gemm_head.py``), torch-free: how many rows each
+chunk holds and in what dtype ``d_weight`` is accumulated, and the FLOPs, HBM bytes and launches of every
+phase of a call, so that the kernels and the roofline model (``python -m bench head_model``) read one
+source.
 
 A chunk is a number of rows, never a number of bytes: its logits ``[rows, V]`` (float32, the
 products' output) live at once, and every phase's traffic is a fixed cost per chunk plus a cost per
-row, so the totals grow linearly in the rows ``N`` (``tests/test_head_plan.py``).  Every product has
-the full ``rows`` (the last chunk padded with zero rows): one algorithm for every chunk, so a row's
-results do not depend on its batch; a call of fewer rows pays one chunk's products.  Why 2048 rows: the
-``d_weight`` product of a chunk reads and writes its float32 accumulator ``[V, H]`` once (8 bytes a
-weight) for ``2 * rows`` FLOPs a weight, so it stays compute-bound on an H100 (989 TFLOP/s over
-3.35 TB/s: 295 FLOP/byte) from about 1200 rows; the forward product reads ``weight`` once per chunk for
-``2 * rows`` FLOPs an element (bound from about 300 rows).
+row, so the totals grow linearly in the rows ``N`` (``tests/test_head_plan.py``).
+
+The memory budget (``MEMORY_BUDGET``, a fraction of the call's logits' bytes ``N V itemsize``; the
+callers' ``budget`` argument) bounds what a call holds beyond its inputs, outputs and gradients
+(``extra_memory``): one chunk of float32 logits, the chunk's padded hidden states and float32
+``d_hidden`` rows, and ``d_weight``'s accumulator where it is wider than the gradient.
+
+- ``linear_token_logprobs`` has a fixed ``LOGPROBS_ROWS`` a chunk, every product padded to them: a
+  row's results must not depend on its batch, and BLAS picks its algorithm (and a row's summation
+  order) by the product's rows, so those rows cannot follow ``N``.  384: the most that keeps 5% at
+  16384 rows (``4 * 384 / (2 * 16384)``: 4.7%); the products reading ``weight`` once a chunk stay
+  compute-bound (``2 * rows`` FLOPs an element, from about 230 rows on an H100).
+- ``linear_policy_loss`` aggregates over its batch (no row result to keep invariant): its chunk is the
+  largest multiple of ``ROW_STEP`` rows in ``[MIN_ROWS, MAX_ROWS]`` that the budget holds.  Below 384
+  rows the ``d_weight`` product's fixed traffic (its accumulator read and written a chunk) dominates:
+  the model predicts the loss at 1.29x (H200) / 1.51x (H100) the linear layer with 256 rows against
+  1.16x / 1.28x with 384.
+- ``d_weight``'s accumulator: float32 where the budget holds its ``V H (4 - itemsize)`` extra bytes
+  beside the chunk, with chunks of at least ``F32_ACC_MIN_ROWS`` (a chunk's ``d_weight`` product reads
+  and writes the float32 accumulator, 8 bytes a weight for ``2 * rows`` FLOPs, and is memory-bound
+  below about 1000 rows); otherwise, for bf16 inputs, the gradient itself, each chunk's
+  float32 product added to it and rounded once (cuBLAS's ``beta = 1``), which adds at most one bf16
+  rounding of the running sum a chunk (``tests/backends/test_triton_kernels.py`` bounds it against
+  float64).  float16 keeps float32 (its chunks carry a power of two each); float32 and float64 inputs
+  accumulate in their own dtype.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-CHUNK_ROWS = 2048
+CHUNK_ROWS = 2048  # the largest chunk (and the model's former plan: 2048 rows, float32 accumulator)
+MEMORY_BUDGET = 0.05  # the default budget: 5% of the logits' bytes (issue 49's goal)
+LOGPROBS_ROWS = 384
+MIN_ROWS, MAX_ROWS, ROW_STEP = 384, CHUNK_ROWS, 128
+F32_ACC_MIN_ROWS = 1024
 # Small vector launches of the one-pass loss's per-token terms and their gradient, per chunk
 # (the mode's reference function on [rows] vectors, under autograd): counted, not modelled in bytes.
 PER_TOKEN_LAUNCHES = 40
 # float32 bytes: the logits chunk and the d_weight / d_hidden accumulators.
 _F32 = 4
+
+
+class HeadPlan(NamedTuple):
+    """A call's plan: ``rows`` a chunk (every product's rows) and ``acc``, the bytes a weight of
+    ``d_weight``'s accumulator (4: float32; the inputs' itemsize: the gradient itself)."""
+
+    rows: int
+    acc: int
 
 
 class Phase(NamedTuple):
@@ -85,7 +116,9 @@ def phases(
     inputs' bf16, rounded once per chunk, a design the model weighs).
     """
     s = itemsize
-    plan = row_chunks(n, rows)
+    chunks = row_chunks(n, rows)
+    if kind.startswith("loss"):  # the loss's products have its first chunk's rows
+        rows = min(n, rows)
     out: dict[str, Phase] = {}
 
     def add(ps):
@@ -103,7 +136,7 @@ def phases(
     elif kind in ("logprobs_fwd", "logprobs_bwd", "loss_fwd"):
         if kind != "logprobs_fwd":
             add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
-        for start, stop in plan:
+        for start, stop in chunks:
             c = stop - start
             fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
             add(fwd if kind != "logprobs_bwd" else fwd[:1])  # the backward recomputes the logits alone
@@ -126,10 +159,57 @@ def phases(
 def extra_memory(
     kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS, acc: int = _F32
 ) -> float:
-    """Bytes a call holds beyond its inputs, outputs and the gradients it returns: the float32 logits of
-    one chunk (d_logits is written into them), and with a gradient d_weight's float32 accumulator less
-    the ``itemsize`` gradient it becomes."""
-    chunk = min(n, rows) * v * _F32
-    if kind in ("logprobs_fwd", "linear_fwd", "linear_bwd"):
-        return 0.0 if kind.startswith("linear") else float(chunk)
-    return float(chunk + v * h * (acc - itemsize))
+    """Bytes a call holds beyond its inputs, outputs and the gradients it returns: one chunk's float32
+    logits (d_logits is written into them) and padded hidden states, and with a gradient the chunk's
+    float32 ``d_hidden`` rows, ``d_bias``'s float32 accumulator and ``d_weight``'s accumulator less the
+    ``itemsize`` gradient it becomes.  A log-probs chunk is padded to ``rows``; the loss's first chunk
+    sets its products' rows (``min(n, rows)``)."""
+    if kind.startswith("linear"):
+        return 0.0
+    wide = max(_F32, itemsize)  # the logits' dtype: float32, float64 for float64 inputs
+    m = min(n, rows) if kind.startswith("loss") else rows
+    held = m * v * wide + m * h * itemsize
+    if kind in ("logprobs_bwd", "loss_fwd"):
+        held += m * h * wide + v * wide + v * h * max(0, acc - itemsize)
+    return float(held)
+
+
+def plan(
+    kind: str,
+    n: int,
+    h: int,
+    v: int,
+    *,
+    itemsize: int = 2,
+    budget: float | None = None,
+    narrow: bool = True,
+    bounds: tuple[int, int, int, int] | None = None,
+) -> HeadPlan:
+    """The plan of a call of ``kind`` (``"logprobs"`` or ``"loss"``) within ``budget`` (a fraction of the
+    logits' bytes ``n v itemsize``; ``MEMORY_BUDGET`` by default).  ``narrow``: whether ``d_weight`` may
+    be accumulated in the inputs' 16-bit dtype (bf16: yes; float16: no).  ``bounds``: ``(MIN_ROWS,
+    MAX_ROWS, ROW_STEP, LOGPROBS_ROWS)``.  Where no plan fits the budget (few rows, or a budget below one
+    chunk), the smallest: ``MIN_ROWS`` rows (``LOGPROBS_ROWS`` for log-probs) and the narrowest
+    accumulator allowed."""
+    if kind not in ("logprobs", "loss"):
+        raise ValueError(f"kind must be 'logprobs' or 'loss', got {kind!r}")
+    budget = MEMORY_BUDGET if budget is None else budget
+    if not (isinstance(budget, (int, float)) and budget >= 0.0 and budget == budget):
+        raise ValueError(f"budget must be a fraction of the logits' bytes >= 0, got {budget!r}")
+    lo, hi, step, fixed = bounds or (MIN_ROWS, MAX_ROWS, ROW_STEP, LOGPROBS_ROWS)
+    limit = budget * n * v * itemsize
+    wide = max(_F32, itemsize)
+    accs = (wide, itemsize) if narrow and itemsize < wide else (wide,)
+    phase = "logprobs_bwd" if kind == "logprobs" else "loss_fwd"
+
+    def fits(rows: int, acc: int) -> bool:
+        return extra_memory(phase, n, h, v, itemsize=itemsize, rows=rows, acc=acc) <= limit
+
+    # log-probs: fixed rows, a row's results must not depend on its batch
+    candidates = [fixed] if kind == "logprobs" else sorted({lo, hi, *range(-(-lo // step) * step, hi + 1, step)})[::-1]
+    for acc in accs:
+        floor = min(F32_ACC_MIN_ROWS, hi) if acc > itemsize and len(accs) > 1 else 0
+        rows = next((r for r in candidates if r >= floor and fits(r, acc)), None)
+        if rows is not None:
+            return HeadPlan(rows, acc)
+    return HeadPlan(fixed if kind == "logprobs" else lo, accs[-1])

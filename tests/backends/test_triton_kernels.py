@@ -17,6 +17,8 @@ import torch
 pytest.importorskip("triton")
 
 import ppo_fast as pf  # noqa: E402
+from ppo_fast._sampling import NO_TRUNCATION  # noqa: E402
+from ppo_fast.backends import _head_plan as head_plan  # noqa: E402
 from ppo_fast.backends import backend_info, reference, resolved_backend_name  # noqa: E402
 from ppo_fast.backends import triton as tb  # noqa: E402
 from ppo_fast.backends.triton import _gemm_head as gemm_head  # noqa: E402
@@ -621,7 +623,7 @@ def small_tiles(monkeypatch, request):
     that odd N, V and H cross several tiles, the forward its splits and the backward several
     vocabulary chunks."""
     monkeypatch.setattr(tlin, "DESIGN", request.param)
-    monkeypatch.setattr(gemm_head, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(head_plan, "LOGPROBS_ROWS", 16)
     monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
     for config in ("_FORWARD_CONFIG", "_BACKWARD_CONFIG"):
         monkeypatch.setattr(tlin, config, {acc: (16, 16, 16, 4) for acc in getattr(tlin, config)})
@@ -767,6 +769,52 @@ def test_fused_head_gradients_are_the_same_from_run_to_run(small_tiles):
         assert resolved_backend_name("linear_token_logprobs", "cuda") == "triton"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _bf16_d_weight(acc: int, rows: int, seed: int, chunks: int = 12):
+    """The GEMM-first head's bf16 ``d_weight`` of ``log p`` weighted by random cotangents, in chunks of
+    ``rows`` with a float32 (``acc`` 4) or bf16 (``acc`` 2: the gradient itself) accumulator, and its
+    float64 counterpart: ``(got, exact, partial sums [K, V, H], sum of |d_logits| |hidden| [V, H])``."""
+    gen = torch.Generator().manual_seed(seed)
+    n, width, vocab = chunks * rows, 24, 40
+    hidden = torch.randn(n, width, generator=gen).bfloat16()
+    weight = (torch.randn(vocab, width, generator=gen) / width**0.25).bfloat16()
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.2] = IGNORE
+    grad = torch.randn(n, generator=gen)
+    c, plan = gemm_head.constants(0.9, 1.0, None), head_plan.HeadPlan(rows, acc)
+    args = (hidden, weight, labels, None, c)
+    _, _, stats, _ = gemm_head.forward(
+        *args, ignore_index=IGNORE, return_entropy=False, truncation=NO_TRUNCATION, plan=plan
+    )
+    got = gemm_head.backward(
+        (grad, None), *args, saved=(stats, None, None), ignore_index=IGNORE, needs=(False, True, False), plan=plan
+    )[1]
+    used = labels != IGNORE
+    p = torch.softmax(hidden.double() @ weight.double().T / 0.9, -1)
+    one_hot = torch.nn.functional.one_hot(torch.where(used, labels, 0), vocab).double()
+    dz = torch.where(used[:, None], grad.double()[:, None] * (one_hot - p) / 0.9, 0.0)
+    h = hidden.double()
+    partial = torch.stack([dz[i : i + rows].T @ h[i : i + rows] for i in range(0, n, rows)]).cumsum(0)
+    return got, partial[-1], partial, dz.abs().T @ h.abs()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gemm_head_bf16_d_weight_accumulator_error_is_bounded_against_float64(monkeypatch, seed):
+    """d_weight accumulated in the bf16 gradient (the plan where the budget does not hold a float32
+    accumulator) adds at most one bf16 rounding of the running sum a chunk: with u = 2**-8,
+    ``|got - exact| <= u (sum_k |S_k| + sum_r |dz_r| |h_r|)`` (the second term: d_logits rounded to bf16),
+    against ``u (|exact| + sum_r |dz_r| |h_r|)`` for the float32 accumulator rounded once.  Both bounds
+    are checked on every weight, over 12 chunks."""
+    monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
+    u = 2.0**-8
+    narrow, exact, partial, spread = _bf16_d_weight(2, 8, seed)
+    wide = _bf16_d_weight(4, 8, seed)[0]
+    assert narrow.dtype == wide.dtype == torch.bfloat16
+    slack = 1e-5 * spread + 1e-30  # float32 logits and products against float64
+    assert ((wide.double() - exact).abs() <= u * (exact.abs() + spread) + slack).all()
+    assert ((narrow.double() - exact).abs() <= u * (partial.abs().sum(0) + spread) + slack).all()
+    assert not torch.equal(narrow, wide)  # the two accumulators round differently: both paths ran
 
 
 @pytest.mark.xfail(

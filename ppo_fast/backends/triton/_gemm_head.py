@@ -1,7 +1,9 @@
 """The GEMM-first fused LM head: every matrix product on cuBLAS (``torch.mm`` / ``addmm``; BLAS on the
 CPU), the row-local work in one Triton kernel per chunk of rows, in place on the chunk's logits.
 
-Per chunk of ``rows`` rows (``backends._head_plan``: a number of rows, never of bytes):
+Per chunk of ``rows`` rows (``backends._head_plan.plan``: a number of rows, never of bytes, chosen with
+``d_weight``'s accumulator from a memory budget, ``_head_plan.MEMORY_BUDGET`` of the logits' bytes by
+default):
 
 - ``x = hidden[rows] @ weight.T`` in float32 (float64 for float64 inputs): cuBLAS's ``out_dtype``
   on CUDA, so the bf16/fp16 products are summed and kept in float32, as the reference's logits;
@@ -14,8 +16,10 @@ Per chunk of ``rows`` rows (``backends._head_plan``: a number of rows, never of 
   below) over it, in the products' dtype: for 16-bit inputs into the first half of each float32
   row (row stride ``2 V``), so no second buffer exists;
 - ``d_hidden[rows] = d_logits @ weight`` and ``d_weight += d_logits.T @ hidden[rows]`` (cuBLAS, both
-  float32 out: ``d_weight`` is summed over the chunks in a float32 accumulator ``[V, H]``, counted
-  in ``_head_plan.extra_memory``, and rounded to the inputs' dtype once at the end).
+  summed in float32: ``d_weight`` over the chunks either in a float32 accumulator ``[V, H]`` rounded to
+  the inputs' dtype once at the end, or, for bf16 where the budget does not hold that accumulator, in
+  the bf16 gradient itself, each chunk's float32 product added to it and rounded once: one bf16
+  rounding of the running sum a chunk, bounded against float64 in the tests).
 
 float16's ``d_logits``: an unscaled token-mean gradient (1e-7 a token) times ``p`` falls below
 float16's normal range, where it keeps few bits.  The kernel multiplies each chunk's ``d_logits`` by
@@ -37,12 +41,15 @@ import triton
 import triton.language as tl
 
 from ..._sampling import Truncation
-from .._head_plan import CHUNK_ROWS, row_chunks
+from .. import _head_plan
+from .._head_plan import CHUNK_ROWS, HeadPlan, row_chunks  # noqa: F401  (CHUNK_ROWS: bench.static's chunk)
 from ._dtypes import cast_for_store, scalar, split_scalar
 from ._truncation import thresholds
 
 # Vocabulary tile of the row kernels (a row is streamed through registers in tiles of this size).
 ROW_BLOCK_V = 1024
+# Rows of d_weight widened to float32 at once when the CPU adds a chunk into a 16-bit d_weight.
+_CPU_SLAB = 4096
 
 
 @triton.jit
@@ -269,8 +276,33 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a.to(acc) @ b.to(acc)
 
 
+def head_plan(kind: str, hidden: torch.Tensor, weight: torch.Tensor, budget: float | None = None) -> HeadPlan:
+    """``_head_plan.plan`` for a call on ``hidden [N, H]`` and ``weight [V, H]``: ``d_weight`` may be
+    accumulated in the gradient itself for bf16 only (float16's chunks carry a power of two each)."""
+    return _head_plan.plan(
+        kind,
+        hidden.shape[0],
+        hidden.shape[1],
+        weight.shape[0],
+        itemsize=hidden.element_size(),
+        budget=budget,
+        narrow=hidden.dtype == torch.bfloat16,
+    )
+
+
 def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` with ``out`` the float32 (float64) accumulator, summed there."""
+    """``out += a @ b`` summed in float32 (float64): ``out`` the accumulator itself, or a 16-bit gradient to
+    which each call's float32 sum is added and rounded once (cuBLAS's ``beta = 1`` on CUDA; on the CPU
+    by slabs of ``out``'s rows widened to float32, the same rounding)."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        if out.is_cuda:
+            out.addmm_(a, b)
+            return
+        wide = b.float()
+        for start in range(0, out.shape[0], _CPU_SLAB):
+            part = slice(start, start + _CPU_SLAB)
+            out[part] = out[part].float().addmm_(a[part].float(), wide)
+        return
     if a.dtype == out.dtype:
         out.addmm_(a, b)
     elif a.is_cuda:
@@ -433,16 +465,20 @@ def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, g
 
 class Gradients:
     """``d_hidden``, ``d_weight`` and ``d_bias`` summed over the chunks: ``d_hidden``'s rows written once
-    per chunk, ``d_weight`` and ``d_bias`` in float32 (float64) accumulators rounded once at the end.
+    per chunk, ``d_bias`` in a float32 (float64) accumulator rounded once at the end, ``d_weight`` in one
+    too or, with ``narrow`` (the plan's accumulator as narrow as the bf16 gradient), in the gradient.
     A float16 chunk's products carry its power of two: the accumulators are kept in the units of the
     latest chunk's (rescaled by the ratio of two powers of two, exact) and divided by it at the end."""
 
-    def __init__(self, hidden, weight, bias, needs, dtypes):
+    def __init__(self, hidden, weight, bias, needs, dtypes, *, narrow: bool = False):
         n, width = hidden.shape
         acc = _acc_dtype(hidden.dtype)
+        if narrow and dtypes[1] != torch.bfloat16:
+            raise ValueError(f"a narrow d_weight accumulator is for bf16 gradients only, got {dtypes[1]}")
         self.dtypes = dtypes
         self.d_hidden = hidden.new_empty((n, width), dtype=dtypes[0]) if needs[0] else None
-        self.d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+        w_acc = dtypes[1] if narrow else acc
+        self.d_weight = torch.zeros(weight.shape, dtype=w_acc, device=weight.device) if needs[1] else None
         self.d_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if needs[2] else None
         self.weight = weight
         self.power = None
@@ -474,15 +510,16 @@ class Gradients:
         return tuple(out)
 
 
-def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_entropy, truncation, rows=None):
-    """``(logp [N], entropy [N] or None, stats [N, 2], tau [N] or None)`` of the head, chunk by chunk."""
+def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_entropy, truncation, plan=None):
+    """``(logp [N], entropy [N] or None, stats [N, 2], tau [N] or None)`` of the head, chunk by chunk
+    (``plan``: ``head_plan("logprobs", ...)`` by default)."""
     n = hidden.shape[0]
     acc = _acc_dtype(hidden.dtype)
     logp = torch.empty(n, dtype=acc, device=hidden.device)
     entropy = torch.empty_like(logp) if return_entropy else None
     stats = logp.new_empty((n, 2))
     tau = logp.new_empty(n) if truncation.active else None
-    rows = rows or CHUNK_ROWS
+    rows = (plan or head_plan("logprobs", hidden, weight)).rows
     for start, stop in row_chunks(n, rows):
         chunk = chunk_logits(
             hidden[start:stop],
@@ -504,13 +541,16 @@ def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_
     return logp, entropy, stats, tau
 
 
-def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore_index, needs, rows=None):
+def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore_index, needs, plan=None):
     """``(d_hidden, d_weight, d_bias)`` (None where not needed) of the head from its incoming
     ``grads = (grad_logp, grad_entropy)`` and the forward's ``saved = (stats, entropy, tau)``: each
-    chunk's logits recomputed, its ``d_logits`` and its two products."""
+    chunk's logits recomputed, its ``d_logits`` and its two products (``plan``: ``head_plan("logprobs",
+    ...)`` by default, the forward's rows)."""
     stats, entropy, tau = saved
-    out = Gradients(hidden, weight, bias, needs, (hidden.dtype, weight.dtype, weight.dtype))
-    rows = rows or CHUNK_ROWS
+    plan = plan or head_plan("logprobs", hidden, weight)
+    narrow = plan.acc < 4  # the bf16 gradient itself (float32 and float64 accumulate in their own dtype)
+    out = Gradients(hidden, weight, bias, needs, (hidden.dtype, weight.dtype, weight.dtype), narrow=narrow)
+    rows = plan.rows
     for start, stop in row_chunks(hidden.shape[0], rows):
         rs = slice(start, stop)
         chunk = chunk_logits(

@@ -2,8 +2,9 @@
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
 log-probs and entropy by the head's row kernel, the loss's per-token gradient from the mode's reference
 function on those ``[rows, T]`` vectors, ``d_logits`` written in place over the logits by the head's
-gradient kernel, then ``d_hidden``'s rows and ``d_weight``'s float32 accumulator by two products: 6 N H V
-FLOPs in all, one chunk of logits alive, and the backward a scale of the stored gradients.  Every mode
+gradient kernel, then ``d_hidden``'s rows and ``d_weight``'s accumulator by two products (the chunk's rows and the
+accumulator's dtype from the memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of
+logits alive, and the backward a scale of the stored gradients.  Every mode
 whose per-token gradient is local to a sequence.  With ``linear_token_logprobs.DESIGN = "tiles"`` the
 older loop (``_one_pass.one_pass_on_rows`` on token_logprobs' row kernels) runs instead."""
 
@@ -78,10 +79,11 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     scales = loss_scales(x.mask, objective.agg)
     needs = (output_mask[0], output_mask[1], bias is not None and output_mask[2])
     dtypes = tuple(stored_dtype(t.dtype) for t in (hidden, weight, weight))
-    grads = gemm.Gradients(flat, weight, bias, needs, dtypes)
+    memory_plan = gemm.head_plan("loss", flat, weight)  # the chunk's rows and d_weight's accumulator
+    grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
     totals = None
     with device_guard(hidden):
-        plan = sequence_chunks(max(batch, 1), length, gemm.CHUNK_ROWS)
+        plan = sequence_chunks(max(batch, 1), length, memory_plan.rows)
         for b0, b1 in plan:
             rs, bs = slice(b0 * length, b1 * length), slice(b0, b1)
             chunk = gemm.chunk_logits(
