@@ -12,6 +12,9 @@
 #               one-pass loss under two budgets against Liger's fused GRPO loss (python -m bench head_plans)
 #   overhead    python -m bench overhead --device cuda: every public op's eager and device time
 #   targets     python -m bench targets (the loss targets among them; saved as measured)
+#   trainer     the trainer end to end on a Qwen2.5-0.5B-shaped Llama: ppo_fast GRPO against TRL's
+#               GRPOTrainer unpatched and patched, then the fused head off, packing off, PPO (as the
+#               stage's time allows: python -m bench trainer_e2e)
 #   tests-native  the native CUDA tests and the no-host-sync test (the launch-count test apart)
 #   tests-launch  the profiler launch-count test alone, in its own process; a crash (a signal) is
 #               rerun once alone, to tell a crash of that test from one left by what ran before
@@ -20,7 +23,6 @@
 #               stage cut by its limit keeps every name
 #   head-tiles  the fused head's tile candidates and its vocabulary split (python -m bench head_tiles)
 #   bench       the rest of the benchmark suite, with the time left
-# Not in the plan: the trainer end to end on a Llama-shaped ~0.5B model (no such benchmark exists yet).
 # Each stage must end by its deadline, the share of TOTAL_S up to it (DEADLINE below): a stage
 # that ends early leaves its time to the next.  A TERM or INT (the device call's limit) stops the
 # stage in flight and still writes the summary.  The last lines of summary.txt: one per target
@@ -58,11 +60,11 @@ CHILD=""
 
 # Percent of TOTAL_S by which each stage must have ended.
 declare -A DEADLINE=(
-    [preflight]=6 [build]=26 [fused-head]=38 [head-plans]=46 [overhead]=51 [targets]=59
-    [tests-native]=63 [tests-launch]=66 [tests-triton]=71 [tests-matrix]=78 [tests-compile]=83 [tests-rest]=88
-    [head-tiles]=94 [bench]=100
+    [preflight]=6 [build]=26 [fused-head]=38 [head-plans]=46 [overhead]=51 [targets]=59 [trainer]=71
+    [tests-native]=74 [tests-launch]=77 [tests-triton]=81 [tests-matrix]=86 [tests-compile]=89 [tests-rest]=92
+    [head-tiles]=96 [bench]=100
 )
-STAGES=(preflight build fused-head head-plans overhead targets tests-native tests-launch tests-triton tests-matrix
+STAGES=(preflight build fused-head head-plans overhead targets trainer tests-native tests-launch tests-triton tests-matrix
     tests-compile tests-rest head-tiles bench)
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -295,7 +297,7 @@ rerun_crashed() {
     done
 }
 if [ "$REHEARSAL" = 1 ]; then
-    for s in fused-head head-plans overhead targets; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
+    for s in fused-head head-plans overhead targets trainer; do RESULTS+=("$s: skipped (rehearsal: no GPU)"); done
 else
     # --- the fused LM head's rows against its baselines, first: the question this run answers first.
     mkdir -p "$OUT/fused_head"
@@ -312,6 +314,9 @@ else
     [ "${COMPILE:-0}" = "1" ] && COMPILE_FLAG=(--compile)
     run_stage targets "$OUT/targets.log" \
         "$PY" -m bench targets --device cuda --out "$OUT" --budget-s $(($(left_for targets) * 3 / 4)) "${COMPILE_FLAG[@]}"
+    # --- the trainer end to end (issue 50's third question): no set-up starts in the stage's last fifth.
+    run_stage trainer "$OUT/trainer-e2e.log" \
+        "$PY" -m bench trainer_e2e --device cuda --out "$OUT" --budget-s $(($(left_for trainer) * 4 / 5))
 fi
 
 test_stage tests-native "${STAGED[@]:0:2}" -k "not $LAUNCH_TEST"

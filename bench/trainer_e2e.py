@@ -44,7 +44,7 @@ def tokenizer_of(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left")
 
 
-def model_of(shape: dict, tokenizer, vocab: int, positions: int):
+def model_of(shape: dict, tokenizer, vocab: int, positions: int, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -57,7 +57,8 @@ def model_of(shape: dict, tokenizer, vocab: int, positions: int):
         bos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().eval()
+    with device:  # initialised where it trains: 0.5B parameters initialise in seconds on a GPU, not on its host
+        return LlamaForCausalLM(config).float().eval()
 
 
 def even_share(completions, **kwargs) -> list[float]:
@@ -215,7 +216,7 @@ def run(device: torch.device, quick: bool, budget_s: float, setups=SETUPS) -> di
         else dict(prompts=16, group=4, prompt=64, response=64, warmup=1, steps=2)
     )
     tokenizer = tokenizer_of(vocab)
-    model = model_of(shape, tokenizer, vocab, sizes["prompt"] + sizes["response"] + 8)
+    model = model_of(shape, tokenizer, vocab, sizes["prompt"] + sizes["response"] + 8, device)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab - 2, (4 * sizes["prompts"], sizes["prompt"]), generator=generator)
     prompts = [" ".join(f"t{i}" for i in row) for row in ids.tolist()]

@@ -402,3 +402,17 @@ def test_head_tiles_runs_every_candidate(tmp_path):
     assert [r["chunk_rows"] for r in data["gemm_results"]] == [rows for rows, _ in head_tiles.GEMM_PLANS]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["gemm_results"])
     assert data["chosen"]["design"] in ("gemm", "tiles")
+
+
+def test_trainer_e2e_runs_its_set_ups_and_switches_the_fused_head_off(tmp_path):
+    """The GPU run's end-to-end stage, as a smoke run on CPU: our set-ups run a timed step each, the
+    two-pass one really runs without the fused head, and TRL's rows say why they are missing."""
+    from bench import trainer_e2e
+
+    setups = "ours-grpo,ours-grpo-two-pass,trl-grpo"
+    assert trainer_e2e.main(["--quick", "--device", "cpu", "--setups", setups, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "trainer-e2e-cpu-quick.json").read_text())["trainer_e2e"]["results"]
+    for name in ("ours-grpo", "ours-grpo-two-pass"):
+        assert results[name]["steps"] == 2 and results[name]["step_s"] > 0
+    assert "in two passes" in results["ours-grpo-two-pass"]["decided"]["loss_path"]
+    assert "step_s" in results["trl-grpo"] or "trl" in results["trl-grpo"]["skipped"]
