@@ -177,6 +177,10 @@ def test_a_token_budget_cuts_micro_batches_and_leaves_the_update_unchanged(monke
     # scoring, then the update, for each: rows of 13, 5, 2 and 9 tokens cut into [13], [9, 5], [2] by 14
     assert [len(cut[0]) for cut in cuts] == [1, 1, 3, 3]
     assert budgeted["stats"]["policy/ratio_dev_at_start"] == 0.0
+    # packed where the real tokens fill at most 75% of the 13-wide rows: all four rows (29 of 4 x 13) in one
+    # micro-batch; by 14, [9, 5] (14 of 2 x 13) and [2] (2 of 13), not [13]
+    assert whole["stats"]["packing/packed_share"] == 1.0
+    assert budgeted["stats"]["packing/packed_share"] == pytest.approx(2 / 3)
     for want, got in zip(whole["weights"], budgeted["weights"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(w, p) for w, p in zip(whole["weights"], _one_update(None, seed + 1)["weights"]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import default_task, model_folder, run_folder
+from . import default_task, model_folder, packing, run_folder
 from .evaluation import in_words
 from .metrics import ACCURACY, EVAL_KEYS, plot_curves
 from .run_folder import BEST_DIR, CONFIG_FILE, LOG_FILE, SUMMARY_FILE
@@ -60,6 +60,11 @@ def progress(run, bar, row: dict) -> None:
         kl=f"{row['objective/kl']:.3f}",
         tok_s=f"{row['throughput/tokens_per_s']:.0f}",
     )
+    if "packing/packed_share" in row and row["step"] == 1:
+        run.log(
+            f"step 1: --padding-free packed {row['packing/packed_share']:.0%} of the update's micro-batches "
+            f"(one is packed when its real tokens fill at most {packing.PACK_BELOW:.0%} of its padded rows)"
+        )
     if cfg.sample_every and (row["step"] % cfg.sample_every == 0 or row["step"] == 1):
         lines = [f"step {row['step']} samples:"]
         for prompt, response, score in run.last_samples[: cfg.num_samples_to_print]:

@@ -28,6 +28,8 @@ METRICS = {
     "loss/kl_avg": "the KL loss term, kl_coef times the aggregated KL to the reference (when the KL is in the loss)",
     "loss/value_avg": "the clipped value loss",
     "val/clipfrac_avg": "share of response tokens whose value prediction was clipped (--value-clip)",
+    "packing/packed_share": "with --padding-free: the share of the update's micro-batches laid out packed (one is "
+    "packed when its real tokens fill at most 75% of its padded rows, packing.PACK_BELOW)",
     "policy/ratio_dev_at_start": "max |ratio - 1| over the first micro-batch before any optimizer step: 0 exactly "
     "when the old log-probs were scored as the update scores them",
 }
@@ -158,7 +160,9 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
     terms = loss_terms(exp, cfg)
     path = path or loss_path(policy, critic, cfg, exp.batch.input_ids.device)
     if path.fused and not need_logprobs and not off_policy.weighs_each_micro_batch(cfg):
-        return (*training_loss(*fused_objective(policy, critic, exp, cfg, terms), exp, cfg), None)
+        return _with_packing(
+            *training_loss(*fused_objective(policy, critic, exp, cfg, terms), exp, cfg), None, exp, cfg
+        )
     logprobs, entropy, values = forward(
         policy,
         critic,
@@ -173,7 +177,14 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
     if off_policy.weighs_each_micro_batch(cfg):  # bypass: the old log-probs are the engine's
         terms["weights"] = off_policy.bypass_weights(logprobs, exp.old_logprobs, mask, cfg)
     objective, stats = pf.policy_objective(logprobs, entropy, exp.old_logprobs, exp.advantages, mask, **terms)
-    return (*training_loss(objective, stats, values, exp, cfg), logprobs.detach())
+    return _with_packing(*training_loss(objective, stats, values, exp, cfg), logprobs.detach(), exp, cfg)
+
+
+def _with_packing(loss, stats: dict, logprobs, exp: Experience, cfg) -> tuple:
+    """``(loss, stats, logprobs)``, the stats with whether the micro-batch ran packed (with --padding-free)."""
+    if cfg.padding_free:
+        stats["packing/packed_share"] = torch.tensor(float(packs(exp.batch, True)))
+    return loss, stats, logprobs
 
 
 def ratio_deviation(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
