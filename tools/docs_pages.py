@@ -13,6 +13,7 @@ The options table comes from ``ppo_fast.trainer.command_line.options_markdown()`
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -433,6 +434,23 @@ def _lora_section() -> list[str]:
     return out
 
 
+def _async_section() -> list[str]:
+    data = _load("async-cpu.json")
+    if not data:
+        return []
+    bench_async = importlib.import_module("bench.async")  # a keyword: not importable by name
+    return [
+        "## Asynchronous rollouts",
+        "",
+        "`python -m bench async`: the built-in job, the synchronous loop on 1 and 2 torch threads against "
+        "`--max-staleness 1` (a producer process); steps/s over the PPO steps from the second on, per seed.",
+        "",
+        measured_on(data, "async-cpu.json"),
+        "",
+        bench_async.markdown(data),
+    ]
+
+
 def performance_page() -> str:
     intro = [
         GENERATED,
@@ -452,7 +470,7 @@ def performance_page() -> str:
             "are yardsticks (timed, not compared).",
             "",
         ]
-    text = "\n".join(intro + _ops_sections() + _peer_sections() + _other_sections())
+    text = "\n".join(intro + _ops_sections() + _peer_sections() + _other_sections() + _async_section())
     return text.rstrip() + "\n"
 
 

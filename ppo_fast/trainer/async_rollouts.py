@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
 
 from .config import ConfigError
+from .models import third_party_output
 from .rollout_source import Generated, draw, generate_and_reward, sampling
 
 POLL_SECONDS = 1.0  # how often a trainer waiting for a batch checks that the producer lives
@@ -334,6 +335,7 @@ def _adopt(channel: Channel, shadow: dict, held: int) -> tuple[int, int] | None:
 
 def _produce(spec: ProducerSpec, channel: Channel) -> None:
     cfg, device = spec.cfg, spec.device
+    third_party_output(cfg.verbose)  # transformers as quiet as in the trainer
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(spec.seed)
