@@ -281,3 +281,21 @@ def test_several_processes_refuse_async_rollouts(tiny_config, monkeypatch):
     monkeypatch.setattr(distributed, "init", two_ranks)
     with pytest.raises(ConfigError, match="--max-staleness 1: asynchronous rollouts are not built for several"):
         PPOTrainer(tiny_config(max_staleness=1))
+
+
+def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_config):
+    """As a scheduler's SIGTERM to the process group: the trainer saves after its step and stops the producer,
+    which ignored the signal, cleanly."""
+    producers = []
+
+    class Scheduler:
+        def on_step_end(self, trainer, row):
+            producers.append(trainer.run.source.process)
+            os.kill(producers[0].pid, signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = PPOTrainer(tiny_config(steps=3, max_staleness=1, eval_size=0), callbacks=[Scheduler()])
+    summary = trainer.train()
+    assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
+    assert producers[0].exitcode == 0  # it finished when told to, not killed by the signal
+    assert checkpoint.load_state(checkpoint.latest(Path(trainer.run.output_dir))).policy_version == 2

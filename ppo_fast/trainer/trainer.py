@@ -3,7 +3,9 @@
 The run's state is one record, ``run_state.Run``, built by ``startup.build_run`` (options checked,
 run folder claimed, data, reward, models, engine); the rooms take it: ``checkpoint`` (what a
 checkpoint holds, the run folder claimed and resumed), ``evaluation`` (held-out scores),
-``metrics`` (a step's record and row), ``report`` (progress, summary, plot).
+``metrics`` (a step's record and row), ``report`` (progress, summary, plot).  A step's rollouts
+come from ``run.source``: generated in the loop (``rollout_source.SyncSource``), or by a producer
+process a few updates ahead (``async_rollouts.AsyncSource``, ``--max-staleness``).
 """
 
 from __future__ import annotations
