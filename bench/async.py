@@ -60,6 +60,8 @@ def one_run(root: Path, setup: str, seed: int, options: dict) -> dict:
         "seed": seed,
         "steps": len(rows),
         "steps_per_s": len(steady) / sum(row["time/step"] for row in steady),
+        # Synchronous: generation and reward's share of a step (overlap saves at most this); async: the wait.
+        "rollout_share": sum(row["time/rollout"] for row in steady) / sum(row["time/step"] for row in steady),
         "train_seconds": seconds,
         "before": summary["eval_before"],
         "after": summary["eval_after"],
@@ -69,6 +71,15 @@ def one_run(root: Path, setup: str, seed: int, options: dict) -> dict:
             result[key.removeprefix("async/")] = statistics.fmean(row[key] for row in rows)
     torch.set_num_threads(1)  # the next set-up sets its own
     return result
+
+
+def trainer_options(text: str) -> dict:
+    """``name=value,...`` as TrainerConfig values (typed and checked as a config file's)."""
+    from ppo_fast.trainer import TrainerConfig
+
+    pairs = dict(item.split("=", 1) for item in text.split(",") if item.strip())
+    cfg = TrainerConfig.from_dict(pairs, source="--options")
+    return {name: getattr(cfg, name) for name in pairs}
 
 
 def measure(setups: list[str], seeds: list[int], options: dict) -> dict:
@@ -101,15 +112,16 @@ def markdown(data: dict) -> str:
         + ", ".join(f"{v:.1f}" for v in data["machine"].get("load_average", ()))
         + ".",
         "",
-        f"| set-up | steps/s | min-max | vs {first} | held-out before | after | age | producer idle | trainer idle |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| set-up | steps/s | min-max | vs {first} | held-out before | after | time/rollout share | age | "
+        "producer idle | trainer idle |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for setup, m in res["means"].items():
         low, high = m["steps_per_s_spread"]
         extra = " | ".join(f"{m[k]:.2f}" if k in m else "-" for k in ("age", "producer_idle_frac", "trainer_idle_frac"))
         lines.append(
             f"| {setup} | {m['steps_per_s']:.3f} | {low:.3f}-{high:.3f} | {m['speedup_vs_' + first]:.2f}x | "
-            f"{m['before']:.3f} | {m['after']:.3f} | {extra} |"
+            f"{m['before']:.3f} | {m['after']:.3f} | {m['rollout_share']:.2f} | {extra} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -120,6 +132,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"of {', '.join(SETUPS)}; the first is the base")
     parser.add_argument("--steps", type=int, default=None, help="PPO steps (default: the built-in job's)")
+    parser.add_argument(
+        "--options", default="", help="trainer options for every set-up, e.g. num_ppo_epochs=1,response_length=8"
+    )
     parser.add_argument("--out", default="bench_out/async-cpu.json", help="the JSON; the .md table beside it")
     args = parser.parse_args(argv)
     setups = args.setups.split(",")
@@ -130,6 +145,7 @@ def main(argv=None) -> int:
     options = dict(QUICK) if args.quick else {}
     if args.steps:
         options["steps"] = args.steps
+    options |= trainer_options(args.options)
     data = result_header("async", argv, torch.device("cpu"))
     data["result"] = measure(setups, seeds, options)
     write_json(args.out, data)

@@ -269,6 +269,14 @@ def test_max_staleness_0_generates_in_the_loop_with_no_producer(tiny_config):
     assert trainer.run.policy_version == 2
 
 
+def test_vllm_sleep_and_a_producer_are_refused_together():
+    with pytest.raises(
+        ConfigError, match=r"--vllm-sleep\) sleeps the engine while the producer of --max-staleness > 0 generates"
+    ):
+        TrainerConfig(rollout_engine="vllm", vllm_sleep=True, max_staleness=1)._validate_engine()
+    TrainerConfig(rollout_engine="vllm", vllm_sleep=True)._validate_engine()
+
+
 def test_several_processes_refuse_async_rollouts(tiny_config, monkeypatch):
     from ppo_fast.trainer import distributed
 

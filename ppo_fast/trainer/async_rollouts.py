@@ -194,6 +194,8 @@ class AsyncSource:
 
     def next(self) -> Generated:
         """The next batch no older than ``--max-staleness`` steps (older ones dropped)."""
+        if self.process is None:  # a caller of train_step without train(): train() stops it
+            self.start()
         while True:
             g = self._take()
             age = self.run.step - g.weights_step

@@ -657,6 +657,11 @@ class TrainerConfig:
             f"needs {_engines_with('logprobs')} (the {engine.name} engine's log-probs are the trainer's)",
         )
         _require("vllm_sleep", not self.vllm_sleep or engine.sleep_on, f"needs {_engines_with('sleep_on')}")
+        _require(
+            "vllm_sleep",
+            not (self.vllm_sleep and self.max_staleness),
+            "sleeps the engine while the producer of --max-staleness > 0 generates; choose one",
+        )
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""
