@@ -111,6 +111,8 @@ def one_run(root: Path, setup: str, seed: int, options: dict, model: str = "buil
         "before": summary["eval_before"],
         "after": summary["eval_after"],
     }
+    phases = sorted({key for row in steady for key in row if key.startswith("time/") and key != "time/step"})
+    result["phase_seconds"] = {key: statistics.fmean(row.get(key, 0.0) for row in steady) for key in phases}
     for key in ASYNC_KEYS:
         if key in rows[0]:
             result[key.removeprefix("async/")] = statistics.fmean(row[key] for row in rows)
@@ -136,7 +138,7 @@ def measure(setups: list[str], seeds: list[int], options: dict, model: str) -> d
                 runs[setup].append(row)
                 print(setup, row, flush=True)
     means = {
-        setup: {key: statistics.fmean(r[key] for r in rows) for key in rows[0] if key != "seed"}
+        setup: {key: statistics.fmean(r[key] for r in rows) for key in rows[0] if key not in ("seed", "phase_seconds")}
         for setup, rows in runs.items()
     }
     base = means[setups[0]]["steps_per_s"]
