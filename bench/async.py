@@ -76,8 +76,8 @@ def llama_job(seed: int) -> dict:
 
 
 MODELS = {
-    "builtin": "the built-in job (its defaults)",
-    "llama": "a random Llama-shaped policy, GRPO, 32-token responses (speed only: it learns nothing in 20 steps)",
+    "builtin": "The built-in job (its defaults)",
+    "llama": "A random Llama-shaped policy, GRPO, 32-token responses (speed only: it learns nothing in 20 steps)",
 }
 ASYNC_KEYS = ("async/age", "async/producer_idle_frac", "async/trainer_idle_frac", "async/groups_dropped")
 

@@ -435,20 +435,21 @@ def _lora_section() -> list[str]:
 
 
 def _async_section() -> list[str]:
-    data = _load("async-cpu.json")
-    if not data:
-        return []
+    """``python -m bench async``'s result files: the built-in job's and (``--model llama``) the Llama-shaped job's."""
     bench_async = importlib.import_module("bench.async")  # a keyword: not importable by name
-    return [
-        "## Asynchronous rollouts",
-        "",
-        "`python -m bench async`: the built-in job, the synchronous loop on 1 and 2 torch threads against "
-        "`--max-staleness 1` (a producer process); steps/s over the PPO steps from the second on, per seed.",
-        "",
-        measured_on(data, "async-cpu.json"),
-        "",
-        bench_async.markdown(data),
-    ]
+    out = []
+    for name, what in (("async-cpu.json", "the built-in job"), ("async-llama-cpu.json", "`--model llama`")):
+        data = _load(name)
+        if data:
+            out += [
+                f"`python -m bench async`, {what}: the synchronous loop on 1 and 2 torch threads against "
+                "`--max-staleness 1` (a producer process); steps/s over the PPO steps from the second on.",
+                "",
+                measured_on(data, name),
+                "",
+                bench_async.markdown(data),
+            ]
+    return ["## Asynchronous rollouts", "", *out] if out else []
 
 
 def performance_page() -> str:
