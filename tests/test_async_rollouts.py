@@ -78,6 +78,7 @@ class Clock(torch.nn.Module):  # the stand-in policy: its version written into t
         super().__init__()
         self.a = torch.nn.Parameter(torch.zeros(()))
         self.b = torch.nn.Parameter(torch.zeros(()))
+        self.frozen = torch.nn.Parameter(torch.zeros(()), requires_grad=False)  # never sent: an update leaves it
 """
 
 
@@ -177,6 +178,7 @@ def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, m
         assert sum(row[f"async/staleness/{a}"] for a in range(max_staleness + 1)) == 3
         assert row["async/queue_depth"] <= max_staleness and row["async/groups_dropped"] == 0
         assert 0 <= row["async/producer_idle_frac"] <= 1 and 0 <= row["async/trainer_idle_frac"] <= 1
+    assert sorted(run.source.staging) == ["a", "b"]
     # Ahead as far as it may be, and no further: batch n waits for the weights of step n - K.
     assert ages == [*range(max_staleness), *[max_staleness] * 3]
 

@@ -126,7 +126,10 @@ class AsyncSource:
     def start(self) -> None:
         run, ctx = self.run, mp.get_context("spawn")
         self.template = copy.deepcopy(run.policy).eval().requires_grad_(False)  # the producer's shadow
-        self.staging = {name: _shared(t) for name, t in run.policy.state_dict().items()}
+        # What an update can change: all but the frozen parameters (LoRA: the adapters and the buffers).
+        frozen = {name for name, p in run.policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = run.policy.state_dict()
+        self.staging = {name: _shared(t) for name, t in state.items() if name not in frozen}
         self.channel = Channel(
             staging=self.staging,
             weights_step=ctx.Value("q", run.step, lock=False),
@@ -241,8 +244,9 @@ class AsyncSource:
         channel, run = self.channel, self.run
         with channel.lock:
             with torch.no_grad():
-                for name, tensor in run.policy.state_dict().items():
-                    channel.staging[name].copy_(tensor)
+                state = run.policy.state_dict()
+                for name, staged in channel.staging.items():
+                    staged.copy_(state[name])
             if any(t.is_cuda for t in channel.staging.values()):
                 torch.cuda.synchronize()  # the copies are done before the producer may read them
             channel.weights_step.value, channel.version.value = run.step, run.policy_version
@@ -328,8 +332,8 @@ def _adopt(channel: Channel, shadow: dict, held: int) -> tuple[int, int] | None:
     if channel.weights_step.value <= held:
         return None
     with channel.lock, torch.no_grad():
-        for name, tensor in shadow.items():
-            tensor.copy_(channel.staging[name])
+        for name, staged in channel.staging.items():
+            shadow[name].copy_(staged)
         if any(t.is_cuda for t in shadow.values()):
             torch.cuda.synchronize()
         return channel.weights_step.value, channel.version.value
