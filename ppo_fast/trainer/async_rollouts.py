@@ -237,7 +237,11 @@ class AsyncSource:
         except queue.Empty:
             code = self.process.exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            return "error", f"the producer {how} without a traceback (out of memory?)"
+            return "error", (
+                f"the producer {how} before it could send a traceback (out of memory, or it failed while starting: "
+                "its stderr says why; a Python script that starts training when imported needs "
+                "`if __name__ == '__main__':`, as for any spawned process)"
+            )
 
     def publish(self) -> None:
         """The policy's weights after this step's update to the staging copy, with their step and version."""
