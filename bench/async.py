@@ -42,10 +42,8 @@ QUICK = dict(steps=3, sft_steps=10, eval_size=16, batch_size=8)
 # --model llama: a randomly initialised Llama-shaped policy on the built-in prompts and reward, GRPO with one
 # pass over each batch and long responses (a random model seldom stops): a job where generation weighs.
 LLAMA_SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4)
-LLAMA = dict(
-    steps=20, response_length=32, advantage_method="grpo", group_size=4, batch_size=8, num_ppo_epochs=1,
-    num_mini_batches=1, eval_every=0,
-)  # fmt: skip
+LLAMA = dict(steps=20, response_length=32, advantage_method="grpo", group_size=4, batch_size=8)
+LLAMA |= dict(num_ppo_epochs=1, num_mini_batches=1, eval_every=0)
 
 
 def llama_job(seed: int) -> dict:
