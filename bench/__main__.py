@@ -27,6 +27,7 @@ SUITES = {
     "vllm_rollout": "rollout speed, --rollout-engine hf against vllm, and the weight sync",
     "packed": "ops on packed tensors (cu_seqlens) against the padded detour and padded tensors, equal valid tokens",
     "padding_free": "--padding-free against the padded layout: the update's tokens/s and peak memory, the built-in step",
+    "async": "--max-staleness 1 (a producer process) against the synchronous loop: steps/s and held-out accuracy",
     "lora": "--lora-r against full fine-tuning: the update's peak memory (Llama-shaped), held-out accuracy over seeds",
     "head_tiles": "the Triton fused head's tile configurations on a GPU, forward and backward, against its products",
     "head_plans": "the GEMM-first head's memory plans on a GPU against cuBLAS and Liger's fused GRPO loss",

@@ -14,6 +14,7 @@ The options table comes from ``ppo_fast.trainer.command_line.options_markdown()`
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -434,6 +435,24 @@ def _lora_section() -> list[str]:
     return out
 
 
+def _async_section() -> list[str]:
+    """``python -m bench async``'s result files: the built-in job's and (``--model llama``) the Llama-shaped job's."""
+    bench_async = importlib.import_module("bench.async")  # a keyword: not importable by name
+    out = []
+    for name, what in (("async-cpu.json", "the built-in job"), ("async-llama-cpu.json", "`--model llama`")):
+        data = _load(name)
+        if data:
+            out += [
+                f"`python -m bench async`, {what}: the synchronous loop on 1 and 2 torch threads against "
+                "`--max-staleness 1` (a producer process); steps/s over the PPO steps from the second on.",
+                "",
+                measured_on(data, name),
+                "",
+                bench_async.markdown(data),
+            ]
+    return ["## Asynchronous rollouts", "", *out] if out else []
+
+
 def performance_page() -> str:
     intro = [
         GENERATED,
@@ -453,7 +472,7 @@ def performance_page() -> str:
             "are yardsticks (timed, not compared).",
             "",
         ]
-    text = "\n".join(intro + _ops_sections() + _peer_sections() + _other_sections())
+    text = "\n".join(intro + _ops_sections() + _peer_sections() + _other_sections() + _async_section())
     return text.rstrip() + "\n"
 
 

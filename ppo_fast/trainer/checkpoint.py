@@ -85,6 +85,8 @@ class TrainerState:
     world_size: int = 1
     rng_per_rank: list | None = None  # every rank's RNG state, by rank
     best: dict | None = None  # --keep-best: {"step", "eval/score"} of output_dir/best
+    policy_version: int | None = None  # the policy's optimizer steps (None: a checkpoint from before versions)
+    rollouts_in_flight: int = 0  # --max-staleness > 0: batches generated or being generated, not saved
 
 
 @dataclass
@@ -415,7 +417,15 @@ def restore(run, loaded: Loaded, lr_factor) -> int:
             f"{parallel.world_size}: the random streams are seeded anew (the run continues, not bit for bit)"
         )
     run.best = state.best
-    run.log(f"resumed from {loaded.path} (step {state.step})")
+    saved = state.config
+    steps_per_update = saved.get("num_ppo_epochs", cfg.num_ppo_epochs) * saved.get("num_mini_batches", 1)
+    run.policy_version = state.step * steps_per_update if state.policy_version is None else state.policy_version
+    run.log(f"resumed from {loaded.path} (step {state.step}); policy version {run.policy_version}")
+    if state.rollouts_in_flight:
+        run.log(
+            f"--resume: the {state.rollouts_in_flight} rollout batch(es) in flight at step {state.step} were not "
+            "saved: they are generated anew from the checkpoint's weights"
+        )
     return state.step
 
 
@@ -477,6 +487,8 @@ def save_run(run, rng: dict | None = None, final: bool = False) -> Path:
         world_size=parallel.world_size,
         rng_per_rank=parallel.gather_objects(rng) if parallel.active else None,
         best=run.best,
+        policy_version=run.policy_version,
+        rollouts_in_flight=run.source.in_flight() if run.source is not None else 0,
     )
 
     def write(folder: Path) -> None:

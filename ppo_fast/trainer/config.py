@@ -358,6 +358,20 @@ class TrainerConfig:
         "next rollout: frees GPU memory for training (GPU only).",
         "rollout",
     )
+    max_staleness: int = _opt(
+        0,
+        "Asynchronous rollouts (docs/async.md): a producer process generates with weights at most this many updates "
+        "old while the trainer trains (0: generate, then train, in turn).",
+        "rollout",
+        bounds=">= 0",
+    )
+    staleness_policy: str = _opt(
+        "wait",
+        "With --max-staleness > 0: the producer waits for fresh enough weights (wait), or the trainer drops the "
+        "batches older than the bound (drop).",
+        "rollout",
+        choices=("wait", "drop"),
+    )
     rollout_correction: str = _opt(
         "none",
         f"Correct the policy loss for the engine/trainer log-prob mismatch ({_engines_with('logprobs')}): none, or "
@@ -655,6 +669,11 @@ class TrainerConfig:
             f"bypass needs {_engines_with('logprobs')}",
         )
         _require("vllm_sleep", not self.vllm_sleep or engine.sleep_on, f"needs {_engines_with('sleep_on')}")
+        _require(
+            "vllm_sleep",
+            not (self.vllm_sleep and self.max_staleness),
+            "sleeps the engine while the producer of --max-staleness > 0 generates; choose one",
+        )
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""

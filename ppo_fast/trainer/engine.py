@@ -7,6 +7,7 @@ A new engine is one module and one entry there; ``--rollout-engine``'s choices c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,11 @@ class EngineSetup:
     autocast: Callable
     synced_gpus: bool
     log: Callable[[str], None]
+
+
+def autocast(device: torch.device, bf16: bool):
+    """Generation's (and the run's) autocast: bf16 on CUDA with ``--bf16``, else none."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and bf16 else contextlib.nullcontext()
 
 
 def start(name: str, setup: EngineSetup) -> Engine:

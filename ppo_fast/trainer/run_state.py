@@ -16,8 +16,9 @@ class Run:
     """What one run holds.  Known first (before any model loads): the options, the log, the run folder,
     the processes and the device, whether it is the built-in task and the response length.  Then the
     tokenizer, the prompts, the reward, the models with their wrappers (what the update calls), the
-    optimiser, its schedule, the KL controller and (LoRA) the adapters, the rollout engine and the loss
-    path.  Then where it is: the step, the best held-out score and the step it resumed from."""
+    optimiser, its schedule, the KL controller and (LoRA) the adapters, the rollout engine, the rollout
+    source and the loss path.  Then where it is: the step, the policy's version, the best held-out score
+    and the step it resumed from."""
 
     cfg: object  # TrainerConfig (its final values: a torchrun restart resumes, packing resolved on the model)
     log: Callable[[str], None]
@@ -42,9 +43,11 @@ class Run:
     kl_control: object = None
     adapters: object = None  # LoRA: the policy's PeftModel; the reference is then the policy, adapters off
     reference_scope: Callable = contextlib.nullcontext
-    engine: object = None  # engine.Engine
+    engine: object = None  # engine.Engine (in this process; None where a producer process holds it)
+    source: object = None  # rollout_source.SyncSource or async_rollouts.AsyncSource: where the rollouts come from
     loss_path: object = None  # update.LossPath
     step: int = 0
+    policy_version: int = 0  # the policy's optimizer steps so far: the version a rollout is tagged with
     best: dict | None = None
     resumed_from: int | None = None
     last_samples: list = field(default_factory=list)

@@ -20,7 +20,20 @@ from tqdm.auto import tqdm
 import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
-from . import checkpoint, default_task, distributed, engine, lora, model_folder, packing, report, run_folder, trackers
+from . import (
+    async_rollouts,
+    checkpoint,
+    default_task,
+    distributed,
+    engine,
+    lora,
+    model_folder,
+    packing,
+    report,
+    rollout_source,
+    run_folder,
+    trackers,
+)
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .metrics import PhaseTimer
 from .models import (
@@ -402,13 +415,17 @@ def build_run(cfg: TrainerConfig, given: Given, log: Callable[[str], None] | Non
         setattr(run, name, getattr(models, name))
     run.loss_path = loss_path(run.train_policy, run.critic, cfg, run.device)
     run.log(str(run.loss_path))
-    run.engine = engine.start(cfg.rollout_engine, _engine_setup(run))
+    if cfg.max_staleness == 0:  # else the engine runs in the producer process (async_rollouts)
+        run.engine = engine.start(cfg.rollout_engine, _engine_setup(run))
     # The PPO phase's random streams start from the seed, whether or not the
     # warm-up above was trained (consuming random numbers) or loaded from cache; each rank its own.
     checkpoint.seed_all(cfg.seed + run.parallel.rank)
     if resume_from is not None:
         run.step = run.resumed_from = checkpoint.restore(run, resume_from, schedule(cfg))
-        run.engine.sync_weights(run.policy)
+        if run.engine is not None:
+            run.engine.sync_weights(run.policy)
+    # Where the rollouts come from: generated in the loop, or by a producer process (it starts from these weights).
+    run.source = async_rollouts.from_run(run) if cfg.max_staleness else rollout_source.SyncSource(run)
     return run
 
 
@@ -422,6 +439,11 @@ def _checked_start(cfg: TrainerConfig, given: Given, log) -> Run:
     output_dir = Path(cfg.output_dir)
     parallel, device = distributed.init(cfg, resolve_device(cfg.device))
     check_options(cfg, device)
+    if cfg.max_staleness and parallel.active:
+        raise ConfigError(
+            f"--max-staleness {cfg.max_staleness}: asynchronous rollouts are not built for several processes "
+            f"({parallel.world_size} here); run one process, or use --max-staleness 0"
+        )
     if distributed.restart_of_this_job(parallel, output_dir):  # torchrun --max-restarts
         cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
         run_log(f"torchrun restart: continuing the run this job started in {output_dir}")
@@ -467,8 +489,6 @@ def run_autocast(run: Run) -> Callable:
     """The run's autocast: bf16 on CUDA with ``--bf16``, else none."""
 
     def autocast():
-        if run.device.type == "cuda" and run.cfg.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return engine.autocast(run.device, run.cfg.bf16)
 
     return autocast

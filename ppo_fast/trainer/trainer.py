@@ -3,7 +3,9 @@
 The run's state is one record, ``run_state.Run``, built by ``startup.build_run`` (options checked,
 run folder claimed, data, reward, models, engine); the rooms take it: ``checkpoint`` (what a
 checkpoint holds, the run folder claimed and resumed), ``evaluation`` (held-out scores),
-``metrics`` (a step's record and row), ``report`` (progress, summary, plot).
+``metrics`` (a step's record and row), ``report`` (progress, summary, plot).  A step's rollouts
+come from ``run.source``: generated in the loop (``rollout_source.SyncSource``), or by a producer
+process a few updates ahead (``async_rollouts.AsyncSource``, ``--max-staleness``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .config import GROUP_METHODS, TrainerConfig
 from .estimate import EstimateOptions, estimate
 from .metrics import MetricsWriter, StepRecord, step_row
 from .rollout import Rollouts, decode_responses, generate, score_old_and_ref
+from .rollout_source import Generated
 from .scoring import check_finite
 from .stops import DeferredInterrupt, StopNow
 from .update import Experience, first_epoch_micro_batches, ppo_update
@@ -100,13 +103,12 @@ class PPOTrainer:
         step = self.run.step + 1
         rows = self.run.parallel.per_rank(cfg.batch_size) * cfg.group_size
         start = time.perf_counter()
-        with timer.phase("rollout"):
-            r = self._rollout(rows)
-        with timer.phase("score"):
-            r.responses = decode_responses(self.run.tokenizer, r.batch)
-            r.scores = self.run.scorer(r.prompts, r.responses, self.run.device, r.answers, r.columns)
-            check_finite(f"reward ({self.run.scorer.name})", r.scores, step)
-            self._warn_if_no_signal(r.scores, step)
+        with timer.phase("rollout"):  # the generation side: prompts, responses, rewards (a producer's, when async)
+            g = self.run.source.next()
+            check_finite(f"reward ({self.run.scorer.name})", g.scores, step)
+            self._warn_if_no_signal(g.scores, step)
+        with timer.phase("score"):  # the trainer's side: scored with the current weights
+            r = self._rollout(g, rows)
         with timer.phase("estimate"):
             kl_coef = self.run.kl_control.value
             baselines = self._greedy_scores(r) if self._needs_baselines() else None
@@ -148,12 +150,13 @@ class PPOTrainer:
                 path=self.run.loss_path,
             )
         self._in_update = False
-        if self.run.engine.info.own_weights:
-            with timer.phase("weight_sync"):
-                self.run.engine.sync_weights(self.run.policy)
         sequence_kl = self.run.parallel.mean(est.kl.sum(-1).mean())
         self.run.kl_control.update(sequence_kl, rows * self.run.parallel.world_size)
         self.run.step = step
+        self.run.policy_version += cfg.num_ppo_epochs * cfg.num_mini_batches  # one version per optimizer step
+        if self.run.source.syncs_weights:  # an engine with its own copy, or a producer process
+            with timer.phase("weight_sync"):
+                self.run.source.publish()
 
         self.run.last_samples = list(zip(r.prompts, r.responses, r.scores.tolist()))
         seconds = time.perf_counter() - start
@@ -170,21 +173,15 @@ class PPOTrainer:
             kl_coef=kl_coef,
             phase_seconds=timer.pop_step(),
         )
-        row = step_row(record, cfg.kl_in_reward, self.run.parallel.world_size) | self.run.scorer.metrics()
-        return self.run.parallel.reduce_row(row)
+        row = step_row(record, cfg.kl_in_reward, self.run.parallel.world_size) | g.reward_metrics
+        return self.run.parallel.reduce_row(row | self.run.source.metrics(g))
 
-    def _rollout(self, rows: int) -> Rollouts:
-        """Draw this rank's prompts, sample responses, and score them with the policy, the
-        reference and the critic.  The first epoch's shuffle is drawn first and the old log-probs
-        are scored in its micro-batches, as the update will see them: the first micro-batch's
-        ratio is then exactly 1."""
+    def _rollout(self, g: Generated, rows: int) -> Rollouts:
+        """The generated batch ``g`` scored with the policy's current weights, the reference and the
+        critic.  The first epoch's shuffle is drawn first and the old log-probs are scored in its
+        micro-batches, as the update will see them: the first micro-batch's ratio is then exactly 1."""
         cfg = self.run.cfg
-        shard = self.run.parallel.shard(len(self.run.prompts))
-        picks = [shard[i] for i in torch.randint(len(shard), (self.run.parallel.per_rank(cfg.batch_size),)).tolist()]
-        drawn = [i for i in picks for _ in range(cfg.group_size)]
-        prompts = [self.run.train_set.texts[i] for i in drawn]
-        answers = [self.run.train_set.answers[i] for i in drawn]
-        batch, engine_logprobs = self._generate(prompts)
+        batch, engine_logprobs = g.batch, g.engine_logprobs
         first_order = torch.randperm(rows, device=self.run.device)
         with self._autocast():
             old, ref, values = score_old_and_ref(
@@ -201,36 +198,23 @@ class PPOTrainer:
             )
         inputs = off_policy.loss_inputs(old, engine_logprobs, batch.response_mask, cfg)
         return Rollouts(
-            prompts=prompts,
-            answers=answers,
+            prompts=g.prompts,
+            answers=g.answers,
             batch=batch,
             engine_logprobs=engine_logprobs,
             first_order=first_order,
             old_logprobs=inputs.old_logprobs,
             ref_logprobs=ref,
             values=values,
-            columns=self.run.train_set.columns_of(drawn),
+            responses=g.responses,
+            scores=g.scores,
+            columns=g.columns,
             loss_weights=inputs.weights,
             off_policy_metrics=inputs.metrics,
         )
 
     def _autocast(self):
         return startup.run_autocast(self.run)()
-
-    def _generate(self, prompts: list[str]):
-        """``(batch, the engine's log-probs of the response tokens, or None where it has none)``."""
-        cfg = self.run.cfg
-        return self.run.engine.generate(
-            self.run.tokenizer,
-            prompts,
-            max_new_tokens=self.run.response_length,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            min_p=cfg.min_p,
-            greedy=False,
-            device=self.run.device,
-        )
 
     def _needs_baselines(self) -> bool:
         return "baselines" in pf.advantage_methods()[self.run.cfg.advantage_method].params
@@ -284,12 +268,13 @@ class PPOTrainer:
         try:
             return self._train()
         finally:
-            self.run.engine.close()  # before the process group goes: vLLM's groups are built on it
+            self.run.source.close()  # its engine before the process group goes: vLLM's groups are built on it
 
     def _train(self) -> dict:
         cfg = self.run.cfg
         if self.run.step >= cfg.steps:  # --resume of a run that already did its steps
             return report.nothing_to_do(self.run)
+        self.run.source.start()  # an async source's producer process (generating while the evaluation runs)
         with pf.use_backend(cfg.backend), self.run.parallel.guard():
             before, start = evaluation.at_start(self.run)
             if start:

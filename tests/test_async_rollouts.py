@@ -1,0 +1,313 @@
+"""Asynchronous rollouts (--max-staleness K > 0): a producer process with a test engine whose batches carry
+the weights they were generated with (a version clock), driven by a stand-in trainer that updates the
+clock: the staleness bound, the queue's depth, wait vs drop, the version tags, weights never seen half
+updated, clean shutdown, a crash as an error with the producer's traceback; then the real trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint
+from ppo_fast.trainer.async_rollouts import AsyncSource, ProducerError, check_picklable
+from ppo_fast.trainer.metric_glossary import undocumented
+from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
+from ppo_fast.trainer.prompts import Prompts
+from ppo_fast.trainer.scoring import FunctionScorer, Rewards
+
+# The test engine: it reads the policy's two numbers (the version the stand-in trainer writes into both)
+# at the start and at the end of a generation, CLOCK_DELAY seconds apart, and answers them as the
+# prompt's and the response's token; CLOCK_CRASH_AT=N raises in its N-th generation.
+_CLOCK_ENGINE = """
+import os, time
+import torch
+from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
+from ppo_fast.trainer.rollout import Batch
+
+# Registered where this module is imported: the producer process imports it to unpickle the run's objects.
+ROLLOUT_ENGINES.setdefault(
+    "clock", RolloutEngine(name="clock", module="clock_engine", summary="a test's", logprobs=False, own_weights=True)
+)
+
+
+class ClockEngine:
+    info = ROLLOUT_ENGINES["clock"]
+
+    def __init__(self, setup):
+        self.policy, self.calls = setup.policy, 0
+
+    def generate(self, tokenizer, prompts, *, max_new_tokens, device, **sampling):
+        self.calls += 1
+        if self.calls == int(os.environ.get("CLOCK_CRASH_AT", "0")):
+            raise ValueError("clock engine: injected failure")
+        first = int(self.policy.a.item())
+        time.sleep(float(os.environ.get("CLOCK_DELAY", "0")))
+        last = int(self.policy.b.item())
+        ids = torch.tensor([[first, last]] * len(prompts))
+        return Batch(ids, torch.ones_like(ids, dtype=torch.bool), 1), None
+
+    def sync_weights(self, policy):
+        return 0.0
+
+    def close(self):
+        pass
+
+
+def start(setup):
+    return ClockEngine(setup)
+
+
+class Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [str(int(row[-1])) for row in ids]
+
+
+def reward(prompts, responses):
+    return [float(r) for r in responses]
+
+
+class Clock(torch.nn.Module):  # the stand-in policy: its version written into two numbers, one after the other
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(()))
+        self.b = torch.nn.Parameter(torch.zeros(()))
+        self.frozen = torch.nn.Parameter(torch.zeros(()), requires_grad=False)  # never sent: an update leaves it
+"""
+
+
+@pytest.fixture
+def clock(tmp_path, monkeypatch):
+    """``make(K, policy, **env)``: a stand-in run record whose source is an AsyncSource over the clock engine."""
+    (tmp_path / "clock_engine.py").write_text(_CLOCK_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the producer process starts with this sys.path
+    entry = RolloutEngine(name="clock", module="clock_engine", summary="a test's", logprobs=False, own_weights=True)
+    monkeypatch.setitem(ROLLOUT_ENGINES, "clock", entry)  # for this test only
+    import clock_engine
+
+    sources = []
+
+    def make(max_staleness: int, policy: str = "wait", **env) -> SimpleNamespace:
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value))
+        cfg = TrainerConfig(
+            max_staleness=max_staleness,
+            staleness_policy=policy,
+            rollout_engine="clock",
+            batch_size=3,
+            group_size=2,
+            output_dir=str(tmp_path),
+        )
+        run = SimpleNamespace(
+            cfg=cfg,
+            policy=clock_engine.Clock(),
+            tokenizer=clock_engine.Tokenizer(),
+            train_set=Prompts(["p0", "p1", "p2", "p3"]),
+            scorer=Rewards([FunctionScorer(clock_engine.reward)], [1.0]),
+            response_length=1,
+            device=torch.device("cpu"),
+            output_dir=tmp_path,
+            step=0,
+            policy_version=0,
+            said=[],
+        )
+        run.log = run.said.append
+        run.source = AsyncSource(run)
+        sources.append(run.source)
+        run.source.start()
+        return run
+
+    yield make
+    for source in sources:
+        source.close()
+
+
+def _wait_for(condition) -> None:
+    """Until ``condition()`` (or 60 s: then the test's assertions say what happened)."""
+    deadline = time.perf_counter() + 60
+    while not condition() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+
+
+def _wait_for_full_queue(run) -> None:
+    """Until the producer has filled the queue."""
+    _wait_for(lambda: run.source.channel.batches.qsize() >= run.cfg.max_staleness)
+
+
+def _train_step(run, jump: int = 1) -> tuple:
+    """The stand-in trainer's step: take a batch, then an update that moves the clock ``jump`` steps
+    (two optimizer steps each) and publishes it."""
+    g = run.source.next()
+    row = run.source.metrics(g)
+    taken_at = run.step
+    run.step += jump
+    run.policy_version += 2 * jump
+    with torch.no_grad():
+        run.policy.a.fill_(run.policy_version)
+        run.policy.b.fill_(run.policy_version)
+    run.source.publish()
+    return taken_at, g, row
+
+
+def _check_tags(g) -> None:
+    """The batch was generated whole by the weights its tags name."""
+    first, last = g.batch.input_ids[:, 0], g.batch.input_ids[:, 1]
+    assert (first == last).all(), "a generation saw the weights change under it"
+    assert (first == g.version).all() and g.version == 2 * g.weights_step
+    assert g.scores.tolist() == [float(g.version)] * 6  # the producer's reward of its own responses
+
+
+@pytest.mark.parametrize("max_staleness", [1, 3])
+def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, max_staleness):
+    run = clock(max_staleness, "wait", CLOCK_DELAY=0.02)
+    ages = []
+    for _ in range(max_staleness + 3):
+        # The producer as far ahead as the bound lets it: batches 0 .. step + K generated, K of them queued.
+        _wait_for(lambda: run.source.channel.produced.value >= run.step + max_staleness + 1)
+        taken_at, g, row = _train_step(run)
+        _check_tags(g)
+        ages.append(taken_at - g.weights_step)
+        assert row["async/age"] == ages[-1] and row["async/version"] == g.version
+        assert row["async/staleness/" + str(ages[-1])] == 3  # the batch's 3 groups, at their age
+        assert sum(row[f"async/staleness/{a}"] for a in range(max_staleness + 1)) == 3
+        assert row["async/queue_depth"] <= max_staleness and row["async/groups_dropped"] == 0
+        assert 0 <= row["async/producer_idle_frac"] <= 1 and 0 <= row["async/trainer_idle_frac"] <= 1
+    assert sorted(run.source.staging) == ["a", "b"]
+    # Ahead as far as it may be, and no further: batch n waits for the weights of step n - K.
+    assert ages == [*range(max_staleness), *[max_staleness] * 3]
+
+
+def test_drop_trains_on_no_batch_over_the_bound_and_counts_what_it_dropped(clock):
+    run = clock(1, "drop", CLOCK_DELAY=0.0)
+    _wait_for(lambda: run.source.channel.produced.value >= 2)  # the second batch too is of step 0's weights
+    # An update that took two steps' time: that second batch is 2 steps old when taken.
+    taken_at, g, _ = _train_step(run, jump=2)
+    assert (taken_at, g.weights_step) == (0, 0)
+    rows = []
+    for _ in range(3):
+        taken_at, g, row = _train_step(run)
+        _check_tags(g)
+        assert taken_at - g.weights_step <= 1
+        rows.append(row)
+    assert rows[0]["async/groups_dropped"] >= 3  # the stale batch's 3 groups, at least
+    assert sum(r["async/groups_dropped"] for r in rows) % 3 == 0
+
+
+def test_clean_shutdown_ignores_ctrl_c_in_the_producer_and_says_what_it_dropped(clock):
+    run = clock(2, "wait")
+    process = run.source.process
+    _wait_for_full_queue(run)
+    os.kill(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+    os.kill(process.pid, signal.SIGTERM)
+    _, g, _ = _train_step(run)
+    _check_tags(g)
+    assert process.is_alive()  # the trainer stops it, after its step
+    run.source.close()
+    assert not process.is_alive() and process.exitcode == 0
+    assert any("producer stopped" in line and "dropped" in line for line in run.said), run.said
+    run.source.close()  # twice is harmless
+
+
+def test_a_producer_crash_is_an_error_with_its_traceback(clock):
+    run = clock(1, "wait", CLOCK_CRASH_AT=2)
+    _train_step(run)
+    with pytest.raises(
+        ProducerError, match="(?s)Traceback.*clock_engine.py.*ValueError: clock engine: injected failure"
+    ):
+        _train_step(run)
+
+
+def test_a_killed_producer_is_an_error_not_a_hang(clock):
+    run = clock(1, "wait", CLOCK_DELAY=0.5)
+    run.source.process.kill()
+    with pytest.raises(ProducerError, match="killed by signal 9"):
+        while True:  # a batch put before the kill may still come
+            _train_step(run)
+
+
+def test_a_reward_that_cannot_go_to_the_producer_is_refused_by_name():
+    scorer = Rewards([FunctionScorer(lambda prompts, responses: [0.0] * len(responses))], [1.0])
+    with pytest.raises(ConfigError, match="--max-staleness 1: the reward function .*<lambda> cannot be pickled"):
+        check_picklable(scorer, 1)
+
+
+# ---------------------------------------------------------------------- the trainer
+
+
+def test_the_trainer_trains_one_step_off_policy_and_resumes_from_the_checkpoint(tiny_config):
+    cfg = tiny_config(steps=3, max_staleness=1, save_every=2, eval_size=0)
+    said = []
+    summary = PPOTrainer(cfg, log=said.append).train()
+    assert summary["steps_done"] == 3
+    rows = read_metrics(Path(cfg.output_dir) / METRICS_FILE)
+    assert rows[0]["async/age"] == 0
+    for row in rows:
+        assert row["async/age"] <= 1  # 2 optimizer steps per update: the version of the weights of step - 1 - age
+        assert row["async/version"] == 2 * (row["step"] - 1 - row["async/age"])
+        assert row["policy/ratio_dev_at_start"] == 0.0  # old log-probs rescored: the ratio is exactly 1
+        assert row["async/staleness/0"] + row["async/staleness/1"] == cfg.batch_size
+        assert not undocumented(row), undocumented(row)  # each metric in docs/metrics.md
+    assert checkpoint.load_state(checkpoint.latest(Path(cfg.output_dir))).policy_version == 6
+    assert any("producer stopped" in line for line in said)
+    said.clear()
+    resumed = PPOTrainer(tiny_config(steps=4, max_staleness=1, eval_size=0, resume=True), log=said.append)
+    assert resumed.run.policy_version == 6
+    resumed.train()
+    assert any("were not saved: they are generated anew" in line for line in said), said
+    assert read_metrics(Path(cfg.output_dir) / METRICS_FILE)[-1]["async/version"] == 6
+
+
+def test_max_staleness_0_generates_in_the_loop_with_no_producer(tiny_config):
+    trainer = PPOTrainer(tiny_config(steps=1, eval_size=0))
+    assert not trainer.run.source.is_async and trainer.run.engine is not None
+    trainer.train()
+    row = read_metrics(Path(trainer.run.output_dir) / METRICS_FILE)[0]
+    assert not [key for key in row if key.startswith("async/")]
+    assert trainer.run.policy_version == 2
+
+
+def test_vllm_sleep_and_a_producer_are_refused_together():
+    with pytest.raises(
+        ConfigError, match=r"--vllm-sleep\) sleeps the engine while the producer of --max-staleness > 0 generates"
+    ):
+        TrainerConfig(rollout_engine="vllm", vllm_sleep=True, max_staleness=1)._validate_engine()
+    TrainerConfig(rollout_engine="vllm", vllm_sleep=True)._validate_engine()
+
+
+def test_several_processes_refuse_async_rollouts(tiny_config, monkeypatch):
+    from ppo_fast.trainer import distributed
+
+    real = distributed.init
+
+    def two_ranks(cfg, device):
+        parallel, device = real(cfg, device)
+        return SimpleNamespace(active=True, world_size=2), device
+
+    monkeypatch.setattr(distributed, "init", two_ranks)
+    with pytest.raises(ConfigError, match="--max-staleness 1: asynchronous rollouts are not built for several"):
+        PPOTrainer(tiny_config(max_staleness=1))
+
+
+def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_config):
+    """As a scheduler's SIGTERM to the process group: the trainer saves after its step and stops the producer,
+    which ignored the signal, cleanly."""
+    producers = []
+
+    class Scheduler:
+        def on_step_end(self, trainer, row):
+            producers.append(trainer.run.source.process)
+            os.kill(producers[0].pid, signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = PPOTrainer(tiny_config(steps=3, max_staleness=1, eval_size=0), callbacks=[Scheduler()])
+    summary = trainer.train()
+    assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
+    assert producers[0].exitcode == 0  # it finished when told to, not killed by the signal
+    assert checkpoint.load_state(checkpoint.latest(Path(trainer.run.output_dir))).policy_version == 2
