@@ -678,29 +678,7 @@ class TrainerConfig:
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("lora_")}
-        if self.lora_r is None:
-            for name in (n for n in defaults if n != "lora_r"):
-                _require(name, getattr(self, name) == defaults[name], "needs --lora-r (LoRA is off without it)")
-            return
-        targets = self.lora_targets()
-        _require("lora_target_modules", bool(targets), "names no module; give names such as q_proj,v_proj")
-        named = [] if targets == LORA_ALL_LINEAR else targets
-        head = [name for name in named if name.split(".")[-1] in LORA_HEAD_NAMES]
-        _require(
-            "lora_target_modules",
-            not head,
-            f"adapts the LM head ({', '.join(head)}): the fused head reads the base's weight; leave it out",
-        )
-        _require(
-            "lora_dropout",
-            self.lora_dropout == 0 or not self.disable_dropout,
-            "is set to 0 by --disable-dropout (the default); pass --no-disable-dropout to train with it",
-        )
-        _require(
-            "shard_reference",
-            not self.shard_reference,
-            "does not apply with --lora-r: the reference is the policy with its adapters off (no copy to shard)",
-        )
+        _NAMES.validate_lora(self, defaults, LORA_ALL_LINEAR, LORA_HEAD_NAMES)
 
     def lora_targets(self) -> list[str] | str:
         """``lora_target_modules`` as PEFT takes it: ``"all-linear"`` or a list of names."""

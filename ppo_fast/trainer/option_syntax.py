@@ -203,3 +203,30 @@ def advantage_kwargs(cfg, takes: dict) -> dict:
         else:
             values[name] = number("advantage_params", name, text)
     return values
+
+
+def validate_lora(cfg, defaults: dict, all_linear: str, head_names: tuple) -> None:
+    """The LoRA options (``defaults``: the lora_* fields' defaults): only with --lora-r, never on the LM
+    head (``head_names``), dropout only where it is kept."""
+    if cfg.lora_r is None:
+        for name in (n for n in defaults if n != "lora_r"):
+            _require(name, getattr(cfg, name) == defaults[name], "needs --lora-r (LoRA is off without it)")
+        return
+    targets = cfg.lora_targets()
+    _require("lora_target_modules", bool(targets), "names no module; give names such as q_proj,v_proj")
+    head = [name for name in ([] if targets == all_linear else targets) if name.split(".")[-1] in head_names]
+    _require(
+        "lora_target_modules",
+        not head,
+        f"adapts the LM head ({', '.join(head)}): the fused head reads the base's weight; leave it out",
+    )
+    _require(
+        "lora_dropout",
+        cfg.lora_dropout == 0 or not cfg.disable_dropout,
+        "is set to 0 by --disable-dropout (the default); pass --no-disable-dropout to train with it",
+    )
+    _require(
+        "shard_reference",
+        not cfg.shard_reference,
+        "does not apply with --lora-r: the reference is the policy with its adapters off (no copy to shard)",
+    )
