@@ -156,7 +156,7 @@ def policy_forwards(monkeypatch):
 def test_bypass_uses_mu_as_old_and_skips_the_recompute(tiny_config, policy_forwards):
     trainer = _trainer_with_shifted_engine(tiny_config, 0.25, off_policy_loss="bypass", rollout_correction="token_mis")
     with pf.use_backend(trainer.run.cfg.backend):
-        r = trainer._rollout(trainer.run.cfg.batch_size)
+        r = trainer._rollout(trainer.run.source.next(), trainer.run.cfg.batch_size)
     assert trainer.policy not in policy_forwards and trainer.reference in policy_forwards
     assert r.old_logprobs is r.engine_logprobs and r.loss_weights is None and not r.off_policy_metrics
     row = trainer.train_step()
@@ -166,7 +166,7 @@ def test_bypass_uses_mu_as_old_and_skips_the_recompute(tiny_config, policy_forwa
 def test_decoupled_uses_the_recomputed_pi_prox_and_weighs_by_pi_prox_over_mu(tiny_config, policy_forwards):
     trainer = _trainer_with_shifted_engine(tiny_config, 0.25, rollout_correction="token_tis")
     with pf.use_backend(trainer.run.cfg.backend):
-        r = trainer._rollout(trainer.run.cfg.batch_size)
+        r = trainer._rollout(trainer.run.source.next(), trainer.run.cfg.batch_size)
     assert trainer.policy in policy_forwards
     mask = r.mask
     with torch.no_grad():

@@ -108,3 +108,55 @@ def test_options_are_checked_against_the_engines_capabilities(monkeypatch, capab
         TrainerConfig(rollout_engine="other", **options)._validate_engine()
     monkeypatch.setitem(ROLLOUT_ENGINES, "other", with_it)
     TrainerConfig(rollout_engine="other", **options)._validate_engine()
+
+
+# --------------------------------------------------------------------------- generation options
+
+
+def test_stop_strings_end_each_response_at_the_token_that_completes_one():
+    """--stop-strings on the HF engine: each response's text (the tokens its mask keeps) holds a stop
+    string once, at its end, or none at all; nothing after it is kept, its behaviour log-probs are 0 there;
+    the text matching the vLLM engine does afterwards finds the same ends."""
+    import contextlib
+
+    from ppo_fast.trainer import default_task
+    from ppo_fast.trainer.rollout import decode_responses
+    from ppo_fast.trainer.rollout_hf import HFEngine
+    from ppo_fast.trainer.rollout_vllm import stop_string_mask
+
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer, 0).eval()
+    engine = HFEngine(model, autocast=contextlib.nullcontext, synced_gpus=False, stop_strings=["5", "=="], extra={})
+    torch.manual_seed(torch.randint(1000, ()).item())
+    sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, greedy=False)
+    batch, mu = engine.generate(tokenizer, ["12+34=", "50+6=", "70+18="] * 6, **sampling, device=torch.device("cpu"))
+    stopped = 0
+    for text in decode_responses(tokenizer, batch):
+        ends = [s for s in ("5", "==") if text.endswith(s)]
+        inside = [s for s in ("5", "==") if s in text[: len(text) - len(ends[0]) if ends else None]]
+        assert not inside, f"{text!r} goes on past a stop string"
+        stopped += bool(ends)
+    assert stopped > 0, "no response met a stop string: the test shows nothing"
+    assert bool((mu[~batch.response_mask] == 0).all())
+    response, mask = batch.response_ids, batch.response_mask
+    lengths = mask.sum(-1)
+    assert torch.equal(stop_string_mask(tokenizer, response, lengths, ["5", "=="]) & mask, mask)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ('{"temperature": 0.5}', "which the trainer sets: use --temperature"),
+        ('{"no_such_option": 1}', "no_such_option is not a GenerationConfig field"),
+        ('{"cache_implementation": "nope"}', "Invalid .cache_implementation"),
+    ],
+)
+def test_generation_kwargs_are_checked_against_the_engine_before_the_run(kwargs, match):
+    from ppo_fast.trainer.rollout_hf import generation_keywords
+
+    with pytest.raises(ConfigError, match=match):
+        generation_keywords(TrainerConfig(generation_kwargs=kwargs).validate())
+    keywords = generation_keywords(
+        TrainerConfig(generation_kwargs='{"no_repeat_ngram_size": 3}', repetition_penalty=1.3)
+    )
+    assert keywords == {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3}

@@ -330,6 +330,25 @@ class TrainerConfig:
         "rollout",
         bounds="[0, 1]",
     )
+    stop_strings: str = _opt(
+        "",
+        "Strings that end a response as EOS does, comma-separated (a JSON list for ones with commas): the stop "
+        "string stays in the response (the reward sees it, the policy learns it).",
+        "rollout",
+    )
+    repetition_penalty: float = _opt(
+        1.0,
+        "The engine's repetition penalty (1: none). The trainer's log-probs do not replay it; the engine's "
+        "behaviour log-probs include it, and --rollout-correction weighs the difference.",
+        "rollout",
+        bounds="> 0",
+    )
+    generation_kwargs: str = _opt(
+        "",
+        "More of the engine's sampling options, a JSON object: GenerationConfig fields (hf) or SamplingParams "
+        "fields (vllm), checked against the engine before the run starts; none an option above sets.",
+        "rollout",
+    )
     logprobs_support: str = _opt(
         "sampled",
         "Which distribution the old, new and reference log-probs are taken under: sampled (renormalised over the "
@@ -570,6 +589,7 @@ class TrainerConfig:
                 _require(f.name, _within(value, f.metadata["bounds"]), _bounds_message(f.metadata["bounds"]))
         self._validate_combinations()
         self._validate_engine()
+        self.stop_string_list(), self.generation_kwargs_dict()
         self.loss_mode_kwargs()
         self.advantage_kwargs()
         return self
@@ -679,6 +699,14 @@ class TrainerConfig:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("lora_")}
         _NAMES.validate_lora(self, defaults, LORA_ALL_LINEAR, LORA_HEAD_NAMES)
+
+    def stop_string_list(self) -> list[str]:
+        """``--stop-strings`` as a list (``ConfigError`` for a malformed one)."""
+        return _NAMES.string_list("stop_strings", self.stop_strings)
+
+    def generation_kwargs_dict(self) -> dict:
+        """``--generation-kwargs`` as a dict (``ConfigError`` for one that is not a JSON object)."""
+        return _NAMES.json_object("generation_kwargs", self.generation_kwargs)
 
     def lora_targets(self) -> list[str] | str:
         """``lora_target_modules`` as PEFT takes it: ``"all-linear"`` or a list of names."""

@@ -230,3 +230,34 @@ def validate_lora(cfg, defaults: dict, all_linear: str, head_names: tuple) -> No
         not cfg.shard_reference,
         "does not apply with --lora-r: the reference is the policy with its adapters off (no copy to shard)",
     )
+
+
+def string_list(field_name: str, text: str) -> list[str]:
+    """``a,b`` or a JSON list of non-empty strings (for ones with commas); ``[]`` for an empty text."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise invalid(field_name, f"is not a JSON list: {err}") from None
+        _require(field_name, isinstance(values, list) and all(isinstance(v, str) for v in values), "must list strings")
+    else:
+        values = [v.strip() for v in text.split(",")] if text else []
+    _require(field_name, all(values), f"has an empty string: {text!r}")
+    return values
+
+
+def json_object(field_name: str, text: str) -> dict:
+    """A JSON object's text as a dict; ``{}`` for an empty text."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise invalid(field_name, f"is not JSON: {err}") from None
+    _require(
+        field_name,
+        isinstance(value, dict),
+        f"must be a JSON object such as '{{\"no_repeat_ngram_size\": 3}}', got {text!r}",
+    )
+    return value

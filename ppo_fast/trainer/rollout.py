@@ -100,10 +100,14 @@ def generate(
     min_p: float = 0.0,
     synced_gpus: bool = False,
     logits_processor=None,
+    stop=None,
+    extra: dict | None = None,
 ) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
     ``synced_gpus``: every rank runs the same number of forward passes (sharded weights);
-    ``logits_processor``: a ``LogitsProcessorList`` for ``generate`` (run before its temperature and truncation)."""
+    ``logits_processor``: a ``LogitsProcessorList`` for ``generate`` (run before its temperature and truncation);
+    ``stop``: ``rollout_hf.StopStrings`` (tokens after a stop string become padding too); ``extra``: more of
+    ``generate``'s keywords (``--repetition-penalty``, ``--generation-kwargs``)."""
     enc = encode_prompts(tokenizer, prompts, policy.device)
     sampling = (
         dict(do_sample=False)
@@ -112,6 +116,8 @@ def generate(
     )
     if logits_processor is not None:
         sampling["logits_processor"] = logits_processor
+    if stop is not None:
+        sampling["stopping_criteria"] = stop.criteria(enc["input_ids"].shape[1])
     out = policy.generate(
         **enc,
         max_new_tokens=max_new_tokens,
@@ -119,11 +125,13 @@ def generate(
         eos_token_id=tokenizer.eos_token_id,
         synced_gpus=synced_gpus,
         **sampling,
+        **(extra or {}),
     )
     response = out[:, enc["input_ids"].shape[1] :]
-    return batch_from_responses(
-        enc, response, response_mask_until_eos(response, tokenizer.eos_token_id), tokenizer.pad_token_id
-    )
+    mask = response_mask_until_eos(response, tokenizer.eos_token_id)
+    if stop is not None:
+        mask &= stop.mask(response)
+    return batch_from_responses(enc, response, mask, tokenizer.pad_token_id)
 
 
 def decode_responses(tokenizer, batch: Batch) -> list[str]:

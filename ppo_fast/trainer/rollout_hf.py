@@ -6,13 +6,94 @@ no forward of their own."""
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
+from .config import ConfigError
 from .engine import EngineSetup
 from .rollout import Batch, generate
+
+# generate's keywords the trainer sets itself (the options that set them, where there is one).
+_OWN_KEYWORDS = {
+    "max_new_tokens": "--response-length",
+    "max_length": "--response-length",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "do_sample": "--temperature",
+    "stop_strings": "--stop-strings",
+    "repetition_penalty": "--repetition-penalty",
+    "pad_token_id": None,
+    "eos_token_id": None,
+    "num_return_sequences": "--group-size",
+    "num_beams": None,
+}
+
+
+def generation_keywords(cfg) -> dict:
+    """``--repetition-penalty`` and ``--generation-kwargs`` as ``generate``'s keywords, checked against
+    transformers' ``GenerationConfig`` (``ConfigError`` naming the option, before the run starts)."""
+    extra = cfg.generation_kwargs_dict()
+    defaults = GenerationConfig()
+    for key in extra:
+        if key in _OWN_KEYWORDS:
+            instead = _OWN_KEYWORDS[key]
+            raise ConfigError(
+                f"invalid config: generation_kwargs (--generation-kwargs) sets {key}, which the trainer sets"
+                + (f": use {instead}" if instead else "")
+            )
+        if not hasattr(defaults, key):
+            raise ConfigError(
+                f"invalid config: generation_kwargs (--generation-kwargs): {key} is not a GenerationConfig field "
+                "(--rollout-engine hf takes transformers' generation options)"
+            )
+    try:
+        GenerationConfig(do_sample=True, **extra).validate(strict=True)  # as training samples
+    except ValueError as err:
+        raise ConfigError(f"invalid config: generation_kwargs (--generation-kwargs): {err}") from None
+    return {"repetition_penalty": cfg.repetition_penalty, **extra} if cfg.repetition_penalty != 1.0 else extra
+
+
+class StopStrings(StoppingCriteria):
+    """``--stop-strings`` for ``generate``: a row stops at the token that completes one of the strings in its
+    decoded response, as vLLM matches them (on text, so any tokenizer works, where transformers'
+    ``StopStringCriteria`` needs one that spells any word); it remembers how many tokens each row had
+    generated then (``generate`` pads after that)."""
+
+    def __init__(self, tokenizer, strings: list[str]):
+        self.tokenizer, self.strings = tokenizer, strings
+        # Tokens decoded each step: a string spans at most one token per character, plus a token either side.
+        self.window = max(map(len, strings)) + 2
+        self.start, self.stopped = 0, None
+
+    def criteria(self, prompt_width: int) -> StoppingCriteriaList:
+        """The criteria for one ``generate`` call whose prompts are ``prompt_width`` tokens wide."""
+        self.start, self.stopped = prompt_width, None
+        return StoppingCriteriaList([self])
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.start
+        tails = self.tokenizer.batch_decode(input_ids[:, -min(self.window, generated) :], skip_special_tokens=True)
+        done = torch.tensor([any(s in tail for s in self.strings) for tail in tails], device=input_ids.device)
+        if self.stopped is None:
+            self.stopped = torch.full(done.shape, torch.iinfo(torch.long).max, device=done.device)
+        self.stopped = torch.where(done, torch.clamp(self.stopped, max=generated), self.stopped)
+        return done
+
+    def mask(self, response: torch.Tensor) -> torch.Tensor:
+        """True at the response tokens up to and including each row's stop string."""
+        if self.stopped is None:
+            return torch.ones_like(response, dtype=torch.bool)
+        return torch.arange(response.shape[1], device=response.device) < self.stopped[:, None]
 
 
 class BehaviourLogprobs(LogitsProcessor):
@@ -59,8 +140,9 @@ class HFEngine:
 
     info = ROLLOUT_ENGINES["hf"]
 
-    def __init__(self, policy: torch.nn.Module, *, autocast, synced_gpus: bool):
+    def __init__(self, policy: torch.nn.Module, *, autocast, synced_gpus: bool, stop_strings=(), extra=None):
         self.policy, self.autocast, self.synced_gpus = policy, autocast, synced_gpus
+        self.stop_strings, self.extra, self.stop = list(stop_strings), extra or {}, None
 
     def generate(
         self,
@@ -79,6 +161,8 @@ class HFEngine:
         policy's device (``device`` is where the policy already is); ``greedy``: ``(batch, None)``."""
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         recorder = None if greedy else BehaviourLogprobs(**sampling)
+        if self.stop_strings and self.stop is None:  # built once: it tabulates the tokenizer's vocabulary
+            self.stop = StopStrings(tokenizer, self.stop_strings)
         with self.autocast():
             batch = generate(
                 self.policy,
@@ -88,6 +172,8 @@ class HFEngine:
                 synced_gpus=self.synced_gpus,
                 greedy=greedy,
                 logits_processor=None if recorder is None else LogitsProcessorList([recorder]),
+                stop=self.stop,
+                extra=self.extra,
                 **sampling,
             )
         return batch, None if recorder is None else recorder.logprobs(batch)
@@ -101,4 +187,11 @@ class HFEngine:
 
 
 def start(setup: EngineSetup) -> HFEngine:
-    return HFEngine(setup.policy, autocast=setup.autocast, synced_gpus=setup.synced_gpus)
+    cfg = setup.cfg
+    return HFEngine(
+        setup.policy,
+        autocast=setup.autocast,
+        synced_gpus=setup.synced_gpus,
+        stop_strings=cfg.stop_string_list(),
+        extra=generation_keywords(cfg),
+    )

@@ -77,8 +77,11 @@ class VLLMEngine:
         seed: int,
         gpu_memory_utilization: float,
         sleep: bool,
+        stop_strings: list[str] = (),
+        extra: dict | None = None,
     ):
         check_installed()
+        self.stop_strings, self.extra = list(stop_strings), extra or {}
         distributed = _world_size() > 1
         if not distributed:  # the worker in this process: weights are synced by reference
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -162,6 +165,7 @@ class VLLMEngine:
             stop_token_ids=[tokenizer.eos_token_id],
             logprobs=0,
             detokenize=False,
+            **self.extra,
         )
         requests = [
             TokensPrompt(prompt_token_ids=ids[keep].tolist())
@@ -180,10 +184,75 @@ class VLLMEngine:
             logprobs[row, : len(ids)] = torch.tensor([step[token].logprob for token, step in zip(ids, c.logprobs)])
             lengths[row] = len(ids)
         mask = torch.arange(width) < lengths[:, None]
+        if self.stop_strings:  # matched on the text afterwards (the engine holds no tokenizer)
+            mask &= stop_string_mask(tokenizer, response, lengths, self.stop_strings)
         batch = batch_from_responses(enc, response, mask, tokenizer.pad_token_id)
         return Batch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.prompt_width), logprobs.to(
             device
         )
+
+
+# SamplingParams' fields the engine sets itself (the options that set them, where there is one).
+_OWN_PARAMS = {
+    "n": "--group-size",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "max_tokens": "--response-length",
+    "stop": "--stop-strings",
+    "stop_token_ids": None,
+    "logprobs": None,
+    "detokenize": None,
+    "repetition_penalty": "--repetition-penalty",
+}
+
+
+def sampling_keywords(cfg) -> dict:
+    """``--repetition-penalty`` and ``--generation-kwargs`` as ``SamplingParams`` keywords, checked against
+    vLLM's ``SamplingParams`` (``ConfigError`` naming the option, before the run starts)."""
+    from vllm import SamplingParams
+
+    extra = cfg.generation_kwargs_dict()
+    fields = set(getattr(SamplingParams, "__struct_fields__", ())) or set(SamplingParams.__annotations__)
+    for key in extra:
+        if key in _OWN_PARAMS:
+            instead = _OWN_PARAMS[key]
+            raise ConfigError(
+                f"invalid config: generation_kwargs (--generation-kwargs) sets {key}, which the trainer sets"
+                + (f": use {instead}" if instead else "")
+            )
+        if key not in fields:
+            raise ConfigError(
+                f"invalid config: generation_kwargs (--generation-kwargs): {key} is not a SamplingParams field "
+                "(--rollout-engine vllm takes vLLM's sampling options)"
+            )
+    try:
+        SamplingParams(**extra)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid config: generation_kwargs (--generation-kwargs): {err}") from None
+    return {"repetition_penalty": cfg.repetition_penalty, **extra} if cfg.repetition_penalty != 1.0 else extra
+
+
+def stop_string_mask(tokenizer, response: torch.Tensor, lengths: torch.Tensor, strings: list[str]) -> torch.Tensor:
+    """True at each row's response tokens up to and including the token whose text completes the first stop
+    string (all of them where none occurs): the shortest prefix whose decoded text holds one, by bisection
+    (holding one only grows with the prefix)."""
+    cut = lengths.clone()
+
+    def holds(row: int, n: int) -> bool:
+        text = tokenizer.decode(response[row, :n], skip_special_tokens=True)
+        return any(s in text for s in strings)
+
+    for row in range(response.shape[0]):
+        low, high = 1, int(lengths[row])
+        if high == 0 or not holds(row, high):
+            continue
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if holds(row, middle) else (middle + 1, high)
+        cut[row] = low
+    return torch.arange(response.shape[1]) < cut[:, None]
 
 
 def start(setup: EngineSetup) -> VLLMEngine:
@@ -202,6 +271,8 @@ def start(setup: EngineSetup) -> VLLMEngine:
         seed=cfg.seed,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         sleep=cfg.vllm_sleep,
+        stop_strings=cfg.stop_string_list(),
+        extra=sampling_keywords(cfg),
     )
     setup.log(f"vLLM engine ({dtype}) started in {engine.start_s:.1f}s")
     return engine
