@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ppo_fast.cli import main
-from ppo_fast.trainer import PPOTrainer, TrainerConfig, default_task
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, default_task
 from ppo_fast.trainer.off_policy import mismatch_metrics
 from ppo_fast.trainer.rollout import generate
 
@@ -279,3 +279,37 @@ def test_lora_syncs_the_merged_weights_and_stays_on_policy(tmp_path):
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3 and row["policy/ratio_dev_at_start"] == 0.0, row
     assert same_batch(*after) and not same_batch(after[1], before[1]), "the adapters did not change the outputs"
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_stop_strings_and_generation_kwargs_on_the_vllm_engine(vllm_run):
+    """--stop-strings end each response at the token that completes one (kept), matched on the text after
+    vLLM generates; --generation-kwargs reach SamplingParams, and one the trainer sets is refused."""
+    from ppo_fast.trainer.rollout import decode_responses
+    from ppo_fast.trainer.rollout_vllm import sampling_keywords
+
+    trainer = vllm_run["trainer"]
+    engine, tokenizer = trainer.engine, trainer.tokenizer
+    engine.stop_strings, engine.extra = (
+        ["5", "=="],
+        sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"presence_penalty": 0.5}')),
+    )
+    try:
+        sampling = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, greedy=False)
+        batch, mu = engine.generate(
+            tokenizer, ["12+34=", "50+6=", "70+18="] * 6, **sampling, device=torch.device("cpu")
+        )
+    finally:
+        engine.stop_strings, engine.extra = [], {}
+    stopped = 0
+    for text in decode_responses(tokenizer, batch):
+        ends = [s for s in ("5", "==") if text.endswith(s)]
+        assert not [s for s in ("5", "==") if s in text[: len(text) - len(ends[0]) if ends else None]], text
+        stopped += bool(ends)
+    assert stopped > 0, "no response met a stop string: the test shows nothing"
+    assert bool((mu[~batch.response_mask] == 0).all())
+    with pytest.raises(ConfigError, match="which the trainer sets: use --temperature"):
+        sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"temperature": 0.3}'))
+    with pytest.raises(ConfigError, match="not a SamplingParams field"):
+        sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"no_such": 1}'))
