@@ -38,6 +38,19 @@ SETUPS = {
     "async_k1_t1": dict(max_staleness=1, cpu_threads=1),
     "async_k1_t2": dict(max_staleness=1, cpu_threads=2),
 }
+DEFAULT_SETUPS = tuple(SETUPS)
+# The loss under staleness (--setups k2_naive,k2_bypass_tis,...): naive PPO on the stale batch (the engine's
+# log-probs as pi_old, no weights), bypass with token-level TIS, decoupled (pi_prox recomputed) without and
+# with TIS (AReaL's decoupled PPO), at 2 and 4 updates of staleness.
+CORRECTIONS = {
+    "naive": dict(off_policy_loss="bypass"),
+    "bypass_tis": dict(off_policy_loss="bypass", rollout_correction="token_tis"),
+    "decoupled": dict(off_policy_loss="decoupled"),
+    "decoupled_tis": dict(off_policy_loss="decoupled", rollout_correction="token_tis"),
+}
+SETUPS |= {
+    f"k{k}_{name}": dict(max_staleness=k, cpu_threads=1, **loss) for k in (2, 4) for name, loss in CORRECTIONS.items()
+}
 QUICK = dict(steps=3, sft_steps=10, eval_size=16, batch_size=8)
 # --model llama: a randomly initialised Llama-shaped policy on the built-in prompts and reward, GRPO with one
 # pass over each batch and long responses (a random model seldom stops): a job where generation weighs.
@@ -108,6 +121,7 @@ def one_run(root: Path, setup: str, seed: int, options: dict, model: str = "buil
         "train_seconds": seconds,
         "before": summary["eval_before"],
         "after": summary["eval_after"],
+        "eval_curve": [[row["step"], row["eval/score"]] for row in rows if "eval/score" in row],
     }
     phases = sorted({key for row in steady for key in row if key.startswith("time/") and key != "time/step"})
     result["phase_seconds"] = {key: statistics.fmean(row.get(key, 0.0) for row in steady) for key in phases}
@@ -136,7 +150,11 @@ def measure(setups: list[str], seeds: list[int], options: dict, model: str) -> d
                 runs[setup].append(row)
                 print(setup, row, flush=True)
     means = {
-        setup: {key: statistics.fmean(r[key] for r in rows) for key in rows[0] if key not in ("seed", "phase_seconds")}
+        setup: {
+            key: statistics.fmean(r[key] for r in rows)
+            for key in rows[0]
+            if key not in ("seed", "phase_seconds", "eval_curve")
+        }
         for setup, rows in runs.items()
     }
     base = means[setups[0]]["steps_per_s"]
@@ -176,7 +194,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 steps of a tiny warm-up, 1 seed (a smoke test)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--model", choices=tuple(MODELS), default="builtin", help="; ".join(MODELS.values()))
-    parser.add_argument("--setups", default=",".join(SETUPS), help=f"of {', '.join(SETUPS)}; the first is the base")
+    parser.add_argument(
+        "--setups", default=",".join(DEFAULT_SETUPS), help=f"of {', '.join(SETUPS)}; the first is the base"
+    )
     parser.add_argument("--steps", type=int, default=None, help="PPO steps (default: the built-in job's)")
     parser.add_argument(
         "--options", default="", help="trainer options for every set-up, e.g. num_ppo_epochs=1,response_length=8"

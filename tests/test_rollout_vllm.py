@@ -267,22 +267,6 @@ def test_bypass_takes_the_engines_logprobs_as_old(vllm_run):
 
 @pytest.mark.vllm
 @requires_vllm
-def test_lora_syncs_the_merged_weights_and_stays_on_policy(tmp_path):
-    """With --lora-r the engine serves the base with the adapters merged in: after each update its
-    log-probs still agree with the trainer's, its greedy outputs with model.generate's, and the
-    first micro-batch's ratio stays exactly 1.  Last in this file: vLLM's parallel state is one per
-    process, and a second engine's shutdown ends it for the module's engine too."""
-    pytest.importorskip("peft")
-    run = engine_run(tmp_path / "run", close=True, learning_rate=3e-2, lora_r=8, lora_alpha=16.0)
-    trainer, rows, before, after = run["trainer"], run["rows"], run["before"], run["after"]
-    assert trainer.reference is trainer.policy
-    for row in rows:
-        assert row["rollout/logprob_diff_max"] < 1e-3 and row["policy/ratio_dev_at_start"] == 0.0, row
-    assert same_batch(*after) and not same_batch(after[1], before[1]), "the adapters did not change the outputs"
-
-
-@pytest.mark.vllm
-@requires_vllm
 def test_stop_strings_and_generation_kwargs_on_the_vllm_engine(vllm_run):
     """--stop-strings end each response at the token that completes one (kept), matched on the text after
     vLLM generates; --generation-kwargs reach SamplingParams, and one the trainer sets is refused."""
@@ -313,3 +297,19 @@ def test_stop_strings_and_generation_kwargs_on_the_vllm_engine(vllm_run):
         sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"temperature": 0.3}'))
     with pytest.raises(ConfigError, match="not a SamplingParams field"):
         sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"no_such": 1}'))
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_lora_syncs_the_merged_weights_and_stays_on_policy(tmp_path):
+    """With --lora-r the engine serves the base with the adapters merged in: after each update its
+    log-probs still agree with the trainer's, its greedy outputs with model.generate's, and the
+    first micro-batch's ratio stays exactly 1.  Last in this file: vLLM's parallel state is one per
+    process, and a second engine's shutdown ends it for the module's engine too."""
+    pytest.importorskip("peft")
+    run = engine_run(tmp_path / "run", close=True, learning_rate=3e-2, lora_r=8, lora_alpha=16.0)
+    trainer, rows, before, after = run["trainer"], run["rows"], run["before"], run["after"]
+    assert trainer.reference is trainer.policy
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3 and row["policy/ratio_dev_at_start"] == 0.0, row
+    assert same_batch(*after) and not same_batch(after[1], before[1]), "the adapters did not change the outputs"

@@ -186,6 +186,7 @@ class VLLMEngine:
         mask = torch.arange(width) < lengths[:, None]
         if self.stop_strings:  # matched on the text afterwards (the engine holds no tokenizer)
             mask &= stop_string_mask(tokenizer, response, lengths, self.stop_strings)
+            logprobs = logprobs.masked_fill(~mask, 0.0)
         batch = batch_from_responses(enc, response, mask, tokenizer.pad_token_id)
         return Batch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.prompt_width), logprobs.to(
             device
