@@ -29,7 +29,7 @@ A new op is one row of ``CASES`` (its inputs' builder in tests/harness.py, its h
 strategy, its backends and CI budget); each registered policy-loss mode is a row by itself.
 Budget: a fixed, derandomized budget per row (no example database): the fast tier runs half of
 it, ``--full`` all of it (about 1.5 minutes on 2 cores); ``pytest --fuzz-examples=2000`` (or ``PPO_FAST_FUZZ_EXAMPLES=2000``) runs that many
-random examples per test, for a nightly job.  The regressions the fuzzer found are tests of their own,
+random examples per test, for a nightly job; ``PPO_FAST_FUZZ_SCALE=10`` runs every row's budget ten times over, random draws.  The regressions the fuzzer found are tests of their own,
 sharper than its bounds, in tests/test_edge_values.py.
 
 PYTEST_DONT_REWRITE (the messages say what differs; pytest's rewriting would add tensor reprs)
@@ -59,6 +59,7 @@ from ppo_fast.spec import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_MODES, ROLLOUT_C
 pytestmark = pytest.mark.fuzz
 
 NIGHTLY = int(os.environ.get("PPO_FAST_FUZZ_EXAMPLES") or 0)
+SCALE = float(os.environ.get("PPO_FAST_FUZZ_SCALE") or 1)  # every row's budget times this, random draws
 DTYPE_DRAWS = ("float32", "float32", "bfloat16", "float32", "float16", "float64")  # float32 half of the time
 POISONS = ("clean", "masked", "valid", "valid", "bad_label")  # valid twice: nan / +inf / -inf share it
 C_REF, K_REL, K_ABS = 16.0, 8.0, 2.0  # the accuracy bound's factors (module docstring)
@@ -71,10 +72,11 @@ def budget(ci_examples: int, scale: float = 1.0, shrink: bool = True) -> setting
     """A fixed, database-less, derandomized budget for CI; N random examples when asked."""
     fixed = dict(deadline=None, print_blob=True, suppress_health_check=list(HealthCheck))
     fixed["phases"] = [p for p in Phase if shrink or p != Phase.shrink]
-    if not NIGHTLY:
+    if not NIGHTLY and SCALE == 1:
         fixed.update(derandomize=True, database=None)
     if not NIGHTLY and os.environ.get("PPO_FAST_FULL") != "1":
         ci_examples = max(1, ci_examples // 2)  # the fast tier: half the full tier's budget
+    ci_examples = max(1, int(ci_examples * SCALE))
     return settings(max_examples=max(1, int(NIGHTLY * scale)) if NIGHTLY else ci_examples, **fixed)
 
 
