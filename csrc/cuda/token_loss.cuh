@@ -300,7 +300,6 @@ __device__ void block_sum(double (&values)[kParts]) {
 
 struct FinalizeArgs {
   int64_t rows, length, agg;  // length: the rows', or in the packed layout the tokens'
-
   ChunkPlan plan;
   LossOutputs out;
   double* row_sums;   // [rows, kParts]
