@@ -182,16 +182,17 @@ def markdown(data: dict) -> str:
     """One table per mix: each op's median (quartiles) per layout, the ratios and the peak extra memory."""
     lines = []
     for mix in data["mixes"]:
+        layouts = CUDA_LAYOUTS if mix["rows"] and "packed_max_seqlen" in mix["rows"][0] else LAYOUTS
         lines += [
             f"{mix['mix']}: {mix['sequences']} sequences, {mix['tokens']} tokens, longest {mix['longest']} "
             f"(padded: {mix['sequences'] * mix['longest']} positions)",
             "",
-            "| op (fwd+bwd) | packed ms | detour ms | padded ms | padded / packed | detour / packed | "
+            f"| op (fwd+bwd) | {' | '.join(f'{k} ms' for k in layouts)} | padded / packed | detour / packed | "
             "packed peak MiB | detour peak MiB |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| --- |" + " ---: |" * (len(layouts) + 4),
         ]
         for row in mix["rows"]:
-            cells = [_cell(row[k]) for k in LAYOUTS]
+            cells = [_cell(row[k]) for k in layouts]
             lines.append(
                 f"| {row['op']} | {' | '.join(cells)} | {row['padded_over_packed']:.2f}x | "
                 f"{row['detour_over_packed']:.2f}x | {row['packed']['peak_extra_mib']:.1f} | "
