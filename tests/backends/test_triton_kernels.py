@@ -575,6 +575,9 @@ def _opcheck_cases():
     saved = (logits.detach(), labels, stats, entropy, 0.7, IGNORE)
     last = torch.tensor([5, 4, 3, -1], dtype=torch.int32, device=DEVICE)
     residuals = (x.detach(), y.detach(), mask, last, 0.1, "k2", torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32, device=DEVICE)  # an empty segment among them
+    packed = (torch.randn(18, device=DEVICE)[::2].requires_grad_(), rand(9).requires_grad_(), rand(9) > 0, cu_seqlens)
+    hyper, dtypes = {"gamma": 0.9, "lam": 0.8}, {"rewards_dtype": torch.float32, "values_dtype": torch.float16}
     return {
         "kl_estimate": (tkl._kl_estimate_op, (x, y, "k3")),
         "kl_penalized_rewards": (tkl._kl_penalized_rewards_op, (scores, x, y, mask, 0.1, "k2")),
@@ -588,6 +591,13 @@ def _opcheck_cases():
         "kl_penalized_rewards_backward": (tkl._kl_penalized_rewards_backward_op, (g_t, None, *residuals)),
         "kl_penalized_rewards_backward kl only": (tkl._kl_penalized_rewards_backward_op, (None, g_t, *residuals)),
         "gae_backward": (tgae._gae_backward_op, (g_t, None, mask, 0.9, 0.8, torch.float32, torch.float16)),
+        "gae_varlen": (tgae._gae_varlen_op, (*packed, None), hyper),
+        "gae_varlen max_seqlen": (tgae._gae_varlen_op, (*packed, 4), hyper),
+        "gae_varlen_backward": (
+            tgae._gae_varlen_backward_op,
+            (None, packed[1].detach(), *packed[2:], 4),
+            {**hyper, **dtypes},
+        ),
     }
 
 
@@ -595,6 +605,7 @@ OPCHECK_CASES = ["kl_estimate", "kl_penalized_rewards", "gae", "token_logprobs",
 OPCHECK_CASES += ["token_logprobs truncated"]
 OPCHECK_CASES += ["token_logprobs_backward", "token_logprobs_backward entropy only", "kl_estimate_backward"]
 OPCHECK_CASES += ["kl_penalized_rewards_backward", "kl_penalized_rewards_backward kl only", "gae_backward"]
+OPCHECK_CASES += ["gae_varlen", "gae_varlen max_seqlen", "gae_varlen_backward"]
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -603,8 +614,8 @@ def test_custom_ops_pass_opcheck(case):
     outputs) and AOT dispatch with dynamic shapes, as torch.compile relies on them."""
     cases = _opcheck_cases()
     assert list(cases) == OPCHECK_CASES
-    op, args = cases[case]
-    result = torch.library.opcheck(op, args)
+    op, args, *kwargs = cases[case]
+    result = torch.library.opcheck(op, args, *kwargs)
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
