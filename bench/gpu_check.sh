@@ -336,6 +336,12 @@ fi
 run_stage head-tiles "$OUT/fused_head/head-tiles.log" \
     "$PY" -m bench head_tiles --device cuda --rows 8192 --rep-ms 100 --out "$OUT/fused_head/head-tiles.json"
 
+# --- the packed layout's kernels (Triton gae and kl_penalized_rewards, the native CUDA segmented losses)
+# against the padded detour and padded tensors, eager and device time (about a minute, predicted), in the
+# bench stage's time.
+run_stage bench "$OUT/packed.log" "$PY" -m bench packed --device cuda --quick --min-run-time 0.1 \
+    --out "$OUT/packed-cuda.json"
+
 # --- the rest of the suite with the time left; it saves its JSON after every case.
 BENCH_LOG="$OUT/bench.log"
 : >"$BENCH_LOG"

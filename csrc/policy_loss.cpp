@@ -63,13 +63,6 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 
 namespace {
 
-constexpr const char* seq_loss_varlen_op_name(PolicyMode mode) {
-  return mode == PolicyMode::kGspo ? "policy_loss_gspo_varlen" : "policy_loss_geo_mean_varlen";
-}
-constexpr const char* seq_loss_varlen_backward_op_name(PolicyMode mode) {
-  return mode == PolicyMode::kGspo ? "policy_loss_gspo_varlen_backward" : "policy_loss_geo_mean_varlen_backward";
-}
-
 // ----------------------------------------------------------------------------- clipped_policy_loss
 
 // The hot loops over a chunk of n tokens, in the compute type (float, or double for

@@ -101,11 +101,54 @@ struct GaeBackward : torch::autograd::Function<GaeBackward> {
   }
 };
 
+// The packed layout (gae_varlen): cu_seqlens after the mask.  Its backward has no gradient of its own
+// (NoSecondOrder: a second-order gradient raises, naming the reference).
+using VarlenSignature = Pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double);
+using VarlenBackwardSignature = Pair(const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double, double,
+                                     at::ScalarType, at::ScalarType, std::array<bool, 2>);
+constexpr char kVarlenBackward[] = "ppo_fast::gae_varlen_backward";
+
+struct GaeVarlen : torch::autograd::Function<GaeVarlen> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& rewards, const Tensor& values, const Tensor& mask,
+                               const Tensor& cu_seqlens, double gamma, double lam) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = typed_op<VarlenSignature>("ppo_fast::gae_varlen");
+    auto [advantages, returns] = op.call(rewards, values, mask, cu_seqlens, gamma, lam);
+    ctx->save_for_backward({mask, cu_seqlens});
+    ctx->saved_data["gamma"] = gamma;
+    ctx->saved_data["lam"] = lam;
+    ctx->saved_data["rewards_dtype"] = static_cast<int64_t>(rewards.scalar_type());
+    ctx->saved_data["values_dtype"] = static_cast<int64_t>(values.scalar_type());
+    ctx->set_materialize_grads(false);
+    return {advantages, returns};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = typed_op<VarlenBackwardSignature>(kVarlenBackward);
+    const auto& data = ctx->saved_data;
+    const variable_list saved = ctx->get_saved_variables();
+    const std::array<bool, 2> want{needs_grad(ctx, 0), needs_grad(ctx, 1)};
+    auto [rewards, values] =
+        op.call(optional(grads[0]), optional(grads[1]), saved[0], saved[1], data.at("gamma").toDouble(),
+                data.at("lam").toDouble(), static_cast<at::ScalarType>(data.at("rewards_dtype").toInt()),
+                static_cast<at::ScalarType>(data.at("values_dtype").toInt()), want);
+    return {wanted(rewards, want[0]), wanted(values, want[1]), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+
+  static Pair kernel(const Tensor& rewards, const Tensor& values, const Tensor& mask, const Tensor& cu_seqlens,
+                     double gamma, double lam) {
+    auto out = apply(rewards, values, mask, cu_seqlens, gamma, lam);
+    return {out[0], out[1]};
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, Autograd, m) {
   m.impl("gae", &Gae::kernel);
   m.impl("gae_backward", &GaeBackward::kernel);
+  m.impl("gae_varlen", &GaeVarlen::kernel);
+  m.impl("gae_varlen_backward", &NoSecondOrder<kVarlenBackward, VarlenBackwardSignature>::kernel);
 }
 
 }  // namespace ppo_fast

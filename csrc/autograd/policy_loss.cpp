@@ -135,6 +135,57 @@ struct SeqPolicyLoss : torch::autograd::Function<SeqPolicyLoss<Name, BackwardNam
   }
 };
 
+// The packed layout's GSPO and GMPO (csrc/policy_loss.cpp's *_varlen): the same, with cu_seqlens
+// after weights (not differentiable) and row_scale, row_state [S].
+using SeqVarlenForward = SeqOutputs(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                                    const Tensor&, double, double, c10::string_view);
+using SeqVarlenBackward = Grads4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const OptTensor&, const Tensor&, const Tensor&, const Tensor&, double, double,
+                                 std::array<bool, 4>);
+
+constexpr char kGspoVarlen[] = "ppo_fast::policy_loss_gspo_varlen";
+constexpr char kGspoVarlenBackward[] = "ppo_fast::policy_loss_gspo_varlen_backward";
+constexpr char kGeoMeanVarlen[] = "ppo_fast::policy_loss_geo_mean_varlen";
+constexpr char kGeoMeanVarlenBackward[] = "ppo_fast::policy_loss_geo_mean_varlen_backward";
+
+template <const char* Name, const char* BackwardName, bool OldDifferentiable>
+struct SeqPolicyLossVarlen : torch::autograd::Function<SeqPolicyLossVarlen<Name, BackwardName, OldDifferentiable>> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& logprobs, const Tensor& old_logprobs,
+                               const Tensor& advantages, const Tensor& mask, const OptTensor& weights,
+                               const Tensor& cu_seqlens, double clip_eps_low, double clip_eps_high,
+                               c10::string_view agg) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = typed_op<SeqVarlenForward>(Name);
+    auto [loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state] =
+        op.call(logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, clip_eps_low, clip_eps_high, agg);
+    ctx->save_for_backward(
+        {logprobs, old_logprobs, advantages, mask, weights.value_or(Tensor()), row_scale, row_state, cu_seqlens});
+    ctx->saved_data["clip_eps_low"] = clip_eps_low;
+    ctx->saved_data["clip_eps_high"] = clip_eps_high;
+    ctx->mark_non_differentiable({clipfrac, clipfrac_lower, approx_kl, row_scale, row_state});
+    return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = typed_op<SeqVarlenBackward>(BackwardName);
+    const variable_list saved = ctx->get_saved_variables();
+    const OptTensor weights = optional(saved[4]);
+    const auto want = wanted_grads(ctx, weights.has_value(), OldDifferentiable);
+    const auto& data = ctx->saved_data;
+    return input_grads(op.call(grads[0], saved[0], saved[1], saved[2], saved[3], weights, saved[5], saved[6], saved[7],
+                               data.at("clip_eps_low").toDouble(), data.at("clip_eps_high").toDouble(), want),
+                       want, 4);
+  }
+
+  static SeqOutputs kernel(const Tensor& logprobs, const Tensor& old_logprobs, const Tensor& advantages,
+                           const Tensor& mask, const OptTensor& weights, const Tensor& cu_seqlens, double clip_eps_low,
+                           double clip_eps_high, c10::string_view agg) {
+    auto out = SeqPolicyLossVarlen::apply(logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, clip_eps_low,
+                                          clip_eps_high, agg);
+    return {out[0], out[1], out[2], out[3], out[4], out[5]};
+  }
+};
+
 constexpr char kClippedBackward[] = "ppo_fast::clipped_policy_loss_backward";
 
 }  // namespace
@@ -146,6 +197,10 @@ TORCH_LIBRARY_IMPL(ppo_fast, Autograd, m) {
   m.impl("policy_loss_gspo_backward", &NoSecondOrder<kGspoBackward, SeqBackward>::kernel);
   m.impl("policy_loss_geo_mean", &SeqPolicyLoss<kGeoMean, kGeoMeanBackward, true>::kernel);
   m.impl("policy_loss_geo_mean_backward", &NoSecondOrder<kGeoMeanBackward, SeqBackward>::kernel);
+  m.impl("policy_loss_gspo_varlen", &SeqPolicyLossVarlen<kGspoVarlen, kGspoVarlenBackward, false>::kernel);
+  m.impl("policy_loss_gspo_varlen_backward", &NoSecondOrder<kGspoVarlenBackward, SeqVarlenBackward>::kernel);
+  m.impl("policy_loss_geo_mean_varlen", &SeqPolicyLossVarlen<kGeoMeanVarlen, kGeoMeanVarlenBackward, true>::kernel);
+  m.impl("policy_loss_geo_mean_varlen_backward", &NoSecondOrder<kGeoMeanVarlenBackward, SeqVarlenBackward>::kernel);
 }
 
 }  // namespace ppo_fast

@@ -19,6 +19,12 @@ constexpr const char* seq_loss_op_name(PolicyMode mode) {
 constexpr const char* seq_loss_backward_op_name(PolicyMode mode) {
   return mode == PolicyMode::kGspo ? "policy_loss_gspo_backward" : "policy_loss_geo_mean_backward";
 }
+constexpr const char* seq_loss_varlen_op_name(PolicyMode mode) {
+  return mode == PolicyMode::kGspo ? "policy_loss_gspo_varlen" : "policy_loss_geo_mean_varlen";
+}
+constexpr const char* seq_loss_varlen_backward_op_name(PolicyMode mode) {
+  return mode == PolicyMode::kGspo ? "policy_loss_gspo_varlen_backward" : "policy_loss_geo_mean_varlen_backward";
+}
 
 // Per-row values a sequence-level forward keeps for its backward ([B, kRowState]).
 // GSPO: the row's mean log-ratio s.  GMPO: d row_loss / d (row sum of the kept log-ratios)

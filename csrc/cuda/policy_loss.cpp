@@ -142,16 +142,37 @@ cuda::SeqInputs<T> seq_inputs(const SeqBuffers& b, double eps_low, double eps_hi
           eps_high};
 }
 
+// The rows of a launch: the padded [B, T] inputs', or (cu defined) cu_seqlens' segments of [N] tokens.
+struct SeqRows {
+  at::Tensor cu;  // int64 on the device, or undefined
+  int64_t rows, length;
+};
+
+SeqRows padded_rows(const at::Tensor& logprobs) { return {at::Tensor(), logprobs.size(0), logprobs.size(1)}; }
+
+SeqRows packed_rows(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& logprobs) {
+  SeqRows r{device_cu_seqlens(op, cu_seqlens, logprobs), 0, logprobs.size(0)};
+  r.rows = r.cu.numel() - 1;
+  TORCH_CHECK(r.rows <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 sequences, got ", r.rows);
+  return r;
+}
+
+template <typename T>
+cuda::SeqInputs<T> seq_inputs(const SeqBuffers& b, const SeqRows& layout, double eps_low, double eps_high) {
+  cuda::SeqInputs<T> in = seq_inputs<T>(b, eps_low, eps_high);
+  in.rows = layout.rows, in.length = layout.length;
+  in.cu = layout.cu.defined() ? layout.cu.const_data_ptr<int64_t>() : nullptr;
+  return in;
+}
+
+using SeqForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The forward over `layout`'s rows of the checked buffers.
 template <PolicyMode mode>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_cuda(
-    const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& mask,
-    const std::optional<at::Tensor>& weights, double eps_low, double eps_high, c10::string_view agg_name) {
-  const char* op = seq_loss_op_name(mode);
-  const Agg agg = parse_agg(op, agg_name);
-  const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  check_cuda(op, logprobs);
+SeqForward seq_loss_rows(const char* op, const SeqBuffers& b, const SeqRows& layout, const at::Tensor& logprobs,
+                         double eps_low, double eps_high, Agg agg) {
   const c10::cuda::CUDAGuard guard(logprobs.device());
-  const int64_t rows = logprobs.size(0);
+  const int64_t rows = layout.rows;
   const auto options = logprobs.options().dtype(b.dtype);
   at::Tensor loss = at::empty({}, options), approx_kl = at::empty({}, options);
   at::Tensor clipfrac = at::empty({}, options.dtype(at::kFloat)),
@@ -164,21 +185,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                   row_scale.mutable_data_ptr<T>(),    row_state.mutable_data_ptr<T>(),
                                   clipfrac.mutable_data_ptr<float>(), clipfrac_lower.mutable_data_ptr<float>(),
                                   partials.mutable_data_ptr<double>()};
-    cuda::seq_loss_forward<T>(mode, seq_inputs<T>(b, eps_low, eps_high), agg, out, c10::cuda::getCurrentCUDAStream());
+    cuda::seq_loss_forward<T>(mode, seq_inputs<T>(b, layout, eps_low, eps_high), agg, out,
+                              c10::cuda::getCurrentCUDAStream());
   });
   check_launch(op);
   return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
 }
 
 template <PolicyMode mode>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cuda(
-    const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-    const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-    const at::Tensor& row_scale_in, const at::Tensor& row_state_in, double eps_low, double eps_high,
-    std::array<bool, 4> output_mask) {
-  const char* op = seq_loss_backward_op_name(mode);
+SeqForward seq_loss_cuda(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                         const at::Tensor& mask, const std::optional<at::Tensor>& weights, double eps_low,
+                         double eps_high, c10::string_view agg_name) {
+  const char* op = seq_loss_op_name(mode);
+  const Agg agg = parse_agg(op, agg_name);
   const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  const int64_t rows = logprobs.size(0);
+  check_cuda(op, logprobs);
+  return seq_loss_rows<mode>(op, b, padded_rows(logprobs), logprobs, eps_low, eps_high, agg);
+}
+
+// The packed layout's [N] inputs, checked as one [1, N] row (the buffers stay [1, N]).
+SeqBuffers seq_varlen_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                              const at::Tensor& advantages, const at::Tensor& mask,
+                              const std::optional<at::Tensor>& weights) {
+  check_dim(op, "logprobs", logprobs, 1);
+  const auto row = [](const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t; };
+  const std::optional<at::Tensor> w = weights.has_value() ? std::optional<at::Tensor>(row(*weights)) : std::nullopt;
+  return seq_buffers(op, row(logprobs), row(old_logprobs), row(advantages), row(mask), w);
+}
+
+template <PolicyMode mode>
+SeqForward seq_loss_varlen_cuda(const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                                const at::Tensor& advantages, const at::Tensor& mask,
+                                const std::optional<at::Tensor>& weights, const at::Tensor& cu_seqlens, double eps_low,
+                                double eps_high, c10::string_view agg_name) {
+  const char* op = seq_loss_varlen_op_name(mode);
+  const Agg agg = parse_agg(op, agg_name);
+  const SeqBuffers b = seq_varlen_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  check_cuda(op, logprobs);
+  return seq_loss_rows<mode>(op, b, packed_rows(op, cu_seqlens, logprobs), logprobs, eps_low, eps_high, agg);
+}
+
+using SeqGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The inputs of a backward beside the buffers (the gradients take their shapes and dtypes).
+struct SeqLike {
+  const at::Tensor &logprobs, &old_logprobs, &advantages;
+  const std::optional<at::Tensor>& weights;
+};
+
+// The backward over `layout`'s rows.
+template <PolicyMode mode>
+SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, const SeqBuffers& b, const SeqRows& layout,
+                                const SeqLike& like, const at::Tensor& row_scale_in, const at::Tensor& row_state_in,
+                                double eps_low, double eps_high, std::array<bool, 4> output_mask) {
+  const at::Tensor &logprobs = like.logprobs, &old_logprobs = like.old_logprobs, &advantages = like.advantages;
+  const std::optional<at::Tensor>& weights = like.weights;
+  const int64_t rows = layout.rows;
   check_grad_loss(op, grad_loss);
   check_float(op, "row_scale", row_scale_in);
   check_shape(op, "row_scale", row_scale_in, {rows});
@@ -202,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cud
     with_compute_type(b.dtype, [&](auto tag) {
       using T = decltype(tag);
       auto ptr = [](at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<T>() : nullptr; };
-      cuda::seq_loss_backward<T>(mode, seq_inputs<T>(b, eps_low, eps_high), upstream.const_data_ptr<T>(),
+      cuda::seq_loss_backward<T>(mode, seq_inputs<T>(b, layout, eps_low, eps_high), upstream.const_data_ptr<T>(),
                                  scales.const_data_ptr<T>(), states.const_data_ptr<T>(),
                                  {ptr(g_lp), ptr(g_ad), ptr(g_w)}, c10::cuda::getCurrentCUDAStream());
     });
@@ -217,6 +279,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_backward_cud
           weights.has_value() ? in_dtype(g_w, need_w, *weights) : at::empty({0}, logprobs.options())};
 }
 
+template <PolicyMode mode>
+SeqGrads seq_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                                const at::Tensor& advantages, const at::Tensor& mask,
+                                const std::optional<at::Tensor>& weights, const at::Tensor& row_scale,
+                                const at::Tensor& row_state, double eps_low, double eps_high,
+                                std::array<bool, 4> output_mask) {
+  const char* op = seq_loss_backward_op_name(mode);
+  const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  return seq_loss_backward_rows<mode>(op, grad_loss, b, padded_rows(logprobs),
+                                      {logprobs, old_logprobs, advantages, weights}, row_scale, row_state, eps_low,
+                                      eps_high, output_mask);
+}
+
+template <PolicyMode mode>
+SeqGrads seq_loss_varlen_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs,
+                                       const at::Tensor& old_logprobs, const at::Tensor& advantages,
+                                       const at::Tensor& mask, const std::optional<at::Tensor>& weights,
+                                       const at::Tensor& row_scale, const at::Tensor& row_state,
+                                       const at::Tensor& cu_seqlens, double eps_low, double eps_high,
+                                       std::array<bool, 4> output_mask) {
+  const char* op = seq_loss_varlen_backward_op_name(mode);
+  const SeqBuffers b = seq_varlen_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  return seq_loss_backward_rows<mode>(op, grad_loss, b, packed_rows(op, cu_seqlens, logprobs),
+                                      {logprobs, old_logprobs, advantages, weights}, row_scale, row_state, eps_low,
+                                      eps_high, output_mask);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, CUDA, m) {
@@ -226,6 +315,10 @@ TORCH_LIBRARY_IMPL(ppo_fast, CUDA, m) {
   m.impl("policy_loss_gspo_backward", &seq_loss_backward_cuda<PolicyMode::kGspo>);
   m.impl("policy_loss_geo_mean", &seq_loss_cuda<PolicyMode::kGeoMean>);
   m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cuda<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_gspo_varlen", &seq_loss_varlen_cuda<PolicyMode::kGspo>);
+  m.impl("policy_loss_gspo_varlen_backward", &seq_loss_varlen_backward_cuda<PolicyMode::kGspo>);
+  m.impl("policy_loss_geo_mean_varlen", &seq_loss_varlen_cuda<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_geo_mean_varlen_backward", &seq_loss_varlen_backward_cuda<PolicyMode::kGeoMean>);
 }
 
 }  // namespace ppo_fast

@@ -3,7 +3,8 @@
 // (GSPO, GMPO), following csrc/policy_loss.cpp: one block per row reduces the row's sums in
 // a fixed order (each thread a fixed stride, then a fixed tree), one block reduces over the
 // rows, so results are deterministic; the backward is elementwise.  No host sync: grad_loss
-// stays on the device.
+// stays on the device.  The packed layout (SeqInputs::cu): a block per segment, its bounds read
+// on the device; the backward finds each token's segment by a binary search of cu_seqlens.
 #include "common/loss_math.h"
 #include "common/seq_loss_math.h"
 #include "cuda/policy_loss.h"
@@ -86,7 +87,9 @@ __device__ void block_sum(const double (&values)[K], double* shared, double (&to
 template <typename T, PolicyMode mode>
 __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
   __shared__ double shared[7 * kThreads];
-  const int64_t row = blockIdx.x, start = row * in.length;
+  const int64_t row = blockIdx.x;
+  int64_t start = row * in.length, size = in.length;
+  if (in.cu != nullptr) token_loss::segment(in.cu, row, in.length, &start, &size);
   const T low = static_cast<T>(in.eps_low), high = static_cast<T>(in.eps_high);
   const PolicyBounds<T> bounds = clip_bounds<T>(in.eps_low, in.eps_high);
   const T* lp = in.logprobs + start;
@@ -97,7 +100,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
   double* acc = partials + row * kParts;
   if constexpr (mode == PolicyMode::kGspo) {
     double sums[2] = {0, 0}, totals[2];
-    for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
+    for (int64_t i = threadIdx.x; i < size; i += kThreads) {
       sums[0] += on[i] ? static_cast<double>(lp[i] - od[i]) : 0.0;
       sums[1] += on[i] ? 1.0 : 0.0;
     }
@@ -105,7 +108,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
     const T count = static_cast<T>(totals[1]);
     const T s = static_cast<T>(totals[0]) / (count > T(1) ? count : T(1));
     double terms[2] = {0, 0}, term_totals[2];
-    for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
+    for (int64_t i = threadIdx.x; i < size; i += kThreads) {
       const GspoTerm<T> t = gspo_term(s, lp[i], ad[i], bounds.ratio_low, bounds.ratio_high);
       const T weighted = t.pg * (w ? w[i] : T(1));
       terms[0] += on[i] ? static_cast<double>(weighted) : 0.0;
@@ -120,7 +123,7 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
     }
   } else {
     double sums[7] = {0, 0, 0, 0, 0, 0, 0}, totals[7];  // kept, adv, log w, count, clip high, clip low, kl
-    for (int64_t i = threadIdx.x; i < in.length; i += kThreads) {
+    for (int64_t i = threadIdx.x; i < size; i += kThreads) {
       const GeoTerm<T> t = geo_term(lp[i], od[i], ad[i], low, high);
       sums[0] += on[i] ? static_cast<double>(t.kept) : 0.0;
       sums[1] += on[i] ? static_cast<double>(ad[i]) : 0.0;
@@ -143,8 +146,11 @@ __global__ void rows_kernel(SeqInputs<T> in, double* partials, T* row_state) {
 
 // One block: the aggregation over the rows (reference.aggregate) and the stats.
 template <typename T, PolicyMode mode>
-__global__ void finish_kernel(const double* partials, int64_t rows, int64_t length, int64_t agg, SeqOutputs<T> out) {
+__global__ void finish_kernel(const double* partials, int64_t rows, int64_t length, const int64_t* cu, int64_t agg,
+                              SeqOutputs<T> out) {
   __shared__ double shared[(kParts + 1) * kThreads];
+  // seq-mean-token-sum-norm's T: the padded length, or the longest segment (no host read)
+  if (cu != nullptr) length = static_cast<int64_t>(token_loss::longest_segment<kThreads>(cu, rows, length));
   double counts[2] = {0, 0}, count_totals[2];  // tokens, rows with tokens
   for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
     counts[0] += partials[b * kParts + kCount];
@@ -169,12 +175,26 @@ __global__ void finish_kernel(const double* partials, int64_t rows, int64_t leng
   }
 }
 
+// The segment of token i: the last row b with cu[b] <= i (empty segments share their start with the
+// next one), in [0, rows - 1] whatever cu holds.
+__device__ __forceinline__ int64_t segment_of(const int64_t* cu, int64_t rows, int64_t i) {
+  int64_t low = 0, high = rows - 1;
+  while (low < high) {
+    const int64_t mid = (low + high + 1) / 2;
+    if (cu[mid] <= i)
+      low = mid;
+    else
+      high = mid - 1;
+  }
+  return low;
+}
+
 template <typename T, PolicyMode mode>
 __global__ void backward_kernel(SeqInputs<T> in, const T* grad_loss, const T* row_scale, const T* row_state,
                                 SeqGrads<T> grads) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= in.rows * in.length) return;
-  const int64_t row = i / in.length;
+  if (i >= (in.cu != nullptr ? in.length : in.rows * in.length)) return;
+  const int64_t row = in.cu != nullptr ? segment_of(in.cu, in.rows, i) : i / in.length;
   const T low = static_cast<T>(in.eps_low), high = static_cast<T>(in.eps_high);
   const PolicyBounds<T> bounds = clip_bounds<T>(in.eps_low, in.eps_high);
   const T g_row = *grad_loss * row_scale[row];
@@ -201,14 +221,14 @@ template <typename T, PolicyMode mode>
 void forward(const SeqInputs<T>& in, int64_t agg, const SeqOutputs<T>& out, cudaStream_t stream) {
   if (in.rows > 0)
     rows_kernel<T, mode><<<static_cast<unsigned>(in.rows), kThreads, 0, stream>>>(in, out.partials, out.row_state);
-  finish_kernel<T, mode><<<1, kThreads, 0, stream>>>(out.partials, in.rows, in.length, agg, out);
+  finish_kernel<T, mode><<<1, kThreads, 0, stream>>>(out.partials, in.rows, in.length, in.cu, agg, out);
 }
 
 template <typename T, PolicyMode mode>
 void backward(const SeqInputs<T>& in, const T* grad_loss, const T* row_scale, const T* row_state,
               const SeqGrads<T>& grads, cudaStream_t stream) {
-  const int64_t n = in.rows * in.length;
-  if (n == 0) return;
+  const int64_t n = in.cu != nullptr ? in.length : in.rows * in.length;
+  if (n == 0 || in.rows == 0) return;
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   backward_kernel<T, mode>
       <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(in, grad_loss, row_scale, row_state, grads);

@@ -30,13 +30,15 @@ void policy_loss_backward(const PolicyInputs& in, const void* grad_loss, const v
                           const GradOutputs& grads, cudaStream_t stream);
 
 // The sequence-level modes.  Inputs contiguous in the compute type T (float or double);
-// weights may be nullptr.
+// weights may be nullptr.  The packed layout (cu: cu_seqlens as int64 on the device): the rows are
+// its segments of the `length` [N] tokens.
 template <typename T>
 struct SeqInputs {
   const T *logprobs, *old_logprobs, *advantages, *weights;
   const bool* mask;
   int64_t rows, length;
   double eps_low, eps_high;
+  const int64_t* cu = nullptr;
 };
 
 // Outputs: loss, approx_kl, row_scale [rows] and row_state [rows, kRowState] in T; the clip

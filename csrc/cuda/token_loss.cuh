@@ -11,6 +11,8 @@
 // same tree) into row_sums[row], and the last block to finish (a counter, as CUDA's threadFenceReduction) sums the
 // rows, then the loss, each in a fixed order: no float atomics, so the same inputs give bitwise the same loss.
 // Backward: the same items, elementwise, with the row's scale (saved by the forward) read once per warp.
+// The packed layout (cu_seqlens): the rows are its segments, each cut into the same number of pieces
+// (token_loss.h varlen_chunk_plan), their bounds and the longest length read on the device, scalar loads.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -179,18 +181,58 @@ struct ItemSpan {
   int64_t item, row, row_start, begin, end;
 };
 
-// items < 2^31 (the glue checks): 32-bit division, once per warp.
+// Row `row` of the packed layout: its first token and its length, clamped to the `tokens` (a
+// malformed cu_seqlens, which the public layer refuses, reads nothing outside the inputs).
+__device__ __forceinline__ void segment(const int64_t* cu, int64_t row, int64_t tokens, int64_t* start, int64_t* size) {
+  const int64_t first = min(max(cu[row], int64_t(0)), tokens);
+  *start = first;
+  *size = min(max(cu[row + 1], first), tokens) - first;
+}
+
+// items < 2^31 (the glue checks): 32-bit division, once per warp.  `length` is the rows' length,
+// or in the packed layout (plan.cu) the number of tokens.
 __device__ __forceinline__ bool item_span(const ChunkPlan& plan, int64_t length, ItemSpan* span) {
   const unsigned item = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   if (item >= plan.items) return false;
   const unsigned chunks_per_row = static_cast<unsigned>(plan.chunks_per_row);
   const unsigned row = item / chunks_per_row;
+  const int64_t piece = item - row * chunks_per_row;
   span->item = item;
   span->row = row;
+  if (plan.cu != nullptr) {  // pieces of whole warp steps (plan.chunk), as equal as they can be
+    int64_t size = 0;
+    segment(plan.cu, row, length, &span->row_start, &size);
+    const int64_t per_piece = (size + plan.chunks_per_row - 1) / plan.chunks_per_row;
+    const int64_t chunk = (per_piece + plan.chunk - 1) / plan.chunk * plan.chunk;
+    span->begin = min(piece * chunk, size);
+    span->end = min(span->begin + chunk, size);
+    return true;
+  }
   span->row_start = span->row * length;
-  span->begin = static_cast<int64_t>(item - row * chunks_per_row) * plan.chunk;
+  span->begin = piece * plan.chunk;
   span->end = min(span->begin + plan.chunk, length);
   return true;
+}
+
+// The longest row of the packed layout, over the block's kThreads threads (every thread gets it).
+template <int kThreads>
+__device__ __noinline__ double longest_segment(const int64_t* cu, int64_t rows, int64_t tokens) {
+  __shared__ double shared[kThreads];
+  double longest = 0.0;
+  for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
+    int64_t start = 0, size = 0;
+    segment(cu, b, tokens, &start, &size);
+    longest = fmax(longest, static_cast<double>(size));
+  }
+  shared[threadIdx.x] = longest;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) shared[threadIdx.x] = fmax(shared[threadIdx.x], shared[threadIdx.x + half]);
+    __syncthreads();
+  }
+  longest = shared[0];
+  __syncthreads();
+  return longest;
 }
 
 // x[k][j] = input k of token row_start + t + j; valid[j] as load_mask.
@@ -257,7 +299,7 @@ __device__ void block_sum(double (&values)[kParts]) {
 }
 
 struct FinalizeArgs {
-  int64_t rows, length, agg;
+  int64_t rows, length, agg;  // length: the rows', or in the packed layout the tokens'
   ChunkPlan plan;
   LossOutputs out;
   double* row_sums;   // [rows, kParts]
@@ -306,13 +348,18 @@ __global__ void __launch_bounds__(kBlockThreads) finalize_kernel(const double* p
   }
   block_sum<kParts, kBlockThreads>(totals);
   block_sum<1, kBlockThreads>(nonempty);
+  // seq-mean-token-sum-norm's T: the padded length, or the longest segment (found here: no host read)
+  const int64_t length =
+      args.plan.cu == nullptr
+          ? args.length
+          : static_cast<int64_t>(longest_segment<kBlockThreads>(args.plan.cu, args.rows, args.length));
   T* row_scale_out = static_cast<T*>(args.out.row_scale);
   double loss[1] = {0.0};
   for (int64_t r = threadIdx.x; r < args.rows; r += kBlockThreads) {
     double row[kParts];
     load_row(args.row_sums, r, row);  // rows x kParts doubles: the chunk partials are read once, above
     const double scale =
-        row_scale(args.agg, row[Token::kCountColumn], totals[Token::kCountColumn], nonempty[0], args.length);
+        row_scale(args.agg, row[Token::kCountColumn], totals[Token::kCountColumn], nonempty[0], length);
     row_scale_out[r] = static_cast<T>(scale);
     loss[0] += scale * row[Token::kSumColumn];
   }
@@ -373,17 +420,17 @@ inline unsigned item_blocks(const ChunkPlan& plan) {
   return static_cast<unsigned>((plan.items + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
+// The forward over `plan`'s items; `vector` whether the vector path may run.
 template <typename D, typename Token>
-void forward(const Token& token, const bool* mask, int64_t rows, int64_t length, int64_t agg, double* partials,
-             const LossOutputs& out, cudaStream_t stream) {
+void forward_planned(const Token& token, const bool* mask, const ChunkPlan& plan, bool vector, int64_t rows,
+                     int64_t length, int64_t agg, double* partials, const LossOutputs& out, cudaStream_t stream) {
   constexpr int kParts = Token::kParts;
-  const ChunkPlan plan = chunk_plan(rows, length, sizeof(typename D::Bits));
   // The scratch as forward_scratch_doubles lays it out.
   double* row_sums = partials + plan.items * kParts;
   unsigned* counter = reinterpret_cast<unsigned*>(row_sums + rows * kParts);
   // At least one block, which zeroes the counter, even without tokens.
   const unsigned blocks = std::max(1u, item_blocks(plan));
-  if (vector_path<D>(token, mask, length, nullptr))
+  if (vector)
     partials_kernel<D, true><<<blocks, kBlockThreads, 0, stream>>>(token, mask, plan, length, partials, counter);
   else
     partials_kernel<D, false><<<blocks, kBlockThreads, 0, stream>>>(token, mask, plan, length, partials, counter);
@@ -393,19 +440,50 @@ void forward(const Token& token, const bool* mask, int64_t rows, int64_t length,
 }
 
 template <typename D, typename Token>
-void backward(const Token& token, const bool* mask, int64_t rows, int64_t length, const void* grad_loss,
-              const void* row_scale, const GradOutputs& grads, cudaStream_t stream) {
-  using T = typename D::T;
+void forward(const Token& token, const bool* mask, int64_t rows, int64_t length, int64_t agg, double* partials,
+             const LossOutputs& out, cudaStream_t stream) {
   const ChunkPlan plan = chunk_plan(rows, length, sizeof(typename D::Bits));
+  forward_planned<D>(token, mask, plan, vector_path<D>(token, mask, length, nullptr), rows, length, agg, partials, out,
+                     stream);
+}
+
+// The packed layout: rows `rows` segments of `tokens` tokens given by cu (int64, on the device).  Scalar
+// loads: a segment starts anywhere.
+template <typename D, typename Token>
+void forward_varlen(const Token& token, const bool* mask, const int64_t* cu, int64_t rows, int64_t tokens, int64_t agg,
+                    double* partials, const LossOutputs& out, cudaStream_t stream) {
+  const ChunkPlan plan = varlen_chunk_plan(cu, rows, tokens, sizeof(typename D::Bits));
+  forward_planned<D>(token, mask, plan, false, rows, tokens, agg, partials, out, stream);
+}
+
+template <typename D, typename Token>
+void backward_planned(const Token& token, const bool* mask, const ChunkPlan& plan, bool vector, int64_t length,
+                      const void* grad_loss, const void* row_scale, const GradOutputs& grads, cudaStream_t stream) {
+  using T = typename D::T;
   if (plan.items == 0) return;
   const T* upstream = static_cast<const T*>(grad_loss);
   const T* scale = static_cast<const T*>(row_scale);
-  if (vector_path<D>(token, mask, length, &grads))
+  if (vector)
     backward_kernel<D, true>
         <<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
   else
     backward_kernel<D, false>
         <<<item_blocks(plan), kBlockThreads, 0, stream>>>(token, mask, plan, length, upstream, scale, grads);
+}
+
+template <typename D, typename Token>
+void backward(const Token& token, const bool* mask, int64_t rows, int64_t length, const void* grad_loss,
+              const void* row_scale, const GradOutputs& grads, cudaStream_t stream) {
+  const ChunkPlan plan = chunk_plan(rows, length, sizeof(typename D::Bits));
+  backward_planned<D>(token, mask, plan, vector_path<D>(token, mask, length, &grads), length, grad_loss, row_scale,
+                      grads, stream);
+}
+
+template <typename D, typename Token>
+void backward_varlen(const Token& token, const bool* mask, const int64_t* cu, int64_t rows, int64_t tokens,
+                     const void* grad_loss, const void* row_scale, const GradOutputs& grads, cudaStream_t stream) {
+  const ChunkPlan plan = varlen_chunk_plan(cu, rows, tokens, sizeof(typename D::Bits));
+  backward_planned<D>(token, mask, plan, false, tokens, grad_loss, row_scale, grads, stream);
 }
 
 // body(D{}) for the dtype tag of `dtype` (once per launch, on the host).

@@ -34,9 +34,13 @@ constexpr int kWarp = 32;
 constexpr int64_t kTargetItems = 4096;  // ~31 warps per H200 SM: enough loads in flight, few partials
 
 // How the tokens are cut into warp work items: `chunk` tokens of one row each
-// (chunks_per_row per row, items in all; the glue refuses items >= 2^31).
+// (chunks_per_row per row, items in all; the glue refuses items >= 2^31).  In the packed layout
+// (`cu`: cu_seqlens as int64 on the device) the rows are its segments, whose lengths only the
+// device knows: each row is cut into chunks_per_row pieces of whole warp steps (`chunk` is one
+// step), the piece length computed on the device from the row's length.
 struct ChunkPlan {
   int64_t chunk, chunks_per_row, items;
+  const int64_t* cu = nullptr;
 };
 
 // The forward's scratch, in doubles: each item's partial sums, then each row's sums (the finalize's
@@ -56,6 +60,19 @@ inline ChunkPlan chunk_plan(int64_t rows, int64_t length, int64_t element_size) 
   const int64_t chunk = std::min(wanted_steps, row_steps) * step;
   const int64_t chunks_per_row = (length + chunk - 1) / chunk;
   return {chunk, chunks_per_row, rows * chunks_per_row};
+}
+
+// The packed layout's plan, from the rows' and tokens' counts alone (no host read of cu_seqlens):
+// about kTargetItems items, at least kMinPieces per row so that a long row in a long tail is not
+// one warp's work, and no more pieces than the tokens have warp steps.
+constexpr int64_t kMinPieces = 8;
+inline ChunkPlan varlen_chunk_plan(const int64_t* cu, int64_t rows, int64_t tokens, int64_t element_size) {
+  const int64_t step = kWarp * (16 / element_size);
+  if (rows == 0) return {step, 0, 0, cu};
+  const int64_t steps = std::max<int64_t>(1, (tokens + step - 1) / step);
+  const int64_t wanted = std::max(kMinPieces, (kTargetItems + rows - 1) / rows);
+  const int64_t pieces = std::min(wanted, steps);
+  return {step, pieces, rows * pieces, cu};
 }
 
 }  // namespace cuda

@@ -50,6 +50,27 @@ inline cuda::ChunkPlan checked_plan(const char* op, const at::Tensor& like) {
   return plan;
 }
 
+// cu_seqlens as the packed kernels read it: int64, contiguous, on the inputs' device.  Its values are
+// not read on the host (no sync): the kernels clamp every segment to the tokens (nothing outside the
+// inputs is read), and the public layer checks them on the device (torch._assert_async).
+inline at::Tensor device_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& like) {
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
+              ": cu_seqlens must have dtype int32 or int64, got ", cu_seqlens.scalar_type());
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be 1-D [S + 1], got shape ",
+              cu_seqlens.sizes());
+  check_same_device(op, {{"cu_seqlens", &cu_seqlens}, {"inputs", &like}});
+  return cu_seqlens.to(at::kLong).contiguous();
+}
+
+// The packed layout's work items for `tokens` [N] inputs in cu's segments.
+inline cuda::ChunkPlan checked_varlen_plan(const char* op, const at::Tensor& cu, const at::Tensor& tokens) {
+  const cuda::ChunkPlan plan =
+      cuda::varlen_chunk_plan(cu.const_data_ptr<int64_t>(), cu.numel() - 1, tokens.numel(), tokens.element_size());
+  TORCH_CHECK(plan.items <= std::numeric_limits<int32_t>::max(), op, ": too many sequences for the CUDA kernels, got ",
+              cu.numel() - 1);
+  return plan;
+}
+
 // grad_loss (one element, on the inputs' device) in the compute dtype: read by the kernel.
 inline at::Tensor checked_upstream(const char* op, const at::Tensor& grad_loss, const at::Tensor& like,
                                    at::ScalarType dtype) {

@@ -66,5 +66,22 @@ void value_loss_backward(const ValueInputs& in, const void* grad_loss, const voi
   });
 }
 
+void value_loss_varlen_forward(const ValueInputs& in, const int64_t* cu, int64_t agg, double* partials,
+                               const LossOutputs& out, cudaStream_t stream) {
+  token_loss::with_dtype(in.dtype, [&](auto d) {
+    using D = decltype(d);
+    token_loss::forward_varlen<D>(value_token<D>(in), in.mask, cu, in.rows, in.length, agg, partials, out, stream);
+  });
+}
+
+void value_loss_varlen_backward(const ValueInputs& in, const int64_t* cu, const void* grad_loss, const void* row_scale,
+                                const GradOutputs& grads, cudaStream_t stream) {
+  token_loss::with_dtype(in.dtype, [&](auto d) {
+    using D = decltype(d);
+    token_loss::backward_varlen<D>(value_token<D>(in), in.mask, cu, in.rows, in.length, grad_loss, row_scale, grads,
+                                   stream);
+  });
+}
+
 }  // namespace cuda
 }  // namespace ppo_fast

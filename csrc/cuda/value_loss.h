@@ -26,5 +26,12 @@ void value_loss_forward(const ValueInputs& in, int64_t agg, double* partials, co
 void value_loss_backward(const ValueInputs& in, const void* grad_loss, const void* row_scale, const GradOutputs& grads,
                          cudaStream_t stream);
 
+// The packed layout: in.rows segments of in.length tokens ([N] inputs), given by cu (cu_seqlens as
+// int64, on the device); row_scale [rows].
+void value_loss_varlen_forward(const ValueInputs& in, const int64_t* cu, int64_t agg, double* partials,
+                               const LossOutputs& out, cudaStream_t stream);
+void value_loss_varlen_backward(const ValueInputs& in, const int64_t* cu, const void* grad_loss, const void* row_scale,
+                                const GradOutputs& grads, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace ppo_fast

@@ -12,14 +12,19 @@ __all__ = ["gae"]
 
 
 def _packed(segments, rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
-    """``gae`` on the packed ``[N]`` tensors: one reverse scan per segment (native, reference); the
-    Triton backend has no segmented scan yet and takes the padded detour."""
+    """``gae`` on the packed ``[N]`` tensors: one reverse scan per segment on every backend (the
+    Triton kernels read the segments' bounds on the device: no host sync)."""
     rows = _checked(rewards[None], values[None], mask[None], gamma, lam)
     backend = backend_of("gae", rewards.device.type)
     if backend == "native":
         return torch.ops.ppo_fast.gae_varlen(*(x[0] for x in rows[:3]), segments.cu_seqlens, *rows[3:])
     if backend == "reference":
         return reference.gae_packed(segments, *(x[0] for x in rows[:3]), *rows[3:])
+    if backend == "triton":  # the bound is the padded path's chunking where known on the host
+        max_seqlen = segments.max_seqlen if isinstance(segments.max_seqlen, int) else None
+        return torch.ops.ppo_fast_triton.gae_varlen(
+            *(x[0] for x in rows[:3]), segments.cu_seqlens, max_seqlen, gamma=rows[3], lam=rows[4]
+        )
     return NotImplemented
 
 

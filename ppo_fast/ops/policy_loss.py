@@ -59,8 +59,8 @@ def _policy_loss_packed(
     segments, logprobs, old_logprobs, advantages, mask, *, loss_mode="vanilla", agg=None, weights=None, **mode_params
 ):
     """``policy_loss`` on packed tokens: the token-level modes as one row (``token_level_packed``);
-    GSPO and GMPO per segment on the reference and the native CPU kernels, the padded detour on the
-    others (no segmented kernel there yet)."""
+    GSPO and GMPO per segment on the reference and the native kernels (CPU, and CUDA where built:
+    the segments' bounds read on the device)."""
     mode = policy_loss_mode(loss_mode)
     agg = mode.default_agg if agg is None else agg
     if not mode.sequence_level:
@@ -79,8 +79,8 @@ def _policy_loss_packed(
             agg=agg,
         )
     backend = backend_of(mode.op, logprobs.device.type)
-    if not (backend == "reference" or (backend == "native" and logprobs.device.type == "cpu")):
-        return NotImplemented  # no segmented kernel there yet: the padded detour
+    if backend not in ("reference", "native"):
+        return NotImplemented  # no segmented kernel there: the padded detour
     params = mode.bind(mode_params)
     inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}
     mask = check.loss_inputs({k: _row(x) for k, x in inputs.items()}, mask[None])[0]

@@ -16,15 +16,15 @@ __all__ = ["value_loss"]
 
 def _packed(segments, values, old_values, returns, mask, *, clip=0.2, agg="token-mean"):
     """``value_loss`` on packed tokens: the token-level aggregations as one row; the ``seq-mean-*``
-    ones per segment on the reference and the native CPU kernels, the padded detour on the others
-    (no segmented kernel there yet)."""
+    ones per segment on the reference and the native kernels (CPU, and CUDA where built: the
+    segments' bounds read on the device)."""
     check.choice("agg", agg, AGG_MODES)
     if not agg.startswith("seq-mean"):
         rows = (None if x is None else x[None] for x in (values, old_values, returns, mask))
         return one_row(value_loss(*rows, clip=clip, agg=agg))
     backend = backend_of("value_loss", values.device.type)
-    if backend not in ("reference", "native") or backend == "native" and values.device.type != "cpu":
-        return NotImplemented  # no segmented kernel there yet: the padded detour
+    if backend not in ("reference", "native"):
+        return NotImplemented  # no segmented kernel there: the padded detour
     if clip is None:
         old_values, clip = values.detach(), math.inf
     else:

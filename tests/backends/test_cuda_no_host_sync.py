@@ -2,6 +2,8 @@
 backend that serves CUDA, under ``torch.cuda.set_sync_debug_mode("error")`` (which raises
 on any synchronising CUDA call).  Needs a GPU: skipped here, run by bench/gpu_check.sh."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -101,6 +103,69 @@ def test_op_forward_and_backward_never_sync_the_host(op, backend):
             outputs = CALLS[op](rand, mask, float_mask, labels, shape)
             total = sum(o.float().sum() for o in outputs if o.requires_grad)
             total.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+# The packed layout (cu_seqlens, an empty sequence and a single token among them): the segmented
+# kernels read the segments' bounds on the device, with or without max_seqlen.
+LENGTHS = [5, 0, 1, 40, 86]  # 132 tokens: the [4, 33] inputs flattened
+
+
+def _seq_loss(rand, mask, mode, **kw):
+    n = mask.numel()
+    lp, old = (-rand(n).abs() for _ in range(2))
+    params = mode.example_params()
+    return pf.policy_loss(
+        lp.requires_grad_(), old, rand(n), mask, loss_mode=mode.name, weights=rand(n).abs(), **params, **kw
+    )[:1]
+
+
+def _packed(rand, mask, **kw):
+    n = mask.numel()
+    lp = lambda: -rand(n).abs()  # noqa: E731
+    seq_mean = dict(kw, agg="seq-mean-token-sum-norm")
+    return {
+        "gae": lambda: pf.gae(rand(n).requires_grad_(), rand(n).requires_grad_(), mask, gamma=0.99, lam=0.95, **kw),
+        "kl_penalized_rewards": lambda: pf.kl_penalized_rewards(
+            rand(len(LENGTHS)), lp().requires_grad_(), lp(), mask, kl_coef=0.1, **kw
+        ),
+        "value_loss": lambda: pf.value_loss(rand(n).requires_grad_(), rand(n), rand(n), mask, **seq_mean)[:1],
+        "clipped_policy_loss": lambda: pf.clipped_policy_loss(
+            lp().requires_grad_(), lp(), rand(n).requires_grad_(), mask, **seq_mean
+        )[:1],
+        **{
+            mode.op: partial(_seq_loss, rand, mask, mode, agg="seq-mean-token-mean", **kw)
+            for mode in POLICY_LOSS_MODES.values()
+            if mode.sequence_level
+        },
+    }
+
+
+PACKED_OPS = ["gae", "kl_penalized_rewards", "value_loss", "clipped_policy_loss"] + [
+    mode.op for mode in POLICY_LOSS_MODES.values() if mode.sequence_level
+]
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["device-max_seqlen", "max_seqlen"])
+@pytest.mark.parametrize(
+    "op, backend", [(op, b) for op in PACKED_OPS for b in _cuda_backends(op)] if torch.cuda.is_available() else []
+)
+def test_packed_ops_never_sync_the_host(op, backend, given):
+    if (op, backend, given) == ("gae", "reference", False):
+        pytest.skip("the reference scan reads its bound on the host without max_seqlen (docs/ops.md)")
+    rand, mask, *_ = _inputs("cuda")
+    mask = mask.reshape(-1)
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda")
+    kw = dict(cu_seqlens=cu_seqlens, max_seqlen=max(LENGTHS) if given else None)
+    with pf.use_backend(backend):
+        _packed(rand, mask, **kw)[op]()  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = _packed(rand, mask, **kw)[op]()
+            sum(o.float().sum() for o in outputs if o.requires_grad).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

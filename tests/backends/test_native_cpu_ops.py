@@ -68,10 +68,10 @@ def test_the_build_holds_code_for_the_cuda_architectures_it_reports():
 
 def test_autograd_of_every_op_but_the_fused_heads_is_in_cpp():
     """A Python autograd kernel (torch.library.register_autograd) costs tens of microseconds a call:
-    every operator has a C++ one (csrc/autograd/<op>.cpp) but the fused heads' and the packed layout's
-    segmented ops' (``*_varlen``, still Python)."""
+    every operator has a C++ one (csrc/autograd/<op>.cpp), the packed layout's segmented ops (``*_varlen``)
+    included, but the fused heads'."""
     python_autograd = {
-        name for name in _native().OPERATORS if name.startswith("linear_") or name == "bool_mask" or "_varlen" in name
+        name for name in _native().OPERATORS if name.startswith("linear_") or name == "bool_mask"
     }  # bool_mask: a mask conversion, not differentiable
     for name in _native().OPERATORS:
         dump = torch._C._dispatch_dump(f"ppo_fast::{name}")

@@ -134,3 +134,92 @@ def test_losses_cuda_refuse_bad_inputs(case, message):
     call = _bad_call(case)
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+# The packed layout: a long tail (one long sequence, many short ones, empty ones) at real sizes.
+PACKED_LENGTHS = [40_000, 0, 1, *([3] * 500), *range(7, 2_000, 97), 0]
+
+
+def _packed_call(name):
+    if name == "value_loss":
+        return lambda v, o, r, m, **kw: pf.value_loss(v, o, r, m, agg="seq-mean-token-sum-norm", **kw)[0]
+    mode = pf.policy_loss_modes()[name]
+    return lambda lp, old, adv, m, **kw: pf.policy_loss(
+        lp, old, adv, m, loss_mode=name, agg="seq-mean-token-mean", **mode.example_params(), **kw
+    )[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["value_loss", "gspo", "geo_mean"])
+def test_packed_losses_cuda_equal_the_cpu_kernels(name, dtype):
+    """The CUDA segmented kernels (value_loss_varlen, policy_loss_*_varlen) against the native CPU
+    ones on the same packed tokens (the CPU's, in turn, equal the padded kernels bit for bit:
+    tests/test_varlen.py), value and every gradient, with and without max_seqlen, bitwise
+    deterministic on CUDA; the padded detour is never taken."""
+    from ppo_fast import _varlen
+
+    g = torch.Generator().manual_seed(torch.randint(1 << 30, ()).item())
+    tokens = sum(PACKED_LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
+    lp, old = (-torch.rand(tokens, generator=g, dtype=dtype) * 3 for _ in range(2))
+    inputs = [lp, old, torch.randn(tokens, generator=g, dtype=dtype)]
+    mask = torch.rand(tokens, generator=g) > 0.2
+    call = _packed_call(name)
+
+    def run(device, **kw):
+        xs = [x.to(device).requires_grad_(True) for x in inputs]
+        with pf.use_backend("native"):
+            loss = call(*xs, mask.to(device), cu_seqlens=cu.to(device), **kw)
+        grads = torch.autograd.grad(loss, [x for x in xs if x.requires_grad], allow_unused=True)
+        return [t.cpu() for t in (loss, *grads) if t is not None]
+
+    want = run("cpu")
+    layout_of = _varlen.Layout.of
+    _varlen.Layout.of = lambda *a, **k: pytest.fail("the packed CUDA loss took the padded detour")
+    try:
+        got = [run("cuda"), run("cuda"), run("cuda", max_seqlen=max(PACKED_LENGTHS))]
+    finally:
+        _varlen.Layout.of = layout_of
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    for h, w in zip(got[0], want, strict=True):
+        torch.testing.assert_close(h, w, **tol)
+    for other in got[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other, got[0], strict=True))
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_packed_gae_triton_cuda_equals_its_padded_kernel(given):
+    """The Triton segmented scan on CUDA against the padded kernel at the valid tokens: bit for bit with
+    max_seqlen (the same chunks); without it (1024-token chunks, the bound found on the device) bit
+    for bit against the padded kernel at 1024-token chunks."""
+    pytest.importorskip("triton")
+    from ppo_fast.backends.triton import gae as tgae
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [3000, 0, 1, *([5] * 300), *range(2, 900, 37)]
+    tokens, width = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    valid = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).cuda()
+    rewards, values = (torch.randn(tokens, generator=g).cuda() for _ in range(2))
+    mask = (torch.rand(tokens, generator=g) > 0.2).cuda()
+
+    def pad(x):
+        out = x.new_zeros(valid.shape)
+        out[valid] = x
+        return out
+
+    max_seqlen = width if given else None
+    got = tgae.gae_varlen_forward(rewards, values, mask, cu, 0.99, 0.95, max_seqlen=max_seqlen)
+    block = tgae.varlen_block(max_seqlen)
+    want = tgae.gae_forward(pad(rewards), pad(values), pad(mask), 0.99, 0.95, block_t=block)
+    for h, w in zip(got, want, strict=True):
+        assert torch.equal(h, w[valid])
+    grads = tgae.gae_varlen_backward(
+        rewards, values, mask, cu, 0.99, 0.95, dtypes=(torch.float32, torch.float32), max_seqlen=max_seqlen
+    )
+    padded = (pad(rewards), pad(values), pad(mask))
+    want = tgae.gae_backward(
+        *padded, 0.99, 0.95, rewards_dtype=torch.float32, values_dtype=torch.float32, block_t=block
+    )
+    for h, w in zip(grads, want, strict=True):
+        assert torch.equal(h, w[valid])

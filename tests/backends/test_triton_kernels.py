@@ -577,6 +577,9 @@ def _opcheck_cases():
     saved = (logits.detach(), labels, stats, entropy, 0.7, IGNORE)
     last = torch.tensor([5, 4, 3, -1], dtype=torch.int32, device=DEVICE)
     residuals = (x.detach(), y.detach(), mask, last, 0.1, "k2", torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32, device=DEVICE)  # an empty segment among them
+    packed = (torch.randn(18, device=DEVICE)[::2].requires_grad_(), rand(9).requires_grad_(), rand(9) > 0, cu_seqlens)
+    hyper, dtypes = {"gamma": 0.9, "lam": 0.8}, {"rewards_dtype": torch.float32, "values_dtype": torch.float16}
     return {
         "kl_estimate": (tkl._kl_estimate_op, (x, y, "k3")),
         "kl_penalized_rewards": (tkl._kl_penalized_rewards_op, (scores, x, y, mask, 0.1, "k2")),
@@ -590,6 +593,13 @@ def _opcheck_cases():
         "kl_penalized_rewards_backward": (tkl._kl_penalized_rewards_backward_op, (g_t, None, *residuals)),
         "kl_penalized_rewards_backward kl only": (tkl._kl_penalized_rewards_backward_op, (None, g_t, *residuals)),
         "gae_backward": (tgae._gae_backward_op, (g_t, None, mask, 0.9, 0.8, torch.float32, torch.float16)),
+        "gae_varlen": (tgae._gae_varlen_op, (*packed, None), hyper),
+        "gae_varlen max_seqlen": (tgae._gae_varlen_op, (*packed, 4), hyper),
+        "gae_varlen_backward": (
+            tgae._gae_varlen_backward_op,
+            (None, packed[1].detach(), *packed[2:], 4),
+            {**hyper, **dtypes},
+        ),
     }
 
 
@@ -597,6 +607,7 @@ OPCHECK_CASES = ["kl_estimate", "kl_penalized_rewards", "gae", "token_logprobs",
 OPCHECK_CASES += ["token_logprobs truncated"]
 OPCHECK_CASES += ["token_logprobs_backward", "token_logprobs_backward entropy only", "kl_estimate_backward"]
 OPCHECK_CASES += ["kl_penalized_rewards_backward", "kl_penalized_rewards_backward kl only", "gae_backward"]
+OPCHECK_CASES += ["gae_varlen", "gae_varlen max_seqlen", "gae_varlen_backward"]
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -605,8 +616,8 @@ def test_custom_ops_pass_opcheck(case):
     outputs) and AOT dispatch with dynamic shapes, as torch.compile relies on them."""
     cases = _opcheck_cases()
     assert list(cases) == OPCHECK_CASES
-    op, args = cases[case]
-    result = torch.library.opcheck(op, args)
+    op, args, *kwargs = cases[case]
+    result = torch.library.opcheck(op, args, *kwargs)
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
@@ -900,3 +911,87 @@ def test_a_kl_estimator_without_a_triton_branch_does_not_compute_another(monkeyp
     monkeypatch.setattr(module, "kl_estimator_code", lambda name: len(module.KL_ESTIMATORS))
     with pytest.raises(Exception, match="without a Triton branch"):
         module.kl_estimate_forward(torch.zeros(2, 3), torch.zeros(2, 3), "k4")
+
+
+# --------------------------------------------------------------------------- packed (varlen) gae
+
+
+def _packed_gae_inputs(seed, dtype):
+    """Random lengths (an empty sequence and a single token among them, one long enough to cross
+    small chunks), packed ``[N]`` inputs with holes in the mask, and their padded ``[S, W]`` layout."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [0, 1, 17, *torch.randint(0, 12, (4,), generator=g).tolist()]
+    lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g)]
+    tokens, width = sum(lengths), max(lengths)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+    valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    rewards, values = (torch.randn(tokens, generator=g).to(DEVICE, dtype) for _ in range(2))
+    mask = (torch.rand(tokens, generator=g) > 0.25).to(DEVICE)
+
+    def pad(x):
+        out = x.new_zeros((len(lengths), width))
+        out[valid.to(DEVICE)] = x
+        return out
+
+    return (rewards, values, mask), cu_seqlens, width, valid.to(DEVICE), pad
+
+
+@pytest.mark.parametrize(
+    "dtype, block, given",
+    [
+        (torch.float32, 4, True),
+        (torch.float64, 2, False),
+        (torch.float16, 8, False),
+        (torch.bfloat16, None, True),
+        pytest.param(torch.float32, None, False, marks=pytest.mark.full),
+        pytest.param(torch.float64, None, True, marks=pytest.mark.full),
+    ],
+)
+def test_packed_gae_kernels_equal_the_padded_kernels_bit_for_bit(dtype, block, given):
+    """One scan per cu_seqlens segment, its bounds read on the device: the padded kernels' result at
+    the valid tokens, bit for bit, forward and backward, with the chunks the padded launch takes for
+    the longest length (``max_seqlen`` given) or ``MAX_BLOCK_T`` (found on the device); small chunks
+    cross the carries and skip the chunks past a short segment's end.  The incoming gradients are
+    strided and expanded, as a sum's are."""
+    seed = torch.randint(1 << 30, ()).item()
+    (rewards, values, mask), cu_seqlens, width, valid, pad = _packed_gae_inputs(seed, dtype)
+    max_seqlen = width if given else None
+    padded_block = block or (tgae.varlen_block(max_seqlen))
+    got = tgae.gae_varlen_forward(rewards, values, mask, cu_seqlens, 0.97, 0.9, max_seqlen=max_seqlen, block_t=block)
+    want = tgae.gae_forward(pad(rewards), pad(values), pad(mask), 0.97, 0.9, block_t=padded_block)
+    for h, w in zip(got, want, strict=True):
+        assert torch.equal(h, w[valid]), f"seed {seed}"
+    grad_adv = torch.randn(2 * len(mask), device=DEVICE)[::2]  # strided
+    grad_ret = torch.ones((), device=DEVICE).expand(len(mask))  # expanded (stride 0)
+    dtypes = (dtype, torch.float32)
+    got = tgae.gae_varlen_backward(
+        grad_adv, grad_ret, mask, cu_seqlens, 0.97, 0.9, dtypes=dtypes, max_seqlen=max_seqlen, block_t=block
+    )
+    padded_grads = (pad(grad_adv), pad(grad_ret), pad(mask))
+    want = tgae.gae_backward(
+        *padded_grads, 0.97, 0.9, rewards_dtype=dtype, values_dtype=torch.float32, block_t=padded_block
+    )
+    for h, w in zip(got, want, strict=True):
+        assert torch.equal(h, w[valid]), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_gae_matches_float64_without_a_padded_layout(dtype, monkeypatch):
+    """``pf.gae(cu_seqlens=...)`` on the Triton backend runs the segmented kernels (the padded detour
+    fails here) and agrees with the float64 reference on the same tokens, forward and backward."""
+    from ppo_fast import _varlen
+
+    monkeypatch.setattr(_varlen.Layout, "of", lambda *a, **k: pytest.fail("the packed gae took the padded detour"))
+    seed = torch.randint(1 << 30, ()).item()
+    (rewards, values, mask), cu_seqlens, *_ = _packed_gae_inputs(seed, dtype)
+    leaves = [rewards, values]
+
+    def run(backend, *x):
+        with pf.use_backend(backend):
+            return pf.gae(*x, mask, gamma=0.97, lam=0.9, cu_seqlens=cu_seqlens)
+
+    got = _grads(lambda *x: run("triton", *x), leaves)
+    want = _grads(lambda *x: run("reference", *(y.double() for y in x)), leaves)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    for h, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        torch.testing.assert_close(h.double(), w.double(), **tol, msg=lambda m: f"seed {seed}: {m}")

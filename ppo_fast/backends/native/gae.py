@@ -14,7 +14,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 
@@ -85,19 +84,5 @@ def _fake_gae_varlen_backward(
     return grad_or_empty(mask, output_mask[0], rewards_dtype), grad_or_empty(mask, output_mask[1], values_dtype)
 
 
-def _setup_gae_varlen(ctx, inputs, output):
-    rewards, values, mask, cu_seqlens, gamma, lam = inputs
-    ctx.save_for_backward(mask, cu_seqlens)
-    ctx.args = (gamma, lam, rewards.dtype, values.dtype)
-    ctx.set_materialize_grads(False)
-
-
-def _backward_gae_varlen(ctx, grad_advantages, grad_returns):
-    mask, cu_seqlens = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.ppo_fast.gae_varlen_backward(grad_advantages, grad_returns, mask, cu_seqlens, *ctx.args, needed)
-    return *needed_grads(grads, needed), None, None, None, None
-
-
-register("gae_varlen", _fake_gae_varlen, _backward_gae_varlen, _setup_gae_varlen)
+register("gae_varlen", _fake_gae_varlen)  # autograd: csrc/autograd/gae.cpp
 register("gae_varlen_backward", _fake_gae_varlen_backward)

@@ -16,7 +16,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 from .value_loss import _check_loss_backward_inputs
@@ -216,34 +215,7 @@ def _seq_loss_varlen_ops(mode):
             grad_weights,
         )
 
-    def setup(ctx, inputs, output):
-        logprobs, old_logprobs, advantages, mask, weights, cu_seqlens, clip_eps_low, clip_eps_high, _agg = inputs
-        _loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state = output
-        ctx.save_for_backward(logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state, cu_seqlens)
-        ctx.clip = (clip_eps_low, clip_eps_high)
-        ctx.mark_non_differentiable(clipfrac, clipfrac_lower, approx_kl, row_scale, row_state)
-
-    def backward(ctx, grad_loss, *_stats_grads):
-        logprobs, old_logprobs, advantages, mask, weights, row_scale, row_state, cu_seqlens = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        needed = [need[0], need[1] and mode != "gspo", need[2], weights is not None and need[4]]
-        grads = getattr(torch.ops.ppo_fast, f"{op}_backward")(
-            grad_loss,
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            weights,
-            row_scale,
-            row_state,
-            cu_seqlens,
-            *ctx.clip,
-            needed,
-        )
-        grad_logprobs, grad_old, grad_advantages, grad_weights = needed_grads(grads, needed)
-        return grad_logprobs, grad_old, grad_advantages, None, grad_weights, None, None, None, None
-
-    register(op, fake, backward, setup)
+    register(op, fake)  # autograd: csrc/autograd/policy_loss.cpp
     register(f"{op}_backward", fake_backward)
 
 

@@ -16,7 +16,6 @@ from ._common import (
     check_same_device,
     check_shape,
     grad_or_empty,
-    needed_grads,
     register,
 )
 
@@ -103,22 +102,5 @@ def _fake_value_loss_varlen_backward(
     return tuple(grad_or_empty(x, wanted) for x, wanted in zip((values, old_values, returns), output_mask))
 
 
-def _setup_value_loss_varlen(ctx, inputs, output):
-    values, old_values, returns, mask, cu_seqlens, clip, _agg = inputs
-    _loss, clipfrac, row_scale = output
-    ctx.save_for_backward(values, old_values, returns, mask, row_scale, cu_seqlens)
-    ctx.clip = clip
-    ctx.mark_non_differentiable(clipfrac, row_scale)
-
-
-def _backward_value_loss_varlen(ctx, grad_loss, *_stats_grads):
-    values, old_values, returns, mask, row_scale, cu_seqlens = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:3])
-    grads = torch.ops.ppo_fast.value_loss_varlen_backward(
-        grad_loss, values, old_values, returns, mask, row_scale, cu_seqlens, ctx.clip, needed
-    )
-    return *needed_grads(grads, needed), None, None, None, None
-
-
-register("value_loss_varlen", _fake_value_loss_varlen, _backward_value_loss_varlen, _setup_value_loss_varlen)
+register("value_loss_varlen", _fake_value_loss_varlen)  # autograd: csrc/autograd/value_loss.cpp
 register("value_loss_varlen_backward", _fake_value_loss_varlen_backward)

@@ -60,6 +60,15 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Te
     return loss
 
 
+def _per_longest(x: torch.Tensor, segments) -> torch.Tensor:
+    """``x`` divided by the longest length (at least 1): a host int as a scalar (a tensor made from it
+    on CUDA would be a copy that syncs), a device tensor as it is."""
+    longest = segments.max_seqlen
+    if isinstance(longest, int):
+        return x / max(longest, 1)
+    return x / longest.clamp_min(1).to(x.dtype)
+
+
 def segment_scale(segments, mask: torch.Tensor, agg: str, dtype: torch.dtype) -> torch.Tensor | None:
     """``[N]`` the factor of each token's loss in a ``seq-mean-*`` aggregation of packed tokens, as
     ``aggregate`` weighs its row: ``loss = sum_t scale_t * loss_t`` over the valid tokens.  None for
@@ -72,7 +81,7 @@ def segment_scale(segments, mask: torch.Tensor, agg: str, dtype: torch.dtype) ->
     if agg == "seq-mean-token-mean":
         scale = scale / row_tokens.clamp_min(1.0)
     elif agg == "seq-mean-token-sum-norm":
-        scale = scale / torch.as_tensor(segments.max_seqlen, device=mask.device).clamp_min(1).to(dtype)
+        scale = _per_longest(scale, segments)
     return segments.spread(scale)
 
 
@@ -89,5 +98,5 @@ def aggregate_packed(segments, per_token: torch.Tensor, mask: torch.Tensor, agg:
     row_loss = row_sum / row_tokens.clamp_min(1.0) if agg == "seq-mean-token-mean" else row_sum
     loss = (row_loss * row_has_tokens).sum() / row_has_tokens.sum().clamp_min(1.0)
     if agg == "seq-mean-token-sum-norm":
-        loss = loss / torch.as_tensor(segments.max_seqlen, device=mask.device).clamp_min(1).to(loss.dtype)
+        loss = _per_longest(loss, segments)
     return loss

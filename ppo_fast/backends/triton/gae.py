@@ -336,6 +336,331 @@ def gae(rewards, values, mask, gamma, lam):
     return _gae_op(rewards, values, mask, gamma, lam)
 
 
+# --------------------------------------------------------------------------- the packed layout
+# gae_varlen: the same scans on packed [N] tokens, one program per cu_seqlens segment, its bounds
+# read on the device (no host sync, no padded copy).  The forward's chunks are aligned as in the
+# segment's padded row of `width` tokens (its end at column width - 1; the chunks wholly past the
+# segment's end are identity maps, skipped): with the padded path's width and BLOCK_T its scan trees
+# are the padded ones, so the results are bit for bit the padded path's.  The backward's chunks start
+# at the segment's start, as the padded row's do.
+
+
+@triton.jit
+def _segment(cu_ptr, tokens):
+    seq = tl.program_id(0).to(tl.int64)
+    # Clamped to the tokens: a malformed cu_seqlens (the public layer refuses it) reads nothing outside.
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int64), 0), tokens)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + (seq + 1)).to(tl.int64), start), tokens)
+    return start, end - start
+
+
+@triton.jit
+def _gae_varlen_kernel(
+    rewards_ptr,
+    values_ptr,
+    mask_ptr,
+    cu_ptr,
+    width_ptr,
+    advantages_ptr,
+    returns_ptr,
+    tokens,
+    width,
+    rewards_stride,
+    values_stride,
+    mask_stride,
+    gamma,
+    gamma_lo,
+    lam,
+    lam_lo,
+    WIDTH_ON_DEVICE: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    start, length = _segment(cu_ptr, tokens)
+    if WIDTH_ON_DEVICE:
+        width = tl.load(width_ptr).to(tl.int64)
+    gamma = scalar(gamma, gamma_lo, ACC)
+    gamma_lam = gamma * scalar(lam, lam_lo, ACC)
+    offs = tl.arange(0, BLOCK_T).to(tl.int64)
+    is_chunk_start = offs == BLOCK_T - 1
+    carry_advantage = tl.zeros([], ACC)
+    carry_next_value = tl.zeros([], ACC)
+    rewards_row = rewards_ptr + start * rewards_stride
+    values_row = values_ptr + start * values_stride
+    mask_row = mask_ptr + start * mask_stride
+    first = tl.maximum(width - length, 0) // BLOCK_T
+    for chunk in range(first, tl.cdiv(tl.maximum(width, length), BLOCK_T)):
+        t = tl.maximum(width, length) - 1 - chunk * BLOCK_T - offs
+        inside = (t >= 0) & (t < length)
+        following_inside = inside & (t + 1 < length)
+        valid = tl.load(mask_row + t * mask_stride, mask=inside, other=0) != 0
+        following_valid = tl.load(mask_row + (t + 1) * mask_stride, mask=following_inside, other=0) != 0
+        following_value = tl.load(values_row + (t + 1) * values_stride, mask=following_valid, other=0.0).to(ACC)
+        value = tl.load(values_row + t * values_stride, mask=valid, other=0.0).to(ACC)
+        reward = tl.load(rewards_row + t * rewards_stride, mask=valid, other=0.0).to(ACC)
+
+        nv_coef, nv_offset = tl.associative_scan(
+            (tl.where(following_valid, 0.0, 1.0), tl.where(following_valid, following_value, 0.0)), 0, _compose_affine
+        )
+        next_value = nv_coef * carry_next_value + nv_offset
+        delta = reward + gamma * next_value - value
+        adv_coef, adv_offset = tl.associative_scan(
+            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, delta, 0.0)), 0, _compose_affine
+        )
+        advantage = adv_coef * carry_advantage + adv_offset
+
+        tl.store(advantages_ptr + start + t, tl.where(valid, advantage, 0.0), mask=inside)
+        tl.store(returns_ptr + start + t, tl.where(valid, advantage + value, 0.0), mask=inside)
+        carry_advantage = tl.sum(tl.where(is_chunk_start, advantage, 0.0), 0)
+        carry_next_value = tl.sum(tl.where(is_chunk_start, next_value, 0.0), 0)
+
+
+@triton.jit
+def _gae_varlen_bwd_kernel(
+    grad_adv_ptr,
+    grad_ret_ptr,
+    mask_ptr,
+    cu_ptr,
+    grad_rewards_ptr,
+    grad_values_ptr,
+    tokens,
+    mask_stride,
+    grad_adv_stride,
+    grad_ret_stride,
+    gamma,
+    gamma_lo,
+    lam,
+    lam_lo,
+    HAS_GRAD_ADV: tl.constexpr,
+    HAS_GRAD_RET: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # _gae_bwd_kernel's scans (see there) over one segment.
+    start, length = _segment(cu_ptr, tokens)
+    gamma = scalar(gamma, gamma_lo, ACC)
+    gamma_lam = gamma * scalar(lam, lam_lo, ACC)
+    offs = tl.arange(0, BLOCK_T).to(tl.int64)
+    is_chunk_end = offs == BLOCK_T - 1
+    carry = tl.zeros([], ACC)
+    carry_previous = tl.zeros([], ACC)
+    mask_row = mask_ptr + start * mask_stride
+    grad_adv_row = grad_adv_ptr + start * grad_adv_stride
+    grad_ret_row = grad_ret_ptr + start * grad_ret_stride
+    for chunk in range(0, tl.cdiv(length, BLOCK_T)):
+        t = chunk * BLOCK_T + offs
+        inside = t < length
+        preceding_inside = inside & (t >= 1)
+        valid = tl.load(mask_row + t * mask_stride, mask=inside, other=0) != 0
+        preceding_valid = tl.load(mask_row + (t - 1) * mask_stride, mask=preceding_inside, other=0) != 0
+        grad = tl.zeros([BLOCK_T], ACC)
+        preceding_grad = tl.zeros([BLOCK_T], ACC)
+        grad_ret = tl.zeros([BLOCK_T], ACC)
+        if HAS_GRAD_ADV:
+            grad += tl.load(grad_adv_row + t * grad_adv_stride, mask=valid, other=0.0).to(ACC)
+            preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride, mask=preceding_valid, other=0.0).to(ACC)
+        if HAS_GRAD_RET:
+            grad_ret = tl.load(grad_ret_row + t * grad_ret_stride, mask=valid, other=0.0).to(ACC)
+            grad += grad_ret
+            preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride, mask=preceding_valid, other=0.0).to(ACC)
+
+        s_coef, s_offset = tl.associative_scan(
+            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
+        )
+        delta_grad = s_coef * carry + s_offset
+        p_coef, p_offset = tl.associative_scan(
+            (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)),
+            0,
+            _compose_affine,
+        )
+        previous_delta_grad = p_coef * carry_previous + p_offset
+
+        tl.store(
+            grad_rewards_ptr + start + t,
+            cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_ptr),
+            mask=inside,
+        )
+        grad_values = tl.where(valid, gamma * previous_delta_grad - delta_grad + grad_ret, 0.0)
+        tl.store(grad_values_ptr + start + t, cast_for_store(grad_values, grad_values_ptr), mask=inside)
+        carry = tl.sum(tl.where(is_chunk_end, delta_grad, 0.0), 0)
+        carry_previous = tl.sum(tl.where(is_chunk_end, previous_delta_grad, 0.0), 0)
+
+
+def varlen_block(max_seqlen: int | None) -> int:
+    """The chunk of the packed scans: the padded path's for a row of ``max_seqlen`` tokens, the
+    largest without it (the longest length is on the device: no host read)."""
+    return MAX_BLOCK_T if max_seqlen is None else min(triton.next_power_of_2(max(max_seqlen, 1)), MAX_BLOCK_T)
+
+
+def _check_varlen(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None) -> None:
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be packed [N], got shape {tuple(x.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32/int64 [S + 1] tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0):
+        raise ValueError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
+
+
+def _width(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> tuple[torch.Tensor, int]:
+    """The padded width as the kernels take it: ``(device tensor, 0)`` without ``max_seqlen``, else
+    ``(cu_seqlens, max_seqlen)`` (the tensor unused)."""
+    if max_seqlen is not None:
+        return cu_seqlens, max_seqlen
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return (lengths.max() if len(lengths) else cu_seqlens.new_zeros(())), 0
+
+
+def gae_varlen_forward(rewards, values, mask, cu_seqlens, gamma, lam, *, max_seqlen=None, block_t=None):
+    """``gae_forward`` on packed ``[N]`` tokens (any strides), one scan per ``cu_seqlens`` segment.
+    ``cu_seqlens`` is read on the device only; ``max_seqlen`` (the longest length) sets the chunks as
+    the padded path's, else the longest length is found on the device.  ``block_t`` overrides the
+    chunk size (tests cross chunks with a small one)."""
+    _check_varlen("rewards", rewards, cu_seqlens, max_seqlen)
+    check_shape("values", values, rewards.shape)
+    check_shape("mask", mask, rewards.shape)
+    check_same_device(rewards=rewards, values=values, mask=mask, cu_seqlens=cu_seqlens)
+    advantages = torch.empty(rewards.shape, dtype=result_dtype(rewards, values), device=rewards.device)
+    returns = torch.empty_like(advantages)
+    sequences = cu_seqlens.numel() - 1
+    if sequences == 0 or rewards.numel() == 0:
+        return advantages, returns
+    width_tensor, width = _width(cu_seqlens, max_seqlen)
+    block = block_t or varlen_block(max_seqlen)
+    with device_guard(advantages):
+        _gae_varlen_kernel[(sequences,)](
+            rewards,
+            values,
+            mask,
+            cu_seqlens,
+            width_tensor,
+            advantages,
+            returns,
+            rewards.shape[0],
+            width,
+            rewards.stride(0),
+            values.stride(0),
+            mask.stride(0),
+            *split_scalar(gamma),
+            *split_scalar(lam),
+            WIDTH_ON_DEVICE=max_seqlen is None,
+            ACC=compute_dtype(advantages.dtype),
+            BLOCK_T=block,
+            num_warps=4 if block <= 512 else 8,
+        )
+    return advantages, returns
+
+
+def gae_varlen_backward(
+    grad_advantages, grad_returns, mask, cu_seqlens, gamma, lam, *, dtypes, max_seqlen=None, block_t=None
+):
+    """``gae_backward`` on packed ``[N]`` tokens; ``dtypes`` those of rewards and values."""
+    _check_varlen("mask", mask, cu_seqlens, max_seqlen)
+    check_shape("grad_advantages", grad_advantages, mask.shape)
+    check_shape("grad_returns", grad_returns, mask.shape)
+    check_same_device(mask=mask, grad_advantages=grad_advantages, grad_returns=grad_returns, cu_seqlens=cu_seqlens)
+    grad_rewards = torch.empty(mask.shape, dtype=dtypes[0], device=mask.device)
+    grad_values = torch.empty(mask.shape, dtype=dtypes[1], device=mask.device)
+    given = [g for g in (grad_advantages, grad_returns) if g is not None]
+    if not given:
+        return grad_rewards.zero_(), grad_values.zero_()
+    sequences = cu_seqlens.numel() - 1
+    if sequences == 0 or mask.numel() == 0:
+        return grad_rewards, grad_values
+    block = block_t or varlen_block(max_seqlen)
+    adv = given[0] if grad_advantages is None else grad_advantages  # unused without HAS_GRAD_ADV
+    ret = given[0] if grad_returns is None else grad_returns  # unused without HAS_GRAD_RET
+    with device_guard(grad_rewards):
+        _gae_varlen_bwd_kernel[(sequences,)](
+            adv,
+            ret,
+            mask,
+            cu_seqlens,
+            grad_rewards,
+            grad_values,
+            mask.shape[0],
+            mask.stride(0),
+            adv.stride(0),
+            ret.stride(0),
+            *split_scalar(gamma),
+            *split_scalar(lam),
+            HAS_GRAD_ADV=grad_advantages is not None,
+            HAS_GRAD_RET=grad_returns is not None,
+            ACC=compute_dtype(result_dtype(*given)),
+            BLOCK_T=block,
+            num_warps=4 if block <= 512 else 8,
+        )
+    return grad_rewards, grad_values
+
+
+@torch.library.custom_op("ppo_fast_triton::gae_varlen", mutates_args=())
+def _gae_varlen_op(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gae_varlen_forward(rewards, values, mask, cu_seqlens, gamma, lam, max_seqlen=max_seqlen)
+
+
+@_gae_varlen_op.register_fake
+def _(rewards, values, mask, cu_seqlens, max_seqlen, *, gamma, lam):
+    _check_varlen("rewards", rewards, cu_seqlens, max_seqlen)
+    advantages = rewards.new_empty(rewards.shape, dtype=result_dtype(rewards, values))
+    return advantages, torch.empty_like(advantages)
+
+
+@torch.library.custom_op("ppo_fast_triton::gae_varlen_backward", mutates_args=())
+def _gae_varlen_backward_op(
+    grad_advantages: torch.Tensor | None,
+    grad_returns: torch.Tensor | None,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    *,
+    gamma: float,
+    lam: float,
+    rewards_dtype: torch.dtype,
+    values_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dtypes = (rewards_dtype, values_dtype)
+    return gae_varlen_backward(
+        grad_advantages, grad_returns, mask, cu_seqlens, gamma, lam, dtypes=dtypes, max_seqlen=max_seqlen
+    )
+
+
+@_gae_varlen_backward_op.register_fake
+def _(grad_advantages, grad_returns, mask, cu_seqlens, max_seqlen, *, gamma, lam, rewards_dtype, values_dtype):
+    return mask.new_empty(mask.shape, dtype=rewards_dtype), mask.new_empty(mask.shape, dtype=values_dtype)
+
+
+def _gae_varlen_setup(ctx, inputs, keyword_only_inputs, output):
+    rewards, values, mask, cu_seqlens, ctx.max_seqlen = inputs
+    ctx.hyper = dict(keyword_only_inputs, rewards_dtype=rewards.dtype, values_dtype=values.dtype)
+    ctx.save_for_backward(mask, cu_seqlens)
+    ctx.set_materialize_grads(False)
+
+
+def _gae_varlen_backward(ctx, grad_advantages, grad_returns):
+    not_differentiable(ctx, mask=2)
+    mask, cu_seqlens = ctx.saved_tensors
+    grads = _gae_varlen_backward_op(grad_advantages, grad_returns, mask, cu_seqlens, ctx.max_seqlen, **ctx.hyper)
+    return *grads, None, None, None
+
+
+_gae_varlen_op.register_autograd(_gae_varlen_backward, setup_context=_gae_varlen_setup)
+
+
+def gae_varlen(rewards, values, mask, cu_seqlens, gamma, lam, *, max_seqlen=None):
+    """``gae`` on packed ``[N]`` tokens (the public layer's checked inputs): ``(advantages, returns)`` ``[N]``."""
+    return _gae_varlen_op(rewards, values, mask, cu_seqlens, max_seqlen, gamma=gamma, lam=lam)
+
+
 def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
     """This op's kernel launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors.
 
@@ -372,4 +697,29 @@ def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:
                 ),
             )
         )
+    # The packed layout: the same tokens as 64 segments of `length`, max_seqlen given or found on the device.
+    tokens = torch.empty((batch * length,), device="meta")
+    cu_seqlens = torch.empty((batch + 1,), dtype=torch.int32, device="meta")
+    for given in (True, False):
+        max_seqlen = length if given else None
+        out.append(
+            dict(
+                name=f"gae varlen fwd{'' if given else ' (max_seqlen on the device)'}",
+                budget_key=None,
+                bytes_per_element=17,
+                run=lambda m=max_seqlen: gae_varlen_forward(
+                    tokens, tokens, tokens.bool(), cu_seqlens, 1.0, 0.95, max_seqlen=m
+                ),
+            )
+        )
+    out.append(
+        dict(
+            name="gae varlen bwd(advantages+returns)",
+            budget_key=None,
+            bytes_per_element=None,
+            run=lambda: gae_varlen_backward(
+                tokens, tokens, tokens.bool(), cu_seqlens, 1.0, 0.95, dtypes=(torch.float32, torch.float32)
+            ),
+        )
+    )
     return out
