@@ -439,12 +439,18 @@ def _async_section() -> list[str]:
     """``python -m bench async``'s result files: the built-in job's and (``--model llama``) the Llama-shaped job's."""
     bench_async = importlib.import_module("bench.async")  # a keyword: not importable by name
     out = []
-    for name, what in (("async-cpu.json", "the built-in job"), ("async-llama-cpu.json", "`--model llama`")):
+    files = (
+        ("async-cpu.json", "the built-in job"),
+        ("async-llama-cpu.json", "`--model llama`"),
+        ("async-llama-bypass-cpu.json", "`--model llama --options off_policy_loss=bypass`"),
+        ("async-staleness-cpu.json", "the built-in job at 2 and 4 updates of staleness, each loss (`k<K>_<loss>`)"),
+    )
+    for name, what in files:
         data = _load(name)
         if data:
             out += [
-                f"`python -m bench async`, {what}: the synchronous loop on 1 and 2 torch threads against "
-                "`--max-staleness 1` (a producer process); steps/s over the PPO steps from the second on.",
+                f"`python -m bench async`, {what}: the synchronous loop against a producer process "
+                "(`--max-staleness`); steps/s over the PPO steps from the second on.",
                 "",
                 measured_on(data, name),
                 "",

@@ -163,10 +163,12 @@ struct SeqPolicyLossVarlen : torch::autograd::Function<SeqPolicyLossVarlen<Name,
     ctx->saved_data["clip_eps_low"] = clip_eps_low;
     ctx->saved_data["clip_eps_high"] = clip_eps_high;
     ctx->mark_non_differentiable({clipfrac, clipfrac_lower, approx_kl, row_scale, row_state});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the stats
     return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(9);  // the loss unused: no gradient
     static const auto op = typed_op<SeqVarlenBackward>(BackwardName);
     const variable_list saved = ctx->get_saved_variables();
     const OptTensor weights = optional(saved[4]);

@@ -62,10 +62,12 @@ struct ValueLossVarlen : torch::autograd::Function<ValueLossVarlen> {
     ctx->save_for_backward({values, old_values, returns, mask, row_scale, cu_seqlens});
     ctx->saved_data["clip"] = clip;
     ctx->mark_non_differentiable({clipfrac, row_scale});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the stats
     return {loss, clipfrac, row_scale};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(7);  // the loss unused: no gradient
     static const auto op = typed_op<VarlenBackward>(kVarlenBackward);
     const variable_list saved = ctx->get_saved_variables();
     const std::array<bool, 3> want{needs_grad(ctx, 0), needs_grad(ctx, 1), needs_grad(ctx, 2)};
