@@ -79,3 +79,26 @@ def start(name: str, setup: EngineSetup) -> Engine:
     engine = importlib.import_module(ROLLOUT_ENGINES[name].module).start(setup)
     assert isinstance(engine, Engine) and engine.info is ROLLOUT_ENGINES[name], f"{name}: not an Engine"
     return engine
+
+
+def engine_keywords(
+    cfg, *, own: dict, known: Callable[[str], bool], build: Callable[[dict], object], kind: str
+) -> dict:
+    """``--repetition-penalty`` and ``--generation-kwargs`` as an engine's sampling keywords, checked before
+    the run starts: a keyword the trainer sets (``own``: it and the option that sets it, or None) or one
+    the engine does not know (``known``; ``kind`` names what it takes) is refused naming the option, and
+    ``build(keywords)`` (the engine's own check) raising ``TypeError``/``ValueError`` is too."""
+    from .config import ConfigError
+
+    extra = cfg.generation_kwargs_dict()
+    where = "invalid config: generation_kwargs (--generation-kwargs)"
+    for key in extra:
+        if key in own:
+            raise ConfigError(f"{where} sets {key}, which the trainer sets" + (f": use {own[key]}" if own[key] else ""))
+        if not known(key):
+            raise ConfigError(f"{where}: {key} is not {kind}")
+    try:
+        build(extra)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return {"repetition_penalty": cfg.repetition_penalty, **extra} if cfg.repetition_penalty != 1.0 else extra

@@ -17,8 +17,7 @@ from transformers import (
 import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
-from .config import ConfigError
-from .engine import EngineSetup
+from .engine import EngineSetup, engine_keywords
 from .rollout import Batch, generate
 
 # generate's keywords the trainer sets itself (the options that set them, where there is one).
@@ -42,25 +41,14 @@ _OWN_KEYWORDS = {
 def generation_keywords(cfg) -> dict:
     """``--repetition-penalty`` and ``--generation-kwargs`` as ``generate``'s keywords, checked against
     transformers' ``GenerationConfig`` (``ConfigError`` naming the option, before the run starts)."""
-    extra = cfg.generation_kwargs_dict()
     defaults = GenerationConfig()
-    for key in extra:
-        if key in _OWN_KEYWORDS:
-            instead = _OWN_KEYWORDS[key]
-            raise ConfigError(
-                f"invalid config: generation_kwargs (--generation-kwargs) sets {key}, which the trainer sets"
-                + (f": use {instead}" if instead else "")
-            )
-        if not hasattr(defaults, key):
-            raise ConfigError(
-                f"invalid config: generation_kwargs (--generation-kwargs): {key} is not a GenerationConfig field "
-                "(--rollout-engine hf takes transformers' generation options)"
-            )
-    try:
-        GenerationConfig(do_sample=True, **extra).validate(strict=True)  # as training samples
-    except ValueError as err:
-        raise ConfigError(f"invalid config: generation_kwargs (--generation-kwargs): {err}") from None
-    return {"repetition_penalty": cfg.repetition_penalty, **extra} if cfg.repetition_penalty != 1.0 else extra
+    return engine_keywords(
+        cfg,
+        own=_OWN_KEYWORDS,
+        known=lambda key: hasattr(defaults, key),
+        build=lambda extra: GenerationConfig(do_sample=True, **extra).validate(strict=True),  # as training samples
+        kind="a GenerationConfig field (--rollout-engine hf takes transformers' generation options)",
+    )
 
 
 class StopStrings(StoppingCriteria):

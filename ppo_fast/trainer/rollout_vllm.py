@@ -28,7 +28,7 @@ from ppo_fast.spec import ROLLOUT_ENGINES
 
 from . import lora, run_folder
 from .config import ConfigError
-from .engine import EngineSetup
+from .engine import EngineSetup, engine_keywords
 from .rollout import Batch, batch_from_responses, encode_prompts
 
 INSTALL_HINT = ROLLOUT_ENGINES["vllm"].install_hint
@@ -214,25 +214,14 @@ def sampling_keywords(cfg) -> dict:
     vLLM's ``SamplingParams`` (``ConfigError`` naming the option, before the run starts)."""
     from vllm import SamplingParams
 
-    extra = cfg.generation_kwargs_dict()
     fields = set(getattr(SamplingParams, "__struct_fields__", ())) or set(SamplingParams.__annotations__)
-    for key in extra:
-        if key in _OWN_PARAMS:
-            instead = _OWN_PARAMS[key]
-            raise ConfigError(
-                f"invalid config: generation_kwargs (--generation-kwargs) sets {key}, which the trainer sets"
-                + (f": use {instead}" if instead else "")
-            )
-        if key not in fields:
-            raise ConfigError(
-                f"invalid config: generation_kwargs (--generation-kwargs): {key} is not a SamplingParams field "
-                "(--rollout-engine vllm takes vLLM's sampling options)"
-            )
-    try:
-        SamplingParams(**extra)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"invalid config: generation_kwargs (--generation-kwargs): {err}") from None
-    return {"repetition_penalty": cfg.repetition_penalty, **extra} if cfg.repetition_penalty != 1.0 else extra
+    return engine_keywords(
+        cfg,
+        own=_OWN_PARAMS,
+        known=fields.__contains__,
+        build=lambda extra: SamplingParams(**extra),
+        kind="a SamplingParams field (--rollout-engine vllm takes vLLM's sampling options)",
+    )
 
 
 def stop_string_mask(tokenizer, response: torch.Tensor, lengths: torch.Tensor, strings: list[str]) -> torch.Tensor:
