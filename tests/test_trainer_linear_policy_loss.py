@@ -73,7 +73,7 @@ def test_fused_update_equals_the_two_pass_path(tiny_config, monkeypatch, overrid
     assert trainer.loss_path == path
     calls = []
     real = update_module.fused_objective
-    monkeypatch.setattr(update_module, "fused_objective", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(update_module, "fused_objective", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fused_loss, fused_stats, fused_grads = loss_stats_grads(trainer, cfg, exp, path)
     assert calls, "the update did not go through fused_objective"
     calls.clear()

@@ -119,9 +119,12 @@ def loss_terms(exp: Experience, cfg) -> dict:
     return {**terms, **cfg.loss_mode_kwargs()}
 
 
-def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg) -> tuple[torch.Tensor, dict]:
+def training_loss(
+    policy_loss, policy_stats: dict, values, exp: Experience, cfg, packed: bool = False
+) -> tuple[torch.Tensor, dict]:
     """The one composition of the update's loss: the policy objective (the policy loss with its
-    entropy bonus and KL loss term, from either path) + vf_coef * the value loss, and every metric's name."""
+    entropy bonus and KL loss term, from either path) + vf_coef * the value loss, and every metric's name
+    (``packed``: whether the micro-batch ran packed, a metric with --padding-free)."""
     policy_stats = dict(policy_stats)
     stats = {"loss/policy_avg": policy_stats.pop("pg_loss"), "policy/entropy_avg": policy_stats.pop("entropy")}
     kl_loss = policy_stats.pop("kl_loss", None)
@@ -135,14 +138,15 @@ def training_loss(policy_loss, policy_stats: dict, values, exp: Experience, cfg)
         loss = loss + cfg.vf_coef * v_loss
         stats["loss/value_avg"] = v_loss.detach()
         stats["val/clipfrac_avg"] = v_stats["clipfrac"]
+    if cfg.padding_free:
+        stats["packing/packed_share"] = torch.tensor(float(packed))
     return loss, stats
 
 
-def fused_objective(policy, critic, exp: Experience, cfg, terms: dict) -> tuple:
+def fused_objective(policy, critic, exp: Experience, cfg, terms: dict, *, packed: bool) -> tuple:
     """``(policy objective, its stats, values or None)`` for ``training_loss`` from one micro-batch in one
-    pass through the fused LM head (``terms``: ``loss_terms``)."""
+    pass through the fused LM head (``terms``: ``loss_terms``; ``packed``: the micro-batch's ``packs``)."""
     batch = exp.batch
-    packed = packs(batch, bool(cfg.padding_free))
     x = dict(old_logprobs=exp.old_logprobs, advantages=exp.advantages, mask=batch.response_mask)
     # The one pass scores under the sampler's truncation, as the two passes' log-probs do.
     request = LossRequest(temperature=cfg.temperature, terms={**terms, **cfg.logprob_truncation()}, packed=packed, **x)
@@ -159,10 +163,10 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
     micro-batch, whose ratio is checked) takes the two passes: the one per-step choice."""
     terms = loss_terms(exp, cfg)
     path = path or loss_path(policy, critic, cfg, exp.batch.input_ids.device)
+    packed = packs(exp.batch, bool(cfg.padding_free))  # decided once: it reads the mask's token count
     if path.fused and not need_logprobs and not off_policy.weighs_each_micro_batch(cfg):
-        return _with_packing(
-            *training_loss(*fused_objective(policy, critic, exp, cfg, terms), exp, cfg), None, exp, cfg
-        )
+        objective, stats, values = fused_objective(policy, critic, exp, cfg, terms, packed=packed)
+        return (*training_loss(objective, stats, values, exp, cfg, packed), None)
     logprobs, entropy, values = forward(
         policy,
         critic,
@@ -171,20 +175,13 @@ def ppo_losses(policy, critic, exp: Experience, cfg, need_logprobs: bool = True,
         entropy=True,
         values=exp.old_values is not None,
         truncation=cfg.logprob_truncation(),
-        packed=bool(cfg.padding_free),
+        packed=packed,
     )
     mask = exp.batch.response_mask
     if off_policy.weighs_each_micro_batch(cfg):  # bypass: the old log-probs are the engine's
         terms["weights"] = off_policy.bypass_weights(logprobs, exp.old_logprobs, mask, cfg)
     objective, stats = pf.policy_objective(logprobs, entropy, exp.old_logprobs, exp.advantages, mask, **terms)
-    return _with_packing(*training_loss(objective, stats, values, exp, cfg), logprobs.detach(), exp, cfg)
-
-
-def _with_packing(loss, stats: dict, logprobs, exp: Experience, cfg) -> tuple:
-    """``(loss, stats, logprobs)``, the stats with whether the micro-batch ran packed (with --padding-free)."""
-    if cfg.padding_free:
-        stats["packing/packed_share"] = torch.tensor(float(packs(exp.batch, True)))
-    return loss, stats, logprobs
+    return (*training_loss(objective, stats, values, exp, cfg, packed), logprobs.detach())
 
 
 def ratio_deviation(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
