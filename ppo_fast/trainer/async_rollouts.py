@@ -388,7 +388,7 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
             drawn, texts, answers = draw(spec.train_set, shard, cfg.batch_size, cfg.group_size)
             columns = spec.train_set.columns_of(drawn)
             start, scorer.seconds = time.perf_counter(), 0.0
-            batch, engine_logprobs, responses, scores, metrics = generate_and_reward(
+            g = generate_and_reward(
                 engine,
                 tokenizer=spec.tokenizer,
                 scorer=scorer,
@@ -396,26 +396,15 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
                 answers=answers,
                 columns=columns,
                 keywords=keywords,
+                weights=(version, step),
             )
-            g = Generated(
-                prompts=texts,
-                answers=answers,
-                columns=columns,
-                batch=batch,
-                engine_logprobs=engine_logprobs,
-                responses=responses,
-                scores=scores,
-                reward_metrics=metrics,
-                version=version,
-                weights_step=step,
-                timing={
-                    "generate": time.perf_counter() - start - scorer.seconds,
-                    "reward": scorer.seconds,
-                    "weights": weights,
-                    "idle": idle,
-                    "waits": waits,
-                },
-            )
+            g.timing = {
+                "generate": time.perf_counter() - start - scorer.seconds,
+                "reward": scorer.seconds,
+                "weights": weights,
+                "idle": idle,
+                "waits": waits,
+            }
             with channel.produced.get_lock():
                 channel.produced.value += 1
             start = time.perf_counter()
