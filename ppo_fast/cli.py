@@ -63,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
 
     from . import BackendUnavailableError
     from .trainer import NonFiniteError, PPOTrainer, RewardError
+    from .trainer.async_rollouts import ProducerError
     from .trainer.distributed import RankLost, shutdown
 
     try:
         summary = PPOTrainer(cfg).train()
-    except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError, RankLost) as err:
+    except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError, RankLost, ProducerError) as err:
         if cfg.debug:  # the whole story: a reward function's own traceback is the cause
             traceback.print_exception(err)
         return _fail(str(err))

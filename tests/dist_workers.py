@@ -237,6 +237,70 @@ def under_torchrun(out: str, seed: int) -> None:
     dist.destroy_process_group()
 
 
+def logged_length(prompts: list[str], responses: list[str]) -> list[float]:
+    """``response_length``, each call's prompts and responses appended to ``$PPO_FAST_REWARD_LOG`` (JSON lines,
+    with the calling process)."""
+    import json
+
+    with open(os.environ["PPO_FAST_REWARD_LOG"], "a") as log:
+        log.write(json.dumps({"pid": os.getpid(), "prompts": prompts, "responses": responses}) + "\n")
+    return response_length(prompts, responses)
+
+
+def async_ranks(rank: int, world_size: int, init_file: str, out_dir: str, out: str) -> None:
+    """Entry point of ``torch.multiprocessing.spawn``: three GRPO steps of the built-in job under FSDP2 with
+    ``--max-staleness 1`` (rank 0's producer rewards with ``logged_length``).  Each rank records, at each step's
+    end, the row it returned, the rollouts it trained on and its policy version; rank 0 saves every rank's
+    records, the producer's staging weights and the policy's full weights before and after."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ppo_fast.trainer import PPOTrainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    seen = []
+
+    class Record:
+        def on_step_end(self, trainer, row):
+            seen.append(
+                dict(row=row, samples=trainer.run.last_samples, version=trainer.run.policy_version, pid=os.getpid())
+            )
+
+    cfg = TrainerConfig(
+        output_dir=out_dir,
+        steps=3,
+        batch_size=8,
+        group_size=2,
+        advantage_method="grpo",
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        learning_rate=1e-3,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=0,
+        parallel="fsdp",
+        max_staleness=1,
+    )
+    trainer = PPOTrainer(cfg, reward_fn=logged_length, callbacks=[Record()], log=lambda _: None)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    before = get_model_state_dict(trainer.policy, options=options)
+    trainer.train()
+    after = get_model_state_dict(trainer.policy, options=options)
+    records = trainer.run.parallel.gather_objects(seen)
+    if rank == 0:
+        staging = {name: t.clone() for name, t in trainer.run.source.local.staging.items()}
+        torch.save(dict(records=records, staging=staging, before=before, after=after, pid=os.getpid()), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     import sys
 

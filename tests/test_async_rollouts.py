@@ -281,20 +281,6 @@ def test_vllm_sleep_and_a_producer_are_refused_together():
     TrainerConfig(rollout_engine="vllm", vllm_sleep=True)._validate_engine()
 
 
-def test_several_processes_refuse_async_rollouts(tiny_config, monkeypatch):
-    from ppo_fast.trainer import distributed
-
-    real = distributed.init
-
-    def two_ranks(cfg, device):
-        parallel, device = real(cfg, device)
-        return SimpleNamespace(active=True, world_size=2), device
-
-    monkeypatch.setattr(distributed, "init", two_ranks)
-    with pytest.raises(ConfigError, match="--max-staleness 1: asynchronous rollouts are not built for several"):
-        PPOTrainer(tiny_config(max_staleness=1))
-
-
 def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_config):
     """As a scheduler's SIGTERM to the process group: the trainer saves after its step and stops the producer,
     which ignored the signal, cleanly."""

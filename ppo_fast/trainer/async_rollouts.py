@@ -303,10 +303,21 @@ def produce(spec: ProducerSpec, channel: Channel) -> None:
     there as ``("error", traceback)``."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer stops it, after its step
         signal.signal(signum, signal.SIG_IGN)
+    _alone()
     try:
         _produce(spec, channel)
     except BaseException:
         _put(channel, ("error", traceback.format_exc()), spec.parent)
+
+
+# What torchrun tells its ranks: a producer that rank 0 started is no rank, and its engine runs as one process
+# (the vLLM engine reads WORLD_SIZE to choose its executor).
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+
+
+def _alone() -> None:
+    for name in [name for name in os.environ if name in _RANK_VARIABLES or name.startswith("TORCHELASTIC_")]:
+        del os.environ[name]
 
 
 def _stopped(channel: Channel, parent: int) -> bool:

@@ -113,6 +113,14 @@ class Parallel:
         """Rank 0's ``obj`` on every rank (a decision rank 0 made alone, that every rank must follow)."""
         return self.gather_objects(obj if self.main else None)[0]
 
+    def scatter_from_main(self, objs: list | None):
+        """Rank 0's ``objs[r]`` on rank ``r`` (``objs``: one object per rank on rank 0, None elsewhere)."""
+        if not self.active:
+            return objs[0]
+        out = [None]
+        _collective(dist.scatter_object_list, out, objs if self.main else None, 0)
+        return out[0]
+
     @contextlib.contextmanager
     def main_first(self):
         """Rank 0 runs the block (a warm-up that writes a cache) before the others do."""

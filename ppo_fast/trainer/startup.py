@@ -21,6 +21,7 @@ import ppo_fast as pf
 from ppo_fast.spec import ROLLOUT_ENGINES
 
 from . import (
+    async_ranks,
     async_rollouts,
     checkpoint,
     default_task,
@@ -410,6 +411,7 @@ def build_run(cfg: TrainerConfig, given: Given, log: Callable[[str], None] | Non
     run.scorer = scorer(cfg, reward_fn, run.device)
     packed = padding_free(cfg, policy.to(run.device), run.device, run.log)
     cfg = run.cfg = dataclasses.replace(cfg, padding_free=packed)
+    template = async_ranks.producer_template(cfg, policy, run.parallel)  # before FSDP2 shards the policy
     models = build_models(cfg, policy, run.parallel, run.device)
     for name in (f.name for f in dataclasses.fields(Models)):
         setattr(run, name, getattr(models, name))
@@ -424,8 +426,12 @@ def build_run(cfg: TrainerConfig, given: Given, log: Callable[[str], None] | Non
         run.step = run.resumed_from = checkpoint.restore(run, resume_from, schedule(cfg))
         if run.engine is not None:
             run.engine.sync_weights(run.policy)
-    # Where the rollouts come from: generated in the loop, or by a producer process (it starts from these weights).
-    run.source = async_rollouts.from_run(run) if cfg.max_staleness else rollout_source.SyncSource(run)
+    # Where the rollouts come from: generated in the loop, or by a producer process (it starts from these weights),
+    # under torchrun rank 0's.
+    if not cfg.max_staleness:
+        run.source = rollout_source.SyncSource(run)
+    else:
+        run.source = async_ranks.from_run(run, template) if run.parallel.active else async_rollouts.from_run(run)
     return run
 
 
@@ -439,11 +445,6 @@ def _checked_start(cfg: TrainerConfig, given: Given, log) -> Run:
     output_dir = Path(cfg.output_dir)
     parallel, device = distributed.init(cfg, resolve_device(cfg.device))
     check_options(cfg, device)
-    if cfg.max_staleness and parallel.active:
-        raise ConfigError(
-            f"--max-staleness {cfg.max_staleness}: asynchronous rollouts are not built for several processes "
-            f"({parallel.world_size} here); run one process, or use --max-staleness 0"
-        )
     if distributed.restart_of_this_job(parallel, output_dir):  # torchrun --max-restarts
         cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
         run_log(f"torchrun restart: continuing the run this job started in {output_dir}")
