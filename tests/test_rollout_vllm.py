@@ -187,9 +187,11 @@ def test_each_torchrun_rank_drives_its_own_engine(tmp_path):
 
 @pytest.mark.vllm
 @requires_vllm
-def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path, max_staleness):
     """``torchrun -m ppo_fast train --rollout-engine vllm`` with 2 ranks (DDP): two steps, the mismatch
-    metrics of rank 0, and a clean exit (the engines shut down before the process group)."""
+    metrics of rank 0, and a clean exit (the engines shut down before the process group).  With
+    ``--max-staleness 1`` the one engine is rank 0's producer's, which runs alone (not as a torchrun rank)."""
     import json
     import subprocess
     import sys
@@ -211,6 +213,7 @@ def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path):
         f"{tmp_path / 'rewards.py'}:shorter",
         *"--steps 2 --batch-size 8 --num-mini-batches 1 --num-ppo-epochs 1 --response-length 6 --save-every 0 --sample-every 0 --output-dir".split(),
         str(tmp_path / "out"),
+        *("--max-staleness", str(max_staleness)),
     ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     output = out.stdout + out.stderr
@@ -218,7 +221,12 @@ def test_the_trainer_under_torchrun_with_an_engine_per_rank(tmp_path):
     assert "Invalid process group" not in output, output[-6000:]  # vLLM's groups torn down after torch's: an exit error
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
-    assert all(row["rollout/logprob_diff_max"] < 1e-3 and row["time/weight_sync"] > 0 for row in rows), rows
+    assert all(row["time/weight_sync"] > 0 for row in rows), rows
+    # Synchronous, or the batch of the weights that train on it (the first): the same log-probs up to rounding.
+    assert all(row["rollout/logprob_diff_max"] < 1e-3 for row in rows if row.get("async/age", 0) == 0), rows
+    if max_staleness:
+        assert [row["async/age"] for row in rows][0] == 0 and all(row["async/age"] <= 1 for row in rows), rows
+        assert "'distributed_executor_backend': 'uni'" in output and "external_launcher" not in output, output[-6000:]
 
 
 @pytest.mark.vllm
@@ -297,6 +305,75 @@ def test_stop_strings_and_generation_kwargs_on_the_vllm_engine(vllm_run):
         sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"temperature": 0.3}'))
     with pytest.raises(ConfigError, match="not a SamplingParams field"):
         sampling_keywords(TrainerConfig(rollout_engine="vllm", generation_kwargs='{"no_such": 1}'))
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_the_vllm_producer_generates_with_the_weights_each_batch_names(tmp_path):
+    """--max-staleness 1 with the vLLM engine: the engine runs in the producer process (none in the trainer's),
+    gets each update through the shared staging copy, and every batch's log-probs mu are those of the weights
+    its tags name (recomputed here from the trainer's copy of the weights after each step), one step stale."""
+    import copy
+
+    import ppo_fast as pf
+    from ppo_fast.trainer.rollout import forward
+
+    said = []
+    tokenizer = default_task.build_tokenizer()
+    cfg = TrainerConfig(
+        output_dir=str(tmp_path / "run"),
+        steps=3,
+        batch_size=16,
+        num_mini_batches=1,
+        num_ppo_epochs=2,
+        response_length=6,
+        temperature=0.7,
+        learning_rate=3e-3,
+        sample_every=0,
+        save_every=0,
+        eval_every=0,
+        rollout_engine="vllm",
+        rollout_correction="token_tis",
+        max_staleness=1,
+    )
+    policy = tiny_llama(tokenizer)
+    trainer = PPOTrainer(
+        cfg,
+        policy=policy,
+        tokenizer=tokenizer,
+        reward_fn=shorter_is_better,
+        prompts=default_task.prompts(TrainerConfig(eval_size=32))[0],
+        log=said.append,
+    )
+    assert trainer.run.engine is None and trainer.run.source.is_async  # the engine is the producer's
+    weights = {0: copy.deepcopy(policy.state_dict())}  # by the trainer step they follow
+    taken, source = [], trainer.run.source
+    take = source.next
+    source.next = lambda: taken.append(take()) or taken[-1]
+    rows = []
+    try:
+        for step in range(1, cfg.steps + 1):
+            rows.append(trainer.train_step())
+            weights[step] = copy.deepcopy(policy.state_dict())
+    finally:
+        source.close()
+    # Batch n is generated with the weights of step n - 1 or n (wait: never older): two optimizer steps each.
+    assert [g.version for g in taken] == [2 * g.weights_step for g in taken]
+    assert [row["async/age"] for row in rows] == [step - 1 - g.weights_step for step, g in enumerate(taken, 1)]
+    assert taken[0].weights_step == 0 and taken[2].weights_step >= 1  # the last one after an update
+    model = tiny_llama(tokenizer)
+    for g, row in zip(taken, rows):
+        mask = g.batch.response_mask
+        with torch.no_grad(), pf.use_backend("reference"):
+            model.load_state_dict(weights[g.weights_step])
+            named = forward(model, None, g.batch, temperature=0.7)[0]
+            model.load_state_dict(weights[g.weights_step + 1])  # the weights one update later
+            later = forward(model, None, g.batch, temperature=0.7)[0]
+        assert (named - g.engine_logprobs)[mask].abs().max() < 1e-3
+        assert (later - g.engine_logprobs)[mask].abs().max() > 1e-2, "an update that changes nothing shows nothing"
+        assert row["async/age"] <= 1 and row["async/version"] == g.version
+        assert row["policy/ratio_dev_at_start"] == 0.0
+    assert any("producer stopped" in line for line in said), said
 
 
 @pytest.mark.vllm
