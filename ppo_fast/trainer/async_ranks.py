@@ -146,8 +146,12 @@ class RankedSource:
         if self.template is None:
             return
         own = self.template.state_dict()
-        if unknown := sorted(set(state) - set(own)):
-            raise RuntimeError(f"asynchronous rollouts: the producer's copy of the policy has no {unknown[:3]}")
+        trainable = {name for name, p in self.template.named_parameters(remove_duplicate=False) if p.requires_grad}
+        if wrong := sorted(set(state) - set(own)) or sorted(trainable - set(state)):  # else stale, unsaid
+            raise RuntimeError(
+                f"asynchronous rollouts: the gathered weights and the producer's copy of the policy differ in "
+                f"{wrong[:3]}"
+            )
         with torch.no_grad():
             for name, tensor in state.items():
                 own[name].copy_(tensor)
