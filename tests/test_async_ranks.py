@@ -1,7 +1,8 @@
 """Asynchronous rollouts under torchrun (--max-staleness > 0 with two ranks, gloo on CPU): rank 0's producer
 generates the whole batch and each rank trains on its share, whole groups, at one policy version, every rank
 logging rank 0's row; the weights the producer gets are the gathered ones (FSDP2); a producer's crash ends
-every rank with its traceback, a dead rank 0 ends the other rank and the producer, a Ctrl-C stops both ranks."""
+every rank with its traceback, a dead rank 0 ends the other rank and the producer, a Ctrl-C stops both ranks
+(and one process resumes, its producer from the checkpoint's weights)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from test_distributed import TINY, _finish, _launch, _wait_for_a_step
 
-from ppo_fast.trainer import checkpoint
+from ppo_fast.trainer import PPOTrainer, TrainerConfig, checkpoint
 from ppo_fast.trainer.async_ranks import RankedSource, VersionMismatch, split
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
 from ppo_fast.trainer.rollout import Batch
@@ -109,7 +110,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.full
-def test_ctrl_c_on_rank_0_stops_both_ranks_and_the_producer_after_the_step(tmp_path):
+def test_ctrl_c_on_rank_0_stops_both_ranks_after_the_step_and_one_process_resumes_with_a_producer(tmp_path):
     procs = _launch(tmp_path / "run", "--steps", "500", "--save-every", "0", *LAUNCH)
     _wait_for_a_step(tmp_path / "run", procs)
     procs[0].send_signal(signal.SIGINT)
@@ -118,7 +119,26 @@ def test_ctrl_c_on_rank_0_stops_both_ranks_and_the_producer_after_the_step(tmp_p
     assert "Traceback" not in logs[0] + logs[1] and "producer stopped" in logs[0], logs
     done = read_metrics(tmp_path / "run" / METRICS_FILE)[-1]["step"]
     assert [p.name for p in checkpoint.candidates(tmp_path / "run")] == [f"step-{done:06d}"]
-    assert checkpoint.load_state(checkpoint.latest(tmp_path / "run")).policy_version == done
+    state = checkpoint.load_state(checkpoint.latest(tmp_path / "run"))
+    assert state.policy_version == done and state.rollouts_in_flight >= 1  # rank 0's producer was ahead
+    # One process resumes the run: its producer starts from the checkpoint's weights, and says what was lost.
+    said = []
+    cfg = TrainerConfig(
+        output_dir=str(tmp_path / "run"),
+        resume=True,
+        steps=done + 1,
+        batch_size=8,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        sample_every=0,
+        sft_steps=10,
+        eval_size=0,
+        max_staleness=1,
+    )
+    assert PPOTrainer(cfg, log=said.append).train()["steps_done"] == done + 1
+    assert any(f"in flight at step {done} were not saved" in line for line in said), said
+    row = read_metrics(tmp_path / "run" / METRICS_FILE)[-1]
+    assert (row["step"], row["async/version"], row["async/age"]) == (done + 1, done, 0)
 
 
 def test_ranks_at_different_versions_are_an_error_on_every_rank():
