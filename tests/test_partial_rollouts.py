@@ -148,13 +148,29 @@ def test_finished_groups_go_first_and_unfinished_ones_carry_into_the_next_batch(
 
 def test_a_group_that_grows_older_than_the_bound_is_dropped_and_counted():
     engine = ScriptedEngine()
-    pool = _pool(["123+456="], batch_size=1, group_size=1, max_staleness=1)
+    pool = _pool(["123+456="], batch_size=1, group_size=1, max_staleness=1, staleness_policy="drop")
     # The trainer publishes step 2 during the group's second round: started at step 0, it can no longer be
     # trained within 1 update, so it is dropped, and a fresh one is generated under step 1's weights.
     g = pool.next_batch(engine, _scorer(), _updates(engine, [(0, 0, 0), (2, 1, 2)]))
     assert g.timing["partial_dropped"] == 1 and g.timing["rounds"] == 4
     assert g.token_steps[0].tolist() == [1] * 6 and g.token_versions[0].tolist() == [2] * 6  # the fresh one
     assert metrics(g, step=2, max_staleness=1, group_size=1)["async/partial_dropped"] == 1
+
+
+def test_wait_at_the_bound_admits_no_more_than_the_batch_and_finishes_what_is_due():
+    """Under wait, with the producer K updates ahead (weights of step 0 for the batch trained at step 1, K = 1),
+    a group admitted now must be trained in this batch: no fresh group beyond the batch, and the batch waits
+    for its long response; nothing is carried over, nothing dropped.  With one update of slack (the weights of
+    step 1) the same draws carry the long response admitted in the second round into the next batch."""
+    runs = {}
+    for step in (0, 1):
+        engine = ScriptedEngine()
+        pool = _pool(["1+1=", "123+456="], batch_size=2, group_size=1, max_staleness=1)
+        torch.manual_seed(0)  # draws: short, long, then long
+        g = pool.next_batch(engine, _scorer(), _updates(engine, [(2 * step, step, 1)]))
+        runs[step] = (engine.calls, g.prompts, g.timing["partial_dropped"], pool.held())
+    assert runs[0] == ([2, 1, 1], ["1+1=", "123+456="], 0, 0)
+    assert runs[1] == ([2, 2, 2], ["1+1=", "123+456="], 0, 1)
 
 
 def test_hf_engine_mu_of_a_continued_response_is_the_engines_under_each_version():
@@ -219,8 +235,10 @@ def test_the_trainer_trains_on_partial_rollouts_and_a_resume_says_what_was_dropp
     for row in rows:
         assert sum(row[f"async/staleness/{a}"] for a in range(3)) == cfg.batch_size
         assert sum(row[f"async/span/{s}"] for s in range(3)) == cfg.batch_size * cfg.group_size
-        assert row["async/age"] <= 2 and row["async/partial_rounds"] >= 2  # 4-token responses, 2 per round
+        assert row["async/age"] <= 2  # wait: counted from the oldest token, within the bound
         assert not undocumented(row), undocumented(row)
+    # The warmed-up model's answers take 3 or 4 tokens, 2 per round: responses were continued.
+    assert sum(row["async/partial_continued"] for row in rows) > 0
     saved = checkpoint.latest(Path(cfg.output_dir))
     state = torch.load(saved / checkpoint.STATE_FILE, weights_only=True)
     torch.save(state | {"partial_in_flight": 3}, saved / checkpoint.STATE_FILE)  # as a producer holding 3

@@ -4,11 +4,12 @@ response.  A response not finished after a round keeps its prefix (tokens, behav
 policy version and step of the weights that sampled each token) and is continued in the next round, under
 the newest weights the producer holds then.
 
-- The pool holds ``batch_size`` groups being generated; each round tops it up with fresh prompts, continues
-  every unfinished response, and moves a group whose responses have all ended (EOS, or the response length)
-  to the finished groups.  A batch is ``batch_size`` finished groups, those with the oldest tokens first.
-- A group's age is counted from its oldest token.  Before each round the pool drops a group (finished or
-  not) that could no longer be trained within K updates: its prefix grew too old before it finished.
+- The pool holds up to ``batch_size`` groups being generated; each round tops it up with fresh prompts,
+  continues every unfinished response, and moves a group whose responses have all ended (EOS, or the
+  response length) to the finished groups.  A batch is ``batch_size`` finished groups, oldest tokens first.
+- A group's age is counted from its oldest token.  Under ``--staleness-policy wait`` the pool admits a group
+  only where it can be trained within K updates, and finishes the groups due in a batch before sending it;
+  before each round (under either policy) it drops a group that could no longer be trained within K.
 - mu of each token is the engine's under the weights that sampled it; the off-policy loss corrects per token.
 """
 
@@ -90,12 +91,22 @@ class Pool:
     def next_batch(self, engine, scorer, refresh) -> Generated:
         """The next batch of ``batch_size`` finished groups, rewarded by ``scorer``.  ``refresh()`` runs before
         each round: it adopts the newest weights and returns ``(version, step, floor)``, ``floor`` the lowest
-        step the batch can be trained at (a group older than ``floor - K`` is dropped)."""
+        step the batch can be trained at (a group older than ``floor - K`` is dropped).
+
+        Under ``wait`` the batch is trained at step ``floor`` exactly, so the pool plans: a group whose oldest
+        token is K steps older than ``floor`` is due in this batch, and the rounds go on until it has
+        finished; a fresh group is admitted only while the groups held fit the batches left before their
+        deadline (``_room``).  A group is then dropped only where more fall due in one batch than it holds."""
         cfg, rounds, dropped, seconds = self.cfg, 0, 0, 0.0
-        while len(self.finished) < cfg.batch_size:
+        wait = cfg.staleness_policy == "wait"
+        while True:
             version, step, floor = refresh()
             dropped += self._drop_older_than(floor - cfg.max_staleness)
+            due = wait and any(g.oldest + cfg.max_staleness <= floor for g in self.active)
+            if len(self.finished) >= cfg.batch_size and not due:
+                break
             start = time.perf_counter()
+            self._admit(self._room(step, floor) if wait else cfg.batch_size - len(self.active))
             self._round(engine, version, step)
             seconds += time.perf_counter() - start
             rounds += 1
@@ -113,10 +124,19 @@ class Pool:
         self.active, self.finished = keep_active, keep_finished
         return dropped
 
-    def _admit(self) -> None:
-        """Fresh prompts, drawn as a batch draws them, up to ``batch_size`` groups being generated."""
+    def _room(self, step: int, floor: int) -> int:
+        """Under ``wait``: the fresh groups that fit.  One admitted now (at ``step``) must be trained by step
+        ``step + K``, and the batches of steps ``floor`` .. ``step + K`` take ``batch_size`` groups each: the
+        groups held (finished or not, all due by then) and it must fit in them.  At most ``batch_size``
+        groups are generated at once."""
+        cfg = self.cfg
+        batches = step + cfg.max_staleness - floor + 1
+        held = len(self.active) + len(self.finished)
+        return min(cfg.batch_size - len(self.active), cfg.batch_size * batches - held)
+
+    def _admit(self, missing: int) -> None:
+        """``missing`` fresh groups, their prompts drawn as a batch draws them."""
         cfg, train_set = self.cfg, self.spec.train_set
-        missing = cfg.batch_size - len(self.active)
         if missing <= 0:
             return
         drawn, texts, answers = draw(train_set, self.shard, missing, cfg.group_size)
@@ -127,7 +147,6 @@ class Pool:
 
     def _round(self, engine, version: int, step: int) -> None:
         """One round: every unfinished response continued by at most ``--partial-rollouts`` tokens."""
-        self._admit()
         spec, eos = self.spec, self.spec.tokenizer.eos_token_id
         rows = [(g, r) for g in self.active for r in range(len(g.texts)) if not g.ended[r]]
         keywords = sampling(self.cfg, self.cfg.partial_rollouts) | {"device": spec.device}
