@@ -442,8 +442,9 @@ def _partial_batch(pool, engine, scorer, channel: Channel, index: int, held: tup
     """``(batch, seconds adopting weights, (version, step) held after it)`` from ``pool`` (--partial-rollouts;
     ``held``: the shadow policy's state and the policy, and the version and step it holds):
     before each round the producer adopts the newest weights, so a continued response goes on under them.
-    The batch trains at step ``index`` at the latest; under ``wait`` at that step exactly, under ``drop`` at
-    the trainer's published step at the earliest: a group older than that by more than K is dropped."""
+    The batch is trained on the weights of step ``index`` at the latest: under ``wait`` on those exactly,
+    under ``drop`` on the trainer's published ones at the earliest; a group older than that by more than K
+    steps is dropped (``partial_rollouts.Pool``)."""
     shadow, policy, version, step = held
     state = {"seconds": 0.0, "held": (version, step)}
 

@@ -15,7 +15,6 @@ the newest weights the producer holds then.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +96,7 @@ class Pool:
         token is K steps older than ``floor`` is due in this batch, and the rounds go on until it has
         finished; a fresh group is admitted only while the groups held fit the batches left before their
         deadline (``_room``).  A group is then dropped only where more fall due in one batch than it holds."""
-        cfg, rounds, dropped, seconds = self.cfg, 0, 0, 0.0
+        cfg, rounds, dropped = self.cfg, 0, 0
         wait = cfg.staleness_policy == "wait"
         while True:
             version, step, floor = refresh()
@@ -105,16 +104,14 @@ class Pool:
             due = wait and any(g.oldest + cfg.max_staleness <= floor for g in self.active)
             if len(self.finished) >= cfg.batch_size and not due:
                 break
-            start = time.perf_counter()
             self._admit(self._room(step, floor) if wait else cfg.batch_size - len(self.active))
             self._round(engine, version, step)
-            seconds += time.perf_counter() - start
             rounds += 1
         self.finished.sort(key=lambda g: (g.oldest, g.order))
         taken, self.finished = self.finished[: cfg.batch_size], self.finished[cfg.batch_size :]
         g = self._generated(taken, scorer)
         continued = sum(n > 1 for group in taken for n in group.rounds)
-        g.timing = {"rounds": rounds, "partial_dropped": dropped, "continued": continued, "round_seconds": seconds}
+        g.timing = {"rounds": rounds, "partial_dropped": dropped, "continued": continued}
         return g
 
     def _drop_older_than(self, limit: int) -> int:
