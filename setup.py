@@ -299,6 +299,36 @@ def _is_gcc(cxx: str) -> bool:
     return "Free Software Foundation" in out and "clang" not in out.lower()
 
 
+def _precompile(cxx: str, cflags: list, post: list, build_dir: str):
+    """The torch headers precompiled into ``build_dir`` with the units' flags: the header's path,
+    or None if compiling it failed.  Done again only when the compiler, its flags or torch changed."""
+    import time
+
+    header = os.path.join(build_dir, "ppo_fast_pch.h")
+    text = "".join(f"#include <{h}>\n" for h in PCH_HEADERS)
+    key = "\n".join([text, cxx, *cflags, *post, torch.__version__, os.path.dirname(torch.__file__)])
+    stamp = header + ".key"
+    if os.path.exists(header + ".gch") and os.path.exists(stamp) and open(stamp).read() == key:
+        print("ppo_fast: the precompiled torch headers are current")
+        return header
+    os.makedirs(build_dir, exist_ok=True)
+    if os.path.exists(stamp):
+        os.remove(stamp)
+    with open(header, "w") as f:
+        f.write(text)
+    start = time.perf_counter()
+    result = subprocess.run(
+        [cxx, *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        print("ppo_fast: no precompiled header (compiling it failed), building without:\n" + result.stderr[-2000:])
+        return None
+    print(f"ppo_fast: precompiled the torch headers in {time.perf_counter() - start:.0f} s")
+    with open(stamp, "w") as f:
+        f.write(key)
+    return header
+
+
 def _with_pch(compile_objects):
     """Wrap torch's ninja compile step: build the PCH with the units' own flags, then add it."""
 
@@ -306,25 +336,13 @@ def _with_pch(compile_objects):
         if not {"build_directory", "cflags", "post_cflags"} <= kwargs.keys():  # another torch: leave it alone
             return compile_objects(*args, **kwargs)
         import shlex
-        import time
 
-        build_dir = kwargs["build_directory"]
         cxx = os.environ.get("CXX", "c++")  # the compiler torch's ninja file uses
         cflags = shlex.split(" ".join(kwargs["cflags"]))
         post = shlex.split(" ".join(kwargs["post_cflags"]))
-        header = os.path.join(build_dir, "ppo_fast_pch.h")
-        os.makedirs(build_dir, exist_ok=True)
-        with open(header, "w") as f:
-            f.write("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
-        start = time.perf_counter()
-        result = subprocess.run(
-            [cxx, *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post], capture_output=True, text=True
-        )
-        if result.returncode == 0:
-            print(f"ppo_fast: precompiled the torch headers in {time.perf_counter() - start:.0f} s")
+        header = _precompile(cxx, cflags, post, kwargs["build_directory"])
+        if header is not None:
             kwargs["post_cflags"] = list(kwargs["post_cflags"]) + ["-Winvalid-pch", "-include", shlex.quote(header)]
-        else:
-            print("ppo_fast: no precompiled header (compiling it failed), building without:\n" + result.stderr[-2000:])
         return compile_objects(*args, **kwargs)
 
     return compile_with_pch
@@ -346,7 +364,20 @@ def _distinct_cuda_objects(compiler) -> None:
     compiler.object_filenames = object_filenames
 
 
+def editable_build_temp(root: str, plat_name: str) -> str:
+    """Where an editable install (``pip install -e``) keeps the objects: a folder of the checkout
+    (setuptools' own ``build/temp.<platform>-<python>``) instead of a fresh temporary one, so that
+    installing again (another extra, ``-e '.[lora]'`` after ``-e '.[train]'``) recompiles only what
+    changed: ninja compares each object with its sources, headers and command line."""
+    return os.path.join(root, "build", f"temp.{plat_name}-{sys.implementation.cache_tag}")
+
+
 class _BuildExt(BuildExtension):
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if getattr(self, "editable_mode", False):
+            self.build_temp = editable_build_temp(here, self.plat_name)
+
     def build_extensions(self) -> None:
         import torch.utils.cpp_extension as cpp_extension
 

@@ -48,6 +48,11 @@ CORRECTIONS = {
     "decoupled": dict(off_policy_loss="decoupled"),
     "decoupled_tis": dict(off_policy_loss="decoupled", rollout_correction="token_tis"),
 }
+# Partial rollouts (--setups async_k2_t1,async_k2_partial16_t1): rounds of 16 tokens, at the same bound.
+SETUPS |= {
+    "async_k2_t1": dict(max_staleness=2, cpu_threads=1),
+    "async_k2_partial16_t1": dict(max_staleness=2, cpu_threads=1, partial_rollouts=16),
+}
 SETUPS |= {
     f"k{k}_{name}": dict(max_staleness=k, cpu_threads=1, **loss) for k in (2, 4) for name, loss in CORRECTIONS.items()
 }
@@ -91,6 +96,7 @@ MODELS = {
     "llama": "A random Llama-shaped policy, GRPO, 32-token responses (speed only: it learns nothing in 20 steps)",
 }
 ASYNC_KEYS = ("async/age", "async/producer_idle_frac", "async/trainer_idle_frac", "async/groups_dropped")
+ASYNC_KEYS += ("async/partial_rounds", "async/partial_continued", "async/partial_dropped")
 
 
 def one_run(root: Path, setup: str, seed: int, options: dict, model: str = "builtin") -> dict:

@@ -265,9 +265,10 @@ def triton_op_modules() -> tuple:
     """The Triton backend's op modules (``ppo_fast.backends.triton.<op>``), in the backend's order."""
     from ppo_fast.backends import triton as backend
 
-    if not backend.MODULES:
-        raise RuntimeError(f"the Triton backend cannot be used: {backend.availability()[1]}")
-    return backend.MODULES
+    try:  # imported here also where no kernel can run (no GPU, no interpreter): only compiled
+        return backend.MODULES or backend.load_modules()
+    except ImportError as err:
+        raise RuntimeError(f"the Triton backend cannot be used: {err}") from None
 
 
 def triton_variants() -> list[Variant]:

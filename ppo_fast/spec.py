@@ -94,6 +94,7 @@ class RolloutEngine:
     summary: str
     logprobs: bool  # it returns the log-probs it sampled with (the behaviour policy's; rollout correction)
     own_weights: bool  # it holds its own copy of the policy's weights, synced after each update
+    continues: bool = False  # generate takes each row's response prefix (token ids) to continue (--partial-rollouts)
     sleep_on: tuple[str, ...] = ()  # the device types where it can sleep during the update (--vllm-sleep)
     truncation_order: tuple[str, ...] = TRUNCATION_ORDER  # the order it applies min-p, top-k and top-p in
     requires: str | None = None  # the package it imports, checked before the run starts
@@ -110,6 +111,7 @@ ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
             summary="model.generate on the policy itself",
             logprobs=True,
             own_weights=False,
+            continues=True,
             truncation_order=("top_k", "top_p", "min_p"),
         ),
         RolloutEngine(

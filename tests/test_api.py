@@ -355,3 +355,14 @@ def test_torch_and_triton_older_than_supported_are_refused_by_name():
     assert second == (
         "unavailable: triton cannot be used (ImportError: triton 3.5.1 is older than 3.6, the oldest supported)"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device: the Triton kernels can run")
+def test_triton_is_not_imported_where_no_kernel_can_run():
+    # No CUDA device and no interpreter: the backend is unavailable, and the start of every CPU
+    # process (ppo-fast generate) does not pay for importing triton and compiling its modules' ASTs.
+    code = "import sys, ppo_fast\nprint('triton' in sys.modules, ppo_fast.available_backends()['triton'])"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False unavailable: no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"

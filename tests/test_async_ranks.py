@@ -167,14 +167,16 @@ def test_split_gives_each_rank_its_rows_in_order_with_its_own_storage():
         reward_metrics={"reward/x": 1.0},
         version=7,
         weights_step=3,
+        token_versions=torch.randint(8, (rows, width - 2)),
+        token_steps=torch.randint(4, (rows, width - 2)),
     )
     shares = split(g, 3)
     assert [s.prompts for s in shares] == [g.prompts[0:4], g.prompts[4:8], g.prompts[8:12]]
     assert sum((s.columns["topic"] for s in shares), []) == g.columns["topic"]
     for name in ("input_ids", "attention_mask"):
         assert torch.equal(torch.cat([getattr(s.batch, name) for s in shares]), getattr(g.batch, name))
-    assert torch.equal(torch.cat([s.engine_logprobs for s in shares]), g.engine_logprobs)
-    assert torch.equal(torch.cat([s.scores for s in shares]), g.scores)
+    for name in ("engine_logprobs", "scores", "token_versions", "token_steps"):
+        assert torch.equal(torch.cat([getattr(s, name) for s in shares]), getattr(g, name)), name
     assert all((s.version, s.weights_step, s.batch.prompt_width) == (7, 3, 2) for s in shares)
     # Each share's own rows only (a view would pickle the whole batch's storage to every rank).
     assert shares[1].batch.input_ids.untyped_storage().nbytes() == 4 * width * ids.element_size()

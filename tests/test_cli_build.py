@@ -93,3 +93,23 @@ def test_ninja_is_found_in_a_venv_that_is_not_activated(setup_py, tmp_path):
     assert found(str(other), [None, str(other), str(venv_bin)]) == f"{venv_bin}{os.pathsep}{other}"
     assert found(str(venv_bin), [str(other)]) == str(venv_bin)  # on PATH already: unchanged
     assert found(str(other), [str(other)]) == str(other)  # nowhere: torch's own fallback, unchanged
+
+
+def test_an_editable_install_again_compiles_only_what_changed(setup_py, tmp_path, monkeypatch):
+    # `pip install -e '.[lora]'` after `-e '.[train]'`: the objects stay in the checkout's build/
+    # (setuptools' own temp folder, shared with `setup.py build_ext`), not in a fresh temporary
+    # folder, and the torch headers are precompiled again only when a flag or torch changed.
+    assert setup_py["editable_build_temp"]("/repo", "linux-x86_64").startswith("/repo/build/temp.linux-x86_64-")
+    precompile = setup_py["_precompile"]
+    compiled = []
+
+    def fake_run(command, **_):
+        compiled.append(command)
+        Path(command[command.index("-o") + 1]).write_text("gch")
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(precompile.__globals__["subprocess"], "run", fake_run)
+    header = precompile("c++", ["-O3"], ["-std=c++20"], str(tmp_path))
+    assert header == str(tmp_path / "ppo_fast_pch.h") and len(compiled) == 1
+    assert precompile("c++", ["-O3"], ["-std=c++20"], str(tmp_path)) == header and len(compiled) == 1
+    assert precompile("c++", ["-O1"], ["-std=c++20"], str(tmp_path)) == header and len(compiled) == 2

@@ -544,7 +544,9 @@ def test_fuzz_packed(data):
     backend = data.draw(st.sampled_from(["auto"] if op is None else list(backends_serving(op, "cpu"))), label="backend")
     equal = equality(case_id, backend, equal)
     lengths = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=5), label="lengths")
-    dtypes = [torch.float64] if case_id == "linear_policy_loss" else [torch.float64, torch.float32]  # its head's
+    dtypes = (
+        [torch.float64] if case_id.startswith("linear_policy_loss") else [torch.float64, torch.float32]
+    )  # its head's
     dtype = data.draw(st.sampled_from(dtypes), label="dtype")
     compiled = data.draw(st.sampled_from([None, None, None, False, True]), label="compiled (dynamic)")
     dim = data.draw(st.sampled_from([None, None, 0, -1]), label="dim") if case_id == "masked_mean" else None

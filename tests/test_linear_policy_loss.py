@@ -304,3 +304,80 @@ def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, budget, 
     x = make_inputs(11, dtype=torch.bfloat16)
     check_against_two_pass(x, "vanilla", "token-mean", "triton", torch.bfloat16)
     assert seen == {"rows": {rows}, "narrow": {narrow}}
+
+
+# Packed sequences (cu_seqlens): odd lengths, an empty one and a single token, 7 tokens at most (make_inputs' T).
+PACKED_LENGTHS = [7, 0, 1, 5, 7, 2, 3]
+PACKED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def packed_cases():
+    """Each fused kind (token-level, GSPO, GMPO) x backend, the aggregation and dtype in turn (no bfloat16
+    on the Triton interpreter, whose bfloat16 arithmetic is wrong on the CPU)."""
+    for i, mode in enumerate(["vanilla", "gspo", "geo_mean", "sapo", "dppo_kl"]):
+        for b, case in enumerate(sorted(cases([mode]), key=lambda c: c.values[1] != "native")):  # C++ first
+            agg, dtype = AGG_MODES[(i + b + 3) % len(AGG_MODES)], PACKED_DTYPES[(i + 2 * b) % len(PACKED_DTYPES)]
+            if case.values[1] == "triton" and dtype == torch.bfloat16:
+                dtype = torch.float16
+            yield pytest.param(*case.values, agg, dtype, id=f"{case.id}-{agg}-{str(dtype)[6:]}")
+
+
+def packed_call(x, valid, mode, agg, backend):
+    """``fused`` (a KL term where ``x`` has ``ref``) on the valid tokens of ``x`` packed (``[N, H]`` and
+    ``[N]``), with their ``cu_seqlens``; ``valid`` None: on ``x`` itself, padded."""
+    packed, layout = x, {}
+    if valid is not None:
+        packed = {k: v if k in ("weight", "bias") or v is None else v[valid] for k, v in x.items()}
+        lengths = valid.sum(-1)
+        layout = dict(cu_seqlens=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32), max_seqlen=7)
+    args = [packed[name] for name in ("hidden", "weight", "labels", "old", "adv", "mask")]
+    kl = 0.0 if x["ref"] is None else 0.1
+    terms = dict(weights=packed["weights"], bias=x["bias"], ref_logprobs=packed["ref"], kl_coef=kl, entropy_coef=0.01)
+    with pf.use_backend(backend):
+        return pf.linear_policy_loss(*args, loss_mode=mode, agg=agg, **terms, **mode_params(mode), **layout)
+
+
+def assert_result_close(got, want, tol, what):
+    (loss, stats, grads), (want_loss, want_stats, want_grads) = got, want
+    torch.testing.assert_close(loss, want_loss.to(loss.dtype), **tol, msg=lambda m: f"{what} loss: {m}")
+    assert stats.keys() == want_stats.keys()
+    for name, value in want_stats.items():
+        stat_tol = TOLERANCE[torch.float32] if stats[name].dtype == torch.float32 else tol  # clip fractions: float32
+        torch.testing.assert_close(stats[name], value.to(stats[name].dtype), **stat_tol, msg=lambda m: f"{name}: {m}")
+    for name, g, w in zip(("hidden", "weight", "bias"), grads, want_grads):
+        scale = max(float(w.abs().max()), 1.0)
+        w = w.to(g.dtype)
+        torch.testing.assert_close(
+            g, w, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=lambda m: f"{what} {name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("mode, backend, agg, dtype", tiers.sampled(list(packed_cases()), strength=1))
+def test_packed_tokens_equal_the_padded_call_and_float64(monkeypatch, mode, backend, agg, dtype):
+    """Packed input (cu_seqlens) on every backend: the padded call's loss, stats and gradients at the valid
+    tokens (the chunks, 14 tokens, cut through sequences), and the float64 reference's, and no padded
+    ``[S, longest]`` layout built on the way (``_varlen.Layout``, made to fail)."""
+    from ppo_fast import _varlen
+    from ppo_fast.backends import _one_pass
+
+    monkeypatch.setattr(_one_pass, "CHUNK_ELEMENTS", 2 * 7 * 53)  # the native rows' loop: chunks of 14 too
+    x = make_inputs(zlib.crc32(f"packed-{mode}-{agg}".encode()), dtype=dtype, dims=(7, 7, 53, 13), weighted=True)
+    valid = torch.arange(7)[None, :] < torch.tensor(PACKED_LENGTHS)[:, None]
+    x["mask"] = x["mask"] & valid
+    if mode == "vanilla":  # no KL term: native's C++ one pass (the aggregation's factors as its token weights)
+        x["ref"] = None
+
+    def result(x, run):
+        loss, stats = run(x)
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+
+    want = result(x, lambda x: packed_call(x, None, mode, agg, backend))
+    with monkeypatch.context() as patch:
+        patch.setattr(_varlen.Layout, "of", lambda *a, **k: pytest.fail("the packed call built the padded layout"))
+        got = result(x, lambda x: packed_call(x, valid, mode, agg, backend))
+    assert_result_close(got, want, TOLERANCE[dtype], "packed vs padded")
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    oracle = result(wide, lambda x: packed_call(x, valid, mode, agg, "reference"))
+    assert_result_close(got, oracle, TOLERANCE[dtype], "packed vs float64")

@@ -19,6 +19,7 @@ from tiers import case
 from torch.utils._pytree import tree_leaves
 
 import ppo_fast as pf
+from ppo_fast import _varlen
 from ppo_fast.backends import serving
 from ppo_fast.spec import AGG_MODES, POLICY_LOSS_MODES, ROLLOUT_CORRECTION_MODES
 
@@ -101,13 +102,26 @@ def _cases():
         lambda t, m, **kw: objective(t["lp"], t["entropy"], t["old"], t["adv"], m, ref_logprobs=t["ref"], **kw),
         CLOSE,
     )
-    fused = partial(pf.linear_policy_loss, agg="seq-mean-token-mean", kl_coef=0.1)
-    yield (
-        "linear_policy_loss",
-        POLICY_LOSS_MODES["vanilla"].linear_op,  # its one-pass op (a bare "linear_policy_loss" matched no backend)
-        lambda t, m, **kw: fused(t["hidden"], head, t["labels"], t["old"], t["adv"], m, ref_logprobs=t["ref"], **kw),
-        EXACT,  # the padded detour (no packed fused head yet)
-    )
+    for name, agg in LINEAR_CASES:  # the one pass on the packed row, and the sequence-level modes' two passes
+        mode = POLICY_LOSS_MODES[name]
+        fused = partial(pf.linear_policy_loss, loss_mode=name, agg=agg, kl_coef=0.1, **mode.example_params())
+        yield (
+            f"linear_policy_loss-{name}-{agg}",
+            mode.linear_op,  # its one-pass op (a bare "linear_policy_loss" matched no backend)
+            lambda t, m, fused=fused, **kw: fused(
+                t["hidden"], head, t["labels"], t["old"], t["adv"], m, weights=t["weights"], ref_logprobs=t["ref"], **kw
+            ),
+            CLOSE,  # the chunks' sums and products group the tokens by the layout
+        )
+
+
+# linear_policy_loss's packed cases: each kind of aggregation and a sequence-level mode of each kind.
+LINEAR_CASES = [
+    ("vanilla", "seq-mean-token-mean"),
+    ("gspo", "seq-mean-token-sum"),
+    ("geo_mean", "seq-mean-token-sum-norm"),
+    ("dro", "token-mean"),
+]
 
 
 def equality(case_id: str, backend: str, equal: str) -> str:
@@ -120,10 +134,14 @@ def equality(case_id: str, backend: str, equal: str) -> str:
 
 
 def _params():
-    out = []
+    out, turn = [], 0
     for case_id, op, call, equal in _cases():
-        for backend in ("auto",) if op is None else serving(op, "cpu"):
-            out.append(pytest.param(call, backend, equality(case_id, backend, equal), id=f"{case_id}-{backend}"))
+        backends = ("auto",) if op is None else serving(op, "cpu")
+        for b, backend in enumerate(backends):
+            # the fused head's cases: one backend each in the fast tier, in turn (the fuzzer draws them all)
+            fast = not case_id.startswith("linear_policy_loss") or b == turn % len(backends)
+            out.append(case(call, backend, equality(case_id, backend, equal), fast=fast, id=f"{case_id}-{backend}"))
+        turn += case_id.startswith("linear_policy_loss")
     return out
 
 
@@ -138,8 +156,13 @@ def _assert_equal(got, want, exact, what):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=what)
 
 
+def _no_padding(*args, **kwargs):
+    raise AssertionError("the packed call built the [S, longest] padded layout")
+
+
 @pytest.mark.parametrize("call, backend, equal", _params())
-def test_packed_equals_padded_at_the_valid_tokens_in_value_and_gradient(call, backend, equal):
+def test_packed_equals_padded_at_the_valid_tokens_in_value_and_gradient(call, backend, equal, monkeypatch):
+    """The module's rule, and no packed call builds the padded layout (``_varlen.Layout``: made to fail)."""
     padded, mask, valid, cu_seqlens = _padded_case(torch.randint(1000, ()).item())
     packed = {k: v[valid].clone() for k, v in padded.items()}
     floats = [name for name, x in padded.items() if x.is_floating_point()]
@@ -148,7 +171,9 @@ def test_packed_equals_padded_at_the_valid_tokens_in_value_and_gradient(call, ba
             inputs[name].requires_grad_(True)
     with pf.use_backend(backend):
         want = _flat(call(padded, mask))
-        got = _flat(call(packed, mask[valid], cu_seqlens=cu_seqlens))
+        with monkeypatch.context() as patch:
+            patch.setattr(_varlen.Layout, "of", _no_padding)
+            got = _flat(call(packed, mask[valid], cu_seqlens=cu_seqlens))
     assert len(got) == len(want)
     for w, h in zip(want, got):
         expected = w[valid] if tuple(w.shape[:2]) == tuple(valid.shape) else w
@@ -208,14 +233,12 @@ def test_masked_mean_refuses_dim_with_cu_seqlens():
 
 # Issue 53's long tail: 18,432 tokens in 2,049 sequences, whose padded layout is 2,049 x 16,384 (1,821x N).
 LONG_TAIL = [16384] + [1] * 2048
-# (case, backend) that still take the padded detour: no packed kernel on that backend yet (docs/ops.md).
-DETOURS = {("linear_policy_loss", "native"), ("linear_policy_loss", "reference")}
 
 
 def _long_tail_params():
     for case_id, op, call, _ in _cases():
         for backend in ("native", "reference"):
-            if (case_id, backend) in DETOURS or (op and backend not in serving(op, "cpu")):
+            if op and backend not in serving(op, "cpu"):
                 continue
             if case_id == "gae" and backend == "reference":  # 16,384 Python steps: the native scan is the check
                 continue
@@ -233,6 +256,8 @@ LONG_TAIL_FAST = {
     "policy_loss-geo_mean-seq-mean-token-mean-native",
     "value_loss-seq-mean-token-sum-norm-reference",
     "rollout_correction-seq_mis-native",
+    "linear_policy_loss-vanilla-seq-mean-token-mean-native",
+    "linear_policy_loss-gspo-seq-mean-token-sum-reference",
 }
 
 
@@ -240,12 +265,7 @@ LONG_TAIL_FAST = {
 def test_the_packed_layout_builds_no_padded_layout(call, backend, monkeypatch):
     """Memory and time linear in N (issue 53, point 5): no packed op pads, checked by making the
     padded detour fail; the long tail runs forward and backward."""
-    from ppo_fast import _varlen
-
-    def no_padding(*args, **kwargs):
-        raise AssertionError("the packed call built the [S, longest] padded layout")
-
-    monkeypatch.setattr(_varlen.Layout, "of", no_padding)
+    monkeypatch.setattr(_varlen.Layout, "of", _no_padding)
     tokens, g = sum(LONG_TAIL), torch.Generator().manual_seed(0)
     names = ("lp", "old", "ref", "rollout", "adv", "values", "old_values", "returns", "rewards", "entropy", "weights")
     inputs = {name: torch.randn(tokens, generator=g, dtype=torch.float64, requires_grad=True) for name in names}
@@ -263,8 +283,8 @@ def test_the_packed_layout_builds_no_padded_layout(call, backend, monkeypatch):
 
 def test_packed_calls_compile_fullgraph_or_refuse_naming_cu_seqlens():
     """Issue 53, point 4: a packed call under torch.compile(fullgraph=True) compiles (to the eager
-    result) where the backend has a packed kernel, and is refused naming cu_seqlens and the way
-    out where it would take the padded detour; the reference scan needs max_seqlen."""
+    result) where the backend has a packed kernel (the fused head's included); the reference scan
+    needs max_seqlen."""
     padded, mask, valid, cu_seqlens = _padded_case(11)
     t = {k: v[valid] for k, v in padded.items()}
     m = mask[valid]
@@ -282,13 +302,14 @@ def test_packed_calls_compile_fullgraph_or_refuse_naming_cu_seqlens():
             want, got = _flat(call()), _flat(torch.compile(call, fullgraph=True)())
             for w, h in zip(want, got, strict=True):
                 torch.testing.assert_close(h, w, rtol=1e-12, atol=1e-14)
-        torch._dynamo.reset()
         head = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
-        detour = lambda: pf.linear_policy_loss(  # noqa: E731
-            t["hidden"], head, t["labels"], t["old"], t["adv"], m, cu_seqlens=cu_seqlens
-        )
-        with pytest.raises(Exception, match=r"cu_seqlens: linear_policy_loss has no packed kernel on this backend"):
-            torch.compile(detour, fullgraph=True)()
+        for mode in ("vanilla", "gspo"):  # the one pass on the packed row, and GSPO's two passes
+            torch._dynamo.reset()
+            fused = lambda mode=mode: pf.linear_policy_loss(  # noqa: E731
+                t["hidden"], head, t["labels"], t["old"], t["adv"], m, loss_mode=mode, cu_seqlens=cu_seqlens
+            )
+            for w, h in zip(_flat(fused()), _flat(torch.compile(fused, fullgraph=True)()), strict=True):
+                torch.testing.assert_close(h, w, rtol=1e-12, atol=1e-14)
     with pf.use_backend("reference"):
         torch._dynamo.reset()
         scan = lambda **kw: pf.gae(t["rewards"], t["values"], m, cu_seqlens=cu_seqlens, **kw)  # noqa: E731

@@ -444,6 +444,10 @@ def _async_section() -> list[str]:
         ("async-llama-cpu.json", "`--model llama`"),
         ("async-llama-bypass-cpu.json", "`--model llama --options off_policy_loss=bypass`"),
         ("async-staleness-cpu.json", "the built-in job at 2 and 4 updates of staleness, each loss (`k<K>_<loss>`)"),
+        (
+            "async-partial-llama-cpu.json",
+            "`--model llama` at 2 updates of staleness, without and with `--partial-rollouts 16`",
+        ),
     )
     for name, what in files:
         data = _load(name)

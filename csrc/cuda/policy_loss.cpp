@@ -221,8 +221,9 @@ SeqForward seq_loss_varlen_cuda(const at::Tensor& logprobs, const at::Tensor& ol
   const char* op = seq_loss_varlen_op_name(mode);
   const Agg agg = parse_agg(op, agg_name);
   const SeqBuffers b = seq_varlen_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  const SeqRows layout = packed_rows(op, cu_seqlens, logprobs);  // checked before the device, as on the CPU
   check_cuda(op, logprobs);
-  return seq_loss_rows<mode>(op, b, packed_rows(op, cu_seqlens, logprobs), logprobs, eps_low, eps_high, agg);
+  return seq_loss_rows<mode>(op, b, layout, logprobs, eps_low, eps_high, agg);
 }
 
 using SeqGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -106,9 +106,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_varlen_cuda(const at::
   constexpr const char* op = "value_loss_varlen";
   const Agg agg = parse_agg(op, agg_name);
   const ValueBuffers b = value_varlen_buffers(op, values, old_values, returns, mask);
+  const at::Tensor cu = device_cu_seqlens(op, cu_seqlens, values);  // checked before the device, as on the CPU
   check_cuda(op, values);
   const c10::cuda::CUDAGuard guard(values.device());
-  const at::Tensor cu = device_cu_seqlens(op, cu_seqlens, values);
   const int64_t rows = cu.numel() - 1;
   const cuda::ChunkPlan plan = checked_varlen_plan(op, cu, b.v);
   at::Tensor partials =

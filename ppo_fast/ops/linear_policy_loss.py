@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as check
+from .._dtypes import result_dtype
 from .._sampling import truncation as checked_truncation
-from .._varlen import varlen
-from ..backends import resolve
+from .._varlen import backend_of, varlen
+from ..backends import reference, resolve
 from ..backends._one_pass import Head, PerToken, Terms
 from ..spec import AGG_MODES, KL_ESTIMATORS, policy_loss_mode
 from .aggregate import aggregate, masked_mean
@@ -20,7 +21,28 @@ from .token_logprobs import MIN_TEMPERATURE
 __all__ = ["linear_policy_loss", "policy_objective"]
 
 
-@varlen("hidden", "labels", "old_logprobs", "advantages", "mask", "weights", "ref_logprobs")
+def _linear_policy_loss_packed(segments, *inputs, **options):
+    """``linear_policy_loss`` on packed tokens (``hidden [N, H]``, the per-token tensors ``[N]``), as one
+    row ``[1, N]`` without their padded layout (``_loss``)."""
+    hidden, weight, labels, old_logprobs, advantages, mask = inputs
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"hidden must be [N, H] (the packed tokens) with cu_seqlens, got shape {shape}")
+    rows = {name: options[name][None] for name in ("weights", "ref_logprobs") if options.get(name) is not None}
+    old, adv = old_logprobs[None], advantages[None]
+    return _loss(hidden[None], weight, labels[None], old, adv, mask[None], packed=segments, **(options | rows))
+
+
+@varlen(
+    "hidden",
+    "labels",
+    "old_logprobs",
+    "advantages",
+    "mask",
+    "weights",
+    "ref_logprobs",
+    packed=_linear_policy_loss_packed,
+)
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -81,6 +103,44 @@ def linear_policy_loss(
         detached stats: the mode's ``stats``, ``pg_loss`` (the policy loss alone), ``entropy``
         (its token mean) and, with ``ref_logprobs``, ``kl_loss``.
     """
+    options = dict(loss_mode=loss_mode, agg=agg, weights=weights, bias=bias, ref_logprobs=ref_logprobs)
+    head = dict(
+        temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap, ignore_index=ignore_index
+    )
+    terms = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, top_k=top_k, top_p=top_p)
+    return _loss(
+        hidden, weight, labels, old_logprobs, advantages, mask, **options, **head, **terms, min_p=min_p, **mode_params
+    )
+
+
+def _loss(
+    hidden,
+    weight,
+    labels,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    loss_mode="vanilla",
+    agg=None,
+    weights=None,
+    bias=None,
+    ref_logprobs=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+    ignore_index=-100,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    packed=None,
+    **mode_params,
+):
+    """``linear_policy_loss``'s body; ``packed``: the packed layout's segments, of ``[1, N]`` tensors
+    (``_packed_one_pass``)."""
     mode = policy_loss_mode(loss_mode)
     params = mode.bind(mode_params)
     x, labels = _check_tensors(
@@ -93,14 +153,30 @@ def linear_policy_loss(
     labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
         check.labels_in_range(labels, weight.shape[0], head.ignore_index)
-    if not mode.fused_head:
-        return _two_pass(
-            hidden, weight, labels, x, bias=bias, head=(head, truncation), terms=terms, objective=(mode, params, agg)
-        )
+    if not mode.fused_head or (packed is not None and mode.sequence_level):
+        two_pass = dict(bias=bias, head=(head, truncation), terms=terms, objective=(mode, params, agg))
+        if packed is not None:  # the packed tokens as [N] again (``_objective`` takes them so)
+            return _two_pass(hidden[0], weight, labels[0], x.rows(0), **two_pass, packed=packed)
+        return _two_pass(hidden, weight, labels, x, **two_pass)
+    one_pass = agg
+    if packed is not None:
+        x, one_pass = _packed_one_pass(packed, x, agg, result_dtype(hidden, x.old, x.adv, x.weights))
     loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
-        hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=agg, truncation=truncation
+        hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=one_pass, truncation=truncation
     )
     return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
+
+
+def _packed_one_pass(segments, x: PerToken, agg: str, dtype: torch.dtype) -> tuple[PerToken, str]:
+    """``(x, agg)`` of the one pass on the packed ``[1, N]`` row: each token's factor of ``agg`` (1 for
+    ``token-mean`` and ``token-sum``, a ``seq-mean-*`` one's ``token-sum`` weight of it from each segment's
+    valid tokens and the responses, ``reference.segment_scale``), computed on the device from
+    ``cu_seqlens``: every term of a token-level mode is then local to its token, and the backends'
+    chunks split the row (``_loss_terms.PerToken.scale``)."""
+    scale = reference.segment_scale(segments, x.mask[0], agg, dtype)
+    if scale is None:
+        return x._replace(scale=x.mask.new_ones(x.mask.shape, dtype=dtype)), agg
+    return x._replace(scale=scale[None]), "token-sum"
 
 
 def _checked_head(temperature, logit_scale, logit_softcap, ignore_index) -> Head:
@@ -143,9 +219,10 @@ def _stats(mode, stats, pg_loss, entropy, kl_loss) -> dict:
     return out
 
 
-def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: tuple, terms: Terms, objective):
-    """``linear_token_logprobs`` then ``policy_objective`` (modes whose token selection spans the batch);
-    ``head = (Head, Truncation)``."""
+def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: tuple, terms: Terms, objective, packed=None):
+    """``linear_token_logprobs`` then ``policy_objective`` (modes whose token selection spans the batch, and
+    the sequence-level modes on packed tokens, ``[N]`` then, with their ``packed`` segments); ``head =
+    (Head, Truncation)``."""
     mode, params, agg = objective
     head, truncation = head
     logp, entropy = linear_token_logprobs(
@@ -162,8 +239,10 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: tuple, terms: 
         top_p=truncation.top_p,
         min_p=truncation.min_p,
     )
+    if packed is not None and mode.fused_head:
+        return _sequence_level_packed(packed, logp, entropy, x, objective, terms)
     mode_params = mode.named(params)
-    return policy_objective(
+    return _objective(
         logp,
         entropy,
         x.old,
@@ -174,8 +253,31 @@ def _two_pass(hidden, weight, labels, x: PerToken, *, bias, head: tuple, terms: 
         weights=x.weights,
         ref_logprobs=x.ref,
         **terms._asdict(),
+        packed=packed,
         **mode_params,
     )
+
+
+def _sequence_level_packed(segments, logp, entropy, x: PerToken, objective, terms: Terms):
+    """A sequence-level mode's (GSPO, GMPO) terms on packed ``[N]`` log-probs: its reference function on the
+    segments (``reference.sequence_level_packed``), as the one pass takes a mode's per-token terms from its
+    reference function (on whatever backend serves the head), and the entropy and KL terms; the rollout's
+    tensors are constants where the backend's one pass takes them so (all but the reference's)."""
+    mode, params, agg = objective
+    if backend_of(mode.linear_op, logp.device.type) != "reference":
+        x = PerToken(*(None if t is None else t.detach() for t in x))
+    pg, *stats = reference.sequence_level_packed(
+        mode.op, segments, logp, x.old, x.adv, x.mask, x.weights, agg=agg, **mode.named(params)
+    )
+    entropy_mean = reference.masked_mean(entropy, x.mask)
+    loss = pg - terms.entropy_coef * entropy_mean
+    kl_loss = None
+    if x.ref is not None:
+        kl = reference.kl_estimate(logp, x.ref, terms.kl_estimator)
+        kl_loss = reference.aggregate_packed(segments, kl, x.mask, agg)
+        loss = loss + terms.kl_coef * kl_loss
+        kl_loss = kl_loss.detach()
+    return loss, _stats(mode, [s.detach() for s in stats], pg.detach(), entropy_mean.detach(), kl_loss)
 
 
 def _objective_packed(segments, *args, **kwargs):

@@ -88,6 +88,9 @@ class RankedSource:
     def in_flight(self) -> int:
         return self.local.in_flight() if self.local is not None else 0
 
+    def partial_in_flight(self) -> int:
+        return self.local.partial_in_flight() if self.local is not None else 0
+
     def next(self) -> Generated:
         """This rank's share of rank 0's next batch."""
         if not self.started:  # a caller of train_step without train(): train() stops it
@@ -178,6 +181,8 @@ def split(g: Generated, world_size: int) -> list[Generated]:
             engine_logprobs=None if g.engine_logprobs is None else own(g.engine_logprobs),
             responses=g.responses[pick],
             scores=own(g.scores),
+            token_versions=None if g.token_versions is None else own(g.token_versions),
+            token_steps=None if g.token_steps is None else own(g.token_steps),
         )
 
     return [share(rank) for rank in range(world_size)]

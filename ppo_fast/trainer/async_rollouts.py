@@ -38,15 +38,18 @@ import torch.multiprocessing as mp
 
 from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
 
+from . import partial_rollouts
 from .config import ConfigError
 from .models import third_party_output
 from .rollout_source import Generated, draw, generate_and_reward, sampling
 
 # The producer's metrics, with --max-staleness > 0 (ProducerSource.metrics; glossary: metric_glossary.py).
 METRICS = {
-    "async/age": "the age of the batch this step trained on, in updates (at most --max-staleness)",
-    "async/staleness/<a>": "the groups (prompts) trained at age a, for a = 0 .. K: the step's staleness histogram",
-    "async/version": "the policy version (optimizer steps) that generated the batch",
+    "async/age": "the age of the batch this step trained on, in updates (at most --max-staleness; with "
+    "--partial-rollouts, of its oldest token)",
+    "async/staleness/<a>": "the groups (prompts) trained at age a, for a = 0 .. K (with --partial-rollouts, each "
+    "group's age from its oldest token): the step's staleness histogram",
+    "async/version": "the policy version (optimizer steps) that generated the batch (its oldest token's)",
     "async/groups_dropped": "groups dropped this step as older than K (--staleness-policy drop)",
     "async/producer_waits": "the producer's polls while it waited for fresh enough weights before this batch (wait)",
     "async/producer_idle_frac": "the producer's time waiting (for weights, or for room in the queue) over its time "
@@ -93,6 +96,7 @@ class Channel:
     weights_step: object  # mp.Value
     version: object  # mp.Value
     produced: object  # mp.Value: the batches generated so far
+    partial: object = None  # mp.Value: --partial-rollouts' groups with generated tokens not yet sent
     lock: object
     batches: object  # mp.Queue
     stop: object  # mp.Event
@@ -115,6 +119,8 @@ def check_picklable(scorer, max_staleness: int) -> None:
 
 def from_run(run) -> AsyncSource:
     check_picklable(run.scorer, run.cfg.max_staleness)
+    if run.cfg.partial_rollouts:
+        partial_rollouts.check(run.cfg, run.response_length)
     return AsyncSource(run)
 
 
@@ -148,6 +154,7 @@ class AsyncSource:
             weights_step=ctx.Value("q", run.step, lock=False),
             version=ctx.Value("q", run.policy_version, lock=False),
             produced=ctx.Value("q", 0),
+            partial=ctx.Value("q", 0),
             lock=ctx.Lock(),
             batches=ctx.Queue(maxsize=self.max_staleness),
             stop=ctx.Event(),
@@ -205,6 +212,12 @@ class AsyncSource:
         if self.process is None or not self.process.is_alive():
             return 0
         return self.channel.produced.value - self.taken + 1
+
+    def partial_in_flight(self) -> int:
+        """``--partial-rollouts``: the groups the producer holds partly or wholly generated, not yet sent."""
+        if self.process is None or not self.process.is_alive():
+            return 0
+        return self.channel.partial.value
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -283,6 +296,9 @@ class AsyncSource:
             "async/trainer_idle_frac": self.idle / max(now - self.since, 1e-9),
             "async/queue_depth": self.depth,
         }
+        if g.token_steps is not None:  # by each group's own age, and the spans
+            step = self.age + g.weights_step  # the trainer's step when it took the batch
+            row |= partial_rollouts.metrics(g, step, self.max_staleness, self.cfg.group_size)
         self.dropped.clear()
         self.idle, self.since = 0.0, now
         return row
@@ -380,6 +396,7 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
     keywords = sampling(cfg, spec.response_length) | {"device": device}
     shard = list(range(len(spec.train_set.texts)))
     scorer, idle = _TimedScorer(spec.scorer), 0.0
+    pool = partial_rollouts.Pool(spec, shard) if cfg.partial_rollouts else None
     try:
         while not _stopped(channel, spec.parent):
             start, waits = time.perf_counter(), 0
@@ -396,28 +413,32 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
                 step, version = adopted
                 engine.sync_weights(policy)
             weights = time.perf_counter() - start
-            drawn, texts, answers = draw(spec.train_set, shard, cfg.batch_size, cfg.group_size)
-            columns = spec.train_set.columns_of(drawn)
-            start, scorer.seconds = time.perf_counter(), 0.0
-            g = generate_and_reward(
-                engine,
-                tokenizer=spec.tokenizer,
-                scorer=scorer,
-                texts=texts,
-                answers=answers,
-                columns=columns,
-                keywords=keywords,
-                weights=(version, step),
-            )
-            g.timing = {
-                "generate": time.perf_counter() - start - scorer.seconds,
+            start, scorer.seconds, adopting = time.perf_counter(), 0.0, 0.0
+            if pool is not None:
+                held = (shadow, policy, version, step)
+                g, adopting, (version, step) = _partial_batch(pool, engine, scorer, channel, index, held)
+            else:
+                drawn, texts, answers = draw(spec.train_set, shard, cfg.batch_size, cfg.group_size)
+                g = generate_and_reward(
+                    engine,
+                    tokenizer=spec.tokenizer,
+                    scorer=scorer,
+                    texts=texts,
+                    answers=answers,
+                    columns=spec.train_set.columns_of(drawn),
+                    keywords=keywords,
+                    weights=(version, step),
+                )
+            g.timing |= {
+                "generate": time.perf_counter() - start - scorer.seconds - adopting,
                 "reward": scorer.seconds,
-                "weights": weights,
+                "weights": weights + adopting,
                 "idle": idle,
                 "waits": waits,
             }
             with channel.produced.get_lock():
                 channel.produced.value += 1
+                channel.partial.value = 0 if pool is None else pool.held()
             start = time.perf_counter()
             # By value: shared tensors would need this process alive when the trainer reads them.
             if not _put(channel, ("batch", pickle.dumps(g.to(torch.device("cpu")))), spec.parent):
@@ -426,6 +447,30 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
             index += 1
     finally:
         engine.close()
+
+
+def _partial_batch(pool, engine, scorer, channel: Channel, index: int, held: tuple):
+    """``(batch, seconds adopting weights, (version, step) held after it)`` from ``pool`` (--partial-rollouts;
+    ``held``: the shadow policy's state and the policy, and the version and step it holds):
+    before each round the producer adopts the newest weights, so a continued response goes on under them.
+    The batch is trained on the weights of step ``index`` at the latest: under ``wait`` on those exactly,
+    under ``drop`` on the trainer's published ones at the earliest; a group older than that by more than K
+    steps is dropped (``partial_rollouts.Pool``)."""
+    shadow, policy, version, step = held
+    state = {"seconds": 0.0, "held": (version, step)}
+
+    def refresh() -> tuple[int, int, int]:
+        start = time.perf_counter()
+        version, step = state["held"]
+        if (adopted := _adopt(channel, shadow, step)) is not None:
+            step, version = adopted
+            engine.sync_weights(policy)
+        state["held"], state["seconds"] = (version, step), state["seconds"] + time.perf_counter() - start
+        floor = index if pool.cfg.staleness_policy == "wait" else channel.weights_step.value
+        return version, step, floor
+
+    g = pool.next_batch(engine, scorer, refresh)
+    return g, state["seconds"], state["held"]
 
 
 class _TimedScorer:

@@ -87,6 +87,7 @@ class TrainerState:
     best: dict | None = None  # --keep-best: {"step", "eval/score"} of output_dir/best
     policy_version: int | None = None  # the policy's optimizer steps (None: a checkpoint from before versions)
     rollouts_in_flight: int = 0  # --max-staleness > 0: batches generated or being generated, not saved
+    partial_in_flight: int = 0  # --partial-rollouts: groups partly generated (or waiting for a batch), not saved
 
 
 @dataclass
@@ -426,6 +427,11 @@ def restore(run, loaded: Loaded, lr_factor) -> int:
             f"--resume: the {state.rollouts_in_flight} rollout batch(es) in flight at step {state.step} were not "
             "saved: they are generated anew from the checkpoint's weights"
         )
+    if state.partial_in_flight:
+        run.log(
+            f"--resume: the {state.partial_in_flight} group(s) of --partial-rollouts the producer held at step "
+            f"{state.step} (unfinished responses, or finished ones waiting for a batch) were not saved: dropped"
+        )
     return state.step
 
 
@@ -489,6 +495,7 @@ def save_run(run, rng: dict | None = None, final: bool = False) -> Path:
         best=run.best,
         policy_version=run.policy_version,
         rollouts_in_flight=run.source.in_flight() if run.source is not None else 0,
+        partial_in_flight=run.source.partial_in_flight() if run.source is not None else 0,
     )
 
     def write(folder: Path) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -391,6 +390,13 @@ class TrainerConfig:
         "rollout",
         choices=("wait", "drop"),
     )
+    partial_rollouts: int = _opt(
+        0,
+        "Partial rollouts (docs/async.md; with --max-staleness > 0): generate in rounds of at most this many tokens "
+        "per response, continuing an unfinished one in the next round under the newest weights (0: off).",
+        "rollout",
+        bounds=">= 0",
+    )
     rollout_correction: str = _opt(
         "none",
         f"Correct the policy loss for the engine/trainer log-prob mismatch ({_engines_with('logprobs')}): none, or "
@@ -642,7 +648,7 @@ class TrainerConfig:
                 f"must look like 'module:function' or 'path/to/file.py:function' (several: separated by commas), "
                 f"got {spec!r}",
             )
-        self._validate_reward_weights()
+        _NAMES.validate_reward_weights(self)
         names = [name.strip() for name in self.report_to.split(",")]
         alone = len(names) == 1 or not {"auto", "none"} & set(names)
         _require("report_to", set(names) <= set(REPORT_TO) and alone, f"must be auto, none or of {REPORT_TO[2:]}")
@@ -655,18 +661,6 @@ class TrainerConfig:
         """One weight per reward (the functions, then the reward model): ``--reward-weights``, else 1 each."""
         count = len(self.reward_fns()) + (self.reward_model is not None)
         return [float(w) for w in self.reward_weights.split(",")] if self.reward_weights else [1.0] * count
-
-    def _validate_reward_weights(self) -> None:
-        try:
-            weights = self.reward_weight_values()
-        except ValueError:
-            weights = []
-        count = len(self.reward_fns()) + (self.reward_model is not None)
-        ok = len(weights) == count and all(map(math.isfinite, weights))
-        why = (
-            f"must be {count} finite number(s) separated by commas (one per --reward-fn function, then --reward-model)"
-        )
-        _require("reward_weights", ok, f"{why}, got {self.reward_weights!r}")
 
     def _validate_engine(self) -> None:
         """What the options ask of the rollout engine, against what it can do (its registry entry)."""
@@ -694,6 +688,7 @@ class TrainerConfig:
             not (self.vllm_sleep and self.max_staleness),
             "sleeps the engine while the producer of --max-staleness > 0 generates; choose one",
         )
+        _NAMES.validate_partial_rollouts(self, engine, _engines_with("continues"))
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""

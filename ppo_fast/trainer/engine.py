@@ -41,7 +41,9 @@ class Engine(Protocol):
         device: torch.device,
     ) -> tuple[Batch, torch.Tensor | None]:
         """``(batch, the engine's log-probs [B, R] of the response tokens, or None where it has none
-        (``info.logprobs``))``: left-padded prompts, responses up to and including their EOS, padding after."""
+        (``info.logprobs``))``: left-padded prompts, responses up to and including their EOS, padding after.
+        An engine whose entry ``continues`` also takes ``prefixes=`` (``--partial-rollouts``): each row's
+        response so far (token ids), which it continues; its batch's responses are then the new tokens."""
 
     def sync_weights(self, policy) -> float:
         """Follow the policy's current weights (a no-op where ``not info.own_weights``); the seconds it took."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import re
 
-from . import async_rollouts, evaluation, metrics, off_policy, scoring, update
+from . import async_rollouts, evaluation, metrics, off_policy, partial_rollouts, scoring, update
 
 # The modules that compute metrics, in the order of the glossary.
-SOURCES = (metrics, update, scoring, off_policy, async_rollouts, evaluation)
+SOURCES = (metrics, update, scoring, off_policy, async_rollouts, partial_rollouts, evaluation)
 
 
 def glossary() -> dict[str, tuple[str, str]]:

@@ -6,6 +6,7 @@ see there)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import typing
 from pathlib import Path
@@ -230,6 +231,34 @@ def validate_lora(cfg, defaults: dict, all_linear: str, head_names: tuple) -> No
         not cfg.shard_reference,
         "does not apply with --lora-r: the reference is the policy with its adapters off (no copy to shard)",
     )
+
+
+def validate_reward_weights(cfg) -> None:
+    """``--reward-weights``: one finite number per reward (the functions, then the reward model)."""
+    try:
+        weights = cfg.reward_weight_values()
+    except ValueError:
+        weights = []
+    count = len(cfg.reward_fns()) + (cfg.reward_model is not None)
+    ok = len(weights) == count and all(map(math.isfinite, weights))
+    why = f"must be {count} finite number(s) separated by commas (one per --reward-fn function, then --reward-model)"
+    _require("reward_weights", ok, f"{why}, got {cfg.reward_weights!r}")
+
+
+def validate_partial_rollouts(cfg, engine, engines_that_continue: str) -> None:
+    """``--partial-rollouts``: a continued response's prefix was sampled by older weights, so it needs the
+    producer's staleness bound (``--max-staleness`` > 0), an engine that continues a response from its tokens,
+    and no ``--stop-strings`` (a stop string could span the rounds' boundary)."""
+    if not cfg.partial_rollouts:
+        return
+    _require(
+        "partial_rollouts",
+        cfg.max_staleness > 0,
+        "continues responses under newer weights, so it needs asynchronous rollouts: --max-staleness 1 or more "
+        "(it bounds the age of each response's oldest token)",
+    )
+    _require("partial_rollouts", engine.continues, f"needs {engines_that_continue}")
+    _require("partial_rollouts", not cfg.stop_strings, "and --stop-strings cannot be used together")
 
 
 def string_list(field_name: str, text: str) -> list[str]:

@@ -78,6 +78,20 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> dict:
     return tokenizer(prompts, padding=True, return_tensors="pt", padding_side="left").to(device)
 
 
+def encode_continuations(tokenizer, prompts: list[str], prefixes: list[list[int]], device) -> dict:
+    """Each prompt's token ids (as ``encode_prompts`` encodes them) followed by its response's ``prefix``, the
+    rows left-padded: the input that continues those responses."""
+    enc = encode_prompts(tokenizer, prompts, "cpu")
+    rows = [
+        ids[mask.bool()].tolist() + list(prefix)
+        for ids, mask, prefix in zip(enc["input_ids"], enc["attention_mask"], prefixes)
+    ]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+
+
 def batch_from_responses(enc, response: torch.Tensor, mask: torch.Tensor, pad_token_id: int) -> Batch:
     """Encoded prompts + ``[B, R]`` responses whose tokens outside ``mask`` become padding."""
     response = response.masked_fill(~mask, pad_token_id)
@@ -102,13 +116,18 @@ def generate(
     logits_processor=None,
     stop=None,
     extra: dict | None = None,
+    prefixes: list[list[int]] | None = None,
 ) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
     ``synced_gpus``: every rank runs the same number of forward passes (sharded weights);
     ``logits_processor``: a ``LogitsProcessorList`` for ``generate`` (run before its temperature and truncation);
     ``stop``: ``rollout_hf.StopStrings`` (tokens after a stop string become padding too); ``extra``: more of
-    ``generate``'s keywords (``--repetition-penalty``, ``--generation-kwargs``)."""
-    enc = encode_prompts(tokenizer, prompts, policy.device)
+    ``generate``'s keywords (``--repetition-penalty``, ``--generation-kwargs``); ``prefixes``: each row's response so
+    far (token ids), continued (``--partial-rollouts``): the batch's prompts then hold them, its responses the new tokens."""
+    if prefixes is None:
+        enc = encode_prompts(tokenizer, prompts, policy.device)
+    else:
+        enc = encode_continuations(tokenizer, prompts, prefixes, policy.device)
     sampling = (
         dict(do_sample=False)
         if greedy

@@ -144,9 +144,11 @@ class HFEngine:
         min_p: float = 0.0,
         greedy: bool,
         device: torch.device,
+        prefixes: list[list[int]] | None = None,
     ) -> tuple[Batch, torch.Tensor | None]:
         """``(batch, the behaviour log-probs [B, R] of the response tokens, 0 after each response)`` on the
-        policy's device (``device`` is where the policy already is); ``greedy``: ``(batch, None)``."""
+        policy's device (``device`` is where the policy already is); ``greedy``: ``(batch, None)``;
+        ``prefixes``: each row's response so far, continued (``rollout.generate``)."""
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         recorder = None if greedy else BehaviourLogprobs(**sampling)
         if self.stop_strings and self.stop is None:  # built once: it tabulates the tokenizer's vocabulary
@@ -162,6 +164,7 @@ class HFEngine:
                 logits_processor=None if recorder is None else LogitsProcessorList([recorder]),
                 stop=self.stop,
                 extra=self.extra,
+                prefixes=prefixes,
                 **sampling,
             )
         return batch, None if recorder is None else recorder.logprobs(batch)

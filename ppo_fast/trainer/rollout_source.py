@@ -21,7 +21,7 @@ class Generated:
     answers and other columns, the responses (tokens and text), the engine's log-probs of them (None: it has
     none), their rewards with each reward's metrics, and the weights that generated them: ``version`` (the
     policy's optimizer steps) and ``weights_step`` (the trainer steps behind them: a batch's age is counted
-    in steps, each one update of the producer's weights)."""
+    in steps, each one update of the producer's weights); with ``--partial-rollouts``, those of its oldest token."""
 
     prompts: list[str]
     answers: list[str | None]
@@ -34,6 +34,10 @@ class Generated:
     version: int
     weights_step: int
     timing: dict[str, float] = field(default_factory=dict)  # the producer's generate/reward/idle seconds
+    # --partial-rollouts: the version and the step of the weights that sampled each response token ([B, R], 0
+    # at padding; on the CPU).  None: one set of weights sampled the whole batch (``version``, ``weights_step``).
+    token_versions: torch.Tensor | None = None
+    token_steps: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Generated:
         """The tensors on ``device`` (a producer's come on the CPU)."""
@@ -126,6 +130,9 @@ class SyncSource:
 
     def in_flight(self) -> int:
         return 0  # nothing is generated ahead
+
+    def partial_in_flight(self) -> int:
+        return 0  # --partial-rollouts runs in a producer only
 
     def close(self) -> None:
         self.run.engine.close()

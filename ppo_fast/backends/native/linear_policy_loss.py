@@ -119,7 +119,10 @@ register("linear_policy_loss", _fake, *autograd(_input_names, "native"))
 
 def _linear_policy_loss_op(mode):
     def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg, truncation=None):
-        if truncation is not None and truncation.active:  # the C++ epilogue has no truncation: the rows' loop
+        if x.scale is not None and x.ref is None:  # packed: the factors of the aggregation are token weights
+            x = x._replace(weights=x.scale if x.weights is None else x.weights * x.scale, scale=None)
+        rows_loop = x.scale is not None  # packed with a KL term, whose tokens the factors weigh too
+        if rows_loop or (truncation is not None and truncation.active):  # the C++ epilogue has neither: the rows' loop
             return _ALL_ROWS[f"linear_policy_loss_{mode}"](
                 hidden,
                 weight,

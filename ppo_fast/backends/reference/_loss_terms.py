@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..._dtypes import result_dtype
 from . import policy_loss as _losses
 from .aggregate import aggregate, masked_mean
 from .kl_penalized_rewards import kl_estimate
@@ -31,16 +32,30 @@ class Terms(NamedTuple):
 
 
 class PerToken(NamedTuple):
-    """The ``[B, T]`` inputs of the policy loss (``weights`` and ``ref`` may be None)."""
+    """The ``[B, T]`` inputs of the policy loss (``weights`` and ``ref`` may be None).  ``scale``: the
+    packed layout (``B = 1``, the ``N`` packed tokens as one row), each token's factor of its
+    aggregation (``pf.aggregate``'s weight of it in a ``seq-mean-*`` one, whose ``agg`` is then
+    ``token-sum``; 1 in a token one); its chunks split the row, since every term is then local to a token."""
 
     old: torch.Tensor
     adv: torch.Tensor
     mask: torch.Tensor
     weights: torch.Tensor | None
     ref: torch.Tensor | None
+    scale: torch.Tensor | None = None
 
-    def rows(self, rs: slice) -> PerToken:
+    def rows(self, rs) -> PerToken:
+        """The chunk ``rs`` (an index of the ``[B, T]`` tensors: rows, or a packed row's tokens)."""
         return PerToken(*(None if x is None else x[rs] for x in self))
+
+
+def chunk_index(batch: int, length: int, rows: int, packed: bool) -> list[tuple[slice, slice]]:
+    """The one pass's chunks of ``[B, T]`` tokens, as ``(rows, tokens)`` indices: whole sequences, as many
+    as fit ``rows`` tokens (at least one); ``packed`` (one row of packed tokens): ``rows`` tokens each."""
+    if packed:
+        return [(slice(None), slice(t0, t0 + rows)) for t0 in range(0, max(length, 1), rows)]
+    step = max(1, rows // max(1, length))
+    return [(slice(b0, b0 + step), slice(None)) for b0 in range(0, max(batch, 1), step)]
 
 
 class Objective(NamedTuple):
@@ -75,12 +90,18 @@ def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, 
     mode_fn = getattr(_losses, objective.mode.op)
     row_scale, token_scale = scales[0](x.mask), scales[1](x.mask)
     named = objective.mode.named(objective.params)
-    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, x.weights, agg=objective.agg, **named)
+    weights = x.weights
+    if x.scale is not None:  # packed: each token's factor of the aggregation, a weight of its loss
+        scale = x.scale.to(result_dtype(logp, x.old, x.adv, weights))
+        weights = scale if weights is None else weights * scale
+    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, weights, agg=objective.agg, **named)
     pg = pg * row_scale.to(pg.dtype)
     entropy_mean = masked_mean(entropy, x.mask) * token_scale.to(entropy.dtype)
     loss = pg - terms.entropy_coef * entropy_mean
     if x.ref is not None:
-        kl = aggregate(kl_estimate(logp, x.ref, terms.kl_estimator), x.mask, objective.agg) * row_scale.to(pg.dtype)
+        kl = kl_estimate(logp, x.ref, terms.kl_estimator)
+        kl = aggregate(kl if x.scale is None else kl * x.scale.to(kl.dtype), x.mask, objective.agg)
+        kl = kl * row_scale.to(pg.dtype)
         loss = loss + terms.kl_coef * kl
     else:
         kl = torch.zeros((), dtype=pg.dtype, device=pg.device)

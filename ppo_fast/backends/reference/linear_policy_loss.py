@@ -16,14 +16,12 @@ SUPPORTED = {mode.linear_op: DEVICES for mode in POLICY_LOSS_MODES.values() if m
 
 def _one_pass(hidden, weight, labels, x, *, bias, objective, head, terms, truncation):
     """Every chunk's graph is kept (the fast backends hold one chunk of logits at a time and take the
-    gradients in their forward)."""
+    gradients in their forward).  Packed (``x.scale``): ``hidden [1, N, H]``, chunks of tokens."""
     rows, length, width = hidden.shape
     weight_c, bias_c = in_common_dtype(weight, bias)
     scales = shared.loss_scales(x.mask, objective.agg)
-    step = max(1, CHUNK_ELEMENTS // max(1, length * weight.shape[0]))  # whole sequences per chunk
     totals = None
-    for b0 in range(0, max(rows, 1), step):
-        rs = slice(b0, b0 + step)
+    for rs in shared.chunk_index(rows, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None):
         shape = labels[rs].shape
         flat = hidden[rs].reshape(labels[rs].numel(), width)
         logp, entropy = _linear_logprobs_chunk(

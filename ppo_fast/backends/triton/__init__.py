@@ -18,24 +18,35 @@ from ...spec import MIN_TRITON, older_than
 from .. import collect, op_modules
 from ._launch import DEVICES
 
-try:
+
+def load_modules() -> tuple:
+    """Every op module (importing triton and compiling nothing yet), or ImportError when triton is
+    missing, broken or too old."""
     import triton
 
     if older_than(triton.__version__, MIN_TRITON):  # its language and compiler differ: see docs/building.md
         raise ImportError(f"triton {triton.__version__} is older than {MIN_TRITON}, the oldest supported")
-    MODULES = op_modules(__name__, __path__)
-except ImportError as err:  # triton missing, broken or too old: availability() says so
-    MODULES, SUPPORTED, FUNCTIONS = (), {}, {}
-    _IMPORT_ERROR = f"{type(err).__name__}: {err}"
-else:
-    SUPPORTED, FUNCTIONS = collect(MODULES)
+    return op_modules(__name__, __path__)
+
+
+# Where no kernel can run (no CUDA device, no interpreter), triton and the kernels' modules are not
+# imported: a second of every CPU process's start (`ppo-fast generate`) for a backend it cannot use.
+_RUNNABLE = "cpu" in DEVICES or torch.cuda.is_available()
+MODULES, SUPPORTED, FUNCTIONS, _IMPORT_ERROR = (), {}, {}, None
+if _RUNNABLE:
+    try:
+        MODULES = load_modules()
+    except ImportError as err:  # availability() says so
+        _IMPORT_ERROR = f"{type(err).__name__}: {err}"
+    else:
+        SUPPORTED, FUNCTIONS = collect(MODULES)
 
 
 def availability() -> tuple[bool, str]:
+    if not _RUNNABLE:
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
     if not MODULES:
         return False, f"triton cannot be used ({_IMPORT_ERROR})"
     if "cpu" in DEVICES:
         return True, "Triton interpreter (TRITON_INTERPRET=1): CPU tensors, for testing"
-    if not torch.cuda.is_available():
-        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
     return True, "Triton kernels on CUDA"

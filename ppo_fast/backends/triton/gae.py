@@ -39,6 +39,51 @@ def _compose_affine(coef_a, offset_a, coef_b, offset_b):
 
 
 @triton.jit
+def _gae_chunk(
+    rows,
+    strides,
+    outs,
+    t,
+    inside,
+    length,
+    carry_advantage,
+    carry_next_value,
+    gamma,
+    gamma_lam,
+    ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One chunk of a row's reverse scan (tokens ``t``, latest first; ``rows``: the row's rewards,
+    values and mask, ``outs``: its advantages and returns), padded and packed kernels alike: the
+    carries after it."""
+    rewards_row, values_row, mask_row = rows
+    rewards_stride, values_stride, mask_stride = strides
+    following_inside = inside & (t + 1 < length)
+    valid = tl.load(mask_row + t * mask_stride, mask=inside, other=0) != 0
+    following_valid = tl.load(mask_row + (t + 1) * mask_stride, mask=following_inside, other=0) != 0
+    following_value = tl.load(values_row + (t + 1) * values_stride, mask=following_valid, other=0.0).to(ACC)
+    value = tl.load(values_row + t * values_stride, mask=valid, other=0.0).to(ACC)
+    reward = tl.load(rewards_row + t * rewards_stride, mask=valid, other=0.0).to(ACC)
+
+    nv_coef, nv_offset = tl.associative_scan(
+        (tl.where(following_valid, 0.0, 1.0), tl.where(following_valid, following_value, 0.0)), 0, _compose_affine
+    )
+    next_value = nv_coef * carry_next_value + nv_offset
+    delta = reward + gamma * next_value - value
+    adv_coef, adv_offset = tl.associative_scan(
+        (tl.where(valid, gamma_lam, 1.0), tl.where(valid, delta, 0.0)), 0, _compose_affine
+    )
+    advantage = adv_coef * carry_advantage + adv_offset
+
+    advantages_row, returns_row = outs
+    tl.store(advantages_row + t, tl.where(valid, advantage, 0.0), mask=inside)
+    tl.store(returns_row + t, tl.where(valid, advantage + value, 0.0), mask=inside)
+    # Slots past the row's start are identity maps, so the last slot holds the chunk-start state.
+    is_chunk_start = tl.arange(0, BLOCK_T) == BLOCK_T - 1  # reversed order: the last slot is the earliest token
+    return tl.sum(tl.where(is_chunk_start, advantage, 0.0), 0), tl.sum(tl.where(is_chunk_start, next_value, 0.0), 0)
+
+
+@triton.jit
 def _gae_kernel(
     rewards_ptr,
     values_ptr,
@@ -63,7 +108,6 @@ def _gae_kernel(
     gamma = scalar(gamma, gamma_lo, ACC)
     gamma_lam = gamma * scalar(lam, lam_lo, ACC)
     offs = tl.arange(0, BLOCK_T).to(tl.int64)  # so that t * stride is int64 whatever the strides' type
-    is_chunk_start = offs == BLOCK_T - 1  # reversed order: the last scan slot is the earliest token
     carry_advantage = tl.zeros([], ACC)
     carry_next_value = tl.zeros([], ACC)  # the value after the last valid token is 0
     rewards_row = rewards_ptr + row * rewards_stride0
@@ -72,29 +116,20 @@ def _gae_kernel(
     for chunk in range(0, tl.cdiv(length, BLOCK_T)):
         t = length - 1 - chunk * BLOCK_T - offs
         inside = t >= 0
-        following_inside = inside & (t + 1 < length)
-        valid = tl.load(mask_row + t * mask_stride1, mask=inside, other=0) != 0
-        following_valid = tl.load(mask_row + (t + 1) * mask_stride1, mask=following_inside, other=0) != 0
-        following_value = tl.load(values_row + (t + 1) * values_stride1, mask=following_valid, other=0.0).to(ACC)
-        value = tl.load(values_row + t * values_stride1, mask=valid, other=0.0).to(ACC)
-        reward = tl.load(rewards_row + t * rewards_stride1, mask=valid, other=0.0).to(ACC)
-
-        nv_coef, nv_offset = tl.associative_scan(
-            (tl.where(following_valid, 0.0, 1.0), tl.where(following_valid, following_value, 0.0)), 0, _compose_affine
+        carry_advantage, carry_next_value = _gae_chunk(
+            (rewards_row, values_row, mask_row),
+            (rewards_stride1, values_stride1, mask_stride1),
+            (advantages_ptr + row * length, returns_ptr + row * length),
+            t,
+            inside,
+            length,
+            carry_advantage,
+            carry_next_value,
+            gamma,
+            gamma_lam,
+            ACC,
+            BLOCK_T,
         )
-        next_value = nv_coef * carry_next_value + nv_offset
-        delta = reward + gamma * next_value - value
-        adv_coef, adv_offset = tl.associative_scan(
-            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, delta, 0.0)), 0, _compose_affine
-        )
-        advantage = adv_coef * carry_advantage + adv_offset
-
-        out_offs = row * length + t
-        tl.store(advantages_ptr + out_offs, tl.where(valid, advantage, 0.0), mask=inside)
-        tl.store(returns_ptr + out_offs, tl.where(valid, advantage + value, 0.0), mask=inside)
-        # Slots past the row's start are identity maps, so the last slot holds the chunk-start state.
-        carry_advantage = tl.sum(tl.where(is_chunk_start, advantage, 0.0), 0)
-        carry_next_value = tl.sum(tl.where(is_chunk_start, next_value, 0.0), 0)
 
 
 def gae_forward(
@@ -142,6 +177,64 @@ def gae_forward(
 
 
 @triton.jit
+def _gae_bwd_chunk(
+    rows,
+    strides,
+    outs,
+    t,
+    inside,
+    carry,
+    carry_previous,
+    gamma,
+    gamma_lam,
+    HAS_GRAD_ADV: tl.constexpr,
+    HAS_GRAD_RET: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One chunk of the backward's forward scans (tokens ``t``, earliest first; ``rows``: the row's
+    mask and incoming gradients, ``outs``: its rewards' and values' gradients), padded and packed
+    kernels alike: the carries after it."""
+    mask_row, grad_adv_row, grad_ret_row = rows
+    mask_stride, grad_adv_stride, grad_ret_stride = strides
+    preceding_inside = inside & (t >= 1)
+    valid = tl.load(mask_row + t * mask_stride, mask=inside, other=0) != 0
+    preceding_valid = tl.load(mask_row + (t - 1) * mask_stride, mask=preceding_inside, other=0) != 0
+    grad = tl.zeros([BLOCK_T], ACC)
+    preceding_grad = tl.zeros([BLOCK_T], ACC)
+    grad_ret = tl.zeros([BLOCK_T], ACC)
+    if HAS_GRAD_ADV:
+        grad += tl.load(grad_adv_row + t * grad_adv_stride, mask=valid, other=0.0).to(ACC)
+        preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride, mask=preceding_valid, other=0.0).to(ACC)
+    if HAS_GRAD_RET:
+        grad_ret = tl.load(grad_ret_row + t * grad_ret_stride, mask=valid, other=0.0).to(ACC)
+        grad += grad_ret
+        preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride, mask=preceding_valid, other=0.0).to(ACC)
+
+    s_coef, s_offset = tl.associative_scan(
+        (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
+    )
+    delta_grad = s_coef * carry + s_offset
+    # The same scan shifted by one token: S at the previous valid token.
+    p_coef, p_offset = tl.associative_scan(
+        (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)),
+        0,
+        _compose_affine,
+    )
+    previous_delta_grad = p_coef * carry_previous + p_offset
+
+    grad_rewards_row, grad_values_row = outs
+    tl.store(grad_rewards_row + t, cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_row), mask=inside)
+    grad_values = tl.where(valid, gamma * previous_delta_grad - delta_grad + grad_ret, 0.0)
+    tl.store(grad_values_row + t, cast_for_store(grad_values, grad_values_row), mask=inside)
+    # Slots past the row's end are identity maps, so the last slot holds the chunk-end state.
+    is_chunk_end = tl.arange(0, BLOCK_T) == BLOCK_T - 1
+    return tl.sum(tl.where(is_chunk_end, delta_grad, 0.0), 0), tl.sum(
+        tl.where(is_chunk_end, previous_delta_grad, 0.0), 0
+    )
+
+
+@triton.jit
 def _gae_bwd_kernel(
     grad_adv_ptr,
     grad_ret_ptr,
@@ -173,7 +266,6 @@ def _gae_bwd_kernel(
     gamma = scalar(gamma, gamma_lo, ACC)
     gamma_lam = gamma * scalar(lam, lam_lo, ACC)
     offs = tl.arange(0, BLOCK_T).to(tl.int64)
-    is_chunk_end = offs == BLOCK_T - 1
     carry = tl.zeros([], ACC)  # S at the last token before the chunk
     carry_previous = tl.zeros([], ACC)  # S at the last valid token before the one before the chunk
     mask_row = mask_ptr + row * mask_stride0
@@ -183,46 +275,21 @@ def _gae_bwd_kernel(
     for chunk in range(0, tl.cdiv(length, BLOCK_T)):
         t = chunk * BLOCK_T + offs
         inside = t < length
-        preceding_inside = inside & (t >= 1)
-        valid = tl.load(mask_row + t * mask_stride1, mask=inside, other=0) != 0
-        preceding_valid = tl.load(mask_row + (t - 1) * mask_stride1, mask=preceding_inside, other=0) != 0
-        grad = tl.zeros([BLOCK_T], ACC)
-        preceding_grad = tl.zeros([BLOCK_T], ACC)
-        grad_ret = tl.zeros([BLOCK_T], ACC)
-        if HAS_GRAD_ADV:
-            grad += tl.load(grad_adv_row + t * grad_adv_stride1, mask=valid, other=0.0).to(ACC)
-            preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride1, mask=preceding_valid, other=0.0).to(
-                ACC
-            )
-        if HAS_GRAD_RET:
-            grad_ret = tl.load(grad_ret_row + t * grad_ret_stride1, mask=valid, other=0.0).to(ACC)
-            grad += grad_ret
-            preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride1, mask=preceding_valid, other=0.0).to(
-                ACC
-            )
-
-        s_coef, s_offset = tl.associative_scan(
-            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
+        carry, carry_previous = _gae_bwd_chunk(
+            (mask_row, grad_adv_row, grad_ret_row),
+            (mask_stride1, grad_adv_stride1, grad_ret_stride1),
+            (grad_rewards_ptr + out_row, grad_values_ptr + out_row),
+            t,
+            inside,
+            carry,
+            carry_previous,
+            gamma,
+            gamma_lam,
+            HAS_GRAD_ADV,
+            HAS_GRAD_RET,
+            ACC,
+            BLOCK_T,
         )
-        delta_grad = s_coef * carry + s_offset
-        # The same scan shifted by one token: S at the previous valid token.
-        p_coef, p_offset = tl.associative_scan(
-            (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)),
-            0,
-            _compose_affine,
-        )
-        previous_delta_grad = p_coef * carry_previous + p_offset
-
-        tl.store(
-            grad_rewards_ptr + out_row + t,
-            cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_ptr),
-            mask=inside,
-        )
-        grad_values = tl.where(valid, gamma * previous_delta_grad - delta_grad + grad_ret, 0.0)
-        tl.store(grad_values_ptr + out_row + t, cast_for_store(grad_values, grad_values_ptr), mask=inside)
-        # Slots past the row's end are identity maps, so the last slot holds the chunk-end state.
-        carry = tl.sum(tl.where(is_chunk_end, delta_grad, 0.0), 0)
-        carry_previous = tl.sum(tl.where(is_chunk_end, previous_delta_grad, 0.0), 0)
 
 
 def gae_backward(
@@ -382,7 +449,6 @@ def _gae_varlen_kernel(
     gamma = scalar(gamma, gamma_lo, ACC)
     gamma_lam = gamma * scalar(lam, lam_lo, ACC)
     offs = tl.arange(0, BLOCK_T).to(tl.int64)
-    is_chunk_start = offs == BLOCK_T - 1
     carry_advantage = tl.zeros([], ACC)
     carry_next_value = tl.zeros([], ACC)
     rewards_row = rewards_ptr + start * rewards_stride
@@ -392,27 +458,20 @@ def _gae_varlen_kernel(
     for chunk in range(first, tl.cdiv(tl.maximum(width, length), BLOCK_T)):
         t = tl.maximum(width, length) - 1 - chunk * BLOCK_T - offs
         inside = (t >= 0) & (t < length)
-        following_inside = inside & (t + 1 < length)
-        valid = tl.load(mask_row + t * mask_stride, mask=inside, other=0) != 0
-        following_valid = tl.load(mask_row + (t + 1) * mask_stride, mask=following_inside, other=0) != 0
-        following_value = tl.load(values_row + (t + 1) * values_stride, mask=following_valid, other=0.0).to(ACC)
-        value = tl.load(values_row + t * values_stride, mask=valid, other=0.0).to(ACC)
-        reward = tl.load(rewards_row + t * rewards_stride, mask=valid, other=0.0).to(ACC)
-
-        nv_coef, nv_offset = tl.associative_scan(
-            (tl.where(following_valid, 0.0, 1.0), tl.where(following_valid, following_value, 0.0)), 0, _compose_affine
+        carry_advantage, carry_next_value = _gae_chunk(
+            (rewards_row, values_row, mask_row),
+            (rewards_stride, values_stride, mask_stride),
+            (advantages_ptr + start, returns_ptr + start),
+            t,
+            inside,
+            length,
+            carry_advantage,
+            carry_next_value,
+            gamma,
+            gamma_lam,
+            ACC,
+            BLOCK_T,
         )
-        next_value = nv_coef * carry_next_value + nv_offset
-        delta = reward + gamma * next_value - value
-        adv_coef, adv_offset = tl.associative_scan(
-            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, delta, 0.0)), 0, _compose_affine
-        )
-        advantage = adv_coef * carry_advantage + adv_offset
-
-        tl.store(advantages_ptr + start + t, tl.where(valid, advantage, 0.0), mask=inside)
-        tl.store(returns_ptr + start + t, tl.where(valid, advantage + value, 0.0), mask=inside)
-        carry_advantage = tl.sum(tl.where(is_chunk_start, advantage, 0.0), 0)
-        carry_next_value = tl.sum(tl.where(is_chunk_start, next_value, 0.0), 0)
 
 
 @triton.jit
@@ -441,7 +500,6 @@ def _gae_varlen_bwd_kernel(
     gamma = scalar(gamma, gamma_lo, ACC)
     gamma_lam = gamma * scalar(lam, lam_lo, ACC)
     offs = tl.arange(0, BLOCK_T).to(tl.int64)
-    is_chunk_end = offs == BLOCK_T - 1
     carry = tl.zeros([], ACC)
     carry_previous = tl.zeros([], ACC)
     mask_row = mask_ptr + start * mask_stride
@@ -450,40 +508,21 @@ def _gae_varlen_bwd_kernel(
     for chunk in range(0, tl.cdiv(length, BLOCK_T)):
         t = chunk * BLOCK_T + offs
         inside = t < length
-        preceding_inside = inside & (t >= 1)
-        valid = tl.load(mask_row + t * mask_stride, mask=inside, other=0) != 0
-        preceding_valid = tl.load(mask_row + (t - 1) * mask_stride, mask=preceding_inside, other=0) != 0
-        grad = tl.zeros([BLOCK_T], ACC)
-        preceding_grad = tl.zeros([BLOCK_T], ACC)
-        grad_ret = tl.zeros([BLOCK_T], ACC)
-        if HAS_GRAD_ADV:
-            grad += tl.load(grad_adv_row + t * grad_adv_stride, mask=valid, other=0.0).to(ACC)
-            preceding_grad += tl.load(grad_adv_row + (t - 1) * grad_adv_stride, mask=preceding_valid, other=0.0).to(ACC)
-        if HAS_GRAD_RET:
-            grad_ret = tl.load(grad_ret_row + t * grad_ret_stride, mask=valid, other=0.0).to(ACC)
-            grad += grad_ret
-            preceding_grad += tl.load(grad_ret_row + (t - 1) * grad_ret_stride, mask=preceding_valid, other=0.0).to(ACC)
-
-        s_coef, s_offset = tl.associative_scan(
-            (tl.where(valid, gamma_lam, 1.0), tl.where(valid, grad, 0.0)), 0, _compose_affine
+        carry, carry_previous = _gae_bwd_chunk(
+            (mask_row, grad_adv_row, grad_ret_row),
+            (mask_stride, grad_adv_stride, grad_ret_stride),
+            (grad_rewards_ptr + start, grad_values_ptr + start),
+            t,
+            inside,
+            carry,
+            carry_previous,
+            gamma,
+            gamma_lam,
+            HAS_GRAD_ADV,
+            HAS_GRAD_RET,
+            ACC,
+            BLOCK_T,
         )
-        delta_grad = s_coef * carry + s_offset
-        p_coef, p_offset = tl.associative_scan(
-            (tl.where(preceding_valid, gamma_lam, 1.0), tl.where(preceding_valid, preceding_grad, 0.0)),
-            0,
-            _compose_affine,
-        )
-        previous_delta_grad = p_coef * carry_previous + p_offset
-
-        tl.store(
-            grad_rewards_ptr + start + t,
-            cast_for_store(tl.where(valid, delta_grad, 0.0), grad_rewards_ptr),
-            mask=inside,
-        )
-        grad_values = tl.where(valid, gamma * previous_delta_grad - delta_grad + grad_ret, 0.0)
-        tl.store(grad_values_ptr + start + t, cast_for_store(grad_values, grad_values_ptr), mask=inside)
-        carry = tl.sum(tl.where(is_chunk_end, delta_grad, 0.0), 0)
-        carry_previous = tl.sum(tl.where(is_chunk_end, previous_delta_grad, 0.0), 0)
 
 
 # Four warps for every chunk size, padded and packed alike (the two must scan in the same order to agree bit

@@ -11,7 +11,7 @@ older loop (``_one_pass.one_pass_on_rows`` on token_logprobs' row kernels) runs 
 from __future__ import annotations
 
 from ...spec import POLICY_LOSS_MODES
-from .._head_plan import sequence_chunks
+from .._head_plan import row_chunks, sequence_chunks
 from .._one_pass import PerToken, RowKernels, _per_token_grads, loss_scales, one_pass_on_rows, rows_ops, stored_dtype
 from . import _gemm_head as gemm
 from . import linear_token_logprobs as head_module
@@ -56,6 +56,14 @@ def _gemm_chunk(chunk: gemm.Chunk, bias, c: gemm.Constants, head, tau):
     return head_module._overflow_is_nan(logp, entropy, stats, post)
 
 
+def _token_chunks(batch: int, length: int, rows: int, packed: bool) -> list[tuple[slice, tuple]]:
+    """``[(flat rows, [B, T] index), ...]``: whole sequences a chunk (``_head_plan.sequence_chunks``), or
+    ``rows`` tokens of the packed row (its tokens' terms are local to them)."""
+    if packed:
+        return [(slice(t0, t1), (slice(None), slice(t0, t1))) for t0, t1 in row_chunks(length, rows) or [(0, 0)]]
+    return [(slice(b0 * length, b1 * length), slice(b0, b1)) for b0, b1 in sequence_chunks(max(batch, 1), length, rows)]
+
+
 def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask, truncation):
     """``_one_pass.one_pass_on_rows``'s contract on the GEMM-first head (``rows`` unused unless the design
     is "tiles"): ``[loss, pg_loss, entropy, kl_loss, *mode stats, d_hidden, d_weight, d_bias]``."""
@@ -83,9 +91,8 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
     totals = None
     with device_guard(hidden):
-        plan = sequence_chunks(max(batch, 1), length, memory_plan.rows)
-        for b0, b1 in plan:
-            rs, bs = slice(b0 * length, b1 * length), slice(b0, b1)
+        plan = _token_chunks(batch, length, memory_plan.rows, packed=x.scale is not None)
+        for rs, bs in plan:
             chunk = gemm.chunk_logits(
                 flat[rs],
                 weight,
@@ -94,7 +101,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
                 c,
                 ignore_index=head.ignore_index,
                 form=truncation.active,
-                rows=(plan[0][1] - plan[0][0]) * length,  # every chunk's product has the first's rows
+                rows=plan[0][0].stop - plan[0][0].start,  # every chunk's product has the first's rows
             )
             tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
             logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
