@@ -8,6 +8,6 @@ if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
   apt-get update -qq && apt-get install -y -qq iproute2
 fi
 PYTHONPATH="$PWD" "$venv/bin/python" -m pytest tests/test_multihost.py -m multihost -n 0 -q -rs  # one at a time: the hosts share addresses
-# On one host, the torchrun checks of asynchronous rollouts that take a run each (a dead rank 0, a Ctrl-C):
-# the full tier of tests/test_async_ranks.py, which the README's pytest leaves out.
+# On one host, the torchrun checks of asynchronous rollouts that take a run each (a producer's crash, a
+# dead rank 0, a Ctrl-C): the full tier of tests/test_async_ranks.py, which the README's pytest leaves out.
 PYTHONPATH="$PWD" "$venv/bin/python" -m pytest tests/test_async_ranks.py -m full -n 0 -q -rs

@@ -74,6 +74,7 @@ def _crashing_reward(folder: Path) -> str:
     return f"{folder / 'crashing.py'}:reward"
 
 
+@pytest.mark.full  # a run each (about 30 s on 2 loaded cores): CI runs them in its multihost step
 def test_a_producer_crash_ends_every_rank_with_its_traceback(tmp_path):
     procs = _launch(tmp_path / "run", "--steps", "50", "--reward-fn", _crashing_reward(tmp_path), *LAUNCH)
     logs = _finish(procs)
@@ -85,7 +86,7 @@ def test_a_producer_crash_ends_every_rank_with_its_traceback(tmp_path):
         assert re.search(r"(?s)Traceback.*crashing\.py.*ValueError: injected reward failure", log), log
 
 
-@pytest.mark.full  # a run each (about 20 s on 2 idle cores): CI runs them in its multihost step
+@pytest.mark.full
 def test_a_dead_rank_0_ends_the_other_rank_and_its_producer(tmp_path):
     procs = _launch(tmp_path / "run", "--steps", "500", "--save-every", "0", *LAUNCH)
     _wait_for_a_step(tmp_path / "run", procs)
