@@ -14,6 +14,7 @@ from ...spec import POLICY_LOSS_MODES
 from .._head_plan import row_chunks, sequence_chunks
 from .._one_pass import PerToken, RowKernels, _per_token_grads, loss_scales, one_pass_on_rows, rows_ops, stored_dtype
 from . import _gemm_head as gemm
+from . import _policy_terms as policy_terms
 from . import linear_token_logprobs as head_module
 from ._launch import DEVICES, device_guard
 from .token_logprobs import token_logprobs_backward, token_logprobs_forward, truncation_thresholds
@@ -89,8 +90,10 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     dtypes = tuple(stored_dtype(t.dtype) for t in (hidden, weight, weight))
     memory_plan = gemm.head_plan("loss", flat, weight)  # the chunk's rows and d_weight's accumulator
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
-    totals = None
+    totals, fused = None, None
     with device_guard(hidden):
+        if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x):
+            fused = policy_terms.Batch(x, objective, terms)
         plan = _token_chunks(batch, length, memory_plan.rows, packed=x.scale is not None)
         for rs, bs in plan:
             chunk = gemm.chunk_logits(
@@ -106,16 +109,21 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
             logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
             shape = labels[bs].shape
-            out, g_logp, g_entropy = _per_token_grads(
-                logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
-            )
-            totals = out if totals is None else [t + o for t, o in zip(totals, out)]
+            if fused is not None:  # vanilla: one launch (policy_terms)
+                g_logp, g_entropy = fused.launch(logp, entropy, rs.start, shape)
+            else:
+                out, g_logp, g_entropy = _per_token_grads(
+                    logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
+                )
+                totals = out if totals is None else [t + o for t, o in zip(totals, out)]
             if any(needs):
                 flat_grads = (g_logp.reshape(-1), None if g_entropy is None else g_entropy.reshape(-1))
                 dz, power, inverse = gemm.chunk_gradient(
                     chunk, bias, c, head.ignore_index, (stats, entropy, tau), flat_grads
                 )
                 grads.add(rs, chunk, dz, power, inverse)
+        if fused is not None:
+            totals = fused.results()
     d_hidden, d_weight, d_bias = grads.finish()
     empty = hidden.new_empty((0,))  # an output of a custom op aliases no other: an empty tensor each
     d_hidden = empty if d_hidden is None else d_hidden.view(hidden.shape)
