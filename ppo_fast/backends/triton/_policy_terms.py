@@ -89,7 +89,7 @@ def _row_coefficients(
 ):
     """Each row's factor of a token's loss in the batch's ``agg`` loss ([R_BLOCK] float32)."""
     total_tokens = tl.load(norms_ptr)
-    total_rows = tl.load(norms_ptr + 1)
+    total_rows = tl.load(norms_ptr + tl.full([], 1, tl.int64))  # 64-bit offsets throughout
     if AGG == _TOKEN_MEAN:
         coef = tl.zeros(rows_i.shape, tl.float64) + 1.0 / total_tokens
     elif AGG == _TOKEN_SUM:
@@ -99,7 +99,7 @@ def _row_coefficients(
         for t0 in range(0, row_len, T_BLOCK):
             t = t0 + tl.arange(0, T_BLOCK)
             ok = row_ok[:, None] & (t < row_len)[None, :]
-            m = tl.load(mask_ptr + start + rows_i[:, None] * row_stride + t[None, :], mask=ok, other=0)
+            m = tl.load(mask_ptr + (start + rows_i[:, None] * row_stride + t[None, :]), mask=ok, other=0)
             count += tl.sum((m != 0).to(tl.float32), 1)
         coef = 1.0 / (tl.maximum(count, 1.0).to(tl.float64) * total_rows)
     elif AGG == _SEQ_TOKEN_SUM:
@@ -206,8 +206,9 @@ def _vanilla_terms_kernel(
 
 
 @triton.jit
-def _add(totals_ptr, i, value):
-    tl.store(totals_ptr + i, tl.load(totals_ptr + i) + value.to(tl.float64))
+def _add(totals_ptr, I: tl.constexpr, value):
+    at = totals_ptr + tl.full([], I, tl.int64)
+    tl.store(at, tl.load(at) + value.to(tl.float64))
 
 
 def fused(objective, logp_dtype: torch.dtype, x) -> bool:

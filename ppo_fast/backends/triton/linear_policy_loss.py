@@ -10,9 +10,21 @@ older loop (``_one_pass.one_pass_on_rows`` on token_logprobs' row kernels) runs 
 
 from __future__ import annotations
 
+import torch
+
 from ...spec import POLICY_LOSS_MODES
 from .._head_plan import row_chunks, sequence_chunks
-from .._one_pass import PerToken, RowKernels, _per_token_grads, loss_scales, one_pass_on_rows, rows_ops, stored_dtype
+from .._one_pass import (
+    Objective,
+    PerToken,
+    RowKernels,
+    Terms,
+    _per_token_grads,
+    loss_scales,
+    one_pass_on_rows,
+    rows_ops,
+    stored_dtype,
+)
 from . import _gemm_head as gemm
 from . import _policy_terms as policy_terms
 from . import linear_token_logprobs as head_module
@@ -142,7 +154,46 @@ SUPPORTED = {op: DEVICES for op in _FUNCTIONS}
 globals().update(_FUNCTIONS)
 
 
-def static_variants() -> list[dict]:
-    """None of its own for ``bench.static``: the loop launches the head's and token_logprobs' kernels,
-    whose variants those modules list."""
-    return []
+def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> list[dict]:
+    """This op's own launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
+    the vanilla mode's fused per-token terms on one chunk of ``rows`` tokens (the head's and
+    token_logprobs' kernels are those modules' variants): whole sequences with a k3 KL term, weights, the
+    entropy bonus and the dual clip (float16 inputs); seq-mean-token-mean (its row counts) without KL;
+    the packed row (float32, a scale per token, ``abs``)."""
+
+    def meta(shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def launch(shape, agg, kl, dtype, packed):
+        b, t = shape
+
+        def run():
+            old, adv, ref, weights = (meta(shape, dtype) for _ in range(4))
+            x = PerToken(old, adv, meta(shape, torch.bool), weights, ref if kl else None)
+            x = x._replace(scale=meta(shape)) if packed else x
+            objective = Objective(POLICY_LOSS_MODES["vanilla"], (0.2, 0.28, 3.0 if kl else None), agg)
+            state = policy_terms.Batch(x, objective, Terms(0.1, kl or "k3", 0.01 if kl else 0.0))
+            chunk = (rows // t, t) if not packed else (1, rows)
+            state.launch(meta((rows,)), meta((rows,)), 0, chunk)
+
+        return run
+
+    launches = {
+        f"token-mean k3 dual weights entropy fp16 [{rows // 96}, 96]": launch(
+            (batch, 96), "token-mean", "k3", torch.float16, False
+        ),
+        f"seq-mean-token-mean no KL fp32 [1, {rows}]": launch(
+            (batch, rows), "seq-mean-token-mean", None, torch.float32, False
+        ),
+        f"packed token-sum abs fp32 [1, {rows}]": launch((1, batch * length), "token-sum", "abs", torch.float32, True),
+    }
+    return [
+        dict(
+            name=f"linear_policy_loss vanilla terms {what}",
+            budget_key=None,
+            bytes_per_element=None,
+            run=run,
+            block=None,
+        )
+        for what, run in launches.items()
+    ]
