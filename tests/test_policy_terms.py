@@ -367,6 +367,16 @@ def one_chunk_kernels(monkeypatch, fused: bool, with_ref: bool) -> int:
     return count.kernels()
 
 
+def test_the_fused_terms_once_a_call():
+    """What the fused path launches once a call besides its chunks (the normalisers, the totals' zeros and
+    results) is the model's ``TERMS_CALL_LAUNCHES["fused"]``."""
+    policy_terms, _ = modules()
+    logp, entropy, x = per_token(0, (4, 96), dtype=torch.float32, weighted=False, with_ref=True, packed=False)
+    with CountKernels() as count:
+        policy_terms.Batch(x, Objective(VANILLA, CLIPS["default"], "token-mean"), Terms(0.1, "k3", 0.01)).results()
+    assert count.kernels() == _head_plan.TERMS_CALL_LAUNCHES["fused"]
+
+
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_the_models_launch_counts_are_the_paths_counts(monkeypatch, with_ref):
     """``_head_plan.TERMS_LAUNCHES`` (what ``bench head_model`` charges a chunk) against the counts: the

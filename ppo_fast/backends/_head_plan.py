@@ -47,6 +47,9 @@ F32_ACC_MIN_ROWS = 1024
 # chunk's [rows] vectors, its leaf aten kernels counted on CPU (a proxy for its CUDA launches; an entropy
 # bonus, k3).  tests/test_policy_terms.py counts both.
 TERMS_LAUNCHES = {"fused": 1, "generic": 87, "generic, KL": 249}
+# ... and once a call: the normalisers from the mask and the totals' results (fused: 6 + 8, counted by the
+# same test; generic: loss_scales' 5, and the chunks' 7 totals added a chunk).
+TERMS_CALL_LAUNCHES = {"fused": 14, "generic": 5, "generic, KL": 5}
 # float32 bytes: the logits chunk and the d_weight / d_hidden accumulators.
 _F32 = 4
 
@@ -148,12 +151,23 @@ def phases(
     elif kind in ("logprobs_fwd", "logprobs_bwd", "loss_fwd"):
         if kind != "logprobs_fwd":
             add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
+        if kind == "loss_fwd":
+            add([Phase("per-token terms: normalisers and totals", 0.0, 0.0, TERMS_CALL_LAUNCHES[terms])])
         for start, stop in chunks:
             c = stop - start
             fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
             add(fwd if kind != "logprobs_bwd" else fwd[:1])  # the backward recomputes the logits alone
             if kind == "loss_fwd":
-                add([Phase("per-token loss terms and gradient", 0.0, 0.0, TERMS_LAUNCHES[terms])])
+                add(
+                    [
+                        Phase(
+                            "per-token loss terms and gradient",
+                            0.0,
+                            0.0,
+                            TERMS_LAUNCHES[terms] + 7 * (terms != "fused"),
+                        )
+                    ]
+                )
             if kind != "logprobs_fwd":
                 add(_gradient_chunk(c, rows, h, v, s, acc))
         if kind != "logprobs_fwd":
