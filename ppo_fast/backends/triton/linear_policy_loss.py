@@ -1,12 +1,14 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
-log-probs and entropy by the head's row kernel, the loss's per-token gradient from the mode's reference
-function on those ``[rows, T]`` vectors, ``d_logits`` written in place over the logits by the head's
-gradient kernel, then ``d_hidden``'s rows and ``d_weight``'s accumulator by two products (the chunk's rows and the
-accumulator's dtype from the memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of
-logits alive, and the backward a scale of the stored gradients.  Every mode
-whose per-token gradient is local to a sequence.  With ``linear_token_logprobs.DESIGN = "tiles"`` the
-older loop (``_one_pass.one_pass_on_rows`` on token_logprobs' row kernels) runs instead."""
+log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (the vanilla
+mode: one launch of ``_policy_terms``' kernel; the other modes and float64 inputs: the mode's reference
+function under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
+written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
+``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
+memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
+a scale of the stored gradients.  Every mode whose per-token gradient is local to a sequence.  With
+``linear_token_logprobs.DESIGN = "tiles"`` the older loop (``_one_pass.one_pass_on_rows`` on
+token_logprobs' row kernels) runs instead."""
 
 from __future__ import annotations
 
