@@ -9,6 +9,9 @@ MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
   and the plan, chunk rows and ``d_weight``'s accumulator, that ``plan`` chooses within the default
   memory budget, 5% of the logits' bytes): ``linear_token_logprobs`` with 8 N H V FLOPs,
   ``linear_policy_loss`` in one pass with 6 N H V;
+  the loss's per-token terms are the vanilla mode's fused kernel (one launch a chunk);
+- ``gemm-generic``: the loss as ``gemm`` for every other mode, whose per-token terms are the reference's
+  function under autograd (``_head_plan.TERMS_LAUNCHES``: its kernels a chunk with a KL term, as counted on CPU);
 - ``gemm-2048``: the same phases with ``WIDE``'s plan (2048-row chunks, a float32 ``d_weight``
   accumulator), what a budget of about 50% of the logits buys, for comparison;
 - ``tiles``: the tile-fused Triton kernels, whose every vocabulary tile re-reads its rows' hidden
@@ -97,7 +100,8 @@ def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase
         return tile_phases(f"tiles_{kind.split('_')[1]}", n, h, v)
     if design == "linear":
         return phases(kind, n, h, v)
-    return phases(kind, n, h, v, **design_plan(design, kind, n, h, v)._asdict())
+    terms = "generic, KL" if design == "gemm-generic" else "fused"
+    return phases(kind, n, h, v, **design_plan(design, kind, n, h, v)._asdict(), terms=terms)
 
 
 def model(n: int, h: int, v: int) -> dict:
@@ -107,6 +111,7 @@ def model(n: int, h: int, v: int) -> dict:
         "linear": ("linear_fwd", "linear_bwd"),
         "gemm": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
         "gemm-2048": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
+        "gemm-generic": ("loss_fwd", "loss_bwd"),
         "tiles": ("logprobs_fwd", "logprobs_bwd"),
     }
     for design, names in kinds.items():
@@ -130,10 +135,14 @@ def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
     goal of each call (log-probs: its backward, which holds the most; the loss: its forward)."""
     out = {}
     for name, (num, den, bound) in GOALS.items():
+        if f"{design} {num[0]}" not in rows:  # gemm-generic: the loss alone
+            continue
         for d in DEVICES:
             ratio = sum(rows[f"{design} {k}"]["ms"][d] for k in num) / sum(rows[f"linear {k}"]["ms"][d] for k in den)
             out[f"{name} ({d})"] = {"ratio": ratio, "bound": bound, "met": ratio <= bound}
     for call, kind in (("loss", "loss_fwd"), ("logprobs", "logprobs_bwd")):
+        if f"{design} {kind}" not in rows:
+            continue
         chosen = design_plan(design, kind, n, h, v)
         memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc) / (n * v * 2)
         out[f"{call} extra memory / logits' bytes"] = {
@@ -180,7 +189,7 @@ def main(argv=None) -> int:
     results = []
     for n, h, v in SHAPES:
         rows = model(n, h, v)
-        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2048")}
+        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2048", "gemm-generic")}
         results.append({"n": n, "h": h, "v": v, "rows": rows, "goals": both})
     header = (
         f"Predictions (roofline model, not measurements): bf16; gemm: the plan within a memory budget of "
@@ -255,13 +264,16 @@ _PROSE_BOTTOM = """\
 
 At 16384 x 4096 x 151936 the budget's plan (384 rows, bf16 `d_weight`) meets the memory goal (4.9% for
 both calls, against 51% with 2048 rows and a float32 accumulator) and the log-probs' goals on an H200
-(1.09x, 1.41x); the loss is predicted at 1.16x (H200) and 1.28x (H100) against 1.10x / 1.14x with the
-2048-row plan.  What limits it: each chunk's `d_weight` product reads and writes the whole `V x H`
+(1.09x, 1.41x); the loss (vanilla, its per-token terms one fused launch a chunk) is predicted at
+1.09x (H200) and 1.20x (H100) against 1.09x / 1.13x with the 2048-row plan.  Every other mode computes
+its per-token terms with the reference's function under autograd, about 250 small kernels a chunk
+with a KL term (counted on CPU, `_head_plan.TERMS_LAUNCHES`): 1.58x / 1.70x at 43 chunks.  What limits
+the vanilla loss on an H100: each chunk's `d_weight` product reads and writes the whole `V x H`
 gradient (4 bytes a weight in bf16) for `2 x 384` FLOPs a weight, memory-bound on both GPUs below
 about 320 (H200) / 460 (H100) rows; 384 rows is the largest chunk whose float32 logits fit 5% at
 16384 rows.  A caller with memory to spare raises the budget: 0.3 buys 2048-row chunks (1.09x /
-1.12x), 0.6 a float32 accumulator too.  At H=896 every speed goal is missed by any plan (1.36x the
-log-probs forward, 1.4-1.7x the loss): each logit costs 2 x 896 FLOPs but 8 bytes of float32 traffic
+1.13x), 0.6 a float32 accumulator too.  At H=896 every speed goal is missed by any plan (1.36x the
+log-probs forward, 1.3-1.5x the vanilla loss): each logit costs 2 x 896 FLOPs but 8 bytes of float32 traffic
 forward (written by the product, read by the row kernel) and 12 more backward, so the row kernels'
 memory time rivals the products'; only a fused epilogue (the row work inside the GEMM, as Cut
 Cross-Entropy and Liger's CuTe kernels do) removes it.

@@ -41,9 +41,15 @@ MEMORY_BUDGET = 0.05  # the default budget: 5% of the logits' bytes (issue 49's 
 LOGPROBS_ROWS = 384
 MIN_ROWS, MAX_ROWS, ROW_STEP = 384, CHUNK_ROWS, 128
 F32_ACC_MIN_ROWS = 1024
-# Small vector launches of the one-pass loss's per-token terms and their gradient, per chunk
-# (the mode's reference function on [rows] vectors, under autograd): counted, not modelled in bytes.
-PER_TOKEN_LAUNCHES = 40
+# Launches a chunk of the one-pass loss's per-token terms and their gradient (counted, not modelled in
+# bytes), by the path a call takes: "fused", the Triton kernel of the vanilla mode (triton/_policy_terms.py);
+# "generic" (and with a KL term), every other mode: the reference's chunk_terms under autograd on the
+# chunk's [rows] vectors, its leaf aten kernels counted on CPU (a proxy for its CUDA launches; an entropy
+# bonus, k3).  tests/test_policy_terms.py counts both.
+TERMS_LAUNCHES = {"fused": 1, "generic": 87, "generic, KL": 249}
+# ... and once a call: the normalisers from the mask and the totals' results (fused: 6 + 8, counted by the
+# same test; generic: loss_scales' 5, and the chunks' 7 totals added a chunk).
+TERMS_CALL_LAUNCHES = {"fused": 14, "generic": 5, "generic, KL": 5}
 # float32 bytes: the logits chunk and the d_weight / d_hidden accumulators.
 _F32 = 4
 
@@ -101,7 +107,15 @@ def _gradient_chunk(c: int, m: int, h: int, v: int, s: int, acc: int = _F32) -> 
 
 
 def phases(
-    kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS, acc: int = _F32
+    kind: str,
+    n: int,
+    h: int,
+    v: int,
+    *,
+    itemsize: int = 2,
+    rows: int = CHUNK_ROWS,
+    acc: int = _F32,
+    terms: str = "fused",
 ) -> list[Phase]:
     """The phases of one call, summed over its chunks.  ``kind``:
 
@@ -113,7 +127,8 @@ def phases(
       6 N H V FLOPs, the backward a scale of the stored gradients).
 
     ``acc``: the bytes of d_weight's accumulator a weight (4: float32, what the kernels do; 2: the
-    inputs' bf16, rounded once per chunk, a design the model weighs).
+    inputs' bf16, rounded once per chunk, a design the model weighs).  ``terms``: the loss's per-token
+    path, a key of ``TERMS_LAUNCHES`` ("fused": the vanilla mode; "generic" or "generic, KL": the others).
     """
     s = itemsize
     chunks = row_chunks(n, rows)
@@ -136,12 +151,23 @@ def phases(
     elif kind in ("logprobs_fwd", "logprobs_bwd", "loss_fwd"):
         if kind != "logprobs_fwd":
             add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
+        if kind == "loss_fwd":
+            add([Phase("per-token terms: normalisers and totals", 0.0, 0.0, TERMS_CALL_LAUNCHES[terms])])
         for start, stop in chunks:
             c = stop - start
             fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
             add(fwd if kind != "logprobs_bwd" else fwd[:1])  # the backward recomputes the logits alone
             if kind == "loss_fwd":
-                add([Phase("per-token loss terms and gradient", 0.0, 0.0, PER_TOKEN_LAUNCHES)])
+                add(
+                    [
+                        Phase(
+                            "per-token loss terms and gradient",
+                            0.0,
+                            0.0,
+                            TERMS_LAUNCHES[terms] + 7 * (terms != "fused"),
+                        )
+                    ]
+                )
             if kind != "logprobs_fwd":
                 add(_gradient_chunk(c, rows, h, v, s, acc))
         if kind != "logprobs_fwd":

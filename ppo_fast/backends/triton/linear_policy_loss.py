@@ -1,19 +1,34 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
-log-probs and entropy by the head's row kernel, the loss's per-token gradient from the mode's reference
-function on those ``[rows, T]`` vectors, ``d_logits`` written in place over the logits by the head's
-gradient kernel, then ``d_hidden``'s rows and ``d_weight``'s accumulator by two products (the chunk's rows and the
-accumulator's dtype from the memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of
-logits alive, and the backward a scale of the stored gradients.  Every mode
-whose per-token gradient is local to a sequence.  With ``linear_token_logprobs.DESIGN = "tiles"`` the
-older loop (``_one_pass.one_pass_on_rows`` on token_logprobs' row kernels) runs instead."""
+log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (the vanilla
+mode: one launch of ``_policy_terms``' kernel; the other modes and float64 inputs: the mode's reference
+function under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
+written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
+``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
+memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
+a scale of the stored gradients.  Every mode whose per-token gradient is local to a sequence.  With
+``linear_token_logprobs.DESIGN = "tiles"`` the older loop (``_one_pass.one_pass_on_rows`` on
+token_logprobs' row kernels) runs instead."""
 
 from __future__ import annotations
 
+import torch
+
 from ...spec import POLICY_LOSS_MODES
 from .._head_plan import row_chunks, sequence_chunks
-from .._one_pass import PerToken, RowKernels, _per_token_grads, loss_scales, one_pass_on_rows, rows_ops, stored_dtype
+from .._one_pass import (
+    Objective,
+    PerToken,
+    RowKernels,
+    Terms,
+    _per_token_grads,
+    loss_scales,
+    one_pass_on_rows,
+    rows_ops,
+    stored_dtype,
+)
 from . import _gemm_head as gemm
+from . import _policy_terms as policy_terms
 from . import linear_token_logprobs as head_module
 from ._launch import DEVICES, device_guard
 from .token_logprobs import token_logprobs_backward, token_logprobs_forward, truncation_thresholds
@@ -89,8 +104,10 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     dtypes = tuple(stored_dtype(t.dtype) for t in (hidden, weight, weight))
     memory_plan = gemm.head_plan("loss", flat, weight)  # the chunk's rows and d_weight's accumulator
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
-    totals = None
+    totals, fused = None, None
     with device_guard(hidden):
+        if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x):
+            fused = policy_terms.Batch(x, objective, terms)
         plan = _token_chunks(batch, length, memory_plan.rows, packed=x.scale is not None)
         for rs, bs in plan:
             chunk = gemm.chunk_logits(
@@ -106,16 +123,21 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
             logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
             shape = labels[bs].shape
-            out, g_logp, g_entropy = _per_token_grads(
-                logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
-            )
-            totals = out if totals is None else [t + o for t, o in zip(totals, out)]
+            if fused is not None:  # vanilla: one launch (policy_terms)
+                g_logp, g_entropy = fused.launch(logp, entropy, rs.start, shape)
+            else:
+                out, g_logp, g_entropy = _per_token_grads(
+                    logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
+                )
+                totals = out if totals is None else [t + o for t, o in zip(totals, out)]
             if any(needs):
                 flat_grads = (g_logp.reshape(-1), None if g_entropy is None else g_entropy.reshape(-1))
                 dz, power, inverse = gemm.chunk_gradient(
                     chunk, bias, c, head.ignore_index, (stats, entropy, tau), flat_grads
                 )
                 grads.add(rs, chunk, dz, power, inverse)
+        if fused is not None:
+            totals = fused.results()
     d_hidden, d_weight, d_bias = grads.finish()
     empty = hidden.new_empty((0,))  # an output of a custom op aliases no other: an empty tensor each
     d_hidden = empty if d_hidden is None else d_hidden.view(hidden.shape)
@@ -134,7 +156,46 @@ SUPPORTED = {op: DEVICES for op in _FUNCTIONS}
 globals().update(_FUNCTIONS)
 
 
-def static_variants() -> list[dict]:
-    """None of its own for ``bench.static``: the loop launches the head's and token_logprobs' kernels,
-    whose variants those modules list."""
-    return []
+def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> list[dict]:
+    """This op's own launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
+    the vanilla mode's fused per-token terms on one chunk of ``rows`` tokens (the head's and
+    token_logprobs' kernels are those modules' variants): whole sequences with a k3 KL term, weights, the
+    entropy bonus and the dual clip (float16 inputs); seq-mean-token-mean (its row counts) without KL;
+    the packed row (float32, a scale per token, ``abs``)."""
+
+    def meta(shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def launch(shape, agg, kl, dtype, packed):
+        b, t = shape
+
+        def run():
+            old, adv, ref, weights = (meta(shape, dtype) for _ in range(4))
+            x = PerToken(old, adv, meta(shape, torch.bool), weights, ref if kl else None)
+            x = x._replace(scale=meta(shape)) if packed else x
+            objective = Objective(POLICY_LOSS_MODES["vanilla"], (0.2, 0.28, 3.0 if kl else None), agg)
+            state = policy_terms.Batch(x, objective, Terms(0.1, kl or "k3", 0.01 if kl else 0.0))
+            chunk = (rows // t, t) if not packed else (1, rows)
+            state.launch(meta((rows,)), meta((rows,)), 0, chunk)
+
+        return run
+
+    launches = {
+        f"token-mean k3 dual weights entropy fp16 [{rows // 96}, 96]": launch(
+            (batch, 96), "token-mean", "k3", torch.float16, False
+        ),
+        f"seq-mean-token-mean no KL fp32 [1, {rows}]": launch(
+            (batch, rows), "seq-mean-token-mean", None, torch.float32, False
+        ),
+        f"packed token-sum abs fp32 [1, {rows}]": launch((1, batch * length), "token-sum", "abs", torch.float32, True),
+    }
+    return [
+        dict(
+            name=f"linear_policy_loss vanilla terms {what}",
+            budget_key=None,
+            bytes_per_element=None,
+            run=run,
+            block=None,
+        )
+        for what, run in launches.items()
+    ]
