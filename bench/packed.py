@@ -5,7 +5,8 @@ the trust issue's extreme, 2,048 one-token sequences beside one of 16,384), ever
 real.  Per op, forward and backward (the gradient of every float input): ``packed``, the op on the
 packed ``[N]`` tensors; ``detour``, ``op.padded`` (pad to ``[S, longest]``, the padded op, gather
 back: what a packed call cost before the packed kernels); ``padded``, the op on tensors already
-padded to ``[S, longest]`` (what a caller with padded data pays).  Median and quartiles (ms) and
+padded to ``[S, longest]`` (what a caller with padded data pays).  ``linear_policy_loss`` (the fused
+head) differentiates the hidden states of a small head (every padded row goes through its products).  Median and quartiles (ms) and
 the peak extra memory of one call (``bench.timing``).  The ops run on ``auto``: native on CPU; on
 CUDA (``--device cuda``) the Triton kernels for ``gae`` and ``kl_penalized_rewards``, the native
 CUDA kernels for the losses.  On CUDA each layout has two timers: eager wall time per call, and
@@ -49,6 +50,10 @@ def ops():
         yield f"policy_loss-{mode}", _first(pf.policy_loss), ("logprobs", "old", "adv"), kwargs
     value = {"agg": "seq-mean-token-sum-norm"}
     yield "value_loss-seq-mean-token-sum-norm", _first(pf.value_loss), ("values", "old", "rewards"), value
+    head = _linear(pf.linear_policy_loss)  # the fused head: the one pass on the packed row, GSPO's two passes
+    for agg, mode in (("token-mean", "vanilla"), ("seq-mean-token-mean", "vanilla"), ("seq-mean-token-mean", "gspo")):
+        kwargs = {"agg": agg, "loss_mode": mode, "kl_coef": 0.05, "entropy_coef": 0.01}
+        yield f"linear_policy_loss-{mode}-{agg}", head, ("hidden", "labels", "old", "adv", "ref"), kwargs
 
 
 def _first(op):
@@ -61,6 +66,25 @@ def _first(op):
     return call
 
 
+# The fused head's size here: small, so that the padded layout's rows (every one of them goes through the
+# head's products) stay measurable on a CPU; the packed/padded ratio is the rows', whatever the head.
+HEAD_VOCAB, HEAD_WIDTH = 256, 64
+HEAD_MAX_POSITIONS = 1 << 18  # a padded layout larger: minutes a call on a CPU, its rows not run
+
+
+def _linear(op):
+    """``linear_policy_loss``'s loss on the per-token inputs, its head ``[HEAD_VOCAB, HEAD_WIDTH]`` fixed."""
+    weight = torch.randn(HEAD_VOCAB, HEAD_WIDTH, generator=torch.Generator().manual_seed(2)) / HEAD_WIDTH**0.5
+
+    def call(hidden, labels, old, adv, ref, mask, **kw):
+        return op(hidden, weight.to(hidden.device), labels, old, adv, mask, ref_logprobs=ref, **kw)[0]
+
+    call.padded = lambda hidden, labels, old, adv, ref, mask, **kw: op.padded(
+        hidden, weight.to(hidden.device), labels, old, adv, mask, ref_logprobs=ref, **kw
+    )[0]
+    return call
+
+
 def _kl(op):
     def call(logprobs, ref, mask, *, scores, **kw):
         return op(scores, logprobs, ref, mask, **kw)
@@ -69,8 +93,9 @@ def _kl(op):
     return call
 
 
-def layouts(lengths, device="cpu"):
-    """``(packed inputs [N], padded inputs [S, longest], cu_seqlens, mask [N], padded mask)`` on ``device``."""
+def layouts(lengths, device="cpu", head=False):
+    """``(packed inputs [N], padded inputs [S, longest], cu_seqlens, mask [N], padded mask)`` on ``device``;
+    ``head``: with the fused head's hidden states and labels."""
     generator = torch.Generator().manual_seed(1)
     length = torch.tensor(lengths)
     tokens, rows, width = int(length.sum()), len(lengths), int(length.max())
@@ -79,11 +104,14 @@ def layouts(lengths, device="cpu"):
         name: torch.randn(tokens, generator=generator) - (1.0 if name in ("logprobs", "ref", "old") else 0.0)
         for name in names
     }
+    if head:
+        packed["hidden"] = torch.randn(tokens, HEAD_WIDTH, generator=generator)
+        packed["labels"] = torch.randint(HEAD_VOCAB, (tokens,), generator=generator)
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
     valid = torch.arange(width)[None, :] < length[:, None]
     padded = {}
     for name, x in packed.items():
-        padded[name] = x.new_zeros(rows, width)
+        padded[name] = x.new_zeros(rows, width, *x.shape[1:])
         padded[name][valid] = x
     on = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
     mask = torch.ones(tokens, dtype=torch.bool, device=device)
@@ -91,12 +119,13 @@ def layouts(lengths, device="cpu"):
 
 
 def fwd_bwd(op, inputs, names, mask, kwargs):
-    leaves = {name: inputs[name].clone().requires_grad_(True) for name in names}
+    leaves = {name: inputs[name].clone().requires_grad_(inputs[name].is_floating_point()) for name in names}
+    wanted = [x for x in leaves.values() if x.requires_grad]  # not the labels
 
     def run():
         out = op(*leaves.values(), mask, **kwargs)
         total = sum(o.sum() for o in (out if isinstance(out, tuple) else (out,)))
-        return torch.autograd.grad(total, list(leaves.values()), allow_unused=True)  # GSPO: old is detached
+        return torch.autograd.grad(total, wanted, allow_unused=True)  # GSPO: old is detached
 
     return run
 
@@ -122,11 +151,26 @@ def _timed(call, args) -> dict:
     return cell
 
 
+def _selected(args, lengths) -> list:
+    """``ops()`` named by ``--ops``, the fused head's only on a padded layout of at most HEAD_MAX_POSITIONS."""
+    out = []
+    for name, *op in ops():
+        if args.ops and not any(name.startswith(prefix) for prefix in args.ops.split(",")):
+            continue
+        if name.startswith("linear") and len(lengths) * max(lengths) > HEAD_MAX_POSITIONS:
+            print(f"{name}: not run, the padded layout holds more than {HEAD_MAX_POSITIONS} positions")
+            continue
+        out.append((name, *op))
+    return out
+
+
 def measure(args, lengths):
-    packed, padded, cu_seqlens, mask, valid = layouts(lengths, args.device)
+    selected = _selected(args, lengths)
+    head = any(name.startswith("linear") for name, *_ in selected)
+    packed, padded, cu_seqlens, mask, valid = layouts(lengths, args.device, head)
     scores = torch.randn(len(lengths), device=args.device)
     rows = []
-    for name, op, names, kwargs in ops():
+    for name, op, names, kwargs in selected:
         kwargs = {**kwargs, **({"scores": scores} if name == "kl_penalized_rewards" else {})}
         detour = op.padded
         calls = {
@@ -156,6 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--median", type=int, default=128, help="the lognormal mix's median length")
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per timing (default 1, quick 0.2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ops", default="", help="comma-separated prefixes of the ops to run (default: all)")
     parser.add_argument("--out", default=None, help="result JSON (default bench/results/packed-DEVICE.json)")
     args = parser.parse_args(argv)
     args.min_run_time = args.min_run_time or (0.2 if args.quick else 1.0)

@@ -332,7 +332,24 @@ def build_linear_policy_loss(spec, gen, k):
     inputs.update(masked_by(mask, False, **{name: rounded(x, spec) for name, x in rollout.items()}))
     loss = named(k, "loss_mode", "agg", "kl_coef", "entropy_coef") | head_options(k) | dict(k["params"])
     call = calling(pf.linear_policy_loss, "hidden weight labels old_logprobs advantages mask", **loss, **truncation)
+    if k.get("packed"):
+        call = packed(call, ("hidden", "labels", "old_logprobs", "advantages", "mask", "weights", "ref_logprobs"))
     return Built(inputs, {"labels": labels, "mask": mask}, call, **head_bounds(spec, k, inputs, logprobs=False))
+
+
+def packed(call: Callable[[dict], tuple], tokens: tuple[str, ...]) -> Callable[[dict], tuple]:
+    """``call`` on the packed layout (``cu_seqlens``): each row's tokens up to its last valid one (the rest,
+    masked, changes no result), the ``tokens`` tensors ``[N, ...]``; gradients reach the padded inputs."""
+
+    def run(t: dict) -> tuple:
+        valid = t["mask"].flip(-1).cumsum(-1).flip(-1) > 0
+        lengths = valid.sum(-1)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        return call(
+            {n: x[valid] if n in tokens and x is not None else x for n, x in t.items()} | {"cu_seqlens": cu_seqlens}
+        )
+
+    return run
 
 
 def build_value_loss(spec, gen, k):

@@ -170,14 +170,22 @@ ONE_PASS_TRUNCATIONS = st.one_of(
 
 
 def one_pass_knobs():
-    """A one-pass mode (drawn), its loss knobs and the head's, the KL and entropy terms' weights.  The
+    """A one-pass mode (drawn), its loss knobs and the head's, the KL and entropy terms' weights, and the
+    layout: padded, or packed (``cu_seqlens``, each row's tokens up to its last valid one: ``harness.packed``).  The
     temperature from 0.3: below, the logits' float32 rounding (any evaluation order's) outgrows the float32
     reference's own error, a bound the linear_token_logprobs row has (its builder's ``rounding``) and this
     one has not, so the lowest temperatures are fuzzed there."""
     modes = [name for name, mode in POLICY_LOSS_MODES.items() if mode.fused_head]
     temperature = st.one_of(pick([0.3, 1.0, 4.0]), st.floats(0.3, 4.0))
     terms = dict(kl_coef=pick([0.0, 0.1, 1e3]), entropy_coef=pick([0.0, 0.01, -1.0, 1e3]))
-    head = knobs(temperature=temperature, **HEAD, bias=st.booleans(), **terms, truncation=ONE_PASS_TRUNCATIONS)
+    head = knobs(
+        temperature=temperature,
+        **HEAD,
+        bias=st.booleans(),
+        **terms,
+        truncation=ONE_PASS_TRUNCATIONS,
+        packed=st.booleans(),
+    )
     return pick(modes).flatmap(lambda name: st.tuples(loss_knobs(name), head).map(lambda ks: {**ks[0], **ks[1]}))
 
 

@@ -221,6 +221,14 @@ def test_a_token_tensor_packed_unlike_the_first_is_a_named_error():
         pf.gae(x, torch.randn(11), torch.ones(12, dtype=torch.bool), cu_seqlens=torch.tensor([0, 12]))
 
 
+def test_packed_hidden_states_must_be_n_by_h():
+    """The fused head's packed ``hidden`` is ``[N, H]``: a padded ``[B, T, H]`` one with cu_seqlens is a named error."""
+    x, mask, head = torch.randn(12), torch.ones(12, dtype=torch.bool), torch.randn(VOCAB, HIDDEN)
+    labels, cu_seqlens = torch.zeros(12, dtype=torch.long), torch.tensor([0, 5, 12])
+    with pytest.raises(ValueError, match=r"hidden must be \[N, H\] \(the packed tokens\) with cu_seqlens, got shape"):
+        pf.linear_policy_loss(torch.randn(12, 1, HIDDEN), head, labels, x, x, mask, cu_seqlens=cu_seqlens)
+
+
 def test_masked_mean_refuses_dim_with_cu_seqlens():
     """The packed ``[N]`` tokens have no row dimension: ``dim`` would reduce over the hidden padded
     layout's (issue 53's per-column means of the padding), so it is refused, naming it."""

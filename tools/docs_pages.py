@@ -399,6 +399,24 @@ def _packed_section() -> list[str]:
         "",
         packed.markdown(data),
         "",
+        *_packed_head_section(),
+    ]
+
+
+def _packed_head_section() -> list[str]:
+    from bench import packed
+
+    data = _load("packed-linear-policy-loss-cpu.json")
+    if not data:
+        return []
+    return [
+        f"The fused head (`linear_policy_loss`, a `[{packed.HEAD_VOCAB}, {packed.HEAD_WIDTH}]` head: every padded "
+        "row goes through its products), on the quick mix:",
+        "",
+        measured_on(data, "packed-linear-policy-loss-cpu.json"),
+        "",
+        packed.markdown(data),
+        "",
     ]
 
 

@@ -122,7 +122,27 @@ def _seq_loss(rand, mask, mode, **kw):
     )[:1]
 
 
-def _packed(rand, mask, **kw):
+def _fused_head(rand, mask, labels, mode, **kw):
+    """The fused head on the packed tokens: the one pass on the packed row (vanilla), GSPO's two passes."""
+    n, vocab = mask.numel(), 1000
+    return pf.linear_policy_loss(
+        rand(n, 64).requires_grad_(),
+        rand(vocab, 64).requires_grad_(),
+        labels,
+        -rand(n).abs(),
+        rand(n),
+        mask,
+        loss_mode=mode.name,
+        agg="seq-mean-token-mean",
+        ref_logprobs=-rand(n).abs(),
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        **mode.example_params(),
+        **kw,
+    )[:1]
+
+
+def _packed(rand, mask, labels=None, **kw):
     n = mask.numel()
     lp = lambda: -rand(n).abs()  # noqa: E731
     seq_mean = dict(kw, agg="seq-mean-token-sum-norm")
@@ -140,12 +160,17 @@ def _packed(rand, mask, **kw):
             for mode in POLICY_LOSS_MODES.values()
             if mode.sequence_level
         },
+        **{
+            POLICY_LOSS_MODES[name].linear_op: partial(_fused_head, rand, mask, labels, POLICY_LOSS_MODES[name], **kw)
+            for name in ("vanilla", "gspo")
+        },
     }
 
 
 PACKED_OPS = ["gae", "kl_penalized_rewards", "value_loss", "clipped_policy_loss"] + [
     mode.op for mode in POLICY_LOSS_MODES.values() if mode.sequence_level
 ]
+PACKED_OPS += [POLICY_LOSS_MODES[name].linear_op for name in ("vanilla", "gspo")]
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["device-max_seqlen", "max_seqlen"])
@@ -155,10 +180,10 @@ PACKED_OPS = ["gae", "kl_penalized_rewards", "value_loss", "clipped_policy_loss"
 def test_packed_ops_never_sync_the_host(op, backend, given):
     if (op, backend, given) == ("gae", "reference", False):
         pytest.skip("the reference scan reads its bound on the host without max_seqlen (docs/ops.md)")
-    rand, mask, *_ = _inputs("cuda")
+    rand, mask, _, labels, _ = _inputs("cuda")
     mask = mask.reshape(-1)
     cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda")
-    kw = dict(cu_seqlens=cu_seqlens, max_seqlen=max(LENGTHS) if given else None)
+    kw = dict(cu_seqlens=cu_seqlens, max_seqlen=max(LENGTHS) if given else None, labels=labels.reshape(-1))
     with pf.use_backend(backend):
         _packed(rand, mask, **kw)[op]()  # warm-up
         torch.cuda.synchronize()

@@ -119,10 +119,8 @@ register("linear_policy_loss", _fake, *autograd(_input_names, "native"))
 
 def _linear_policy_loss_op(mode):
     def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg, truncation=None):
-        if x.scale is not None and x.ref is None:  # packed: the factors of the aggregation are token weights
-            x = x._replace(weights=x.scale if x.weights is None else x.weights * x.scale, scale=None)
-        rows_loop = x.scale is not None  # packed with a KL term, whose tokens the factors weigh too
-        if rows_loop or (truncation is not None and truncation.active):  # the C++ epilogue has neither: the rows' loop
+        # The C++ epilogue has no truncation, and no factor on a packed row's KL terms: the rows' loop.
+        if (truncation is not None and truncation.active) or (x.scale is not None and x.ref is not None):
             return _ALL_ROWS[f"linear_policy_loss_{mode}"](
                 hidden,
                 weight,
@@ -135,6 +133,8 @@ def _linear_policy_loss_op(mode):
                 agg=agg,
                 truncation=truncation,
             )
+        if x.scale is not None:  # packed without a KL term: the aggregation's factors are its token weights
+            x = x._replace(weights=x.scale if x.weights is None else x.weights * x.scale, scale=None)
         grad = torch.is_grad_enabled()
         output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         floats = [float(p) for p in params if p is not None]  # vanilla's dual_clip: only when on
