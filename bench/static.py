@@ -371,12 +371,20 @@ def _ptxas_resources(ptx: str) -> dict[str, int]:
 
 
 def triton_kernels() -> list[str]:
-    """The names of every ``@triton.jit`` kernel (``*_kernel``) in the Triton backend's op
-    modules: the variants must launch each at least once."""
+    """The names of every ``@triton.jit`` kernel (``*_kernel``) in the Triton backend's modules, its op
+    modules and the private ones they share (``_gemm_head``, ``_policy_terms``...): the variants must
+    launch each at least once."""
+    import importlib
+    import pkgutil
+
     from triton.runtime.jit import KernelInterface  # a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction
 
+    from ppo_fast.backends import triton as backend
+
+    triton_op_modules()  # the backend can be used (else: why not)
     names = set()
-    for module in triton_op_modules():
+    for info in pkgutil.iter_modules(backend.__path__):
+        module = importlib.import_module(f"{backend.__name__}.{info.name}")
         names |= {
             name for name, obj in vars(module).items() if isinstance(obj, KernelInterface) and name.endswith("_kernel")
         }
