@@ -222,7 +222,7 @@ _ENV_KEY = os.environ.encodekey("PPO_FAST_BACKEND") if _ENVIRON is not None else
 
 
 def _environ_backend():
-    if _ENVIRON is None or _ENVIRON is not getattr(os.environ, "_data", None) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _ENVIRON is None or _ENVIRON is not getattr(os.environ, "_data", None):
         return os.environ.get("PPO_FAST_BACKEND")
     return _ENVIRON.get(_ENV_KEY)
 
