@@ -45,6 +45,11 @@ struct Gae : torch::autograd::Function<Gae> {
   }
 
   static Pair kernel(const Tensor& rewards, const Tensor& values, const Tensor& mask, double gamma, double lam) {
+    if (!records_autograd(rewards, values, mask)) {
+      static const auto op = typed_op<GaeSignature>("ppo_fast::gae");
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op.call(rewards, values, mask, gamma, lam);
+    }
     auto out = apply(rewards, values, mask, gamma, lam);
     return {out[0], out[1]};
   }

@@ -42,6 +42,11 @@ struct KlEstimate : torch::autograd::Function<KlEstimate> {
   }
 
   static Tensor kernel(const Tensor& logprobs, const Tensor& ref_logprobs, c10::string_view kl_estimator) {
+    if (!records_autograd(logprobs, ref_logprobs)) {
+      static const auto op = typed_op<KlForward>("ppo_fast::kl_estimate");
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op.call(logprobs, ref_logprobs, kl_estimator);
+    }
     return apply(logprobs, ref_logprobs, kl_estimator);
   }
 };
@@ -88,6 +93,11 @@ struct KlPenalizedRewards : torch::autograd::Function<KlPenalizedRewards> {
 
   static Pair kernel(const Tensor& scores, const Tensor& logprobs, const Tensor& ref_logprobs, const Tensor& mask,
                      double kl_coef, c10::string_view kl_estimator) {
+    if (!records_autograd(scores, logprobs, ref_logprobs, mask)) {
+      static const auto op = typed_op<PenalizedForward>("ppo_fast::kl_penalized_rewards");
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op.call(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator);
+    }
     auto out = apply(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator);
     return {out[0], out[1]};
   }

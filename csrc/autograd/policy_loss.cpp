@@ -78,6 +78,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> clipped_policy_loss_autograd(
     const Tensor& logprobs, const Tensor& old_logprobs, const Tensor& advantages, const Tensor& mask,
     const OptTensor& weights, double clip_eps_low, double clip_eps_high, std::optional<double> dual_clip,
     c10::string_view agg) {
+  if (!records_autograd(logprobs, old_logprobs, advantages, mask, weights)) {
+    static const auto op = typed_op<ClippedForward>("ppo_fast::clipped_policy_loss");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, dual_clip, agg);
+  }
   auto out = ClippedPolicyLoss::apply(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high,
                                       dual_clip, agg);
   return {out[0], out[1], out[2], out[3], out[4]};
@@ -129,6 +134,11 @@ struct SeqPolicyLoss : torch::autograd::Function<SeqPolicyLoss<Name, BackwardNam
   static SeqOutputs kernel(const Tensor& logprobs, const Tensor& old_logprobs, const Tensor& advantages,
                            const Tensor& mask, const OptTensor& weights, double clip_eps_low, double clip_eps_high,
                            c10::string_view agg) {
+    if (!records_autograd(logprobs, old_logprobs, advantages, mask, weights)) {
+      static const auto op = typed_op<SeqForward>(Name);
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op.call(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, agg);
+    }
     auto out =
         SeqPolicyLoss::apply(logprobs, old_logprobs, advantages, mask, weights, clip_eps_low, clip_eps_high, agg);
     return {out[0], out[1], out[2], out[3], out[4], out[5]};

@@ -40,6 +40,11 @@ struct ValueLoss : torch::autograd::Function<ValueLoss> {
 
   static Outputs kernel(const Tensor& values, const Tensor& old_values, const Tensor& returns, const Tensor& mask,
                         double clip, c10::string_view agg) {
+    if (!records_autograd(values, old_values, returns, mask)) {
+      static const auto op = typed_op<Forward>("ppo_fast::value_loss");
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op.call(values, old_values, returns, mask, clip, agg);
+    }
     auto out = apply(values, old_values, returns, mask, clip, agg);
     return {out[0], out[1], out[2]};
   }

@@ -98,6 +98,7 @@ inline at::Tensor checked_row_scale(const char* op, const at::Tensor& row_scale,
   check_float(op, "row_scale", row_scale);
   check_shape(op, "row_scale", row_scale, {like.size(0)});
   check_same_device(op, {{"row_scale", &row_scale}, {"inputs", &like}});
+  if (row_scale.scalar_type() == dtype && row_scale.is_contiguous()) return row_scale;  // as the forward made it
   return row_scale.to(dtype).contiguous();
 }
 

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/EmptyTensor.h>
 
 #include <cmath>
 #include <initializer_list>
@@ -20,6 +21,17 @@ inline at::Tensor scalar_result(double value, const at::TensorOptions& options, 
   if (dtype != at::kDouble && std::isfinite(value)) {
     const double top = dtype == at::kFloat ? double(std::numeric_limits<float>::max()) : 0.0;
     if (top > 0.0 && std::abs(value) > top) value = std::copysign(std::numeric_limits<double>::infinity(), value);
+  }
+  if (options.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble)) {
+    // Made and written in place, without the dispatcher (at::scalar_tensor is an empty and a
+    // fill_, each dispatched): a loss returns four of these per call.
+    at::Tensor out(at::detail::empty_cpu({}, dtype));
+    if (dtype == at::kFloat) {
+      *out.mutable_data_ptr<float>() = static_cast<float>(value);
+    } else {
+      *out.mutable_data_ptr<double>() = value;
+    }
+    return out;
   }
   return at::scalar_tensor(value, options.dtype(dtype));
 }
@@ -82,7 +94,10 @@ void store_chunk(const at::Tensor& t, int64_t offset, int64_t n, const acc_t* ou
 // The gradient of `input` when wanted (contiguous, of input's shape, in `dtype`: input's
 // own by default), else an empty tensor of input's dtype.
 inline at::Tensor grad_like(const at::Tensor& input, bool wanted, std::optional<at::ScalarType> dtype = std::nullopt) {
-  if (!wanted) return at::empty({0}, input.options());
+  if (!wanted) {  // on CPU without the dispatcher: a backward returns up to three of these per call
+    return input.is_cpu() ? at::Tensor(at::detail::empty_cpu({0}, input.scalar_type()))
+                          : at::empty({0}, input.options());
+  }
   return at::empty(
       input.sizes(),
       input.options().dtype(dtype.value_or(input.scalar_type())).memory_format(at::MemoryFormat::Contiguous));

@@ -32,6 +32,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from ..spec import BACKENDS, OPS
 
 _CHOICES = BACKENDS + ("auto",)
@@ -96,6 +98,10 @@ def _validate_name(name: str) -> str:
 # Dynamo traces (and guards on) a thread-local attribute under torch.compile(fullgraph=True)
 # in every torch we support, but cannot trace ContextVar.get in torch 2.11.
 _requested = threading.local()
+# How many use_backend blocks are open, in every thread: while none is, no thread has a name set,
+# and resolve skips the thread-local read (0.4 us, a tenth of a small loss's Python).
+_open_blocks = 0
+_open_blocks_lock = threading.Lock()
 
 
 def current_backend() -> str:
@@ -113,12 +119,17 @@ def current_backend() -> str:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run the ops inside the ``with`` block on backend ``name`` (or ``"auto"``)."""
+    global _open_blocks
     previous = getattr(_requested, "name", None)
     _requested.name = _validate_name(name)
+    with _open_blocks_lock:
+        _open_blocks += 1
     try:
         yield
     finally:
         _requested.name = previous
+        with _open_blocks_lock:
+            _open_blocks -= 1
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,22 @@ class BackendInfo:
     module: object | None
 
 
-_INFO: dict[str, BackendInfo] = {}
+class _Records(dict):
+    """The backends' records, with a count of their replacements (``resolve``'s cache checks it
+    in one read instead of comparing every record on every call)."""
+
+    replaced = 0
+
+    def __setitem__(self, name, info):
+        self.replaced += 1
+        super().__setitem__(name, info)
+
+    def __delitem__(self, name):
+        self.replaced += 1
+        super().__delitem__(name)
+
+
+_INFO: _Records = _Records()
 
 
 def backend_info(name: str) -> BackendInfo:
@@ -182,10 +208,23 @@ def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
 
 
 # resolve's answers by (use_backend's name, $PPO_FAST_BACKEND, op, device type, implemented_by),
-# each with the backends' records it was made from: a call per op per step would otherwise walk
-# the preference list again.  A record replaced since (a test making a backend unavailable) makes
-# the answer stale; a refusal is never cached (it raises every time).
-_RESOLVED: dict[tuple, tuple[Callable, tuple]] = {}
+# each with the count of record replacements it was made under: a call per op per step would
+# otherwise walk the preference list again.  A record replaced since (a test making a backend
+# unavailable) makes the answer stale; a refusal is never cached (it raises every time).
+_RESOLVED: dict[tuple, tuple[Callable, int]] = {}
+
+
+# $PPO_FAST_BACKEND as resolve's cache key reads it: os.environ.get encodes the name and decodes
+# the value (0.7 us a call); CPython's os.environ keeps the encoded items in its own dict, which
+# its setters update.  Under torch.compile, os.environ.get (Dynamo traces it).
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey("PPO_FAST_BACKEND") if _ENVIRON is not None else None
+
+
+def _environ_backend():
+    if torch.compiler.is_compiling() or _ENVIRON is None or _ENVIRON is not getattr(os.environ, "_data", None):
+        return os.environ.get("PPO_FAST_BACKEND")
+    return _ENVIRON.get(_ENV_KEY)
 
 
 def resolve(
@@ -197,13 +236,31 @@ def resolve(
     backends the variant's registry entry declares; ``auto`` skips the others (so a variant
     that landed in the reference alone falls back to it, for that variant only) and an
     explicit other backend raises, naming ``label`` (the variant)."""
-    key = (getattr(_requested, "name", None), os.environ.get("PPO_FAST_BACKEND"), op, device_type, implemented_by)
+    requested = getattr(_requested, "name", None) if _open_blocks else None
+    key = (requested, _environ_backend(), op, device_type, implemented_by)
     hit = _RESOLVED.get(key)
-    if hit is not None and all(_INFO.get(n) is info for n, info in zip(BACKENDS, hit[1])):
+    if hit is not None and hit[1] == _INFO.replaced:
         return hit[0]
     fn = _resolve(op, device_type, implemented_by, label)
-    _RESOLVED[key] = (fn, tuple(_INFO.get(n) for n in BACKENDS))
+    _RESOLVED[key] = (fn, _INFO.replaced)
     return fn
+
+
+def direct_op(op: str, x, mask=None) -> Callable | None:
+    """The operator behind ``resolve(op, x.device.type)`` where it checks every argument itself
+    (the backend function's ``direct``: a native op, whose C++ kernel refuses each input the public
+    op's checks refuse), in eager mode, with ``mask`` (where the op takes one) bool; else None.
+    A public op calls it with the operator's positional arguments and runs its own checks only
+    when it raises, to name what it refused: the checks are not paid twice on every call."""
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    if mask is not None and (type(mask) is not torch.Tensor or mask.dtype is not torch.bool):
+        return None  # the public op's conversion of a 0/1 mask
+    try:
+        fn = resolve(op, "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type)  # .device.type: 0.3 us
+    except BackendUnavailableError:
+        return None  # the public checks run first, then the refusal
+    return getattr(fn, "direct", None)
 
 
 def _resolve(op: str, device_type: str, implemented_by: tuple[str, ...] | None, label: str | None) -> Callable:

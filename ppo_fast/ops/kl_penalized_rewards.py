@@ -6,7 +6,7 @@ import torch
 
 from .. import _validation as check
 from .._varlen import varlen
-from ..backends import resolve
+from ..backends import direct_op, resolve
 from ..spec import KL_ESTIMATORS
 
 __all__ = ["kl_estimate", "kl_penalized_rewards"]
@@ -20,6 +20,12 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator
     first clamped to [-20, 20] so that +-inf inputs stay finite); ``abs = |logp - ref|``.
     Any shape, float32 output.
     """
+    direct = direct_op("kl_estimate", logprobs)
+    if direct is not None:
+        try:
+            return direct(logprobs, ref_logprobs, kl_estimator)
+        except Exception:  # refused: the checks below name what
+            pass
     check.tensor("logprobs", logprobs)
     check.tensor("ref_logprobs", ref_logprobs)
     check.same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
@@ -72,6 +78,13 @@ def kl_penalized_rewards(
         ``(rewards, kl)``, both ``[B, T]`` float32 and 0 at masked positions.  A row
         with no valid token gets no score.
     """
+    direct = direct_op("kl_penalized_rewards", logprobs, mask)
+    # float64 scores with other log-probs take the conversion below
+    if direct is not None and (getattr(scores, "dtype", None) is not torch.float64 or logprobs.dtype is torch.float64):
+        try:
+            return direct(scores, logprobs, ref_logprobs, mask, check.real("kl_coef", kl_coef, low=0.0), kl_estimator)
+        except Exception:  # refused: the checks below name what
+            pass
     check.tensor("logprobs", logprobs, ndim=2)
     check.tensor("ref_logprobs", ref_logprobs, ndim=2)
     check.same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)

@@ -8,7 +8,7 @@ import torch
 from .. import _validation as check
 from .._dtypes import result_dtype
 from .._varlen import backend_of, one_row, varlen
-from ..backends import reference, resolve
+from ..backends import direct_op, reference, resolve
 from ..spec import AGG_MODES, POLICY_LOSS_MODES, PolicyLossMode, policy_loss_mode
 
 __all__ = ["policy_loss", "policy_loss_modes", "clipped_policy_loss"]
@@ -33,6 +33,18 @@ def _bind(mode: PolicyLossMode, given: dict) -> tuple:
         bound = mode.bind(given)
         if len(_BOUND) < _BOUND_MAX:
             _BOUND[key] = bound
+    return bound
+
+
+def _clip_params(low, high, dual) -> tuple:
+    """``_bind`` of the vanilla mode's parameters, its cache keyed by the values alone."""
+    if type(low) in _PLAIN and type(high) in _PLAIN and type(dual) in _PLAIN:
+        bound = _CLIP_BOUND.get((low, high, dual))
+        if bound is not None:
+            return bound
+    bound = _VANILLA.bind({"clip_eps_low": low, "clip_eps_high": high, "dual_clip": dual})
+    if len(_CLIP_BOUND) < _BOUND_MAX and type(low) in _PLAIN and type(high) in _PLAIN and type(dual) in _PLAIN:
+        _CLIP_BOUND[(low, high, dual)] = bound
     return bound
 
 
@@ -160,6 +172,17 @@ def policy_loss(
         ``clipfrac``/``clipfrac_lower``/``approx_kl``).
     """
     mode = policy_loss_mode(loss_mode)
+    direct = direct_op(mode.op, logprobs, mask)
+    if direct is not None:
+        try:
+            params = _bind(mode, mode_params)
+            loss, *stats = direct(
+                logprobs, old_logprobs, advantages, mask, weights, *params, mode.default_agg if agg is None else agg
+            )
+        except Exception:  # refused: the checks below name what
+            pass
+        else:
+            return loss, dict(zip(mode.stats, stats))
     params = _bind(mode, mode_params)
     mask = check.loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
@@ -171,6 +194,7 @@ def policy_loss(
 
 
 _VANILLA = POLICY_LOSS_MODES["vanilla"]
+_CLIP_BOUND: dict[tuple, tuple] = {}
 
 
 def policy_loss_modes() -> dict[str, PolicyLossMode]:
@@ -210,6 +234,17 @@ def clipped_policy_loss(
         ``old_logprobs``, ``advantages`` and ``weights``, and 0-dim tensors ``clipfrac``,
         ``clipfrac_lower`` and ``approx_kl``.
     """
+    direct = direct_op("clipped_policy_loss", logprobs, mask)
+    if direct is not None:
+        try:
+            low, high, dual = _clip_params(clip_eps_low, clip_eps_high, dual_clip)
+            loss, clipfrac, clipfrac_lower, approx_kl, _ = direct(
+                logprobs, old_logprobs, advantages, mask, weights, low, high, dual, agg
+            )
+        except Exception:  # refused: the checks below name what
+            pass
+        else:
+            return loss, {"clipfrac": clipfrac, "clipfrac_lower": clipfrac_lower, "approx_kl": approx_kl}
     mask = check.loss_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "weights": weights}, mask
     )

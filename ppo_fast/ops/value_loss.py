@@ -8,7 +8,7 @@ import torch
 
 from .. import _validation as check
 from .._varlen import backend_of, one_row, varlen
-from ..backends import reference, resolve
+from ..backends import direct_op, reference, resolve
 from ..spec import AGG_MODES
 
 __all__ = ["value_loss"]
@@ -59,6 +59,16 @@ def value_loss(
     ``(loss, {"clipfrac": ...})``, the loss differentiable w.r.t. ``values``,
     ``old_values`` and ``returns``.
     """
+    direct = None if clip is None else direct_op("value_loss", values, mask)
+    if direct is not None:
+        try:
+            loss, clipfrac, _ = direct(
+                values, old_values, returns, mask, check.real("clip", clip, low=0.0, low_open=True), agg
+            )
+        except Exception:  # refused: the checks below name what
+            pass
+        else:
+            return loss, {"clipfrac": clipfrac}
     if clip is None:
         if old_values is not None:
             check.loss_inputs({"values": values, "old_values": old_values}, mask)

@@ -118,6 +118,15 @@ def needed_grads(grads, needed):
     return tuple(g if need else None for g, need in zip(grads, needed))
 
 
+def direct(fn, name: str):
+    """``fn`` with ``direct``: the operator ``ppo_fast::<name>``, which a public op may call with
+    its positional arguments instead of ``fn`` after no checks of its own (``backends.direct_op``):
+    its C++ kernel refuses every input the public op's checks refuse (tests/test_direct_ops.py)."""
+    if _C is not None:
+        fn.direct = getattr(torch.ops.ppo_fast, name).default
+    return fn
+
+
 # Every torch.ops.ppo_fast operator the modules register (forward and backward ops), for the tests.
 REGISTERED: list[str] = []
 

@@ -13,6 +13,7 @@ from ._common import (
     check_mask,
     check_same_device,
     check_shape,
+    direct,
     grad_or_empty,
     register,
 )
@@ -52,6 +53,9 @@ register("gae_backward", _fake_gae_backward)
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     return torch.ops.ppo_fast.gae.default(rewards, values, mask, gamma, lam)
+
+
+direct(gae, "gae")
 
 
 # --------------------------------------------------------------------------- the packed layout

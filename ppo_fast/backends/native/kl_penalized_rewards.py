@@ -14,6 +14,7 @@ from ._common import (
     check_mask,
     check_same_device,
     check_shape,
+    direct,
     grad_or_empty,
     register,
 )
@@ -49,6 +50,9 @@ register("kl_estimate_backward", _fake_kl_estimate_backward)
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator: str):
     return torch.ops.ppo_fast.kl_estimate.default(logprobs, ref_logprobs, kl_estimator)
+
+
+direct(kl_estimate, "kl_estimate")
 
 
 # --------------------------------------------------------------------------- kl_penalized_rewards
@@ -95,3 +99,6 @@ register("kl_penalized_rewards_backward", _fake_kl_penalized_rewards_backward)
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str):
     return torch.ops.ppo_fast.kl_penalized_rewards.default(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+
+
+direct(kl_penalized_rewards, "kl_penalized_rewards")

@@ -15,6 +15,7 @@ from ._common import (
     check_mask,
     check_same_device,
     check_shape,
+    direct,
     grad_or_empty,
     register,
 )
@@ -90,6 +91,9 @@ def clipped_policy_loss(
     return loss, clipfrac, clipfrac_lower, approx_kl  # the stats are non-differentiable outputs
 
 
+direct(clipped_policy_loss, "clipped_policy_loss")
+
+
 # --------------------------------------------------------------------------- sequence-level policy losses
 # policy_loss_gspo and policy_loss_geo_mean (csrc/policy_loss.cpp, csrc/cuda/policy_loss.cu):
 # clipped_policy_loss's inputs and stats, plus a per-row state [B, 2] for the backward.
@@ -159,7 +163,7 @@ def _seq_loss_ops(mode):
         return loss, clipfrac, clipfrac_lower, approx_kl
 
     run.__name__ = run.__qualname__ = op
-    return run
+    return direct(run, op)
 
 
 policy_loss_gspo = _seq_loss_ops("gspo")

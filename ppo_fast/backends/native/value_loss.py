@@ -15,6 +15,7 @@ from ._common import (
     check_mask,
     check_same_device,
     check_shape,
+    direct,
     grad_or_empty,
     register,
 )
@@ -67,6 +68,9 @@ register("value_loss_backward", _fake_value_loss_backward)
 def value_loss(values, old_values, returns, mask, clip: float, agg: str):
     loss, clipfrac, _row_scale = torch.ops.ppo_fast.value_loss.default(values, old_values, returns, mask, clip, agg)
     return loss, clipfrac  # clipfrac is a non-differentiable output
+
+
+direct(value_loss, "value_loss")
 
 
 # --------------------------------------------------------------------------- the packed layout
