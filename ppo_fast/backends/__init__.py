@@ -214,19 +214,6 @@ def _serves(name: str, op: str, device_type: str) -> tuple[bool, str]:
 _RESOLVED: dict[tuple, tuple[Callable, int]] = {}
 
 
-# $PPO_FAST_BACKEND as resolve's cache key reads it: os.environ.get encodes the name and decodes
-# the value (0.7 us a call); CPython's os.environ keeps the encoded items in its own dict, which
-# its setters update.  Under torch.compile, os.environ.get (Dynamo traces it).
-_ENVIRON = getattr(os.environ, "_data", None)
-_ENV_KEY = os.environ.encodekey("PPO_FAST_BACKEND") if _ENVIRON is not None else None
-
-
-def _environ_backend():
-    if torch.compiler.is_compiling() or _ENVIRON is None or _ENVIRON is not getattr(os.environ, "_data", None):
-        return os.environ.get("PPO_FAST_BACKEND")
-    return _ENVIRON.get(_ENV_KEY)
-
-
 def resolve(
     op: str, device_type: str, implemented_by: tuple[str, ...] | None = None, label: str | None = None
 ) -> Callable:
@@ -237,7 +224,7 @@ def resolve(
     that landed in the reference alone falls back to it, for that variant only) and an
     explicit other backend raises, naming ``label`` (the variant)."""
     requested = getattr(_requested, "name", None) if _open_blocks else None
-    key = (requested, _environ_backend(), op, device_type, implemented_by)
+    key = (requested, os.environ.get("PPO_FAST_BACKEND"), op, device_type, implemented_by)
     hit = _RESOLVED.get(key)
     if hit is not None and hit[1] == _INFO.replaced:
         return hit[0]
