@@ -182,7 +182,13 @@ def build_token_logprobs(spec, gen, k):
     options = dict(named(k, "temperature", "ignore_index"), return_entropy=k["entropy"])
     call = calling(pf.token_logprobs, "logits labels", **options)
     inputs = {"logits": Input(logits, masked=ignored.unsqueeze(-1).expand(B, T, V))}
-    return Built(inputs, {"labels": labels}, call, (0, 1) if k["entropy"] else (0,), {0: ignored, 1: ignored})
+    # float64's own absolute error in a gradient: its terms are O(|z|) before they cancel (a near-certain
+    # row's entropy gradient, whose truth may be 1e-21, comes out 0), as the fused heads' grad_floor.
+    finite = logits[torch.isfinite(logits)]
+    top = float(finite.abs().max()) if finite.numel() else 0.0
+    floor = 64 * torch.finfo(F64).eps * top / k["temperature"]
+    outputs = (0, 1) if k["entropy"] else (0,)
+    return Built(inputs, {"labels": labels}, call, outputs, {0: ignored, 1: ignored}, grad_floor=floor)
 
 
 def head_options(k: dict) -> dict:
