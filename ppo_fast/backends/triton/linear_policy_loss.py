@@ -99,15 +99,19 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     batch, length, width = hidden.shape
     flat = hidden.reshape(batch * length, width)
     c = gemm.constants(head.temperature, head.logit_scale, head.logit_softcap)
-    scales = loss_scales(x.mask, objective.agg)
     needs = (output_mask[0], output_mask[1], bias is not None and output_mask[2])
     dtypes = tuple(stored_dtype(t.dtype) for t in (hidden, weight, weight))
     memory_plan = gemm.head_plan("loss", flat, weight)  # the chunk's rows and d_weight's accumulator
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
-    totals, fused = None, None
+    totals = None
     with device_guard(hidden):
-        if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x):
-            fused = policy_terms.Batch(x, objective, terms)
+        # vanilla: the terms in one launch a chunk, its normalisers its own; else the reference's under autograd
+        fused = (
+            policy_terms.Batch(x, objective, terms)
+            if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x)
+            else None
+        )
+        scales = None if fused is not None else loss_scales(x.mask, objective.agg)
         plan = _token_chunks(batch, length, memory_plan.rows, packed=x.scale is not None)
         for rs, bs in plan:
             chunk = gemm.chunk_logits(
@@ -123,7 +127,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
             logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
             shape = labels[bs].shape
-            if fused is not None:  # vanilla: one launch (policy_terms)
+            if fused is not None:
                 g_logp, g_entropy = fused.launch(logp, entropy, rs.start, shape)
             else:
                 out, g_logp, g_entropy = _per_token_grads(
