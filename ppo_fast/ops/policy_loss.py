@@ -36,18 +36,6 @@ def _bind(mode: PolicyLossMode, given: dict) -> tuple:
     return bound
 
 
-def _clip_params(low, high, dual) -> tuple:
-    """``_bind`` of the vanilla mode's parameters, its cache keyed by the values alone."""
-    if type(low) in _PLAIN and type(high) in _PLAIN and type(dual) in _PLAIN:
-        bound = _CLIP_BOUND.get((low, high, dual))
-        if bound is not None:
-            return bound
-    bound = _VANILLA.bind({"clip_eps_low": low, "clip_eps_high": high, "dual_clip": dual})
-    if len(_CLIP_BOUND) < _BOUND_MAX and type(low) in _PLAIN and type(high) in _PLAIN and type(dual) in _PLAIN:
-        _CLIP_BOUND[(low, high, dual)] = bound
-    return bound
-
-
 def _row(x):
     return None if x is None else x[None]
 
@@ -194,7 +182,6 @@ def policy_loss(
 
 
 _VANILLA = POLICY_LOSS_MODES["vanilla"]
-_CLIP_BOUND: dict[tuple, tuple] = {}
 
 
 def policy_loss_modes() -> dict[str, PolicyLossMode]:
@@ -237,7 +224,8 @@ def clipped_policy_loss(
     direct = direct_op("clipped_policy_loss", logprobs, mask)
     if direct is not None:
         try:
-            low, high, dual = _clip_params(clip_eps_low, clip_eps_high, dual_clip)
+            given = {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high, "dual_clip": dual_clip}
+            low, high, dual = _bind(_VANILLA, given)
             loss, clipfrac, clipfrac_lower, approx_kl, _ = direct(
                 logprobs, old_logprobs, advantages, mask, weights, low, high, dual, agg
             )
