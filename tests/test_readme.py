@@ -25,6 +25,39 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
     assert test in ci_lines
 
 
+def test_quick_start_installs_the_cpu_torch_where_no_gpu_is_listed(tmp_path):
+    """The train line's torch: the CUDA build where ``nvidia-smi -L`` succeeds, PyTorch's CPU index where
+    it fails or is missing.  The line's own substitution runs under bash with a stand-in nvidia-smi."""
+    import subprocess
+
+    train = _quick_start_commands()[0]
+    choice = re.search(r"torch==[0-9.]+ (\$\(nvidia-smi .*?\)) ", train).group(1)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+
+    def extra_args(smi_status):
+        if smi_status is None:
+            smi.unlink(missing_ok=True)
+        else:
+            smi.write_text(f"#!/bin/sh\necho 'GPU 0: NVIDIA H100'\nexit {smi_status}\n")
+            smi.chmod(0o755)
+        run = subprocess.run(
+            ["/bin/bash", "-c", f"echo {choice}"],
+            env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return run.stdout.split()
+
+    cpu = ["--index-url", "https://download.pytorch.org/whl/cpu"]
+    assert extra_args(0) == []
+    assert extra_args(6) == cpu  # nvidia-smi's status when the driver finds no device
+    if not any((pathlib.Path(d) / "nvidia-smi").exists() for d in ("/usr/bin", "/bin")):
+        assert extra_args(None) == cpu
+
+
 def test_readme_api_examples_run():
     """The API section's snippets, in order, in one namespace (each continues the one before)."""
     section = (ROOT / "README.md").read_text().split("## API", 1)[1].split("\n## ", 1)[0]

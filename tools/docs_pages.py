@@ -3,7 +3,7 @@ the tables of docs/ops.md that list what ppo_fast/spec.py declares (the advantag
 policy-loss modes), spliced between their markers.
 
     python tools/docs_pages.py          # (re)writes docs/trainer-options.md, docs/metrics.md, docs/performance.md,
-                                        # docs/ops.md's tables
+                                        # docs/ops.md's tables, docs/index.md's head (the README's)
     python tools/docs_pages.py --check  # exit 1 if one is not what the code and bench/results/ give
 
 The options table comes from ``ppo_fast.trainer.command_line.options_markdown()`` (what
@@ -584,7 +584,18 @@ def metrics_page() -> str:
     )
 
 
+def index_page() -> str:
+    """The site's home: the README up to its API section (its links made relative to docs/), then
+    the page's own reading guide (``## Where to read on`` onwards, written by hand)."""
+    readme = (ROOT / "README.md").read_text().split("\n## API", 1)[0].replace("](docs/", "](")
+    guide = (DOCS / "index.md").read_text().split("\n## Where to read on", 1)
+    if len(guide) != 2:
+        raise SystemExit("docs/index.md has no '## Where to read on' section")
+    return readme.rstrip("\n") + "\n\n## Where to read on" + guide[1]
+
+
 PAGES = {
+    "index.md": index_page,
     "trainer-options.md": options_page,
     "metrics.md": metrics_page,
     "performance.md": performance_page,
