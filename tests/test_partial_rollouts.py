@@ -265,15 +265,10 @@ def test_hf_engine_ends_a_round_on_the_time_budget_and_continues_it_exactly():
     "options, match",
     [
         (dict(partial_rollouts=2), r"partial_rollouts \(--partial-rollouts\) continues responses under newer weights"),
-        (dict(partial_rollouts=2, max_staleness=1, rollout_engine="vllm"), r"needs --rollout-engine hf"),
         (dict(partial_rollouts=2, max_staleness=1, stop_strings="x"), r"and --stop-strings cannot be used together"),
         (dict(partial_rollout_seconds=1.5, max_staleness=1), r"bounds the rounds of --partial-rollouts N"),
-        (
-            dict(partial_rollouts=2, partial_rollout_seconds=1.5, max_staleness=1, rollout_engine="vllm"),
-            r"partial_rollout_seconds \(--partial-rollout-seconds\) needs --rollout-engine hf",
-        ),
     ],
-    ids=["synchronous", "engine", "stop_strings", "seconds_alone", "seconds_engine"],
+    ids=["synchronous", "stop_strings", "seconds_alone"],
 )
 def test_refusals_name_the_option(options, match):
     with pytest.raises(ConfigError, match=match):
