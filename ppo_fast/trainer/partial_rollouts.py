@@ -31,8 +31,8 @@ METRICS = {
     "0 = one set of weights), s = 0 .. K: the step's trajectory-span histogram (--partial-rollouts)",
     "async/partial_rounds": "the generation rounds (at most --partial-rollouts tokens per response each) the "
     "producer ran while it made this batch",
-    "async/partial_timed_out": "the rounds of this batch that --partial-rollout-seconds ended before their "
-    "responses reached --partial-rollouts tokens or their end",
+    "async/partial_timed_out": "the rounds of this batch in which --partial-rollout-seconds ran out (each "
+    "ended at the token then sampled)",
     "async/partial_continued": "the responses of this batch continued from a prefix of an earlier round",
     "async/partial_dropped": "groups whose unfinished or waiting responses grew older than --max-staleness "
     "before they could be trained, dropped by the producer while it made this batch (wasted generation)",
@@ -86,6 +86,7 @@ class Pool:
         self.active: list[_Group] = []
         self.finished: list[_Group] = []
         self.admitted = 0
+        self.timed_out = 0  # the rounds of the batch being made that the clock ended
         self.mu_given = True
 
     def held(self) -> int:
@@ -101,7 +102,8 @@ class Pool:
         token is K steps older than ``floor`` is due in this batch, and the rounds go on until it has
         finished; a fresh group is admitted only while the groups held fit the batches left before their
         deadline (``_room``).  A group is then dropped only where more fall due in one batch than it holds."""
-        cfg, rounds, dropped, self.timed_out = self.cfg, 0, 0, 0
+        cfg, rounds, dropped = self.cfg, 0, 0
+        self.timed_out = 0
         wait = cfg.staleness_policy == "wait"
         while True:
             version, step, floor = refresh()
