@@ -81,7 +81,8 @@ class VLLMEngine:
         extra: dict | None = None,
     ):
         check_installed()
-        self.stop_strings, self.extra, self.requests = list(stop_strings), extra or {}, 0
+        self.stop_strings, self.extra = list(stop_strings), extra or {}
+        self.stepped = 0  # the generations _generate_until ran (its request ids)
         distributed = _world_size() > 1
         if not distributed:  # the worker in this process: weights are synced by reference
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -138,8 +139,8 @@ class VLLMEngine:
 
         params = params.clone()
         params.output_kind = RequestOutputKind.CUMULATIVE  # each step's output holds every token so far
-        engine, self.requests = self.llm.llm_engine, self.requests + 1
-        ids = [f"ppo-fast-{self.requests}-{row}" for row in range(len(requests))]
+        engine, self.stepped = self.llm.llm_engine, self.stepped + 1
+        ids = [f"ppo-fast-{self.stepped}-{row}" for row in range(len(requests))]
         for request_id, request in zip(ids, requests):
             engine.add_request(request_id, request, params)
         latest = {}
