@@ -53,6 +53,12 @@ SETUPS |= {
     "async_k2_t1": dict(max_staleness=2, cpu_threads=1),
     "async_k2_partial16_t1": dict(max_staleness=2, cpu_threads=1, partial_rollouts=16),
 }
+# The vLLM-CPU engine (--model llama: vLLM's CPU attention takes no head size below 32; run with the vLLM venv
+# of .ci/vllm.sh): in the trainer's process, and in the producer's at one update of staleness.
+SETUPS |= {
+    "sync_vllm_t1": dict(max_staleness=0, cpu_threads=1, rollout_engine="vllm"),
+    "async_k1_vllm_t1": dict(max_staleness=1, cpu_threads=1, rollout_engine="vllm"),
+}
 SETUPS |= {
     f"k{k}_{name}": dict(max_staleness=k, cpu_threads=1, **loss) for k in (2, 4) for name, loss in CORRECTIONS.items()
 }

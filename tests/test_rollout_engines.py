@@ -97,11 +97,23 @@ def test_a_new_engine_is_one_module_and_one_registry_entry(tmp_path, monkeypatch
         ("logprobs", dict(off_policy_loss="bypass"), "off_policy_loss .* needs --rollout-engine hf or vllm"),
         ("sleep_on", dict(vllm_sleep=True), "vllm_sleep .* needs --rollout-engine vllm"),
         ("truncation_order", dict(min_p=0.1, top_p=0.9), "min_p .* needs --rollout-engine vllm"),
+        (
+            "continues",
+            dict(partial_rollouts=2, max_staleness=1),
+            "partial_rollouts .* needs --rollout-engine hf or vllm",
+        ),
+        (
+            "round_seconds",
+            dict(partial_rollouts=2, partial_rollout_seconds=1.0, max_staleness=1),
+            "partial_rollout_seconds .* needs --rollout-engine hf or vllm",
+        ),
     ],
 )
 def test_options_are_checked_against_the_engines_capabilities(monkeypatch, capability, options, match):
     """An engine without the capability is refused naming the engines that have it; with it, accepted."""
-    without = {"logprobs": False, "sleep_on": (), "truncation_order": ("top_p", "min_p", "top_k")}[capability]
+    without = {"logprobs": False, "sleep_on": (), "truncation_order": ("top_p", "min_p", "top_k")}.get(
+        capability, False
+    )
     with_it = dataclasses.replace(ROLLOUT_ENGINES["vllm"], name="other", module="unused")
     monkeypatch.setitem(ROLLOUT_ENGINES, "other", dataclasses.replace(with_it, **{capability: without}))
     with pytest.raises(ConfigError, match=match):

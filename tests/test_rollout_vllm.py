@@ -309,6 +309,67 @@ def test_stop_strings_and_generation_kwargs_on_the_vllm_engine(vllm_run):
 
 @pytest.mark.vllm
 @requires_vllm
+@pytest.mark.parametrize("seconds", [0.0, 2.0], ids=["tokens", "seconds"])
+def test_vllm_continues_partial_rollouts_each_token_with_the_mu_of_its_weights(vllm_run, seconds):
+    """Rounds of two tokens on the module's engine, through the producer's pool, an update synced into the
+    engine before each round: by --partial-rollouts 2, or by --partial-rollout-seconds 2 before
+    --partial-rollouts 3 under a clock that ticks once a reading (the round's start, then once an engine step).
+    Each response holds the versions 0, 0, 2, 2, 4, 4 up to its end, and each token's mu (vLLM's processed
+    log-prob, at top-k 5) is the trainer's under the weights that sampled it, not under the others."""
+    import copy
+    from types import SimpleNamespace
+
+    import ppo_fast as pf
+    from ppo_fast.trainer.partial_rollouts import Pool
+    from ppo_fast.trainer.prompts import Prompts
+    from ppo_fast.trainer.rollout import forward
+    from ppo_fast.trainer.scoring import FunctionScorer, Rewards
+
+    trainer = vllm_run["trainer"]
+    engine, policy = trainer.engine, trainer.policy
+    budget = dict(partial_rollouts=3, partial_rollout_seconds=seconds) if seconds else dict(partial_rollouts=2)
+    cfg = TrainerConfig(batch_size=4, group_size=2, max_staleness=2, temperature=0.7, top_k=5, **budget)
+    prompts = [default_task.prompt(a, 60 - a) for a in range(10, 42)]
+    spec = SimpleNamespace(
+        cfg=cfg, train_set=Prompts(prompts), tokenizer=trainer.tokenizer, response_length=6, device=trainer.device
+    )
+    ticks = iter(range(1 << 20))
+    pool = Pool(spec, list(range(len(prompts))), clock=lambda: float(next(ticks)))
+    original, states = copy.deepcopy(policy.state_dict()), []
+    torch.manual_seed(3)
+
+    def refresh():
+        if states:  # an update before every round but the first
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.02 * torch.randn_like(p))
+            engine.sync_weights(policy)
+        states.append(copy.deepcopy(policy.state_dict()))
+        return 2 * (len(states) - 1), len(states) - 1, 0
+
+    try:
+        g = pool.next_batch(engine, Rewards([FunctionScorer(shorter_is_better)], [1.0]), refresh)
+        mask, versions = g.batch.response_mask, g.token_versions
+        lengths = mask.sum(-1).tolist()
+        for row, n in enumerate(lengths):
+            assert versions[row][:n].tolist() == [0, 0, 2, 2, 4, 4][:n]
+        assert max(lengths) == 6 and g.timing["rounds"] == 3, lengths  # a response continued twice
+        assert g.timing["timed_out"] == (3 if seconds else 0)
+        for version, state in enumerate(states[: g.timing["rounds"]]):
+            policy.load_state_dict(state)
+            with torch.no_grad(), pf.use_backend("reference"):
+                scores = forward(policy, None, g.batch, temperature=0.7, truncation=cfg.logprob_truncation())[0]
+            at = mask & (versions == 2 * version)
+            assert at.any()
+            assert (scores - g.engine_logprobs)[at].abs().max() < 1e-3
+            assert (scores - g.engine_logprobs)[mask & ~(versions == 2 * version)].abs().max() > 1e-2
+    finally:
+        policy.load_state_dict(original)
+        engine.sync_weights(policy)
+
+
+@pytest.mark.vllm
+@requires_vllm
 def test_the_vllm_producer_generates_with_the_weights_each_batch_names(tmp_path):
     """--max-staleness 1 with the vLLM engine: the engine runs in the producer process (none in the trainer's),
     gets each update through the shared staging copy, and every batch's log-probs mu are those of the weights

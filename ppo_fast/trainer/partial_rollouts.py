@@ -1,5 +1,6 @@
 """Partial rollouts (``--partial-rollouts N``, with ``--max-staleness K`` > 0; docs/async.md): the producer
-generates in rounds of at most N new tokens per response, so a batch no longer waits for its longest
+generates in rounds of at most N new tokens per response (and at most ``--partial-rollout-seconds S``: the
+round ends at the token sampled when S have passed), so a batch no longer waits for its longest
 response.  A response not finished after a round keeps its prefix (tokens, behaviour log-probs mu, and the
 policy version and step of the weights that sampled each token) and is continued in the next round, under
 the newest weights the producer holds then.
@@ -15,6 +16,7 @@ the newest weights the producer holds then.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +31,8 @@ METRICS = {
     "0 = one set of weights), s = 0 .. K: the step's trajectory-span histogram (--partial-rollouts)",
     "async/partial_rounds": "the generation rounds (at most --partial-rollouts tokens per response each) the "
     "producer ran while it made this batch",
+    "async/partial_timed_out": "the rounds of this batch in which --partial-rollout-seconds ran out (each "
+    "ended at the token then sampled)",
     "async/partial_continued": "the responses of this batch continued from a prefix of an earlier round",
     "async/partial_dropped": "groups whose unfinished or waiting responses grew older than --max-staleness "
     "before they could be trained, dropped by the producer while it made this batch (wasted generation)",
@@ -74,13 +78,15 @@ class _Group:
 
 class Pool:
     """The responses being generated over rounds (see the module's docstring).  ``spec``: the producer's
-    (options, prompts, tokenizer, response length, device); ``shard``: the prompts' indices it draws from."""
+    (options, prompts, tokenizer, response length, device); ``shard``: the prompts' indices it draws from;
+    ``clock()``: seconds, for ``--partial-rollout-seconds``."""
 
-    def __init__(self, spec, shard: list[int]):
-        self.cfg, self.spec, self.shard = spec.cfg, spec, shard
+    def __init__(self, spec, shard: list[int], clock=time.monotonic):
+        self.cfg, self.spec, self.shard, self.clock = spec.cfg, spec, shard, clock
         self.active: list[_Group] = []
         self.finished: list[_Group] = []
         self.admitted = 0
+        self.timed_out = 0  # the rounds of the batch being made that the clock ended
         self.mu_given = True
 
     def held(self) -> int:
@@ -97,6 +103,7 @@ class Pool:
         finished; a fresh group is admitted only while the groups held fit the batches left before their
         deadline (``_room``).  A group is then dropped only where more fall due in one batch than it holds."""
         cfg, rounds, dropped = self.cfg, 0, 0
+        self.timed_out = 0
         wait = cfg.staleness_policy == "wait"
         while True:
             version, step, floor = refresh()
@@ -111,7 +118,7 @@ class Pool:
         taken, self.finished = self.finished[: cfg.batch_size], self.finished[cfg.batch_size :]
         g = self._generated(taken, scorer)
         continued = sum(n > 1 for group in taken for n in group.rounds)
-        g.timing = {"rounds": rounds, "partial_dropped": dropped, "continued": continued}
+        g.timing = {"rounds": rounds, "partial_dropped": dropped, "continued": continued, "timed_out": self.timed_out}
         return g
 
     def _drop_older_than(self, limit: int) -> int:
@@ -143,10 +150,13 @@ class Pool:
             self.admitted += 1
 
     def _round(self, engine, version: int, step: int) -> None:
-        """One round: every unfinished response continued by at most ``--partial-rollouts`` tokens."""
+        """One round: every unfinished response continued by at most ``--partial-rollouts`` tokens, and for at
+        most ``--partial-rollout-seconds``."""
         spec, eos = self.spec, self.spec.tokenizer.eos_token_id
         rows = [(g, r) for g in self.active for r in range(len(g.texts)) if not g.ended[r]]
         keywords = sampling(self.cfg, self.cfg.partial_rollouts) | {"device": spec.device}
+        if seconds := self.cfg.partial_rollout_seconds:
+            keywords["time_up"] = self._time_up(seconds)
         batch, mu = engine.generate(
             spec.tokenizer, [g.texts[r] for g, r in rows], prefixes=[g.tokens[r] for g, r in rows], **keywords
         )
@@ -168,6 +178,20 @@ class Pool:
             g.ended[r] = eos in new or len(g.tokens[r]) >= spec.response_length
         self.finished += [g for g in self.active if all(g.ended)]
         self.active = [g for g in self.active if not all(g.ended)]
+
+    def _time_up(self, seconds: float):
+        """``time_up()`` for a round that starts now: True once ``seconds`` have passed (counted in
+        ``timed_out``, once a round)."""
+        start, said = self.clock(), []
+
+        def time_up() -> bool:
+            up = self.clock() - start >= seconds
+            if up and not said:
+                said.append(True)
+                self.timed_out += 1
+            return up
+
+        return time_up
 
     def _generated(self, groups: list[_Group], scorer) -> Generated:
         """``groups`` as the batch the trainer takes: prompts left-padded as ``encode_prompts`` pads them, the
@@ -221,6 +245,7 @@ def metrics(g: Generated, step: int, max_staleness: int, group_size: int) -> dic
         **{f"async/staleness/{a}": ages.count(a) for a in range(max_staleness + 1)},
         **{f"async/span/{s}": spans.count(s) for s in range(max_staleness + 1)},
         "async/partial_rounds": g.timing["rounds"],
+        "async/partial_timed_out": g.timing["timed_out"],
         "async/partial_continued": g.timing["continued"],
         "async/partial_dropped": g.timing["partial_dropped"],
     }

@@ -117,13 +117,15 @@ def generate(
     stop=None,
     extra: dict | None = None,
     prefixes: list[list[int]] | None = None,
+    criteria: list | None = None,
 ) -> Batch:
     """Sample (or greedily decode) responses; tokens after the first EOS become padding.
     ``synced_gpus``: every rank runs the same number of forward passes (sharded weights);
     ``logits_processor``: a ``LogitsProcessorList`` for ``generate`` (run before its temperature and truncation);
     ``stop``: ``rollout_hf.StopStrings`` (tokens after a stop string become padding too); ``extra``: more of
     ``generate``'s keywords (``--repetition-penalty``, ``--generation-kwargs``); ``prefixes``: each row's response so
-    far (token ids), continued (``--partial-rollouts``): the batch's prompts then hold them, its responses the new tokens."""
+    far (token ids), continued (``--partial-rollouts``): the batch's prompts then hold them, its responses the new tokens;
+    ``criteria``: more stopping criteria for ``generate`` (``rollout_hf.TimeUp``)."""
     if prefixes is None:
         enc = encode_prompts(tokenizer, prompts, policy.device)
     else:
@@ -135,8 +137,9 @@ def generate(
     )
     if logits_processor is not None:
         sampling["logits_processor"] = logits_processor
-    if stop is not None:
-        sampling["stopping_criteria"] = stop.criteria(enc["input_ids"].shape[1])
+    if stop is not None or criteria:
+        own = [] if stop is None else list(stop.criteria(enc["input_ids"].shape[1]))
+        sampling["stopping_criteria"] = own + list(criteria or ())
     out = policy.generate(
         **enc,
         max_new_tokens=max_new_tokens,

@@ -84,6 +84,18 @@ class StopStrings(StoppingCriteria):
         return torch.arange(response.shape[1], device=response.device) < self.stopped[:, None]
 
 
+class TimeUp(StoppingCriteria):
+    """Ends every row at the token just sampled once ``time_up()`` says so (``--partial-rollout-seconds``): the
+    rows not ended by their EOS are continued in the next round.  Asked after each token, so a round
+    samples at least one."""
+
+    def __init__(self, time_up):
+        self.time_up = time_up
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.time_up()), dtype=torch.bool, device=input_ids.device)
+
+
 class BehaviourLogprobs(LogitsProcessor):
     """Records each sampled token's log-prob under the sampling distribution, ``pf.token_logprobs`` of the
     step's logits at ``sampling``'s temperature and truncation (the log-prob ops' order, which Hugging
@@ -145,10 +157,14 @@ class HFEngine:
         greedy: bool,
         device: torch.device,
         prefixes: list[list[int]] | None = None,
+        time_up=None,
     ) -> tuple[Batch, torch.Tensor | None]:
         """``(batch, the behaviour log-probs [B, R] of the response tokens, 0 after each response)`` on the
         policy's device (``device`` is where the policy already is); ``greedy``: ``(batch, None)``;
-        ``prefixes``: each row's response so far, continued (``rollout.generate``)."""
+        ``prefixes``: each row's response so far, continued (``rollout.generate``); ``time_up()``: True ends
+        the generation at the token just sampled (``TimeUp``)."""
+        if time_up is not None and self.synced_gpus:
+            raise ValueError("time_up: ranks in step (synced_gpus) would stop at different tokens")
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         recorder = None if greedy else BehaviourLogprobs(**sampling)
         if self.stop_strings and self.stop is None:  # built once: it tabulates the tokenizer's vocabulary
@@ -165,6 +181,7 @@ class HFEngine:
                 stop=self.stop,
                 extra=self.extra,
                 prefixes=prefixes,
+                criteria=None if time_up is None else [TimeUp(time_up)],
                 **sampling,
             )
         return batch, None if recorder is None else recorder.logprobs(batch)

@@ -29,7 +29,7 @@ from ppo_fast.spec import ROLLOUT_ENGINES
 from . import lora, run_folder
 from .config import ConfigError
 from .engine import EngineSetup, engine_keywords
-from .rollout import Batch, batch_from_responses, encode_prompts
+from .rollout import Batch, batch_from_responses, encode_continuations, encode_prompts
 
 INSTALL_HINT = ROLLOUT_ENGINES["vllm"].install_hint
 # On CPU the KV cache is sized for the job (vLLM's default reserves a fraction of the machine's
@@ -82,6 +82,7 @@ class VLLMEngine:
     ):
         check_installed()
         self.stop_strings, self.extra = list(stop_strings), extra or {}
+        self.stepped = 0  # the generations _generate_until ran (its request ids)
         distributed = _world_size() > 1
         if not distributed:  # the worker in this process: weights are synced by reference
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -129,6 +130,28 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
         return time.perf_counter() - start
 
+    def _generate_until(self, requests: list, params, time_up) -> list:
+        """Each request's completion, generated step by step through the ``LLM``'s engine (``generate`` runs
+        every request to its end) until ``time_up()``, read after each step once every request has sampled a
+        token (so each round samples at least one); then the unfinished ones are aborted, keeping what they
+        sampled, the log-probs of those tokens with them."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = params.clone()
+        params.output_kind = RequestOutputKind.CUMULATIVE  # each step's output holds every token so far
+        engine, self.stepped = self.llm.llm_engine, self.stepped + 1
+        ids = [f"ppo-fast-{self.stepped}-{row}" for row in range(len(requests))]
+        for request_id, request in zip(ids, requests):
+            engine.add_request(request_id, request, params)
+        latest = {}
+        while engine.has_unfinished_requests():
+            latest |= {out.request_id: out for out in engine.step()}
+            started = len(latest) == len(ids) and all(out.outputs[0].token_ids for out in latest.values())
+            if started and time_up():
+                engine.abort_request([i for i in ids if not latest[i].finished])
+                break
+        return [latest[i].outputs[0] for i in ids]
+
     def close(self) -> None:
         """Shut the engine down (its worker and its process groups); it cannot generate afterwards."""
         self.llm.llm_engine.engine_core.shutdown()
@@ -146,16 +169,25 @@ class VLLMEngine:
         min_p: float = 0.0,
         greedy: bool,
         device: torch.device,
+        prefixes: list[list[int]] | None = None,
+        time_up=None,
     ) -> tuple[Batch, torch.Tensor]:
         """``(batch, engine log-probs [B, R] of the response tokens, 0 after each response)``.
 
         The same batch layout as ``rollout.generate``: left-padded prompts, responses up
-        to and including their EOS, padding after.
+        to and including their EOS, padding after.  ``prefixes``: each row's response so far
+        (``--partial-rollouts``), continued: the engine's prompt is the prompt's tokens then the
+        prefix's, so the new tokens are sampled, and their log-probs taken, given both.  ``time_up()``
+        (``--partial-rollout-seconds``): read after each engine step once every row has a token; True ends
+        every row at the tokens it has (``_generate_until``).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        enc = encode_prompts(tokenizer, prompts, "cpu")
+        if prefixes is None:
+            enc = encode_prompts(tokenizer, prompts, "cpu")
+        else:
+            enc = encode_continuations(tokenizer, prompts, prefixes, "cpu")
         params = SamplingParams(
             temperature=0.0 if greedy else temperature,
             top_p=1.0 if greedy else top_p,
@@ -171,7 +203,10 @@ class VLLMEngine:
             TokensPrompt(prompt_token_ids=ids[keep].tolist())
             for ids, keep in zip(enc["input_ids"], enc["attention_mask"].bool())
         ]
-        completions = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False)]
+        if time_up is None:
+            completions = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False)]
+        else:
+            completions = self._generate_until(requests, params, time_up)
         if self.sleep:
             self.llm.sleep(level=1)
         width = max(len(c.token_ids) for c in completions)
