@@ -217,6 +217,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(data: dict) -> str:
+    """The result file as the performance page's tables."""
+    lines = [
+        "| op | mode | launches | Triton, launches stubbed (µs) | IQR | native, real kernels (µs) | IQR |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    layers = ["", "| layer | CPU time (µs) | IQR |", "| --- | --- | --- |"]
+    for r in data["rows"]:
+        if "mode" in r:
+            t, n = r["triton_stubbed_cpu_iqr_us"], r["native_cpu_iqr_us"]
+            lines.append(
+                f"| `{r['op']}` | {r['mode']} | {r['triton_launches']} | {r['triton_stubbed_cpu_us']:.1f} | "
+                f"{t[0]:.1f}-{t[1]:.1f} | {r['native_cpu_us']:.1f} | {n[0]:.1f}-{n[1]:.1f} |"
+            )
+        else:
+            q = r["cpu_iqr_us"]
+            layers.append(f"| {r['op']} | {r['cpu_us']:.1f} | {q[0]:.1f}-{q[1]:.1f} |")
+    return "\n".join(lines + layers)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench triton_host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of 20 calls (a smoke run)")
