@@ -18,6 +18,7 @@ SUITES = {
     "policy_losses": "every policy-loss mode, forward + backward: auto, reference and verl",
     "cpu_vs_trl": "the native CPU token_logprobs against TRL's selective_log_softmax and eager; the exp itself",
     "overhead": "what a public op call costs beyond its backend function, on tiny inputs",
+    "triton_host": "the Triton ops' host time per call on CPU, kernel launches stubbed, beside native (TRITON_INTERPRET=1)",
     "truncation": "top-k / top-p log-probs against the plain call (native on CPU), the goal ratios",
     "linear_policy_loss": "pf.linear_policy_loss against linear_token_logprobs + policy_loss at the CPU goal shape, fwd+bwd",
     "linear_head_goal": "the fused LM head's CPU goal shape, fwd+bwd: native, eager and TRL, time and peak memory",

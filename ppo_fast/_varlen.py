@@ -27,11 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _validation as check
+
 CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
-
-
-def _host_checks_free(x: torch.Tensor) -> bool:
-    return not torch.compiler.is_compiling() and x.device.type == "cpu"
 
 
 def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device) -> None:
@@ -79,7 +77,7 @@ class Segments:
             raise TypeError(f"max_seqlen must be None or an int, got {type(max_seqlen).__name__}")
         ends = cu_seqlens.long()
         lengths = ends[1:] - ends[:-1]
-        if _host_checks_free(ends):
+        if check.host_checks_free(ends):
             _check_ends(ends, tokens)
             longest = int(lengths.max()) if len(lengths) else 0
             if max_seqlen is not None and max_seqlen != longest:

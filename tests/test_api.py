@@ -271,6 +271,10 @@ def test_backend_resolution_follows_the_choice_and_a_replaced_backend_record(mon
     assert backends.resolve(op, "cpu") is backends.backend_info("reference").module.FUNCTIONS[op]
     monkeypatch.delenv("PPO_FAST_BACKEND")
     assert backends.resolve(op, "cpu") is auto
+    with monkeypatch.context() as patched:  # os.environ replaced: the new one is read
+        patched.setattr(os, "environ", {"PPO_FAST_BACKEND": "reference"})
+        assert backends.resolve(op, "cpu") is backends.backend_info("reference").module.FUNCTIONS[op]
+    assert backends.resolve(op, "cpu") is auto
     if auto is not backends.backend_info("reference").module.FUNCTIONS[op]:
         name = backends.resolved_backend_name(op, "cpu")
         monkeypatch.setitem(backends._INFO, name, backends.BackendInfo(False, "made unavailable", None))

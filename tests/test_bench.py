@@ -263,6 +263,24 @@ def test_overhead_bench_times_every_public_op(tmp_path):
             assert r["overhead_us"] == pytest.approx(r["cpu_us"] - r["backend_cpu_us"], abs=0.02)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton backend on CPU: the interpreter")
+def test_triton_host_bench_stubs_every_launch_of_every_triton_op():
+    """Each Triton op's path runs with its launches stubbed and counted (a forward launches, its backward
+    launches again) and no kernel: a stubbed call that interpreted a kernel would take seconds, not us."""
+    from bench import triton_host
+
+    rows = triton_host.measure(rounds=2, number=2)
+    ops = [r for r in rows if "mode" in r]
+    assert {r["op"] for r in ops} == set(triton_host.CASES)
+    launches = {(r["op"], r["mode"]): r["triton_launches"] for r in ops}
+    for (op, mode), count in launches.items():
+        assert count >= 1, (op, mode)
+        if mode == "fwd+bwd":
+            assert count > launches[op, "fwd"], op
+    assert all(r["triton_stubbed_cpu_us"] < 20_000 for r in ops)
+    assert sum("layer" in r["op"] for r in rows) == 4
+
+
 def test_a_timing_without_a_spread_is_refused():
     """One sample (a cold call, say) is no headline: the timer takes at least MIN_SAMPLES blocks after a
     warm-up, and a Timing of fewer is an error."""

@@ -324,6 +324,7 @@ def _other_sections() -> list[str]:
             vllm_rollout.markdown(data),
             "",
         ]
+    out += _triton_host_section()
     out += _padding_free_section()
     out += _packed_section()
     out += _lora_section()
@@ -378,6 +379,25 @@ def _padding_free_section() -> list[str]:
         measured_on(data, "padding-free-cpu.json"),
         "",
         padding_free.markdown(data),
+        "",
+    ]
+
+
+def _triton_host_section() -> list[str]:
+    from bench import triton_host
+
+    data = _load("triton-host-cpu.json")
+    if not data:
+        return []
+    return [
+        "## The Triton ops' host time",
+        "",
+        f"`TRITON_INTERPRET=1 python -m bench triton_host`: {data['what']}.  What a GPU adds per launch "
+        "(Triton's own launcher) and the kernels themselves are not in these numbers.",
+        "",
+        measured_on(data, "triton-host-cpu.json"),
+        "",
+        triton_host.markdown(data),
         "",
     ]
 
