@@ -30,12 +30,12 @@ def _llama(vocab: int):
     return LlamaForCausalLM(config).float().eval()
 
 
-def _batch(vocab: int, seed: int) -> Batch:
-    """Prompts left-padded to 7 (real lengths 7, 3, 1, 5), responses of 6 ending early (6, 2, 1, 4 tokens)."""
+def _batch(vocab: int, seed: int, responses=(6, 2, 1, 4), width: int = 6) -> Batch:
+    """Prompts left-padded to 7 (real lengths 7, 3, 1, 5), responses of ``width`` ending early (``responses`` tokens)."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(vocab, (4, 13), generator=generator)
-    mask = torch.zeros(4, 13, dtype=torch.bool)
-    for row, (prompt, response) in enumerate([(7, 6), (3, 2), (1, 1), (5, 4)]):
+    ids = torch.randint(vocab, (4, 7 + width), generator=generator)
+    mask = torch.zeros(4, 7 + width, dtype=torch.bool)
+    for row, (prompt, response) in enumerate(zip((7, 3, 1, 5), responses)):
         mask[row, 7 - prompt : 7 + response] = True
     return Batch(ids, mask, 7)
 
@@ -208,14 +208,8 @@ _ONE_PASS_CASES = tiers.sampled(
 
 
 def _short_batch(vocab: int, seed: int) -> Batch:
-    """Prompts left-padded to 7 (real lengths 7, 3, 1, 5), responses of width 7 ending early (5, 2, 0, 4 tokens:
-    none as long as the width, one empty)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(vocab, (4, 14), generator=generator)
-    mask = torch.zeros(4, 14, dtype=torch.bool)
-    for row, (prompt, response) in enumerate([(7, 5), (3, 2), (1, 0), (5, 4)]):
-        mask[row, 7 - prompt : 7 + response] = True
-    return Batch(ids, mask, 7)
+    """``_batch`` with responses of width 7 and 5, 2, 0 and 4 tokens: none as long as the width, one empty."""
+    return _batch(vocab, seed, (5, 2, 0, 4), 7)
 
 
 def _no_spread(self, values):
