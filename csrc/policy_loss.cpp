@@ -20,6 +20,7 @@
 #include "common/float_io.h"
 #include "common/loss_math.h"
 #include "common/loss_rows.h"
+#include "common/seq_loss_glue.h"
 #include "common/seq_loss_math.h"
 #include "common/varlen.h"
 
@@ -344,8 +345,6 @@ void seq_row_forward(const T* lp, const T* od, const T* ad, const T* w, const bo
   }
 }
 
-using SeqForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 // The forward over `layout`'s rows of the flat inputs (the padded [B, T] rows, or cu_seqlens' segments).
 template <PolicyMode mode>
 SeqForward seq_loss_rows(const SeqInputs& in, const Rows& layout, Agg agg, double eps_low, double eps_high,
@@ -398,69 +397,20 @@ SeqForward seq_loss_rows(const SeqInputs& in, const Rows& layout, Agg agg, doubl
           row_state};
 }
 
-template <PolicyMode mode>
-SeqForward seq_loss_cpu(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                        const at::Tensor& mask, const std::optional<at::Tensor>& weights, double eps_low,
-                        double eps_high, c10::string_view agg_name) {
-  const char* op = seq_loss_op_name(mode);
-  const Agg agg = parse_agg(op, agg_name);
-  const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
-  return seq_loss_rows<mode>(in, Rows{nullptr, in.rows, in.length}, agg, eps_low, eps_high, logprobs);
-}
-
-// The packed layout's inputs: 1-D [N], checked as one [1, N] row; the rows are cu_seqlens' segments.
-template <PolicyMode mode>
-SeqInputs seq_varlen_inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                            const at::Tensor& advantages, const at::Tensor& mask,
-                            const std::optional<at::Tensor>& weights) {
-  check_dim(op, "logprobs", logprobs, 1);
-  const auto row = [](const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t; };
-  const std::optional<at::Tensor> w = weights.has_value() ? std::optional<at::Tensor>(row(*weights)) : std::nullopt;
-  return seq_inputs(op, row(logprobs), row(old_logprobs), row(advantages), row(mask), w);
-}
-
-template <PolicyMode mode>
-SeqForward seq_loss_varlen_cpu(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                               const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-                               const at::Tensor& cu_seqlens, double eps_low, double eps_high,
-                               c10::string_view agg_name) {
-  const char* op = seq_loss_varlen_op_name(mode);
-  const Agg agg = parse_agg(op, agg_name);
-  const SeqInputs in = seq_varlen_inputs<mode>(op, logprobs, old_logprobs, advantages, mask, weights);
-  int64_t longest = 0;
-  const at::Tensor cu = checked_cu_seqlens(op, cu_seqlens, logprobs.size(0), logprobs, &longest);
-  return seq_loss_rows<mode>(in, Rows{cu.const_data_ptr<int64_t>(), cu.numel() - 1, longest}, agg, eps_low, eps_high,
-                             logprobs);
-}
-
-using SeqGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 // The backward over `layout`'s rows of the flat inputs (as seq_loss_rows): gradients in the compute
 // dtype, then in each input's dtype.
 template <PolicyMode mode>
 SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, const SeqInputs& in, const Rows& layout,
-                                const std::array<const at::Tensor*, 4>& like, const at::Tensor& row_scale_in,
-                                const at::Tensor& row_state_in, double eps_low, double eps_high,
-                                std::array<bool, 4> output_mask) {
-  const at::Tensor &logprobs = *like[0], &old_logprobs = *like[1], &advantages = *like[2];
-  const std::optional<at::Tensor> weights = like[3] ? std::optional<at::Tensor>(*like[3]) : std::nullopt;
+                                const SeqLike& like, const at::Tensor& row_scale_in, const at::Tensor& row_state_in,
+                                double eps_low, double eps_high, std::array<bool, 4> output_mask) {
   const int64_t rows = layout.rows, length = layout.width;
-  check_grad_loss(op, grad_loss);
-  check_float(op, "row_scale", row_scale_in);
-  check_shape(op, "row_scale", row_scale_in, {rows});
-  check_float(op, "row_state", row_state_in);
-  check_shape(op, "row_state", row_state_in, {rows, kRowState});
-  check_same_device(
-      op,
-      {{"logprobs", &logprobs}, {"grad_loss", &grad_loss}, {"row_scale", &row_scale_in}, {"row_state", &row_state_in}});
+  check_seq_backward(op, grad_loss, like, row_scale_in, row_state_in, rows);
   const at::Tensor scales = row_scale_in.to(in.dtype).contiguous(), states = row_state_in.to(in.dtype).contiguous();
   const double upstream = grad_loss.item<double>();  // a CPU tensor: no device sync
-  // GSPO passes no gradient to old_logprobs (its sequence ratio is detached).
-  const bool need_logp = output_mask[0], need_old = output_mask[1] && mode == PolicyMode::kGeoMean;
-  const bool need_adv = output_mask[2], need_w = output_mask[3] && in.weights.defined();
-  at::Tensor g_lp = grad_like(logprobs, need_logp || need_old, in.dtype),
-             g_ad = grad_like(advantages, need_adv, in.dtype);
-  at::Tensor g_w = weights.has_value() ? grad_like(*weights, need_w, in.dtype) : at::empty({0}, logprobs.options());
+  const SeqWants want = seq_wants(mode, output_mask, in.weights.defined());
+  at::Tensor g_lp = grad_like(like.logprobs, want.logp || want.old, in.dtype),
+             g_ad = grad_like(like.advantages, want.adv, in.dtype);
+  at::Tensor g_w = want.weights ? grad_like(*like.weights, true, in.dtype) : at::Tensor();
 
   with_compute_type(in.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -470,7 +420,7 @@ SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, con
     const T *scale = scales.const_data_ptr<T>(), *state = states.const_data_ptr<T>();
     T* out_lp = g_lp.numel() ? g_lp.mutable_data_ptr<T>() : nullptr;
     T* out_ad = g_ad.numel() ? g_ad.mutable_data_ptr<T>() : nullptr;
-    T* out_w = g_w.numel() ? g_w.mutable_data_ptr<T>() : nullptr;
+    T* out_w = g_w.defined() && g_w.numel() ? g_w.mutable_data_ptr<T>() : nullptr;
     const T low = static_cast<T>(eps_low), high = static_cast<T>(eps_high);
     const PolicyBounds<T> bounds = clip_bounds<T>(eps_low, eps_high);
     at::parallel_for(0, rows, row_grain(length), [&](int64_t begin, int64_t end) {
@@ -497,44 +447,44 @@ SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, con
       }
     });
   });
-  // d / d old_logprobs is the negation of d / d logprobs (both through logp - old).
-  at::Tensor grad_old = need_old ? (-g_lp).to(old_logprobs.scalar_type()) : at::empty({0}, old_logprobs.options());
-  at::Tensor grad_logp = need_logp ? g_lp.to(logprobs.scalar_type()) : at::empty({0}, logprobs.options());
-  at::Tensor grad_adv = need_adv ? g_ad.to(advantages.scalar_type()) : g_ad;
-  at::Tensor grad_w = need_w ? g_w.to(weights->scalar_type()) : g_w;
-  return {grad_logp, grad_old, grad_adv, grad_w};
+  return seq_grads(like, want, g_lp, g_ad, g_w);
 }
 
-template <PolicyMode mode>
-SeqGrads seq_loss_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                               const at::Tensor& advantages, const at::Tensor& mask,
-                               const std::optional<at::Tensor>& weights, const at::Tensor& row_scale,
-                               const at::Tensor& row_state, double eps_low, double eps_high,
-                               std::array<bool, 4> output_mask) {
-  const char* op = seq_loss_backward_op_name(mode);
-  const SeqInputs in = seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
-  const std::array<const at::Tensor*, 4> like{&logprobs, &old_logprobs, &advantages,
-                                              weights.has_value() ? &*weights : nullptr};
-  return seq_loss_backward_rows<mode>(op, grad_loss, in, Rows{nullptr, in.rows, in.length}, like, row_scale, row_state,
-                                      eps_low, eps_high, output_mask);
-}
+// SeqLoss's kernels on the CPU: the rows are read on the host (a packed layout's hold its checked cu_seqlens).
+struct CpuSeqKernels {
+  struct Layout {
+    at::Tensor cu;  // the packed layout's int64 cu_seqlens, which rows.cu points into; undefined when padded
+    Rows rows;
+  };
+  static SeqInputs inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                          const at::Tensor& advantages, const at::Tensor& mask,
+                          const std::optional<at::Tensor>& weights) {
+    return seq_inputs(op, logprobs, old_logprobs, advantages, mask, weights);
+  }
+  static Layout padded(const SeqInputs& in) { return {at::Tensor(), Rows{nullptr, in.rows, in.length}}; }
+  static Layout packed(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& logprobs) {
+    int64_t longest = 0;
+    Layout layout{checked_cu_seqlens(op, cu_seqlens, logprobs.size(0), logprobs, &longest), Rows{}};
+    layout.rows = Rows{layout.cu.const_data_ptr<int64_t>(), layout.cu.numel() - 1, longest};
+    return layout;
+  }
+  static void device(const char*, const at::Tensor&) {}
+  template <PolicyMode mode>
+  static SeqForward forward(const char*, const SeqInputs& in, const Layout& layout, const at::Tensor& logprobs,
+                            double eps_low, double eps_high, Agg agg) {
+    return seq_loss_rows<mode>(in, layout.rows, agg, eps_low, eps_high, logprobs);
+  }
+  template <PolicyMode mode>
+  static SeqGrads backward(const char* op, const at::Tensor& grad_loss, const SeqInputs& in, const Layout& layout,
+                           const SeqLike& like, const at::Tensor& row_scale, const at::Tensor& row_state,
+                           double eps_low, double eps_high, std::array<bool, 4> output_mask) {
+    return seq_loss_backward_rows<mode>(op, grad_loss, in, layout.rows, like, row_scale, row_state, eps_low, eps_high,
+                                        output_mask);
+  }
+};
 
 template <PolicyMode mode>
-SeqGrads seq_loss_varlen_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logprobs,
-                                      const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                                      const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-                                      const at::Tensor& row_scale, const at::Tensor& row_state,
-                                      const at::Tensor& cu_seqlens, double eps_low, double eps_high,
-                                      std::array<bool, 4> output_mask) {
-  const char* op = seq_loss_varlen_backward_op_name(mode);
-  const SeqInputs in = seq_varlen_inputs<mode>(op, logprobs, old_logprobs, advantages, mask, weights);
-  int64_t longest = 0;
-  const at::Tensor cu = checked_cu_seqlens(op, cu_seqlens, logprobs.size(0), logprobs, &longest);
-  const std::array<const at::Tensor*, 4> like{&logprobs, &old_logprobs, &advantages,
-                                              weights.has_value() ? &*weights : nullptr};
-  return seq_loss_backward_rows<mode>(op, grad_loss, in, Rows{cu.const_data_ptr<int64_t>(), cu.numel() - 1, longest},
-                                      like, row_scale, row_state, eps_low, eps_high, output_mask);
-}
+using CpuSeqLoss = SeqLoss<CpuSeqKernels, mode>;
 
 }  // namespace
 
@@ -562,19 +512,19 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
 }
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
-  m.impl("policy_loss_gspo_varlen", &seq_loss_varlen_cpu<PolicyMode::kGspo>);
-  m.impl("policy_loss_gspo_varlen_backward", &seq_loss_varlen_backward_cpu<PolicyMode::kGspo>);
-  m.impl("policy_loss_geo_mean_varlen", &seq_loss_varlen_cpu<PolicyMode::kGeoMean>);
-  m.impl("policy_loss_geo_mean_varlen_backward", &seq_loss_varlen_backward_cpu<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_gspo_varlen", &CpuSeqLoss<PolicyMode::kGspo>::packed);
+  m.impl("policy_loss_gspo_varlen_backward", &CpuSeqLoss<PolicyMode::kGspo>::packed_backward);
+  m.impl("policy_loss_geo_mean_varlen", &CpuSeqLoss<PolicyMode::kGeoMean>::packed);
+  m.impl("policy_loss_geo_mean_varlen_backward", &CpuSeqLoss<PolicyMode::kGeoMean>::packed_backward);
 }
 
 TORCH_LIBRARY_IMPL(ppo_fast, CPU, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cpu);
   m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cpu);
-  m.impl("policy_loss_gspo", &seq_loss_cpu<PolicyMode::kGspo>);
-  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cpu<PolicyMode::kGspo>);
-  m.impl("policy_loss_geo_mean", &seq_loss_cpu<PolicyMode::kGeoMean>);
-  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cpu<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_gspo", &CpuSeqLoss<PolicyMode::kGspo>::padded);
+  m.impl("policy_loss_gspo_backward", &CpuSeqLoss<PolicyMode::kGspo>::padded_backward);
+  m.impl("policy_loss_geo_mean", &CpuSeqLoss<PolicyMode::kGeoMean>::padded);
+  m.impl("policy_loss_geo_mean_backward", &CpuSeqLoss<PolicyMode::kGeoMean>::padded_backward);
 }
 
 }  // namespace ppo_fast

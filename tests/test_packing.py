@@ -5,9 +5,12 @@ crosses the packed sequences is refused."""
 from __future__ import annotations
 
 import pytest
+import tiers
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import ppo_fast as pf
+from ppo_fast import _varlen, spec
 from ppo_fast.trainer import ConfigError, TrainerConfig, default_task, packing, rollout, startup, update
 from ppo_fast.trainer.models import build_critic
 from ppo_fast.trainer.rollout import Batch, forward, score_old_and_ref
@@ -27,12 +30,12 @@ def _llama(vocab: int):
     return LlamaForCausalLM(config).float().eval()
 
 
-def _batch(vocab: int, seed: int) -> Batch:
-    """Prompts left-padded to 7 (real lengths 7, 3, 1, 5), responses of 6 ending early (6, 2, 1, 4 tokens)."""
+def _batch(vocab: int, seed: int, responses=(6, 2, 1, 4), width: int = 6) -> Batch:
+    """Prompts left-padded to 7 (real lengths 7, 3, 1, 5), responses of ``width`` ending early (``responses`` tokens)."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(vocab, (4, 13), generator=generator)
-    mask = torch.zeros(4, 13, dtype=torch.bool)
-    for row, (prompt, response) in enumerate([(7, 6), (3, 2), (1, 1), (5, 4)]):
+    ids = torch.randint(vocab, (4, 7 + width), generator=generator)
+    mask = torch.zeros(4, 7 + width, dtype=torch.bool)
+    for row, (prompt, response) in enumerate(zip((7, 3, 1, 5), responses)):
         mask[row, 7 - prompt : 7 + response] = True
     return Batch(ids, mask, 7)
 
@@ -143,14 +146,15 @@ def test_token_bins_fill_first_fit_decreasing_within_the_budget():
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins if len(b) > 1)
 
 
-def _one_update(budget: int | None, seed: int) -> dict:
+def _one_update(budget: int | None, seed: int, make_batch=_batch, kl_coef: float = 0.0, **options) -> dict:
+    """One update's stats and weights (``options``: more of the config; ``kl_coef``: the KL in the loss,
+    with rollout-correction weights too)."""
     tokenizer = default_task.build_tokenizer()
     policy = default_task.build_model(tokenizer, seed)
     critic = build_critic(policy, "separate")
-    batch = _batch(len(tokenizer), seed)
-    cfg = TrainerConfig(
-        num_mini_batches=1, num_ppo_epochs=1, max_tokens_per_micro_batch=budget, max_grad_norm=0.0, padding_free=True
-    )
+    batch = make_batch(len(tokenizer), seed)
+    options = dict(num_mini_batches=1, num_ppo_epochs=1, max_grad_norm=0.0, padding_free=True) | options
+    cfg = TrainerConfig(max_tokens_per_micro_batch=budget, **options)
     order = torch.arange(batch.input_ids.shape[0])
     groups = update.first_epoch_micro_batches(order, batch.attention_mask.sum(-1), cfg)
     with torch.no_grad():  # scored in the update's first micro-batches, as the trainer does
@@ -161,6 +165,9 @@ def _one_update(budget: int | None, seed: int) -> dict:
     exp = update.Experience(
         batch=batch, old_logprobs=old, advantages=advantages, old_values=values, returns=values + advantages
     )
+    if kl_coef:
+        exp.ref_logprobs, exp.kl_coef = old + 0.1 * advantages.flip(0), kl_coef
+        exp.weights = torch.linspace(0.5, 1.5, advantages.numel()).view_as(old)
     params = [*policy.parameters(), *critic.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -184,3 +191,112 @@ def test_a_token_budget_cuts_micro_batches_and_leaves_the_update_unchanged(monke
     for want, got in zip(whole["weights"], budgeted["weights"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(w, p) for w, p in zip(whole["weights"], _one_update(None, seed + 1)["weights"]))
+
+
+# ---------------------------------------------------------------------- the one-pass loss on packed responses
+
+# Each mode the trainer runs in one pass through the head: the token-level ones and the sequence-level ones.
+_ONE_PASS_CASES = tiers.sampled(
+    [
+        (mode, agg)
+        for mode in ("vanilla", "gspo", "geo_mean", "sapo", "dppo_kl")
+        for agg in spec.AGG_MODES
+        if pf.policy_loss_modes()[mode].linear_op is not None
+    ],
+    strength=1,
+)
+
+
+def _short_batch(vocab: int, seed: int) -> Batch:
+    """``_batch`` with responses of width 7 and 5, 2, 0 and 4 tokens: none as long as the width, one empty."""
+    return _batch(vocab, seed, (5, 2, 0, 4), 7)
+
+
+def _no_spread(self, values):
+    raise AssertionError("the one-pass loss spread packed tokens back to the padded [B, R] layout")
+
+
+def _no_padding(*args, **kwargs):
+    raise AssertionError("the one-pass loss took the packed op's padded detour")
+
+
+@pytest.mark.parametrize("mode, agg", _ONE_PASS_CASES)
+def test_the_one_pass_loss_of_packed_responses_equals_the_padded_one(mode, agg, monkeypatch):
+    """Loss, every stat and every gradient equal the padded layout's (float64), the per-token inputs
+    (weights, the reference's log-probs) gathered to the packed tokens; the packed call spreads
+    nothing back to ``[B, R]`` and takes no padded detour."""
+    seed = torch.randint(1000, ()).item()
+    policy = _llama(96).double()
+    if why := packing.problem(policy, torch.device("cpu")):
+        pytest.skip(why)
+    batch = _short_batch(96, seed)
+    generator = torch.Generator().manual_seed(seed)
+    shape = batch.response_ids.shape
+    old, adv, weights, ref = (torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(4))
+    terms = dict(
+        loss_mode=mode,
+        agg=agg,
+        weights=weights.abs(),
+        entropy_coef=0.03,
+        **pf.policy_loss_modes()[mode].example_params(),
+    )
+    terms |= dict(ref_logprobs=old + 0.3 * ref, kl_coef=0.2, kl_estimator="k3")
+    results = {}
+    for packed in (False, True):
+        policy.zero_grad(set_to_none=True)
+        request = rollout.LossRequest(
+            temperature=0.8,
+            old_logprobs=old - 0.2 * adv.abs(),
+            advantages=adv,
+            mask=batch.response_mask,
+            terms=terms,
+            packed=packed,
+        )
+        with monkeypatch.context() as patch:
+            if packed:
+                patch.setattr(packing.Packed, "spread", _no_spread)
+                patch.setattr(_varlen.Layout, "of", _no_padding)
+            loss, stats = rollout.policy_loss_through_head(policy, batch, request)
+        loss.backward()
+        results[packed] = (loss.detach(), stats, [p.grad.clone() for p in policy.parameters()])
+    (loss0, stats0, grads0), (loss1, stats1, grads1) = results[False], results[True]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-12, atol=1e-14)
+    assert stats1.keys() == stats0.keys() and "kl_loss" in stats1
+    for name in stats0:
+        torch.testing.assert_close(stats1[name], stats0[name], rtol=1e-12, atol=1e-14, msg=lambda m: f"{name}: {m}")
+    for want, got in zip(grads0, grads1):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    assert any(g.abs().sum() > 0 for g in grads1)
+
+
+def test_the_packed_responses_are_one_sequence_each_in_row_order():
+    batch = _short_batch(50, 0)
+    p = packing.pack(batch.input_ids, batch.attention_mask, 7)
+    assert p.cu_seqlens.tolist() == [0, 5, 7, 7, 11]
+    values = torch.arange(28.0).view(4, 7)
+    assert p.gather(values).tolist() == values[batch.response_mask].tolist()
+    assert torch.equal(p.spread(p.gather(values)), torch.where(batch.response_mask, values, 0.0))
+
+
+@pytest.mark.parametrize("mode, agg", [("vanilla", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean")])
+def test_an_update_through_the_one_pass_loss_packed_equals_padded(mode, agg, monkeypatch):
+    """Packing on or off, an update's micro-batches after the first (the one pass through the fused head,
+    here on packed responses) give the same stats and weights."""
+    seed = torch.randint(1000, ()).item()
+    calls = []
+    real = pf.linear_policy_loss
+    monkeypatch.setattr(
+        pf, "linear_policy_loss", lambda *a, **k: calls.append(k["cu_seqlens"] is not None) or real(*a, **k)
+    )
+    options = dict(gradient_accumulation_steps=2, num_ppo_epochs=2, loss_mode=mode, agg=agg, entropy_coef=0.01)
+    padded, packed = (
+        _one_update(None, seed, _short_batch, kl_coef=0.1, padding_free=padding_free, **options)
+        for padding_free in (False, True)
+    )
+    assert calls == [False] * 3 + [True] * 3  # every micro-batch but the update's first, packed with padding-free
+    assert packed["stats"].pop("packing/packed_share") == 1.0
+    assert packed["stats"].keys() == padded["stats"].keys()
+    for name, want in padded["stats"].items():
+        assert packed["stats"][name] == pytest.approx(want, rel=1e-5, abs=1e-6), name
+    for want, got in zip(padded["weights"], packed["weights"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

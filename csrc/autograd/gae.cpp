@@ -17,13 +17,22 @@ using GaeBackwardSignature = Pair(const OptTensor&, const OptTensor&, const Tens
 
 OptTensor optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-struct Gae : torch::autograd::Function<Gae> {
+// The padded op (Layout empty) and the packed layout's (gae_varlen: Layout = Tensor, cu_seqlens after the mask) share
+// one Function; their backward ops are gae_backward (differentiable: GaeBackward) and gae_varlen_backward
+// (NoSecondOrder: a second-order gradient raises, naming the reference).
+template <const char* Name, const char* BackwardName, typename... Layout>
+struct Gae : torch::autograd::Function<Gae<Name, BackwardName, Layout...>> {
+  using Forward = Pair(const Tensor&, const Tensor&, const Tensor&, const Layout&..., double, double);
+  using Backward = Pair(const OptTensor&, const OptTensor&, const Tensor&, const Layout&..., double, double,
+                        at::ScalarType, at::ScalarType, std::array<bool, 2>);
+  static constexpr size_t kLayout = sizeof...(Layout);
+
   static variable_list forward(AutogradContext* ctx, const Tensor& rewards, const Tensor& values, const Tensor& mask,
-                               double gamma, double lam) {
+                               const Layout&... layout, double gamma, double lam) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op = typed_op<GaeSignature>("ppo_fast::gae");
-    auto [advantages, returns] = op.call(rewards, values, mask, gamma, lam);
-    ctx->save_for_backward({mask});
+    static const auto op = typed_op<Forward>(Name);
+    auto [advantages, returns] = op.call(rewards, values, mask, layout..., gamma, lam);
+    ctx->save_for_backward({mask, layout...});
     ctx->saved_data["gamma"] = gamma;
     ctx->saved_data["lam"] = lam;
     ctx->saved_data["rewards_dtype"] = static_cast<int64_t>(rewards.scalar_type());
@@ -33,24 +42,33 @@ struct Gae : torch::autograd::Function<Gae> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // Through the Autograd key again: a second-order gradient differentiates this call.
-    static const auto op = typed_op<GaeBackwardSignature>("ppo_fast::gae_backward");
-    const auto& data = ctx->saved_data;
     const std::array<bool, 2> want{needs_grad(ctx, 0), needs_grad(ctx, 1)};
     auto [rewards, values] =
-        op.call(optional(grads[0]), optional(grads[1]), ctx->get_saved_variables()[0], data.at("gamma").toDouble(),
-                data.at("lam").toDouble(), static_cast<at::ScalarType>(data.at("rewards_dtype").toInt()),
-                static_cast<at::ScalarType>(data.at("values_dtype").toInt()), want);
-    return {wanted(rewards, want[0]), wanted(values, want[1]), Tensor(), Tensor(), Tensor()};
+        backward_op(grads, ctx->get_saved_variables(), ctx->saved_data, want, std::make_index_sequence<kLayout>());
+    variable_list out{wanted(rewards, want[0]), wanted(values, want[1])};
+    out.resize(5 + kLayout);  // none for the mask, the layout, gamma and lam
+    return out;
   }
 
-  static Pair kernel(const Tensor& rewards, const Tensor& values, const Tensor& mask, double gamma, double lam) {
+  // The backward op (through the Autograd key again: a second-order gradient differentiates this call) on the
+  // saved tensors: the mask, then the layout's.
+  template <typename Data, size_t... I>
+  static Pair backward_op(const variable_list& grads, const variable_list& saved, const Data& data,
+                          std::array<bool, 2> want, std::index_sequence<I...>) {
+    static const auto op = typed_op<Backward>(BackwardName);
+    return op.call(optional(grads[0]), optional(grads[1]), saved[0], saved[1 + I]..., data.at("gamma").toDouble(),
+                   data.at("lam").toDouble(), static_cast<at::ScalarType>(data.at("rewards_dtype").toInt()),
+                   static_cast<at::ScalarType>(data.at("values_dtype").toInt()), want);
+  }
+
+  static Pair kernel(const Tensor& rewards, const Tensor& values, const Tensor& mask, const Layout&... layout,
+                     double gamma, double lam) {
     if (!records_autograd(rewards, values, mask)) {
-      static const auto op = typed_op<GaeSignature>("ppo_fast::gae");
+      static const auto op = typed_op<Forward>(Name);
       at::AutoDispatchBelowADInplaceOrView guard;
-      return op.call(rewards, values, mask, gamma, lam);
+      return op.call(rewards, values, mask, layout..., gamma, lam);
     }
-    auto out = apply(rewards, values, mask, gamma, lam);
+    auto out = Gae::apply(rewards, values, mask, layout..., gamma, lam);
     return {out[0], out[1]};
   }
 };
@@ -106,54 +124,21 @@ struct GaeBackward : torch::autograd::Function<GaeBackward> {
   }
 };
 
-// The packed layout (gae_varlen): cu_seqlens after the mask.  Its backward has no gradient of its own
-// (NoSecondOrder: a second-order gradient raises, naming the reference).
-using VarlenSignature = Pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double);
-using VarlenBackwardSignature = Pair(const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double, double,
-                                     at::ScalarType, at::ScalarType, std::array<bool, 2>);
+constexpr char kGae[] = "ppo_fast::gae";
+constexpr char kGaeBackward[] = "ppo_fast::gae_backward";
+constexpr char kVarlen[] = "ppo_fast::gae_varlen";
 constexpr char kVarlenBackward[] = "ppo_fast::gae_varlen_backward";
 
-struct GaeVarlen : torch::autograd::Function<GaeVarlen> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& rewards, const Tensor& values, const Tensor& mask,
-                               const Tensor& cu_seqlens, double gamma, double lam) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op = typed_op<VarlenSignature>("ppo_fast::gae_varlen");
-    auto [advantages, returns] = op.call(rewards, values, mask, cu_seqlens, gamma, lam);
-    ctx->save_for_backward({mask, cu_seqlens});
-    ctx->saved_data["gamma"] = gamma;
-    ctx->saved_data["lam"] = lam;
-    ctx->saved_data["rewards_dtype"] = static_cast<int64_t>(rewards.scalar_type());
-    ctx->saved_data["values_dtype"] = static_cast<int64_t>(values.scalar_type());
-    ctx->set_materialize_grads(false);
-    return {advantages, returns};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<VarlenBackwardSignature>(kVarlenBackward);
-    const auto& data = ctx->saved_data;
-    const variable_list saved = ctx->get_saved_variables();
-    const std::array<bool, 2> want{needs_grad(ctx, 0), needs_grad(ctx, 1)};
-    auto [rewards, values] =
-        op.call(optional(grads[0]), optional(grads[1]), saved[0], saved[1], data.at("gamma").toDouble(),
-                data.at("lam").toDouble(), static_cast<at::ScalarType>(data.at("rewards_dtype").toInt()),
-                static_cast<at::ScalarType>(data.at("values_dtype").toInt()), want);
-    return {wanted(rewards, want[0]), wanted(values, want[1]), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-
-  static Pair kernel(const Tensor& rewards, const Tensor& values, const Tensor& mask, const Tensor& cu_seqlens,
-                     double gamma, double lam) {
-    auto out = apply(rewards, values, mask, cu_seqlens, gamma, lam);
-    return {out[0], out[1]};
-  }
-};
+using Padded = Gae<kGae, kGaeBackward>;
+using Packed = Gae<kVarlen, kVarlenBackward, Tensor>;
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, Autograd, m) {
-  m.impl("gae", &Gae::kernel);
+  m.impl("gae", &Padded::kernel);
   m.impl("gae_backward", &GaeBackward::kernel);
-  m.impl("gae_varlen", &GaeVarlen::kernel);
-  m.impl("gae_varlen_backward", &NoSecondOrder<kVarlenBackward, VarlenBackwardSignature>::kernel);
+  m.impl("gae_varlen", &Packed::kernel);
+  m.impl("gae_varlen_backward", &NoSecondOrder<kVarlenBackward, Packed::Backward>::kernel);
 }
 
 }  // namespace ppo_fast

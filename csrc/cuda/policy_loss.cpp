@@ -15,6 +15,7 @@
 #include "common/cuda_checks.h"
 #include "common/float_io.h"
 #include "common/loss_math.h"
+#include "common/seq_loss_glue.h"
 #include "common/seq_loss_math.h"
 #include "cuda/policy_loss.h"
 #include "cuda/token_loss_glue.h"
@@ -148,8 +149,6 @@ struct SeqRows {
   int64_t rows, length;
 };
 
-SeqRows padded_rows(const at::Tensor& logprobs) { return {at::Tensor(), logprobs.size(0), logprobs.size(1)}; }
-
 SeqRows packed_rows(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& logprobs) {
   SeqRows r{device_cu_seqlens(op, cu_seqlens, logprobs), 0, logprobs.size(0)};
   r.rows = r.cu.numel() - 1;
@@ -164,8 +163,6 @@ cuda::SeqInputs<T> seq_inputs(const SeqBuffers& b, const SeqRows& layout, double
   in.cu = layout.cu.defined() ? layout.cu.const_data_ptr<int64_t>() : nullptr;
   return in;
 }
-
-using SeqForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The forward over `layout`'s rows of the checked buffers.
 template <PolicyMode mode>
@@ -192,75 +189,22 @@ SeqForward seq_loss_rows(const char* op, const SeqBuffers& b, const SeqRows& lay
   return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
 }
 
-template <PolicyMode mode>
-SeqForward seq_loss_cuda(const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                         const at::Tensor& mask, const std::optional<at::Tensor>& weights, double eps_low,
-                         double eps_high, c10::string_view agg_name) {
-  const char* op = seq_loss_op_name(mode);
-  const Agg agg = parse_agg(op, agg_name);
-  const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  check_cuda(op, logprobs);
-  return seq_loss_rows<mode>(op, b, padded_rows(logprobs), logprobs, eps_low, eps_high, agg);
-}
-
-// The packed layout's [N] inputs, checked as one [1, N] row (the buffers stay [1, N]).
-SeqBuffers seq_varlen_buffers(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                              const at::Tensor& advantages, const at::Tensor& mask,
-                              const std::optional<at::Tensor>& weights) {
-  check_dim(op, "logprobs", logprobs, 1);
-  const auto row = [](const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t; };
-  const std::optional<at::Tensor> w = weights.has_value() ? std::optional<at::Tensor>(row(*weights)) : std::nullopt;
-  return seq_buffers(op, row(logprobs), row(old_logprobs), row(advantages), row(mask), w);
-}
-
-template <PolicyMode mode>
-SeqForward seq_loss_varlen_cuda(const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                                const at::Tensor& advantages, const at::Tensor& mask,
-                                const std::optional<at::Tensor>& weights, const at::Tensor& cu_seqlens, double eps_low,
-                                double eps_high, c10::string_view agg_name) {
-  const char* op = seq_loss_varlen_op_name(mode);
-  const Agg agg = parse_agg(op, agg_name);
-  const SeqBuffers b = seq_varlen_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  const SeqRows layout = packed_rows(op, cu_seqlens, logprobs);  // checked before the device, as on the CPU
-  check_cuda(op, logprobs);
-  return seq_loss_rows<mode>(op, b, layout, logprobs, eps_low, eps_high, agg);
-}
-
-using SeqGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-// The inputs of a backward beside the buffers (the gradients take their shapes and dtypes).
-struct SeqLike {
-  const at::Tensor &logprobs, &old_logprobs, &advantages;
-  const std::optional<at::Tensor>& weights;
-};
-
 // The backward over `layout`'s rows.
 template <PolicyMode mode>
 SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, const SeqBuffers& b, const SeqRows& layout,
                                 const SeqLike& like, const at::Tensor& row_scale_in, const at::Tensor& row_state_in,
                                 double eps_low, double eps_high, std::array<bool, 4> output_mask) {
-  const at::Tensor &logprobs = like.logprobs, &old_logprobs = like.old_logprobs, &advantages = like.advantages;
-  const std::optional<at::Tensor>& weights = like.weights;
-  const int64_t rows = layout.rows;
-  check_grad_loss(op, grad_loss);
-  check_float(op, "row_scale", row_scale_in);
-  check_shape(op, "row_scale", row_scale_in, {rows});
-  check_float(op, "row_state", row_state_in);
-  check_shape(op, "row_state", row_state_in, {rows, kRowState});
-  check_same_device(
-      op,
-      {{"logprobs", &logprobs}, {"grad_loss", &grad_loss}, {"row_scale", &row_scale_in}, {"row_state", &row_state_in}});
+  const at::Tensor& logprobs = like.logprobs;
+  check_seq_backward(op, grad_loss, like, row_scale_in, row_state_in, layout.rows);
   check_cuda(op, logprobs);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const at::Tensor upstream = grad_loss.reshape({}).to(b.dtype).contiguous();
   const at::Tensor scales = row_scale_in.to(b.dtype).contiguous(), states = row_state_in.to(b.dtype).contiguous();
-  // GSPO passes no gradient to old_logprobs (its sequence ratio is detached).
-  const bool need_logp = output_mask[0], need_old = output_mask[1] && mode == PolicyMode::kGeoMean;
-  const bool need_adv = output_mask[2], need_w = output_mask[3] && b.weights.defined();
+  const SeqWants want = seq_wants(mode, output_mask, b.weights.defined());
   const auto options = logprobs.options().dtype(b.dtype);
-  at::Tensor g_lp = need_logp || need_old ? at::empty(logprobs.sizes(), options) : at::Tensor();
-  at::Tensor g_ad = need_adv ? at::empty(logprobs.sizes(), options) : at::Tensor();
-  at::Tensor g_w = need_w ? at::empty(logprobs.sizes(), options) : at::Tensor();
+  at::Tensor g_lp = want.logp || want.old ? at::empty(logprobs.sizes(), options) : at::Tensor();
+  at::Tensor g_ad = want.adv ? at::empty(logprobs.sizes(), options) : at::Tensor();
+  at::Tensor g_w = want.weights ? at::empty(logprobs.sizes(), options) : at::Tensor();
   if (g_lp.defined() || g_ad.defined() || g_w.defined()) {
     with_compute_type(b.dtype, [&](auto tag) {
       using T = decltype(tag);
@@ -271,55 +215,51 @@ SeqGrads seq_loss_backward_rows(const char* op, const at::Tensor& grad_loss, con
     });
     check_launch(op);
   }
-  auto in_dtype = [](const at::Tensor& g, bool wanted, const at::Tensor& input) {
-    return wanted ? g.to(input.scalar_type()) : at::empty({0}, input.options());
-  };
-  return {in_dtype(g_lp, need_logp, logprobs),
-          need_old ? (-g_lp).to(old_logprobs.scalar_type()) : at::empty({0}, old_logprobs.options()),
-          in_dtype(g_ad, need_adv, advantages),
-          weights.has_value() ? in_dtype(g_w, need_w, *weights) : at::empty({0}, logprobs.options())};
+  return seq_grads(like, want, g_lp, g_ad, g_w);
 }
 
-template <PolicyMode mode>
-SeqGrads seq_loss_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
-                                const at::Tensor& advantages, const at::Tensor& mask,
-                                const std::optional<at::Tensor>& weights, const at::Tensor& row_scale,
-                                const at::Tensor& row_state, double eps_low, double eps_high,
-                                std::array<bool, 4> output_mask) {
-  const char* op = seq_loss_backward_op_name(mode);
-  const SeqBuffers b = seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  return seq_loss_backward_rows<mode>(op, grad_loss, b, padded_rows(logprobs),
-                                      {logprobs, old_logprobs, advantages, weights}, row_scale, row_state, eps_low,
-                                      eps_high, output_mask);
-}
+// SeqLoss's kernels on CUDA: the rows are cu_seqlens' segments on the device, or the padded [B, T] rows.
+struct CudaSeqKernels {
+  static SeqBuffers inputs(const char* op, const at::Tensor& logprobs, const at::Tensor& old_logprobs,
+                           const at::Tensor& advantages, const at::Tensor& mask,
+                           const std::optional<at::Tensor>& weights) {
+    return seq_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
+  }
+  static SeqRows padded(const SeqBuffers& b) { return {at::Tensor(), b.logp.size(0), b.logp.size(1)}; }
+  static SeqRows packed(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& logprobs) {
+    return packed_rows(op, cu_seqlens, logprobs);
+  }
+  static void device(const char* op, const at::Tensor& logprobs) { check_cuda(op, logprobs); }
+  template <PolicyMode mode>
+  static SeqForward forward(const char* op, const SeqBuffers& b, const SeqRows& layout, const at::Tensor& logprobs,
+                            double eps_low, double eps_high, Agg agg) {
+    return seq_loss_rows<mode>(op, b, layout, logprobs, eps_low, eps_high, agg);
+  }
+  template <PolicyMode mode>
+  static SeqGrads backward(const char* op, const at::Tensor& grad_loss, const SeqBuffers& b, const SeqRows& layout,
+                           const SeqLike& like, const at::Tensor& row_scale, const at::Tensor& row_state,
+                           double eps_low, double eps_high, std::array<bool, 4> output_mask) {
+    return seq_loss_backward_rows<mode>(op, grad_loss, b, layout, like, row_scale, row_state, eps_low, eps_high,
+                                        output_mask);
+  }
+};
 
 template <PolicyMode mode>
-SeqGrads seq_loss_varlen_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logprobs,
-                                       const at::Tensor& old_logprobs, const at::Tensor& advantages,
-                                       const at::Tensor& mask, const std::optional<at::Tensor>& weights,
-                                       const at::Tensor& row_scale, const at::Tensor& row_state,
-                                       const at::Tensor& cu_seqlens, double eps_low, double eps_high,
-                                       std::array<bool, 4> output_mask) {
-  const char* op = seq_loss_varlen_backward_op_name(mode);
-  const SeqBuffers b = seq_varlen_buffers(op, logprobs, old_logprobs, advantages, mask, weights);
-  return seq_loss_backward_rows<mode>(op, grad_loss, b, packed_rows(op, cu_seqlens, logprobs),
-                                      {logprobs, old_logprobs, advantages, weights}, row_scale, row_state, eps_low,
-                                      eps_high, output_mask);
-}
+using CudaSeqLoss = SeqLoss<CudaSeqKernels, mode>;
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_fast, CUDA, m) {
   m.impl("clipped_policy_loss", &clipped_policy_loss_cuda);
   m.impl("clipped_policy_loss_backward", &clipped_policy_loss_backward_cuda);
-  m.impl("policy_loss_gspo", &seq_loss_cuda<PolicyMode::kGspo>);
-  m.impl("policy_loss_gspo_backward", &seq_loss_backward_cuda<PolicyMode::kGspo>);
-  m.impl("policy_loss_geo_mean", &seq_loss_cuda<PolicyMode::kGeoMean>);
-  m.impl("policy_loss_geo_mean_backward", &seq_loss_backward_cuda<PolicyMode::kGeoMean>);
-  m.impl("policy_loss_gspo_varlen", &seq_loss_varlen_cuda<PolicyMode::kGspo>);
-  m.impl("policy_loss_gspo_varlen_backward", &seq_loss_varlen_backward_cuda<PolicyMode::kGspo>);
-  m.impl("policy_loss_geo_mean_varlen", &seq_loss_varlen_cuda<PolicyMode::kGeoMean>);
-  m.impl("policy_loss_geo_mean_varlen_backward", &seq_loss_varlen_backward_cuda<PolicyMode::kGeoMean>);
+  m.impl("policy_loss_gspo", &CudaSeqLoss<PolicyMode::kGspo>::padded);
+  m.impl("policy_loss_gspo_backward", &CudaSeqLoss<PolicyMode::kGspo>::padded_backward);
+  m.impl("policy_loss_geo_mean", &CudaSeqLoss<PolicyMode::kGeoMean>::padded);
+  m.impl("policy_loss_geo_mean_backward", &CudaSeqLoss<PolicyMode::kGeoMean>::padded_backward);
+  m.impl("policy_loss_gspo_varlen", &CudaSeqLoss<PolicyMode::kGspo>::packed);
+  m.impl("policy_loss_gspo_varlen_backward", &CudaSeqLoss<PolicyMode::kGspo>::packed_backward);
+  m.impl("policy_loss_geo_mean_varlen", &CudaSeqLoss<PolicyMode::kGeoMean>::packed);
+  m.impl("policy_loss_geo_mean_varlen_backward", &CudaSeqLoss<PolicyMode::kGeoMean>::packed_backward);
 }
 
 }  // namespace ppo_fast

@@ -10,7 +10,9 @@ of the padded width rather than one ``[1, N]`` sequence: attention that masks a 
 (sdpa, eager) costs ``K (P + R)^2``, never more than the padded layout's, where one sequence
 would cost ``N^2``.  The response tokens are scored from the ``M`` packed positions that precede
 them, and the per-token results are spread back into the ``[B, R]`` layout the losses take
-(zeros outside the response mask, where the padded layout held values no loss reads).
+(zeros outside the response mask, where the padded layout held values no loss reads).  The one-pass
+loss skips that spread: it takes the ``M`` scored tokens as packed sequences themselves (``ppo_fast._varlen``),
+one per response in row order (``cu_seqlens``), with its ``[B, R]`` inputs gathered to them (``gather``).
 
 Whether a model's attention really keeps to each sequence is checked once, at start-up
 (``problem``): a model that attends across the restarts would train on other rows' tokens.  A
@@ -50,6 +52,11 @@ class Padded:
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    cu_seqlens = None  # the rows are the sequences
+
 
 def layout(input_ids, attention_mask, position_ids, response_ids, packed: bool) -> Padded | Packed:
     """The rows as the model will see them: packed (``pack``) or padded."""
@@ -75,6 +82,8 @@ class Packed:
     rows: torch.Tensor  # [M]: each scored token's row ...
     cols: torch.Tensor  # [M]: ... and response column in the [B, R] layout
     shape: tuple[int, int]  # (B, R)
+    # [B + 1]: the scored tokens as packed sequences (ppo_fast._varlen), each row's response one, in row order
+    cu_seqlens: torch.Tensor
 
     @property
     def inputs(self) -> dict:
@@ -94,6 +103,10 @@ class Packed:
         """``[M, ...]`` per scored token -> ``[B, R, ...]`` (zeros elsewhere), differentiably."""
         out = values.new_zeros((*self.shape, *values.shape[1:]))
         return out.index_put((self.rows, self.cols), values)
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``[B, R, ...]`` -> ``[M, ...]``: the values at the scored tokens, in their packed order (``spread``'s inverse)."""
+        return values[self.rows, self.cols]
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> Packed:
@@ -119,7 +132,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
     positions = torch.arange(flat, device=mask.device) % width
     positions = torch.where(positions >= filled, positions - filled, positions).index_put((index[mask],), within[mask])
     response = mask[:, prompt:]
-    rows, cols = response.nonzero(as_tuple=True)
+    rows, cols = response.nonzero(as_tuple=True)  # row-major: each row's response tokens together, in row order
+    counts = response.sum(1)
     return Packed(
         input_ids=ids.view(len(bins), width),
         position_ids=positions.view(len(bins), width),
@@ -128,6 +142,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
         rows=rows,
         cols=cols,
         shape=(rows_n, response_width),
+        cu_seqlens=torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
     )
 
 

@@ -221,7 +221,9 @@ class ScoreRequest:
 class LossRequest:
     """The update's policy objective in one pass through the fused LM head (``pf.linear_policy_loss``):
     the scorer returns ``(loss, stats)``.  ``terms``: ``update.loss_terms`` (the mode, its parameters,
-    the aggregation, the weights, the entropy bonus and the KL loss term)."""
+    the aggregation, the weights, the entropy bonus and the KL loss term).  Its ``[B, R]`` tensors (and the
+    terms' ``weights`` and ``ref_logprobs``) are read at the response tokens only when ``packed``: ``mask``
+    must lie within the batch's response mask, the tokens the packed layout scores."""
 
     temperature: float
     old_logprobs: torch.Tensor
@@ -257,15 +259,7 @@ class ResponseScorer(torch.nn.Module):
                 raise RuntimeError(f"ResponseScorer: a LossRequest needs the fused LM head: {head}")
             hidden = rows.pick(backbone(**rows.inputs).last_hidden_state)
             head = _in_head_dtype(hidden, head)
-            x = {"old_logprobs": request.old_logprobs, "advantages": request.advantages, "mask": request.mask}
-            return pf.linear_policy_loss(
-                rows.spread(hidden.to(head["weight"].dtype)),
-                labels=response_ids,
-                temperature=request.temperature,
-                **head,
-                **x,
-                **request.terms,
-            )
+            return _policy_loss(rows, hidden.to(head["weight"].dtype), head, request)
         truncation = request.truncation or {}
         if backbone is not None:
             hidden = rows.pick(backbone(**rows.inputs).last_hidden_state)
@@ -296,6 +290,38 @@ class ResponseScorer(torch.nn.Module):
             None if token_entropy is None else spread(token_entropy),
             spread(hidden) if request.hidden_states else None,
         )
+
+
+# The LossRequest's per-token tensors among its terms (the rest are the mode's and the aggregation's settings).
+_PER_TOKEN_TERMS = ("weights", "ref_logprobs")
+
+
+def _policy_loss(rows, hidden: torch.Tensor, head: dict, request: LossRequest):
+    """``pf.linear_policy_loss`` of ``request`` on ``hidden``, the states that score the response tokens in
+    ``rows``' layout (``packing.layout``): padded ``[B, R, H]``, or packed ``[M, H]``, each response one
+    sequence (``cu_seqlens``) and the ``[B, R]`` inputs gathered to its tokens, so that no padded copy is made."""
+    terms = dict(request.terms)
+    per_token = {"old_logprobs": request.old_logprobs, "advantages": request.advantages, "mask": request.mask}
+    per_token |= {name: terms.pop(name) for name in _PER_TOKEN_TERMS if terms.get(name) is not None}
+    width = None
+    agg = terms.get("agg") or pf.policy_loss_modes()[terms.get("loss_mode", "vanilla")].default_agg
+    if rows.cu_seqlens is not None and agg == "seq-mean-token-sum-norm":
+        # Its T is the padded response width R, which the packed responses do not carry (theirs is the
+        # longest response): seq-mean-token-sum / R, the entropy bonus (a token mean) scaled to stay as it is.
+        width = rows.shape[1]
+        terms |= {"agg": "seq-mean-token-sum", "entropy_coef": terms.get("entropy_coef", 0.0) * width}
+    loss, stats = pf.linear_policy_loss(
+        hidden,
+        labels=rows.labels,
+        temperature=request.temperature,
+        cu_seqlens=rows.cu_seqlens,
+        **head,
+        **{name: rows.gather(x) for name, x in per_token.items()},
+        **terms,
+    )
+    if width is None:
+        return loss, stats
+    return loss / width, {name: s / width if name in ("pg_loss", "kl_loss") else s for name, s in stats.items()}
 
 
 def _in_head_dtype(hidden: torch.Tensor, head: dict) -> dict:
