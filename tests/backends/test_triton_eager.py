@@ -165,3 +165,16 @@ def test_torch_compile_traces_the_custom_op():
     got = torch.compile(lambda a, b: tkl._kl_estimate(a, b, "k3"), backend=record, fullgraph=True)(x, y)
     assert "ppo_fast_triton.kl_estimate.default" in seen, seen
     torch.testing.assert_close(got, tkl._kl_estimate_op(x, y, "k3"), rtol=0, atol=0)
+
+
+def test_group_sum_stays_twice_differentiable_on_both_entries():
+    """group_sum's backward is group_sum itself (linear and symmetric): its second-order gradient is
+    the custom op's bit for bit through the eager entry too."""
+    values, index = rand(5, 3, dtype=torch.float64).requires_grad_(), torch.tensor([0, 2, 0, 2, 1], device=DEVICE)
+    weights = rand(5, 3, dtype=torch.float64)
+    second = []
+    for fn in (tgroup._group_sum, tgroup._group_sum_op):
+        (g,) = torch.autograd.grad((fn(values, index) ** 2 * weights).sum(), values, create_graph=True)
+        second += torch.autograd.grad(g.sum(), values)
+    assert second[0].abs().sum() > 0
+    torch.testing.assert_close(second[0], second[1], rtol=0, atol=0)
