@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
+from tiers import case as tier_case  # noqa: E402
+
 from ppo_fast.backends.triton import gae as tgae  # noqa: E402
 from ppo_fast.backends.triton import group_advantages as tgroup  # noqa: E402
 from ppo_fast.backends.triton import kl_penalized_rewards as tkl  # noqa: E402
@@ -49,10 +51,16 @@ def _cases():
         "gae_varlen": (tgae._gae_varlen, tgae._gae_varlen_op, (*packed, 4), {"gamma": 0.9, "lam": 0.8}),
         "group_sum": (tgroup._group_sum, tgroup._group_sum_op, (rand(5, 3, dtype=torch.float64), group_index), {}),
         "token_logprobs": (tlp._token_logprobs, tlp._token_logprobs_op, (logits, labels, 0.7, True, IGNORE, False), {}),
+        "token_logprobs inplace": (
+            tlp._token_logprobs,
+            tlp._token_logprobs_op,
+            (logits.contiguous(), labels, 0.7, False, IGNORE, True),
+            {},
+        ),
         "token_logprobs truncated inplace": (
             tlp._token_logprobs,
             tlp._token_logprobs_op,
-            (logits.contiguous(), labels, 0.7, False, IGNORE, True, *truncated),
+            (logits.contiguous(), labels, 0.7, True, IGNORE, True, *truncated),
             {},
         ),
         "linear_token_logprobs": (
@@ -64,7 +72,8 @@ def _cases():
     }
 
 
-CASES = list(_cases())
+# The sampler's truncation costs seconds in the interpreter: the full tier.
+CASES = [tier_case(name, fast=name != "token_logprobs truncated inplace", id=name) for name in _cases()]
 
 
 def _run(fn, args, kwargs):
