@@ -1,8 +1,8 @@
 """The Triton ops' eager entry: a custom op's own Python function under a plain ``torch.autograd.Function``.
 
-A ``torch.library.custom_op`` with ``register_autograd`` costs about 65 us of Python a forward +
-backward on the host before any launcher runs (``bench triton_host``: its layers of ``kl_estimate``),
-which every eager GPU user pays per call.  ``custom_op`` here records the op's function;
+A ``torch.library.custom_op`` with ``register_autograd`` costs tens of microseconds of Python a
+forward + backward on the host besides its launchers (``bench triton_host``: the layers of
+``kl_estimate``), which every eager GPU user pays per call.  ``custom_op`` here records the op's function;
 ``with_autograd`` registers the op's autograd and returns its entry, which runs the same function,
 setup_context and backward under a plain ``autograd.Function`` where the call is plain eager
 (``plain_eager``), else the custom op.  ``call`` is a backward's call of its backward op: the op's
