@@ -8,8 +8,10 @@ stubbed (it counts and returns: no kernel, and none of Triton's own launcher, wh
 launch), the value checks take their CUDA branch (``host_checks_free`` False), and each public op's
 Triton path is timed on the overhead suite's tiny inputs, forward and forward + backward, beside
 the native op with its real CPU kernels and torch's floor.  ``kl_estimate`` is also timed layer by
-layer: the backend function (``torch.library.custom_op`` with ``register_autograd``), the same
-launchers under a plain ``torch.autograd.Function``, and the launchers alone.  Process CPU time,
+layer: the backend function (in eager mode its plain ``autograd.Function`` entry, ``_eager``), the
+custom op it takes under torch.compile and modes (``torch.library.custom_op`` with
+``register_autograd``; its backward op called as the entry's is), a minimal plain
+``torch.autograd.Function`` over the same launchers, and the launchers alone.  Process CPU time,
 interleaved rounds, median and IQR, one torch thread.
 """
 
@@ -139,10 +141,13 @@ def _layers(x: dict) -> dict[str, Callable[[], None]]:
 
     lp, ref, grad = x["lp"], x["old"], torch.ones_like(x["lp"])
     return {
-        "kl_estimate layer: backend fn (custom_op + register_autograd), fwd+bwd": _runner(
+        "kl_estimate layer: backend fn (eager entry), fwd+bwd": _runner(
             lambda: triton_kl.kl_estimate(lp, ref, "k3"), lp
         ),
-        "kl_estimate layer: plain autograd.Function, same launchers, fwd+bwd": _runner(
+        "kl_estimate layer: its custom_op + register_autograd, fwd+bwd": _runner(
+            lambda: triton_kl._kl_estimate_op(lp, ref, "k3"), lp
+        ),
+        "kl_estimate layer: minimal autograd.Function, same launchers, fwd+bwd": _runner(
             lambda: Plain.apply(lp, ref, "k3"), lp
         ),
         "kl_estimate layer: launchers alone, forward": lambda: triton_kl.kl_estimate_forward(lp.detach(), ref, "k3"),

@@ -393,7 +393,10 @@ def _triton_host_section() -> list[str]:
         "## The Triton ops' host time",
         "",
         f"`TRITON_INTERPRET=1 python -m bench triton_host`: {data['what']}.  What a GPU adds per launch "
-        "(Triton's own launcher) and the kernels themselves are not in these numbers.",
+        "(Triton's own launcher) and the kernels themselves are not in these numbers.  An eager call on plain "
+        "tensors runs each op's functions under a plain `autograd.Function` (`ppo_fast/backends/triton/_eager.py`); "
+        "torch.compile, dispatch modes and fake or meta tensors take its `torch.library` custom op (the layers' "
+        "second row).",
         "",
         measured_on(data, "triton-host-cpu.json"),
         "",

@@ -2,7 +2,9 @@
 with its fake kernel and autograd, in ``ppo_fast.backends.triton.<op>``.
 
 Each op is a ``torch.library.custom_op`` (with a fake implementation), so that
-``torch.compile(fullgraph=True)`` treats it as one opaque node without graph breaks.  All are
+``torch.compile(fullgraph=True)`` treats it as one opaque node without graph breaks; a plain eager
+call on plain tensors runs the op's same functions under a plain ``autograd.Function`` instead,
+without torch.library's Python autograd wrapper (``_eager``).  All are
 differentiable as the reference is, to first order, each gradient in its input's dtype; a
 tensor input they are not differentiable in (labels, mask) raises in the backward if it
 requires grad.  The kernels read any strides, check shapes, run on the inputs' device and

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
+from ._eager import call, custom_op, with_autograd
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
 
 SUPPORTED = {"gae": DEVICES}
@@ -347,7 +348,7 @@ def gae_backward(
 # --------------------------------------------------------------------------- torch custom op and autograd
 
 
-@torch.library.custom_op("ppo_fast_triton::gae", mutates_args=())
+@custom_op("ppo_fast_triton::gae", mutates_args=())
 def _gae_op(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +361,7 @@ def _(rewards, values, mask, gamma, lam):
     return advantages, torch.empty_like(advantages)
 
 
-@torch.library.custom_op("ppo_fast_triton::gae_backward", mutates_args=())
+@custom_op("ppo_fast_triton::gae_backward", mutates_args=())
 def _gae_backward_op(
     grad_advantages: torch.Tensor | None,
     grad_returns: torch.Tensor | None,
@@ -390,17 +391,17 @@ def _gae_setup(ctx, inputs, output):
 def _gae_backward(ctx, grad_advantages, grad_returns):
     not_differentiable(ctx, mask=2)
     (mask,) = ctx.saved_tensors
-    grad_rewards, grad_values = _gae_backward_op(
-        grad_advantages, grad_returns, mask, ctx.gamma, ctx.lam, ctx.rewards_dtype, ctx.values_dtype
+    grad_rewards, grad_values = call(
+        _gae_backward_op, grad_advantages, grad_returns, mask, ctx.gamma, ctx.lam, ctx.rewards_dtype, ctx.values_dtype
     )
     return grad_rewards, grad_values, None, None, None
 
 
-_gae_op.register_autograd(_gae_backward, setup_context=_gae_setup)
+_gae = with_autograd(_gae_op, _gae_backward, _gae_setup)
 
 
 def gae(rewards, values, mask, gamma, lam):
-    return _gae_op(rewards, values, mask, gamma, lam)
+    return _gae(rewards, values, mask, gamma, lam)
 
 
 # --------------------------------------------------------------------------- the packed layout
@@ -639,7 +640,7 @@ def gae_varlen_backward(
     return grad_rewards, grad_values
 
 
-@torch.library.custom_op("ppo_fast_triton::gae_varlen", mutates_args=())
+@custom_op("ppo_fast_triton::gae_varlen", mutates_args=())
 def _gae_varlen_op(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -660,7 +661,7 @@ def _(rewards, values, mask, cu_seqlens, max_seqlen, *, gamma, lam):
     return advantages, torch.empty_like(advantages)
 
 
-@torch.library.custom_op("ppo_fast_triton::gae_varlen_backward", mutates_args=())
+@custom_op("ppo_fast_triton::gae_varlen_backward", mutates_args=())
 def _gae_varlen_backward_op(
     grad_advantages: torch.Tensor | None,
     grad_returns: torch.Tensor | None,
@@ -694,16 +695,16 @@ def _gae_varlen_setup(ctx, inputs, keyword_only_inputs, output):
 def _gae_varlen_backward(ctx, grad_advantages, grad_returns):
     not_differentiable(ctx, mask=2)
     mask, cu_seqlens = ctx.saved_tensors
-    grads = _gae_varlen_backward_op(grad_advantages, grad_returns, mask, cu_seqlens, ctx.max_seqlen, **ctx.hyper)
+    grads = call(_gae_varlen_backward_op, grad_advantages, grad_returns, mask, cu_seqlens, ctx.max_seqlen, **ctx.hyper)
     return *grads, None, None, None
 
 
-_gae_varlen_op.register_autograd(_gae_varlen_backward, setup_context=_gae_varlen_setup)
+_gae_varlen = with_autograd(_gae_varlen_op, _gae_varlen_backward, _gae_varlen_setup)
 
 
 def gae_varlen(rewards, values, mask, cu_seqlens, gamma, lam, *, max_seqlen=None):
     """``gae`` on packed ``[N]`` tokens (the public layer's checked inputs): ``(advantages, returns)`` ``[N]``."""
-    return _gae_varlen_op(rewards, values, mask, cu_seqlens, max_seqlen, gamma=gamma, lam=lam)
+    return _gae_varlen(rewards, values, mask, cu_seqlens, max_seqlen, gamma=gamma, lam=lam)
 
 
 def static_variants(batch: int = 64, length: int = 8192) -> list[dict]:

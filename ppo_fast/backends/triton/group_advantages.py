@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._dtypes import compute_dtype, result_dtype
+from ._eager import custom_op, with_autograd
 from ._launch import DEVICES, check_same_device, check_shape, device_guard
 
 SUPPORTED = {"group_sum": DEVICES}
@@ -97,7 +98,7 @@ def group_sum_forward(values: torch.Tensor, group_index: torch.Tensor) -> torch.
 # --------------------------------------------------------------------------- torch custom op and autograd
 
 
-@torch.library.custom_op("ppo_fast_triton::group_sum", mutates_args=())
+@custom_op("ppo_fast_triton::group_sum", mutates_args=())
 def _group_sum_op(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     return group_sum_forward(values, group_index)
 
@@ -113,14 +114,14 @@ def _group_sum_setup(ctx, inputs, output):
 
 def _group_sum_backward(ctx, grad):
     (group_index,) = ctx.saved_tensors
-    return _group_sum_op(grad, group_index), None  # linear and symmetric: its own adjoint
+    return _group_sum(grad, group_index), None  # linear and symmetric: its own adjoint
 
 
-_group_sum_op.register_autograd(_group_sum_backward, setup_context=_group_sum_setup)
+_group_sum = with_autograd(_group_sum_op, _group_sum_backward, _group_sum_setup)
 
 
 def group_sum(values, group_index):
-    return _group_sum_op(values.to(result_dtype(values)), group_index)
+    return _group_sum(values.to(result_dtype(values)), group_index)
 
 
 def static_variants(batch: int = 64, group: int = 8) -> list[dict]:

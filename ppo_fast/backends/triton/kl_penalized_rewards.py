@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ...spec import KL_ESTIMATORS
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
+from ._eager import call, custom_op, with_autograd
 from ._launch import DEVICES, as_rows, check_same_device, check_shape, device_guard, not_differentiable
 
 SUPPORTED = {"kl_estimate": DEVICES, "kl_penalized_rewards": DEVICES}
@@ -484,7 +485,7 @@ def kl_penalized_rewards_backward(
 # --------------------------------------------------------------------------- torch custom op and autograd
 
 
-@torch.library.custom_op("ppo_fast_triton::kl_estimate", mutates_args=())
+@custom_op("ppo_fast_triton::kl_estimate", mutates_args=())
 def _kl_estimate_op(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str) -> torch.Tensor:
     return kl_estimate_forward(logprobs, ref_logprobs, kl_estimator)
 
@@ -494,7 +495,7 @@ def _(logprobs, ref_logprobs, kl_estimator):
     return logprobs.new_empty(logprobs.shape, dtype=result_dtype(logprobs, ref_logprobs))
 
 
-@torch.library.custom_op("ppo_fast_triton::kl_estimate_backward", mutates_args=())
+@custom_op("ppo_fast_triton::kl_estimate_backward", mutates_args=())
 def _kl_estimate_backward_op(
     grad_kl: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_estimator: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -514,18 +515,18 @@ def _kl_estimate_setup(ctx, inputs, output):
 
 def _kl_estimate_backward(ctx, grad_kl):
     logprobs, ref_logprobs = ctx.saved_tensors
-    grad_logprobs, grad_ref = _kl_estimate_backward_op(grad_kl, logprobs, ref_logprobs, ctx.kl_estimator)
+    grad_logprobs, grad_ref = call(_kl_estimate_backward_op, grad_kl, logprobs, ref_logprobs, ctx.kl_estimator)
     return grad_logprobs, grad_ref, None
 
 
-_kl_estimate_op.register_autograd(_kl_estimate_backward, setup_context=_kl_estimate_setup)
+_kl_estimate = with_autograd(_kl_estimate_op, _kl_estimate_backward, _kl_estimate_setup)
 
 
 def kl_estimate(logprobs, ref_logprobs, kl_estimator):
-    return _kl_estimate_op(logprobs, ref_logprobs, kl_estimator)
+    return _kl_estimate(logprobs, ref_logprobs, kl_estimator)
 
 
-@torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards", mutates_args=())
+@custom_op("ppo_fast_triton::kl_penalized_rewards", mutates_args=())
 def _kl_penalized_rewards_op(
     scores: torch.Tensor,
     logprobs: torch.Tensor,
@@ -544,7 +545,7 @@ def _(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
     return rewards, torch.empty_like(rewards), scores.new_empty(scores.shape, dtype=torch.int32)
 
 
-@torch.library.custom_op("ppo_fast_triton::kl_penalized_rewards_backward", mutates_args=())
+@custom_op("ppo_fast_triton::kl_penalized_rewards_backward", mutates_args=())
 def _kl_penalized_rewards_backward_op(
     grad_rewards: torch.Tensor | None,
     grad_kl: torch.Tensor | None,
@@ -593,18 +594,29 @@ def _kl_penalized_rewards_setup(ctx, inputs, output):
 def _kl_penalized_rewards_backward(ctx, grad_rewards, grad_kl, _grad_last):
     not_differentiable(ctx, mask=3)
     logprobs, ref_logprobs, mask, last = ctx.saved_tensors
-    grad_scores, grad_logprobs, grad_ref = _kl_penalized_rewards_backward_op(
-        grad_rewards, grad_kl, logprobs, ref_logprobs, mask, last, ctx.kl_coef, ctx.kl_estimator, ctx.scores_dtype
+    grad_scores, grad_logprobs, grad_ref = call(
+        _kl_penalized_rewards_backward_op,
+        grad_rewards,
+        grad_kl,
+        logprobs,
+        ref_logprobs,
+        mask,
+        last,
+        ctx.kl_coef,
+        ctx.kl_estimator,
+        ctx.scores_dtype,
     )
     # The scores reach only the rewards: no rewards gradient, no scores gradient.
     return (grad_scores if grad_rewards is not None else None), grad_logprobs, grad_ref, None, None, None
 
 
-_kl_penalized_rewards_op.register_autograd(_kl_penalized_rewards_backward, setup_context=_kl_penalized_rewards_setup)
+_kl_penalized_rewards = with_autograd(
+    _kl_penalized_rewards_op, _kl_penalized_rewards_backward, _kl_penalized_rewards_setup
+)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
-    rewards, kl, _ = _kl_penalized_rewards_op(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+    rewards, kl, _ = _kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
     return rewards, kl
 
 

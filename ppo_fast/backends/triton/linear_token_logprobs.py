@@ -52,6 +52,7 @@ import triton.language as tl
 from ..._sampling import NO_TRUNCATION, Truncation
 from . import _gemm_head as gemm
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
+from ._eager import call, custom_op, with_autograd
 from ._gemm_head import _head_grad_kernel, _head_stats_kernel, _tanh  # noqa: F401  (bench.static finds its kernels here)
 from ._launch import DEVICES, check_same_device, check_shape, device_guard, not_differentiable
 from ._truncation import thresholds
@@ -778,7 +779,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.
 # --------------------------------------------------------------------------- torch custom op and autograd
 
 
-@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs", mutates_args=())
+@custom_op("ppo_fast_triton::linear_token_logprobs", mutates_args=())
 def _linear_token_logprobs_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -835,7 +836,7 @@ def _(hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, ret
     return logp, entropy, logp.new_empty(logp.shape + (2,)), tau
 
 
-@torch.library.custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
+@custom_op("ppo_fast_triton::linear_token_logprobs_backward", mutates_args=())
 def _linear_token_logprobs_backward_op(
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -911,7 +912,8 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse,
     needs_hidden, needs_weight, _, needs_bias = ctx.needs_input_grad[:4]
     if grad_logprobs is None and grad_entropy is None:
         return (None,) * len(ctx.needs_input_grad)
-    d_hidden, d_weight, d_bias = _linear_token_logprobs_backward_op(
+    d_hidden, d_weight, d_bias = call(
+        _linear_token_logprobs_backward_op,
         grad_logprobs,
         grad_entropy,
         hidden,
@@ -935,7 +937,9 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_lse,
     return grads + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
-_linear_token_logprobs_op.register_autograd(_linear_token_logprobs_backward, setup_context=_linear_token_logprobs_setup)
+_linear_token_logprobs = with_autograd(
+    _linear_token_logprobs_op, _linear_token_logprobs_backward, _linear_token_logprobs_setup
+)
 
 
 def linear_token_logprobs(
@@ -956,7 +960,7 @@ def linear_token_logprobs(
     args = (hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
     if DESIGN not in DESIGNS:
         raise ValueError(f"linear_token_logprobs.DESIGN must be one of {DESIGNS}, got {DESIGN!r}")
-    logp, entropy, _, _ = _linear_token_logprobs_op(*args, *truncation, DESIGN)  # truncated: over the tokens kept
+    logp, entropy, _, _ = _linear_token_logprobs(*args, *truncation, DESIGN)  # truncated: over the tokens kept
     return logp, (entropy if return_entropy else None)
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..._sampling import NO_TRUNCATION, Truncation
 from ._dtypes import cast_for_store, compute_dtype, result_dtype, scalar, split_scalar
+from ._eager import call, custom_op, with_autograd
 from ._launch import (
     DEVICES,
     check_same_device,
@@ -600,7 +601,7 @@ def token_logprobs_backward(
 # --------------------------------------------------------------------------- torch custom op and autograd
 
 
-@torch.library.custom_op("ppo_fast_triton::token_logprobs", mutates_args=())
+@custom_op("ppo_fast_triton::token_logprobs", mutates_args=())
 def _token_logprobs_op(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -631,7 +632,7 @@ def _(logits, labels, temperature, return_entropy, ignore_index, inplace_backwar
     return logp, entropy, logp.new_empty(labels.shape + (2,)), tau
 
 
-@torch.library.custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
+@custom_op("ppo_fast_triton::token_logprobs_backward", mutates_args=())
 def _token_logprobs_backward_op(
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -661,7 +662,7 @@ def _(grad_logprobs, grad_entropy, logits, labels, stats, entropy, temperature, 
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-@torch.library.custom_op("ppo_fast_triton::token_logprobs_backward_inplace", mutates_args=("logits",))
+@custom_op("ppo_fast_triton::token_logprobs_backward_inplace", mutates_args=("logits",))
 def _token_logprobs_backward_inplace_op(
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -713,9 +714,9 @@ def _logits_gradient(ctx, grad_logprobs, grad_entropy, logits, labels, stats, *,
         grad_entropy = None  # the placeholder output (empty) has no gradient to pass
     args = (grad_logprobs, grad_entropy, logits, labels, stats, entropy, ctx.temperature, ctx.ignore_index)
     if ctx.inplace_backward:
-        _token_logprobs_backward_inplace_op(*args, tau)
+        call(_token_logprobs_backward_inplace_op, *args, tau)
         return logits
-    return _token_logprobs_backward_op(*args, tau)
+    return call(_token_logprobs_backward_op, *args, tau)
 
 
 def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats, _grad_tau):
@@ -727,7 +728,7 @@ def _token_logprobs_backward(ctx, grad_logprobs, grad_entropy, _grad_stats, _gra
     return grad_logits, *(None,) * (len(ctx.needs_input_grad) - 1)
 
 
-_token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)
+_token_logprobs = with_autograd(_token_logprobs_op, _token_logprobs_backward, _token_logprobs_setup)
 
 
 def token_logprobs(
@@ -736,7 +737,7 @@ def token_logprobs(
     """``inplace_backward`` lets the backward write the gradient into the logits' buffer, only when
     their memory is non-overlapping and dense (else, e.g. for expanded logits, it allocates one).
     With ``truncation`` active, the softmax is over the tokens the sampler keeps (``_truncation``)."""
-    logp, entropy, _, _ = _token_logprobs_op(
+    logp, entropy, _, _ = _token_logprobs(
         logits, labels, temperature, return_entropy, ignore_index, inplace_backward, *truncation
     )
     return logp, (entropy if return_entropy else None)
