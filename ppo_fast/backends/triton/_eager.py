@@ -115,7 +115,7 @@ def with_autograd(op, backward: Callable, setup_context: Callable) -> Callable:
     def entry(*args, **kwargs):
         if not plain_eager((*args, *kwargs.values()) if kwargs else args):
             return op(*args, **kwargs)
-        if not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+        if not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args, *kwargs.values())):
             return fn(*args, **kwargs)  # nothing to record: the op's own function, as the op runs it
         if len(args) < count:
             args = args + defaults[len(args) - count :]
