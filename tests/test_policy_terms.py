@@ -251,6 +251,21 @@ def test_extreme_log_ratios_pass_no_gradient_beyond_the_exp_clamp(mode):
     assert_terms_close(got, want, 2e-5, 2e-6, objective.mode)
 
 
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_a_non_finite_log_prob_at_a_valid_token_propagates_as_on_the_generic_path(mode):
+    """-inf, inf or NaN at a valid token's log-prob (a row whose logits overflow): the same totals and
+    gradients, NaN and inf where the generic path has them (its k3 KL term and entropy bonus too)."""
+    for poison in (-math.inf, math.inf, math.nan):
+        logp, entropy, x = per_token(5, (3, 6), dtype=torch.float32, weighted=True, with_ref=True, packed=False)
+        row, token = x.mask.nonzero()[0]
+        logp[row, token] = poison
+        objective, terms = objective_of(mode, "dual", "token-mean"), Terms(0.1, "k3", 0.01)
+        got = chunked(logp, entropy, x, objective, terms, rows=6, fused=True)
+        want = chunked(logp, entropy, x, objective, terms, rows=6, fused=False)
+        for a, b in zip([*got[0], *got[1:]], [*want[0], *want[1:]]):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, equal_nan=True, msg=lambda m: f"{poison}: {m}")
+
+
 def exact_ties(values_torch, values_numpy, where):
     """The first position in ``where`` at which the float32 values torch and NumPy (the interpreter's
     math) compute are equal: a bound set to it is a tie on both paths."""
