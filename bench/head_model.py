@@ -269,8 +269,9 @@ both calls, against 51% with 2048 rows and a float32 accumulator) and the log-pr
 (1.09x, 1.41x); the loss (every token-level mode: vanilla, sapo, cispo, gpg, dppo_tv, dppo_kl and dro,
 their per-token terms one fused launch a chunk) is predicted at 1.09x (H200) and 1.20x (H100) against
 1.09x / 1.13x with the 2048-row plan.  The sequence-level modes (gspo, geo_mean) compute their
-per-token terms with the reference's function under autograd, about 250 small kernels a chunk
-with a KL term (counted on CPU, `_head_plan.TERMS_LAUNCHES`): 1.58x / 1.70x at 43 chunks.  What limits
+per-token terms with the reference's function under autograd, 256 (gspo) and 272 (geo_mean) small
+kernels a chunk with a KL term (counted on CPU); at the 249 the model charges (`_head_plan.TERMS_LAUNCHES`,
+vanilla's float64 path) 1.58x / 1.70x at 43 chunks, at geo_mean's count 1.63x / 1.75x.  What limits
 the loss on an H100: each chunk's `d_weight` product reads and writes the whole `V x H`
 gradient (4 bytes a weight in bf16) for `2 x 384` FLOPs a weight, memory-bound on both GPUs below
 about 320 (H200) / 460 (H100) rows; 384 rows is the largest chunk whose float32 logits fit 5% at
