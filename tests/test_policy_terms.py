@@ -191,15 +191,19 @@ def test_every_modes_fused_terms_equal_the_generic_path_and_float64(
     terms = Terms(0.1, kl or "k3", entropy_coef)
     got = chunked(logp, entropy, x, objective, terms, rows=13, fused=True)
     generic = chunked(logp, entropy, x, objective, terms, rows=13, fused=False)
-    assert_no_worse_than_the_generic_path(
-        got, generic, chunked(*widened(logp, entropy, x), objective, terms, rows=13, fused=False), objective.mode
-    )
+    # sapo's gate slope amplifies the float32 ratio's rounding (exp's last bit, which NumPy and torch
+    # may round apart) by tau: its gradient's relative error grows to about tau * 2 ulp on either path
+    rtol = 1e-5 + (4e-7 * max(objective.params) if mode == "sapo" else 0.0)
+    oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=13, fused=False)
+    assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode, rtol=rtol)
 
 
 def assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=1e-5, atol=1e-6):
-    """Each total and gradient within ``rtol``/``atol`` of float64's, or of it by at most 4x the generic
-    path's own float32 error plus that: a sum of large terms that cancel (sapo's 4 / tau at tau = 1e-4)
-    loses float32 digits in any summation order, but a wrong formula is off by far more."""
+    """Each total and gradient within ``rtol``/``atol`` of float64's (a gradient's ``atol`` times its
+    largest entry), or of it by at most 4x the generic path's own float32 error (a gradient's largest)
+    plus that: a sum of large terms that cancel (sapo's 4 / tau at tau = 1e-4) loses float32 digits in
+    any summation order, and sapo's saturated gate ``(1 - y) y`` at tau = 1e3 its ``1 - y``, a different
+    token's on each path; a wrong formula is off by far more."""
     names = ("loss", "pg_loss", "entropy", "kl_loss", *mode.stats)
     assert len(got[0]) == len(generic[0]) == len(oracle[0]) == len(names)
     for name, a, b, want in zip(names, got[0], generic[0], oracle[0]):
@@ -209,7 +213,7 @@ def assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=1e-5,
         assert abs(a - want) <= bound, (name, float(a), float(b), float(want))
     for a, b, want in zip(got[1:], generic[1:], oracle[1:]):
         a, b, want = a.double(), b.double(), want.double()
-        bound = atol * max(float(want.abs().max()), 1e-30) + rtol * want.abs() + 4 * (b - want).abs()
+        bound = atol * max(float(want.abs().max()), 1e-30) + rtol * want.abs() + 4 * float((b - want).abs().max())
         assert ((a - want).abs() <= bound).all(), float(((a - want).abs() - bound).max())
 
 
