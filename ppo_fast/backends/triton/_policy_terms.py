@@ -1,20 +1,25 @@
-"""The one-pass loss's per-token terms and their gradient for the ``vanilla`` mode in one launch a chunk.
+"""The one-pass loss's per-token terms and their gradient for every token-level mode in one launch a chunk.
 
 ``_one_pass._per_token_grads`` runs the reference's ``chunk_terms`` under autograd on each chunk's
 ``[rows, T]`` vectors: ~80 small kernels a chunk without a KL term, ~220 with one (leaf aten kernels
 counted on CPU, ``tests/test_policy_terms.py``).  Here one program reads the chunk's log-probs,
 entropies and per-token inputs once, writes ``d loss / d logp`` and ``d loss / d entropy`` per token,
 and adds the chunk's shares of ``(loss, pg_loss, entropy, kl_loss, clipfrac, clipfrac_lower,
-approx_kl)`` into a float64 totals buffer.  One program a chunk, its sums a fixed-order tree over a
-fixed block, and the chunks launched in order on one stream: the totals are deterministic.
+approx_kl)`` into a float64 totals buffer (a mode reports the stats of its ``spec`` entry).  One
+program a chunk, its sums a fixed-order tree over a fixed block, and the chunks launched in order on
+one stream: the totals are deterministic.
 
-The math is ``reference.clipped_policy_loss`` token by token (``csrc/common/loss_math.h``'s
-``policy_term``/``policy_grad``, torch's conventions included: a clamp passes its gradient on the
-closed range, so a ratio exactly on a clip bound gets the unclipped derivative; ``maximum`` and
-``minimum`` split it at a tie), the KL estimators are ``kl_penalized_rewards``' Triton functions, and
-each ``agg`` is a per-token coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum),
-``1/(row tokens * rows)`` (seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)``
-(seq-mean-token-sum-norm), with ``tokens`` and ``rows`` (non-empty) the batch's, read on the device.
+The modes (``MODES``; one kernel body, the mode a constexpr) are the reference's
+``policy_loss.py`` token by token, multiplied out in the order of its autograd so that overflow gives
+the same inf or NaN: ``vanilla`` (``csrc/common/loss_math.h``'s ``policy_term``/``policy_grad``),
+``sapo``, ``cispo``, ``gpg``, ``dppo_tv``, ``dppo_kl`` and ``dro``.  torch's conventions included: a
+clamp passes its gradient on the closed range, so a ratio exactly on a clip bound gets the unclipped
+derivative; ``maximum`` and ``minimum`` split it at a tie; the detached ratios (cispo, DPPO) pass
+none.  The sequence-level modes (gspo, geo_mean) mix a sequence's tokens and stay on the generic path.
+The KL estimators are ``kl_penalized_rewards``' Triton functions, and each ``agg`` is a per-token
+coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum), ``1/(row tokens * rows)``
+(seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)`` (seq-mean-token-sum-norm),
+with ``tokens`` and ``rows`` (non-empty) the batch's, read on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ from .kl_penalized_rewards import _clamp, _kl_from_log_ratio, _kl_grad, kl_estim
 
 # The totals buffer's entries, in the order of chunk_terms' outputs (vanilla's stats last).
 TOTALS = ("loss", "pg_loss", "entropy", "kl_loss", "clipfrac", "clipfrac_lower", "approx_kl")
+# The modes the kernel computes (its MODE: an index here); every other mode takes the generic path.
+MODES = ("vanilla", "sapo", "cispo", "gpg", "dppo_tv", "dppo_kl", "dro")
+# The stats' entries of TOTALS (a mode's spec stats are a selection of them).
+_STATS = ("clipfrac", "clipfrac_lower", "approx_kl")
 _BLOCK = 1024  # tokens a step: [rows, T] tiles of up to 1024 elements
 _NUM_WARPS = 4
 
@@ -36,6 +45,7 @@ _TOKEN_SUM = tl.constexpr(AGG_MODES.index("token-sum"))
 _SEQ_TOKEN_MEAN = tl.constexpr(AGG_MODES.index("seq-mean-token-mean"))
 _SEQ_TOKEN_SUM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum"))
 _SEQ_TOKEN_SUM_NORM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum-norm"))
+_VANILLA, _SAPO, _CISPO, _GPG, _DPPO_TV, _DPPO_KL, _DRO = (tl.constexpr(i) for i in range(len(MODES)))
 
 
 @triton.jit
@@ -84,6 +94,78 @@ def _vanilla(logp, old, adv, g, ratio_low, ratio_high, dual, HAS_DUAL: tl.conste
 
 
 @triton.jit
+def _sapo(logp, old, adv, g, tau_pos, tau_neg):
+    """reference.policy_loss_sapo: ``-A * sigmoid(tau (r - 1)) * 4 / tau``, tau_pos where A > 0."""
+    diff = logp - old
+    ratio = tl.exp(_clamp(diff, -20.0, 20.0))
+    tau = tl.where(adv > 0.0, tau_pos, tau_neg)
+    gate = tl.sigmoid(tau * (ratio - 1.0))
+    four_over_tau = 4.0 / tau
+    neg_adv = -adv
+    pg = neg_adv * gate * four_over_tau
+    g_gate = (g * four_over_tau) * neg_adv
+    g_ratio = ((g_gate * (1.0 - gate)) * gate) * tau  # torch's sigmoid_backward: g (1 - y) y
+    return pg, _clamp_grad(diff, -20.0, 20.0, g_ratio * ratio)
+
+
+@triton.jit
+def _cispo(logp, old, adv, g, ratio_low, ratio_high):
+    """reference.policy_loss_cispo: ``-sg(clip(r)) * A * logp``; clipped where ``r != clip(r)`` (NaN too)."""
+    ratio = tl.exp(_clamp(logp - old, -20.0, 20.0))
+    clipped_ratio = _clamp(ratio, ratio_low, ratio_high)
+    coef = -clipped_ratio * adv
+    return coef * logp, (ratio != clipped_ratio).to(tl.float32), g * coef
+
+
+@triton.jit
+def _dppo(logp, old, adv, g, eps_low, eps_high, ratio_cap, BINARY_KL: tl.constexpr):
+    """reference._dppo: ``-A * sg(min(r, ratio_cap)) * logp * keep``, ``keep`` the trust region of
+    policy_loss_dppo_tv (``BINARY_KL`` False) or policy_loss_dppo_kl, bounds inclusive."""
+    ratio = tl.exp(_clamp(logp - old, -20.0, 20.0))
+    p = tl.exp(logp)
+    p_old = tl.exp(old)
+    if BINARY_KL:
+        binary_kl = p_old * (old - logp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        keep = tl.where(adv > 0.0, (binary_kl <= eps_high) | (p <= p_old), (binary_kl <= eps_low) | (p >= p_old))
+    else:
+        keep = tl.where(adv > 0.0, p - p_old <= eps_high, p - p_old >= -eps_low)
+    keep = keep.to(tl.float32)
+    coef = -adv * tl.minimum(ratio, ratio_cap, propagate_nan=tl.PropagateNan.ALL)
+    capped = (ratio > ratio_cap).to(tl.float32) * keep
+    return (coef * logp) * keep, 1.0 - keep, capped, (g * keep) * coef
+
+
+@triton.jit
+def _mode_term(logp, old, adv, g, p0, p1, p2, MODE: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """One token of MODE's loss before its weight: ``(pg, clipped, lower, g * d pg / d logp)``, the two
+    stats the mode's clipfrac and clipfrac_lower (0 where it has none); ``(p0, p1, p2)``: ``Batch.params``."""
+    zero = tl.zeros_like(logp)
+    if MODE == _VANILLA:
+        pg, clipped, lower, g_logp = _vanilla(logp, old, adv, g, p0, p1, p2, HAS_DUAL)
+    elif MODE == _SAPO:
+        pg, g_logp = _sapo(logp, old, adv, g, p0, p1)
+        clipped, lower = zero, zero
+    elif MODE == _CISPO:
+        pg, clipped, g_logp = _cispo(logp, old, adv, g, p0, p1)
+        lower = zero
+    elif MODE == _GPG:  # -A * logp
+        neg_adv = -adv
+        pg, clipped, lower, g_logp = neg_adv * logp, zero, zero, g * neg_adv
+    elif MODE == _DPPO_TV:
+        pg, clipped, lower, g_logp = _dppo(logp, old, adv, g, p0, p1, p2, False)
+    elif MODE == _DPPO_KL:
+        pg, clipped, lower, g_logp = _dppo(logp, old, adv, g, p0, p1, p2, True)
+    elif MODE == _DRO:  # -(A logp - beta/2 (logp - old)^2), p0 = beta/2
+        log_ratio = logp - old
+        pg = -(adv * logp - p0 * (log_ratio * log_ratio))
+        g_logp = -g * adv + (g * p0) * (2.0 * log_ratio)
+        clipped, lower = zero, zero
+    else:
+        tl.static_assert(False, "policy terms: a mode of MODES without its branch")
+    return pg, clipped, lower, g_logp
+
+
+@triton.jit
 def _row_coefficients(
     mask_ptr, norms_ptr, rows_i, row_ok, start, row_len, row_stride, norm_len, AGG: tl.constexpr, T_BLOCK: tl.constexpr
 ):
@@ -112,7 +194,7 @@ def _row_coefficients(
 
 
 @triton.jit
-def _vanilla_terms_kernel(
+def _terms_kernel(
     logp_ptr,  # the chunk's [rows * row_len] float32 log-probs and entropies
     entropy_ptr,
     old_ptr,  # the batch's contiguous [B, T] inputs, from `start` with `row_stride`
@@ -130,11 +212,12 @@ def _vanilla_terms_kernel(
     row_len,
     row_stride,
     norm_len,  # T of seq-mean-token-sum-norm
-    ratio_low,
-    ratio_high,
-    dual,
+    p0,  # the mode's parameters (Batch.params)
+    p1,
+    p2,
     kl_coef,
     entropy_coef,
+    MODE: tl.constexpr,
     AGG: tl.constexpr,
     HAS_DUAL: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -165,7 +248,10 @@ def _vanilla_terms_kernel(
             local = rows_i[:, None] * row_len + t[None, :]  # the chunk's vectors
             valid = ok & (tl.load(mask_ptr + at, mask=ok, other=0) != 0)
             logp = tl.where(valid, tl.load(logp_ptr + local, mask=valid, other=0.0), 0.0)
-            old = tl.where(valid, tl.load(old_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
+            if MODE == _GPG:  # its loss does not read old_logprobs
+                old = tl.zeros_like(logp)
+            else:
+                old = tl.where(valid, tl.load(old_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
             adv = tl.where(valid, tl.load(adv_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
             token = tl.where(valid, coef, 0.0)  # d loss / d (the token's weighted loss)
             if HAS_SCALE:
@@ -175,9 +261,7 @@ def _vanilla_terms_kernel(
                 weight = tl.where(valid, tl.load(weights_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
             if HAS_SCALE:
                 weight = weight * scale
-            pg, is_clipped, is_capped, g_logp = _vanilla(
-                logp, old, adv, token * weight, ratio_low, ratio_high, dual, HAS_DUAL
-            )
+            pg, is_clipped, is_capped, g_logp = _mode_term(logp, old, adv, token * weight, p0, p1, p2, MODE, HAS_DUAL)
             acc_pg += tl.where(valid, pg * weight * coef, 0.0)
             acc_clipped += tl.where(valid, is_clipped, 0.0)
             acc_capped += tl.where(valid, is_capped, 0.0)
@@ -212,16 +296,38 @@ def _add(totals_ptr, I: tl.constexpr, value):
 
 
 def fused(objective, logp_dtype: torch.dtype, x) -> bool:
-    """Whether :class:`Batch` serves this call (else ``_one_pass._per_token_grads``): the vanilla mode
-    with float32 log-probs (the head's for every input dtype but float64) and per-token inputs of at
-    most 32 bits, so that its terms are float32 as the reference's (float64 inputs give float64 terms:
-    the generic path)."""
+    """Whether :class:`Batch` serves this call (else ``_one_pass._per_token_grads``): a mode of ``MODES``
+    (every token-level one) with float32 log-probs (the head's for every input dtype but float64) and
+    per-token inputs of at most 32 bits, so that its terms are float32 as the reference's (float64
+    inputs give float64 terms: the generic path)."""
     floats = [t for t in x if t is not None and t.dtype != torch.bool]
     return (
-        objective.mode.name == "vanilla"
+        objective.mode.name in MODES
         and logp_dtype == torch.float32
         and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in floats)
     )
+
+
+def mode_params(objective) -> tuple[float, float, float, bool]:
+    """The kernel's ``(p0, p1, p2, HAS_DUAL)`` from the mode's bound parameters (``spec`` order), each
+    formed in Python as the reference forms the scalar it compares or multiplies by (float: an int 1
+    would reach Triton as a constexpr integer)."""
+    name, params = objective.mode.name, objective.params
+    if name == "vanilla":
+        low, high, dual = params
+        values, has_dual = (1.0 - low, 1.0 + high, 0.0 if dual is None else dual), dual is not None
+    elif name == "cispo":
+        low, high = params
+        values, has_dual = (1.0 - low, 1.0 + high, 0.0), False
+    elif name in ("sapo", "dppo_tv", "dppo_kl"):  # (tau_pos, tau_neg); (clip_eps_low, clip_eps_high, ratio_cap)
+        values, has_dual = (*params, 0.0)[:3], False
+    elif name == "dro":
+        values, has_dual = (0.5 * params[0], 0.0, 0.0), False  # the reference's 0.5 * dro_beta
+    elif name == "gpg":
+        values, has_dual = (0.0, 0.0, 0.0), False
+    else:
+        raise ValueError(f"the fused policy terms have no kernel for mode {name!r} (they serve {', '.join(MODES)})")
+    return (*(float(v) for v in values), has_dual)
 
 
 class Batch:
@@ -235,8 +341,9 @@ class Batch:
         self.norms = torch.stack((mask.sum(dtype=torch.float64), mask.any(-1).sum(dtype=torch.float64))).clamp_min_(1)
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64, device=mask.device)
         self.length = mask.shape[-1]
-        low, high, dual = objective.params
-        self.params = (1.0 - low, 1.0 + high, 0.0 if dual is None else dual, dual is not None)
+        self.params = mode_params(objective)
+        self.mode = MODES.index(objective.mode.name)
+        self.outputs = (0, 1, 2, 3, *(4 + _STATS.index(name) for name in objective.mode.stats))
         self.agg = AGG_MODES.index(objective.agg)
         self.terms = terms
 
@@ -249,8 +356,8 @@ class Batch:
         g_entropy = torch.empty_like(entropy) if has_entropy else None
         t_block = min(triton.next_power_of_2(max(row_len, 1)), _BLOCK)
         old, adv, mask, weights, ref, scale = self.x
-        low, high, dual, has_dual = self.params
-        _vanilla_terms_kernel[(1,)](
+        p0, p1, p2, has_dual = self.params
+        _terms_kernel[(1,)](
             logp,
             entropy,
             old,
@@ -268,11 +375,12 @@ class Batch:
             row_len,
             self.length,
             float(max(self.length, 1)),
-            low,
-            high,
-            dual,
+            p0,
+            p1,
+            p2,
             self.terms.kl_coef,
             self.terms.entropy_coef,
+            MODE=self.mode,
             AGG=self.agg,
             HAS_DUAL=has_dual,
             HAS_WEIGHTS=weights is not None,
@@ -287,6 +395,7 @@ class Batch:
         return g_logp, g_entropy
 
     def results(self) -> list[torch.Tensor]:
-        """The totals as float32 scalars, one tensor each (a custom op's outputs alias no other)."""
+        """``(loss, pg_loss, entropy, kl_loss, *the mode's stats)`` as float32 scalars, one tensor each
+        (a custom op's outputs alias no other)."""
         totals = self.totals.float()
-        return [totals[i].clone() for i in range(len(TOTALS))]
+        return [totals[i].clone() for i in self.outputs]

@@ -1,8 +1,8 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
-log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (the vanilla
-mode: one launch of ``_policy_terms``' kernel; the other modes and float64 inputs: the mode's reference
-function under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
+log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (the token-level
+modes: one launch of ``_policy_terms``' kernel; the sequence-level modes and float64 inputs: the mode's
+reference function under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
 written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
 ``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
 memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
@@ -105,7 +105,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
     totals = None
     with device_guard(hidden):
-        # vanilla: the terms in one launch a chunk, its normalisers its own; else the reference's under autograd
+        # a token-level mode: the terms in one launch a chunk, its normalisers its own; else the reference's under autograd
         fused = (
             policy_terms.Batch(x, objective, terms)
             if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x)
@@ -162,22 +162,25 @@ globals().update(_FUNCTIONS)
 
 def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> list[dict]:
     """This op's own launches for ``bench.static`` (sm_90 code compiled without a GPU), on meta tensors:
-    the vanilla mode's fused per-token terms on one chunk of ``rows`` tokens (the head's and
-    token_logprobs' kernels are those modules' variants): whole sequences with a k3 KL term, weights, the
-    entropy bonus and the dual clip (float16 inputs); seq-mean-token-mean (its row counts) without KL;
-    the packed row (float32, a scale per token, ``abs``)."""
+    the fused per-token terms on one chunk of ``rows`` tokens (the head's and token_logprobs' kernels are
+    those modules' variants).  vanilla: whole sequences with a k3 KL term, weights, the entropy bonus and
+    the dual clip (float16 inputs); seq-mean-token-mean (its row counts) without KL; the packed row
+    (float32, a scale per token, ``abs``).  Every other token-level mode as the first (its own branch,
+    the rest shared)."""
 
     def meta(shape, dtype=torch.float32):
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    def launch(shape, agg, kl, dtype, packed):
+    def launch(shape, agg, kl, dtype, packed, mode="vanilla"):
         b, t = shape
+        spec = POLICY_LOSS_MODES[mode]
+        params = (0.2, 0.28, 3.0 if kl else None) if mode == "vanilla" else spec.bind(spec.example_params())
 
         def run():
             old, adv, ref, weights = (meta(shape, dtype) for _ in range(4))
             x = PerToken(old, adv, meta(shape, torch.bool), weights, ref if kl else None)
             x = x._replace(scale=meta(shape)) if packed else x
-            objective = Objective(POLICY_LOSS_MODES["vanilla"], (0.2, 0.28, 3.0 if kl else None), agg)
+            objective = Objective(spec, params, agg)
             state = policy_terms.Batch(x, objective, Terms(0.1, kl or "k3", 0.01 if kl else 0.0))
             chunk = (rows // t, t) if not packed else (1, rows)
             state.launch(meta((rows,)), meta((rows,)), 0, chunk)
@@ -185,17 +188,25 @@ def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> lis
         return run
 
     launches = {
-        f"token-mean k3 dual weights entropy fp16 [{rows // 96}, 96]": launch(
+        f"vanilla terms token-mean k3 dual weights entropy fp16 [{rows // 96}, 96]": launch(
             (batch, 96), "token-mean", "k3", torch.float16, False
         ),
-        f"seq-mean-token-mean no KL fp32 [1, {rows}]": launch(
+        f"vanilla terms seq-mean-token-mean no KL fp32 [1, {rows}]": launch(
             (batch, rows), "seq-mean-token-mean", None, torch.float32, False
         ),
-        f"packed token-sum abs fp32 [1, {rows}]": launch((1, batch * length), "token-sum", "abs", torch.float32, True),
+        f"vanilla terms packed token-sum abs fp32 [1, {rows}]": launch(
+            (1, batch * length), "token-sum", "abs", torch.float32, True
+        ),
+        **{
+            f"{mode} terms token-mean k3 weights entropy fp16 [{rows // 96}, 96]": launch(
+                (batch, 96), "token-mean", "k3", torch.float16, False, mode
+            )
+            for mode in policy_terms.MODES[1:]
+        },
     }
     return [
         dict(
-            name=f"linear_policy_loss vanilla terms {what}",
+            name=f"linear_policy_loss {what}",
             budget_key=None,
             bytes_per_element=None,
             run=run,
