@@ -632,3 +632,60 @@ def test_fuzz_packed(data):
         else:
             torch.testing.assert_close(h, w, **tol)
     assert leaves
+
+
+def _drawn_param(draw, p):
+    """A mode parameter drawn log-uniformly inside its declared range (spec ``Param``), at most 1e6."""
+    if p.optional and draw(st.booleans()):
+        return None
+    low = max(p.low if p.low is not None else 1e-6, 1e-6) * (1 + 1e-9 if p.low_open else 1)
+    high = min(p.high if p.high is not None else 1e6, 1e6) * (1 - 1e-9 if p.high_open else 1)
+    return math.exp(draw(st.floats(math.log(low), math.log(high))))
+
+
+@budget(40, shrink=False)
+@given(data=st.data())
+def test_fuzz_fused_policy_terms(data):
+    """The Triton one-pass loss's fused per-token terms (``triton/_policy_terms.py``) per chunk, drawn: a
+    token-level mode, its parameters log-uniform over their declared ranges, log-ratios up to about 40,
+    odd shapes and chunk rows, every agg, KL estimator, entropy bonus, weights, packed, float32/float16
+    inputs: each total and gradient within float64's bound or 4x the generic path's own error
+    (``test_policy_terms.assert_no_worse_than_the_generic_path``).  The head's fuzz row above never
+    reaches this kernel (float64, and no interpreted Triton)."""
+    if "triton" not in backends_serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend is not served on CPU")
+    from test_policy_terms import assert_no_worse_than_the_generic_path, chunked, per_token, widened
+
+    from ppo_fast.backends.reference._loss_terms import Objective, Terms
+
+    draw = data.draw
+    mode = POLICY_LOSS_MODES[
+        draw(pick([n for n, m in POLICY_LOSS_MODES.items() if m.fused_head and not m.sequence_level]))
+    ]
+    params = tuple(_drawn_param(draw, p) for p in mode.params)
+    if mode.name == "vanilla" and params[2] is not None and params[2] <= 1.0:
+        params = params[:2] + (None,)
+    packed = draw(st.booleans())
+    agg = draw(pick([a for a in AGG_MODES if not (packed and a.startswith("seq-mean"))]))
+    kl = draw(pick([*KL_ESTIMATORS, None]))
+    dims = (draw(st.integers(1, 6)), draw(st.integers(1, 9)))
+    dtype = draw(pick([torch.float32, torch.float16]))
+    logp, entropy, x = per_token(
+        draw(st.integers(0, 2**31)),
+        dims,
+        dtype=dtype,
+        weighted=draw(st.booleans()),
+        with_ref=kl is not None,
+        packed=packed,
+    )
+    spread = draw(pick([1.0, 1e-3, 30.0, 100.0]))  # the log-ratios' scale: per_token's is about 0.4
+    x = x._replace(old=(logp + (x.old.float() - logp) * spread).to(dtype))
+    objective = Objective(mode, params, agg)
+    terms = Terms(draw(pick([0.0, 0.1, 1e3])), kl or "k3", draw(pick([0.0, 0.01, -1.0, 1e3])))
+    rows = draw(st.integers(1, 20))
+    note(f"{mode.name} {params} {agg} kl={kl} {dims} rows={rows} {dtype} spread={spread} packed={packed}")
+    got = chunked(logp, entropy, x, objective, terms, rows=rows, fused=True)
+    generic = chunked(logp, entropy, x, objective, terms, rows=rows, fused=False)
+    oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=rows, fused=False)
+    rtol = 1e-5 + (4e-7 * max(params) if mode.name == "sapo" else 0.0)
+    assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=rtol)
