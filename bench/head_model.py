@@ -9,11 +9,11 @@ MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
   and the plan, chunk rows and ``d_weight``'s accumulator, that ``plan`` chooses within the default
   memory budget, 5% of the logits' bytes): ``linear_token_logprobs`` with 8 N H V FLOPs,
   ``linear_policy_loss`` in one pass with 6 N H V;
-  the loss's per-token terms are the fused kernel of every token-level mode (vanilla, sapo, cispo, gpg,
-  dppo_tv, dppo_kl, dro: one launch a chunk);
-- ``gemm-generic``: the loss as ``gemm`` for the sequence-level modes (gspo, geo_mean) and float64 inputs,
-  whose per-token terms are the reference's function under autograd (``_head_plan.TERMS_LAUNCHES``: its
-  kernels a chunk with a KL term, as counted on CPU);
+  the loss's per-token terms are the fused kernel of every mode (vanilla, sapo, cispo, gpg, dppo_tv,
+  dppo_kl, dro, and the sequence-level gspo and geo_mean: one launch a chunk);
+- ``gemm-generic``: the loss as ``gemm`` for float64 inputs, whose per-token terms are the reference's
+  function under autograd (``_head_plan.TERMS_LAUNCHES``: its kernels a chunk with a KL term, as counted
+  on CPU);
 - ``gemm-2048``: the same phases with ``WIDE``'s plan (2048-row chunks, a float32 ``d_weight``
   accumulator), what a budget of about 50% of the logits buys, for comparison;
 - ``tiles``: the tile-fused Triton kernels, whose every vocabulary tile re-reads its rows' hidden
@@ -266,12 +266,11 @@ _PROSE_BOTTOM = """\
 
 At 16384 x 4096 x 151936 the budget's plan (384 rows, bf16 `d_weight`) meets the memory goal (4.9% for
 both calls, against 51% with 2048 rows and a float32 accumulator) and the log-probs' goals on an H200
-(1.09x, 1.41x); the loss (every token-level mode: vanilla, sapo, cispo, gpg, dppo_tv, dppo_kl and dro,
-their per-token terms one fused launch a chunk) is predicted at 1.09x (H200) and 1.20x (H100) against
-1.09x / 1.13x with the 2048-row plan.  The sequence-level modes (gspo, geo_mean) compute their
-per-token terms with the reference's function under autograd, 256 (gspo) and 272 (geo_mean) small
-kernels a chunk with a KL term (counted on CPU); at the 249 the model charges (`_head_plan.TERMS_LAUNCHES`,
-vanilla's float64 path) 1.58x / 1.70x at 43 chunks, at geo_mean's count 1.63x / 1.75x.  What limits
+(1.09x, 1.41x); the loss (every mode: vanilla, sapo, cispo, gpg, dppo_tv, dppo_kl, dro, and in the
+padded layout the sequence-level gspo and geo_mean, their per-token terms one fused launch a chunk) is
+predicted at 1.09x (H200) and 1.20x (H100) against 1.09x / 1.13x with the 2048-row plan.  Only float64
+inputs compute the terms with the reference's function under autograd, 249 small kernels a chunk with
+a KL term (counted on CPU, `_head_plan.TERMS_LAUNCHES`): 1.58x / 1.70x at 43 chunks.  What limits
 the loss on an H100: each chunk's `d_weight` product reads and writes the whole `V x H`
 gradient (4 bytes a weight in bf16) for `2 x 384` FLOPs a weight, memory-bound on both GPUs below
 about 320 (H200) / 460 (H100) rows; 384 rows is the largest chunk whose float32 logits fit 5% at

@@ -47,8 +47,12 @@ MODE_PARAMS = {
     "dppo_tv": DPPO,
     "dppo_kl": DPPO,
     "dro": {"default": (0.1,), "tight": (1e-6,), "wide": (1e4,)},
+    # the sequence-level modes (padded only): geo_mean's clip is on the log-ratio
+    "gspo": {name: CLIPS[name][:2] for name in ("default", "tight", "wide")},
+    "geo_mean": {"default": (0.2, 0.28), "tight": (1e-6, 1e-6), "wide": (30.0, 1e6)},
 }
-OTHER_MODES = tuple(name for name in MODE_PARAMS if name != "vanilla")
+SEQUENCE_MODES = ("gspo", "geo_mean")
+OTHER_MODES = tuple(name for name in MODE_PARAMS if name != "vanilla" and name not in SEQUENCE_MODES)
 
 
 def objective_of(mode: str, level: str, agg: str) -> Objective:
@@ -198,6 +202,33 @@ def test_every_modes_fused_terms_equal_the_generic_path_and_float64(
     assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode, rtol=rtol)
 
 
+SEQUENCE_AXES = {name: values for name, values in MODE_AXES.items() if name not in ("mode", "packed")}
+SEQUENCE_CASES = tiers.sampled(
+    [
+        pytest.param(mode, *values, id="-".join(str(v).replace("torch.", "") for v in (mode, *values)))
+        for mode in SEQUENCE_MODES
+        for values in itertools.product(*SEQUENCE_AXES.values())
+    ],
+    strength=1,  # 5 cases in the fast tier, all 1200 in the full
+)
+
+
+@pytest.mark.parametrize(["mode", *SEQUENCE_AXES], SEQUENCE_CASES)
+def test_sequence_level_fused_terms_equal_the_generic_path_and_float64(
+    mode, level, agg, kl, entropy_coef, weighted, dtype
+):
+    """gspo and geo_mean (padded: a chunk holds whole rows, their means its own), per chunk as above, on
+    rows of odd lengths a few to a chunk, one of them without tokens."""
+    seed = zlib.crc32(f"{mode}-{level}-{agg}-{kl}-{entropy_coef}-{weighted}-{dtype}".encode())
+    logp, entropy, x = per_token(seed, (5, 9), dtype=dtype, weighted=weighted, with_ref=kl is not None, packed=False)
+    objective = objective_of(mode, level, agg)
+    terms = Terms(0.1, kl or "k3", entropy_coef)
+    got = chunked(logp, entropy, x, objective, terms, rows=20, fused=True)
+    generic = chunked(logp, entropy, x, objective, terms, rows=20, fused=False)
+    oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=20, fused=False)
+    assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode)
+
+
 def assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=1e-5, atol=1e-6):
     """Each total and gradient within ``rtol``/``atol`` of float64's (a gradient's ``atol`` times its
     largest entry), or of it by at most 4x the generic path's own float32 error (a gradient's largest)
@@ -217,11 +248,14 @@ def assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=1e-5,
         assert ((a - want).abs() <= bound).all(), float(((a - want).abs() - bound).max())
 
 
-@pytest.mark.parametrize("mode, dual", [("vanilla", None), ("vanilla", 2.0), ("cispo", None)])
+@pytest.mark.parametrize(
+    "mode, dual", [("vanilla", None), ("vanilla", 2.0), ("cispo", None), ("gspo", None), ("geo_mean", None)]
+)
 def test_a_ratio_exactly_on_a_clip_bound_gets_the_unclipped_derivative(mode, dual):
     """At ratio == 1 - clip_eps_low and 1 + clip_eps_high exactly (docs/ops.md: not clipped, the
-    unclipped derivative -A r; cispo: its coefficient the ratio itself) the fused gradient is the
-    generic path's, token for token."""
+    unclipped derivative -A r; cispo: its coefficient the ratio itself; gspo: every token of a row whose
+    mean log-ratio is there; geo_mean: a log-ratio == -clip_eps_low or clip_eps_high, its clip in log
+    space) the fused gradient is the generic path's, token for token."""
     d = next(  # log-ratios (multiples of 1/16) whose exp rounds alike in torch and numpy (the interpreter's exp)
         d
         for d in torch.arange(-1, -16, -1) / 16
@@ -232,8 +266,14 @@ def test_a_ratio_exactly_on_a_clip_bound_gets_the_unclipped_derivative(mode, dua
         logp, entropy, x = per_token(
             7, (4, 9), dtype=torch.float32, weighted=False, with_ref=False, packed=False, ties=ties
         )
+        if mode == "gspo":  # every valid token's log-ratio the tie: its row's mean is exactly it
+            old = torch.where(x.mask, (x.old * 8).round() / 8, x.old)
+            logp = torch.where(x.mask, old + ties, logp)
+            x = x._replace(old=old)
         ratio_at = torch.exp((logp - x.old)[:, ::3][x.mask[:, ::3]])
         assert ((ratio_at == 1.0 - low) | (ratio_at == 1.0 + high)).float().mean() > 0.5  # the ties are there
+        if mode == "geo_mean":  # the log-ratio's bounds
+            low, high = (-float(d), 0.3) if ties < 0 else (0.2, -float(d))
         params = (low, high, dual) if mode == "vanilla" else (low, high)
         objective = Objective(POLICY_LOSS_MODES[mode], params, "token-mean")
         terms = Terms(0.0, "k3", 0.0)
@@ -246,13 +286,16 @@ def test_a_ratio_exactly_on_a_clip_bound_gets_the_unclipped_derivative(mode, dua
 @pytest.mark.parametrize("mode", MODE_PARAMS)
 def test_extreme_log_ratios_pass_no_gradient_beyond_the_exp_clamp(mode):
     """|logp - old| > 20: the ratio is exp(+-20) and the clamp passes no gradient, as the reference
-    (dro's log-ratio is not clamped; DPPO's p_old > 1 makes its binary KL NaN, as the reference's)."""
+    (dro's log-ratio is not clamped; DPPO's p_old > 1 makes its binary KL NaN, as the reference's; gspo's
+    row mean is clamped at 10 only above, geo_mean's clip is on the log-ratio): alternating +-30, and every
+    token's log-ratio 12 (a sequence ratio past gspo's clamp), or -30."""
     logp, entropy, x = per_token(3, (3, 8), dtype=torch.float32, weighted=True, with_ref=True, packed=False)
-    x = x._replace(old=torch.where(torch.arange(8) % 2 == 0, logp - 30.0, logp + 30.0))
     objective = objective_of(mode, "dual", "seq-mean-token-mean")
-    got = chunked(logp, entropy, x, objective, Terms(0.1, "k2", 0.01), rows=8, fused=True)
-    want = chunked(logp, entropy, x, objective, Terms(0.1, "k2", 0.01), rows=8, fused=False)
-    assert_terms_close(got, want, 2e-5, 2e-6, objective.mode)
+    for old in (torch.where(torch.arange(8) % 2 == 0, logp - 30.0, logp + 30.0), logp - 12.0, logp + 30.0):
+        x = x._replace(old=old)
+        got = chunked(logp, entropy, x, objective, Terms(0.1, "k2", 0.01), rows=8, fused=True)
+        want = chunked(logp, entropy, x, objective, Terms(0.1, "k2", 0.01), rows=8, fused=False)
+        assert_terms_close(got, want, 2e-5, 2e-6, objective.mode)
 
 
 @pytest.mark.parametrize("mode", MODE_PARAMS)
@@ -404,12 +447,24 @@ def other_mode_op_cases() -> list:
         )
         ident = "-".join(str(v).replace("torch.", "") for v in values)
         cases.append(tiers.case(*values, fast=packed == bool(i // 2 % 2), id=ident))
+    for i, mode in enumerate(SEQUENCE_MODES):  # padded only: packed, they take the two-pass path
+        values = (
+            ("token-mean", "seq-mean-token-mean")[i],
+            ("k3", None)[i],
+            "default",
+            0.01,
+            False,
+            torch.float16,
+            mode,
+        )
+        ident = "-".join(str(v).replace("torch.", "") for v in values)
+        cases.append(tiers.case(*values, fast=mode == "gspo", id=ident))  # geo_mean's in the full tier
     return cases
 
 
 @pytest.mark.parametrize([*OP_AXES, "mode"], other_mode_op_cases())
 def test_linear_policy_loss_every_modes_fused_terms(monkeypatch, agg, kl, clip, entropy_coef, packed, dtype, mode):
-    """As above for the other token-level modes, each padded and packed."""
+    """As above for the other token-level modes, each padded and packed, and the sequence-level modes padded."""
     test_linear_policy_loss_fused_equals_the_generic_path_and_float64(
         monkeypatch, agg, kl, clip, entropy_coef, packed, dtype, mode
     )
@@ -441,13 +496,13 @@ def count_launches(monkeypatch, policy_terms) -> collections.Counter:
         ("vanilla", torch.float64, False),
         ("sapo", torch.float32, True),  # each other mode's fused launches: its op test
         ("dro", torch.float64, False),
-        ("gspo", torch.float32, False),
-        ("geo_mean", torch.float32, False),
+        ("gspo", torch.float32, True),
     ],
 )
 def test_which_calls_take_the_fused_terms(monkeypatch, mode, dtype, fused):
-    """The dispatch is on the arguments: a token-level mode with inputs of at most 32 bits is fused (a
-    launch a chunk); float64 inputs (float64 terms) and the sequence-level modes take ``_per_token_grads``."""
+    """The dispatch is on the arguments: a one-pass mode with inputs of at most 32 bits is fused (a launch
+    a chunk); float64 inputs (float64 terms) take ``_per_token_grads``.  (The sequence-level modes on
+    packed tokens never reach the one pass: ``fused`` refuses them, ``test_packed_sequence_level_...``.)"""
     policy_terms, head = modules()
     launches = count_launches(monkeypatch, policy_terms)
     generic = collections.Counter()
@@ -467,13 +522,24 @@ def test_which_calls_take_the_fused_terms(monkeypatch, mode, dtype, fused):
     assert torch.isfinite(loss)
 
 
-def test_the_fused_modes_are_every_token_level_mode():
-    """``_policy_terms.MODES`` is the spec's one-pass modes less the sequence-level ones (gspo, geo_mean:
-    a sequence's tokens mix, the generic path): a new token-level mode needs its kernel branch."""
+def test_the_fused_modes_are_every_one_pass_mode():
+    """``_policy_terms.MODES`` is the spec's one-pass modes, ``SEQUENCE_MODES`` its sequence-level ones (a
+    row pass first): a new mode needs its kernel branch."""
     policy_terms, _ = modules()
-    token_level = {m.name for m in POLICY_LOSS_MODES.values() if m.fused_head and not m.sequence_level}
-    assert set(policy_terms.MODES) == token_level
-    assert {m.name for m in POLICY_LOSS_MODES.values() if m.sequence_level} == {"gspo", "geo_mean"}
+    assert set(policy_terms.MODES) == {m.name for m in POLICY_LOSS_MODES.values() if m.fused_head}
+    assert set(policy_terms.SEQUENCE_MODES) == {m.name for m in POLICY_LOSS_MODES.values() if m.sequence_level}
+    assert set(SEQUENCE_MODES) == set(policy_terms.SEQUENCE_MODES)
+
+
+def test_packed_sequence_level_modes_are_not_fused():
+    """On packed tokens a chunk cuts through sequences (a sequence-level mode's row means are not its own):
+    ``fused`` refuses gspo and geo_mean there, and serves a token-level mode."""
+    policy_terms, _ = modules()
+    _, _, x = per_token(2, (3, 5), dtype=torch.float32, weighted=False, with_ref=False, packed=True)
+    for mode in ("gspo", "geo_mean", "vanilla"):
+        objective = objective_of(mode, "default", "token-sum")
+        assert policy_terms.fused(objective, torch.float32, x) == (mode == "vanilla")
+        assert policy_terms.fused(objective, torch.float32, x._replace(scale=None))
 
 
 # --------------------------------------------------------------------------- launches a chunk (the model's counts)
@@ -526,10 +592,7 @@ def one_chunk_kernels(monkeypatch, fused: bool, with_ref: bool, mode: str = "van
     where ``with_ref``) on a [4, 96] chunk, counted on CPU: a proxy for the launches on CUDA."""
     policy_terms, _ = modules()
     logp, entropy, x = per_token(0, (4, 96), dtype=torch.float32, weighted=False, with_ref=with_ref, packed=False)
-    if mode in MODE_PARAMS:
-        objective = objective_of(mode, "default", "token-mean")
-    else:  # a sequence-level mode: the generic path only
-        objective = Objective(POLICY_LOSS_MODES[mode], (0.2, 0.28), "token-mean")
+    objective = objective_of(mode, "default", "token-mean")
     terms = Terms(0.1, "k3", 0.01)
     if fused:
         state = policy_terms.Batch(x, objective, terms)  # once a call, not a chunk
@@ -557,12 +620,11 @@ def test_the_fused_terms_once_a_call():
 @pytest.mark.parametrize("mode", ["vanilla", "gspo", "geo_mean"])
 def test_the_models_launch_counts_are_the_paths_counts(monkeypatch, with_ref, mode):
     """``_head_plan.TERMS_LAUNCHES`` (what ``bench head_model`` charges a chunk) against the counts: the
-    fused path one Triton launch and no aten kernel; the generic path (vanilla's float64 inputs, the
-    sequence-level modes) its leaf aten kernels on CPU: vanilla's within 15% (they vary a little with
-    torch's decompositions), gspo's and geo_mean's within 30% (their row means: 94 and 110 kernels
+    fused path (every mode, the sequence-level ones included) one Triton launch and no aten kernel; the
+    generic path (float64 inputs) its leaf aten kernels on CPU: vanilla's within 15% (they vary a little
+    with torch's decompositions), gspo's and geo_mean's within 30% (their row means: 94 and 110 kernels
     against 87 without a KL term, 256 and 272 against the model's 249 with one)."""
-    if mode == "vanilla":
-        assert one_chunk_kernels(monkeypatch, True, with_ref) == _head_plan.TERMS_LAUNCHES["fused"] == 1
+    assert one_chunk_kernels(monkeypatch, True, with_ref, mode) == _head_plan.TERMS_LAUNCHES["fused"] == 1
     generic = one_chunk_kernels(monkeypatch, False, with_ref, mode)
     modelled = _head_plan.TERMS_LAUNCHES["generic, KL" if with_ref else "generic"]
     assert math.isclose(generic, modelled, rel_tol=0.15 if mode == "vanilla" else 0.3), (generic, modelled)
@@ -570,6 +632,6 @@ def test_the_models_launch_counts_are_the_paths_counts(monkeypatch, with_ref, mo
 
 @pytest.mark.parametrize("mode", OTHER_MODES)
 def test_every_fused_mode_is_one_launch_a_chunk(monkeypatch, mode):
-    """Every token-level mode's chunk: one Triton launch and no aten kernel (with a KL term and an entropy
+    """Every other token-level mode's chunk: one Triton launch and no aten kernel (with a KL term and an entropy
     bonus), the model's ``TERMS_LAUNCHES["fused"]``."""
     assert one_chunk_kernels(monkeypatch, True, True, mode) == _head_plan.TERMS_LAUNCHES["fused"] == 1

@@ -42,11 +42,11 @@ LOGPROBS_ROWS = 384
 MIN_ROWS, MAX_ROWS, ROW_STEP = 384, CHUNK_ROWS, 128
 F32_ACC_MIN_ROWS = 1024
 # Launches a chunk of the one-pass loss's per-token terms and their gradient (counted, not modelled in
-# bytes), by the path a call takes: "fused", the Triton kernel of every token-level mode (vanilla, sapo,
-# cispo, gpg, dppo_tv, dppo_kl, dro: triton/_policy_terms.py); "generic" (and with a KL term), the
-# sequence-level modes (gspo, geo_mean) and float64 inputs: the reference's chunk_terms under autograd on
-# the chunk's [rows] vectors, its leaf aten kernels counted on CPU (a proxy for its CUDA launches; an
-# entropy bonus, k3): vanilla's 87 / 249 (gspo's 94 / 256, geo_mean's 110 / 272).
+# bytes), by the path a call takes: "fused", the Triton kernel of every one-pass mode (vanilla, sapo,
+# cispo, gpg, dppo_tv, dppo_kl, dro, and in the padded layout the sequence-level gspo and geo_mean:
+# triton/_policy_terms.py); "generic" (and with a KL term), float64 inputs: the reference's chunk_terms
+# under autograd on the chunk's [rows] vectors, its leaf aten kernels counted on CPU (a proxy for its CUDA
+# launches; an entropy bonus, k3): vanilla's 87 / 249 (gspo's 94 / 256, geo_mean's 110 / 272).
 # tests/test_policy_terms.py counts both.
 TERMS_LAUNCHES = {"fused": 1, "generic": 87, "generic, KL": 249}
 # ... and once a call: the normalisers from the mask and the totals' results (fused: 6 + 8, counted by the
@@ -130,8 +130,8 @@ def phases(
 
     ``acc``: the bytes of d_weight's accumulator a weight (4: float32, what the kernels do; 2: the
     inputs' bf16, rounded once per chunk, a design the model weighs).  ``terms``: the loss's per-token
-    path, a key of ``TERMS_LAUNCHES`` ("fused": the token-level modes; "generic" or "generic, KL": gspo,
-    geo_mean and float64 inputs).
+    path, a key of ``TERMS_LAUNCHES`` ("fused": every mode with inputs of at most 32 bits; "generic" or
+    "generic, KL": float64 inputs).
     """
     s = itemsize
     chunks = row_chunks(n, rows)

@@ -1,4 +1,4 @@
-"""The one-pass loss's per-token terms and their gradient for every token-level mode in one launch a chunk.
+"""The one-pass loss's per-token terms and their gradient for every one-pass mode in one launch a chunk.
 
 ``_one_pass._per_token_grads`` runs the reference's ``chunk_terms`` under autograd on each chunk's
 ``[rows, T]`` vectors: ~80 small kernels a chunk without a KL term, ~220 with one (leaf aten kernels
@@ -15,7 +15,13 @@ the same inf or NaN: ``vanilla`` (``csrc/common/loss_math.h``'s ``policy_term``/
 ``sapo``, ``cispo``, ``gpg``, ``dppo_tv``, ``dppo_kl`` and ``dro``.  torch's conventions included: a
 clamp passes its gradient on the closed range, so a ratio exactly on a clip bound gets the unclipped
 derivative; ``maximum`` and ``minimum`` split it at a tie; the detached ratios (cispo, DPPO) pass
-none.  The sequence-level modes (gspo, geo_mean) mix a sequence's tokens and stay on the generic path.
+none.  The sequence-level modes (``SEQUENCE_MODES``: ``gspo``, ``geo_mean``) mix a sequence's tokens:
+in the padded layout a chunk holds whole rows (``_head_plan.sequence_chunks``), so the same program first
+sweeps each block of rows for their means (``_row_terms``: gspo's mean log-ratio, GMPO's row loss and its
+gradient), then writes every token's gradient from them; gspo's ratio ``exp(min(logp - sg(logp) + mean,
+10))`` (its surrogate gradient, ``spec``'s ``surrogate_gradient``) clipped as vanilla's, geo_mean's tokens
+clipped in log space.  On packed tokens a chunk cuts through sequences: they are not fused (``fused``),
+and ``pf.linear_policy_loss`` takes its two-pass path for them.
 The KL estimators are ``kl_penalized_rewards``' Triton functions, and each ``agg`` is a per-token
 coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum), ``1/(row tokens * rows)``
 (seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)`` (seq-mean-token-sum-norm),
@@ -34,7 +40,9 @@ from .kl_penalized_rewards import _clamp, _kl_from_log_ratio, _kl_grad, kl_estim
 # The totals buffer's entries, in the order of chunk_terms' outputs (vanilla's stats last).
 TOTALS = ("loss", "pg_loss", "entropy", "kl_loss", "clipfrac", "clipfrac_lower", "approx_kl")
 # The modes the kernel computes (its MODE: an index here); every other mode takes the generic path.
-MODES = ("vanilla", "sapo", "cispo", "gpg", "dppo_tv", "dppo_kl", "dro")
+MODES = ("vanilla", "sapo", "cispo", "gpg", "dppo_tv", "dppo_kl", "dro", "gspo", "geo_mean")
+# The sequence-level modes of MODES: a row pass first (its mean log-ratio, GMPO's row loss), the padded layout only.
+SEQUENCE_MODES = ("gspo", "geo_mean")
 # The stats' entries of TOTALS (a mode's spec stats are a selection of them).
 _STATS = ("clipfrac", "clipfrac_lower", "approx_kl")
 _BLOCK = 1024  # tokens a step: [rows, T] tiles of up to 1024 elements
@@ -45,7 +53,7 @@ _TOKEN_SUM = tl.constexpr(AGG_MODES.index("token-sum"))
 _SEQ_TOKEN_MEAN = tl.constexpr(AGG_MODES.index("seq-mean-token-mean"))
 _SEQ_TOKEN_SUM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum"))
 _SEQ_TOKEN_SUM_NORM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum-norm"))
-_VANILLA, _SAPO, _CISPO, _GPG, _DPPO_TV, _DPPO_KL, _DRO = (tl.constexpr(i) for i in range(len(MODES)))
+_VANILLA, _SAPO, _CISPO, _GPG, _DPPO_TV, _DPPO_KL, _DRO, _GSPO, _GEO_MEAN = (tl.constexpr(i) for i in range(len(MODES)))
 
 
 @triton.jit
@@ -66,10 +74,8 @@ def _clamp_grad(x, low, high, g):
 
 
 @triton.jit
-def _vanilla(logp, old, adv, g, ratio_low, ratio_high, dual, HAS_DUAL: tl.constexpr):
-    """One token of reference.clipped_policy_loss before its weight: ``(pg, clipped, capped, g * d pg / d logp)``."""
-    diff = logp - old
-    ratio = tl.exp(_clamp(diff, -20.0, 20.0))  # NaN stays NaN, as torch.clamp
+def _clipped_surrogate(ratio, adv, g, ratio_low, ratio_high, dual, HAS_DUAL: tl.constexpr):
+    """The clipped surrogate of a ratio (vanilla's and gspo's): ``(pg, clipped, capped, g * d pg / d ratio)``."""
     ratio_clipped = _clamp(ratio, ratio_low, ratio_high)
     neg_adv = -adv
     unclipped = neg_adv * ratio
@@ -89,8 +95,46 @@ def _vanilla(logp, old, adv, g, ratio_low, ratio_high, dual, HAS_DUAL: tl.conste
     g_unclipped = _max_grad_to(unclipped, clipped, g_pg0)
     g_clipped = _max_grad_to(clipped, unclipped, g_pg0)
     g_ratio = g_unclipped * neg_adv + _clamp_grad(ratio, ratio_low, ratio_high, g_clipped * neg_adv)
+    return pg, is_clipped, is_capped, g_ratio
+
+
+@triton.jit
+def _vanilla(logp, old, adv, g, ratio_low, ratio_high, dual, HAS_DUAL: tl.constexpr):
+    """One token of reference.clipped_policy_loss before its weight: ``(pg, clipped, capped, g * d pg / d logp)``."""
+    diff = logp - old
+    ratio = tl.exp(_clamp(diff, -20.0, 20.0))  # NaN stays NaN, as torch.clamp
+    pg, is_clipped, is_capped, g_ratio = _clipped_surrogate(ratio, adv, g, ratio_low, ratio_high, dual, HAS_DUAL)
     g_diff = _clamp_grad(diff, -20.0, 20.0, g_ratio * ratio)
     return pg, is_clipped, is_capped, g_diff
+
+
+@triton.jit
+def _gspo(logp, adv, g, seq_log_ratio, ratio_low, ratio_high):
+    """One token of reference.policy_loss_gspo: the clipped surrogate of ``exp(min(logp - sg(logp) +
+    seq_log_ratio, 10))``, ``seq_log_ratio`` its row's (detached) mean log-ratio."""
+    log_ratio = (logp - logp) + seq_log_ratio  # logp - sg(logp): 0, NaN where logp is not finite
+    ratio = tl.exp(tl.minimum(log_ratio, 10.0, propagate_nan=tl.PropagateNan.ALL))
+    pg, is_clipped, _, g_ratio = _clipped_surrogate(ratio, adv, g, ratio_low, ratio_high, 0.0, False)
+    return pg, is_clipped, tl.where(log_ratio <= 10.0, g_ratio * ratio, 0.0)  # the clamp passes at 10
+
+
+@triton.jit
+def _geo_mean_token(logp, old, adv, g_kept, eps_low, eps_high):
+    """One token of reference.policy_loss_geo_mean: ``(kept, clipped with A > 0, clipped with A < 0,
+    g_kept * d kept / d logp)``, ``kept = sign(A) min(sign(A) log r, sign(A) clip(log r, -eps_low,
+    eps_high))`` the token's share of its row's mean."""
+    log_ratio = logp - old
+    sign = tl.where(adv > 0.0, 1.0, tl.where(adv < 0.0, -1.0, adv * 0.0))  # torch.sign: NaN stays NaN
+    clamped = _clamp(log_ratio, -eps_low, eps_high)
+    a = sign * log_ratio
+    b = sign * clamped
+    kept = sign * tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    g_min = g_kept * sign
+    g_log_ratio = _min_grad_to(a, b, g_min) * sign + _clamp_grad(
+        log_ratio, -eps_low, eps_high, _min_grad_to(b, a, g_min) * sign
+    )
+    clipped = log_ratio != clamped
+    return kept, (clipped & (adv > 0.0)).to(tl.float32), (clipped & (adv < 0.0)).to(tl.float32), g_log_ratio
 
 
 @triton.jit
@@ -136,9 +180,10 @@ def _dppo(logp, old, adv, g, eps_low, eps_high, ratio_cap, BINARY_KL: tl.constex
 
 
 @triton.jit
-def _mode_term(logp, old, adv, g, p0, p1, p2, MODE: tl.constexpr, HAS_DUAL: tl.constexpr):
+def _mode_term(logp, old, adv, g, p0, p1, p2, row_a, row_b, MODE: tl.constexpr, HAS_DUAL: tl.constexpr):
     """One token of MODE's loss before its weight: ``(pg, clipped, lower, g * d pg / d logp)``, the two
-    stats the mode's clipfrac and clipfrac_lower (0 where it has none); ``(p0, p1, p2)``: ``Batch.params``."""
+    stats the mode's clipfrac and clipfrac_lower (0 where it has none); ``(p0, p1, p2)``: ``Batch.params``;
+    ``(row_a, row_b)``: the token's row's ``_row_terms`` (a sequence-level mode's)."""
     zero = tl.zeros_like(logp)
     if MODE == _VANILLA:
         pg, clipped, lower, g_logp = _vanilla(logp, old, adv, g, p0, p1, p2, HAS_DUAL)
@@ -160,9 +205,84 @@ def _mode_term(logp, old, adv, g, p0, p1, p2, MODE: tl.constexpr, HAS_DUAL: tl.c
         pg = -(adv * logp - p0 * (log_ratio * log_ratio))
         g_logp = -g * adv + (g * p0) * (2.0 * log_ratio)
         clipped, lower = zero, zero
+    elif MODE == _GSPO:  # row_a: the row's mean log-ratio
+        pg, clipped, g_logp = _gspo(logp, adv, g, row_a, p0, p1)
+        lower = zero
+    elif MODE == _GEO_MEAN:  # row_a, row_b: the row's loss and d loss / d kept (g unused: weights are in row_a)
+        _, clipped, lower, g_logp = _geo_mean_token(logp, old, adv, row_b, p0, p1)
+        pg = row_a + zero
     else:
         tl.static_assert(False, "policy terms: a mode of MODES without its branch")
     return pg, clipped, lower, g_logp
+
+
+@triton.jit
+def _tile(mask_ptr, rows_i, row_ok, t, start, row_len, row_stride):
+    """A ``[R_BLOCK, T_BLOCK]`` tile's ``(in bounds, offsets in the [B, T] inputs, in the chunk, valid)``."""
+    ok = row_ok[:, None] & (t < row_len)[None, :]
+    at = start + rows_i[:, None] * row_stride + t[None, :]  # the batch's [B, T] inputs
+    local = rows_i[:, None] * row_len + t[None, :]  # the chunk's vectors
+    valid = ok & (tl.load(mask_ptr + at, mask=ok, other=0) != 0)
+    return ok, at, local, valid
+
+
+@triton.jit
+def _load(ptr, at, valid):
+    """float32 values at the valid tokens, 0 elsewhere (whatever a masked token holds reaches nothing)."""
+    return tl.where(valid, tl.load(ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
+
+
+@triton.jit
+def _row_terms(
+    logp_ptr,
+    old_ptr,
+    adv_ptr,
+    mask_ptr,
+    weights_ptr,
+    rows_i,
+    row_ok,
+    start,
+    row_len,
+    row_stride,
+    coef,
+    p0,
+    p1,
+    MODE: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    T_BLOCK: tl.constexpr,
+):
+    """A sequence-level mode's ``(row_a, row_b)`` per row ([R_BLOCK] float32), the reference's row means
+    (over the valid tokens, a row without any 0): gspo ``(mean log r, 0)``; geo_mean ``(row loss,
+    d loss / d kept)``, the row loss ``-mean(A) * exp(mean kept) * exp(mean log(weights + 1e-10))``
+    and its gradient by autograd's chain, ``coef * tokens`` the loss's factor of it."""
+    count = tl.zeros(rows_i.shape, tl.float32)
+    sum_a = tl.zeros(rows_i.shape, tl.float32)  # gspo: log r; geo_mean: kept
+    sum_adv = tl.zeros(rows_i.shape, tl.float32)
+    sum_log_w = tl.zeros(rows_i.shape, tl.float32)
+    for t0 in range(0, row_len, T_BLOCK):
+        ok, at, local, valid = _tile(mask_ptr, rows_i, row_ok, t0 + tl.arange(0, T_BLOCK), start, row_len, row_stride)
+        logp = _load(logp_ptr, local, valid)
+        old = _load(old_ptr, at, valid)
+        count += tl.sum(valid.to(tl.float32), 1)
+        if MODE == _GSPO:
+            sum_a += tl.sum(tl.where(valid, logp - old, 0.0), 1)
+        else:
+            adv = _load(adv_ptr, at, valid)
+            kept, _, _, _ = _geo_mean_token(logp, old, adv, tl.zeros_like(logp), p0, p1)
+            sum_a += tl.sum(tl.where(valid, kept, 0.0), 1)
+            sum_adv += tl.sum(adv, 1)
+            if HAS_WEIGHTS:  # verl's geometric mean of the weights, with its 1e-10
+                sum_log_w += tl.sum(tl.where(valid, tl.log(_load(weights_ptr, at, valid) + 1e-10), 0.0), 1)
+    tokens = tl.maximum(count, 1.0)
+    if MODE == _GSPO:
+        row_a, row_b = sum_a / tokens, tl.zeros_like(sum_a)
+    else:
+        neg_mean_adv = -(sum_adv / tokens)
+        geo = tl.exp(sum_a / tokens)
+        geo_weight = tl.exp(sum_log_w / tokens)  # 1 without weights
+        row_a = (neg_mean_adv * geo) * geo_weight
+        row_b = ((((coef * count) * geo_weight) * neg_mean_adv) * geo) / tokens
+    return row_a, row_b
 
 
 @triton.jit
@@ -238,41 +358,63 @@ def _terms_kernel(
     for r0 in range(0, rows, R_BLOCK):
         rows_i = (r0 + tl.arange(0, R_BLOCK)).to(tl.int64)
         row_ok = rows_i < rows
-        coef = _row_coefficients(
+        row_coef = _row_coefficients(
             mask_ptr, norms_ptr, rows_i, row_ok, start, row_len, row_stride, norm_len, AGG, T_BLOCK
-        )[:, None]
+        )
+        coef = row_coef[:, None]
+        if MODE == _GSPO or MODE == _GEO_MEAN:  # a first pass over the rows (the chunk holds whole rows)
+            row_a, row_b = _row_terms(
+                logp_ptr,
+                old_ptr,
+                adv_ptr,
+                mask_ptr,
+                weights_ptr,
+                rows_i,
+                row_ok,
+                start,
+                row_len,
+                row_stride,
+                row_coef,
+                p0,
+                p1,
+                MODE,
+                HAS_WEIGHTS,
+                T_BLOCK,
+            )
+        else:
+            row_a, row_b = tl.zeros_like(row_coef), tl.zeros_like(row_coef)
         for t0 in range(0, row_len, T_BLOCK):
-            t = t0 + tl.arange(0, T_BLOCK)
-            ok = row_ok[:, None] & (t < row_len)[None, :]
-            at = start + rows_i[:, None] * row_stride + t[None, :]  # the batch's [B, T] inputs
-            local = rows_i[:, None] * row_len + t[None, :]  # the chunk's vectors
-            valid = ok & (tl.load(mask_ptr + at, mask=ok, other=0) != 0)
-            logp = tl.where(valid, tl.load(logp_ptr + local, mask=valid, other=0.0), 0.0)
+            ok, at, local, valid = _tile(
+                mask_ptr, rows_i, row_ok, t0 + tl.arange(0, T_BLOCK), start, row_len, row_stride
+            )
+            logp = _load(logp_ptr, local, valid)
             if MODE == _GPG:  # its loss does not read old_logprobs
                 old = tl.zeros_like(logp)
             else:
-                old = tl.where(valid, tl.load(old_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
-            adv = tl.where(valid, tl.load(adv_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
+                old = _load(old_ptr, at, valid)
+            adv = _load(adv_ptr, at, valid)
             token = tl.where(valid, coef, 0.0)  # d loss / d (the token's weighted loss)
             if HAS_SCALE:
-                scale = tl.where(valid, tl.load(scale_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
+                scale = _load(scale_ptr, at, valid)
             weight = tl.full([R_BLOCK, T_BLOCK], 1.0, tl.float32)
-            if HAS_WEIGHTS:
-                weight = tl.where(valid, tl.load(weights_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
+            if HAS_WEIGHTS and MODE != _GEO_MEAN:  # GMPO's weights are a factor of its row loss
+                weight = _load(weights_ptr, at, valid)
             if HAS_SCALE:
                 weight = weight * scale
-            pg, is_clipped, is_capped, g_logp = _mode_term(logp, old, adv, token * weight, p0, p1, p2, MODE, HAS_DUAL)
+            pg, is_clipped, is_capped, g_logp = _mode_term(
+                logp, old, adv, token * weight, p0, p1, p2, row_a[:, None], row_b[:, None], MODE, HAS_DUAL
+            )
             acc_pg += tl.where(valid, pg * weight * coef, 0.0)
             acc_clipped += tl.where(valid, is_clipped, 0.0)
             acc_capped += tl.where(valid, is_capped, 0.0)
             acc_approx += old - logp
             if HAS_REF:
-                log_ratio = logp - tl.where(valid, tl.load(ref_ptr + at, mask=valid, other=0.0).to(tl.float32), 0.0)
+                log_ratio = logp - _load(ref_ptr, at, valid)
                 kl_token = token * scale if HAS_SCALE else token
                 acc_kl += tl.where(valid, _kl_from_log_ratio(log_ratio, KL_ESTIMATOR) * kl_token, 0.0)
                 g_logp += _kl_grad(log_ratio, kl_coef * kl_token, KL_ESTIMATOR)
             tl.store(g_logp_ptr + local, tl.where(valid, g_logp, 0.0), mask=ok)
-            entropy = tl.where(valid, tl.load(entropy_ptr + local, mask=valid, other=0.0), 0.0)
+            entropy = _load(entropy_ptr, local, valid)
             acc_entropy += entropy
             if HAS_ENTROPY:
                 tl.store(g_entropy_ptr + local, tl.where(valid, -entropy_coef * inv_tokens, 0.0), mask=ok)
@@ -297,12 +439,13 @@ def _add(totals_ptr, I: tl.constexpr, value):
 
 def fused(objective, logp_dtype: torch.dtype, x) -> bool:
     """Whether :class:`Batch` serves this call (else ``_one_pass._per_token_grads``): a mode of ``MODES``
-    (every token-level one) with float32 log-probs (the head's for every input dtype but float64) and
+    (every one-pass mode; a sequence-level one in the padded layout only, ``x.scale`` None) with float32 log-probs (the head's for every input dtype but float64) and
     per-token inputs of at most 32 bits, so that its terms are float32 as the reference's (float64
     inputs give float64 terms: the generic path)."""
     floats = [t for t in x if t is not None and t.dtype != torch.bool]
     return (
         objective.mode.name in MODES
+        and (objective.mode.name not in SEQUENCE_MODES or x.scale is None)
         and logp_dtype == torch.float32
         and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in floats)
     )
@@ -316,11 +459,13 @@ def mode_params(objective) -> tuple[float, float, float, bool]:
     if name == "vanilla":
         low, high, dual = params
         values, has_dual = (1.0 - low, 1.0 + high, 0.0 if dual is None else dual), dual is not None
-    elif name == "cispo":
+    elif name in ("cispo", "gspo"):
         low, high = params
         values, has_dual = (1.0 - low, 1.0 + high, 0.0), False
     elif name in ("sapo", "dppo_tv", "dppo_kl"):  # (tau_pos, tau_neg); (clip_eps_low, clip_eps_high, ratio_cap)
         values, has_dual = (*params, 0.0)[:3], False
+    elif name == "geo_mean":  # its clip in log space: (clip_eps_low, clip_eps_high)
+        values, has_dual = (*params, 0.0), False
     elif name == "dro":
         values, has_dual = (0.5 * params[0], 0.0, 0.0), False  # the reference's 0.5 * dro_beta
     elif name == "gpg":

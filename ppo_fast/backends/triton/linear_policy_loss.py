@@ -1,8 +1,9 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
-log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (the token-level
-modes: one launch of ``_policy_terms``' kernel; the sequence-level modes and float64 inputs: the mode's
-reference function under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
+log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (every mode: one
+launch of ``_policy_terms``' kernel; float64 inputs: the mode's reference function under autograd on
+those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``; the sequence-level modes on packed tokens
+never come here: the op's two-pass path), ``d_logits``
 written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
 ``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
 memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
@@ -105,7 +106,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
     totals = None
     with device_guard(hidden):
-        # a token-level mode: the terms in one launch a chunk, its normalisers its own; else the reference's under autograd
+        # the terms in one launch a chunk, the normalisers its own; float64: the reference's under autograd
         fused = (
             policy_terms.Batch(x, objective, terms)
             if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x)
@@ -165,8 +166,8 @@ def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> lis
     the fused per-token terms on one chunk of ``rows`` tokens (the head's and token_logprobs' kernels are
     those modules' variants).  vanilla: whole sequences with a k3 KL term, weights, the entropy bonus and
     the dual clip (float16 inputs); seq-mean-token-mean (its row counts) without KL; the packed row
-    (float32, a scale per token, ``abs``).  Every other token-level mode as the first (its own branch,
-    the rest shared)."""
+    (float32, a scale per token, ``abs``).  Every other mode as the first (its own branch, the rest
+    shared; the sequence-level ones' row pass too)."""
 
     def meta(shape, dtype=torch.float32):
         return torch.empty(shape, dtype=dtype, device="meta")
