@@ -229,6 +229,21 @@ def test_sequence_level_fused_terms_equal_the_generic_path_and_float64(
     assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode)
 
 
+@pytest.mark.parametrize("mode", SEQUENCE_MODES)
+def test_sequence_level_rows_longer_than_a_tile(monkeypatch, mode):
+    """Tiles of 4 tokens (``_BLOCK`` 4: one row a block): each row's means summed over its three tiles, the
+    tokens' gradients in each, as the generic path and float64."""
+    policy_terms, _ = modules()
+    monkeypatch.setattr(policy_terms, "_BLOCK", 4)
+    logp, entropy, x = per_token(9, (5, 11), dtype=torch.float32, weighted=True, with_ref=True, packed=False)
+    objective = objective_of(mode, "default", "seq-mean-token-mean")
+    terms = Terms(0.1, "k3", 0.01)
+    got = chunked(logp, entropy, x, objective, terms, rows=22, fused=True)
+    generic = chunked(logp, entropy, x, objective, terms, rows=22, fused=False)
+    oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=22, fused=False)
+    assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode)
+
+
 def assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=1e-5, atol=1e-6):
     """Each total and gradient within ``rtol``/``atol`` of float64's (a gradient's ``atol`` times its
     largest entry), or of it by at most 4x the generic path's own float32 error (a gradient's largest)

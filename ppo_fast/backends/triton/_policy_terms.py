@@ -39,7 +39,7 @@ from .kl_penalized_rewards import _clamp, _kl_from_log_ratio, _kl_grad, kl_estim
 
 # The totals buffer's entries, in the order of chunk_terms' outputs (vanilla's stats last).
 TOTALS = ("loss", "pg_loss", "entropy", "kl_loss", "clipfrac", "clipfrac_lower", "approx_kl")
-# The modes the kernel computes (its MODE: an index here); every other mode takes the generic path.
+# The modes the kernel computes (its MODE: an index here): every one-pass mode (clip_cov, kl_cov are two-pass).
 MODES = ("vanilla", "sapo", "cispo", "gpg", "dppo_tv", "dppo_kl", "dro", "gspo", "geo_mean")
 # The sequence-level modes of MODES: a row pass first (its mean log-ratio, GMPO's row loss), the padded layout only.
 SEQUENCE_MODES = ("gspo", "geo_mean")
