@@ -304,8 +304,7 @@ def _policy_loss(rows, hidden: torch.Tensor, head: dict, request: LossRequest):
     per_token = {"old_logprobs": request.old_logprobs, "advantages": request.advantages, "mask": request.mask}
     per_token |= {name: terms.pop(name) for name in _PER_TOKEN_TERMS if terms.get(name) is not None}
     width = None
-    agg = terms.get("agg") or pf.policy_loss_modes()[terms.get("loss_mode", "vanilla")].default_agg
-    if rows.cu_seqlens is not None and agg == "seq-mean-token-sum-norm":
+    if rows.cu_seqlens is not None and terms["agg"] == "seq-mean-token-sum-norm":  # update.loss_terms sets agg
         # Its T is the padded response width R, which the packed responses do not carry (theirs is the
         # longest response): seq-mean-token-sum / R, the entropy bonus (a token mean) scaled to stay as it is.
         width = rows.shape[1]

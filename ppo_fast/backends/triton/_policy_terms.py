@@ -15,7 +15,7 @@ the same inf or NaN: ``vanilla`` (``csrc/common/loss_math.h``'s ``policy_term``/
 ``sapo``, ``cispo``, ``gpg``, ``dppo_tv``, ``dppo_kl`` and ``dro``.  torch's conventions included: a
 clamp passes its gradient on the closed range, so a ratio exactly on a clip bound gets the unclipped
 derivative; ``maximum`` and ``minimum`` split it at a tie; the detached ratios (cispo, DPPO) pass
-none.  The sequence-level modes (``SEQUENCE_MODES``: ``gspo``, ``geo_mean``) mix a sequence's tokens:
+none.  The sequence-level modes (the spec's ``sequence_level``: ``gspo``, ``geo_mean``) mix a sequence's tokens:
 in the padded layout a chunk holds whole rows (``_head_plan.sequence_chunks``), so the same program first
 sweeps each block of rows for their means (``_row_terms``: gspo's mean log-ratio, GMPO's row loss and its
 gradient), then writes every token's gradient from them; gspo's ratio ``exp(min(logp - sg(logp) + mean,
@@ -41,8 +41,6 @@ from .kl_penalized_rewards import _clamp, _kl_from_log_ratio, _kl_grad, kl_estim
 TOTALS = ("loss", "pg_loss", "entropy", "kl_loss", "clipfrac", "clipfrac_lower", "approx_kl")
 # The modes the kernel computes (its MODE: an index here): every one-pass mode (clip_cov, kl_cov are two-pass).
 MODES = ("vanilla", "sapo", "cispo", "gpg", "dppo_tv", "dppo_kl", "dro", "gspo", "geo_mean")
-# The sequence-level modes of MODES: a row pass first (its mean log-ratio, GMPO's row loss), the padded layout only.
-SEQUENCE_MODES = ("gspo", "geo_mean")
 # The stats' entries of TOTALS (a mode's spec stats are a selection of them).
 _STATS = ("clipfrac", "clipfrac_lower", "approx_kl")
 _BLOCK = 1024  # tokens a step: [rows, T] tiles of up to 1024 elements
@@ -445,7 +443,7 @@ def fused(objective, logp_dtype: torch.dtype, x) -> bool:
     floats = [t for t in x if t is not None and t.dtype != torch.bool]
     return (
         objective.mode.name in MODES
-        and (objective.mode.name not in SEQUENCE_MODES or x.scale is None)
+        and (not objective.mode.sequence_level or x.scale is None)
         and logp_dtype == torch.float32
         and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in floats)
     )
