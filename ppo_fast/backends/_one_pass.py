@@ -15,7 +15,16 @@ from .._dtypes import result_dtype
 from .._sampling import Truncation
 from ..spec import POLICY_LOSS_MODES
 from .reference._common import CHUNK_ELEMENTS, in_common_dtype
-from .reference._loss_terms import Head, Objective, PerToken, Terms, chunk_index, chunk_terms, loss_scales
+from .reference._loss_terms import (  # noqa: F401  (segment_chunks: the Triton loop's)
+    Head,
+    Objective,
+    PerToken,
+    Terms,
+    chunk_index,
+    chunk_terms,
+    loss_scales,
+    segment_chunks,
+)
 
 # --------------------------------------------------------------------------- the fast backends' loop
 
@@ -116,7 +125,7 @@ def one_pass_on_rows(
     d_bias = torch.zeros_like(bias_c) if bias is not None and output_mask[2] else None
     wanted = any(d is not None for d in (d_hidden, d_weight, d_bias))
     totals = None
-    for rs in chunk_index(batch, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None):
+    for rs in chunk_index(batch, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None, x.bounds):
         chunk = _chunk_logits(hidden_c[rs], weight_c, bias_c, labels[rs], head)
         logp, entropy, saved = rows.forward(chunk.logits, chunk.labels, head.temperature, head.ignore_index, truncation)
         shape = labels[rs].shape
@@ -169,6 +178,7 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
         bias: torch.Tensor | None,
         ref_logprobs: torch.Tensor | None,
         scale: torch.Tensor | None,
+        bounds: torch.Tensor | None,
         temperature: float,
         logit_scale: float,
         logit_softcap: float | None,
@@ -189,7 +199,7 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
             hidden,
             weight,
             labels,
-            PerToken(old_logprobs, advantages, mask, weights, ref_logprobs, scale),
+            PerToken(old_logprobs, advantages, mask, weights, ref_logprobs, scale, bounds),
             bias=bias,
             objective=Objective(POLICY_LOSS_MODES[loss_mode], _unpacked(params), agg),
             head=Head(temperature, logit_scale, logit_softcap, ignore_index),
@@ -211,7 +221,7 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
             output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
             floats = [math.nan if p is None else float(p) for p in params]
             options = (mode.name, floats, agg, output_mask, *(truncation or Truncation()))
-            out = op(hidden, weight, labels, *x[:4], bias, x.ref, x.scale, *head, *terms, *options)
+            out = op(hidden, weight, labels, *x[:4], bias, x.ref, x.scale, x.bounds, *head, *terms, *options)
             return tuple(out[:-3])
 
         run.__name__ = run.__qualname__ = mode.linear_op
@@ -225,7 +235,9 @@ def _register_fake(op, names: list[str]) -> None:
 
     def fake(*args):
         a = dict(zip(names, args))
-        x = PerToken(*(a[n] for n in ("old_logprobs", "advantages", "mask", "weights", "ref_logprobs", "scale")))
+        x = PerToken(
+            *(a[n] for n in ("old_logprobs", "advantages", "mask", "weights", "ref_logprobs", "scale", "bounds"))
+        )
         objective = Objective(POLICY_LOSS_MODES[a["loss_mode"]], _unpacked(a["params"]), a["agg"])
         terms = fake_terms(a["hidden"], x, objective, Terms(a["kl_coef"], a["kl_estimator"], a["entropy_coef"]))
         grads = [

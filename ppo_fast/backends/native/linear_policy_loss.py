@@ -120,7 +120,11 @@ register("linear_policy_loss", _fake, *autograd(_input_names, "native"))
 def _linear_policy_loss_op(mode):
     def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg, truncation=None):
         # The C++ epilogue has no truncation, and no factor on a packed row's KL terms: the rows' loop.
-        if (truncation is not None and truncation.active) or (x.scale is not None and x.ref is not None):
+        if (
+            (truncation is not None and truncation.active)
+            or (x.scale is not None and x.ref is not None)
+            or x.bounds is not None
+        ):
             return _ALL_ROWS[f"linear_policy_loss_{mode}"](
                 hidden,
                 weight,

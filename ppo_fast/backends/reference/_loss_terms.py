@@ -9,9 +9,11 @@ from typing import NamedTuple
 import torch
 
 from ..._dtypes import result_dtype
+from ..._varlen import Segments
 from . import policy_loss as _losses
 from .aggregate import aggregate, masked_mean
 from .kl_penalized_rewards import kl_estimate
+from .policy_loss import _PackedRows
 
 
 class Head(NamedTuple):
@@ -35,7 +37,9 @@ class PerToken(NamedTuple):
     """The ``[B, T]`` inputs of the policy loss (``weights`` and ``ref`` may be None).  ``scale``: the
     packed layout (``B = 1``, the ``N`` packed tokens as one row), each token's factor of its
     aggregation (``pf.aggregate``'s weight of it in a ``seq-mean-*`` one, whose ``agg`` is then
-    ``token-sum``; 1 in a token one); its chunks split the row, since every term is then local to a token."""
+    ``token-sum``; 1 in a token one); its chunks split the row, since every term is then local to a token.
+    ``bounds``: with ``scale``, a sequence-level mode's packed layout, ``cu_seqlens`` ``[S + 1]`` int64 on
+    the host: its chunks are whole sequences (``segment_chunks``), and a chunk's ``bounds`` its own."""
 
     old: torch.Tensor
     adv: torch.Tensor
@@ -43,15 +47,44 @@ class PerToken(NamedTuple):
     weights: torch.Tensor | None
     ref: torch.Tensor | None
     scale: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
 
     def rows(self, rs) -> PerToken:
         """The chunk ``rs`` (an index of the ``[B, T]`` tensors: rows, or a packed row's tokens)."""
-        return PerToken(*(None if x is None else x[rs] for x in self))
+        per_token, bounds = [None if x is None else x[rs] for x in self[:-1]], self.bounds
+        if bounds is not None:  # the packed row's tokens [t0, t1), cut at sequence ends
+            t0, t1 = rs[1].start, rs[1].stop
+            bounds = bounds[(bounds >= t0) & (bounds <= t1)] - t0
+        return PerToken(*per_token, bounds)
 
 
-def chunk_index(batch: int, length: int, rows: int, packed: bool) -> list[tuple[slice, slice]]:
+def segment_chunks(bounds: list[int], rows: int) -> list[tuple[int, int]]:
+    """``[(t0, t1), ...]``: the packed tokens' chunks of whole sequences (``bounds``: ``cu_seqlens`` as
+    a list), as many as fit ``rows`` tokens; a sequence longer than ``rows`` is a chunk of its own (the
+    padded layout's rule: its logits are alive at once, as a padded row of that length would be)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    chunks, start, last = [], 0, 0  # the open chunk [start, last)
+    for end in bounds[1:]:
+        if end - start > rows:  # the sequence [last, end) does not fit: close the chunk before it
+            if last > start:
+                chunks.append((start, last))
+                start = last
+            if end - start > rows:  # longer than a chunk on its own
+                chunks.append((start, end))
+                start = end
+        last = end
+    if last > start or not chunks:
+        chunks.append((start, last))
+    return chunks
+
+
+def chunk_index(batch: int, length: int, rows: int, packed: bool, bounds=None) -> list[tuple[slice, slice]]:
     """The one pass's chunks of ``[B, T]`` tokens, as ``(rows, tokens)`` indices: whole sequences, as many
-    as fit ``rows`` tokens (at least one); ``packed`` (one row of packed tokens): ``rows`` tokens each."""
+    as fit ``rows`` tokens (at least one); ``packed`` (one row of packed tokens): ``rows`` tokens each, or
+    with ``bounds`` (``PerToken.bounds``) whole packed sequences (``segment_chunks``)."""
+    if bounds is not None:
+        return [(slice(None), slice(t0, t1)) for t0, t1 in segment_chunks(bounds.tolist(), rows)]
     if packed:
         return [(slice(None), slice(t0, t0 + rows)) for t0 in range(0, max(length, 1), rows)]
     step = max(1, rows // max(1, length))
@@ -85,16 +118,37 @@ def loss_scales(mask: torch.Tensor, agg: str):
     return per_row, lambda chunk_mask: chunk_mask.sum(dtype=torch.float64) / total_tokens
 
 
+class _ScaledSegments(_PackedRows):
+    """A chunk's packed sequences (``bounds``, its own) for a sequence-level mode's ``rows``: their means
+    and spread as the packed layout's, and its ``agg`` over the chunk's ``[n]`` tokens with each token's
+    loss times its ``scale`` (``PerToken.scale``: after the mode's row terms, as GMPO's weights are not linear)."""
+
+    def __init__(self, bounds: torch.Tensor, scale: torch.Tensor):
+        lengths = (bounds[1:] - bounds[:-1]).to(scale.device)
+        ids = torch.repeat_interleave(torch.arange(len(lengths), device=scale.device), lengths, output_size=len(scale))
+        longest = int(lengths.max()) if len(lengths) else 0
+        super().__init__(Segments(bounds.to(scale.device), ids, len(scale), len(lengths), longest))
+        self.scale = scale
+
+    def aggregate(self, per_token, mask, agg):
+        return aggregate((per_token * self.scale.to(per_token.dtype))[None], mask[None], agg)
+
+
 def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, scales) -> tuple:
     """One chunk's share of ``(loss, pg_loss, entropy mean, kl_loss, *mode stats)``."""
     mode_fn = getattr(_losses, objective.mode.op)
     row_scale, token_scale = scales[0](x.mask), scales[1](x.mask)
     named = objective.mode.named(objective.params)
     weights = x.weights
-    if x.scale is not None:  # packed: each token's factor of the aggregation, a weight of its loss
-        scale = x.scale.to(result_dtype(logp, x.old, x.adv, weights))
-        weights = scale if weights is None else weights * scale
-    pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, weights, agg=objective.agg, **named)
+    if x.bounds is not None:  # packed, sequence-level: the chunk's whole sequences, each token's factor after
+        rows = _ScaledSegments(x.bounds, x.scale.to(result_dtype(logp, x.old, x.adv, weights))[0])
+        flat = (None if t is None else t[0] for t in (logp, x.old, x.adv, x.mask, weights))
+        pg, *stats = mode_fn(*flat, agg=objective.agg, rows=rows, **named)
+    else:
+        if x.scale is not None:  # packed: each token's factor of the aggregation, a weight of its loss
+            scale = x.scale.to(result_dtype(logp, x.old, x.adv, weights))
+            weights = scale if weights is None else weights * scale
+        pg, *stats = mode_fn(logp, x.old, x.adv, x.mask, weights, agg=objective.agg, **named)
     pg = pg * row_scale.to(pg.dtype)
     entropy_mean = masked_mean(entropy, x.mask) * token_scale.to(entropy.dtype)
     loss = pg - terms.entropy_coef * entropy_mean

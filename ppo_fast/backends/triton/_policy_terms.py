@@ -20,8 +20,9 @@ in the padded layout a chunk holds whole rows (``_head_plan.sequence_chunks``), 
 sweeps each block of rows for their means (``_row_terms``: gspo's mean log-ratio, GMPO's row loss and its
 gradient), then writes every token's gradient from them; gspo's ratio ``exp(min(logp - sg(logp) + mean,
 10))`` (its surrogate gradient, ``spec``'s ``surrogate_gradient``) clipped as vanilla's, geo_mean's tokens
-clipped in log space.  On packed tokens a chunk cuts through sequences: they are not fused (``fused``),
-and ``pf.linear_policy_loss`` takes its two-pass path for them.
+clipped in log space.  On packed tokens they are not fused (``fused``): their one pass (chunks of whole
+packed sequences, with the bounds on the host: CPU) takes the reference's terms under autograd, and on
+CUDA ``pf.linear_policy_loss`` takes its two-pass path for them.
 The KL estimators are ``kl_penalized_rewards``' Triton functions, and each ``agg`` is a per-token
 coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum), ``1/(row tokens * rows)``
 (seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)`` (seq-mean-token-sum-norm),
@@ -478,7 +479,7 @@ class Batch:
     strided or expanded), the normalisers from the mask on the device (no host sync) and the totals."""
 
     def __init__(self, x, objective, terms):
-        self.x = [None if t is None else t.contiguous() for t in x]
+        self.x = [None if t is None else t.contiguous() for t in x[:6]]  # bounds: a sequence-level mode's, not fused
         self.x[2] = self.x[2].view(torch.uint8)  # the mask's bytes
         mask = x.mask
         self.norms = torch.stack((mask.sum(dtype=torch.float64), mask.any(-1).sum(dtype=torch.float64))).clamp_min_(1)
