@@ -119,7 +119,7 @@ def one_pass_on_rows(
     gradient not asked for by ``output_mask`` is an empty tensor)."""
     batch, length, _ = hidden.shape
     hidden_c, weight_c, bias_c = in_common_dtype(hidden, weight, bias)
-    scales = loss_scales(x.mask, objective.agg)
+    scales = loss_scales(x.mask, objective.agg, x.bounds)
     d_hidden = torch.zeros_like(hidden_c) if output_mask[0] else None
     d_weight = torch.zeros_like(weight_c) if output_mask[1] else None
     d_bias = torch.zeros_like(bias_c) if bias is not None and output_mask[2] else None
@@ -157,6 +157,7 @@ def stored_dtype(dtype: torch.dtype) -> torch.dtype:
 def fake_terms(hidden, x: PerToken, objective: Objective, terms: Terms) -> list:
     """The terms' shapes and dtypes (the fake kernel): the mode's function on fake log-probs."""
     logp = x.old.new_empty(x.old.shape, dtype=result_dtype(hidden))
+    x = x._replace(bounds=None)  # its chunks' shares are scalars as the padded layout's
     out = chunk_terms(logp, logp, x, objective, terms, loss_scales(x.mask, objective.agg))
     return [torch.empty_like(o) for o in out]
 

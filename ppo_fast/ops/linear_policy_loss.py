@@ -169,8 +169,10 @@ def _loss(
         return _two_pass(hidden, weight, labels, x, **two_pass)
     one_pass = agg
     if packed is not None:
-        x, one_pass = _packed_one_pass(packed, x, agg, result_dtype(hidden, x.old, x.adv, x.weights))
-        x = x._replace(bounds=packed.cu_seqlens if on_host else None)
+        if on_host:  # a sequence-level mode: chunks of whole sequences, its terms on them (``PerToken.bounds``)
+            x = x._replace(bounds=packed.cu_seqlens)
+        else:
+            x, one_pass = _packed_one_pass(packed, x, agg, result_dtype(hidden, x.old, x.adv, x.weights))
     loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
         hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=one_pass, truncation=truncation
     )

@@ -438,13 +438,13 @@ def _add(totals_ptr, I: tl.constexpr, value):
 
 def fused(objective, logp_dtype: torch.dtype, x) -> bool:
     """Whether :class:`Batch` serves this call (else ``_one_pass._per_token_grads``): a mode of ``MODES``
-    (every one-pass mode; a sequence-level one in the padded layout only, ``x.scale`` None) with float32 log-probs (the head's for every input dtype but float64) and
+    (every one-pass mode; a sequence-level one in the padded layout only, ``x.scale`` and ``x.bounds`` None) with float32 log-probs (the head's for every input dtype but float64) and
     per-token inputs of at most 32 bits, so that its terms are float32 as the reference's (float64
     inputs give float64 terms: the generic path)."""
     floats = [t for t in x if t is not None and t.dtype != torch.bool]
     return (
         objective.mode.name in MODES
-        and (not objective.mode.sequence_level or x.scale is None)
+        and (not objective.mode.sequence_level or (x.scale is None and x.bounds is None))
         and logp_dtype == torch.float32
         and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in floats)
     )

@@ -116,7 +116,7 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x)
             else None
         )
-        scales = None if fused is not None else loss_scales(x.mask, objective.agg)
+        scales = None if fused is not None else loss_scales(x.mask, objective.agg, x.bounds)
         plan = _token_chunks(batch, length, memory_plan.rows, x.scale is not None, x.bounds)
         for rs, bs in plan:
             chunk = gemm.chunk_logits(
