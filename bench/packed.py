@@ -50,8 +50,9 @@ def ops():
         yield f"policy_loss-{mode}", _first(pf.policy_loss), ("logprobs", "old", "adv"), kwargs
     value = {"agg": "seq-mean-token-sum-norm"}
     yield "value_loss-seq-mean-token-sum-norm", _first(pf.value_loss), ("values", "old", "rewards"), value
-    head = _linear(pf.linear_policy_loss)  # the fused head: the one pass on the packed row, GSPO's two passes
-    for agg, mode in (("token-mean", "vanilla"), ("seq-mean-token-mean", "vanilla"), ("seq-mean-token-mean", "gspo")):
+    head = _linear(pf.linear_policy_loss)  # the fused head: the one pass (GSPO's and GMPO's: whole sequences a chunk)
+    fused = [("token-mean", "vanilla"), ("seq-mean-token-mean", "vanilla")]
+    for agg, mode in fused + [("seq-mean-token-mean", "gspo"), ("seq-mean-token-mean", "geo_mean")]:
         kwargs = {"agg": agg, "loss_mode": mode, "kl_coef": 0.05, "entropy_coef": 0.01}
         yield f"linear_policy_loss-{mode}-{agg}", head, ("hidden", "labels", "old", "adv", "ref"), kwargs
 

@@ -7,7 +7,8 @@
 // d_logits in place and two more products add the chunk's d_hidden and d_weight (three
 // products in all, nothing recomputed).  The aggregation's normalisers come from the mask
 // before the pass; a sequence-level mode (GSPO) takes chunks of whole sequences, since its
-// tokens' gradients need their row's mean log-ratio.  The per-token loss math is in double.
+// tokens' gradients need their row's mean log-ratio (a row: a [B, T] row, or with cu_seqlens a packed
+// sequence of the one row [1, N]).  The per-token loss math is in double.
 // The loss and stats are then reduced in a fixed order (rows in parallel into per-row partial
 // sums, then the rows in order), so no result depends on the thread count.  The gradients are
 // returned with the loss: the autograd (ppo_fast/backends/native/linear_policy_loss.py) only
@@ -37,11 +38,13 @@ TORCH_LIBRARY_FRAGMENT(ppo_fast, m) {
   // are the mode's parameters in its order (vanilla: clip_eps_low, clip_eps_high[, dual_clip]).
   // `stats` [6] float64: pg_loss, entropy mean, kl_loss, clipfrac, clipfrac_lower, approx_kl.
   // The gradients (those output_mask asks for, else empty) are d loss / d hidden, weight, bias.
+  // cu_seqlens: the packed layout (hidden [1, N, H]), [S + 1] int64 on the CPU: its rows are the
+  // sequences [cu_seqlens[s], cu_seqlens[s + 1]) of the one row, and seq-mean-token-sum-norm's T the longest.
   m.def(
       "linear_policy_loss(Tensor hidden, Tensor weight, Tensor labels, Tensor old_logprobs, Tensor advantages, "
       "Tensor mask, Tensor? weights, Tensor? bias, Tensor? ref_logprobs, float temperature, float logit_scale, "
       "float? logit_softcap, int ignore_index, float kl_coef, str kl_estimator, float entropy_coef, str loss_mode, "
-      "float[] params, str agg, bool[3] output_mask) "
+      "float[] params, str agg, bool[3] output_mask, Tensor? cu_seqlens=None) "
       "-> (Tensor loss, Tensor stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
@@ -69,7 +72,7 @@ double kl_grad(KlEstimator estimator, double logp, double ref, double g) {
 }
 
 struct Problem {
-  int64_t rows, length, width, vocab;
+  int64_t rows, length, width, vocab;  // rows: the sequences (packed: cu_seqlens' S)
   PolicyMode mode;
   Agg agg;
   KlEstimator estimator;
@@ -78,7 +81,42 @@ struct Problem {
   double ratio_low, ratio_high;  // 1 - clip_eps_low, 1 + clip_eps_high
   std::optional<double> dual_clip;
   bool has_ref, has_weights;
+  std::vector<int64_t> starts;  // [rows + 1]: row b is the flat tokens [starts[b], starts[b + 1])
+  int64_t norm_length = 0;      // T of seq-mean-token-sum-norm
+
+  int64_t start(int64_t b) const { return starts[b]; }
+  // The row of flat token r (the last row starting at or before it: empty rows hold no token).
+  int64_t row_of(int64_t r) const {
+    return static_cast<int64_t>(std::upper_bound(starts.begin(), starts.end(), r) - starts.begin()) - 1;
+  }
 };
+
+// The rows' bounds: [B, T] rows of T tokens, or the packed sequences of cu_seqlens (checked here).
+void set_rows(Problem& p, int64_t batch, const std::optional<at::Tensor>& cu_seqlens) {
+  if (!cu_seqlens.has_value()) {
+    p.starts.resize(batch + 1);
+    for (int64_t b = 0; b <= batch; ++b) p.starts[b] = b * p.length;
+    p.rows = batch;
+    p.norm_length = p.length;
+    return;
+  }
+  const at::Tensor& cu = *cu_seqlens;
+  TORCH_CHECK(cu.device().is_cpu() && cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.numel() >= 1, kOp,
+              ": cu_seqlens must be a 1-D int64 CPU tensor [S + 1], got ", cu.scalar_type(), " ", cu.sizes(), " on ",
+              cu.device());
+  TORCH_CHECK(batch == 1, kOp, ": with cu_seqlens, hidden must be [1, N, H] (the packed tokens), got ", batch, " rows");
+  const at::Tensor ends = cu.contiguous();
+  const int64_t* e = ends.const_data_ptr<int64_t>();
+  p.starts.assign(e, e + ends.numel());
+  p.rows = ends.numel() - 1;
+  p.norm_length = 0;
+  TORCH_CHECK(p.starts.front() == 0 && p.starts.back() == p.length, kOp, ": cu_seqlens must start at 0 and end at ",
+              p.length, ", got ", p.starts.front(), " and ", p.starts.back());
+  for (int64_t b = 0; b < p.rows; ++b) {
+    TORCH_CHECK(p.starts[b + 1] >= p.starts[b], kOp, ": cu_seqlens must be non-decreasing");
+    p.norm_length = std::max(p.norm_length, p.starts[b + 1] - p.starts[b]);
+  }
+}
 
 // The [B, T] loss inputs in double, contiguous (weights and ref 1 / 0 when absent).
 struct LossInputs {
@@ -123,23 +161,23 @@ std::vector<double> row_scales(const Problem& p, const bool* on, double* token_s
   std::vector<double> counts(p.rows, 0.0);
   double total = 0.0, nonempty = 0.0;
   for (int64_t b = 0; b < p.rows; ++b) {
-    for (int64_t t = 0; t < p.length; ++t) counts[b] += on[b * p.length + t] ? 1.0 : 0.0;
+    for (int64_t i = p.start(b); i < p.start(b + 1); ++i) counts[b] += on[i] ? 1.0 : 0.0;
     total += counts[b];
     nonempty += counts[b] > 0.0 ? 1.0 : 0.0;
   }
-  for (int64_t b = 0; b < p.rows; ++b) counts[b] = row_scale(p.agg, counts[b], total, nonempty, p.length);
+  for (int64_t b = 0; b < p.rows; ++b) counts[b] = row_scale(p.agg, counts[b], total, nonempty, p.norm_length);
   *token_scale = 1.0 / std::max(total, 1.0);
   return counts;
 }
 
 // GSPO's mean log-ratio of row b over its valid tokens (logp 0 at a valid token the head ignores).
 double row_mean_log_ratio(const Problem& p, const double* logp, const LossInputs& in, int64_t b) {
-  const bool* on = in.mask.const_data_ptr<bool>() + b * p.length;
-  const double* od = in.old.const_data_ptr<double>() + b * p.length;
+  const bool* on = in.mask.const_data_ptr<bool>();
+  const double* od = in.old.const_data_ptr<double>();
   double sum = 0.0, count = 0.0;
-  for (int64_t t = 0; t < p.length; ++t) {
-    sum += on[t] ? logp[b * p.length + t] - od[t] : 0.0;
-    count += on[t] ? 1.0 : 0.0;
+  for (int64_t i = p.start(b); i < p.start(b + 1); ++i) {
+    sum += on[i] ? logp[i] - od[i] : 0.0;
+    count += on[i] ? 1.0 : 0.0;
   }
   return sum / std::max(count, 1.0);
 }
@@ -202,7 +240,7 @@ void run_chunk(const Problem& p, const at::Tensor& hidden2d, const at::Tensor& w
   if (!(grads.hidden.defined() || grads.weight.defined() || grads.bias.defined())) return;
   // GSPO: the mean log-ratio of each row the chunk covers (all of its tokens are in the chunk).
   std::vector<double> seq;
-  const int64_t b_first = n ? row_index[0] / p.length : 0, b_last = n ? row_index[n - 1] / p.length : -1;
+  const int64_t b_first = n ? p.row_of(row_index[0]) : 0, b_last = n ? p.row_of(row_index[n - 1]) : -1;
   if (p.mode == PolicyMode::kGspo) {
     seq.assign(b_last - b_first + 1, 0.0);
     for (int64_t b = b_first; b <= b_last; ++b) seq[b - b_first] = row_mean_log_ratio(p, logp, in, b);
@@ -211,7 +249,7 @@ void run_chunk(const Problem& p, const at::Tensor& hidden2d, const at::Tensor& w
   const double h_entropy = -p.entropy_coef * token_scale;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = row_index[i], b = r / p.length;
+      const int64_t r = row_index[i], b = p.row_of(r);
       const double s = p.mode == PolicyMode::kGspo ? seq[b - b_first] : 0.0;
       const scalar_t g = static_cast<scalar_t>(token_grad(p, in, r, logp[r], s, scales[b])) * inv_temp;
       const scalar_t h_ent = static_cast<scalar_t>(h_entropy) * inv_temp;
@@ -250,9 +288,9 @@ std::vector<std::pair<int64_t, int64_t>> chunks(const Problem& p, const at::Tens
   while (start < n) {
     int64_t end = start;
     while (end < n) {  // add the next row whole, if it fits (the first row always)
-      const int64_t row = u[end] / p.length;
+      const int64_t row = p.row_of(u[end]);
       int64_t row_end = end;
-      while (row_end < n && u[row_end] / p.length == row) ++row_end;
+      while (row_end < n && u[row_end] < p.start(row + 1)) ++row_end;
       if (end > start && row_end - start > chunk_rows) break;
       end = row_end;
     }
@@ -275,7 +313,7 @@ std::array<double, kStats + 1> reduce(const Problem& p, const LossInputs& in, co
     for (int64_t b = begin; b < end; ++b) {
       double* acc = &parts[b * kParts];
       const double s = p.mode == PolicyMode::kGspo ? row_mean_log_ratio(p, logp, in, b) : 0.0;
-      for (int64_t i = b * p.length; i < (b + 1) * p.length; ++i) {
+      for (int64_t i = p.start(b); i < p.start(b + 1); ++i) {
         if (!on[i]) continue;
         if (p.mode == PolicyMode::kVanilla) {
           const PolicyTerm<double> t = policy_term(logp[i], od[i], ad[i], bounds);
@@ -308,7 +346,7 @@ std::array<double, kStats + 1> reduce(const Problem& p, const LossInputs& in, co
 Problem problem(const at::Tensor& hidden, const at::Tensor& weight, double temperature, double logit_scale,
                 std::optional<double> logit_softcap, double kl_coef, c10::string_view kl_estimator, double entropy_coef,
                 c10::string_view loss_mode, at::ArrayRef<double> params, c10::string_view agg, bool has_ref,
-                bool has_weights) {
+                bool has_weights, const std::optional<at::Tensor>& cu_seqlens) {
   Problem p{hidden.size(0),
             hidden.size(1),
             hidden.size(2),
@@ -325,7 +363,10 @@ Problem problem(const at::Tensor& hidden, const at::Tensor& weight, double tempe
             0.0,
             std::nullopt,
             has_ref,
-            has_weights};
+            has_weights,
+            {},
+            0};
+  set_rows(p, hidden.size(0), cu_seqlens);
   TORCH_CHECK(params.size() == 2 || (p.mode == PolicyMode::kVanilla && params.size() == 3), kOp, ": loss_mode '",
               loss_mode, "' takes clip_eps_low, clip_eps_high", p.mode == PolicyMode::kVanilla ? "[, dual_clip]" : "",
               ", got ", params.size(), " parameters");
@@ -345,17 +386,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_po
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& ref_logprobs, double temperature,
     double logit_scale, std::optional<double> logit_softcap, int64_t ignore_index, double kl_coef,
     c10::string_view kl_estimator, double entropy_coef, c10::string_view loss_mode, at::ArrayRef<double> params,
-    c10::string_view agg, std::array<bool, 3> output_mask) {
+    c10::string_view agg, std::array<bool, 3> output_mask, const std::optional<at::Tensor>& cu_seqlens) {
   check_args(hidden, weight, labels, old_logprobs, advantages, mask, weights, bias, ref_logprobs);
-  const Problem p = problem(hidden, weight, temperature, logit_scale, logit_softcap, kl_coef, kl_estimator,
-                            entropy_coef, loss_mode, params, agg, ref_logprobs.has_value(), weights.has_value());
+  const Problem p =
+      problem(hidden, weight, temperature, logit_scale, logit_softcap, kl_coef, kl_estimator, entropy_coef, loss_mode,
+              params, agg, ref_logprobs.has_value(), weights.has_value(), cu_seqlens);
   const at::ScalarType acc = hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto as_double = [](const at::Tensor& t) { return t.to(at::kDouble).contiguous(); };
   const LossInputs in{as_double(old_logprobs), as_double(advantages),
                       weights ? as_double(*weights) : at::ones_like(old_logprobs, at::kDouble),
                       ref_logprobs ? as_double(*ref_logprobs) : at::zeros_like(old_logprobs, at::kDouble),
                       mask.contiguous()};
-  const int64_t tokens = p.rows * p.length;
+  const int64_t tokens = hidden.size(0) * p.length;
   const at::Tensor flat_labels = labels.reshape({tokens}).contiguous();
   const at::Tensor used = used_tokens(flat_labels, p.vocab, ignore_index);
   // Log-probs and entropies of every token in double: 0 where the head ignores it, NaN for an out-of-range label.

@@ -663,7 +663,7 @@ def test_fuzz_fused_policy_terms(data):
     params = tuple(_drawn_param(draw, p) for p in mode.params)
     if mode.name == "vanilla" and params[2] is not None and params[2] <= 1.0:
         params = params[:2] + (None,)
-    packed = draw(st.booleans()) and not mode.sequence_level  # packed, gspo and geo_mean take the two-pass path
+    packed = draw(st.booleans()) and not mode.sequence_level  # packed gspo/geo_mean: not fused (generic terms)
     agg = draw(pick([a for a in AGG_MODES if not (packed and a.startswith("seq-mean"))]))
     kl = draw(pick([*KL_ESTIMATORS, None]))
     dims = (draw(st.integers(1, 6)), draw(st.integers(1, 9)))

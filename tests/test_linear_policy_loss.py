@@ -329,7 +329,8 @@ def packed_call(x, valid, mode, agg, backend):
     if valid is not None:
         packed = {k: v if k in ("weight", "bias") or v is None else v[valid] for k, v in x.items()}
         lengths = valid.sum(-1)
-        layout = dict(cu_seqlens=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32), max_seqlen=7)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        layout = dict(cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()))
     args = [packed[name] for name in ("hidden", "weight", "labels", "old", "adv", "mask")]
     kl = 0.0 if x["ref"] is None else 0.1
     terms = dict(weights=packed["weights"], bias=x["bias"], ref_logprobs=packed["ref"], kl_coef=kl, entropy_coef=0.01)
@@ -381,3 +382,62 @@ def test_packed_tokens_equal_the_padded_call_and_float64(monkeypatch, mode, back
     }
     oracle = result(wide, lambda x: packed_call(x, valid, mode, agg, "reference"))
     assert_result_close(got, oracle, TOLERANCE[dtype], "packed vs float64")
+
+
+# A sequence-level mode's packed one pass: chunks of whole sequences (14 tokens), two of them longer than one.
+LONG_LENGTHS = [20, 0, 1, 5, 17, 2, 3, 9]
+
+
+def test_segment_chunks_cut_at_sequence_ends():
+    """The planner: whole sequences as many as fit, a longer one a chunk of its own, empty ones anywhere."""
+    from ppo_fast.backends._one_pass import segment_chunks
+
+    assert segment_chunks([0, 3, 3, 10, 11, 30, 35], 8) == [(0, 3), (3, 11), (11, 30), (30, 35)]
+    assert segment_chunks([0, 9, 9, 12], 8) == [(0, 9), (9, 12)]
+    assert segment_chunks([0, 2, 4, 6], 8) == [(0, 6)]
+    assert segment_chunks([0], 8) == segment_chunks([0, 0, 0], 8) == [(0, 0)]
+
+
+def sequence_level_cases():
+    """GSPO and GMPO x backend x every agg; the fast tier: native's every agg (C++ GSPO, GMPO on the rows'
+    loop with the reference's chunk terms), the reference's a seq-mean agg each, the interpreted Triton's
+    (~10 s) GMPO's seq-mean-token-sum, where the packed float16 test above runs GSPO's."""
+    modes = [name for name in FUSED if POLICY_LOSS_MODES[name].sequence_level]
+    fast_aggs = {"reference": {"seq-mean-token-sum-norm"}, "triton": {"seq-mean-token-sum"}}
+    for mode in modes:
+        for case in cases([mode]):
+            backend = case.values[1]
+            for agg in AGG_MODES:
+                fast = agg in fast_aggs.get(backend, AGG_MODES) and (backend != "triton" or mode == "geo_mean")
+                yield tiers.case(*case.values, agg, fast=fast, id=f"{case.id}-{agg}")
+
+
+@pytest.mark.parametrize("mode, backend, agg", list(sequence_level_cases()))
+def test_packed_sequence_level_modes_take_one_pass(monkeypatch, mode, backend, agg):
+    """GSPO and GMPO on packed tokens with ``cu_seqlens`` on the host take the one pass (chunks cut at
+    sequence ends, two sequences longer than a chunk, masks inside them, an empty and a single-token one,
+    weights, a KL term and the entropy bonus), never ``linear_token_logprobs``: in float64 the padded
+    call's loss, stats and gradients, and the two-pass path's (what the call takes with the bounds on
+    the device)."""
+    from ppo_fast import _varlen
+    from ppo_fast.backends import _one_pass
+
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    monkeypatch.setattr(_one_pass, "CHUNK_ELEMENTS", 2 * 7 * 53)  # the native rows' loop: chunks of 14 too
+    x = make_inputs(zlib.crc32(f"seq-{mode}-{agg}".encode()), dtype=torch.float64, dims=(8, 20, 53, 13), weighted=True)
+    valid = torch.arange(20)[None, :] < torch.tensor(LONG_LENGTHS)[:, None]
+    x["mask"] = x["mask"] & valid
+
+    def result(run):
+        loss, stats = run()
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+
+    padded = result(lambda: packed_call(x, None, mode, agg, backend))
+    with monkeypatch.context() as patch:
+        patch.setattr(_varlen.Layout, "of", lambda *a, **k: pytest.fail("the packed call built the padded layout"))
+        patch.setattr(op_module, "linear_token_logprobs", lambda *a, **k: pytest.fail("two passes"))
+        got = result(lambda: packed_call(x, valid, mode, agg, backend))
+    assert_result_close(got, padded, TOLERANCE[torch.float64], "one pass vs padded")
+    monkeypatch.setattr(op_module, "_host_bounds", lambda segments: False)
+    two_passes = result(lambda: packed_call(x, valid, mode, agg, backend))
+    assert_result_close(got, two_passes, TOLERANCE[torch.float64], "one pass vs two passes")

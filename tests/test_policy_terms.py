@@ -462,7 +462,7 @@ def other_mode_op_cases() -> list:
         )
         ident = "-".join(str(v).replace("torch.", "") for v in values)
         cases.append(tiers.case(*values, fast=packed == bool(i // 2 % 2), id=ident))
-    for i, mode in enumerate(SEQUENCE_MODES):  # padded only: packed, they take the two-pass path
+    for i, mode in enumerate(SEQUENCE_MODES):  # padded only: packed, they are not fused (generic terms)
         values = (
             ("token-mean", "seq-mean-token-mean")[i],
             ("k3", None)[i],

@@ -15,7 +15,16 @@ from .._dtypes import result_dtype
 from .._sampling import Truncation
 from ..spec import POLICY_LOSS_MODES
 from .reference._common import CHUNK_ELEMENTS, in_common_dtype
-from .reference._loss_terms import Head, Objective, PerToken, Terms, chunk_index, chunk_terms, loss_scales
+from .reference._loss_terms import (  # noqa: F401  (segment_chunks: the Triton loop's)
+    Head,
+    Objective,
+    PerToken,
+    Terms,
+    chunk_index,
+    chunk_terms,
+    loss_scales,
+    segment_chunks,
+)
 
 # --------------------------------------------------------------------------- the fast backends' loop
 
@@ -110,13 +119,13 @@ def one_pass_on_rows(
     gradient not asked for by ``output_mask`` is an empty tensor)."""
     batch, length, _ = hidden.shape
     hidden_c, weight_c, bias_c = in_common_dtype(hidden, weight, bias)
-    scales = loss_scales(x.mask, objective.agg)
+    scales = loss_scales(x.mask, objective.agg, x.bounds)
     d_hidden = torch.zeros_like(hidden_c) if output_mask[0] else None
     d_weight = torch.zeros_like(weight_c) if output_mask[1] else None
     d_bias = torch.zeros_like(bias_c) if bias is not None and output_mask[2] else None
     wanted = any(d is not None for d in (d_hidden, d_weight, d_bias))
     totals = None
-    for rs in chunk_index(batch, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None):
+    for rs in chunk_index(batch, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None, x.bounds):
         chunk = _chunk_logits(hidden_c[rs], weight_c, bias_c, labels[rs], head)
         logp, entropy, saved = rows.forward(chunk.logits, chunk.labels, head.temperature, head.ignore_index, truncation)
         shape = labels[rs].shape
@@ -148,6 +157,7 @@ def stored_dtype(dtype: torch.dtype) -> torch.dtype:
 def fake_terms(hidden, x: PerToken, objective: Objective, terms: Terms) -> list:
     """The terms' shapes and dtypes (the fake kernel): the mode's function on fake log-probs."""
     logp = x.old.new_empty(x.old.shape, dtype=result_dtype(hidden))
+    x = x._replace(bounds=None)  # its chunks' shares are scalars as the padded layout's
     out = chunk_terms(logp, logp, x, objective, terms, loss_scales(x.mask, objective.agg))
     return [torch.empty_like(o) for o in out]
 
@@ -169,6 +179,7 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
         bias: torch.Tensor | None,
         ref_logprobs: torch.Tensor | None,
         scale: torch.Tensor | None,
+        bounds: torch.Tensor | None,
         temperature: float,
         logit_scale: float,
         logit_softcap: float | None,
@@ -189,7 +200,7 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
             hidden,
             weight,
             labels,
-            PerToken(old_logprobs, advantages, mask, weights, ref_logprobs, scale),
+            PerToken(old_logprobs, advantages, mask, weights, ref_logprobs, scale, bounds),
             bias=bias,
             objective=Objective(POLICY_LOSS_MODES[loss_mode], _unpacked(params), agg),
             head=Head(temperature, logit_scale, logit_softcap, ignore_index),
@@ -211,7 +222,7 @@ def rows_ops(namespace: str, rows: RowKernels | None, modes, loop=one_pass_on_ro
             output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
             floats = [math.nan if p is None else float(p) for p in params]
             options = (mode.name, floats, agg, output_mask, *(truncation or Truncation()))
-            out = op(hidden, weight, labels, *x[:4], bias, x.ref, x.scale, *head, *terms, *options)
+            out = op(hidden, weight, labels, *x[:4], bias, x.ref, x.scale, x.bounds, *head, *terms, *options)
             return tuple(out[:-3])
 
         run.__name__ = run.__qualname__ = mode.linear_op
@@ -225,7 +236,9 @@ def _register_fake(op, names: list[str]) -> None:
 
     def fake(*args):
         a = dict(zip(names, args))
-        x = PerToken(*(a[n] for n in ("old_logprobs", "advantages", "mask", "weights", "ref_logprobs", "scale")))
+        x = PerToken(
+            *(a[n] for n in ("old_logprobs", "advantages", "mask", "weights", "ref_logprobs", "scale", "bounds"))
+        )
         objective = Objective(POLICY_LOSS_MODES[a["loss_mode"]], _unpacked(a["params"]), a["agg"])
         terms = fake_terms(a["hidden"], x, objective, Terms(a["kl_coef"], a["kl_estimator"], a["entropy_coef"]))
         grads = [

@@ -78,6 +78,14 @@ def linear_policy_loss(
     The normalisers (valid tokens, responses) come from ``mask`` first.  Modes whose token selection spans
     the batch (``fused_head=False``: ``clip_cov``, ``kl_cov``) take ``linear_token_logprobs`` then ``policy_loss``.
 
+    Packed (``cu_seqlens``, ``hidden [N, H]``): a token-level mode's chunks are any ``N``-token slices (each
+    token's factor of ``agg`` is computed on the device first).  A sequence-level mode (``gspo``,
+    ``geo_mean``) needs each sequence's mean before any of its tokens' gradients, so its chunks are whole
+    sequences, cut at sequence ends read from ``cu_seqlens`` (a sequence longer than a chunk is one chunk,
+    as a padded row of that length would be): it takes the one pass where that read is free, CPU tensors
+    in eager mode, and ``linear_token_logprobs`` then its packed terms where it is not (CUDA, whose read
+    would sync the host, and torch.compile), with the same results.
+
     Args:
         hidden: ``[B, T, H]`` last hidden states of whole sequences; weight ``[V, H]``, bias
             ``[V]``, temperature, logit_scale, logit_softcap, ignore_index: as in
@@ -153,14 +161,18 @@ def _loss(
     labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
         check.labels_in_range(labels, weight.shape[0], head.ignore_index)
-    if not mode.fused_head or (packed is not None and mode.sequence_level):
+    on_host = packed is not None and mode.sequence_level and _host_bounds(packed)
+    if not mode.fused_head or (packed is not None and mode.sequence_level and not on_host):
         two_pass = dict(bias=bias, head=(head, truncation), terms=terms, objective=(mode, params, agg))
         if packed is not None:  # the packed tokens as [N] again (``_objective`` takes them so)
             return _two_pass(hidden[0], weight, labels[0], x.rows(0), **two_pass, packed=packed)
         return _two_pass(hidden, weight, labels, x, **two_pass)
     one_pass = agg
     if packed is not None:
-        x, one_pass = _packed_one_pass(packed, x, agg, result_dtype(hidden, x.old, x.adv, x.weights))
+        if on_host:  # a sequence-level mode: chunks of whole sequences, its terms on them (``PerToken.bounds``)
+            x = x._replace(bounds=packed.cu_seqlens)
+        else:
+            x, one_pass = _packed_one_pass(packed, x, agg, result_dtype(hidden, x.old, x.adv, x.weights))
     loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
         hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=one_pass, truncation=truncation
     )
@@ -177,6 +189,13 @@ def _packed_one_pass(segments, x: PerToken, agg: str, dtype: torch.dtype) -> tup
     if scale is None:
         return x._replace(scale=x.mask.new_ones(x.mask.shape, dtype=dtype)), agg
     return x._replace(scale=scale[None]), "token-sum"
+
+
+def _host_bounds(segments) -> bool:
+    """Whether a sequence-level mode's packed one pass can plan its chunks at sequence ends: ``cu_seqlens``
+    on the host in eager mode (reading it is free).  On CUDA, or under torch.compile, reading it would
+    sync the host (or break the graph): those calls take the two passes."""
+    return check.host_checks_free(segments.cu_seqlens)
 
 
 def _checked_head(temperature, logit_scale, logit_softcap, ignore_index) -> Head:

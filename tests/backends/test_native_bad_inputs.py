@@ -93,6 +93,7 @@ OWN = {
         "params": [0.2, 0.28],
         "entropy_coef": 0.01,
         "output_mask": [True, True, True],  # d hidden, d weight, d bias
+        "cu_seqlens": lambda: None,  # the padded layout
     },
 }
 
@@ -301,6 +302,8 @@ TABLE = {
         ("linear-policy-params", dict(params=[0.2]), "loss_mode 'vanilla'"),
         ("linear-policy-temperature", dict(temperature=0.0), "temperature must be finite and > 0"),
         ("linear-policy-agg", dict(agg="tokens-mean"), "agg must be one of"),
+        ("linear-policy-cu-dtype", dict(cu_seqlens=torch.tensor([0, T], dtype=I32)), "cu_seqlens must be a 1-D int64"),
+        ("linear-policy-cu-rows", dict(cu_seqlens=torch.tensor([0, T])), "with cu_seqlens, hidden must be [1, N, H]"),
     ],
     "linear_token_logprobs": [
         ("head-hidden-3d", dict(hidden=randn(1, N, H)), "hidden must be 2-D"),

@@ -73,6 +73,7 @@ def _fake(
     params,
     agg,
     output_mask,
+    cu_seqlens=None,
 ):
     op = "linear_policy_loss"
     _check_tensors(op, hidden, weight, labels, old, adv, mask=mask, weights=weights, bias=bias, ref=ref)
@@ -86,6 +87,18 @@ def _fake(
         len(params) == 2 or (loss_mode == "vanilla" and len(params) == 3),
         lambda: f"{op}: loss_mode '{loss_mode}' takes clip_eps_low, clip_eps_high, got {len(params)} parameters",
     )
+    if cu_seqlens is not None:  # the packed sequences of one row (their values: the kernel's checks)
+        torch._check(
+            cu_seqlens.dtype == torch.int64 and cu_seqlens.dim() == 1,  # its device: the kernel's check
+            lambda: (
+                f"{op}: cu_seqlens must be a 1-D int64 CPU tensor [S + 1], got {cu_seqlens.dtype} "
+                f"{list(cu_seqlens.shape)} on {cu_seqlens.device}"
+            ),
+        )
+        torch._check(
+            hidden.shape[0] == 1,
+            lambda: f"{op}: with cu_seqlens, hidden must be [1, N, H] (the packed tokens), got {hidden.shape[0]} rows",
+        )
     for name, value in (("temperature", temperature), ("logit_scale", logit_scale)):
         torch._check(0 < value < math.inf, lambda name=name: f"{op}: {name} must be finite and > 0")
     torch._check(
@@ -119,7 +132,8 @@ register("linear_policy_loss", _fake, *autograd(_input_names, "native"))
 
 def _linear_policy_loss_op(mode):
     def run(hidden, weight, labels, x: PerToken, *, bias, head: Head, terms: Terms, params, agg, truncation=None):
-        # The C++ epilogue has no truncation, and no factor on a packed row's KL terms: the rows' loop.
+        # The C++ epilogue has no truncation, and no factor on a packed row's KL terms: the rows' loop.  A
+        # sequence-level mode's packed sequences (``x.bounds``, the call's agg) are its rows (``cu_seqlens``).
         if (truncation is not None and truncation.active) or (x.scale is not None and x.ref is not None):
             return _ALL_ROWS[f"linear_policy_loss_{mode}"](
                 hidden,
@@ -139,7 +153,20 @@ def _linear_policy_loss_op(mode):
         output_mask = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         floats = [float(p) for p in params if p is not None]  # vanilla's dual_clip: only when on
         loss, stats, *_grads = torch.ops.ppo_fast.linear_policy_loss(
-            hidden, weight, labels, *x[:3], x.weights, bias, x.ref, *head, *terms, mode, floats, agg, output_mask
+            hidden,
+            weight,
+            labels,
+            *x[:3],
+            x.weights,
+            bias,
+            x.ref,
+            *head,
+            *terms,
+            mode,
+            floats,
+            agg,
+            output_mask,
+            x.bounds,
         )
         policy_dtype = result_dtype(hidden, x.old, x.adv, x.weights)
         total_dtype = result_dtype(hidden, x.old, x.adv, x.weights, x.ref)

@@ -19,9 +19,11 @@ def _one_pass(hidden, weight, labels, x, *, bias, objective, head, terms, trunca
     gradients in their forward).  Packed (``x.scale``): ``hidden [1, N, H]``, chunks of tokens."""
     rows, length, width = hidden.shape
     weight_c, bias_c = in_common_dtype(weight, bias)
-    scales = shared.loss_scales(x.mask, objective.agg)
+    scales = shared.loss_scales(x.mask, objective.agg, x.bounds)
     totals = None
-    for rs in shared.chunk_index(rows, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None):
+    for rs in shared.chunk_index(
+        rows, length, max(1, CHUNK_ELEMENTS // weight.shape[0]), x.scale is not None, x.bounds
+    ):
         shape = labels[rs].shape
         flat = hidden[rs].reshape(labels[rs].numel(), width)
         logp, entropy = _linear_logprobs_chunk(

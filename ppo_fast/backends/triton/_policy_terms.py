@@ -20,8 +20,9 @@ in the padded layout a chunk holds whole rows (``_head_plan.sequence_chunks``), 
 sweeps each block of rows for their means (``_row_terms``: gspo's mean log-ratio, GMPO's row loss and its
 gradient), then writes every token's gradient from them; gspo's ratio ``exp(min(logp - sg(logp) + mean,
 10))`` (its surrogate gradient, ``spec``'s ``surrogate_gradient``) clipped as vanilla's, geo_mean's tokens
-clipped in log space.  On packed tokens a chunk cuts through sequences: they are not fused (``fused``),
-and ``pf.linear_policy_loss`` takes its two-pass path for them.
+clipped in log space.  On packed tokens they are not fused (``fused``): their one pass (chunks of whole
+packed sequences, with the bounds on the host: CPU) takes the reference's terms under autograd, and on
+CUDA ``pf.linear_policy_loss`` takes its two-pass path for them.
 The KL estimators are ``kl_penalized_rewards``' Triton functions, and each ``agg`` is a per-token
 coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum), ``1/(row tokens * rows)``
 (seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)`` (seq-mean-token-sum-norm),
@@ -437,13 +438,13 @@ def _add(totals_ptr, I: tl.constexpr, value):
 
 def fused(objective, logp_dtype: torch.dtype, x) -> bool:
     """Whether :class:`Batch` serves this call (else ``_one_pass._per_token_grads``): a mode of ``MODES``
-    (every one-pass mode; a sequence-level one in the padded layout only, ``x.scale`` None) with float32 log-probs (the head's for every input dtype but float64) and
+    (every one-pass mode; a sequence-level one in the padded layout only, ``x.scale`` and ``x.bounds`` None) with float32 log-probs (the head's for every input dtype but float64) and
     per-token inputs of at most 32 bits, so that its terms are float32 as the reference's (float64
     inputs give float64 terms: the generic path)."""
     floats = [t for t in x if t is not None and t.dtype != torch.bool]
     return (
         objective.mode.name in MODES
-        and (not objective.mode.sequence_level or x.scale is None)
+        and (not objective.mode.sequence_level or (x.scale is None and x.bounds is None))
         and logp_dtype == torch.float32
         and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in floats)
     )
@@ -478,7 +479,7 @@ class Batch:
     strided or expanded), the normalisers from the mask on the device (no host sync) and the totals."""
 
     def __init__(self, x, objective, terms):
-        self.x = [None if t is None else t.contiguous() for t in x]
+        self.x = [None if t is None else t.contiguous() for t in x[:6]]  # bounds: a sequence-level mode's, not fused
         self.x[2] = self.x[2].view(torch.uint8)  # the mask's bytes
         mask = x.mask
         self.norms = torch.stack((mask.sum(dtype=torch.float64), mask.any(-1).sum(dtype=torch.float64))).clamp_min_(1)

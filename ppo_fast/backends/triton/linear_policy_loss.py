@@ -2,8 +2,8 @@
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
 log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (every mode: one
 launch of ``_policy_terms``' kernel; float64 inputs: the mode's reference function under autograd on
-those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``; the sequence-level modes on packed tokens
-never come here: the op's two-pass path), ``d_logits``
+those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``; so do the sequence-level modes on packed
+tokens, whose chunks are whole packed sequences: ``PerToken.bounds``, on the host, so CPU only), ``d_logits``
 written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
 ``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
 memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
@@ -26,6 +26,7 @@ from .._one_pass import (
     loss_scales,
     one_pass_on_rows,
     rows_ops,
+    segment_chunks,
     stored_dtype,
 )
 from . import _gemm_head as gemm
@@ -72,9 +73,12 @@ def _gemm_chunk(chunk: gemm.Chunk, bias, c: gemm.Constants, head, tau):
     return head_module._overflow_is_nan(logp, entropy, stats, post)
 
 
-def _token_chunks(batch: int, length: int, rows: int, packed: bool) -> list[tuple[slice, tuple]]:
+def _token_chunks(batch: int, length: int, rows: int, packed: bool, bounds=None) -> list[tuple[slice, tuple]]:
     """``[(flat rows, [B, T] index), ...]``: whole sequences a chunk (``_head_plan.sequence_chunks``), or
-    ``rows`` tokens of the packed row (its tokens' terms are local to them)."""
+    ``rows`` tokens of the packed row (its tokens' terms are local to them), or with ``bounds`` (a
+    sequence-level mode's packed sequences) whole packed sequences (``_one_pass.segment_chunks``)."""
+    if bounds is not None:
+        return [(slice(t0, t1), (slice(None), slice(t0, t1))) for t0, t1 in segment_chunks(bounds.tolist(), rows)]
     if packed:
         return [(slice(t0, t1), (slice(None), slice(t0, t1))) for t0, t1 in row_chunks(length, rows) or [(0, 0)]]
     return [(slice(b0 * length, b1 * length), slice(b0, b1)) for b0, b1 in sequence_chunks(max(batch, 1), length, rows)]
@@ -112,8 +116,8 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             if policy_terms.fused(objective, gemm._acc_dtype(flat.dtype), x)
             else None
         )
-        scales = None if fused is not None else loss_scales(x.mask, objective.agg)
-        plan = _token_chunks(batch, length, memory_plan.rows, packed=x.scale is not None)
+        scales = None if fused is not None else loss_scales(x.mask, objective.agg, x.bounds)
+        plan = _token_chunks(batch, length, memory_plan.rows, x.scale is not None, x.bounds)
         for rs, bs in plan:
             chunk = gemm.chunk_logits(
                 flat[rs],
