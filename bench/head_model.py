@@ -16,6 +16,9 @@ MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
   on CPU);
 - ``gemm-2048``: the same phases with ``WIDE``'s plan (2048-row chunks, a float32 ``d_weight``
   accumulator), what a budget of about 50% of the logits buys, for comparison;
+- ``gemm-2d``: ``linear_token_logprobs`` in the 2-D plan (``_head_plan.block_plan``: fixed blocks of
+  rows times fixed vocabulary slices, each row's statistics folded slice by slice; ``d_weight``'s and
+  ``weight``'s traffic a block, not a 384-row chunk), beside the row plan of ``gemm``;
 - ``tiles``: the tile-fused Triton kernels, whose every vocabulary tile re-reads its rows' hidden
   states from HBM, and whose backward re-reads and re-writes the float32 ``d_hidden`` once per
   vocabulary chunk of a fixed 64 MiB scratch (so that term grows as N^2).
@@ -31,7 +34,17 @@ import argparse
 import math
 import pathlib
 
-from ppo_fast.backends._head_plan import MEMORY_BUDGET, HeadPlan, Phase, extra_memory, phases, plan
+from ppo_fast.backends._head_plan import (
+    MEMORY_BUDGET,
+    HeadPlan,
+    Phase,
+    block_extra_memory,
+    block_phases,
+    block_plan,
+    extra_memory,
+    phases,
+    plan,
+)
 
 DEVICES = {  # dense bf16 tensor FLOP/s, HBM bytes/s (SXM parts)
     "H100": (989.4e12, 3.35e12),
@@ -102,6 +115,8 @@ def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase
         return tile_phases(f"tiles_{kind.split('_')[1]}", n, h, v)
     if design == "linear":
         return phases(kind, n, h, v)
+    if design == "gemm-2d":
+        return block_phases(kind, n, h, v, **block_plan(h, v)._asdict())
     terms = "generic, KL" if design == "gemm-generic" else "fused"
     return phases(kind, n, h, v, **design_plan(design, kind, n, h, v)._asdict(), terms=terms)
 
@@ -114,6 +129,7 @@ def model(n: int, h: int, v: int) -> dict:
         "gemm": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
         "gemm-2048": ("logprobs_fwd", "logprobs_bwd", "loss_fwd", "loss_bwd"),
         "gemm-generic": ("loss_fwd", "loss_bwd"),
+        "gemm-2d": ("logprobs_fwd", "logprobs_bwd"),
         "tiles": ("logprobs_fwd", "logprobs_bwd"),
     }
     for design, names in kinds.items():
@@ -145,13 +161,19 @@ def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
     for call, kind in (("loss", "loss_fwd"), ("logprobs", "logprobs_bwd")):
         if f"{design} {kind}" not in rows:
             continue
-        chosen = design_plan(design, kind, n, h, v)
-        memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc) / (n * v * 2)
+        if design == "gemm-2d":
+            chosen = block_plan(h, v)
+            memory = block_extra_memory(kind, h, v, **chosen._asdict()) / (n * v * 2)
+            label = f"{chosen.rows} rows x {chosen.cols} columns"
+        else:
+            chosen = design_plan(design, kind, n, h, v)
+            memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc) / (n * v * 2)
+            label = f"{chosen.rows} rows"
         out[f"{call} extra memory / logits' bytes"] = {
             "ratio": memory,
             "bound": 0.05,
             "met": memory <= 0.05,
-            "plan": f"{chosen.rows} rows, {'float32' if chosen.acc == 4 else 'bf16'} d_weight",
+            "plan": f"{label}, {'float32' if chosen.acc == 4 else 'bf16'} d_weight",
         }
     return out
 
@@ -191,7 +213,7 @@ def main(argv=None) -> int:
     results = []
     for n, h, v in SHAPES:
         rows = model(n, h, v)
-        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2048", "gemm-generic")}
+        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2d", "gemm-2048", "gemm-generic")}
         results.append({"n": n, "h": h, "v": v, "rows": rows, "goals": both})
     header = (
         f"Predictions (roofline model, not measurements): bf16; gemm: the plan within a memory budget of "
