@@ -409,7 +409,7 @@ def chunk_thresholds(chunk: Chunk, c: Constants, ignore_index: int, truncation: 
     )
 
 
-def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return_entropy: bool, fold=None):
+def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return_entropy: bool, *, fold=None):
     """``(logp, entropy or None, stats)`` of the chunk's rows by ``_head_stats_kernel``.  ``fold``: a
     vocabulary slice of the 2-D plan, ``(state [rows, 4], vocab, col0, first, last)``: the slice's
     columns folded into the rows' running state (``bias`` the slice's), the results written by the last."""
@@ -462,7 +462,7 @@ def power_of_two(dtype: torch.dtype, used, grads, factor: float, vocab: int):
     return torch.exp2(k), torch.exp2(-k)
 
 
-def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads, part=None):
+def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads, *, part=None):
     """The chunk's ``d_logits`` in the products' dtype (the inputs'), written over its logits, with the
     power of two it carries: ``(d_logits [rows, V] with zero padding rows, power, inverse) (None, None
     but for float16)``.  ``saved = (stats, entropy,
@@ -662,7 +662,7 @@ def _forward_blocks(hidden, weight, labels, bias, c: Constants, *, ignore_index,
             chunk = slice_logits(labels[start:stop], used, h_full, weight[v0:v1])
             fold = (state, vocab, v0, j == 0, j == len(slices) - 1)
             b = None if bias is None else bias[v0:v1]
-            lp, en, st = chunk_stats(chunk, b, c, ignore_index, None, entropy is not None, fold)
+            lp, en, st = chunk_stats(chunk, b, c, ignore_index, None, entropy is not None, fold=fold)
         logp[start:stop], stats[start:stop] = lp, st
         if entropy is not None:
             entropy[start:stop] = en
@@ -712,7 +712,7 @@ def _backward_blocks(grads, hidden, labels, bias, c: Constants, *, saved, ignore
             chunk = slice_logits(labels[rs], used, h_full, weight[v0:v1])
             b = None if bias is None else bias[v0:v1]
             dz = chunk_gradient(
-                chunk, b, c, ignore_index, (stats[rs], part(entropy), None), g, (vocab, v0, (power, inverse))
+                chunk, b, c, ignore_index, (stats[rs], part(entropy), None), g, part=(vocab, v0, (power, inverse))
             )[0]
             d_rows = out.add_slice(slice(v0, v1), chunk, dz, d_rows)
         out.rows_done(rs, chunk, d_rows, inverse)
