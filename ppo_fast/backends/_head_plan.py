@@ -17,6 +17,13 @@ callers' ``budget`` argument) bounds what a call holds beyond its inputs, output
   order) by the product's rows, so those rows cannot follow ``N``.  384: the most that keeps 5% at
   16384 rows (``4 * 384 / (2 * 16384)``: 4.7%); the products reading ``weight`` once a chunk stay
   compute-bound (``2 * rows`` FLOPs an element, from about 230 rows on an H100).
+- ``linear_token_logprobs`` untruncated takes the 2-D plan (``block_plan``): blocks of ``rows`` rows by
+  vocabulary slices of ``cols`` columns, both fixed by ``h``, ``v``, the dtype and the budget (never by
+  ``N``), each row's statistics folded slice by slice.  Its backward reads ``weight`` twice and reads and
+  writes ``d_weight`` once a block rather than once a 384-row chunk: 512 rows (bf16) make that product
+  compute-bound on an H100, where 384 are not; the slices keep a block's float32 logits within the budget
+  at ``GOAL_ROWS``.  Costs: the last block's padding (up to ``rows - 1`` rows), ``hidden`` read once a
+  slice, 16 bytes a row of running state a slice.  ``bench head_model`` predicts it beside the row plan.
 - ``linear_policy_loss`` aggregates over its batch (no row result to keep invariant): its chunk is the
   largest multiple of ``ROW_STEP`` rows in ``[MIN_ROWS, MAX_ROWS]`` that the budget holds.  Below 384
   rows the ``d_weight`` product's fixed traffic (its accumulator read and written a chunk) dominates:

@@ -27,6 +27,14 @@ float16's normal range, where it keeps few bits.  The kernel multiplies each chu
 ``[1, 2)`` (a device scalar: no host sync), and the products' float32 results are divided by it.
 bf16 has float32's range and needs none; float32/float64 are written as they are.
 
+``linear_token_logprobs`` untruncated takes the 2-D plan (``_head_plan.block_plan``): blocks of a fixed
+number of rows by vocabulary slices of a fixed width; per slice the product above on the block's
+padded rows and ``weight[slice]``, and the stats kernel folding the slice into each row's running
+(max, sum of exp, entropy term, chosen logit) in ``state [rows, 4]``, the last slice writing the
+results; the backward per slice: the logits recomputed, ``d_logits``, ``d_weight[slice]`` and
+``d_bias[slice]`` added to, the block's ``d_hidden`` summed in float32 and rounded once.  Truncated
+calls keep the row plan: their thresholds need each row whole.
+
 Rows whose label is ignored or out of range read nothing in the kernels, give no gradient and
 their hidden state reaches no product (zeroed first), as in the tile design.
 """
