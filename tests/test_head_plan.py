@@ -158,6 +158,7 @@ def test_the_2d_plan_at_the_issues_shape():
     d_weight = blk["d_weight[slice] += d_logits.T @ hidden[block] (accumulator)"].bytes
     assert d_weight < 0.8 * row["d_weight += d_logits.T @ hidden (accumulator)"].bytes
     assert plan.block_plan(h, v, narrow=False).acc == 4 and plan.block_plan(h, v, budget=1.0).cols == v
+    assert plan.block_plan(896, 128256).cols == 64128  # V / 2, already a multiple of 128: no wider
     with pytest.raises(ValueError, match="budget must be"):
         plan.block_plan(h, v, budget=-1.0)
     with pytest.raises(ValueError, match="kind must be"):

@@ -352,7 +352,8 @@ def block_plan(h: int, v: int, *, itemsize: int = 2, budget: float | None = None
     today = extra_memory("logprobs_bwd", GOAL_ROWS, h, v, itemsize=itemsize, rows=LOGPROBS_ROWS, acc=acc)
     limit = max(budget * GOAL_ROWS * v * itemsize, today)
     for k in range(1, -(-v // 128) + 1):
-        cols = -(-(v + k - 1) // k // 128) * 128
+        per = -(-v // k)  # ceil(v / k), then up to a multiple of 128
+        cols = -(-per // 128) * 128
         if block_extra_memory("logprobs_bwd", h, v, itemsize=itemsize, rows=rows, cols=cols, acc=acc) <= limit:
             return BlockPlan(rows, cols, acc)
     return BlockPlan(rows, 128, acc)  # pragma: no cover - 128 columns always fit the row plan's bytes

@@ -1028,3 +1028,25 @@ def test_gemm_head_row_results_are_bitwise_independent_of_the_batch(monkeypatch,
     torch.testing.assert_close(alone[1].double(), e_entropy, rtol=1e-5, atol=2e-5)  # the plan ran
     for a, b in zip(alone, batch):
         assert torch.equal(a, b[:N]), plan
+
+
+def test_gemm_head_plan_by_truncation():
+    """Untruncated calls take the 2-D plan by default, truncated ones the row plan (their thresholds need
+    whole rows), and a 2-D plan handed to a truncated call is refused, naming the argument."""
+    from ppo_fast._sampling import Truncation
+
+    hidden, weight, _, labels = _linear_inputs(torch.float32, bias=False)
+    assert isinstance(gemm_head._plan(None, hidden, weight, False), head_plan.BlockPlan)
+    assert isinstance(gemm_head._plan(None, hidden, weight, True), head_plan.HeadPlan)
+    with pytest.raises(ValueError, match="plan: a truncated call"):
+        gemm_head.forward(
+            hidden,
+            weight,
+            labels,
+            None,
+            gemm_head.constants(1.0, 1.0, None),
+            ignore_index=IGNORE,
+            return_entropy=False,
+            truncation=Truncation(5, 1.0, 0.0),
+            plan=head_plan.BlockPlan(16, 24, 4),
+        )
