@@ -552,7 +552,7 @@ class Gradients:
     def add(self, rows: slice, chunk: Chunk, dz: torch.Tensor, power, inverse) -> None:
         """``dz``: the chunk's d_logits with its padding rows (zeros), as ``chunk_gradient`` returns them."""
         self.rescale(power, inverse)
-        self.rows_done(rows, chunk, self.add_slice(slice(None), chunk, dz, None), inverse)
+        self.rows_done(rows, chunk.used, self.add_slice(slice(None), chunk, dz, None), inverse)
 
     def rescale(self, power, inverse) -> None:
         """A new chunk (block) of rows whose d_logits carry ``power``: the accumulators to its units."""
@@ -577,14 +577,15 @@ class Gradients:
             self.d_bias[cols] += dz.sum(0, dtype=self.d_bias.dtype)
         return d_rows
 
-    def rows_done(self, rows: slice, chunk: Chunk, d_rows, inverse) -> None:
-        """The chunk's ``d_hidden`` rows from their float32 sum ``d_rows``, written once."""
+    def rows_done(self, rows: slice, used: torch.Tensor, d_rows, inverse) -> None:
+        """The chunk's ``d_hidden`` rows from their float32 sum ``d_rows`` (``used [c, 1]``: the rows a label
+        uses), written once."""
         if self.d_hidden is not None:
-            d = d_rows[: chunk.hidden.shape[0]]
+            d = d_rows[: used.shape[0]]
             if inverse is not None:
                 d.mul_(inverse)
             # a non-finite weight row times a zero gradient is NaN: a row with no gradient is 0
-            self.d_hidden[rows] = d.masked_fill_(~chunk.used, 0.0)
+            self.d_hidden[rows] = d.masked_fill_(~used, 0.0)
 
     def finish(self) -> tuple:
         out = [self.d_hidden]
@@ -652,6 +653,7 @@ def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_
         logp[start:stop], stats[start:stop] = lp, st
         if entropy is not None:
             entropy[start:stop] = en
+        del chunk  # freed before the next chunk's product: one chunk's logits at a time
     return logp, entropy, stats, tau
 
 
@@ -671,6 +673,7 @@ def _forward_blocks(hidden, weight, labels, bias, c: Constants, *, ignore_index,
             fold = (state, vocab, v0, j == 0, j == len(slices) - 1)
             b = None if bias is None else bias[v0:v1]
             lp, en, st = chunk_stats(chunk, b, c, ignore_index, None, entropy is not None, fold=fold)
+            del chunk  # one slice's logits at a time: freed before the next product
         logp[start:stop], stats[start:stop] = lp, st
         if entropy is not None:
             entropy[start:stop] = en
@@ -699,6 +702,7 @@ def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore
             chunk, bias, c, ignore_index, (stats[rs], part(entropy), part(tau)), (part(grads[0]), part(grads[1]))
         )
         out.add(rs, chunk, dz, power, inverse)
+        del chunk, dz  # freed before the next chunk's product: one chunk's logits at a time
     return out.finish()
 
 
@@ -723,4 +727,5 @@ def _backward_blocks(grads, hidden, labels, bias, c: Constants, *, saved, ignore
                 chunk, b, c, ignore_index, (stats[rs], part(entropy), None), g, part=(vocab, v0, (power, inverse))
             )[0]
             d_rows = out.add_slice(slice(v0, v1), chunk, dz, d_rows)
-        out.rows_done(rs, chunk, d_rows, inverse)
+            del chunk, dz  # one slice's logits at a time: freed before the next product
+        out.rows_done(rs, used, d_rows, inverse)
