@@ -30,7 +30,7 @@ import torch
 import ppo_fast as pf
 
 from .common import result_header, write_json
-from .head_tiles import GEMM_PLANS, OPTIONS, _head, measure_gemm
+from .head_tiles import GEMM_PLANS, OPTIONS, _head, as_plan, measure_gemm
 from .timing import peak_extra_bytes, time_cpu, time_cuda
 
 BUDGETS = (None, 1.0)  # the default (5% of the logits' bytes) and one that holds 2048 rows and float32
@@ -185,7 +185,6 @@ def measure_linear(head, rep_ms: int, device) -> dict:
 def measure_logprobs(head, args, result: dict) -> None:
     """linear_token_logprobs' GEMM-first passes under each plan, log-probs checked against the first's."""
     from ppo_fast._sampling import NO_TRUNCATION
-    from ppo_fast.backends._head_plan import HeadPlan
     from ppo_fast.backends.triton import _gemm_head as gemm
 
     c = gemm.constants(OPTIONS["temperature"], OPTIONS["logit_scale"], OPTIONS["logit_softcap"])
@@ -193,7 +192,7 @@ def measure_logprobs(head, args, result: dict) -> None:
     for plan in GEMM_PLANS:
         row = measure_gemm(plan, head, args.rep_ms, want)
         if want is None and "error" not in row:
-            options = dict(ignore_index=-100, return_entropy=True, truncation=NO_TRUNCATION, plan=HeadPlan(*plan))
+            options = dict(ignore_index=-100, return_entropy=True, truncation=NO_TRUNCATION, plan=as_plan(plan))
             want = gemm.forward(*head, None, c, **options)[0]
         result["logprobs"].append(row)
         print(f"  log-probs, plan {plan}: {row}", flush=True)

@@ -93,22 +93,31 @@ def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dic
     return row
 
 
-# The GEMM-first design's plans (chunk rows, d_weight accumulator bytes): what the default budget picks
-# at 16384 x 4096 x 151936 (384 rows, bf16: _head_plan.LOGPROBS_ROWS), 512 rows, and the former plan.
-GEMM_PLANS = ((384, 2), (512, 2), (2048, 4))
+# The GEMM-first design's plans (chunk rows, d_weight accumulator bytes): the row plan of truncated calls
+# at 16384 x 4096 x 151936 (384 rows, bf16: _head_plan.LOGPROBS_ROWS), 512 rows, and the former plan; and
+# (block rows, slice columns, accumulator bytes): the 2-D plan untruncated calls take there (block_plan).
+GEMM_PLANS = ((384, 2), (512, 2), (2048, 4), (512, 76032, 2))
 
 
-def measure_gemm(plan: tuple[int, int], head, rep_ms: int, want: torch.Tensor | None) -> dict:
-    """The GEMM-first design (``_gemm_head``) with ``plan`` = ``(rows, accumulator bytes)``: forward and
-    backward, and on CUDA each one's peak memory beyond its inputs."""
+def as_plan(plan: tuple):
+    """``(rows, acc)``: a row plan; ``(rows, cols, acc)``: a 2-D plan."""
+    from ppo_fast.backends._head_plan import BlockPlan, HeadPlan
+
+    return BlockPlan(*plan) if len(plan) == 3 else HeadPlan(*plan)
+
+
+def measure_gemm(plan: tuple, head, rep_ms: int, want: torch.Tensor | None) -> dict:
+    """The GEMM-first design (``_gemm_head``) with ``plan`` = ``(rows, accumulator bytes)`` or ``(rows, slice
+    columns, accumulator bytes)``: forward and backward, and on CUDA each one's peak memory beyond its inputs."""
     from ppo_fast._sampling import NO_TRUNCATION
-    from ppo_fast.backends._head_plan import HeadPlan
     from ppo_fast.backends.triton import _gemm_head as gemm
 
     h, w, labels = head
     c = gemm.constants(OPTIONS["temperature"], OPTIONS["logit_scale"], OPTIONS["logit_softcap"])
-    chosen = HeadPlan(*plan)
+    chosen = as_plan(plan)
     row = {"chunk_rows": chosen.rows, "d_weight_accumulator": "float32" if chosen.acc == 4 else "bf16"}
+    if len(plan) == 3:
+        row["slice_columns"] = chosen.cols
 
     def forward():
         return gemm.forward(

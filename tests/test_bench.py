@@ -417,7 +417,7 @@ def test_head_tiles_runs_every_candidate(tmp_path):
     assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["results"][1:])
     assert set(data["split_fwd_ms"]) == {"split", "one share"} and len(data["scratch_bwd_ms"]) == 3
-    assert [r["chunk_rows"] for r in data["gemm_results"]] == [rows for rows, _ in head_tiles.GEMM_PLANS]
+    assert [r["chunk_rows"] for r in data["gemm_results"]] == [plan[0] for plan in head_tiles.GEMM_PLANS]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["gemm_results"])
     assert data["chosen"]["design"] in ("gemm", "tiles")
 

@@ -17,6 +17,13 @@ callers' ``budget`` argument) bounds what a call holds beyond its inputs, output
   order) by the product's rows, so those rows cannot follow ``N``.  384: the most that keeps 5% at
   16384 rows (``4 * 384 / (2 * 16384)``: 4.7%); the products reading ``weight`` once a chunk stay
   compute-bound (``2 * rows`` FLOPs an element, from about 230 rows on an H100).
+- ``linear_token_logprobs`` untruncated takes the 2-D plan (``block_plan``): blocks of ``rows`` rows by
+  vocabulary slices of ``cols`` columns, both fixed by ``h``, ``v``, the dtype and the budget (never by
+  ``N``), each row's statistics folded slice by slice.  Its backward reads ``weight`` twice and reads and
+  writes ``d_weight`` once a block rather than once a 384-row chunk: 512 rows (bf16) make that product
+  compute-bound on an H100, where 384 are not; the slices keep a block's float32 logits within the budget
+  at ``GOAL_ROWS``.  Costs: the last block's padding (up to ``rows - 1`` rows), ``hidden`` read once a
+  slice, 16 bytes a row of running state a slice.  ``bench head_model`` predicts it beside the row plan.
 - ``linear_policy_loss`` aggregates over its batch (no row result to keep invariant): its chunk is the
   largest multiple of ``ROW_STEP`` rows in ``[MIN_ROWS, MAX_ROWS]`` that the budget holds.  Below 384
   rows the ``d_weight`` product's fixed traffic (its accumulator read and written a chunk) dominates:
@@ -242,3 +249,111 @@ def plan(
         if rows is not None:
             return HeadPlan(rows, acc)
     return HeadPlan(fixed if kind == "logprobs" else lo, accs[-1])
+
+
+class BlockPlan(NamedTuple):
+    """A 2-D plan of ``linear_token_logprobs``: blocks of ``rows`` rows (every product padded to them)
+    times vocabulary slices of ``cols`` columns (the last one narrower), ``acc`` as ``HeadPlan``'s."""
+
+    rows: int
+    cols: int
+    acc: int
+
+
+def col_slices(v: int, cols: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: ``cols`` vocabulary columns a slice, the last one narrower."""
+    return row_chunks(v, cols)
+
+
+def _block_forward(c: int, m: int, h: int, w: int, s: int, first: bool) -> list[Phase]:
+    """One slice of a block: its ``[m, w]`` float32 logits by one product, then the stats kernel folding
+    them into the rows' running (max, sum of exp, entropy term, chosen logit), 16 bytes a row read (but
+    by the first slice) and written (the last slice writes the rows' results instead: as many bytes)."""
+    product = m * h * s + w * h * s + m * w * _F32
+    return [
+        Phase("logits[block, slice] = hidden @ weight[slice].T (cuBLAS, fp32 out)", 2.0 * m * h * w, product, 1),
+        Phase("row kernel: fold the slice into the running stats", 0.0, c * w * _F32 + w * s + (2 - first) * c * 16, 1),
+    ]
+
+
+def _block_gradient(c: int, m: int, h: int, w: int, s: int, *, acc: int, first: bool) -> list[Phase]:
+    """One slice of a block's backward: d_logits in place, ``d_hidden[block]`` summed over the slices in a
+    float32 ``[m, h]`` accumulator (written by the first, read and written by the others) and
+    ``d_weight[slice]``'s accumulator read and written."""
+    d_hidden = m * w * s + w * h * s + m * h * _F32 * (2 - first)
+    d_weight = m * w * s + m * h * s + 2 * w * h * acc
+    return [
+        Phase("row kernel: d_logits in place", 0.0, c * w * (_F32 + s) + (m - c) * w * s, 1 + (m > c)),
+        Phase("d_hidden[block] += d_logits @ weight[slice] (fp32)", 2.0 * m * h * w, d_hidden, 1),
+        Phase("d_weight[slice] += d_logits.T @ hidden[block] (accumulator)", 2.0 * m * h * w, d_weight, 1),
+    ]
+
+
+def block_phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int, cols: int, acc: int = _F32):
+    """The phases of ``linear_token_logprobs`` (``kind``: ``logprobs_fwd`` or ``logprobs_bwd``) in the 2-D
+    plan, summed over its blocks and slices (as ``phases``)."""
+    if kind not in ("logprobs_fwd", "logprobs_bwd"):
+        raise ValueError(f"kind must be logprobs_fwd or logprobs_bwd, got {kind!r}")
+    s, out = itemsize, {}
+
+    def add(ps):
+        for p in ps:
+            q = out.get(p.name)
+            out[p.name] = (
+                p if q is None else Phase(p.name, q.flops + p.flops, q.bytes + p.bytes, q.launches + p.launches)
+            )
+
+    if kind == "logprobs_bwd":
+        add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
+    for start, stop in row_chunks(n, rows):
+        c = stop - start
+        for j, (v0, v1) in enumerate(col_slices(v, cols)):
+            fwd = _block_forward(c, rows, h, v1 - v0, s, j == 0)
+            add(fwd if kind == "logprobs_fwd" else fwd[:1])
+            if kind == "logprobs_bwd":
+                add(_block_gradient(c, rows, h, v1 - v0, s, acc=acc, first=j == 0))
+        if kind == "logprobs_bwd":
+            add([Phase("d_hidden[block] rounded to the inputs' dtype", 0.0, c * h * (_F32 + s), 1)])
+    if kind == "logprobs_bwd" and acc != s:
+        add([Phase("d_weight to the inputs' dtype", 0.0, v * h * (acc + s), 1)])
+    return list(out.values())
+
+
+def block_extra_memory(kind: str, h: int, v: int, *, itemsize: int = 2, rows: int, cols: int, acc: int = _F32):
+    """Bytes the 2-D plan holds beyond inputs, outputs and gradients: one block's ``[rows, cols]`` logits,
+    its padded hidden rows and running stats, and in the backward its float32 ``d_hidden`` rows, ``d_bias``'s
+    and ``d_weight``'s accumulators (as ``extra_memory``)."""
+    wide = max(_F32, itemsize)
+    held = rows * min(cols, v) * wide + rows * h * itemsize + rows * 4 * wide
+    if kind == "logprobs_bwd":
+        held += rows * h * wide + v * wide + v * h * max(0, acc - itemsize)
+    return float(held)
+
+
+# The 2-D plan's rows: the fewest (a multiple of ROW_STEP) at which a block's d_weight product, reading and
+# writing its accumulator (2 acc bytes a weight for 2 rows FLOPs), is compute-bound on an H100 (989 TFLOP/s
+# at 70%, 3.35 TB/s at 90%: 230 FLOPs a byte; the H200's 160), so that no larger block pads more rows.
+RIDGE_FLOPS_PER_BYTE = 230.0
+GOAL_ROWS = 16384  # the rows at which the budget sizes a block (never the call's N: batch invariance)
+
+
+def block_plan(h: int, v: int, *, itemsize: int = 2, budget: float | None = None, narrow: bool = True) -> BlockPlan:
+    """The 2-D plan of ``linear_token_logprobs``, a function of ``h``, ``v``, the dtype and the budget only:
+    ``rows`` the fewest multiple of ``ROW_STEP`` (at least ``LOGPROBS_ROWS``) whose ``d_weight`` product is
+    compute-bound, ``cols`` the widest even split of the vocabulary (a multiple of 128) whose block fits
+    ``budget`` of ``GOAL_ROWS`` rows' logits, or what the row plan holds there where that is more."""
+    budget = MEMORY_BUDGET if budget is None else budget
+    if not (isinstance(budget, (int, float)) and budget >= 0.0 and budget == budget):
+        raise ValueError(f"budget must be a fraction of the logits' bytes >= 0, got {budget!r}")
+    wide = max(_F32, itemsize)
+    acc = itemsize if narrow and itemsize < wide else wide
+    rows = max(LOGPROBS_ROWS, -(-int(acc * RIDGE_FLOPS_PER_BYTE) // ROW_STEP) * ROW_STEP)
+    # never less than today's row plan holds (a float32 accumulator alone may exceed the budget)
+    today = extra_memory("logprobs_bwd", GOAL_ROWS, h, v, itemsize=itemsize, rows=LOGPROBS_ROWS, acc=acc)
+    limit = max(budget * GOAL_ROWS * v * itemsize, today)
+    for k in range(1, -(-v // 128) + 1):
+        per = -(-v // k)  # ceil(v / k), then up to a multiple of 128
+        cols = -(-per // 128) * 128
+        if block_extra_memory("logprobs_bwd", h, v, itemsize=itemsize, rows=rows, cols=cols, acc=acc) <= limit:
+            return BlockPlan(rows, cols, acc)
+    return BlockPlan(rows, 128, acc)  # pragma: no cover - 128 columns always fit the row plan's bytes

@@ -626,14 +626,17 @@ def test_custom_ops_pass_opcheck(case):
 N, V, H = 37, 75, 41  # none a multiple of the 16-wide test tiles
 
 
-@pytest.fixture(params=["gemm", "tiles"])
+@pytest.fixture(params=["gemm", "gemm-rows", "tiles"])
 def small_tiles(monkeypatch, request):
-    """Each design of the head (``tlin.DESIGNS``) made small.  GEMM-first: chunks of 16 rows (the last
-    shorter) and 16-wide row-kernel tiles.  Tiles: 16-wide tiles in both passes, the forward in three
+    """Each design of the head (``tlin.DESIGNS``) made small.  GEMM-first: its 2-D plan in blocks of 16 rows
+    (the last shorter) by vocabulary slices of 24 columns (75 = 3 x 24 + 3, a slice not a whole number of
+    tiles), or (gemm-rows) the row plan in chunks of 16 rows, and 16-wide row-kernel tiles.  Tiles: 16-wide tiles in both passes, the forward in three
     vocabulary splits (two tiles, two, one) and a gradient scratch of a tile or a few of every row, so
     that odd N, V and H cross several tiles, the forward its splits and the backward several
     vocabulary chunks."""
-    monkeypatch.setattr(tlin, "DESIGN", request.param)
+    monkeypatch.setattr(tlin, "DESIGN", request.param.split("-")[0])
+    monkeypatch.setattr(gemm_head, "TWO_D", request.param == "gemm")
+    monkeypatch.setattr(gemm_head, "BLOCK", (16, 24))
     monkeypatch.setattr(head_plan, "LOGPROBS_ROWS", 16)
     monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
     for config in ("_FORWARD_CONFIG", "_BACKWARD_CONFIG"):
@@ -995,3 +998,55 @@ def test_packed_gae_matches_float64_without_a_padded_layout(dtype, monkeypatch):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
     for h, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
         torch.testing.assert_close(h.double(), w.double(), **tol, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("plan", [head_plan.BlockPlan(16, 24, 4), head_plan.HeadPlan(16, 4)])
+def test_gemm_head_row_results_are_bitwise_independent_of_the_batch(monkeypatch, plan):
+    """A row's log-prob, entropy and d_hidden are bitwise the same whether the batch has N or N + k rows
+    (k more in its last block and beyond), in the 2-D plan (blocks of 16 rows by slices of 24 of V = 75
+    columns: the rows' stats folded over four slices) as in the row plan: every product has the plan's
+    fixed rows and the slices are folded in a fixed order."""
+    monkeypatch.setattr(gemm_head, "ROW_BLOCK_V", 16)
+    hidden, weight, bias, labels = _linear_inputs(torch.float32)
+    more, more_labels = rand(11, H), ints(V, 11)
+    c, grads = gemm_head.constants(0.8, 1.5, 6.0), (rand(N + 11), rand(N + 11))
+
+    def run(h, lab):
+        g = (grads[0][: h.shape[0]], grads[1][: h.shape[0]])
+        args = (h, weight, lab, bias, c)
+        logp, entropy, stats, _ = gemm_head.forward(
+            *args, ignore_index=IGNORE, return_entropy=True, truncation=NO_TRUNCATION, plan=plan
+        )
+        d_hidden = gemm_head.backward(
+            g, *args, saved=(stats, entropy, None), ignore_index=IGNORE, needs=(True, False, False), plan=plan
+        )[0]
+        return logp, entropy, d_hidden
+
+    alone = run(hidden, labels)
+    batch = run(torch.cat([hidden, more]), torch.cat([labels, more_labels]))
+    _, e_entropy = _plain(hidden, weight, bias, labels, temperature=0.8, logit_scale=1.5, logit_softcap=6.0)
+    torch.testing.assert_close(alone[1].double(), e_entropy, rtol=1e-5, atol=2e-5)  # the plan ran
+    for a, b in zip(alone, batch):
+        assert torch.equal(a, b[:N]), plan
+
+
+def test_gemm_head_plan_by_truncation():
+    """Untruncated calls take the 2-D plan by default, truncated ones the row plan (their thresholds need
+    whole rows), and a 2-D plan handed to a truncated call is refused, naming the argument."""
+    from ppo_fast._sampling import Truncation
+
+    hidden, weight, _, labels = _linear_inputs(torch.float32, bias=False)
+    assert isinstance(gemm_head._plan(None, hidden, weight, False), head_plan.BlockPlan)
+    assert isinstance(gemm_head._plan(None, hidden, weight, True), head_plan.HeadPlan)
+    with pytest.raises(ValueError, match="plan: a truncated call"):
+        gemm_head.forward(
+            hidden,
+            weight,
+            labels,
+            None,
+            gemm_head.constants(1.0, 1.0, None),
+            ignore_index=IGNORE,
+            return_entropy=False,
+            truncation=Truncation(5, 1.0, 0.0),
+            plan=head_plan.BlockPlan(16, 24, 4),
+        )

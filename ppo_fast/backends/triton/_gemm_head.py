@@ -27,6 +27,14 @@ float16's normal range, where it keeps few bits.  The kernel multiplies each chu
 ``[1, 2)`` (a device scalar: no host sync), and the products' float32 results are divided by it.
 bf16 has float32's range and needs none; float32/float64 are written as they are.
 
+``linear_token_logprobs`` untruncated takes the 2-D plan (``_head_plan.block_plan``): blocks of a fixed
+number of rows by vocabulary slices of a fixed width; per slice the product above on the block's
+padded rows and ``weight[slice]``, and the stats kernel folding the slice into each row's running
+(max, sum of exp, entropy term, chosen logit) in ``state [rows, 4]``, the last slice writing the
+results; the backward per slice: the logits recomputed, ``d_logits``, ``d_weight[slice]`` and
+``d_bias[slice]`` added to, the block's ``d_hidden`` summed in float32 and rounded once.  Truncated
+calls keep the row plan: their thresholds need each row whole.
+
 Rows whose label is ignored or out of range read nothing in the kernels, give no gradient and
 their hidden state reaches no product (zeroed first), as in the tile design.
 """
@@ -42,7 +50,7 @@ import triton.language as tl
 
 from ..._sampling import Truncation
 from .. import _head_plan
-from .._head_plan import CHUNK_ROWS, HeadPlan, row_chunks  # noqa: F401  (CHUNK_ROWS: bench.static's chunk)
+from .._head_plan import CHUNK_ROWS, BlockPlan, HeadPlan, col_slices, row_chunks  # noqa: F401  (CHUNK_ROWS: bench.static's chunk)
 from ._dtypes import cast_for_store, scalar, split_scalar
 from ._truncation import thresholds
 
@@ -50,6 +58,10 @@ from ._truncation import thresholds
 ROW_BLOCK_V = 1024
 # Rows of d_weight widened to float32 at once when the CPU adds a chunk into a 16-bit d_weight.
 _CPU_SLAB = 4096
+# linear_token_logprobs' plan where untruncated: the 2-D plan (True) or the row plan (False, as truncated
+# calls), and the 2-D plan's (rows, cols) where set rather than _head_plan.block_plan's (tests make it small).
+TWO_D = True
+BLOCK: tuple[int, int] | None = None
 
 
 @triton.jit
@@ -104,7 +116,10 @@ def _head_stats_kernel(
     logp_ptr,
     entropy_ptr,
     stats_ptr,
+    state_ptr,
     vocab,
+    col0,
+    width,
     ignore_index,
     pre,
     pre_lo,
@@ -114,11 +129,17 @@ def _head_stats_kernel(
     TANH: tl.constexpr,
     TRUNCATED: tl.constexpr,
     RETURN_ENTROPY: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One row of the chunk: its log-prob, entropy and ``(max u, log sum exp(z - max z))``; every
-    ``z - max z`` is ``(u - max u) * post``, as in the tile design."""
+    ``z - max z`` is ``(u - max u) * post``, as in the tile design.  ``x`` holds the row's columns
+    ``[col0, col0 + width)`` (the bias pointer their first); the 2-D plan calls it once a vocabulary
+    slice, in order: but for the ``FIRST`` slice it resumes the row's running (max, sum of exp, entropy
+    term, chosen logit) from ``state [rows, 4]``, and but for the ``LAST`` it stores them there and
+    writes no result (the same online merge as the loop over tiles: the order is fixed)."""
     row = tl.program_id(0).to(tl.int64)
     label, valid, row_ok = _row_label(labels_ptr, row, labels_stride, vocab, ignore_index)
     pre_s = scalar(pre, pre_lo, ACC)
@@ -130,16 +151,21 @@ def _head_stats_kernel(
     sum_exp = tl.zeros([], ACC)
     weighted = tl.zeros([], ACC)
     chosen = tl.zeros([], ACC)
+    if not FIRST:
+        run_max = tl.load(state_ptr + 4 * row).to(ACC)
+        sum_exp = tl.load(state_ptr + (4 * row + 1)).to(ACC)
+        weighted = tl.load(state_ptr + (4 * row + 2)).to(ACC)
+        chosen = tl.load(state_ptr + (4 * row + 3)).to(ACC)
     cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
-    stop = tl.where(row_ok, vocab, 0)  # a row not to compute reads nothing
+    stop = tl.where(row_ok, width, 0)  # a row not to compute reads nothing
     for start in range(0, stop, BLOCK_V):
         cols = start + cols0
-        col_ok = cols < vocab
+        col_ok = cols < width
         u = _u_tile(x_ptr + row * x_stride, bias_ptr, cols, col_ok, pre_s, HAS_BIAS, TANH, ACC)
         u = tl.where(col_ok, u, float("-inf"))
         if TRUNCATED:
             u = tl.where(u < tau, float("-inf"), u)
-        chosen += tl.sum(tl.where(cols == label, u, 0.0), 0)
+        chosen += tl.sum(tl.where(col_ok & (cols + col0 == label), u, 0.0), 0)  # not the next slice's
         new_max = tl.maximum(run_max, tl.max(u, 0))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # never -inf - -inf
         d = (u - shift) * post_s
@@ -151,16 +177,22 @@ def _head_stats_kernel(
             weighted = rescale * (weighted + rebase) + tile_weighted
         sum_exp = sum_exp * rescale + tl.sum(e, 0)
         run_max = new_max
-    shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-    sum_exp = tl.where(row_ok, sum_exp, 1.0)
-    log_sum = tl.log(sum_exp)
-    logp = tl.where(row_ok, (chosen - shift) * post_s - log_sum, float("nan"))
-    tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
-    tl.store(stats_ptr + 2 * row, tl.where(row_ok, shift, 0.0))
-    tl.store(stats_ptr + (2 * row + 1), tl.where(row_ok, log_sum, 0.0))
-    if RETURN_ENTROPY:
-        entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
-        tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+    if LAST:
+        shift = tl.where(run_max == float("-inf"), 0.0, run_max)
+        sum_exp = tl.where(row_ok, sum_exp, 1.0)
+        log_sum = tl.log(sum_exp)
+        logp = tl.where(row_ok, (chosen - shift) * post_s - log_sum, float("nan"))
+        tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
+        tl.store(stats_ptr + 2 * row, tl.where(row_ok, shift, 0.0))
+        tl.store(stats_ptr + (2 * row + 1), tl.where(row_ok, log_sum, 0.0))
+        if RETURN_ENTROPY:
+            entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
+            tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+    else:
+        tl.store(state_ptr + 4 * row, run_max)
+        tl.store(state_ptr + (4 * row + 1), sum_exp)
+        tl.store(state_ptr + (4 * row + 2), weighted)
+        tl.store(state_ptr + (4 * row + 3), chosen)
 
 
 @triton.jit
@@ -181,6 +213,8 @@ def _head_grad_kernel(
     grad_entropy_stride,
     power_ptr,
     vocab,
+    col0,
+    width,
     ignore_index,
     pre,
     pre_lo,
@@ -201,7 +235,8 @@ def _head_grad_kernel(
     """One row's ``d_logits`` (w.r.t. the raw logits, times ``factor = scale / T`` and the chunk's power
     of two), written over the row's logits tile by tile (each tile is read before it is written, and
     a tile's output bytes lie within the bytes of this and the earlier tiles).  Rows not to compute
-    read nothing and get zeros."""
+    read nothing and get zeros.  ``x`` holds the columns ``[col0, col0 + width)`` (a vocabulary slice
+    of the 2-D plan; the row's statistics are the whole row's)."""
     row = tl.program_id(0).to(tl.int64)
     label, valid, row_ok = _row_label(labels_ptr, row, labels_stride, vocab, ignore_index)
     pre_s = scalar(pre, pre_lo, ACC)
@@ -223,13 +258,13 @@ def _head_grad_kernel(
         g_entropy = tl.load(grad_entropy_ptr + row * grad_entropy_stride, mask=row_ok, other=0.0).to(ACC)
         entropy = tl.load(entropy_ptr + row, mask=row_ok, other=0.0).to(ACC)
     cols0 = tl.arange(0, BLOCK_V).to(tl.int64)
-    stop = tl.where(row_ok, vocab, 0)  # a row not to compute reads nothing
-    for start in range(0, vocab, BLOCK_V):
+    stop = tl.where(row_ok, width, 0)  # a row not to compute reads nothing
+    for start in range(0, width, BLOCK_V):
         cols = start + cols0
-        col_ok = cols < vocab
+        col_ok = cols < width
         # cols < stop, not col_ok & row_ok: triton 3.9's interpreter refuses the mask a tensor & scalar makes
         u = _u_tile(x_ptr + row * x_stride, bias_ptr, cols, cols < stop, pre_s, HAS_BIAS, TANH, ACC)
-        one_hot = cols == label
+        one_hot = cols + col0 == label
         if TRUNCATED:  # dropped tokens: p = 0, and a dropped label's log-prob is -inf, a constant
             one_hot = one_hot & ~(u < tau)
         log_p = (tl.where(u < tau, float("-inf"), u) - shift) * post_s - log_sum
@@ -328,13 +363,29 @@ class Chunk(NamedTuple):
     logits_full: torch.Tensor
 
 
-def chunk_logits(hidden_c, weight, bias, labels_c, c: Constants, *, ignore_index: int, form: bool, rows: int) -> Chunk:
-    """The chunk's logits by one product of ``max(rows, c)`` rows; ``form``: also its ``u`` on the host
-    (bias, tanh), once, so that the thresholds and both kernels read the same values."""
-    n, vocab = hidden_c.shape[0], weight.shape[0]
+def padded_rows(hidden_c, labels_c, vocab: int, *, ignore_index: int, rows: int):
+    """``(used [c, 1], hidden [max(rows, c), H])``: which rows a label uses, and the rows' hidden states
+    (zero where unused) padded with zero rows to the plan's fixed product rows."""
+    n = hidden_c.shape[0]
     used = ((labels_c != ignore_index) & (labels_c >= 0) & (labels_c < vocab)).unsqueeze(-1)
     h_full = hidden_c.new_zeros((max(rows, n), hidden_c.shape[1]))
     h_full[:n] = torch.where(used, hidden_c, 0.0)
+    return used, h_full
+
+
+def slice_logits(labels_c, used, h_full, weight_slice) -> Chunk:
+    """A block's logits on one vocabulary slice (``weight_slice`` its rows of ``weight``), one product of
+    the block's padded rows: a block of the 2-D plan (never truncated, so never formed)."""
+    n = labels_c.shape[0]
+    x_full = _mm(h_full, weight_slice.T, _acc_dtype(h_full.dtype))
+    return Chunk(labels_c, used, h_full[:n], x_full[:n], False, h_full, x_full)
+
+
+def chunk_logits(hidden_c, weight, bias, labels_c, c: Constants, *, ignore_index: int, form: bool, rows: int) -> Chunk:
+    """The chunk's logits by one product of ``max(rows, c)`` rows; ``form``: also its ``u`` on the host
+    (bias, tanh), once, so that the thresholds and both kernels read the same values."""
+    n = hidden_c.shape[0]
+    used, h_full = padded_rows(hidden_c, labels_c, weight.shape[0], ignore_index=ignore_index, rows=rows)
     x_full = _mm(h_full, weight.T, _acc_dtype(hidden_c.dtype))
     x = x_full[:n]
     if form:
@@ -366,10 +417,13 @@ def chunk_thresholds(chunk: Chunk, c: Constants, ignore_index: int, truncation: 
     )
 
 
-def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return_entropy: bool):
-    """``(logp, entropy or None, stats)`` of the chunk's rows by ``_head_stats_kernel``."""
+def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return_entropy: bool, *, fold=None):
+    """``(logp, entropy or None, stats)`` of the chunk's rows by ``_head_stats_kernel``.  ``fold``: a
+    vocabulary slice of the 2-D plan, ``(state [rows, 4], vocab, col0, first, last)``: the slice's
+    columns folded into the rows' running state (``bias`` the slice's), the results written by the last."""
     x = chunk.logits
-    rows, vocab = x.shape
+    rows, width = x.shape
+    state, vocab, col0, first, last = fold or (x, width, 0, True, True)
     logp = torch.empty(rows, dtype=x.dtype, device=x.device)
     entropy = torch.empty_like(logp) if return_entropy else None
     stats = logp.new_empty((rows, 2))
@@ -384,13 +438,18 @@ def chunk_stats(chunk: Chunk, bias, c: Constants, ignore_index: int, tau, return
             logp,
             logp if entropy is None else entropy,
             stats,
+            state,
             vocab,
+            col0,
+            width,
             ignore_index,
             *split_scalar(c.pre),
             *split_scalar(c.post),
             **_flags(chunk, bias, c),
             TRUNCATED=tau is not None,
             RETURN_ENTROPY=return_entropy,
+            FIRST=first,
+            LAST=last,
             ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
             BLOCK_V=ROW_BLOCK_V,
         )
@@ -411,22 +470,27 @@ def power_of_two(dtype: torch.dtype, used, grads, factor: float, vocab: int):
     return torch.exp2(k), torch.exp2(-k)
 
 
-def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads):
+def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads, *, part=None):
     """The chunk's ``d_logits`` in the products' dtype (the inputs'), written over its logits, with the
     power of two it carries: ``(d_logits [rows, V] with zero padding rows, power, inverse) (None, None
     but for float16)``.  ``saved = (stats, entropy,
-    tau)`` of the rows; ``grads = (grad_logp, grad_entropy)``, either None."""
+    tau)`` of the rows; ``grads = (grad_logp, grad_entropy)``, either None.  ``part``: a vocabulary slice
+    of the 2-D plan, ``(vocab, col0, (power, inverse))`` (the block's power of two, ``bias`` the slice's)."""
     stats, entropy, tau = saved
     grad_logp, grad_entropy = grads
     x = chunk.logits
-    rows, vocab = x.shape
+    rows, width = x.shape
     dtype = chunk.hidden.dtype
     full = chunk.logits_full
     dz_full = (
-        full if dtype == full.dtype else full.view(dtype)[:, :vocab]
+        full if dtype == full.dtype else full.view(dtype)[:, :width]
     )  # a 16-bit row in its float32 row's first half
     dz = dz_full[:rows]
-    power, inverse = power_of_two(dtype, chunk.used.squeeze(-1), grads, c.factor, vocab)
+    if part is None:
+        vocab, col0 = width, 0
+        power, inverse = power_of_two(dtype, chunk.used.squeeze(-1), grads, c.factor, vocab)
+    else:
+        vocab, col0, (power, inverse) = part
     if rows:
         _head_grad_kernel[(rows,)](
             x,
@@ -445,6 +509,8 @@ def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, g
             0 if grad_entropy is None else grad_entropy.stride(0),
             x if power is None else power,
             vocab,
+            col0,
+            width,
             ignore_index,
             *split_scalar(c.pre),
             *split_scalar(c.post),
@@ -485,21 +551,41 @@ class Gradients:
 
     def add(self, rows: slice, chunk: Chunk, dz: torch.Tensor, power, inverse) -> None:
         """``dz``: the chunk's d_logits with its padding rows (zeros), as ``chunk_gradient`` returns them."""
-        if self.d_hidden is not None:
-            d = _mm(dz, self.weight, _acc_dtype(dz.dtype))[: chunk.hidden.shape[0]]
-            if inverse is not None:
-                d.mul_(inverse)
-            # a non-finite weight row times a zero gradient is NaN: a row with no gradient is 0
-            self.d_hidden[rows] = d.masked_fill_(~chunk.used, 0.0)
+        self.rescale(power, inverse)
+        self.rows_done(rows, chunk.used, self.add_slice(slice(None), chunk, dz, None), inverse)
+
+    def rescale(self, power, inverse) -> None:
+        """A new chunk (block) of rows whose d_logits carry ``power``: the accumulators to its units."""
         if power is not None and self.power is not None:
             for acc in (self.d_weight, self.d_bias):
                 if acc is not None:
                     acc.mul_(power * self.power)  # power / previous power, exact
-        if self.d_weight is not None:
-            _addmm_(self.d_weight, dz.T, chunk.hidden_full)
-        if self.d_bias is not None:
-            self.d_bias += dz.sum(0, dtype=self.d_bias.dtype)
         self.power = inverse
+
+    def add_slice(self, cols: slice, chunk: Chunk, dz: torch.Tensor, d_rows):
+        """The products of ``dz`` (the chunk's d_logits on the vocabulary columns ``cols``, with its padding
+        rows): ``d_weight[cols]`` and ``d_bias[cols]`` added to, and the rows' ``d_hidden`` summed in
+        ``d_rows`` (float32 ``[rows, H]``, None before the first slice), which is returned."""
+        if self.d_hidden is not None:
+            if d_rows is None:
+                d_rows = _mm(dz, self.weight[cols], _acc_dtype(dz.dtype))
+            else:
+                _addmm_(d_rows, dz, self.weight[cols])
+        if self.d_weight is not None:
+            _addmm_(self.d_weight[cols], dz.T, chunk.hidden_full)
+        if self.d_bias is not None:
+            self.d_bias[cols] += dz.sum(0, dtype=self.d_bias.dtype)
+        return d_rows
+
+    def rows_done(self, rows: slice, used: torch.Tensor, d_rows, inverse) -> None:
+        """The chunk's ``d_hidden`` rows from their float32 sum ``d_rows`` (``used [c, 1]``: the rows a label
+        uses), written once."""
+        if self.d_hidden is not None:
+            d = d_rows[: used.shape[0]]
+            if inverse is not None:
+                d.mul_(inverse)
+            # a non-finite weight row times a zero gradient is NaN: a row with no gradient is 0
+            self.d_hidden[rows] = d.masked_fill_(~used, 0.0)
 
     def finish(self) -> tuple:
         out = [self.d_hidden]
@@ -510,16 +596,45 @@ class Gradients:
         return tuple(out)
 
 
+def block_plan(hidden: torch.Tensor, weight: torch.Tensor, budget: float | None = None) -> BlockPlan:
+    """``_head_plan.block_plan`` for ``hidden [N, H]`` and ``weight [V, H]`` (``N`` plays no part), its
+    ``(rows, cols)`` replaced by ``BLOCK`` where set."""
+    chosen = _head_plan.block_plan(
+        hidden.shape[1],
+        weight.shape[0],
+        itemsize=hidden.element_size(),
+        budget=budget,
+        narrow=hidden.dtype == torch.bfloat16,
+    )
+    return chosen if BLOCK is None else BlockPlan(*BLOCK, chosen.acc)
+
+
+def _plan(plan, hidden, weight, truncated: bool):
+    """The call's plan: the 2-D ``block_plan`` by default, the row plan where truncated (top-k, top-p and
+    min-p need each row whole), or the caller's (a ``HeadPlan`` or, untruncated, a ``BlockPlan``)."""
+    if plan is None:
+        return head_plan("logprobs", hidden, weight) if truncated or not TWO_D else block_plan(hidden, weight)
+    if isinstance(plan, BlockPlan) and truncated:
+        raise ValueError("plan: a truncated call (top_k, top_p, min_p) needs whole rows, a HeadPlan, not a BlockPlan")
+    return plan
+
+
 def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_entropy, truncation, plan=None):
     """``(logp [N], entropy [N] or None, stats [N, 2], tau [N] or None)`` of the head, chunk by chunk
-    (``plan``: ``head_plan("logprobs", ...)`` by default)."""
+    (``plan``: ``_plan``'s by default)."""
     n = hidden.shape[0]
     acc = _acc_dtype(hidden.dtype)
     logp = torch.empty(n, dtype=acc, device=hidden.device)
     entropy = torch.empty_like(logp) if return_entropy else None
     stats = logp.new_empty((n, 2))
     tau = logp.new_empty(n) if truncation.active else None
-    rows = (plan or head_plan("logprobs", hidden, weight)).rows
+    plan = _plan(plan, hidden, weight, truncation.active)
+    if isinstance(plan, BlockPlan):
+        _forward_blocks(
+            hidden, weight, labels, bias, c, ignore_index=ignore_index, plan=plan, out=(logp, entropy, stats)
+        )
+        return logp, entropy, stats, tau
+    rows = plan.rows
     for start, stop in row_chunks(n, rows):
         chunk = chunk_logits(
             hidden[start:stop],
@@ -538,18 +653,44 @@ def forward(hidden, weight, labels, bias, c: Constants, *, ignore_index, return_
         logp[start:stop], stats[start:stop] = lp, st
         if entropy is not None:
             entropy[start:stop] = en
+        del chunk  # freed before the next chunk's product: one chunk's logits at a time
     return logp, entropy, stats, tau
+
+
+def _forward_blocks(hidden, weight, labels, bias, c: Constants, *, ignore_index, plan: BlockPlan, out) -> None:
+    """The 2-D plan's forward into ``out = (logp, entropy or None, stats)``: per block of ``plan.rows`` rows
+    (padded), per vocabulary slice in order, the slice's logits and their fold into the rows' state."""
+    logp, entropy, stats = out
+    vocab = weight.shape[0]
+    slices = col_slices(vocab, plan.cols)
+    for start, stop in row_chunks(hidden.shape[0], plan.rows):
+        used, h_full = padded_rows(
+            hidden[start:stop], labels[start:stop], vocab, ignore_index=ignore_index, rows=plan.rows
+        )
+        state = logp.new_empty((stop - start, 4))
+        for j, (v0, v1) in enumerate(slices):
+            chunk = slice_logits(labels[start:stop], used, h_full, weight[v0:v1])
+            fold = (state, vocab, v0, j == 0, j == len(slices) - 1)
+            b = None if bias is None else bias[v0:v1]
+            lp, en, st = chunk_stats(chunk, b, c, ignore_index, None, entropy is not None, fold=fold)
+            del chunk  # one slice's logits at a time: freed before the next product
+        logp[start:stop], stats[start:stop] = lp, st
+        if entropy is not None:
+            entropy[start:stop] = en
 
 
 def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore_index, needs, plan=None):
     """``(d_hidden, d_weight, d_bias)`` (None where not needed) of the head from its incoming
     ``grads = (grad_logp, grad_entropy)`` and the forward's ``saved = (stats, entropy, tau)``: each
-    chunk's logits recomputed, its ``d_logits`` and its two products (``plan``: ``head_plan("logprobs",
-    ...)`` by default, the forward's rows)."""
+    chunk's logits recomputed, its ``d_logits`` and its two products (``plan``: ``_plan``'s by default,
+    the forward's)."""
     stats, entropy, tau = saved
-    plan = plan or head_plan("logprobs", hidden, weight)
+    plan = _plan(plan, hidden, weight, tau is not None)
     narrow = plan.acc < 4  # the bf16 gradient itself (float32 and float64 accumulate in their own dtype)
     out = Gradients(hidden, weight, bias, needs, (hidden.dtype, weight.dtype, weight.dtype), narrow=narrow)
+    if isinstance(plan, BlockPlan):
+        _backward_blocks(grads, hidden, labels, bias, c, saved=saved, ignore_index=ignore_index, plan=plan, out=out)
+        return out.finish()
     rows = plan.rows
     for start, stop in row_chunks(hidden.shape[0], rows):
         rs = slice(start, stop)
@@ -561,4 +702,30 @@ def backward(grads, hidden, weight, labels, bias, c: Constants, *, saved, ignore
             chunk, bias, c, ignore_index, (stats[rs], part(entropy), part(tau)), (part(grads[0]), part(grads[1]))
         )
         out.add(rs, chunk, dz, power, inverse)
+        del chunk, dz  # freed before the next chunk's product: one chunk's logits at a time
     return out.finish()
+
+
+def _backward_blocks(grads, hidden, labels, bias, c: Constants, *, saved, ignore_index, plan: BlockPlan, out) -> None:
+    """The 2-D plan's backward into ``out`` (``Gradients``): per block, its power of two (float16), then per
+    vocabulary slice the logits recomputed, ``d_logits`` over them, ``d_weight[slice]`` and ``d_bias[slice]``
+    added to and the block's ``d_hidden`` summed in float32, its rows written once after the last slice."""
+    stats, entropy, _ = saved
+    weight, vocab = out.weight, out.weight.shape[0]
+    for start, stop in row_chunks(hidden.shape[0], plan.rows):
+        rs = slice(start, stop)
+        part = lambda x, rs=rs: None if x is None else x[rs]  # noqa: E731
+        g = (part(grads[0]), part(grads[1]))
+        used, h_full = padded_rows(hidden[rs], labels[rs], vocab, ignore_index=ignore_index, rows=plan.rows)
+        power, inverse = power_of_two(hidden.dtype, used.squeeze(-1), g, c.factor, vocab)
+        out.rescale(power, inverse)
+        d_rows = None
+        for v0, v1 in col_slices(vocab, plan.cols):
+            chunk = slice_logits(labels[rs], used, h_full, weight[v0:v1])
+            b = None if bias is None else bias[v0:v1]
+            dz = chunk_gradient(
+                chunk, b, c, ignore_index, (stats[rs], part(entropy), None), g, part=(vocab, v0, (power, inverse))
+            )[0]
+            d_rows = out.add_slice(slice(v0, v1), chunk, dz, d_rows)
+            del chunk, dz  # one slice's logits at a time: freed before the next product
+        out.rows_done(rs, used, d_rows, inverse)

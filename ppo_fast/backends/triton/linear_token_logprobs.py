@@ -1080,20 +1080,21 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
 
 def _gemm_static_variants(hidden: int, vocab: int) -> list[dict]:
     """The GEMM-first design's row kernels, one chunk of rows (every chunk launches them alike): the
-    forward's statistics (bf16; with a bias, soft-cap and entropy) and the backward's d_logits (float16,
-    with its power of two, a bias and the soft-cap's derivative)."""
+    forward's statistics (bf16; with a bias, soft-cap and entropy), in the 2-D plan (its first and last
+    vocabulary slices' folds) and the row plan, and the backward's d_logits (float16, with its power of
+    two, a bias and the soft-cap's derivative; the 2-D plan's slices)."""
     rows = gemm.CHUNK_ROWS
     row, stats, labels = _meta((rows,), torch.float32), _meta((rows, 2), torch.float32), _meta((rows,), torch.int64)
 
     def head(dtype):
         return _meta((rows, hidden), dtype), _meta((vocab, hidden), dtype)
 
-    def fwd(flags):
+    def fwd(flags, plan=None):
         x, w = head(torch.bfloat16)
         c = gemm.constants(0.7, 1.0, 30.0 if flags else None)
         bias = _meta((vocab,), x.dtype) if flags else None
         return lambda: gemm.forward(
-            x, w, labels, bias, c, ignore_index=-100, return_entropy=flags, truncation=NO_TRUNCATION
+            x, w, labels, bias, c, ignore_index=-100, return_entropy=flags, truncation=NO_TRUNCATION, plan=plan
         )
 
     def bwd():
@@ -1102,10 +1103,21 @@ def _gemm_static_variants(hidden: int, vocab: int) -> list[dict]:
         bias, c = _meta((vocab,), x.dtype), gemm.constants(0.7, 1.0, 30.0)
         return gemm.backward((row, row), x, w, labels, bias, c, saved=saved, ignore_index=-100, needs=(True,) * 3)
 
+    def fold_last():  # the 2-D plan's last slice: the rows' state read, their results written
+        x, w = head(torch.bfloat16)
+        cols = gemm.block_plan(x, w).cols
+        used, h_full = gemm.padded_rows(x, labels, vocab, ignore_index=-100, rows=rows)
+        chunk = gemm.slice_logits(labels, used, h_full, w[cols:])
+        c, fold = gemm.constants(0.7, 1.0, 30.0), (_meta((rows, 4), torch.float32), vocab, cols, False, True)
+        bias = _meta((vocab,), x.dtype)[cols:]
+        return lambda: gemm.chunk_stats(chunk, bias, c, -100, None, True, fold=fold)
+
     shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}]"
     launches = {
+        f"gemm-first row stats {shape} bf16 bias+softcap+entropy, 2-D plan's last slice": fold_last(),
         f"gemm-first row stats {shape} bf16": fwd(False),
         f"gemm-first row stats {shape} bf16 bias+softcap+entropy": fwd(True),
+        f"gemm-first row stats {shape} bf16 bias+softcap+entropy, row plan": fwd(True, gemm.HeadPlan(rows, 2)),
         f"gemm-first d_logits {shape} fp16 bias+softcap+entropy": bwd,
     }
     return [
