@@ -75,6 +75,26 @@ bool needs_grad(Context* ctx, int64_t index) {
 // are new tensors (neither inputs nor views: checked); a forward-mode tangent raises, as
 // Function's does.  Not supported: compiled autograd (the node has no compiled_args), as for any
 // extension node without one.
+// The pointer that owns an autograd node: std::shared_ptr before torch 2.13, c10::intrusive_ptr after.
+using NodePtr = decltype(torch::autograd::Edge::function);
+template <typename N, typename Ptr = NodePtr>
+Ptr make_node() {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<N>();
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+// An owning pointer to a node that is alive (owned elsewhere).
+template <typename N, typename Ptr = NodePtr>
+Ptr owning(N* node) {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return node->shared_from_this();
+  } else {
+    return Ptr::unsafe_reclaim_from_nonowning(node);
+  }
+}
+
 class LeanContext {
  public:
   // A few named values, in the order they were set (a linear search over at most kSlots names).
@@ -115,7 +135,7 @@ class LeanContext {
                 "the graph a second time.");
     variable_list out;
     out.reserve(saved_.size());
-    auto self = c10::intrusive_ptr<torch::autograd::Node>::unsafe_reclaim_from_nonowning(node_);
+    auto self = owning(node_);
     for (const auto& s : saved_) out.push_back(s.unpack(self));
     return out;
   }
@@ -179,7 +199,8 @@ struct LeanFunction {
     if (const auto& functorch_tls = at::functorch::functorchTLSAccessor()) {
       functorch_tls->checkSupportsCppAutogradFunction();
     }
-    auto node = c10::make_intrusive<LeanNode<T>>();
+    const NodePtr owner = make_node<LeanNode<T>>();
+    auto* node = static_cast<LeanNode<T>*>(owner.get());
     variable_list inputs;
     inputs.reserve(sizeof...(Args));
     size_t position = 0;
@@ -190,7 +211,7 @@ struct LeanFunction {
     const bool executable = at::GradMode::is_enabled() && std::any_of(inputs.begin(), inputs.end(), [](const auto& t) {
                               return t.defined() && t.requires_grad();
                             });
-    node->ctx.node_ = node.get();
+    node->ctx.node_ = node;
     if (executable) {
       torch::autograd::edge_list edges;
       edges.reserve(inputs.size());
@@ -212,7 +233,7 @@ struct LeanFunction {
     LeanContext& ctx = node->ctx;
     ctx.saved_.reserve(ctx.to_save_.size());
     for (const auto& t : ctx.to_save_) {
-      const bool is_output = t.defined() && t.grad_fn().get() == node.get();
+      const bool is_output = t.defined() && t.grad_fn().get() == node;
       ctx.saved_.emplace_back(t, is_output);
     }
     ctx.to_save_.clear();
@@ -239,8 +260,7 @@ struct LeanFunction {
     TORCH_INTERNAL_ASSERT(!output.is_view(), c10::demangle(typeid(T).name()), ": an output is a view");
     for (const auto& input : inputs)
       TORCH_INTERNAL_ASSERT(!input.is_same(output), c10::demangle(typeid(T).name()), ": an output is an input");
-    torch::autograd::set_history(output,
-                                 c10::intrusive_ptr<torch::autograd::Node>::unsafe_reclaim_from_nonowning(&node));
+    torch::autograd::set_history(output, owning(&node));
   }
 };
 
