@@ -21,13 +21,13 @@ OptTensor optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::n
 // one Function; their backward ops are gae_backward (differentiable: GaeBackward) and gae_varlen_backward
 // (NoSecondOrder: a second-order gradient raises, naming the reference).
 template <const char* Name, const char* BackwardName, typename... Layout>
-struct Gae : torch::autograd::Function<Gae<Name, BackwardName, Layout...>> {
+struct Gae : LeanFunction<Gae<Name, BackwardName, Layout...>> {
   using Forward = Pair(const Tensor&, const Tensor&, const Tensor&, const Layout&..., double, double);
   using Backward = Pair(const OptTensor&, const OptTensor&, const Tensor&, const Layout&..., double, double,
                         at::ScalarType, at::ScalarType, std::array<bool, 2>);
   static constexpr size_t kLayout = sizeof...(Layout);
 
-  static variable_list forward(AutogradContext* ctx, const Tensor& rewards, const Tensor& values, const Tensor& mask,
+  static variable_list forward(LeanContext* ctx, const Tensor& rewards, const Tensor& values, const Tensor& mask,
                                const Layout&... layout, double gamma, double lam) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = typed_op<Forward>(Name);
@@ -41,7 +41,7 @@ struct Gae : torch::autograd::Function<Gae<Name, BackwardName, Layout...>> {
     return {advantages, returns};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     const std::array<bool, 2> want{needs_grad(ctx, 0), needs_grad(ctx, 1)};
     auto [rewards, values] =
         backward_op(grads, ctx->get_saved_variables(), ctx->saved_data, want, std::make_index_sequence<kLayout>());

@@ -22,8 +22,8 @@ using KlBackward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, cons
                                               std::array<bool, 2>);
 constexpr char kKlBackward[] = "ppo_fast::kl_estimate_backward";
 
-struct KlEstimate : torch::autograd::Function<KlEstimate> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& logprobs, const Tensor& ref_logprobs,
+struct KlEstimate : LeanFunction<KlEstimate> {
+  static Tensor forward(LeanContext* ctx, const Tensor& logprobs, const Tensor& ref_logprobs,
                         c10::string_view kl_estimator) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = typed_op<KlForward>("ppo_fast::kl_estimate");
@@ -32,7 +32,7 @@ struct KlEstimate : torch::autograd::Function<KlEstimate> {
     return op.call(logprobs, ref_logprobs, kl_estimator);
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     static const auto op = typed_op<KlBackward>(kKlBackward);
     const variable_list saved = ctx->get_saved_variables();
     const std::array<bool, 2> want{needs_grad(ctx, 0), needs_grad(ctx, 1)};
@@ -60,8 +60,8 @@ using PenalizedBackward = Triple(const OptTensor&, const OptTensor&, const Tenso
                                  double, c10::string_view, at::ScalarType, std::array<bool, 3>);
 constexpr char kPenalizedBackward[] = "ppo_fast::kl_penalized_rewards_backward";
 
-struct KlPenalizedRewards : torch::autograd::Function<KlPenalizedRewards> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& scores, const Tensor& logprobs,
+struct KlPenalizedRewards : LeanFunction<KlPenalizedRewards> {
+  static variable_list forward(LeanContext* ctx, const Tensor& scores, const Tensor& logprobs,
                                const Tensor& ref_logprobs, const Tensor& mask, double kl_coef,
                                c10::string_view kl_estimator) {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -75,7 +75,7 @@ struct KlPenalizedRewards : torch::autograd::Function<KlPenalizedRewards> {
     return {rewards, kl};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     static const auto op = typed_op<PenalizedBackward>(kPenalizedBackward);
     const variable_list saved = ctx->get_saved_variables();
     const auto& data = ctx->saved_data;

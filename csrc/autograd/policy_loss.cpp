@@ -15,7 +15,7 @@ using Grads4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 // The inputs' positions among the tensors autograd sees (weights, last, is one only when given).
 enum Input : int64_t { kLogprobs = 0, kOld = 1, kAdvantages = 2, kWeights = 4 };
 
-std::array<bool, 4> wanted_grads(AutogradContext* ctx, bool has_weights, bool old_differentiable) {
+std::array<bool, 4> wanted_grads(LeanContext* ctx, bool has_weights, bool old_differentiable) {
   return {needs_grad(ctx, kLogprobs), old_differentiable && needs_grad(ctx, kOld), needs_grad(ctx, kAdvantages),
           has_weights && needs_grad(ctx, kWeights)};
 }
@@ -42,8 +42,8 @@ using ClippedBackward = Grads4(const Tensor&, const Tensor&, const Tensor&, cons
                                const OptTensor&, const Tensor&, double, double, std::optional<double>,
                                std::array<bool, 4>);
 
-struct ClippedPolicyLoss : torch::autograd::Function<ClippedPolicyLoss> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& logprobs, const Tensor& old_logprobs,
+struct ClippedPolicyLoss : LeanFunction<ClippedPolicyLoss> {
+  static variable_list forward(LeanContext* ctx, const Tensor& logprobs, const Tensor& old_logprobs,
                                const Tensor& advantages, const Tensor& mask, const OptTensor& weights,
                                double clip_eps_low, double clip_eps_high, std::optional<double> dual_clip,
                                c10::string_view agg) {
@@ -60,7 +60,7 @@ struct ClippedPolicyLoss : torch::autograd::Function<ClippedPolicyLoss> {
     return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return variable_list(9);  // the loss unused: no gradient
     static const auto op = typed_op<ClippedBackward>("ppo_fast::clipped_policy_loss_backward");
     const variable_list saved = ctx->get_saved_variables();
@@ -95,14 +95,14 @@ using SeqOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 // The padded ops (Layout empty) and the packed layout's (csrc/policy_loss.cpp's *_varlen: Layout = Tensor, cu_seqlens
 // after weights, not differentiable; row_scale and row_state [S]) share one Function.
 template <const char* Name, const char* BackwardName, bool OldDifferentiable, typename... Layout>
-struct SeqPolicyLoss : torch::autograd::Function<SeqPolicyLoss<Name, BackwardName, OldDifferentiable, Layout...>> {
+struct SeqPolicyLoss : LeanFunction<SeqPolicyLoss<Name, BackwardName, OldDifferentiable, Layout...>> {
   using Forward = SeqOutputs(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                              const Layout&..., double, double, c10::string_view);
   using Backward = Grads4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                           const Tensor&, const Tensor&, const Layout&..., double, double, std::array<bool, 4>);
   static constexpr size_t kLayout = sizeof...(Layout);
 
-  static variable_list forward(AutogradContext* ctx, const Tensor& logprobs, const Tensor& old_logprobs,
+  static variable_list forward(LeanContext* ctx, const Tensor& logprobs, const Tensor& old_logprobs,
                                const Tensor& advantages, const Tensor& mask, const OptTensor& weights,
                                const Layout&... layout, double clip_eps_low, double clip_eps_high,
                                c10::string_view agg) {
@@ -119,7 +119,7 @@ struct SeqPolicyLoss : torch::autograd::Function<SeqPolicyLoss<Name, BackwardNam
     return {loss, clipfrac, clipfrac_lower, approx_kl, row_scale, row_state};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return variable_list(8 + kLayout);  // the loss unused: no gradient
     const variable_list saved = ctx->get_saved_variables();
     const OptTensor weights = optional(saved[4]);

@@ -18,8 +18,8 @@ constexpr char kBackward[] = "ppo_fast::token_logprobs_backward";
 
 OptTensor optional(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels, double temperature,
+struct TokenLogprobs : LeanFunction<TokenLogprobs> {
+  static variable_list forward(LeanContext* ctx, const Tensor& logits, const Tensor& labels, double temperature,
                                bool return_entropy, int64_t ignore_index, int64_t top_k, double top_p, double min_p) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = typed_op<Forward>("ppo_fast::token_logprobs");
@@ -34,7 +34,7 @@ struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
     return {logprobs, entropy, stats};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     static const auto op = typed_op<Backward>(kBackward);
     const auto& data = ctx->saved_data;
     const Tensor grad_entropy = data.at("return_entropy").toBool() ? grads[1] : Tensor();

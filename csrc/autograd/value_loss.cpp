@@ -13,16 +13,15 @@ using Outputs = std::tuple<Tensor, Tensor, Tensor>;
 // The padded op (Layout empty) and the packed layout's (value_loss_varlen: Layout = Tensor, cu_seqlens after the
 // mask; row_scale [S]) share one Function.
 template <const char* Name, const char* BackwardName, typename... Layout>
-struct ValueLoss : torch::autograd::Function<ValueLoss<Name, BackwardName, Layout...>> {
+struct ValueLoss : LeanFunction<ValueLoss<Name, BackwardName, Layout...>> {
   using Forward = Outputs(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Layout&..., double,
                           c10::string_view);
   using Backward = Outputs(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            const Layout&..., double, std::array<bool, 3>);
   static constexpr size_t kLayout = sizeof...(Layout);
 
-  static variable_list forward(AutogradContext* ctx, const Tensor& values, const Tensor& old_values,
-                               const Tensor& returns, const Tensor& mask, const Layout&... layout, double clip,
-                               c10::string_view agg) {
+  static variable_list forward(LeanContext* ctx, const Tensor& values, const Tensor& old_values, const Tensor& returns,
+                               const Tensor& mask, const Layout&... layout, double clip, c10::string_view agg) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = typed_op<Forward>(Name);
     auto [loss, clipfrac, row_scale] = op.call(values, old_values, returns, mask, layout..., clip, agg);
@@ -33,7 +32,7 @@ struct ValueLoss : torch::autograd::Function<ValueLoss<Name, BackwardName, Layou
     return {loss, clipfrac, row_scale};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(LeanContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return variable_list(6 + kLayout);  // the loss unused: no gradient
     const std::array<bool, 3> want{needs_grad(ctx, 0), needs_grad(ctx, 1), needs_grad(ctx, 2)};
     auto [values, old_values, returns] =

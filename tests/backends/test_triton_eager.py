@@ -187,3 +187,75 @@ def test_group_sum_stays_twice_differentiable_on_both_entries():
         second += torch.autograd.grad(g.sum(), values)
     assert second[0].abs().sum() > 0
     torch.testing.assert_close(second[0], second[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("context", ["set_default_device", "torch.device", "meta default"])
+@pytest.mark.parametrize("case", ["kl_estimate", "gae_varlen", "token_logprobs inplace"])
+def test_default_device_takes_the_eager_entry(case, context):
+    """``torch.set_default_device`` (or ``torch.device`` as a context) pushes a ``DeviceContext``, a torch function
+    mode that only fills in factory calls' device: the entry still takes the plain Function, and gives the custom
+    op's bits in outputs and gradients (the op under the same context, seen by a dispatch mode)."""
+    entry, op, args, kwargs = _cases()[case]
+
+    def under_context(fn):
+        if context == "torch.device":
+            with torch.device(DEVICE):
+                return fn()
+        torch.set_default_device("meta" if context == "meta default" else DEVICE)
+        try:
+            return fn()
+        finally:
+            torch.set_default_device(None)
+
+    outs, node, grads = under_context(lambda: _run(entry, args, kwargs))
+    with Seen() as seen:
+        want_outs, want_node, want_grads = under_context(lambda: _run(op, args, kwargs))
+    assert not torch._C._is_torch_function_mode_enabled()  # the context is gone again
+    assert any(name.startswith("ppo_fast_triton.") for name in seen.ops)
+    assert node.startswith("Eager") and want_node.startswith("GeneratedBackwardFor_ppo_fast_triton"), (node, want_node)
+    _same_bits(outs, want_outs)
+    _same_bits(grads, want_grads)
+
+
+def test_other_function_modes_take_the_custom_op():
+    """Any torch function mode besides a ``DeviceContext``, alone or above one, sees the custom op."""
+    from torch.overrides import TorchFunctionMode
+
+    class Funcs(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, y = rand(4, 6).requires_grad_(), rand(4, 6)
+    for outer in (None, DEVICE):
+        with torch.device(outer) if outer else torch.autograd.set_grad_enabled(True), Funcs() as mode:
+            out = tkl._kl_estimate(x, y, "k3")
+        assert any("ppo_fast_triton.kl_estimate" in name for name in mode.seen), mode.seen
+        assert type(out.grad_fn).__name__.startswith("GeneratedBackwardFor"), out.grad_fn
+
+
+def test_entry_runs_below_device_contexts_as_the_custom_op():
+    """The custom op runs its function below the torch function layer, where a ``DeviceContext`` does not reach
+    the function's own factory calls: the entry does the same (an op whose function makes a device-less tensor,
+    under a meta default device, gives the same real values through both entries)."""
+    from ppo_fast.backends.triton import _eager
+
+    @_eager.custom_op("ppo_fast_test::plus_default_ones")
+    def plus_ones(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.ones(x.shape)  # no device: the default device's
+
+    plus_ones.register_fake(lambda x: torch.empty_like(x))
+    entry = _eager.with_autograd(plus_ones, lambda ctx, grad: grad, lambda ctx, inputs, output: None)
+    x = torch.randn(3, requires_grad=True)
+    torch.set_default_device("meta")
+    try:
+        got, want = entry(x), plus_ones(x)
+    finally:
+        torch.set_default_device(None)
+    assert type(got.grad_fn).__name__.startswith("Eager"), got.grad_fn
+    _same_bits([got.detach()], [want.detach()])
+    _same_bits(torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x))

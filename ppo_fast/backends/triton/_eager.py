@@ -8,8 +8,10 @@ setup_context and backward under a plain ``autograd.Function`` where the call is
 (``plain_eager``), else the custom op.  ``call`` is a backward's call of its backward op: the op's
 function where the call is plain eager and records nothing.
 
-Plain eager: not compiling or tracing, no torch dispatch or torch function mode active (a
-FakeTensorMode, a counting mode, ``torch.device`` as a context), no functorch transform, no
+Plain eager: not compiling or tracing, no torch dispatch mode (a FakeTensorMode, a counting mode)
+and no torch function mode active but ``torch.set_default_device``'s or ``torch.device`` as a
+context (a ``DeviceContext``: it only fills in the device of factory calls, and the entry runs the
+function with torch function off, as the custom op runs it below that layer), no functorch transform, no
 forward-mode AD level, and every tensor argument a plain ``Tensor`` or ``Parameter`` off the meta
 device (no FakeTensor, FunctionalTensor or other subclass).  Anything else takes the custom op, so
 ``torch.compile`` traces the fakes and every mode sees the op as one node.  A backward run to build
@@ -24,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 from torch.autograd import forward_ad
+from torch.utils._device import DeviceContext
 
 # A custom op -> the Python function it was made from (torch keeps it only in a private attribute).
 _FUNCTIONS: dict = {}
@@ -47,12 +50,28 @@ def custom_op(name: str, *, mutates_args=()):
     return wrap
 
 
+def _device_contexts_only() -> bool:
+    """Whether every torch function mode on the stack is a ``DeviceContext`` (``set_default_device``)."""
+    stack = torch._C._get_function_stack_at
+    return all(type(stack(i)) is DeviceContext for i in range(torch._C._len_torch_function_stack()))
+
+
+def _below_function_modes(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with torch function off where a mode is on (only ``DeviceContext``s pass
+    ``plain_eager``): the custom op runs its function below that layer, where a ``DeviceContext`` does not
+    reach the function's own factory calls; the eager entry does the same."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return fn(*args, **kwargs)
+    with torch._C.DisableTorchFunction():
+        return fn(*args, **kwargs)
+
+
 def plain_eager(args) -> bool:
     """Whether a call with ``args`` may skip the custom op (the module's docstring: plain eager)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
+        or (torch._C._is_torch_function_mode_enabled() and not _device_contexts_only())
         or torch._C._are_functorch_transforms_active()
         or forward_ad._current_level >= 0
     ):
@@ -69,7 +88,7 @@ def call(op, *args, **kwargs):
     op's would be, so a saved tensor it overwrote is still caught by autograd."""
     if torch.is_grad_enabled() or not plain_eager((*args, *kwargs.values()) if kwargs else args):
         return op(*args, **kwargs)
-    out = _FUNCTIONS[op](*args, **kwargs)
+    out = _below_function_modes(_FUNCTIONS[op], *args, **kwargs)
     mutated = _MUTATED.get(op)
     if mutated:
         torch.autograd.graph.increment_version([args[i] for i in mutated if args[i] is not None])
@@ -116,9 +135,9 @@ def with_autograd(op, backward: Callable, setup_context: Callable) -> Callable:
         if not plain_eager((*args, *kwargs.values()) if kwargs else args):
             return op(*args, **kwargs)
         if not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args, *kwargs.values())):
-            return fn(*args, **kwargs)  # nothing to record: the op's own function, as the op runs it
+            return _below_function_modes(fn, *args, **kwargs)  # nothing to record: the op's own function
         if len(args) < count:
             args = args + defaults[len(args) - count :]
-        return Eager.apply(*args, kwargs) if keyword_only else Eager.apply(*args)
+        return _below_function_modes(Eager.apply, *args, *((kwargs,) if keyword_only else ()))
 
     return entry
