@@ -37,7 +37,9 @@ PYTEST_DONT_REWRITE (the messages say what differs; pytest's rewriting would add
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import itertools
 import math
 import os
@@ -687,3 +689,416 @@ def test_fuzz_fused_policy_terms(data):
     oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=rows, fused=False)
     rtol = 1e-5 + (4e-7 * max(params) if mode.name == "sapo" else 0.0)
     assert_no_worse_than_the_generic_path(got, generic, oracle, mode, rtol=rtol)
+
+
+# --------------------------------------------------------------------------- the GEMM-first head's 2-D plan
+
+
+@contextlib.contextmanager
+def module_globals(module, **values):
+    """``module``'s globals set to ``values`` for the block and restored after it, even when it fails (a
+    hypothesis test runs many examples in one call: pytest's monkeypatch would restore them at its end)."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+# Bias kinds: a ramp puts each row's largest logits in the last slice (every earlier one rescaled, its exps
+# underflowing at low temperature); "far" and "-inf" one or more whole slices (the first included) far below
+# the rest (exp(z - max) = 0 there, or a running max still -inf after the first slices).
+HEAD_BIASES = ("none", "normal", "ramp", "far", "-inf")
+
+
+@st.composite
+def head_2d_draws(draw):
+    """An odd problem and a small 2-D plan ``(rows, cols)``: several slices, and blocks where ``N`` allows, with
+    at most about 50 (row, slice) programs a pass (the interpreter's cost)."""
+    v = draw(st.integers(3, 64), label="V")
+    cols = draw(st.integers(1, (v - 1) // 2 if v > 4 else 1), label="slice columns")
+    slices = -(-v // cols)
+    n = draw(st.integers(1, max(1, min(70, 48 // slices))), label="N")
+    rows = draw(st.integers(1, 16), label="block rows")
+    k = draw(
+        knobs(
+            dtype=pick(["float32", "float16", "float64"]),
+            hidden_size=st.integers(1, 12),
+            bias=pick(HEAD_BIASES),
+            scale=pick([1.0, 4.0, 30.0]),
+            temperature=st.one_of(pick([1.0, 0.7, 0.3]), st.floats(0.05, 4.0), pick([MIN_TEMPERATURE, 1e-3])),
+            logit_scale=HEAD["logit_scale"],
+            softcap=HEAD["softcap"],
+            ignore_index=pick([-100, 0]),
+            ignored=pick([0.3, 0.0, 0.3, 1.0]),
+            out_of_range=pick([0.0, 0.0, 0.2]),
+            entropy=pick([True, True, False]),
+            cotangent=pick([1.0, 1e-4]),
+            poison=pick(["clean", "clean", "used row", "unused row"]),
+            value=pick([math.nan, math.inf, -math.inf]),
+            tile=pick([16, 64]),
+            seed=st.integers(0, 2**31),
+        ),
+        label="knobs",
+    )
+    return (n, v, rows, cols), k
+
+
+def _head_2d_inputs(n, v, cols, k):
+    """float64 values exactly representable in the drawn dtype: ``(hidden, weight, bias, labels, far)``, ``far``
+    the columns of a far (or -inf) bias region (whole slices, one column at least left out; no label there)."""
+    gen = torch.Generator().manual_seed(k["seed"])
+    dtype, h = DTYPES[k["dtype"]], k["hidden_size"]
+    hidden = (torch.randn(n, h, generator=gen, dtype=F64) * k["scale"]).to(dtype).double()
+    weight = (torch.randn(v, h, generator=gen, dtype=F64) / h**0.5).to(dtype).double()
+    far = torch.zeros(v, dtype=torch.bool)
+    bias = None
+    if k["bias"] != "none":
+        bias = torch.linspace(-30.0, 30.0, v, dtype=F64) if k["bias"] == "ramp" else torch.randn(v, generator=gen)
+        if k["bias"] in ("far", "-inf"):
+            first = int(torch.randint(0, -(-v // cols), (), generator=gen)) * cols
+            far[first : first + cols * int(torch.randint(1, 3, (), generator=gen))] = True
+            far[-1] = far[-1] & ~far.all()
+            bias = torch.where(far, -1e4 if k["bias"] == "far" else -math.inf, bias.double())
+        bias = bias.to(dtype).double()
+    near = (~far).nonzero().squeeze(-1)
+    labels = near[torch.randint(0, len(near), (n,), generator=gen)]
+    labels = torch.where(torch.rand(n, generator=gen) < k["ignored"], k["ignore_index"], labels)
+    bad = torch.tensor([v, -1, 10**12])[torch.randint(0, 3, (n,), generator=gen)]
+    labels = torch.where(torch.rand(n, generator=gen) < k["out_of_range"], bad, labels)
+    return hidden, weight, bias, labels, far
+
+
+def _head_truth(hidden, weight, bias, labels, k):
+    """The plain formula in float64: ``log_softmax(softcap(scale * (h @ W.T + b)) / T)`` at the label and its
+    entropy; 0 at an ignored row, NaN at an out-of-range one, and no gradient from either."""
+    used = (labels != k["ignore_index"]) & (labels >= 0) & (labels < weight.shape[0])
+    x = torch.where(used[:, None], hidden, 0.0) @ weight.T + (0.0 if bias is None else bias)
+    logsm = torch.log_softmax(harness.head_logits(x, k) / k["temperature"], -1)
+    p = logsm.exp()
+    entropy = -(p * torch.where(p > 0, logsm, 0.0)).sum(-1)
+    logp = logsm.gather(-1, torch.where(used, labels, 0)[:, None]).squeeze(-1)
+    unread = torch.where(labels == k["ignore_index"], 0.0, math.nan).to(logp.dtype)
+    return torch.where(used, logp, unread), torch.where(used, entropy, unread)
+
+
+def _head_run(fn, values, labels, k, cotangents=None):
+    """``(outputs, gradients of hidden, weight and bias)`` of ``fn`` on ``values`` (leaves made here), the
+    outputs pulled back along ``cotangents`` (drawn here when None, returned too)."""
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in values]
+    options = dict(temperature=k["temperature"], logit_scale=k["logit_scale"], logit_softcap=k["softcap"])
+    logp, entropy = fn(
+        *leaves[:2], labels, bias=leaves[2], return_entropy=k["entropy"], ignore_index=k["ignore_index"], **options
+    )
+    outs = [logp] + ([entropy] if k["entropy"] else [])
+    if cotangents is None:
+        gen = torch.Generator().manual_seed(k["seed"] + 1)
+        cotangents = [torch.randn(o.shape, generator=gen, dtype=F64) * k["cotangent"] for o in outs]
+    wanted = [x for x in leaves if x is not None]
+    pulled = [c.to(o.dtype) for c, o in zip(cotangents, outs)]
+    grads = torch.autograd.grad(outs, wanted, pulled, allow_unused=True) if outs[0].requires_grad else [None] * 3
+    grads = iter(grads)
+    return [o.detach() for o in outs], [None if x is None else next(grads) for x in leaves], cotangents
+
+
+def _head_bounds(values64, far, k):
+    """harness.head_bounds on the columns that count: without a soft-cap the far region's exps are exactly 0
+    and its columns left out (their own rounding would swamp the bound); with one its -inf read as -1e4
+    (tanh saturates at either)."""
+    hidden, weight, bias = values64
+    if bias is not None and k["softcap"] is None:
+        weight, bias = weight[~far], bias[~far]
+    elif bias is not None:
+        bias = bias.clamp_min(-1e4)
+    inputs = {"hidden": harness.Input(hidden), "weight": harness.Input(weight)}
+    if bias is not None:
+        inputs["bias"] = harness.Input(bias)
+    return harness.head_bounds(Spec("triton", k["dtype"], "contiguous", "clean", (), {}), k, inputs)
+
+
+def _check_head_2d(got, rows, ref32, truth, *, bounds, k, unused):
+    """The 2-D plan's ``got = (outputs, grads)`` against the row plan's (NaN/inf at the same places, both
+    within the bound of float64) and the float64 formula's ``truth`` (the float32 reference ``ref32``
+    setting the bound's scale, as in ``check``); rows not read give exactly 0 (or NaN) and no gradient."""
+    dtype = DTYPES[k["dtype"]]
+    for i, (o, r, e, c) in enumerate(zip(got[0], rows[0], truth[0], ref32[0])):
+        what = f"output {i} of the 2-D plan"
+        assert (o.dtype, o.shape) == (r.dtype, r.shape) == (c.dtype, c.shape), f"{what}: {o.dtype} vs {r.dtype}"
+        refuse(pattern(o) != pattern(r), what, "NaN/inf where the row plan's is not (or not where)", got=o, rows=r)
+        refuse(pattern(o) != pattern(e.to(o.dtype)), what, "NaN/inf where float64's is not", got=o, float64=e)
+        refuse((o != 0) & (unused == 0), what, "nonzero at an ignored row", got=o)
+        for name, x in (("2-D plan", o), ("row plan", r)):
+            assert_accurate(f"output {i} of the {name}", x, c, e, e, o.dtype, rounding=bounds["rounding"].get(i))
+    for name, g, r, e, c in zip(("hidden", "weight", "bias"), got[1], rows[1], truth[1], ref32[1]):
+        if e is None:
+            continue
+        what = f"gradient of {name} (2-D plan)"
+        assert (g.dtype, g.shape) == (r.dtype, r.shape) == (e.to(dtype).dtype, e.shape), what
+        refuse(pattern(g) != pattern(r), what, "NaN/inf where the row plan's is not (or not where)", got=g, rows=r)
+        # float64 rounded to the dtype: a float16 gradient beyond its range is inf (as the reference's)
+        refuse(~torch.isfinite(g) & torch.isfinite(e.to(dtype)), what, "not finite where float64's is", got=g)
+        if name == "hidden":
+            refuse((g != 0) & (unused != 1)[:, None], what, "nonzero at a row not read", got=g)
+        floor = bounds["grad_floor"] + bounds["grad_rounding"] * largest(e)
+        for plan, x in (("2-D plan", g), ("row plan", r)):
+            assert_accurate(f"gradient of {name} ({plan})", x, c, e, e, dtype, relaxed=torch.isfinite(c), floor=floor)
+
+
+@budget(12, shrink=False)
+@given(data=st.data())
+def test_fuzz_gemm_head_2d_plan(data):
+    """The GEMM-first head's 2-D plan (``_gemm_head.TWO_D``) in small blocks and slices (``BLOCK`` forced:
+    at these sizes the default plan is one slice, so the fold of the running max / sum of exp / entropy /
+    chosen logit across slices and the per-slice backward run only so), drawn: odd N, H, V (V not always a
+    multiple of the slice), float32 / float16 / float64 (the interpreter's bfloat16 is wrong), a bias whose
+    largest logits come last or with whole slices far below the rest or -inf (the first slice included),
+    temperature, logit_scale, soft-cap, ignored and out-of-range labels, the entropy or not, NaN / +-inf in a
+    read or an unread row of hidden.  Outputs and the gradients of hidden, weight and bias (random
+    cotangents) against the plain float64 formula and the row plan (``TWO_D = False``) of the same call."""
+    if "triton" not in backends_serving("linear_token_logprobs", "cpu"):
+        pytest.skip("the Triton backend is not served on CPU")
+    from ppo_fast.backends import _head_plan
+    from ppo_fast.backends import reference as reference_backend
+    from ppo_fast.backends import triton as triton_backend
+    from ppo_fast.backends.triton import _gemm_head, linear_token_logprobs
+
+    (n, v, rows, cols), k = data.draw(head_2d_draws())
+    hidden, weight, bias, labels, far = _head_2d_inputs(n, v, cols, k)
+    used = (labels != k["ignore_index"]) & (labels >= 0) & (labels < v)
+    unused = torch.where(used, 1, torch.where(labels == k["ignore_index"], 0, 2))  # 0 ignored, 2 out of range
+    poisoned = hidden.clone()
+    targets = (used if k["poison"] == "used row" else ~used).nonzero().squeeze(-1)
+    if k["poison"] != "clean" and len(targets):
+        gen = torch.Generator().manual_seed(k["seed"] + 2)
+        at = targets[torch.randint(0, len(targets), (), generator=gen)]
+        poisoned[at, torch.randint(0, hidden.shape[1], (), generator=gen)] = k["value"]
+    truth_in = poisoned if k["poison"] == "used row" else hidden  # an unread row's poison changes nothing
+    note(f"N={n} V={v} block=({rows}, {cols}) used={used.tolist()}")
+    dtype = DTYPES[k["dtype"]]
+    as_dtype = lambda *xs: [None if x is None else x.to(dtype) for x in xs]  # noqa: E731
+    truth = _head_run(lambda *a, **kw: _head_truth(*a[:2], kw["bias"], a[2], k), [truth_in, weight, bias], labels, k)
+    cot = truth[2]
+    ref32 = _head_run(
+        reference_backend.FUNCTIONS["linear_token_logprobs"], as_dtype(truth_in, weight, bias), labels, k, cot
+    )
+    fn = triton_backend.FUNCTIONS["linear_token_logprobs"]
+    with (
+        module_globals(linear_token_logprobs, DESIGN="gemm"),
+        module_globals(_head_plan, LOGPROBS_ROWS=rows),
+        module_globals(_gemm_head, BLOCK=(rows, cols), ROW_BLOCK_V=k["tile"]),
+    ):
+        with module_globals(_gemm_head, TWO_D=True):
+            got = _head_run(fn, as_dtype(poisoned, weight, bias), labels, k, cot)
+        with module_globals(_gemm_head, TWO_D=False, ROW_BLOCK_V=64):  # a row one tile: half the cost
+            row_plan = _head_run(fn, as_dtype(poisoned, weight, bias), labels, k, cot)
+    bounds = _head_bounds((hidden, weight, bias), far, k)
+    _check_head_2d(got, row_plan, ref32, truth, bounds=bounds, k=k, unused=unused)
+
+
+# --------------------------------------------------------------------------- packed sequence-level modes, one pass
+
+SEQUENCE_LEVEL = [name for name, m in POLICY_LOSS_MODES.items() if m.sequence_level and m.fused_head]
+
+
+@st.composite
+def packed_sequence_draws(draw):
+    """A sequence-level mode, its parameters log-uniform over their declared ranges (``_drawn_param``; a
+    ``same_as`` one left out half of the time), a backend serving it, lengths (0, 1 and longer than the drawn
+    chunk of ``chunk`` tokens) and the loss's, terms' and head's knobs."""
+    mode = POLICY_LOSS_MODES[draw(pick(SEQUENCE_LEVEL), label="mode")]
+    params = {}
+    for p in mode.params:
+        value = None if p.same_as and draw(st.booleans()) else _drawn_param(draw, p)
+        if value is not None:
+            params[p.name] = value
+    k = draw(
+        knobs(
+            backend=pick(serving(mode.linear_op)[::-1]),
+            dtype=pick(["float32", "float64"]),
+            agg=pick(AGG_MODES),
+            chunk=st.integers(1, 8),
+            lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+            holes=pick([0.3, 0.0, 1.0]),
+            ignored=pick([0.2, 0.0]),
+            hidden_size=st.integers(1, 6),
+            vocab=st.integers(1, 17),
+            bias=st.booleans(),
+            weighted=st.booleans(),
+            ratio_spread=pick([1.0, 0.01, 30.0]),
+            adv_scale=pick([1.0, 1e-3, 30.0]),
+            kl_coef=pick([0.1, 0.0, 1e3]),
+            kl_estimator=pick(KL_ESTIMATORS),
+            entropy_coef=pick([0.01, 0.0, -1.0, 1e3]),
+            temperature=pick([1.0, 0.7, 3.0]),
+            logit_scale=pick([1.0, 3.0]),
+            softcap=pick([None, 2.5]),
+            seed=st.integers(0, 2**31),
+        ),
+        label="knobs",
+    )
+    return mode.name, params, k
+
+
+def _packed_sequence_inputs(k):
+    """The packed tokens' float64 values (exactly representable in the drawn dtype) and ``cu_seqlens``:
+    ``hidden [N, H]``, ``weight``, ``bias``, and ``[N]`` labels (some ignored), mask (holes inside the
+    sequences), old and ref log-probs, advantages and weights; NaN in old and advantages where masked
+    (never read)."""
+    gen = torch.Generator().manual_seed(k["seed"])
+    dtype, h, v = DTYPES[k["dtype"]], k["hidden_size"], k["vocab"]
+    n = sum(k["lengths"])
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    mask = torch.rand(n, generator=gen) >= k["holes"]
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels = torch.where(torch.rand(n, generator=gen) < k["ignored"], -100, labels)
+    junk = torch.where(mask, 0.0, math.nan)
+    x = dict(
+        hidden=rnd(n, h),
+        weight=rnd(v, h) / h**0.5,
+        bias=rnd(v) if k["bias"] else None,
+        old=-rnd(n).abs() * k["ratio_spread"] - math.log(max(v, 2)) + junk,
+        adv=rnd(n) * k["adv_scale"] + junk,
+        ref=-rnd(n).abs() - 0.1 if k["kl_coef"] else None,
+        weights=torch.rand(n, generator=gen, dtype=F64) + 0.5 if k["weighted"] else None,
+    )
+    x = {name: None if t is None else t.to(dtype).double() for name, t in x.items()}
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(k["lengths"])], dtype=torch.int32)
+    return x, labels, mask, cu_seqlens
+
+
+def _padded(t, lengths, fill):
+    """Packed ``[N, ...]`` as ``[S, longest, ...]`` (``fill`` beyond each sequence's end)."""
+    valid = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    out = torch.full((len(lengths), max(lengths), *t.shape[1:]), fill, dtype=t.dtype)
+    out[valid] = t
+    return out
+
+
+def _sequence_loss(inputs, k, *, mode, params, backend, dtype, padded):
+    """``(loss, stats, gradients of hidden, weight and bias, the last at the packed tokens)`` of the call
+    on ``backend`` in ``dtype``, packed (``cu_seqlens``) or on the same sequences padded (NaN in the floats'
+    padding, False in the mask: never read); an error raised is returned instead."""
+    (x, labels, mask, cu_seqlens), lengths = inputs, k["lengths"]
+    leaves = {name: None if t is None else t.to(dtype).requires_grad_() for name, t in x.items()}
+    lay = (lambda t, fill: _padded(t, lengths, fill)) if padded else (lambda t, fill: t)  # noqa: E731
+    per_token = {name: None if leaves[name] is None else lay(leaves[name], math.nan) for name in ("old", "adv")}
+    for name in ("ref", "weights"):
+        per_token[name] = None if leaves[name] is None else lay(leaves[name], 0.0)
+    layout = {} if padded else dict(cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
+    try:
+        with pf.use_backend(backend):
+            loss, stats = pf.linear_policy_loss(
+                lay(leaves["hidden"], 0.0),
+                leaves["weight"],
+                lay(labels, -100),
+                per_token["old"],
+                per_token["adv"],
+                lay(mask, False),
+                loss_mode=mode,
+                agg=k["agg"],
+                weights=per_token["weights"],
+                bias=leaves["bias"],
+                ref_logprobs=per_token["ref"],
+                kl_coef=k["kl_coef"],
+                kl_estimator=k["kl_estimator"],
+                entropy_coef=k["entropy_coef"],
+                temperature=k["temperature"],
+                logit_scale=k["logit_scale"],
+                logit_softcap=k["softcap"],
+                **layout,
+                **params,
+            )
+    except (ValueError, RuntimeError) as err:
+        return err
+    wanted = [leaves[name] for name in ("hidden", "weight", "bias") if leaves[name] is not None]
+    grads = iter(torch.autograd.grad(loss * 1.7, wanted, allow_unused=True))
+    grads = [None if leaves[name] is None else next(grads) for name in ("hidden", "weight", "bias")]
+    # unused (no tokens): zero, whether autograd says None or a backend gives zeros
+    grads = [
+        g if g is not None or leaves[n] is None else torch.zeros_like(leaves[n])
+        for n, g in zip(("hidden", "weight", "bias"), grads)
+    ]
+    return loss.detach(), {name: s.detach() for name, s in stats.items()}, grads
+
+
+def _check_sequence_results(what, got, want, ref32, ref64, *, dtype, share):
+    """``got`` (loss, stats, gradients) against ``want`` (the same call padded): NaN/inf at the same places
+    and, where the float64 reference ``ref64`` is finite, both within the bound of ``check`` (the float32
+    reference ``ref32`` setting its scale; a stat in its own dtype: clip fractions are float32); float64
+    values also within a few ulps of each other.  A float32 call's clip fraction may differ by ``share``,
+    the longest sequence's share of the tokens (a sequence's ratio rounded across its clip bound)."""
+    (loss, stats, grads), (w_loss, w_stats, w_grads) = got, want
+    assert stats.keys() == w_stats.keys() == ref64[1].keys(), f"{what}: stats {sorted(stats)} vs {sorted(w_stats)}"
+    values = [("loss", loss, w_loss, ref32[0], ref64[0])]
+    values += [(f"stat {n}", stats[n], w_stats[n], ref32[1][n], ref64[1][n]) for n in w_stats]
+    values += [
+        (f"gradient of {n}", *xs)
+        for n, *xs in zip(("hidden", "weight", "bias"), grads, w_grads, *ref32[2:], *ref64[2:])
+    ]
+    for name, g, w, r, e in values:
+        if e is None:
+            assert g is None and w is None, f"{what}: {name} is not None"
+            continue
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), f"{what}: {name} {g.dtype, g.shape} vs {w.dtype, w.shape}"
+        if name.startswith("stat clipfrac") and dtype != F64:
+            refuse((g - w).abs() > share, what, f"{name}: packed far from padded", got=g, padded=w)
+            continue
+        refuse(
+            pattern(g) != pattern(w),
+            what,
+            f"{name}: NaN/inf where the padded call's is not (or not where)",
+            got=g,
+            padded=w,
+        )
+        for layout, x in (("packed", g), ("padded", w)):
+            assert_accurate(f"{what} ({layout}): {name}", x, r, e, e, g.dtype, relaxed=torch.isfinite(e))
+        if g.dtype == F64:
+            tol = 1e-9 * (w.abs().max() if w.numel() else 0.0) + 1e-12
+            refuse(~((g - w).abs() <= tol) & torch.isfinite(w), what, f"{name}: packed != padded", got=g, padded=w)
+
+
+def _two_passes(*args, **kwargs):
+    raise AssertionError("the packed sequence-level call took two passes (linear_token_logprobs)")
+
+
+@budget(12, shrink=False)
+@given(data=st.data())
+def test_fuzz_packed_sequence_level(data):
+    """A sequence-level mode (GSPO, GMPO) on packed tokens with ``cu_seqlens`` on the host: one pass over
+    chunks of whole sequences (the chunk forced to a few tokens on every backend, so that sequences
+    longer than it, empty and single-token ones fall where they may), never ``linear_token_logprobs``;
+    drawn: lengths, masks inside the sequences, every agg, the mode's parameters at the ends of their
+    declared ranges, weights, a KL term and the entropy bonus at their extremes, the head's temperature,
+    scale and soft-cap, reference / native / interpreted Triton, float32 / float64.  Loss, stats and the
+    gradients of hidden, weight and bias: the padded call's on the same sequences (NaN/inf at the same
+    places), both within ``check``'s bound of the float64 reference."""
+    from ppo_fast.backends import _head_plan, _one_pass
+    from ppo_fast.backends.reference import linear_policy_loss as reference_module
+
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    mode, params, k = data.draw(packed_sequence_draws())
+    x, labels, mask, cu_seqlens = _packed_sequence_inputs(k)
+    note(f"{mode} {params} {k['backend']} {k['dtype']} {k['agg']} lengths={k['lengths']} chunk={k['chunk']}")
+    dtype = DTYPES[k["dtype"]]
+    call = lambda backend, dtype, padded: _sequence_loss(  # noqa: E731
+        (x, labels, mask, cu_seqlens), k, mode=mode, params=params, backend=backend, dtype=dtype, padded=padded
+    )
+    elements = k["chunk"] * k["vocab"]
+    with (
+        module_globals(reference_module, CHUNK_ELEMENTS=elements),
+        module_globals(_one_pass, CHUNK_ELEMENTS=elements),
+        module_globals(_head_plan, MIN_ROWS=k["chunk"], MAX_ROWS=k["chunk"]),
+    ):
+        want = call(k["backend"], dtype, padded=True)
+        with module_globals(op_module, linear_token_logprobs=_two_passes):
+            got = call(k["backend"], dtype, padded=False)
+        ref32, ref64 = call("reference", dtype, padded=True), call("reference", F64, padded=True)
+    if isinstance(want, Exception) or isinstance(ref64, Exception):
+        assert type(got) is type(want) and str(got) == str(want), f"padded: {want!r}, packed: {got!r}"
+        return
+    assert not isinstance(got, Exception), f"packed: {got!r}, padded: no error"
+    share = max(k["lengths"]) / max(1, int(mask.sum())) + 1e-6
+    _check_sequence_results(f"{mode} on {k['backend']}", got, want, ref32, ref64, dtype=dtype, share=share)
