@@ -711,7 +711,7 @@ def module_globals(module, **values):
 # Bias kinds: a ramp puts each row's largest logits in the last slice (every earlier one rescaled, its exps
 # underflowing at low temperature); "far" and "-inf" one or more whole slices (the first included) far below
 # the rest (exp(z - max) = 0 there, or a running max still -inf after the first slices).
-HEAD_BIASES = ("none", "normal", "ramp", "far", "-inf")
+HEAD_BIASES = ("ramp", "-inf", "normal", "far", "none")
 
 
 @st.composite
@@ -731,7 +731,7 @@ def head_2d_draws(draw):
             scale=pick([1.0, 4.0, 30.0]),
             temperature=st.one_of(pick([1.0, 0.7, 0.3]), st.floats(0.05, 4.0), pick([MIN_TEMPERATURE, 1e-3])),
             logit_scale=HEAD["logit_scale"],
-            softcap=HEAD["softcap"],
+            softcap=pick([None, 2.5, None, 30.0]),  # none half of the time: a soft-cap makes -inf finite
             ignore_index=pick([-100, 0]),
             ignored=pick([0.3, 0.0, 0.3, 1.0]),
             out_of_range=pick([0.0, 0.0, 0.2]),
@@ -759,7 +759,8 @@ def _head_2d_inputs(n, v, cols, k):
     if k["bias"] != "none":
         bias = torch.linspace(-30.0, 30.0, v, dtype=F64) if k["bias"] == "ramp" else torch.randn(v, generator=gen)
         if k["bias"] in ("far", "-inf"):
-            first = int(torch.randint(0, -(-v // cols), (), generator=gen)) * cols
+            # -inf from the first slice on (a running max still -inf after it), far anywhere
+            first = 0 if k["bias"] == "-inf" else int(torch.randint(0, -(-v // cols), (), generator=gen)) * cols
             far[first : first + cols * int(torch.randint(1, 3, (), generator=gen))] = True
             far[-1] = far[-1] & ~far.all()
             bias = torch.where(far, -1e4 if k["bias"] == "far" else -math.inf, bias.double())
