@@ -115,6 +115,13 @@ def _gradient_chunk(c: int, m: int, h: int, v: int, s: int, acc: int = _F32) -> 
     ]
 
 
+def _add_phases(out: dict, ps) -> None:
+    """Add each phase of ``ps`` into ``out`` by name (a phase of the same name repeated: its sums)."""
+    for p in ps:
+        q = out.get(p.name)
+        out[p.name] = p if q is None else Phase(p.name, q.flops + p.flops, q.bytes + p.bytes, q.launches + p.launches)
+
+
 def phases(
     kind: str,
     n: int,
@@ -147,11 +154,7 @@ def phases(
     out: dict[str, Phase] = {}
 
     def add(ps):
-        for p in ps:
-            q = out.get(p.name)
-            out[p.name] = (
-                p if q is None else Phase(p.name, q.flops + p.flops, q.bytes + p.bytes, q.launches + p.launches)
-            )
+        _add_phases(out, ps)
 
     if kind == "linear_fwd":
         add([Phase("logits = hidden @ weight.T", 2.0 * n * h * v, n * h * s + v * h * s + n * v * s, 1)])
@@ -297,11 +300,7 @@ def block_phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: 
     s, out = itemsize, {}
 
     def add(ps):
-        for p in ps:
-            q = out.get(p.name)
-            out[p.name] = (
-                p if q is None else Phase(p.name, q.flops + p.flops, q.bytes + p.bytes, q.launches + p.launches)
-            )
+        _add_phases(out, ps)
 
     if kind == "logprobs_bwd":
         add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
