@@ -119,6 +119,7 @@ run_pytest tests/backends/test_native_cpu_ops.py
 run_pytest tests/test_conformance.py -k native
 run_pytest tests/test_edge_values.py -k native
 run_pytest tests/test_varlen.py -k native  # the packed layout (cu_seqlens) on the native kernels
+run_pytest tests/test_linear_policy_loss.py -k "packed_sequence_level and native"  # its C++ rows from cu_seqlens
 echo "sanitize: pytest in $((SECONDS - t2)) s"
 
 # Every process's report file (asan.<pid>, ubsan.<pid>), from pytest or any process it
