@@ -133,10 +133,9 @@ def _responses(mask: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
 
 
 def _chunk_segments(bounds: torch.Tensor, tokens: int, device) -> Segments:
-    """A chunk's packed sequences (``PerToken.bounds``, its own) on ``device``."""
-    lengths = (bounds[1:] - bounds[:-1]).to(device)
-    ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=tokens)
-    return Segments(bounds.to(device), ids, tokens, len(lengths), 1)  # max_seqlen: T is in the row share
+    """A chunk's packed sequences (``PerToken.bounds``, its own) on ``device`` (a norm's T is in the row
+    share, so its ``max_seqlen`` is not read)."""
+    return Segments.of(bounds.to(device), tokens, device)
 
 
 def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, scales) -> tuple:
