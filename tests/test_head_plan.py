@@ -30,13 +30,7 @@ def test_every_phase_is_linear_in_the_rows(kind, h, v, chunk):
 
     c = chunk.rows
     one, two = at(c), at(2 * c)
-    for m in (3, 8, 32):
-        got = at(m * c)
-        assert got.keys() == one.keys()
-        for name, p in got.items():
-            for field in ("flops", "bytes", "launches"):
-                a, b = getattr(one[name], field), getattr(two[name], field)
-                assert getattr(p, field) == pytest.approx(a + (m - 1) * (b - a), rel=1e-12), (name, field, m)
+    _assert_linear(at, c, one, two)
     odd = at(5 * c + 7)
     for name, p in odd.items():
         assert p.bytes <= at(6 * c)[name].bytes and p.launches <= at(6 * c)[name].launches + 1  # zero the padding
@@ -129,13 +123,7 @@ def test_every_phase_of_the_2d_plan_is_linear_in_the_rows(kind, h, v, block):
         return {p.name: p for p in plan.block_phases(kind, n, h, v, rows=rows, cols=cols, acc=acc)}
 
     one, two = at(rows), at(2 * rows)
-    for m in (3, 8, 32):
-        got = at(m * rows)
-        assert got.keys() == one.keys()
-        for name, p in got.items():
-            for field in ("flops", "bytes", "launches"):
-                a, b = getattr(one[name], field), getattr(two[name], field)
-                assert getattr(p, field) == pytest.approx(a + (m - 1) * (b - a), rel=1e-12), (name, field, m)
+    _assert_linear(at, rows, one, two)
     for name, p in at(5 * rows + 7).items():
         assert p.bytes <= at(6 * rows)[name].bytes and p.launches <= at(6 * rows)[name].launches + 3
     slices = -(-v // cols)
@@ -177,3 +165,15 @@ def test_the_model_predicts_the_2d_plan_meets_the_h100_backward_goal():
     for d in ("H100", "H200"):
         for goal in (key, "logprobs fwd / linear fwd"):
             assert new[f"{goal} ({d})"]["ratio"] <= old[f"{goal} ({d})"]["ratio"], (goal, d)
+
+
+def _assert_linear(at, c: int, one: dict, two: dict) -> None:
+    """Every phase's FLOPs, bytes and launches at ``m * c`` rows are ``one + (m - 1) * (two - one)``
+    (``one``, ``two``: the phases at ``c`` and ``2 c`` rows; ``at(n)``: the phases at ``n`` rows)."""
+    for m in (3, 8, 32):
+        got = at(m * c)
+        assert got.keys() == one.keys()
+        for name, p in got.items():
+            for field in ("flops", "bytes", "launches"):
+                a, b = getattr(one[name], field), getattr(two[name], field)
+                assert getattr(p, field) == pytest.approx(a + (m - 1) * (b - a), rel=1e-12), (name, field, m)
