@@ -64,24 +64,25 @@ def run(args: argparse.Namespace) -> int:
     from . import BackendUnavailableError
     from .trainer import NonFiniteError, PPOTrainer, RewardError
     from .trainer.async_rollouts import ProducerError
-    from .trainer.distributed import RankLost, shutdown
+    from .trainer.distributed import RankLost, leave_on_error, shutdown
 
     try:
         summary = PPOTrainer(cfg).train()
     except (ConfigError, RewardError, NonFiniteError, BackendUnavailableError, RankLost, ProducerError) as err:
         if cfg.debug:  # the whole story: a reward function's own traceback is the cause
             traceback.print_exception(err)
-        return _fail(str(err))
+        return leave_on_error(_fail(str(err)))
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the PPO loop: stop at once, quietly
         print(f"ppo-fast: stopped; the last complete checkpoint in {cfg.output_dir} is kept", file=sys.stderr)
-        return 130
+        return leave_on_error(130)
     except OSError as err:
         if err.errno not in _DISK_ERRORS:
             raise
-        return _fail(
+        message = (
             f"cannot write {err.filename or cfg.output_dir}: {err.strerror}; the last complete checkpoint "
             f"in {cfg.output_dir} is kept (free space, or choose another --output-dir, and --resume)"
         )
+        return leave_on_error(_fail(message))
     finally:
         shutdown()
     # 130: the conventional exit status after Ctrl-C.

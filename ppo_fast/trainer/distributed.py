@@ -19,6 +19,7 @@ import copy
 import datetime
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -530,3 +531,15 @@ def shutdown() -> None:
     """Leave the process group (if this process joined one)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_on_error(status: int) -> int:
+    """``status`` (an error's exit status, already reported); a rank of a multi-process run ends here
+    instead, its output flushed, with no teardown: tearing down a process group whose peers have gone
+    (or are going) can abort in C++ ("terminate called without an active exception", SIGABRT), which
+    turns the error's status into -6 after the error line."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
