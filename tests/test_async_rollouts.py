@@ -48,6 +48,9 @@ class ClockEngine:
         if self.calls == int(os.environ.get("CLOCK_CRASH_AT", "0")):
             raise ValueError("clock engine: injected failure")
         first = int(self.policy.a.item())
+        if os.environ.get("CLOCK_DEVICES"):  # where the producer's copy of the weights lives
+            with open(os.environ["CLOCK_DEVICES"], "a") as log:
+                log.write(f"{self.policy.a.device.type}\\n")
         time.sleep(float(os.environ.get("CLOCK_DELAY", "0")))
         last = int(self.policy.b.item())
         ids = torch.tensor([[first, last]] * len(prompts))
@@ -94,7 +97,7 @@ def clock(tmp_path, monkeypatch):
 
     sources = []
 
-    def make(max_staleness: int, policy: str = "wait", **env) -> SimpleNamespace:
+    def make(max_staleness: int, policy: str = "wait", device: str = "cpu", **env) -> SimpleNamespace:
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         cfg = TrainerConfig(
@@ -107,12 +110,12 @@ def clock(tmp_path, monkeypatch):
         )
         run = SimpleNamespace(
             cfg=cfg,
-            policy=clock_engine.Clock(),
+            policy=clock_engine.Clock().to(device),
             tokenizer=clock_engine.Tokenizer(),
             train_set=Prompts(["p0", "p1", "p2", "p3"]),
             scorer=Rewards([FunctionScorer(clock_engine.reward)], [1.0]),
             response_length=1,
-            device=torch.device("cpu"),
+            device=torch.device(device),
             output_dir=tmp_path,
             step=0,
             policy_version=0,
@@ -230,6 +233,20 @@ def test_a_killed_producer_is_an_error_not_a_hang(clock):
     with pytest.raises(ProducerError, match="killed by signal 9"):
         while True:  # a batch put before the kill may still come
             _train_step(run)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_weights_reach_the_producer_through_cuda_ipc_never_half_updated(clock, tmp_path):
+    """The staging copy stays on the GPU (sent as CUDA IPC handles, not copied through the host), and the
+    producer generates on the GPU with each update's weights whole."""
+    devices = tmp_path / "devices.txt"
+    run = clock(1, "wait", device="cuda", CLOCK_DELAY=0.05, CLOCK_DEVICES=devices)
+    assert all(t.is_cuda for t in run.source.staging.values())
+    for _ in range(4):
+        taken_at, g, _ = _train_step(run)
+        _check_tags(g)
+        assert g.weights_step >= taken_at - 1  # --max-staleness 1
+    assert set(devices.read_text().split()) == {"cuda"}
 
 
 def test_a_reward_that_cannot_go_to_the_producer_is_refused_by_name():

@@ -6,8 +6,8 @@ rewards the next batches while the trainer trains on the current one.
   slow Python reward runs off the trainer's thread), and puts each batch, tagged with the weights that
   generated it, in a queue of at most K batches: with the one it is generating, at most K + 1 in flight.
 - Weights go to it after each update (``AsyncSource.publish``): the trainer copies them into a staging copy
-  (shared memory on the CPU; on a GPU the staging tensors reach the producer as CUDA IPC handles, written
-  but not run here) and sets the version under a lock; the producer copies the staging copy into its shadow
+  (shared memory on the CPU; on a GPU the staging tensors reach the producer as CUDA IPC handles: a test
+  that needs a GPU) and sets the version under a lock; the producer copies the staging copy into its shadow
   policy under the same lock, between generations only, so a generation never sees half-updated weights.
 - A batch's age is the trainer steps (weight updates) between the weights that generated it and those
   that train on it.  ``--staleness-policy wait``: the producer starts batch n only once the weights of
