@@ -107,7 +107,8 @@ def design_plan(design: str, kind: str, n: int, h: int, v: int) -> HeadPlan:
     """The chunk rows and accumulator of ``design`` for a call of ``kind`` (bf16)."""
     if design == "gemm-2048":
         return WIDE
-    return plan("logprobs" if kind.startswith("logprobs") else "loss", n, h, v)
+    # gemm-generic: float64 inputs' terms, whose chunks never pair (a bf16 accumulator's design)
+    return plan("logprobs" if kind.startswith("logprobs") else "loss", n, h, v, paired=design != "gemm-generic")
 
 
 def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase]:
@@ -167,8 +168,8 @@ def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
             label = f"{chosen.rows} rows x {chosen.cols} columns"
         else:
             chosen = design_plan(design, kind, n, h, v)
-            memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc) / (n * v * 2)
-            label = f"{chosen.rows} rows"
+            memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc, pair=chosen.pair) / (n * v * 2)
+            label = f"{chosen.rows} rows{' paired' if chosen.pair else ''}"
         out[f"{call} extra memory / logits' bytes"] = {
             "ratio": memory,
             "bound": 0.05,
