@@ -306,6 +306,61 @@ def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, budget, 
     assert seen == {"rows": {rows}, "narrow": {narrow}}
 
 
+# Five chunks of 7 tokens both ways (two pairs and one alone): 5 sequences of 7 padded, 33 tokens packed.
+PAIRED_LENGTHS = [7, 0, 6, 5, 7, 2, 6]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_triton_loss_pairs_its_chunks_d_weight_products(monkeypatch, packed):
+    """A paired plan (``HeadPlan.pair``, forced small: 7-row chunks, bf16, the ridge at 14 rows, 100% budget):
+    one d_weight product of 14 rows a pair and one of 7 for the odd fifth chunk; against the unpaired plan
+    of the same chunks the loss, stats, d_hidden and d_bias are bitwise equal (only d_weight's summation
+    order differs), and all of them (d_weight too) equal float64's within bf16's tolerance.  Ignored labels,
+    masked tokens and an empty sequence included."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    for name, value in (("MIN_ROWS", 7), ("MAX_ROWS", 35), ("ROW_STEP", 7), ("F32_ACC_MIN_ROWS", 35)):
+        monkeypatch.setattr(plan, name, value)
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    x = make_inputs(23, dtype=torch.bfloat16, dims=(7 if packed else 5, 7, 53, 13), weighted=True)
+    valid = None
+    if packed:
+        valid = torch.arange(7)[None, :] < torch.tensor(PAIRED_LENGTHS)[:, None]
+        x["mask"] = x["mask"] & valid
+    products, addmm = [], gemm_head._addmm_
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:  # d_weight's products: their rows
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    def result(x, backend="triton"):
+        loss, stats = packed_call(x, valid, "vanilla", "token-mean", backend)
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    monkeypatch.setattr(plan, "RIDGE_FLOPS_PER_BYTE", 7.0)  # a bf16 d_weight product below 14 rows: pairs
+    got = result(x)
+    assert products == [14, 14, 7]
+    monkeypatch.setattr(plan, "RIDGE_FLOPS_PER_BYTE", 3.5)  # 7 rows reach the ridge: unpaired
+    products.clear()
+    unpaired = result(x)
+    assert products == [7] * 5
+    (loss, stats, grads), (want_loss, want_stats, want_grads) = got, unpaired
+    assert torch.equal(loss, want_loss) and stats.keys() == want_stats.keys()
+    assert all(torch.equal(stats[k], want_stats[k]) for k in stats)
+    assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[2], want_grads[2])  # d_hidden, d_bias
+    assert not torch.equal(grads[1], want_grads[1])  # d_weight: summed in another order
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    oracle = result(wide, "reference")
+    assert_result_close(got, oracle, TOLERANCE[torch.bfloat16], "paired vs float64")
+    assert_result_close(unpaired, oracle, TOLERANCE[torch.bfloat16], "unpaired vs float64")
+
+
 # Packed sequences (cu_seqlens): odd lengths, an empty one and a single token, 7 tokens at most (make_inputs' T).
 PACKED_LENGTHS = [7, 0, 1, 5, 7, 2, 3]
 PACKED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
