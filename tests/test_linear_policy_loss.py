@@ -365,6 +365,48 @@ def test_the_triton_loss_pairs_its_chunks_d_weight_products(monkeypatch, packed)
     assert errors[0] <= 1.5 * errors[1], errors
 
 
+def test_the_triton_loss_pairs_only_chunks_of_the_same_rows(monkeypatch):
+    """GSPO on packed sequences (bf16, chunks of whole sequences, 7-row plan paired): chunks of 6, 5 (padded
+    to 6), 17, 9 and 20 rows; the first two pair (one product of 12 rows), the 17- and 9-row chunks, whose
+    padded rows differ, add a product each, the last alone; the loss, stats, d_hidden and d_bias bitwise
+    the unpaired plan's and d_weight's error against float64 no larger than the unpaired plan's."""
+    if "triton" not in serving("linear_policy_loss_gspo", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    x = make_inputs(29, dtype=torch.bfloat16, dims=(8, 20, 53, 13), weighted=True)
+    valid = torch.arange(20)[None, :] < torch.tensor([5, 1, 3, 2, 17, 9, 20, 0])[:, None]
+    x["mask"] = x["mask"] & valid
+    products, addmm = [], gemm_head._addmm_
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    def result(x, pair, backend="triton"):
+        monkeypatch.setattr(gemm_head, "head_plan", lambda *a, **k: plan.HeadPlan(7, 2, pair))
+        products.clear()
+        loss, stats = packed_call(x, valid, "gspo", "seq-mean-token-mean", backend)
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    got = result(x, True)
+    assert products == [12, 17, 9, 20]
+    unpaired = result(x, False)
+    assert products == [6, 6, 17, 9, 20]
+    assert torch.equal(got[0], unpaired[0]) and all(torch.equal(got[1][k], unpaired[1][k]) for k in got[1])
+    assert torch.equal(got[2][0], unpaired[2][0]) and torch.equal(got[2][2], unpaired[2][2])
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    oracle = result(wide, False, "reference")
+    assert_result_close(got, oracle, TOLERANCE[torch.bfloat16], "paired vs float64")
+    errors = [float((r[2][1].double() - oracle[2][1]).norm()) for r in (got, unpaired)]
+    assert errors[0] <= 1.5 * errors[1], errors
+
+
 # Packed sequences (cu_seqlens): odd lengths, an empty one and a single token, 7 tokens at most (make_inputs' T).
 PACKED_LENGTHS = [7, 0, 1, 5, 7, 2, 3]
 PACKED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
