@@ -407,6 +407,30 @@ def test_the_triton_loss_pairs_only_chunks_of_the_same_rows(monkeypatch):
     assert errors[0] <= 1.5 * errors[1], errors
 
 
+def test_the_triton_loss_pairs_only_where_its_product_rows_pairs_fit(monkeypatch):
+    """A paired 7-row plan on padded sequences of 20 tokens: every chunk is one sequence, 20 rows, whose
+    pairs would hold 9172 bytes beyond the 6360 of a 100% budget (one unpaired chunk: 6012): unpaired."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    monkeypatch.setattr(gemm_head, "head_plan", lambda *a, **k: plan.HeadPlan(7, 2, True))
+    assert plan.pair_fits(3 * 20, 13, 53, 7) and not plan.pair_fits(3 * 20, 13, 53, 20)
+    products, addmm = [], gemm_head._addmm_
+    x = make_inputs(31, dtype=torch.bfloat16, dims=(3, 20, 53, 13))
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    loss, _ = packed_call(x, None, "vanilla", "token-mean", "triton")
+    torch.autograd.grad(loss, leaves(x))
+    assert products == [20, 20, 20]
+
+
 # Packed sequences (cu_seqlens): odd lengths, an empty one and a single token, 7 tokens at most (make_inputs' T).
 PACKED_LENGTHS = [7, 0, 1, 5, 7, 2, 3]
 PACKED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
