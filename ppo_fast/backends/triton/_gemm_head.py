@@ -14,12 +14,14 @@ default):
   backward, which first recomputes ``x``), ``_head_grad_kernel`` reads ``x`` again and writes
   ``d_logits`` (the gradient w.r.t. the raw logits, times ``scale / T`` and a power of two, see
   below) over it, in the products' dtype: for 16-bit inputs into the first half of each float32
-  row (row stride ``2 V``), so no second buffer exists;
+  row (row stride ``2 V``), so no second buffer exists (but a pair's first chunk's, below);
 - ``d_hidden[rows] = d_logits @ weight`` and ``d_weight += d_logits.T @ hidden[rows]`` (cuBLAS, both
   summed in float32: ``d_weight`` over the chunks either in a float32 accumulator ``[V, H]`` rounded to
   the inputs' dtype once at the end, or, for bf16 where the budget does not hold that accumulator, in
   the bf16 gradient itself, each chunk's float32 product added to it and rounded once: one bf16
-  rounding of the running sum a chunk, bounded against float64 in the tests).
+  rounding of the running sum a chunk, bounded against float64 in the tests); where the loss's plan
+  pairs its chunks (``HeadPlan.pair``, bf16), one ``d_weight`` product of two chunks' rows
+  (``Gradients``).
 
 float16's ``d_logits``: an unscaled token-mean gradient (1e-7 a token) times ``p`` falls below
 float16's normal range, where it keeps few bits.  The kernel multiplies each chunk's ``d_logits`` by
