@@ -31,8 +31,8 @@ callers' ``budget`` argument) bounds what a call holds beyond its inputs, output
   loss pairs its chunks (``HeadPlan.pair``) where the pairs fit the budget and the roofline at the
   ridge predicts them faster: the first chunk's ``d_logits`` kept in a bf16 ``[rows, V]`` buffer, the
   second's written into the first halves of its float32 rows and the first's copied into the second
-  halves, so the buffer is the pair's ``[2 rows, V]`` d_logits (rows interleaved) and one product of
-  ``2 rows`` adds it to ``d_weight`` (an odd last chunk alone, unpaired).  At 16384 x 4096 x 151936:
+  halves, so those rows hold the pair's ``[2 rows, V]`` d_logits (rows interleaved) and one product of
+  ``2 rows`` adds them to ``d_weight`` (an odd last chunk its own product).  At 16384 x 4096 x 151936:
   256-row chunks paired (4.9%) rather than 384 unpaired.
 - ``d_weight``'s accumulator: float32 where the budget holds its ``V H (4 - itemsize)`` extra bytes
   beside the chunk, with chunks of at least ``F32_ACC_MIN_ROWS`` (a chunk's ``d_weight`` product reads
@@ -126,7 +126,7 @@ def _paired_gradient(i: int, count: int, c: int, m: int, h: int, v: int, *, s: i
     """Chunk ``i`` of ``count`` in a paired plan: its row kernel and ``d_hidden`` product; the second of a
     pair also the first's ``d_logits`` (``P``, ``[m, V]``) copied into the second halves of its float32
     rows, the pair's ``2 m`` padded hidden rows interleaved, and one ``d_weight`` product of ``2 m`` rows.
-    The last of an odd count is an unpaired chunk."""
+    The last of an odd count adds its own product (from its buffer): an unpaired chunk's phases."""
     own = _gradient_chunk(c, m, h, v, s, acc)
     if i % 2 == 0:
         return own if i == count - 1 else own[:2]
