@@ -8,12 +8,12 @@ MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
 - ``gemm``: the GEMM-first head as the kernels run it (``ppo_fast/backends/_head_plan.py``: the phases,
   and the plan, chunk rows and ``d_weight``'s accumulator, that ``plan`` chooses within the default
   memory budget, 5% of the logits' bytes): ``linear_token_logprobs`` with 8 N H V FLOPs,
-  ``linear_policy_loss`` in one pass with 6 N H V;
+  ``linear_policy_loss`` in one pass with 6 N H V (its chunks paired where the plan pairs them);
   the loss's per-token terms are the fused kernel of every mode (vanilla, sapo, cispo, gpg, dppo_tv,
   dppo_kl, dro, and the sequence-level gspo and geo_mean: one launch a chunk);
-- ``gemm-generic``: the loss as ``gemm`` for float64 inputs, whose per-token terms are the reference's
-  function under autograd (``_head_plan.TERMS_LAUNCHES``: its kernels a chunk with a KL term, as counted
-  on CPU);
+- ``gemm-generic``: the loss as ``gemm`` for float64 inputs (unpaired: float64 never pairs), whose
+  per-token terms are the reference's function under autograd (``_head_plan.TERMS_LAUNCHES``: its
+  kernels a chunk with a KL term, as counted on CPU);
 - ``gemm-2048``: the same phases with ``WIDE``'s plan (2048-row chunks, a float32 ``d_weight``
   accumulator), what a budget of about 50% of the logits buys, for comparison;
 - ``gemm-2d``: ``linear_token_logprobs`` in the 2-D plan (``_head_plan.block_plan``: fixed blocks of
@@ -107,7 +107,8 @@ def design_plan(design: str, kind: str, n: int, h: int, v: int) -> HeadPlan:
     """The chunk rows and accumulator of ``design`` for a call of ``kind`` (bf16)."""
     if design == "gemm-2048":
         return WIDE
-    return plan("logprobs" if kind.startswith("logprobs") else "loss", n, h, v)
+    # gemm-generic: float64 inputs' terms, whose chunks never pair (a bf16 accumulator's design)
+    return plan("logprobs" if kind.startswith("logprobs") else "loss", n, h, v, paired=design != "gemm-generic")
 
 
 def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase]:
@@ -167,8 +168,8 @@ def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
             label = f"{chosen.rows} rows x {chosen.cols} columns"
         else:
             chosen = design_plan(design, kind, n, h, v)
-            memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc) / (n * v * 2)
-            label = f"{chosen.rows} rows"
+            memory = extra_memory(kind, n, h, v, rows=chosen.rows, acc=chosen.acc, pair=chosen.pair) / (n * v * 2)
+            label = f"{chosen.rows} rows{' paired' if chosen.pair else ''}"
         out[f"{call} extra memory / logits' bytes"] = {
             "ratio": memory,
             "bound": 0.05,
@@ -277,7 +278,9 @@ The plan (`ppo_fast/backends/_head_plan.py`) keeps a call's extra memory within 
 chunks of 384 rows (a row's results must not depend on its batch) where truncated, otherwise in the
 2-D plan (`block_plan`: fixed blocks of 512 rows by fixed vocabulary slices, each row's statistics
 folded slice by slice, so `weight` and `d_weight` are read once a block), `linear_policy_loss` in the
-largest chunk of 384-2048 rows the budget holds; `d_weight` in a float32 accumulator where the budget
+largest chunk of 384-2048 rows the budget holds, or, where that chunk's bf16 `d_weight` product is
+memory-bound on an H100 (below 460 rows), in pairs of smaller chunks with one `d_weight` product a pair
+where they fit and are predicted faster; `d_weight` in a float32 accumulator where the budget
 holds it with chunks of 1024 rows or more, otherwise (bf16) in the gradient itself, one bf16 rounding
 of the running sum a chunk (bounded against float64 in the tests).
 
@@ -289,17 +292,22 @@ All shapes, both GPUs, every phase and the 2048-row, float32-accumulator plan be
 """.split("\n")
 _PROSE_BOTTOM = """\
 
-At 16384 x 4096 x 151936 the budget's plan (384 rows, bf16 `d_weight`) meets the memory goal (4.9% for
-both calls, against 51% with 2048 rows and a float32 accumulator) and the log-probs' goals on an H200
-(1.09x, 1.41x); the loss (every mode: vanilla, sapo, cispo, gpg, dppo_tv, dppo_kl, dro, and in the
-padded layout the sequence-level gspo and geo_mean, their per-token terms one fused launch a chunk) is
-predicted at 1.09x (H200) and 1.20x (H100) against 1.09x / 1.13x with the 2048-row plan.  Only float64
-inputs compute the terms with the reference's function under autograd, 249 small kernels a chunk with
-a KL term (counted on CPU, `_head_plan.TERMS_LAUNCHES`): 1.58x / 1.70x at 43 chunks.  What limits
-the loss on an H100: each chunk's `d_weight` product reads and writes the whole `V x H`
-gradient (4 bytes a weight in bf16) for `2 x 384` FLOPs a weight, memory-bound on both GPUs below
-about 320 (H200) / 460 (H100) rows; 384 rows is the largest chunk whose float32 logits fit 5% at
-16384 rows.  A caller with memory to spare raises the budget: 0.3 buys 2048-row chunks (1.09x /
+At 16384 x 4096 x 151936 the budget's plans (the loss's 256 rows paired, the log-probs' 384 rows, bf16
+`d_weight`) meet the memory goal (4.9% for both calls, against 51% with 2048 rows and a float32
+accumulator) and the log-probs' goals on an H200 (1.09x, 1.41x); the loss (every mode: vanilla, sapo,
+cispo, gpg, dppo_tv, dppo_kl, dro, and in the padded layout the sequence-level gspo and geo_mean, their
+per-token terms one fused launch a chunk), in pairs of 256-row chunks, is predicted at 1.09x (H200) and
+1.14x (H100), against 1.09x / 1.20x in 384-row chunks unpaired and 1.09x / 1.13x with the 2048-row plan.
+Only float64 inputs compute the terms with the reference's function under autograd, 249 small kernels a
+chunk with a KL term (counted on CPU, `_head_plan.TERMS_LAUNCHES`): 1.58x / 1.70x at 43 chunks (float64
+never pairs).  Why pairs: a `d_weight` product reads and writes the whole `V x H` gradient (4 bytes a
+weight in bf16) for `2 x rows` FLOPs a weight, memory-bound below about 320 (H200) / 460 (H100) rows,
+and 384 rows is the largest chunk whose float32 logits fit 5% at 16384 rows; a pair of 256-row chunks
+(the first's bf16 `d_logits` held beside the second's float32 logits, 4.9% in all) makes one product of
+512 rows, for a copy of those `d_logits` into the second's rows.  On an H200, where 384 rows are
+compute-bound already, the pairs are predicted 0.6% slower (1.093x against 1.086x); at H=896 they are
+predicted slower on both GPUs (products and row kernels memory-bound at either size), so the plan keeps
+384 rows there.  A caller with memory to spare raises the budget: 0.3 buys 2048-row chunks (1.09x /
 1.13x), 0.6 a float32 accumulator too.  At H=896 every speed goal is missed by any plan (1.36x the
 log-probs forward, 1.3-1.5x the loss): each logit costs 2 x 896 FLOPs but 8 bytes of float32 traffic
 forward (written by the product, read by the row kernel) and 12 more backward, so the row kernels'

@@ -306,6 +306,131 @@ def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, budget, 
     assert seen == {"rows": {rows}, "narrow": {narrow}}
 
 
+# Five chunks of 7 tokens both ways (two pairs and one alone): 5 sequences of 7 padded, 33 tokens packed.
+PAIRED_LENGTHS = [7, 0, 6, 5, 7, 2, 6]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_triton_loss_pairs_its_chunks_d_weight_products(monkeypatch, packed):
+    """A paired plan (``HeadPlan.pair``, forced small: 7-row chunks, bf16, the ridge at 14 rows, 100% budget):
+    one d_weight product of 14 rows a pair and one of 7 for the odd fifth chunk; against the unpaired plan
+    of the same chunks the loss, stats, d_hidden and d_bias are bitwise equal (only d_weight's summation
+    order differs), and all of them (d_weight too) equal float64's within bf16's tolerance, d_weight's error
+    no larger than the unpaired plan's.  Ignored labels, masked tokens and an empty sequence included."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    for name, value in (("MIN_ROWS", 7), ("MAX_ROWS", 35), ("ROW_STEP", 7), ("F32_ACC_MIN_ROWS", 35)):
+        monkeypatch.setattr(plan, name, value)
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    x = make_inputs(23, dtype=torch.bfloat16, dims=(7 if packed else 5, 7, 53, 13), weighted=True)
+    valid = None
+    if packed:
+        valid = torch.arange(7)[None, :] < torch.tensor(PAIRED_LENGTHS)[:, None]
+        x["mask"] = x["mask"] & valid
+    products, addmm = [], gemm_head._addmm_
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:  # d_weight's products: their rows
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    def result(x, backend="triton"):
+        loss, stats = packed_call(x, valid, "vanilla", "token-mean", backend)
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    monkeypatch.setattr(plan, "RIDGE_FLOPS_PER_BYTE", 7.0)  # a bf16 d_weight product below 14 rows: pairs
+    got = result(x)
+    assert products == [14, 14, 7]
+    monkeypatch.setattr(plan, "RIDGE_FLOPS_PER_BYTE", 3.5)  # 7 rows reach the ridge: unpaired
+    products.clear()
+    unpaired = result(x)
+    assert products == [7] * 5
+    (loss, stats, grads), (want_loss, want_stats, want_grads) = got, unpaired
+    assert torch.equal(loss, want_loss) and stats.keys() == want_stats.keys()
+    assert all(torch.equal(stats[k], want_stats[k]) for k in stats)
+    assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[2], want_grads[2])  # d_hidden, d_bias
+    assert not torch.equal(grads[1], want_grads[1])  # d_weight: summed in another order
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    oracle = result(wide, "reference")
+    assert_result_close(got, oracle, TOLERANCE[torch.bfloat16], "paired vs float64")
+    assert_result_close(unpaired, oracle, TOLERANCE[torch.bfloat16], "unpaired vs float64")
+    # d_weight's error against float64 as a whole: the pairs' bf16 roundings (three sums rounded, not five)
+    # no worse than the unpaired plan's, where a chunk's product lost or misplaced is many times it
+    errors = [float((r[2][1].double() - oracle[2][1]).norm()) for r in (got, unpaired)]
+    assert errors[0] <= 1.5 * errors[1], errors
+
+
+def test_the_triton_loss_pairs_only_chunks_of_the_same_rows(monkeypatch):
+    """GSPO on packed sequences (bf16, chunks of whole sequences, 7-row plan paired): chunks of 6, 5 (padded
+    to 6), 17, 9 and 20 rows; the first two pair (one product of 12 rows), the 17- and 9-row chunks, whose
+    padded rows differ, add a product each, the last alone; the loss, stats, d_hidden and d_bias bitwise
+    the unpaired plan's and d_weight's error against float64 no larger than the unpaired plan's."""
+    if "triton" not in serving("linear_policy_loss_gspo", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    x = make_inputs(29, dtype=torch.bfloat16, dims=(8, 20, 53, 13), weighted=True)
+    valid = torch.arange(20)[None, :] < torch.tensor([5, 1, 3, 2, 17, 9, 20, 0])[:, None]
+    x["mask"] = x["mask"] & valid
+    products, addmm = [], gemm_head._addmm_
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    def result(x, pair, backend="triton"):
+        monkeypatch.setattr(gemm_head, "head_plan", lambda *a, **k: plan.HeadPlan(7, 2, pair))
+        products.clear()
+        loss, stats = packed_call(x, valid, "gspo", "seq-mean-token-mean", backend)
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    got = result(x, True)
+    assert products == [12, 17, 9, 20]
+    unpaired = result(x, False)
+    assert products == [6, 6, 17, 9, 20]
+    assert torch.equal(got[0], unpaired[0]) and all(torch.equal(got[1][k], unpaired[1][k]) for k in got[1])
+    assert torch.equal(got[2][0], unpaired[2][0]) and torch.equal(got[2][2], unpaired[2][2])
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    oracle = result(wide, False, "reference")
+    assert_result_close(got, oracle, TOLERANCE[torch.bfloat16], "paired vs float64")
+    errors = [float((r[2][1].double() - oracle[2][1]).norm()) for r in (got, unpaired)]
+    assert errors[0] <= 1.5 * errors[1], errors
+
+
+def test_the_triton_loss_pairs_only_where_its_product_rows_pairs_fit(monkeypatch):
+    """A paired 7-row plan on padded sequences of 20 tokens: every chunk is one sequence, 20 rows, whose
+    pairs would hold 9172 bytes beyond the 6360 of a 100% budget (one unpaired chunk: 6012): unpaired."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    monkeypatch.setattr(gemm_head, "head_plan", lambda *a, **k: plan.HeadPlan(7, 2, True))
+    assert plan.pair_fits(3 * 20, 13, 53, 7) and not plan.pair_fits(3 * 20, 13, 53, 20)
+    products, addmm = [], gemm_head._addmm_
+    x = make_inputs(31, dtype=torch.bfloat16, dims=(3, 20, 53, 13))
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    loss, _ = packed_call(x, None, "vanilla", "token-mean", "triton")
+    torch.autograd.grad(loss, leaves(x))
+    assert products == [20, 20, 20]
+
+
 # Packed sequences (cu_seqlens): odd lengths, an empty one and a single token, 7 tokens at most (make_inputs' T).
 PACKED_LENGTHS = [7, 0, 1, 5, 7, 2, 3]
 PACKED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -25,10 +25,15 @@ callers' ``budget`` argument) bounds what a call holds beyond its inputs, output
   at ``GOAL_ROWS``.  Costs: the last block's padding (up to ``rows - 1`` rows), ``hidden`` read once a
   slice, 16 bytes a row of running state a slice.  ``bench head_model`` predicts it beside the row plan.
 - ``linear_policy_loss`` aggregates over its batch (no row result to keep invariant): its chunk is the
-  largest multiple of ``ROW_STEP`` rows in ``[MIN_ROWS, MAX_ROWS]`` that the budget holds.  Below 384
-  rows the ``d_weight`` product's fixed traffic (its accumulator read and written a chunk) dominates:
-  the model predicts the loss at 1.29x (H200) / 1.51x (H100) the linear layer with 256 rows against
-  1.16x / 1.28x with 384.
+  largest multiple of ``ROW_STEP`` rows in ``[MIN_ROWS, MAX_ROWS]`` that the budget holds.  A chunk's
+  ``d_weight`` product reads and writes the whole accumulator; a bf16 one (4 bytes a weight for
+  ``2 * rows`` FLOPs) is memory-bound below ``2 * RIDGE_FLOPS_PER_BYTE`` rows (460).  Below that the
+  loss pairs its chunks (``HeadPlan.pair``) where the pairs fit the budget and the roofline at the
+  ridge predicts them faster: the first chunk's ``d_logits`` kept in a bf16 ``[rows, V]`` buffer, the
+  second's written into the first halves of its float32 rows and the first's copied into the second
+  halves, so those rows hold the pair's ``[2 rows, V]`` d_logits (rows interleaved) and one product of
+  ``2 rows`` adds them to ``d_weight`` (an odd last chunk its own product).  At 16384 x 4096 x 151936:
+  256-row chunks paired (4.9%) rather than 384 unpaired.
 - ``d_weight``'s accumulator: float32 where the budget holds its ``V H (4 - itemsize)`` extra bytes
   beside the chunk, with chunks of at least ``F32_ACC_MIN_ROWS`` (a chunk's ``d_weight`` product reads
   and writes the float32 accumulator, 8 bytes a weight for ``2 * rows`` FLOPs, and is memory-bound
@@ -64,11 +69,13 @@ _F32 = 4
 
 
 class HeadPlan(NamedTuple):
-    """A call's plan: ``rows`` a chunk (every product's rows) and ``acc``, the bytes a weight of
-    ``d_weight``'s accumulator (4: float32; the inputs' itemsize: the gradient itself)."""
+    """A call's plan: ``rows`` a chunk (every product's rows), ``acc``, the bytes a weight of
+    ``d_weight``'s accumulator (4: float32; the inputs' itemsize: the gradient itself), and ``pair``:
+    the loss's chunks taken two at a time, one ``d_weight`` product of ``2 rows`` a pair."""
 
     rows: int
     acc: int
+    pair: bool = False
 
 
 class Phase(NamedTuple):
@@ -115,6 +122,22 @@ def _gradient_chunk(c: int, m: int, h: int, v: int, s: int, acc: int = _F32) -> 
     ]
 
 
+def _paired_gradient(i: int, count: int, c: int, m: int, h: int, v: int, *, s: int, acc: int) -> list[Phase]:
+    """Chunk ``i`` of ``count`` in a paired plan: its row kernel and ``d_hidden`` product; the second of a
+    pair also the first's ``d_logits`` (``P``, ``[m, V]``) copied into the second halves of its float32
+    rows, the pair's ``2 m`` padded hidden rows interleaved, and one ``d_weight`` product of ``2 m`` rows.
+    The last of an odd count adds its own product (from its buffer): an unpaired chunk's phases."""
+    own = _gradient_chunk(c, m, h, v, s, acc)
+    if i % 2 == 0:
+        return own if i == count - 1 else own[:2]
+    copy = m * v * 2 * s + 2 * (2 * m * h * s)  # P read and written; each chunk's hidden rows read and written
+    return [
+        *own[:2],
+        Phase("pair: the first's d_logits into the row halves, hidden rows interleaved", 0.0, copy, 3),
+        _gradient_chunk(c, 2 * m, h, v, s, acc)[2],
+    ]
+
+
 def _add_phases(out: dict, ps) -> None:
     """Add each phase of ``ps`` into ``out`` by name (a phase of the same name repeated: its sums)."""
     for p in ps:
@@ -132,6 +155,7 @@ def phases(
     rows: int = CHUNK_ROWS,
     acc: int = _F32,
     terms: str = "fused",
+    pair: bool = False,
 ) -> list[Phase]:
     """The phases of one call, summed over its chunks.  ``kind``:
 
@@ -145,7 +169,7 @@ def phases(
     ``acc``: the bytes of d_weight's accumulator a weight (4: float32, what the kernels do; 2: the
     inputs' bf16, rounded once per chunk, a design the model weighs).  ``terms``: the loss's per-token
     path, a key of ``TERMS_LAUNCHES`` ("fused": every mode with inputs of at most 32 bits; "generic" or
-    "generic, KL": float64 inputs).
+    "generic, KL": float64 inputs).  ``pair``: the loss's chunks in pairs (``_paired_gradient``).
     """
     s = itemsize
     chunks = row_chunks(n, rows)
@@ -166,7 +190,7 @@ def phases(
             add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
         if kind == "loss_fwd":
             add([Phase("per-token terms: normalisers and totals", 0.0, 0.0, TERMS_CALL_LAUNCHES[terms])])
-        for start, stop in chunks:
+        for i, (start, stop) in enumerate(chunks):
             c = stop - start
             fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
             add(fwd if kind != "logprobs_bwd" else fwd[:1])  # the backward recomputes the logits alone
@@ -181,7 +205,9 @@ def phases(
                         )
                     ]
                 )
-            if kind != "logprobs_fwd":
+            if kind == "loss_fwd" and pair:
+                add(_paired_gradient(i, len(chunks), c, rows, h, v, s=s, acc=acc))
+            elif kind != "logprobs_fwd":
                 add(_gradient_chunk(c, rows, h, v, s, acc))
         if kind != "logprobs_fwd":
             if acc != s:
@@ -196,13 +222,22 @@ def phases(
 
 
 def extra_memory(
-    kind: str, n: int, h: int, v: int, *, itemsize: int = 2, rows: int = CHUNK_ROWS, acc: int = _F32
+    kind: str,
+    n: int,
+    h: int,
+    v: int,
+    *,
+    itemsize: int = 2,
+    rows: int = CHUNK_ROWS,
+    acc: int = _F32,
+    pair: bool = False,
 ) -> float:
     """Bytes a call holds beyond its inputs, outputs and the gradients it returns: one chunk's float32
     logits (d_logits is written into them) and padded hidden states, and with a gradient the chunk's
     float32 ``d_hidden`` rows, ``d_bias``'s float32 accumulator and ``d_weight``'s accumulator less the
-    ``itemsize`` gradient it becomes.  A log-probs chunk is padded to ``rows``; the loss's first chunk
-    sets its products' rows (``min(n, rows)``)."""
+    ``itemsize`` gradient it becomes; ``pair`` (the loss): also a pair's first ``d_logits`` ``[m, V]``
+    and its ``[2 m, H]`` interleaved hidden rows.  A log-probs chunk is padded to ``rows``; the loss's
+    first chunk sets its products' rows (``min(n, rows)``)."""
     if kind.startswith("linear"):
         return 0.0
     wide = max(_F32, itemsize)  # the logits' dtype: float32, float64 for float64 inputs
@@ -210,7 +245,17 @@ def extra_memory(
     held = m * v * wide + m * h * itemsize
     if kind in ("logprobs_bwd", "loss_fwd"):
         held += m * h * wide + v * wide + v * h * max(0, acc - itemsize)
+    if pair and kind == "loss_fwd":
+        held += m * v * itemsize + 2 * m * h * itemsize
     return float(held)
+
+
+def pair_fits(n: int, h: int, v: int, rows: int, *, itemsize: int = 2, budget: float | None = None) -> bool:
+    """Whether a paired loss whose products have ``rows`` rows (a padded call's whole sequences may take
+    more than its plan's) holds within ``budget`` (``MEMORY_BUDGET`` by default) with a narrow accumulator."""
+    budget = MEMORY_BUDGET if budget is None else budget
+    held = extra_memory("loss_fwd", n, h, v, itemsize=itemsize, rows=rows, acc=itemsize, pair=True)
+    return held <= budget * n * v * itemsize
 
 
 def plan(
@@ -223,6 +268,7 @@ def plan(
     budget: float | None = None,
     narrow: bool = True,
     bounds: tuple[int, int, int, int] | None = None,
+    paired: bool = True,
 ) -> HeadPlan:
     """The plan of a call of ``kind`` (``"logprobs"`` or ``"loss"``) within ``budget`` (a fraction of the
     logits' bytes ``n v itemsize``; ``MEMORY_BUDGET`` by default).  ``narrow``: whether ``d_weight`` may
@@ -246,12 +292,39 @@ def plan(
 
     # log-probs: fixed rows, a row's results must not depend on its batch
     candidates = [fixed] if kind == "logprobs" else sorted({lo, hi, *range(-(-lo // step) * step, hi + 1, step)})[::-1]
+    chosen = HeadPlan(fixed if kind == "logprobs" else lo, accs[-1])
     for acc in accs:
         floor = min(F32_ACC_MIN_ROWS, hi) if acc > itemsize and len(accs) > 1 else 0
         rows = next((r for r in candidates if r >= floor and fits(r, acc)), None)
         if rows is not None:
-            return HeadPlan(rows, acc)
-    return HeadPlan(fixed if kind == "logprobs" else lo, accs[-1])
+            chosen = HeadPlan(rows, acc)
+            break
+    if kind == "logprobs" or not paired or chosen.acc != itemsize or itemsize == wide:
+        return chosen
+    return _paired(chosen, n, h, v, itemsize=itemsize, budget=budget, rows=range(hi // step * step, 0, -step))
+
+
+def _paired(chosen: HeadPlan, n: int, h: int, v: int, *, itemsize: int, budget: float, rows: range) -> HeadPlan:
+    """``chosen`` (the loss's unpaired plan, a narrow accumulator) or, where its ``d_weight`` product is
+    below the ridge (``itemsize * RIDGE_FLOPS_PER_BYTE`` rows), a paired plan: the largest of ``rows``
+    (at least half the ridge's rows) whose pairs fit ``budget``, taken only where its phases are
+    faster on the ridge's roofline than ``chosen``'s (at H = 896 the products and row kernels are
+    memory-bound at either size, and the pair's copy and smaller chunks cost more)."""
+    ridge = itemsize * RIDGE_FLOPS_PER_BYTE
+    if chosen.rows >= ridge:
+        return chosen
+    fit = (r for r in rows if 2 * r >= ridge and pair_fits(n, h, v, r, itemsize=itemsize, budget=budget))
+    found = next(fit, None)
+    if found is None:
+        return chosen
+    pair = HeadPlan(found, chosen.acc, True)
+    cost = {p: _roofline(phases("loss_fwd", n, h, v, itemsize=itemsize, **p._asdict())) for p in (chosen, pair)}
+    return pair if cost[pair] < cost[chosen] else chosen
+
+
+def _roofline(ps: list[Phase]) -> float:
+    """The phases' time in FLOPs at the ridge: ``max(FLOPs, bytes * RIDGE_FLOPS_PER_BYTE)`` summed."""
+    return sum(max(p.flops, p.bytes * RIDGE_FLOPS_PER_BYTE) for p in ps)
 
 
 class BlockPlan(NamedTuple):

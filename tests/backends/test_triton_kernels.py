@@ -831,6 +831,22 @@ def test_gemm_head_bf16_d_weight_accumulator_error_is_bounded_against_float64(mo
     assert not torch.equal(narrow, wide)  # the two accumulators round differently: both paths ran
 
 
+def test_gemm_head_paired_gradients_refuse_a_wide_accumulator_and_a_wrong_buffer():
+    """Pairs are for the bf16 gradient as accumulator; ``chunk_gradient``'s ``out`` must be the chunk's padded
+    ``[rows, V]`` in the inputs' dtype: otherwise a clear error naming the argument."""
+    hidden, weight = torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(5, 3, dtype=torch.bfloat16)
+    dtypes = (torch.bfloat16,) * 3
+    with pytest.raises(ValueError, match="pair"):
+        gemm_head.Gradients(hidden, weight, None, (True, True, False), dtypes, pair=True)
+    labels = torch.tensor([0, 1, IGNORE, 4])
+    c = gemm_head.constants(1.0, 1.0, None)
+    chunk = gemm_head.chunk_logits(hidden, weight, None, labels, c, ignore_index=IGNORE, form=False, rows=6)
+    stats = torch.zeros(4, 2)
+    for bad in (torch.empty(4, 5, dtype=torch.bfloat16), torch.empty(6, 5)):
+        with pytest.raises(ValueError, match="out must be"):
+            gemm_head.chunk_gradient(chunk, None, c, IGNORE, (stats, None, None), (torch.ones(4), None), out=bad)
+
+
 @pytest.mark.xfail(
     strict=True, reason="open: the fused head's entropy gradient of a near-certain row (found by the fuzzer)"
 )

@@ -14,12 +14,14 @@ default):
   backward, which first recomputes ``x``), ``_head_grad_kernel`` reads ``x`` again and writes
   ``d_logits`` (the gradient w.r.t. the raw logits, times ``scale / T`` and a power of two, see
   below) over it, in the products' dtype: for 16-bit inputs into the first half of each float32
-  row (row stride ``2 V``), so no second buffer exists;
+  row (row stride ``2 V``), so no second buffer exists (but a pair's first chunk's, below);
 - ``d_hidden[rows] = d_logits @ weight`` and ``d_weight += d_logits.T @ hidden[rows]`` (cuBLAS, both
   summed in float32: ``d_weight`` over the chunks either in a float32 accumulator ``[V, H]`` rounded to
   the inputs' dtype once at the end, or, for bf16 where the budget does not hold that accumulator, in
   the bf16 gradient itself, each chunk's float32 product added to it and rounded once: one bf16
-  rounding of the running sum a chunk, bounded against float64 in the tests).
+  rounding of the running sum a chunk, bounded against float64 in the tests); where the loss's plan
+  pairs its chunks (``HeadPlan.pair``, bf16), one ``d_weight`` product of two chunks' rows
+  (``Gradients``).
 
 float16's ``d_logits``: an unscaled token-mean gradient (1e-7 a token) times ``p`` falls below
 float16's normal range, where it keeps few bits.  The kernel multiplies each chunk's ``d_logits`` by
@@ -470,21 +472,27 @@ def power_of_two(dtype: torch.dtype, used, grads, factor: float, vocab: int):
     return torch.exp2(k), torch.exp2(-k)
 
 
-def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads, *, part=None):
-    """The chunk's ``d_logits`` in the products' dtype (the inputs'), written over its logits, with the
-    power of two it carries: ``(d_logits [rows, V] with zero padding rows, power, inverse) (None, None
-    but for float16)``.  ``saved = (stats, entropy,
-    tau)`` of the rows; ``grads = (grad_logp, grad_entropy)``, either None.  ``part``: a vocabulary slice
-    of the 2-D plan, ``(vocab, col0, (power, inverse))`` (the block's power of two, ``bias`` the slice's)."""
+def chunk_gradient(chunk: Chunk, bias, c: Constants, ignore_index: int, saved, grads, *, part=None, out=None):
+    """The chunk's ``d_logits`` in the products' dtype (the inputs'), written over its logits (or into
+    ``out``, a separate ``[padded rows, V]`` buffer of that dtype), with the power of two it carries:
+    ``(d_logits [rows, V] with zero padding rows, power, inverse) (None, None but for float16)``.
+    ``saved = (stats, entropy, tau)`` of the rows; ``grads = (grad_logp, grad_entropy)``, either None.
+    ``part``: a vocabulary slice of the 2-D plan, ``(vocab, col0, (power, inverse))`` (the block's power
+    of two, ``bias`` the slice's)."""
     stats, entropy, tau = saved
     grad_logp, grad_entropy = grads
     x = chunk.logits
     rows, width = x.shape
     dtype = chunk.hidden.dtype
     full = chunk.logits_full
-    dz_full = (
-        full if dtype == full.dtype else full.view(dtype)[:, :width]
-    )  # a 16-bit row in its float32 row's first half
+    if out is not None:
+        if out.shape != (full.shape[0], width) or out.dtype != dtype:
+            raise ValueError(
+                f"out must be {dtype} of shape {(full.shape[0], width)}, got {out.dtype} {tuple(out.shape)}"
+            )
+        dz_full = out
+    else:  # a 16-bit row in its float32 row's first half
+        dz_full = full if dtype == full.dtype else full.view(dtype)[:, :width]
     dz = dz_full[:rows]
     if part is None:
         vocab, col0 = width, 0
@@ -534,13 +542,23 @@ class Gradients:
     per chunk, ``d_bias`` in a float32 (float64) accumulator rounded once at the end, ``d_weight`` in one
     too or, with ``narrow`` (the plan's accumulator as narrow as the bf16 gradient), in the gradient.
     A float16 chunk's products carry its power of two: the accumulators are kept in the units of the
-    latest chunk's (rescaled by the ratio of two powers of two, exact) and divided by it at the end."""
+    latest chunk's (rescaled by the ratio of two powers of two, exact) and divided by it at the end.
 
-    def __init__(self, hidden, weight, bias, needs, dtypes, *, narrow: bool = False):
+    ``pair`` (narrow only, ``HeadPlan.pair``): the chunks in pairs, one ``d_weight`` product of twice a
+    chunk's rows a pair.  The first's d_logits go to their own buffer (``buffer``), its ``d_hidden`` and
+    ``d_bias`` at once, its padded hidden rows into the odd rows of the pair's ``[2 m, H]``; the second's
+    are written in place, into the first halves of its float32 rows, the first's copied into the second
+    halves, so that the rows seen as bf16 ``[2 m, V]`` are the pair's d_logits (rows interleaved: second,
+    first, second, ...) against the interleaved hidden rows.  A first chunk left without a second (an
+    odd count, or a second whose padded rows differ) adds its own product."""
+
+    def __init__(self, hidden, weight, bias, needs, dtypes, *, narrow: bool = False, pair: bool = False):
         n, width = hidden.shape
         acc = _acc_dtype(hidden.dtype)
         if narrow and dtypes[1] != torch.bfloat16:
             raise ValueError(f"a narrow d_weight accumulator is for bf16 gradients only, got {dtypes[1]}")
+        if pair and not narrow:
+            raise ValueError("pair: paired chunks are for a narrow (bf16) d_weight accumulator only")
         self.dtypes = dtypes
         self.d_hidden = hidden.new_empty((n, width), dtype=dtypes[0]) if needs[0] else None
         w_acc = dtypes[1] if narrow else acc
@@ -548,11 +566,45 @@ class Gradients:
         self.d_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if needs[2] else None
         self.weight = weight
         self.power = None
+        self.pair = pair and self.d_weight is not None
+        self.first = None  # a pair's first chunk, its d_weight product deferred: (d_logits, [2 m, H] hidden rows)
+        self.buffered = False  # the next chunk added is a pair's first (``buffer`` gave its d_logits' buffer)
+
+    def buffer(self, chunk: Chunk):
+        """Where the chunk's d_logits go (``chunk_gradient``'s ``out``): a buffer of their own for a pair's
+        first chunk, None (in place) otherwise.  The next ``add`` is this chunk's."""
+        self.buffered = self.pair and self.first is None
+        if not self.buffered:
+            return None
+        return torch.empty(chunk.logits_full.shape, dtype=chunk.hidden.dtype, device=chunk.logits.device)
 
     def add(self, rows: slice, chunk: Chunk, dz: torch.Tensor, power, inverse) -> None:
         """``dz``: the chunk's d_logits with its padding rows (zeros), as ``chunk_gradient`` returns them."""
         self.rescale(power, inverse)
-        self.rows_done(rows, chunk.used, self.add_slice(slice(None), chunk, dz, None), inverse)
+        paired = self.pair and (self.buffered or self.first is not None)
+        d_rows = self.add_slice(slice(None), chunk, dz, None, d_weight=not paired)
+        if self.buffered:
+            h_full = chunk.hidden_full
+            pair_rows = h_full.new_empty((2 * h_full.shape[0], h_full.shape[1]))
+            pair_rows[1::2] = h_full
+            self.first, self.buffered = (dz, pair_rows), False
+        elif paired:
+            self._add_pair(chunk, dz)
+        self.rows_done(rows, chunk.used, d_rows, inverse)
+
+    def _add_pair(self, chunk: Chunk, dz: torch.Tensor) -> None:
+        """The pair's ``d_weight`` product: the second chunk's ``dz`` (in place, the first halves of its
+        float32 rows) and the first's buffered d_logits in the second halves, one product of ``2 m`` rows."""
+        (first, pair_rows), self.first = self.first, None
+        full = chunk.logits_full
+        if first.shape != dz.shape:  # whole sequences of another length: each its own product
+            _addmm_(self.d_weight, first.T, pair_rows[1::2])
+            _addmm_(self.d_weight, dz.T, chunk.hidden_full)
+            return
+        halves = full.view(dz.dtype)  # [m, 2 V]: the row's dz, then the first chunk's row's
+        halves[:, dz.shape[1] :] = first
+        pair_rows[0::2] = chunk.hidden_full
+        _addmm_(self.d_weight, halves.view(2 * dz.shape[0], dz.shape[1]).T, pair_rows)
 
     def rescale(self, power, inverse) -> None:
         """A new chunk (block) of rows whose d_logits carry ``power``: the accumulators to its units."""
@@ -562,16 +614,17 @@ class Gradients:
                     acc.mul_(power * self.power)  # power / previous power, exact
         self.power = inverse
 
-    def add_slice(self, cols: slice, chunk: Chunk, dz: torch.Tensor, d_rows):
+    def add_slice(self, cols: slice, chunk: Chunk, dz: torch.Tensor, d_rows, *, d_weight: bool = True):
         """The products of ``dz`` (the chunk's d_logits on the vocabulary columns ``cols``, with its padding
-        rows): ``d_weight[cols]`` and ``d_bias[cols]`` added to, and the rows' ``d_hidden`` summed in
-        ``d_rows`` (float32 ``[rows, H]``, None before the first slice), which is returned."""
+        rows): ``d_weight[cols]`` (unless ``d_weight`` is False: a pair's) and ``d_bias[cols]`` added to,
+        and the rows' ``d_hidden`` summed in ``d_rows`` (float32 ``[rows, H]``, None before the first
+        slice), which is returned."""
         if self.d_hidden is not None:
             if d_rows is None:
                 d_rows = _mm(dz, self.weight[cols], _acc_dtype(dz.dtype))
             else:
                 _addmm_(d_rows, dz, self.weight[cols])
-        if self.d_weight is not None:
+        if self.d_weight is not None and d_weight:
             _addmm_(self.d_weight[cols], dz.T, chunk.hidden_full)
         if self.d_bias is not None:
             self.d_bias[cols] += dz.sum(0, dtype=self.d_bias.dtype)
@@ -588,6 +641,9 @@ class Gradients:
             self.d_hidden[rows] = d.masked_fill_(~used, 0.0)
 
     def finish(self) -> tuple:
+        if self.first is not None:  # an odd count's last chunk: its own product
+            (first, pair_rows), self.first = self.first, None
+            _addmm_(self.d_weight, first.T, pair_rows[1::2])
         out = [self.d_hidden]
         for acc, dtype in ((self.d_weight, self.dtypes[1]), (self.d_bias, self.dtypes[2])):
             if acc is not None and self.power is not None:

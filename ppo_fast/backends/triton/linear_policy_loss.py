@@ -13,10 +13,12 @@ token_logprobs' row kernels) runs instead."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...spec import POLICY_LOSS_MODES
-from .._head_plan import row_chunks, sequence_chunks
+from .._head_plan import pair_fits, row_chunks, sequence_chunks
 from .._one_pass import (
     Objective,
     PerToken,
@@ -84,6 +86,57 @@ def _token_chunks(batch: int, length: int, rows: int, packed: bool, bounds=None)
     return [(slice(b0 * length, b1 * length), slice(b0, b1)) for b0, b1 in sequence_chunks(max(batch, 1), length, rows)]
 
 
+class _Pass(NamedTuple):
+    """What every chunk of one ``gemm_one_pass`` call shares."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    c: gemm.Constants
+    head: object
+    truncation: object
+    objective: Objective
+    terms: Terms
+    fused: policy_terms.Batch | None  # the fused per-token terms, or None: the reference's under autograd
+    scales: object
+    grads: gemm.Gradients
+    any_grad: bool
+
+
+def _pass_chunk(call: _Pass, hidden_c, labels_c, x: PerToken, index, rows: int):
+    """One chunk (``index = (flat rows, [B, T] index)``) of the one pass: its logits by a product of ``rows``
+    rows, the rows' log-probs and entropy, the per-token terms and their gradient, and ``d_logits`` with
+    their products into ``call.grads``.  Returns the chunk's totals (None for the fused terms, which keep
+    theirs).  The chunk's logits are freed on return: one chunk alive at a time."""
+    rs, bs = index
+    c, head = call.c, call.head
+    chunk = gemm.chunk_logits(
+        hidden_c,
+        call.weight,
+        call.bias,
+        labels_c.reshape(-1),
+        c,
+        ignore_index=head.ignore_index,
+        form=call.truncation.active,
+        rows=rows,
+    )
+    tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, call.truncation) if call.truncation.active else None
+    logp, entropy, stats = _gemm_chunk(chunk, call.bias, c, head, tau)
+    shape, out = labels_c.shape, None
+    if call.fused is not None:
+        g_logp, g_entropy = call.fused.launch(logp, entropy, rs.start, shape)
+    else:
+        out, g_logp, g_entropy = _per_token_grads(
+            logp.view(shape), entropy.view(shape), x.rows(bs), call.objective, call.terms, call.scales
+        )
+    if call.any_grad:
+        flat_grads = (g_logp.reshape(-1), None if g_entropy is None else g_entropy.reshape(-1))
+        dz, power, inverse = gemm.chunk_gradient(
+            chunk, call.bias, c, head.ignore_index, (stats, entropy, tau), flat_grads, out=call.grads.buffer(chunk)
+        )
+        call.grads.add(rs, chunk, dz, power, inverse)
+    return out
+
+
 def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask, truncation):
     """``_one_pass.one_pass_on_rows``'s contract on the GEMM-first head (``rows`` unused unless the design
     is "tiles"): ``[loss, pg_loss, entropy, kl_loss, *mode stats, d_hidden, d_weight, d_bias]``."""
@@ -107,7 +160,12 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
     needs = (output_mask[0], output_mask[1], bias is not None and output_mask[2])
     dtypes = tuple(stored_dtype(t.dtype) for t in (hidden, weight, weight))
     memory_plan = gemm.head_plan("loss", flat, weight)  # the chunk's rows and d_weight's accumulator
-    grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4)
+    plan = _token_chunks(batch, length, memory_plan.rows, x.scale is not None, x.bounds)
+    product_rows = plan[0][0].stop - plan[0][0].start  # every chunk's product has the first's rows
+    # pairs where the plan's are and those rows' fit (a padded call's whole sequences may take more)
+    n, v = flat.shape[0], weight.shape[0]
+    pair = memory_plan.pair and pair_fits(n, width, v, product_rows, itemsize=flat.element_size())
+    grads = gemm.Gradients(flat, weight, bias, needs, dtypes, narrow=memory_plan.acc < 4, pair=pair)
     totals = None
     with device_guard(hidden):
         # the terms in one launch a chunk, the normalisers its own; float64: the reference's under autograd
@@ -117,34 +175,11 @@ def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective,
             else None
         )
         scales = None if fused is not None else loss_scales(x.mask, objective.agg, x.bounds)
-        plan = _token_chunks(batch, length, memory_plan.rows, x.scale is not None, x.bounds)
+        call = _Pass(weight, bias, c, head, truncation, objective, terms, fused, scales, grads, any(needs))
         for rs, bs in plan:
-            chunk = gemm.chunk_logits(
-                flat[rs],
-                weight,
-                bias,
-                labels[bs].reshape(-1),
-                c,
-                ignore_index=head.ignore_index,
-                form=truncation.active,
-                rows=plan[0][0].stop - plan[0][0].start,  # every chunk's product has the first's rows
-            )
-            tau = gemm.chunk_thresholds(chunk, c, head.ignore_index, truncation) if truncation.active else None
-            logp, entropy, stats = _gemm_chunk(chunk, bias, c, head, tau)
-            shape = labels[bs].shape
-            if fused is not None:
-                g_logp, g_entropy = fused.launch(logp, entropy, rs.start, shape)
-            else:
-                out, g_logp, g_entropy = _per_token_grads(
-                    logp.view(shape), entropy.view(shape), x.rows(bs), objective, terms, scales
-                )
+            out = _pass_chunk(call, flat[rs], labels[bs], x, (rs, bs), product_rows)
+            if out is not None:
                 totals = out if totals is None else [t + o for t, o in zip(totals, out)]
-            if any(needs):
-                flat_grads = (g_logp.reshape(-1), None if g_entropy is None else g_entropy.reshape(-1))
-                dz, power, inverse = gemm.chunk_gradient(
-                    chunk, bias, c, head.ignore_index, (stats, entropy, tau), flat_grads
-                )
-                grads.add(rs, chunk, dz, power, inverse)
         if fused is not None:
             totals = fused.results()
     d_hidden, d_weight, d_bias = grads.finish()
