@@ -9,7 +9,9 @@ V=151936, bf16, 30% of the log-probs' rows ignored).
   512 rows; 2048 rows and a float32 accumulator, the former plan), log-probs checked against the first;
 - ``loss``: ``pf.linear_policy_loss`` (vanilla, token-mean, clip 0.2) forward + backward under each
   budget of ``BUDGETS`` (``_head_plan.MEMORY_BUDGET``), the plan it chose, its loss and gradients
-  compared with the default budget's;
+  compared with the default budget's; then the same tokens packed (``cu_seqlens``) under the default
+  budget, whose token-slice chunks take the plan's paired chunks (the padded batch's chunks are whole
+  sequences, which at 512 tokens do not pair);
 - ``liger-grpo``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` on the same batch (``loss_type="bnpo"``, a
   token mean over the batch, ``beta=0``: the same loss), its loss and gradients compared with ours.
   Liger-Kernel is a CUDA package: elsewhere the row says it was skipped and why, never a number.
@@ -70,24 +72,33 @@ def loss_batch(rows: int, length: int, hidden: int, vocab: int, device: torch.de
     return x
 
 
-def _ours(x: dict):
+def _ours(x: dict, packed: bool = False):
+    """Our one pass on ``x``; ``packed``: the same tokens as one packed row (``cu_seqlens``), whose chunks
+    are token slices (the padded batch's are whole sequences: at 512 tokens too long for paired chunks)."""
+    batch, length = x["labels"].shape
+    flat = {k: x[k].reshape(batch * length, *x[k].shape[2:]) for k in ("hidden", "labels", "old", "adv", "mask")}
+    ends = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=x["labels"].device)
+    layout = {"cu_seqlens": ends, "max_seqlen": length} if packed else {}
+    y = flat if packed else x
+
     def run():
-        h, w = x["hidden"].detach().requires_grad_(), x["weight"].detach().requires_grad_()
+        h, w = y["hidden"].detach().requires_grad_(), x["weight"].detach().requires_grad_()
         with pf.use_backend("triton"):  # the GEMM-first one pass (auto's choice on CUDA)
             loss, _ = pf.linear_policy_loss(
                 h,
                 w,
-                x["labels"],
-                x["old"],
-                x["adv"],
-                x["mask"],
+                y["labels"],
+                y["old"],
+                y["adv"],
+                y["mask"],
                 loss_mode="vanilla",
                 agg="token-mean",
                 temperature=OPTIONS["temperature"],
                 clip_eps_low=CLIP,
+                **layout,
             )
         loss.backward()
-        return loss.detach(), h.grad, w.grad
+        return loss.detach(), h.grad.reshape(x["hidden"].shape), w.grad
 
     return run
 
@@ -143,14 +154,21 @@ def _budget(value):
 def measure_loss(x: dict, args, device, result: dict) -> None:
     """The one pass under each budget, then Liger's GRPO loss, into ``result["loss"]`` as they come."""
     want = None
-    for budget in BUDGETS:
+    for budget, packed in [(b, False) for b in BUDGETS] + [(None, True)]:
         with _budget(budget) as plan:
             from ppo_fast.backends.triton._gemm_head import head_plan
 
             chosen = head_plan("loss", x["hidden"].reshape(-1, x["hidden"].shape[-1]), x["weight"])
             row = {"impl": "ppo_fast one pass", "budget": plan.MEMORY_BUDGET, "plan": chosen._asdict()}
+            row["layout"] = "packed (cu_seqlens)" if packed else "padded"
+            batch, length, width = x["hidden"].shape
+            product_rows = chosen.rows if packed else max(1, chosen.rows // length) * length  # whole sequences
+            n, v = batch * length, x["weight"].shape[0]
+            row["paired"] = chosen.pair and plan.pair_fits(
+                n, width, v, product_rows, itemsize=x["hidden"].element_size()
+            )
             try:
-                run = _ours(x)
+                run = _ours(x, packed)
                 got = run()
                 want = want or got
                 row.update(_compared(got, want), **_timed(run, args.rep_ms, device))
