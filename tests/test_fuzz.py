@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import itertools
 import math
@@ -1110,3 +1111,95 @@ def test_fuzz_packed_sequence_level(data):
     assert not isinstance(got, Exception), f"packed: {got!r}, padded: no error"
     share = max(k["lengths"]) / max(1, int(mask.sum())) + 1e-6
     _check_sequence_results(f"{mode} on {k['backend']}", got, want, ref32, ref64, dtype=dtype, share=share)
+
+
+# --------------------------------------------------------------------------- the one pass's paired d_weight products
+
+TOKEN_LEVEL = [name for name, m in POLICY_LOSS_MODES.items() if m.fused_head and not m.sequence_level]
+
+
+@st.composite
+def paired_loss_draws(draw):
+    """A token-level mode (its default parameters), an agg, the forced chunk rows ``m``, the layout and the
+    sequences (padded ``[B, T]``; packed: lengths, some empty), so that the chunks count odd and even."""
+    k = draw(
+        knobs(
+            mode=pick(TOKEN_LEVEL),
+            agg=pick(AGG_MODES),
+            m=st.integers(2, 8),
+            packed=st.booleans(),
+            batch=st.integers(1, 6),
+            length=st.integers(1, 8),
+            vocab=st.integers(2, 40),
+            hidden_size=st.integers(1, 12),
+            bias=st.booleans(),
+            weighted=st.booleans(),
+            seed=st.integers(0, 2**31),
+        ),
+        label="knobs",
+    )
+    k["lengths"] = draw(st.lists(st.integers(0, k["length"]), min_size=k["batch"], max_size=k["batch"]))
+    return k
+
+
+@budget(8, shrink=False)
+@given(data=st.data())
+def test_fuzz_paired_loss(data):
+    """The Triton one pass's paired ``d_weight`` products (``HeadPlan.pair``, bf16) in forced small chunks,
+    drawn (``paired_loss_draws``): the products are a pair's ``2 r`` rows and an odd last chunk's ``r``
+    (``r`` the first chunk's rows: whole sequences padded, ``m`` tokens packed); the loss, stats, d_hidden
+    and d_bias bitwise the unpaired plan's (only d_weight's summation order differs); d_weight's error
+    against float64 at most 1.5x the unpaired plan's (a chunk's product lost or misplaced is many times it)."""
+    if "triton" not in backends_serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend is not served on CPU")
+    from test_linear_policy_loss import leaves, make_inputs, packed_call
+
+    from ppo_fast.backends import _head_plan
+    from ppo_fast.backends.triton import _gemm_head
+
+    k = data.draw(paired_loss_draws())
+    b, t, m = k["batch"], k["length"], k["m"]
+    dims = (b, t, k["vocab"], k["hidden_size"])
+    x = make_inputs(k["seed"], dtype=torch.bfloat16, dims=dims, bias=k["bias"], weighted=k["weighted"])
+    valid = torch.arange(t)[None, :] < torch.tensor(k["lengths"])[:, None] if k["packed"] else None
+    if valid is not None:
+        x["mask"] = x["mask"] & valid
+    tokens = int(valid.sum()) if valid is not None else b * t
+    assume(tokens > 0)
+    if valid is not None:  # token slices of m, the first's rows every product's
+        rows, count = min(tokens, m), -(-tokens // m)
+    else:  # whole sequences, as many as m rows hold (at least one)
+        per = max(1, m // t)
+        rows, count = min(b, per) * t, -(-b // per)
+    note(f"{k['mode']} {k['agg']} chunks: {count} of {rows} product rows")
+    products, addmm = [], _gemm_head._addmm_
+
+    def spy(out, a, b_):
+        if out.shape == x["weight"].shape:  # d_weight's products: their rows
+            products.append(a.shape[1])
+        addmm(out, a, b_)
+
+    def result(pair, inputs=x, backend="triton"):
+        products.clear()
+        with module_globals(_gemm_head, head_plan=lambda *a, **kw: _head_plan.HeadPlan(m, 2, pair), _addmm_=spy):
+            loss, stats = packed_call(inputs, valid, k["mode"], k["agg"], backend)
+            return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(inputs))
+
+    with module_globals(_head_plan, MEMORY_BUDGET=1e9):  # the pairs fit: the plan alone decides
+        got = result(True)
+        assert products == [2 * rows] * (count // 2) + [rows] * (count % 2), products
+        unpaired = result(False)
+        assert products == [rows] * count, products
+    same = functools.partial(torch.testing.assert_close, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN too
+    same(got[0], unpaired[0])
+    for s in got[1]:
+        same(got[1][s], unpaired[1][s], msg=s)
+    for i in (0, 2) if k["bias"] else (0,):  # d_hidden, d_bias
+        same(got[2][i], unpaired[2][i], msg="d_hidden" if i == 0 else "d_bias")
+    wide = {
+        n: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for n, v in x.items()
+    }
+    oracle = result(False, wide, "reference")
+    errors = [float((r[2][1].double() - oracle[2][1]).norm()) for r in (got, unpaired)]
+    floor = 1e-3 * float(oracle[2][1].norm()) + 1e-30  # a couple of bf16 roundings of the whole
+    assert errors[0] <= 1.5 * errors[1] + floor, errors
