@@ -10,8 +10,8 @@ V=151936, bf16, 30% of the log-probs' rows ignored).
 - ``loss``: ``pf.linear_policy_loss`` (vanilla, token-mean, clip 0.2) forward + backward under each
   budget of ``BUDGETS`` (``_head_plan.MEMORY_BUDGET``), the plan it chose, its loss and gradients
   compared with the default budget's; then the same tokens packed (``cu_seqlens``) under the default
-  budget, whose token-slice chunks take the plan's paired chunks (the padded batch's chunks are whole
-  sequences, which at 512 tokens do not pair);
+  budget, as token-slice chunks (the padded batch's 512-token sequences are run as that packed layout
+  too, ``_head_plan.token_slices``: both take the plan's paired chunks);
 - ``liger-grpo``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` on the same batch (``loss_type="bnpo"``, a
   token mean over the batch, ``beta=0``: the same loss), its loss and gradients compared with ours.
   Liger-Kernel is a CUDA package: elsewhere the row says it was skipped and why, never a number.
@@ -74,7 +74,8 @@ def loss_batch(rows: int, length: int, hidden: int, vocab: int, device: torch.de
 
 def _ours(x: dict, packed: bool = False):
     """Our one pass on ``x``; ``packed``: the same tokens as one packed row (``cu_seqlens``), whose chunks
-    are token slices (the padded batch's are whole sequences: at 512 tokens too long for paired chunks)."""
+    are token slices (the padded batch's too where its sequences are longer than ``_head_plan.ROW_STEP``,
+    run as the packed layout; whole sequences otherwise)."""
     batch, length = x["labels"].shape
     flat = {k: x[k].reshape(batch * length, *x[k].shape[2:]) for k in ("hidden", "labels", "old", "adv", "mask")}
     ends = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=x["labels"].device)
@@ -162,7 +163,8 @@ def measure_loss(x: dict, args, device, result: dict) -> None:
             row = {"impl": "ppo_fast one pass", "budget": plan.MEMORY_BUDGET, "plan": chosen._asdict()}
             row["layout"] = "packed (cu_seqlens)" if packed else "padded"
             batch, length, width = x["hidden"].shape
-            product_rows = chosen.rows if packed else max(1, chosen.rows // length) * length  # whole sequences
+            slices = packed or plan.token_slices(length)  # else whole sequences
+            product_rows = chosen.rows if slices else max(1, chosen.rows // length) * length
             n, v = batch * length, x["weight"].shape[0]
             row["paired"] = chosen.pair and plan.pair_fits(
                 n, width, v, product_rows, itemsize=x["hidden"].element_size()

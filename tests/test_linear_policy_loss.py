@@ -87,6 +87,9 @@ def two_pass(x, mode, agg, *, ignore_index=-100, **head):
             logp, x["old"], x["adv"], x["mask"], loss_mode=mode, agg=agg, weights=x["weights"], **mode_params(mode)
         )
         entropy_mean = pf.masked_mean(entropy, x["mask"])
+        if x["ref"] is None:  # no KL term (``packed_call``'s without ``ref``)
+            loss = pg_loss - 0.01 * entropy_mean
+            return loss, {**stats, "pg_loss": pg_loss.detach(), "entropy": entropy_mean.detach()}
         kl_loss = pf.aggregate(pf.kl_estimate(logp, x["ref"], "k3"), x["mask"], agg)
     loss = pg_loss - 0.01 * entropy_mean + 0.1 * kl_loss
     stats = {**stats, "pg_loss": pg_loss.detach(), "entropy": entropy_mean.detach(), "kl_loss": kl_loss.detach()}
@@ -566,3 +569,129 @@ def test_packed_sequence_level_modes_take_one_pass(monkeypatch, mode, backend, a
     monkeypatch.setattr(op_module, "_host_bounds", lambda segments: False)
     two_passes = result(lambda: packed_call(x, valid, mode, agg, backend))
     assert_result_close(got, two_passes, TOLERANCE[torch.float64], "one pass vs two passes")
+
+
+# Padded sequences longer than the plan's step (``_head_plan.token_slices``): the packed layout's token slices.
+# The step forced to 7 (``short_step``), so that the sequences just above it are short to run.
+STEP = 7
+
+
+@pytest.fixture
+def short_step(monkeypatch):
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    assert plan.ROW_STEP == 128 and not plan.token_slices(128) and plan.token_slices(129)  # the unforced step
+    monkeypatch.setattr(plan, "ROW_STEP", STEP)
+    return plan
+
+
+def long_padded_inputs(seed, dtype, ref=True):
+    """4 sequences of ``STEP + 3`` tokens (V=40, H=16): masked tokens, an empty response, ignored labels, and
+    every row's last 2 tokens masked (the longest response shorter than ``T``, whose norm is ``T``)."""
+    x = make_inputs(seed, dtype=dtype, dims=(4, STEP + 3, 40, 16), weighted=True)
+    x["mask"][:, -2:] = False
+    if not ref:
+        x["ref"] = None
+    return x
+
+
+def long_padded_cases():
+    """Every aggregation x backend x float64/float32 x a KL term or not (native without one: its C++ one pass,
+    the factors as token weights; with one: the rows' loop); the fast tier covers each pair of them."""
+    params = []
+    for case in cases(["vanilla"]):
+        for agg in AGG_MODES:
+            for dtype in (torch.float64, torch.float32):
+                for kl in (True, False):
+                    name = f"{case.id}-{agg}-{str(dtype)[6:]}-{'kl' if kl else 'no-kl'}"
+                    params.append(pytest.param(*case.values[1:], agg, dtype, kl, id=name))
+    return tiers.sampled(params, strength=2)
+
+
+@pytest.mark.parametrize("backend, agg, dtype, kl", long_padded_cases())
+def test_long_padded_sequences_take_token_slices_equal_to_the_two_pass_composition(
+    monkeypatch, short_step, backend, agg, dtype, kl
+):
+    """A padded call of sequences longer than ``ROW_STEP`` is run as the packed layout of its tokens (once a
+    call), and its loss, stats and gradients w.r.t. the ``[B, T, H]`` hidden, weight and bias equal the
+    two-pass composition's (the chunks, 14 or 18 tokens, cut through the sequences)."""
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    from ppo_fast.backends import _one_pass
+
+    monkeypatch.setattr(_one_pass, "CHUNK_ELEMENTS", 2 * 7 * 53)  # the native rows' loop: chunks of 18 tokens
+    converted, as_packed = [], op_module._padded_as_packed
+
+    def spy(hidden, labels, x):
+        converted.append(tuple(hidden.shape))
+        return as_packed(hidden, labels, x)
+
+    monkeypatch.setattr(op_module, "_padded_as_packed", spy)
+    x = long_padded_inputs(zlib.crc32(f"long-{backend}-{agg}".encode()), dtype, ref=kl)
+    loss, stats = packed_call(x, None, "vanilla", agg, backend)
+    got = loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+    assert converted == [(4, STEP + 3, 16)]
+    want_loss, want_stats = two_pass(x, "vanilla", agg)
+    want = want_loss.detach(), want_stats, torch.autograd.grad(want_loss * 1.7, leaves(x))
+    assert_result_close(got, want, TOLERANCE[dtype], "long padded vs two passes")
+
+
+@pytest.mark.parametrize("mode", ["gspo", "clip_cov"])
+def test_long_padded_sequences_of_sequence_level_and_two_pass_modes_stay_padded(monkeypatch, short_step, mode):
+    """A sequence-level mode (whole sequences a chunk, the mode's terms on them) and a batch-wide one (the two
+    passes) are not converted: the reference's call, equal to the two-pass composition."""
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    monkeypatch.setattr(op_module, "_padded_as_packed", lambda *a: pytest.fail("converted to the packed layout"))
+    x = long_padded_inputs(41, torch.float64)
+    check_against_two_pass(x, mode, "seq-mean-token-mean", "reference", torch.float64)
+
+
+@pytest.mark.parametrize("backend", [c.values[1] for c in cases(["vanilla"])])
+def test_long_padded_sequences_norm_by_their_own_length(short_step, backend):
+    """seq-mean-token-sum-norm of the converted call divides by the padded call's ``T`` (the packed layout's
+    ``max_seqlen``), not by its longest response (``T - 2``): the two-pass composition's loss, and not that
+    loss rescaled to the longest response."""
+    x = long_padded_inputs(7, torch.float64, ref=False)
+    loss, _ = packed_call(x, None, "vanilla", "seq-mean-token-sum-norm", backend)
+    want, _ = two_pass(x, "vanilla", "seq-mean-token-sum-norm")
+    torch.testing.assert_close(loss, want, **TOLERANCE[torch.float64])
+    longest = int(x["mask"].sum(-1).max())
+    assert longest < STEP + 3
+    assert not torch.allclose(loss, want * (STEP + 3) / longest, rtol=1e-3)
+
+
+@pytest.mark.parametrize("length", [STEP, STEP + 2], ids=["short", "long"])
+def test_the_triton_loss_chunks_padded_long_sequences_as_its_plan(monkeypatch, short_step, length):
+    """A paired 4-row plan (bf16, 100% budget) on 3 padded sequences: of ``ROW_STEP`` (7) tokens, whole
+    sequences (three d_weight products of 7 rows: their pairs do not fit); of 9, token slices of the plan's
+    4 rows (27 tokens: 7 chunks, the last padded, three pairs of 8 rows and one of 4), the loss, stats and
+    gradients within bf16's tolerance of the float64 two-pass composition's."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan, gemm_head = short_step, importlib.import_module("ppo_fast.backends.triton._gemm_head")
+    monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
+    monkeypatch.setattr(gemm_head, "head_plan", lambda *a, **k: plan.HeadPlan(4, 2, True))
+    x = make_inputs(37, dtype=torch.bfloat16, dims=(3, length, 40, 16), weighted=True)
+    products, chunk_rows, addmm, chunk_logits = [], set(), gemm_head._addmm_, gemm_head.chunk_logits
+
+    def spy_addmm(out, a, b):
+        if out.shape == x["weight"].shape:  # d_weight's products: their rows
+            products.append(a.shape[1])
+        addmm(out, a, b)
+
+    def spy_chunk(*args, rows, **kwargs):
+        chunk_rows.add(rows)
+        return chunk_logits(*args, rows=rows, **kwargs)
+
+    monkeypatch.setattr(gemm_head, "_addmm_", spy_addmm)
+    monkeypatch.setattr(gemm_head, "chunk_logits", spy_chunk)
+    loss, stats = packed_call(x, None, "vanilla", "seq-mean-token-mean", "triton")
+    got = loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
+    if length == STEP:
+        assert chunk_rows == {STEP} and products == [STEP] * 3
+    else:
+        assert chunk_rows == {4} and products == [8, 8, 8, 4]
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    loss, stats = two_pass(wide, "vanilla", "seq-mean-token-mean")
+    oracle = loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(wide))
+    assert_result_close(got, oracle, TOLERANCE[torch.bfloat16], "triton bf16 vs float64")

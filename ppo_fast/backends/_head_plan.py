@@ -34,6 +34,10 @@ callers' ``budget`` argument) bounds what a call holds beyond its inputs, output
   halves, so those rows hold the pair's ``[2 rows, V]`` d_logits (rows interleaved) and one product of
   ``2 rows`` adds them to ``d_weight`` (an odd last chunk its own product).  At 16384 x 4096 x 151936:
   256-row chunks paired (4.9%) rather than 384 unpaired.
+- ``linear_policy_loss`` in the padded layout chunks by whole sequences, which past ``ROW_STEP`` tokens
+  (``token_slices``) would make a chunk's rows (and memory) follow ``T`` instead of the plan: a
+  token-level mode's padded call with longer sequences is run as the packed layout of the same tokens,
+  whose chunks are token slices of the plan's rows (the sequence-level modes keep whole sequences).
 - ``d_weight``'s accumulator: float32 where the budget holds its ``V H (4 - itemsize)`` extra bytes
   beside the chunk, with chunks of at least ``F32_ACC_MIN_ROWS`` (a chunk's ``d_weight`` product reads
   and writes the float32 accumulator, 8 bytes a weight for ``2 * rows`` FLOPs, and is memory-bound
@@ -98,6 +102,13 @@ def sequence_chunks(batch: int, length: int, rows: int = CHUNK_ROWS) -> list[tup
     """``[(b0, b1), ...]``: whole sequences of ``length`` tokens a chunk, as many as fit ``rows`` rows
     (at least one: a chunk of one sequence longer than ``rows``)."""
     return row_chunks(batch, max(1, rows // max(1, length)))
+
+
+def token_slices(length: int) -> bool:
+    """Whether the one-pass loss's padded call of sequences of ``length`` tokens (a token-level mode) is
+    chunked as the packed layout's token slices: sequences longer than the plan's granularity
+    (``ROW_STEP``), whose whole-sequence chunks would hold rows by ``length``, not by the plan."""
+    return length > ROW_STEP
 
 
 def _forward_chunk(c: int, m: int, h: int, v: int, s: int, what: str) -> list[Phase]:

@@ -1,5 +1,5 @@
 """Public op: the policy loss straight from the last hidden states and the LM head, its
-gradients taken in one pass over chunks of whole sequences (a fused LM head and loss)."""
+gradients taken in one pass over chunks of whole sequences or of tokens (a fused LM head and loss)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 from .. import _validation as check
 from .._dtypes import result_dtype
 from .._sampling import truncation as checked_truncation
-from .._varlen import backend_of, varlen
+from .._varlen import Segments, backend_of, varlen
 from ..backends import reference, resolve
+from ..backends._head_plan import token_slices
 from ..backends._one_pass import Head, PerToken, Terms
 from ..spec import AGG_MODES, KL_ESTIMATORS, policy_loss_mode
 from .aggregate import aggregate, masked_mean
@@ -84,7 +85,9 @@ def linear_policy_loss(
     sequences, cut at sequence ends read from ``cu_seqlens`` (a sequence longer than a chunk is one chunk,
     as a padded row of that length would be): it takes the one pass where that read is free, CPU tensors
     in eager mode, and ``linear_token_logprobs`` then its packed terms where it is not (CUDA, whose read
-    would sync the host, and torch.compile), with the same results.
+    would sync the host, and torch.compile), with the same results.  A token-level mode's padded call of
+    sequences longer than the chunk plan's step (128 tokens) is chunked as the packed layout's token
+    slices, so that its chunks' rows follow the plan rather than ``T``.
 
     Args:
         hidden: ``[B, T, H]`` last hidden states of whole sequences; weight ``[V, H]``, bias
@@ -161,6 +164,8 @@ def _loss(
     labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
         check.labels_in_range(labels, weight.shape[0], head.ignore_index)
+    if packed is None and mode.fused_head and not mode.sequence_level and token_slices(hidden.shape[1]):
+        hidden, labels, x, packed = _padded_as_packed(hidden, labels, x)
     on_host = packed is not None and mode.sequence_level and _host_bounds(packed)
     if not mode.fused_head or (packed is not None and mode.sequence_level and not on_host):
         two_pass = dict(bias=bias, head=(head, truncation), terms=terms, objective=(mode, params, agg))
@@ -177,6 +182,20 @@ def _loss(
         hidden, weight, labels, x, bias=bias, head=head, terms=terms, params=params, agg=one_pass, truncation=truncation
     )
     return loss, _stats(mode, stats, pg_loss, entropy, kl_loss if ref_logprobs is not None else None)
+
+
+def _padded_as_packed(hidden, labels, x: PerToken) -> tuple:
+    """``(hidden, labels, x, segments)``: a padded call's ``[B, T]`` tokens as the packed layout's one row
+    ``[1, B T]`` (views where contiguous; the gradient reaches ``[B, T, H]`` through the reshape), a
+    sequence every ``T`` tokens and ``max_seqlen`` ``T`` (``seq-mean-token-sum-norm``'s ``T``).  Its chunks
+    are then token slices of the plan's rows, where whole sequences of ``T`` rows would not be
+    (``_head_plan.token_slices``).  The ends are made on the tokens' device: no host sync."""
+    batch, length = labels.shape
+    tokens = batch * length
+    ends = torch.arange(0, tokens + 1, length, device=hidden.device)
+    segments = Segments.of(ends, tokens, hidden.device, max_seqlen=length)
+    row = PerToken(*(None if t is None else t.reshape(1, tokens) for t in x))
+    return hidden.reshape(1, tokens, hidden.shape[-1]), labels.reshape(1, tokens), row, segments
 
 
 def _packed_one_pass(segments, x: PerToken, agg: str, dtype: torch.dtype) -> tuple[PerToken, str]:
