@@ -644,6 +644,17 @@ def test_long_padded_sequences_of_sequence_level_and_two_pass_modes_stay_padded(
     check_against_two_pass(x, mode, "seq-mean-token-mean", "reference", torch.float64)
 
 
+def test_an_empty_batch_of_long_sequences_stays_padded(monkeypatch, short_step):
+    """No sequence (B = 0) of T past the step: nothing to chunk, the padded call's empty result (a segment
+    layout of no sequence could not carry ``T``)."""
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    monkeypatch.setattr(op_module, "_padded_as_packed", lambda *a: pytest.fail("converted to the packed layout"))
+    one = make_inputs(43, dtype=torch.float64, dims=(1, STEP + 3, 40, 16))
+    x = {k: v if k in ("weight", "bias") or v is None else v.detach()[:0] for k, v in one.items()}
+    x["hidden"].requires_grad_()
+    check_against_two_pass(x, "vanilla", "seq-mean-token-sum-norm", "reference", torch.float64)
+
+
 @pytest.mark.parametrize("backend", [c.values[1] for c in cases(["vanilla"])])
 def test_long_padded_sequences_norm_by_their_own_length(short_step, backend):
     """seq-mean-token-sum-norm of the converted call divides by the padded call's ``T`` (the packed layout's

@@ -164,7 +164,8 @@ def _loss(
     labels = torch.where(x.mask, labels, head.ignore_index)  # masked tokens: ignored rows of the head
     if labels.numel() and check.host_checks_free(labels):
         check.labels_in_range(labels, weight.shape[0], head.ignore_index)
-    if packed is None and mode.fused_head and not mode.sequence_level and token_slices(hidden.shape[1]):
+    long_rows = hidden.shape[0] > 0 and token_slices(hidden.shape[1])  # an empty batch: nothing to chunk
+    if packed is None and mode.fused_head and not mode.sequence_level and long_rows:
         hidden, labels, x, packed = _padded_as_packed(hidden, labels, x)
     on_host = packed is not None and mode.sequence_level and _host_bounds(packed)
     if not mode.fused_head or (packed is not None and mode.sequence_level and not on_host):
