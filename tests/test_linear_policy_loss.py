@@ -274,8 +274,20 @@ def test_backward_twice_through_one_graph(mode, backend):
         torch.testing.assert_close(t.grad, 3.5 * k)
 
 
+@pytest.fixture
+def seven_row_plans(monkeypatch):
+    """``(_head_plan, _gemm_head)`` with the loss's plans bounded to 7..35 rows in steps of 7 (a float32
+    accumulator from 35 rows); skips where the Triton backend does not serve the one pass."""
+    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
+        pytest.skip("the Triton backend does not serve the one pass here")
+    plan = importlib.import_module("ppo_fast.backends._head_plan")
+    for name, value in (("MIN_ROWS", 7), ("MAX_ROWS", 35), ("ROW_STEP", 7), ("F32_ACC_MIN_ROWS", 35)):
+        monkeypatch.setattr(plan, name, value)
+    return plan, importlib.import_module("ppo_fast.backends.triton._gemm_head")
+
+
 @pytest.mark.parametrize("budget, rows, narrow", [(0.0, 7, True), (1.8, 21, True), (3.2, 35, False)])
-def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, budget, rows, narrow):
+def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, seven_row_plans, budget, rows, narrow):
     """The Triton one pass takes its chunk rows and d_weight's accumulator from ``_head_plan.plan`` within
     ``MEMORY_BUDGET`` (bounds 7..35 rows in steps of 7, sequences of 7, bf16: 5 x 7 rows, V=53, H=13): the
     products' rows and the accumulator's dtype follow the budget, and the loss and gradients still equal
@@ -283,12 +295,7 @@ def test_the_triton_loss_chunks_as_its_memory_budget_plans(monkeypatch, budget, 
     padded hidden rows, d_bias), a float32 accumulator 1378 more; the bf16 logits are 3710 bytes.  0.0:
     nothing fits, the smallest plan; 1.8 (6678 bytes): 21 rows (6302; 28 rows: 8332); 3.2 (11872): all
     35 rows and a float32 accumulator (11740)."""
-    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
-        pytest.skip("the Triton backend does not serve the one pass here")
-    plan = importlib.import_module("ppo_fast.backends._head_plan")
-    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
-    for name, value in (("MIN_ROWS", 7), ("MAX_ROWS", 35), ("ROW_STEP", 7), ("F32_ACC_MIN_ROWS", 35)):
-        monkeypatch.setattr(plan, name, value)
+    plan, gemm_head = seven_row_plans
     monkeypatch.setattr(plan, "MEMORY_BUDGET", budget)
     seen = {"rows": set(), "narrow": set()}
     chunk_logits, gradients = gemm_head.chunk_logits, gemm_head.Gradients
@@ -314,18 +321,13 @@ PAIRED_LENGTHS = [7, 0, 6, 5, 7, 2, 6]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_the_triton_loss_pairs_its_chunks_d_weight_products(monkeypatch, packed):
+def test_the_triton_loss_pairs_its_chunks_d_weight_products(monkeypatch, seven_row_plans, packed):
     """A paired plan (``HeadPlan.pair``, forced small: 7-row chunks, bf16, the ridge at 14 rows, 100% budget):
     one d_weight product of 14 rows a pair and one of 7 for the odd fifth chunk; against the unpaired plan
     of the same chunks the loss, stats, d_hidden and d_bias are bitwise equal (only d_weight's summation
     order differs), and all of them (d_weight too) equal float64's within bf16's tolerance, d_weight's error
     no larger than the unpaired plan's.  Ignored labels, masked tokens and an empty sequence included."""
-    if "triton" not in serving("linear_policy_loss_vanilla", "cpu"):
-        pytest.skip("the Triton backend does not serve the one pass here")
-    plan = importlib.import_module("ppo_fast.backends._head_plan")
-    gemm_head = importlib.import_module("ppo_fast.backends.triton._gemm_head")
-    for name, value in (("MIN_ROWS", 7), ("MAX_ROWS", 35), ("ROW_STEP", 7), ("F32_ACC_MIN_ROWS", 35)):
-        monkeypatch.setattr(plan, name, value)
+    plan, gemm_head = seven_row_plans
     monkeypatch.setattr(plan, "MEMORY_BUDGET", 1.0)
     x = make_inputs(23, dtype=torch.bfloat16, dims=(7 if packed else 5, 7, 53, 13), weighted=True)
     valid = None
