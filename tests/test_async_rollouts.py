@@ -235,6 +235,7 @@ def test_a_killed_producer_is_an_error_not_a_hang(clock):
             _train_step(run)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_weights_reach_the_producer_through_cuda_ipc_never_half_updated(clock, tmp_path):
     """The staging copy stays on the GPU (sent as CUDA IPC handles, not copied through the host), and the
