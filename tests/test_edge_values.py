@@ -504,6 +504,26 @@ def test_empty_batch_log_probs_stay_in_the_graph_in_their_dtype(backend):
         assert logp.dtype == entropy.dtype == dtype
 
 
+@pytest.mark.parametrize("backend", serving("linear_policy_loss_vanilla", "cpu"))
+def test_an_empty_one_pass_gives_every_gradient_the_reference_gives(backend):
+    """No token (B = 0 or T = 0): the one pass's loss is 0 and hidden, weight and bias each get a zero
+    gradient of their own shape, as the reference's: ``torch.autograd.grad`` over all three does not raise
+    (the empty ``[0]`` the op returns for a gradient not asked for is not one)."""
+    for batch, length in ((0, 5), (2, 0)):
+        hidden = torch.zeros(batch, length, 4, dtype=torch.float64, requires_grad=True)
+        weight = torch.ones(6, 4, dtype=torch.float64, requires_grad=True)
+        bias = torch.zeros(6, dtype=torch.float64, requires_grad=True)
+        zeros = torch.zeros(batch, length, dtype=torch.float64)
+        with pf.use_backend(backend):
+            loss, _ = pf.linear_policy_loss(
+                hidden, weight, zeros.long(), zeros, zeros, zeros.bool(), bias=bias, agg="seq-mean-token-mean"
+            )
+        grads = torch.autograd.grad(loss, [hidden, weight, bias])
+        assert loss.item() == 0.0
+        for g, x in zip(grads, (hidden, weight, bias)):
+            assert g.shape == x.shape and g.dtype == x.dtype and not g.any()
+
+
 @pytest.mark.parametrize(
     "op, call",
     [

@@ -267,8 +267,9 @@ def autograd(input_names, backend: str) -> tuple:
     def backward(ctx, *grads_out):
         grad_loss = grads_out[0][0] if isinstance(grads_out[0], (list, tuple)) else grads_out[0]  # a list output
         stored, differentiable = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
-        scaled = [  # empty: not asked for
-            (g * grad_loss.to(g.dtype)).to(x.dtype) if g.numel() else None for g, x in zip(stored, differentiable)
+        scaled = [  # an empty [0] in another shape than its input's: not asked for (an empty call's is given)
+            (g * grad_loss.to(g.dtype)).to(x.dtype) if x is not None and g.shape == x.shape else None
+            for g, x in zip(stored, differentiable)
         ]
         scaled = first_order_only(scaled, "linear_policy_loss", backend, differentiable)
         by_name = dict(zip(("hidden", "weight", "bias"), scaled), params=[] if ctx.no_params else None)
