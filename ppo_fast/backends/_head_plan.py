@@ -149,6 +149,18 @@ def _paired_gradient(i: int, count: int, c: int, m: int, h: int, v: int, *, s: i
     ]
 
 
+def _chunk_phases(kind: str, c: int, m: int, h: int, v: int, *, i: int, count: int, s, acc, terms, pair):
+    """Chunk ``i`` of ``count`` (``c`` rows, products of ``m``) of a ``phases`` call of ``kind``."""
+    fwd = _forward_chunk(c, m, h, v, s, "max, LSE, entropy, chosen token")
+    out = fwd if kind != "logprobs_bwd" else fwd[:1]  # the backward recomputes the logits alone
+    if kind == "loss_fwd":
+        launches = TERMS_LAUNCHES[terms] + 7 * (terms != "fused")
+        out = [*out, Phase("per-token loss terms and gradient", 0.0, 0.0, launches)]
+    if kind == "loss_fwd" and pair:
+        return [*out, *_paired_gradient(i, count, c, m, h, v, s=s, acc=acc)]
+    return out if kind == "logprobs_fwd" else [*out, *_gradient_chunk(c, m, h, v, s, acc)]
+
+
 def _add_phases(out: dict, ps) -> None:
     """Add each phase of ``ps`` into ``out`` by name (a phase of the same name repeated: its sums)."""
     for p in ps:
@@ -201,25 +213,14 @@ def phases(
             add([Phase("zero d_weight's accumulator", 0.0, v * h * acc, 1)])
         if kind == "loss_fwd":
             add([Phase("per-token terms: normalisers and totals", 0.0, 0.0, TERMS_CALL_LAUNCHES[terms])])
+        # chunks of the same rows (paired: at the same place in a pair) add the same phases: once, scaled
+        groups: dict[tuple, list[int]] = {}
         for i, (start, stop) in enumerate(chunks):
-            c = stop - start
-            fwd = _forward_chunk(c, rows, h, v, s, "max, LSE, entropy, chosen token")
-            add(fwd if kind != "logprobs_bwd" else fwd[:1])  # the backward recomputes the logits alone
-            if kind == "loss_fwd":
-                add(
-                    [
-                        Phase(
-                            "per-token loss terms and gradient",
-                            0.0,
-                            0.0,
-                            TERMS_LAUNCHES[terms] + 7 * (terms != "fused"),
-                        )
-                    ]
-                )
-            if kind == "loss_fwd" and pair:
-                add(_paired_gradient(i, len(chunks), c, rows, h, v, s=s, acc=acc))
-            elif kind != "logprobs_fwd":
-                add(_gradient_chunk(c, rows, h, v, s, acc))
+            key = (stop - start, pair and i % 2, pair and i == len(chunks) - 1)
+            groups.setdefault(key, [i, 0])[1] += 1
+        for (c, *_), (i, count) in groups.items():
+            one = _chunk_phases(kind, c, rows, h, v, i=i, count=len(chunks), s=s, acc=acc, terms=terms, pair=pair)
+            add([Phase(p.name, p.flops * count, p.bytes * count, p.launches * count) for p in one])
         if kind != "logprobs_fwd":
             if acc != s:
                 add([Phase("d_weight to the inputs' dtype", 0.0, v * h * (acc + s), 1)])
