@@ -11,7 +11,8 @@ V=151936, bf16, 30% of the log-probs' rows ignored).
   budget of ``BUDGETS`` (``_head_plan.MEMORY_BUDGET``), the plan it chose, its loss and gradients
   compared with the default budget's; then the same tokens packed (``cu_seqlens``) under the default
   budget, as token-slice chunks (the padded batch's 512-token sequences are run as that packed layout
-  too, ``_head_plan.token_slices``: both take the plan's paired chunks);
+  too, ``_head_plan.token_slices``: both take the plan's paired chunks), each row saying whether the call
+  paired its ``d_weight`` products (``Gradients.pair``, seen as it ran);
 - ``liger-grpo``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` on the same batch (``loss_type="bnpo"``, a
   token mean over the batch, ``beta=0``: the same loss), its loss and gradients compared with ours.
   Liger-Kernel is a CUDA package: elsewhere the row says it was skipped and why, never a number.
@@ -152,6 +153,26 @@ def _budget(value):
         _head_plan.MEMORY_BUDGET = saved
 
 
+@contextlib.contextmanager
+def _pairing(seen: list):
+    """Within the block, whether each one-pass call's ``d_weight`` products were paired (``Gradients.pair``,
+    as the call decided it) is appended to ``seen``."""
+    from ppo_fast.backends.triton import _gemm_head
+
+    gradients = _gemm_head.Gradients
+
+    class Seen(gradients):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.pair)
+
+    _gemm_head.Gradients = Seen
+    try:
+        yield
+    finally:
+        _gemm_head.Gradients = gradients
+
+
 def measure_loss(x: dict, args, device, result: dict) -> None:
     """The one pass under each budget, then Liger's GRPO loss, into ``result["loss"]`` as they come."""
     want = None
@@ -162,16 +183,11 @@ def measure_loss(x: dict, args, device, result: dict) -> None:
             chosen = head_plan("loss", x["hidden"].reshape(-1, x["hidden"].shape[-1]), x["weight"])
             row = {"impl": "ppo_fast one pass", "budget": plan.MEMORY_BUDGET, "plan": chosen._asdict()}
             row["layout"] = "packed (cu_seqlens)" if packed else "padded"
-            batch, length, width = x["hidden"].shape
-            slices = packed or plan.token_slices(length)  # else whole sequences
-            product_rows = chosen.rows if slices else max(1, chosen.rows // length) * length
-            n, v = batch * length, x["weight"].shape[0]
-            row["paired"] = chosen.pair and plan.pair_fits(
-                n, width, v, product_rows, itemsize=x["hidden"].element_size()
-            )
             try:
                 run = _ours(x, packed)
-                got = run()
+                with _pairing(seen := []):
+                    got = run()
+                row["paired"] = any(seen)  # what the call did, not what the plan asked
                 want = want or got
                 row.update(_compared(got, want), **_timed(run, args.rep_ms, device))
             except Exception as err:  # reported, the rest go on
