@@ -5,8 +5,9 @@ V=151936, bf16, 30% of the log-probs' rows ignored).
 - ``linear``: the plain linear layer ``hidden @ weight.T`` (cuBLAS), forward and forward + backward
   (autograd's two products), the yardstick of every ratio;
 - ``logprobs``: ``linear_token_logprobs``' GEMM-first forward and backward (``_gemm_head``) under each
-  plan of ``head_tiles.GEMM_PLANS`` (384 rows and bf16 ``d_weight``, what the default budget picks;
-  512 rows; 2048 rows and a float32 accumulator, the former plan), log-probs checked against the first;
+  plan of ``head_tiles.GEMM_PLANS`` (384 rows and bf16 ``d_weight``, what the default budget picks
+  truncated; 512 rows; 2048 rows and a float32 accumulator, the former plan; the 2-D plan untruncated
+  calls take, and its rows by an L2-sized slice), log-probs checked against the first;
 - ``loss``: ``pf.linear_policy_loss`` (vanilla, token-mean, clip 0.2) forward + backward under each
   budget of ``BUDGETS`` (``_head_plan.MEMORY_BUDGET``), the plan it chose, its loss and gradients
   compared with the default budget's; then the same tokens packed (``cu_seqlens``) under the default

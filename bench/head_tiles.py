@@ -95,8 +95,11 @@ def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dic
 
 # The GEMM-first design's plans (chunk rows, d_weight accumulator bytes): the row plan of truncated calls
 # at 16384 x 4096 x 151936 (384 rows, bf16: _head_plan.LOGPROBS_ROWS), 512 rows, and the former plan; and
-# (block rows, slice columns, accumulator bytes): the 2-D plan untruncated calls take there (block_plan).
-GEMM_PLANS = ((384, 2), (512, 2), (2048, 4), (512, 76032, 2))
+# (block rows, slice columns, accumulator bytes): the 2-D plan untruncated calls take there (block_plan),
+# and the same rows by 16384 columns, a block whose float32 logits (32 MiB) fit an H100's 50 MB L2: whether
+# the row kernel then reads them from L2, which the roofline (HBM bytes only) cannot say, decides the
+# forward's predicted 1.112x against its 1.10x goal there (bench/results/head-model.md).
+GEMM_PLANS = ((384, 2), (512, 2), (2048, 4), (512, 76032, 2), (512, 16384, 2))
 
 
 def as_plan(plan: tuple):

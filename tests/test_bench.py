@@ -405,11 +405,16 @@ def test_head_plans_times_each_plan_and_skips_liger_without_cuda(tmp_path, monke
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU runs it in bench/gpu_check.sh")
-def test_head_tiles_runs_every_candidate(tmp_path):
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.full)])  # every one: 65 s
+def test_head_tiles_runs_every_candidate(tmp_path, monkeypatch, every):
     """The fused head's tile sweep (GPU-only in use) runs whole here, under the interpreter, on a tiny
-    head: each candidate checked against the first and timed, the split compared, the file written."""
+    head: each candidate checked against the first and timed, the split compared, the file written (the
+    fast tier: the first and last tiles and the last plan, a 2-D one)."""
     from bench import head_tiles
 
+    if not every:
+        monkeypatch.setattr(head_tiles, "CANDIDATES", head_tiles.CANDIDATES[:: len(head_tiles.CANDIDATES) - 1])
+        monkeypatch.setattr(head_tiles, "GEMM_PLANS", head_tiles.GEMM_PLANS[-1:])
     out = tmp_path / "tiles.json"
     argv = "--device cpu --rows 40 --hidden 32 --vocab 300 --split-rows 20 --rep-ms 1 --out".split()
     assert head_tiles.main([*argv, str(out)]) == 0
