@@ -2,24 +2,24 @@
 
 Instead of ``[B, T]`` tensors and a mask padded to the longest row, a sequence op takes its
 per-token tensors as ``[N, ...]`` (the ``S`` sequences' tokens one after another) and
-``cu_seqlens`` ``[S + 1]`` (int32 or int64, on their device or on the host): 0, then each sequence's
-end.  The mask
-keeps its meaning inside a sequence (a tool output inside a response); sequence-level inputs
-(``kl_penalized_rewards``' scores) stay ``[S]``.  ``max_seqlen`` (optional, as flash-attn takes it)
-is the longest sequence's length: the ``T`` of ``seq-mean-token-sum-norm`` and the bound of a scan.
+``cu_seqlens`` ``[S + 1]`` (int32 or int64, on their device or on the host): 0, then each
+sequence's end.  The mask keeps its meaning inside a sequence (a tool output inside a response);
+sequence-level inputs (``kl_penalized_rewards``' scores) stay ``[S]``.  ``max_seqlen`` (optional,
+as flash-attn takes it) is the longest sequence's length: the ``T`` of ``seq-mean-token-sum-norm``
+and the bound of a scan.
 
 An op runs on the packed tensors themselves (:class:`Segments`): per-token ops on ``[N]`` as one
 row, per-sequence sums and scans over each segment, with the segment of each token and each
 segment's bounds computed on the device from ``cu_seqlens``: memory and time linear in ``N``, and
 no host sync unless an op's docs say so.  A ``cu_seqlens`` on the host beside tokens on a device is
 checked there, at no cost, and copied to the device without a sync; its host copy stays in the
-segments (``Segments.host``), where an op can plan by the sequences' ends (``linear_policy_loss``).  The padded detour (:class:`Layout`: the sequences laid
-out as ``[S, longest]`` rows, the op's padded implementation, the valid tokens read back) defines
-the result: a packed result equals it in value and in every gradient, bit for bit where the padded
-path does not depend on the batch's layout (per-token values, per-sequence scans), and up to the
-order of a sum where it does (a mean over every token of the batch).  Every packed op keeps it as
-``op.padded`` (the oracle the tests compare with); ops without a packed implementation on a
-backend run it (``docs/ops.md`` lists them).
+segments (``Segments.host``), where an op can plan by the sequences' ends (``linear_policy_loss``).
+The padded detour (:class:`Layout`: the sequences laid out as ``[S, longest]`` rows, the op's padded
+implementation, the valid tokens read back) defines the result: a packed result equals it in value
+and in every gradient, bit for bit where the padded path does not depend on the batch's layout
+(per-token values, per-sequence scans), and up to the order of a sum where it does (a mean over
+every token of the batch).  Every packed op keeps it as ``op.padded`` (the oracle the tests compare
+with); ops without a packed implementation on a backend run it (``docs/ops.md`` lists them).
 """
 
 from __future__ import annotations

@@ -84,10 +84,10 @@ def linear_policy_loss(
     ``geo_mean``) needs each sequence's mean before any of its tokens' gradients, so its chunks are whole
     sequences, cut at sequence ends read from ``cu_seqlens`` (a sequence longer than a chunk is one chunk,
     as a padded row of that length would be): it takes the one pass where that read is free, a
-    ``cu_seqlens`` on the host (CPU) in eager mode, the tokens on any device (pass the host copy with
-    CUDA tokens: it is checked there and copied without a sync), and ``linear_token_logprobs`` then its
-    packed terms where it is not (a CUDA ``cu_seqlens``, whose read would sync the host, and
-    torch.compile), with the same results.  A token-level mode's padded call of
+    ``cu_seqlens`` on the host in eager mode, whatever the tokens' device (beside CUDA tokens it is
+    checked on the host and copied without a sync), and ``linear_token_logprobs`` then its packed terms
+    where it is not (a ``cu_seqlens`` on CUDA, whose read would sync the host, and torch.compile), with
+    the same results.  A token-level mode's padded call of
     sequences longer than the chunk plan's step (128 tokens) is chunked as the packed layout's token
     slices, so that its chunks' rows follow the plan rather than ``T``.
 
