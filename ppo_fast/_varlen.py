@@ -2,21 +2,24 @@
 
 Instead of ``[B, T]`` tensors and a mask padded to the longest row, a sequence op takes its
 per-token tensors as ``[N, ...]`` (the ``S`` sequences' tokens one after another) and
-``cu_seqlens`` ``[S + 1]`` (int32 or int64, on their device): 0, then each sequence's end.  The mask
-keeps its meaning inside a sequence (a tool output inside a response); sequence-level inputs
-(``kl_penalized_rewards``' scores) stay ``[S]``.  ``max_seqlen`` (optional, as flash-attn takes it)
-is the longest sequence's length: the ``T`` of ``seq-mean-token-sum-norm`` and the bound of a scan.
+``cu_seqlens`` ``[S + 1]`` (int32 or int64, on their device or on the host): 0, then each
+sequence's end.  The mask keeps its meaning inside a sequence (a tool output inside a response);
+sequence-level inputs (``kl_penalized_rewards``' scores) stay ``[S]``.  ``max_seqlen`` (optional,
+as flash-attn takes it) is the longest sequence's length: the ``T`` of ``seq-mean-token-sum-norm``
+and the bound of a scan.
 
 An op runs on the packed tensors themselves (:class:`Segments`): per-token ops on ``[N]`` as one
 row, per-sequence sums and scans over each segment, with the segment of each token and each
 segment's bounds computed on the device from ``cu_seqlens``: memory and time linear in ``N``, and
-no host sync unless an op's docs say so.  The padded detour (:class:`Layout`: the sequences laid
-out as ``[S, longest]`` rows, the op's padded implementation, the valid tokens read back) defines
-the result: a packed result equals it in value and in every gradient, bit for bit where the padded
-path does not depend on the batch's layout (per-token values, per-sequence scans), and up to the
-order of a sum where it does (a mean over every token of the batch).  Every packed op keeps it as
-``op.padded`` (the oracle the tests compare with); ops without a packed implementation on a
-backend run it (``docs/ops.md`` lists them).
+no host sync unless an op's docs say so.  A ``cu_seqlens`` on the host beside tokens on a device is
+checked there, at no cost, and copied to the device without a sync; its host copy stays in the
+segments (``Segments.host``), where an op can plan by the sequences' ends (``linear_policy_loss``).
+The padded detour (:class:`Layout`: the sequences laid out as ``[S, longest]`` rows, the op's padded
+implementation, the valid tokens read back) defines the result: a packed result equals it in value
+and in every gradient, bit for bit where the padded path does not depend on the batch's layout
+(per-token values, per-sequence scans), and up to the order of a sum where it does (a mean over
+every token of the batch).  Every packed op keeps it as ``op.padded`` (the oracle the tests compare
+with); ops without a packed implementation on a backend run it (``docs/ops.md`` lists them).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def _check_cu_seqlens(cu_seqlens, tokens: int, device: torch.device) -> None:
         raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {str(cu_seqlens.dtype).replace('torch.', '')}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [S + 1] with S >= 0, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens must be on the tokens' device {device}, got {cu_seqlens.device}")
+    if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"cu_seqlens must be on the tokens' device {device} or on the host, got {cu_seqlens.device}")
 
 
 def _check_ends(ends: torch.Tensor, tokens: int) -> None:
@@ -55,35 +58,57 @@ def _check_ends(ends: torch.Tensor, tokens: int) -> None:
         raise ValueError(f"cu_seqlens must end at the number of packed tokens {tokens}, got {int(ends[-1])}")
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host-device sync.  A blocking copy (``.to(device)``) waits
+    for the stream, and one from pageable memory may too (the driver may wait to stage it); from a fresh
+    pinned copy the copy is queued on the current stream and the call returns at once, the caching host
+    allocator keeping that pinned block until the copy has run (``host`` may change after the call)."""
+    if host.device == device:
+        return host
+    if device.type != "cuda":
+        return host.to(device)
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+    return staged.to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Segments:
     """The packed layout on the tokens' device: ``cu_seqlens`` (int64), ``ids [N]`` (each token's
-    sequence); ``max_seqlen`` an int where it is known on the host, else a 0-dim tensor."""
+    sequence); ``max_seqlen`` an int where it is known on the host, else a 0-dim tensor; ``host`` the
+    ``cu_seqlens`` (int64) on the host where it was given there in eager mode (CPU tokens, or a host
+    copy beside device tokens), else None: the sequences' ends, readable at no cost."""
 
     cu_seqlens: torch.Tensor
     ids: torch.Tensor
     tokens: int
     sequences: int
     max_seqlen: int | torch.Tensor
+    host: torch.Tensor | None = None
 
     @classmethod
     def of(cls, cu_seqlens, tokens: int, device: torch.device, max_seqlen=None) -> Segments:
-        """``cu_seqlens`` checked against ``tokens`` packed tokens on ``device``: a named error for
-        anything else than 0, then non-decreasing ends, the last one ``tokens``.  On CPU in eager mode
-        the values are checked on the host (free there); on CUDA and under torch.compile they are
-        checked on the device (``torch._assert_async``), without a host sync."""
+        """``cu_seqlens`` (on ``device`` or on the host) checked against ``tokens`` packed tokens on
+        ``device``: a named error for anything else than 0, then non-decreasing ends, the last one
+        ``tokens``.  On the host in eager mode the values are checked there (free), and a device's copy
+        is made without a sync (``to_device``); on a device, and under torch.compile, they are checked
+        on the device (``torch._assert_async``), without a host sync."""
         _check_cu_seqlens(cu_seqlens, tokens, device)
         if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
             raise TypeError(f"max_seqlen must be None or an int, got {type(max_seqlen).__name__}")
-        ends = cu_seqlens.long()
-        lengths = ends[1:] - ends[:-1]
-        if check.host_checks_free(ends):
-            _check_ends(ends, tokens)
-            longest = int(lengths.max()) if len(lengths) else 0
+        host = None
+        if check.host_checks_free(cu_seqlens):
+            host = cu_seqlens.long()
+            _check_ends(host, tokens)
+            host_lengths = host[1:] - host[:-1]
+            longest = int(host_lengths.max()) if len(host_lengths) else 0
             if max_seqlen is not None and max_seqlen != longest:
                 raise ValueError(f"max_seqlen must be the longest sequence's length {longest}, got {max_seqlen}")
             max_seqlen = longest
+            ends = to_device(host, device)
+            lengths = host_lengths if ends is host else ends[1:] - ends[:-1]
         else:
+            ends = cu_seqlens.long().to(device)  # on the device, or on the host under torch.compile (copied there)
+            lengths = ends[1:] - ends[:-1]
             ok = (ends[0] == 0) & (ends[-1] == tokens) & (lengths >= 0).all()
             torch._assert_async(ok, "cu_seqlens must start at 0, be non-decreasing and end at the packed tokens")
             if max_seqlen is not None:
@@ -93,7 +118,7 @@ class Segments:
         ids = torch.repeat_interleave(torch.arange(sequences, device=device), lengths, output_size=tokens)
         if max_seqlen is None:
             max_seqlen = lengths.max() if sequences else ends.new_zeros(())
-        return cls(ends, ids, tokens, sequences, max_seqlen)
+        return cls(ends, ids, tokens, sequences, max_seqlen, host)
 
     @property
     def lengths(self) -> torch.Tensor:

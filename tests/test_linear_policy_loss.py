@@ -573,6 +573,112 @@ def test_packed_sequence_level_modes_take_one_pass(monkeypatch, mode, backend, a
     assert_result_close(got, two_passes, TOLERANCE[torch.float64], "one pass vs two passes")
 
 
+def test_host_bounds_need_a_host_cu_seqlens_in_eager_mode(monkeypatch):
+    """The sequence-level one pass plans its chunks from ``Segments.host``: present for a ``cu_seqlens``
+    given on the host beside tokens on another device (meta stands in for CUDA here), whose values are
+    then checked on the host; absent for one given on the device; never under torch.compile."""
+    from ppo_fast._varlen import Segments
+
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    device, host = torch.device("meta"), torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    segments = Segments.of(host, 12, device)
+    assert segments.host.device.type == "cpu" and segments.host.dtype == torch.int64
+    assert segments.host.tolist() == [0, 5, 5, 12] and segments.max_seqlen == 7
+    assert segments.cu_seqlens.device == device and segments.ids.device == device
+    assert op_module._host_bounds(segments)
+    for bad, words in (([1, 5, 12], "start at 0"), ([0, 8, 3, 12], "be non-decreasing"), ([0, 5, 11], "end at")):
+        with pytest.raises(ValueError, match=f"cu_seqlens must {words}"):
+            Segments.of(torch.tensor(bad), 12, device)
+    with pytest.raises(ValueError, match="max_seqlen must be the longest sequence's length 7, got 6"):
+        Segments.of(host, 12, device, max_seqlen=6)
+    with pytest.raises(ValueError, match="cu_seqlens must be on the tokens' device cpu or on the host, got meta"):
+        Segments.of(host.to(device), 12, torch.device("cpu"))
+    on_device = Segments.of(host.to(device), 12, device)
+    assert on_device.host is None and not op_module._host_bounds(on_device)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not op_module._host_bounds(segments)
+
+
+def _packed_on(device, x, valid, dtype):
+    """``x``'s valid tokens packed ``[N, ...]`` on ``device`` in ``dtype`` (hidden, weight and bias leaves),
+    and their ``cu_seqlens`` on the host."""
+
+    def moved(name, value):
+        if value is None:
+            return None
+        value = value.detach() if name in ("weight", "bias") else value.detach()[valid]
+        value = value.to(device, dtype=dtype if value.is_floating_point() else value.dtype)
+        return value.requires_grad_(name in ("hidden", "weight", "bias"))
+
+    lengths = valid.sum(-1)
+    return {k: moved(k, v) for k, v in x.items()}, torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+
+
+def _device_result(p, cu_seqlens, mode, agg, backend):
+    args = [p[name] for name in ("hidden", "weight", "labels", "old", "adv", "mask")]
+    terms = dict(weights=p["weights"], bias=p["bias"], ref_logprobs=p["ref"], kl_coef=0.1, entropy_coef=0.01)
+    with pf.use_backend(backend):
+        loss, stats = pf.linear_policy_loss(
+            *args, loss_mode=mode, agg=agg, **terms, **mode_params(mode), cu_seqlens=cu_seqlens
+        )
+        return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(p))
+
+
+def _on_cpu(result):
+    loss, stats, grads = result
+    return loss.cpu(), {k: v.cpu() for k, v in stats.items()}, [g.cpu() for g in grads]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode, agg", [("gspo", "seq-mean-token-sum-norm"), ("geo_mean", "token-mean")])
+def test_packed_sequence_level_one_pass_on_cuda_with_a_host_cu_seqlens(monkeypatch, mode, agg, dtype):
+    """CUDA tokens, ``cu_seqlens`` on the host: GSPO and GMPO take the one pass (``linear_token_logprobs``,
+    the two passes' first, made to fail), forward and backward with no host sync (under
+    ``set_sync_debug_mode("error")``, after a warm-up), on every backend that serves CUDA; loss, stats and the
+    gradients of hidden, weight and bias equal the two passes' (``_host_bounds`` False) and the float64
+    reference's on CPU.  The same call with ``cu_seqlens`` on CUDA takes the two passes, with the same result."""
+    from ppo_fast.backends import _one_pass
+
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    monkeypatch.setattr(_one_pass, "CHUNK_ELEMENTS", 2 * 7 * 53)  # chunks of 14 tokens: two sequences longer
+    x = make_inputs(zlib.crc32(f"cuda-{mode}-{agg}".encode()), dtype=dtype, dims=(8, 20, 53, 13), weighted=True)
+    valid = torch.arange(20)[None, :] < torch.tensor(LONG_LENGTHS)[:, None]
+    x["mask"] = x["mask"] & valid
+    wide = {
+        k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_() for k, v in x.items()
+    }
+    loss, stats = packed_call(wide, None, mode, agg, "reference")  # the padded call defines the packed one's
+    d_hidden, *d_head = torch.autograd.grad(loss * 1.7, leaves(wide))
+    oracle = loss.detach(), stats, [d_hidden[valid], *d_head]
+    p, host = _packed_on("cuda", x, valid, dtype)
+    tol = TOLERANCE[dtype]
+    for backend in serving(POLICY_LOSS_MODES[mode].linear_op, "cuda"):
+        with monkeypatch.context() as patch:
+            patch.setattr(op_module, "linear_token_logprobs", lambda *a, **k: pytest.fail(f"{backend}: two passes"))
+            _device_result(p, host, mode, agg, backend)  # warm-up: Triton compiles, the caches fill
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                one_pass = _device_result(p, host, mode, agg, backend)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert_result_close(_on_cpu(one_pass), oracle, tol, f"{backend} one pass vs float64")
+        with monkeypatch.context() as patch:
+            patch.setattr(op_module, "_host_bounds", lambda segments: False)
+            two_passes = _device_result(p, host, mode, agg, backend)
+        assert_result_close(one_pass, two_passes, tol, f"{backend} one pass vs two passes")
+        first_passes = []
+        real = op_module.linear_token_logprobs
+        with monkeypatch.context() as patch:
+            patch.setattr(op_module, "linear_token_logprobs", lambda *a, **k: first_passes.append(1) or real(*a, **k))
+            on_device = _device_result(p, host.cuda(), mode, agg, backend)
+        assert first_passes == [1], f"{backend}: a CUDA cu_seqlens took the one pass"
+        assert_result_close(on_device, two_passes, tol, f"{backend} a CUDA cu_seqlens vs two passes")
+
+
 # Padded sequences longer than the plan's step (``_head_plan.token_slices``): the packed layout's token slices.
 # The step forced to 7 (``short_step``), so that the sequences just above it are short to run.
 STEP = 7

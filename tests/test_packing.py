@@ -4,6 +4,8 @@ crosses the packed sequences is refused."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import tiers
 import torch
@@ -276,6 +278,40 @@ def test_the_packed_responses_are_one_sequence_each_in_row_order():
     values = torch.arange(28.0).view(4, 7)
     assert p.gather(values).tolist() == values[batch.response_mask].tolist()
     assert torch.equal(p.spread(p.gather(values)), torch.where(batch.response_mask, values, 0.0))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_the_packed_responses_bounds_are_on_the_host(device, monkeypatch):
+    """``cu_seqlens`` is int64 on the host whatever the tokens' device, equal to the response mask's
+    cumulative counts there, so that the trainer's packed GSPO loss keeps its one pass (on CUDA too: a
+    device ``cu_seqlens`` would take two, ``linear_token_logprobs`` first, made to fail here)."""
+    batch = _short_batch(50, 1)
+    mask = batch.attention_mask.to(device)
+    p = packing.pack(batch.input_ids.to(device), mask, 7)
+    assert p.cu_seqlens.device.type == "cpu" and p.cu_seqlens.dtype == torch.int64
+    on_device = torch.nn.functional.pad(mask[:, -7:].sum(1).cumsum(0), (1, 0))
+    assert p.cu_seqlens.tolist() == on_device.tolist() and p.labels.device == mask.device
+    op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
+    monkeypatch.setattr(op_module, "linear_token_logprobs", lambda *a, **k: pytest.fail("two passes"))
+    generator = torch.Generator().manual_seed(1)
+    old, adv = (torch.randn(mask.shape[0], 7, generator=generator).to(device) for _ in range(2))
+    terms = dict(loss_mode="gspo", agg="seq-mean-token-mean", **pf.policy_loss_modes()["gspo"].example_params())
+    request = rollout.LossRequest(
+        temperature=1.0, old_logprobs=-old.abs(), advantages=adv, mask=mask[:, -7:], terms=terms, packed=True
+    )
+    hidden = torch.randn(len(p.labels), 8, generator=generator).to(device).requires_grad_()
+    loss, _ = rollout._policy_loss(p, hidden, {"weight": torch.randn(50, 8, generator=generator).to(device)}, request)
+    loss.backward()
+    assert bool(hidden.grad.abs().sum() > 0)
 
 
 @pytest.mark.parametrize("mode, agg", [("vanilla", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean")])

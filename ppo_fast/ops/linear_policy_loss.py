@@ -83,9 +83,11 @@ def linear_policy_loss(
     token's factor of ``agg`` is computed on the device first).  A sequence-level mode (``gspo``,
     ``geo_mean``) needs each sequence's mean before any of its tokens' gradients, so its chunks are whole
     sequences, cut at sequence ends read from ``cu_seqlens`` (a sequence longer than a chunk is one chunk,
-    as a padded row of that length would be): it takes the one pass where that read is free, CPU tensors
-    in eager mode, and ``linear_token_logprobs`` then its packed terms where it is not (CUDA, whose read
-    would sync the host, and torch.compile), with the same results.  A token-level mode's padded call of
+    as a padded row of that length would be): it takes the one pass where that read is free, a
+    ``cu_seqlens`` on the host in eager mode, whatever the tokens' device (beside CUDA tokens it is
+    checked on the host and copied without a sync), and ``linear_token_logprobs`` then its packed terms
+    where it is not (a ``cu_seqlens`` on CUDA, whose read would sync the host, and torch.compile), with
+    the same results.  A token-level mode's padded call of
     sequences longer than the chunk plan's step (128 tokens) is chunked as the packed layout's token
     slices, so that its chunks' rows follow the plan rather than ``T``.
 
@@ -176,7 +178,7 @@ def _loss(
     one_pass = agg
     if packed is not None:
         if on_host:  # a sequence-level mode: chunks of whole sequences, its terms on them (``PerToken.bounds``)
-            x = x._replace(bounds=packed.cu_seqlens)
+            x = x._replace(bounds=packed.host)
         else:
             x, one_pass = _packed_one_pass(packed, x, agg, result_dtype(hidden, x.old, x.adv, x.weights))
     loss, pg_loss, entropy, kl_loss, *stats = resolve(mode.linear_op, hidden.device.type)(
@@ -213,9 +215,10 @@ def _packed_one_pass(segments, x: PerToken, agg: str, dtype: torch.dtype) -> tup
 
 def _host_bounds(segments) -> bool:
     """Whether a sequence-level mode's packed one pass can plan its chunks at sequence ends: ``cu_seqlens``
-    on the host in eager mode (reading it is free).  On CUDA, or under torch.compile, reading it would
-    sync the host (or break the graph): those calls take the two passes."""
-    return check.host_checks_free(segments.cu_seqlens)
+    given on the host, in eager mode (``Segments.host``: reading it is free, whatever the tokens' device).
+    Given on CUDA, reading it would sync the host, and under torch.compile it would break the graph:
+    those calls take the two passes."""
+    return segments.host is not None and not torch.compiler.is_compiling()
 
 
 def _checked_head(temperature, logit_scale, logit_softcap, ignore_index) -> Head:

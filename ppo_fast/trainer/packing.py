@@ -22,6 +22,7 @@ depends on its mask alone, so the old log-probs and the update's first micro-bat
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,9 @@ class Packed:
     rows: torch.Tensor  # [M]: each scored token's row ...
     cols: torch.Tensor  # [M]: ... and response column in the [B, R] layout
     shape: tuple[int, int]  # (B, R)
-    # [B + 1]: the scored tokens as packed sequences (ppo_fast._varlen), each row's response one, in row order
+    # [B + 1] int64 on the host, whatever the tokens' device: the scored tokens as packed sequences
+    # (ppo_fast._varlen), each row's response one, in row order.  On the host, the ops check it there and
+    # copy it without a sync, and a sequence-level loss (gspo, geo_mean) keeps its one pass on CUDA.
     cu_seqlens: torch.Tensor
 
     @property
@@ -116,7 +119,10 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
     mask = attention_mask.bool()
     rows_n, width = input_ids.shape
     prompt = width - response_width
-    lengths = mask.sum(1).tolist()
+    response = mask[:, prompt:]
+    # One read of the device: the rows' real tokens (the bins are planned on the host) and their responses'
+    # (the host cu_seqlens, whose ends the one-pass loss reads at no cost: ``Packed.cu_seqlens``).
+    lengths, counts = torch.stack([mask.sum(1), response.sum(1)]).tolist()
     bins = token_bins(lengths, width)
     starts, used = [0] * rows_n, []  # each row's flat packed start; each bin's filled width
     for slot, bin_rows in enumerate(bins):
@@ -131,9 +137,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
     filled = (torch.tensor(used, device=mask.device) % width).repeat_interleave(width)
     positions = torch.arange(flat, device=mask.device) % width
     positions = torch.where(positions >= filled, positions - filled, positions).index_put((index[mask],), within[mask])
-    response = mask[:, prompt:]
     rows, cols = response.nonzero(as_tuple=True)  # row-major: each row's response tokens together, in row order
-    counts = response.sum(1)
     return Packed(
         input_ids=ids.view(len(bins), width),
         position_ids=positions.view(len(bins), width),
@@ -142,7 +146,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
         rows=rows,
         cols=cols,
         shape=(rows_n, response_width),
-        cu_seqlens=torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(counts)]),
     )
 
 

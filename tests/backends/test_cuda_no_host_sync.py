@@ -235,7 +235,8 @@ def _seq_loss(rand, mask, mode, **kw):
 
 
 def _fused_head(rand, mask, labels, mode, **kw):
-    """The fused head on the packed tokens: the one pass on the packed row (vanilla), GSPO's two passes."""
+    """The fused head on the packed tokens: the one pass on the packed row (vanilla); GSPO's one pass with
+    ``cu_seqlens`` on the host, its two passes with it on CUDA."""
     n, vocab = mask.numel(), 1000
     return pf.linear_policy_loss(
         rand(n, 64).requires_grad_(),
@@ -293,15 +294,20 @@ def _packed_inputs(device, given):
     return rand, mask.reshape(-1), kw
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["cuda-cu_seqlens", "host-cu_seqlens"])
 @pytest.mark.parametrize("given", [False, True], ids=["device-max_seqlen", "max_seqlen"])
 @pytest.mark.parametrize(
     "op, backend", [(op, b) for op in PACKED_OPS for b in _cuda_backends(op)] if torch.cuda.is_available() else []
 )
 @needs_cuda
-def test_packed_ops_never_sync_the_host(op, backend, given):
-    if (op, backend, given) == DOCUMENTED_SYNC:
+def test_packed_ops_never_sync_the_host(op, backend, given, host):
+    """With ``cu_seqlens`` on CUDA, or on the host (checked there, copied without a sync; GSPO's fused
+    head then takes its one pass, and the longest length is known on the host)."""
+    if (op, backend, given) == DOCUMENTED_SYNC and not host:
         pytest.skip("the reference scan reads its bound on the host without max_seqlen (docs/ops.md)")
     rand, mask, kw = _packed_inputs("cuda", given)
+    if host:
+        kw["cu_seqlens"] = kw["cu_seqlens"].cpu()
     with pf.use_backend(backend):
         _packed(rand, mask, **kw)[op]()  # warm-up
         torch.cuda.synchronize()

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ..._dtypes import result_dtype
-from ..._varlen import Segments
+from ..._varlen import Segments, to_device
 from . import policy_loss as _losses
 from .aggregate import aggregate, masked_mean
 from .kl_penalized_rewards import kl_estimate
@@ -39,8 +39,9 @@ class PerToken(NamedTuple):
     aggregation (``pf.aggregate``'s weight of it in a ``seq-mean-*`` one, whose ``agg`` is then
     ``token-sum``; 1 in a token one); its chunks split the row, since every term is then local to a token.
     ``bounds``: a sequence-level mode's packed layout (``scale`` None, ``agg`` the call's), ``cu_seqlens``
-    ``[S + 1]`` int64 on the host: its chunks are whole sequences (``segment_chunks``), a chunk's
-    ``bounds`` its own, and its terms the mode's on those sequences (``_PackedRows``)."""
+    ``[S + 1]`` int64 on the host (whatever the tokens' device): its chunks are whole sequences
+    (``segment_chunks``), a chunk's ``bounds`` its own, and its terms the mode's on those sequences
+    (``_PackedRows``), the bounds copied to the device without a sync (``_varlen.to_device``)."""
 
     old: torch.Tensor
     adv: torch.Tensor
@@ -128,14 +129,14 @@ def _responses(mask: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
     """The rows with a valid token (float64), or with ``bounds`` the packed sequences of the ``[1, N]`` mask."""
     if bounds is None:
         return mask.any(-1).sum(dtype=torch.float64)
-    valid = torch.nn.functional.pad(mask[0].cumsum(0), (1, 0)).index_select(0, bounds.to(mask.device))
+    valid = torch.nn.functional.pad(mask[0].cumsum(0), (1, 0)).index_select(0, to_device(bounds, mask.device))
     return ((valid[1:] - valid[:-1]) > 0).sum(dtype=torch.float64)
 
 
 def _chunk_segments(bounds: torch.Tensor, tokens: int, device) -> Segments:
-    """A chunk's packed sequences (``PerToken.bounds``, its own) on ``device`` (a norm's T is in the row
-    share, so its ``max_seqlen`` is not read)."""
-    return Segments.of(bounds.to(device), tokens, device)
+    """A chunk's packed sequences (``PerToken.bounds``, its own, on the host) on ``device`` (a norm's T is
+    in the row share, so its ``max_seqlen`` is not read)."""
+    return Segments.of(bounds, tokens, device)
 
 
 def chunk_terms(logp, entropy, x: PerToken, objective: Objective, terms: Terms, scales) -> tuple:

@@ -21,8 +21,8 @@ sweeps each block of rows for their means (``_row_terms``: gspo's mean log-ratio
 gradient), then writes every token's gradient from them; gspo's ratio ``exp(min(logp - sg(logp) + mean,
 10))`` (its surrogate gradient, ``spec``'s ``surrogate_gradient``) clipped as vanilla's, geo_mean's tokens
 clipped in log space.  On packed tokens they are not fused (``fused``): their one pass (chunks of whole
-packed sequences, with the bounds on the host: CPU) takes the reference's terms under autograd, and on
-CUDA ``pf.linear_policy_loss`` takes its two-pass path for them.
+packed sequences, with the bounds on the host: a ``cu_seqlens`` given there) takes the reference's terms
+under autograd; given a CUDA ``cu_seqlens``, ``pf.linear_policy_loss`` takes its two-pass path for them.
 The KL estimators are ``kl_penalized_rewards``' Triton functions, and each ``agg`` is a per-token
 coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum), ``1/(row tokens * rows)``
 (seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)`` (seq-mean-token-sum-norm),
