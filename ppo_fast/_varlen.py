@@ -67,6 +67,8 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
     if device.type != "cuda":
         return host.to(device)
+    if torch.cuda.is_current_stream_capturing():  # a replay would re-read a pinned block reused since
+        raise ValueError("cu_seqlens on the host cannot be captured in a CUDA graph: pass it on the tokens' device")
     staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
     return staged.to(device, non_blocking=True)
 

@@ -321,6 +321,24 @@ def test_packed_ops_never_sync_the_host(op, backend, given, host):
 
 
 @needs_cuda
+def test_a_host_cu_seqlens_is_refused_in_a_cuda_graph_capture():
+    """A host ``cu_seqlens`` reaches the device from a pinned block that the caching allocator reuses once
+    the copy has run: a graph's replay would copy whatever that block then holds, so a capture refuses it,
+    naming it."""
+    rand, mask, kw = _packed_inputs("cuda", True)
+    values, rewards = rand(mask.numel()), rand(mask.numel())
+    kw["cu_seqlens"] = kw["cu_seqlens"].cpu()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+        pf.gae(rewards, values, mask, gamma=0.99, lam=0.95, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    with pytest.raises(ValueError, match="cu_seqlens on the host cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pf.gae(rewards, values, mask, gamma=0.99, lam=0.95, **kw)
+
+
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize(
     "op, backend", [(op, b) for op in CALLS for b in _cuda_backends(op)] if torch.cuda.device_count() > 1 else []
