@@ -357,8 +357,6 @@ def test_no_packed_token_at_all(call, backend, equal):
 def test_a_host_cu_seqlens_is_refused_while_a_cuda_graph_captures(monkeypatch):
     """The capture's refusal (``_varlen.to_device``) without a GPU: a replay would copy a reused pinned
     block (tests/backends/test_cuda_no_host_sync.py captures one on a GPU)."""
-    from ppo_fast import _varlen
-
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(ValueError, match="cu_seqlens on the host cannot be captured in a CUDA graph"):
         _varlen.to_device(torch.tensor([0, 3]), torch.device("cuda"))
