@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_fast.trainer import TrainerConfig, default_task, lora, rollout
-from ppo_fast.trainer.distributed import SINGLE, Parallel
+from ppo_fast.trainer.distributed import SINGLE, Parallel, shutdown
 from ppo_fast.trainer.estimate import EstimateOptions, estimate
 from ppo_fast.trainer.models import build_critic, frozen_reference
 from ppo_fast.trainer.rollout import generate, score_old_and_ref
@@ -159,7 +159,8 @@ def equivalence(rank: int, world_size: int, init_file: str, out: str, seed: int)
     }
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    del results
+    shutdown()
 
 
 def eval_shards(rank: int, world_size: int, init_file: str, out_dir: str, out: str) -> None:
@@ -186,7 +187,8 @@ def eval_shards(rank: int, world_size: int, init_file: str, out_dir: str, out: s
     counts = trainer.parallel.gather_objects(sum(decoded))
     if rank == 0:
         torch.save({"metrics": metrics, "counts": counts}, out)
-    dist.destroy_process_group()
+    del trainer
+    shutdown()
 
 
 def response_length(prompts: list[str], responses: list[str]) -> list[float]:
@@ -234,7 +236,8 @@ def under_torchrun(out: str, seed: int) -> None:
     # Every rank's last sends delivered before any rank tears gloo down: over a slow link (the tbf
     # test) a rank that tore down with its gather still in flight died with "terminate called".
     dist.barrier()
-    dist.destroy_process_group()
+    del results
+    shutdown()
 
 
 def logged_length(prompts: list[str], responses: list[str]) -> list[float]:
@@ -298,7 +301,8 @@ def async_ranks(rank: int, world_size: int, init_file: str, out_dir: str, out: s
         staging = {name: t.clone() for name, t in trainer.run.source.local.staging.items()}
         torch.save(dict(records=records, staging=staging, before=before, after=after, pid=os.getpid()), out)
     dist.barrier()
-    dist.destroy_process_group()
+    del trainer
+    shutdown()
 
 
 if __name__ == "__main__":
