@@ -1,9 +1,9 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
 log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (every mode: one
-launch of ``_policy_terms``' kernel; float64 inputs: the mode's reference function under autograd on
-those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``; so do the sequence-level modes on packed
-tokens, whose chunks are whole packed sequences: ``PerToken.bounds``, on the host), ``d_logits``
+launch of ``_policy_terms``' kernel, the sequence-level modes' on packed tokens too, whose chunks are
+whole packed sequences: ``PerToken.bounds``, on the host; float64 inputs: the mode's reference function
+under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
 written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
 ``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
 memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
