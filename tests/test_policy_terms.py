@@ -644,14 +644,18 @@ def one_chunk_kernels(monkeypatch, fused: bool, with_ref: bool, mode: str = "van
     return count.kernels()
 
 
-def test_the_fused_terms_once_a_call():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_fused_terms_once_a_call(packed):
     """What the fused path launches once a call besides its chunks (the normalisers, the totals' zeros and
-    results) is the model's ``TERMS_CALL_LAUNCHES["fused"]``."""
+    results) is the model's ``TERMS_CALL_LAUNCHES["fused"]``; on packed sequences (their rows with a valid
+    token counted through ``cu_seqlens``) ``TERMS_CALL_LAUNCHES["fused, packed"]``."""
     policy_terms, _ = modules()
     logp, entropy, x = per_token(0, (4, 96), dtype=torch.float32, weighted=False, with_ref=True, packed=False)
+    if packed:
+        logp, entropy, x = as_sequences(logp, entropy, x, [96, 0, 50, 7])
     with CountKernels() as count:
         policy_terms.Batch(x, Objective(VANILLA, CLIPS["default"], "token-mean"), Terms(0.1, "k3", 0.01)).results()
-    assert count.kernels() == _head_plan.TERMS_CALL_LAUNCHES["fused"]
+    assert count.kernels() == _head_plan.TERMS_CALL_LAUNCHES["fused, packed" if packed else "fused"]
 
 
 @pytest.mark.parametrize("with_ref", [False, True])

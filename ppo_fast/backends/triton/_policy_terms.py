@@ -230,8 +230,9 @@ def _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED
     ``row_stride`` from ``start``; ``SEGMENTED``: the packed sequences ``first + rows_i`` (``ends_ptr``:
     ``cu_seqlens`` on the device), the chunk's tokens from ``start`` of the packed row."""
     if SEGMENTED:
-        row_at = tl.load(ends_ptr + first + rows_i, mask=row_ok, other=0)
-        row_n = tl.load(ends_ptr + first + rows_i + 1, mask=row_ok, other=0) - row_at
+        sequence = first + rows_i  # int64, as every offset
+        row_at = tl.load(ends_ptr + sequence, mask=row_ok, other=0)
+        row_n = tl.load(ends_ptr + (sequence + 1), mask=row_ok, other=0) - row_at
         row_local = row_at - start
     else:
         row_at = start + rows_i * row_stride
