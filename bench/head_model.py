@@ -295,9 +295,10 @@ _PROSE_BOTTOM = """\
 At 16384 x 4096 x 151936 the budget's plans (the loss's 256 rows paired, the log-probs' 384 rows, bf16
 `d_weight`) meet the memory goal (4.9% for both calls, against 51% with 2048 rows and a float32
 accumulator) and the log-probs' goals on an H200 (1.09x, 1.41x); the loss (every mode: vanilla, sapo,
-cispo, gpg, dppo_tv, dppo_kl, dro, and in the padded layout the sequence-level gspo and geo_mean, their
-per-token terms one fused launch a chunk), in pairs of 256-row chunks, is predicted at 1.09x (H200) and
-1.14x (H100), against 1.09x / 1.20x in 384-row chunks unpaired and 1.09x / 1.13x with the 2048-row plan.
+cispo, gpg, dppo_tv, dppo_kl, dro, and the sequence-level gspo and geo_mean, padded or packed with
+`cu_seqlens` on the host, their per-token terms one fused launch a chunk), in pairs of 256-row chunks,
+is predicted at 1.09x (H200) and 1.14x (H100), against 1.09x / 1.20x in 384-row chunks unpaired and
+1.09x / 1.13x with the 2048-row plan.
 Only float64 inputs compute the terms with the reference's function under autograd, 249 small kernels a
 chunk with a KL term (counted on CPU, `_head_plan.TERMS_LAUNCHES`): 1.58x / 1.70x at 43 chunks (float64
 never pairs).  Why pairs: a `d_weight` product reads and writes the whole `V x H` gradient (4 bytes a

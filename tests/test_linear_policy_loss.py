@@ -531,9 +531,10 @@ def test_segment_chunks_cut_at_sequence_ends():
 def sequence_level_cases():
     """GSPO and GMPO x backend x every agg; the fast tier: native's every agg (C++ GSPO, GMPO on the rows'
     loop with the reference's chunk terms), the reference's a seq-mean agg each, the interpreted Triton's
-    (~10 s) GMPO's seq-mean-token-sum, where the packed float16 test above runs GSPO's."""
+    (~15 s) GMPO's seq-mean-token-sum-norm (its T the longest sequence's), where the packed float16 test
+    above runs GSPO's."""
     modes = [name for name in FUSED if POLICY_LOSS_MODES[name].sequence_level]
-    fast_aggs = {"reference": {"seq-mean-token-sum-norm"}, "triton": {"seq-mean-token-sum"}}
+    fast_aggs = {"reference": {"seq-mean-token-sum-norm"}, "triton": {"seq-mean-token-sum-norm"}}
     for mode in modes:
         for case in cases([mode]):
             backend = case.values[1]
@@ -546,19 +547,26 @@ def sequence_level_cases():
 def test_packed_sequence_level_modes_take_one_pass(monkeypatch, mode, backend, agg):
     """GSPO and GMPO on packed tokens with ``cu_seqlens`` on the host take the one pass (chunks cut at
     sequence ends, two sequences longer than a chunk, masks inside them, an empty and a single-token one,
-    weights, a KL term and the entropy bonus), never ``linear_token_logprobs``: in float64 the padded
-    call's loss, stats and gradients, and the two-pass path's (what the call takes with the bounds on
-    the device)."""
+    weights, a KL term and the entropy bonus), never ``linear_token_logprobs``: the padded call's loss,
+    stats and gradients, and the two-pass path's (what the call takes with the bounds on the device), in
+    float64; Triton's in float32 (its plan's chunks of 14 tokens too), its per-token terms the fused
+    kernel's (``_policy_terms.Batch`` on the packed sequences; the reference's terms made to fail), and
+    the float64 reference's."""
     from ppo_fast import _varlen
     from ppo_fast.backends import _one_pass
 
     op_module = importlib.import_module("ppo_fast.ops.linear_policy_loss")
     monkeypatch.setattr(_one_pass, "CHUNK_ELEMENTS", 2 * 7 * 53)  # the native rows' loop: chunks of 14 too
-    x = make_inputs(zlib.crc32(f"seq-{mode}-{agg}".encode()), dtype=torch.float64, dims=(8, 20, 53, 13), weighted=True)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    if backend == "triton":
+        plan = importlib.import_module("ppo_fast.backends._head_plan")
+        for name, value in (("MIN_ROWS", 14), ("MAX_ROWS", 14), ("ROW_STEP", 7)):
+            monkeypatch.setattr(plan, name, value)
+    x = make_inputs(zlib.crc32(f"seq-{mode}-{agg}".encode()), dtype=dtype, dims=(8, 20, 53, 13), weighted=True)
     valid = torch.arange(20)[None, :] < torch.tensor(LONG_LENGTHS)[:, None]
     x["mask"] = x["mask"] & valid
 
-    def result(run):
+    def result(run, x=x):
         loss, stats = run()
         return loss.detach(), stats, torch.autograd.grad(loss * 1.7, leaves(x))
 
@@ -566,11 +574,21 @@ def test_packed_sequence_level_modes_take_one_pass(monkeypatch, mode, backend, a
     with monkeypatch.context() as patch:
         patch.setattr(_varlen.Layout, "of", lambda *a, **k: pytest.fail("the packed call built the padded layout"))
         patch.setattr(op_module, "linear_token_logprobs", lambda *a, **k: pytest.fail("two passes"))
+        if backend == "triton":
+            triton_loss = importlib.import_module("ppo_fast.backends.triton.linear_policy_loss")
+            patch.setattr(triton_loss, "_per_token_grads", lambda *a, **k: pytest.fail("not the fused terms"))
         got = result(lambda: packed_call(x, valid, mode, agg, backend))
-    assert_result_close(got, padded, TOLERANCE[torch.float64], "one pass vs padded")
+    assert_result_close(got, padded, TOLERANCE[dtype], "one pass vs padded")
     monkeypatch.setattr(op_module, "_host_bounds", lambda segments: False)
     two_passes = result(lambda: packed_call(x, valid, mode, agg, backend))
-    assert_result_close(got, two_passes, TOLERANCE[torch.float64], "one pass vs two passes")
+    assert_result_close(got, two_passes, TOLERANCE[dtype], "one pass vs two passes")
+    if dtype != torch.float64:
+        wide = {
+            k: v if v is None or not v.is_floating_point() else v.detach().double().requires_grad_()
+            for k, v in x.items()
+        }
+        oracle = result(lambda: packed_call(wide, valid, mode, agg, "reference"), wide)
+        assert_result_close(got, oracle, TOLERANCE[dtype], "one pass vs float64")
 
 
 def test_host_bounds_need_a_host_cu_seqlens_in_eager_mode(monkeypatch):

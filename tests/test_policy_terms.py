@@ -94,14 +94,23 @@ def per_token(seed, dims, *, dtype, weighted, with_ref, packed, ties=None):
     return logp, entropy, x
 
 
+def as_sequences(logp, entropy, x, lengths):
+    """The ``[B, T]`` rows' first ``lengths`` tokens as packed sequences: the ``[1, N]`` row with its
+    ``cu_seqlens`` on the host (``PerToken.bounds``, a sequence-level mode's packed layout)."""
+    valid = torch.arange(logp.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+    bounds = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+    x = PerToken(*(None if t is None else t[valid][None] for t in x[:5]), bounds=bounds)
+    return logp[valid][None], entropy[valid][None], x
+
+
 def chunked(logp, entropy, x, objective, terms, *, rows, fused: bool):
     """The chunks' summed terms and the ``[B, T]`` gradients of one path, in the head's chunks."""
     policy_terms, head = modules()
     batch, length = logp.shape
-    scales = loss_scales(x.mask, objective.agg)
+    scales = loss_scales(x.mask, objective.agg, x.bounds)
     state = policy_terms.Batch(x, objective, terms) if fused else None
     g_logp, g_entropy, totals = torch.zeros_like(logp), torch.zeros_like(entropy), None
-    for rs, bs in head._token_chunks(batch, length, rows, packed=x.scale is not None):
+    for rs, bs in head._token_chunks(batch, length, rows, x.scale is not None, x.bounds):
         shape = logp[bs].shape
         if fused:
             g, ge = state.launch(logp[bs].contiguous().view(-1), entropy[bs].contiguous().view(-1), rs.start, shape)
@@ -118,7 +127,7 @@ def widened(logp, entropy, x):
     return (
         logp.double(),
         entropy.double(),
-        PerToken(*(t if t is None or t.dtype == torch.bool else t.double() for t in x)),
+        PerToken(*(t if t is None or not t.is_floating_point() else t.double() for t in x)),
     )
 
 
@@ -202,7 +211,9 @@ def test_every_modes_fused_terms_equal_the_generic_path_and_float64(
     assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode, rtol=rtol)
 
 
-SEQUENCE_AXES = {name: values for name, values in MODE_AXES.items() if name not in ("mode", "packed")}
+SEQUENCE_AXES = {name: values for name, values in MODE_AXES.items() if name != "mode"}
+# packed: sequences of these lengths (row 0 all masked, an empty one, one longer than a chunk of 7 tokens)
+SEQUENCE_LENGTHS = [9, 0, 4, 9, 2]
 SEQUENCE_CASES = tiers.sampled(
     [
         pytest.param(mode, *values, id="-".join(str(v).replace("torch.", "") for v in (mode, *values)))
@@ -215,27 +226,35 @@ SEQUENCE_CASES = tiers.sampled(
 
 @pytest.mark.parametrize(["mode", *SEQUENCE_AXES], SEQUENCE_CASES)
 def test_sequence_level_fused_terms_equal_the_generic_path_and_float64(
-    mode, level, agg, kl, entropy_coef, weighted, dtype
+    mode, level, agg, kl, entropy_coef, weighted, packed, dtype
 ):
     """gspo and geo_mean (padded: a chunk holds whole rows, their means its own), per chunk as above, on
-    rows of odd lengths a few to a chunk, one of them without tokens."""
-    seed = zlib.crc32(f"{mode}-{level}-{agg}-{kl}-{entropy_coef}-{weighted}-{dtype}".encode())
+    rows of odd lengths a few to a chunk, one of them without tokens; ``packed``: as packed sequences of
+    ``SEQUENCE_LENGTHS`` (``PerToken.bounds``), chunks of whole ones (7 tokens: a longer one alone)."""
+    seed = zlib.crc32(f"{mode}-{level}-{agg}-{kl}-{entropy_coef}-{weighted}-{packed}-{dtype}".encode())
     logp, entropy, x = per_token(seed, (5, 9), dtype=dtype, weighted=weighted, with_ref=kl is not None, packed=False)
+    rows = 20
+    if packed:
+        (logp, entropy, x), rows = as_sequences(logp, entropy, x, SEQUENCE_LENGTHS), 7
     objective = objective_of(mode, level, agg)
     terms = Terms(0.1, kl or "k3", entropy_coef)
-    got = chunked(logp, entropy, x, objective, terms, rows=20, fused=True)
-    generic = chunked(logp, entropy, x, objective, terms, rows=20, fused=False)
-    oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=20, fused=False)
+    got = chunked(logp, entropy, x, objective, terms, rows=rows, fused=True)
+    generic = chunked(logp, entropy, x, objective, terms, rows=rows, fused=False)
+    oracle = chunked(*widened(logp, entropy, x), objective, terms, rows=rows, fused=False)
     assert_no_worse_than_the_generic_path(got, generic, oracle, objective.mode)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("mode", SEQUENCE_MODES)
-def test_sequence_level_rows_longer_than_a_tile(monkeypatch, mode):
+def test_sequence_level_rows_longer_than_a_tile(monkeypatch, mode, packed):
     """Tiles of 4 tokens (``_BLOCK`` 4: one row a block): each row's means summed over its three tiles, the
-    tokens' gradients in each, as the generic path and float64."""
+    tokens' gradients in each, as the generic path and float64; packed: sequences of 11, 0, 5, 11 and 3
+    tokens, two chunks of whole ones (22 tokens), each row's tiles from its own start."""
     policy_terms, _ = modules()
     monkeypatch.setattr(policy_terms, "_BLOCK", 4)
     logp, entropy, x = per_token(9, (5, 11), dtype=torch.float32, weighted=True, with_ref=True, packed=False)
+    if packed:
+        logp, entropy, x = as_sequences(logp, entropy, x, [11, 0, 5, 11, 3])
     objective = objective_of(mode, "default", "seq-mean-token-mean")
     terms = Terms(0.1, "k3", 0.01)
     got = chunked(logp, entropy, x, objective, terms, rows=22, fused=True)
@@ -545,15 +564,20 @@ def test_the_fused_modes_are_every_one_pass_mode():
     assert set(SEQUENCE_MODES) == {m.name for m in POLICY_LOSS_MODES.values() if m.sequence_level}
 
 
-def test_packed_sequence_level_modes_are_not_fused():
-    """On packed tokens a chunk cuts through sequences (a sequence-level mode's row means are not its own):
-    ``fused`` refuses gspo and geo_mean there, and serves a token-level mode."""
+def test_packed_sequence_level_modes_are_fused_on_whole_sequences():
+    """On packed tokens with a factor per token (token slices, which cut through sequences: a sequence-level
+    mode's row means are not a chunk's own) ``fused`` refuses gspo and geo_mean and serves a token-level
+    mode; with the sequences' bounds instead (``PerToken.bounds``: int64, not a per-token input) it serves
+    them, for float32 log-probs only."""
     policy_terms, _ = modules()
     _, _, x = per_token(2, (3, 5), dtype=torch.float32, weighted=False, with_ref=False, packed=True)
+    bounded = x._replace(scale=None, bounds=torch.tensor([0, 5, 5, 15]))
     for mode in ("gspo", "geo_mean", "vanilla"):
         objective = objective_of(mode, "default", "token-sum")
         assert policy_terms.fused(objective, torch.float32, x) == (mode == "vanilla")
         assert policy_terms.fused(objective, torch.float32, x._replace(scale=None))
+        assert policy_terms.fused(objective, torch.float32, bounded)
+        assert not policy_terms.fused(objective, torch.float64, bounded)
 
 
 # --------------------------------------------------------------------------- launches a chunk (the model's counts)
@@ -620,14 +644,18 @@ def one_chunk_kernels(monkeypatch, fused: bool, with_ref: bool, mode: str = "van
     return count.kernels()
 
 
-def test_the_fused_terms_once_a_call():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_fused_terms_once_a_call(packed):
     """What the fused path launches once a call besides its chunks (the normalisers, the totals' zeros and
-    results) is the model's ``TERMS_CALL_LAUNCHES["fused"]``."""
+    results) is the model's ``TERMS_CALL_LAUNCHES["fused"]``; on packed sequences (their rows with a valid
+    token counted through ``cu_seqlens``) ``TERMS_CALL_LAUNCHES["fused, packed"]``."""
     policy_terms, _ = modules()
     logp, entropy, x = per_token(0, (4, 96), dtype=torch.float32, weighted=False, with_ref=True, packed=False)
+    if packed:
+        logp, entropy, x = as_sequences(logp, entropy, x, [96, 0, 50, 7])
     with CountKernels() as count:
         policy_terms.Batch(x, Objective(VANILLA, CLIPS["default"], "token-mean"), Terms(0.1, "k3", 0.01)).results()
-    assert count.kernels() == _head_plan.TERMS_CALL_LAUNCHES["fused"]
+    assert count.kernels() == _head_plan.TERMS_CALL_LAUNCHES["fused, packed" if packed else "fused"]
 
 
 @pytest.mark.parametrize("with_ref", [False, True])

@@ -59,15 +59,17 @@ MIN_ROWS, MAX_ROWS, ROW_STEP = 384, CHUNK_ROWS, 128
 F32_ACC_MIN_ROWS = 1024
 # Launches a chunk of the one-pass loss's per-token terms and their gradient (counted, not modelled in
 # bytes), by the path a call takes: "fused", the Triton kernel of every one-pass mode (vanilla, sapo,
-# cispo, gpg, dppo_tv, dppo_kl, dro, and in the padded layout the sequence-level gspo and geo_mean:
-# triton/_policy_terms.py); "generic" (and with a KL term), float64 inputs: the reference's chunk_terms
+# cispo, gpg, dppo_tv, dppo_kl, dro, and the sequence-level gspo and geo_mean, padded or on packed
+# sequences: triton/_policy_terms.py); "generic" (and with a KL term), float64 inputs: the reference's chunk_terms
 # under autograd on the chunk's [rows] vectors, its leaf aten kernels counted on CPU (a proxy for its CUDA
 # launches; an entropy bonus, k3): vanilla's 87 / 249 (gspo's 94 / 256, geo_mean's 110 / 272).
 # tests/test_policy_terms.py counts both.
 TERMS_LAUNCHES = {"fused": 1, "generic": 87, "generic, KL": 249}
 # ... and once a call: the normalisers from the mask and the totals' results (fused: 6 + 8, counted by the
-# same test; generic: loss_scales' 5, and the chunks' 7 totals added a chunk).
-TERMS_CALL_LAUNCHES = {"fused": 14, "generic": 5, "generic, KL": 5}
+# same test; on packed sequences 10 + 8, the sequences with a valid token counted through cu_seqlens, and
+# on CUDA its copy to the device besides; generic: loss_scales' 5, and the chunks' 7 totals added a chunk).
+# The model's calls are padded: "fused, packed" is the packed call's count, charged by no row.
+TERMS_CALL_LAUNCHES = {"fused": 14, "fused, packed": 18, "generic": 5, "generic, KL": 5}
 # float32 bytes: the logits chunk and the d_weight / d_hidden accumulators.
 _F32 = 4
 

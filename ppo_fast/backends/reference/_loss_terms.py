@@ -110,7 +110,7 @@ def loss_scales(mask: torch.Tensor, agg: str, bounds: torch.Tensor | None = None
     ``seq-mean-token-sum-norm``'s ``1 / T``, the longest's, is in ``per_row``), in float64 (each term
     casts it to its own dtype)."""
     total_tokens = mask.sum(dtype=torch.float64).clamp_min(1)
-    total_rows = _responses(mask, bounds).clamp_min(1)
+    total_rows = responses(mask, bounds).clamp_min(1)
     longest = 1
     if bounds is not None and agg == "seq-mean-token-sum-norm":
         longest = max(int((bounds[1:] - bounds[:-1]).max()), 1)
@@ -120,12 +120,12 @@ def loss_scales(mask: torch.Tensor, agg: str, bounds: torch.Tensor | None = None
             return torch.ones((), dtype=torch.float64, device=mask.device)
         if agg == "token-mean":
             return chunk_mask.sum(dtype=torch.float64) / total_tokens
-        return _responses(chunk_mask, chunk_bounds) / total_rows / longest
+        return responses(chunk_mask, chunk_bounds) / total_rows / longest
 
     return per_row, lambda chunk_mask: chunk_mask.sum(dtype=torch.float64) / total_tokens
 
 
-def _responses(mask: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
+def responses(mask: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
     """The rows with a valid token (float64), or with ``bounds`` the packed sequences of the ``[1, N]`` mask."""
     if bounds is None:
         return mask.any(-1).sum(dtype=torch.float64)

@@ -20,22 +20,30 @@ in the padded layout a chunk holds whole rows (``_head_plan.sequence_chunks``), 
 sweeps each block of rows for their means (``_row_terms``: gspo's mean log-ratio, GMPO's row loss and its
 gradient), then writes every token's gradient from them; gspo's ratio ``exp(min(logp - sg(logp) + mean,
 10))`` (its surrogate gradient, ``spec``'s ``surrogate_gradient``) clipped as vanilla's, geo_mean's tokens
-clipped in log space.  On packed tokens they are not fused (``fused``): their one pass (chunks of whole
-packed sequences, with the bounds on the host: a ``cu_seqlens`` given there) takes the reference's terms
-under autograd; given a CUDA ``cu_seqlens``, ``pf.linear_policy_loss`` takes its two-pass path for them.
+clipped in log space.  On packed tokens (``PerToken.bounds``: a ``cu_seqlens`` given on the host) a chunk
+holds whole packed sequences (``_one_pass.segment_chunks``) and each sequence is a row (``SEGMENTED``):
+the rows' starts and lengths read from ``cu_seqlens`` on the device (copied once a call, without a sync),
+the chunk's first sequence, rows and longest length found on the host, so no padded ``[S, longest]``
+copy is made; its tiles sweep ``rows x longest`` as a padded chunk's would.  Given a CUDA ``cu_seqlens``
+(which the host cannot read without a sync), ``pf.linear_policy_loss`` takes its two-pass path for them.
 The KL estimators are ``kl_penalized_rewards``' Triton functions, and each ``agg`` is a per-token
 coefficient of the batch's sum: ``1/tokens`` (token-mean), 1 (token-sum), ``1/(row tokens * rows)``
 (seq-mean-token-mean), ``1/rows`` (seq-mean-token-sum), ``1/(rows * T)`` (seq-mean-token-sum-norm),
-with ``tokens`` and ``rows`` (non-empty) the batch's, read on the device.
+with ``tokens`` and ``rows`` (non-empty: with a valid token) the batch's, read on the device, and ``T``
+the padded length (packed: the longest sequence's, the padded detour's, ``_varlen``).
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 import triton
 import triton.language as tl
 
+from ..._varlen import to_device
 from ...spec import AGG_MODES
+from ..reference._loss_terms import responses
 from .kl_penalized_rewards import _clamp, _kl_from_log_ratio, _kl_grad, kl_estimator_code
 
 # The totals buffer's entries, in the order of chunk_terms' outputs (vanilla's stats last).
@@ -216,11 +224,29 @@ def _mode_term(logp, old, adv, g, p0, p1, p2, row_a, row_b, MODE: tl.constexpr, 
 
 
 @triton.jit
-def _tile(mask_ptr, rows_i, row_ok, t, start, row_len, row_stride):
-    """A ``[R_BLOCK, T_BLOCK]`` tile's ``(in bounds, offsets in the [B, T] inputs, in the chunk, valid)``."""
-    ok = row_ok[:, None] & (t < row_len)[None, :]
-    at = start + rows_i[:, None] * row_stride + t[None, :]  # the batch's [B, T] inputs
-    local = rows_i[:, None] * row_len + t[None, :]  # the chunk's vectors
+def _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED: tl.constexpr):
+    """A block of the chunk's rows: ``(row_at, row_local, row_n)`` [R_BLOCK], each row's first token's offset
+    in the batch's inputs and in the chunk's vectors, and its tokens.  Padded: rows of ``row_len`` every
+    ``row_stride`` from ``start``; ``SEGMENTED``: the packed sequences ``first + rows_i`` (``ends_ptr``:
+    ``cu_seqlens`` on the device), the chunk's tokens from ``start`` of the packed row."""
+    if SEGMENTED:
+        sequence = first + rows_i  # int64, as every offset
+        row_at = tl.load(ends_ptr + sequence, mask=row_ok, other=0)
+        row_n = tl.load(ends_ptr + (sequence + 1), mask=row_ok, other=0) - row_at
+        row_local = row_at - start
+    else:
+        row_at = start + rows_i * row_stride
+        row_local = rows_i * row_len
+        row_n = tl.zeros_like(rows_i) + row_len
+    return row_at, row_local, row_n
+
+
+@triton.jit
+def _tile(mask_ptr, row_at, row_local, row_n, row_ok, t):
+    """A ``[R_BLOCK, T_BLOCK]`` tile's ``(in bounds, offsets in the batch's inputs, in the chunk, valid)``."""
+    ok = row_ok[:, None] & (t[None, :] < row_n[:, None])
+    at = row_at[:, None] + t[None, :]  # the batch's inputs
+    local = row_local[:, None] + t[None, :]  # the chunk's vectors
     valid = ok & (tl.load(mask_ptr + at, mask=ok, other=0) != 0)
     return ok, at, local, valid
 
@@ -238,11 +264,11 @@ def _row_terms(
     adv_ptr,
     mask_ptr,
     weights_ptr,
-    rows_i,
+    row_at,
+    row_local,
+    row_n,
     row_ok,
-    start,
     row_len,
-    row_stride,
     coef,
     p0,
     p1,
@@ -254,12 +280,12 @@ def _row_terms(
     (over the valid tokens, a row without any 0): gspo ``(mean log r, 0)``; geo_mean ``(row loss,
     d loss / d kept)``, the row loss ``-mean(A) * exp(mean kept) * exp(mean log(weights + 1e-10))``
     and its gradient by autograd's chain, ``coef * tokens`` the loss's factor of it."""
-    count = tl.zeros(rows_i.shape, tl.float32)
-    sum_a = tl.zeros(rows_i.shape, tl.float32)  # gspo: log r; geo_mean: kept
-    sum_adv = tl.zeros(rows_i.shape, tl.float32)
-    sum_log_w = tl.zeros(rows_i.shape, tl.float32)
+    count = tl.zeros(row_ok.shape, tl.float32)
+    sum_a = tl.zeros(row_ok.shape, tl.float32)  # gspo: log r; geo_mean: kept
+    sum_adv = tl.zeros(row_ok.shape, tl.float32)
+    sum_log_w = tl.zeros(row_ok.shape, tl.float32)
     for t0 in range(0, row_len, T_BLOCK):
-        ok, at, local, valid = _tile(mask_ptr, rows_i, row_ok, t0 + tl.arange(0, T_BLOCK), start, row_len, row_stride)
+        ok, at, local, valid = _tile(mask_ptr, row_at, row_local, row_n, row_ok, t0 + tl.arange(0, T_BLOCK))
         logp = _load(logp_ptr, local, valid)
         old = _load(old_ptr, at, valid)
         count += tl.sum(valid.to(tl.float32), 1)
@@ -286,27 +312,25 @@ def _row_terms(
 
 @triton.jit
 def _row_coefficients(
-    mask_ptr, norms_ptr, rows_i, row_ok, start, row_len, row_stride, norm_len, AGG: tl.constexpr, T_BLOCK: tl.constexpr
+    mask_ptr, norms_ptr, row_at, row_n, row_ok, row_len, norm_len, AGG: tl.constexpr, T_BLOCK: tl.constexpr
 ):
     """Each row's factor of a token's loss in the batch's ``agg`` loss ([R_BLOCK] float32)."""
     total_tokens = tl.load(norms_ptr)
     total_rows = tl.load(norms_ptr + tl.full([], 1, tl.int64))  # 64-bit offsets throughout
     if AGG == _TOKEN_MEAN:
-        coef = tl.zeros(rows_i.shape, tl.float64) + 1.0 / total_tokens
+        coef = tl.zeros(row_ok.shape, tl.float64) + 1.0 / total_tokens
     elif AGG == _TOKEN_SUM:
-        coef = tl.zeros(rows_i.shape, tl.float64) + 1.0
+        coef = tl.zeros(row_ok.shape, tl.float64) + 1.0
     elif AGG == _SEQ_TOKEN_MEAN:
-        count = tl.zeros(rows_i.shape, tl.float32)
+        count = tl.zeros(row_ok.shape, tl.float32)
         for t0 in range(0, row_len, T_BLOCK):
-            t = t0 + tl.arange(0, T_BLOCK)
-            ok = row_ok[:, None] & (t < row_len)[None, :]
-            m = tl.load(mask_ptr + (start + rows_i[:, None] * row_stride + t[None, :]), mask=ok, other=0)
-            count += tl.sum((m != 0).to(tl.float32), 1)
+            _, _, _, valid = _tile(mask_ptr, row_at, row_at, row_n, row_ok, t0 + tl.arange(0, T_BLOCK))
+            count += tl.sum(valid.to(tl.float32), 1)
         coef = 1.0 / (tl.maximum(count, 1.0).to(tl.float64) * total_rows)
     elif AGG == _SEQ_TOKEN_SUM:
-        coef = tl.zeros(rows_i.shape, tl.float64) + 1.0 / total_rows
+        coef = tl.zeros(row_ok.shape, tl.float64) + 1.0 / total_rows
     elif AGG == _SEQ_TOKEN_SUM_NORM:
-        coef = tl.zeros(rows_i.shape, tl.float64) + 1.0 / (total_rows * norm_len)  # norm_len: max(T, 1)
+        coef = tl.zeros(row_ok.shape, tl.float64) + 1.0 / (total_rows * norm_len)  # norm_len: max(T, 1)
     else:
         tl.static_assert(False, "policy terms: an agg mode without its coefficient")
     return coef.to(tl.float32)
@@ -326,9 +350,11 @@ def _terms_kernel(
     g_entropy_ptr,
     norms_ptr,  # float64 [2]: the batch's valid tokens and non-empty rows (at least 1 each)
     totals_ptr,  # float64 [7]: TOTALS, added to
+    ends_ptr,  # SEGMENTED: cu_seqlens [S + 1] int64 on the device
     start,
+    first,  # SEGMENTED: the chunk's first sequence
     rows,
-    row_len,
+    row_len,  # the chunk's longest row
     row_stride,
     norm_len,  # T of seq-mean-token-sum-norm
     p0,  # the mode's parameters (Batch.params)
@@ -344,6 +370,7 @@ def _terms_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,  # entropy_coef != 0: d loss / d entropy is written
     KL_ESTIMATOR: tl.constexpr,
+    SEGMENTED: tl.constexpr,
     R_BLOCK: tl.constexpr,
     T_BLOCK: tl.constexpr,
 ):
@@ -357,9 +384,8 @@ def _terms_kernel(
     for r0 in range(0, rows, R_BLOCK):
         rows_i = (r0 + tl.arange(0, R_BLOCK)).to(tl.int64)
         row_ok = rows_i < rows
-        row_coef = _row_coefficients(
-            mask_ptr, norms_ptr, rows_i, row_ok, start, row_len, row_stride, norm_len, AGG, T_BLOCK
-        )
+        row_at, row_local, row_n = _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED)
+        row_coef = _row_coefficients(mask_ptr, norms_ptr, row_at, row_n, row_ok, row_len, norm_len, AGG, T_BLOCK)
         coef = row_coef[:, None]
         if MODE == _GSPO or MODE == _GEO_MEAN:  # a first pass over the rows (the chunk holds whole rows)
             row_a, row_b = _row_terms(
@@ -368,11 +394,11 @@ def _terms_kernel(
                 adv_ptr,
                 mask_ptr,
                 weights_ptr,
-                rows_i,
+                row_at,
+                row_local,
+                row_n,
                 row_ok,
-                start,
                 row_len,
-                row_stride,
                 row_coef,
                 p0,
                 p1,
@@ -383,9 +409,7 @@ def _terms_kernel(
         else:
             row_a, row_b = tl.zeros_like(row_coef), tl.zeros_like(row_coef)
         for t0 in range(0, row_len, T_BLOCK):
-            ok, at, local, valid = _tile(
-                mask_ptr, rows_i, row_ok, t0 + tl.arange(0, T_BLOCK), start, row_len, row_stride
-            )
+            ok, at, local, valid = _tile(mask_ptr, row_at, row_local, row_n, row_ok, t0 + tl.arange(0, T_BLOCK))
             logp = _load(logp_ptr, local, valid)
             if MODE == _GPG:  # its loss does not read old_logprobs
                 old = tl.zeros_like(logp)
@@ -438,13 +462,14 @@ def _add(totals_ptr, I: tl.constexpr, value):
 
 def fused(objective, logp_dtype: torch.dtype, x) -> bool:
     """Whether :class:`Batch` serves this call (else ``_one_pass._per_token_grads``): a mode of ``MODES``
-    (every one-pass mode; a sequence-level one in the padded layout only, ``x.scale`` and ``x.bounds`` None) with float32 log-probs (the head's for every input dtype but float64) and
+    (every one-pass mode; a sequence-level one on rows or whole packed sequences, not on token slices
+    with a factor per token, ``x.scale``) with float32 log-probs (the head's for every input dtype but float64) and
     per-token inputs of at most 32 bits, so that its terms are float32 as the reference's (float64
     inputs give float64 terms: the generic path)."""
-    floats = [t for t in x if t is not None and t.dtype != torch.bool]
+    floats = [t for t in x[:6] if t is not None and t.dtype != torch.bool]  # not the bounds (int64)
     return (
         objective.mode.name in MODES
-        and (not objective.mode.sequence_level or (x.scale is None and x.bounds is None))
+        and (not objective.mode.sequence_level or x.scale is None)
         and logp_dtype == torch.float32
         and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in floats)
     )
@@ -476,25 +501,50 @@ def mode_params(objective) -> tuple[float, float, float, bool]:
 
 class Batch:
     """The per-call state of the fused terms: the per-token inputs contiguous (a copy only where one is
-    strided or expanded), the normalisers from the mask on the device (no host sync) and the totals."""
+    strided or expanded), the normalisers from the mask on the device (no host sync) and the totals.
+    With ``x.bounds`` (a sequence-level mode's packed ``[1, N]`` row, ``cu_seqlens`` on the host) each
+    packed sequence is a row: its bounds copied to the device once (``_varlen.to_device``, no sync), the
+    rows with a valid token counted per sequence, ``T`` the longest length, and a chunk's sequences found
+    on the host (:meth:`launch`)."""
 
     def __init__(self, x, objective, terms):
-        self.x = [None if t is None else t.contiguous() for t in x[:6]]  # bounds: a sequence-level mode's, not fused
+        self.x = [None if t is None else t.contiguous() for t in x[:6]]
         self.x[2] = self.x[2].view(torch.uint8)  # the mask's bytes
         mask = x.mask
-        self.norms = torch.stack((mask.sum(dtype=torch.float64), mask.any(-1).sum(dtype=torch.float64))).clamp_min_(1)
+        self.ends, self.host_ends = None, None
+        if x.bounds is not None:  # packed sequences: rows of their own lengths
+            self.host_ends = x.bounds.tolist()
+            self.ends = to_device(x.bounds, mask.device)
+            rows = responses(mask, self.ends)
+            self.length = max((b - a for a, b in zip(self.host_ends, self.host_ends[1:])), default=0)
+        else:
+            rows = mask.any(-1).sum(dtype=torch.float64)
+            self.length = mask.shape[-1]
+        self.norms = torch.stack((mask.sum(dtype=torch.float64), rows)).clamp_min_(1)
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64, device=mask.device)
-        self.length = mask.shape[-1]
         self.params = mode_params(objective)
         self.mode = MODES.index(objective.mode.name)
         self.outputs = (0, 1, 2, 3, *(4 + _STATS.index(name) for name in objective.mode.stats))
         self.agg = AGG_MODES.index(objective.agg)
         self.terms = terms
 
+    def _sequences(self, start: int, tokens: int) -> tuple[int, int, int]:
+        """``(first, rows, longest)``: the packed sequences that the chunk's tokens ``[start, start + tokens)``
+        are (whole ones, ``segment_chunks``'), from the host bounds; empty ones at its ends included."""
+        ends = self.host_ends
+        first, last = bisect.bisect_left(ends, start), bisect.bisect_right(ends, start + tokens) - 1
+        if ends[first] != start or ends[last] != start + tokens:
+            raise ValueError(f"the fused terms' chunk [{start}, {start + tokens}) is not whole packed sequences")
+        return first, last - first, max((ends[s + 1] - ends[s] for s in range(first, last)), default=0)
+
     def launch(self, logp, entropy, start: int, shape: tuple[int, int]):
-        """One chunk: ``shape = (rows, row_len)`` tokens from flat index ``start`` of the batch's ``[B, T]``;
-        ``logp``/``entropy`` its float32 vectors.  Returns ``(g_logp, g_entropy or None)``."""
+        """One chunk: ``shape = (rows, row_len)`` tokens from flat index ``start`` of the batch's ``[B, T]``
+        (with bounds: ``(1, tokens)`` of the packed row, whole sequences); ``logp``/``entropy`` its float32
+        vectors.  Returns ``(g_logp, g_entropy or None)``."""
         rows, row_len = shape
+        first = 0
+        if self.ends is not None:
+            first, rows, row_len = self._sequences(start, rows * row_len)
         g_logp = torch.empty_like(logp)
         has_entropy = self.terms.entropy_coef != 0.0
         g_entropy = torch.empty_like(entropy) if has_entropy else None
@@ -514,7 +564,9 @@ class Batch:
             g_entropy if has_entropy else g_logp,
             self.norms,
             self.totals,
+            self.ends if self.ends is not None else self.norms,
             start,
+            first,
             rows,
             row_len,
             self.length,
@@ -532,6 +584,7 @@ class Batch:
             HAS_SCALE=scale is not None,
             HAS_ENTROPY=has_entropy,
             KL_ESTIMATOR=kl_estimator_code(self.terms.kl_estimator),
+            SEGMENTED=self.ends is not None,
             R_BLOCK=_BLOCK // t_block,
             T_BLOCK=t_block,
             num_warps=_NUM_WARPS,

@@ -1,9 +1,9 @@
 """Triton linear_policy_loss: the policy loss through the LM head in one pass over chunks of whole
 sequences, GEMM-first (``_gemm_head``): per chunk the logits by one cuBLAS product (float32), the rows'
 log-probs and entropy by the head's row kernel, the loss's per-token terms and gradient (every mode: one
-launch of ``_policy_terms``' kernel; float64 inputs: the mode's reference function under autograd on
-those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``; so do the sequence-level modes on packed
-tokens, whose chunks are whole packed sequences: ``PerToken.bounds``, on the host), ``d_logits``
+launch of ``_policy_terms``' kernel, the sequence-level modes' on packed tokens too, whose chunks are
+whole packed sequences: ``PerToken.bounds``, on the host; float64 inputs: the mode's reference function
+under autograd on those ``[rows, T]`` vectors, ``_one_pass._per_token_grads``), ``d_logits``
 written in place over the logits by the head's gradient kernel, then ``d_hidden``'s rows and
 ``d_weight``'s accumulator by two products (the chunk's rows and the accumulator's dtype from the
 memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
@@ -206,7 +206,8 @@ def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> lis
     those modules' variants).  vanilla: whole sequences with a k3 KL term, weights, the entropy bonus and
     the dual clip (float16 inputs); seq-mean-token-mean (its row counts) without KL; the packed row
     (float32, a scale per token, ``abs``).  Every other mode as the first (its own branch, the rest
-    shared; the sequence-level ones' row pass too)."""
+    shared; the sequence-level ones' row pass too), and gspo on packed sequences of 96 tokens (``SEGMENTED``:
+    each row's bounds read from ``cu_seqlens``)."""
 
     def meta(shape, dtype=torch.float32):
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -219,7 +220,10 @@ def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> lis
         def run():
             old, adv, ref, weights = (meta(shape, dtype) for _ in range(4))
             x = PerToken(old, adv, meta(shape, torch.bool), weights, ref if kl else None)
-            x = x._replace(scale=meta(shape)) if packed else x
+            if packed == "sequences":  # cu_seqlens on the host: sequences of 96 tokens, whole ones a chunk
+                x = x._replace(bounds=torch.arange(0, t + 1, 96))
+            elif packed:
+                x = x._replace(scale=meta(shape))
             objective = Objective(spec, params, agg)
             state = policy_terms.Batch(x, objective, Terms(0.1, kl or "k3", 0.01 if kl else 0.0))
             chunk = (rows // t, t) if not packed else (1, rows)
@@ -236,6 +240,9 @@ def static_variants(batch: int = 64, length: int = 1024, rows: int = 384) -> lis
         ),
         f"vanilla terms packed token-sum abs fp32 [1, {rows}]": launch(
             (1, batch * length), "token-sum", "abs", torch.float32, True
+        ),
+        f"gspo terms packed sequences seq-mean-token-sum-norm k3 weights entropy fp32 [{rows // 96} x 96]": launch(
+            (1, batch * length), "seq-mean-token-sum-norm", "k3", torch.float32, "sequences", "gspo"
         ),
         **{
             f"{mode} terms token-mean k3 weights entropy fp16 [{rows // 96}, 96]": launch(
