@@ -225,26 +225,29 @@ def _mode_term(logp, old, adv, g, p0, p1, p2, row_a, row_b, MODE: tl.constexpr, 
 
 @triton.jit
 def _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED: tl.constexpr):
-    """A block of the chunk's rows: ``(row_at, row_local, row_n)`` [R_BLOCK], each row's first token's offset
-    in the batch's inputs and in the chunk's vectors, and its tokens.  Padded: rows of ``row_len`` every
+    """A block of the chunk's rows: ``(row_at, row_local, row_n)``, each row's first token's offset in the
+    batch's inputs and in the chunk's vectors ([R_BLOCK]), and its tokens ([R_BLOCK, 1], or padded the scalar).  Padded: rows of ``row_len`` every
     ``row_stride`` from ``start``; ``SEGMENTED``: the packed sequences ``first + rows_i`` (``ends_ptr``:
     ``cu_seqlens`` on the device), the chunk's tokens from ``start`` of the packed row."""
     if SEGMENTED:
         sequence = first + rows_i  # int64, as every offset
         row_at = tl.load(ends_ptr + sequence, mask=row_ok, other=0)
-        row_n = tl.load(ends_ptr + (sequence + 1), mask=row_ok, other=0) - row_at
+        row_n = (tl.load(ends_ptr + (sequence + 1), mask=row_ok, other=0) - row_at).to(tl.int32)[:, None]
         row_local = row_at - start
     else:
         row_at = start + rows_i * row_stride
         row_local = rows_i * row_len
-        row_n = tl.zeros_like(rows_i) + row_len
+        row_n = row_len  # every row's length: a scalar
     return row_at, row_local, row_n
 
 
 @triton.jit
-def _tile(mask_ptr, row_at, row_local, row_n, row_ok, t):
-    """A ``[R_BLOCK, T_BLOCK]`` tile's ``(in bounds, offsets in the batch's inputs, in the chunk, valid)``."""
-    ok = row_ok[:, None] & (t[None, :] < row_n[:, None])
+def _tile(mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED: tl.constexpr):
+    """A ``[R_BLOCK, T_BLOCK]`` tile's ``(in bounds, offsets in the batch's inputs, in the chunk, valid)``, the
+    rows' offsets (``_rows``) formed here, in the tile's loop: held across the loops, they spilled the padded
+    seq-mean variant under Triton 3.6 (bench static)."""
+    row_at, row_local, row_n = _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED)
+    ok = row_ok[:, None] & (t[None, :] < row_n)  # row_n: [R_BLOCK, 1] (segmented) or a scalar (padded)
     at = row_at[:, None] + t[None, :]  # the batch's inputs
     local = row_local[:, None] + t[None, :]  # the chunk's vectors
     valid = ok & (tl.load(mask_ptr + at, mask=ok, other=0) != 0)
@@ -264,16 +267,19 @@ def _row_terms(
     adv_ptr,
     mask_ptr,
     weights_ptr,
-    row_at,
-    row_local,
-    row_n,
+    ends_ptr,
+    rows_i,
     row_ok,
+    start,
+    first,
     row_len,
+    row_stride,
     coef,
     p0,
     p1,
     MODE: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    SEGMENTED: tl.constexpr,
     T_BLOCK: tl.constexpr,
 ):
     """A sequence-level mode's ``(row_a, row_b)`` per row ([R_BLOCK] float32), the reference's row means
@@ -285,7 +291,10 @@ def _row_terms(
     sum_adv = tl.zeros(row_ok.shape, tl.float32)
     sum_log_w = tl.zeros(row_ok.shape, tl.float32)
     for t0 in range(0, row_len, T_BLOCK):
-        ok, at, local, valid = _tile(mask_ptr, row_at, row_local, row_n, row_ok, t0 + tl.arange(0, T_BLOCK))
+        t = t0 + tl.arange(0, T_BLOCK)
+        ok, at, local, valid = _tile(
+            mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED
+        )
         logp = _load(logp_ptr, local, valid)
         old = _load(old_ptr, at, valid)
         count += tl.sum(valid.to(tl.float32), 1)
@@ -312,7 +321,19 @@ def _row_terms(
 
 @triton.jit
 def _row_coefficients(
-    mask_ptr, norms_ptr, row_at, row_n, row_ok, row_len, norm_len, AGG: tl.constexpr, T_BLOCK: tl.constexpr
+    mask_ptr,
+    norms_ptr,
+    ends_ptr,
+    rows_i,
+    row_ok,
+    start,
+    first,
+    row_len,
+    row_stride,
+    norm_len,
+    AGG: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    T_BLOCK: tl.constexpr,
 ):
     """Each row's factor of a token's loss in the batch's ``agg`` loss ([R_BLOCK] float32)."""
     total_tokens = tl.load(norms_ptr)
@@ -324,7 +345,8 @@ def _row_coefficients(
     elif AGG == _SEQ_TOKEN_MEAN:
         count = tl.zeros(row_ok.shape, tl.float32)
         for t0 in range(0, row_len, T_BLOCK):
-            _, _, _, valid = _tile(mask_ptr, row_at, row_at, row_n, row_ok, t0 + tl.arange(0, T_BLOCK))
+            t = t0 + tl.arange(0, T_BLOCK)
+            _, _, _, valid = _tile(mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED)
             count += tl.sum(valid.to(tl.float32), 1)
         coef = 1.0 / (tl.maximum(count, 1.0).to(tl.float64) * total_rows)
     elif AGG == _SEQ_TOKEN_SUM:
@@ -384,8 +406,21 @@ def _terms_kernel(
     for r0 in range(0, rows, R_BLOCK):
         rows_i = (r0 + tl.arange(0, R_BLOCK)).to(tl.int64)
         row_ok = rows_i < rows
-        row_at, row_local, row_n = _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED)
-        row_coef = _row_coefficients(mask_ptr, norms_ptr, row_at, row_n, row_ok, row_len, norm_len, AGG, T_BLOCK)
+        row_coef = _row_coefficients(
+            mask_ptr,
+            norms_ptr,
+            ends_ptr,
+            rows_i,
+            row_ok,
+            start,
+            first,
+            row_len,
+            row_stride,
+            norm_len,
+            AGG,
+            SEGMENTED,
+            T_BLOCK,
+        )
         coef = row_coef[:, None]
         if MODE == _GSPO or MODE == _GEO_MEAN:  # a first pass over the rows (the chunk holds whole rows)
             row_a, row_b = _row_terms(
@@ -394,22 +429,28 @@ def _terms_kernel(
                 adv_ptr,
                 mask_ptr,
                 weights_ptr,
-                row_at,
-                row_local,
-                row_n,
+                ends_ptr,
+                rows_i,
                 row_ok,
+                start,
+                first,
                 row_len,
+                row_stride,
                 row_coef,
                 p0,
                 p1,
                 MODE,
                 HAS_WEIGHTS,
+                SEGMENTED,
                 T_BLOCK,
             )
         else:
             row_a, row_b = tl.zeros_like(row_coef), tl.zeros_like(row_coef)
         for t0 in range(0, row_len, T_BLOCK):
-            ok, at, local, valid = _tile(mask_ptr, row_at, row_local, row_n, row_ok, t0 + tl.arange(0, T_BLOCK))
+            t = t0 + tl.arange(0, T_BLOCK)
+            ok, at, local, valid = _tile(
+                mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED
+            )
             logp = _load(logp_ptr, local, valid)
             if MODE == _GPG:  # its loss does not read old_logprobs
                 old = tl.zeros_like(logp)
