@@ -226,9 +226,10 @@ def _mode_term(logp, old, adv, g, p0, p1, p2, row_a, row_b, MODE: tl.constexpr, 
 @triton.jit
 def _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED: tl.constexpr):
     """A block of the chunk's rows: ``(row_at, row_local, row_n)``, each row's first token's offset in the
-    batch's inputs and in the chunk's vectors ([R_BLOCK]), and its tokens ([R_BLOCK, 1], or padded the scalar).  Padded: rows of ``row_len`` every
-    ``row_stride`` from ``start``; ``SEGMENTED``: the packed sequences ``first + rows_i`` (``ends_ptr``:
-    ``cu_seqlens`` on the device), the chunk's tokens from ``start`` of the packed row."""
+    batch's inputs and in the chunk's vectors ([R_BLOCK]), and its tokens ([R_BLOCK, 1]; padded, the
+    scalar).  Padded: rows of ``row_len`` every ``row_stride`` from ``start``; ``SEGMENTED``: the packed
+    sequences ``first + rows_i`` (``ends_ptr``: ``cu_seqlens`` on the device), the chunk's tokens from
+    ``start`` of the packed row."""
     if SEGMENTED:
         sequence = first + rows_i  # int64, as every offset
         row_at = tl.load(ends_ptr + sequence, mask=row_ok, other=0)
