@@ -5,8 +5,11 @@ updated, clean shutdown, a crash as an error with the producer's traceback; then
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
-from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint
+from ppo_fast.trainer import ConfigError, PPOTrainer, TrainerConfig, checkpoint, weight_transfer
 from ppo_fast.trainer.async_rollouts import AsyncSource, ProducerError, check_picklable
 from ppo_fast.trainer.metric_glossary import undocumented
 from ppo_fast.trainer.metrics import METRICS_FILE, read_metrics
@@ -48,6 +51,11 @@ class ClockEngine:
         if self.calls == int(os.environ.get("CLOCK_CRASH_AT", "0")):
             raise ValueError("clock engine: injected failure")
         first = int(self.policy.a.item())
+        if self.calls == int(os.environ.get("CLOCK_HOLD_AT", "0")):  # held open until the test releases it
+            hold = os.environ["CLOCK_HOLD"]
+            open(hold + ".in", "w").close()
+            while not os.path.exists(hold):
+                time.sleep(0.01)
         if os.environ.get("CLOCK_DEVICES"):  # where the producer's copy of the weights lives
             with open(os.environ["CLOCK_DEVICES"], "a") as log:
                 log.write(f"{self.policy.a.device.type}\\n")
@@ -97,13 +105,16 @@ def clock(tmp_path, monkeypatch):
 
     sources = []
 
-    def make(max_staleness: int, policy: str = "wait", device: str = "cpu", **env) -> SimpleNamespace:
+    def make(
+        max_staleness: int, policy: str = "wait", device: str = "cpu", transfer: str = "auto", **env
+    ) -> SimpleNamespace:
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         cfg = TrainerConfig(
             max_staleness=max_staleness,
             staleness_policy=policy,
             rollout_engine="clock",
+            weight_transfer=transfer,
             batch_size=3,
             group_size=2,
             output_dir=str(tmp_path),
@@ -122,7 +133,7 @@ def clock(tmp_path, monkeypatch):
             said=[],
         )
         run.log = run.said.append
-        run.source = AsyncSource(run)
+        run.source = AsyncSource(run, weight_transfer.resolve(cfg, run.device))
         sources.append(run.source)
         run.source.start()
         return run
@@ -167,9 +178,9 @@ def _check_tags(g) -> None:
     assert g.scores.tolist() == [float(g.version)] * 6  # the producer's reward of its own responses
 
 
-@pytest.mark.parametrize("max_staleness", [1, 3])
-def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, max_staleness):
-    run = clock(max_staleness, "wait", CLOCK_DELAY=0.02)
+@pytest.mark.parametrize("max_staleness, transfer", [(1, "staging"), (3, "staging"), (1, "broadcast")])
+def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, max_staleness, transfer):
+    run = clock(max_staleness, "wait", transfer=transfer, CLOCK_DELAY=0.02)
     ages = []
     for _ in range(max_staleness + 3):
         # The producer as far ahead as the bound lets it: batches 0 .. step + K generated, K of them queued.
@@ -182,7 +193,8 @@ def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, m
         assert sum(row[f"async/staleness/{a}"] for a in range(max_staleness + 1)) == 3
         assert row["async/queue_depth"] <= max_staleness and row["async/groups_dropped"] == 0
         assert 0 <= row["async/producer_idle_frac"] <= 1 and 0 <= row["async/trainer_idle_frac"] <= 1
-    assert sorted(run.source.staging) == ["a", "b"]
+    assert run.source.names == ["a", "b"]  # never the frozen parameter
+    assert sorted(run.source.staging) == ([] if transfer == "broadcast" else ["a", "b"])
     # Ahead as far as it may be, and no further: batch n waits for the weights of step n - K.
     assert ages == [*range(max_staleness), *[max_staleness] * 3]
 
@@ -233,6 +245,101 @@ def test_a_killed_producer_is_an_error_not_a_hang(clock):
     with pytest.raises(ProducerError, match="killed by signal 9"):
         while True:  # a batch put before the kill may still come
             _train_step(run)
+
+
+def test_a_broadcast_to_a_killed_producer_is_an_error_not_a_hang(clock):
+    run = clock(1, "wait", transfer="broadcast")
+    run.source.process.kill()
+    run.source.process.join()
+    with pytest.raises(ProducerError, match="killed by signal 9"):
+        run.source.publish()
+
+
+def test_a_broadcast_never_waits_for_a_generation_and_lands_whole_between_generations(clock, tmp_path):
+    """The producer adopts weights between generations only; a broadcast is taken by its receiving thread
+    meanwhile: the trainer's publication completes while a generation is held open, and that generation,
+    released, still saw its weights whole (and the next one the new ones)."""
+    hold = tmp_path / "hold"
+    run = clock(1, "wait", transfer="broadcast", CLOCK_HOLD_AT=2, CLOCK_HOLD=hold)
+    _wait_for(lambda: Path(str(hold) + ".in").exists())  # batch 1's generation, held open
+    published = threading.Thread(target=_train_step, args=(run,), daemon=True)
+    published.start()
+    published.join(timeout=60)
+    assert not published.is_alive(), "the publication waited for the producer's generation"
+    hold.touch()
+    taken_at, g, _ = _train_step(run)  # batch 1: generated with step 0's weights, whole
+    _check_tags(g)
+    assert (taken_at, g.weights_step) == (1, 0)
+    taken_at, g, _ = _train_step(run)  # batch 2: step 1's weights at least, received while batch 1 was held
+    _check_tags(g)
+    assert g.weights_step >= 1
+
+
+@pytest.mark.parametrize(
+    "device, transfer, trainer, visible, says",
+    [
+        ("auto", "auto", "cpu", None, ("staging", "cpu", None)),
+        ("auto", "broadcast", "cpu", None, ("broadcast", "cpu", None)),
+        ("cuda:1", "auto", "cuda:0", None, ("broadcast", "cuda:1", "1")),
+        ("cuda:1", "auto", "cuda:0", "6,3", ("broadcast", "cuda:1", "3")),
+        ("cuda:0", "auto", "cuda:0", None, ("staging", "cuda:0", None)),
+        ("cuda:1", "auto", "cpu", None, "--rollout-device cuda:1: needs the trainer on a GPU"),
+        ("cuda:2", "auto", "cuda:0", None, "--rollout-device cuda:2: this process sees 2 GPU"),
+        ("cuda:1", "staging", "cuda:0", None, "--weight-transfer staging: needs the producer on the trainer's"),
+        ("auto", "broadcast", "cuda:0", None, "--weight-transfer broadcast: on a GPU needs the producer on another"),
+    ],
+)
+def test_the_producers_device_and_its_weights_transfer_are_decided_once(
+    monkeypatch, device, transfer, trainer, visible, says
+):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    cfg = TrainerConfig(max_staleness=1, rollout_device=device, weight_transfer=transfer)
+    if isinstance(says, str):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            weight_transfer.resolve(cfg, torch.device(trainer))
+        return
+    got = weight_transfer.resolve(cfg, torch.device(trainer))
+    assert (got.kind, str(got.device), got.visible) == says
+    assert got.producer_device() == (torch.device("cuda", 0) if got.visible else got.device)
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"rollout_device": "cuda", "max_staleness": 1}, "must be auto or cuda:N, got 'cuda'"),
+        ({"rollout_device": "cpu", "max_staleness": 1}, "must be auto or cuda:N, got 'cpu'"),
+        ({"rollout_device": "cuda:1"}, "only applies to the producer of --max-staleness > 0 (it is 0)"),
+        ({"weight_transfer": "broadcast"}, "only applies to the producer of --max-staleness > 0 (it is 0)"),
+    ],
+)
+def test_a_rollout_device_or_transfer_that_cannot_apply_is_refused_by_name(options, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        TrainerConfig(**options).validate()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_on_two_gpus_the_weights_reach_a_producer_on_the_other_by_nccl(clock, tmp_path):
+    devices = tmp_path / "devices.txt"
+    run = clock(1, "wait", device="cuda:0", CLOCK_DELAY=0.05, CLOCK_DEVICES=devices)
+    assert run.source.transfer.kind == "staging"
+    run.source.close()
+    run.cfg = dataclasses.replace(run.cfg, rollout_device="cuda:1")
+    run.source = AsyncSource(run, weight_transfer.resolve(run.cfg, run.device))
+    assert (run.source.transfer.kind, run.source.transfer.visible) == ("broadcast", "1")
+    run.source.start()
+    try:
+        for _ in range(4):
+            taken_at, g, _ = _train_step(run)
+            _check_tags(g)
+            assert g.weights_step >= taken_at - 1
+    finally:
+        run.source.close()
+    assert set(devices.read_text().split()) == {"cuda"}
 
 
 @pytest.mark.cuda
@@ -301,7 +408,8 @@ def test_vllm_sleep_and_a_producer_are_refused_together():
 
 def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_config):
     """As a scheduler's SIGTERM to the process group: the trainer saves after its step and stops the producer,
-    which ignored the signal, cleanly."""
+    which ignored the signal, cleanly; here with the weights broadcast (a gloo group of the two processes, and
+    the producer's receiving thread), the staging copy's run being the test above."""
     producers = []
 
     class Scheduler:
@@ -310,8 +418,11 @@ def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_con
             os.kill(producers[0].pid, signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    trainer = PPOTrainer(tiny_config(steps=3, max_staleness=1, eval_size=0), callbacks=[Scheduler()])
+    said = []
+    cfg = tiny_config(steps=3, max_staleness=1, eval_size=0, weight_transfer="broadcast")
+    trainer = PPOTrainer(cfg, callbacks=[Scheduler()], log=said.append)
     summary = trainer.train()
+    assert any("weights by broadcast" in line for line in said), said
     assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
     assert producers[0].exitcode == 0  # it finished when told to, not killed by the signal
     assert checkpoint.load_state(checkpoint.latest(Path(trainer.run.output_dir))).policy_version == 2

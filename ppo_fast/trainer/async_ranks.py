@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from . import lora
+from . import lora, weight_transfer
 from .async_rollouts import AsyncSource, ProducerError, check_picklable
 from .rollout import Batch
 from .rollout_source import Generated
@@ -45,7 +45,7 @@ def producer_template(cfg, policy: torch.nn.Module, parallel) -> torch.nn.Module
 
 def from_run(run, template: torch.nn.Module | None) -> RankedSource:
     check_picklable(run.scorer, run.cfg.max_staleness)  # on every rank: they all stop with the same error
-    return RankedSource(run, template)
+    return RankedSource(run, template, weight_transfer.resolve(run.cfg, run.device))
 
 
 class _WithPolicy:
@@ -60,17 +60,17 @@ class _WithPolicy:
 
 class RankedSource:
     """Each rank's end of rank 0's producer (see the module's docstring); ``template``: rank 0's unsharded copy
-    of the policy under FSDP2, else None."""
+    of the policy under FSDP2, else None; ``transfer``: how rank 0's producer gets its weights (rank 0)."""
 
     is_async = True
     syncs_weights = True
 
-    def __init__(self, run, template: torch.nn.Module | None = None):
+    def __init__(self, run, template: torch.nn.Module | None = None, transfer=None):
         self.run, self.parallel, self.template = run, run.parallel, template
         self.sharded = run.parallel.mode == "fsdp"
         self.local = None  # rank 0's producer
         if self.parallel.main:
-            self.local = AsyncSource(run if template is None else _WithPolicy(run, template))
+            self.local = AsyncSource(run if template is None else _WithPolicy(run, template), transfer)
         self.started = False
         self.whole: Generated | None = None  # rank 0: the batch last taken, every rank's rows
 

@@ -5,10 +5,11 @@ rewards the next batches while the trainer trains on the current one.
   the run's engine from the registry on it; it draws the prompts, generates, decodes and rewards (so a
   slow Python reward runs off the trainer's thread), and puts each batch, tagged with the weights that
   generated it, in a queue of at most K batches: with the one it is generating, at most K + 1 in flight.
-- Weights go to it after each update (``AsyncSource.publish``): the trainer copies them into a staging copy
-  (shared memory on the CPU; on a GPU the staging tensors reach the producer as CUDA IPC handles: a test
-  that needs a GPU) and sets the version under a lock; the producer copies the staging copy into its shadow
-  policy under the same lock, between generations only, so a generation never sees half-updated weights.
+- Weights go to it after each update (``AsyncSource.publish``; ``weight_transfer``, ``--weight-transfer``):
+  into a staging copy (shared memory on the CPU; on the trainer's GPU CUDA IPC handles) or by a broadcast to
+  the producer's receive buffer (a producer on another GPU, ``--rollout-device``); the producer copies them
+  into its shadow policy under a lock, between generations only, so a generation never sees half-updated
+  weights.
 - A batch's age is the trainer steps (weight updates) between the weights that generated it and those
   that train on it.  ``--staleness-policy wait``: the producer starts batch n only once the weights of
   step n - K are published, so no batch is older than K.  ``drop``: the producer never waits for weights;
@@ -38,7 +39,7 @@ import torch.multiprocessing as mp
 
 from ppo_fast.spec import ROLLOUT_ENGINES, RolloutEngine
 
-from . import partial_rollouts
+from . import partial_rollouts, weight_transfer
 from .config import ConfigError
 from .models import third_party_output
 from .rollout_source import Generated, draw, generate_and_reward, sampling
@@ -70,7 +71,8 @@ class ProducerError(RuntimeError):
 class ProducerSpec:
     """What the producer process is started with (pickled into it): the options, the engine's registry entry,
     the policy's copy it generates with, the tokenizer, the training prompts, the reward, the response length,
-    the device, the run folder, the step, version and seed it starts at, and the trainer's pid."""
+    the weights' transfer (and the producer's device), the run folder, the step, version and seed it starts at,
+    and the trainer's pid."""
 
     cfg: object
     engine: RolloutEngine
@@ -79,20 +81,28 @@ class ProducerSpec:
     train_set: object
     scorer: object
     response_length: int
-    device: torch.device
+    transfer: weight_transfer.Transfer
     output_dir: Path
     first_step: int
     first_version: int
     seed: int
     parent: int
 
+    @property
+    def device(self) -> torch.device:
+        return self.transfer.producer_device()
+
 
 @dataclass(kw_only=True)
 class Channel:
-    """The producer's and the trainer's shared state: the staging weights, the step and version they hold,
-    the lock around both, the batches' queue and the stop request."""
+    """The producer's and the trainer's shared state: the staging weights (or, broadcast, the names of those
+    sent, and the offer and join of each transfer), the step and version they hold, the lock around both, the
+    batches' queue and the stop request."""
 
     staging: dict
+    names: list
+    offer: object  # mp.Event: the trainer offers a broadcast
+    joined: object  # mp.Value: the broadcasts the producer has joined
     weights_step: object  # mp.Value
     version: object  # mp.Value
     produced: object  # mp.Value: the batches generated so far
@@ -100,6 +110,7 @@ class Channel:
     lock: object
     batches: object  # mp.Queue
     stop: object  # mp.Event
+    receiver: object = None  # the producer's weight_transfer.Receiver (broadcast), made there
 
 
 def check_picklable(scorer, max_staleness: int) -> None:
@@ -121,18 +132,20 @@ def from_run(run) -> AsyncSource:
     check_picklable(run.scorer, run.cfg.max_staleness)
     if run.cfg.partial_rollouts:
         partial_rollouts.check(run.cfg, run.response_length)
-    return AsyncSource(run)
+    return AsyncSource(run, weight_transfer.resolve(run.cfg, run.device))
 
 
 class AsyncSource:
     """The trainer's end of a producer process (see the module's docstring).  ``run``: the run's record
-    (its options, policy, tokenizer, prompts, reward, device, log, step and version)."""
+    (its options, policy, tokenizer, prompts, reward, device, log, step and version); ``transfer``: how the
+    weights go to the producer, and its device (``weight_transfer.resolve``)."""
 
     is_async = True
     syncs_weights = True
 
-    def __init__(self, run):
-        self.run, self.cfg = run, run.cfg
+    def __init__(self, run, transfer: weight_transfer.Transfer):
+        self.run, self.cfg, self.transfer = run, run.cfg, transfer
+        self.sender = None
         self.max_staleness, self.policy_name = run.cfg.max_staleness, run.cfg.staleness_policy
         self.process = self.channel = None
         self.dropped: collections.Counter = collections.Counter()  # groups dropped by age, this step
@@ -147,10 +160,17 @@ class AsyncSource:
         self.template = copy.deepcopy(run.policy).eval().requires_grad_(False)  # the producer's shadow
         # What an update can change: all but the frozen parameters (LoRA: the adapters and the buffers).
         frozen = {name for name, p in run.policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self.names = [name for name in run.policy.state_dict() if name not in frozen]
+        transfer, server = weight_transfer.store(self.transfer)
+        if broadcast := transfer.kind == "broadcast":  # by value: a CUDA copy would start CUDA in the producer
+            self.template.to("cpu")  # before it chooses its GPU
         state = run.policy.state_dict()
-        self.staging = {name: _shared(t) for name, t in state.items() if name not in frozen}
+        self.staging = {} if broadcast else {name: _shared(state[name]) for name in self.names}
         self.channel = Channel(
             staging=self.staging,
+            names=self.names,
+            offer=ctx.Event(),
+            joined=ctx.Value("q", 0),
             weights_step=ctx.Value("q", run.step, lock=False),
             version=ctx.Value("q", run.policy_version, lock=False),
             produced=ctx.Value("q", 0),
@@ -167,7 +187,7 @@ class AsyncSource:
             train_set=run.train_set,
             scorer=run.scorer,
             response_length=run.response_length,
-            device=run.device,
+            transfer=transfer,
             output_dir=run.output_dir,
             first_step=run.step,
             first_version=run.policy_version,
@@ -176,9 +196,11 @@ class AsyncSource:
         )
         self.process = ctx.Process(target=produce, args=(spec, self.channel), name="ppo-fast-producer", daemon=True)
         self.process.start()
+        self.sender = weight_transfer.Sender(transfer, self.channel, server) if broadcast else None
         self.since = time.perf_counter()
         run.log(
-            f"asynchronous rollouts: producer process {self.process.pid} ({self.cfg.rollout_engine} engine), at most "
+            f"asynchronous rollouts: producer process {self.process.pid} ({self.cfg.rollout_engine} engine on "
+            f"{transfer.device}, weights by {transfer.kind}), at most "
             f"{self.max_staleness} step(s) stale ({self.policy_name}), from step {run.step} (version {run.policy_version})"
         )
 
@@ -186,6 +208,8 @@ class AsyncSource:
         """Stop the producer (its queued batches are dropped, and said)."""
         if self.process is None:
             return
+        if self.sender is not None:
+            self.sender.close()
         process, self.process = self.process, None
         self.channel.stop.set()
         dropped, deadline = 0, time.perf_counter() + 10.0
@@ -270,8 +294,13 @@ class AsyncSource:
             )
 
     def publish(self) -> None:
-        """The policy's weights after this step's update to the staging copy, with their step and version."""
+        """The policy's weights after this step's update to the producer, with their step and version."""
         channel, run = self.channel, self.run
+        if self.sender is not None:
+            self.sender.send(run.policy.state_dict(), self.names, (run.step, run.policy_version), self._alive)
+            with channel.lock:
+                channel.weights_step.value, channel.version.value = run.step, run.policy_version
+            return
         with channel.lock:
             with torch.no_grad():
                 state = run.policy.state_dict()
@@ -280,6 +309,12 @@ class AsyncSource:
             if any(t.is_cuda for t in channel.staging.values()):
                 torch.cuda.synchronize()  # the copies are done before the producer may read them
             channel.weights_step.value, channel.version.value = run.step, run.policy_version
+
+    def _alive(self) -> None:
+        """``ProducerError`` with the producer's last word if it has ended."""
+        if not self.process.is_alive():
+            _, payload = self._last_word()
+            raise ProducerError(f"the rollout producer (process {self.process.pid}) failed:\n{payload}")
 
     def metrics(self, g: Generated) -> dict:
         """The step's ``async/*`` metrics (``METRICS``)."""
@@ -320,6 +355,8 @@ def produce(spec: ProducerSpec, channel: Channel) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer stops it, after its step
         signal.signal(signum, signal.SIG_IGN)
     _alone()
+    if spec.transfer.visible is not None:  # its GPU, before anything starts CUDA here
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.transfer.visible
     try:
         _produce(spec, channel)
     except BaseException:
@@ -372,7 +409,10 @@ def _start_engine(spec: ProducerSpec, policy: torch.nn.Module):
 
 
 def _adopt(channel: Channel, shadow: dict, held: int) -> tuple[int, int] | None:
-    """``(step, version)`` of the staged weights, copied into ``shadow`` under the lock, if newer than ``held``."""
+    """``(step, version)`` of the staged (or received) weights, copied into ``shadow`` under the lock, if newer
+    than ``held``."""
+    if channel.receiver is not None:
+        return channel.receiver.adopt(shadow, held)
     if channel.weights_step.value <= held:
         return None
     with channel.lock, torch.no_grad():
@@ -381,6 +421,15 @@ def _adopt(channel: Channel, shadow: dict, held: int) -> tuple[int, int] | None:
         if any(t.is_cuda for t in shadow.values()):
             torch.cuda.synchronize()
         return channel.weights_step.value, channel.version.value
+
+
+def _failed(channel: Channel, parent: int, message: str) -> None:
+    """A failure off the producer's main thread (the weights' receiver): reported, and the producer ended, as the
+    trainer would wait on it otherwise."""
+    _put(channel, ("error", message), parent)
+    channel.batches.close()
+    channel.batches.join_thread()  # the report is sent before the process ends
+    os._exit(1)
 
 
 def _produce(spec: ProducerSpec, channel: Channel) -> None:
@@ -392,6 +441,9 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
     policy = spec.policy.to(device).eval()
     engine = _start_engine(spec, policy)
     shadow = policy.state_dict()
+    if spec.transfer.kind == "broadcast":
+        failed = functools.partial(_failed, channel, spec.parent)
+        channel.receiver = weight_transfer.Receiver(spec.transfer, channel, shadow, channel.names, failed)
     step, version, index = spec.first_step, spec.first_version, spec.first_step
     keywords = sampling(cfg, spec.response_length) | {"device": device}
     shard = list(range(len(spec.train_set.texts)))
@@ -446,6 +498,8 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
             idle = time.perf_counter() - start  # waiting for room counts toward the next batch
             index += 1
     finally:
+        if channel.receiver is not None:
+            channel.receiver.close()
         engine.close()
 
 

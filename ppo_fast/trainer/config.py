@@ -390,6 +390,19 @@ class TrainerConfig:
         "rollout",
         choices=("wait", "drop"),
     )
+    rollout_device: str = _opt(
+        "auto",
+        "With --max-staleness > 0: the producer's device: auto (the trainer's) or cuda:N, another GPU.",
+        "rollout",
+    )
+    weight_transfer: str = _opt(
+        "auto",
+        "With --max-staleness > 0: how the producer gets each update's weights (docs/async.md): staging (shared "
+        "memory, or CUDA IPC on the trainer's GPU), broadcast (a gloo or NCCL group of the two processes) or auto "
+        "(staging on the trainer's device, broadcast on another).",
+        "rollout",
+        choices=("auto", "staging", "broadcast"),
+    )
     partial_rollouts: int = _opt(
         0,
         "Partial rollouts (docs/async.md; with --max-staleness > 0): generate in rounds of at most this many tokens "
@@ -646,18 +659,7 @@ class TrainerConfig:
                 "(or --reward-model) is required with --model-name-or-path",
             )
         self._validate_lora()
-        for spec in self.reward_fns():
-            module, _, function = spec.rpartition(":")
-            _require(
-                "reward_fn",
-                bool(module and function),
-                f"must look like 'module:function' or 'path/to/file.py:function' (several: separated by commas), "
-                f"got {spec!r}",
-            )
-        _NAMES.validate_reward_weights(self)
-        names = [name.strip() for name in self.report_to.split(",")]
-        alone = len(names) == 1 or not {"auto", "none"} & set(names)
-        _require("report_to", set(names) <= set(REPORT_TO) and alone, f"must be auto, none or of {REPORT_TO[2:]}")
+        _NAMES.validate_rewards_and_trackers(self, REPORT_TO)
 
     def reward_fns(self) -> list[str]:
         """``--reward-fn``'s functions, in order."""
@@ -695,6 +697,7 @@ class TrainerConfig:
             "sleeps the engine while the producer of --max-staleness > 0 generates; choose one",
         )
         _NAMES.validate_partial_rollouts(self, engine, _engines_with)
+        _NAMES.validate_rollout_device(self)
 
     def _validate_lora(self) -> None:
         """The LoRA options: only with --lora-r, never on the LM head, dropout only where it is kept."""

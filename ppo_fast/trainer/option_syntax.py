@@ -245,6 +245,40 @@ def validate_reward_weights(cfg) -> None:
     _require("reward_weights", ok, f"{why}, got {cfg.reward_weights!r}")
 
 
+def validate_rewards_and_trackers(cfg, report_to: tuple) -> None:
+    """``--reward-fn``'s specs and ``--report-to``'s names (``report_to``: the known ones)."""
+    for spec in cfg.reward_fns():
+        module, _, function = spec.rpartition(":")
+        _require(
+            "reward_fn",
+            bool(module and function),
+            f"must look like 'module:function' or 'path/to/file.py:function' (several: separated by commas), "
+            f"got {spec!r}",
+        )
+    validate_reward_weights(cfg)
+    names = [name.strip() for name in cfg.report_to.split(",")]
+    alone = len(names) == 1 or not {"auto", "none"} & set(names)
+    _require("report_to", set(names) <= set(report_to) and alone, f"must be auto, none or of {report_to[2:]}")
+
+
+def validate_rollout_device(cfg) -> None:
+    """``--rollout-device``: auto or cuda:N, and only for the producer of ``--max-staleness`` > 0 (with the
+    trainer's device, checked at the start: ``weight_transfer.resolve``)."""
+    device = cfg.rollout_device
+    index = device.removeprefix("cuda:")
+    _require(
+        "rollout_device",
+        device == "auto" or (index != device and index.isdigit()),
+        f"must be auto or cuda:N, got {device!r}",
+    )
+    for name, default in (("rollout_device", "auto"), ("weight_transfer", "auto")):
+        _require(
+            name,
+            getattr(cfg, name) == default or cfg.max_staleness > 0,
+            "only applies to the producer of --max-staleness > 0 (it is 0)",
+        )
+
+
 def validate_partial_rollouts(cfg, engine, engines_with) -> None:
     """``--partial-rollouts``: a continued response's prefix was sampled by older weights, so it needs the
     producer's staleness bound (``--max-staleness`` > 0), an engine that continues a response from its tokens,

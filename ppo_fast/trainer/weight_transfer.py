@@ -1,0 +1,184 @@
+"""How the rollout producer (``async_rollouts``) gets each update's weights: ``--weight-transfer``, decided once
+from ``--rollout-device`` and the trainer's device (``resolve``).
+
+- ``staging``: a staging copy the producer reads under a lock; shared memory on the CPU, on a GPU the trainer's
+  own memory sent as CUDA IPC handles.  No copy crosses a device, but the producer must sit on the trainer's.
+- ``broadcast``: a two-process group (gloo on the CPU, NCCL on GPUs) of the trainer and the producer, its own
+  store and group, beside any torchrun group.  A producer on another GPU needs it.  The producer only adopts
+  weights between generations, so a plain broadcast would make the trainer wait for the producer's generation
+  to end; instead a receiving thread in the producer joins each broadcast when the trainer offers one
+  (``Sender.send``: offer, wait for the join while checking the producer lives, broadcast), into a receive
+  buffer on the producer's device (one more copy of the weights there), and the producer copies that buffer
+  into its policy between generations under the receiver's lock (``Receiver.adopt``).  The trainer waits
+  for the transfer itself and at most one such copy, never a generation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+TIMEOUT = datetime.timedelta(seconds=300)  # a transfer, or the group's start, that takes longer is an error
+_HOST = "127.0.0.1"  # the producer is the trainer's child, on its machine
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``kind``: staging or broadcast; ``device``: the producer's device as the trainer names it;
+    ``visible``: the producer's ``CUDA_VISIBLE_DEVICES`` when it sits on another GPU (it then names its GPU
+    cuda:0, as vLLM's engine expects), else None; ``port``: the broadcast group's store (the trainer's)."""
+
+    kind: str
+    device: torch.device
+    visible: str | None = None
+    port: int = 0
+
+    def producer_device(self) -> torch.device:
+        return torch.device("cuda", 0) if self.visible is not None else self.device
+
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def resolve(cfg, trainer_device: torch.device) -> Transfer:
+    """The producer's device and how its weights travel (``ConfigError`` for a combination that cannot work)."""
+    device = trainer_device
+    if cfg.rollout_device != "auto":
+        if trainer_device.type != "cuda":
+            raise ConfigError(f"--rollout-device {cfg.rollout_device}: needs the trainer on a GPU (it is on the CPU)")
+        device = torch.device(cfg.rollout_device)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--rollout-device {cfg.rollout_device}: this process sees {torch.cuda.device_count()} GPU(s)"
+            )
+    same = device.type == trainer_device.type and (device.index or 0) == (trainer_device.index or 0)
+    kind = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("staging" if same else "broadcast")
+    if kind == "staging" and not same:
+        raise ConfigError(
+            f"--weight-transfer staging: needs the producer on the trainer's device ({trainer_device}); "
+            f"--rollout-device {cfg.rollout_device} puts it on {device}: use broadcast"
+        )
+    if kind == "broadcast" and same and device.type == "cuda":  # NCCL refuses two ranks on one GPU
+        raise ConfigError(
+            f"--weight-transfer broadcast: on a GPU needs the producer on another GPU (--rollout-device cuda:N); "
+            f"on the trainer's ({device}) use staging"
+        )
+    return Transfer(kind, device, None if same else _visible(device.index))
+
+
+def _visible(index: int) -> str:
+    """The physical GPU of this process's ``cuda:index`` (through its own ``CUDA_VISIBLE_DEVICES``)."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return seen.split(",")[index].strip() if seen else str(index)
+
+
+def store(transfer: Transfer) -> tuple[Transfer, dist.TCPStore | None]:
+    """The broadcast group's store, the trainer's (a free port), and ``transfer`` naming its port."""
+    if transfer.kind != "broadcast":
+        return transfer, None
+    server = dist.TCPStore(_HOST, 0, 2, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    return Transfer(transfer.kind, transfer.device, transfer.visible, server.port), server
+
+
+def _group(transfer: Transfer, rank: int, server: dist.TCPStore | None = None):
+    """The trainer's (rank 0) and the producer's (rank 1) group; a rendezvous, so both make it at once."""
+    prefixed = dist.PrefixStore("weights", server or dist.TCPStore(_HOST, transfer.port, 2, False, timeout=TIMEOUT))
+    if transfer.backend() == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, 2, TIMEOUT)
+    return dist.ProcessGroupNCCL(prefixed, rank, 2, TIMEOUT)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+class Sender:
+    """The trainer's end of ``broadcast``; ``channel``: the producer's channel (its ``offer`` event and
+    ``joined`` count), ``server``: the group's store (``store``)."""
+
+    def __init__(self, transfer: Transfer, channel, server: dist.TCPStore):
+        self.transfer, self.channel, self.server = transfer, channel, server
+        self.group, self.offers = None, 0
+
+    def send(self, state: dict, names: list[str], step_version: tuple[int, int], alive) -> None:
+        """``state[name]`` for ``names``, in order, with the step and version, to the producer; ``alive()``
+        raises if the producer has died (checked while waiting for it to join)."""
+        self.offers += 1
+        self.channel.offer.set()
+        while self.channel.joined.value < self.offers:
+            alive()
+            time.sleep(0.001)
+        if self.group is None:
+            self.group = _group(self.transfer, 0, self.server)
+        device = self.transfer.device
+        _broadcast(self.group, torch.tensor(step_version, dtype=torch.int64, device=device))
+        with torch.no_grad():
+            for name in names:
+                _broadcast(self.group, state[name].detach().to(device).contiguous())
+
+    def close(self) -> None:
+        self.group = self.server = None
+
+
+class Receiver:
+    """The producer's end of ``broadcast``: a thread that joins each offered broadcast into ``buffer`` (a copy
+    of ``shadow``'s ``names`` on the producer's device).  ``failed(traceback)``: what the thread does when a
+    transfer fails (reports it and ends the producer: the trainer would otherwise wait on a broken group)."""
+
+    def __init__(self, transfer: Transfer, channel, shadow: dict, names: list[str], failed):
+        self.transfer, self.channel, self.names, self.failed = transfer, channel, names, failed
+        self.buffer = {name: torch.empty_like(shadow[name]) for name in names}
+        self.lock, self.received, self.group = threading.Lock(), None, None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ppo-fast-weights", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self.transfer.producer_device().type == "cuda":  # the current GPU is the thread's own
+                torch.cuda.set_device(self.transfer.producer_device())
+            while not self.stopping.is_set():
+                if self.channel.offer.wait(0.1):
+                    self._receive()
+        except BaseException:
+            self.failed(traceback.format_exc())
+
+    def _receive(self) -> None:
+        self.channel.offer.clear()
+        with self.lock:
+            self.channel.joined.value += 1  # the trainer broadcasts once it sees this
+            if self.group is None:
+                self.group = _group(self.transfer, 1)
+            device = self.transfer.producer_device()
+            header = torch.empty(2, dtype=torch.int64, device=device)
+            _broadcast(self.group, header)
+            for name in self.names:
+                _broadcast(self.group, self.buffer[name])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.received = tuple(header.tolist())
+
+    def adopt(self, shadow: dict, held: int) -> tuple[int, int] | None:
+        """``(step, version)`` of the received weights, copied into ``shadow``, if newer than step ``held``."""
+        with self.lock, torch.no_grad():
+            if self.received is None or self.received[0] <= held:
+                return None
+            for name in self.names:
+                shadow[name].copy_(self.buffer[name])
+            if self.transfer.producer_device().type == "cuda":
+                torch.cuda.synchronize()
+            return self.received
+
+    def close(self) -> None:
+        self.stopping.set()
