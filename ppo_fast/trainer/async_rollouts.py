@@ -196,7 +196,7 @@ class AsyncSource:
         )
         self.process = ctx.Process(target=produce, args=(spec, self.channel), name="ppo-fast-producer", daemon=True)
         self.process.start()
-        self.sender = weight_transfer.Sender(transfer, self.channel, server) if broadcast else None
+        self.sender = weight_transfer.Sender(transfer, self.channel, server, run.device) if broadcast else None
         self.since = time.perf_counter()
         run.log(
             f"asynchronous rollouts: producer process {self.process.pid} ({self.cfg.rollout_engine} engine on "

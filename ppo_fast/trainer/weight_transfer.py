@@ -105,10 +105,11 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 class Sender:
     """The trainer's end of ``broadcast``; ``channel``: the producer's channel (its ``offer`` event and
-    ``joined`` count), ``server``: the group's store (``store``)."""
+    ``joined`` count), ``server``: the group's store (``store``), ``device``: the trainer's, which its end
+    of the group sends from (NCCL puts each rank on its own GPU)."""
 
-    def __init__(self, transfer: Transfer, channel, server: dist.TCPStore):
-        self.transfer, self.channel, self.server = transfer, channel, server
+    def __init__(self, transfer: Transfer, channel, server: dist.TCPStore, device: torch.device):
+        self.transfer, self.channel, self.server, self.device = transfer, channel, server, device
         self.group, self.offers = None, 0
 
     def send(self, state: dict, names: list[str], step_version: tuple[int, int], alive) -> None:
@@ -121,7 +122,7 @@ class Sender:
             time.sleep(0.001)
         if self.group is None:
             self.group = _group(self.transfer, 0, self.server)
-        device = self.transfer.device
+        device = self.device
         _broadcast(self.group, torch.tensor(step_version, dtype=torch.int64, device=device))
         with torch.no_grad():
             for name in names:
