@@ -62,6 +62,8 @@ SETUPS |= {
 SETUPS |= {
     f"k{k}_{name}": dict(max_staleness=k, cpu_threads=1, **loss) for k in (2, 4) for name, loss in CORRECTIONS.items()
 }
+# The weights broadcast to the producer (--weight-transfer broadcast, gloo here) against the staging copy.
+SETUPS["async_k1_broadcast_t1"] = dict(max_staleness=1, cpu_threads=1, weight_transfer="broadcast")
 QUICK = dict(steps=3, sft_steps=10, eval_size=16, batch_size=8)
 # --model llama: a randomly initialised Llama-shaped policy on the built-in prompts and reward, GRPO with one
 # pass over each batch and long responses (a random model seldom stops): a job where generation weighs.
