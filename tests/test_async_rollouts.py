@@ -275,6 +275,29 @@ def test_a_broadcast_never_waits_for_a_generation_and_lands_whole_between_genera
     assert g.weights_step >= 1
 
 
+def test_broadcast_buckets_split_by_dtype_and_size_and_the_producers_views_match_the_senders_layout():
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    state = {
+        "a": torch.randn(3, 4, generator=g),  # 48 bytes
+        "b": torch.randn(5, generator=g),  # 20: with a, 68 <= 80
+        "c": torch.randn(2, 2, generator=g).bfloat16(),  # another dtype
+        "d": torch.randn(100, generator=g),  # 400 > 80: alone
+        "e": torch.randn(2, generator=g),
+    }
+    plan = weight_transfer.buckets(state, list(state), limit=80)
+    assert [b.names for b in plan] == [("a", "b"), ("c",), ("d",), ("e",)]
+    assert [b.dtype for b in plan] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    shadow = {name: torch.zeros_like(t) for name, t in state.items()}
+    flats, views = weight_transfer._buffers(plan, shadow, torch.device("cpu"))
+    for flat, bucket in zip(flats, plan):  # what the sender broadcasts into each
+        flat.copy_(torch.cat([state[name].reshape(-1) for name in bucket.names]))
+    for name, t in state.items():
+        assert torch.equal(views[name], t) and views[name].shape == t.shape
+    shadow["b"] = torch.zeros(5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"sends b as torch.float32, 5 elements; .* has torch.float64, 5 elements"):
+        weight_transfer._buffers(plan, shadow, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     "device, transfer, trainer, visible, says",
     [

@@ -100,7 +100,7 @@ class Channel:
     batches' queue and the stop request."""
 
     staging: dict
-    names: list
+    plan: list  # broadcast: weight_transfer.buckets of the tensors sent
     offer: object  # mp.Event: the trainer offers a broadcast
     joined: object  # mp.Value: the broadcasts the producer has joined
     weights_step: object  # mp.Value
@@ -168,7 +168,7 @@ class AsyncSource:
         self.staging = {} if broadcast else {name: _shared(state[name]) for name in self.names}
         self.channel = Channel(
             staging=self.staging,
-            names=self.names,
+            plan=weight_transfer.buckets(state, self.names) if broadcast else [],
             offer=ctx.Event(),
             joined=ctx.Value("q", 0),
             weights_step=ctx.Value("q", run.step, lock=False),
@@ -297,7 +297,7 @@ class AsyncSource:
         """The policy's weights after this step's update to the producer, with their step and version."""
         channel, run = self.channel, self.run
         if self.sender is not None:
-            self.sender.send(run.policy.state_dict(), self.names, (run.step, run.policy_version), self._alive)
+            self.sender.send(run.policy.state_dict(), channel.plan, (run.step, run.policy_version), self._alive)
             with channel.lock:
                 channel.weights_step.value, channel.version.value = run.step, run.policy_version
             return
@@ -443,7 +443,7 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
     shadow = policy.state_dict()
     if spec.transfer.kind == "broadcast":
         failed = functools.partial(_failed, channel, spec.parent)
-        channel.receiver = weight_transfer.Receiver(spec.transfer, channel, shadow, channel.names, failed)
+        channel.receiver = weight_transfer.Receiver(spec.transfer, channel, shadow, channel.plan, failed)
     step, version, index = spec.first_step, spec.first_version, spec.first_step
     keywords = sampling(cfg, spec.response_length) | {"device": device}
     shard = list(range(len(spec.train_set.texts)))

@@ -10,7 +10,10 @@ from ``--rollout-device`` and the trainer's device (``resolve``).
   (``Sender.send``: offer, wait for the join while checking the producer lives, broadcast), into a receive
   buffer on the producer's device (one more copy of the weights there), and the producer copies that buffer
   into its policy between generations under the receiver's lock (``Receiver.adopt``).  The trainer waits
-  for the transfer itself and at most one such copy, never a generation.
+  for the transfer itself and at most one such copy, never a generation.  The tensors go in buckets of
+  consecutive tensors of one dtype (``buckets``): one broadcast a bucket, not one a tensor (each call a
+  rendezvous and, in the producer, a thread that must win the GIL back from generation), at the cost of
+  one bucket's copy on the trainer's side.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 
+BUCKET_BYTES = 256 * 2**20  # a tensor larger than this goes alone, in place
 TIMEOUT = datetime.timedelta(seconds=300)  # a transfer, or the group's start, that takes longer is an error
 _HOST = "127.0.0.1"  # the producer is the trainer's child, on its machine
 
@@ -97,6 +101,30 @@ def _group(transfer: Transfer, rank: int, server: dist.TCPStore | None = None):
     return dist.ProcessGroupNCCL(prefixed, rank, 2, TIMEOUT)
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive tensors of one dtype sent as one flat tensor: their names, dtype and element counts."""
+
+    names: tuple[str, ...]
+    dtype: torch.dtype
+    numels: tuple[int, ...]
+
+
+def buckets(state: dict, names: list[str], limit: int = BUCKET_BYTES) -> list[Bucket]:
+    """``names`` (in order) in buckets of one dtype and at most ``limit`` bytes (or one larger tensor)."""
+    groups: list[list[str]] = []
+    size = 0
+    for name in names:
+        t = state[name]
+        nbytes = t.numel() * t.element_size()
+        if not groups or t.dtype != state[groups[-1][0]].dtype or size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return [Bucket(tuple(g), state[g[0]].dtype, tuple(state[n].numel() for n in g)) for g in groups]
+
+
 def _broadcast(group, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
@@ -112,8 +140,8 @@ class Sender:
         self.transfer, self.channel, self.server, self.device = transfer, channel, server, device
         self.group, self.offers = None, 0
 
-    def send(self, state: dict, names: list[str], step_version: tuple[int, int], alive) -> None:
-        """``state[name]`` for ``names``, in order, with the step and version, to the producer; ``alive()``
+    def send(self, state: dict, plan: list[Bucket], step_version: tuple[int, int], alive) -> None:
+        """``state``'s tensors by ``plan``'s buckets, with the step and version, to the producer; ``alive()``
         raises if the producer has died (checked while waiting for it to join)."""
         self.offers += 1
         self.channel.offer.set()
@@ -125,21 +153,24 @@ class Sender:
         device = self.device
         _broadcast(self.group, torch.tensor(step_version, dtype=torch.int64, device=device))
         with torch.no_grad():
-            for name in names:
-                _broadcast(self.group, state[name].detach().to(device).contiguous())
+            for bucket in plan:
+                parts = [state[name].detach().to(device).reshape(-1) for name in bucket.names]
+                _broadcast(self.group, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts))
 
     def close(self) -> None:
         self.group = self.server = None
 
 
 class Receiver:
-    """The producer's end of ``broadcast``: a thread that joins each offered broadcast into ``buffer`` (a copy
-    of ``shadow``'s ``names`` on the producer's device).  ``failed(traceback)``: what the thread does when a
-    transfer fails (reports it and ends the producer: the trainer would otherwise wait on a broken group)."""
+    """The producer's end of ``broadcast``: a thread that joins each offered broadcast into ``buffer`` (one
+    flat tensor a bucket of ``plan``, the trainer's, on the producer's device, and each of ``shadow``'s tensors
+    a view of it).  ``failed(traceback)``: what the thread does when a transfer fails (reports it and ends the
+    producer: the trainer would otherwise wait on a broken group)."""
 
-    def __init__(self, transfer: Transfer, channel, shadow: dict, names: list[str], failed):
-        self.transfer, self.channel, self.names, self.failed = transfer, channel, names, failed
-        self.buffer = {name: torch.empty_like(shadow[name]) for name in names}
+    def __init__(self, transfer: Transfer, channel, shadow: dict, plan: list[Bucket], failed):
+        self.transfer, self.channel, self.failed = transfer, channel, failed
+        self.flat, self.buffer = _buffers(plan, shadow, transfer.producer_device())
+        self.names = [name for bucket in plan for name in bucket.names]
         self.lock, self.received, self.group = threading.Lock(), None, None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ppo-fast-weights", daemon=True)
@@ -164,8 +195,8 @@ class Receiver:
             device = self.transfer.producer_device()
             header = torch.empty(2, dtype=torch.int64, device=device)
             _broadcast(self.group, header)
-            for name in self.names:
-                _broadcast(self.group, self.buffer[name])
+            for flat in self.flat:
+                _broadcast(self.group, flat)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.received = tuple(header.tolist())
@@ -183,3 +214,22 @@ class Receiver:
 
     def close(self) -> None:
         self.stopping.set()
+
+
+def _buffers(plan: list[Bucket], shadow: dict, device: torch.device) -> tuple[list[torch.Tensor], dict]:
+    """One flat tensor a bucket, and each tensor's view of it; the trainer's plan checked against ``shadow``."""
+    flats, views = [], {}
+    for bucket in plan:
+        for name, numel in zip(bucket.names, bucket.numels):
+            own = shadow.get(name)
+            if own is None or own.dtype != bucket.dtype or own.numel() != numel:
+                got = "none" if own is None else f"{own.dtype}, {own.numel()} elements"
+                raise RuntimeError(
+                    f"asynchronous rollouts: the trainer sends {name} as {bucket.dtype}, {numel} elements; the "
+                    f"producer's copy of the policy has {got}"
+                )
+        flat = torch.empty(sum(bucket.numels), dtype=bucket.dtype, device=device)
+        for name, part in zip(bucket.names, flat.split(list(bucket.numels))):
+            views[name] = part.view(shadow[name].shape)
+        flats.append(flat)
+    return flats, views
