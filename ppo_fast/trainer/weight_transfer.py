@@ -150,6 +150,16 @@ class Sender:
             time.sleep(0.001)
         if self.group is None:
             self.group = _group(self.transfer, 0, self.server)
+        try:
+            self._broadcast(state, plan, step_version)
+        except Exception:  # the producer's end failed: its own report, once it has ended, says why
+            deadline = time.perf_counter() + 5.0
+            while time.perf_counter() < deadline:
+                alive()
+                time.sleep(0.05)
+            raise
+
+    def _broadcast(self, state: dict, plan: list[Bucket], step_version: tuple[int, int]) -> None:
         device = self.device
         _broadcast(self.group, torch.tensor(step_version, dtype=torch.int64, device=device))
         with torch.no_grad():
