@@ -95,7 +95,7 @@ class ProducerSpec:
 
 @dataclass(kw_only=True)
 class Channel:
-    """The producer's and the trainer's shared state: the staging weights (or, broadcast, the names of those
+    """The producer's and the trainer's shared state: the staging weights (or, broadcast, the buckets of those
     sent, and the offer and join of each transfer), the step and version they hold, the lock around both, the
     batches' queue and the stop request."""
 
