@@ -22,6 +22,7 @@ rewards the next batches while the trainer trains on the current one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import os
@@ -423,12 +424,14 @@ def _adopt(channel: Channel, shadow: dict, held: int) -> tuple[int, int] | None:
         return channel.weights_step.value, channel.version.value
 
 
-def _failed(channel: Channel, parent: int, message: str) -> None:
+def _failed(channel: Channel, message: str) -> None:
     """A failure off the producer's main thread (the weights' receiver): reported, and the producer ended, as the
-    trainer would wait on it otherwise."""
-    _put(channel, ("error", message), parent)
-    channel.batches.close()
-    channel.batches.join_thread()  # the report is sent before the process ends
+    trainer would wait on it otherwise.  On stderr too: a full queue (the trainer mid-transfer, not reading)
+    may keep the report from the trainer, which then names the exit and points there."""
+    print(f"ppo-fast producer: receiving the weights failed:\n{message}", file=sys.stderr, flush=True)
+    with contextlib.suppress(queue.Full):
+        channel.batches.put(("error", message), timeout=2.0)
+        time.sleep(1.0)  # for the queue's thread to send it
     os._exit(1)
 
 
@@ -442,7 +445,7 @@ def _produce(spec: ProducerSpec, channel: Channel) -> None:
     engine = _start_engine(spec, policy)
     shadow = policy.state_dict()
     if spec.transfer.kind == "broadcast":
-        failed = functools.partial(_failed, channel, spec.parent)
+        failed = functools.partial(_failed, channel)
         channel.receiver = weight_transfer.Receiver(spec.transfer, channel, shadow, channel.plan, failed)
     step, version, index = spec.first_step, spec.first_version, spec.first_step
     keywords = sampling(cfg, spec.response_length) | {"device": device}
