@@ -5,7 +5,7 @@
 #         user whose pip does not cap torch (pyproject asks torch>=2.11).
 #
 # Runs, in a venv of its own, what differs under another torch + triton: every test whose name
-# contains "compile" (the sm_90 compile of every Triton kernel, torch.compile of every op), the
+# contains "compile" (the sm_90 compile of every Triton kernel variant, torch.compile of every op), the
 # custom-op registration of the native operators (opcheck), and a sample of the interpreter: the
 # conformance matrix's Triton cells of the fast tier.  TRITON_INTERPRET=1 on CPU tensors; tests
 # that need a GPU are deselected (-m "not cuda") or skip themselves; with COMPAT_CPU_CLONE, the
@@ -104,7 +104,9 @@ SELECT="compile or opcheck or native_operator or (test_backend_matches_reference
 echo "== compat: pytest (TRITON_INTERPRET=1): -k '$SELECT' -m 'not cuda'"
 t2=$SECONDS
 rc=0
-(cd "$SRC" && env -u PPO_FAST_STATIC_REPORT TRITON_INTERPRET=1 "$PY" -m pytest tests -p no:cacheprovider -q -rfE \
+# PPO_FAST_STATIC_EVERY=1: the sm_90 compile of every Triton variant with its budgets (the fast tier samples
+# them): another Triton's registers and spills differ variant by variant.
+(cd "$SRC" && env -u PPO_FAST_STATIC_REPORT TRITON_INTERPRET=1 PPO_FAST_STATIC_EVERY=1 "$PY" -m pytest tests -p no:cacheprovider -q -rfE \
     --tb=short --log-level=WARNING -W ignore::DeprecationWarning -k "$SELECT" -m "not cuda" ${COMPAT_PYTEST_ARGS:-}) || rc=$?
 echo "compat: pytest in $((SECONDS - t2)) s, total $((SECONDS - t0)) s, exit status $rc"
 if [ "$rc" -ne 0 ]; then

@@ -432,19 +432,38 @@ def analyse_triton(variants: list[Variant] | None = None) -> list[KernelReport]:
     return reports
 
 
-def compile_for(capability: int, sample: bool = False) -> tuple[int, list[str]]:
-    """Every variant compiled for a compute capability (100: B200/GB200), with no budget (those
-    are sm_90's), or with ``sample`` every variant of the kernels with ``tl.dot`` (where an architecture's
-    tensor-core paths differ) and the first of each other kernel and set of pointer dtypes:
+def sampled(variants: list[Variant]) -> list[Variant]:
+    """The tests' fast tier (``--sample``): the first variant of each kernel for each set of pointer dtypes,
+    instruction budget and 128-bit-load expectation; the rest differ in constexprs and shapes (the full tier's)."""
+    from triton.backends.compiler import GPUTarget
+
+    target, seen, out = GPUTarget("cuda", 90, WARP), set(), []
+    for variant in variants:
+        launch = capture(variant, target)
+        key = (_pointer_dtypes(launch), variant.budget_key, variant.vector_loads_expected)
+        if key not in seen:
+            seen.add(key)
+            out.append(variant)
+    return out
+
+
+def _pointer_dtypes(launch: Launch) -> tuple:
+    return launch.fn.fn.__name__, frozenset(t for t in launch.signature.values() if t.startswith("*"))
+
+
+def compile_for(capability: int, sample: bool = False, variants: list[Variant] | None = None) -> tuple[int, list[str]]:
+    """Every variant (of ``variants``, default all) compiled for a compute capability (100: B200/GB200), with
+    no budget (those are sm_90's), or with ``sample`` every variant of the kernels with ``tl.dot`` (where an
+    architecture's tensor-core paths differ) and the first of each other kernel and set of pointer dtypes:
     ``(variants compiled, the failures as "variant on sm_XY: error")``."""
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", capability, WARP)
     failures, seen, tried = [], set(), 0
-    for variant in triton_variants():
+    for variant in triton_variants() if variants is None else variants:
         try:
             launch = capture(variant, target)
-            key = (launch.fn.fn.__name__, frozenset(t for t in launch.signature.values() if t.startswith("*")))
+            key = _pointer_dtypes(launch)
             if "tl.dot(" in inspect.getsource(sys.modules[launch.fn.fn.__module__]):  # tensor-core paths (tf32...)
                 key = variant.name
             if sample and key in seen:
@@ -582,36 +601,50 @@ def main(argv=None) -> int:
         type=pathlib.Path,
         metavar="JSON",
         help="the Triton kernels' reports from this file (written by --json, e.g. by "
-        "tests/backends/test_triton_compiles_for_gpu.py in the same CI run) instead of compiling them again",
+        "tests/backends/test_triton_compiles_for_gpu.py in the same CI run) instead of compiling them again; "
+        "the variants it lacks (the tests' fast tier reports a sample) are compiled",
+    )
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="only the first variant of each kernel, set of pointer dtypes and budget (the tests' fast tier)",
     )
     parser.add_argument(
         "--also-for",
         default="",
         metavar="CC,...",
-        help="also compile every Triton variant for these compute capabilities (e.g. 100), without budgets",
+        help="also compile every Triton variant (with --sample, the sample) for these compute capabilities "
+        "(e.g. 100), without budgets",
     )
     parser.add_argument(
         "--also-sample",
         action="store_true",
-        help="--also-for compiles one variant of each kernel and set of pointer dtypes (the tests' fast tier)",
+        help="--also-for compiles one variant of each kernel and set of pointer dtypes, every variant of the "
+        "kernels with tl.dot (the compat cells' compile tests)",
     )
     args = parser.parse_args(argv)
-    names = [v.name for v in triton_variants()]
+    every = triton_variants()
+    variants = [v for v in every if not args.only or args.only in v.name]
+    if args.sample:
+        variants = sampled(variants)
+        print(f"sm_90: {len(variants)} of {len(every)} Triton variants sampled")
     for cc in filter(None, args.also_for.split(",")):
-        tried, failed = compile_for(int(cc), sample=args.also_sample)
-        print(f"sm_{cc}: {tried - len(failed)} of {tried} Triton variants tried compiled ({len(names)} in all)")
+        tried, failed = compile_for(int(cc), sample=args.also_sample, variants=variants)
+        print(f"sm_{cc}: {tried - len(failed)} of {tried} Triton variants tried compiled ({len(every)} in all)")
         for failure in failed:
             print("DOES NOT COMPILE:", failure, file=sys.stderr)
         if failed:
             return 1
-    if args.triton_report:
-        reports = [r for r in read_json(args.triton_report) if r.name in names]
-        if [r.name for r in reports] != names:
-            parser.error(f"{args.triton_report} does not report this tree's Triton variants: compile them again")
-    else:
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            parser.error("TRITON_INTERPRET=1 is set: Triton cannot compile under the interpreter")
-        reports = analyse_triton([v for v in triton_variants() if not args.only or args.only in v.name])
+    reported = read_json(args.triton_report) if args.triton_report else []
+    wanted = {v.name for v in variants}
+    reports = {r.name: r for r in reported if r.name in wanted}
+    missing = [v for v in variants if v.name not in reports]
+    if missing and os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: Triton cannot compile under the interpreter")
+    if reported:
+        print(f"{args.triton_report}: {len(reports)} of {len(variants)} Triton variants; {len(missing)} compiled now")
+    reports |= {r.name: r for r in analyse_triton(missing)} if missing else {}
+    reports = [reports[v.name] for v in variants]
     if not args.no_cuda and not args.only:
         reports += analyse_cuda()
     print(markdown(reports))

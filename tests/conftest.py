@@ -107,8 +107,10 @@ def _start_static_compile(config) -> tuple:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         # sm_90 with its budgets; sm_100 (B200) compiled too, where Triton takes other paths.
         command = [sys.executable, "-m", "bench", "static", "--no-cuda", "--also-for", "100", "--json", str(out)]
-        if not full_tier(config):  # the fast tier: sm_100 for one variant of each kernel and pointer dtypes
-            command.append("--also-sample")
+        if os.environ.get("PPO_FAST_STATIC_EVERY") == "1" and not full_tier(config):
+            command.append("--also-sample")  # the compat cells: every variant for sm_90, sm_100 sampled
+        elif not full_tier(config):  # the fast tier: one variant of each kernel, pointer dtypes and budget
+            command += ["--sample", "--also-sample"]
         log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (read and closed by static_report)
         proc = subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True)
         config.stash[_STATIC] = (proc, out, log)

@@ -10,7 +10,8 @@ alone would not catch a kernel that does not compile.  Compilation runs in a sub
 (``python -m bench static --no-cuda --json``; conftest sets TRITON_INTERPRET=1, under which
 kernels cannot be compiled), started by tests/conftest.py when collection ends, so that it runs
 beside the rest of the suite; these tests run last.  With ``PPO_FAST_STATIC_REPORT=FILE`` (CI) the report is written
-there, and ``python -m bench static --triton-report FILE`` prints it without compiling again.
+there, and ``python -m bench static --triton-report FILE`` prints it, compiling only the variants the fast tier's
+sample left out.
 """
 
 import pytest
@@ -29,16 +30,32 @@ def reports(static_report):
     return static.read_json(out)
 
 
-def test_every_kernel_is_compiled(reports):
+def test_every_kernel_is_compiled(reports, static_report):
+    """Every variant in the full tier (and the compat cells', ``PPO_FAST_STATIC_EVERY=1``); in the fast tier
+    (``--sample``) the first variant of each kernel, set of pointer dtypes, budget and 128-bit-load
+    expectation (every kernel; every budget: test_static_budgets_hold), the rest (other constexprs and
+    shapes) in the full tier."""
+    import os
+    import re
+
     from bench.static import triton_kernels, triton_variants
 
-    assert [r.name for r in reports] == [v.name for v in triton_variants()]
+    names, got = [v.name for v in triton_variants()], [r.name for r in reports]
+    said = re.search(r"sm_90: (\d+) of (\d+) Triton variants sampled", static_report[1])
+    every = "1" in (os.environ.get("PPO_FAST_FULL"), os.environ.get("PPO_FAST_STATIC_EVERY"))
+    assert (said is None) == every, static_report[1][-4000:]
+    if every:
+        assert got == names
+    else:
+        assert [int(n) for n in said.groups()] == [len(got), len(names)]
+        assert got == [name for name in names if name in set(got)] and len(set(got)) == len(got)  # in order, once
     assert sorted({r.kernel for r in reports}) == triton_kernels()
 
 
 def test_every_kernel_also_compiles_for_blackwell(reports, static_report):
-    """sm_100: every variant in the full tier; in the fast tier one of each kernel and set of pointer
-    dtypes (``--also-sample``: the rest differ in constexprs, which select no architecture's path)."""
+    """sm_100: every variant in the full tier; in the fast tier, of the variants compiled for sm_90, every
+    one of the kernels with ``tl.dot`` and one of each other kernel and set of pointer dtypes
+    (``--also-sample``: the rest differ in constexprs, which select no architecture's path)."""
     import re
 
     from bench.static import triton_kernels, triton_variants
