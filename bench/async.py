@@ -190,15 +190,16 @@ def markdown(data: dict) -> str:
         + ".",
         "",
         f"| set-up | steps/s | min-max | vs {first} | held-out before | after | time/rollout share | age | "
-        "producer idle | trainer idle |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "producer idle | trainer idle | weight sync ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for setup, m in res["means"].items():
         low, high = m["steps_per_s_spread"]
         extra = " | ".join(f"{m[k]:.2f}" if k in m else "-" for k in ("age", "producer_idle_frac", "trainer_idle_frac"))
         lines.append(
             f"| {setup} | {m['steps_per_s']:.3f} | {low:.3f}-{high:.3f} | {m['speedup_vs_' + first]:.2f}x | "
-            f"{m['before']:.3f} | {m['after']:.3f} | {m['rollout_share']:.2f} | {extra} |"
+            f"{m['before']:.3f} | {m['after']:.3f} | {m['rollout_share']:.2f} | {extra} | "
+            f"{_weight_sync_ms(res['runs'][setup])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -233,3 +234,11 @@ def main(argv=None) -> int:
     Path(args.out).with_suffix(".md").write_text(markdown(data))
     print(markdown(data))
     return 0
+
+
+def _weight_sync_ms(runs: list[dict]) -> str:
+    """The trainer's ``time/weight_sync`` a step, in ms, over the set-up's runs (min-max); "-" where none."""
+    seen = [
+        r["phase_seconds"]["time/weight_sync"] * 1e3 for r in runs if "time/weight_sync" in r.get("phase_seconds", {})
+    ]
+    return f"{min(seen):.1f}-{max(seen):.1f}" if seen else "-"
