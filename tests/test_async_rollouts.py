@@ -60,6 +60,8 @@ class ClockEngine:
             with open(os.environ["CLOCK_DEVICES"], "a") as log:
                 log.write(f"{self.policy.a.device.type}\\n")
         time.sleep(float(os.environ.get("CLOCK_DELAY", "0")))
+        if not bool((self.policy.c == first).all()):  # a third tensor, in a bucket of its own when broadcast
+            raise ValueError(f"clock engine: c holds {self.policy.c.unique().tolist()}, a {first}")
         last = int(self.policy.b.item())
         ids = torch.tensor([[first, last]] * len(prompts))
         return Batch(ids, torch.ones_like(ids, dtype=torch.bool), 1), None
@@ -90,6 +92,7 @@ class Clock(torch.nn.Module):  # the stand-in policy: its version written into t
         super().__init__()
         self.a = torch.nn.Parameter(torch.zeros(()))
         self.b = torch.nn.Parameter(torch.zeros(()))
+        self.c = torch.nn.Parameter(torch.zeros(300))  # 1200 bytes: over the tests' 1 KiB broadcast bucket
         self.frozen = torch.nn.Parameter(torch.zeros(()), requires_grad=False)  # never sent: an update leaves it
 """
 
@@ -101,6 +104,7 @@ def clock(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))  # the producer process starts with this sys.path
     entry = RolloutEngine(name="clock", module="clock_engine", summary="a test's", logprobs=False, own_weights=True)
     monkeypatch.setitem(ROLLOUT_ENGINES, "clock", entry)  # for this test only
+    monkeypatch.setattr(weight_transfer, "BUCKET_BYTES", 1024)  # a and b in one bucket, c alone
     import clock_engine
 
     sources = []
@@ -165,6 +169,7 @@ def _train_step(run, jump: int = 1) -> tuple:
     run.policy_version += 2 * jump
     with torch.no_grad():
         run.policy.a.fill_(run.policy_version)
+        run.policy.c.fill_(run.policy_version)
         run.policy.b.fill_(run.policy_version)
     run.source.publish()
     return taken_at, g, row
@@ -193,8 +198,9 @@ def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, m
         assert sum(row[f"async/staleness/{a}"] for a in range(max_staleness + 1)) == 3
         assert row["async/queue_depth"] <= max_staleness and row["async/groups_dropped"] == 0
         assert 0 <= row["async/producer_idle_frac"] <= 1 and 0 <= row["async/trainer_idle_frac"] <= 1
-    assert run.source.names == ["a", "b"]  # never the frozen parameter
-    assert sorted(run.source.staging) == ([] if transfer == "broadcast" else ["a", "b"])
+    assert run.source.names == ["a", "b", "c"]  # never the frozen parameter
+    assert sorted(run.source.staging) == ([] if transfer == "broadcast" else ["a", "b", "c"])
+    assert [b.names for b in run.source.channel.plan] == ([("a", "b"), ("c",)] if transfer == "broadcast" else [])
     # Ahead as far as it may be, and no further: batch n waits for the weights of step n - K.
     assert ages == [*range(max_staleness), *[max_staleness] * 3]
 
@@ -429,7 +435,7 @@ def test_vllm_sleep_and_a_producer_are_refused_together():
     TrainerConfig(rollout_engine="vllm", vllm_sleep=True)._validate_engine()
 
 
-def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_config):
+def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_config, monkeypatch):
     """As a scheduler's SIGTERM to the process group: the trainer saves after its step and stops the producer,
     which ignored the signal, cleanly; here with the weights broadcast (a gloo group of the two processes, and
     the producer's receiving thread), the staging copy's run being the test above."""
@@ -442,10 +448,12 @@ def test_sigterm_to_both_processes_stops_the_run_cleanly_after_its_step(tiny_con
             os.kill(os.getpid(), signal.SIGTERM)
 
     said = []
+    monkeypatch.setattr(weight_transfer, "BUCKET_BYTES", 64 * 1024)  # the model's tensors in many buckets
     cfg = tiny_config(steps=3, max_staleness=1, eval_size=0, weight_transfer="broadcast")
     trainer = PPOTrainer(cfg, callbacks=[Scheduler()], log=said.append)
     summary = trainer.train()
     assert any("weights by broadcast" in line for line in said), said
+    assert len(trainer.run.source.channel.plan) > 3
     assert summary["stop_reason"] == "interrupted" and summary["steps_done"] == 1
     assert producers[0].exitcode == 0  # it finished when told to, not killed by the signal
     assert checkpoint.load_state(checkpoint.latest(Path(trainer.run.output_dir))).policy_version == 2

@@ -110,8 +110,10 @@ class Bucket:
     numels: tuple[int, ...]
 
 
-def buckets(state: dict, names: list[str], limit: int = BUCKET_BYTES) -> list[Bucket]:
-    """``names`` (in order) in buckets of one dtype and at most ``limit`` bytes (or one larger tensor)."""
+def buckets(state: dict, names: list[str], limit: int | None = None) -> list[Bucket]:
+    """``names`` (in order) in buckets of one dtype and at most ``limit`` (``BUCKET_BYTES``) bytes, or one larger
+    tensor."""
+    limit = BUCKET_BYTES if limit is None else limit
     groups: list[list[str]] = []
     size = 0
     for name in names:
