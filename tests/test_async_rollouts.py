@@ -350,6 +350,20 @@ def test_a_rollout_device_or_transfer_that_cannot_apply_is_refused_by_name(optio
         TrainerConfig(**options).validate()
 
 
+def test_a_producer_device_the_run_cannot_use_stops_the_command_before_anything_is_loaded(tmp_path, error_line):
+    from ppo_fast.cli import main
+
+    out = tmp_path / "run"
+    assert (
+        main(
+            ["train", "--max-staleness", "1", "--rollout-device", "cuda:1", "--device", "cpu", "--output-dir", str(out)]
+        )
+        == 1
+    )
+    assert error_line() == "ppo-fast: error: --rollout-device cuda:1: needs the trainer on a GPU (it is on the CPU)"
+    assert not out.exists()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_on_two_gpus_the_weights_reach_a_producer_on_the_other_by_nccl(clock, tmp_path):

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from . import lora, weight_transfer
+from . import lora
 from .async_rollouts import AsyncSource, ProducerError, check_picklable
 from .rollout import Batch
 from .rollout_source import Generated
@@ -45,7 +45,7 @@ def producer_template(cfg, policy: torch.nn.Module, parallel) -> torch.nn.Module
 
 def from_run(run, template: torch.nn.Module | None) -> RankedSource:
     check_picklable(run.scorer, run.cfg.max_staleness)  # on every rank: they all stop with the same error
-    return RankedSource(run, template, weight_transfer.resolve(run.cfg, run.device))
+    return RankedSource(run, template, run.transfer)
 
 
 class _WithPolicy:

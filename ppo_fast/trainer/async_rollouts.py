@@ -133,7 +133,7 @@ def from_run(run) -> AsyncSource:
     check_picklable(run.scorer, run.cfg.max_staleness)
     if run.cfg.partial_rollouts:
         partial_rollouts.check(run.cfg, run.response_length)
-    return AsyncSource(run, weight_transfer.resolve(run.cfg, run.device))
+    return AsyncSource(run, run.transfer)
 
 
 class AsyncSource:

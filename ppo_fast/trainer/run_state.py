@@ -29,6 +29,7 @@ class Run:
     response_length: int
     created: float  # time.perf_counter() at the start: the summary's wall time counts the warm-up
     timer: object  # metrics.PhaseTimer
+    transfer: object = None  # --max-staleness > 0: weight_transfer.Transfer, the producer's device and weights' path
     tokenizer: object = None
     train_set: object = None  # prompts.Prompts
     eval_set: object = None

@@ -34,6 +34,7 @@ from . import (
     rollout_source,
     run_folder,
     trackers,
+    weight_transfer,
 )
 from .config import BUILTIN_RESPONSE_LENGTH, CUSTOM_RESPONSE_LENGTH, ConfigError, TrainerConfig
 from .metrics import PhaseTimer
@@ -445,6 +446,10 @@ def _checked_start(cfg: TrainerConfig, given: Given, log) -> Run:
     output_dir = Path(cfg.output_dir)
     parallel, device = distributed.init(cfg, resolve_device(cfg.device))
     check_options(cfg, device)
+    # Rank 0's producer's device and weights' path (rank 0's device: cuda:0 under torchrun on GPUs), on every
+    # rank, so that a refusal stops every rank alike, before anything is loaded.
+    main_device = torch.device("cuda", 0) if parallel.active and device.type == "cuda" else device
+    transfer = weight_transfer.resolve(cfg, main_device) if cfg.max_staleness else None
     if distributed.restart_of_this_job(parallel, output_dir):  # torchrun --max-restarts
         cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
         run_log(f"torchrun restart: continuing the run this job started in {output_dir}")
@@ -459,6 +464,7 @@ def _checked_start(cfg: TrainerConfig, given: Given, log) -> Run:
         response_length=cfg.response_length or (BUILTIN_RESPONSE_LENGTH if builtin else CUSTOM_RESPONSE_LENGTH),
         created=created,
         timer=PhaseTimer(),
+        transfer=transfer,
     )
     if notice := builtin_model_notice(cfg, given):
         run.log(notice)
