@@ -18,6 +18,7 @@ from ``--rollout-device`` and the trainer's device (``resolve``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
@@ -190,27 +191,29 @@ class Receiver:
 
     def _run(self) -> None:
         try:
-            if self.transfer.producer_device().type == "cuda":  # the current GPU is the thread's own
-                torch.cuda.set_device(self.transfer.producer_device())
+            device, stream = self.transfer.producer_device(), None
+            if device.type == "cuda":  # the current GPU is the thread's own; a stream of its own, so that the
+                torch.cuda.set_device(device)  # generation's kernels never queue behind a transfer's wait
+                stream = torch.cuda.Stream(device)
             while not self.stopping.is_set():
                 if self.channel.offer.wait(0.1):
-                    self._receive()
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        self._receive(stream)
         except BaseException:
             self.failed(traceback.format_exc())
 
-    def _receive(self) -> None:
+    def _receive(self, stream) -> None:
         self.channel.offer.clear()
         with self.lock:
             self.channel.joined.value += 1  # the trainer broadcasts once it sees this
             if self.group is None:
                 self.group = _group(self.transfer, 1)
-            device = self.transfer.producer_device()
-            header = torch.empty(2, dtype=torch.int64, device=device)
+            header = torch.empty(2, dtype=torch.int64, device=self.transfer.producer_device())
             _broadcast(self.group, header)
             for flat in self.flat:
                 _broadcast(self.group, flat)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if stream is not None:
+                stream.synchronize()  # received before the lock is released (adopt reads on another stream)
             self.received = tuple(header.tolist())
 
     def adopt(self, shadow: dict, held: int) -> tuple[int, int] | None:
