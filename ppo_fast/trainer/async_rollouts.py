@@ -161,11 +161,11 @@ class AsyncSource:
         self.template = copy.deepcopy(run.policy).eval().requires_grad_(False)  # the producer's shadow
         # What an update can change: all but the frozen parameters (LoRA: the adapters and the buffers).
         frozen = {name for name, p in run.policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        self.names = [name for name in run.policy.state_dict() if name not in frozen]
+        state = run.policy.state_dict()
+        self.names = [name for name in state if name not in frozen]
         transfer, server = weight_transfer.store(self.transfer)
         if broadcast := transfer.kind == "broadcast":  # by value: a CUDA copy would start CUDA in the producer
             self.template.to("cpu")  # before it chooses its GPU
-        state = run.policy.state_dict()
         self.staging = {} if broadcast else {name: _shared(state[name]) for name in self.names}
         self.channel = Channel(
             staging=self.staging,

@@ -532,8 +532,8 @@ def shutdown() -> None:
     """Leave the process group (if this process joined one), the trainer's DDP and FSDP modules freed
     first where nothing holds them: one that outlives the group (a trainer left in a reference cycle)
     holds it until the interpreter exits, where tearing gloo down then aborts some runs in C++
-    ("terminate called without an active exception", SIGABRT; 9 in 80 two-rank runs, none with the
-    module freed first).  A caller that holds its trainer drops it before calling this."""
+    ("terminate called without an active exception", SIGABRT).  A caller that holds its trainer drops it
+    before calling this."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
