@@ -224,12 +224,13 @@ def _mode_term(logp, old, adv, g, p0, p1, p2, row_a, row_b, MODE: tl.constexpr, 
 
 
 @triton.jit
-def _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED: tl.constexpr):
-    """A block of the chunk's rows: ``(row_at, row_local, row_n)``, each row's first token's offset in the
-    batch's inputs and in the chunk's vectors ([R_BLOCK]), and its tokens ([R_BLOCK, 1]; padded, the
-    scalar).  Padded: rows of ``row_len`` every ``row_stride`` from ``start``; ``SEGMENTED``: the packed
-    sequences ``first + rows_i`` (``ends_ptr``: ``cu_seqlens`` on the device), the chunk's tokens from
-    ``start`` of the packed row."""
+def _rows(block, SEGMENTED: tl.constexpr):
+    """A block of the chunk's rows, ``block = (ends_ptr, rows_i, row_ok, start, first, row_len, row_stride)``
+    (the kernel's): ``(row_at, row_local, row_n)``, each row's first token's offset in the batch's inputs
+    and in the chunk's vectors ([R_BLOCK]), and its tokens ([R_BLOCK, 1]; padded, the scalar).  Padded: rows
+    of ``row_len`` every ``row_stride`` from ``start``; ``SEGMENTED``: the packed sequences ``first + rows_i``
+    (``ends_ptr``: ``cu_seqlens`` on the device), the chunk's tokens from ``start`` of the packed row."""
+    ends_ptr, rows_i, row_ok, start, first, row_len, row_stride = block
     if SEGMENTED:
         sequence = first + rows_i  # int64, as every offset
         row_at = tl.load(ends_ptr + sequence, mask=row_ok, other=0)
@@ -243,11 +244,12 @@ def _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED
 
 
 @triton.jit
-def _tile(mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED: tl.constexpr):
+def _tile(mask_ptr, block, t, SEGMENTED: tl.constexpr):
     """A ``[R_BLOCK, T_BLOCK]`` tile's ``(in bounds, offsets in the batch's inputs, in the chunk, valid)``, the
     rows' offsets (``_rows``) formed here, in the tile's loop: held across the loops, they spilled the padded
     seq-mean variant under Triton 3.6 (bench static)."""
-    row_at, row_local, row_n = _rows(ends_ptr, rows_i, row_ok, start, first, row_len, row_stride, SEGMENTED)
+    row_at, row_local, row_n = _rows(block, SEGMENTED)
+    row_ok = block[2]
     ok = row_ok[:, None] & (t[None, :] < row_n)  # row_n: [R_BLOCK, 1] (segmented) or a scalar (padded)
     at = row_at[:, None] + t[None, :]  # the batch's inputs
     local = row_local[:, None] + t[None, :]  # the chunk's vectors
@@ -268,13 +270,7 @@ def _row_terms(
     adv_ptr,
     mask_ptr,
     weights_ptr,
-    ends_ptr,
-    rows_i,
-    row_ok,
-    start,
-    first,
-    row_len,
-    row_stride,
+    block,
     coef,
     p0,
     p1,
@@ -286,16 +282,14 @@ def _row_terms(
     """A sequence-level mode's ``(row_a, row_b)`` per row ([R_BLOCK] float32), the reference's row means
     (over the valid tokens, a row without any 0): gspo ``(mean log r, 0)``; geo_mean ``(row loss,
     d loss / d kept)``, the row loss ``-mean(A) * exp(mean kept) * exp(mean log(weights + 1e-10))``
-    and its gradient by autograd's chain, ``coef * tokens`` the loss's factor of it."""
+    and its gradient by autograd's chain, ``coef * tokens`` the loss's factor of it; ``block``: ``_rows``'."""
+    row_ok, row_len = block[2], block[5]
     count = tl.zeros(row_ok.shape, tl.float32)
     sum_a = tl.zeros(row_ok.shape, tl.float32)  # gspo: log r; geo_mean: kept
     sum_adv = tl.zeros(row_ok.shape, tl.float32)
     sum_log_w = tl.zeros(row_ok.shape, tl.float32)
     for t0 in range(0, row_len, T_BLOCK):
-        t = t0 + tl.arange(0, T_BLOCK)
-        ok, at, local, valid = _tile(
-            mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED
-        )
+        ok, at, local, valid = _tile(mask_ptr, block, t0 + tl.arange(0, T_BLOCK), SEGMENTED)
         logp = _load(logp_ptr, local, valid)
         old = _load(old_ptr, at, valid)
         count += tl.sum(valid.to(tl.float32), 1)
@@ -322,21 +316,10 @@ def _row_terms(
 
 @triton.jit
 def _row_coefficients(
-    mask_ptr,
-    norms_ptr,
-    ends_ptr,
-    rows_i,
-    row_ok,
-    start,
-    first,
-    row_len,
-    row_stride,
-    norm_len,
-    AGG: tl.constexpr,
-    SEGMENTED: tl.constexpr,
-    T_BLOCK: tl.constexpr,
+    mask_ptr, norms_ptr, block, norm_len, AGG: tl.constexpr, SEGMENTED: tl.constexpr, T_BLOCK: tl.constexpr
 ):
-    """Each row's factor of a token's loss in the batch's ``agg`` loss ([R_BLOCK] float32)."""
+    """Each row's factor of a token's loss in the batch's ``agg`` loss ([R_BLOCK] float32); ``block``: ``_rows``'."""
+    row_ok, row_len = block[2], block[5]
     total_tokens = tl.load(norms_ptr)
     total_rows = tl.load(norms_ptr + tl.full([], 1, tl.int64))  # 64-bit offsets throughout
     if AGG == _TOKEN_MEAN:
@@ -346,8 +329,7 @@ def _row_coefficients(
     elif AGG == _SEQ_TOKEN_MEAN:
         count = tl.zeros(row_ok.shape, tl.float32)
         for t0 in range(0, row_len, T_BLOCK):
-            t = t0 + tl.arange(0, T_BLOCK)
-            _, _, _, valid = _tile(mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED)
+            _, _, _, valid = _tile(mask_ptr, block, t0 + tl.arange(0, T_BLOCK), SEGMENTED)
             count += tl.sum(valid.to(tl.float32), 1)
         coef = 1.0 / (tl.maximum(count, 1.0).to(tl.float64) * total_rows)
     elif AGG == _SEQ_TOKEN_SUM:
@@ -407,21 +389,8 @@ def _terms_kernel(
     for r0 in range(0, rows, R_BLOCK):
         rows_i = (r0 + tl.arange(0, R_BLOCK)).to(tl.int64)
         row_ok = rows_i < rows
-        row_coef = _row_coefficients(
-            mask_ptr,
-            norms_ptr,
-            ends_ptr,
-            rows_i,
-            row_ok,
-            start,
-            first,
-            row_len,
-            row_stride,
-            norm_len,
-            AGG,
-            SEGMENTED,
-            T_BLOCK,
-        )
+        block = (ends_ptr, rows_i, row_ok, start, first, row_len, row_stride)  # the row block's geometry (_rows)
+        row_coef = _row_coefficients(mask_ptr, norms_ptr, block, norm_len, AGG, SEGMENTED, T_BLOCK)
         coef = row_coef[:, None]
         if MODE == _GSPO or MODE == _GEO_MEAN:  # a first pass over the rows (the chunk holds whole rows)
             row_a, row_b = _row_terms(
@@ -430,13 +399,7 @@ def _terms_kernel(
                 adv_ptr,
                 mask_ptr,
                 weights_ptr,
-                ends_ptr,
-                rows_i,
-                row_ok,
-                start,
-                first,
-                row_len,
-                row_stride,
+                block,
                 row_coef,
                 p0,
                 p1,
@@ -448,10 +411,7 @@ def _terms_kernel(
         else:
             row_a, row_b = tl.zeros_like(row_coef), tl.zeros_like(row_coef)
         for t0 in range(0, row_len, T_BLOCK):
-            t = t0 + tl.arange(0, T_BLOCK)
-            ok, at, local, valid = _tile(
-                mask_ptr, ends_ptr, rows_i, row_ok, t, start, first, row_len, row_stride, SEGMENTED
-            )
+            ok, at, local, valid = _tile(mask_ptr, block, t0 + tl.arange(0, T_BLOCK), SEGMENTED)
             logp = _load(logp_ptr, local, valid)
             if MODE == _GPG:  # its loss does not read old_logprobs
                 old = tl.zeros_like(logp)
