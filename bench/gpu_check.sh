@@ -21,7 +21,8 @@
 #   tests-*     the other GPU tests in stages: the Triton kernels, the conformance matrix, its
 #               torch.compile cases, the rest; one line per test in tests-*.log as it ends, so a
 #               stage cut by its limit keeps every name
-#   head-tiles  the fused head's tile candidates and its vocabulary split (python -m bench head_tiles)
+#   head-tiles  the "epilogue" design's forward against the 2-D plan at H = 4096 and 896 (first: the
+#               design question), then the tile candidates and the vocabulary split (python -m bench head_tiles)
 #   bench       the rest of the benchmark suite, with the time left
 # Each stage must end by its deadline, the share of TOTAL_S up to it (DEADLINE below): a stage
 # that ends early leaves its time to the next.  A TERM or INT (the device call's limit) stops the
@@ -331,10 +332,11 @@ if [ "$REHEARSAL" = 1 ]; then
     finish
 fi
 
-# --- the fused head's tile candidates, forward and backward, and its vocabulary split (one JSON row
-# a candidate, written as it goes).
+# --- the "epilogue" forward's candidates against the 2-D plan (H = 4096, then 896), then the tile
+# candidates, forward and backward, and the vocabulary split (the JSON rewritten as each is measured).
 run_stage head-tiles "$OUT/fused_head/head-tiles.log" \
-    "$PY" -m bench head_tiles --device cuda --rows 8192 --rep-ms 100 --out "$OUT/fused_head/head-tiles.json"
+    "$PY" -m bench head_tiles --device cuda --rows 8192 --also-hidden 896 --rep-ms 100 \
+    --out "$OUT/fused_head/head-tiles.json"
 
 # --- the packed layout's kernels (Triton gae and kl_penalized_rewards, the native CUDA segmented losses)
 # against the padded detour and padded tensors, eager and device time (about a minute, predicted), in the

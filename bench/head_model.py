@@ -21,7 +21,13 @@ MEMORY_EFFICIENCY), launches * LAUNCH_S)`` per phase, summed:
   ``weight``'s traffic a block, not a 384-row chunk), beside the row plan of ``gemm``;
 - ``tiles``: the tile-fused Triton kernels, whose every vocabulary tile re-reads its rows' hidden
   states from HBM, and whose backward re-reads and re-writes the float32 ``d_hidden`` once per
-  vocabulary chunk of a fixed 64 MiB scratch (so that term grows as N^2).
+  vocabulary chunk of a fixed 64 MiB scratch (so that term grows as N^2);
+- ``epilogue``: ``linear_token_logprobs``' forward as one grouped GEMM in Triton with the row work in its
+  epilogue (no logits written: ``_head_plan.epilogue_phases``), its backward the 2-D plan's.  Its products'
+  efficiency has not been measured: its rows assume cuBLAS's (its ceiling), and the last table gives the
+  efficiency at which it would meet the forward's goal or beat the 2-D plan.  Its epilogue's exponentials
+  (one a logit, on the special-function units, between the products of a tile) are not modelled: about
+  0.6 ms at 16384 x 151936 on an H100 if nothing overlaps them.
 
 These are predictions, not measurements.  The efficiencies are this project's one GPU run's
 (``bench/results/gpu-h200-2026-12-04/``: cuBLAS's linear layer at 16384 x 4096 x 151936 bf16 ran at
@@ -41,6 +47,8 @@ from ppo_fast.backends._head_plan import (
     block_extra_memory,
     block_phases,
     block_plan,
+    epilogue_extra_memory,
+    epilogue_phases,
     extra_memory,
     phases,
     plan,
@@ -118,6 +126,8 @@ def _design_phases(design: str, kind: str, n: int, h: int, v: int) -> list[Phase
         return phases(kind, n, h, v)
     if design == "gemm-2d":
         return block_phases(kind, n, h, v, **block_plan(h, v)._asdict())
+    if design == "epilogue":
+        return epilogue_phases(kind, n, h, v)
     terms = "generic, KL" if design == "gemm-generic" else "fused"
     return phases(kind, n, h, v, **design_plan(design, kind, n, h, v)._asdict(), terms=terms)
 
@@ -132,6 +142,7 @@ def model(n: int, h: int, v: int) -> dict:
         "gemm-generic": ("loss_fwd", "loss_bwd"),
         "gemm-2d": ("logprobs_fwd", "logprobs_bwd"),
         "tiles": ("logprobs_fwd", "logprobs_bwd"),
+        "epilogue": ("logprobs_fwd", "logprobs_bwd"),
     }
     for design, names in kinds.items():
         for kind in names:
@@ -162,9 +173,10 @@ def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
     for call, kind in (("loss", "loss_fwd"), ("logprobs", "logprobs_bwd")):
         if f"{design} {kind}" not in rows:
             continue
-        if design == "gemm-2d":
+        if design in ("gemm-2d", "epilogue"):  # the epilogue's backward is the 2-D plan's; its forward's partials
             chosen = block_plan(h, v)
             memory = block_extra_memory(kind, h, v, **chosen._asdict()) / (n * v * 2)
+            memory = max(memory, epilogue_extra_memory(n, v) / (n * v * 2)) if design == "epilogue" else memory
             label = f"{chosen.rows} rows x {chosen.cols} columns"
         else:
             chosen = design_plan(design, kind, n, h, v)
@@ -176,6 +188,28 @@ def goals(rows: dict, n: int, h: int, v: int, design: str = "gemm") -> dict:
             "met": memory <= 0.05,
             "plan": f"{label}, {'float32' if chosen.acc == 4 else 'bf16'} d_weight",
         }
+    return out
+
+
+def needed_efficiency(rows: dict, n: int, h: int, v: int) -> dict:
+    """Per device, the fraction of the tensor peak the epilogue's products need (None: out of reach, its
+    bytes or launches alone take longer) to meet the forward's goal (1.10x the linear layer), to match the
+    2-D plan's forward, and to meet the forward + backward goal (1.45x; the backward the 2-D plan's)."""
+    product, combine = epilogue_phases("logprobs_fwd", n, h, v)
+    backward = rows["epilogue logprobs_bwd"]["ms"]
+    out = {}
+    for d, (peak, bandwidth) in DEVICES.items():
+        floor = max(product.bytes / (bandwidth * MEMORY_EFFICIENCY), product.launches * LAUNCH_S)
+        linear = {k: rows[f"linear {k}"]["ms"][d] / 1e3 for k in ("linear_fwd", "linear_bwd")}
+        targets = {
+            "forward 1.10x": 1.10 * linear["linear_fwd"],
+            "2-D plan forward": rows["gemm-2d logprobs_fwd"]["ms"][d] / 1e3,
+            "fwd+bwd 1.45x": 1.45 * sum(linear.values()) - backward[d] / 1e3,
+        }
+        for name, target in targets.items():
+            left = target - predicted_s([combine], d)
+            needed = product.flops / (peak * left) if left > floor else math.inf
+            out[f"{name} ({d})"] = needed if needed <= 1.0 else None
     return out
 
 
@@ -207,6 +241,21 @@ def _goal_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _needed_table(results: list[dict]) -> str:
+    names = list(results[0]["needed"])
+    lines = [
+        "The epilogue's products: the fraction of the bf16 tensor peak they need (cuBLAS's linear layer: "
+        f"{GEMM_EFFICIENCY}; the tile kernels measured: {TILE_EFFICIENCY}; -: out of reach)",
+        "",
+        "| N | H | V | " + " | ".join(names) + " |",
+        "|---" * (3 + len(names)) + "|",
+    ]
+    for r in results:
+        cells = ["-" if e is None else f"{e:.2f}" for e in r["needed"].values()]
+        lines.append(f"| {r['n']} | {r['h']} | {r['v']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench head_model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="also write the markdown tables to this file (a .md path)")
@@ -214,15 +263,16 @@ def main(argv=None) -> int:
     results = []
     for n, h, v in SHAPES:
         rows = model(n, h, v)
-        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2d", "gemm-2048", "gemm-generic")}
-        results.append({"n": n, "h": h, "v": v, "rows": rows, "goals": both})
+        both = {d: goals(rows, n, h, v, d) for d in ("gemm", "gemm-2d", "gemm-2048", "gemm-generic", "epilogue")}
+        needed = needed_efficiency(rows, n, h, v)
+        results.append({"n": n, "h": h, "v": v, "rows": rows, "goals": both, "needed": needed})
     header = (
         f"Predictions (roofline model, not measurements): bf16; gemm: the plan within a memory budget of "
         f"{MEMORY_BUDGET:.0%} of the logits' bytes, gemm-2048: {WIDE.rows} rows and a float32 d_weight; GEMM efficiency "
-        f"{GEMM_EFFICIENCY} (tiles {TILE_EFFICIENCY}), memory efficiency {MEMORY_EFFICIENCY}, {LAUNCH_S * 1e6:.0f} us a launch; "
+        f"{GEMM_EFFICIENCY} (tiles {TILE_EFFICIENCY}; epilogue: cuBLAS's, its ceiling), memory efficiency {MEMORY_EFFICIENCY}, {LAUNCH_S * 1e6:.0f} us a launch; "
         + ", ".join(f"{d}: {f / 1e12:.0f} TFLOP/s, {b / 1e12:.2f} TB/s" for d, (f, b) in DEVICES.items())
     )
-    text = f"{header}\n\n{_table(results)}\n\n{_goal_table(results)}\n"
+    text = f"{header}\n\n{_table(results)}\n\n{_goal_table(results)}\n\n{_needed_table(results)}\n"
     print(text)
     if args.out:  # markdown, not a result JSON: nothing here was measured
         pathlib.Path(args.out).write_text(text)
@@ -258,7 +308,31 @@ def docs_section() -> list[str]:
             f"| {mem(g, 'loss')['ratio']:.1%}; {mem(g, 'logprobs')['ratio']:.1%} "
             f"| {mem(old, 'loss')['ratio']:.0%} |"
         )
-    return _PROSE_TOP + rows + _PROSE_BOTTOM
+    return _PROSE_TOP + rows + _PROSE_BOTTOM + _epilogue_section()
+
+
+def _epilogue_section() -> list[str]:
+    """The "epilogue" design's forward: the efficiency its Triton products need, per shown shape."""
+    lines = [
+        "",
+        'The `"epilogue"` design (`linear_token_logprobs.DESIGN`) runs the forward as one grouped GEMM in Triton',
+        "with the row work in its epilogue (no logits written; 3.1% of bf16 logits' bytes of partials) and the",
+        "2-D plan's backward.  Its products' efficiency has not been measured; the fraction of the bf16 tensor",
+        f"peak they need (cuBLAS's linear layer: {GEMM_EFFICIENCY:.2f}; the tile kernels measured {TILE_EFFICIENCY:.2f};",
+        "-: out of reach whatever the products' speed), H100 / H200:",
+        "",
+        "| N | H | V | forward at 1.10x the linear layer | forward faster than the 2-D plan's | fwd+bwd at 1.45x |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, h, v in SHOWN:
+        needed = needed_efficiency(model(n, h, v), n, h, v)
+        cell = lambda name: " / ".join(  # noqa: E731
+            "-" if needed[f"{name} ({d})"] is None else f"{needed[f'{name} ({d})']:.2f}" for d in DEVICES
+        )
+        lines.append(
+            f"| {n} | {h} | {v} | {cell('forward 1.10x')} | {cell('2-D plan forward')} | {cell('fwd+bwd 1.45x')} |"
+        )
+    return lines
 
 
 _PROSE_TOP = """\

@@ -1,5 +1,9 @@
 """``python -m bench head_tiles``: the Triton fused head's tile configurations on a GPU, so that the
-next change of ``_FORWARD_CONFIG`` / ``_BACKWARD_CONFIG`` is a measured one.  On one bf16 head
+next change of ``_FORWARD_CONFIG`` / ``_BACKWARD_CONFIG`` is a measured one.  First, the "epilogue"
+design's forward (the tile kernel as one grouped GEMM, the row work in its epilogue) at each of
+``EPILOGUE_CANDIDATES`` and the GEMM-first 2-D plan it must beat, at this shape and, with
+``--also-hidden``, at another hidden size (the question the roofline cannot answer: the efficiency of
+Triton's products; ``python -m bench head_model`` says what it must reach).  Then, on one bf16 head
 (default N=16384, H=4096, V=151936, 30% of the rows ignored) each candidate ``(BLOCK_N, BLOCK_V,
 BLOCK_H, num_warps, num_stages)`` times the forward and the backward (its tile kernel and the cuBLAS
 products), against the head's own products (``hidden @ weight.T``, cuBLAS) measured in the same run;
@@ -93,6 +97,90 @@ def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dic
     return row
 
 
+# The "epilogue" forward's candidates: (BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages, group, columns a
+# program); the first is what ships (linear_token_logprobs._EPILOGUE_CONFIG, EPILOGUE_LAUNCH, EPILOGUE_COLUMNS).
+# Four, each without spills in its sm_90 code with a bias, soft-cap and entropy (checked with bench.static's
+# compile; 128 x 256 tiles and 4 warps of 128 x 128 spill): each compiles on its first call (seconds).
+EPILOGUE_CANDIDATES = [
+    (128, 128, 64, 8, 3, 8, 256),
+    (128, 128, 64, 8, 4, 8, 256),
+    (128, 128, 64, 8, 3, 16, 256),
+    (64, 256, 64, 8, 3, 8, 256),
+]
+
+
+@contextlib.contextmanager
+def _epilogue(module, config):
+    """The "epilogue" forward's launches in ``config`` (bf16)."""
+    saved = module._EPILOGUE_CONFIG, module.EPILOGUE_LAUNCH, module.EPILOGUE_COLUMNS
+    module._EPILOGUE_CONFIG = {**saved[0], torch.bfloat16: config[:4]}
+    module.EPILOGUE_LAUNCH = module.Launch(stages=config[4], group=config[5])
+    module.EPILOGUE_COLUMNS = config[6]
+    try:
+        yield
+    finally:
+        module._EPILOGUE_CONFIG, module.EPILOGUE_LAUNCH, module.EPILOGUE_COLUMNS = saved
+
+
+def measure_epilogue(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dict:
+    """The "epilogue" forward in ``config``: its milliseconds (and first call's seconds: the compile), its
+    log-probs against ``want``, and on CUDA its peak memory beyond its inputs (the shares' partials)."""
+    h, w, labels = head
+    row = {"config": list(config)}
+
+    def forward():
+        return module.linear_token_logprobs_forward(h, w, labels, None, **OPTIONS, return_entropy=True, grouped=True)
+
+    try:
+        with _epilogue(module, config):
+            start = time.perf_counter()
+            logp = forward()[0]
+            if h.is_cuda:
+                torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - start
+            if want is not None:
+                row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
+            row["fwd_ms"] = _ms(forward, rep_ms)
+            if h.is_cuda:
+                row["fwd_peak_extra_bytes"] = peak_extra_bytes(forward, "cuda")
+    except Exception as err:  # a configuration that does not compile or fit: reported, the rest go on
+        row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    return row
+
+
+def epilogue_against_gemm(module, rows: int, hidden: int, vocab: int, device, rep_ms: int) -> dict:
+    """At one shape: the linear layer's product, the GEMM-first 2-D plan (the default design, forward and
+    backward) and every epilogue candidate's forward, checked against the 2-D plan's log-probs."""
+    from ppo_fast.backends._head_plan import block_plan
+
+    head = _head(rows, hidden, vocab, device)
+    products_ms = _ms(lambda: head[0] @ head[1].T, rep_ms)
+    default = block_plan(hidden, vocab)
+    gemm = measure_gemm(tuple(default), head, rep_ms, None)
+    want = _gemm_logp(default, head)
+    out = {"shape": {"rows": rows, "hidden": hidden, "vocab": vocab}, "products_ms": products_ms, "gemm_2d": gemm}
+    out["epilogue"] = []
+    for config in EPILOGUE_CANDIDATES:
+        out["epilogue"].append(measure_epilogue(module, config, head, rep_ms, want))
+        print(f"  epilogue {config} at {rows}x{hidden}x{vocab}: {out['epilogue'][-1]}", flush=True)
+    timed = [r for r in out["epilogue"] if "fwd_ms" in r]
+    if timed and "fwd_ms" in gemm:
+        best = min(timed, key=lambda r: r["fwd_ms"])
+        out["best_epilogue"] = best["config"]
+        out["fwd_ms"] = {"epilogue": best["fwd_ms"], "gemm-2d": gemm["fwd_ms"], "linear layer": products_ms}
+    print(f"  at {rows}x{hidden}x{vocab}, forward ms: {out.get('fwd_ms')}", flush=True)
+    return out
+
+
+def _gemm_logp(plan, head) -> torch.Tensor:
+    from ppo_fast._sampling import NO_TRUNCATION
+    from ppo_fast.backends.triton import _gemm_head as gemm
+
+    c = gemm.constants(OPTIONS["temperature"], OPTIONS["logit_scale"], OPTIONS["logit_softcap"])
+    options = dict(ignore_index=-100, return_entropy=True, truncation=NO_TRUNCATION, plan=plan)
+    return gemm.forward(*head, None, c, **options)[0]
+
+
 # The GEMM-first design's plans (chunk rows, d_weight accumulator bytes): the row plan of truncated calls
 # at 16384 x 4096 x 151936 (384 rows, bf16: _head_plan.LOGPROBS_ROWS), 512 rows, and the former plan; and
 # (block rows, slice columns, accumulator bytes): the 2-D plan untruncated calls take there (block_plan),
@@ -146,13 +234,16 @@ def measure_gemm(plan: tuple, head, rep_ms: int, want: torch.Tensor | None) -> d
     return row
 
 
-def choose(tile_rows: list[dict], gemm_rows: list[dict]) -> dict:
-    """The faster design by forward + backward milliseconds: what ``linear_token_logprobs.DESIGN`` should be."""
+def choose(tile_rows: list[dict], gemm_rows: list[dict], epilogue: dict | None = None) -> dict:
+    """The faster design by forward + backward milliseconds: what ``linear_token_logprobs.DESIGN`` should be
+    (the epilogue's backward is the 2-D plan's, ``epilogue["gemm_2d"]``)."""
     best = {}
     for design, rows in (("tiles", tile_rows), ("gemm", gemm_rows)):
         timed = [r for r in rows if "fwd_ms" in r and "bwd_ms" in r]
         if timed:
             best[design] = min(timed, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
+    if epilogue and "fwd_ms" in epilogue and "bwd_ms" in epilogue["gemm_2d"]:
+        best["epilogue"] = {"fwd_ms": epilogue["fwd_ms"]["epilogue"], "bwd_ms": epilogue["gemm_2d"]["bwd_ms"]}
     if not best:
         return {"design": None}
     design = min(best, key=lambda d: best[d]["fwd_ms"] + best[d]["bwd_ms"])
@@ -167,6 +258,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--split-rows", type=int, default=4096, help="the rows of the vocabulary-split comparison")
     parser.add_argument("--rep-ms", type=int, default=200, help="milliseconds of calls timed per case")
+    parser.add_argument("--also-hidden", type=int, default=None, help="the epilogue against gemm at this H too")
     parser.add_argument("--out", default="bench_out/head_tiles.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -176,11 +268,16 @@ def main(argv=None) -> int:
         )
     from ppo_fast.backends.triton import linear_token_logprobs as module
 
+    result = {**result_header("head_tiles", argv, device), "epilogue": []}
+    for hidden in (args.hidden, args.also_hidden)[: 1 + bool(args.also_hidden)]:  # the design question first
+        result["epilogue"].append(epilogue_against_gemm(module, args.rows, hidden, args.vocab, device, args.rep_ms))
+        write_json(args.out, result)  # kept should the time run out
+    epilogue = result["epilogue"][0]
     head = _head(args.rows, args.hidden, args.vocab, device)
     flops = 2 * args.rows * args.hidden * args.vocab  # one product of the head
     products_ms = _ms(lambda: head[0] @ head[1].T, args.rep_ms)
     result = {
-        **result_header("head_tiles", argv, device),
+        **result,
         "shape": {"rows": args.rows, "hidden": args.hidden, "vocab": args.vocab, "dtype": "bfloat16"},
         "products_ms": products_ms,
         "products_tflops": flops / products_ms / 1e9,
@@ -218,7 +315,7 @@ def main(argv=None) -> int:
     for plan in GEMM_PLANS:
         gemm_rows.append(measure_gemm(plan, head, args.rep_ms, want))
         print(f"  GEMM-first, plan {plan}: {gemm_rows[-1]}", flush=True)
-    chosen = choose(rows, gemm_rows)
+    chosen = choose(rows, gemm_rows, epilogue)
     print(f"  the faster design, forward + backward ms: {chosen}", flush=True)
     write_json(
         args.out,

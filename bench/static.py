@@ -76,6 +76,7 @@ class Variant:
     # The constexpr holding the elements a loop iteration handles; None: no per-element
     # figure (a tiled matmul's loop is over its reduction dim, not over elements).
     block: str | None = "BLOCK"
+    kernel: str | None = None  # the kernel whose launch is the variant's, where ``run`` launches several
 
 
 @dataclasses.dataclass
@@ -318,9 +319,12 @@ def intercept_launches(target):
 
 
 def capture(variant: Variant, target) -> Launch:
-    """The variant's (first) launch; a launcher that loops over chunks launches the same kernel again."""
+    """The variant's (first) launch; a launcher that loops over chunks launches the same kernel again
+    (``variant.kernel``'s, where it launches other kernels too)."""
     with intercept_launches(target) as launches:
         variant.run()
+    if variant.kernel is not None:
+        launches = [launch for launch in launches if launch.fn.__name__ == variant.kernel]
     if not launches or len({launch.fn for launch in launches}) != 1:
         raise RuntimeError(f"{variant.name}: expected launches of one kernel, got {[launch.fn for launch in launches]}")
     return launches[0]

@@ -408,10 +408,12 @@ def test_head_plans_times_each_plan_and_skips_liger_without_cuda(tmp_path, monke
 @pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.full)])  # every one: 13 s
 def test_head_tiles_runs_every_candidate(tmp_path, monkeypatch, every):
     """The fused head's tile sweep (GPU-only in use) runs whole here, under the interpreter, on a tiny
-    head: each candidate checked against the first and timed, the split compared, the file written (the
-    fast tier: the first and last tiles and the last plan, a 2-D one).  The timer takes 2 blocks after one
-    warm-up call, not 10 after 3 (its rules are test_a_timing_without_a_spread_is_refused's): its calls
-    were nine tenths of this test's time."""
+    head: the epilogue's candidates against the 2-D plan at two hidden sizes, each tile candidate checked
+    against the first and timed, the split compared, the file written (the fast tier: 16 rows, one hidden
+    size, one small epilogue candidate, the first and last tiles and the last plan, a 2-D one, each case
+    called once, not timed).
+    The timer takes 2 blocks after one warm-up call, not 10 after 3 (its rules are
+    test_a_timing_without_a_spread_is_refused's): its calls were nine tenths of this test's time."""
     from bench import head_tiles
 
     monkeypatch.setattr(timing, "MIN_SAMPLES", 2)
@@ -420,16 +422,26 @@ def test_head_tiles_runs_every_candidate(tmp_path, monkeypatch, every):
     if not every:
         monkeypatch.setattr(head_tiles, "CANDIDATES", head_tiles.CANDIDATES[:: len(head_tiles.CANDIDATES) - 1])
         monkeypatch.setattr(head_tiles, "GEMM_PLANS", head_tiles.GEMM_PLANS[-1:])
+        monkeypatch.setattr(head_tiles, "EPILOGUE_CANDIDATES", [(16, 16, 16, 4, 2, 2, 32)])
+        monkeypatch.setattr(head_tiles, "_ms", lambda fn, rep_ms: [fn(), 1.0][1])  # one call a case, untimed
     out = tmp_path / "tiles.json"
-    argv = "--device cpu --rows 40 --hidden 32 --vocab 300 --split-rows 20 --rep-ms 1 --out".split()
+    # the fast tier: 16 rows at one hidden size (the interpreter's cost is per program)
+    shape = "--rows 40 --also-hidden 24" if every else "--rows 16"
+    argv = f"--device cpu {shape} --hidden 32 --vocab 300 --split-rows 20 --rep-ms 1 --out".split()
     assert head_tiles.main([*argv, str(out)]) == 0
     data = json.loads(out.read_text())
+    # the epilogue's forward against the 2-D plan, at each hidden size, first
+    assert [e["shape"]["hidden"] for e in data["epilogue"]] == ([32, 24] if every else [32])
+    for e in data["epilogue"]:
+        assert [r["config"] for r in e["epilogue"]] == [list(c) for c in head_tiles.EPILOGUE_CANDIDATES]
+        assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in e["epilogue"])
+        assert set(e["fwd_ms"]) == {"epilogue", "gemm-2d", "linear layer"} and "bwd_ms" in e["gemm_2d"]
     assert [r["config"] for r in data["results"]] == [list(c) for c in head_tiles.CANDIDATES]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["results"][1:])
     assert set(data["split_fwd_ms"]) == {"split", "one share"} and len(data["scratch_bwd_ms"]) == 3
     assert [r["chunk_rows"] for r in data["gemm_results"]] == [plan[0] for plan in head_tiles.GEMM_PLANS]
     assert all("error" not in r and r["max_abs_diff"] < 1e-5 for r in data["gemm_results"])
-    assert data["chosen"]["design"] in ("gemm", "tiles")
+    assert data["chosen"]["design"] in ("gemm", "tiles", "epilogue") and "epilogue" in data["chosen"]
 
 
 def test_trainer_e2e_runs_its_set_ups_and_switches_the_fused_head_off(tmp_path):

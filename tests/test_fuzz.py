@@ -859,7 +859,8 @@ def test_fuzz_gemm_head_2d_plan(data):
     largest logits come last or with whole slices far below the rest or -inf (the first slice included),
     temperature, logit_scale, soft-cap, ignored and out-of-range labels, the entropy or not, NaN / +-inf in a
     read or an unread row of hidden.  Outputs and the gradients of hidden, weight and bias (random
-    cotangents) against the plain float64 formula and the row plan (``TWO_D = False``) of the same call."""
+    cotangents) against the plain float64 formula and the row plan (``TWO_D = False``) of the same call; and
+    the "epilogue" design's forward (the tile kernel in grouped shares, small) against the same."""
     if "triton" not in backends_serving("linear_token_logprobs", "cpu"):
         pytest.skip("the Triton backend is not served on CPU")
     from ppo_fast.backends import _head_plan
@@ -896,8 +897,18 @@ def test_fuzz_gemm_head_2d_plan(data):
             got = _head_run(fn, as_dtype(poisoned, weight, bias), labels, k, cot)
         with module_globals(_gemm_head, TWO_D=False, ROW_BLOCK_V=64):  # a row one tile: half the cost
             row_plan = _head_run(fn, as_dtype(poisoned, weight, bias), labels, k, cot)
+    # the epilogue design's forward: 16-wide tiles, a share of 16 or 32 columns, groups of 1-3 row blocks
+    epilogue = dict(
+        _EPILOGUE_CONFIG={},
+        EPILOGUE_COLUMNS=16 * (1 + cols % 2),
+        EPILOGUE_LAUNCH=linear_token_logprobs.Launch(2, 1 + rows % 3),
+    )
+    tiles = {d: (16, 16, 16, 4) for d in linear_token_logprobs._FORWARD_CONFIG}
+    with module_globals(linear_token_logprobs, DESIGN="epilogue", _FORWARD_CONFIG=tiles, **epilogue):
+        fused = _head_run(fn, as_dtype(poisoned, weight, bias), labels, k, cot)
     bounds = _head_bounds((hidden, weight, bias), far, k)
     _check_head_2d(got, row_plan, ref32, truth, bounds=bounds, k=k, unused=unused)
+    _check_head_2d(fused, row_plan, ref32, truth, bounds=bounds, k=k, unused=unused)
 
 
 # --------------------------------------------------------------------------- packed sequence-level modes, one pass

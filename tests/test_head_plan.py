@@ -226,3 +226,32 @@ def _assert_linear(at, c: int, one: dict, two: dict) -> None:
             for field in ("flops", "bytes", "launches"):
                 a, b = getattr(one[name], field), getattr(two[name], field)
                 assert getattr(p, field) == pytest.approx(a + (m - 1) * (b - a), rel=1e-12), (name, field, m)
+
+
+def test_the_epilogue_forward_is_linear_in_the_rows_and_its_needed_efficiency_is_the_rooflines():
+    """The "epilogue" forward (one grouped GEMM, the row work in its epilogue): every phase a + b m at m groups
+    of row blocks, no logits' bytes (its partials 16 bytes a row a 256-column share: 3.1% of bf16 logits'),
+    and bench head_model's efficiency it needs at the issue's shape, worked by hand: 1.10 x the linear
+    layer's 20.39 TFLOP at 70% of 989.4 TFLOP/s, less the combine's read of the partials twice at 90% of
+    3.35 TB/s, leaves the products 32.28 ms on an H100: 63.8% of the peak."""
+    from bench import head_model
+
+    n, h, v = ISSUE
+    group = plan.EPILOGUE_ROWS * plan.EPILOGUE_GROUP
+
+    def at(rows):
+        return {p.name: p for p in plan.epilogue_phases("logprobs_fwd", rows, h, v)}
+
+    _assert_linear(at, group, at(group), at(2 * group))
+    assert plan.epilogue_extra_memory(n, v) == n * 594 * 16 and plan.epilogue_extra_memory(n, v) < 0.032 * n * v * 2
+    assert plan.epilogue_phases("logprobs_bwd", n, h, v) == plan.block_phases(
+        "logprobs_bwd", n, h, v, **plan.block_plan(h, v)._asdict()
+    )
+    linear_s = 2 * n * h * v / (989.4e12 * 0.7)
+    combine_s = (2 * n * 594 * 16 + n * 16) / (3.35e12 * 0.9)
+    by_hand = 2 * n * h * v / (989.4e12 * (1.10 * linear_s - combine_s))
+    needed = head_model.needed_efficiency(head_model.model(n, h, v), n, h, v)
+    assert needed["forward 1.10x (H100)"] == pytest.approx(by_hand, rel=1e-3) and 0.63 < by_hand < 0.645
+    assert needed["fwd+bwd 1.45x (H100)"] < 0.7  # the 2-D backward leaves room at cuBLAS's speed
+    with pytest.raises(ValueError, match="kind must be"):
+        plan.epilogue_phases("loss_fwd", n, h, v)

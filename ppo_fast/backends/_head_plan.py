@@ -443,3 +443,34 @@ def block_plan(h: int, v: int, *, itemsize: int = 2, budget: float | None = None
         if block_extra_memory("logprobs_bwd", h, v, itemsize=itemsize, rows=rows, cols=cols, acc=acc) <= limit:
             return BlockPlan(rows, cols, acc)
     return BlockPlan(rows, 128, acc)  # pragma: no cover - 128 columns always fit the row plan's bytes
+
+
+# The "epilogue" design's forward (triton/linear_token_logprobs.py, DESIGN = "epilogue"): the tile kernel as
+# one grouped GEMM, a program EPILOGUE_ROWS rows by EPILOGUE_COLUMNS vocabulary columns, EPILOGUE_GROUP row
+# blocks sweeping the vocabulary together; its backward the 2-D plan's.
+EPILOGUE_ROWS, EPILOGUE_COLUMNS, EPILOGUE_GROUP = 128, 256, 8
+_PARTIAL = 16  # bytes a row a share: running max, sum of exp, entropy term, chosen logit (float32)
+
+
+def epilogue_phases(kind: str, n: int, h: int, v: int, *, itemsize: int = 2) -> list[Phase]:
+    """The "epilogue" design's phases of ``linear_token_logprobs`` (``logprobs_fwd`` or ``logprobs_bwd``):
+    forward, the products with the row work in their epilogue (``hidden`` read once, ``weight`` once a group
+    of row blocks, no logits written; each share's partials) and one kernel combining the shares (which
+    reads the partials twice: their max, then their sums); backward, the 2-D plan's."""
+    if kind == "logprobs_bwd":
+        return block_phases(kind, n, h, v, itemsize=itemsize, **block_plan(h, v, itemsize=itemsize)._asdict())
+    if kind != "logprobs_fwd":
+        raise ValueError(f"kind must be logprobs_fwd or logprobs_bwd, got {kind!r}")
+    partial = n * -(-v // EPILOGUE_COLUMNS) * _PARTIAL
+    groups = -(-n // (EPILOGUE_ROWS * EPILOGUE_GROUP))
+    products = n * h * itemsize + groups * v * h * itemsize + partial
+    return [
+        Phase("tile kernel: grouped products, the row work in their epilogue", 2.0 * n * h * v, products, 1),
+        Phase("combine kernel: the shares' partials into the rows' results", 0.0, 2 * partial + n * 16, 1),
+    ]
+
+
+def epilogue_extra_memory(n: int, v: int) -> float:
+    """Bytes the "epilogue" forward holds beyond inputs and outputs: its shares' partials (``N x V / 16``
+    bytes at 256 columns a share: 3.1% of bf16 logits' bytes, 1.6% of float32's)."""
+    return float(n * -(-v // EPILOGUE_COLUMNS) * _PARTIAL)

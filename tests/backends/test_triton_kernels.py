@@ -626,14 +626,16 @@ def test_custom_ops_pass_opcheck(case):
 N, V, H = 37, 75, 41  # none a multiple of the 16-wide test tiles
 
 
-@pytest.fixture(params=["gemm", "gemm-rows", "tiles"])
+# the epilogue's forward in the fast tier: tests/test_fuzz.py's 2-D head fuzzer (every dtype, NaN/inf, masks)
+@pytest.fixture(params=["gemm", "gemm-rows", "tiles", pytest.param("epilogue", marks=pytest.mark.full)])
 def small_tiles(monkeypatch, request):
     """Each design of the head (``tlin.DESIGNS``) made small.  GEMM-first: its 2-D plan in blocks of 16 rows
     (the last shorter) by vocabulary slices of 24 columns (75 = 3 x 24 + 3, a slice not a whole number of
     tiles), or (gemm-rows) the row plan in chunks of 16 rows, and 16-wide row-kernel tiles.  Tiles: 16-wide tiles in both passes, the forward in three
     vocabulary splits (two tiles, two, one) and a gradient scratch of a tile or a few of every row, so
     that odd N, V and H cross several tiles, the forward its splits and the backward several
-    vocabulary chunks."""
+    vocabulary chunks.  Epilogue: 16-wide tiles, 32 columns a program (three shares: 32, 32, 11) in groups
+    of 2 row blocks (three blocks: a whole group and a group of one), the backward gemm's 2-D plan."""
     monkeypatch.setattr(tlin, "DESIGN", request.param.split("-")[0])
     monkeypatch.setattr(gemm_head, "TWO_D", request.param == "gemm")
     monkeypatch.setattr(gemm_head, "BLOCK", (16, 24))
@@ -643,6 +645,9 @@ def small_tiles(monkeypatch, request):
         monkeypatch.setattr(tlin, config, {acc: (16, 16, 16, 4) for acc in getattr(tlin, config)})
     monkeypatch.setattr(tlin, "FORWARD_SPLITS", 3)
     monkeypatch.setattr(tlin, "GRADIENT_SCRATCH_BYTES", 2 * 16 * N * 4)
+    monkeypatch.setattr(tlin, "_EPILOGUE_CONFIG", {})  # every dtype: the 16-wide forward tiles
+    monkeypatch.setattr(tlin, "EPILOGUE_LAUNCH", tlin.Launch(stages=2, group=2))
+    monkeypatch.setattr(tlin, "EPILOGUE_COLUMNS", 32)
 
 
 def _plain(hidden, weight, bias, labels, *, temperature=1.0, logit_scale=1.0, logit_softcap=None):
@@ -728,7 +733,7 @@ def test_linear_ignored_and_out_of_range_rows_read_nothing(small_tiles):
 
 def test_linear_strided_hidden_and_transposed_weight_are_read_in_place(small_tiles, monkeypatch):
     """Every other hidden column and a weight stored transposed (column-major): no copy, and the formula's results."""
-    module, name = (tlin, "linear_token_logprobs_forward") if tlin.DESIGN == "tiles" else (gemm_head, "forward")
+    module, name = (gemm_head, "forward") if tlin.DESIGN == "gemm" else (tlin, "linear_token_logprobs_forward")
     seen, forward = [], getattr(module, name)
     spy = lambda h, w, *args, **kw: seen.append((h.stride(), w.stride())) or forward(h, w, *args, **kw)  # noqa: E731
     monkeypatch.setattr(module, name, spy)

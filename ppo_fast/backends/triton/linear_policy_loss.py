@@ -9,7 +9,7 @@ written in place over the logits by the head's gradient kernel, then ``d_hidden`
 memory budget, ``_head_plan.plan``): 6 N H V FLOPs in all, one chunk of logits alive, and the backward
 a scale of the stored gradients.  Every mode whose per-token gradient is local to a sequence.  With
 ``linear_token_logprobs.DESIGN = "tiles"`` the older loop (``_one_pass.one_pass_on_rows`` on
-token_logprobs' row kernels) runs instead."""
+token_logprobs' row kernels) runs instead; "epilogue" (a forward without the gradient) keeps this one."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def _pass_chunk(call: _Pass, hidden_c, labels_c, x: PerToken, index, rows: int):
 def gemm_one_pass(rows, hidden, weight, labels, x: PerToken, *, bias, objective, head, terms, output_mask, truncation):
     """``_one_pass.one_pass_on_rows``'s contract on the GEMM-first head (``rows`` unused unless the design
     is "tiles"): ``[loss, pg_loss, entropy, kl_loss, *mode stats, d_hidden, d_weight, d_bias]``."""
-    if head_module.DESIGN != "gemm":
+    if head_module.DESIGN == "tiles":
         return one_pass_on_rows(
             rows,
             hidden,

@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..._sampling import NO_TRUNCATION, Truncation
+from .. import _head_plan
 from . import _gemm_head as gemm
 from ._dtypes import _INTERPRETED, _bf16_round_to_nearest_even, compute_dtype, result_dtype, scalar, split_scalar
 from ._eager import call, custom_op, with_autograd
@@ -60,10 +62,13 @@ from ._truncation import thresholds
 SUPPORTED = {"linear_token_logprobs": DEVICES}
 
 # The head's design: "gemm" (cuBLAS products over chunks of rows, the row work in one Triton kernel:
-# ``_gemm_head``) or "tiles" (this module's tile-fused kernels).  "gemm" until a GPU measurement
-# (``python -m bench head_tiles``) says otherwise: its roofline prediction is the better one
-# (``python -m bench head_model``; the tiles re-read hidden and weight from HBM for every tile).
-DESIGNS = ("gemm", "tiles")
+# ``_gemm_head``), "tiles" (this module's tile-fused kernels) or "epilogue" (the forward as one grouped
+# GEMM in the tile kernel with the row work in its epilogue, no logits written; truncated calls, whose
+# thresholds need whole rows, and the backward are gemm's).  "gemm" until a GPU measurement (``python -m
+# bench head_tiles``) says otherwise: its roofline prediction is the better one at the efficiency the tile
+# kernels have been measured at (``python -m bench head_model``, which gives the efficiency at which the
+# epilogue's forward would win; the tiles re-read hidden from HBM for every tile).
+DESIGNS = ("gemm", "tiles", "epilogue")
 DESIGN = "gemm"
 
 # (BLOCK_N, BLOCK_V, BLOCK_H, num_warps) per pass and input dtype: the largest tiles that
@@ -85,6 +90,31 @@ _BACKWARD_CONFIG = {
 # (triton 3.9 holds the forward with a bias, soft-cap and entropy to 128 registers: 32 columns).
 _IEEE_FLOAT32_CONFIG = {"forward": (32, 32, 16, 4), "backward": (32, 64, 16, 4)}
 _NUM_STAGES = 3
+
+
+class Launch(NamedTuple):
+    """A tile kernel's pipeline stages and its grid's grouping (0: none, two axes)."""
+
+    stages: int
+    group: int
+
+
+# The "epilogue" design's forward: the tile kernel as one grouped GEMM, a program a row block and
+# EPILOGUE_COLUMNS of the vocabulary (whole tiles; 16 bytes a row of partials a program: at 256 columns
+# 3.1% of bf16 logits' bytes), GROUP row blocks sweeping the vocabulary together.  BLOCK_H 64, not the
+# tile design's 32, whose loads the one GPU run found latency-bound.  Chosen without a GPU (no spills in
+# its sm_90 code: bench static); python -m bench head_tiles times it and its neighbours on one.
+_EPILOGUE_CONFIG = {dtype: (_head_plan.EPILOGUE_ROWS, 128, 64, 8) for dtype in (torch.bfloat16, torch.float16)}
+EPILOGUE_LAUNCH = Launch(stages=3, group=_head_plan.EPILOGUE_GROUP)
+EPILOGUE_COLUMNS = _head_plan.EPILOGUE_COLUMNS  # bench head_model's, as the group and the rows
+
+
+def epilogue_launch(dtype: torch.dtype) -> tuple[tuple[int, int, int, int], Launch]:
+    """The "epilogue" forward's ``(BLOCK_N, BLOCK_V, BLOCK_H, num_warps)`` and ``Launch`` for ``dtype``
+    (the tile forward's tiles for 32- and 64-bit inputs)."""
+    return _EPILOGUE_CONFIG.get(dtype) or _tiles("forward", dtype), EPILOGUE_LAUNCH
+
+
 # At most this much of the logits' gradient at once: larger heads run the backward in vocabulary chunks.
 # (2048 columns of 16k bf16 rows; the backward by its size: python -m bench head_tiles on a GPU)
 GRADIENT_SCRATCH_BYTES = 64 << 20
@@ -149,6 +179,19 @@ def _raw_logits(
 
 
 @triton.jit
+def _grouped(pid, n_rows, vocab, vocab_per_split, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """``(row block, share)`` of program ``pid`` on a one-axis grid: ``GROUP`` row blocks (fewer in the
+    last group) take the vocabulary's shares together, share by share, so that the programs in flight
+    read the same few rows and weight tiles (from L2, as a grouped GEMM's tiles)."""
+    shares = tl.cdiv(vocab, vocab_per_split)
+    per_group = GROUP * shares
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(tl.cdiv(n_rows, BLOCK_N) - first, GROUP)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+@triton.jit
 def _linear_token_logprobs_fwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, logp_ptr, entropy_ptr, stats_ptr, tau_ptr, partial_ptr,
     n_rows, vocab, hidden_size, vocab_per_split,
@@ -157,12 +200,16 @@ def _linear_token_logprobs_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, RETURN_ENTROPY: tl.constexpr,
     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, TRUNCATED: tl.constexpr = False,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, GROUP: tl.constexpr = 0,
 ):  # fmt: skip
     """A block of rows over the vocabulary; with ``SPLIT``, over its ``program_id(1)``-th share of
     ``vocab_per_split`` columns, whose running max, sum, entropy sum and chosen logit go to
-    ``partial [splits, N, 4]`` for ``_combine_splits``."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    ``partial [splits, N, 4]`` for ``_combine_kernel``; with ``GROUP`` (and ``SPLIT``) on one grid axis,
+    ``_grouped``'s order."""
+    block, share = tl.program_id(0), tl.program_id(1)
+    if GROUP > 0:
+        block, share = _grouped(tl.program_id(0), n_rows, vocab, vocab_per_split, BLOCK_N, GROUP)
+    rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
     tau = tl.full([BLOCK_N], float("-inf"), ACC)
     if TRUNCATED:  # each row's threshold on u (``_truncation``): the tokens below it are -inf
@@ -185,7 +232,7 @@ def _linear_token_logprobs_fwd_kernel(
     sum_exp = tl.zeros([BLOCK_N], ACC)  # sum exp(z - max z)
     weighted = tl.zeros([BLOCK_N], ACC)  # sum exp(z - max z) * (z - max z), for the entropy
     chosen = tl.zeros([BLOCK_N], ACC)  # u at the label
-    vocab_start = tl.program_id(1).to(tl.int64) * vocab_per_split  # vocab_per_split = vocab: one share
+    vocab_start = share.to(tl.int64) * vocab_per_split  # vocab_per_split = vocab: one share
     vocab_stop = tl.minimum(vocab_start + vocab_per_split, vocab)
     # A block with no row to compute reads nothing: its loop is empty.
     vocab_stop = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, vocab_stop, vocab_start)
@@ -218,7 +265,7 @@ def _linear_token_logprobs_fwd_kernel(
 
     in_rows = rows < n_rows
     if SPLIT:
-        at = (tl.program_id(1).to(tl.int64) * n_rows + rows) * 4  # int64 offsets, as everywhere
+        at = (share.to(tl.int64) * n_rows + rows) * 4  # int64 offsets, as everywhere
         tl.store(partial_ptr + at, run_max, mask=in_rows)
         tl.store(partial_ptr + (at + 1), sum_exp, mask=in_rows)
         tl.store(partial_ptr + (at + 2), weighted, mask=in_rows)
@@ -397,17 +444,17 @@ def linear_token_logprobs_forward(
     return_entropy: bool,
     blocks: tuple[int, int, int] | None = None,
     tau: torch.Tensor | None = None,
+    grouped: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(logp [N], entropy [N] or None, stats [N, 2])`` for ``hidden [N, H]``, ``weight [V, H]``,
-    ``labels [N]`` (any integer dtype), ``bias [V]`` or None, all of any strides.
-
+    ``labels [N]`` (any integer dtype), ``bias [V]`` or None, all of any strides;
     float32 (float64 for float64 inputs, computed in float64).  ``stats`` holds, for the
     backward, each row's max of the logits before the temperature and the scale (of the
     softcap's tanh with one) and ``log(sum(exp(z - max z)))`` (0 for rows that are ignored
     or out of range: they read nothing).  ``blocks = (BLOCK_N, BLOCK_V, BLOCK_H)`` overrides the tile
     sizes (each >= 16; tests use small ones to cross tile boundaries).  ``tau [N]`` (from
     :func:`linear_truncation_thresholds`): the softmax over each row's tokens with ``u >= tau`` only.
-    """
+    ``grouped``: the "epilogue" design's launch (``_forward_launch``)."""
     n_rows, vocab, hidden_size = _check_inputs(hidden, weight, labels, bias)
     dtype = result_dtype(hidden, weight, bias)
     logp = torch.empty(n_rows, dtype=dtype, device=hidden.device)
@@ -418,11 +465,13 @@ def linear_token_logprobs_forward(
     if vocab == 0:
         raise ValueError("weight must have a non-empty vocabulary dim")
     acc = compute_dtype(dtype)
-    block_n, block_v, block_h, num_warps = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
-    splits, vocab_per_split = _vocab_splits(n_rows, vocab, block_n, block_v, hidden.device)
-    partial = logp.new_empty((splits, n_rows, 4)) if splits > 1 else logp
+    tiles, launch, (splits, vocab_per_split) = _forward_launch(hidden, vocab, blocks, grouped)
+    block_n, block_v, block_h, num_warps = tiles
+    split = grouped or splits > 1
+    partial = logp.new_empty((splits, n_rows, 4)) if split else logp
+    grid = (triton.cdiv(n_rows, block_n) * splits, 1) if grouped else (triton.cdiv(n_rows, block_n), splits)
     with device_guard(hidden):
-        _linear_token_logprobs_fwd_kernel[(triton.cdiv(n_rows, block_n), splits)](
+        _linear_token_logprobs_fwd_kernel[grid](
             hidden,
             weight,
             weight if bias is None else bias,
@@ -453,14 +502,26 @@ def linear_token_logprobs_forward(
             BLOCK_V=block_v,
             BLOCK_H=block_h,
             TRUNCATED=tau is not None,
-            SPLIT=splits > 1,
+            SPLIT=split,
+            GROUP=launch.group,
             num_warps=num_warps,
-            num_stages=_NUM_STAGES,
+            num_stages=launch.stages,
         )
-    post = _post(temperature, logit_scale, logit_softcap, logp.dtype)
-    if splits > 1:
-        return _combine_splits(partial, labels, vocab, ignore_index, post, return_entropy)
-    return _overflow_is_nan(logp, entropy, stats, post)
+    if split:
+        options = (*_scalars(temperature, logit_scale, logit_softcap), logit_softcap is not None)
+        return _combine_splits(partial, labels, vocab, ignore_index, options, return_entropy)
+    return _overflow_is_nan(logp, entropy, stats, _post(temperature, logit_scale, logit_softcap, logp.dtype))
+
+
+def _forward_launch(hidden: torch.Tensor, vocab: int, blocks, grouped: bool) -> tuple:
+    """The forward's ``(tiles, Launch, (splits, vocab_per_split))``: the "epilogue" design's (``grouped``:
+    ``EPILOGUE_COLUMNS`` a share), else the tile design's (the shares ``_vocab_splits`` fills a GPU with)."""
+    if grouped:
+        tiles, launch = epilogue_launch(hidden.dtype)
+        per_split = triton.cdiv(EPILOGUE_COLUMNS, tiles[1]) * tiles[1]
+        return tiles, launch, (triton.cdiv(vocab, per_split), per_split)
+    tiles = _tiles("forward", hidden.dtype) if blocks is None else (*blocks, 4)
+    return tiles, Launch(_NUM_STAGES, 0), _vocab_splits(hidden.shape[0], vocab, *tiles[:2], hidden.device)
 
 
 def _overflow_is_nan(logp, entropy, stats, post: float) -> tuple:
@@ -507,29 +568,104 @@ def _post(temperature: float, logit_scale: float, logit_softcap: float | None, d
     return (as_dtype(factor) * as_dtype(1.0 / temperature)).item()
 
 
-def _combine_splits(
-    partial: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int, post: float, return_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The forward's results from its splits' ``(max u, sum exp, sum exp * (z - max z), chosen u)``,
-    each share rebased to the row's max as the kernel's online loop rebases its tiles.  A share with
-    nothing (sum 0: every logit -inf) adds nothing; a NaN anywhere stays NaN."""
-    run_max, sum_exp, weighted, chosen = partial.unbind(-1)
-    top = run_max.amax(0)
-    shift = torch.where(top == -math.inf, 0.0, top)
-    delta = (torch.where(run_max == -math.inf, 0.0, run_max) - shift) * post
-    empty = sum_exp == 0
-    rescale = torch.exp(torch.where(empty, 0.0, delta))
-    valid, row_ok = _rows_to_compute(labels, vocab, ignore_index)
-    total = torch.where(row_ok, torch.where(empty, 0.0, rescale * sum_exp).sum(0), 1.0)
-    nan = torch.full_like(total, math.nan)
-    log_sum = torch.where((top * post).abs() < math.inf, torch.log(total), nan)  # as the kernel's
-    logp = torch.where(valid, torch.where(row_ok, (chosen.sum(0) - shift) * post - log_sum, nan), 0.0)
-    stats = torch.stack([torch.where(row_ok, shift, 0.0), torch.where(row_ok, log_sum, 0.0)], -1)
-    entropy = None
-    if return_entropy:
-        weighted = torch.where(empty, 0.0, rescale * (weighted + delta * sum_exp)).sum(0)
-        entropy = torch.where(valid, torch.where(row_ok, log_sum - weighted / total, nan), 0.0)
+def _combine_splits(partial, labels, vocab: int, ignore_index: int, options: tuple, return_entropy: bool) -> tuple:
+    """The forward's results ``(logp, entropy or None, stats)`` from its splits' ``partial [splits, N, 4]``
+    (``_combine_kernel``; ``options``: ``_scalars``'s and whether there is a soft-cap)."""
+    n_rows = partial.shape[1]
+    logp = partial.new_empty(n_rows)
+    entropy = torch.empty_like(logp) if return_entropy else None
+    stats = logp.new_empty((n_rows, 2))
+    acc = tl.float64 if partial.dtype == torch.float64 else tl.float32
+    with device_guard(partial):
+        _combine_kernel[(triton.cdiv(n_rows, COMBINE_ROWS),)](
+            partial,
+            labels,
+            logp,
+            logp if entropy is None else entropy,
+            stats,
+            n_rows,
+            partial.shape[0],
+            vocab,
+            labels.stride(0),
+            ignore_index,
+            *options[:-1],
+            HAS_SOFTCAP=options[-1],
+            RETURN_ENTROPY=return_entropy,
+            ACC=acc,
+            BLOCK=COMBINE_ROWS,
+        )
     return logp, entropy, stats
+
+
+COMBINE_ROWS = 128  # rows a program of _combine_kernel
+
+
+@triton.jit
+def _combine_kernel(
+    partial_ptr,
+    labels_ptr,
+    logp_ptr,
+    entropy_ptr,
+    stats_ptr,
+    n_rows,
+    splits,
+    vocab,
+    labels_stride,
+    ignore_index,
+    logit_scale,
+    logit_scale_lo,
+    logit_softcap,
+    logit_softcap_lo,
+    inv_temperature,
+    inv_temperature_lo,
+    HAS_SOFTCAP: tl.constexpr,
+    RETURN_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each row's ``(max u, sum exp, sum exp * (z - max z), chosen u)`` over the splits, each share rebased
+    to the row's max as the forward's loop rebases its tiles: its max first, then the sums.  A share
+    with nothing (sum 0: every logit -inf) adds nothing; a NaN anywhere stays NaN."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    in_rows = rows < n_rows
+    label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
+    inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
+    if HAS_SOFTCAP:  # the forward kernel's post
+        post = scalar(logit_softcap, logit_softcap_lo, ACC) * inv_t
+    else:
+        post = scalar(logit_scale, logit_scale_lo, ACC) * inv_t
+    step = tl.cast(n_rows, tl.int64) * 4  # from a split's rows to the next split's (int64 offsets)
+    at = rows * 4
+    top = tl.full([BLOCK], float("-inf"), ACC)
+    for _ in range(0, splits):
+        top = tl.maximum(top, tl.load(partial_ptr + at, mask=in_rows, other=0.0), propagate_nan=tl.PropagateNan.ALL)
+        at += step
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK], ACC)
+    weighted = tl.zeros([BLOCK], ACC)
+    chosen = tl.zeros([BLOCK], ACC)
+    at = rows * 4
+    for _ in range(0, splits):
+        run_max = tl.load(partial_ptr + at, mask=in_rows, other=0.0)
+        sum_exp = tl.load(partial_ptr + (at + 1), mask=in_rows, other=0.0)
+        chosen += tl.load(partial_ptr + (at + 3), mask=in_rows, other=0.0)
+        empty = sum_exp == 0
+        delta = (tl.where(run_max == float("-inf"), 0.0, run_max) - shift) * post
+        rescale = tl.exp(tl.where(empty, 0.0, delta))
+        total += tl.where(empty, 0.0, rescale * sum_exp)
+        if RETURN_ENTROPY:
+            share = tl.load(partial_ptr + (at + 2), mask=in_rows, other=0.0)
+            weighted += tl.where(empty, 0.0, rescale * (share + delta * sum_exp))
+        at += step
+    total = tl.where(row_ok, total, 1.0)
+    log_sum = tl.where(tl.abs(top * post) < float("inf"), tl.log(total), float("nan"))
+    logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
+    tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
+    tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
+    tl.store(stats_ptr + (2 * rows + 1), tl.where(row_ok, log_sum, 0.0), mask=in_rows)
+    if RETURN_ENTROPY:
+        entropy = tl.where(row_ok, log_sum - weighted / total, float("nan"))
+        tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
 
 
 def linear_logits_rows(hidden, weight, labels, bias, start, stop, *, logit_scale, logit_softcap, ignore_index):
@@ -820,7 +956,15 @@ def _linear_token_logprobs_op(
         )
     if design != "gemm":
         logp, entropy, stats = linear_token_logprobs_forward(
-            hidden, weight, labels, bias, **options, ignore_index=ignore_index, return_entropy=return_entropy, tau=tau
+            hidden,
+            weight,
+            labels,
+            bias,
+            **options,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+            tau=tau,
+            grouped=design == "epilogue",
         )
     # An output of a custom op aliases no other: an empty tensor each for what is not computed.
     entropy = entropy if return_entropy else logp.new_empty(0)
@@ -857,7 +1001,7 @@ def _linear_token_logprobs_backward_op(
     design: str = "gemm",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d_hidden, d_weight, d_bias)``, each empty where not needed."""
-    backward = linear_token_logprobs_backward if design != "gemm" else _gemm_backward
+    backward = linear_token_logprobs_backward if design == "tiles" else _gemm_backward
     grads = backward(
         grad_logprobs,
         grad_entropy,
@@ -960,7 +1104,9 @@ def linear_token_logprobs(
     args = (hidden, weight, labels, bias, temperature, logit_scale, logit_softcap, return_entropy, ignore_index)
     if DESIGN not in DESIGNS:
         raise ValueError(f"linear_token_logprobs.DESIGN must be one of {DESIGNS}, got {DESIGN!r}")
-    logp, entropy, _, _ = _linear_token_logprobs(*args, *truncation, DESIGN)  # truncated: over the tokens kept
+    truncated = Truncation(*truncation).active  # the epilogue's tiles never hold a whole row: gemm's row plan
+    design = "gemm" if DESIGN == "epilogue" and truncated else DESIGN
+    logp, entropy, _, _ = _linear_token_logprobs(*args, *truncation, design)  # truncated: over the tokens kept
     return logp, (entropy if return_entropy else None)
 
 
@@ -980,8 +1126,9 @@ def _meta(shape, dtype):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _static_launches(dtype, tf32: bool, flags: bool, rows: int, hidden: int, vocab: int):
-    """The forward and backward launches of one static variant (flags: bias, softcap and entropy, or none)."""
+def _static_launches(dtype, tf32: bool, flags: bool, rows: int, hidden: int, vocab: int, *, grouped: bool = False):
+    """The forward and backward launches of one static variant (flags: bias, softcap and entropy, or none;
+    ``grouped``: the "epilogue" design's forward)."""
 
     def head():
         return _meta((rows, hidden), dtype), _meta((vocab, hidden), dtype), _meta((rows,), torch.int64)
@@ -999,6 +1146,7 @@ def _static_launches(dtype, tf32: bool, flags: bool, rows: int, hidden: int, voc
                 logit_softcap=30.0 if flags else None,
                 ignore_index=-100,
                 return_entropy=flags,
+                grouped=grouped,
             )
 
     def bwd():
@@ -1066,15 +1214,15 @@ def static_variants(rows: int = 16384, hidden: int = 4096, vocab: int = 151936) 
     split_rows = rows // 8  # 16 row blocks: the forward splits the vocabulary to fill the machine
     fwd, _ = _static_launches(torch.bfloat16, False, False, split_rows, hidden, vocab)
     shape = f"[{split_rows}, {hidden}] x [{vocab}, {hidden}] bf16"
-    out.append(
-        dict(
-            name=f"linear_token_logprobs fwd {shape} vocab split",
-            budget_key=None,
-            bytes_per_element=None,
-            run=fwd,
-            block=None,
-        )
-    )
+    for kernel, what in (("_linear_token_logprobs_fwd_kernel", "vocab split"), ("_combine_kernel", "splits' combine")):
+        name = f"linear_token_logprobs fwd {shape} {what}"
+        out.append(dict(name=name, budget_key=None, bytes_per_element=None, run=fwd, block=None, kernel=kernel))
+    for flags in (False, True):  # the "epilogue" design's forward: its grouped tile kernel
+        fwd, _ = _static_launches(torch.bfloat16, False, flags, rows, hidden, vocab, grouped=True)
+        shape = f"[{rows}, {hidden}] x [{vocab}, {hidden}] bf16" + (" bias+softcap+entropy" if flags else "")
+        name = f"linear_token_logprobs fwd {shape} epilogue"
+        kernel = "_linear_token_logprobs_fwd_kernel"
+        out.append(dict(name=name, budget_key=None, bytes_per_element=None, run=fwd, block=None, kernel=kernel))
     return out + _truncated_static_variants(rows, hidden, vocab) + _gemm_static_variants(hidden, vocab)
 
 
