@@ -53,6 +53,21 @@ def _with_backend(name: str, call_op: Callable[[dict], object]) -> Callable[[dic
     return run
 
 
+def _with_design(design: str, call_op: Callable[[dict], object]) -> Callable[[dict], object]:
+    """``call_op`` on the Triton backend with ``linear_token_logprobs.DESIGN = design``."""
+    from ppo_fast.backends.triton import linear_token_logprobs as head
+
+    def run(inputs):
+        saved, head.DESIGN = head.DESIGN, design
+        try:
+            with pf.use_backend("triton"):
+                return call_op(inputs)
+        finally:
+            head.DESIGN = saved
+
+    return run
+
+
 def implementations(
     case: Case, device_type: str, compile_enabled: bool
 ) -> tuple[list[tuple[str, str, Callable]], list[str]]:
@@ -67,6 +82,9 @@ def implementations(
         impls += [(name, "baseline", _logits_labels_call(fn)) for name, fn in found.items()]
         notes += [f"{name}: {why}" for name, why in skipped.items()]
     if case.op == "linear_token_logprobs":
+        if device_type == "cuda" and "triton" in serving_backends(case.op, device_type):
+            # the head's "epilogue" design beside the shipped one, against the same baselines (a GPU decides)
+            impls.append(("triton epilogue", "ppo_fast", _with_design("epilogue", case.call_op)))
         found, skipped = optional_logprob_kernels(device_type, OPTIONAL_HEAD_KERNELS)
         impls += [(name, "baseline", _head_call(fn)) for name, fn in found.items()]
         notes += [f"{name}: {why}" for name, why in skipped.items()]

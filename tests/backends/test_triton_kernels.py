@@ -770,6 +770,31 @@ def test_fused_head_forward_fills_an_sm90_gpu_from_2048_rows():
     assert tlin._vocab_splits(64, 100, block_n, block_v, meta)[0] == 1  # one vocabulary tile: nothing to split
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="its shipped tiles compiled; the interpreter runs it small (test_fuzz)")
+def test_epilogue_at_its_shipped_tiles_matches_float64_on_a_gpu(monkeypatch):
+    """The "epilogue" design at its own configuration on a GPU (128 x 128 x 64 tiles, 256-column shares,
+    groups of 8 row blocks: 1100 rows are 9 blocks, a whole group and a group of one, the last block ragged;
+    V = 5000 not a whole number of shares), bf16 with a bias, soft-cap and entropy: log-probs and entropy
+    against float64 of the same inputs, gradients (the 2-D plan's backward, from its own stats) against
+    the GEMM-first design's."""
+    torch.manual_seed(4901)
+    n, h, v = 1100, 256, 5000
+    hidden, weight = rand(n, h, dtype=torch.bfloat16), (rand(v, h) / h**0.5).to(torch.bfloat16)
+    bias, labels = rand(v, dtype=torch.bfloat16), torch.where(torch.rand(n, device=DEVICE) < 0.3, IGNORE, ints(v, n))
+    options = dict(temperature=0.7, logit_softcap=30.0)
+    used = labels != IGNORE
+    got = {}
+    for design in ("epilogue", "gemm"):
+        monkeypatch.setattr(tlin, "DESIGN", design)
+        got[design] = _grads(lambda x, w, b: _triton(x, w, b, labels, **options), [hidden, weight, bias])
+    want = _plain(hidden, weight, bias, labels, **options)
+    for out, expected in zip(got["epilogue"][0], want):
+        assert out.dtype == torch.float32 and (out[~used] == 0).all()
+        torch.testing.assert_close(out[used].double(), expected[used], rtol=1e-4, atol=1e-4)
+    for g, e in zip(got["epilogue"][1], got["gemm"][1]):
+        torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2 * e.abs().max().item())
+
+
 def test_fused_head_gradients_are_the_same_from_run_to_run(small_tiles):
     """No atomics in the backward: bitwise the same gradients of hidden, weight and bias each run,
     across the vocabulary chunks; under torch.use_deterministic_algorithms(True) auto keeps Triton."""
