@@ -12,8 +12,10 @@ registers and folded into an online logsumexp (and an online ``sum p * z`` for t
 entropy): the logits only ever exist one ``[BLOCK_N, BLOCK_V]`` tile at a time.  Where the row
 blocks alone would leave multiprocessors idle (an RLHF micro-batch of 2-8k rows is 16-64 blocks
 for an H200's 132), each row block's vocabulary is split among as many programs as fill one
-wave; each writes its share's running max, sum, entropy sum and chosen logit, and a few
-elementwise ops merge them as the loop merges its tiles (``_combine_splits``).
+wave; each writes its share's running max, sum, entropy sum and chosen logit, and one kernel
+merges them as the loop merges its tiles (``_combine_kernel``).  The "epilogue" design (``DESIGN``)
+runs this forward as one grouped GEMM: a program a row block and ``EPILOGUE_COLUMNS`` of the
+vocabulary, in ``_grouped``'s order.
 
 Backward, by vocabulary chunks: one program per ``(row block, vocabulary block)`` tile
 recomputes that tile's logits with the forward's tile code and from its logsumexp, forms ``dz =
