@@ -69,6 +69,19 @@ def _head(rows: int, hidden: int, vocab: int, device: torch.device):
 OPTIONS = dict(temperature=0.7, logit_scale=1.0, logit_softcap=None, ignore_index=-100)
 
 
+def _first_call(forward, row: dict, want: torch.Tensor | None) -> tuple:
+    """``forward()``'s outputs; into ``row`` its first call's seconds (the compile, on a GPU) and its
+    log-probs' largest difference from ``want``."""
+    start = time.perf_counter()
+    out = forward()
+    if out[0].is_cuda:
+        torch.cuda.synchronize()
+    row["first_call_s"] = time.perf_counter() - start
+    if want is not None:
+        row["max_abs_diff"] = (out[0] - want).abs().nan_to_num(0.0).max().item()
+    return out
+
+
 def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dict:
     h, w, labels = head
     row = {"config": list(config)}
@@ -79,13 +92,7 @@ def measure(module, config, head, rep_ms: int, want: torch.Tensor | None) -> dic
 
     try:
         with _tiles(module, config):
-            start = time.perf_counter()
-            logp, entropy, stats = forward()
-            if h.is_cuda:
-                torch.cuda.synchronize()
-            row["first_call_s"] = time.perf_counter() - start
-            if want is not None:
-                row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
+            logp, entropy, stats = _first_call(forward, row, want)
             row["fwd_ms"] = _ms(forward, rep_ms)
             grad = torch.ones_like(logp)
             backward = lambda: module.linear_token_logprobs_backward(  # noqa: E731
@@ -133,13 +140,7 @@ def measure_epilogue(module, config, head, rep_ms: int, want: torch.Tensor | Non
 
     try:
         with _epilogue(module, config):
-            start = time.perf_counter()
-            logp = forward()[0]
-            if h.is_cuda:
-                torch.cuda.synchronize()
-            row["first_call_s"] = time.perf_counter() - start
-            if want is not None:
-                row["max_abs_diff"] = (logp - want).abs().nan_to_num(0.0).max().item()
+            _first_call(forward, row, want)
             row["fwd_ms"] = _ms(forward, rep_ms)
             if h.is_cuda:
                 row["fwd_peak_extra_bytes"] = peak_extra_bytes(forward, "cuda")

@@ -275,14 +275,8 @@ def _linear_token_logprobs_fwd_kernel(
     else:
         shift = tl.where(run_max == float("-inf"), 0.0, run_max)
         sum_exp = tl.where(row_ok, sum_exp, 1.0)  # rows not computed: no log(0) or 0 / 0 to mask afterwards
-        log_sum = tl.log(sum_exp)
-        logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
-        tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
-        tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
-        tl.store(stats_ptr + (2 * rows + 1), tl.where(row_ok, log_sum, 0.0), mask=in_rows)
-        if RETURN_ENTROPY:
-            entropy = tl.where(row_ok, log_sum - weighted / sum_exp, float("nan"))
-            tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
+        row, mean = (rows, in_rows, valid, row_ok), weighted / sum_exp
+        _store_rows(logp_ptr, entropy_ptr, stats_ptr, row, shift, tl.log(sum_exp), chosen, post, mean, RETURN_ENTROPY)
 
 
 @triton.jit
@@ -661,12 +655,23 @@ def _combine_kernel(
         at += step
     total = tl.where(row_ok, total, 1.0)
     log_sum = tl.where(tl.abs(top * post) < float("inf"), tl.log(total), float("nan"))
+    row = (rows, in_rows, valid, row_ok)
+    _store_rows(logp_ptr, entropy_ptr, stats_ptr, row, shift, log_sum, chosen, post, weighted / total, RETURN_ENTROPY)
+
+
+@triton.jit
+def _store_rows(
+    logp_ptr, entropy_ptr, stats_ptr, row, shift, log_sum, chosen, post, mean, RETURN_ENTROPY: tl.constexpr
+):
+    """The rows' log-prob, stats ``(max u, log-sum)`` and entropy (``mean``: the softmax's mean of ``z - max z``):
+    0 at rows ignored, NaN at rows not computed (a label out of range); ``row = (rows, in_rows, valid, row_ok)``."""
+    rows, in_rows, valid, row_ok = row
     logp = tl.where(row_ok, (chosen - shift) * post - log_sum, float("nan"))
     tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=in_rows)
     tl.store(stats_ptr + 2 * rows, tl.where(row_ok, shift, 0.0), mask=in_rows)
     tl.store(stats_ptr + (2 * rows + 1), tl.where(row_ok, log_sum, 0.0), mask=in_rows)
     if RETURN_ENTROPY:
-        entropy = tl.where(row_ok, log_sum - weighted / total, float("nan"))
+        entropy = tl.where(row_ok, log_sum - mean, float("nan"))
         tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=in_rows)
 
 
