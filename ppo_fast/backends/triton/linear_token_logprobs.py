@@ -503,10 +503,10 @@ def linear_token_logprobs_forward(
             num_warps=num_warps,
             num_stages=launch.stages,
         )
+    post = _post(temperature, logit_scale, logit_softcap, logp.dtype)
     if split:
-        options = (*_scalars(temperature, logit_scale, logit_softcap), logit_softcap is not None)
-        return _combine_splits(partial, labels, vocab, ignore_index, options, return_entropy)
-    return _overflow_is_nan(logp, entropy, stats, _post(temperature, logit_scale, logit_softcap, logp.dtype))
+        return _combine_splits(partial, labels, vocab, ignore_index, post, return_entropy)
+    return _overflow_is_nan(logp, entropy, stats, post)
 
 
 def _forward_launch(hidden: torch.Tensor, vocab: int, blocks, grouped: bool) -> tuple:
@@ -564,9 +564,9 @@ def _post(temperature: float, logit_scale: float, logit_softcap: float | None, d
     return (as_dtype(factor) * as_dtype(1.0 / temperature)).item()
 
 
-def _combine_splits(partial, labels, vocab: int, ignore_index: int, options: tuple, return_entropy: bool) -> tuple:
+def _combine_splits(partial, labels, vocab: int, ignore_index: int, post: float, return_entropy: bool) -> tuple:
     """The forward's results ``(logp, entropy or None, stats)`` from its splits' ``partial [splits, N, 4]``
-    (``_combine_kernel``; ``options``: ``_scalars``'s and whether there is a soft-cap)."""
+    (``_combine_kernel``; ``post``: ``_post``'s)."""
     n_rows = partial.shape[1]
     logp = partial.new_empty(n_rows)
     entropy = torch.empty_like(logp) if return_entropy else None
@@ -584,8 +584,7 @@ def _combine_splits(partial, labels, vocab: int, ignore_index: int, options: tup
             vocab,
             labels.stride(0),
             ignore_index,
-            *options[:-1],
-            HAS_SOFTCAP=options[-1],
+            *split_scalar(post),
             RETURN_ENTROPY=return_entropy,
             ACC=acc,
             BLOCK=COMBINE_ROWS,
@@ -608,13 +607,8 @@ def _combine_kernel(
     vocab,
     labels_stride,
     ignore_index,
-    logit_scale,
-    logit_scale_lo,
-    logit_softcap,
-    logit_softcap_lo,
-    inv_temperature,
-    inv_temperature_lo,
-    HAS_SOFTCAP: tl.constexpr,
+    post_hi,
+    post_lo,
     RETURN_ENTROPY: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -625,11 +619,7 @@ def _combine_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     in_rows = rows < n_rows
     label, valid, row_ok = _row_labels(labels_ptr, rows, labels_stride, n_rows, vocab, ignore_index)
-    inv_t = scalar(inv_temperature, inv_temperature_lo, ACC)
-    if HAS_SOFTCAP:  # the forward kernel's post
-        post = scalar(logit_softcap, logit_softcap_lo, ACC) * inv_t
-    else:
-        post = scalar(logit_scale, logit_scale_lo, ACC) * inv_t
+    post = scalar(post_hi, post_lo, ACC)  # the forward kernel's, as _post rounds it
     step = tl.cast(n_rows, tl.int64) * 4  # from a split's rows to the next split's (int64 offsets)
     at = rows * 4
     top = tl.full([BLOCK], float("-inf"), ACC)
