@@ -314,7 +314,6 @@ def docs_section() -> list[str]:
 def _epilogue_section() -> list[str]:
     """The "epilogue" design's forward: the efficiency its Triton products need, per shown shape."""
     lines = [
-        "",
         'The `"epilogue"` design (`linear_token_logprobs.DESIGN`) runs the forward as one grouped GEMM in Triton',
         "with the row work in its epilogue (no logits written; 3.1% of bf16 logits' bytes of partials) and the",
         "2-D plan's backward.  Its products' efficiency has not been measured; the fraction of the bf16 tensor",
@@ -332,7 +331,7 @@ def _epilogue_section() -> list[str]:
         lines.append(
             f"| {n} | {h} | {v} | {cell('forward 1.10x')} | {cell('2-D plan forward')} | {cell('fwd+bwd 1.45x')} |"
         )
-    return lines
+    return [*lines, ""]
 
 
 _PROSE_TOP = """\
