@@ -78,9 +78,22 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if not item.get_closest_marker("full")]
             config.stash[_FULL_DESELECTED] = len(dropped)
+    if not static_tests_asked(config):
+        static = [item for item in items if item.path.name == STATIC_TESTS]
+        if static:
+            config.hook.pytest_deselected(items=static)
+            items[:] = [item for item in items if item.path.name != STATIC_TESTS]
     # The sm_90 compile's tests last: their compile runs in the background from the start (below).
     # Under pytest-xdist first instead: the worker that takes them compiles while the other runs tests.
     items.sort(key=lambda item: (item.path.name == STATIC_TESTS) != _XDIST)
+
+
+def static_tests_asked(config) -> bool:
+    """The sm_90 / sm_100 compile of the Triton kernels (minutes of CPU on 2 cores) runs when its file
+    is named, in the full tier, and in the compat cells (``PPO_FAST_STATIC_EVERY=1``); CI's bench static
+    step names it.  The README's pytest leaves it out (its summary says so)."""
+    named = any(STATIC_TESTS in str(arg) for arg in config.args)
+    return named or full_tier(config) or os.environ.get("PPO_FAST_STATIC_EVERY") == "1"
 
 
 _FULL_DESELECTED = pytest.StashKey[int]()
@@ -206,6 +219,8 @@ def pytest_terminal_summary(terminalreporter, config):
         left_out = config.stash.get(_FULL_DESELECTED, 0)
         count = f"{left_out} tests of the full tier" if left_out else "the full tier's tests"
         terminalreporter.write_sep("-", f"fast tier: {count} not run (run them with --full)")
+    if not static_tests_asked(config):
+        terminalreporter.write_sep("-", f"the Triton kernels' sm_90 compile not run (name tests/backends/{STATIC_TESTS})")
     reasons: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = report.longrepr
