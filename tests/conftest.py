@@ -17,6 +17,48 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _interpreter_patches_triton_language_once_a_launch():
+    """Triton's interpreter patches ``triton.language`` at each launch, and again at every call of a
+    ``@triton.jit`` helper inside it, once per program: thousands of identical patches in a launch with
+    a grid of rows, a quarter of some tests' time.  Here a helper's call inside a launch that patched its
+    modules already patches nothing; the launch's patch and its restore are Triton's own.  (Where the
+    interpreter lacks this shape, nothing is changed.)"""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    real = getattr(interpreter, "_patch_lang", None)
+    if real is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    launches: list[set] = []  # the modules each launch in progress patched
+
+    def patch_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if launches:  # a helper's call inside a launch
+            return interpreter._LangPatchScope() if langs and langs <= launches[-1] else real(fn)
+        scope = real(fn)
+        launches.append(langs)
+        restore = scope.restore
+
+        def restore_and_end():
+            try:
+                restore()
+            finally:
+                launches.pop()
+
+        scope.restore = restore_and_end
+        return scope
+
+    interpreter._patch_lang = patch_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_patches_triton_language_once_a_launch()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--full",
@@ -220,7 +262,9 @@ def pytest_terminal_summary(terminalreporter, config):
         count = f"{left_out} tests of the full tier" if left_out else "the full tier's tests"
         terminalreporter.write_sep("-", f"fast tier: {count} not run (run them with --full)")
     if not static_tests_asked(config):
-        terminalreporter.write_sep("-", f"the Triton kernels' sm_90 compile not run (name tests/backends/{STATIC_TESTS})")
+        terminalreporter.write_sep(
+            "-", f"the Triton kernels' sm_90 compile not run (name tests/backends/{STATIC_TESTS})"
+        )
     reasons: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = report.longrepr
