@@ -58,6 +58,7 @@ def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
         assert any(g.abs().sum() > 0 for g in want["grads"].values())
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_ddp_ranks_split_the_held_out_evaluation(tmp_path):
     """Under DDP each rank decodes its share of the held-out prompts (19 + 18 of 37) and the
     all-reduced metrics equal one process decoding all of them."""
@@ -172,6 +173,7 @@ def test_two_ranks_run_the_builtin_job_under_torchrun_with_fsdp_and_a_resume_at_
     assert trainer.train()["steps_done"] == 3
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_ctrl_c_on_rank_0_stops_every_rank_after_the_step_and_a_resume_at_world_1_continues(tmp_path):
     out = tmp_path / "run"
     procs = _launch(out, "--steps", "500", "--save-every", "0", *TINY)
@@ -201,6 +203,7 @@ def test_ctrl_c_on_rank_0_stops_every_rank_after_the_step_and_a_resume_at_world_
     assert any("saved by 2 process(es), this run has 1: the random streams are seeded anew" in m for m in messages)
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_a_dead_rank_makes_the_other_exit_with_one_line(tmp_path):
     out = tmp_path / "run"
     procs = _launch(out, "--steps", "500", "--save-every", "0", *TINY)

@@ -26,7 +26,13 @@ def test_generated_pages_are_current():
         lines, fenced = page.splitlines(), False
         for i, line in enumerate(lines):
             fenced ^= line.startswith("```")
-            if not fenced and line.startswith("#") and i and lines[i - 1].strip() and not lines[i - 1].startswith("<!--"):
+            if (
+                not fenced
+                and line.startswith("#")
+                and i
+                and lines[i - 1].strip()
+                and not lines[i - 1].startswith("<!--")
+            ):
                 raise AssertionError(f"docs/{name}:{i + 1}: no blank line before the heading {line!r}")
         assert (ROOT / "docs" / name).read_text() == page, f"docs/{name} is stale: run python tools/docs_pages.py"
 

@@ -258,7 +258,7 @@ CASES = {
     case.name: case
     for case in [
         Case("token_logprobs", st.tuples(ROWS, ROWS, VOCAB), token_knobs, 250, POISONS),
-        Case("linear_token_logprobs", st.tuples(ROWS, ROWS, H, VOCAB), linear_knobs, 200, POISONS),
+        Case("linear_token_logprobs", st.tuples(ROWS, ROWS, H, VOCAB), linear_knobs, 120, POISONS),
         Case("kl_estimate", BT, knobs(ratio=RATIOS), 200, ("clean", "valid", "valid")),
         Case("kl_penalized_rewards", BT, knobs(kl_estimator=pick(KL_ESTIMATORS), ratio=RATIOS, kl_coef=KL_COEFS), 120),
         Case("gae", st.tuples(size(2, 1, 3, 4), size(5, 1, 12, 2)), knobs(gamma=UNIT, lam=UNIT, scale=SCALES), 80),

@@ -130,15 +130,21 @@ def cases(modes):
             yield pytest.param(mode, backend, id=f"{mode}-{backend}")
 
 
-def rotated(options, ids, modes=FUSED):
-    """Every mode x backend x option; the fast tier one option per mode x backend, each in turn."""
+def rotated(options, ids, modes=FUSED, triton_share=None):
+    """Every mode x backend x option; the fast tier one option per mode x backend, each in turn, and with
+    ``triton_share`` k of 3 on the interpreted Triton (seconds a case) every third mode from the k-th, each
+    with another option: the three tests that pass 0, 1 and 2 take each mode on it once among them (one kernel: the modes differ
+    in its terms, which tests/test_policy_terms.py checks mode by mode)."""
     for i, mode in enumerate(modes):
         for b, case in enumerate(cases([mode])):
             for j, (option, name) in enumerate(zip(options, ids)):
-                yield tiers.case(*case.values, option, fast=j == (i + b) % len(options), id=f"{case.id}-{name}")
+                fast = j == (i + b) % len(options)
+                if triton_share is not None and case.values[1] == "triton":
+                    fast = i % 3 == triton_share and j == i // 3 % len(options)
+                yield tiers.case(*case.values, option, fast=fast, id=f"{case.id}-{name}")
 
 
-@pytest.mark.parametrize("mode, backend, agg", list(rotated(AGG_MODES, AGG_MODES)))
+@pytest.mark.parametrize("mode, backend, agg", list(rotated(AGG_MODES, AGG_MODES, triton_share=0)))
 def test_every_mode_and_agg_equals_the_two_pass_composition(mode, backend, agg):
     check_against_two_pass(make_inputs(zlib.crc32(f"{mode}-{agg}".encode()), weighted=True), mode, agg, backend)
 
@@ -150,7 +156,9 @@ HEAD_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("mode, backend, head", list(rotated(HEAD_OPTIONS, ["temperature", "scale-softcap", "pad-id"])))
+@pytest.mark.parametrize(
+    "mode, backend, head", list(rotated(HEAD_OPTIONS, ["temperature", "scale-softcap", "pad-id"], triton_share=1))
+)
 def test_head_options_equal_the_two_pass_composition(mode, backend, head):
     x = make_inputs(7, bias=False, ignore_index=head.get("ignore_index", -100))
     check_against_two_pass(x, mode, "token-mean", backend, **head)
@@ -163,7 +171,9 @@ TRUNCATIONS = [
 ]
 
 
-@pytest.mark.parametrize("mode, backend, head", list(rotated(TRUNCATIONS, ["top_k", "top_p-softcap", "min_p-top_p"])))
+@pytest.mark.parametrize(
+    "mode, backend, head", list(rotated(TRUNCATIONS, ["top_k", "top_p-softcap", "min_p-top_p"], triton_share=2))
+)
 def test_truncation_equals_the_two_pass_composition(mode, backend, head):
     """The sampler's top_k / top_p / min_p: the one pass keeps the kept sets of linear_token_logprobs'.
     The sampled tokens are the rows' most likely ones (a token outside the kept set could not have

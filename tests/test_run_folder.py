@@ -247,6 +247,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_two_ranks_overwrite_a_run_folder_together(tmp_path, tiny_flags):
     """What torchrun starts: two processes on gloo; rank 0 removes the old run, both train."""
     out = tmp_path / "run"
