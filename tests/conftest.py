@@ -21,7 +21,8 @@ def _interpreter_patches_triton_language_once_a_launch():
     """Triton's interpreter patches ``triton.language`` at each launch, and again at every call of a
     ``@triton.jit`` helper inside it, once per program: thousands of identical patches in a launch with
     a grid of rows, a quarter of some tests' time.  Here a helper's call inside a launch that patched its
-    modules already patches nothing; the launch's patch and its restore are Triton's own.  (Where the
+    modules already (the launch, or a helper before it) patches nothing; the launch's patch and its
+    restore are Triton's own.  (Where the
     interpreter lacks this shape, nothing is changed.)"""
     try:
         import inspect
@@ -38,7 +39,10 @@ def _interpreter_patches_triton_language_once_a_launch():
     def patch_once(fn):
         langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         if launches:  # a helper's call inside a launch
-            return interpreter._LangPatchScope() if langs and langs <= launches[-1] else real(fn)
+            if langs and langs <= launches[-1]:
+                return interpreter._LangPatchScope()
+            launches[-1] |= langs  # Triton's helpers (tl.sum: triton.language.core) patch it for the launch
+            return real(fn)
         scope = real(fn)
         launches.append(langs)
         restore = scope.restore
