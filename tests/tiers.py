@@ -24,13 +24,14 @@ def covering(rows: Sequence[tuple], strength: int = 2, cost: Callable[[tuple], f
 
     if not rows:
         return set()
-    wanted = set().union(*(combos(row) for row in rows))
-    kept, covered = {0}, combos(rows[0])
-    gain = lambda i: (len(combos(rows[i]) - covered), -(cost(rows[i]) if cost else 0), -i)  # noqa: E731
+    each = [combos(row) for row in rows]  # once: collection pays for every greedy step otherwise
+    wanted = set().union(*each)
+    kept, covered = {0}, set(each[0])
+    gain = lambda i: (len(each[i] - covered), -(cost(rows[i]) if cost else 0), -i)  # noqa: E731
     while covered != wanted:
         best = max((i for i in range(len(rows)) if i not in kept), key=gain)
         kept.add(best)
-        covered |= combos(rows[best])
+        covered |= each[best]
     return kept
 
 
