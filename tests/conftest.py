@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# One pytest-xdist worker per core (pyproject.toml): each worker's torch on its share of the cores, not on
+# all of them (two workers of two threads each on 2 cores wait on each other's spinning threads).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def _interpreter_patches_triton_language_once_a_launch():
     """Triton's interpreter patches ``triton.language`` at each launch, and again at every call of a
