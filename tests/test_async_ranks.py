@@ -29,6 +29,7 @@ from ppo_fast.trainer.rollout_source import Generated
 LAUNCH = [*TINY, "--max-staleness", "1", "--dist-timeout", "600"]
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_two_ranks_train_each_on_its_share_of_rank_0s_producer_at_one_version(tmp_path, monkeypatch):
     log = tmp_path / "rewards.jsonl"
     monkeypatch.setenv("PPO_FAST_REWARD_LOG", str(log))

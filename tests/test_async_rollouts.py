@@ -183,7 +183,9 @@ def _check_tags(g) -> None:
     assert g.scores.tolist() == [float(g.version)] * 6  # the producer's reward of its own responses
 
 
-@pytest.mark.parametrize("max_staleness, transfer", [(1, "staging"), (3, "staging"), (1, "broadcast")])
+@pytest.mark.parametrize(
+    "max_staleness, transfer", [(1, "staging"), pytest.param(3, "staging", marks=pytest.mark.full), (1, "broadcast")]
+)
 def test_wait_keeps_every_batch_within_the_bound_and_the_queue_within_k(clock, max_staleness, transfer):
     run = clock(max_staleness, "wait", transfer=transfer, CLOCK_DELAY=0.02)
     ages = []

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = "--batch-size 8 --num-mini-batches 1 --num-ppo-epochs 1 --sample-every 0 --sft-steps 10 --eval-size 0 --dist-timeout 60".split()
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_one_step_at_world_2_equals_world_1_with_the_whole_batch(tmp_path):
     seed = torch.randint(1000, ()).item()
     out = tmp_path / "world2.pt"
@@ -126,6 +127,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
             p.kill()
 
 
+@pytest.mark.full  # under torchrun: CI runs it in its multihost step (.ci/multihost.sh)
 def test_two_ranks_run_the_builtin_job_under_torchrun_with_fsdp_and_a_resume_at_world_1_reshards(tmp_path):
     out = tmp_path / "run"
     command = [

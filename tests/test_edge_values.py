@@ -383,7 +383,14 @@ def _all_ops(t, temperature, gamma, lam, clip):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [b for b in serving("gae", "cpu") if b != "triton"])  # the interpreter: slow
+@pytest.mark.parametrize(  # the interpreter: slow; the reference (Inductor's 17 s) in the full tier
+    "backend",
+    [
+        pytest.param(b, marks=[pytest.mark.full] if b == "reference" else [])
+        for b in serving("gae", "cpu")
+        if b != "triton"
+    ],
+)
 def test_compile_dynamic_symbolic_hyper_parameters(backend):
     """Under dynamic=True the floats are symbolic: the ops compile in one graph, agree with
     eager, and a bad value still raises (its check became a guard, so it recompiles)."""
