@@ -272,9 +272,9 @@ def _compiled_cases():
     for op, backend, device, marks in _served([op for op in OPS if op not in _GRAPH_BREAKING]):
         # The reference one-pass loss is a plain composition: one of its modes in the fast tier.  The
         # others' modes share one traced path (the head's operators; the modes differ in torch terms):
-        # every third mode on the interpreted Triton, the next third on the native kernels.
+        # on the CPU every third mode on the interpreted Triton, the next third on the native kernels.
         sampled = backend == "reference" and op in LINEAR_POLICY_LOSS_OPS and op != "linear_policy_loss_gpg"
-        if backend in ("triton", "native") and op in LINEAR_POLICY_LOSS_OPS:
+        if backend in ("triton", "native") and op in LINEAR_POLICY_LOSS_OPS and device == "cpu":
             sampled = LINEAR_POLICY_LOSS_OPS.index(op) % 3 != ("triton", "native").index(backend)
         yield tiers.case(op, backend, device, fast=not sampled, marks=marks, id=f"{op}-{backend}-{device}")
 

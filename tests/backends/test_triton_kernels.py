@@ -611,8 +611,11 @@ OPCHECK_CASES += ["kl_penalized_rewards_backward", "kl_penalized_rewards_backwar
 OPCHECK_CASES += ["gae_varlen", "gae_varlen max_seqlen", "gae_varlen_backward"]
 
 
-# The fast tier: "gae_varlen max_seqlen" checks the same operator (its AOT dispatch without max_seqlen: 15 s here).
-@pytest.mark.parametrize("case", [tiers.case(c, fast=c != "gae_varlen", id=c) for c in OPCHECK_CASES])
+# The fast tier on the CPU: "gae_varlen max_seqlen" checks the same operator (its AOT dispatch without
+# max_seqlen: 15 s here).  On a GPU (bench/gpu_check.sh) every case.
+@pytest.mark.parametrize(
+    "case", [tiers.case(c, fast=c != "gae_varlen" or DEVICE == "cuda", id=c) for c in OPCHECK_CASES]
+)
 def test_custom_ops_pass_opcheck(case):
     """Schema, autograd registration, fake tensors (shapes, dtypes and strides as the real
     outputs) and AOT dispatch with dynamic shapes, as torch.compile relies on them."""
@@ -685,14 +688,21 @@ def _check_linear(fn, inputs, want=_plain, tol=(1e-5, 2e-5), grad_rtol=2e-5, **o
 
 _SMALL_TILES_DTYPES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3), (torch.float64, 1e-10)]
 # The fast tier: every dtype on the tiles (a second a case); two each on GEMM-first's plans (seconds a
-# case: the 2-D head fuzzer draws float32, float16 and float64 on both).
+# case in the interpreter: the 2-D head fuzzer draws float32, float16 and float64 on both); on a GPU
+# (bench/gpu_check.sh) every dtype on each.
 _SMALL_TILES_FAST = {"tiles": (0, 1, 2, 3), "gemm": (0, 1), "gemm-rows": (2, 3)}
 
 
 @pytest.mark.parametrize(
     "small_tiles, dtype, grad_rtol",
     [
-        tiers.case(design, dtype, rtol, fast=i in _SMALL_TILES_FAST.get(design, ()), id=f"{design}-{str(dtype)[6:]}")
+        tiers.case(
+            design,
+            dtype,
+            rtol,
+            fast=i in _SMALL_TILES_FAST.get(design, ()) or (DEVICE == "cuda" and design != "epilogue"),
+            id=f"{design}-{str(dtype)[6:]}",
+        )
         for design in ("gemm", "gemm-rows", "tiles", "epilogue")
         for i, (dtype, rtol) in enumerate(_SMALL_TILES_DTYPES)
     ],
@@ -857,7 +867,7 @@ def _bf16_d_weight(acc: int, rows: int, seed: int, chunks: int = 12):
     return got, partial[-1], partial, dz.abs().T @ h.abs()
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.full)])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=[] if DEVICE == "cuda" else pytest.mark.full)])
 def test_gemm_head_bf16_d_weight_accumulator_error_is_bounded_against_float64(monkeypatch, seed):
     """d_weight accumulated in the bf16 gradient (the plan where the budget does not hold a float32
     accumulator) adds at most one bf16 rounding of the running sum a chunk: with u = 2**-8,
