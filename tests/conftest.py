@@ -28,8 +28,7 @@ def _interpreter_patches_triton_language_once_a_launch():
     ``@triton.jit`` helper inside it, once per program: thousands of identical patches in a launch with
     a grid of rows, a quarter of some tests' time.  Here a helper's call inside a launch that patched its
     modules already (the launch, or a helper before it) patches nothing; the launch's patch and its
-    restore are Triton's own.  (Where the
-    interpreter lacks this shape, nothing is changed.)"""
+    restore are Triton's own.  (Where the interpreter lacks this shape, nothing is changed.)"""
     try:
         import inspect
 
@@ -120,21 +119,18 @@ def pytest_collection_modifyitems(config, items):
     """The Triton tests (files named test_triton_*, in any folder: tests/backends/) run on CUDA
     tensors when a GPU is present (else in the interpreter): mark them so that the GPU check
     (bench/gpu_check.sh) selects them with the CUDA tests.  The full tier's tests are deselected
-    unless asked for (counted in the summary)."""
+    unless asked for (counted in the summary), and so is the sm_90 compile unless asked for (below)."""
     for item in items:
         if item.path.name.startswith("test_triton_"):
             item.add_marker(pytest.mark.triton_on_gpu)
-    if not full_tier(config):
-        dropped = [item for item in items if item.get_closest_marker("full")]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = [item for item in items if not item.get_closest_marker("full")]
-            config.stash[_FULL_DESELECTED] = len(dropped)
-    if not static_tests_asked(config):
-        static = [item for item in items if item.path.name == STATIC_TESTS]
-        if static:
-            config.hook.pytest_deselected(items=static)
-            items[:] = [item for item in items if item.path.name != STATIC_TESTS]
+    full = [] if full_tier(config) else [item for item in items if item.get_closest_marker("full")]
+    static = [] if static_tests_asked(config) else [item for item in items if item.path.name == STATIC_TESTS]
+    dropped = {id(item) for item in full + static}
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
+        items[:] = [item for item in items if id(item) not in dropped]
+    if full:
+        config.stash[_FULL_DESELECTED] = len(full)
     # The sm_90 compile's tests last: their compile runs in the background from the start (below).
     # Under pytest-xdist first instead: the worker that takes them compiles while the other runs tests.
     items.sort(key=lambda item: (item.path.name == STATIC_TESTS) != _XDIST)

@@ -131,10 +131,10 @@ def cases(modes):
 
 
 def rotated(options, ids, modes=FUSED, triton_share=None):
-    """Every mode x backend x option; the fast tier one option per mode x backend, each in turn, and with
-    ``triton_share`` k of 3 on the interpreted Triton (seconds a case) every third mode from the k-th, each
-    with another option: the three tests that pass 0, 1 and 2 take each mode on it once among them (one kernel: the modes differ
-    in its terms, which tests/test_policy_terms.py checks mode by mode)."""
+    """Every mode x backend x option; the fast tier one option per mode x backend, each in turn.  With
+    ``triton_share`` k (of 3), the interpreted Triton (seconds a case) takes every third mode from the
+    k-th, each with another option: the three tests that pass 0, 1 and 2 take each mode there once among
+    them (one kernel: the modes differ in its terms, which tests/test_policy_terms.py checks mode by mode)."""
     for i, mode in enumerate(modes):
         for b, case in enumerate(cases([mode])):
             for j, (option, name) in enumerate(zip(options, ids)):
